@@ -1,0 +1,197 @@
+"""Capture: an unmodified Hugging Face causal LM becomes a step function over the engine's cache.
+
+    step(tokens[B, T], positions[B, T], seq_lens[B], starts[B]) -> logits[B, T, V]
+
+The KV cache lives in buffers of `StepModule`; the model reaches it through transformers' own
+extension point: we register an attention function under the name "fuser" and set it on a
+parameter-sharing copy of the model (the user's model is left as it was). Every extra keyword
+argument given to the model's forward reaches that function, so `fuser_step` carries the cache
+and the lengths. `torch.export` then records the cache writes as buffer mutations.
+
+A prefill graph (`prefill=True`) starts every row from an empty cache and attends only among its
+T new tokens; decode and verify graphs attend over every slot, masked by the lengths.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+ATTENTION = "fuser"
+# Families whose decode step is fully fused and checked against Hugging Face (API.md, "supported").
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass
+class StepContext:
+    """What `cache_attention` needs from the step: the cache tensors and the row lengths."""
+
+    k: list[torch.Tensor]  # per layer [B, S, kv_heads, D]
+    v: list[torch.Tensor]
+    seq_lens: torch.Tensor  # [B] slots written before this step
+    starts: torch.Tensor  # [B] first real (non-padding) slot
+    prefill: bool  # True: the cache is empty, attend among the new tokens only
+
+
+def cache_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    fuser_step: StepContext | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """Write the new k/v into the engine's cache and attend; a transformers attention function.
+
+    query: [B, H, T, D]; key, value: [B, kv_heads, T, D] (rotary already applied).
+    Returns the attention output as [B, T, H, D].
+    A key in slot j is visible to the query in slot i = seq_lens + t when
+    starts <= j <= i (and i - j < sliding_window where the layer has one).
+    """
+    if fuser_step is None:
+        raise RuntimeError("the 'fuser' attention function runs only inside a fuser step")
+    step = fuser_step
+    layer = module.layer_idx
+    B, H, T, D = query.shape
+    kv_heads = key.shape[1]
+    device = query.device
+
+    slots = step.seq_lens[:, None] + torch.arange(T, device=device)  # [B, T] slot of each new token
+    rows = torch.arange(B, device=device)[:, None].expand(B, T)  # [B, T]
+    k_cache, v_cache = step.k[layer], step.v[layer]  # [B, S, kv_heads, D]
+    k_cache.index_put_((rows, slots), key.transpose(1, 2).to(k_cache.dtype))  # [B, T, kv_heads, D]
+    v_cache.index_put_((rows, slots), value.transpose(1, 2).to(v_cache.dtype))
+
+    if step.prefill:
+        keys, values = key, value  # [B, kv_heads, T, D]
+        key_slots = torch.arange(T, device=device)
+    else:
+        keys, values = k_cache.transpose(1, 2), v_cache.transpose(1, 2)  # [B, kv_heads, S, D]
+        key_slots = torch.arange(k_cache.shape[1], device=device)
+    S = keys.shape[2]
+    # GQA: each kv head serves H // kv_heads query heads.
+    rep = H // kv_heads
+    keys = keys[:, :, None].expand(B, kv_heads, rep, S, D).reshape(B, H, S, D)
+    values = values[:, :, None].expand(B, kv_heads, rep, S, D).reshape(B, H, S, D)
+
+    scale = scaling if scaling is not None else D**-0.5
+    scores = (query.float() @ keys.float().transpose(-1, -2)) * scale  # [B, H, T, S]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    j = key_slots[None, None, :]  # [1, 1, S]
+    i = slots[:, :, None]  # [B, T, 1]
+    visible = (j >= step.starts[:, None, None]) & (j <= i)  # [B, T, S]
+    if sliding_window is not None:
+        visible = visible & (i - j < sliding_window)
+    # A finite minimum, not -inf: a padding query that sees nothing gets uniform weights instead
+    # of NaN, and a NaN there would leak through 0 * NaN into later layers.
+    scores = torch.where(visible[:, None], scores, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    out = probs @ values  # [B, H, T, D]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args: object, **kwargs: object) -> None:
+    """Mask function for the "fuser" attention: masking happens inside `cache_attention`."""
+    return None
+
+
+def register_attention() -> None:
+    """Make "fuser" a valid attention implementation in transformers (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION, cache_attention)
+    AttentionMaskInterface.register(ATTENTION, _no_mask)
+
+
+def supports_cache_attention(model: nn.Module) -> bool:
+    """Whether the model dispatches attention through transformers' attention registry."""
+    return bool(getattr(model, "_supports_attention_backend", False))
+
+
+def engine_view(model: nn.Module, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """A copy of `model` for the engine, attending through the "fuser" function.
+
+    Parameters and buffers are shared with `model` when they already have the wanted dtype and
+    device (no extra memory); otherwise the copy holds converted ones. Either way `model` itself
+    is not modified.
+    """
+    register_attention()
+    first = next(model.parameters())
+    if first.dtype == dtype and first.device == device:
+        shared = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+        view = copy.deepcopy(model, memo=shared)
+    else:
+        view = copy.deepcopy(model).to(device=device, dtype=dtype)
+    view.eval()
+    view.config._attn_implementation = ATTENTION
+    for sub in view.modules():  # submodules may hold sub-configs of their own
+        cfg = getattr(sub, "config", None)
+        if cfg is not None and cfg is not view.config:
+            cfg._attn_implementation = ATTENTION
+    return view
+
+
+class StepModule(nn.Module):
+    """The step function as a module: owns the cache as buffers, so export records the writes."""
+
+    def __init__(self, model: nn.Module, k: list[torch.Tensor], v: list[torch.Tensor],
+                 prefill: bool) -> None:
+        super().__init__()
+        self.model = model
+        self.num_layers = len(k)
+        self.prefill = prefill
+        for i, (kt, vt) in enumerate(zip(k, v)):
+            self.register_buffer(f"k_cache_{i}", kt, persistent=False)
+            self.register_buffer(f"v_cache_{i}", vt, persistent=False)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
+                starts: torch.Tensor) -> torch.Tensor:
+        step = StepContext(
+            k=[getattr(self, f"k_cache_{i}") for i in range(self.num_layers)],
+            v=[getattr(self, f"v_cache_{i}") for i in range(self.num_layers)],
+            seq_lens=seq_lens,
+            starts=starts,
+            prefill=self.prefill,
+        )
+        out = self.model(input_ids=tokens, position_ids=positions, use_cache=False,
+                         fuser_step=step)
+        return out.logits  # [B, T, V]
+
+
+def export_step(module: StepModule, batch: int, tokens_per_step: int | None,
+                max_tokens: int) -> torch.fx.GraphModule:
+    """Export `module` to an ATen graph (decomposed to core ATen) that runs as a GraphModule.
+
+    tokens_per_step: a fixed T, or None for a graph dynamic in T (2..max_tokens) used for prefill.
+    The returned module reads and writes the very cache tensors `module` holds.
+    """
+    T = tokens_per_step or 4
+    device = module.get_buffer("k_cache_0").device
+    tokens = torch.zeros(batch, T, dtype=torch.long, device=device)
+    positions = torch.arange(T, device=device)[None].expand(batch, T).contiguous()
+    lens = torch.zeros(batch, dtype=torch.long, device=device)
+    dynamic_shapes = None
+    if tokens_per_step is None:
+        t_dim = torch.export.Dim("T", min=2, max=max_tokens)
+        dynamic_shapes = ({1: t_dim}, {1: t_dim}, None, None)
+    with torch.no_grad():
+        ep = torch.export.export(module, (tokens, positions, lens, lens.clone()),
+                                 dynamic_shapes=dynamic_shapes, strict=False)
+        ep = ep.run_decompositions()
+    gm = ep.module()
+    # ep.module() re-attaches the module's own tensors; check, since the cache must be shared.
+    for i in range(module.num_layers):
+        for name in (f"k_cache_{i}", f"v_cache_{i}"):
+            if gm.get_buffer(name) is not module.get_buffer(name):
+                setattr(gm, name, module.get_buffer(name))
+    return gm

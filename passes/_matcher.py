@@ -1,0 +1,109 @@
+"""What every pass shares: tracing patterns the way capture traces models, cleaning, counting."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch._decomp import core_aten_decompositions
+from torch._inductor.pattern_matcher import Match, PatternMatcherPass, register_replacement
+from torch.fx.experimental.proxy_tensor import make_fx
+
+aten = torch.ops.aten
+
+
+def trace_like_export(fn: Callable[..., Any], args: Sequence[Any], **_: Any) -> torch.fx.GraphModule:
+    """Trace a search or replacement function into the ATen form that capture produces.
+
+    Inductor's default (`fwd_only`) decomposes with Inductor's own table, where a dtype cast is
+    `prims.convert_element_type`; an exported model decomposed to core ATen keeps `_to_copy`,
+    so patterns traced that way would never match a bf16 model. The extra keyword arguments
+    that some torch versions pass (get_decomp_fn, ...) are ignored on purpose.
+    """
+    gm = make_fx(fn, core_aten_decompositions(), tracing_mode="real")(*args)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def prepare_graph(gm: torch.fx.GraphModule) -> None:
+    """Remove export's metadata assertions: they count as users of intermediates, and a node
+    with a user outside a pattern is (rightly) never rewritten, so nothing would match."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is aten._assert_tensor_metadata.default:
+            gm.graph.erase_node(node)
+    gm.recompile()
+
+
+def count_fuser_ops(gm: torch.fx.GraphModule) -> dict[str, int]:
+    """fuser op name -> occurrences in the graph."""
+    counts: Counter[str] = Counter()
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op == "call_function" and getattr(target, "namespace", None) == "fuser":
+            counts[target._opname] += 1
+    return dict(sorted(counts.items()))
+
+
+def count_targets(gm: torch.fx.GraphModule, target: object) -> int:
+    """How many call_function nodes call `target` (an OpOverload)."""
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is target)
+
+
+@dataclass
+class Replacement:
+    """One search/replacement pair, registered once per example-input set (e.g. per dtype)."""
+
+    search: Callable[..., Any]
+    replace: Callable[..., Any]
+    example_inputs: Callable[[torch.dtype], list[Any]]
+    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
+    extra_check: Callable[[Match], bool] = lambda match: True
+    scalar_workaround: dict[str, float] = field(default_factory=dict)
+
+
+class PatternPass:
+    """A named pass: one or more replacements searched in one sweep of the graph."""
+
+    def __init__(self, name: str, replacements: Sequence[Replacement]) -> None:
+        self.name = name
+        self._replacements = list(replacements)
+        self._patterns: PatternMatcherPass | None = None
+
+    def _build(self) -> PatternMatcherPass:
+        patterns = PatternMatcherPass(pass_name=self.name)
+        for r in self._replacements:
+            for dtype in r.dtypes:
+                register_replacement(
+                    r.search, r.replace, r.example_inputs(dtype), trace_like_export, patterns,
+                    extra_check=r.extra_check, scalar_workaround=r.scalar_workaround,
+                )
+        return patterns
+
+    def apply(self, gm: torch.fx.GraphModule) -> int:
+        """Rewrite every match in `gm`; returns the number of matches."""
+        if self._patterns is None:  # tracing the patterns costs ~0.1 s: do it once, when used
+            self._patterns = self._build()
+        count = self._patterns.apply(gm.graph)
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+        return int(count)
+
+
+def dump_dir(configured: str | None) -> Path | None:
+    """Where to dump graphs: the config field, else FUSER_DUMP_GRAPHS, else nowhere."""
+    where = configured or os.environ.get("FUSER_DUMP_GRAPHS")
+    return Path(where) if where else None
+
+
+def dump_graph(directory: Path, graph_name: str, index: int, pass_name: str, stage: str,
+               gm: torch.fx.GraphModule) -> None:
+    """Write the graph's code to DIR/<graph>.<index>.<pass>.<stage>.py."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{graph_name}.{index:02d}.{pass_name}.{stage}.py"
+    path.write_text(gm.code)

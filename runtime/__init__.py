@@ -1,0 +1,1 @@
+"""The decoding runtime: KV cache, prompts, sampling and the speculative step."""
