@@ -97,6 +97,10 @@ class Engine:
             for m in (self.target, self.draft):
                 if m is not None:
                     m.warm_up()
+            if not self._agrees_with_eager(self.target, target):
+                self.target = self.draft = None
+            elif self.draft is not None and not self._agrees_with_eager(self.draft, draft):
+                self.draft = None
         self.compile_seconds = time.perf_counter() - start
 
     def _prepare(self, role: str, model: nn.Module) -> CompiledModel | None:
@@ -126,6 +130,36 @@ class Engine:
         if mode == "auto":
             mode = "inductor" if self.device.type == "cuda" else "fx"
         return CompiledModel(role, view, cache, mode, self.config.dump_graphs)
+
+    @torch.no_grad()
+    def _agrees_with_eager(self, compiled: CompiledModel, model: nn.Module) -> bool:
+        """Check the captured prefill and decode graphs against the user's eager model on a
+        short random prompt. A model family whose capture is subtly wrong then falls back to
+        eager PyTorch instead of giving silently wrong answers."""
+        T = min(6, self.config.max_seq_len)
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, compiled.vocab_size, (1, T), generator=generator)
+        user_device = next(model.parameters()).device
+        ref = model(input_ids=ids.to(user_device),
+                    position_ids=torch.arange(T, device=user_device)[None]).logits.float()
+        B = compiled.cache.batch_size
+        tokens = ids.to(self.device).expand(B, T).contiguous()
+        positions = torch.arange(T, device=self.device)[None].expand(B, T).contiguous()
+        cache = compiled.cache
+        cache.reset()
+        out = compiled.run("prefill", tokens[:, :-1], positions[:, :-1])[:1]
+        cache.seq_lens.fill_(T - 1)
+        last = compiled.run("decode", tokens[:, -1:], positions[:, -1:])[:1]
+        cache.reset()
+        got = torch.cat([out, last], dim=1).float().to(ref.device)
+        error = float((got - ref).norm() / ref.norm())
+        tolerance = 1e-3 if self.dtype == torch.float32 else 5e-2
+        if error <= tolerance:
+            return True
+        self._fallback(f"{compiled.role}: the captured step disagrees with eager PyTorch "
+                       f"(relative error {error:.2e} > {tolerance:g}); it runs in eager "
+                       "PyTorch instead" + (", without speculation" if compiled.role == "draft" else ""))
+        return False
 
     def _fallback(self, message: str) -> None:
         warnings.warn(f"fuser: {message}", stacklevel=3)

@@ -1,0 +1,114 @@
+"""Turning logits into tokens: HF-style logits processing, sampling, and speculative acceptance.
+
+Every function here is a pure, batched tensor function with no host sync (no `.item()`,
+`.tolist()`, boolean-mask indexing or data-dependent shapes), so that a whole speculative step can
+run on the device and, on CUDA, be captured in one graph.
+
+Notation (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding";
+Chen et al. 2023): q is the target's distribution, p the draft's, both after the same
+temperature / top-k / top-p processing; x_1..x_gamma are the draft's tokens, x_i ~ p_i.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def process_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
+                   top_p: float | None = None) -> torch.Tensor:
+    """Probabilities after Hugging Face's sampling warpers, in HF's order: float32 [..., V].
+
+    1. temperature: logits / temperature.
+    2. top-k: keep the tokens whose logit is >= the k-th largest (ties with it are kept, as in
+       HF's TopKLogitsWarper); k is capped at V.
+    3. top-p (HF's TopPLogitsWarper): sort ascending, drop the tokens whose cumulative
+       probability is <= 1 - top_p; the most likely token is always kept. That keeps the
+       smallest set of most likely tokens whose probability sums to >= top_p.
+    Dropped tokens get probability exactly 0.
+    """
+    scores = logits.float()
+    if temperature != 1.0:
+        scores = scores / temperature
+    if top_k is not None and top_k < scores.shape[-1]:
+        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]  # [..., 1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, dim=-1, descending=False)  # [..., V]
+        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = cumulative <= (1 - top_p)
+        drop_sorted[..., -1] = False  # keep at least the most likely token
+        drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
+        scores = scores.masked_fill(drop, float("-inf"))
+    return scores.softmax(dim=-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of `probs` [..., V] (need not be normalised): LongTensor [...].
+
+    Exponential race (the Gumbel-max trick in another form): with E_v ~ Exp(1) independent,
+    argmax_v probs_v / E_v is distributed as probs / sum(probs). Unlike torch.multinomial it
+    needs no normalisation and no validity check, so it never syncs with the host.
+    """
+    race = torch.empty_like(probs, dtype=torch.float32).exponential_(generator=generator)
+    # E == 0 would make 0 / 0 = NaN for a zero-probability token; argmax treats NaN as the max.
+    race = race.clamp_(min=torch.finfo(torch.float32).tiny)
+    return torch.argmax(probs.float() / race, dim=-1)
+
+
+def accepted_prefix(accept: torch.Tensor) -> torch.Tensor:
+    """Length of the leading run of True in each row of `accept` [B, gamma]: LongTensor [B]."""
+    return torch.cumprod(accept.long(), dim=-1).sum(dim=-1)
+
+
+def accept_greedy(draft_tokens: torch.Tensor, target_tokens: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy acceptance: (num_accepted [B], next_token [B]).
+
+    draft_tokens: [B, gamma], x_1..x_gamma. target_tokens: [B, gamma + 1], the target's argmax
+    at each verified position (t_i is the target's choice where x_{i+1} was proposed; t_gamma
+    follows the last draft token).
+    n = the longest prefix with x_{i+1} == t_i; next = t_n, the target's correction at the
+    first disagreement, or the bonus token when all gamma drafts are accepted.
+    """
+    gamma = draft_tokens.shape[1]
+    n = accepted_prefix(draft_tokens == target_tokens[:, :gamma])  # [B]
+    next_token = target_tokens.gather(1, n[:, None])[:, 0]  # [B]
+    return n, next_token
+
+
+def accept_sampling(draft_tokens: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
+                    generator: torch.Generator | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling (Leviathan / Chen): (num_accepted [B], next_token [B]).
+
+    draft_tokens: [B, gamma], x_i sampled from p_i. p: [B, gamma, V], the draft's
+    distributions. q: [B, gamma + 1, V], the target's at the same positions plus one.
+
+    Draft token x_i is accepted with probability min(1, q_i(x_i) / p_i(x_i)), tested in order;
+    n is the count accepted before the first rejection. At a rejection (n < gamma) the next
+    token is drawn from the residual
+        r(v) = max(0, q_n(v) - p_n(v)) / sum_w max(0, q_n(w) - p_n(w)),
+    and when all gamma are accepted, from q_gamma (the bonus token). Each emitted token then
+    has distribution q exactly: P(v) = min(p(v), q(v)) + (1 - sum_w min(p(w), q(w))) r(v) = q(v).
+    """
+    B, gamma = draft_tokens.shape
+    p, q = p.float(), q.float()
+    p_x = p.gather(2, draft_tokens[:, :, None])[:, :, 0]  # [B, gamma] p_i(x_i)
+    q_x = q[:, :gamma].gather(2, draft_tokens[:, :, None])[:, :, 0]  # [B, gamma] q_i(x_i)
+    u = torch.rand(B, gamma, device=q.device, generator=generator)  # U[0, 1)
+    # u < q/p, written without the division: p_x > 0 because x_i was drawn from p_i.
+    accept = u * p_x < q_x  # [B, gamma]
+    n = accepted_prefix(accept)  # [B]
+
+    # The distribution to draw the next token from: max(0, q_n - p_n), where p_gamma := 0 makes
+    # position gamma (all accepted) the bonus draw from q_gamma.
+    p_ext = torch.cat([p, p.new_zeros(B, 1, p.shape[2])], dim=1)  # [B, gamma + 1, V]
+    index = n[:, None, None].expand(B, 1, q.shape[2])  # [B, 1, V]
+    q_n = q.gather(1, index)[:, 0]  # [B, V]
+    residual = (q_n - p_ext.gather(1, index)[:, 0]).clamp(min=0)  # [B, V], unnormalised
+    # A rejection implies q(x) < p(x) somewhere, so some q(v) > p(v) and the residual has mass;
+    # rounding can still leave it all zero when q == p: then q itself is the right answer.
+    has_mass = residual.sum(dim=-1, keepdim=True) > 0
+    residual = torch.where(has_mass, residual, q_n)
+    next_token = sample(residual, generator)  # `sample` normalises implicitly
+    return n, next_token
