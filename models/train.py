@@ -11,7 +11,7 @@ Steps (all seeded, deterministic file order):
   7. pack             DIR's artifacts as models.tar.gz split into <= 15 MiB parts (optional).
 
 Usage:  python models/train.py --out DIR [--smoke] [--pack PACKDIR]
-                               [--minutes-target M] [--minutes-draft M] [--max-minutes M]
+                               [--minutes-target M] [--minutes-draft M] [--max-minutes M] [--corpus-mb MB]
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ class TrainStats:
     steps: int
     tokens: int
     seconds: float
-    final_loss: float
+    final_loss: float  # loss of the last step
 
 
 # ---------------------------------------------------------------- 1. corpus
@@ -316,7 +316,7 @@ def _train_loop(
     total = r.fixed_steps
     order, pos = torch.randperm(len(data), generator=gen).to(data.device), 0  # on device: no per-step sync
     step = tokens = 0
-    loss_sum, loss_n, last_loss = torch.zeros((), device=device), 0, float("nan")
+    loss_sum, loss_n = torch.zeros((), device=device), 0
     model.train()
     start = last_log = time.time()
     probe_start = start
@@ -349,17 +349,15 @@ def _train_loop(
         now = time.time()
         over_budget = r.fixed_steps is None and now - start > budget_s
         if now - last_log >= r.log_every_s or step == total or over_budget:
-            last_loss = (loss_sum / loss_n).item()
-            log(
-                f"{name}: step {step}/{total or '?'} loss {last_loss:.4f} lr {opt.param_groups[0]['lr']:.2e} "
-                f"{tokens / (time.time() - start):,.0f} tok/s"
-            )
+            mean_loss, lr = (loss_sum / loss_n).item(), opt.param_groups[0]["lr"]
+            speed = tokens / (time.time() - start)
+            log(f"{name}: step {step}/{total or '?'} loss {mean_loss:.4f} lr {lr:.2e} {speed:,.0f} tok/s")
             loss_sum.zero_()
             loss_n, last_log = 0, now
         if over_budget:
             break
     _sync(device)
-    return TrainStats(steps=step, tokens=tokens, seconds=time.time() - start, final_loss=last_loss)
+    return TrainStats(steps=step, tokens=tokens, seconds=time.time() - start, final_loss=loss.item())
 
 
 def _next_token_ce(logits: torch.Tensor, x: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -493,7 +491,7 @@ def pack(out: Path, packdir: Path) -> list[Path]:
     tar_path.unlink()
     shutil.copy(out / "metrics.json", packdir / "metrics.json")
     assert len(parts) <= MAX_PARTS, f"{len(parts)} parts > {MAX_PARTS}"
-    log(f"packed into {len(parts)} part(s) in {packdir}: " + ", ".join(f"{p.name} {p.stat().st_size:,} B" for p in parts))
+    log(f"packed {len(parts)} part(s) into {packdir}: " + ", ".join(f"{p.name} {p.stat().st_size:,} B" for p in parts))
     return parts
 
 
@@ -540,7 +538,9 @@ def main() -> None:
     heldout_data = encode_docs(tok, corpus.heldout, r.seq_len)[: r.eval_seqs]
     assert len(train_data) >= r.batch and len(heldout_data) > 0, (train_data.shape, heldout_data.shape)
     times["tokenize_s"] = time.time() - t
-    log(f"sequences of {r.seq_len}: train {len(train_data):,} ({train_data.numel():,} tokens), held-out eval {len(heldout_data)}")
+    log(
+        f"{r.seq_len}-token sequences: {len(train_data):,} train ({train_data.numel():,} tok), {len(heldout_data)} eval"
+    )
 
     torch.manual_seed(r.seed)
     target = build_model(r.target, r.vocab)
@@ -620,9 +620,12 @@ def main() -> None:
         pack(out, args.pack)
 
     log("=" * 72)
-    log(f"target {p_target:,} params: {stats_target.steps} steps, {stats_target.tokens:,} tokens, ppl {results['ppl_target']:.3f}")
-    log(f"draft  {p_draft:,} params: {stats_draft.steps} steps, {stats_draft.tokens:,} tokens, ppl {results['ppl_draft']:.3f}")
-    log(f"greedy agreement draft vs target: {results['greedy_agreement']:.4f} on {results['eval_tokens']:,} held-out tokens")
+    for name, p, st, ppl in (
+        ("target", p_target, stats_target, "ppl_target"),
+        ("draft", p_draft, stats_draft, "ppl_draft"),
+    ):
+        log(f"{name:6} {p:,} params, {st.steps} steps, {st.tokens:,} tokens, held-out ppl {results[ppl]:.3f}")
+    log(f"greedy agreement draft vs target: {results['greedy_agreement']:.4f} ({results['eval_tokens']:,} tokens)")
     log(f"model dirs: {pair_bytes:,} bytes ({pair_bytes / MiB:.2f} MiB; limit {PAIR_LIMIT_BYTES / MiB:.0f} MiB)")
     log(f"wrote {out}/{{{','.join(ARTIFACTS)}}}" + (f"; parts in {args.pack}" if args.pack else ""))
     if not args.smoke:
