@@ -76,14 +76,16 @@ def cache_attention(
     else:
         keys, values = k_cache.transpose(1, 2), v_cache.transpose(1, 2)  # [B, kv_heads, S, D]
         key_slots = torch.arange(k_cache.shape[1], device=device)
-    S = keys.shape[2]
-    # GQA: each kv head serves H // kv_heads query heads.
+    # GQA: each kv head serves rep = H // kv_heads query heads. Query heads are grouped by
+    # their kv head and keys broadcast over the group, so no key is copied rep times. (Merging
+    # dims of an expanded view instead makes torch 2.11 export guard on symbolic T.)
     rep = H // kv_heads
-    keys = keys[:, :, None].expand(B, kv_heads, rep, S, D).reshape(B, H, S, D)
-    values = values[:, :, None].expand(B, kv_heads, rep, S, D).reshape(B, H, S, D)
+    q = query.float().unflatten(1, (kv_heads, rep))  # [B, kv_heads, rep, T, D]
+    keys = keys.float()[:, :, None]  # [B, kv_heads, 1, S, D]
+    values = values[:, :, None]  # [B, kv_heads, 1, S, D]
 
     scale = scaling if scaling is not None else D**-0.5
-    scores = (query.float() @ keys.float().transpose(-1, -2)) * scale  # [B, H, T, S]
+    scores = (q @ keys.transpose(-1, -2)) * scale  # [B, kv_heads, rep, T, S]
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     j = key_slots[None, None, :]  # [1, 1, S]
@@ -93,9 +95,9 @@ def cache_attention(
         visible = visible & (i - j < sliding_window)
     # A finite minimum, not -inf: a padding query that sees nothing gets uniform weights instead
     # of NaN, and a NaN there would leak through 0 * NaN into later layers.
-    scores = torch.where(visible[:, None], scores, torch.finfo(scores.dtype).min)
+    scores = torch.where(visible[:, None, None], scores, torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
-    out = probs @ values  # [B, H, T, D]
+    out = (probs @ values).flatten(1, 2)  # [B, H, T, D]
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -182,7 +184,7 @@ def export_step(module: StepModule, batch: int, tokens_per_step: int | None,
     lens = torch.zeros(batch, dtype=torch.long, device=device)
     dynamic_shapes = None
     if tokens_per_step is None:
-        t_dim = torch.export.Dim("T", min=2, max=max_tokens)
+        t_dim = torch.export.Dim.DYNAMIC(min=2, max=max_tokens)
         dynamic_shapes = ({1: t_dim}, {1: t_dim}, None, None)
     with torch.no_grad():
         ep = torch.export.export(module, (tokens, positions, lens, lens.clone()),
