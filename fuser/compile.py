@@ -17,6 +17,7 @@ from torch import nn
 
 from fuser.capture import StepModule, export_step
 from fuser.passes import run_passes
+from fuser.runtime.cuda_graphs import CudaGraphStep
 from fuser.runtime.kv_cache import KVCache
 
 StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -86,9 +87,25 @@ class CompiledModel:
         return graph
 
     def _compile(self, gm: torch.fx.GraphModule, name: str, dynamic: bool) -> StepFn:
-        if self.compile_mode != "inductor":
+        # Prefill (dynamic T) runs once per request: on the GPU its ATen kernels are long
+        # enough; Inductor is kept for the fixed-T steps that run once per token.
+        if self.compile_mode != "inductor" or dynamic:
             return gm
-        return torch.compile(gm, fullgraph=True, dynamic=dynamic)
+        return torch.compile(gm, fullgraph=True, dynamic=False)
+
+    def capture_cuda_graphs(self) -> None:
+        """Capture every fixed-T graph as a CUDA graph (call after warm_up; CUDA only)."""
+        pool = torch.cuda.graph_pool_handle()
+        for graph in self.graphs.values():
+            if graph.tokens_per_step is None or isinstance(graph.fn, CudaGraphStep):
+                continue
+            graph.fn = CudaGraphStep(graph.fn, self.cache.batch_size, graph.tokens_per_step,
+                                     self.cache.seq_lens, self.cache.starts, pool=pool)
+        self.cache.reset()
+
+    def graph_replays(self) -> dict[str, int]:
+        """CUDA graph replays so far, per captured graph."""
+        return {g.name: g.fn.replays for g in self.graphs.values() if isinstance(g.fn, CudaGraphStep)}
 
     def warm_up(self) -> None:
         """Run every graph once so that compilation happens now, not in the first request."""

@@ -101,6 +101,10 @@ class Engine:
                 self.target = self.draft = None
             elif self.draft is not None and not self._agrees_with_eager(self.draft, draft):
                 self.draft = None
+            if self.device.type == "cuda" and config.cuda_graphs:
+                for m in (self.target, self.draft):
+                    if m is not None:
+                        m.capture_cuda_graphs()
         self.compile_seconds = time.perf_counter() - start
 
     def _prepare(self, role: str, model: nn.Module) -> CompiledModel | None:
@@ -216,6 +220,7 @@ class Engine:
             if m is None:
                 continue
             report.fallbacks += m.fallbacks
+            report.graph_replays.update(m.graph_replays())
             for name, graph in m.graphs.items():
                 report.graphs[graph.name] = dict(graph.fused_ops)
         if self.target is not None and "decode" in self.target.graphs:

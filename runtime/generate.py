@@ -56,9 +56,8 @@ def generate(engine: Engine, input_ids: torch.Tensor, max_new_tokens: int, *,
                      eos_token_id, pad_token_id, attention_mask, seed)
     if engine.target is None:
         return _hf_generate(engine, request)
-    columns = list(_columns(engine, request))
-    new = torch.stack(columns, dim=1)  # [B, n]
-    return torch.cat([request.input_ids, new], dim=1)
+    new = torch.stack(list(_columns(engine, request)), dim=1)  # [B, n] on the host
+    return torch.cat([request.input_ids, new.to(request.input_ids.device)], dim=1)
 
 
 def stream(engine: Engine, input_ids: torch.Tensor, max_new_tokens: int, *,
@@ -74,14 +73,16 @@ def stream(engine: Engine, input_ids: torch.Tensor, max_new_tokens: int, *,
                      eos_token_id, pad_token_id, attention_mask, seed)
     if engine.target is None:
         return iter(_hf_generate(engine, request)[:, request.input_ids.shape[1]:].unbind(1))
-    return _columns(engine, request)
+    device = request.input_ids.device
+    return (column.to(device) for column in _columns(engine, request))
 
 
 # -- the decoding loop ------------------------------------------------------------------------
 
 
 def _columns(engine: Engine, request: Request) -> Iterator[torch.Tensor]:
-    """Run prefill and decode/speculative steps; yield one column of new tokens at a time.
+    """Run prefill and decode/speculative steps; yield one column of new tokens at a time
+    (LongTensor[B] on the host, where the step's read-back put them).
 
     A speculative step emits 1..gamma+1 tokens per row, different per row: they wait in a
     per-row queue, and a column goes out once every unfinished row has a token for it.
@@ -99,7 +100,6 @@ def _columns(engine: Engine, request: Request) -> Iterator[torch.Tensor]:
 def _decode_loop(engine: Engine, request: Request) -> Iterator[torch.Tensor]:
     prompts = request.prompts
     B, T = prompts.batch, prompts.length
-    out_device = request.input_ids.device
     pad = request.pad_token_id if request.pad_token_id is not None else 0  # unused when None:
     # without eos every row stops at max_new_tokens, all in the same column
     generator = None
@@ -139,7 +139,7 @@ def _decode_loop(engine: Engine, request: Request) -> Iterator[torch.Tensor]:
     def ready_columns() -> Iterator[torch.Tensor]:
         while any(queues) and all(queues[b] or done[b] for b in range(B)):
             column = [queues[b].popleft() if queues[b] else pad for b in range(B)]
-            yield torch.tensor(column, dtype=torch.long, device=out_device)
+            yield torch.tensor(column, dtype=torch.long)
 
     start = time.perf_counter()
     padded = pad_batch(prompts, engine.config.max_batch_size, min_length=2)

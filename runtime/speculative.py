@@ -104,9 +104,8 @@ def prefill(target: CompiledModel, draft: CompiledModel | None, prompts: Prompts
     target.cache.seq_lens.fill_(true_length)
     if draft is not None:
         # The draft's logits here are not needed: its first proposal comes from `draft`'s
-        # catch-up step, which re-feeds the prompt's last token.
+        # catch-up step, which re-feeds the prompt's last token (and sets its seq_lens).
         draft.run("prefill", prompts.tokens, positions)
-        draft.cache.seq_lens.fill_(true_length)
     first = sampling.choose(logits[:, true_length - 1, :vocab_size].float())  # [B]
 
     device = first.device

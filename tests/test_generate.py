@@ -82,6 +82,16 @@ def perturbed(model: torch.nn.Module, noise: float, seed: int) -> torch.nn.Modul
 ENGINES = ("plain", "g1", "g4self", "g8")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_intra_op_thread():
+    """Tiny models: splitting each op over threads costs more than it saves (about 1.7x slower
+    with 2 threads on a 2-core machine, worse when the cores are shared). Restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @functools.cache
 def engine_and_target(name: str) -> tuple[fuser.Engine, torch.nn.Module]:
     """The engine `name` (see the module docstring) and the HF target it must agree with."""
@@ -219,6 +229,22 @@ def test_greedy_eos_in_the_middle_of_a_batch(name: str) -> None:
     assert engine.stats.num_generated_tokens == (index + 1) + 2 * max_new
 
 
+@pytest.mark.parametrize("name", ENGINES)
+def test_greedy_up_to_max_seq_len(name: str) -> None:
+    """Prompt + max_new_tokens == max_seq_len: the last verify writes into the cache's gamma + 1
+    slots of headroom; one row stops early and stays frozen while the others run on."""
+    engine, target = engine_and_target(name)
+    ids, mask = prompts([10, 4, 7], seed=21)
+    T = ids.shape[1]
+    max_new = MAX_SEQ_LEN - T
+    free_run, _ = hf_greedy(target, ids, mask, max_new)
+    token, row, index = eos_that_ends_one_row(free_run, T)
+    ref, near_tie = hf_greedy(target, ids, mask, max_new, eos=token, pad=0)
+    assert ref.shape[1] == MAX_SEQ_LEN and (ref[row, T + index + 1:] == 0).all()
+    ours = engine.generate(ids, max_new, attention_mask=mask, eos_token_id=token, pad_token_id=0)
+    assert_greedy_matches(ours, ref, near_tie, ids, [token])
+
+
 def test_all_rows_stop_early_and_the_output_is_shorter() -> None:
     engine, target = engine_and_target("g8")
     ids, mask = prompts([4, 6], seed=5)
@@ -241,6 +267,13 @@ def test_eos_and_pad_default_to_the_generation_config(monkeypatch: pytest.Monkey
     monkeypatch.setattr(target.generation_config, "eos_token_id", token)
     ours = engine.generate(ids, 8, attention_mask=mask)
     assert_greedy_matches(ours, ref, near_tie, ids, [token])
+    assert (ours[1, T + 3:] == token).all()  # padded with eos[0]: the case is exercised
+
+    monkeypatch.setattr(target.generation_config, "pad_token_id", VOCAB - 1)
+    ref, near_tie = hf_greedy(target, ids, mask, 8, eos=token, pad=VOCAB - 1)
+    ours = engine.generate(ids, 8, attention_mask=mask)
+    assert_greedy_matches(ours, ref, near_tie, ids, [token])
+    assert (ours[1, T + 3:] == VOCAB - 1).all()
 
 
 @pytest.mark.parametrize("name", ["g1", "g4self", "g8"])
@@ -366,6 +399,41 @@ def test_new_prompt_lengths_build_nothing(name: str, monkeypatch: pytest.MonkeyP
         assert out.shape == (len(lengths), max(lengths) + 3)
     after = {m.role: dict(m.graphs) for m in (engine.target, engine.draft) if m is not None}
     assert after == graphs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_a_speculative_step_never_syncs_with_the_host(do_sample: bool) -> None:
+    """On CUDA a whole step (draft, verify, accept, advance) queues work without waiting for
+    the device; the caller's single read-back of `packed()` is the step's only sync."""
+    from fuser.runtime import speculative
+    from fuser.runtime.prompts import check_prompts, pad_batch
+
+    target = llama_target()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = fuser.optimize(copy.deepcopy(target).cuda(),
+                                draft=perturbed(target, 0.05, seed=3).cuda(),
+                                config=fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=4,
+                                                         gamma=4))
+    ids, mask = prompts([5, 3], seed=1)
+    checked = check_prompts(ids, mask, vocab_size=engine.vocab_size, max_batch_size=4,
+                            max_tokens=MAX_SEQ_LEN, device=engine.device)
+    generator = torch.Generator(device=engine.device).manual_seed(0)
+    sampling = speculative.Sampling(do_sample, 0.8, 20, 0.9, generator)
+    eos = torch.tensor([3], device=engine.device)
+    state, _ = speculative.prefill(engine.target, engine.draft, pad_batch(checked, 4, 2),
+                                   checked.length, engine.vocab_size, sampling, eos, 30)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            result = speculative.speculative_step(engine.target, engine.draft, state,
+                                                  engine.gamma, engine.vocab_size, sampling)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert result.packed().cpu().shape == (4, engine.gamma + 2)
 
 
 # -- arguments --------------------------------------------------------------------------------

@@ -1,0 +1,188 @@
+"""End-to-end decode at batch 1 on the GPU: fuser against Hugging Face, in one run.
+
+    python benchmarks/decode.py --preset llama-3-8b --out $OUT/decode.json
+
+Random bf16 weights of the preset's shape, a 128-token prompt, 256 new tokens (greedy). Peers in
+the same process: Hugging Face eager `generate`, and Hugging Face static cache + torch.compile
+(reduce-overhead). Also times the target's captured decode step (T = 1) and verification step
+(T = 5) by CUDA events over graph replays, and the HBM read bandwidth of this GPU, from which
+the weight-read ceiling follows: bytes a decode step must read (every weight but the embedding
+table) / measured bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+
+import torch
+import triton
+import transformers
+from triton.testing import do_bench
+
+import fuser
+from fuser.models import PRESETS
+
+RESULTS: dict = {}
+
+
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+def measure_read_bandwidth() -> float:
+    """Bytes/s of a sum over 2 GiB of bf16 (reads dominate)."""
+    x = torch.randn(2**30, device="cuda", dtype=torch.bfloat16)
+    ms = do_bench(lambda: x.sum(), warmup=50, rep=200, return_mode="median")
+    return x.numel() * 2 / (ms * 1e-3)
+
+
+def step_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one decode step reads: all parameters but the embedding table."""
+    embed = model.get_input_embeddings().weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    tied = model.get_output_embeddings().weight is embed
+    return total - (0 if tied else embed.numel() * embed.element_size())
+
+
+def timed_generate(fn, runs: int) -> tuple[float, int]:
+    """Median seconds over `runs` calls of fn() -> new tokens, and the new-token count."""
+    times, count = [], 0
+    for _ in range(runs):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        count = fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return times[len(times) // 2], count
+
+
+def event_time_ms(fn, iters: int = 100) -> float:
+    """Median milliseconds of fn() by CUDA events, after warm-up."""
+    for _ in range(10):
+        fn()
+    samples = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        samples.append(a.elapsed_time(b))
+    samples.sort()
+    return samples[len(samples) // 2]
+
+
+def save(path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(RESULTS, f, indent=2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", default="llama-3-8b")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--skip-hf-compile", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    warnings.simplefilter("ignore")
+    RESULTS["env"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                      "triton": triton.__version__, "transformers": transformers.__version__,
+                      "preset": args.preset, "prompt_tokens": args.prompt_tokens,
+                      "new_tokens": args.new_tokens, "command": " ".join(sys.argv)}
+    bandwidth = measure_read_bandwidth()
+    log(f"HBM read bandwidth: {bandwidth / 1e12:.2f} TB/s")
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**PRESETS[args.preset])
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(config).eval()
+    torch.set_default_dtype(torch.float32)
+    nbytes = step_bytes(model)
+    ceiling = bandwidth / nbytes
+    RESULTS["bandwidth_TBps"] = bandwidth / 1e12
+    RESULTS["step_GB"] = nbytes / 1e9
+    RESULTS["ceiling_tok_s"] = ceiling
+    log(f"decode step reads {nbytes / 1e9:.2f} GB: ceiling {ceiling:.0f} tok/s")
+    prompt = torch.randint(0, config.vocab_size, (1, args.prompt_tokens), device="cuda")
+    n = args.new_tokens
+    rows: list[tuple[str, float, int]] = []
+
+    # fuser, target only
+    start = time.perf_counter()
+    engine = fuser.optimize(model, config=fuser.FuserConfig(
+        max_seq_len=args.prompt_tokens + n + 16))
+    RESULTS["fuser_optimize_seconds"] = time.perf_counter() - start
+    report = engine.report()
+    RESULTS["fuser_report"] = {"passes": report.passes, "fused_ops": report.fused_ops,
+                               "fallbacks": report.fallbacks}
+    log(f"fuser.optimize: {RESULTS['fuser_optimize_seconds']:.0f} s\n{report}")
+    no_eos = dict(eos_token_id=[config.vocab_size - 1])  # random weights: never emitted in practice
+    engine.generate(prompt, 8, **no_eos)
+    seconds, count = timed_generate(
+        lambda: engine.generate(prompt, n, **no_eos).shape[1] - args.prompt_tokens, runs=3)
+    rows.append(("fuser.optimize(model)", seconds, count))
+    RESULTS["fuser_graph_replays"] = engine.report().graph_replays
+
+    one, at = prompt[:, :1], torch.zeros(1, 1, dtype=torch.long, device="cuda")
+    decode_ms = event_time_ms(lambda: engine.target.run("decode", one, at))
+    RESULTS["decode_step_ms"] = decode_ms
+    log(f"target decode step (T=1): {decode_ms:.3f} ms = {nbytes / (decode_ms * 1e-3) / 1e12:.2f} TB/s")
+    save(args.out)
+    engine.target.build("verify", 5)
+    engine.target.warm_up()
+    if engine.config.cuda_graphs:
+        engine.target.capture_cuda_graphs()
+    verify_ms = event_time_ms(lambda: engine.target.run(
+        "verify", prompt[:, :5], torch.arange(5, device="cuda")[None]))
+    RESULTS["verify5_step_ms"] = verify_ms
+    RESULTS["verify5_over_decode"] = verify_ms / decode_ms
+    log(f"target verify step (T=5): {verify_ms:.3f} ms = {verify_ms / decode_ms:.3f} x decode")
+    engine.target.cache.reset()
+    del engine
+    torch.cuda.empty_cache()
+    save(args.out)
+
+    # Hugging Face eager
+    def hf_generate() -> int:
+        with torch.no_grad():
+            out = model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                 pad_token_id=0)
+        return out.shape[1] - args.prompt_tokens
+
+    hf_generate()
+    seconds, count = timed_generate(hf_generate, runs=2)
+    rows.append(("Hugging Face eager generate", seconds, count))
+    save(args.out)
+
+    # Hugging Face static cache + torch.compile (reduce-overhead)
+    if not args.skip_hf_compile:
+        model.generation_config.cache_implementation = "static"
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        start = time.perf_counter()
+        hf_generate()
+        hf_generate()
+        RESULTS["hf_compile_warmup_seconds"] = time.perf_counter() - start
+        seconds, count = timed_generate(hf_generate, runs=3)
+        rows.append(("Hugging Face static cache + torch.compile", seconds, count))
+
+    RESULTS["rows"] = [{"system": s, "seconds": t, "new_tokens": c, "tok_s": c / t,
+                        "pct_ceiling": 100 * c / t / ceiling} for s, t, c in rows]
+    save(args.out)
+    log(f"\n{'system':<44}{'tok/s':>8}{'% ceiling':>11}")
+    for r in RESULTS["rows"]:
+        log(f"{r['system']:<44}{r['tok_s']:>8.1f}{r['pct_ceiling']:>10.1f}%")
+    log(f"ceiling {ceiling:.0f} tok/s ({nbytes / 1e9:.2f} GB at {bandwidth / 1e12:.2f} TB/s); "
+        f"decode step {decode_ms:.3f} ms, verify(T=5) {verify_ms:.3f} ms "
+        f"({verify_ms / decode_ms:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
