@@ -89,6 +89,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--skip-hf-compile", action="store_true")
+    parser.add_argument("--skip-verify", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     warnings.simplefilter("ignore")
@@ -129,6 +130,8 @@ def main() -> None:
     seconds, count = timed_generate(
         lambda: engine.generate(prompt, n, **no_eos).shape[1] - args.prompt_tokens, runs=3)
     rows.append(("fuser.optimize(model)", seconds, count))
+    log(f"fuser generate: {count} tokens in {seconds:.3f} s = {count / seconds:.1f} tok/s "
+        f"({100 * count / seconds / ceiling:.1f}% of the ceiling)")
     RESULTS["fuser_graph_replays"] = engine.report().graph_replays
 
     one, at = prompt[:, :1], torch.zeros(1, 1, dtype=torch.long, device="cuda")
@@ -136,6 +139,19 @@ def main() -> None:
     RESULTS["decode_step_ms"] = decode_ms
     log(f"target decode step (T=1): {decode_ms:.3f} ms = {nbytes / (decode_ms * 1e-3) / 1e12:.2f} TB/s")
     save(args.out)
+    verify_ms = float("nan")
+    if not args.skip_verify:
+        verify_ms = time_verify(engine, prompt, decode_ms)
+    engine.target.cache.reset()
+    del engine
+    torch.cuda.empty_cache()
+    save(args.out)
+    hf_peers(model, prompt, args, rows, ceiling)
+    summary(rows, ceiling, nbytes, bandwidth, decode_ms, verify_ms, args.out)
+
+
+def time_verify(engine: fuser.Engine, prompt: torch.Tensor, decode_ms: float) -> float:
+    """Build, capture and time the target's verification step over 5 tokens."""
     engine.target.build("verify", 5)
     engine.target.warm_up()
     if engine.config.cuda_graphs:
@@ -145,10 +161,13 @@ def main() -> None:
     RESULTS["verify5_step_ms"] = verify_ms
     RESULTS["verify5_over_decode"] = verify_ms / decode_ms
     log(f"target verify step (T=5): {verify_ms:.3f} ms = {verify_ms / decode_ms:.3f} x decode")
-    engine.target.cache.reset()
-    del engine
-    torch.cuda.empty_cache()
-    save(args.out)
+    return verify_ms
+
+
+def hf_peers(model: torch.nn.Module, prompt: torch.Tensor, args: argparse.Namespace,
+             rows: list, ceiling: float) -> None:
+    """Hugging Face eager generate, then static cache + torch.compile, in this process."""
+    n = args.new_tokens
 
     # Hugging Face eager
     def hf_generate() -> int:
@@ -160,6 +179,7 @@ def main() -> None:
     hf_generate()
     seconds, count = timed_generate(hf_generate, runs=2)
     rows.append(("Hugging Face eager generate", seconds, count))
+    log(f"Hugging Face eager: {count / seconds:.1f} tok/s")
     save(args.out)
 
     # Hugging Face static cache + torch.compile (reduce-overhead)
@@ -173,9 +193,12 @@ def main() -> None:
         seconds, count = timed_generate(hf_generate, runs=3)
         rows.append(("Hugging Face static cache + torch.compile", seconds, count))
 
+
+def summary(rows: list, ceiling: float, nbytes: int, bandwidth: float, decode_ms: float,
+            verify_ms: float, out: str | None) -> None:
     RESULTS["rows"] = [{"system": s, "seconds": t, "new_tokens": c, "tok_s": c / t,
                         "pct_ceiling": 100 * c / t / ceiling} for s, t, c in rows]
-    save(args.out)
+    save(out)
     log(f"\n{'system':<44}{'tok/s':>8}{'% ceiling':>11}")
     for r in RESULTS["rows"]:
         log(f"{r['system']:<44}{r['tok_s']:>8.1f}{r['pct_ceiling']:>10.1f}%")
