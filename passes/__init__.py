@@ -15,10 +15,17 @@ from fuser.passes._matcher import (
     prepare_graph,
 )
 from fuser.passes.rmsnorm import ADD_RMS_NORM, RMS_NORM
+from fuser.passes.rope import ROTARY
+from fuser.passes.gated_mlp import GATED_ACT
+from fuser.passes.projections import MERGE_GATE_UP, MERGE_QKV
 
 PASSES: list[PatternPass] = [
     ADD_RMS_NORM,  # before rms_norm: a plain RMSNorm is a subset of add + RMSNorm
     RMS_NORM,
+    ROTARY,
+    MERGE_GATE_UP,  # the two linears feeding act(gate) * up; merge_qkv takes every other group
+    MERGE_QKV,
+    GATED_ACT,  # after merge_gate_up: needs gate and up as the two halves of one GEMM output
 ]
 
 

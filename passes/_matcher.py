@@ -107,3 +107,44 @@ def dump_graph(directory: Path, graph_name: str, index: int, pass_name: str, sta
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{graph_name}.{index:02d}.{pass_name}.{stage}.py"
     path.write_text(gm.code)
+
+
+# ---------------------------------------------------------------------------------------------
+# Passes written directly on the FX graph, for rewrites that a traced search function cannot
+# state (merging sibling GEMMs over weights concatenated at compile time; a product whose two
+# factors are halves of one tensor, whatever views lie between).
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GraphPass:
+    """A named pass with PatternPass's interface: `rewrite(gm)` edits the graph, returns matches."""
+
+    name: str
+    rewrite: Callable[[torch.fx.GraphModule], int]
+
+    def apply(self, gm: torch.fx.GraphModule) -> int:
+        """Rewrite every match in `gm`; returns the number of matches."""
+        count = self.rewrite(gm)
+        gm.graph.eliminate_dead_code()
+        gm.graph.lint()
+        gm.recompile()
+        return int(count)
+
+
+def graph_fake_mode(gm: torch.fx.GraphModule) -> Any:
+    """The fake-tensor mode that export ran the graph under (its nodes' meta["val"] live in it)."""
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode([n.meta["val"] for n in gm.graph.nodes
+                             if isinstance(n.meta.get("val"), torch.Tensor)])
+
+
+def fake_value(fake_mode: Any, target: Any, args: Sequence[Any], kwargs: dict | None = None) -> Any:
+    """Run `target` on fake tensors: graph nodes in args stand for their meta["val"]. Raises
+    where the call would fail on real tensors of those shapes and strides (e.g. an invalid view)."""
+    from torch.utils._pytree import tree_map_only
+
+    args, kwargs = tree_map_only(torch.fx.Node, lambda n: n.meta["val"], (tuple(args), kwargs or {}))
+    with fake_mode:
+        return target(*args, **kwargs)

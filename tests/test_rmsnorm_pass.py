@@ -22,6 +22,11 @@ def expected_counts(layers: int) -> dict[str, int]:
     return {"add_rms_norm": 2 * layers, "rms_norm": 1}
 
 
+def norm_entries(counts: dict[str, int]) -> dict[str, int]:
+    """The RMSNorm entries of a passes / fused_ops dict (other passes report their own)."""
+    return {name: counts.get(name, 0) for name in ("add_rms_norm", "rms_norm")}
+
+
 def check_engine(model: torch.nn.Module, batch: int, lengths: list[int], seed: int) -> None:
     layers = model.config.num_hidden_layers
     engine = fuser.optimize(model, config=fuser.FuserConfig(max_batch_size=batch, max_seq_len=32))
@@ -35,11 +40,11 @@ def check_engine(model: torch.nn.Module, batch: int, lengths: list[int], seed: i
     assert relative_error(out[real], ref[real]) <= FP32_TOLERANCE
 
     # 2. fused ops present, unfused gone, in every graph; 3. exact counts
-    assert report.passes == expected_counts(layers)
-    assert report.fused_ops == expected_counts(layers)
+    assert norm_entries(report.passes) == expected_counts(layers)
+    assert norm_entries(report.fused_ops) == expected_counts(layers)
     assert report.fallbacks == []
     for name, graph in engine.target.graphs.items():
-        assert graph.fused_ops == expected_counts(layers), name
+        assert norm_entries(graph.fused_ops) == expected_counts(layers), name
         assert count_targets(graph.fn, aten.rsqrt.default) == 0, name
     # the user's model is untouched
     assert model.config._attn_implementation != "fuser"
@@ -59,7 +64,7 @@ def test_rmsnorm_fused_and_exact(family: str, data: st.DataObject) -> None:
 def test_bf16_counts_and_numbers() -> None:
     model = tiny_model("llama", dtype=torch.bfloat16, layers=2)
     engine = fuser.optimize(model, config=fuser.FuserConfig(max_batch_size=2, max_seq_len=16))
-    assert engine.report().passes == expected_counts(2)
+    assert norm_entries(engine.report().passes) == expected_counts(2)
     ids, mask = random_prompts(2, [5, 3], model.config.vocab_size, seed=1)
     out = engine.logits(ids, attention_mask=mask)
     ref = hf_logits(model, ids, mask)

@@ -1,3 +1,5 @@
 """Fused ops: importing this package registers every `torch.ops.fuser.*` op."""
 
 from fuser.ops import rmsnorm  # noqa: F401
+from fuser.ops import rope  # noqa: F401
+from fuser.ops import gated_act  # noqa: F401
