@@ -12,7 +12,12 @@ from pathlib import Path
 
 import torch
 
-DEMO_PROMPTS = ["def fibonacci(n):\n", "import os\n\n\ndef list_files(path):\n"]
+# Prompts end mid-line: a prompt that ends in "\n" splits the BPE's newline+indent tokens.
+DEMO_PROMPTS = [
+    "def read_json(path):\n    with open(path) as f:\n        data =",
+    "class Stack:\n    def __init__(self):\n        self.items =",
+    "def fibonacci(n):\n    if n <",
+]
 
 
 def say(message: str) -> None:
@@ -38,6 +43,13 @@ def _load_pair(model: str | None, draft: str | None) -> tuple[torch.nn.Module, t
     target, tokenizer = load_model(model, "MODEL")
     draft_model = load_model(draft, "--draft")[0] if draft else None
     name = Path(model).name + (f" + draft {Path(draft).name}" if draft else "")
+    if not torch.cuda.is_available():  # CPU: fp32 (bf16 matmuls are slow there, and fp32 is
+        target = target.float()        # where the engine must match Hugging Face exactly)
+        draft_model = draft_model.float() if draft_model is not None else None
+        name += " (fp32 on CPU)"
+    elif target.device.type != "cuda":
+        target = target.cuda()
+        draft_model = draft_model.cuda() if draft_model is not None else None
     return target.eval(), draft_model, tokenizer, name
 
 
@@ -83,6 +95,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     say(str(report))
 
     ids, mask = _encode(tokenizer, prompts, target.config.vocab_size)
+    device = next(target.parameters()).device
+    ids, mask = ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         ref = target(input_ids=ids, attention_mask=mask, position_ids=positions).logits.float()
@@ -187,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(fn=cmd_bench)
     for name in ("build", "inspect"):
         p = sub.add_parser(name, help="(engine files: not in this version)")
-        p.add_argument("rest", nargs="*")
+        p.add_argument("rest", nargs=argparse.REMAINDER)
         p.set_defaults(fn=cmd_not_yet)
     return parser
 
