@@ -7,7 +7,6 @@ exported or compiled runs in eager PyTorch with an entry in `fallbacks`; it neve
 
 from __future__ import annotations
 
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -137,17 +136,3 @@ class CompiledModel:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
-
-
-class Timer:
-    """Accumulates wall time of `with` blocks."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-
-    def __enter__(self) -> Timer:
-        self._start = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.seconds += time.perf_counter() - self._start

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fuser.passes._matcher import (
-    PatternPass,
+    GraphRewrite,
     count_fuser_ops,
     dump_dir,
     dump_graph,
@@ -19,7 +19,7 @@ from fuser.passes.rope import ROTARY
 from fuser.passes.gated_mlp import GATED_ACT
 from fuser.passes.projections import MERGE_GATE_UP, MERGE_QKV
 
-PASSES: list[PatternPass] = [
+PASSES: list[GraphRewrite] = [
     ADD_RMS_NORM,  # before rms_norm: a plain RMSNorm is a subset of add + RMSNorm
     RMS_NORM,
     ROTARY,

@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch._decomp import core_aten_decompositions
@@ -65,6 +65,14 @@ class Replacement:
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
     extra_check: Callable[[Match], bool] = lambda match: True
     scalar_workaround: dict[str, float] = field(default_factory=dict)
+
+
+class GraphRewrite(Protocol):
+    """What `PASSES` holds: a named rewrite that edits a graph and counts its matches."""
+
+    name: str
+
+    def apply(self, gm: torch.fx.GraphModule) -> int: ...
 
 
 class PatternPass:
