@@ -124,3 +124,16 @@ def test_inductor_compiles_the_rewritten_graph(family: str) -> None:
                                   compile="inductor")
     fused = engine.report().fused_ops
     assert {name: fused.get(name, 0) for name in ("add_rms_norm", "rms_norm")} == {"add_rms_norm": 4, "rms_norm": 1}
+
+
+def test_graphs_are_dumped_before_and_after_every_pass(tmp_path) -> None:
+    from fuser.passes import PASSES
+
+    fuser.optimize(tiny_model("llama", layers=1),
+                   config=fuser.FuserConfig(max_seq_len=8, dump_graphs=str(tmp_path)))
+    for index, p in enumerate(PASSES):
+        before = tmp_path / f"target.decode.{index:02d}.{p.name}.before.py"
+        after = tmp_path / f"target.decode.{index:02d}.{p.name}.after.py"
+        assert before.is_file() and after.is_file(), p.name
+    final = (tmp_path / f"target.decode.{len(PASSES) - 1:02d}.{PASSES[-1].name}.after.py").read_text()
+    assert "torch.ops.fuser.rms_norm" in final and "torch.ops.fuser.add_rms_norm" in final
