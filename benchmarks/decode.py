@@ -90,6 +90,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--skip-hf-compile", action="store_true")
     parser.add_argument("--skip-verify", action="store_true")
+    parser.add_argument("--fused-attention", action="store_true",
+                        help="decode/verify attend through the split-K Triton op")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     warnings.simplefilter("ignore")
@@ -119,7 +121,7 @@ def main() -> None:
     # fuser, target only
     start = time.perf_counter()
     engine = fuser.optimize(model, config=fuser.FuserConfig(
-        max_seq_len=args.prompt_tokens + n + 16))
+        max_seq_len=args.prompt_tokens + n + 16, fused_attention=args.fused_attention))
     RESULTS["fuser_optimize_seconds"] = time.perf_counter() - start
     report = engine.report()
     RESULTS["fuser_report"] = {"passes": report.passes, "fused_ops": report.fused_ops,

@@ -34,6 +34,7 @@ class StepContext:
     seq_lens: torch.Tensor  # [B] slots written before this step
     starts: torch.Tensor  # [B] first real (non-padding) slot
     prefill: bool  # True: the cache is empty, attend among the new tokens only
+    fused_attention: bool = False  # decode/verify attend through fuser::cache_attention_read
 
 
 def cache_attention(
@@ -70,6 +71,12 @@ def cache_attention(
     k_cache.index_put_((rows, slots), key.transpose(1, 2).to(k_cache.dtype))  # [B, T, kv_heads, D]
     v_cache.index_put_((rows, slots), value.transpose(1, 2).to(v_cache.dtype))
 
+    scale = scaling if scaling is not None else D**-0.5
+    if step.fused_attention and not step.prefill:
+        out = torch.ops.fuser.cache_attention_read(
+            query, k_cache, v_cache, step.seq_lens, step.starts, scale,
+            int(sliding_window or 0), float(softcap or 0.0))  # [B, T, H, D]
+        return out, None
     if step.prefill:
         keys, values = key, value  # [B, kv_heads, T, D]
         key_slots = torch.arange(T, device=device)
@@ -84,7 +91,6 @@ def cache_attention(
     keys = keys.float()[:, :, None]  # [B, kv_heads, 1, S, D]
     values = values[:, :, None]  # [B, kv_heads, 1, S, D]
 
-    scale = scaling if scaling is not None else D**-0.5
     scores = (q @ keys.transpose(-1, -2)) * scale  # [B, kv_heads, rep, T, S]
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
@@ -147,11 +153,12 @@ class StepModule(nn.Module):
     """The step function as a module: owns the cache as buffers, so export records the writes."""
 
     def __init__(self, model: nn.Module, k: list[torch.Tensor], v: list[torch.Tensor],
-                 prefill: bool) -> None:
+                 prefill: bool, fused_attention: bool = False) -> None:
         super().__init__()
         self.model = model
         self.num_layers = len(k)
         self.prefill = prefill
+        self.fused_attention = fused_attention
         for i, (kt, vt) in enumerate(zip(k, v)):
             self.register_buffer(f"k_cache_{i}", kt, persistent=False)
             self.register_buffer(f"v_cache_{i}", vt, persistent=False)
@@ -164,6 +171,7 @@ class StepModule(nn.Module):
             seq_lens=seq_lens,
             starts=starts,
             prefill=self.prefill,
+            fused_attention=self.fused_attention,
         )
         out = self.model(input_ids=tokens, position_ids=positions, use_cache=False,
                          fuser_step=step)

@@ -49,12 +49,13 @@ class CompiledModel:
     """A model's engine-side state: the KV cache and the step graphs built over it."""
 
     def __init__(self, role: str, model: nn.Module, cache: KVCache, compile_mode: str,
-                 dump_graphs: str | None = None) -> None:
+                 dump_graphs: str | None = None, fused_attention: bool = False) -> None:
         self.role = role
         self.model = model
         self.cache = cache
         self.compile_mode = compile_mode
         self.dump_graphs = dump_graphs
+        self.fused_attention = fused_attention
         self.graphs: dict[str, Graph] = {}
         self.fallbacks: list[str] = []
         self.vocab_size: int = model.config.vocab_size
@@ -65,7 +66,8 @@ class CompiledModel:
         if name in self.graphs:
             return self.graphs[name]
         module = StepModule(self.model, self.cache.k, self.cache.v,
-                            prefill=tokens_per_step is None)
+                            prefill=tokens_per_step is None,
+                            fused_attention=self.fused_attention)
         full_name = f"{self.role}.{name}"
         graph = Graph(full_name, tokens_per_step, module, fused_ops={}, matches={})
         if not self._export_failed:

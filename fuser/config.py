@@ -38,6 +38,9 @@ class FuserConfig:
             "auto" picks Inductor on CUDA and "fx" on CPU (where it is a correctness target).
         dump_graphs: a directory to write every graph before and after every pass (also set by
             the FUSER_DUMP_GRAPHS environment variable).
+        fused_attention: decode and verification steps attend through the split-K Triton op
+            `fuser::cache_attention_read` instead of ATen ops. Off by default until its kernel
+            has been validated and timed on a GPU (its CPU path is the same math either way).
     """
 
     precision: Precision = "auto"
@@ -48,6 +51,7 @@ class FuserConfig:
     device: str | torch.device | None = None
     compile: CompileMode = "auto"
     dump_graphs: str | None = None
+    fused_attention: bool = False
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:

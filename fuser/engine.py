@@ -133,7 +133,8 @@ class Engine:
         mode = self.config.compile
         if mode == "auto":
             mode = "inductor" if self.device.type == "cuda" else "fx"
-        return CompiledModel(role, view, cache, mode, self.config.dump_graphs)
+        return CompiledModel(role, view, cache, mode, self.config.dump_graphs,
+                             fused_attention=self.config.fused_attention)
 
     @torch.no_grad()
     def _agrees_with_eager(self, compiled: CompiledModel, model: nn.Module) -> bool:

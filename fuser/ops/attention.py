@@ -1,0 +1,300 @@
+"""Attention of T new queries over the engine's KV cache (decode T = 1, verification T <= 16).
+
+    cache_attention_read(q, k_cache, v_cache, seq_lens, starts, scale, window, softcap)
+        q: [B, H, T, D] (any strides); k_cache, v_cache: [B, S, KV, D] contiguous, already holding
+        this step's k/v at slots seq_lens[b] + t; seq_lens, starts: [B] int64.
+        -> [B, T, H, D] contiguous, in q's dtype.
+
+Query t of row b sits at slot i = seq_lens[b] + t; key slot j is visible iff
+starts[b] <= j <= i and (window == 0 or i - j < window). Scores s = (q . k) * scale in fp32,
+s = tanh(s / softcap) * softcap when softcap != 0, softmax in fp32 over visible keys, probs cast to
+v's dtype, out = probs @ v: the non-prefill branch of fuser/capture.py's `cache_attention`
+(`cache_attention_reference` below is that math, standalone).
+
+A query that sees no key (only dummy rows can: starts[b] > seq_lens[b] + t, or the window past
+everything) is undefined in the model. The reference gives the uniform average of v over all S
+slots (its mask value is finfo.min, not -inf); the Triton kernel gives zeros. Both are finite.
+
+Triton implementation (split-K / flash-decoding):
+  kernel 1, grid (B * KV, num_splits): one program takes the rep * T query rows of one kv head
+    (rep = H // KV) as one [BLOCK_M >= 16, BLOCK_D] tile, walks its share of the BLOCK_N-slot
+    blocks between the first visible slot (starts, window) and the last (seq_lens + T - 1),
+    keeping the online-softmax state (running max m, sum l, accumulator acc; fp32), and writes
+    (acc, m, l) to fp32 scratch.
+  kernel 2, grid (B * H * T,): merges the splits of one query row by log-sum-exp and writes it.
+
+Cost per (b, kv head), with L = visible slots (seq_lens + T - starts, or ~window + T), s = element
+size of the cache, M = rep * T query rows:
+    bytes  = 2 * L * D * s  (K and V, each read once for the whole GQA group)
+           + M * D * (s_q + s_out) + scratch 2 * num_splits * M * (D + 2) * 4
+    FLOPs ~= 4 * M * L * D  (q.k^T and p.v) + ~5 * M * L (scale, mask, exp, max/sum)
+Decode (T = 1) is memory bound on K/V; at rep * T = 128 (rep 8, T 16) the two dots dominate.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+BLOCK_N = 64          # key slots per inner-loop step
+TARGET_PROGRAMS = 132  # SMs on an H200: the split count aims to give each SM one program
+MAX_SPLITS = 64
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tanh(x):
+    """tanh in fp32 from exp (libdevice is not available under TRITON_INTERPRET).
+
+    Absolute error ~1e-7 (the rounding of e); tanh is odd, so use exp(-2|x|) <= 1: no overflow.
+    """
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr,             # q: [B, H, T, D], strides sq_b, sq_h, sq_t, sq_d
+    k_ptr, v_ptr,      # k_cache, v_cache: [B, S, KV, D] contiguous
+    seq_lens_ptr,      # [B] int64
+    starts_ptr,        # [B] int64
+    acc_ptr,           # scratch [B * KV, NUM_SPLITS, M, D] fp32: unnormalised p @ v
+    ml_ptr,            # scratch [B * KV, NUM_SPLITS, 2, M] fp32: running max (log2 units), sum
+    sq_b, sq_h, sq_t, sq_d,
+    S, KV, T, D, M,    # M = rep * T query rows per kv head
+    scale_log2e,       # scale * log2(e) (no softcap) or scale (softcap: tanh comes first)
+    softcap,
+    window,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr,        # power of two >= max(16, M): tl.dot needs M, N, K >= 16
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,        # power of two >= max(16, D); D = 80 runs masked in 128
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+):
+    LOG2E: tl.constexpr = 1.4426950408889634
+    bk = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    b = bk // KV
+    kvh = bk % KV
+    seq_len = tl.load(seq_lens_ptr + b)
+    start = tl.load(starts_ptr + b)
+
+    # Query rows r = (head within the group) * T + t, for head h = kvh * rep + r // T.
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    row_ok = rows < M
+    col_ok = cols < D
+    t = rows % T
+    h = kvh * (M // T) + rows // T
+    q_ptrs = q_ptr + b * sq_b + h[:, None] * sq_h + t[:, None] * sq_t + cols[None, :] * sq_d
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    slot_i = seq_len + t                                   # [BLOCK_M] slot of each query
+
+    # Visible slots of the whole group: [lo, hi]. The loop only covers the blocks holding them.
+    hi = tl.minimum(seq_len + T - 1, S - 1)
+    lo = tl.maximum(start, 0)
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, seq_len - window + 1)          # first slot the earliest query sees
+    base = (lo // BLOCK_N) * BLOCK_N                        # aligned: whole-block loads
+    n_blocks = tl.maximum(tl.cdiv(hi + 1 - base, BLOCK_N), 0)
+    per_split = tl.cdiv(n_blocks, NUM_SPLITS)
+    first = split * per_split
+    last = tl.minimum(first + per_split, n_blocks)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    kv_row = b * S * KV * D + kvh * D                       # int64
+    offs_n = tl.arange(0, BLOCK_N)
+    for blk in range(first, last):
+        j = base + blk * BLOCK_N + offs_n                   # [BLOCK_N] key slots
+        j_ok = (j >= 0) & (j < S)
+        kv_offs = kv_row + j[:, None] * (KV * D) + cols[None, :]
+        kv_mask = j_ok[:, None] & col_ok[None, :]
+        k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
+
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BLOCK_M, BLOCK_N] fp32
+        if HAS_SOFTCAP:
+            s = _tanh(s * scale_log2e / softcap) * (softcap * LOG2E)
+        else:
+            s = s * scale_log2e                              # log2 units: exp2 below
+        visible = (j[None, :] >= start) & (j[None, :] <= slot_i[:, None]) & j_ok[None, :]
+        if HAS_WINDOW:
+            visible = visible & (slot_i[:, None] - j[None, :] < window)
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row with nothing visible yet keeps m = -inf; subtract 0 there so that
+        # exp2(-inf - -inf) = NaN never appears (p and alpha are then exactly 0).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        # p stays fp32 (the reference rounds normalised probs to v's dtype; we do not round):
+        # the bf16 tolerance in the tests covers that rounding.
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        m_i = m_new
+
+    part = bk * NUM_SPLITS + split
+    acc_ptrs = acc_ptr + (part * M + rows[:, None]) * D + cols[None, :]
+    tl.store(acc_ptrs, acc, mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(ml_ptr + part * 2 * M + rows, m_i, mask=row_ok)
+    tl.store(ml_ptr + part * 2 * M + M + rows, l_i, mask=row_ok)
+
+
+@triton.jit
+def _combine_kernel(
+    acc_ptr, ml_ptr,   # scratch from _split_kernel
+    out_ptr,           # [B, T, H, D] contiguous
+    H, KV, T, D, M,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_P2: tl.constexpr,      # next power of two >= NUM_SPLITS
+    BLOCK_D: tl.constexpr,
+):
+    # One program per output row (b, h, t): out = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s.
+    pid = tl.program_id(0).to(tl.int64)
+    t = pid % T
+    h = (pid // T) % H
+    b = pid // (T * H)
+    rep = H // KV
+    bk = b * KV + h // rep
+    r = (h % rep) * T + t
+    splits = tl.arange(0, SPLITS_P2)
+    split_ok = splits < NUM_SPLITS
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    part = bk * NUM_SPLITS + splits
+    m = tl.load(ml_ptr + part * 2 * M + r, mask=split_ok, other=float("-inf"))
+    l = tl.load(ml_ptr + part * 2 * M + M + r, mask=split_ok, other=0.0)
+    acc = tl.load(acc_ptr + (part[:, None] * M + r) * D + cols[None, :],
+                  mask=split_ok[:, None] & col_ok[None, :], other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)   # no visible key anywhere: all w = 0
+    w = tl.exp2(m - m_max)                                  # empty splits: exp2(-inf) = 0
+    denom = tl.sum(w * l, axis=0)
+    denom = tl.where(denom == 0.0, 1.0, denom)              # ... and the output is 0, not NaN
+    o = tl.sum(acc * w[:, None], axis=0) / denom
+    out_row = out_ptr + ((b * T + t) * H + h) * D
+    tl.store(out_row + cols, o.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launcher
+# ---------------------------------------------------------------------------------------------
+
+
+def _num_splits(programs: int, s: int, block_n: int) -> int:
+    # Decode has few (b, kv head) pairs (B * KV is often 8..64) against ~132 SMs, and one
+    # program per pair would leave most SMs idle while each walks the whole cache. Split the
+    # slots so B * KV * num_splits ~ 132 programs, but never more splits than there are blocks
+    # of the cache (a split with no block only costs a scratch write). Depends only on shapes,
+    # never on seq_lens, so a CUDA graph captured once stays valid.
+    n_blocks = triton.cdiv(s, block_n)
+    return max(1, min(triton.cdiv(TARGET_PROGRAMS, programs), n_blocks, MAX_SPLITS))
+
+
+def cache_attention_read_triton(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor, starts: Tensor,
+    scale: float, window: int, softcap: float,
+    *, num_splits: int | None = None, block_n: int = BLOCK_N,
+) -> Tensor:
+    """See the module docstring. num_splits / block_n: overrides for tests only."""
+    B, H, T, D = q.shape
+    _, S, KV, _ = k_cache.shape
+    assert k_cache.shape == v_cache.shape == (B, S, KV, D), (q.shape, k_cache.shape, v_cache.shape)
+    assert H % KV == 0, f"{H} query heads do not group over {KV} kv heads"
+    assert seq_lens.shape == starts.shape == (B,)
+    out = torch.empty((B, T, H, D), dtype=q.dtype, device=q.device)
+    if out.numel() == 0:
+        return out
+    k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
+    seq_lens = seq_lens.to(torch.int64).contiguous()
+    starts = starts.to(torch.int64).contiguous()
+    M = (H // KV) * T
+    programs = B * KV
+    splits = num_splits if num_splits is not None else _num_splits(programs, S, block_n)
+    acc = torch.empty((programs, splits, M, D), dtype=torch.float32, device=q.device)
+    ml = torch.empty((programs, splits, 2, M), dtype=torch.float32, device=q.device)
+    block_m = max(16, triton.next_power_of_2(M))
+    block_d = max(16, triton.next_power_of_2(D))
+    log2e = 1.4426950408889634
+    _split_kernel[(programs, splits)](
+        q, k_cache, v_cache, seq_lens, starts, acc, ml,
+        *q.stride(), S, KV, T, D, M,
+        scale if softcap else scale * log2e, float(softcap), int(window),
+        NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        HAS_WINDOW=bool(window), HAS_SOFTCAP=bool(softcap),
+        # The fp32 [BLOCK_M, BLOCK_D] accumulator is the register hog: 8 warps from 64 rows.
+        num_warps=8 if block_m >= 64 else 4,
+    )
+    _combine_kernel[(B * H * T,)](
+        acc, ml, out, H, KV, T, D, M,
+        NUM_SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), BLOCK_D=block_d,
+        num_warps=1 if block_d <= 64 else 2,
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Custom op: CPU (and any other device) runs the reference, CUDA runs the Triton kernels.
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fuser::cache_attention_read", mutates_args=())
+def cache_attention_read(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor, starts: Tensor,
+    scale: float, window: int, softcap: float,
+) -> Tensor:
+    return cache_attention_reference(q, k_cache, v_cache, seq_lens, starts, scale, window, softcap)
+
+
+@cache_attention_read.register_fake
+def _cache_attention_read_fake(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor, starts: Tensor,
+    scale: float, window: int, softcap: float,
+) -> Tensor:
+    B, H, T, D = q.shape
+    return q.new_empty((B, T, H, D))
+
+
+cache_attention_read.register_kernel("cuda")(cache_attention_read_triton)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference: fuser/capture.py cache_attention, non-prefill branch, after the cache write.
+# ---------------------------------------------------------------------------------------------
+
+
+def cache_attention_reference(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor, starts: Tensor,
+    scale: float, window: int, softcap: float,
+) -> Tensor:
+    B, H, T, D = q.shape
+    kv_heads = k_cache.shape[2]
+    device = q.device
+    slots = seq_lens[:, None] + torch.arange(T, device=device)  # [B, T]
+    keys, values = k_cache.transpose(1, 2), v_cache.transpose(1, 2)  # [B, kv_heads, S, D]
+    key_slots = torch.arange(k_cache.shape[1], device=device)
+    rep = H // kv_heads
+    qg = q.float().unflatten(1, (kv_heads, rep))  # [B, kv_heads, rep, T, D]
+    keys = keys.float()[:, :, None]  # [B, kv_heads, 1, S, D]
+    values = values[:, :, None]  # [B, kv_heads, 1, S, D]
+    scores = (qg @ keys.transpose(-1, -2)) * scale  # [B, kv_heads, rep, T, S]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    j = key_slots[None, None, :]  # [1, 1, S]
+    i = slots[:, :, None]  # [B, T, 1]
+    visible = (j >= starts[:, None, None]) & (j <= i)  # [B, T, S]
+    if window:
+        visible = visible & (i - j < window)
+    scores = torch.where(visible[:, None, None], scores, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    out = (probs @ values).flatten(1, 2)  # [B, H, T, D]
+    return out.transpose(1, 2).to(q.dtype).contiguous()

@@ -1,0 +1,34 @@
+"""Decode and verify steps attending through fuser::cache_attention_read (FuserConfig opt-in)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fuser
+from tiny import hf_logits, random_prompts, relative_error, tiny_model
+
+
+@pytest.mark.parametrize(("family", "window"), [("llama", None), ("mistral", 3), ("qwen2", None)])
+def test_fused_attention_in_decode_and_verify(family: str, window: int | None) -> None:
+    target = tiny_model(family, layers=2, sliding_window=window)
+    draft = tiny_model(family, layers=1, seed=1, sliding_window=window)
+    config = fuser.FuserConfig(max_batch_size=2, max_seq_len=32, gamma=4, fused_attention=True)
+    engine = fuser.optimize(target, draft=draft, config=config)
+    graphs = engine.report().graphs
+    for name in ("target.decode", "target.verify", "draft.decode", "draft.catchup"):
+        layers = (target if name.startswith("target") else draft).config.num_hidden_layers
+        assert graphs[name]["cache_attention_read"] == layers, name
+    assert "cache_attention_read" not in graphs["target.prefill"]  # prefill attends among new tokens
+    assert engine.report().fallbacks == []
+
+    ids, mask = random_prompts(2, [6, 3], target.config.vocab_size, seed=2)
+    out = engine.logits(ids, attention_mask=mask)
+    ref = hf_logits(target, ids, mask)
+    assert relative_error(out[mask.bool()], ref[mask.bool()]) <= 1e-4
+
+    eos = [target.config.vocab_size - 1]
+    got = engine.generate(ids, 12, attention_mask=mask, eos_token_id=eos)
+    plain = fuser.optimize(target, config=fuser.FuserConfig(max_batch_size=2, max_seq_len=32))
+    want = plain.generate(ids, 12, attention_mask=mask, eos_token_id=eos)
+    assert torch.equal(got, want)

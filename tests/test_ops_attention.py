@@ -1,0 +1,169 @@
+"""fuser::cache_attention_read: the split-K Triton launcher and the custom op against the reference.
+
+Without a GPU the launcher runs under TRITON_INTERPRET=1 (conftest.py); with one it runs for real.
+Only queries with at least one visible key are compared: for a query that sees nothing the
+reference averages all S slots and the kernel writes zeros (both finite; checked separately).
+"""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fuser.ops import attention  # noqa: F401  (registers torch.ops.fuser.cache_attention_read)
+from fuser.ops.attention import cache_attention_read_triton, cache_attention_reference
+
+pytestmark = pytest.mark.usefixtures("interpreter_rounds_bf16_like_gpu")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# |out - ref| <= rtol * (|ref| + max|v|), elementwise. The output is a convex combination of
+# v's rows, so max|v| is the natural scale of an absolute error.
+TOLERANCE = {
+    # Same math in a different summation order (blocked dots, online softmax rescaling by
+    # exp2(m_old - m_new), the split merge, tanh from exp): a few fp32 ulps of max|v|
+    # (measured <= ~1e-6 relative).
+    torch.float32: 1e-5,
+    # The reference rounds each normalised prob to bf16 (<= 2^-9 relative each, so <= 2^-9 *
+    # max|v| on the sum) and the kernel keeps p in fp32; each side then rounds its output to
+    # bf16 once (2^-9 |ref| each); bf16 products in the reference's p @ v add less. 2^-7
+    # covers the sum with margin, and is still ~8x below what one key masked wrongly moves
+    # the output by at these lengths (>= 1/96 of a v difference).
+    torch.bfloat16: 2.0**-7,
+}
+
+
+def make_case(B, KV, rep, T, D, S, dtype, seed, left_pad=True, strided_q=True, dummy_row=False):
+    g = torch.Generator().manual_seed(seed)
+    H = KV * rep
+    if strided_q:  # as the model produces it: [B, T, H, D] viewed as [B, H, T, D]
+        q = torch.randn(B, T, H, D, generator=g).to(dtype).transpose(1, 2)
+    else:
+        q = torch.randn(B, H, T, D, generator=g).to(dtype)
+    k = torch.randn(B, S, KV, D, generator=g).to(dtype)
+    v = torch.randn(B, S, KV, D, generator=g).to(dtype)
+    seq_lens = torch.randint(0, S - T + 1, (B,), generator=g)  # different per row
+    if left_pad:  # starts > 0 on some rows (but <= seq_lens: the row's own token is visible)
+        starts = (torch.rand(B, generator=g) * (seq_lens + 1).float()).long()
+        starts[0] = min(int(seq_lens[0]), 3)
+    else:
+        starts = torch.zeros(B, dtype=torch.int64)
+    if dummy_row:  # a padding row that sees nothing at all
+        starts[-1] = S
+    return q, k, v, seq_lens, starts
+
+
+def visible_queries(seq_lens, starts, T, S, window):
+    """[B, T] bool: the query has at least one visible key."""
+    i = seq_lens[:, None] + torch.arange(T)  # [B, T]
+    lo = starts[:, None].expand_as(i)
+    if window:
+        lo = torch.maximum(lo, i - window + 1)
+    return (lo <= i) & (lo < S)
+
+
+def check(out, ref, v, seen, dtype):
+    assert out.shape == ref.shape and out.dtype == ref.dtype == dtype, (out.shape, out.dtype, ref.dtype)
+    assert out.is_contiguous()
+    assert torch.isfinite(out).all()
+    o, r = out.float()[seen], ref.float()[seen]  # [n, H, D] over queries with a visible key
+    assert o.numel() > 0
+    rtol = TOLERANCE[dtype]
+    bound = rtol * (r.abs() + v.float().abs().max())
+    err = (o - r).abs()
+    assert (err <= bound).all(), f"max err {err.max().item():.3g}, max excess {(err - bound).max().item():.3g}"
+
+
+def run_case(B, KV, rep, T, D, S, dtype, window, softcap, seed, num_splits=None, block_n=64, **kw):
+    q, k, v, seq_lens, starts = make_case(B, KV, rep, T, D, S, dtype, seed, **kw)
+    scale = D**-0.5
+    dev = lambda x: x.to(DEVICE)  # noqa: E731
+    out = cache_attention_read_triton(dev(q), dev(k), dev(v), dev(seq_lens), dev(starts), scale, window,
+                                      softcap, num_splits=num_splits, block_n=block_n).cpu()
+    ref = cache_attention_reference(q, k, v, seq_lens, starts, scale, window, softcap)
+    seen = visible_queries(seq_lens, starts, T, S, window)
+    check(out, ref, v, seen, dtype)
+    return out, seen
+
+
+FIXED = [
+    # B, KV, rep, T, D, S, dtype, window, softcap, num_splits, block_n
+    (3, 2, 1, 1, 64, 96, torch.float32, 0, 0.0, None, 64),         # decode, MHA
+    (2, 2, 4, 5, 128, 80, torch.float32, 0, 0.0, 3, 16),           # GQA 4, splits > blocks/split
+    (2, 1, 8, 16, 64, 96, torch.float32, 9, 0.0, 2, 16),           # verification, window
+    (2, 2, 4, 5, 80, 72, torch.float32, 0, 30.0, None, 64),        # D = 80 (masked), softcap
+    (3, 1, 4, 1, 64, 96, torch.bfloat16, 17, 20.0, 4, 16),         # bf16, window + softcap
+    (2, 2, 8, 5, 128, 64, torch.bfloat16, 0, 0.0, None, 64),       # bf16, GQA 8, D 128
+]
+
+
+@pytest.mark.parametrize("B,KV,rep,T,D,S,dtype,window,softcap,num_splits,block_n", FIXED)
+def test_fixed_cases(B, KV, rep, T, D, S, dtype, window, softcap, num_splits, block_n):
+    run_case(B, KV, rep, T, D, S, dtype, window, softcap, seed=B * 1000 + S,
+             num_splits=num_splits, block_n=block_n)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    B=st.integers(1, 3),
+    KV=st.integers(1, 2),
+    rep=st.sampled_from([1, 4, 8]),
+    T=st.sampled_from([1, 5, 16]),
+    D=st.sampled_from([64, 128]),
+    extra=st.integers(0, 80),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    window=st.sampled_from([0, 1, 4, 33]),
+    softcap=st.sampled_from([0.0, 0.0, 15.0]),
+    splits=st.sampled_from([None, 1, 2, 5]),
+    block_n=st.sampled_from([16, 64]),
+    left_pad=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_random_cases(B, KV, rep, T, D, extra, dtype, window, softcap, splits, block_n, left_pad, seed):
+    run_case(B, KV, rep, T, D, T + extra, dtype, window, softcap, seed,
+             num_splits=splits, block_n=block_n, left_pad=left_pad)
+
+
+def test_dummy_row_is_finite_and_zero():
+    # Last row: starts = S, nothing visible. The kernel writes zeros (reference: the mean of v).
+    out, seen = run_case(3, 2, 4, 5, 64, 48, torch.float32, 0, 0.0, seed=7, num_splits=3, block_n=16,
+                         dummy_row=True)
+    assert not seen[-1].any() and seen[:-1].all()
+    assert (out[-1] == 0).all()
+
+
+def test_contiguous_q_and_window_one():
+    # window 1: each query sees only its own slot, so out = v at that slot (up to rounding).
+    q, k, v, seq_lens, starts = make_case(2, 2, 4, 5, 64, 40, torch.float32, 3, strided_q=False)
+    out = cache_attention_read_triton(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), seq_lens.to(DEVICE),
+                                      starts.to(DEVICE), 0.125, 1, 0.0).cpu()
+    slots = seq_lens[:, None] + torch.arange(5)
+    expect = v[torch.arange(2)[:, None], slots]  # [B, T, KV, D]
+    expect = expect.repeat_interleave(4, dim=2)  # [B, T, H, D], head h uses kv head h // rep
+    torch.testing.assert_close(out, expect, rtol=1e-6, atol=1e-6)
+
+
+def test_custom_op_opcheck():
+    q, k, v, seq_lens, starts = make_case(2, 2, 4, 5, 64, 24, torch.float32, 11)
+    args = (q, k, v, seq_lens, starts, 0.125, 8, 30.0)
+    torch.library.opcheck(torch.ops.fuser.cache_attention_read.default, args)
+    out = torch.ops.fuser.cache_attention_read(*args)
+    torch.testing.assert_close(out, cache_attention_reference(*args), rtol=0, atol=0)
+    assert out.shape == (2, 5, 8, 64) and out.is_contiguous()
+
+
+@needs_cuda
+def test_gpu_long_cache_bf16():
+    torch.manual_seed(0)
+    B, KV, rep, T, D, S = 2, 8, 4, 5, 128, 4096
+    q, k, v, _, _ = make_case(B, KV, rep, T, D, S, torch.bfloat16, 5)
+    seq_lens = torch.tensor([S - T, 1234])
+    starts = torch.tensor([0, 100])
+    args = [x.cuda() for x in (q, k, v, seq_lens, starts)]
+    for window, softcap in [(0, 0.0), (1024, 50.0)]:
+        out = torch.ops.fuser.cache_attention_read(*args, D**-0.5, window, softcap)
+        ref = cache_attention_reference(*args, D**-0.5, window, softcap)
+        torch.cuda.synchronize()
+        seen = visible_queries(seq_lens, starts, T, S, window)
+        check(out.cpu(), ref.cpu(), v, seen, torch.bfloat16)
