@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fuser.ops.attention import cache_attention_reference, masked_attention
+
 ATTENTION = "fuser"
 # Families whose decode step is fully fused and checked against Hugging Face (API.md, "supported").
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -62,7 +64,6 @@ def cache_attention(
     step = fuser_step
     layer = module.layer_idx
     B, H, T, D = query.shape
-    kv_heads = key.shape[1]
     device = query.device
 
     slots = step.seq_lens[:, None] + torch.arange(T, device=device)  # [B, T] slot of each new token
@@ -72,39 +73,15 @@ def cache_attention(
     v_cache.index_put_((rows, slots), value.transpose(1, 2).to(v_cache.dtype))
 
     scale = scaling if scaling is not None else D**-0.5
-    if step.fused_attention and not step.prefill:
-        out = torch.ops.fuser.cache_attention_read(
-            query, k_cache, v_cache, step.seq_lens, step.starts, scale,
-            int(sliding_window or 0), float(softcap or 0.0))  # [B, T, H, D]
-        return out, None
-    if step.prefill:
-        keys, values = key, value  # [B, kv_heads, T, D]
-        key_slots = torch.arange(T, device=device)
-    else:
-        keys, values = k_cache.transpose(1, 2), v_cache.transpose(1, 2)  # [B, kv_heads, S, D]
-        key_slots = torch.arange(k_cache.shape[1], device=device)
-    # GQA: each kv head serves rep = H // kv_heads query heads. Query heads are grouped by
-    # their kv head and keys broadcast over the group, so no key is copied rep times. (Merging
-    # dims of an expanded view instead makes torch 2.11 export guard on symbolic T.)
-    rep = H // kv_heads
-    q = query.float().unflatten(1, (kv_heads, rep))  # [B, kv_heads, rep, T, D]
-    keys = keys.float()[:, :, None]  # [B, kv_heads, 1, S, D]
-    values = values[:, :, None]  # [B, kv_heads, 1, S, D]
-
-    scores = (q @ keys.transpose(-1, -2)) * scale  # [B, kv_heads, rep, T, S]
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    j = key_slots[None, None, :]  # [1, 1, S]
-    i = slots[:, :, None]  # [B, T, 1]
-    visible = (j >= step.starts[:, None, None]) & (j <= i)  # [B, T, S]
-    if sliding_window is not None:
-        visible = visible & (i - j < sliding_window)
-    # A finite minimum, not -inf: a padding query that sees nothing gets uniform weights instead
-    # of NaN, and a NaN there would leak through 0 * NaN into later layers.
-    scores = torch.where(visible[:, None, None], scores, torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, dim=-1).to(values.dtype)
-    out = (probs @ values).flatten(1, 2)  # [B, H, T, D]
-    return out.transpose(1, 2).contiguous(), None
+    window, cap = int(sliding_window or 0), float(softcap or 0.0)
+    if step.prefill:  # the cache was empty: attend among the T new tokens only
+        return masked_attention(query, key, value, slots, torch.arange(T, device=device),
+                                step.starts, scale, window, cap), None
+    if step.fused_attention:
+        return torch.ops.fuser.cache_attention_read(
+            query, k_cache, v_cache, step.seq_lens, step.starts, scale, window, cap), None
+    return cache_attention_reference(query, k_cache, v_cache, step.seq_lens, step.starts,
+                                     scale, window, cap), None
 
 
 def _no_mask(*args: object, **kwargs: object) -> None:

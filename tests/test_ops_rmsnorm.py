@@ -46,32 +46,8 @@ TOLERANCE = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _interpreter_rounds_bf16_like_gpu():
-    """Make the Triton interpreter round fp32 -> bf16 to nearest even, as GPUs do.
-
-    Triton 3.9's interpreter truncates that cast (triton/runtime/interpreter.py, cast_impl ->
-    _convert_float with no rounding mode), while compiled Triton emits cvt.rn.bf16.f32 and
-    PyTorch rounds to nearest even. Without this the bf16 kernel would be checked against a
-    rounding no GPU performs (and x + residual could not be checked bit for bit). The kernel
-    code is unchanged; only the interpreter's emulation of the cast is corrected.
-    """
-    if not INTERPRET:
-        yield
-        return
-    from triton.runtime import interpreter
-
-    truncating_cast = interpreter.InterpreterBuilder.cast_impl
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            bits = torch.from_numpy(src.data).to(torch.bfloat16).view(torch.uint16).numpy()
-            return interpreter.TensorHandle(bits, dst_type.scalar)
-        return truncating_cast(self, src, dst_type)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(interpreter.InterpreterBuilder, "cast_impl", cast_impl)
-        yield
+# The interpreter must round fp32 -> bf16 like a GPU (see the fixture in conftest.py).
+pytestmark = pytest.mark.usefixtures("interpreter_rounds_bf16_like_gpu")
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor, rounded_to: torch.dtype) -> None:

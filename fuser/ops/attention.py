@@ -272,16 +272,21 @@ cache_attention_read.register_kernel("cuda")(cache_attention_read_triton)
 # ---------------------------------------------------------------------------------------------
 
 
-def cache_attention_reference(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor, starts: Tensor,
-    scale: float, window: int, softcap: float,
+def masked_attention(
+    q: Tensor, keys: Tensor, values: Tensor, query_slots: Tensor, key_slots: Tensor,
+    starts: Tensor, scale: float, window: int, softcap: float,
 ) -> Tensor:
+    """Attention of q over keys/values by slot: the math every fuser attention path shares.
+
+    q: [B, H, T, D]; keys, values: [B, kv_heads, S, D]; query_slots: [B, T]; key_slots: [S].
+    Key j is visible to query i when starts <= j <= i (and i - j < window where window > 0).
+    Scores and softmax in fp32; a query that sees nothing gets uniform weights (finfo.min, not
+    -inf: a NaN there would leak through 0 * NaN into later layers). Returns [B, T, H, D].
+    """
     B, H, T, D = q.shape
-    kv_heads = k_cache.shape[2]
-    device = q.device
-    slots = seq_lens[:, None] + torch.arange(T, device=device)  # [B, T]
-    keys, values = k_cache.transpose(1, 2), v_cache.transpose(1, 2)  # [B, kv_heads, S, D]
-    key_slots = torch.arange(k_cache.shape[1], device=device)
+    kv_heads, S = keys.shape[1], keys.shape[2]
+    # GQA: query heads grouped by their kv head, keys broadcast over the group (no copies; and
+    # merging dims of an expanded view would make torch 2.11 export guard on a symbolic T).
     rep = H // kv_heads
     qg = q.float().unflatten(1, (kv_heads, rep))  # [B, kv_heads, rep, T, D]
     keys = keys.float()[:, :, None]  # [B, kv_heads, 1, S, D]
@@ -290,7 +295,7 @@ def cache_attention_reference(
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     j = key_slots[None, None, :]  # [1, 1, S]
-    i = slots[:, :, None]  # [B, T, 1]
+    i = query_slots[:, :, None]  # [B, T, 1]
     visible = (j >= starts[:, None, None]) & (j <= i)  # [B, T, S]
     if window:
         visible = visible & (i - j < window)
@@ -298,3 +303,15 @@ def cache_attention_reference(
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
     out = (probs @ values).flatten(1, 2)  # [B, H, T, D]
     return out.transpose(1, 2).to(q.dtype).contiguous()
+
+
+def cache_attention_reference(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor, starts: Tensor,
+    scale: float, window: int, softcap: float,
+) -> Tensor:
+    """T new queries over every slot of the cache (the new k/v already written)."""
+    T = q.shape[2]
+    slots = seq_lens[:, None] + torch.arange(T, device=q.device)  # [B, T]
+    key_slots = torch.arange(k_cache.shape[1], device=q.device)  # [S]
+    return masked_attention(q, k_cache.transpose(1, 2), v_cache.transpose(1, 2), slots,
+                            key_slots, starts, scale, window, softcap)
