@@ -17,7 +17,7 @@ import fuser.compile
 from fuser.passes import run_passes
 from fuser.passes._matcher import count_targets
 from fuser.passes.projections import MERGED_PREFIX, concatenate_rows
-from tiny import FAMILIES, hf_logits, model_configs, random_prompts, relative_error, tiny_model
+from tiny import FAMILIES, hf_logits, model_cases, random_prompts, real_logits_error, tiny_model
 
 aten = torch.ops.aten
 TOLERANCE = {
@@ -63,11 +63,7 @@ def check_engine(model: nn.Module, batch: int, lengths: list[int], seed: int) ->
     assert report.fallbacks == []
 
     # 1. numbers agree with eager on every real (non-padding) position
-    ids, mask = random_prompts(batch, lengths, model.config.vocab_size, seed)
-    out = engine.logits(ids, attention_mask=mask)
-    ref = hf_logits(before, ids, mask)
-    real = mask.bool()
-    assert relative_error(out[real], ref[real]) <= TOLERANCE[dtype]
+    assert real_logits_error(engine, before, batch, lengths, seed) <= TOLERANCE[dtype]
 
     # 2. fused ops present, unfused gone; 3. exact counts: one merge of each kind and one
     # SwiGLU per layer, in every graph
@@ -85,6 +81,7 @@ def check_engine(model: nn.Module, batch: int, lengths: list[int], seed: int) ->
 
     # the user's model computes exactly what it did (its parameters now live in the merged
     # storage, with the same values)
+    ids, mask = random_prompts(batch, lengths, model.config.vocab_size, seed)
     assert torch.equal(hf_logits(model, ids, mask), hf_logits(before, ids, mask))
 
     # memory: the merged weights are the parameters' storage, not a copy of it
@@ -103,10 +100,7 @@ def check_engine(model: nn.Module, batch: int, lengths: list[int], seed: int) ->
           phases=(Phase.explicit, Phase.reuse, Phase.generate))
 @given(data=st.data())
 def test_projections_merged_and_swiglu_fused(family: str, data: st.DataObject) -> None:
-    config = data.draw(model_configs(family), label="config")
-    batch = data.draw(st.integers(1, 3), label="batch")
-    lengths = data.draw(st.lists(st.integers(1, 12), min_size=batch, max_size=batch), label="lengths")
-    model = tiny_model(family, seed=data.draw(st.integers(0, 99), label="seed"), **config)
+    model, batch, lengths = data.draw(model_cases(family, max_batch=3))
     check_engine(model, batch, lengths, seed=len(lengths))
 
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import fuser
 from fuser.passes import run_passes
 from fuser.passes._matcher import count_targets
-from tiny import hf_logits, FAMILIES, model_configs, random_prompts, relative_error, tiny_model
+from tiny import FAMILIES, hf_logits, model_cases, random_prompts, real_logits_error, relative_error, tiny_model
 
 aten = torch.ops.aten
 FP32_TOLERANCE = 1e-4  # DESIGN.md numerics contract: fp32 logits within 1e-4 of eager
@@ -33,11 +33,7 @@ def check_engine(model: torch.nn.Module, batch: int, lengths: list[int], seed: i
     report = engine.report()
 
     # 1. numbers agree with eager on every real (non-padding) position
-    ids, mask = random_prompts(batch, lengths, model.config.vocab_size, seed)
-    out = engine.logits(ids, attention_mask=mask)
-    ref = hf_logits(model, ids, mask)
-    real = mask.bool()
-    assert relative_error(out[real], ref[real]) <= FP32_TOLERANCE
+    assert real_logits_error(engine, model, batch, lengths, seed) <= FP32_TOLERANCE
 
     # 2. fused ops present, unfused gone, in every graph; 3. exact counts
     assert norm_entries(report.passes) == expected_counts(layers)
@@ -54,10 +50,7 @@ def check_engine(model: torch.nn.Module, batch: int, lengths: list[int], seed: i
 @settings(max_examples=4, deadline=None, derandomize=True)
 @given(data=st.data())
 def test_rmsnorm_fused_and_exact(family: str, data: st.DataObject) -> None:
-    config = data.draw(model_configs(family), label="config")
-    batch = data.draw(st.integers(1, 4), label="batch")
-    lengths = data.draw(st.lists(st.integers(1, 12), min_size=batch, max_size=batch), label="lengths")
-    model = tiny_model(family, seed=data.draw(st.integers(0, 99), label="seed"), **config)
+    model, batch, lengths = data.draw(model_cases(family, max_batch=4))
     check_engine(model, batch, lengths, seed=len(lengths))
 
 

@@ -21,15 +21,7 @@ from fuser.ops.rope import rotary_reference, rotary_triton
 from fuser.passes import run_passes
 from fuser.passes._matcher import count_targets, prepare_graph
 from fuser.passes.rope import ROTARY
-from tiny import (
-    FAMILIES,
-    hf_logits,
-    model_configs,
-    random_prompts,
-    relative_error,
-    tiny_config,
-    tiny_model,
-)
+from tiny import FAMILIES, model_cases, random_prompts, real_logits_error, relative_error, tiny_config
 
 aten = torch.ops.aten
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -172,11 +164,7 @@ def check_engine(model: torch.nn.Module, batch: int, lengths: list[int], seed: i
     report = engine.report()
 
     # 1. numbers agree with eager on every real (non-padding) position
-    ids, mask = random_prompts(batch, lengths, model.config.vocab_size, seed)
-    out = engine.logits(ids, attention_mask=mask)
-    ref = hf_logits(model, ids, mask)
-    real = mask.bool()
-    assert relative_error(out[real], ref[real]) <= tolerance
+    assert real_logits_error(engine, model, batch, lengths, seed) <= tolerance
 
     # 3. exact counts: one match per layer, q and k together
     assert report.passes["rotary"] == layers
@@ -201,10 +189,7 @@ def head_cats(gm: torch.fx.GraphModule) -> int:
 @settings(max_examples=2, deadline=None, derandomize=True)
 @given(data=st.data())
 def test_rotary_fused_and_exact(family: str, data: st.DataObject) -> None:
-    config = data.draw(model_configs(family), label="config")
-    batch = data.draw(st.integers(1, 3), label="batch")
-    lengths = data.draw(st.lists(st.integers(1, 12), min_size=batch, max_size=batch), label="lengths")
-    model = tiny_model(family, seed=data.draw(st.integers(0, 99), label="seed"), **config)
+    model, batch, lengths = data.draw(model_cases(family, max_batch=3))
     check_engine(model, batch, lengths, seed=len(lengths))
 
 

@@ -70,6 +70,28 @@ def model_configs(draw: st.DrawFn, family: str) -> dict[str, object]:
     )
 
 
+@st.composite
+def model_cases(draw: st.DrawFn, family: str, max_batch: int = 4
+                ) -> tuple[torch.nn.Module, int, list[int]]:
+    """(tiny model of `family`, batch, per-row prompt lengths) drawn by hypothesis."""
+    config = draw(model_configs(family), label="config")
+    batch = draw(st.integers(1, max_batch), label="batch")
+    lengths = draw(st.lists(st.integers(1, 12), min_size=batch, max_size=batch), label="lengths")
+    model = tiny_model(family, seed=draw(st.integers(0, 99), label="seed"), **config)
+    return model, batch, lengths
+
+
+def real_logits_error(engine: object, reference: torch.nn.Module, batch: int,
+                      lengths: list[int], seed: int) -> float:
+    """Relative error of engine.logits against eager `reference` on left-padded random
+    prompts, over the real (non-padding) positions only."""
+    ids, mask = random_prompts(batch, lengths, reference.config.vocab_size, seed)
+    out = engine.logits(ids, attention_mask=mask)
+    ref = hf_logits(reference, ids, mask)
+    real = mask.bool()
+    return relative_error(out[real], ref[real])
+
+
 def random_prompts(batch: int, lengths: list[int], vocab: int, seed: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded prompts of the given lengths: (input_ids [B, T], attention_mask [B, T])."""
