@@ -3,11 +3,12 @@
     python benchmarks/decode.py --preset llama-3-8b --out $OUT/decode.json
 
 Random bf16 weights of the preset's shape, a 128-token prompt, 256 new tokens (greedy). Peers in
-the same process: Hugging Face eager `generate`, and Hugging Face static cache + torch.compile
-(reduce-overhead). Also times the target's captured decode step (T = 1) and verification step
-(T = 5) by CUDA events over graph replays, and the HBM read bandwidth of this GPU, from which
-the weight-read ceiling follows: bytes a decode step must read (every weight but the embedding
-table) / measured bandwidth.
+the same process (benchmarks/peers.py): Hugging Face eager `generate`, Hugging Face static cache
++ torch.compile (reduce-overhead), and gpt-fast's approach in plain PyTorch. Also times the
+target's captured decode step (T = 1) and verification step (T = 5) by CUDA events over graph
+replays, breaks the decode step's kernel time down by op (benchmarks/breakdown.py), and measures
+the HBM read bandwidth of this GPU, from which the weight-read ceiling follows: bytes a decode
+step must read (every weight but the embedding table) / measured bandwidth.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import transformers
 from triton.testing import do_bench
 
 import fuser
+from breakdown import format_breakdown, kernel_breakdown
 from fuser.models import PRESETS
+from peers import make_gpt_fast_style, make_hf_eager, make_hf_static_compile
 
 RESULTS: dict = {}
 
@@ -89,9 +92,13 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--skip-hf-compile", action="store_true")
+    parser.add_argument("--skip-gpt-fast", action="store_true")
+    parser.add_argument("--skip-peers", action="store_true", help="fuser only")
+    parser.add_argument("--profile", action="store_true",
+                        help="break the decode step's kernel time down by op")
     parser.add_argument("--skip-verify", action="store_true")
-    parser.add_argument("--fused-attention", action="store_true",
-                        help="decode/verify attend through the split-K Triton op")
+    parser.add_argument("--fused-attention", choices=["default", "on", "off"], default="default",
+                        help="FuserConfig.fused_attention: the split-K Triton op for decode/verify")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     warnings.simplefilter("ignore")
@@ -120,8 +127,11 @@ def main() -> None:
 
     # fuser, target only
     start = time.perf_counter()
+    options = {} if args.fused_attention == "default" else {
+        "fused_attention": args.fused_attention == "on"}
     engine = fuser.optimize(model, config=fuser.FuserConfig(
-        max_seq_len=args.prompt_tokens + n + 16, fused_attention=args.fused_attention))
+        max_seq_len=args.prompt_tokens + n + 16, **options))
+    RESULTS["fuser_config"] = repr(engine.config)
     RESULTS["fuser_optimize_seconds"] = time.perf_counter() - start
     report = engine.report()
     RESULTS["fuser_report"] = {"passes": report.passes, "fused_ops": report.fused_ops,
@@ -141,6 +151,15 @@ def main() -> None:
     RESULTS["decode_step_ms"] = decode_ms
     log(f"target decode step (T=1): {decode_ms:.3f} ms = {nbytes / (decode_ms * 1e-3) / 1e12:.2f} TB/s")
     save(args.out)
+    if args.profile:
+        step = engine.target.graphs["decode"].fn
+        step = getattr(step, "fn", step)  # the uncaptured step under the CUDA graph
+        cache = engine.target.cache
+        cache.seq_lens.fill_(args.prompt_tokens)
+        table = kernel_breakdown(lambda: step(one, at, cache.seq_lens, cache.starts))
+        RESULTS["decode_breakdown"] = table
+        log(format_breakdown(table, decode_ms))
+        save(args.out)
     verify_ms = float("nan")
     if not args.skip_verify:
         verify_ms = time_verify(engine, prompt, decode_ms)
@@ -148,7 +167,8 @@ def main() -> None:
     del engine
     torch.cuda.empty_cache()
     save(args.out)
-    hf_peers(model, prompt, args, rows, ceiling)
+    if not args.skip_peers:
+        hf_peers(model, prompt, args, rows, ceiling)
     summary(rows, ceiling, nbytes, bandwidth, decode_ms, verify_ms, args.out)
 
 
@@ -168,32 +188,31 @@ def time_verify(engine: fuser.Engine, prompt: torch.Tensor, decode_ms: float) ->
 
 def hf_peers(model: torch.nn.Module, prompt: torch.Tensor, args: argparse.Namespace,
              rows: list, ceiling: float) -> None:
-    """Hugging Face eager generate, then static cache + torch.compile, in this process."""
+    """The peers of benchmarks/peers.py in this process, each warmed up, then timed."""
     n = args.new_tokens
-
-    # Hugging Face eager
-    def hf_generate() -> int:
-        with torch.no_grad():
-            out = model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                 pad_token_id=0)
-        return out.shape[1] - args.prompt_tokens
-
-    hf_generate()
-    seconds, count = timed_generate(hf_generate, runs=2)
-    rows.append(("Hugging Face eager generate", seconds, count))
-    log(f"Hugging Face eager: {count / seconds:.1f} tok/s")
-    save(args.out)
-
-    # Hugging Face static cache + torch.compile (reduce-overhead)
+    peers = [("Hugging Face eager generate", make_hf_eager, 1, 2)]
     if not args.skip_hf_compile:
-        model.generation_config.cache_implementation = "static"
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-        start = time.perf_counter()
-        hf_generate()
-        hf_generate()
-        RESULTS["hf_compile_warmup_seconds"] = time.perf_counter() - start
-        seconds, count = timed_generate(hf_generate, runs=3)
-        rows.append(("Hugging Face static cache + torch.compile", seconds, count))
+        peers.append(("Hugging Face static cache + torch.compile", make_hf_static_compile, 2, 3))
+    if not args.skip_gpt_fast:
+        peers.append(("gpt-fast style (static cache, compiled step)", make_gpt_fast_style, 2, 3))
+    for name, make, warmups, runs in peers:
+        try:
+            run = make(model, prompt, n)
+            start = time.perf_counter()
+            for _ in range(warmups):
+                run()
+            RESULTS[f"warmup_seconds: {name}"] = time.perf_counter() - start
+            seconds, count = timed_generate(lambda: run().shape[1], runs=runs)
+        except Exception as e:  # a peer that breaks on this stack must not lose the others
+            RESULTS[f"error: {name}"] = f"{type(e).__name__}: {e}"[:2000]
+            log(f"{name}: failed ({type(e).__name__}: {str(e)[:300]})")
+            continue
+        finally:
+            torch._dynamo.reset()
+        rows.append((name, seconds, count))
+        log(f"{name}: {count / seconds:.1f} tok/s ({100 * count / seconds / ceiling:.1f}% of "
+            f"the ceiling; warm-up {RESULTS[f'warmup_seconds: {name}']:.0f} s)")
+        save(args.out)
 
 
 def summary(rows: list, ceiling: float, nbytes: int, bandwidth: float, decode_ms: float,

@@ -154,7 +154,10 @@ class Engine:
         cache.reset()
         out = compiled.run("prefill", tokens[:, :-1], positions[:, :-1])[:1]
         cache.seq_lens.fill_(T - 1)
-        last = compiled.run("decode", tokens[:, -1:], positions[:, -1:])[:1]
+        # Fresh [B, 1] tensors: a slice's strides differ from the runtime's, and a compiled
+        # step guards on strides (the check would cost a second Inductor compile).
+        last = compiled.run("decode", tokens[:, -1:].clone(memory_format=torch.contiguous_format),
+                            positions[:, -1:].clone(memory_format=torch.contiguous_format))[:1]
         cache.reset()
         got = torch.cat([out, last], dim=1).float().to(ref.device)
         error = float((got - ref).norm() / ref.norm())

@@ -20,6 +20,7 @@ class CudaGraphStep:
     def __init__(self, fn: StepFn, batch: int, tokens_per_step: int, seq_lens: torch.Tensor,
                  starts: torch.Tensor, pool: object | None = None, warmup: int = 2) -> None:
         device = seq_lens.device
+        self.fn = fn  # the uncaptured step (benchmarks profile its kernels one by one)
         self.seq_lens, self.starts = seq_lens, starts
         self.tokens = torch.zeros(batch, tokens_per_step, dtype=torch.long, device=device)
         self.positions = torch.arange(tokens_per_step, device=device)[None].repeat(batch, 1)

@@ -116,12 +116,15 @@ def _decode_loop(engine: Engine, request: Request) -> Iterator[torch.Tensor]:
     produced = [0] * B
     done = [False] * B
 
-    def take(result: speculative.StepResult, was_active: list[bool]) -> list[int]:
-        """Read back one step (its only host sync), queue what each row keeps; -> n per row."""
-        packed = result.packed().cpu()  # [B_engine, g + 2]: THE host sync of this step
+    def take(packed: torch.Tensor) -> list[int]:
+        """Queue what each still-generating row keeps of one step's read-back; -> n per row.
+
+        Steps are read back in the order they ran, so the rows not yet `done` here are exactly
+        the rows the device still had active when it ran this step.
+        """
         tokens, n = packed[:, :-1].tolist(), packed[:, -1].tolist()
         for b in range(B):
-            if not was_active[b]:
+            if done[b]:
                 continue
             # Drop what lies past the budget, and past this row's first eos.
             kept = tokens[b][: min(n[b] + 1, request.max_new_tokens - produced[b])]
@@ -141,27 +144,67 @@ def _decode_loop(engine: Engine, request: Request) -> Iterator[torch.Tensor]:
             column = [queues[b].popleft() if queues[b] else pad for b in range(B)]
             yield torch.tensor(column, dtype=torch.long)
 
-    start = time.perf_counter()
-    padded = pad_batch(prompts, engine.config.max_batch_size, min_length=2)
-    state, result = speculative.prefill(target, draft, padded, T, V, sampling, eos,
-                                        request.max_new_tokens)
-    take(result, [True] * B)
-    stats.generate_seconds += time.perf_counter() - start
-    yield from ready_columns()
+    def may_need(in_flight: int) -> bool:
+        """Whether another step can still emit a kept token: every step emits at least one
+        token per active row, so a row needs no more once its in-flight steps cover its budget."""
+        return any(not done[b] and produced[b] + in_flight < request.max_new_tokens
+                   for b in range(B))
 
-    while not all(done):
-        start = time.perf_counter()
-        was_active = [not d for d in done]
+    def issue() -> ReadBack:
         if draft is None:
             result = speculative.decode_one_token(target, state, V, sampling)
         else:
             result = speculative.speculative_step(target, draft, state, gamma, V, sampling)
-        num_accepted = take(result, was_active)
-        if draft is not None:
-            _count_speculation(stats, num_accepted, was_active, gamma)
+        return ReadBack(result.packed())
+
+    # The loop runs one step ahead of the host: step k + 1 is queued on the device before the
+    # host waits for step k's read-back, so the GPU never idles while Python turns tokens into
+    # columns. Step k + 1 depends on step k only through device state, and a row that step k
+    # finished is frozen on the device, so a step issued "too early" emits nothing anyone keeps.
+    start = time.perf_counter()
+    padded = pad_batch(prompts, engine.config.max_batch_size, min_length=2)
+    state, result = speculative.prefill(target, draft, padded, T, V, sampling, eos,
+                                        request.max_new_tokens)
+    in_flight = deque([ReadBack(result.packed())])
+    is_prefill = True  # the first read-back is the prefill's first token, not a speculation
+    while in_flight:
+        if may_need(len(in_flight)):
+            in_flight.append(issue())
+        packed = in_flight.popleft().wait()
+        rows_active = [not d for d in done]
+        num_accepted = take(packed)
+        if draft is not None and not is_prefill:
+            _count_speculation(stats, num_accepted, rows_active, gamma)
+        is_prefill = False
         stats.generate_seconds += time.perf_counter() - start
         yield from ready_columns()
+        start = time.perf_counter()
+        if all(done):
+            break
     yield from ready_columns()  # everything is done: flush, finished rows padded
+
+
+class ReadBack:
+    """A step's packed result on its way to the host: the copy is queued now, read at `wait`.
+
+    On CUDA the copy lands in pinned memory behind an event, so queuing it does not block the
+    host; elsewhere it is an ordinary copy.
+    """
+
+    def __init__(self, packed: torch.Tensor) -> None:
+        self.event: torch.cuda.Event | None = None
+        if packed.device.type == "cuda":
+            self.host = packed.to("cpu", non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = packed.cpu()
+
+    def wait(self) -> torch.Tensor:
+        """The packed result on the host ([B, g + 2]: tokens, then num_accepted)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host
 
 
 def _count_speculation(stats: SpecStats, n: list[int], was_active: list[bool],

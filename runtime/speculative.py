@@ -216,8 +216,10 @@ def _advance(target: CompiledModel, state: DecodeState, result: StepResult,
              new_last: torch.Tensor | None = None) -> None:
     """Move active rows on by what they emitted; finished and dummy rows stay where they are.
 
-    A frozen row keeps its length, so its later (ignored) steps write only slots up to
-    L + gamma with L <= prompt + max_new_tokens - 1: always inside the cache.
+    A row moves by at most its remaining budget (a step may emit past it; the host drops the
+    excess), so L <= prompt + max_new_tokens - 1 always holds, and a frozen row's later
+    (ignored) steps write only slots up to L + gamma: inside the cache. The runtime issues
+    steps ahead of its read-backs, so such steps do run.
     """
     active = state.active
     n = result.num_accepted
@@ -226,8 +228,9 @@ def _advance(target: CompiledModel, state: DecodeState, result: StepResult,
         new_last = state.pending  # plain decode: pending went into slot L
     state.last.copy_(torch.where(active, new_last, state.last))
     state.pending.copy_(torch.where(active, next_token, state.pending))
-    target.cache.seq_lens.add_(torch.where(active, n + 1, 0))
-    state.generated.add_(torch.where(active, n + 1, 0))
+    moved = torch.where(active, torch.minimum(n + 1, state.max_new_tokens - state.generated), 0)
+    target.cache.seq_lens.add_(moved)
+    state.generated.add_(moved)
     _finish_rows(state, result)
 
 

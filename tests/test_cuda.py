@@ -37,3 +37,24 @@ def test_bf16_speculative_equals_target_only_and_replays() -> None:
     assert torch.equal(a, b)  # DESIGN.md: bf16 speculative greedy == fuser's own target-only greedy
     replays = spec.report().graph_replays
     assert replays["target.verify"] > 0 and replays["draft.decode"] > 0
+
+
+def test_fused_attention_engine_agrees_with_eager_and_speculates() -> None:
+    # fuser::cache_attention_read's Triton kernels in the decode, verify and catch-up graphs,
+    # replayed as CUDA graphs: the engine's own self-check against eager Hugging Face must pass
+    # (no fallback), and bf16 speculative greedy must equal target-only greedy.
+    target = tiny_model("llama", layers=2, dtype=torch.bfloat16).to("cuda")
+    draft = tiny_model("llama", layers=1, seed=1, dtype=torch.bfloat16).to("cuda")
+    config = fuser.FuserConfig(max_seq_len=96, max_batch_size=2, gamma=4, fused_attention=True)
+    plain = fuser.optimize(target, config=config)
+    spec = fuser.optimize(target, draft=draft, config=config)
+    assert plain.report().fallbacks == [] and spec.report().fallbacks == []
+    graphs = spec.report().graphs
+    assert graphs["target.verify"]["cache_attention_read"] == target.config.num_hidden_layers
+    ids, mask = random_prompts(2, [9, 5], target.config.vocab_size, seed=3)
+    ids, mask = ids.cuda(), mask.cuda()
+    eos = [target.config.vocab_size - 1]
+    a = plain.generate(ids, 40, attention_mask=mask, eos_token_id=eos)
+    b = spec.generate(ids, 40, attention_mask=mask, eos_token_id=eos)
+    assert torch.equal(a, b)
+    assert spec.report().graph_replays["target.verify"] > 0

@@ -31,6 +31,9 @@ TOLERANCE = {
     # covers the sum with margin, and is still ~8x below what one key masked wrongly moves
     # the output by at these lengths (>= 1/96 of a v difference).
     torch.bfloat16: 2.0**-7,
+    # fp16 takes the MMA path under the interpreter too (bf16 cannot: TRITON_INTERPRET's bf16
+    # dot is wrong), and rounds p to fp16 before p @ v: the bf16 argument with 2^-11 units.
+    torch.float16: 2.0**-9,
 }
 
 
@@ -95,6 +98,8 @@ FIXED = [
     (2, 2, 4, 5, 80, 72, torch.float32, 0, 30.0, None, 64),        # D = 80 (masked), softcap
     (3, 1, 4, 1, 64, 96, torch.bfloat16, 17, 20.0, 4, 16),         # bf16, window + softcap
     (2, 2, 8, 5, 128, 64, torch.bfloat16, 0, 0.0, None, 64),       # bf16, GQA 8, D 128
+    (2, 2, 4, 1, 128, 96, torch.float16, 0, 0.0, None, 64),        # fp16 MMA path, decode
+    (2, 1, 8, 16, 64, 80, torch.float16, 21, 30.0, 3, 16),         # fp16 MMA path, verify
 ]
 
 
@@ -112,7 +117,7 @@ def test_fixed_cases(B, KV, rep, T, D, S, dtype, window, softcap, num_splits, bl
     T=st.sampled_from([1, 5, 16]),
     D=st.sampled_from([64, 128]),
     extra=st.integers(0, 80),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
     window=st.sampled_from([0, 1, 4, 33]),
     softcap=st.sampled_from([0.0, 0.0, 15.0]),
     splits=st.sampled_from([None, 1, 2, 5]),
@@ -167,3 +172,21 @@ def test_gpu_long_cache_bf16():
         torch.cuda.synchronize()
         seen = visible_queries(seq_lens, starts, T, S, window)
         check(out.cpu(), ref.cpu(), v, seen, torch.bfloat16)
+
+
+@needs_cuda
+@pytest.mark.parametrize("T", [1, 5, 9, 16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_llama3_shapes_and_tuning_overrides(T, dtype):
+    # Llama-3-8B's attention (32 heads over 8 kv heads, D 128) at contexts 1024 and 8192, with
+    # every tuning override benchmarks/attention_sweep.py tries: the result must not move.
+    for S, seq_len in [(1040, 1024), (8208, 8192), (8208, 333)]:
+        q, k, v, _, _ = make_case(1, 8, 4, T, 128, S, dtype, seed=S + T)
+        seq_lens, starts = torch.tensor([seq_len]), torch.tensor([0])
+        ref = cache_attention_reference(q, k, v, seq_lens, starts, 128**-0.5, 0, 0.0)
+        args = [x.cuda() for x in (q, k, v, seq_lens, starts)]
+        seen = visible_queries(seq_lens, starts, T, S, 0)
+        for kw in [{}, dict(block_n=32, target_programs=132, num_warps=4, num_stages=3),
+                   dict(block_n=128, target_programs=528, num_warps=8, num_stages=2)]:
+            out = cache_attention_read_triton(*args, 128**-0.5, 0, 0.0, **kw)
+            check(out.cpu(), ref, v, seen, dtype)

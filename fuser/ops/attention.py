@@ -37,8 +37,8 @@ import triton.language as tl
 from torch import Tensor
 
 BLOCK_N = 64          # key slots per inner-loop step
-TARGET_PROGRAMS = 132  # SMs on an H200: the split count aims to give each SM one program
-MAX_SPLITS = 64
+TARGET_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs): latency of one hides behind the other
+MAX_SPLITS = 128
 
 
 # ---------------------------------------------------------------------------------------------
@@ -76,6 +76,7 @@ def _split_kernel(
     BLOCK_D: tl.constexpr,        # power of two >= max(16, D); D = 80 runs masked in 128
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    FP32_DOTS: tl.constexpr,      # fp32 operands, IEEE products (fp32 caches; bf16 interpreted)
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
     bk = tl.program_id(0).to(tl.int64)
@@ -93,7 +94,11 @@ def _split_kernel(
     t = rows % T
     h = kvh * (M // T) + rows // T
     q_ptrs = q_ptr + b * sq_b + h[:, None] * sq_h + t[:, None] * sq_t + cols[None, :] * sq_d
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    if FP32_DOTS:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(k_ptr.dtype.element_ty)                    # the cache's dtype: one MMA type
     slot_i = seq_len + t                                   # [BLOCK_M] slot of each query
 
     # Visible slots of the whole group: [lo, hi]. The loop only covers the blocks holding them.
@@ -117,10 +122,14 @@ def _split_kernel(
         j_ok = (j >= 0) & (j < S)
         kv_offs = kv_row + j[:, None] * (KV * D) + cols[None, :]
         kv_mask = j_ok[:, None] & col_ok[None, :]
-        k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
 
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BLOCK_M, BLOCK_N] fp32
+        if FP32_DOTS:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))                      # bf16/fp16 MMA, fp32 accumulate
+        # s: [BLOCK_M, BLOCK_N] fp32
         if HAS_SOFTCAP:
             s = _tanh(s * scale_log2e / softcap) * (softcap * LOG2E)
         else:
@@ -137,9 +146,14 @@ def _split_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        # p stays fp32 (the reference rounds normalised probs to v's dtype; we do not round):
-        # the bf16 tolerance in the tests covers that rounding.
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        # The reference rounds the normalised probs to v's dtype; the MMA path rounds the
+        # unnormalised p (in [0, 1]) instead: a rounding of the same size, which the bf16/fp16
+        # tolerance of the tests covers. The fp32 path does not round.
+        if FP32_DOTS:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
 
     part = bk * NUM_SPLITS + split
@@ -190,22 +204,24 @@ def _combine_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-def _num_splits(programs: int, s: int, block_n: int) -> int:
+def _num_splits(programs: int, s: int, block_n: int, target_programs: int) -> int:
     # Decode has few (b, kv head) pairs (B * KV is often 8..64) against ~132 SMs, and one
     # program per pair would leave most SMs idle while each walks the whole cache. Split the
-    # slots so B * KV * num_splits ~ 132 programs, but never more splits than there are blocks
-    # of the cache (a split with no block only costs a scratch write). Depends only on shapes,
-    # never on seq_lens, so a CUDA graph captured once stays valid.
+    # slots so B * KV * num_splits ~ target_programs, but never more splits than there are
+    # blocks of the cache (a split with no block only costs a scratch write). Depends only on
+    # shapes, never on seq_lens, so a CUDA graph captured once stays valid.
     n_blocks = triton.cdiv(s, block_n)
-    return max(1, min(triton.cdiv(TARGET_PROGRAMS, programs), n_blocks, MAX_SPLITS))
+    return max(1, min(triton.cdiv(target_programs, programs), n_blocks, MAX_SPLITS))
 
 
 def cache_attention_read_triton(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor, starts: Tensor,
     scale: float, window: int, softcap: float,
     *, num_splits: int | None = None, block_n: int = BLOCK_N,
+    target_programs: int = TARGET_PROGRAMS, num_warps: int | None = None, num_stages: int = 2,
 ) -> Tensor:
-    """See the module docstring. num_splits / block_n: overrides for tests only."""
+    """See the module docstring. The keyword-only arguments are tuning overrides (tests and
+    benchmarks/attention_sweep.py); the defaults are what the engine runs."""
     B, H, T, D = q.shape
     _, S, KV, _ = k_cache.shape
     assert k_cache.shape == v_cache.shape == (B, S, KV, D), (q.shape, k_cache.shape, v_cache.shape)
@@ -219,20 +235,25 @@ def cache_attention_read_triton(
     starts = starts.to(torch.int64).contiguous()
     M = (H // KV) * T
     programs = B * KV
-    splits = num_splits if num_splits is not None else _num_splits(programs, S, block_n)
+    splits = num_splits or _num_splits(programs, S, block_n, target_programs)
     acc = torch.empty((programs, splits, M, D), dtype=torch.float32, device=q.device)
     ml = torch.empty((programs, splits, 2, M), dtype=torch.float32, device=q.device)
     block_m = max(16, triton.next_power_of_2(M))
     block_d = max(16, triton.next_power_of_2(D))
+    # MMA in the cache's dtype (fp32 accumulate) for bf16/fp16; IEEE fp32 for fp32 caches, and
+    # for bf16 under TRITON_INTERPRET, whose bf16 dot is wrong (fp16 there takes the MMA path,
+    # so the CPU tests cover it).
+    fp32_dots = k_cache.dtype == torch.float32 or (
+        q.device.type != "cuda" and k_cache.dtype == torch.bfloat16)
     log2e = 1.4426950408889634
     _split_kernel[(programs, splits)](
         q, k_cache, v_cache, seq_lens, starts, acc, ml,
         *q.stride(), S, KV, T, D, M,
         scale if softcap else scale * log2e, float(softcap), int(window),
         NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        HAS_WINDOW=bool(window), HAS_SOFTCAP=bool(softcap),
+        HAS_WINDOW=bool(window), HAS_SOFTCAP=bool(softcap), FP32_DOTS=fp32_dots,
         # The fp32 [BLOCK_M, BLOCK_D] accumulator is the register hog: 8 warps from 64 rows.
-        num_warps=8 if block_m >= 64 else 4,
+        num_warps=num_warps or (8 if block_m >= 64 else 4), num_stages=num_stages,
     )
     _combine_kernel[(B * H * T,)](
         acc, ml, out, H, KV, T, D, M,

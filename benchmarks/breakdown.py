@@ -1,0 +1,90 @@
+"""Where a decode step's GPU time goes: its kernels by group, and its GEMMs by shape.
+
+    from breakdown import kernel_breakdown
+    table = kernel_breakdown(step_fn, steps=20)
+
+Profiles `step_fn` (an uncaptured step: the CUDA graph replays the same kernels without the
+launch gaps) with torch.profiler and sums each kernel's device time per step. The group of a
+kernel comes from its name: fuser's Triton kernels by their function names, cuBLAS GEMMs by
+their library's naming, Inductor's generated kernels by what they fuse.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+# (group, substrings of a kernel's name); the first group that matches wins.
+KERNEL_GROUPS: list[tuple[str, tuple[str, ...]]] = [
+    ("attention: fuser split-K", ("_split_kernel", "_combine_kernel")),
+    ("rms_norm / add_rms_norm", ("_rms_norm_kernel",)),
+    ("rotary", ("_rotary_kernel",)),
+    ("gated activation", ("_gated_act_kernel",)),
+    ("GEMM (cuBLAS / CUTLASS)", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitkreduce")),
+    ("KV cache write", ("index_put", "scatter")),
+    ("attention: Inductor / ATen", ("softmax", "bmm", "amax", "exp", "where", "sdpa", "flash")),
+]
+
+
+def group_of(kernel: str) -> str:
+    lower = kernel.lower()
+    for group, needles in KERNEL_GROUPS:
+        if any(n.lower() in lower for n in needles):
+            return group
+    return "other"
+
+
+def kernel_breakdown(step_fn: Callable[[], object], steps: int = 20) -> dict:
+    """{"groups": {group: us per step}, "kernels": {name: us per step}, "launches": per step,
+    "gemms": {shape: us per step}, "total_us": per step} from `steps` profiled calls."""
+    for _ in range(5):
+        step_fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 record_shapes=True) as prof:
+        for _ in range(steps):
+            step_fn()
+        torch.cuda.synchronize()
+    kernels: dict[str, float] = defaultdict(float)
+    launches = 0
+    for event in prof.events():
+        if event.device_type == DeviceType.CUDA:
+            kernels[event.name] += event.time_range.elapsed_us() / steps
+            launches += 1
+    groups: dict[str, float] = defaultdict(float)
+    for name, us in kernels.items():
+        groups[group_of(name)] += us
+    gemms: dict[str, float] = {}
+    for avg in prof.key_averages(group_by_input_shape=True):
+        if avg.key in ("aten::mm", "aten::addmm", "aten::bmm"):
+            shapes = "x".join(str(s) for s in avg.input_shapes[:2])
+            gemms[f"{avg.key} {shapes}"] = avg.self_device_time_total / steps
+    return {
+        "groups": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
+        "kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:40]),
+        "launches": launches / steps,
+        "gemms": dict(sorted(gemms.items(), key=lambda kv: -kv[1])),
+        "total_us": sum(kernels.values()),
+    }
+
+
+def format_breakdown(table: dict, graph_ms: float | None = None) -> str:
+    """The groups as text lines, with the kernels' sum against the graph's replay time."""
+    total = table["total_us"]
+    lines = [f"{'kernel group':<30}{'us/step':>10}{'share':>8}"]
+    for group, us in table["groups"].items():
+        lines.append(f"{group:<30}{us:>10.1f}{100 * us / total:>7.1f}%")
+    lines.append(f"{'sum of kernel times':<30}{total:>10.1f}   ({table['launches']:.0f} kernels/step)")
+    if graph_ms is not None:
+        gap = graph_ms * 1e3 - total
+        lines.append(f"{'graph replay (events)':<30}{graph_ms * 1e3:>10.1f}   gaps between kernels "
+                     f"{gap:.1f} us ({gap / max(table['launches'], 1):.2f} us/kernel)")
+    if table["gemms"]:
+        lines.append("GEMMs by shape (us/step):")
+        for shape, us in list(table["gemms"].items())[:8]:
+            lines.append(f"  {shape:<60}{us:>10.1f}")
+    return "\n".join(lines)

@@ -1,0 +1,501 @@
+"""Per-op time at Llama-3-8B decode shapes on the GPU: each fused op against PyTorch, in one run.
+
+    python benchmarks/ops.py --out $OUT/ops.json [--only rotary attention ...] [--no-compile]
+    python benchmarks/ops.py --dry-run      # CPU, tiny shapes: every case once, no timing
+
+Batch 1, bf16, T = 1, 5, 9 tokens per step (decode and verification); attention also at context
+1024 and 8192 (cache of ctx + 16 slots, seq_lens = ctx, starts = 0). Ops: rms_norm,
+add_rms_norm, rotary, gated_act (silu), cache attention, the merged q/k/v and gate/up GEMMs
+(one F.linear over the concatenated weight), and the plain o_proj, down_proj and lm_head GEMMs.
+
+For every (op, case), each by `triton.testing.do_bench` (median, warmup 25 ms, rep 100 ms):
+  eager    the pure-PyTorch reference of the same subgraph (for the merged GEMMs: the separate
+           F.linear calls; for the plain GEMMs: F.linear, as the step runs it)
+  compile  torch.compile(reference, dynamic=False), compiled afresh for the case
+  fused    the torch.ops.fuser op, or F.linear over the merged weight (none for plain GEMMs)
+The fused output is checked once against eager: ||out - ref|| / ||ref|| in fp32, flagged above
+2e-2. Bytes are the least the op must move (each input read once, each output written once;
+attention: K and V of the ctx + T visible slots, q and out; GEMMs: the weight and the
+activations), as GB/s and as a percentage of this GPU's read bandwidth (a sum over 2 GiB of
+bf16, measured first). Plain GEMMs have no fused op: their GB/s is eager F.linear's.
+
+A failing stage (setup, eager, fused, compile, check) is recorded in the row and the run goes
+on. Progress prints as it runs; the table comes last, then one summary line. Results (env and
+rows) go to --out after every case. Exit status: 0; 1 if any stage failed or an error was
+flagged; 2 without CUDA (unless --dry-run, which runs on CPU, where the ops run their reference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import sys
+import time
+import traceback
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch import Tensor
+from triton.testing import do_bench
+
+import fuser  # noqa: F401  (registers torch.ops.fuser.*)
+from fuser.ops.attention import cache_attention_reference
+from fuser.ops.gated_act import gated_act_reference
+from fuser.ops.rmsnorm import add_rms_norm_reference, rms_norm_reference
+from fuser.ops.rope import rotary_reference
+
+DTYPE = torch.bfloat16
+EPS = 1e-5
+TOLERANCE = 2e-2  # relative error over the tensor, bf16
+EXTRA_SLOTS = 16  # cache slots past the context: S = ctx + 16
+
+RESULTS: dict = {}
+
+
+@dataclass(frozen=True)
+class Shapes:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tokens: tuple[int, ...]
+    contexts: tuple[int, ...]
+
+
+LLAMA_3_8B = Shapes(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336,
+                    vocab=128256, tokens=(1, 5, 9), contexts=(1024, 8192))
+TINY = Shapes(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512, vocab=1000,
+              tokens=(1, 5, 9), contexts=(64,))
+
+
+@dataclass
+class Problem:
+    """One case, built on its device: the tensors and the three ways to compute it."""
+    args: tuple[Tensor, ...]
+    reference: Callable[..., Any]               # eager PyTorch subgraph; also what compile gets
+    fused: Callable[..., Any] | None            # fused op or merged GEMM; None: plain GEMM
+    nbytes: int                                 # least bytes moved: inputs once, outputs once
+    as_fused: Callable[[Any], Any] = lambda out: out  # reference output in the fused layout
+
+
+@dataclass
+class Spec:
+    op: str
+    case: str
+    make: Callable[[str], Problem]              # device -> Problem
+
+
+@dataclass
+class Row:
+    op: str
+    case: str
+    nbytes: int | None = None
+    eager_us: float | None = None
+    compile_us: float | None = None
+    fused_us: float | None = None
+    compile_seconds: float | None = None
+    rel_err: float | None = None                # fused vs eager
+    compile_rel_err: float | None = None        # compiled vs eager
+    flagged: bool = False
+    gbps: float | None = None
+    pct_bw: float | None = None
+    gbps_of: str | None = None                  # "fused", or "eager" for plain GEMMs
+    speedup_vs_eager: float | None = None
+    speedup_vs_compile: float | None = None
+    seconds: float | None = None
+    errors: dict[str, str] = field(default_factory=dict)
+    tracebacks: dict[str, str] = field(default_factory=dict)
+
+
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+def save(path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(RESULTS, f, indent=2)
+
+
+def nbytes(*tensors: Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def randn(*shape: int, device: str) -> Tensor:
+    return torch.randn(*shape, device=device, dtype=DTYPE)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cases
+# ---------------------------------------------------------------------------------------------
+
+
+def make_rms_norm(s: Shapes, T: int, device: str) -> Problem:
+    x, w = randn(1, T, s.hidden, device=device), randn(s.hidden, device=device)
+    return Problem((x, w), lambda x, w: rms_norm_reference(x, w, EPS),
+                   lambda x, w: torch.ops.fuser.rms_norm(x, w, EPS),
+                   nbytes(x, w) + nbytes(x))  # out like x
+
+
+def make_add_rms_norm(s: Shapes, T: int, device: str) -> Problem:
+    x, r = randn(1, T, s.hidden, device=device), randn(1, T, s.hidden, device=device)
+    w = randn(s.hidden, device=device)
+    return Problem((x, r, w), lambda x, r, w: add_rms_norm_reference(x, r, w, EPS),
+                   lambda x, r, w: torch.ops.fuser.add_rms_norm(x, r, w, EPS),
+                   nbytes(x, r, w) + 2 * nbytes(x))  # out and summed like x
+
+
+def make_rotary(s: Shapes, T: int, device: str) -> Problem:
+    # q and k as the step has them: head-split column slices of the merged qkv output,
+    # transposed to [B, heads, T, D] (strided views, not copies).
+    q_width, kv_width = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    qkv = randn(1, T, q_width + 2 * kv_width, device=device)
+    q = qkv[..., :q_width].unflatten(-1, (s.heads, s.head_dim)).transpose(1, 2)
+    k = qkv[..., q_width:q_width + kv_width].unflatten(-1, (s.kv_heads, s.head_dim)).transpose(1, 2)
+    angles = torch.rand(1, T, s.head_dim, device=device) * (2 * math.pi)
+    cos, sin = angles.cos().to(DTYPE), angles.sin().to(DTYPE)
+    return Problem((q, k, cos, sin), rotary_reference,
+                   lambda q, k, cos, sin: torch.ops.fuser.rotary(q, k, cos, sin),
+                   2 * nbytes(q, k) + nbytes(cos, sin))  # q_rot, k_rot like q, k
+
+
+def make_gated_act(s: Shapes, T: int, device: str) -> Problem:
+    gate_up = randn(1, T, 2 * s.intermediate, device=device)
+    return Problem((gate_up,), lambda g: gated_act_reference(g, "silu"),
+                   lambda g: torch.ops.fuser.gated_act(g, "silu"),
+                   nbytes(gate_up) * 3 // 2)  # read 2I, write I
+
+
+def make_attention(s: Shapes, T: int, ctx: int, device: str) -> Problem:
+    slots = ctx + EXTRA_SLOTS
+    q = randn(1, s.heads, T, s.head_dim, device=device)
+    k_cache = randn(1, slots, s.kv_heads, s.head_dim, device=device)
+    v_cache = randn(1, slots, s.kv_heads, s.head_dim, device=device)
+    seq_lens = torch.full((1,), ctx, dtype=torch.int64, device=device)
+    starts = torch.zeros(1, dtype=torch.int64, device=device)
+    scale = s.head_dim ** -0.5
+    visible_kv = 2 * (ctx + T) * s.kv_heads * s.head_dim * k_cache.element_size()
+    return Problem(
+        (q, k_cache, v_cache, seq_lens, starts),
+        lambda q, k, v, lens, starts: cache_attention_reference(
+            q, k, v, lens, starts, scale, 0, 0.0),
+        lambda q, k, v, lens, starts: torch.ops.fuser.cache_attention_read(
+            q, k, v, lens, starts, scale, 0, 0.0),
+        visible_kv + 2 * nbytes(q))  # out [B, T, H, D] like q
+
+
+def separate_linears(x: Tensor, *weights: Tensor) -> tuple[Tensor, ...]:
+    return tuple(F.linear(x, w) for w in weights)
+
+
+def make_merged(rows: tuple[int, ...], s: Shapes, T: int, device: str) -> Problem:
+    """Sibling projections of x: separate F.linear per weight vs one over their concatenation.
+
+    The separate weights are row slices of the merged one, as passes/projections.py leaves them.
+    """
+    x = randn(1, T, s.hidden, device=device)
+    merged = randn(sum(rows), s.hidden, device=device)
+    parts = merged.split(rows)
+    return Problem((x, merged, *parts),
+                   lambda x, merged, *parts: separate_linears(x, *parts),
+                   lambda x, merged, *parts: F.linear(x, merged),
+                   nbytes(x, merged) + T * sum(rows) * x.element_size(),
+                   as_fused=lambda outs: torch.cat(outs, dim=-1))
+
+
+def make_linear(out_features: int, in_features: int, T: int, device: str) -> Problem:
+    x, w = randn(1, T, in_features, device=device), randn(out_features, in_features, device=device)
+    return Problem((x, w), F.linear, None, nbytes(x, w) + T * out_features * x.element_size())
+
+
+def specs(s: Shapes, only: list[str] | None) -> list[Spec]:
+    qkv_rows = (s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim)
+    per_token: dict[str, Callable[..., Problem]] = {
+        "rms_norm": functools.partial(make_rms_norm, s),
+        "add_rms_norm": functools.partial(make_add_rms_norm, s),
+        "rotary": functools.partial(make_rotary, s),
+        "gated_act": functools.partial(make_gated_act, s),
+        "attention": functools.partial(make_attention, s),
+        "qkv_proj": functools.partial(make_merged, qkv_rows, s),
+        "gate_up_proj": functools.partial(make_merged, (s.intermediate, s.intermediate), s),
+        "o_proj": functools.partial(make_linear, s.hidden, s.heads * s.head_dim),
+        "down_proj": functools.partial(make_linear, s.hidden, s.intermediate),
+        "lm_head": functools.partial(make_linear, s.vocab, s.hidden),
+    }
+    out = []
+    for op, make in per_token.items():
+        if only and op not in only:
+            continue
+        for T in s.tokens:
+            if op == "attention":
+                out += [Spec(op, f"ctx={ctx} T={T}", functools.partial(make, T, ctx))
+                        for ctx in s.contexts]
+            else:
+                out.append(Spec(op, f"T={T}", functools.partial(make, T)))
+    return out
+
+
+OPS = ("rms_norm", "add_rms_norm", "rotary", "gated_act", "attention", "qkv_proj",
+       "gate_up_proj", "o_proj", "down_proj", "lm_head")
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring
+# ---------------------------------------------------------------------------------------------
+
+
+def measure_read_bandwidth() -> float:
+    """Bytes/s of a sum over 2 GiB of bf16 (reads dominate)."""
+    x = torch.randn(2**30, device="cuda", dtype=torch.bfloat16)
+    ms = do_bench(lambda: x.sum(), warmup=50, rep=200, return_mode="median")
+    return x.numel() * 2 / (ms * 1e-3)
+
+
+def gpu_time_us(fn: Callable[[], Any]) -> float:
+    return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def run_once(fn: Callable[[], Any]) -> None:
+    """The dry run's stand-in for a timer: call once, no time."""
+    fn()
+
+
+def flat(out: Any) -> list[Tensor]:
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def rel_err(out: Any, ref: Any) -> float:
+    """||out - ref|| / ||ref|| in fp32 over all outputs, which must match in shape."""
+    got, want = flat(out), flat(ref)
+    shapes = [tuple(t.shape) for t in got], [tuple(t.shape) for t in want]
+    if shapes[0] != shapes[1]:
+        raise ValueError(f"output shapes {shapes[0]} != reference {shapes[1]}")
+    a = torch.cat([t.float().reshape(-1) for t in got])
+    b = torch.cat([t.float().reshape(-1) for t in want])
+    return float((a - b).norm() / b.norm())
+
+
+def attempt(row: Row, stage: str, fn: Callable[[], Any]) -> Any:
+    """fn(), or None with the error recorded in the row under `stage`."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 -- one failing op must not end the run
+        row.errors[stage] = f"{type(e).__name__}: {e}"[:500]
+        row.tracebacks[stage] = traceback.format_exc()[-3000:]
+        return None
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def compile_and_run(row: Row, p: Problem, compile_fn: Callable[[Callable], Callable]) -> Callable:
+    """Compile the reference afresh for this case and run it once (the compile)."""
+    torch._dynamo.reset()  # no graphs of earlier cases piling up on the same code objects
+    compiled = compile_fn(p.reference)
+    start = time.perf_counter()
+    compiled(*p.args)
+    synchronize()
+    row.compile_seconds = time.perf_counter() - start
+    return compiled
+
+
+def run_case(spec: Spec, device: str, timer: Callable[[Callable[[], Any]], float | None],
+             compile_fn: Callable[[Callable], Callable] | None, bandwidth: float) -> Row:
+    row = Row(spec.op, spec.case)
+    start = time.perf_counter()
+    p: Problem | None = attempt(row, "setup", lambda: spec.make(device))
+    if p is None:
+        return row
+    row.nbytes = p.nbytes
+    args = p.args
+
+    ref = attempt(row, "eager", lambda: p.reference(*args))
+    if ref is not None:
+        row.eager_us = attempt(row, "eager", lambda: timer(lambda: p.reference(*args)))
+
+    if p.fused is not None:
+        out = attempt(row, "fused", lambda: p.fused(*args))
+        if out is not None:
+            if ref is not None:
+                row.rel_err = attempt(row, "check", lambda: rel_err(out, p.as_fused(ref)))
+                row.flagged = row.rel_err is not None and not row.rel_err <= TOLERANCE
+            del out
+            row.fused_us = attempt(row, "fused", lambda: timer(lambda: p.fused(*args)))
+
+    if compile_fn is not None:
+        compiled = attempt(row, "compile", lambda: compile_and_run(row, p, compile_fn))
+        if compiled is not None:
+            if ref is not None:
+                row.compile_rel_err = attempt(row, "check", lambda: rel_err(compiled(*args), ref))
+            row.compile_us = attempt(row, "compile", lambda: timer(lambda: compiled(*args)))
+
+    derive(row, bandwidth)
+    row.seconds = time.perf_counter() - start
+    return row
+
+
+def valid(v: float | None) -> bool:
+    return v is not None and math.isfinite(v) and v > 0
+
+
+def derive(row: Row, bandwidth: float) -> None:
+    """GB/s and % of bandwidth of the fused op (eager for plain GEMMs); speedups of fused."""
+    row.gbps_of = "eager" if row.op in ("o_proj", "down_proj", "lm_head") else "fused"
+    us = row.eager_us if row.gbps_of == "eager" else row.fused_us
+    if valid(us) and row.nbytes:
+        row.gbps = row.nbytes / (us * 1e-6) / 1e9
+        if valid(bandwidth):
+            row.pct_bw = 100 * row.gbps * 1e9 / bandwidth
+    if valid(row.fused_us):
+        if valid(row.eager_us):
+            row.speedup_vs_eager = row.eager_us / row.fused_us
+        if valid(row.compile_us):
+            row.speedup_vs_compile = row.compile_us / row.fused_us
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+# ---------------------------------------------------------------------------------------------
+
+
+def num(v: float | None, fmt: str, error: bool = False) -> str:
+    if error:
+        return "ERR"
+    return "-" if v is None or not math.isfinite(v) else format(v, fmt)
+
+
+def progress(i: int, n: int, row: Row) -> str:
+    parts = [f"eager {num(row.eager_us, '.1f')} us"]
+    if row.compile_seconds is not None:
+        parts.append(f"compile {num(row.compile_us, '.1f')} us "
+                     f"(compiled in {row.compile_seconds:.1f} s)")
+    if row.gbps_of != "eager":
+        parts.append(f"fused {num(row.fused_us, '.1f')} us")
+    if row.gbps is not None:
+        parts.append(f"{row.gbps:.0f} GB/s ({row.gbps_of})")
+    if row.rel_err is not None:
+        parts.append(f"rel err {row.rel_err:.1e}{' OVER ' + str(TOLERANCE) if row.flagged else ''}")
+    errors = "".join(f" ERROR[{k}] {v.splitlines()[0][:200]}" for k, v in row.errors.items())
+    took = f" ({row.seconds or 0:.1f} s)"
+    return f"[{i:>2}/{n}] {row.op} {row.case}: " + ", ".join(parts) + took + errors
+
+
+HEADER = (f"{'op':<13}{'case':<14}{'eager us':>10}{'compile us':>11}{'fused us':>10}"
+          f"{'fused GB/s':>11}{'% of bw':>9}{'x eager':>9}{'x compile':>10}{'rel err':>10}")
+
+
+def table_line(row: Row) -> str:
+    e = row.errors
+    mark = "*" if row.gbps_of == "eager" and row.gbps is not None else ""
+    err = "-" if row.rel_err is None else f"{row.rel_err:.1e}" + ("!" if row.flagged else "")
+    if "check" in e:
+        err = "ERR"
+    return (f"{row.op:<13}{row.case:<14}"
+            f"{num(row.eager_us, '.1f', 'eager' in e or 'setup' in e):>10}"
+            f"{num(row.compile_us, '.1f', 'compile' in e):>11}"
+            f"{num(row.fused_us, '.1f', 'fused' in e):>10}"
+            f"{num(row.gbps, '.0f') + mark:>11}"
+            f"{num(row.pct_bw, '.1f') + mark:>9}"
+            f"{num(row.speedup_vs_eager, '.2f'):>9}"
+            f"{num(row.speedup_vs_compile, '.2f'):>10}"
+            f"{err:>10}")
+
+
+def geomean(values: list[float]) -> float:
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else math.nan
+
+
+def summary(rows: list[Row], bandwidth: float, seconds: float, dry_run: bool) -> str:
+    failed = [r for r in rows if r.errors]
+    flagged = [r for r in rows if r.flagged]
+    errs = [r.rel_err for r in rows if r.rel_err is not None]
+    worst = f"{max(errs):.1e}" if errs else "-"
+    head = (f"{len(rows)} cases, {len(failed)} with errors, {len(flagged)} over rel err "
+            f"{TOLERANCE} (worst {worst})")
+    if dry_run:
+        return f"dry run on CPU, tiny shapes, no timing: {head}; {seconds:.0f} s"
+    vs_eager = geomean([r.speedup_vs_eager for r in rows if r.speedup_vs_eager])
+    vs_compile = geomean([r.speedup_vs_compile for r in rows if r.speedup_vs_compile])
+    return (f"{head}; fused geomean {num(vs_eager, '.2f')}x vs eager, "
+            f"{num(vs_compile, '.2f')}x vs compile; read bandwidth {bandwidth / 1e12:.2f} TB/s; "
+            f"* = eager F.linear (plain GEMM); {seconds:.0f} s")
+
+
+# ---------------------------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="JSON file for env and rows")
+    parser.add_argument("--only", nargs="+", choices=OPS, metavar="NAME",
+                        help=f"only these ops: {', '.join(OPS)}")
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="CPU, tiny shapes, every case once against the reference, no timing")
+    args = parser.parse_args(argv)
+    if not args.dry_run and not torch.cuda.is_available():
+        print(f"benchmarks/ops.py: no CUDA device (torch {torch.__version__}); run it on the GPU "
+              "machine, or pass --dry-run to check the plumbing on CPU", file=sys.stderr)
+        return 2
+    warnings.simplefilter("ignore")
+    started = time.perf_counter()
+    device = "cpu" if args.dry_run else "cuda"
+    shapes = TINY if args.dry_run else LLAMA_3_8B
+    RESULTS["env"] = {"gpu": None if args.dry_run else torch.cuda.get_device_name(),
+                      "torch": torch.__version__, "triton": triton.__version__,
+                      "command": " ".join(sys.argv), "dry_run": args.dry_run,
+                      "shapes": asdict(shapes), "dtype": str(DTYPE), "tolerance": TOLERANCE}
+    bandwidth = math.nan
+    if not args.dry_run:
+        try:
+            bandwidth = measure_read_bandwidth()
+            log(f"HBM read bandwidth: {bandwidth / 1e12:.2f} TB/s")
+        except Exception as e:  # noqa: BLE001 -- times are still worth having without it
+            log(f"HBM read bandwidth: ERROR {type(e).__name__}: {e}")
+        torch.cuda.empty_cache()
+    RESULTS["bandwidth_TBps"] = bandwidth / 1e12 if math.isfinite(bandwidth) else None
+    for name in ("recompile_limit", "cache_size_limit"):  # one graph per case; be generous
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 64)
+    timer: Callable[[Callable[[], Any]], float | None] = run_once if args.dry_run else gpu_time_us
+    compile_fn: Callable[[Callable], Callable] | None = None
+    if not args.no_compile:
+        # The dry run checks the plumbing, not Inductor on CPU (slow): compile is the identity.
+        compile_fn = (lambda fn: fn) if args.dry_run else (
+            lambda fn: torch.compile(fn, dynamic=False))
+
+    torch.manual_seed(0)
+    todo = specs(shapes, args.only)
+    rows: list[Row] = []
+    RESULTS["rows"] = []
+    for i, spec in enumerate(todo, 1):
+        row = run_case(spec, device, timer, compile_fn, bandwidth)
+        rows.append(row)
+        RESULTS["rows"].append(asdict(row))
+        log(progress(i, len(todo), row))
+        save(args.out)
+    seconds = time.perf_counter() - started
+    RESULTS["seconds"] = seconds
+    save(args.out)
+
+    log("\n" + HEADER)
+    for row in rows:
+        log(table_line(row))
+    log(summary(rows, bandwidth, seconds, args.dry_run))
+    return 1 if any(r.errors or r.flagged for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
