@@ -14,12 +14,14 @@ python3 -c "import torch, triton, transformers; print(torch.cuda.get_device_name
 if [ "$what" = checks ]; then
   echo "== GPU tests"
   python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_ops_rmsnorm.py \
-    tests/test_rope.py tests/test_gated_mlp.py tests/test_ops_attention.py -k "cuda or gpu or CUDA or GPU" \
+    tests/test_rope.py tests/test_gated_mlp.py tests/test_ops_attention.py tests/test_ops_linear.py -k "cuda or gpu or CUDA or GPU" \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -8
   echo "== attention sweep"
   python3 benchmarks/attention_sweep.py --out "$OUT/attention_sweep.json" 2>&1 | tee "$OUT/attention_sweep.log" | tail -6
   echo "== per-op table"
   python3 benchmarks/ops.py --out "$OUT/ops.json" 2>&1 | tee "$OUT/ops.log" | tail -40
+  echo "== GEMV sweep"
+  python3 benchmarks/linear_sweep.py --out "$OUT/linear_sweep.json" 2>&1 | tee "$OUT/linear_sweep.log" | tail -18
 else
   echo "== decode benchmark"
   python3 benchmarks/decode.py --out "$OUT/decode.json" "$@" 2>&1 | tee "$OUT/decode.log" | grep -v Warning | tail -60

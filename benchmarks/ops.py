@@ -6,13 +6,30 @@
 Batch 1, bf16, T = 1, 5, 9 tokens per step (decode and verification); attention also at context
 1024 and 8192 (cache of ctx + 16 slots, seq_lens = ctx, starts = 0). Ops: rms_norm,
 add_rms_norm, rotary, gated_act (silu), cache attention, the merged q/k/v and gate/up GEMMs
-(one F.linear over the concatenated weight), and the plain o_proj, down_proj and lm_head GEMMs.
+(one F.linear over the concatenated weight), the plain o_proj, down_proj and lm_head GEMMs, and
+fuser's decode GEMV (`linear`: torch.ops.fuser.linear against F.linear at the five projection
+shapes qkv, o_proj, gate_up, down, lm_head).
 
-For every (op, case), each by `triton.testing.do_bench` (median, warmup 25 ms, rep 100 ms):
+For every (op, case), three ways, each timed per call by CUDA-graph replay (benchmarks/timing.py:
+warm-up on a side stream, CUDA_GRAPH_CALLS = 20 back-to-back calls captured into one graph,
+`do_bench(g.replay)` median of warmup 25 ms / rep 100 ms, divided by the calls), as the engine
+runs a step, so the host's launch overhead (Python dispatch, allocations; ~20-90 us, more than
+the GPU work of a batch-1 op) is not what is measured:
   eager    the pure-PyTorch reference of the same subgraph (for the merged GEMMs: the separate
-           F.linear calls; for the plain GEMMs: F.linear, as the step runs it)
-  compile  torch.compile(reference, dynamic=False), compiled afresh for the case
+           F.linear calls; for the plain GEMMs and `linear`: F.linear, i.e. cuBLAS)
+  compile  torch.compile(reference, mode="default", dynamic=False), compiled afresh for the
+           case and run twice before capture (compilation stays outside the graph)
   fused    the torch.ops.fuser op, or F.linear over the merged weight (none for plain GEMMs)
+do_bench flushes the L2 before each replay, but inside one replay the inputs are read 20 times.
+Inputs a step streams from HBM are therefore rotated: GEMM weights and the K/V caches come in
+ceil(200 MB / their bytes) distinct copies and call i reads copy i % copies (o_proj 6, qkv 4,
+down 2, gate_up and lm_head 1; attention 47 at ctx 1024, 6 at 8192). The small ops' inputs
+(< 1 MB) and q are not rotated: in a step they were just written by the previous kernel, so
+reading them from L2 is realistic. If a capture fails (an op that syncs with the host, a
+compiled function that recompiles), that way is timed by plain do_bench instead: its method is
+"eager-launch" in the JSON (`*_timing`, with the reason in `timing_notes`) and its time carries
+a `~` in the table (host overhead included; speedups against it are not like for like).
+
 The fused output is checked once against eager: ||out - ref|| / ||ref|| in fp32, flagged above
 2e-2. Bytes are the least the op must move (each input read once, each output written once;
 attention: K and V of the ctx + T visible slots, q and out; GEMMs: the weight and the
@@ -20,9 +37,10 @@ activations), as GB/s and as a percentage of this GPU's read bandwidth (a sum ov
 bf16, measured first). Plain GEMMs have no fused op: their GB/s is eager F.linear's.
 
 A failing stage (setup, eager, fused, compile, check) is recorded in the row and the run goes
-on. Progress prints as it runs; the table comes last, then one summary line. Results (env and
-rows) go to --out after every case. Exit status: 0; 1 if any stage failed or an error was
-flagged; 2 without CUDA (unless --dry-run, which runs on CPU, where the ops run their reference).
+on (so is a missing torch.ops.fuser.linear: its rows fail at setup). Progress prints as it runs;
+the table comes last, then one summary line. Results (env and rows) go to --out after every
+case. Exit status: 0; 1 if any stage failed or an error was flagged; 2 without CUDA (unless
+--dry-run, which runs on CPU, where the ops run their reference, untimed, over 2 copies).
 """
 
 from __future__ import annotations
@@ -42,13 +60,20 @@ import torch
 import torch.nn.functional as F
 import triton
 from torch import Tensor
-from triton.testing import do_bench
 
 import fuser  # noqa: F401  (registers torch.ops.fuser.*)
 from fuser.ops.attention import cache_attention_reference
 from fuser.ops.gated_act import gated_act_reference
 from fuser.ops.rmsnorm import add_rms_norm_reference, rms_norm_reference
 from fuser.ops.rope import rotary_reference
+from timing import (CALLS, EAGER_LAUNCH, ROTATE_BYTES, Timing, copies_for,  # benchmarks/
+                    measure_read_bandwidth, time_us)
+
+try:  # the decode GEMV is new: without it, ops.py still runs and records its rows as failed
+    import fuser.ops.linear  # noqa: F401  (registers torch.ops.fuser.linear)
+    LINEAR_IMPORT_ERROR: str | None = None
+except Exception as e:  # noqa: BLE001
+    LINEAR_IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
 DTYPE = torch.bfloat16
 EPS = 1e-5
@@ -84,6 +109,10 @@ class Problem:
     fused: Callable[..., Any] | None            # fused op or merged GEMM; None: plain GEMM
     nbytes: int                                 # least bytes moved: inputs once, outputs once
     as_fused: Callable[[Any], Any] = lambda out: out  # reference output in the fused layout
+    # Inputs a step streams from HBM (weights, K/V caches): `fresh` builds another args tuple
+    # with distinct copies of them (`rotated` bytes per copy); timing cycles through copies.
+    fresh: Callable[[], tuple[Tensor, ...]] | None = None
+    rotated: int = 0
 
 
 @dataclass
@@ -108,11 +137,17 @@ class Row:
     gbps: float | None = None
     pct_bw: float | None = None
     gbps_of: str | None = None                  # "fused", or "eager" for plain GEMMs
+    eager_timing: str | None = None             # "cuda-graph" or "eager-launch" (None: dry run)
+    compile_timing: str | None = None
+    fused_timing: str | None = None
+    copies: int = 1                             # distinct copies of the rotated inputs
+    calls_per_graph: int | None = None
     speedup_vs_eager: float | None = None
     speedup_vs_compile: float | None = None
     seconds: float | None = None
     errors: dict[str, str] = field(default_factory=dict)
     tracebacks: dict[str, str] = field(default_factory=dict)
+    timing_notes: dict[str, str] = field(default_factory=dict)  # why a capture failed
 
 
 def log(message: str) -> None:
@@ -189,7 +224,9 @@ def make_attention(s: Shapes, T: int, ctx: int, device: str) -> Problem:
             q, k, v, lens, starts, scale, 0, 0.0),
         lambda q, k, v, lens, starts: torch.ops.fuser.cache_attention_read(
             q, k, v, lens, starts, scale, 0, 0.0),
-        visible_kv + 2 * nbytes(q))  # out [B, T, H, D] like q
+        visible_kv + 2 * nbytes(q),  # out [B, T, H, D] like q
+        fresh=lambda: (q, k_cache.clone(), v_cache.clone(), seq_lens, starts),
+        rotated=nbytes(k_cache, v_cache))
 
 
 def separate_linears(x: Tensor, *weights: Tensor) -> tuple[Tensor, ...]:
@@ -204,21 +241,46 @@ def make_merged(rows: tuple[int, ...], s: Shapes, T: int, device: str) -> Proble
     x = randn(1, T, s.hidden, device=device)
     merged = randn(sum(rows), s.hidden, device=device)
     parts = merged.split(rows)
+
+    def fresh() -> tuple[Tensor, ...]:
+        copy = merged.clone()
+        return (x, copy, *copy.split(rows))
+
     return Problem((x, merged, *parts),
                    lambda x, merged, *parts: separate_linears(x, *parts),
                    lambda x, merged, *parts: F.linear(x, merged),
                    nbytes(x, merged) + T * sum(rows) * x.element_size(),
-                   as_fused=lambda outs: torch.cat(outs, dim=-1))
+                   as_fused=lambda outs: torch.cat(outs, dim=-1),
+                   fresh=fresh, rotated=nbytes(merged))
 
 
 def make_linear(out_features: int, in_features: int, T: int, device: str) -> Problem:
     x, w = randn(1, T, in_features, device=device), randn(out_features, in_features, device=device)
-    return Problem((x, w), F.linear, None, nbytes(x, w) + T * out_features * x.element_size())
+    return Problem((x, w), F.linear, None, nbytes(x, w) + T * out_features * x.element_size(),
+                   fresh=lambda: (x, w.clone()), rotated=nbytes(w))
+
+
+def make_fused_linear(out_features: int, in_features: int, T: int, device: str) -> Problem:
+    """fuser's decode GEMV (torch.ops.fuser.linear) against F.linear (cuBLAS)."""
+    if not hasattr(torch.ops.fuser, "linear"):
+        raise RuntimeError("torch.ops.fuser.linear is not registered (fuser/ops/linear.py: "
+                           f"{LINEAR_IMPORT_ERROR or 'imported, but no op'})")
+    p = make_linear(out_features, in_features, T, device)
+    p.fused = lambda x, w: torch.ops.fuser.linear(x, w)
+    return p
+
+
+def linear_shapes(s: Shapes) -> dict[str, tuple[int, int]]:
+    """(out_features, in_features) of the decode GEMMs, merged where the passes merge them."""
+    q_width, kv_width = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    return {"qkv": (q_width + 2 * kv_width, s.hidden), "o_proj": (s.hidden, q_width),
+            "gate_up": (2 * s.intermediate, s.hidden), "down": (s.hidden, s.intermediate),
+            "lm_head": (s.vocab, s.hidden)}
 
 
 def specs(s: Shapes, only: list[str] | None) -> list[Spec]:
     qkv_rows = (s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim)
-    per_token: dict[str, Callable[..., Problem]] = {
+    per_token: dict[str, Callable[..., Problem] | None] = {
         "rms_norm": functools.partial(make_rms_norm, s),
         "add_rms_norm": functools.partial(make_add_rms_norm, s),
         "rotary": functools.partial(make_rotary, s),
@@ -229,6 +291,7 @@ def specs(s: Shapes, only: list[str] | None) -> list[Spec]:
         "o_proj": functools.partial(make_linear, s.hidden, s.heads * s.head_dim),
         "down_proj": functools.partial(make_linear, s.hidden, s.intermediate),
         "lm_head": functools.partial(make_linear, s.vocab, s.hidden),
+        "linear": None,  # five shapes per T: linear_shapes
     }
     out = []
     for op, make in per_token.items():
@@ -238,13 +301,16 @@ def specs(s: Shapes, only: list[str] | None) -> list[Spec]:
             if op == "attention":
                 out += [Spec(op, f"ctx={ctx} T={T}", functools.partial(make, T, ctx))
                         for ctx in s.contexts]
+            elif op == "linear":
+                out += [Spec(op, f"{name} T={T}", functools.partial(make_fused_linear, n, k, T))
+                        for name, (n, k) in linear_shapes(s).items()]
             else:
                 out.append(Spec(op, f"T={T}", functools.partial(make, T)))
     return out
 
 
 OPS = ("rms_norm", "add_rms_norm", "rotary", "gated_act", "attention", "qkv_proj",
-       "gate_up_proj", "o_proj", "down_proj", "lm_head")
+       "gate_up_proj", "o_proj", "down_proj", "lm_head", "linear")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,20 +318,18 @@ OPS = ("rms_norm", "add_rms_norm", "rotary", "gated_act", "attention", "qkv_proj
 # ---------------------------------------------------------------------------------------------
 
 
-def measure_read_bandwidth() -> float:
-    """Bytes/s of a sum over 2 GiB of bf16 (reads dominate)."""
-    x = torch.randn(2**30, device="cuda", dtype=torch.bfloat16)
-    ms = do_bench(lambda: x.sum(), warmup=50, rep=200, return_mode="median")
-    return x.numel() * 2 / (ms * 1e-3)
+Timer = Callable[[list[Callable[[], Any]]], "Timing | None"]  # one callable per input copy
 
 
-def gpu_time_us(fn: Callable[[], Any]) -> float:
-    return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+def gpu_timer(fns: list[Callable[[], Any]]) -> Timing:
+    """CUDA-graph replay of CALLS calls cycling through the copies (timing.time_us)."""
+    return time_us(fns, CALLS)
 
 
-def run_once(fn: Callable[[], Any]) -> None:
-    """The dry run's stand-in for a timer: call once, no time."""
-    fn()
+def run_once(fns: list[Callable[[], Any]]) -> None:
+    """The dry run's stand-in for a timer: call once on each input copy, no time."""
+    for fn in fns:
+        fn()
 
 
 def flat(out: Any) -> list[Tensor]:
@@ -299,18 +363,31 @@ def synchronize() -> None:
 
 
 def compile_and_run(row: Row, p: Problem, compile_fn: Callable[[Callable], Callable]) -> Callable:
-    """Compile the reference afresh for this case and run it once (the compile)."""
+    """Compile the reference afresh for this case and run it (the compile), then once more."""
     torch._dynamo.reset()  # no graphs of earlier cases piling up on the same code objects
     compiled = compile_fn(p.reference)
     start = time.perf_counter()
     compiled(*p.args)
     synchronize()
     row.compile_seconds = time.perf_counter() - start
+    compiled(*p.args)
     return compiled
 
 
-def run_case(spec: Spec, device: str, timer: Callable[[Callable[[], Any]], float | None],
-             compile_fn: Callable[[Callable], Callable] | None, bandwidth: float) -> Row:
+def record(row: Row, stage: str, timing: Timing | None) -> float | None:
+    """The time of a Timing, its method and any note stored in the row (dry run: None)."""
+    if timing is None:
+        return None
+    setattr(row, f"{stage}_timing", timing.method)
+    row.calls_per_graph = max(row.calls_per_graph or 0, timing.calls)
+    if timing.note:
+        row.timing_notes[stage] = timing.note
+    return timing.us
+
+
+def run_case(spec: Spec, device: str, timer: Timer,
+             compile_fn: Callable[[Callable], Callable] | None, bandwidth: float,
+             rotate: bool = True) -> Row:
     row = Row(spec.op, spec.case)
     start = time.perf_counter()
     p: Problem | None = attempt(row, "setup", lambda: spec.make(device))
@@ -318,10 +395,23 @@ def run_case(spec: Spec, device: str, timer: Callable[[Callable[[], Any]], float
         return row
     row.nbytes = p.nbytes
     args = p.args
+    arg_sets = [args]
+    if p.fresh is not None:  # weights / caches in copies that exceed the L2 (dry run: 2)
+        copies = copies_for(p.rotated) if rotate else 2
+        more = attempt(row, "setup", lambda: [p.fresh() for _ in range(copies - 1)])
+        if more is None:
+            return row
+        arg_sets += more
+    row.copies = len(arg_sets)
+
+    def timed(stage: str, fn: Callable[..., Any]) -> float | None:
+        """Time fn over the input copies (call i takes copy i % copies); errors to the row."""
+        calls = [functools.partial(fn, *a) for a in arg_sets]
+        return attempt(row, stage, lambda: record(row, stage, timer(calls)))
 
     ref = attempt(row, "eager", lambda: p.reference(*args))
     if ref is not None:
-        row.eager_us = attempt(row, "eager", lambda: timer(lambda: p.reference(*args)))
+        row.eager_us = timed("eager", p.reference)
 
     if p.fused is not None:
         out = attempt(row, "fused", lambda: p.fused(*args))
@@ -330,14 +420,15 @@ def run_case(spec: Spec, device: str, timer: Callable[[Callable[[], Any]], float
                 row.rel_err = attempt(row, "check", lambda: rel_err(out, p.as_fused(ref)))
                 row.flagged = row.rel_err is not None and not row.rel_err <= TOLERANCE
             del out
-            row.fused_us = attempt(row, "fused", lambda: timer(lambda: p.fused(*args)))
+            row.fused_us = timed("fused", p.fused)
 
     if compile_fn is not None:
         compiled = attempt(row, "compile", lambda: compile_and_run(row, p, compile_fn))
         if compiled is not None:
             if ref is not None:
                 row.compile_rel_err = attempt(row, "check", lambda: rel_err(compiled(*args), ref))
-            row.compile_us = attempt(row, "compile", lambda: timer(lambda: compiled(*args)))
+            row.compile_us = timed("compile", compiled)
+        torch._dynamo.reset()  # drop the compiled graph (and what it holds) before the next case
 
     derive(row, bandwidth)
     row.seconds = time.perf_counter() - start
@@ -349,7 +440,9 @@ def valid(v: float | None) -> bool:
 
 
 def derive(row: Row, bandwidth: float) -> None:
-    """GB/s and % of bandwidth of the fused op (eager for plain GEMMs); speedups of fused."""
+    """GB/s and % of bandwidth of the fused op (eager for plain GEMMs); speedups of fused.
+
+    The `linear` family's fused op is fuser's GEMV; its eager is cuBLAS."""
     row.gbps_of = "eager" if row.op in ("o_proj", "down_proj", "lm_head") else "fused"
     us = row.eager_us if row.gbps_of == "eager" else row.fused_us
     if valid(us) and row.nbytes:
@@ -374,18 +467,26 @@ def num(v: float | None, fmt: str, error: bool = False) -> str:
     return "-" if v is None or not math.isfinite(v) else format(v, fmt)
 
 
+def launch_mark(row: Row, stage: str) -> str:
+    """'~' after a time that was taken by eager launch (the capture failed), else ''."""
+    return "~" if getattr(row, f"{stage}_timing") == EAGER_LAUNCH else ""
+
+
 def progress(i: int, n: int, row: Row) -> str:
-    parts = [f"eager {num(row.eager_us, '.1f')} us"]
+    parts = [f"eager {num(row.eager_us, '.1f')}{launch_mark(row, 'eager')} us"]
     if row.compile_seconds is not None:
-        parts.append(f"compile {num(row.compile_us, '.1f')} us "
+        parts.append(f"compile {num(row.compile_us, '.1f')}{launch_mark(row, 'compile')} us "
                      f"(compiled in {row.compile_seconds:.1f} s)")
     if row.gbps_of != "eager":
-        parts.append(f"fused {num(row.fused_us, '.1f')} us")
+        parts.append(f"fused {num(row.fused_us, '.1f')}{launch_mark(row, 'fused')} us")
     if row.gbps is not None:
         parts.append(f"{row.gbps:.0f} GB/s ({row.gbps_of})")
     if row.rel_err is not None:
         parts.append(f"rel err {row.rel_err:.1e}{' OVER ' + str(TOLERANCE) if row.flagged else ''}")
+    if row.copies > 1:
+        parts.append(f"{row.copies} input copies")
     errors = "".join(f" ERROR[{k}] {v.splitlines()[0][:200]}" for k, v in row.errors.items())
+    errors += "".join(f" NOT CAPTURED[{k}] {v[:200]}" for k, v in row.timing_notes.items())
     took = f" ({row.seconds or 0:.1f} s)"
     return f"[{i:>2}/{n}] {row.op} {row.case}: " + ", ".join(parts) + took + errors
 
@@ -400,10 +501,14 @@ def table_line(row: Row) -> str:
     err = "-" if row.rel_err is None else f"{row.rel_err:.1e}" + ("!" if row.flagged else "")
     if "check" in e:
         err = "ERR"
+
+    def time_cell(stage: str, us: float | None, error: bool) -> str:
+        return num(us, ".1f", error) + launch_mark(row, stage)
+
     return (f"{row.op:<13}{row.case:<14}"
-            f"{num(row.eager_us, '.1f', 'eager' in e or 'setup' in e):>10}"
-            f"{num(row.compile_us, '.1f', 'compile' in e):>11}"
-            f"{num(row.fused_us, '.1f', 'fused' in e):>10}"
+            f"{time_cell('eager', row.eager_us, 'eager' in e or 'setup' in e):>10}"
+            f"{time_cell('compile', row.compile_us, 'compile' in e):>11}"
+            f"{time_cell('fused', row.fused_us, 'fused' in e):>10}"
             f"{num(row.gbps, '.0f') + mark:>11}"
             f"{num(row.pct_bw, '.1f') + mark:>9}"
             f"{num(row.speedup_vs_eager, '.2f'):>9}"
@@ -426,9 +531,23 @@ def summary(rows: list[Row], bandwidth: float, seconds: float, dry_run: bool) ->
         return f"dry run on CPU, tiny shapes, no timing: {head}; {seconds:.0f} s"
     vs_eager = geomean([r.speedup_vs_eager for r in rows if r.speedup_vs_eager])
     vs_compile = geomean([r.speedup_vs_compile for r in rows if r.speedup_vs_compile])
+    launched = sum(bool(r.timing_notes) for r in rows)
     return (f"{head}; fused geomean {num(vs_eager, '.2f')}x vs eager, "
             f"{num(vs_compile, '.2f')}x vs compile; read bandwidth {bandwidth / 1e12:.2f} TB/s; "
-            f"* = eager F.linear (plain GEMM); {seconds:.0f} s")
+            f"{launched} rows with an eager-launch time (~); {seconds:.0f} s")
+
+
+def footnote(rows: list[Row]) -> str:
+    groups: dict[str, int] = {}  # op and case less T -> copies (the same for every T)
+    for r in rows:
+        if r.copies > 1:
+            name = " ".join([r.op] + [w for w in r.case.split() if not w.startswith("T=")])
+            groups[name] = r.copies
+    copies = ", ".join(f"{name} x{n}" for name, n in groups.items())
+    return (f"us per call by CUDA-graph replay of {CALLS} back-to-back calls (do_bench median, L2 "
+            f"flushed per replay); ~ = not capturable, timed by eager launch (host overhead "
+            f"included); * = eager F.linear (plain GEMM). Inputs rotated over copies "
+            f"(>= {ROTATE_BYTES / 1e6:.0f} MB): {copies or 'none'}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -456,7 +575,11 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS["env"] = {"gpu": None if args.dry_run else torch.cuda.get_device_name(),
                       "torch": torch.__version__, "triton": triton.__version__,
                       "command": " ".join(sys.argv), "dry_run": args.dry_run,
-                      "shapes": asdict(shapes), "dtype": str(DTYPE), "tolerance": TOLERANCE}
+                      "shapes": asdict(shapes), "dtype": str(DTYPE), "tolerance": TOLERANCE,
+                      "timing": None if args.dry_run else {
+                          "method": "cuda-graph replay, per call", "calls_per_graph": CALLS,
+                          "do_bench": "median, warmup 25 ms, rep 100 ms, L2 flushed per replay",
+                          "rotate_bytes": ROTATE_BYTES, "fallback": EAGER_LAUNCH}}
     bandwidth = math.nan
     if not args.dry_run:
         try:
@@ -469,19 +592,19 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("recompile_limit", "cache_size_limit"):  # one graph per case; be generous
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, 64)
-    timer: Callable[[Callable[[], Any]], float | None] = run_once if args.dry_run else gpu_time_us
+    timer: Timer = run_once if args.dry_run else gpu_timer
     compile_fn: Callable[[Callable], Callable] | None = None
     if not args.no_compile:
         # The dry run checks the plumbing, not Inductor on CPU (slow): compile is the identity.
         compile_fn = (lambda fn: fn) if args.dry_run else (
-            lambda fn: torch.compile(fn, dynamic=False))
+            lambda fn: torch.compile(fn, mode="default", dynamic=False))
 
     torch.manual_seed(0)
     todo = specs(shapes, args.only)
     rows: list[Row] = []
     RESULTS["rows"] = []
     for i, spec in enumerate(todo, 1):
-        row = run_case(spec, device, timer, compile_fn, bandwidth)
+        row = run_case(spec, device, timer, compile_fn, bandwidth, rotate=not args.dry_run)
         rows.append(row)
         RESULTS["rows"].append(asdict(row))
         log(progress(i, len(todo), row))
@@ -493,6 +616,8 @@ def main(argv: list[str] | None = None) -> int:
     log("\n" + HEADER)
     for row in rows:
         log(table_line(row))
+    if not args.dry_run:
+        log(footnote(rows))
     log(summary(rows, bandwidth, seconds, args.dry_run))
     return 1 if any(r.errors or r.flagged for r in rows) else 0
 

@@ -39,8 +39,9 @@ class FuserConfig:
         dump_graphs: a directory to write every graph before and after every pass (also set by
             the FUSER_DUMP_GRAPHS environment variable).
         fused_attention: decode and verification steps attend through the split-K Triton op
-            `fuser::cache_attention_read` instead of ATen ops. Off by default until its kernel
-            has been validated and timed on a GPU (its CPU path is the same math either way).
+            `fuser::cache_attention_read` (validated and timed on an H200: benchmarks/RESULTS.md)
+            instead of ATen ops over every cache slot. False keeps the ATen path (its CPU path
+            is the same math either way).
     """
 
     precision: Precision = "auto"
@@ -51,7 +52,7 @@ class FuserConfig:
     device: str | torch.device | None = None
     compile: CompileMode = "auto"
     dump_graphs: str | None = None
-    fused_attention: bool = False
+    fused_attention: bool = True
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:

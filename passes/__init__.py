@@ -18,6 +18,7 @@ from fuser.passes.rmsnorm import ADD_RMS_NORM, RMS_NORM
 from fuser.passes.rope import ROTARY
 from fuser.passes.gated_mlp import GATED_ACT
 from fuser.passes.projections import MERGE_GATE_UP, MERGE_QKV
+from fuser.passes.linear import LINEAR
 
 PASSES: list[GraphRewrite] = [
     ADD_RMS_NORM,  # before rms_norm: a plain RMSNorm is a subset of add + RMSNorm
@@ -26,6 +27,7 @@ PASSES: list[GraphRewrite] = [
     MERGE_GATE_UP,  # the two linears feeding act(gate) * up; merge_qkv takes every other group
     MERGE_QKV,
     GATED_ACT,  # after merge_gate_up: needs gate and up as the two halves of one GEMM output
+    LINEAR,  # last: every GEMM the merges left, at decode shapes, becomes the GEMV kernel
 ]
 
 

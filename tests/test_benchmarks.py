@@ -1,20 +1,75 @@
-"""benchmarks/ops.py --dry-run: every case of the per-op GPU benchmark runs once on CPU."""
+"""The GPU benchmarks' plumbing on CPU: dry runs of ops.py and the sweeps, and timing.py's
+rotation arithmetic (the CUDA-graph timing itself needs a GPU: benchmarks/gpu_all.sh)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+LINEAR_OP = importlib.util.find_spec("fuser.ops.linear") is not None
+
+
+def run(script: str, out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, f"benchmarks/{script}", "--dry-run", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=180)
 
 
 def test_ops_benchmark_dry_run(tmp_path: Path) -> None:
     out = tmp_path / "ops.json"
-    proc = subprocess.run([sys.executable, "benchmarks/ops.py", "--dry-run", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = run("ops.py", out)
+    rows = json.loads(out.read_text())["rows"]
+    linear = [r for r in rows if r["op"] == "linear"]
+    assert len(linear) == 15  # five shapes x T = 1, 5, 9
+    if LINEAR_OP:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert not [r for r in rows if r["errors"] or r["flagged"]]
+    else:  # the op is missing: its rows fail at setup, the rest still runs clean
+        assert all("not registered" in r["errors"].get("setup", "") for r in linear)
+        assert not [r for r in rows if r["op"] != "linear" and (r["errors"] or r["flagged"])]
+    # weights and caches come in copies (2 in the dry run), small ops' inputs do not
+    assert {r["op"] for r in rows if r["copies"] > 1} == {
+        "attention", "qkv_proj", "gate_up_proj", "o_proj", "down_proj", "lm_head", "linear"}
+    assert proc.stdout.strip().splitlines()[-1].startswith("dry run on CPU")
+
+
+def test_attention_sweep_dry_run(tmp_path: Path) -> None:
+    out = tmp_path / "attention_sweep.json"
+    proc = run("attention_sweep.py", out)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert rows and not [r for r in rows if r["errors"] or r["flagged"]]
+    assert rows and all(r["errors"] == 0 and r["flagged"] == 0 for r in rows)
+    assert all(res.get("rel_err") is not None for r in rows for res in r["all"])
     assert proc.stdout.strip().splitlines()[-1].startswith("dry run on CPU")
+
+
+@pytest.mark.skipif(not LINEAR_OP, reason="fuser/ops/linear.py is not there yet")
+def test_linear_sweep_dry_run(tmp_path: Path) -> None:
+    out = tmp_path / "linear_sweep.json"
+    proc = run("linear_sweep.py", out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and all(r["flagged"] == 0 and "error" not in r["default"] for r in rows)
+    # block_n 8 is refused on the MMA path (M > 1) and recorded, not fatal
+    assert all(r["errors"] == (r["M"] > 1) for r in rows)
+    assert proc.stdout.strip().splitlines()[-1].startswith("dry run on CPU")
+
+
+def test_timing_rotation() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import timing
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert timing.copies_for(4_259_840) == 47     # K+V at ctx 1024: 2 * 1040 * 8 * 128 * 2 B
+    assert timing.copies_for(33_554_432) == 6     # o_proj weight
+    assert timing.copies_for(1_050_673_152) == 1  # lm_head weight
+    fns, seq = timing._sequence([len, abs, id], 20)
+    assert len(seq) == 21 and seq[:4] == [len, abs, id, len]  # every copy equally often
+    assert len(timing._sequence([len] * 47, 20)[1]) == 47   # at least one call per copy
+    assert len(timing._sequence(len, 20)[1]) == 20

@@ -1,4 +1,5 @@
-"""Decode and verify steps attending through fuser::cache_attention_read (FuserConfig opt-in)."""
+"""Decode and verify steps attending through fuser::cache_attention_read (the default), and the
+ATen path that FuserConfig(fused_attention=False) keeps."""
 
 from __future__ import annotations
 
@@ -32,3 +33,17 @@ def test_fused_attention_in_decode_and_verify(family: str, window: int | None) -
     plain = fuser.optimize(target, config=fuser.FuserConfig(max_batch_size=2, max_seq_len=32))
     want = plain.generate(ids, 12, attention_mask=mask, eos_token_id=eos)
     assert torch.equal(got, want)
+
+
+def test_default_is_fused_and_false_keeps_aten_attention() -> None:
+    target = tiny_model("llama", layers=2)
+    ids, mask = random_prompts(1, [5], target.config.vocab_size, seed=4)
+    eos = [target.config.vocab_size - 1]
+    outputs = []
+    for fused in (None, False):
+        options = {} if fused is None else {"fused_attention": fused}
+        engine = fuser.optimize(target, config=fuser.FuserConfig(max_seq_len=32, **options))
+        count = engine.report().graphs["target.decode"].get("cache_attention_read", 0)
+        assert count == (2 if fused is None else 0)
+        outputs.append(engine.generate(ids, 10, attention_mask=mask, eos_token_id=eos))
+    assert torch.equal(*outputs)

@@ -4,3 +4,4 @@ from fuser.ops import rmsnorm  # noqa: F401
 from fuser.ops import rope  # noqa: F401
 from fuser.ops import gated_act  # noqa: F401
 from fuser.ops import attention  # noqa: F401
+from fuser.ops import linear  # noqa: F401

@@ -252,8 +252,9 @@ def cache_attention_read_triton(
         scale if softcap else scale * log2e, float(softcap), int(window),
         NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_WINDOW=bool(window), HAS_SOFTCAP=bool(softcap), FP32_DOTS=fp32_dots,
-        # The fp32 [BLOCK_M, BLOCK_D] accumulator is the register hog: 8 warps from 64 rows.
-        num_warps=num_warps or (8 if block_m >= 64 else 4), num_stages=num_stages,
+        # 4 warps: measured as fast or faster than 8 at every Llama-3-8B case on an H200, up to
+        # 2x at T = 9, ctx 8192 (benchmarks/attention_sweep.py, RESULTS.md).
+        num_warps=num_warps or 4, num_stages=num_stages,
     )
     _combine_kernel[(B * H * T,)](
         acc, ml, out, H, KV, T, D, M,

@@ -1,0 +1,163 @@
+"""A linear layer for decode: few rows of activations against a weight streamed once.
+
+    linear(x, weight) = x @ weight.T       x: [M, K] (M <= MAX_ROWS), weight: [N, K] -> [M, N]
+
+At batch 1 a decode step (M = 1) or a verification step (M = gamma + 1) is a matrix-vector
+product: the weight is read once and each element is used M times, so the time is the weight's
+bytes over the memory bandwidth. cuBLAS reaches that only for some shapes at M = 1 (measured on
+an H200: ~42% of the read bandwidth for 4096 x 4096, ~58% for 6144 x 4096, ~98% for the
+128256 x 4096 LM head; benchmarks/RESULTS.md), so the decode graphs call this kernel instead
+(passes/linear.py).
+
+Triton implementation: grid (cdiv(N, BLOCK_N),); one program owns BLOCK_N output columns and
+walks K in BLOCK_K chunks, loading a [BLOCK_N, BLOCK_K] tile of the weight (contiguous along
+K: coalesced, 16-byte loads) and the matching [M, BLOCK_K] slice of x (small, from L2), and
+keeps fp32 accumulators. M = 1 multiplies and sums on the CUDA cores; M > 1 uses an MMA with
+the rows padded to 16 (the matrix units have spare throughput at these sizes: the kernel stays
+bound by the weight's bytes). Software pipelining (num_stages) keeps several weight tiles in
+flight per program, which is what a memory-bound stream needs.
+
+Numerics: products and sums in fp32 (bf16/fp16 products are exact in fp32), one rounding to
+the output dtype, as cuBLAS does; only the summation order differs.
+
+Cost: bytes = N * K * s_w + M * K * s_x + M * N * s_out;  FLOPs = 2 * M * N * K.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+MAX_ROWS = 16  # M above this is not a decode shape: the op falls back to the reference
+
+
+@triton.jit
+def _linear_kernel(
+    x_ptr, w_ptr, out_ptr,
+    M, N, K,
+    stride_xm, stride_wn, stride_om,
+    BLOCK_M: tl.constexpr,      # 1 (CUDA-core path) or a power of two >= 16 (MMA path)
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FP32_DOTS: tl.constexpr,    # MMA path in fp32 (TRITON_INTERPRET: its bf16 dot is wrong)
+):
+    pid = tl.program_id(0)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)            # output columns = weight rows
+    col_ok = cols < N
+    offs_k = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
+    if BLOCK_M == 1:
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + offs_k
+            k_ok = k < K
+            w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_ptr + k, mask=k_ok, other=0.0)
+            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+    else:
+        rows = tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + offs_k
+            k_ok = k < K
+            w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :],
+                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if FP32_DOTS:
+                acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)),
+                              input_precision="ieee")
+            else:
+                acc += tl.dot(x.to(w.dtype), tl.trans(w))
+        out = out_ptr + rows[:, None] * stride_om + cols[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _default_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
+    """(block_n, block_k, num_warps, num_stages): the fastest of benchmarks/linear_sweep.py's
+    configurations on an H200 at Llama-3-8B shapes (benchmarks/RESULTS.md)."""
+    if M == 1:
+        if N * K <= 2**25:          # qkv (6144 x 4096), o_proj (4096 x 4096): more programs
+            return 8, 512, 8, 4
+        return 16, 512, 4, 4        # gate_up, lm_head
+    if K >= 8192 or N <= 4096:      # down_proj, o_proj
+        return 32, 512, 4, 4
+    if N <= 8192:                   # qkv
+        return 64, 256, 4, 4
+    return 64, 128, 4, 4            # lm_head
+
+
+def prefers_cublas(M: int, N: int, K: int) -> bool:
+    """Shapes where cuBLAS measured faster than every configuration of this kernel on an H200
+    (benchmarks/RESULTS.md): one row against a long K (down_proj: 32.4 vs 34.7 us), and several
+    rows against a wide, 4096-deep weight (gate_up: 57.6 vs 57.5-58.2 us, a tie at best).
+    passes/linear.py leaves these GEMMs to cuBLAS."""
+    if M == 1:
+        return K > 8192
+    return N * K > 2**26 and N < 2**16
+
+
+def linear_triton(
+    x: Tensor, weight: Tensor, *, block_n: int | None = None, block_k: int | None = None,
+    num_warps: int | None = None, num_stages: int | None = None,
+) -> Tensor:
+    """x @ weight.T for x [..., K] with at most MAX_ROWS rows in all; weight [N, K].
+
+    The keyword arguments override the tuned defaults (tests and benchmarks/linear_sweep.py).
+    """
+    *lead, K = x.shape
+    N = weight.shape[0]
+    assert weight.shape == (N, K), (x.shape, weight.shape)
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    assert M <= MAX_ROWS, f"{M} rows: linear_triton is for decode shapes (<= {MAX_ROWS} rows)"
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if out.numel() == 0 or K == 0:
+        return out.zero_().reshape(*lead, N)
+    bn, bk, warps, stages = _default_config(M, N, K)
+    bn, bk = block_n or bn, block_k or bk
+    block_m = 1 if M == 1 else max(16, triton.next_power_of_2(M))
+    if block_m > 1 and bn < 16:
+        raise ValueError(f"block_n={bn}: the MMA path (more than one row) needs block_n >= 16")
+    fp32_dots = weight.dtype == torch.float32 or (
+        x.device.type != "cuda" and weight.dtype == torch.bfloat16)
+    _linear_kernel[(triton.cdiv(N, bn),)](
+        x2, weight, out, M, N, K, x2.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, FP32_DOTS=fp32_dots,
+        num_warps=num_warps or warps, num_stages=num_stages or stages,
+    )
+    return out.reshape(*lead, N)
+
+
+# ---------------------------------------------------------------------------------------------
+# Custom op: CPU (and any other device) runs the reference, CUDA runs the Triton kernel.
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fuser::linear", mutates_args=())
+def linear(x: Tensor, weight: Tensor) -> Tensor:
+    return linear_reference(x, weight)
+
+
+@linear.register_fake
+def _linear_fake(x: Tensor, weight: Tensor) -> Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _linear_cuda(x: Tensor, weight: Tensor) -> Tensor:
+    if x.numel() // max(x.shape[-1], 1) > MAX_ROWS or x.dtype != weight.dtype:
+        return linear_reference(x, weight)
+    return linear_triton(x, weight)
+
+
+linear.register_kernel("cuda")(_linear_cuda)
+
+
+def linear_reference(x: Tensor, weight: Tensor) -> Tensor:
+    """x @ weight.T, as the captured graph computes it (aten.mm over a transposed weight)."""
+    return torch.nn.functional.linear(x, weight)

@@ -1,0 +1,99 @@
+"""The linear pass: decode-shaped GEMMs become fuser::linear on Llama, Mistral and Qwen2.
+
+Exact counts (every layer's merged QKV, o_proj, merged gate/up, down_proj, and the LM head, in
+every fixed-T graph; none in prefill), numbers against eager through the engine, and negatives:
+more rows than the kernel takes, and a mm whose right side is not a parameter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import fuser
+from fuser.ops.linear import MAX_ROWS
+from fuser.passes.linear import rewrite_linears
+from fuser.passes._matcher import count_targets, prepare_graph
+from tiny import FAMILIES, model_cases, random_prompts, real_logits_error, tiny_model
+
+aten = torch.ops.aten
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # DESIGN.md numerics contract
+
+
+def gemms(gm: torch.fx.GraphModule) -> int:
+    return count_targets(gm, aten.mm.default) + count_targets(gm, aten.addmm.default)
+
+
+def check(model: nn.Module, batch: int, lengths: list[int], gamma: int, seed: int) -> None:
+    layers = model.config.num_hidden_layers
+    draft = tiny_model(model.config.model_type, layers=1, seed=seed + 1,
+                       dtype=next(model.parameters()).dtype,
+                       heads=model.config.num_attention_heads,
+                       kv_heads=model.config.num_key_value_heads,
+                       head_dim=model.config.head_dim)
+    engine = fuser.optimize(model, draft=draft, config=fuser.FuserConfig(
+        max_batch_size=batch, max_seq_len=32, gamma=gamma))
+    report = engine.report()
+    assert report.fallbacks == []
+    for compiled in (engine.target, engine.draft):
+        n = compiled.model.config.num_hidden_layers
+        for graph in compiled.graphs.values():
+            rows = None if graph.tokens_per_step is None else batch * graph.tokens_per_step
+            linears = graph.fused_ops.get("linear", 0)
+            if rows is not None and rows <= MAX_ROWS:
+                # qkv (merged), o_proj, gate_up (merged), down_proj per layer, and the LM head
+                assert linears == 4 * n + 1 and gemms(graph.fn) == 0, graph.name
+                assert graph.matches["linear"] == 4 * n + 1, graph.name
+            else:  # prefill (symbolic rows) and too many rows keep their GEMMs
+                assert linears == 0 and gemms(graph.fn) == 4 * n + 1, graph.name
+    assert report.passes["linear"] == 4 * layers + 1
+    # numbers: prefill logits against eager, and greedy speculative == target-only greedy
+    dtype = next(model.parameters()).dtype
+    assert real_logits_error(engine, model, batch, lengths, seed) <= TOLERANCE[dtype]
+    plain = fuser.optimize(model, config=fuser.FuserConfig(max_batch_size=batch, max_seq_len=32))
+    ids, mask = random_prompts(batch, lengths, model.config.vocab_size, seed)
+    eos = [model.config.vocab_size - 1]
+    assert torch.equal(engine.generate(ids, 8, attention_mask=mask, eos_token_id=eos),
+                       plain.generate(ids, 8, attention_mask=mask, eos_token_id=eos))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@settings(max_examples=2, deadline=None, derandomize=True,
+          phases=(Phase.explicit, Phase.reuse, Phase.generate))
+@given(data=st.data())
+def test_decode_gemms_become_fuser_linear(family: str, data: st.DataObject) -> None:
+    model, batch, lengths = data.draw(model_cases(family, max_batch=4))
+    gamma = data.draw(st.sampled_from([2, 4]), label="gamma")  # batch 4 x (gamma + 1) > 16
+    check(model, batch, lengths, gamma, seed=len(lengths))
+
+
+def test_bf16_and_tied_embeddings() -> None:
+    model = tiny_model("llama", dtype=torch.bfloat16, tie=True)
+    check(model, batch=2, lengths=[6, 3], gamma=3, seed=2)
+
+
+class _NotParameters(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 8, bias=False)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) + x[:, :8] @ y.T  # the second mm multiplies two activations
+
+
+def test_only_parameter_weights_at_decode_rows() -> None:
+    module = _NotParameters().eval()
+    for rows, expected in [(1, 1), (MAX_ROWS, 1), (MAX_ROWS + 1, 0)]:
+        x, y = torch.randn(rows, 16), torch.randn(8, 8)
+        gm = torch.export.export(module, (x, y)).run_decompositions().module()
+        prepare_graph(gm)
+        before = gemms(gm)
+        assert rewrite_linears(gm) == expected
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+        assert gemms(gm) == before - expected
+        assert count_targets(gm, torch.ops.fuser.linear.default) == expected
+        torch.testing.assert_close(gm(x, y), module(x, y), rtol=0, atol=0)

@@ -1,0 +1,112 @@
+"""fuser::linear: the decode GEMV kernel and the custom op against the reference.
+
+Without a GPU the kernel runs under TRITON_INTERPRET=1 (conftest.py); with one it runs for real.
+Both paths of the kernel are covered: one row (CUDA-core products and sums) and 2..16 rows (the
+MMA path; fp16 takes it under the interpreter too, bf16 there falls back to fp32 dots).
+"""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fuser.ops import linear as _  # noqa: F401  (registers torch.ops.fuser.linear)
+from fuser.ops.linear import MAX_ROWS, linear_reference, linear_triton
+
+pytestmark = pytest.mark.usefixtures("interpreter_rounds_bf16_like_gpu")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# |out - ref| <= rtol * (|ref| + sqrt(K) * rms(x) * rms(w)) elementwise: both sides sum K exact
+# products in fp32 in different orders (error ~ K * 2^-24 of the sum of |products|), then round
+# to the output dtype once (half an ulp of |ref| each). The second term is the scale of a sum of
+# K random products, so an error of one dropped or doubled product (~ one product, i.e. the
+# scale / sqrt(K)) still exceeds the bound at these K for fp32, and a dropped K-block always does.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-10}
+
+
+def check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    ref = linear_reference(x.double(), w.double())
+    assert out.shape == ref.shape and out.dtype == x.dtype
+    assert torch.isfinite(out).all()
+    K = x.shape[-1]
+    scale = K**0.5 * x.double().pow(2).mean().sqrt() * w.double().pow(2).mean().sqrt()
+    bound = TOLERANCE[x.dtype] * (ref.abs() + scale)
+    err = (out.double() - ref).abs()
+    assert (err <= bound).all(), f"max err {err.max().item():.3g}, bound {bound.min().item():.3g}"
+
+
+def run(M: int, N: int, K: int, dtype: torch.dtype, seed: int, lead: tuple = (), **config):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, M, K, generator=g).to(dtype)
+    w = torch.randn(N, K, generator=g).to(dtype)
+    out = linear_triton(x.to(DEVICE), w.to(DEVICE), **config).cpu()
+    check(x, w, out)
+    return out
+
+
+@pytest.mark.parametrize("M", [1, 2, 5, 9, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rows_and_dtypes(M, dtype):
+    # N, K off the block sizes: masked last column block and last K chunk.
+    run(M, 40, 200, dtype, seed=M, block_n=16, block_k=64)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    M=st.integers(1, MAX_ROWS),
+    N=st.integers(1, 100),
+    K=st.integers(1, 300),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    block_n=st.sampled_from([None, 16, 32]),
+    block_k=st.sampled_from([None, 32, 128]),
+    seed=st.integers(0, 2**16),
+)
+def test_random_shapes(M, N, K, dtype, block_n, block_k, seed):
+    run(M, N, K, dtype, seed, block_n=block_n, block_k=block_k)
+
+
+def test_leading_dims_and_strided_x():
+    # [B, T, K] activations as the graph has them, and a non-contiguous (transposed) x.
+    run(5, 48, 96, torch.float32, seed=3, lead=(1,), block_n=16, block_k=32)
+    x = torch.randn(64, 3).t()  # [3, 64], stride (1, 3)
+    w = torch.randn(20, 64)
+    check(x, w, linear_triton(x.to(DEVICE), w.to(DEVICE)).cpu())
+
+
+def test_one_row_uses_cuda_cores_with_small_block_n():
+    run(1, 30, 100, torch.bfloat16, seed=4, block_n=8, block_k=32)
+    with pytest.raises(ValueError, match="block_n"):
+        linear_triton(torch.randn(2, 32).to(DEVICE), torch.randn(8, 32).to(DEVICE), block_n=8)
+
+
+def test_custom_op_opcheck_and_reference_on_cpu():
+    x, w = torch.randn(1, 3, 64), torch.randn(24, 64)
+    torch.library.opcheck(torch.ops.fuser.linear.default, (x, w))
+    torch.testing.assert_close(torch.ops.fuser.linear(x, w), x @ w.T, rtol=0, atol=0)
+    assert torch.ops.fuser.linear(x, w).shape == (1, 3, 24)
+
+
+@needs_cuda
+@pytest.mark.parametrize("M", [1, 5, 9])
+@pytest.mark.parametrize("N,K", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
+def test_gpu_llama3_shapes(M, N, K):
+    run(M, N, K, torch.bfloat16, seed=N + K + M)
+
+
+@needs_cuda
+def test_gpu_op_falls_back_above_max_rows():
+    x = torch.randn(MAX_ROWS + 1, 256, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(torch.ops.fuser.linear(x, w), x @ w.T)
+
+
+def test_cublas_keeps_the_shapes_it_measured_faster_on():
+    from fuser.ops.linear import prefers_cublas
+
+    assert prefers_cublas(1, 4096, 14336)  # down_proj, one row
+    assert prefers_cublas(5, 28672, 4096)  # gate_up, verification rows
+    for M, N, K in [(1, 6144, 4096), (1, 4096, 4096), (1, 28672, 4096), (1, 128256, 4096),
+                    (5, 4096, 14336), (9, 6144, 4096), (5, 128256, 4096)]:
+        assert not prefers_cublas(M, N, K), (M, N, K)
