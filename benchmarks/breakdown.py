@@ -20,6 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 
 # (group, substrings of a kernel's name); the first group that matches wins.
 KERNEL_GROUPS: list[tuple[str, tuple[str, ...]]] = [
+    ("GEMV: fuser::linear", ("_linear_kernel",)),
     ("attention: fuser split-K", ("_split_kernel", "_combine_kernel")),
     ("rms_norm / add_rms_norm", ("_rms_norm_kernel",)),
     ("rotary", ("_rotary_kernel",)),
@@ -52,7 +53,9 @@ def kernel_breakdown(step_fn: Callable[[], object], steps: int = 20) -> dict:
     kernels: dict[str, float] = defaultdict(float)
     launches = 0
     for event in prof.events():
-        if event.device_type == DeviceType.CUDA:
+        # "## Call CompiledFxGraph ... ##" is Inductor's annotation of a whole graph call on
+        # the GPU timeline, not a kernel: counting it would count every kernel twice.
+        if event.device_type == DeviceType.CUDA and not event.name.startswith("##"):
             kernels[event.name] += event.time_range.elapsed_us() / steps
             launches += 1
     groups: dict[str, float] = defaultdict(float)

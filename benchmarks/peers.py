@@ -5,8 +5,8 @@ and one prompt; the caller times `run`. Compilation happens inside the first cal
 warm up before timing.
 
 - Hugging Face eager: `model.generate` with its dynamic cache.
-- Hugging Face static cache + torch.compile: `generate` with `cache_implementation="static"`
-  and the forward compiled in "reduce-overhead" mode (CUDA graphs), as HF documents.
+- Hugging Face static cache + torch.compile: `generate` with `cache_implementation="static"`,
+  which makes Hugging Face compile its decoding forward ("reduce-overhead": CUDA graphs).
 - gpt-fast's approach in plain PyTorch: a static KV cache, the one-token decode step (forward +
   argmax) compiled whole with "reduce-overhead", a Python loop of such steps, prefill eager. It
   runs Hugging Face's model code rather than gpt-fast's own, so it is that design, not that code.
@@ -31,19 +31,19 @@ def make_hf_eager(model: nn.Module, prompt: torch.Tensor, n: int) -> Callable[[]
 
 def make_hf_static_compile(model: nn.Module, prompt: torch.Tensor, n: int
                            ) -> Callable[[], torch.Tensor]:
-    compiled = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    """`generate` with a static cache, which Hugging Face compiles itself (its CompileConfig:
+    fullgraph, "reduce-overhead") for the decoding steps. Compiling `model.forward` by hand
+    instead breaks on transformers 5.17 + torch 2.11: the static cache allocates its tensors
+    lazily inside the first compiled call, as outputs of a CUDA graph that the next replay
+    overwrites (seen on the H200, benchmarks/RESULTS.md)."""
+    from transformers import CompileConfig
 
     def run() -> torch.Tensor:
-        eager_forward = model.forward
-        model.forward = compiled
-        try:
-            with torch.no_grad():
-                out = model.generate(prompt, max_new_tokens=n, min_new_tokens=n,
-                                     do_sample=False, pad_token_id=0,
-                                     cache_implementation="static",
-                                     disable_compile=True)  # compiled above, once
-        finally:
-            model.forward = eager_forward
+        with torch.no_grad():
+            out = model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                 pad_token_id=0, cache_implementation="static",
+                                 compile_config=CompileConfig(fullgraph=True,
+                                                              mode="reduce-overhead"))
         return out[:, prompt.shape[1]:]
     return run
 

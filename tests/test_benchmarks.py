@@ -73,3 +73,36 @@ def test_timing_rotation() -> None:
     assert len(seq) == 21 and seq[:4] == [len, abs, id, len]  # every copy equally often
     assert len(timing._sequence([len] * 47, 20)[1]) == 47   # at least one call per copy
     assert len(timing._sequence(len, 20)[1]) == 20
+
+
+def test_peers_generate_hugging_face_greedy_tokens() -> None:
+    # The peers decode.py times must produce the tokens they claim to (on CPU: no compilation,
+    # Hugging Face skips its auto-compile there and gpt-fast style runs its step eagerly).
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import torch
+
+        from peers import make_gpt_fast_style, make_hf_eager, make_hf_static_compile
+        from tiny import tiny_model
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    model = tiny_model("llama", layers=2)
+    prompt = torch.randint(3, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(0))
+    want = make_hf_eager(model, prompt, 10)()
+    assert want.shape == (1, 10)
+    assert torch.equal(make_hf_static_compile(model, prompt, 10)(), want)
+    gpt_fast = make_gpt_fast_style(model, prompt, 10, compile=False)
+    assert torch.equal(gpt_fast(), want) and torch.equal(gpt_fast(), want)  # reusable
+
+
+def test_breakdown_groups_kernels_by_name() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from breakdown import group_of
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert group_of("_linear_kernel") == "GEMV: fuser::linear"
+    assert group_of("nvjet_sm90_tst_128x8_64x12_2x1_v_bz_splitK_TNT") == "GEMM (cuBLAS / CUTLASS)"
+    assert group_of("_split_kernel") == group_of("_combine_kernel") == "attention: fuser split-K"
+    assert group_of("triton_poi_fused_add_arange_index_put_permute_unsqueeze_3") == "KV cache write"
+    assert group_of("_rms_norm_kernel") == "rms_norm / add_rms_norm"
