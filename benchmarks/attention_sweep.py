@@ -40,7 +40,7 @@ import torch  # noqa: E402
 
 from fuser.ops.attention import (  # noqa: E402
     _num_splits, cache_attention_read_triton, cache_attention_reference)
-from timing import EAGER_LAUNCH, copies_for, measure_read_bandwidth, time_us  # noqa: E402
+from timing import EAGER_LAUNCH, copies_for, measure_read_bandwidth, missing_gpu, time_us  # noqa: E402
 
 TOLERANCE = 2e-2
 EXTRA_SLOTS = 16
@@ -83,9 +83,7 @@ def main() -> int:
     parser.add_argument("--dry-run", action="store_true",
                         help="CPU under TRITON_INTERPRET, tiny shapes, a few configs, no timing")
     args = parser.parse_args()
-    if not args.dry_run and not torch.cuda.is_available():
-        print("benchmarks/attention_sweep.py: no CUDA device; run it on the GPU machine or pass "
-              "--dry-run", file=sys.stderr)
+    if missing_gpu("attention_sweep.py", args.dry_run):
         return 2
     started = time.perf_counter()
     device = "cpu" if args.dry_run else "cuda"

@@ -41,7 +41,7 @@ if "--dry-run" in sys.argv:  # before triton.jit runs: the kernel runs under the
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from timing import EAGER_LAUNCH, copies_for, measure_read_bandwidth, time_us  # noqa: E402
+from timing import EAGER_LAUNCH, copies_for, measure_read_bandwidth, missing_gpu, time_us  # noqa: E402
 
 try:
     from fuser.ops.linear import linear_triton  # noqa: E402
@@ -98,9 +98,7 @@ def main() -> int:
     parser.add_argument("--dry-run", action="store_true",
                         help="CPU under TRITON_INTERPRET, tiny shapes, a few configs, no timing")
     args = parser.parse_args()
-    if not args.dry_run and not torch.cuda.is_available():
-        print("benchmarks/linear_sweep.py: no CUDA device; run it on the GPU machine or pass "
-              "--dry-run", file=sys.stderr)
+    if missing_gpu("linear_sweep.py", args.dry_run):
         return 2
     started = time.perf_counter()
     device = "cpu" if args.dry_run else "cuda"

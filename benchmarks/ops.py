@@ -67,7 +67,7 @@ from fuser.ops.gated_act import gated_act_reference
 from fuser.ops.rmsnorm import add_rms_norm_reference, rms_norm_reference
 from fuser.ops.rope import rotary_reference
 from timing import (CALLS, EAGER_LAUNCH, ROTATE_BYTES, Timing, copies_for,  # benchmarks/
-                    measure_read_bandwidth, time_us)
+                    measure_read_bandwidth, missing_gpu, time_us)
 
 try:  # the decode GEMV is new: without it, ops.py still runs and records its rows as failed
     import fuser.ops.linear  # noqa: F401  (registers torch.ops.fuser.linear)
@@ -564,9 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true",
                         help="CPU, tiny shapes, every case once against the reference, no timing")
     args = parser.parse_args(argv)
-    if not args.dry_run and not torch.cuda.is_available():
-        print(f"benchmarks/ops.py: no CUDA device (torch {torch.__version__}); run it on the GPU "
-              "machine, or pass --dry-run to check the plumbing on CPU", file=sys.stderr)
+    if missing_gpu("ops.py", args.dry_run):
         return 2
     warnings.simplefilter("ignore")
     started = time.perf_counter()

@@ -117,3 +117,14 @@ def measure_read_bandwidth() -> float:
     ms = do_bench(lambda: x.sum(), warmup=50, rep=200, return_mode="median")
     del x
     return 2**31 / (ms * 1e-3)
+
+
+def missing_gpu(script: str, dry_run: bool) -> bool:
+    """True (after saying why on stderr) when `script` needs a GPU it does not have."""
+    if dry_run or torch.cuda.is_available():
+        return False
+    import sys
+
+    print(f"benchmarks/{script}: no CUDA device (torch {torch.__version__}); run it on the GPU "
+          "machine, or pass --dry-run to check the plumbing on CPU", file=sys.stderr)
+    return True

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import Phase, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
@@ -17,7 +17,7 @@ import fuser
 from fuser.ops.linear import MAX_ROWS
 from fuser.passes.linear import rewrite_linears
 from fuser.passes._matcher import count_targets, prepare_graph
-from tiny import FAMILIES, model_cases, random_prompts, real_logits_error, tiny_model
+from tiny import FAMILIES, engine_examples, model_cases, random_prompts, real_logits_error, tiny_model
 
 aten = torch.ops.aten
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # DESIGN.md numerics contract
@@ -61,8 +61,7 @@ def check(model: nn.Module, batch: int, lengths: list[int], gamma: int, seed: in
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-@settings(max_examples=2, deadline=None, derandomize=True,
-          phases=(Phase.explicit, Phase.reuse, Phase.generate))
+@engine_examples
 @given(data=st.data())
 def test_decode_gemms_become_fuser_linear(family: str, data: st.DataObject) -> None:
     model, batch, lengths = data.draw(model_cases(family, max_batch=4))

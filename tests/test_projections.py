@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from hypothesis import Phase, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
@@ -17,7 +17,8 @@ import fuser.compile
 from fuser.passes import run_passes
 from fuser.passes._matcher import count_targets
 from fuser.passes.projections import MERGED_PREFIX, concatenate_rows
-from tiny import FAMILIES, hf_logits, model_cases, random_prompts, real_logits_error, tiny_model
+from tiny import (FAMILIES, engine_examples, hf_logits, model_cases, random_prompts,
+                  real_logits_error, tiny_model)
 
 aten = torch.ops.aten
 TOLERANCE = {
@@ -96,10 +97,7 @@ def check_engine(model: nn.Module, batch: int, lengths: list[int], seed: int) ->
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-# Each example compiles a model (seconds): 2 per family keep this file within its time budget,
-# and no shrinking, which would take many minutes.
-@settings(max_examples=2, deadline=None, derandomize=True,
-          phases=(Phase.explicit, Phase.reuse, Phase.generate))
+@engine_examples
 @given(data=st.data())
 def test_projections_merged_and_swiglu_fused(family: str, data: st.DataObject) -> None:
     model, batch, lengths = data.draw(model_cases(family, max_batch=3))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from hypothesis import Phase, settings
 from hypothesis import strategies as st
 from transformers import (
     LlamaConfig,
@@ -51,6 +52,12 @@ def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32,
     torch.manual_seed(seed)
     model = model_cls(tiny_config(family, **kwargs)).eval()
     return model.to(dtype)
+
+
+# For hypothesis tests whose every example builds an engine (seconds each): two examples per
+# family keep a file within its time budget, derandomized, and no shrinking (many minutes).
+engine_examples = settings(max_examples=2, deadline=None, derandomize=True,
+                           phases=(Phase.explicit, Phase.reuse, Phase.generate))
 
 
 @st.composite
