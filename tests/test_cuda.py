@@ -58,3 +58,21 @@ def test_fused_attention_engine_agrees_with_eager_and_speculates() -> None:
     b = spec.generate(ids, 40, attention_mask=mask, eos_token_id=eos)
     assert torch.equal(a, b)
     assert spec.report().graph_replays["target.verify"] > 0
+
+
+def test_decode_gemv_in_every_fixed_step_and_no_fallback() -> None:
+    # fuser::linear's Triton kernel in the decode and verify CUDA graphs (tiny shapes: cuBLAS is
+    # preferred for none of them): the engine's self-check against eager must pass.
+    target = tiny_model("mistral", layers=2, dtype=torch.bfloat16).to("cuda")
+    draft = tiny_model("mistral", layers=1, seed=1, dtype=torch.bfloat16).to("cuda")
+    engine = fuser.optimize(target, draft=draft,
+                            config=fuser.FuserConfig(max_seq_len=64, max_batch_size=2, gamma=3))
+    report = engine.report()
+    assert report.fallbacks == []
+    for name in ("target.decode", "target.verify"):
+        assert report.graphs[name]["linear"] == 4 * target.config.num_hidden_layers + 1, name
+    assert "linear" not in report.graphs["target.prefill"]
+    ids, mask = random_prompts(2, [6, 9], target.config.vocab_size, seed=5)
+    out = engine.generate(ids.cuda(), 12, attention_mask=mask.cuda(),
+                          eos_token_id=[target.config.vocab_size - 1])
+    assert out.shape == (2, ids.shape[1] + 12)
