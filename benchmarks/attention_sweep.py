@@ -40,7 +40,8 @@ import torch  # noqa: E402
 
 from fuser.ops.attention import (  # noqa: E402
     _num_splits, cache_attention_read_triton, cache_attention_reference)
-from timing import EAGER_LAUNCH, copies_for, measure_read_bandwidth, missing_gpu, time_us  # noqa: E402
+from timing import (EAGER_LAUNCH, copies_for, log, measure_read_bandwidth,  # noqa: E402
+                    missing_gpu, num, time_us)
 
 TOLERANCE = 2e-2
 EXTRA_SLOTS = 16
@@ -71,10 +72,6 @@ def kernel_key(config: dict, kv: int, slots: int) -> tuple | None:
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref).norm() / ref.norm())
-
-
-def log(message: str) -> None:
-    print(message, flush=True)
 
 
 def main() -> int:
@@ -197,10 +194,6 @@ def main() -> int:
 def over(result: dict) -> bool:
     """Checked and over the tolerance (NaN included)."""
     return result.get("rel_err") is not None and not result["rel_err"] <= TOLERANCE
-
-
-def num(v: float | None, spec: str) -> str:
-    return "-" if v is None or v != v else format(v, spec)
 
 
 def fmt(us: float | None, timing: str | None) -> str:

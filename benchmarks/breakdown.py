@@ -27,6 +27,9 @@ KERNEL_GROUPS: list[tuple[str, tuple[str, ...]]] = [
     ("gated activation", ("_gated_act_kernel",)),
     ("GEMM (cuBLAS / CUTLASS)", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitkreduce")),
     ("KV cache write", ("index_put", "scatter")),
+    # Inductor's kernel building the step's rope cos/sin from positions (its name lists the
+    # fused ops, "bmm" among them, so this group comes before attention's)
+    ("rope cos/sin (Inductor)", ("_cos_", "_sin_")),
     ("attention: Inductor / ATen", ("softmax", "bmm", "amax", "exp", "where", "sdpa", "flash")),
 ]
 

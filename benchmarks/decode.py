@@ -22,25 +22,14 @@ import warnings
 import torch
 import triton
 import transformers
-from triton.testing import do_bench
 
 import fuser
 from breakdown import format_breakdown, kernel_breakdown
 from fuser.models import PRESETS
 from peers import make_gpt_fast_style, make_hf_eager, make_hf_static_compile
+from timing import log, measure_read_bandwidth
 
 RESULTS: dict = {}
-
-
-def log(message: str) -> None:
-    print(message, flush=True)
-
-
-def measure_read_bandwidth() -> float:
-    """Bytes/s of a sum over 2 GiB of bf16 (reads dominate)."""
-    x = torch.randn(2**30, device="cuda", dtype=torch.bfloat16)
-    ms = do_bench(lambda: x.sum(), warmup=50, rep=200, return_mode="median")
-    return x.numel() * 2 / (ms * 1e-3)
 
 
 def step_bytes(model: torch.nn.Module) -> int:

@@ -41,7 +41,8 @@ if "--dry-run" in sys.argv:  # before triton.jit runs: the kernel runs under the
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from timing import EAGER_LAUNCH, copies_for, measure_read_bandwidth, missing_gpu, time_us  # noqa: E402
+from timing import (EAGER_LAUNCH, copies_for, log, measure_read_bandwidth,  # noqa: E402
+                    missing_gpu, num, time_us)
 
 try:
     from fuser.ops.linear import linear_triton  # noqa: E402
@@ -73,16 +74,8 @@ def label(config: dict) -> str:
             f"s{config['num_stages']}")
 
 
-def log(message: str) -> None:
-    print(message, flush=True)
-
-
 def over(result: dict) -> bool:
     return result.get("rel_err") is not None and not result["rel_err"] <= TOLERANCE
-
-
-def num(v: float | None, spec: str) -> str:
-    return "-" if v is None or v != v else format(v, spec)
 
 
 def fmt(result: dict | None) -> str:

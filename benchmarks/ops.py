@@ -67,7 +67,7 @@ from fuser.ops.gated_act import gated_act_reference
 from fuser.ops.rmsnorm import add_rms_norm_reference, rms_norm_reference
 from fuser.ops.rope import rotary_reference
 from timing import (CALLS, EAGER_LAUNCH, ROTATE_BYTES, Timing, copies_for,  # benchmarks/
-                    measure_read_bandwidth, missing_gpu, time_us)
+                    log, measure_read_bandwidth, missing_gpu, time_us)
 
 try:  # the decode GEMV is new: without it, ops.py still runs and records its rows as failed
     import fuser.ops.linear  # noqa: F401  (registers torch.ops.fuser.linear)
@@ -148,10 +148,6 @@ class Row:
     errors: dict[str, str] = field(default_factory=dict)
     tracebacks: dict[str, str] = field(default_factory=dict)
     timing_notes: dict[str, str] = field(default_factory=dict)  # why a capture failed
-
-
-def log(message: str) -> None:
-    print(message, flush=True)
 
 
 def save(path: str | None) -> None:

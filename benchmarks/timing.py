@@ -1,6 +1,6 @@
 """GPU time of decode-sized work as a CUDA graph runs it: no host launch overhead.
 
-    from timing import time_us, copies_for, measure_read_bandwidth
+    from timing import time_us, copies_for, measure_read_bandwidth, log
     t = time_us([functools.partial(op, *args) for args in arg_sets])   # t.us, t.method
 
 A batch-1 decode op does a few microseconds of GPU work; timed by launching it from Python
@@ -117,6 +117,16 @@ def measure_read_bandwidth() -> float:
     ms = do_bench(lambda: x.sum(), warmup=50, rep=200, return_mode="median")
     del x
     return 2**31 / (ms * 1e-3)
+
+
+def log(message: str) -> None:
+    """Print now (the device call's output is read while the script runs)."""
+    print(message, flush=True)
+
+
+def num(v: float | None, spec: str) -> str:
+    """`v` formatted, or "-" for a missing or NaN value."""
+    return "-" if v is None or v != v else format(v, spec)
 
 
 def missing_gpu(script: str, dry_run: bool) -> bool:
