@@ -25,7 +25,9 @@ import transformers
 
 import fuser
 from breakdown import format_breakdown, kernel_breakdown
+from fuser.build import add_step, capture_cuda_graphs, warm_up
 from fuser.models import PRESETS
+from fuser.runtime.steps import DECODE, verify
 from peers import make_gpt_fast_style, make_hf_eager, make_hf_static_compile
 from timing import log, measure_read_bandwidth
 
@@ -136,15 +138,14 @@ def main() -> None:
     RESULTS["fuser_graph_replays"] = engine.report().graph_replays
 
     one, at = prompt[:, :1], torch.zeros(1, 1, dtype=torch.long, device="cuda")
-    decode_ms = event_time_ms(lambda: engine.target.run("decode", one, at))
+    decode_ms = event_time_ms(lambda: engine.target.run(DECODE, one, at))
     RESULTS["decode_step_ms"] = decode_ms
     log(f"target decode step (T=1): {decode_ms:.3f} ms = {nbytes / (decode_ms * 1e-3) / 1e12:.2f} TB/s")
     save(args.out)
     if args.profile:
-        step = engine.target.graphs["decode"].fn
-        step = getattr(step, "fn", step)  # the uncaptured step under the CUDA graph
+        step = engine.target[DECODE].uncaptured  # the kernels the CUDA graph replays
         cache = engine.target.cache
-        cache.seq_lens.fill_(args.prompt_tokens)
+        cache.set_lengths(args.prompt_tokens)
         with torch.no_grad():  # as the engine runs it: a step with grad would recompile
             table = kernel_breakdown(lambda: step(one, at, cache.seq_lens, cache.starts))
         RESULTS["decode_breakdown"] = table
@@ -164,12 +165,13 @@ def main() -> None:
 
 def time_verify(engine: fuser.Engine, prompt: torch.Tensor, decode_ms: float) -> float:
     """Build, capture and time the target's verification step over 5 tokens."""
-    engine.target.build("verify", 5)
-    engine.target.warm_up()
+    steps, kind = engine.target, verify(4)
+    add_step(steps, steps[DECODE].eager.model, kind, engine.config, engine.device)
+    warm_up(steps)
     if engine.config.cuda_graphs:
-        engine.target.capture_cuda_graphs()
-    verify_ms = event_time_ms(lambda: engine.target.run(
-        "verify", prompt[:, :5], torch.arange(5, device="cuda")[None]))
+        capture_cuda_graphs(steps)
+    verify_ms = event_time_ms(lambda: steps.run(
+        kind, prompt[:, :5], torch.arange(5, device="cuda")[None]))
     RESULTS["verify5_step_ms"] = verify_ms
     RESULTS["verify5_over_decode"] = verify_ms / decode_ms
     log(f"target verify step (T=5): {verify_ms:.3f} ms = {verify_ms / decode_ms:.3f} x decode")

@@ -5,7 +5,8 @@
 """
 
 from fuser.config import FuserConfig
-from fuser.engine import Engine, optimize
+from fuser.engine import Engine
+from fuser.pipeline import optimize
 from fuser.report import Report, SpecStats
 
 __version__ = "0.1.0"

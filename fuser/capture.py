@@ -20,10 +20,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fuser.ops.attention import cache_attention_reference, masked_attention
+import fuser.ops  # noqa: F401  (registers torch.ops.fuser.*)
+from fuser.ops.attention import masked_attention
 
 ATTENTION = "fuser"
-# Families whose decode step is fully fused and checked against Hugging Face (API.md, "supported").
+# Families whose decode step is fully fused and checked against Hugging Face (API.md,
+# "supported"); the tests take their list from here.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
@@ -36,7 +38,6 @@ class StepContext:
     seq_lens: torch.Tensor  # [B] slots written before this step
     starts: torch.Tensor  # [B] first real (non-padding) slot
     prefill: bool  # True: the cache is empty, attend among the new tokens only
-    fused_attention: bool = False  # decode/verify attend through fuser::cache_attention_read
 
 
 def cache_attention(
@@ -77,11 +78,9 @@ def cache_attention(
     if step.prefill:  # the cache was empty: attend among the T new tokens only
         return masked_attention(query, key, value, slots, torch.arange(T, device=device),
                                 step.starts, scale, window, cap), None
-    if step.fused_attention:
-        return torch.ops.fuser.cache_attention_read(
-            query, k_cache, v_cache, step.seq_lens, step.starts, scale, window, cap), None
-    return cache_attention_reference(query, k_cache, v_cache, step.seq_lens, step.starts,
-                                     scale, window, cap), None
+    # One opaque op per layer: passes/attention.py chooses the kernel that computes it.
+    return torch.ops.fuser.cache_attention(
+        query, k_cache, v_cache, step.seq_lens, step.starts, scale, window, cap), None
 
 
 def _no_mask(*args: object, **kwargs: object) -> None:
@@ -130,12 +129,11 @@ class StepModule(nn.Module):
     """The step function as a module: owns the cache as buffers, so export records the writes."""
 
     def __init__(self, model: nn.Module, k: list[torch.Tensor], v: list[torch.Tensor],
-                 prefill: bool, fused_attention: bool = False) -> None:
+                 prefill: bool) -> None:
         super().__init__()
         self.model = model
         self.num_layers = len(k)
         self.prefill = prefill
-        self.fused_attention = fused_attention
         for i, (kt, vt) in enumerate(zip(k, v)):
             self.register_buffer(f"k_cache_{i}", kt, persistent=False)
             self.register_buffer(f"v_cache_{i}", vt, persistent=False)
@@ -148,7 +146,6 @@ class StepModule(nn.Module):
             seq_lens=seq_lens,
             starts=starts,
             prefill=self.prefill,
-            fused_attention=self.fused_attention,
         )
         out = self.model(input_ids=tokens, position_ids=positions, use_cache=False,
                          fuser_step=step)
@@ -156,8 +153,9 @@ class StepModule(nn.Module):
 
 
 def export_step(module: StepModule, batch: int, tokens_per_step: int | None,
-                max_tokens: int) -> torch.fx.GraphModule:
-    """Export `module` to an ATen graph (decomposed to core ATen) that runs as a GraphModule.
+                max_tokens: int) -> tuple[torch.export.ExportedProgram, torch.fx.GraphModule]:
+    """Export `module` to an ATen graph (decomposed to core ATen): (the exported program, a
+    GraphModule of it that runs and that the passes rewrite).
 
     tokens_per_step: a fixed T, or None for a graph dynamic in T (2..max_tokens) used for prefill.
     The returned module reads and writes the very cache tensors `module` holds.
@@ -181,4 +179,4 @@ def export_step(module: StepModule, batch: int, tokens_per_step: int | None,
         for name in (f"k_cache_{i}", f"v_cache_{i}"):
             if gm.get_buffer(name) is not module.get_buffer(name):
                 setattr(gm, name, module.get_buffer(name))
-    return gm
+    return ep, gm

@@ -29,7 +29,7 @@ def _load_pair(model: str | None, draft: str | None) -> tuple[torch.nn.Module, t
     """(target, draft, tokenizer, description); the bundled pair or a random Llama by default."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fuser.engine import load_model
+    from fuser.pipeline import load_model
     from fuser.models import PRESETS, bundled_pair
 
     if model is None:

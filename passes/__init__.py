@@ -1,4 +1,8 @@
-"""Graph rewrites, in the one order they run (`PASSES`), and the driver that runs them."""
+"""Graph rewrites, in the one order they run (`PASSES`), and the driver that runs them.
+
+Every pass sees the build's `PassContext` (graph name, step kind, FuserConfig) and says when it
+applies (`applies(context)`); a pass that does not apply to a graph is reported with 0 matches.
+"""
 
 from __future__ import annotations
 
@@ -7,23 +11,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fuser.passes._matcher import (
-    GraphRewrite,
-    count_fuser_ops,
-    dump_dir,
-    dump_graph,
-    prepare_graph,
-)
+from fuser.passes.attention import ATTENTION
+from fuser.passes.base import GraphRewrite, PassContext, dump_dir, dump_graph
+from fuser.passes.fx import count_fuser_ops, prepare_graph
+from fuser.passes.gated_mlp import GATED_ACT
+from fuser.passes.linear import LINEAR
+from fuser.passes.projections import MERGE_GATE_UP, MERGE_QKV
 from fuser.passes.rmsnorm import ADD_RMS_NORM, RMS_NORM
 from fuser.passes.rope import ROTARY
-from fuser.passes.gated_mlp import GATED_ACT
-from fuser.passes.projections import MERGE_GATE_UP, MERGE_QKV
-from fuser.passes.linear import LINEAR
 
 PASSES: list[GraphRewrite] = [
     ADD_RMS_NORM,  # before rms_norm: a plain RMSNorm is a subset of add + RMSNorm
     RMS_NORM,
     ROTARY,
+    ATTENTION,  # fixed-T steps, with FuserConfig(fused_attention=True)
     MERGE_GATE_UP,  # the two linears feeding act(gate) * up; merge_qkv takes every other group
     MERGE_QKV,
     GATED_ACT,  # after merge_gate_up: needs gate and up as the two halves of one GEMM output
@@ -41,31 +42,35 @@ class PassResult:
     seconds: float = 0.0
 
 
-def run_passes(gm: torch.fx.GraphModule, graph_name: str = "graph",
-               dump_to: str | None = None) -> PassResult:
-    """Apply every pass of `PASSES` to `gm` in place, in order.
+def run_passes(gm: torch.fx.GraphModule, context: PassContext,
+               passes: list[GraphRewrite] | None = None) -> PassResult:
+    """Apply every pass of `passes` (default `PASSES`) that applies to `context`, in order, to
+    `gm` in place.
 
-    A pass that raises is skipped and reported in `errors` (the graph is left as that pass
-    found it only if the failure happened before any rewrite; pattern-matcher replacements are
-    applied one match at a time, each complete).
+    A pass that raises is skipped and reported in `errors` (pattern-matcher replacements are
+    applied one match at a time, each complete, so the graph stays valid).
     """
     start = time.perf_counter()
     result = PassResult()
-    directory = dump_dir(dump_to)
+    directory = dump_dir(context.config.dump_graphs)
     prepare_graph(gm)
-    for index, p in enumerate(PASSES):
+    for index, p in enumerate(PASSES if passes is None else passes):
+        if not p.applies(context):
+            result.matches[p.name] = 0
+            continue
         if directory:
-            dump_graph(directory, graph_name, index, p.name, "before", gm)
+            dump_graph(directory, context.graph_name, index, p.name, "before", gm)
         try:
-            result.matches[p.name] = p.apply(gm)
+            result.matches[p.name] = p.apply(gm, context)
         except Exception as e:  # a broken pass must not break optimize(): report it
             result.matches[p.name] = 0
-            result.errors.append(f"pass {p.name} failed on {graph_name}: {type(e).__name__}: {e}")
+            result.errors.append(f"pass {p.name} failed on {context.graph_name}: "
+                                 f"{type(e).__name__}: {e}")
         if directory:
-            dump_graph(directory, graph_name, index, p.name, "after", gm)
+            dump_graph(directory, context.graph_name, index, p.name, "after", gm)
     result.fused_ops = count_fuser_ops(gm)
     result.seconds = time.perf_counter() - start
     return result
 
 
-__all__ = ["PASSES", "PassResult", "run_passes"]
+__all__ = ["PASSES", "PassContext", "PassResult", "run_passes"]

@@ -26,99 +26,18 @@ Every intermediate from the halves to the product must have no other user, else 
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
 
 import torch
 from torch.fx import GraphModule, Node
 
 import fuser.ops  # noqa: F401  (registers torch.ops.fuser.*)
 from fuser.ops.gated_act import ACTIVATIONS
-from fuser.passes._matcher import GraphPass, fake_value, graph_fake_mode
+from fuser.passes.base import GraphPass, PassContext
+from fuser.passes.fx import GatedProduct, fake_value, gated_product, graph_fake_mode, strip_views
 
 aten = torch.ops.aten
 
-VIEWS = (aten.view.default, aten._unsafe_view.default)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@dataclass
-class GatedProduct:
-    """`mul` = act(gate) * up, as found in the graph (before any check on where gate, up come from)."""
-
-    activation: str  # a key of fuser.ops.gated_act.ACTIVATIONS
-    mul: Node
-    gate: Node  # what the activation reads
-    up: Node  # the other factor
-    act_nodes: list[Node]  # the activation's own nodes, act output first
-
-
-def _is_cast(node: object) -> bool:
-    return (isinstance(node, Node) and node.op == "call_function"
-            and node.target is aten._to_copy.default and set(node.kwargs) <= {"dtype"})
-
-
-def _bare_activation(node: Node) -> tuple[str, Node, list[Node], bool] | None:
-    """(activation, its input, its nodes, whether it rounds once) for an uncast activation."""
-    if node.op != "call_function":
-        return None
-    if node.target is aten.mul.Tensor and all(isinstance(a, Node) for a in node.args[:2]):
-        x, s = node.args[:2]
-        for x, s in ((x, s), (s, x)):  # core ATen's F.silu: x * sigmoid(x), either order
-            if s.op == "call_function" and s.target is aten.sigmoid.default and s.args[0] is x:
-                return "silu", x, [node, s], False  # rounds twice unless computed in fp32
-    if node.target is aten.silu.default:
-        return "silu", node.args[0], [node], True  # PyTorch's kernels compute in fp32
-    if node.target is aten.gelu.default:
-        approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
-        if approximate == "tanh":
-            return "gelu_tanh", node.args[0], [node], True
-    return None
-
-
-def _activation(node: Node) -> tuple[str, Node, list[Node]] | None:
-    """(activation, gate, the activation's nodes, output first) when `node` computes
-    act(gate) as the op does: in fp32, rounded once to gate's dtype. Else None.
-
-    Core ATen writes F.silu on a bf16/fp16 gate as cast(x * sigmoid(x)) with x = gate upcast
-    to fp32; a bare x * sigmoid(x) on a half gate (two roundings) is not the op, and not matched.
-    """
-    cast_back = node if _is_cast(node) else None
-    found = _bare_activation(node.args[0] if cast_back is not None else node)
-    if found is None:
-        return None
-    activation, x, nodes, rounds_once = found
-    if cast_back is None:
-        if not rounds_once and x.meta["val"].dtype != torch.float32:
-            return None
-        return activation, x, nodes
-    if not (_is_cast(x) and x.meta["val"].dtype == torch.float32
-            and x.args[0].meta["val"].dtype == cast_back.meta["val"].dtype):
-        return None
-    return activation, x.args[0], [cast_back, *nodes, x]
-
-
-def gated_product(node: Node) -> GatedProduct | None:
-    """`node` as act(gate) * up (either operand order), or None."""
-    if node.op != "call_function" or node.target is not aten.mul.Tensor:
-        return None
-    a, b = node.args[:2]
-    if not (isinstance(a, Node) and isinstance(b, Node)) or node.kwargs:
-        return None
-    for act, up in ((a, b), (b, a)):
-        found = _activation(act)
-        if found is not None and found[1] is not up:
-            activation, gate, act_nodes = found
-            return GatedProduct(activation, node, gate, up, act_nodes)
-    return None
-
-
-def strip_views(node: Node) -> tuple[Node, list[Node]]:
-    """(source, views): follow `node` up through view ops; views lists them from `node` upward."""
-    views = []
-    while node.op == "call_function" and node.target in VIEWS:
-        views.append(node)
-        node = node.args[0]
-    return node, views
 
 
 def _private(product: GatedProduct, gate_chain: list[Node], up_chain: list[Node]) -> bool:
@@ -174,7 +93,7 @@ def _half(node: Node) -> tuple[Node, int, int] | None:
     return None
 
 
-def fuse_gated_act(gm: GraphModule) -> int:
+def fuse_gated_act(gm: GraphModule, context: PassContext) -> int:
     """Rewrite every private act(X[..., :I]) * X[..., I:] into gated_act(X); returns the count."""
     graph = gm.graph
     fake_mode = None

@@ -14,8 +14,8 @@ import torch
 from torch.fx import GraphModule
 
 from fuser.ops.linear import MAX_ROWS, prefers_cublas
-from fuser.passes._matcher import GraphPass, fake_value, graph_fake_mode
-from fuser.passes.projections import as_linear
+from fuser.passes.base import GraphPass, PassContext
+from fuser.passes.fx import as_linear, fake_value, graph_fake_mode
 
 aten = torch.ops.aten
 
@@ -27,7 +27,7 @@ def _decode_shaped(x: torch.Tensor, w: torch.Tensor) -> bool:
             and not (w.is_cuda and prefers_cublas(M, N, K)))
 
 
-def rewrite_linears(gm: GraphModule) -> int:
+def rewrite_linears(gm: GraphModule, context: PassContext) -> int:
     fake_mode = graph_fake_mode(gm)
     graph = gm.graph
     count = 0

@@ -32,65 +32,20 @@ every view downstream is checked on fake tensors first, and a group is left alon
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from functools import reduce
 
 import torch
 from torch import nn
-from torch.fx import GraphModule, Node
+from torch.fx import GraphModule
 
-from fuser.passes._matcher import GraphPass, fake_value, graph_fake_mode
-from fuser.passes.gated_mlp import VIEWS, gated_product, strip_views
+from fuser.passes.base import GraphPass, PassContext
+from fuser.passes.fx import VIEWS, Linear, as_linear, fake_value, gated_product, graph_fake_mode, strip_views
 
 aten = torch.ops.aten
 
 # Name prefix of the merged weights and biases registered on the graph module (non-persistent
 # buffers: they alias the model's parameters, which hold the values).
 MERGED_PREFIX = "fuser_merged__"
-
-
-@dataclass(frozen=True)
-class Linear:
-    """One exported linear: node = mm(x, permute(W)) or addmm(b, x, permute(W))."""
-
-    node: Node
-    x: Node  # [M, K]
-    weight: Node  # get_attr, W: [N, K]
-    bias: Node | None  # get_attr, b: [N]
-
-    @property
-    def sibling_key(self) -> tuple:
-        """Equal for linears that can share one GEMM: same input, dtype, K, bias presence."""
-        x = self.x
-        if x.op == "call_function" and x.target in VIEWS:  # export views x once per linear
-            source = (x.args[0], *(str(a) if isinstance(a, torch.SymInt) else a for a in x.args[1]))
-        else:
-            source = (x,)
-        w = self.weight.meta["val"]
-        return (*source, w.dtype, w.device, w.shape[1], self.bias is not None)
-
-
-def as_linear(node: Node) -> Linear | None:
-    """`node` as a linear over parameters held by the graph module, or None."""
-    if node.op != "call_function" or node.kwargs:
-        return None
-    if node.target is aten.mm.default:
-        (x, wt), bias = node.args, None
-    elif node.target is aten.addmm.default and len(node.args) == 3:
-        bias, x, wt = node.args
-        if not (isinstance(bias, Node) and bias.op == "get_attr" and bias.meta["val"].dim() == 1):
-            return None
-    else:
-        return None
-    if not (isinstance(wt, Node) and wt.op == "call_function" and wt.target is aten.permute.default
-            and list(wt.args[1]) == [1, 0]):
-        return None
-    weight = wt.args[0]
-    if not (isinstance(weight, Node) and weight.op == "get_attr" and weight.meta["val"].dim() == 2):
-        return None
-    if bias is not None and bias.meta["val"].shape[0] != weight.meta["val"].shape[0]:
-        return None
-    return Linear(node, x, weight, bias)
 
 
 def sibling_groups(gm: GraphModule) -> list[list[Linear]]:
@@ -288,7 +243,7 @@ def merge_linears(gm: GraphModule, group: list[Linear], fake_mode: object) -> bo
     return True
 
 
-def merge_gate_up(gm: GraphModule) -> int:
+def merge_gate_up(gm: GraphModule, context: PassContext) -> int:
     """Merge gate and up of every gated MLP; returns how many pairs were merged."""
     fake_mode = graph_fake_mode(gm)
     if fake_mode is None:  # not an exported graph: no shapes to check a merge against
@@ -296,7 +251,7 @@ def merge_gate_up(gm: GraphModule) -> int:
     return sum(merge_linears(gm, pair, fake_mode) for pair in gate_up_pairs(gm))
 
 
-def merge_qkv(gm: GraphModule) -> int:
+def merge_qkv(gm: GraphModule, context: PassContext) -> int:
     """Merge every other group of sibling linears (q, k, v); returns how many groups."""
     fake_mode = graph_fake_mode(gm)
     if fake_mode is None:

@@ -14,7 +14,7 @@ import torch
 from torch._inductor.pattern_matcher import Match
 
 import fuser.ops  # noqa: F401  (registers torch.ops.fuser.*)
-from fuser.passes._matcher import PatternPass, Replacement
+from fuser.passes.base import PatternPass, Replacement
 
 aten = torch.ops.aten
 

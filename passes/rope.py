@@ -26,7 +26,7 @@ from torch._inductor.pattern_matcher import Match
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import fuser.ops  # noqa: F401  (registers torch.ops.fuser.*)
-from fuser.passes._matcher import PatternPass, Replacement
+from fuser.passes.base import PatternPass, Replacement
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

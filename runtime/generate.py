@@ -87,14 +87,8 @@ def _columns(engine: Engine, request: Request) -> Iterator[torch.Tensor]:
     A speculative step emits 1..gamma+1 tokens per row, different per row: they wait in a
     per-row queue, and a column goes out once every unfinished row has a token for it.
     """
-    if getattr(engine, "_generating", False):
-        raise RuntimeError("this engine is already generating (an unfinished stream?): its KV "
-                           "cache serves one generation at a time; finish or close the stream")
-    engine._generating = True
-    try:
+    with engine.generating():
         yield from _decode_loop(engine, request)
-    finally:
-        engine._generating = False
 
 
 def _decode_loop(engine: Engine, request: Request) -> Iterator[torch.Tensor]:

@@ -52,10 +52,30 @@ class KVCache:
     def slots(self) -> int:
         return self.k[0].shape[1] if self.k else 0
 
+    # The lengths change only through the methods below, in place: captured CUDA graphs read
+    # seq_lens and starts where they live.
+
     def reset(self) -> None:
         """Forget every sequence (the slots keep their stale values, masked by the lengths)."""
         self.seq_lens.zero_()
         self.starts.zero_()
+
+    def begin(self, starts: torch.Tensor) -> None:
+        """Start new sequences: row b's first real slot is starts[b] ([B] int64), none written."""
+        self.seq_lens.zero_()
+        self.starts.copy_(starts)
+
+    def advance(self, n: torch.Tensor | int) -> None:
+        """Row b has written n[b] more slots (an int: every row the same)."""
+        self.seq_lens.add_(n)
+
+    def set_lengths(self, lengths: torch.Tensor | int) -> None:
+        """Set the written slots per row ([B], or an int for every row): moving back is how a
+        rejected draft is rolled back (the later slots become stale, masked, then overwritten)."""
+        if isinstance(lengths, int):
+            self.seq_lens.fill_(lengths)
+        else:
+            self.seq_lens.copy_(lengths)
 
 
 def free_memory_bytes(device: torch.device) -> int | None:

@@ -1,9 +1,9 @@
 """The decoding steps on the device: prefill, plain decode, and the speculative draft/verify step.
 
 Cache layout (runtime/kv_cache.py): row b holds its tokens in slots [starts[b], seq_lens[b]); the
-rotary position of slot j is j - starts[b]. A graph step writes its T tokens at slots
-seq_lens[b] + t and does not advance seq_lens: the functions here do, in place (the tensors keep
-their addresses, as CUDA graph capture will need).
+rotary position of slot j is j - starts[b]. A step writes its T tokens at slots
+seq_lens[b] + t and does not advance seq_lens: the functions here do, through the cache's own
+methods (in place: captured CUDA graphs read the lengths where they live).
 
 State between steps, per row (all on the device):
     target.cache.seq_lens = L: slots 0..L-1 hold the prompt and every token emitted but one;
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fuser.compile import CompiledModel
+from fuser.runtime.steps import CATCHUP, DECODE, PREFILL, ModelSteps, verify as verify_step
 from fuser.runtime.prompts import Prompts
 from fuser.runtime.sampling import accept_greedy, accept_sampling, process_logits, sample
 
@@ -84,7 +84,7 @@ def step_positions(cache_lens: torch.Tensor, starts: torch.Tensor, T: int) -> to
     return (cache_lens - starts)[:, None] + offsets[None]
 
 
-def prefill(target: CompiledModel, draft: CompiledModel | None, prompts: Prompts,
+def prefill(target: ModelSteps, draft: ModelSteps | None, prompts: Prompts,
             true_length: int, vocab_size: int, sampling: Sampling, eos: torch.Tensor,
             max_new_tokens: int) -> tuple[DecodeState, StepResult]:
     """Run the prompts through both models; choose the first new token.
@@ -96,16 +96,14 @@ def prefill(target: CompiledModel, draft: CompiledModel | None, prompts: Prompts
     B = prompts.tokens.shape[0]
     positions = prompts.positions()  # [B, T]
     for model in (target, draft):
-        if model is None:
-            continue
-        model.cache.reset()
-        model.cache.starts.copy_(prompts.starts)
-    logits = target.run("prefill", prompts.tokens, positions)  # [B, T, V_target]
-    target.cache.seq_lens.fill_(true_length)
+        if model is not None:
+            model.cache.begin(prompts.starts)
+    logits = target.run(PREFILL, prompts.tokens, positions)  # [B, T, V_target]
+    target.cache.set_lengths(true_length)
     if draft is not None:
         # The draft's logits here are not needed: its first proposal comes from `draft`'s
         # catch-up step, which re-feeds the prompt's last token (and sets its seq_lens).
-        draft.run("prefill", prompts.tokens, positions)
+        draft.run(PREFILL, prompts.tokens, positions)
     first = sampling.choose(logits[:, true_length - 1, :vocab_size].float())  # [B]
 
     device = first.device
@@ -123,19 +121,19 @@ def prefill(target: CompiledModel, draft: CompiledModel | None, prompts: Prompts
     return state, result
 
 
-def decode_one_token(target: CompiledModel, state: DecodeState, vocab_size: int,
+def decode_one_token(target: ModelSteps, state: DecodeState, vocab_size: int,
                      sampling: Sampling) -> StepResult:
     """Without a draft: feed `pending` at slot L, choose the next token from the target."""
     cache = target.cache
     positions = step_positions(cache.seq_lens, cache.starts, 1)  # [B, 1]
-    logits = target.run("decode", state.pending[:, None], positions)  # [B, 1, V_target]
+    logits = target.run(DECODE, state.pending[:, None], positions)  # [B, 1, V_target]
     token = sampling.choose(logits[:, 0, :vocab_size].float())  # [B]
     result = StepResult(token[:, None], torch.zeros_like(token))
     _advance(target, state, result)
     return result
 
 
-def draft(draft_model: CompiledModel, target_lens: torch.Tensor, state: DecodeState,
+def draft(draft_model: ModelSteps, target_lens: torch.Tensor, state: DecodeState,
           gamma: int, vocab_size: int, sampling: Sampling
           ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Propose gamma tokens: (draft_tokens [B, gamma], draft probs [B, gamma, V] or None).
@@ -152,18 +150,18 @@ def draft(draft_model: CompiledModel, target_lens: torch.Tensor, state: DecodeSt
     gamma-1 "decode" steps feed d_1..d_{gamma-1} at slots L+1..L+gamma-1.
     """
     cache = draft_model.cache
-    cache.seq_lens.copy_(target_lens - 1)
+    cache.set_lengths(target_lens - 1)  # rewinds past whatever the last round left
     tokens = torch.stack([state.last, state.pending], dim=1)  # [B, 2]
     positions = step_positions(cache.seq_lens, cache.starts, 2)  # [B, 2]
-    logits = draft_model.run("catchup", tokens, positions)[:, -1, :vocab_size].float()  # [B, V]
-    cache.seq_lens.add_(2)
+    logits = draft_model.run(CATCHUP, tokens, positions)[:, -1, :vocab_size].float()  # [B, V]
+    cache.advance(2)
     drafted, probs = [], []
     for i in range(gamma):
         if i > 0:
             positions = step_positions(cache.seq_lens, cache.starts, 1)  # [B, 1]
-            step_logits = draft_model.run("decode", drafted[-1][:, None], positions)
+            step_logits = draft_model.run(DECODE, drafted[-1][:, None], positions)
             logits = step_logits[:, 0, :vocab_size].float()  # [B, V]
-            cache.seq_lens.add_(1)
+            cache.advance(1)
         if sampling.do_sample:
             p = sampling.probs(logits)  # [B, V]
             probs.append(p)
@@ -174,7 +172,7 @@ def draft(draft_model: CompiledModel, target_lens: torch.Tensor, state: DecodeSt
     return draft_tokens, (torch.stack(probs, dim=1) if probs else None)  # p: [B, gamma, V]
 
 
-def verify(target: CompiledModel, state: DecodeState, draft_tokens: torch.Tensor,
+def verify(target: ModelSteps, state: DecodeState, draft_tokens: torch.Tensor,
            vocab_size: int) -> torch.Tensor:
     """The target over [pending, d_1..d_gamma] at slots L..L+gamma in one forward.
 
@@ -183,10 +181,11 @@ def verify(target: CompiledModel, state: DecodeState, draft_tokens: torch.Tensor
     cache = target.cache
     tokens = torch.cat([state.pending[:, None], draft_tokens], dim=1)  # [B, gamma + 1]
     positions = step_positions(cache.seq_lens, cache.starts, tokens.shape[1])
-    return target.run("verify", tokens, positions)[:, :, :vocab_size].float()
+    kind = verify_step(draft_tokens.shape[1])
+    return target.run(kind, tokens, positions)[:, :, :vocab_size].float()
 
 
-def speculative_step(target: CompiledModel, draft_model: CompiledModel, state: DecodeState,
+def speculative_step(target: ModelSteps, draft_model: ModelSteps, state: DecodeState,
                      gamma: int, vocab_size: int, sampling: Sampling) -> StepResult:
     """Draft gamma tokens, verify them in one target forward, accept on the device.
 
@@ -212,7 +211,7 @@ def speculative_step(target: CompiledModel, draft_model: CompiledModel, state: D
     return result
 
 
-def _advance(target: CompiledModel, state: DecodeState, result: StepResult,
+def _advance(target: ModelSteps, state: DecodeState, result: StepResult,
              new_last: torch.Tensor | None = None) -> None:
     """Move active rows on by what they emitted; finished and dummy rows stay where they are.
 
@@ -229,7 +228,7 @@ def _advance(target: CompiledModel, state: DecodeState, result: StepResult,
     state.last.copy_(torch.where(active, new_last, state.last))
     state.pending.copy_(torch.where(active, next_token, state.pending))
     moved = torch.where(active, torch.minimum(n + 1, state.max_new_tokens - state.generated), 0)
-    target.cache.seq_lens.add_(moved)
+    target.cache.advance(moved)
     state.generated.add_(moved)
     _finish_rows(state, result)
 

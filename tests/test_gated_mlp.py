@@ -18,8 +18,9 @@ from transformers import Gemma2Config, Gemma2ForCausalLM, Phi3Config, Phi3ForCau
 import fuser
 from fuser.ops.gated_act import ACTIVATIONS, BLOCK, gated_act_reference, gated_act_triton
 from fuser.passes import run_passes
-from fuser.passes._matcher import count_targets
-from tiny import hf_logits, random_prompts, relative_error
+from fuser.runtime.steps import DECODE
+from fuser.passes.fx import count_targets
+from tiny import hf_logits, pass_context, random_prompts, relative_error
 
 aten = torch.ops.aten
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -186,7 +187,7 @@ def optimized(model: nn.Module) -> tuple[fuser.Engine, torch.fx.GraphModule]:
         warnings.simplefilter("ignore")  # the "not in the supported list" fallback warning
         engine = fuser.optimize(model, config=fuser.FuserConfig(max_batch_size=2, max_seq_len=16))
     assert engine.target is not None, engine.report().fallbacks
-    return engine, engine.target.graphs["decode"].fn
+    return engine, engine.target[DECODE].rewritten
 
 
 def check_numbers(engine: fuser.Engine, model: nn.Module) -> None:
@@ -207,9 +208,9 @@ def test_phi3_merged_projections_take_the_fast_path() -> None:
     # Already merged: nothing for the merge passes, one SwiGLU per layer on the chunked GEMM.
     assert report.passes["gated_act"] == layers
     assert report.passes["merge_qkv"] == report.passes["merge_gate_up"] == 0
-    for name, graph in engine.target.graphs.items():
+    for name, graph in engine.target.steps.items():
         assert graph.fused_ops["gated_act"] == layers, name
-        assert count_targets(graph.fn, aten.sigmoid.default) == 0, name
+        assert count_targets(graph.rewritten, aten.sigmoid.default) == 0, name
     # qkv, o, gate_up, down per layer and lm_head: one GEMM each, as Phi-3 ships them
     assert count_targets(decode, torch.ops.fuser.linear.default) == 4 * layers + 1  # GEMMs
 
@@ -225,9 +226,9 @@ def test_gemma2_geglu_fused_per_layer() -> None:
     assert any("gemma2" in f for f in report.fallbacks)
     assert report.passes["gated_act"] == report.passes["merge_gate_up"] == layers
     assert report.passes["merge_qkv"] == layers
-    for name, graph in engine.target.graphs.items():
+    for name, graph in engine.target.steps.items():
         assert graph.fused_ops["gated_act"] == layers, name
-        assert count_targets(graph.fn, aten.gelu.default) == 0, name
+        assert count_targets(graph.rewritten, aten.gelu.default) == 0, name
     assert count_targets(decode, torch.ops.fuser.linear.default) == 4 * layers + 1  # GEMMs
 
 
@@ -289,7 +290,7 @@ def test_gated_act_only_where_it_computes_the_same(variant: str, merged: tuple[i
     x = torch.randn(2, 3, 24).to(dtype)
     ep = torch.export.export(m, (x,), strict=False).run_decompositions()
     gm = ep.module()
-    result = run_passes(gm, "mlp")
+    result = run_passes(gm, pass_context("mlp"))
     assert result.errors == []
     assert (result.matches["merge_gate_up"], result.matches["merge_qkv"]) == merged
     assert result.matches["gated_act"] == fused

@@ -386,18 +386,18 @@ def test_speculative_sampling_follows_the_target_distribution() -> None:
 @pytest.mark.parametrize("name", ["plain", "g8"])
 def test_new_prompt_lengths_build_nothing(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     engine, target = engine_and_target(name)
-    graphs = {m.role: dict(m.graphs) for m in (engine.target, engine.draft) if m is not None}
+    graphs = {m.role: dict(m.steps) for m in (engine.target, engine.draft) if m is not None}
 
     def no_export(*args: object, **kwargs: object) -> None:
         raise AssertionError("exported a graph after optimize()")
 
-    monkeypatch.setattr(fuser.compile, "export_step", no_export)
+    monkeypatch.setattr(fuser.build, "export_step", no_export)
     monkeypatch.setattr(torch.export, "export", no_export)
     for lengths in ([13], [2, 11, 1], [1]):
         ids, mask = prompts(lengths, seed=len(lengths))
         out = engine.generate(ids, 3, attention_mask=mask)
         assert out.shape == (len(lengths), max(lengths) + 3)
-    after = {m.role: dict(m.graphs) for m in (engine.target, engine.draft) if m is not None}
+    after = {m.role: dict(m.steps) for m in (engine.target, engine.draft) if m is not None}
     assert after == graphs
 
 

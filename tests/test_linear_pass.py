@@ -16,7 +16,7 @@ from torch import nn
 import fuser
 from fuser.ops.linear import MAX_ROWS
 from fuser.passes.linear import rewrite_linears
-from fuser.passes._matcher import count_targets, prepare_graph
+from fuser.passes.fx import count_targets, prepare_graph
 from tiny import FAMILIES, engine_examples, model_cases, random_prompts, real_logits_error, tiny_model
 
 aten = torch.ops.aten
@@ -39,16 +39,16 @@ def check(model: nn.Module, batch: int, lengths: list[int], gamma: int, seed: in
     report = engine.report()
     assert report.fallbacks == []
     for compiled in (engine.target, engine.draft):
-        n = compiled.model.config.num_hidden_layers
-        for graph in compiled.graphs.values():
-            rows = None if graph.tokens_per_step is None else batch * graph.tokens_per_step
+        n = len(compiled.cache.k)
+        for graph in compiled.steps.values():
+            rows = None if graph.kind.tokens is None else batch * graph.kind.tokens
             linears = graph.fused_ops.get("linear", 0)
             if rows is not None and rows <= MAX_ROWS:
                 # qkv (merged), o_proj, gate_up (merged), down_proj per layer, and the LM head
-                assert linears == 4 * n + 1 and gemms(graph.fn) == 0, graph.name
+                assert linears == 4 * n + 1 and gemms(graph.rewritten) == 0, graph.name
                 assert graph.matches["linear"] == 4 * n + 1, graph.name
             else:  # prefill (symbolic rows) and too many rows keep their GEMMs
-                assert linears == 0 and gemms(graph.fn) == 4 * n + 1, graph.name
+                assert linears == 0 and gemms(graph.rewritten) == 4 * n + 1, graph.name
     assert report.passes["linear"] == 4 * layers + 1
     # numbers: prefill logits against eager, and greedy speculative == target-only greedy
     dtype = next(model.parameters()).dtype

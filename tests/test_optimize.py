@@ -9,7 +9,7 @@ import torch
 from transformers import BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadModel
 
 import fuser
-import fuser.compile
+import fuser.build
 from tiny import hf_logits, random_prompts, relative_error, tiny_model
 
 
@@ -110,7 +110,7 @@ def test_export_failure_falls_back_with_the_engine_cache(monkeypatch) -> None:
     def broken_export(*args: object, **kwargs: object) -> None:
         raise RuntimeError("simulated export failure")
 
-    monkeypatch.setattr(fuser.compile, "export_step", broken_export)
+    monkeypatch.setattr(fuser.build, "export_step", broken_export)
     with pytest.warns(UserWarning, match="export failed"):
         engine = _check_matches_eager(tiny_model("mistral", layers=2, sliding_window=3))
     assert any("simulated export failure" in f for f in engine.report().fallbacks)

@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fuser
-import fuser.compile
+import fuser.build
 from fuser.passes import run_passes
-from fuser.passes._matcher import count_targets
+from fuser.passes.fx import count_targets
 from fuser.passes.projections import MERGED_PREFIX, concatenate_rows
-from tiny import (FAMILIES, engine_examples, hf_logits, model_cases, random_prompts,
+from tiny import (FAMILIES, engine_examples, pass_context, hf_logits, model_cases, random_prompts,
                   real_logits_error, tiny_model)
 
 aten = torch.ops.aten
@@ -36,14 +36,14 @@ def gemms(gm: torch.fx.GraphModule) -> int:
 def gemms_before_passes():
     """Record, per graph name, the GEMMs each graph held before the passes ran."""
     counts: dict[str, int] = {}
-    real = fuser.compile.run_passes
+    real = fuser.build.run_passes
 
-    def spy(gm, graph_name, *args, **kwargs):
-        counts[graph_name] = gemms(gm)
-        return real(gm, graph_name, *args, **kwargs)
+    def spy(gm, context, *args, **kwargs):
+        counts[context.graph_name] = gemms(gm)
+        return real(gm, context, *args, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fuser.compile, "run_passes", spy)
+        mp.setattr(fuser.build, "run_passes", spy)
         yield counts
 
 
@@ -70,16 +70,16 @@ def check_engine(model: nn.Module, batch: int, lengths: list[int], seed: int) ->
     # SwiGLU per layer, in every graph
     passes = report.passes
     assert passes["merge_qkv"] == passes["merge_gate_up"] == passes["gated_act"] == layers
-    for graph in engine.target.graphs.values():
+    for graph in engine.target.steps.values():
         name = graph.name
         assert graph.matches["merge_qkv"] == graph.matches["merge_gate_up"] == layers, name
         assert graph.fused_ops["gated_act"] == layers, name
-        assert count_targets(graph.fn, aten.sigmoid.default) == 0, name  # core ATen's silu
-        assert count_targets(graph.fn, aten.silu.default) == 0, name
+        assert count_targets(graph.rewritten, aten.sigmoid.default) == 0, name  # core ATen's silu
+        assert count_targets(graph.rewritten, aten.silu.default) == 0, name
         # q, k, v -> one GEMM and gate, up -> one: three fewer per layer (in decode-shaped
         # graphs the linear pass then turns each GEMM into fuser::linear: tests/test_linear_pass.py)
         linears = graph.fused_ops.get("linear", 0)
-        assert gemms(graph.fn) + linears == gemms_before[name] - 3 * layers, name
+        assert gemms(graph.rewritten) + linears == gemms_before[name] - 3 * layers, name
     assert gemms_before["target.decode"] == 7 * layers + 1  # q k v o gate up down, lm_head
 
     # the user's model computes exactly what it did (its parameters now live in the merged
@@ -88,8 +88,8 @@ def check_engine(model: nn.Module, batch: int, lengths: list[int], seed: int) ->
     assert torch.equal(hf_logits(model, ids, mask), hf_logits(before, ids, mask))
 
     # memory: the merged weights are the parameters' storage, not a copy of it
-    merged = [t for graph in engine.target.graphs.values()
-              for name, t in graph.fn.named_buffers() if name.startswith(MERGED_PREFIX)]
+    merged = [t for graph in engine.target.steps.values()
+              for name, t in graph.rewritten.named_buffers() if name.startswith(MERGED_PREFIX)]
     assert len(merged) >= 2 * layers
     weights_after = storage_bytes([*model.parameters(), *merged])
     assert weights_after <= (1 + MEMORY_HEADROOM) * weights_before
@@ -166,7 +166,7 @@ def test_only_true_siblings_merge(variant: str, merges: int, gemms_after: int) -
     with torch.no_grad():
         want = m(x, y)
     gm = torch.export.export(m, (x, y), strict=False).run_decompositions().module()
-    result = run_passes(gm, "siblings")
+    result = run_passes(gm, pass_context("siblings"))
     assert result.errors == []
     assert result.matches["merge_qkv"] == merges
     # M = 6 rows: the linear pass then makes every GEMM left a fuser::linear

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 import fuser
 from fuser.passes import run_passes
-from fuser.passes._matcher import count_targets
-from tiny import FAMILIES, hf_logits, model_cases, random_prompts, real_logits_error, relative_error, tiny_model
+from fuser.passes.fx import count_targets
+from tiny import FAMILIES, hf_logits, model_cases, pass_context, random_prompts, real_logits_error, relative_error, tiny_model
 
 aten = torch.ops.aten
 FP32_TOLERANCE = 1e-4  # DESIGN.md numerics contract: fp32 logits within 1e-4 of eager
@@ -39,9 +39,9 @@ def check_engine(model: torch.nn.Module, batch: int, lengths: list[int], seed: i
     assert norm_entries(report.passes) == expected_counts(layers)
     assert norm_entries(report.fused_ops) == expected_counts(layers)
     assert report.fallbacks == []
-    for name, graph in engine.target.graphs.items():
+    for name, graph in engine.target.steps.items():
         assert norm_entries(graph.fused_ops) == expected_counts(layers), name
-        assert count_targets(graph.fn, aten.rsqrt.default) == 0, name
+        assert count_targets(graph.rewritten, aten.rsqrt.default) == 0, name
     # the user's model is untouched
     assert model.config._attn_implementation != "fuser"
 
@@ -93,7 +93,7 @@ def test_norm_with_used_intermediate_is_not_rewritten(module: type, matches: int
     m = module().eval()
     x = torch.randn(3, 24)
     gm = torch.export.export(m, (x,), strict=False).run_decompositions().module()
-    result = run_passes(gm, "leak")
+    result = run_passes(gm, pass_context("leak"))
     assert result.matches["rms_norm"] == matches  # the positive twin proves the pattern works
     for got, want in zip(gm(x), m(x)):
         torch.testing.assert_close(got, want, rtol=0, atol=0)

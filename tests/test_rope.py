@@ -19,9 +19,9 @@ from transformers import LlamaForCausalLM, Phi3Config, Phi3ForCausalLM
 import fuser
 from fuser.ops.rope import rotary_reference, rotary_triton
 from fuser.passes import run_passes
-from fuser.passes._matcher import count_targets, prepare_graph
+from fuser.passes.fx import count_targets, prepare_graph
 from fuser.passes.rope import ROTARY
-from tiny import FAMILIES, model_cases, random_prompts, real_logits_error, relative_error, tiny_config
+from tiny import FAMILIES, model_cases, pass_context, random_prompts, real_logits_error, relative_error, tiny_config
 
 aten = torch.ops.aten
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -172,11 +172,11 @@ def check_engine(model: torch.nn.Module, batch: int, lengths: list[int], seed: i
     # 2. the fused op in every graph (prefill and decode), the unfused rotary gone: rotate_half's
     # neg is the only one a layer has, and no cat over head tensors is left (rotate_half's, and
     # partial rotary's pass-through cat; the rotary module's cat(freqs, freqs) is 3-D)
-    assert set(engine.target.graphs) == {"prefill", "decode"}
-    for name, graph in engine.target.graphs.items():
+    assert {kind.name for kind in engine.target.steps} == {"prefill", "decode"}
+    for name, graph in engine.target.steps.items():
         assert graph.fused_ops["rotary"] == layers, name
-        assert count_targets(graph.fn, aten.neg.default) == 0, name
-        assert head_cats(graph.fn) == 0, name
+        assert count_targets(graph.rewritten, aten.neg.default) == 0, name
+        assert head_cats(graph.rewritten) == 0, name
 
 
 def head_cats(gm: torch.fx.GraphModule) -> int:
@@ -309,7 +309,7 @@ def test_rotary_with_used_intermediate_is_not_rewritten(module: type, matches: i
     args = (q.contiguous(), k.contiguous(), cos, sin)
     m = module().eval()
     gm = torch.export.export(m, args, strict=False).run_decompositions().module()
-    result = run_passes(gm, "leak")
+    result = run_passes(gm, pass_context("leak"))
     assert result.errors == []
     assert result.matches["rotary"] == matches  # the positive twins prove the pattern works
     assert result.fused_ops.get("rotary", 0) == matches

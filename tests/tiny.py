@@ -126,3 +126,12 @@ def hf_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor | No
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """‖out − ref‖ / ‖ref‖ over the whole tensor (DESIGN.md, numerics contract)."""
     return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+def pass_context(graph_name: str, kind: object = None) -> object:
+    """A PassContext for running the passes on a standalone graph (default: a decode step)."""
+    import fuser
+    from fuser.passes import PassContext
+    from fuser.runtime.steps import DECODE
+
+    return PassContext(graph_name, kind or DECODE, fuser.FuserConfig())

@@ -289,6 +289,20 @@ def _cache_attention_read_fake(
 cache_attention_read.register_kernel("cuda")(cache_attention_read_triton)
 
 
+@torch.library.custom_op("fuser::cache_attention", mutates_args=())
+def cache_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor, starts: Tensor,
+    scale: float, window: int, softcap: float,
+) -> Tensor:
+    """What capture emits for a fixed-T step's attention over the cache: the reference math on
+    every device. passes/attention.py turns it into `fuser::cache_attention_read` (the split-K
+    kernel) where the config asks for fused attention."""
+    return cache_attention_reference(q, k_cache, v_cache, seq_lens, starts, scale, window, softcap)
+
+
+cache_attention.register_fake(_cache_attention_read_fake)
+
+
 # ---------------------------------------------------------------------------------------------
 # Reference: fuser/capture.py cache_attention, non-prefill branch, after the cache write.
 # ---------------------------------------------------------------------------------------------
@@ -306,7 +320,7 @@ def masked_attention(
     -inf: a NaN there would leak through 0 * NaN into later layers). Returns [B, T, H, D].
     """
     B, H, T, D = q.shape
-    kv_heads, S = keys.shape[1], keys.shape[2]
+    kv_heads, _S = keys.shape[1], keys.shape[2]
     # GQA: query heads grouped by their kv head, keys broadcast over the group (no copies; and
     # merging dims of an expanded view would make torch 2.11 export guard on a symbolic T).
     rep = H // kv_heads

@@ -1,0 +1,160 @@
+"""Building one model's steps: export, passes, compilation, warm-up, the eager self-check and
+CUDA-graph capture, each an explicit step that `fuser.optimize` calls in order.
+
+Each step graph is exported once (`fuser.capture`), rewritten by `fuser.passes.PASSES`, and then
+run either as the rewritten FX graph ("fx") or compiled by Inductor ("inductor"). Whatever cannot
+be exported or compiled runs in eager PyTorch with an entry in the model's fallbacks; building
+never fails for a model the capture cannot handle.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fuser.capture import StepModule, export_step
+from fuser.config import FuserConfig
+from fuser.numerics import SELF_CHECK_TOLERANCE, relative_error
+from fuser.passes import PassContext, run_passes
+from fuser.runtime.cuda_graphs import CudaGraphStep
+from fuser.runtime.kv_cache import KVCache, free_memory_bytes
+from fuser.runtime.steps import DECODE, PREFILL, ModelSteps, StepGraph, StepKind
+
+
+def model_geometry(config: object) -> tuple[int, int, int]:
+    """(layers, kv_heads, head_dim) from a transformers config."""
+    layers = config.num_hidden_layers
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return layers, kv_heads, head_dim
+
+
+def allocate_cache(role: str, model_config: object, batch: int, slots: int, dtype: torch.dtype,
+                   device: torch.device, max_seq_len: int) -> KVCache:
+    """The model's KV cache, after checking that it fits in the device's free memory."""
+    layers, kv_heads, head_dim = model_geometry(model_config)
+    nbytes = KVCache.nbytes(layers, batch, slots, kv_heads, head_dim, dtype)
+    free = free_memory_bytes(device)
+    if free is not None and nbytes > free:
+        raise ValueError(
+            f"the {role}'s KV cache needs {nbytes / 2**30:.2f} GiB for max_batch_size={batch} "
+            f"x max_seq_len={max_seq_len}, but only {free / 2**30:.2f} GiB is free on {device}: "
+            "lower one of them")
+    return KVCache.allocate(layers, batch, slots, kv_heads, head_dim, dtype, device)
+
+
+def compile_mode(config: FuserConfig, device: torch.device) -> str:
+    """"inductor" or "fx": the config's choice, "auto" = Inductor on CUDA, FX elsewhere."""
+    if config.compile != "auto":
+        return config.compile
+    return "inductor" if device.type == "cuda" else "fx"
+
+
+def build_steps(role: str, view: nn.Module, cache: KVCache, kinds: list[StepKind],
+                config: FuserConfig, device: torch.device) -> ModelSteps:
+    """Export, rewrite and compile each step of `kinds` for `view` (the engine's copy of a
+    model, attending through the "fuser" attention function) over `cache`."""
+    steps = ModelSteps(role, cache, view.config.vocab_size)
+    for kind in kinds:
+        add_step(steps, view, kind, config, device)
+    return steps
+
+
+def add_step(steps: ModelSteps, view: nn.Module, kind: StepKind, config: FuserConfig,
+             device: torch.device) -> StepGraph:
+    """Build the step `kind` of `steps` (export, passes, compile) and add it; once export has
+    failed for a model, its later steps run eagerly without trying again."""
+    module = StepModule(view, steps.cache.k, steps.cache.v, prefill=not kind.fixed)
+    graph = StepGraph(f"{steps.role}.{kind.name}", kind, eager=module)
+    export_failed = any(g.rewritten is None for g in steps.steps.values())
+    steps.steps[kind] = graph
+    if export_failed:
+        return graph
+    try:
+        graph.exported, graph.rewritten = export_step(module, steps.cache.batch_size, kind.tokens,
+                                                      max_tokens=steps.cache.slots)
+    except Exception as e:  # unsupported model code: run eagerly, say so once
+        steps.fallback(f"{steps.role}: torch.export failed ({first_line(e)}); its steps run "
+                       "in eager PyTorch with the engine's KV cache")
+        return graph
+    result = run_passes(graph.rewritten, PassContext(graph.name, kind, config, steps.role))
+    for error in result.errors:
+        steps.fallback(error)
+    graph.matches, graph.fused_ops = result.matches, result.fused_ops
+    # Prefill (dynamic T) runs once per request: on the GPU its ATen kernels are long enough;
+    # Inductor is kept for the fixed-T steps that run once per token.
+    if compile_mode(config, device) == "inductor" and kind.fixed:
+        graph.compiled = torch.compile(graph.rewritten, fullgraph=True, dynamic=False)
+    return graph
+
+
+@torch.no_grad()
+def warm_up(steps: ModelSteps) -> None:
+    """Run every step once so that compilation happens now, not in the first request."""
+    cache = steps.cache
+    device, B = cache.seq_lens.device, cache.batch_size
+    for kind in steps.steps:
+        for T in ([2, 3] if not kind.fixed else [kind.tokens]):
+            tokens = torch.zeros(B, T, dtype=torch.long, device=device)
+            positions = torch.arange(T, device=device)[None].expand(B, T).contiguous()
+            cache.reset()
+            steps.run(kind, tokens, positions)
+    cache.reset()
+
+
+@torch.no_grad()
+def check_against_eager(steps: ModelSteps, model: nn.Module, max_seq_len: int) -> str | None:
+    """Run the built prefill and decode steps and the user's eager model on a short random
+    prompt; None when they agree (numerics.SELF_CHECK_TOLERANCE), else what differs.
+
+    A model family whose capture is subtly wrong then falls back to eager PyTorch instead of
+    giving silently wrong answers.
+    """
+    cache = steps.cache
+    device = cache.seq_lens.device
+    T = min(6, max_seq_len)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, steps.vocab_size, (1, T), generator=generator)
+    user_device = next(model.parameters()).device
+    ref = model(input_ids=ids.to(user_device),
+                position_ids=torch.arange(T, device=user_device)[None]).logits.float()
+    B = cache.batch_size
+    tokens = ids.to(device).expand(B, T).contiguous()
+    positions = torch.arange(T, device=device)[None].expand(B, T).contiguous()
+    cache.reset()
+    out = steps.run(PREFILL, tokens[:, :-1], positions[:, :-1])[:1]
+    cache.set_lengths(T - 1)
+    # Fresh [B, 1] tensors: a slice's strides differ from the runtime's, and a compiled
+    # step guards on strides (the check would cost a second Inductor compile).
+    last = steps.run(DECODE, tokens[:, -1:].clone(memory_format=torch.contiguous_format),
+                     positions[:, -1:].clone(memory_format=torch.contiguous_format))[:1]
+    cache.reset()
+    got = torch.cat([out, last], dim=1).float().to(ref.device)
+    error = relative_error(got, ref)
+    # The coarser of the two dtypes sets the bound: an fp32 engine of a bf16 model is checked
+    # against bf16 eager logits.
+    dtypes = (cache.k[0].dtype if cache.k else torch.float32, next(model.parameters()).dtype)
+    tolerance = max(SELF_CHECK_TOLERANCE.get(d, SELF_CHECK_TOLERANCE[torch.bfloat16])
+                    for d in dtypes)
+    if error <= tolerance:
+        return None
+    return f"relative error {error:.2e} > {tolerance:g}"
+
+
+def capture_cuda_graphs(steps: ModelSteps) -> None:
+    """Capture every fixed-T step as a CUDA graph, all in one memory pool (call after
+    `warm_up`; CUDA only)."""
+    pool = torch.cuda.graph_pool_handle()
+    cache = steps.cache
+    for graph in steps.steps.values():
+        if graph.kind.fixed and graph.captured is None:
+            graph.captured = CudaGraphStep(graph.uncaptured, cache.batch_size, graph.kind.tokens,
+                                           cache.seq_lens, cache.starts, pool=pool)
+    cache.reset()
+
+
+def first_line(e: BaseException) -> str:
+    """`Type: first line of the message`, at most 300 characters."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]

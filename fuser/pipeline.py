@@ -1,0 +1,151 @@
+"""The build pipeline behind `fuser.optimize`: an Engine from Hugging Face models.
+
+The build, in order: load and check the models; choose device, dtype and draft length; per
+model, check it can be captured, allocate its KV cache and build its steps (export, passes,
+compile: fuser/build.py); warm every step up; check the built steps against the eager model;
+capture CUDA graphs. The Engine that comes out only runs what was built.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fuser.build import (
+    allocate_cache,
+    build_steps,
+    capture_cuda_graphs,
+    check_against_eager,
+    warm_up,
+)
+from fuser.capture import SUPPORTED_MODEL_TYPES, engine_view, supports_cache_attention
+from fuser.config import FuserConfig
+from fuser.engine import Engine
+from fuser.runtime.steps import ModelSteps, StepKind, draft_steps, target_steps
+
+ModelLike = nn.Module | str | Path
+
+
+def load_model(source: ModelLike, argument: str) -> tuple[nn.Module, object | None]:
+    """A causal-LM instance (and its tokenizer, if a directory has one) from `source`."""
+    if isinstance(source, nn.Module):
+        if not hasattr(source, "config") or not hasattr(source.config, "vocab_size"):
+            raise ValueError(f"{argument} must be a transformers causal LM (a module with a "
+                             f"config), got {type(source).__name__}")
+        return source, None
+    if not isinstance(source, (str, Path)):
+        raise ValueError(f"{argument} must be a transformers model or a path to a model "
+                         f"directory, got {type(source).__name__}")
+    path = Path(source)
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise ValueError(f"{argument}={str(source)!r} is not a model directory "
+                         "(a folder with config.json and safetensors weights)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype="auto")
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"{argument}={str(source)!r} could not be loaded as a causal LM: {e}") from None
+    tokenizer = None
+    if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer
+
+
+def _check_draft_vocab(target: nn.Module, draft: nn.Module) -> int:
+    """The vocabulary the pair shares. Sizes may differ only by padding rows; API.md."""
+    tv, dv = target.config.vocab_size, draft.config.vocab_size
+    common = min(tv, dv)
+    # Padding rows sit at the end: a real difference shows up in special-token ids or a size
+    # gap that is not padding-sized (Qwen2.5 pads 151665 real tokens to 151936 / 152064).
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        t, d = getattr(target.config, attr, None), getattr(draft.config, attr, None)
+        if t is not None and d is not None and t != d:
+            raise ValueError(f"draft is not compatible with target: {attr} differs "
+                             f"(target {t}, draft {d}); the draft must use the target's tokenizer")
+    if abs(tv - dv) > max(1024, common // 16):
+        raise ValueError(f"draft is not compatible with target: vocabulary sizes {dv} and {tv} "
+                         "differ by more than padding; the draft must use the target's tokenizer")
+    return common
+
+
+def optimize(target: ModelLike, draft: ModelLike | None = None,
+             config: FuserConfig | None = None) -> Engine:
+    """Capture, rewrite and compile `target` (and `draft`) into an Engine.
+
+    target, draft: a transformers causal-LM instance or a path to a local model directory.
+    The user's models are not modified. Pieces that cannot be optimized run in eager PyTorch
+    with a warning and an entry in `report().fallbacks`.
+    """
+    if config is None:
+        config = FuserConfig()
+    if not isinstance(config, FuserConfig):
+        raise ValueError(f"config must be a fuser.FuserConfig, got {type(config).__name__}")
+    target_model, tokenizer = load_model(target, "target")
+    draft_model = load_model(draft, "draft")[0] if draft is not None else None
+    return build_engine(target_model, draft_model, config, tokenizer)
+
+
+def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig,
+                 tokenizer: object | None = None) -> Engine:
+    """The Engine for already loaded models (see the module docstring for the order)."""
+    start = time.perf_counter()
+    device = torch.device(config.device) if config.device is not None else \
+        next(target.parameters()).device
+    dtype = config.dtype_for(next(target.parameters()).dtype)
+    gamma = config.resolved_gamma if draft is not None else 0
+    vocab_size = _check_draft_vocab(target, draft) if draft is not None else target.config.vocab_size
+    # Slots per row: max_seq_len plus the gamma + 1 positions a verify step may write.
+    slots = config.max_seq_len + gamma + 1
+    fallbacks: list[str] = []
+
+    def fallback(message: str) -> None:
+        warnings.warn(f"fuser: {message}", stacklevel=3)
+        fallbacks.append(message)
+
+    def prepare(role: str, model: nn.Module, kinds: list[StepKind]) -> ModelSteps | None:
+        if not supports_cache_attention(model):
+            fallback(f"{role}: {type(model).__name__} does not dispatch attention through "
+                     "transformers' attention registry; it runs in eager PyTorch, unfused")
+            return None
+        model_type = getattr(model.config, "model_type", "?")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            fallback(f"{role}: model type {model_type!r} is not in the supported list "
+                     f"{SUPPORTED_MODEL_TYPES}; fusions that match are applied, the rest runs "
+                     "in eager PyTorch")
+        cache = allocate_cache(role, model.config, config.max_batch_size, slots, dtype, device,
+                               config.max_seq_len)
+        view = engine_view(model, dtype, device)
+        return build_steps(role, view, cache, kinds, config, device)
+
+    target_built = prepare("target", target, target_steps(gamma))
+    draft_built = None
+    if draft is not None and gamma > 0 and target_built is not None:
+        draft_built = prepare("draft", draft, draft_steps())
+    for built, model in ((target_built, target), (draft_built, draft)):
+        if built is not None:
+            warm_up(built)
+    if target_built is not None:
+        problem = check_against_eager(target_built, target, config.max_seq_len)
+        if problem is not None:
+            fallback(f"target: the captured step disagrees with eager PyTorch ({problem}); it "
+                     "runs in eager PyTorch instead")
+            target_built = draft_built = None
+    if draft_built is not None:
+        problem = check_against_eager(draft_built, draft, config.max_seq_len)
+        if problem is not None:
+            fallback(f"draft: the captured step disagrees with eager PyTorch ({problem}); it "
+                     "runs in eager PyTorch instead, without speculation")
+            draft_built = None
+    if device.type == "cuda" and config.cuda_graphs:
+        for built in (target_built, draft_built):
+            if built is not None:
+                capture_cuda_graphs(built)
+    return Engine(target_built, draft_built, config=config, user_target=target,
+                  tokenizer=tokenizer, device=device, dtype=dtype, vocab_size=vocab_size,
+                  gamma=gamma if draft_built is not None else 0, fallbacks=fallbacks,
+                  compile_seconds=time.perf_counter() - start)

@@ -1,0 +1,140 @@
+"""The step graphs a model runs, declared once: which kinds exist, and what one built step holds.
+
+    step(tokens[B, T], positions[B, T], seq_lens[B], starts[B]) -> logits[B, T, V]
+
+A step kind is a name and a token count per step (T fixed, or None for prefill, which takes any
+T >= 2). The target and the draft each have their own list (`target_steps`, `draft_steps`);
+the engine builds, the runtime runs and the benchmarks time exactly these kinds, by object.
+
+A `StepGraph` keeps the stages of one built step apart: the exported program, the rewritten FX
+graph, the compiled callable and the captured CUDA graph. `ModelSteps` is one model's KV cache
+and its step graphs: what `fuser.build` produces and what an `Engine` (or `fuser.load`) runs.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from fuser.runtime.cuda_graphs import CudaGraphStep
+from fuser.runtime.kv_cache import KVCache
+
+StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class StepKind(NamedTuple):
+    """A kind of step: `name` and its fixed token count T (None: prefill, any T >= 2)."""
+
+    name: str
+    tokens: int | None
+
+    @property
+    def fixed(self) -> bool:
+        """Whether T is fixed (a graph Inductor compiles and a CUDA graph can capture)."""
+        return self.tokens is not None
+
+
+PREFILL = StepKind("prefill", None)
+DECODE = StepKind("decode", 1)
+# The draft's first forward of a round re-feeds the last accepted token with the new one
+# (runtime/speculative.py, `draft`): two tokens.
+CATCHUP = StepKind("catchup", 2)
+
+
+def verify(gamma: int) -> StepKind:
+    """The target's verification step over gamma drafts: the pending token and the drafts."""
+    return StepKind("verify", gamma + 1)
+
+
+def target_steps(gamma: int) -> list[StepKind]:
+    """The target's steps: prefill, decode, and verify when a draft proposes gamma > 0 tokens."""
+    return [PREFILL, DECODE] + ([verify(gamma)] if gamma > 0 else [])
+
+
+def draft_steps() -> list[StepKind]:
+    """The draft's steps: prefill, catch-up, and decode (its gamma - 1 later proposals)."""
+    return [PREFILL, DECODE, CATCHUP]
+
+
+@dataclass
+class StepGraph:
+    """One built step of one model, each stage its own field.
+
+    Attributes:
+        name: "<role>.<kind>", e.g. "target.decode" (report() keys).
+        kind: the step kind.
+        eager: the step module itself (engine cache, "fuser" attention): what runs when
+            nothing else could be built.
+        exported: the program torch.export produced (before the passes), or None.
+        rewritten: the FX graph after the passes, or None when export failed.
+        compiled: what Inductor made of `rewritten`, or None (not compiled: "fx" mode,
+            prefill, or a failed export).
+        captured: the CUDA graph replaying `compiled`, or None.
+        matches: pass name -> matches in this graph.
+        fused_ops: fuser op name -> count in `rewritten`.
+    """
+
+    name: str
+    kind: StepKind
+    eager: StepFn
+    exported: torch.export.ExportedProgram | None = None
+    rewritten: torch.fx.GraphModule | None = None
+    compiled: StepFn | None = None
+    captured: CudaGraphStep | None = None
+    matches: dict[str, int] = field(default_factory=dict)
+    fused_ops: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def uncaptured(self) -> StepFn:
+        """The step without its CUDA graph: compiled, else rewritten, else eager."""
+        return self.compiled or self.rewritten or self.eager
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
+                 starts: torch.Tensor) -> torch.Tensor:
+        return (self.captured or self.uncaptured)(tokens, positions, seq_lens, starts)
+
+
+class ModelSteps:
+    """One model's engine-side state: its KV cache and the step graphs built over it.
+
+    `run(kind, tokens, positions)` is the only way the runtime calls a step; the cache's
+    lengths are moved by the cache's own methods (runtime/kv_cache.py), never here.
+    """
+
+    def __init__(self, role: str, cache: KVCache, vocab_size: int,
+                 steps: dict[StepKind, StepGraph] | None = None,
+                 fallbacks: list[str] | None = None) -> None:
+        self.role = role
+        self.cache = cache
+        self.vocab_size = vocab_size
+        self.steps: dict[StepKind, StepGraph] = dict(steps or {})
+        self.fallbacks: list[str] = list(fallbacks or [])
+
+    def __getitem__(self, kind: StepKind) -> StepGraph:
+        return self.steps[kind]
+
+    def __contains__(self, kind: object) -> bool:
+        return kind in self.steps
+
+    @torch.no_grad()
+    def run(self, kind: StepKind, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One step of `kind` over this model's cache: logits [B, T, V].
+
+        tokens, positions: [B, T] with B the cache's batch size. The step writes its T tokens
+        at slots seq_lens[b] + t and does not move the lengths: the caller does (by what it
+        keeps), through the cache.
+        """
+        return self.steps[kind](tokens, positions, self.cache.seq_lens, self.cache.starts)
+
+    def graph_replays(self) -> dict[str, int]:
+        """CUDA graph replays so far, per captured step."""
+        return {g.name: g.captured.replays for g in self.steps.values() if g.captured is not None}
+
+    def fallback(self, message: str) -> None:
+        """Record (and warn about) something of this model that runs less optimized."""
+        warnings.warn(f"fuser: {message}", stacklevel=3)
+        self.fallbacks.append(message)
