@@ -119,6 +119,7 @@ def test_fp8_ops_dry_run(tmp_path: Path) -> None:
     assert len(decode) == 9 and len(prefill) == 3  # three tiny shapes x M = 1, 5, 9; M = 24
     assert all(r["failed"] == 0 and r["flagged"] == 0 for r in decode + prefill)
     # the FP8 GEMV kernel and each swept config ran and were checked against the reference
-    assert all(r["fp8"]["rel_err"] is not None and r["sweep"] and r["best"] for r in decode)
+    assert all(r["fp8"]["rel_err"] is not None and r["sweep"] for r in decode)
+    assert all(c["rel_err"] is not None for r in decode for c in r["sweep"])
     assert {r["producer"] for r in prefill} == {"rms_norm", "gated_act"}
     assert proc.stdout.strip().splitlines()[-1].startswith("dry run on CPU")
