@@ -108,3 +108,18 @@ def test_breakdown_groups_kernels_by_name() -> None:
     assert group_of("_rms_norm_kernel") == "rms_norm / add_rms_norm"
     assert group_of("triton_poi_fused__to_copy_bmm_cat_cos_mul_permute_rotary_sin_slice_view_5") \
         == "rope cos/sin (Inductor)"
+
+
+def test_fp8_ops_dry_run(tmp_path: Path) -> None:
+    out = tmp_path / "fp8_ops.json"
+    proc = run("fp8_ops.py", out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    decode, prefill = result["decode"], result["prefill"]
+    assert len(decode) == 9 and len(prefill) == 3  # three tiny shapes x M = 1, 5, 9; M = 24
+    assert all(r["failed"] == 0 and r["flagged"] == 0 for r in decode + prefill)
+    # the FP8 GEMV kernel and each swept config ran and were checked against the reference
+    assert all(r["fp8"]["rel_err"] is not None and r["sweep"] for r in decode)
+    assert all(c["rel_err"] is not None for r in decode for c in r["sweep"])
+    assert {r["producer"] for r in prefill} == {"rms_norm", "gated_act"}
+    assert proc.stdout.strip().splitlines()[-1].startswith("dry run on CPU")

@@ -5,3 +5,5 @@ from fuser.ops import rope  # noqa: F401
 from fuser.ops import gated_act  # noqa: F401
 from fuser.ops import attention  # noqa: F401
 from fuser.ops import linear  # noqa: F401
+from fuser.ops import fp8  # noqa: F401
+from fuser.ops import fp8_quant  # noqa: F401

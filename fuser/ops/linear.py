@@ -20,7 +20,16 @@ flight per program, which is what a memory-bound stream needs.
 Numerics: products and sums in fp32 (bf16/fp16 products are exact in fp32), one rounding to
 the output dtype, as cuBLAS does; only the summation order differs.
 
-Cost: bytes = N * K * s_w + M * K * s_x + M * N * s_out;  FLOPs = 2 * M * N * K.
+FP8 weights (`fuser::fp8_linear(x, w_fp8, w_scale)`, FuserConfig(precision="fp8")): the same
+kernel reads an e4m3fn weight [N, K] (half the bytes) with one fp32 scale per output channel
+(fuser/ops/fp8.py). Each weight tile is dequantized in registers (exactly: to fp32 on the
+CUDA-core path, to x's bf16/fp16 for the MMA), the sum runs in fp32 as above, and the scale
+multiplies each output once after the K loop, before the one rounding to x's dtype. The
+activations are not quantized on this path. Its tile defaults are untuned guesses
+(_default_fp8_config) until benchmarks/fp8_ops.py's sweep runs on an H200.
+
+Cost: bytes = N * K * s_w + M * K * s_x + M * N * s_out (+ 4N for the FP8 scales);
+FLOPs = 2 * M * N * K (+ M * N scale multiplies).
 """
 
 import torch
@@ -28,18 +37,24 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from fuser.ops.fp8 import FP8_DTYPE, fp8_linear_reference
+
 MAX_ROWS = 16  # M above this is not a decode shape: the op falls back to the reference
 
 
 @triton.jit
 def _linear_kernel(
-    x_ptr, w_ptr, out_ptr,
+    x_ptr,                      # x: [M, K], row stride stride_xm, column stride 1
+    w_ptr,                      # weight: [N, K], row stride stride_wn; x's dtype, or e4m3fn
+    scale_ptr,                  # w_scale: [N] fp32 (read only if HAS_SCALE)
+    out_ptr,                    # out: [M, N], row stride stride_om, x's dtype
     M, N, K,
     stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr,      # 1 (CUDA-core path) or a power of two >= 16 (MMA path)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     FP32_DOTS: tl.constexpr,    # MMA path in fp32 (TRITON_INTERPRET: its bf16 dot is wrong)
+    HAS_SCALE: tl.constexpr,    # FP8 weight: dequantized in registers, out = acc * w_scale
 ):
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)            # output columns = weight rows
@@ -54,6 +69,8 @@ def _linear_kernel(
             w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_ptr + k, mask=k_ok, other=0.0)
             acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        if HAS_SCALE:  # once per output, after the sum over K
+            acc *= tl.load(scale_ptr + cols, mask=col_ok, other=0.0)
         tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
     else:
         rows = tl.arange(0, BLOCK_M)
@@ -68,8 +85,14 @@ def _linear_kernel(
             if FP32_DOTS:
                 acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)),
                               input_precision="ieee")
+            elif HAS_SCALE:
+                # e4m3fn -> bf16/fp16 is exact: the MMA multiplies the activation by the
+                # weight's exact value and the activation is never quantized on this path.
+                acc += tl.dot(x, tl.trans(w.to(x.dtype)))
             else:
                 acc += tl.dot(x.to(w.dtype), tl.trans(w))
+        if HAS_SCALE:  # once per output column, after the sum over K
+            acc *= tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
         out = out_ptr + rows[:, None] * stride_om + cols[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -88,6 +111,20 @@ def _default_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
     return 64, 128, 4, 4            # lm_head
 
 
+def _default_fp8_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
+    """(block_n, block_k, num_warps, num_stages) for e4m3fn weights. UNTUNED until the H200
+    sweep (benchmarks/fp8_ops.py prints the best per shape): a guess from the bf16 table with
+    BLOCK_K doubled, since one 16-byte load now carries 16 weights instead of 8 and a program
+    should still pull the same bytes per K step."""
+    if M == 1:
+        if N * K <= 2**25:          # qkv, o_proj: more, narrower programs
+            return 8, 1024, 8, 4
+        return 16, 1024, 4, 4       # gate_up, down, lm_head
+    if K >= 8192 or N <= 4096:      # down_proj, o_proj
+        return 32, 512, 4, 4
+    return 64, 256, 4, 4            # qkv, gate_up, lm_head
+
+
 def prefers_cublas(M: int, N: int, K: int) -> bool:
     """Shapes where cuBLAS measured faster than every configuration of this kernel on an H200
     (benchmarks/RESULTS.md): one row against a long K (down_proj: 32.4 vs 34.7 us), and several
@@ -99,16 +136,28 @@ def prefers_cublas(M: int, N: int, K: int) -> bool:
 
 
 def linear_triton(
-    x: Tensor, weight: Tensor, *, block_n: int | None = None, block_k: int | None = None,
+    x: Tensor, weight: Tensor, *, weight_scale: Tensor | None = None,
+    block_n: int | None = None, block_k: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None,
 ) -> Tensor:
     """x @ weight.T for x [..., K] with at most MAX_ROWS rows in all; weight [N, K].
 
-    The keyword arguments override the tuned defaults (tests and benchmarks/linear_sweep.py).
+    With weight_scale ([N] fp32; weight then float8 e4m3fn, see fuser/ops/fp8.py) it is
+    (x @ weight.T) * weight_scale, the scale applied once per output in fp32 before the one
+    rounding to x's dtype: fuser::fp8_linear. The output is in x's dtype either way.
+    The other keyword arguments override the tuned defaults (tests, benchmarks/linear_sweep.py
+    and benchmarks/fp8_ops.py).
     """
     *lead, K = x.shape
     N = weight.shape[0]
     assert weight.shape == (N, K), (x.shape, weight.shape)
+    fp8 = weight_scale is not None
+    if fp8:
+        assert weight.dtype == FP8_DTYPE, f"weight_scale given with a {weight.dtype} weight"
+        assert weight_scale.shape == (N,) and weight_scale.dtype == torch.float32, (
+            f"weight_scale must be [N] = [{N}] fp32, got {weight_scale.dtype} "
+            f"{tuple(weight_scale.shape)}")
+        weight_scale = weight_scale.contiguous()
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
     assert M <= MAX_ROWS, f"{M} rows: linear_triton is for decode shapes (<= {MAX_ROWS} rows)"
@@ -119,16 +168,18 @@ def linear_triton(
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if out.numel() == 0 or K == 0:
         return out.zero_().reshape(*lead, N)
-    bn, bk, warps, stages = _default_config(M, N, K)
+    bn, bk, warps, stages = (_default_fp8_config if fp8 else _default_config)(M, N, K)
     bn, bk = block_n or bn, block_k or bk
     block_m = 1 if M == 1 else max(16, triton.next_power_of_2(M))
     if block_m > 1 and bn < 16:
         raise ValueError(f"block_n={bn}: the MMA path (more than one row) needs block_n >= 16")
-    fp32_dots = weight.dtype == torch.float32 or (
-        x.device.type != "cuda" and weight.dtype == torch.bfloat16)
+    dot_dtype = x.dtype if fp8 else weight.dtype  # fp8: the MMA runs in x's dtype
+    fp32_dots = dot_dtype == torch.float32 or (
+        x.device.type != "cuda" and dot_dtype == torch.bfloat16)
     _linear_kernel[(triton.cdiv(N, bn),)](
-        x2, weight, out, M, N, K, x2.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, FP32_DOTS=fp32_dots,
+        x2, weight, weight_scale if fp8 else out, out,
+        M, N, K, x2.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, FP32_DOTS=fp32_dots, HAS_SCALE=fp8,
         num_warps=num_warps or warps, num_stages=num_stages or stages,
     )
     return out.reshape(*lead, N)
@@ -161,3 +212,32 @@ linear.register_kernel("cuda")(_linear_cuda)
 def linear_reference(x: Tensor, weight: Tensor) -> Tensor:
     """x @ weight.T, as the captured graph computes it (aten.mm over a transposed weight)."""
     return torch.nn.functional.linear(x, weight)
+
+
+# ---------------------------------------------------------------------------------------------
+# fuser::fp8_linear: the same kernel over an e4m3fn weight with per-output-channel scales
+# (fuser/ops/fp8.py). Activations stay in their dtype: only the weight is FP8 on this path.
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fuser::fp8_linear", mutates_args=())
+def fp8_linear(x: Tensor, w_fp8: Tensor, w_scale: Tensor) -> Tensor:
+    """x [..., K] (bf16/fp16/fp32), w_fp8 [N, K] e4m3fn, w_scale [N] fp32 -> [..., N], x's dtype."""
+    return fp8_linear_reference(x, w_fp8, w_scale)
+
+
+@fp8_linear.register_fake
+def _fp8_linear_fake(x: Tensor, w_fp8: Tensor, w_scale: Tensor) -> Tensor:
+    return x.new_empty((*x.shape[:-1], w_fp8.shape[0]))
+
+
+def _fp8_linear_cuda(x: Tensor, w_fp8: Tensor, w_scale: Tensor) -> Tensor:
+    # Above MAX_ROWS this is not a decode shape; prefill quantizes its activations and calls
+    # fuser::fp8_scaled_mm instead (fuser/ops/fp8_quant.py), so this fallback is the
+    # reference's fp32 GEMM: correct, not fast.
+    if x.numel() // max(x.shape[-1], 1) > MAX_ROWS:
+        return fp8_linear_reference(x, w_fp8, w_scale)
+    return linear_triton(x, w_fp8, weight_scale=w_scale)
+
+
+fp8_linear.register_kernel("cuda")(_fp8_linear_cuda)
