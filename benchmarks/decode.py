@@ -27,7 +27,7 @@ import fuser
 from breakdown import format_breakdown, kernel_breakdown
 from fuser.build import add_step, capture_cuda_graphs, warm_up
 from fuser.models import PRESETS
-from fuser.runtime.steps import DECODE, verify
+from fuser.runtime.steps import DECODE, PREFILL, verify
 from peers import make_gpt_fast_style, make_hf_eager, make_hf_static_compile
 from timing import log, measure_read_bandwidth
 
@@ -90,6 +90,9 @@ def main() -> None:
     parser.add_argument("--skip-verify", action="store_true")
     parser.add_argument("--fused-attention", choices=["default", "on", "off"], default="default",
                         help="FuserConfig.fused_attention: the split-K Triton op for decode/verify")
+    parser.add_argument("--precisions", default="bf16,fp8",
+                        help="fuser engines to time, comma-separated: bf16 (the model's own) and fp8")
+    parser.add_argument("--prefill-tokens", type=int, default=2048)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     warnings.simplefilter("ignore")
@@ -113,54 +116,107 @@ def main() -> None:
     RESULTS["ceiling_tok_s"] = ceiling
     log(f"decode step reads {nbytes / 1e9:.2f} GB: ceiling {ceiling:.0f} tok/s")
     prompt = torch.randint(0, config.vocab_size, (1, args.prompt_tokens), device="cuda")
-    n = args.new_tokens
     rows: list[tuple[str, float, int]] = []
+    steps: dict[str, dict] = {}
+    for precision in args.precisions.split(","):
+        steps[precision] = time_fuser(model, precision, prompt, args, rows, bandwidth)
+        torch.cuda.empty_cache()
+    save(args.out)
+    if not args.skip_peers:
+        hf_peers(model, prompt, args, rows, ceiling)
+    summary(rows, ceiling, nbytes, bandwidth, steps, args.out)
 
-    # fuser, target only
+
+def fp8_step_bytes(model: torch.nn.Module, lm_head: bool = True) -> int:
+    """Bytes a decode step reads with FP8 linears: one byte per linear weight (plus a 4-byte
+    scale per output channel), the model dtype for the rest (norms), embedding row excluded."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and (lm_head or module is not
+                                                    model.get_output_embeddings()):
+            total += module.weight.numel() + 4 * module.weight.shape[0]
+        elif isinstance(module, torch.nn.Linear):
+            total += module.weight.numel() * module.weight.element_size()
+    norms = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                if p.dim() == 1)
+    return total + norms
+
+
+def time_fuser(model: torch.nn.Module, precision: str, prompt: torch.Tensor,
+               args: argparse.Namespace, rows: list, bandwidth: float) -> dict:
+    """Build a fuser engine at `precision`, time generate, the decode and verify steps, and a
+    prefill of --prefill-tokens; returns the step figures."""
+    n = args.new_tokens
+    nbytes = step_bytes(model) if precision != "fp8" else fp8_step_bytes(model)
+    ceiling = bandwidth / nbytes
+    result: dict = {"step_GB": nbytes / 1e9, "ceiling_tok_s": ceiling}
     start = time.perf_counter()
     options = {} if args.fused_attention == "default" else {
         "fused_attention": args.fused_attention == "on"}
-    engine = fuser.optimize(model, config=fuser.FuserConfig(
-        max_seq_len=args.prompt_tokens + n + 16, **options))
-    RESULTS["fuser_config"] = repr(engine.config)
-    RESULTS["fuser_optimize_seconds"] = time.perf_counter() - start
+    if precision == "fp8":
+        options["precision"] = "fp8"
+    max_seq_len = max(args.prompt_tokens + n + 16, args.prefill_tokens + 1)
+    engine = fuser.optimize(model, config=fuser.FuserConfig(max_seq_len=max_seq_len, **options))
+    result["config"] = repr(engine.config)
+    result["optimize_seconds"] = time.perf_counter() - start
     report = engine.report()
-    RESULTS["fuser_report"] = {"passes": report.passes, "fused_ops": report.fused_ops,
-                               "fallbacks": report.fallbacks}
-    log(f"fuser.optimize: {RESULTS['fuser_optimize_seconds']:.0f} s\n{report}")
-    no_eos = dict(eos_token_id=[config.vocab_size - 1])  # random weights: never emitted in practice
+    result["report"] = {"passes": report.passes, "fused_ops": report.fused_ops,
+                        "fallbacks": report.fallbacks}
+    log(f"[{precision}] fuser.optimize: {result['optimize_seconds']:.0f} s\n{report}")
+    no_eos = dict(eos_token_id=[model.config.vocab_size - 1])  # random weights: never emitted
     engine.generate(prompt, 8, **no_eos)
     seconds, count = timed_generate(
         lambda: engine.generate(prompt, n, **no_eos).shape[1] - args.prompt_tokens, runs=3)
-    rows.append(("fuser.optimize(model)", seconds, count))
-    log(f"fuser generate: {count} tokens in {seconds:.3f} s = {count / seconds:.1f} tok/s "
-        f"({100 * count / seconds / ceiling:.1f}% of the ceiling)")
-    RESULTS["fuser_graph_replays"] = engine.report().graph_replays
+    name = f"fuser.optimize(model), {precision}"
+    rows.append((name, seconds, count))
+    result["tok_s"] = count / seconds
+    result["pct_ceiling"] = 100 * count / seconds / ceiling
+    log(f"[{precision}] fuser generate: {count} tokens in {seconds:.3f} s = {count / seconds:.1f} "
+        f"tok/s ({result['pct_ceiling']:.1f}% of its {ceiling:.0f} tok/s ceiling)")
+    result["graph_replays"] = engine.report().graph_replays
 
     one, at = prompt[:, :1], torch.zeros(1, 1, dtype=torch.long, device="cuda")
     decode_ms = event_time_ms(lambda: engine.target.run(DECODE, one, at))
-    RESULTS["decode_step_ms"] = decode_ms
-    log(f"target decode step (T=1): {decode_ms:.3f} ms = {nbytes / (decode_ms * 1e-3) / 1e12:.2f} TB/s")
-    save(args.out)
+    result["decode_step_ms"] = decode_ms
+    log(f"[{precision}] target decode step (T=1): {decode_ms:.3f} ms = "
+        f"{nbytes / (decode_ms * 1e-3) / 1e12:.2f} TB/s")
     if args.profile:
         step = engine.target[DECODE].uncaptured  # the kernels the CUDA graph replays
         cache = engine.target.cache
         cache.set_lengths(args.prompt_tokens)
         with torch.no_grad():  # as the engine runs it: a step with grad would recompile
             table = kernel_breakdown(lambda: step(one, at, cache.seq_lens, cache.starts))
-        RESULTS["decode_breakdown"] = table
+        result["decode_breakdown"] = table
         log(format_breakdown(table, decode_ms))
-        save(args.out)
-    verify_ms = float("nan")
+        result["kernels_per_step"] = table.get("launches")
+    result["prefill_ms"] = time_prefill(engine, args.prefill_tokens, model.config.vocab_size)
+    log(f"[{precision}] prefill of {args.prefill_tokens} tokens: {result['prefill_ms']:.1f} ms")
     if not args.skip_verify:
-        verify_ms = time_verify(engine, prompt, decode_ms)
+        result["verify5_ms"] = time_verify(engine, prompt, decode_ms)
     engine.target.cache.reset()
-    del engine
-    torch.cuda.empty_cache()
+    RESULTS[f"fuser_{precision}"] = result
     save(args.out)
-    if not args.skip_peers:
-        hf_peers(model, prompt, args, rows, ceiling)
-    summary(rows, ceiling, nbytes, bandwidth, decode_ms, verify_ms, args.out)
+    engine = None  # free its caches and graphs before the next engine
+    torch._dynamo.reset()
+    return result
+
+
+def time_prefill(engine: fuser.Engine, tokens: int, vocab: int) -> float:
+    """Median ms of the target's prefill step over `tokens` random tokens (one row)."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(0, vocab, (1, tokens), device="cuda", generator=g)
+    positions = torch.arange(tokens, device="cuda")[None]
+    cache = engine.target.cache
+    B = cache.batch_size
+    ids, positions = ids.expand(B, tokens).contiguous(), positions.expand(B, tokens).contiguous()
+
+    def prefill() -> None:
+        cache.begin(torch.zeros(B, dtype=torch.long, device="cuda"))
+        engine.target.run(PREFILL, ids, positions)
+
+    ms = event_time_ms(prefill, iters=10)
+    cache.reset()
+    return ms
 
 
 def time_verify(engine: fuser.Engine, prompt: torch.Tensor, decode_ms: float) -> float:
@@ -172,8 +228,6 @@ def time_verify(engine: fuser.Engine, prompt: torch.Tensor, decode_ms: float) ->
         capture_cuda_graphs(steps)
     verify_ms = event_time_ms(lambda: steps.run(
         kind, prompt[:, :5], torch.arange(5, device="cuda")[None]))
-    RESULTS["verify5_step_ms"] = verify_ms
-    RESULTS["verify5_over_decode"] = verify_ms / decode_ms
     log(f"target verify step (T=5): {verify_ms:.3f} ms = {verify_ms / decode_ms:.3f} x decode")
     return verify_ms
 
@@ -207,17 +261,24 @@ def hf_peers(model: torch.nn.Module, prompt: torch.Tensor, args: argparse.Namesp
         save(args.out)
 
 
-def summary(rows: list, ceiling: float, nbytes: int, bandwidth: float, decode_ms: float,
-            verify_ms: float, out: str | None) -> None:
+def summary(rows: list, ceiling: float, nbytes: int, bandwidth: float, steps: dict,
+            out: str | None) -> None:
     RESULTS["rows"] = [{"system": s, "seconds": t, "new_tokens": c, "tok_s": c / t,
-                        "pct_ceiling": 100 * c / t / ceiling} for s, t, c in rows]
+                        "pct_bf16_ceiling": 100 * c / t / ceiling} for s, t, c in rows]
     save(out)
-    log(f"\n{'system':<44}{'tok/s':>8}{'% ceiling':>11}")
+    log(f"\n{'system':<44}{'tok/s':>8}{'% bf16 ceiling':>16}")
     for r in RESULTS["rows"]:
-        log(f"{r['system']:<44}{r['tok_s']:>8.1f}{r['pct_ceiling']:>10.1f}%")
-    log(f"ceiling {ceiling:.0f} tok/s ({nbytes / 1e9:.2f} GB at {bandwidth / 1e12:.2f} TB/s); "
-        f"decode step {decode_ms:.3f} ms, verify(T=5) {verify_ms:.3f} ms "
-        f"({verify_ms / decode_ms:.2f}x)")
+        log(f"{r['system']:<44}{r['tok_s']:>8.1f}{r['pct_bf16_ceiling']:>15.1f}%")
+    log(f"bf16 ceiling {ceiling:.0f} tok/s ({nbytes / 1e9:.2f} GB at {bandwidth / 1e12:.2f} TB/s)")
+    for precision, r in steps.items():
+        verify = r.get("verify5_ms", float("nan"))
+        log(f"[{precision}] {r['tok_s']:.1f} tok/s = {r['pct_ceiling']:.1f}% of its "
+            f"{r['ceiling_tok_s']:.0f} tok/s ceiling; decode step {r['decode_step_ms']:.3f} ms, "
+            f"verify(T=5) {verify:.3f} ms ({verify / r['decode_step_ms']:.3f}x), prefill "
+            f"{r['prefill_ms']:.1f} ms, kernels/step {r.get('kernels_per_step')}")
+    if "bf16" in steps and "fp8" in steps:
+        log(f"fp8 vs bf16: decode {steps['fp8']['tok_s'] / steps['bf16']['tok_s']:.2f}x, prefill "
+            f"{steps['bf16']['prefill_ms'] / steps['fp8']['prefill_ms']:.2f}x faster")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in device calls that fit the lease (see RESULTS.md):
-#   bash benchmarks/gpu_all.sh checks     # GPU tests, attention sweep, per-op table
-#   bash benchmarks/gpu_all.sh decode [decode.py flags]   # end-to-end decode vs peers
+#   bash benchmarks/gpu_all.sh checks   # GPU tests (every test marked or named cuda/gpu), FP8 op table + sweep
+#   bash benchmarks/gpu_all.sh decode [decode.py flags]   # bf16 and fp8 engines vs peers, 8B shape
+#   bash benchmarks/gpu_all.sh e2e      # speculative end to end (benchmarks/e2e.py), engine files
+#   bash benchmarks/gpu_all.sh ops      # per-op table and the older sweeps
 # OUT=<dir for logs and JSON>
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -11,18 +13,28 @@ what=${1:-checks}
 shift || true
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
 python3 -c "import torch, triton, transformers; print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, transformers.__version__)"
+summary=()
 if [ "$what" = checks ]; then
   echo "== GPU tests"
-  python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_ops_rmsnorm.py \
-    tests/test_rope.py tests/test_gated_mlp.py tests/test_ops_attention.py tests/test_ops_linear.py -k "cuda or gpu or CUDA or GPU" \
-    2>&1 | tee "$OUT/gpu_tests.log" | tail -8
+  python3 -m pytest -q -p no:cacheprovider -x tests -k "cuda or gpu or CUDA or GPU" \
+    --ignore=tests/test_benchmarks.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+  summary+=("GPU tests: $(tail -1 "$OUT/gpu_tests.log")")
+  echo "== FP8 ops"
+  python3 benchmarks/fp8_ops.py --out "$OUT/fp8_ops.json" 2>&1 | tee "$OUT/fp8_ops.log" | tail -40
+elif [ "$what" = decode ]; then
+  echo "== decode benchmark"
+  python3 benchmarks/decode.py --out "$OUT/decode.json" "$@" 2>&1 | tee "$OUT/decode.log" | grep -v Warning | tail -80
+elif [ "$what" = e2e ]; then
+  echo "== speculative end to end"
+  python3 benchmarks/e2e.py --out "$OUT" "$@" 2>&1 | tee "$OUT/e2e.log" | grep -v Warning | tail -60
+  echo "== engine files"
+  python3 benchmarks/engine_files.py --out "$OUT/engine_files.json" 2>&1 | tee "$OUT/engine_files.log" | grep -v Warning | tail -20
+else
   echo "== attention sweep"
   python3 benchmarks/attention_sweep.py --out "$OUT/attention_sweep.json" 2>&1 | tee "$OUT/attention_sweep.log" | tail -6
   echo "== per-op table"
   python3 benchmarks/ops.py --out "$OUT/ops.json" 2>&1 | tee "$OUT/ops.log" | tail -40
   echo "== GEMV sweep"
   python3 benchmarks/linear_sweep.py --out "$OUT/linear_sweep.json" 2>&1 | tee "$OUT/linear_sweep.log" | tail -18
-else
-  echo "== decode benchmark"
-  python3 benchmarks/decode.py --out "$OUT/decode.json" "$@" 2>&1 | tee "$OUT/decode.log" | grep -v Warning | tail -60
 fi
+for line in "${summary[@]}"; do echo "$line"; done

@@ -78,7 +78,8 @@ def add_step(steps: ModelSteps, view: nn.Module, kind: StepKind, config: FuserCo
         steps.fallback(f"{steps.role}: torch.export failed ({first_line(e)}); its steps run "
                        "in eager PyTorch with the engine's KV cache")
         return graph
-    result = run_passes(graph.rewritten, PassContext(graph.name, kind, config, steps.role))
+    context = PassContext(graph.name, kind, config, steps.role, model_state=steps.build_state)
+    result = run_passes(graph.rewritten, context)
     for error in result.errors:
         steps.fallback(error)
     graph.matches, graph.fused_ops = result.matches, result.fused_ops
@@ -104,7 +105,8 @@ def warm_up(steps: ModelSteps) -> None:
 
 
 @torch.no_grad()
-def check_against_eager(steps: ModelSteps, model: nn.Module, max_seq_len: int) -> str | None:
+def check_against_eager(steps: ModelSteps, model: nn.Module, max_seq_len: int,
+                        quantized: bool = False) -> str | None:
     """Run the built prefill and decode steps and the user's eager model on a short random
     prompt; None when they agree (numerics.SELF_CHECK_TOLERANCE), else what differs.
 
@@ -133,10 +135,10 @@ def check_against_eager(steps: ModelSteps, model: nn.Module, max_seq_len: int) -
     got = torch.cat([out, last], dim=1).float().to(ref.device)
     error = relative_error(got, ref)
     # The coarser of the two dtypes sets the bound: an fp32 engine of a bf16 model is checked
-    # against bf16 eager logits.
+    # against bf16 eager logits; an FP8 engine against its unquantized model.
     dtypes = (cache.k[0].dtype if cache.k else torch.float32, next(model.parameters()).dtype)
     tolerance = max(SELF_CHECK_TOLERANCE.get(d, SELF_CHECK_TOLERANCE[torch.bfloat16])
-                    for d in dtypes)
+                    for d in (*dtypes, *(["fp8"] if quantized else [])))
     if error <= tolerance:
         return None
     return f"relative error {error:.2e} > {tolerance:g}"

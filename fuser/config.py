@@ -15,7 +15,7 @@ PRECISIONS: dict[str, torch.dtype | None] = {
     "fp32": torch.float32,
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
-    "fp8": None,  # not built yet: rejected in __post_init__
+    "fp8": None,  # FP8 weights; activations in the model's own dtype
 }
 MAX_GAMMA = 15
 AUTO_GAMMA = 4  # what "auto" means until adaptive draft length exists
@@ -26,8 +26,10 @@ class FuserConfig:
     """How `fuser.optimize` builds an engine.
 
     Attributes:
-        precision: "auto" (the model's own dtype), "fp32", "bf16" or "fp16". "fp8" is reserved
-            and raises until FP8 linears exist.
+        precision: "auto" (the model's own dtype), "fp32", "bf16", "fp16", or "fp8": every
+            linear reads float8 e4m3fn weights with per-output-channel scales computed once from
+            the model's weights (passes/fp8.py); activations stay in the model's dtype (decode)
+            or are quantized per token (prefill); embeddings and norms are not quantized.
         gamma: draft tokens per speculative step, 0..15, or "auto" (4 for now); 0 = no speculation.
         max_batch_size: most sequences per call.
         max_seq_len: most tokens per sequence, prompt plus generated. The KV cache keeps
@@ -42,6 +44,8 @@ class FuserConfig:
             `fuser::cache_attention_read` (validated and timed on an H200: benchmarks/RESULTS.md)
             instead of ATen ops over every cache slot. False keeps the ATen path (its CPU path
             is the same math either way).
+        fp8_lm_head: with precision="fp8", quantize the LM head too (False keeps it in the
+            model's dtype).
     """
 
     precision: Precision = "auto"
@@ -53,17 +57,15 @@ class FuserConfig:
     compile: CompileMode = "auto"
     dump_graphs: str | None = None
     fused_attention: bool = True
+    fp8_lm_head: bool = True
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise ValueError(
                 f"precision={self.precision!r} is not one of {sorted(PRECISIONS)}"
             )
-        if self.precision == "fp8":
-            raise ValueError(
-                "precision='fp8' is not available yet in this version of fuser: "
-                "use 'auto', 'bf16', 'fp16' or 'fp32'"
-            )
+        if not isinstance(self.fp8_lm_head, bool):
+            raise ValueError(f"fp8_lm_head={self.fp8_lm_head!r} must be True or False")
         if self.gamma != "auto":
             if isinstance(self.gamma, bool) or not isinstance(self.gamma, int):
                 raise ValueError(f"gamma={self.gamma!r} must be an int in 0..{MAX_GAMMA} or 'auto'")

@@ -130,13 +130,15 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
         if built is not None:
             warm_up(built)
     if target_built is not None:
-        problem = check_against_eager(target_built, target, config.max_seq_len)
+        problem = check_against_eager(target_built, target, config.max_seq_len,
+                                      quantized=config.precision == "fp8")
         if problem is not None:
             fallback(f"target: the captured step disagrees with eager PyTorch ({problem}); it "
                      "runs in eager PyTorch instead")
             target_built = draft_built = None
     if draft_built is not None:
-        problem = check_against_eager(draft_built, draft, config.max_seq_len)
+        problem = check_against_eager(draft_built, draft, config.max_seq_len,
+                                      quantized=config.precision == "fp8")
         if problem is not None:
             fallback(f"draft: the captured step disagrees with eager PyTorch ({problem}); it "
                      "runs in eager PyTorch instead, without speculation")

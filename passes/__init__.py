@@ -13,6 +13,7 @@ import torch
 
 from fuser.passes.attention import ATTENTION
 from fuser.passes.base import GraphRewrite, PassContext, dump_dir, dump_graph
+from fuser.passes.fp8 import FP8_LINEAR
 from fuser.passes.fx import count_fuser_ops, prepare_graph
 from fuser.passes.gated_mlp import GATED_ACT
 from fuser.passes.linear import LINEAR
@@ -28,6 +29,8 @@ PASSES: list[GraphRewrite] = [
     MERGE_GATE_UP,  # the two linears feeding act(gate) * up; merge_qkv takes every other group
     MERGE_QKV,
     GATED_ACT,  # after merge_gate_up: needs gate and up as the two halves of one GEMM output
+    FP8_LINEAR,  # with precision="fp8": after the merges (one scale per merged matrix); takes
+    # every linear, so the bf16 GEMV pass below finds none left
     LINEAR,  # last: every GEMM the merges left, at decode shapes, becomes the GEMV kernel
 ]
 

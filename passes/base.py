@@ -39,6 +39,9 @@ class PassContext:
     kind: StepKind
     config: FuserConfig
     role: str = "target"
+    # State the passes share across the graphs of one model (e.g. its weights quantized once);
+    # one dict per model build, never shared between models.
+    model_state: dict = field(default_factory=dict, compare=False, hash=False)
 
 
 class GraphRewrite(Protocol):

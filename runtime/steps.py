@@ -91,11 +91,15 @@ class StepGraph:
     @property
     def uncaptured(self) -> StepFn:
         """The step without its CUDA graph: compiled, else rewritten, else eager."""
-        return self.compiled or self.rewritten or self.eager
+        for fn in (self.compiled, self.rewritten):
+            if fn is not None:  # (a module has no truth value to test)
+                return fn
+        return self.eager
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
                  starts: torch.Tensor) -> torch.Tensor:
-        return (self.captured or self.uncaptured)(tokens, positions, seq_lens, starts)
+        step = self.captured if self.captured is not None else self.uncaptured
+        return step(tokens, positions, seq_lens, starts)
 
 
 class ModelSteps:
@@ -113,6 +117,8 @@ class ModelSteps:
         self.vocab_size = vocab_size
         self.steps: dict[StepKind, StepGraph] = dict(steps or {})
         self.fallbacks: list[str] = list(fallbacks or [])
+        # What the passes share across this model's graphs while they are built (PassContext).
+        self.build_state: dict = {}
 
     def __getitem__(self, kind: StepKind) -> StepGraph:
         return self.steps[kind]

@@ -34,6 +34,7 @@ from transformers import (
 )
 
 import fuser
+import fuser.pipeline
 from fuser.runtime.sampling import process_logits
 
 VOCAB = 160
@@ -486,7 +487,7 @@ def test_temperature_is_ignored_when_greedy() -> None:
 
 def test_uncapturable_target_falls_back_to_hf_generate(monkeypatch: pytest.MonkeyPatch) -> None:
     target = llama_target()
-    monkeypatch.setattr(fuser.engine, "supports_cache_attention", lambda model: False)
+    monkeypatch.setattr(fuser.pipeline, "supports_cache_attention", lambda model: False)
     with pytest.warns(UserWarning, match="eager"):
         engine = fuser.optimize(target, config=fuser.FuserConfig(max_batch_size=4,
                                                                  max_seq_len=MAX_SEQ_LEN))

@@ -15,7 +15,7 @@ from tiny import hf_logits, random_prompts, relative_error, tiny_model
 
 @pytest.mark.parametrize(("kwargs", "named"), [
     (dict(precision="int3"), "precision"),
-    (dict(precision="fp8"), "precision"),
+    (dict(fp8_lm_head="yes"), "fp8_lm_head"),
     (dict(gamma=-1), "gamma"),
     (dict(gamma=16), "gamma"),
     (dict(gamma=2.5), "gamma"),

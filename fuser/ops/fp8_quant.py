@@ -428,3 +428,17 @@ def fp8_scaled_mm_reference_nd(x_fp8: Tensor, x_scale: Tensor, w_fp8: Tensor, w_
     out = fp8_scaled_mm_reference(x_fp8.reshape(-1, K), x_scale.reshape(-1), w_fp8, w_scale,
                                   out_dtype)
     return out.reshape(*lead, w_fp8.shape[0])
+
+
+@torch.library.custom_op("fuser::quantize_rows", mutates_args=())
+def quantize_rows_op(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [..., K] -> (codes [..., K] e4m3fn, scale [...] fp32): per-token quantization of an
+    activation that no fusable kernel produces (o_proj's input, the attention output). Plain
+    PyTorch on every device (amax, divide, clamp, cast: a few small kernels per prefill)."""
+    return _quantize_nd(x)
+
+
+@quantize_rows_op.register_fake
+def _quantize_rows_fake(x: Tensor) -> tuple[Tensor, Tensor]:
+    return (torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device),
+            torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device))
