@@ -112,17 +112,18 @@ def _default_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
 
 
 def _default_fp8_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
-    """(block_n, block_k, num_warps, num_stages) for e4m3fn weights. UNTUNED until the H200
-    sweep (benchmarks/fp8_ops.py prints the best per shape): a guess from the bf16 table with
-    BLOCK_K doubled, since one 16-byte load now carries 16 weights instead of 8 and a program
-    should still pull the same bytes per K step."""
+    """(block_n, block_k, num_warps, num_stages) for e4m3fn weights: the fastest of
+    benchmarks/fp8_ops.py's sweep on an H200 at Llama-3-8B shapes (benchmarks/RESULTS.md,
+    2026-11-30). One 16-byte load carries 16 weights, so BLOCK_K is twice the bf16 table's."""
     if M == 1:
-        if N * K <= 2**25:          # qkv, o_proj: more, narrower programs
-            return 8, 1024, 8, 4
-        return 16, 1024, 4, 4       # gate_up, down, lm_head
-    if K >= 8192 or N <= 4096:      # down_proj, o_proj
+        if N * K <= 2**25 or K > 8192:  # qkv, o_proj, down_proj: narrow programs, long K steps
+            return 8, 1024, 4, 4
+        if N < 2**16:                   # gate_up
+            return 32, 512, 8, 4
+        return 16, 512, 4, 4            # lm_head
+    if N < 2**16:                       # qkv, o_proj, gate_up, down_proj
         return 32, 512, 4, 4
-    return 64, 256, 4, 4            # qkv, gate_up, lm_head
+    return 64, 256, 4, 4                # lm_head (the sweep's 32 x 512 measured slower)
 
 
 def prefers_cublas(M: int, N: int, K: int) -> bool:
