@@ -163,6 +163,10 @@ def time_fuser(model: torch.nn.Module, precision: str, prompt: torch.Tensor,
     result["report"] = {"passes": report.passes, "fused_ops": report.fused_ops,
                         "fallbacks": report.fallbacks}
     log(f"[{precision}] fuser.optimize: {result['optimize_seconds']:.0f} s\n{report}")
+    if engine.target is None:  # fell back to eager: nothing of fuser's to time
+        log(f"[{precision}] the target fell back to eager PyTorch: {report.fallbacks}")
+        RESULTS[f"fuser_{precision}"] = result
+        return result
     no_eos = dict(eos_token_id=[model.config.vocab_size - 1])  # random weights: never emitted
     engine.generate(prompt, 8, **no_eos)
     seconds, count = timed_generate(
@@ -271,12 +275,15 @@ def summary(rows: list, ceiling: float, nbytes: int, bandwidth: float, steps: di
         log(f"{r['system']:<44}{r['tok_s']:>8.1f}{r['pct_bf16_ceiling']:>15.1f}%")
     log(f"bf16 ceiling {ceiling:.0f} tok/s ({nbytes / 1e9:.2f} GB at {bandwidth / 1e12:.2f} TB/s)")
     for precision, r in steps.items():
+        if "tok_s" not in r:
+            log(f"[{precision}] fell back to eager: {r['report']['fallbacks']}")
+            continue
         verify = r.get("verify5_ms", float("nan"))
         log(f"[{precision}] {r['tok_s']:.1f} tok/s = {r['pct_ceiling']:.1f}% of its "
             f"{r['ceiling_tok_s']:.0f} tok/s ceiling; decode step {r['decode_step_ms']:.3f} ms, "
             f"verify(T=5) {verify:.3f} ms ({verify / r['decode_step_ms']:.3f}x), prefill "
             f"{r['prefill_ms']:.1f} ms, kernels/step {r.get('kernels_per_step')}")
-    if "bf16" in steps and "fp8" in steps:
+    if all("tok_s" in steps.get(p, {}) for p in ("bf16", "fp8")):
         log(f"fp8 vs bf16: decode {steps['fp8']['tok_s'] / steps['bf16']['tok_s']:.2f}x, prefill "
             f"{steps['bf16']['prefill_ms'] / steps['fp8']['prefill_ms']:.2f}x faster")
 

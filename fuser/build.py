@@ -9,12 +9,15 @@ never fails for a model the capture cannot handle.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
 from fuser.capture import StepModule, export_step
 from fuser.config import FuserConfig
 from fuser.numerics import SELF_CHECK_TOLERANCE, relative_error
+from fuser.ops.fp8 import emulated_fp8
 from fuser.passes import PassContext, run_passes
 from fuser.runtime.cuda_graphs import CudaGraphStep
 from fuser.runtime.kv_cache import KVCache, free_memory_bytes
@@ -106,12 +109,14 @@ def warm_up(steps: ModelSteps) -> None:
 
 @torch.no_grad()
 def check_against_eager(steps: ModelSteps, model: nn.Module, max_seq_len: int,
-                        quantized: bool = False) -> str | None:
+                        fp8_lm_head: bool | None = None) -> str | None:
     """Run the built prefill and decode steps and the user's eager model on a short random
     prompt; None when they agree (numerics.SELF_CHECK_TOLERANCE), else what differs.
 
     A model family whose capture is subtly wrong then falls back to eager PyTorch instead of
-    giving silently wrong answers.
+    giving silently wrong answers. An FP8 engine (fp8_lm_head not None: its LM head quantized
+    or not) is checked against the eager model with FP8 emulated (fuser.ops.fp8.emulated_fp8):
+    quantization error itself is not what the check looks for.
     """
     cache = steps.cache
     device = cache.seq_lens.device
@@ -119,8 +124,11 @@ def check_against_eager(steps: ModelSteps, model: nn.Module, max_seq_len: int,
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, steps.vocab_size, (1, T), generator=generator)
     user_device = next(model.parameters()).device
-    ref = model(input_ids=ids.to(user_device),
-                position_ids=torch.arange(T, device=user_device)[None]).logits.float()
+    with contextlib.ExitStack() as stack:
+        if fp8_lm_head is not None:  # the first T - 1 positions run as prefill, the last decodes
+            stack.enter_context(emulated_fp8(model, lm_head=fp8_lm_head, prefill_tokens=T - 1))
+        ref = model(input_ids=ids.to(user_device),
+                    position_ids=torch.arange(T, device=user_device)[None]).logits.float()
     B = cache.batch_size
     tokens = ids.to(device).expand(B, T).contiguous()
     positions = torch.arange(T, device=device)[None].expand(B, T).contiguous()
@@ -135,10 +143,10 @@ def check_against_eager(steps: ModelSteps, model: nn.Module, max_seq_len: int,
     got = torch.cat([out, last], dim=1).float().to(ref.device)
     error = relative_error(got, ref)
     # The coarser of the two dtypes sets the bound: an fp32 engine of a bf16 model is checked
-    # against bf16 eager logits; an FP8 engine against its unquantized model.
+    # against bf16 eager logits.
     dtypes = (cache.k[0].dtype if cache.k else torch.float32, next(model.parameters()).dtype)
     tolerance = max(SELF_CHECK_TOLERANCE.get(d, SELF_CHECK_TOLERANCE[torch.bfloat16])
-                    for d in (*dtypes, *(["fp8"] if quantized else [])))
+                    for d in dtypes)
     if error <= tolerance:
         return None
     return f"relative error {error:.2e} > {tolerance:g}"

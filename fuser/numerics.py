@@ -24,14 +24,13 @@ LOGITS_TOLERANCE: dict[torch.dtype, float] = {
 # another dtype than the engine (precision="bf16" over an fp32 model), on another device, and
 # random tokens at random weights give near-uniform logits; the check is there to catch a wrong
 # capture (errors of order 1), not to grade rounding, so its bounds are looser than the table.
-SELF_CHECK_TOLERANCE: dict[torch.dtype | str, float] = {
+# An FP8 engine is checked against the eager model with FP8 emulated (fuser.ops.fp8), under the
+# same bounds: quantization error is not what the check is for (on a random 8B-shape model it
+# alone moves the logits by ~46%, measured on an H200).
+SELF_CHECK_TOLERANCE: dict[torch.dtype, float] = {
     torch.float32: 1e-3,
     torch.bfloat16: 5e-2,
     torch.float16: 5e-2,
-    # FP8 weights (and prefill activations): each e4m3 code is within 2^-4 of its value, the
-    # errors of a dot product's terms are independent, so logits move by a few percent; a
-    # wrong capture still moves them by order 1.
-    "fp8": 0.15,
 }
 
 # Greedy comparisons stop at the first position where the reference's top-2 logits are this

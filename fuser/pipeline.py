@@ -102,6 +102,7 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
     # Slots per row: max_seq_len plus the gamma + 1 positions a verify step may write.
     slots = config.max_seq_len + gamma + 1
     fallbacks: list[str] = []
+    fp8_lm_head = config.fp8_lm_head if config.precision == "fp8" else None
 
     def fallback(message: str) -> None:
         warnings.warn(f"fuser: {message}", stacklevel=3)
@@ -130,15 +131,13 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
         if built is not None:
             warm_up(built)
     if target_built is not None:
-        problem = check_against_eager(target_built, target, config.max_seq_len,
-                                      quantized=config.precision == "fp8")
+        problem = check_against_eager(target_built, target, config.max_seq_len, fp8_lm_head)
         if problem is not None:
             fallback(f"target: the captured step disagrees with eager PyTorch ({problem}); it "
                      "runs in eager PyTorch instead")
             target_built = draft_built = None
     if draft_built is not None:
-        problem = check_against_eager(draft_built, draft, config.max_seq_len,
-                                      quantized=config.precision == "fp8")
+        problem = check_against_eager(draft_built, draft, config.max_seq_len, fp8_lm_head)
         if problem is not None:
             fallback(f"draft: the captured step disagrees with eager PyTorch ({problem}); it "
                      "runs in eager PyTorch instead, without speculation")

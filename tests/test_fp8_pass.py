@@ -19,7 +19,7 @@ from torch.fx import GraphModule
 
 import fuser
 from fuser.numerics import LOGITS_TOLERANCE, NEAR_TIE
-from fuser.ops.fp8 import dequantize, quantize_rows, quantize_weight
+from fuser.ops import fp8
 from fuser.passes.fx import as_linear
 from fuser.runtime.steps import DECODE, PREFILL
 from tiny import FAMILIES, hf_logits, random_prompts, relative_error, tiny_model
@@ -28,22 +28,11 @@ CONFIG = dict(precision="fp8", max_seq_len=40, max_batch_size=2)
 
 
 def emulated_fp8(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of `model` that computes what an FP8 engine computes (module docstring)."""
+    """A copy of `model` that computes what an FP8 engine computes (fuser.ops.fp8.emulated_fp8,
+    the same emulation the engine's self-check uses), hooks left on for the test's lifetime."""
     emulated = copy.deepcopy(model)
-    for module in emulated.modules():
-        if isinstance(module, torch.nn.Linear):
-            codes, scale = quantize_weight(module.weight.data)
-            module.weight.data = dequantize(codes, scale).to(module.weight.dtype)
-            module.register_forward_pre_hook(_quantize_prefill_input)
+    fp8.emulated_fp8(emulated).__enter__()
     return emulated
-
-
-def _quantize_prefill_input(module: torch.nn.Module, args: tuple) -> tuple:
-    x = args[0]  # [B, T, K]
-    if x.shape[-2] == 1:  # decode: activations stay in the model's dtype
-        return args
-    codes, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
-    return (dequantize(codes, scale).to(x.dtype).reshape(x.shape), *args[1:])
 
 
 def linear_weight_reads(gm: GraphModule) -> int:

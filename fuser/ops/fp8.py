@@ -30,6 +30,9 @@ Precision: e4m3fn has 3 mantissa bits. A normal code (|v| >= 2^-6) is within hal
 plus the fp32 rounding of the division and of the dequantizing multiply.
 """
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import Tensor
 
@@ -109,3 +112,39 @@ def fp8_scaled_mm_reference(x_fp8: Tensor, x_scale: Tensor, w_fp8: Tensor, w_sca
     w_scale [N] -> [M, N] in out_dtype; products and sums in fp32, as the tensor cores do."""
     acc = x_fp8.float() @ w_fp8.float().T                                         # [M, N]
     return (acc * x_scale[:, None] * w_scale[None, :]).to(out_dtype)
+
+
+@contextmanager
+def emulated_fp8(model: torch.nn.Module, lm_head: bool = True,
+                 prefill_tokens: int | None = None) -> Iterator[torch.nn.Module]:
+    """Within the block, `model`'s linears compute what an FP8 engine computes, in plain
+    PyTorch: the weight's FP8 round trip (dequantize(quantize_weight(W)), per output channel)
+    and, for the positions a prefill step computes, the activation's per-token round trip.
+
+    prefill_tokens: how many leading positions of each call count as prefill (their inputs are
+    quantized; the engine's decode and verification steps do not quantize activations). None:
+    every position of a call with more than one position. The model is restored on exit; its
+    weights are never modified (the round trip is computed per call).
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+
+    def hook(module: torch.nn.Module, args: tuple, output: Tensor) -> Tensor:
+        x = args[0]  # [..., T, K]
+        T = x.shape[-2] if x.dim() >= 2 else 1
+        n = (T if T > 1 else 0) if prefill_tokens is None else min(prefill_tokens, T)
+        if n:
+            head_rows = x[..., :n, :]
+            codes, scale = quantize_rows(head_rows.reshape(-1, x.shape[-1]))
+            quantized = dequantize(codes, scale).to(x.dtype).reshape(head_rows.shape)
+            x = torch.cat([quantized, x[..., n:, :]], dim=-2)
+        codes, scale = quantize_weight(module.weight.detach())
+        weight = dequantize(codes, scale).to(module.weight.dtype)
+        return torch.nn.functional.linear(x, weight, module.bias)
+
+    handles = [m.register_forward_hook(hook) for m in model.modules()
+               if isinstance(m, torch.nn.Linear) and (lm_head or m is not head)]
+    try:
+        yield model
+    finally:
+        for handle in handles:
+            handle.remove()
