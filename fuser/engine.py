@@ -98,9 +98,11 @@ class Engine:
                     say(f"bucket {size} iteration costs by gamma: {costs}")
             self._build_controllers()
 
-    def set_step_costs(self, costs: dict[int, float], bucket: int | None = None) -> None:
+    def set_step_costs(self, costs: dict[int, float], bucket: int | None = None,
+                       **controller_options: float) -> None:
         """Replace the measured iteration costs (gamma -> seconds, 0 = target-only; every
         built gamma) of one bucket, or of all; the adaptive choice restarts from its prior.
+        controller_options go to `GammaController` (prior, memory, probe_interval, ...).
         For tests and for costs measured elsewhere."""
         missing = {PLAIN, *self.gammas} - set(costs)
         if missing:
@@ -108,11 +110,11 @@ class Engine:
                              f"missing {sorted(missing)}")
         for size in ([bucket] if bucket is not None else list(self.buckets)):
             self.step_costs[size] = dict(costs)
-        self._build_controllers()
+        self._build_controllers(**controller_options)
 
-    def _build_controllers(self) -> None:
+    def _build_controllers(self, **options: float) -> None:
         self._controllers = {
-            size: GammaController({g: costs[g] for g in self.gammas}, costs[PLAIN])
+            size: GammaController({g: costs[g] for g in self.gammas}, costs[PLAIN], **options)
             for size, costs in self.step_costs.items()}
         self.stats.gamma = self.next_gamma(self.controller(min(self.buckets)))
 
