@@ -81,9 +81,10 @@ def test_gamma_follows_scripted_acceptance_and_output_stays_lossless() -> None:
     out = engine.generate(ids, n, eos_token_id=[])
     assert torch.equal(out, ref)  # lossless through target-only stretches and probes
     assert engine.stats.acceptance_rate < 0.2
-    assert engine.stats.gamma == 0, engine.gamma_reason
+    assert not engine.controller(1).enabled, engine.gamma_reason
     assert "speculation off" in engine.gamma_reason or "probing" in engine.gamma_reason
-    assert engine.metrics_text().count("fuser_spec_decode_enabled 0.0") == 1
+    enabled = 1 if engine.stats.gamma > 0 else 0  # a probe may be due
+    assert f"fuser_spec_decode_enabled {enabled}.0" in engine.metrics_text()
 
     # 3. the draft recovers: a probe sees it, speculation comes back on; the draft is
     # re-prefilled over the tokens it missed, so the output is still the target's.
