@@ -18,7 +18,12 @@ PRECISIONS: dict[str, torch.dtype | None] = {
     "fp8": None,  # FP8 weights; activations in the model's own dtype
 }
 MAX_GAMMA = 15
-AUTO_GAMMA = 4  # what "auto" means until adaptive draft length exists
+# gamma="auto" chooses among these draft lengths per step (runtime/adaptive.py). Each is one
+# more compiled verify graph per batch bucket (and two more captured iterations), so the set is
+# small; Leviathan's model with a draft/target cost ratio c ~ 0.25 (1B vs 8B, DESIGN.md) puts
+# the best gamma at 1 for alpha ~ 0.5, 2-4 for alpha ~ 0.7-0.8 and 4-6 for alpha ~ 0.9, and
+# the curve is flat enough near its top that the gaps cost a few percent at most.
+AUTO_GAMMAS = (1, 2, 4, 6)
 
 
 @dataclass(frozen=True)
@@ -30,11 +35,22 @@ class FuserConfig:
             linear reads float8 e4m3fn weights with per-output-channel scales computed once from
             the model's weights (passes/fp8.py); activations stay in the model's dtype (decode)
             or are quantized per token (prefill); embeddings and norms are not quantized.
-        gamma: draft tokens per speculative step, 0..15, or "auto" (4 for now); 0 = no speculation.
+        gamma: draft tokens per speculative step, 0..15 (fixed; 0 = no speculation), or "auto":
+            with a draft, every step uses the gamma of `gamma_candidates` (or 0, target-only)
+            that maximises the expected tokens/s from the iteration costs measured at optimize
+            time and the acceptance per draft position seen so far; speculation that does not
+            pay is switched off and probed again now and then (runtime/adaptive.py).
+        gamma_candidates: the draft lengths gamma="auto" may choose (each one compiled verify
+            graph per batch bucket); ignored for an int gamma.
         max_batch_size: most sequences per call.
+        batch_buckets: the batch sizes steps are built for; a call with B rows runs in the
+            smallest bucket >= B. "auto": 1, 2, 4, 8, 16, ... up to max_batch_size on CUDA;
+            on CPU (a correctness target, where each bucket is another export) only
+            max_batch_size. A tuple gives them explicitly (max_batch_size is always added).
         max_seq_len: most tokens per sequence, prompt plus generated. The KV cache keeps
             gamma + 1 slots of headroom beyond this itself.
-        cuda_graphs: capture decode steps in CUDA graphs (ignored on CPU).
+        cuda_graphs: capture each decoding iteration (target-only, and each speculative gamma,
+            greedy and sampling) as one CUDA graph per batch bucket (ignored on CPU).
         device: where the engine runs; default is the target model's device.
         compile: "fx" runs the rewritten FX graph as is, "inductor" compiles it with Inductor,
             "auto" picks Inductor on CUDA and "fx" on CPU (where it is a correctness target).
@@ -50,7 +66,9 @@ class FuserConfig:
 
     precision: Precision = "auto"
     gamma: int | Literal["auto"] = "auto"
+    gamma_candidates: tuple[int, ...] = AUTO_GAMMAS
     max_batch_size: int = 1
+    batch_buckets: tuple[int, ...] | Literal["auto"] = "auto"
     max_seq_len: int = 2048
     cuda_graphs: bool = True
     device: str | torch.device | None = None
@@ -72,6 +90,17 @@ class FuserConfig:
             if not 0 <= self.gamma <= MAX_GAMMA:
                 raise ValueError(f"gamma={self.gamma} is outside 0..{MAX_GAMMA}")
         _check_positive_int("max_batch_size", self.max_batch_size)
+        if not isinstance(self.gamma_candidates, tuple) or not self.gamma_candidates or any(
+                isinstance(g, bool) or not isinstance(g, int) or not 1 <= g <= MAX_GAMMA
+                for g in self.gamma_candidates):
+            raise ValueError(f"gamma_candidates={self.gamma_candidates!r} must be a non-empty "
+                             f"tuple of ints in 1..{MAX_GAMMA}")
+        if self.batch_buckets != "auto":
+            if not isinstance(self.batch_buckets, tuple) or any(
+                    isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= self.max_batch_size
+                    for b in self.batch_buckets):
+                raise ValueError(f"batch_buckets={self.batch_buckets!r} must be 'auto' or a "
+                                 f"tuple of ints in 1..max_batch_size={self.max_batch_size}")
         _check_positive_int("max_seq_len", self.max_seq_len)
         if self.compile not in ("auto", "inductor", "fx"):
             raise ValueError(f"compile={self.compile!r} is not one of 'auto', 'inductor', 'fx'")
@@ -82,9 +111,25 @@ class FuserConfig:
                 raise ValueError(f"device={self.device!r} is not a torch device: {e}") from None
 
     @property
+    def gammas(self) -> tuple[int, ...]:
+        """The draft lengths to build verify steps for: the candidates with "auto", else the
+        fixed gamma (none for 0)."""
+        if self.gamma == "auto":
+            return tuple(sorted(set(self.gamma_candidates)))
+        return (int(self.gamma),) if self.gamma > 0 else ()
+
+    @property
     def resolved_gamma(self) -> int:
-        """The draft length the engine uses now."""
-        return AUTO_GAMMA if self.gamma == "auto" else int(self.gamma)
+        """The largest draft length the engine may use (the KV cache's headroom)."""
+        return max(self.gammas, default=0)
+
+    def buckets_for(self, device: torch.device) -> tuple[int, ...]:
+        """The batch buckets to build on `device` (see `batch_buckets`)."""
+        from fuser.runtime.step_graphs import bucket_sizes
+
+        if self.batch_buckets == "auto":
+            return bucket_sizes(self.max_batch_size, every=device.type == "cuda")
+        return tuple(sorted(set(self.batch_buckets) | {self.max_batch_size}))
 
     def dtype_for(self, model_dtype: torch.dtype) -> torch.dtype:
         """The dtype the engine computes in, for a model whose parameters are `model_dtype`."""

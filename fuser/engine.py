@@ -13,7 +13,10 @@ from torch import nn
 
 from fuser.config import FuserConfig
 from fuser.report import Report, SpecStats
+from fuser.runtime.adaptive import GammaController
+from fuser.runtime.metrics import count_speculation
 from fuser.runtime.prompts import check_prompts, pad_batch
+from fuser.runtime.step_graphs import PLAIN, Bucket, bucket_for
 from fuser.runtime.steps import DECODE, PREFILL, ModelSteps
 
 
@@ -24,11 +27,19 @@ class Engine:
                  config: FuserConfig, user_target: nn.Module, device: torch.device,
                  dtype: torch.dtype, vocab_size: int, gamma: int,
                  tokenizer: object | None = None, fallbacks: list[str] | None = None,
-                 compile_seconds: float = 0.0) -> None:
+                 compile_seconds: float = 0.0,
+                 buckets: dict[int, tuple[ModelSteps, ModelSteps | None]] | None = None,
+                 gammas: tuple[int, ...] | None = None) -> None:
         """An engine over built steps (`fuser.optimize` builds them; `fuser.load` reads them).
 
         target: the target's steps, or None when it runs as plain Hugging Face (user_target).
-        draft: the draft's steps, or None (no speculation). gamma: draft tokens per step.
+        draft: the draft's steps, or None (no speculation). gamma: draft tokens per step (with
+        config.gamma == "auto": the largest candidate).
+        buckets: batch size -> (target steps, draft steps) built at that batch over rows
+            [:batch] of the caches; default: one bucket, {max_batch_size: (target, draft)}.
+        gammas: the draft lengths with built verify steps (default: (gamma,) with a draft).
+            With config.gamma == "auto" a GammaController chooses among them per step.
+        Call `prepare()` once afterwards (capture, cost measurement).
         """
         self.target = target
         self.draft = draft
@@ -40,9 +51,146 @@ class Engine:
         self.vocab_size = vocab_size
         self.gamma = gamma
         self.compile_seconds = compile_seconds
-        self.stats = SpecStats(gamma=gamma, accepted_per_position=[0] * gamma)
+        if gammas is None:
+            gammas = (gamma,) if gamma > 0 and draft is not None else ()
+        self.gammas: tuple[int, ...] = tuple(sorted(gammas)) if draft is not None else ()
+        self.adaptive = config.gamma == "auto" and bool(self.gammas)
+        self.stats = SpecStats(gamma=gamma if draft is not None else 0,
+                               accepted_per_position=[0] * max(self.gammas, default=0))
         self._fallbacks: list[str] = list(fallbacks or [])
         self._generating = False
+        self._forced_gamma: int | None = None
+        self._metrics = None
+        self.buckets: dict[int, Bucket] = {}
+        if target is not None:
+            if buckets is None:
+                buckets = {config.max_batch_size: (target, draft)}
+            self.generator = torch.Generator(device=device)
+            for size, (t, d) in sorted(buckets.items()):
+                self.buckets[size] = Bucket(size, t, d if self.gammas else None, vocab_size,
+                                            self.generator)
+        # Per bucket: seconds of one greedy iteration per gamma (0 = target-only), measured by
+        # `prepare`, and the controller built from them (gamma="auto" only).
+        self.step_costs: dict[int, dict[int, float]] = {}
+        self._controllers: dict[int, GammaController] = {}
+
+    # -- runtime preparation (at optimize/load time) ---------------------------------------------
+
+    def prepare(self, progress: object | None = None) -> None:
+        """Capture the step graphs (CUDA, config.cuda_graphs) and, with gamma="auto", measure
+        each iteration's cost per bucket and gamma. Runs once, at optimize (or load) time."""
+        from fuser.runtime.step_graphs import capture_buckets
+
+        if not self.buckets:
+            return
+        say = progress if callable(progress) else None
+        kinds = [PLAIN, *self.gammas]
+        length = min(128, self.config.max_seq_len // 2)
+        if self.device.type == "cuda" and self.config.cuda_graphs:
+            self._fallbacks += capture_buckets(list(self.buckets.values()), kinds, length, say)
+        if self.adaptive:
+            reps = 10 if self.device.type == "cuda" else 2
+            for size, bucket in self.buckets.items():
+                self.step_costs[size] = {g: bucket.measure(g, length, reps) for g in kinds}
+                if say is not None:
+                    costs = ", ".join(f"{g}: {1e3 * t:.2f} ms"
+                                      for g, t in self.step_costs[size].items())
+                    say(f"bucket {size} iteration costs by gamma: {costs}")
+            self._build_controllers()
+
+    def set_step_costs(self, costs: dict[int, float], bucket: int | None = None,
+                       **controller_options: float) -> None:
+        """Replace the measured iteration costs (gamma -> seconds, 0 = target-only; every
+        built gamma) of one bucket, or of all; the adaptive choice restarts from its prior.
+        controller_options go to `GammaController` (prior, memory, probe_interval, ...).
+        For tests and for costs measured elsewhere."""
+        missing = {PLAIN, *self.gammas} - set(costs)
+        if missing:
+            raise ValueError(f"costs must give every gamma in {sorted({PLAIN, *self.gammas})}; "
+                             f"missing {sorted(missing)}")
+        for size in ([bucket] if bucket is not None else list(self.buckets)):
+            self.step_costs[size] = dict(costs)
+        self._build_controllers(**controller_options)
+
+    def _build_controllers(self, **options: float) -> None:
+        self._controllers = {
+            size: GammaController({g: costs[g] for g in self.gammas}, costs[PLAIN], **options)
+            for size, costs in self.step_costs.items()}
+        self.stats.gamma = self.next_gamma(self.controller(min(self.buckets)))
+
+    # -- the decoding loop's hooks ---------------------------------------------------------------
+
+    def bucket(self, batch: int) -> Bucket:
+        """The smallest bucket holding `batch` rows."""
+        return self.buckets[bucket_for(batch, tuple(self.buckets))]
+
+    def controller(self, bucket: int) -> GammaController | None:
+        """The adaptive controller of a bucket (None: gamma is fixed)."""
+        return self._controllers.get(bucket) if self.adaptive else None
+
+    def fix_gamma(self, gamma: int | None) -> None:
+        """Force every step to one built gamma (0 = target-only), or None to return to the
+        configured behaviour. For benchmarks that sweep gamma on one engine."""
+        if gamma is not None and gamma != PLAIN and gamma not in self.gammas:
+            raise ValueError(f"gamma={gamma!r} has no built verify step (built: {self.gammas})")
+        self._forced_gamma = gamma
+        if gamma is not None:
+            self.stats.gamma = gamma
+
+    def next_gamma(self, controller: GammaController | None) -> int:
+        """The draft length of the next step (0 = target-only)."""
+        if self._forced_gamma is not None:
+            return self._forced_gamma
+        if controller is None:
+            return self.gamma if self.gammas else 0
+        return controller.gamma
+
+    @property
+    def gamma_reason(self) -> str:
+        """Why the engine speculates as it does now, in one line."""
+        if not self.gammas:
+            return "no draft: target-only decoding"
+        if self._forced_gamma is not None:
+            return f"gamma fixed at {self._forced_gamma} by fix_gamma()"
+        if not self.adaptive:
+            return f"gamma fixed at {self.gamma} by FuserConfig(gamma={self.config.gamma})"
+        controller = self.controller(min(self.buckets))
+        return controller.reason if controller is not None else "costs not measured yet"
+
+    def record_step(self, controller: GammaController | None, num_accepted: list[int],
+                    was_active: list[bool], gamma: int) -> None:
+        """One iteration's read-back: vLLM's counters, and the adaptive controller's evidence."""
+        rows = [n for n, active in zip(num_accepted, was_active) if active]
+        if gamma > 0:
+            count_speculation(self.stats, num_accepted[: len(was_active)], was_active, gamma)
+        if controller is not None:
+            controller.update(rows, gamma)
+        self.stats.gamma = self.next_gamma(controller)
+
+    def observe_tokens(self, count: int, seconds: float) -> None:
+        """Time per output token, for the metrics histogram (when metrics are in use)."""
+        if self._metrics is not None and count > 0:
+            self._metrics.observe_time_per_output_token(seconds / count, count)
+
+    # -- metrics ---------------------------------------------------------------------------------
+
+    def metrics(self) -> object:
+        """The engine's `runtime.metrics.SpecMetrics` (created on first use; needs
+        prometheus_client)."""
+        if self._metrics is None:
+            from fuser.runtime.metrics import SpecMetrics
+
+            self._metrics = SpecMetrics(self.stats, max_gamma=max(self.gammas, default=0))
+        return self._metrics
+
+    def metrics_text(self) -> str:
+        """Prometheus text exposition of the engine's metrics (equal to `engine.stats`)."""
+        return self.metrics().text()
+
+    def start_metrics_server(self, port: int, addr: str = "127.0.0.1") -> object:
+        """Serve the metrics over HTTP at addr:port (port 0: any free one, see `.port`);
+        returns an object with `.shutdown()`."""
+        return self.metrics().start_server(port, addr)
 
     @contextmanager
     def generating(self) -> Iterator[None]:
@@ -109,6 +257,15 @@ class Engine:
             report.graph_replays.update(m.graph_replays())
             for graph in m.steps.values():
                 report.graphs[graph.name] = dict(graph.fused_ops)
+        # The step graphs: each replay also counts for every model step inside it.
+        for bucket in self.buckets.values():
+            for name, replays in bucket.replays().items():
+                report.graph_replays[name] = replays
+                gamma = int(name.split(".")[2].removeprefix("gamma").replace("plain", "0"))
+                inner = ["target.decode"] if gamma == PLAIN else \
+                    ["target.verify", "draft.catchup"] + (["draft.decode"] if gamma > 1 else [])
+                for step in inner:
+                    report.graph_replays[step] = report.graph_replays.get(step, 0) + replays
         if self.target is not None and DECODE in self.target:
             decode = self.target[DECODE]
             report.passes = dict(decode.matches)

@@ -8,6 +8,7 @@ capture CUDA graphs. The Engine that comes out only runs what was built.
 
 from __future__ import annotations
 
+import logging
 import time
 import warnings
 from pathlib import Path
@@ -15,17 +16,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fuser.build import (
-    allocate_cache,
-    build_steps,
-    capture_cuda_graphs,
-    check_against_eager,
-    warm_up,
-)
+from fuser.build import allocate_cache, build_steps, check_against_eager, warm_up
 from fuser.capture import SUPPORTED_MODEL_TYPES, engine_view, supports_cache_attention
 from fuser.config import FuserConfig
 from fuser.engine import Engine
-from fuser.runtime.steps import ModelSteps, StepKind, draft_steps, target_steps
+from fuser.runtime.steps import ModelSteps, StepKind, draft_steps, target_steps, verify
 
 ModelLike = nn.Module | str | Path
 
@@ -97,10 +92,13 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
     device = torch.device(config.device) if config.device is not None else \
         next(target.parameters()).device
     dtype = config.dtype_for(next(target.parameters()).dtype)
-    gamma = config.resolved_gamma if draft is not None else 0
+    gammas = config.gammas if draft is not None else ()
+    gamma = max(gammas, default=0)
     vocab_size = _check_draft_vocab(target, draft) if draft is not None else target.config.vocab_size
-    # Slots per row: max_seq_len plus the gamma + 1 positions a verify step may write.
+    # Slots per row: max_seq_len plus the gamma + 1 positions a verify step may write, for the
+    # largest gamma in use.
     slots = config.max_seq_len + gamma + 1
+    sizes = config.buckets_for(device)
     fallbacks: list[str] = []
     fp8_lm_head = config.fp8_lm_head if config.precision == "fp8" else None
 
@@ -108,7 +106,10 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
         warnings.warn(f"fuser: {message}", stacklevel=3)
         fallbacks.append(message)
 
-    def prepare(role: str, model: nn.Module, kinds: list[StepKind]) -> ModelSteps | None:
+    def prepare(role: str, model: nn.Module, kinds: list[StepKind]
+                ) -> dict[int, ModelSteps] | None:
+        """The model's steps per batch bucket, over one cache of max_batch_size rows (bucket b
+        uses rows [:b]), or None when the model cannot run through the engine's cache."""
         if not supports_cache_attention(model):
             fallback(f"{role}: {type(model).__name__} does not dispatch attention through "
                      "transformers' attention registry; it runs in eager PyTorch, unfused")
@@ -121,32 +122,53 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
         cache = allocate_cache(role, model.config, config.max_batch_size, slots, dtype, device,
                                config.max_seq_len)
         view = engine_view(model, dtype, device)
-        return build_steps(role, view, cache, kinds, config, device)
+        built = {}
+        for size in sizes:
+            _progress(f"building {role} steps for batch bucket {size} "
+                      f"({', '.join(k.name + ('' if k.tokens is None else str(k.tokens)) for k in kinds)})")
+            built[size] = build_steps(role, view, cache.rows(size), kinds, config, device)
+        return built
 
-    target_built = prepare("target", target, target_steps(gamma))
+    target_kinds = target_steps(0) + [verify(g) for g in gammas]
+    target_built = prepare("target", target, target_kinds)
     draft_built = None
-    if draft is not None and gamma > 0 and target_built is not None:
+    if draft is not None and gammas and target_built is not None:
         draft_built = prepare("draft", draft, draft_steps())
-    for built, model in ((target_built, target), (draft_built, draft)):
-        if built is not None:
-            warm_up(built)
+    for built in (target_built, draft_built):
+        for steps in (built or {}).values():
+            warm_up(steps)
+    top = config.max_batch_size
     if target_built is not None:
-        problem = check_against_eager(target_built, target, config.max_seq_len, fp8_lm_head)
+        problem = check_against_eager(target_built[top], target, config.max_seq_len,
+                                      fp8_lm_head)
         if problem is not None:
             fallback(f"target: the captured step disagrees with eager PyTorch ({problem}); it "
                      "runs in eager PyTorch instead")
             target_built = draft_built = None
     if draft_built is not None:
-        problem = check_against_eager(draft_built, draft, config.max_seq_len, fp8_lm_head)
+        problem = check_against_eager(draft_built[top], draft, config.max_seq_len,
+                                      fp8_lm_head)
         if problem is not None:
             fallback(f"draft: the captured step disagrees with eager PyTorch ({problem}); it "
                      "runs in eager PyTorch instead, without speculation")
             draft_built = None
-    if device.type == "cuda" and config.cuda_graphs:
-        for built in (target_built, draft_built):
-            if built is not None:
-                capture_cuda_graphs(built)
-    return Engine(target_built, draft_built, config=config, user_target=target,
-                  tokenizer=tokenizer, device=device, dtype=dtype, vocab_size=vocab_size,
-                  gamma=gamma if draft_built is not None else 0, fallbacks=fallbacks,
-                  compile_seconds=time.perf_counter() - start)
+    buckets = None
+    if target_built is not None:
+        buckets = {size: (target_built[size], draft_built[size] if draft_built else None)
+                   for size in sizes}
+    engine = Engine(target_built[top] if target_built else None,
+                    draft_built[top] if draft_built else None, config=config,
+                    user_target=target, tokenizer=tokenizer, device=device, dtype=dtype,
+                    vocab_size=vocab_size, gamma=gamma if draft_built is not None else 0,
+                    fallbacks=fallbacks, compile_seconds=0.0, buckets=buckets,
+                    gammas=gammas if draft_built is not None else ())
+    # Whole-iteration CUDA graphs (one per bucket, gamma and greedy/sampling; the model steps
+    # inside run their compiled callables) and, with gamma="auto", their measured costs.
+    engine.prepare(progress=_progress)
+    engine.compile_seconds = time.perf_counter() - start
+    return engine
+
+
+def _progress(message: str) -> None:
+    """Progress of the long build steps, through the "fuser" logger."""
+    logging.getLogger("fuser").info(message)

@@ -18,11 +18,9 @@ import torch
 
 from fuser.runtime import speculative
 from fuser.runtime.prompts import Prompts, check_prompts, pad_batch
-from fuser.runtime.speculative import Sampling
 
 if TYPE_CHECKING:
     from fuser.engine import Engine
-    from fuser.report import SpecStats
 
 
 @dataclass(frozen=True)
@@ -96,14 +94,18 @@ def _decode_loop(engine: Engine, request: Request) -> Iterator[torch.Tensor]:
     B, T = prompts.batch, prompts.length
     pad = request.pad_token_id if request.pad_token_id is not None else 0  # unused when None:
     # without eos every row stops at max_new_tokens, all in the same column
-    generator = None
-    if request.seed is not None:
-        generator = torch.Generator(device=engine.device)
-        generator.manual_seed(request.seed)
-    sampling = Sampling(request.do_sample, request.temperature, request.top_k, request.top_p,
-                        generator)
-    eos = torch.tensor(request.eos_token_id, dtype=torch.long, device=engine.device)
-    target, draft, gamma, V = engine.target, engine.draft, engine.gamma, engine.vocab_size
+    bucket = engine.bucket(B)
+    # One engine-owned generator per device, registered with every captured graph: seeding it
+    # here makes the whole run (captured or not) reproducible.
+    seed = request.seed if request.seed is not None else \
+        int(torch.randint(0, 2**62, (1,)).item())  # follows torch.manual_seed
+    engine.generator.manual_seed(seed)
+    do_sample = request.do_sample
+    state = bucket.state
+    state.load(request.max_new_tokens, request.eos_token_id, request.temperature, request.top_k,
+               request.top_p, engine.vocab_size)
+    target, draft, V = bucket.target, bucket.draft, engine.vocab_size
+    controller = engine.controller(bucket.batch)
     stats = engine.stats
 
     queues = [deque() for _ in range(B)]
@@ -116,7 +118,7 @@ def _decode_loop(engine: Engine, request: Request) -> Iterator[torch.Tensor]:
         Steps are read back in the order they ran, so the rows not yet `done` here are exactly
         the rows the device still had active when it ran this step.
         """
-        tokens, n = packed[:, :-1].tolist(), packed[:, -1].tolist()
+        tokens, n = packed[:B, :-1].tolist(), packed[:B, -1].tolist()
         for b in range(B):
             if done[b]:
                 continue
@@ -144,33 +146,37 @@ def _decode_loop(engine: Engine, request: Request) -> Iterator[torch.Tensor]:
         return any(not done[b] and produced[b] + in_flight < request.max_new_tokens
                    for b in range(B))
 
-    def issue() -> ReadBack:
-        if draft is None:
-            result = speculative.decode_one_token(target, state, V, sampling)
-        else:
-            result = speculative.speculative_step(target, draft, state, gamma, V, sampling)
-        return ReadBack(result.packed())
+    draft_behind = False  # target-only steps ran since the draft last saw the sequence
+
+    def issue() -> tuple[ReadBack, int]:
+        nonlocal draft_behind
+        gamma = engine.next_gamma(controller) if draft is not None else 0
+        if gamma > 0 and draft_behind:
+            speculative.resync_draft(draft, target, state)  # rare: speculation resumes
+        draft_behind = gamma == 0  # a speculative step leaves the draft caught up
+        return ReadBack(bucket.run(gamma, do_sample)), gamma
 
     # The loop runs one step ahead of the host: step k + 1 is queued on the device before the
     # host waits for step k's read-back, so the GPU never idles while Python turns tokens into
     # columns. Step k + 1 depends on step k only through device state, and a row that step k
     # finished is frozen on the device, so a step issued "too early" emits nothing anyone keeps.
     start = time.perf_counter()
-    padded = pad_batch(prompts, engine.config.max_batch_size, min_length=2)
-    state, result = speculative.prefill(target, draft, padded, T, V, sampling, eos,
-                                        request.max_new_tokens)
-    in_flight = deque([ReadBack(result.packed())])
-    is_prefill = True  # the first read-back is the prefill's first token, not a speculation
+    padded = pad_batch(prompts, bucket.batch, min_length=2)
+    result = speculative.prefill(target, draft, state, padded, T, V, do_sample, engine.generator)
+    in_flight = deque([(ReadBack(result.packed()), -1)])  # -1: the prefill's first token
     while in_flight:
         if may_need(len(in_flight)):
             in_flight.append(issue())
-        packed = in_flight.popleft().wait()
+        read_back, gamma_used = in_flight.popleft()
+        packed = read_back.wait()
         rows_active = [not d for d in done]
+        before = stats.num_generated_tokens
         num_accepted = take(packed)
-        if draft is not None and not is_prefill:
-            _count_speculation(stats, num_accepted, rows_active, gamma)
-        is_prefill = False
-        stats.generate_seconds += time.perf_counter() - start
+        if gamma_used >= 0:
+            engine.record_step(controller, num_accepted, rows_active, gamma_used)
+        elapsed = time.perf_counter() - start
+        stats.generate_seconds += elapsed
+        engine.observe_tokens(stats.num_generated_tokens - before, elapsed)
         yield from ready_columns()
         start = time.perf_counter()
         if all(done):
@@ -199,19 +205,6 @@ class ReadBack:
         if self.event is not None:
             self.event.synchronize()
         return self.host
-
-
-def _count_speculation(stats: SpecStats, n: list[int], was_active: list[bool],
-                       gamma: int) -> None:
-    """vLLM's counters over the rows that were still generating, from the step's read-back."""
-    for b, active in enumerate(was_active):
-        if not active:
-            continue
-        stats.num_drafts += 1
-        stats.num_draft_tokens += gamma
-        stats.num_accepted_tokens += n[b]
-        for i in range(n[b]):
-            stats.accepted_per_position[i] += 1
 
 
 # -- arguments --------------------------------------------------------------------------------

@@ -44,6 +44,14 @@ class KVCache:
         zeros = torch.zeros(batch, dtype=torch.long, device=device)
         return cls(k, v, seq_lens=zeros.clone(), starts=zeros.clone())
 
+    def rows(self, batch: int) -> KVCache:
+        """The first `batch` rows as a cache of their own: views, so the same memory and the
+        same static addresses (a batch bucket's steps are built over it)."""
+        if batch == self.batch_size:
+            return self
+        return KVCache([k[:batch] for k in self.k], [v[:batch] for v in self.v],
+                       seq_lens=self.seq_lens[:batch], starts=self.starts[:batch])
+
     @property
     def batch_size(self) -> int:
         return self.seq_lens.shape[0]

@@ -42,6 +42,35 @@ def process_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | 
     return scores.softmax(dim=-1)
 
 
+def process_logits_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                        top_p: torch.Tensor) -> torch.Tensor:
+    """`process_logits` with per-row parameters held in device tensors (a captured CUDA graph
+    freezes Python values, not tensor contents): float32 [B, ..., V].
+
+    logits: [B, ..., V]. temperature: [B] float32 (> 0). top_k: [B] int64, a value >= V means
+    no top-k filtering. top_p: [B] float32 in (0, 1], 1.0 means no top-p filtering.
+    Same rules, in the same order, as `process_logits`; no host sync, no data-dependent shape.
+    """
+    V = logits.shape[-1]
+    extra = (1,) * (logits.dim() - 1)  # broadcast a [B] parameter over [B, ..., V]
+    scores = logits.float() / temperature.float().view(-1, *extra)
+    # top-k: the k-th largest value per row, ties with it kept (k capped at V).
+    ordered = torch.sort(scores, dim=-1, descending=True).values  # [B, ..., V]
+    k = top_k.clamp(1, V).view(-1, *extra).expand(*scores.shape[:-1], 1)  # [B, ..., 1]
+    kth = ordered.gather(-1, k - 1)  # [B, ..., 1]
+    scores = scores.masked_fill(scores < kth, float("-inf"))
+    # top-p (HF order: after top-k): drop ascending-sorted tokens whose cumulative probability
+    # is <= 1 - top_p, always keeping the most likely.
+    sorted_scores, order = torch.sort(scores, dim=-1, descending=False)  # [B, ..., V]
+    cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+    top_p = top_p.float().view(-1, *extra)
+    drop_sorted = (cumulative <= 1 - top_p) & (top_p < 1)  # top_p = 1: no filtering at all
+    drop_sorted[..., -1] = False  # keep at least the most likely token
+    drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
+    scores = scores.masked_fill(drop, float("-inf"))
+    return scores.softmax(dim=-1)
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One token per row of `probs` [..., V] (need not be normalised): LongTensor [...].
 

@@ -12,8 +12,13 @@ State between steps, per row (all on the device):
 The draft cache is only ever trusted up to slot L-2 (see `draft`), so a rejected draft needs no
 rollback in either cache: lengths move back, stale slots are masked and later overwritten.
 
-No function here reads a device value on the host; the caller reads back each step's emitted
-tokens once (`StepResult.packed`), and that is the step's only sync.
+No function here reads a device value on the host (except `resync_draft`, which runs rarely and
+outside any captured graph); the caller reads back each step's packed tokens once, and that is
+the step's only sync. `plain_step` and `speculative_step` are the whole per-token iteration:
+their Python values are only the shape-fixing ones (gamma, do_sample); every per-request value
+(budget, eos ids, sampling parameters) is a device tensor of fixed shape in `DecodeState`, so the
+same function runs uncaptured (CPU, tests) and captured once as one CUDA graph
+(runtime/step_graphs.py).
 """
 
 from __future__ import annotations
@@ -24,45 +29,65 @@ import torch
 
 from fuser.runtime.steps import CATCHUP, DECODE, PREFILL, ModelSteps, verify as verify_step
 from fuser.runtime.prompts import Prompts
-from fuser.runtime.sampling import accept_greedy, accept_sampling, process_logits, sample
+from fuser.runtime.sampling import accept_greedy, accept_sampling, process_logits_rows, sample
 
 
-@dataclass(frozen=True)
-class Sampling:
-    """How tokens are chosen: greedy (argmax) or sampled after HF's warpers."""
-
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    generator: torch.Generator | None = None
-
-    def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """[..., V] logits -> [..., V] probabilities after temperature/top-k/top-p."""
-        return process_logits(logits, self.temperature, self.top_k, self.top_p)
-
-    def choose(self, logits: torch.Tensor) -> torch.Tensor:
-        """One token per row of `logits` [..., V]: the argmax, or a draw from `probs`."""
-        if not self.do_sample:
-            return torch.argmax(logits, dim=-1)
-        return sample(self.probs(logits), self.generator)
+EOS_SLOTS = 8  # eos ids per request held in the state, padded with -1 (never a token id)
 
 
 @dataclass
 class DecodeState:
-    """Per-row device state of one generation (B = the engine's fixed batch, dummy rows included).
+    """Per-row device state of one generation, static for the life of a batch bucket (captured
+    graphs read it where it lives; `load` refills it in place for each request).
 
-    pending, last: [B] int64 (see the module docstring). active: [B] bool, the row still
-    generates (dummy rows never do). generated: [B] int64, tokens emitted so far (pending
-    included). eos: [E] int64 stop ids (E may be 0). max_new_tokens: the per-row budget.
+    B = the bucket's batch (dummy rows included), S = the cache's slots per row.
+        pending, last: [B] int64 (see the module docstring).
+        active: [B] bool, the row still generates (dummy rows never do).
+        generated: [B] int64, tokens emitted so far (pending included).
+        max_new_tokens: [B] int64, the per-row budget.
+        eos: [EOS_SLOTS] int64 stop ids, padded with -1.
+        temperature: [B] float32; top_k: [B] int64 (>= V: off); top_p: [B] float32 (1: off).
+        history: [B, S] int64, the token in each cache slot (prompt and emitted), so that the
+            draft can be re-prefilled after target-only steps (`resync_draft`).
     """
 
     pending: torch.Tensor
     last: torch.Tensor
     active: torch.Tensor
     generated: torch.Tensor
+    max_new_tokens: torch.Tensor
     eos: torch.Tensor
-    max_new_tokens: int
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    history: torch.Tensor
+
+    @classmethod
+    def allocate(cls, batch: int, slots: int, device: torch.device) -> DecodeState:
+        """Zeroed state for `batch` rows over `slots` cache slots."""
+        def longs(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=torch.long, device=device)
+
+        return cls(pending=longs(batch), last=longs(batch),
+                   active=torch.zeros(batch, dtype=torch.bool, device=device),
+                   generated=longs(batch), max_new_tokens=longs(batch),
+                   eos=torch.full((EOS_SLOTS,), -1, dtype=torch.long, device=device),
+                   temperature=torch.ones(batch, device=device), top_k=longs(batch),
+                   top_p=torch.ones(batch, device=device), history=longs(batch, slots))
+
+    def load(self, max_new_tokens: int, eos: list[int], temperature: float, top_k: int | None,
+             top_p: float | None, vocab_size: int) -> None:
+        """Set one request's values (in place). eos: at most EOS_SLOTS ids."""
+        if len(eos) > self.eos.shape[0]:
+            raise ValueError(f"eos_token_id has {len(eos)} ids; at most {self.eos.shape[0]} "
+                             "are supported")
+        self.max_new_tokens.fill_(max_new_tokens)
+        self.eos.fill_(-1)
+        if eos:
+            self.eos[: len(eos)].copy_(torch.tensor(eos, dtype=torch.long))
+        self.temperature.fill_(temperature)
+        self.top_k.fill_(vocab_size if top_k is None else min(top_k, vocab_size))
+        self.top_p.fill_(1.0 if top_p is None else top_p)
 
 
 @dataclass
@@ -78,22 +103,36 @@ class StepResult:
         return torch.cat([self.tokens, self.num_accepted[:, None]], dim=1)
 
 
+def probs(state: DecodeState, logits: torch.Tensor) -> torch.Tensor:
+    """[B, ..., V] logits -> probabilities after each row's temperature/top-k/top-p."""
+    return process_logits_rows(logits, state.temperature, state.top_k, state.top_p)
+
+
+def choose(state: DecodeState, logits: torch.Tensor, do_sample: bool,
+           generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of `logits` [B, V]: the argmax, or a draw from `probs`."""
+    if not do_sample:
+        return torch.argmax(logits, dim=-1)
+    return sample(probs(state, logits), generator)
+
+
 def step_positions(cache_lens: torch.Tensor, starts: torch.Tensor, T: int) -> torch.Tensor:
     """[B, T] rotary positions of the T slots from cache_lens[b] on: slot - starts[b]."""
     offsets = torch.arange(T, device=cache_lens.device)  # [T]
     return (cache_lens - starts)[:, None] + offsets[None]
 
 
-def prefill(target: ModelSteps, draft: ModelSteps | None, prompts: Prompts,
-            true_length: int, vocab_size: int, sampling: Sampling, eos: torch.Tensor,
-            max_new_tokens: int) -> tuple[DecodeState, StepResult]:
-    """Run the prompts through both models; choose the first new token.
+def prefill(target: ModelSteps, draft: ModelSteps | None, state: DecodeState, prompts: Prompts,
+            true_length: int, vocab_size: int, do_sample: bool,
+            generator: torch.Generator | None) -> StepResult:
+    """Run the prompts through both models; choose the first new token (into `state`, which
+    `load` has filled with the request's values).
 
-    prompts: padded to the engine's batch and to at least 2 tokens (the prefill graph needs
+    prompts: padded to the bucket's batch and to at least 2 tokens (the prefill graph needs
     T >= 2); true_length is the prompt width before that right padding. Right-padding slots
     are written here and overwritten later: seq_lens is set to true_length.
     """
-    B = prompts.tokens.shape[0]
+    B, T = prompts.tokens.shape
     positions = prompts.positions()  # [B, T]
     for model in (target, draft):
         if model is not None:
@@ -104,43 +143,51 @@ def prefill(target: ModelSteps, draft: ModelSteps | None, prompts: Prompts,
         # The draft's logits here are not needed: its first proposal comes from `draft`'s
         # catch-up step, which re-feeds the prompt's last token (and sets its seq_lens).
         draft.run(PREFILL, prompts.tokens, positions)
-    first = sampling.choose(logits[:, true_length - 1, :vocab_size].float())  # [B]
+    first = choose(state, logits[:, true_length - 1, :vocab_size].float(), do_sample, generator)
 
     device = first.device
-    real = torch.arange(B, device=device) < prompts.batch  # dummy rows never generate
-    state = DecodeState(
-        pending=first,
-        last=prompts.tokens[:, true_length - 1].clone(),
-        active=real,
-        generated=torch.ones(B, dtype=torch.long, device=device),
-        eos=eos,
-        max_new_tokens=max_new_tokens,
-    )
+    state.history.zero_()
+    state.history[:, :T].copy_(prompts.tokens)
+    state.history[:, true_length].copy_(first)  # pending's slot
+    state.pending.copy_(first)
+    state.last.copy_(prompts.tokens[:, true_length - 1])
+    state.active.copy_(torch.arange(B, device=device) < prompts.batch)  # dummy rows: never
+    state.generated.fill_(1)
     result = StepResult(first[:, None], torch.zeros(B, dtype=torch.long, device=device))
     _finish_rows(state, result)
-    return state, result
+    return result
 
 
-def decode_one_token(target: ModelSteps, state: DecodeState, vocab_size: int,
-                     sampling: Sampling) -> StepResult:
+def plain_step(target: ModelSteps, state: DecodeState, vocab_size: int, do_sample: bool,
+               generator: torch.Generator | None) -> torch.Tensor:
+    """The target-only iteration: feed `pending` at slot L, choose the next token, advance.
+
+    Returns the packed result [B, 2] (token, num_accepted = 0).
+    """
+    result = decode_one_token(target, state, vocab_size, do_sample, generator)
+    return result.packed()
+
+
+def decode_one_token(target: ModelSteps, state: DecodeState, vocab_size: int, do_sample: bool,
+                     generator: torch.Generator | None) -> StepResult:
     """Without a draft: feed `pending` at slot L, choose the next token from the target."""
     cache = target.cache
     positions = step_positions(cache.seq_lens, cache.starts, 1)  # [B, 1]
     logits = target.run(DECODE, state.pending[:, None], positions)  # [B, 1, V_target]
-    token = sampling.choose(logits[:, 0, :vocab_size].float())  # [B]
+    token = choose(state, logits[:, 0, :vocab_size].float(), do_sample, generator)  # [B]
     result = StepResult(token[:, None], torch.zeros_like(token))
     _advance(target, state, result)
     return result
 
 
 def draft(draft_model: ModelSteps, target_lens: torch.Tensor, state: DecodeState,
-          gamma: int, vocab_size: int, sampling: Sampling
+          gamma: int, vocab_size: int, do_sample: bool, generator: torch.Generator | None
           ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Propose gamma tokens: (draft_tokens [B, gamma], draft probs [B, gamma, V] or None).
 
     Draft-cache consistency. With the target at length L (pending token y for slot L), the
     draft cache is valid up to slot L-2 whatever happened before:
-      - after the prompt, it holds slots 0..L-1;
+      - after the prompt (or `resync_draft`), it holds slots 0..L-1;
       - after a verify that accepted n of gamma drafts, the draft had written slots up to
         L_old + gamma - 1 (d_gamma itself is never fed), and L = L_old + n + 1; for n < gamma
         that covers slot L-1, for n == gamma exactly slot L-2.
@@ -155,21 +202,21 @@ def draft(draft_model: ModelSteps, target_lens: torch.Tensor, state: DecodeState
     positions = step_positions(cache.seq_lens, cache.starts, 2)  # [B, 2]
     logits = draft_model.run(CATCHUP, tokens, positions)[:, -1, :vocab_size].float()  # [B, V]
     cache.advance(2)
-    drafted, probs = [], []
+    drafted, draft_probs = [], []
     for i in range(gamma):
         if i > 0:
             positions = step_positions(cache.seq_lens, cache.starts, 1)  # [B, 1]
             step_logits = draft_model.run(DECODE, drafted[-1][:, None], positions)
             logits = step_logits[:, 0, :vocab_size].float()  # [B, V]
             cache.advance(1)
-        if sampling.do_sample:
-            p = sampling.probs(logits)  # [B, V]
-            probs.append(p)
-            drafted.append(sample(p, sampling.generator))
+        if do_sample:
+            p = probs(state, logits)  # [B, V]
+            draft_probs.append(p)
+            drafted.append(sample(p, generator))
         else:
             drafted.append(torch.argmax(logits, dim=-1))
     draft_tokens = torch.stack(drafted, dim=1)  # [B, gamma]
-    return draft_tokens, (torch.stack(probs, dim=1) if probs else None)  # p: [B, gamma, V]
+    return draft_tokens, (torch.stack(draft_probs, dim=1) if draft_probs else None)
 
 
 def verify(target: ModelSteps, state: DecodeState, draft_tokens: torch.Tensor,
@@ -186,18 +233,19 @@ def verify(target: ModelSteps, state: DecodeState, draft_tokens: torch.Tensor,
 
 
 def speculative_step(target: ModelSteps, draft_model: ModelSteps, state: DecodeState,
-                     gamma: int, vocab_size: int, sampling: Sampling) -> StepResult:
-    """Draft gamma tokens, verify them in one target forward, accept on the device.
+                     gamma: int, vocab_size: int, do_sample: bool,
+                     generator: torch.Generator | None) -> torch.Tensor:
+    """Draft gamma tokens, verify them in one target forward, accept on the device, advance.
 
     Emits n + 1 tokens per row: the n accepted drafts, then the target's correction (or the
-    bonus token when n == gamma).
+    bonus token when n == gamma). Returns the packed result [B, gamma + 2].
     """
     draft_tokens, p = draft(draft_model, target.cache.seq_lens, state, gamma, vocab_size,
-                            sampling)
+                            do_sample, generator)
     target_logits = verify(target, state, draft_tokens, vocab_size)  # [B, gamma + 1, V]
-    if sampling.do_sample:
-        q = sampling.probs(target_logits)  # [B, gamma + 1, V]
-        n, next_token = accept_sampling(draft_tokens, p, q, sampling.generator)
+    if do_sample:
+        q = probs(state, target_logits)  # [B, gamma + 1, V]
+        n, next_token = accept_sampling(draft_tokens, p, q, generator)
     else:
         n, next_token = accept_greedy(draft_tokens, torch.argmax(target_logits, dim=-1))
     # [d_1..d_n, next, (stale drafts)]: row b keeps its first n + 1.
@@ -208,7 +256,28 @@ def speculative_step(target: ModelSteps, draft_model: ModelSteps, state: DecodeS
     new_last = fed.gather(1, n[:, None])[:, 0]
     result = StepResult(tokens, n)
     _advance(target, state, result, new_last)
-    return result
+    return result.packed()
+
+
+@torch.no_grad()
+def resync_draft(draft_model: ModelSteps, target: ModelSteps, state: DecodeState) -> None:
+    """Re-prefill the draft over every slot the target holds (after target-only steps, the
+    draft's cache is behind by as many tokens as those steps emitted).
+
+    Uses the draft's prefill step (dynamic T) over `state.history`; afterwards the draft cache
+    holds slots 0..L-1 of every row, which `draft`'s invariant needs (valid up to L-2). It reads
+    the longest row's length on the host: a sync, but it runs only when speculation resumes.
+    Rows shorter than the longest get tokens past their end too: stale slots, masked and later
+    overwritten, and prefill attention is causal, so they do not affect the real ones.
+    """
+    cache = draft_model.cache
+    T = max(int(target.cache.seq_lens.max()), 2)
+    tokens = state.history[:, :T]  # [B, T]
+    slots = torch.arange(T, device=tokens.device)[None]  # [1, T]
+    positions = (slots - target.cache.starts[:, None]).clamp(min=0)  # [B, T]
+    cache.begin(target.cache.starts)
+    draft_model.run(PREFILL, tokens.contiguous(), positions)
+    cache.set_lengths(target.cache.seq_lens)
 
 
 def _advance(target: ModelSteps, state: DecodeState, result: StepResult,
@@ -218,13 +287,21 @@ def _advance(target: ModelSteps, state: DecodeState, result: StepResult,
     A row moves by at most its remaining budget (a step may emit past it; the host drops the
     excess), so L <= prompt + max_new_tokens - 1 always holds, and a frozen row's later
     (ignored) steps write only slots up to L + gamma: inside the cache. The runtime issues
-    steps ahead of its read-backs, so such steps do run.
+    steps ahead of its read-backs, so such steps do run. The emitted tokens go into `history`
+    at slots L + 1.. (the first is the new pending's slot when n + 1 tokens are kept).
     """
     active = state.active
     n = result.num_accepted
+    g1 = result.tokens.shape[1]
+    L = target.cache.seq_lens
     next_token = result.tokens.gather(1, n[:, None])[:, 0]  # [B]
     if new_last is None:
         new_last = state.pending  # plain decode: pending went into slot L
+    # history[b, L + 1 + i] = tokens[b, i] for active rows (slots past the kept ones are stale).
+    slots = (L[:, None] + 1 + torch.arange(g1, device=L.device)[None])  # [B, g + 1]
+    slots = slots.clamp(max=state.history.shape[1] - 1)
+    old = state.history.gather(1, slots)
+    state.history.scatter_(1, slots, torch.where(active[:, None], result.tokens, old))
     state.last.copy_(torch.where(active, new_last, state.last))
     state.pending.copy_(torch.where(active, next_token, state.pending))
     moved = torch.where(active, torch.minimum(n + 1, state.max_new_tokens - state.generated), 0)
@@ -237,5 +314,6 @@ def _finish_rows(state: DecodeState, result: StepResult) -> None:
     """Mark rows done that emitted an eos token or reached max_new_tokens (on the device)."""
     g1 = result.tokens.shape[1]
     kept = torch.arange(g1, device=result.tokens.device)[None] <= result.num_accepted[:, None]
-    hit_eos = (torch.isin(result.tokens, state.eos) & kept).any(dim=1)  # [B]
+    is_eos = (result.tokens[:, :, None] == state.eos[None, None]).any(dim=2)  # [B, g + 1]
+    hit_eos = (is_eos & kept).any(dim=1)  # [B]
     state.active &= ~hit_eos & (state.generated < state.max_new_tokens)

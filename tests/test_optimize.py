@@ -33,7 +33,9 @@ def test_bad_config_raises_value_error_naming_it(kwargs: dict, named: str) -> No
 
 def test_good_config_defaults() -> None:
     config = fuser.FuserConfig()
-    assert config.resolved_gamma == 4 and config.max_batch_size == 1
+    # "auto" builds every candidate gamma; the cache's headroom is the largest.
+    assert config.gamma == "auto" and config.gammas == (1, 2, 4, 6)
+    assert config.resolved_gamma == 6 and config.max_batch_size == 1
     assert fuser.FuserConfig(gamma=0).resolved_gamma == 0
 
 

@@ -1,0 +1,357 @@
+"""End-to-end speculative decoding: fuser's step graphs against Hugging Face, in one run.
+
+    python benchmarks/e2e.py --out $OUT/e2e            # GPU (H200): ~6 minutes
+    python benchmarks/e2e.py --dry-run --out /tmp/e2e  # CPU, tiny random models: the plumbing
+
+(1) The bundled pair (fuser.models TARGET_PATH / DRAFT_PATH, bf16) on held-out prompts (one
+    per held-out file, as models/evaluate.py draws them): HF eager, HF static cache +
+    torch.compile, HF assisted generation with the same draft, fuser target-only, fuser at
+    each gamma of --gammas and at gamma="auto": tok/s, acceptance, mean accepted length, and
+    Leviathan's prediction from the measured iteration costs and the measured acceptance
+    (E(alpha, g) / cost(g); reported as % of prediction), plus the measured speculative step
+    against the sum of its parts (draft catch-up + (g - 1) draft decodes + verify, each timed
+    as its own CUDA graph).
+(2) Llama-3-8B shape target with a Llama-3.2-1B shape draft, random bf16 weights (a draft
+    that never agrees): iteration cost per gamma; gamma="auto" tok/s against target-only
+    (must be >= 95%); a PROJECTED tok/s-vs-acceptance curve from the measured costs.
+(3) Batch buckets: one prompt on a target-only engine built for max_batch_size=16 against one
+    built for 1.
+Writes e2e.json and e2e.png to --out; prints a short table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+import fuser
+from fuser.runtime.step_graphs import PLAIN
+from fuser.runtime.steps import CATCHUP, DECODE, verify
+
+RESULTS: dict = {"rows": []}
+
+
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """Leviathan: (1 - a^(g+1)) / (1 - a) tokens per step (g + 1 at a = 1)."""
+    return gamma + 1.0 if alpha >= 1.0 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+def timed(fn, runs: int, device: torch.device) -> tuple[float, int]:
+    """(median seconds, new tokens) over `runs` calls of fn() -> new-token count."""
+    times, count = [], 0
+    for _ in range(runs):
+        sync(device)
+        start = time.perf_counter()
+        count = fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return times[len(times) // 2], count
+
+
+def row(part: str, system: str, seconds: float, tokens: int, **extra: object) -> dict:
+    entry = {"part": part, "system": system, "tok_s": tokens / seconds, "tokens": tokens,
+             "seconds": seconds, **extra}
+    RESULTS["rows"].append(entry)
+    log(f"[{part}] {system}: {entry['tok_s']:.1f} tok/s"
+        + "".join(f", {k} {v:.3f}" if isinstance(v, float) else f", {k} {v}"
+                  for k, v in extra.items()))
+    return entry
+
+
+def save(out: Path) -> None:
+    (out / "e2e.json").write_text(json.dumps(RESULTS, indent=2))
+
+
+def fuser_runs(engine: fuser.Engine, prompts: list[torch.Tensor], n: int, gamma: int | None,
+               runs: int) -> tuple[float, int, fuser.SpecStats]:
+    """Seconds and tokens of greedy generation over every prompt (median of runs), with gamma
+    forced (None: the engine's own choice)."""
+    engine.fix_gamma(gamma)
+    no_eos: dict = dict(eos_token_id=[])
+
+    def go() -> int:
+        return sum(engine.generate(p, n, **no_eos).shape[1] - p.shape[1] for p in prompts)
+
+    engine.generate(prompts[0], 4, **no_eos)  # warm
+    engine.stats.reset()
+    seconds, count = timed(go, runs, engine.device)
+    stats = engine.stats
+    engine.fix_gamma(None)
+    return seconds, count, stats
+
+
+def step_parts_ms(engine: fuser.Engine, gamma: int) -> float | None:
+    """Sum of the parts of a speculative iteration at gamma, each a CUDA graph of its own:
+    draft catch-up + (gamma - 1) draft decodes + verify(gamma)."""
+    if engine.device.type != "cuda":
+        return None
+    from timing import time_us
+
+    bucket = engine.bucket(1)
+    total = 0.0
+    for steps, kind, times in ((bucket.draft, CATCHUP, 1), (bucket.draft, DECODE, gamma - 1),
+                               (bucket.target, verify(gamma), 1)):
+        if times == 0:
+            continue
+        T = kind.tokens
+        tokens = torch.zeros(1, T, dtype=torch.long, device=engine.device)
+        positions = torch.arange(T, device=engine.device)[None]
+        fn = steps[kind].uncaptured
+        cache = steps.cache
+        cache.set_lengths(128)
+        with torch.no_grad():
+            total += times * time_us(lambda: fn(tokens, positions, cache.seq_lens, cache.starts)).us
+        cache.reset()
+    return total / 1e3
+
+
+def part_bundled(args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
+                 out: Path) -> None:
+    """(1): the bundled pair on held-out prompts."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fuser.models import DRAFT_PATH, TARGET_PATH
+    from fuser.models.evaluate import heldout_files
+
+    if args.dry_run:
+        from tiny_models import tiny_pair
+
+        target, draft, prompts = tiny_pair(device)
+    else:
+        target = AutoModelForCausalLM.from_pretrained(TARGET_PATH, dtype=dtype).to(device).eval()
+        draft = AutoModelForCausalLM.from_pretrained(DRAFT_PATH, dtype=dtype).to(device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(TARGET_PATH)
+        prompts = []
+        for text in heldout_files()[: args.prompts]:
+            ids = tokenizer(text, return_tensors="pt")["input_ids"][:, : args.prompt_tokens]
+            prompts.append(ids.to(device))
+    n = args.new_tokens
+    gammas = tuple(int(g) for g in args.gammas.split(","))
+    runs = 1 if args.dry_run else 2
+    start = time.perf_counter()
+    engine = fuser.optimize(target, draft=draft, config=fuser.FuserConfig(
+        max_seq_len=max(p.shape[1] for p in prompts) + n + 8, gamma="auto",
+        gamma_candidates=gammas))
+    RESULTS["bundled_optimize_seconds"] = time.perf_counter() - start
+    RESULTS["bundled_fallbacks"] = engine.report().fallbacks
+    costs = engine.step_costs.get(1, {})
+    RESULTS["bundled_iteration_ms"] = {g: 1e3 * s for g, s in costs.items()}
+    log(f"bundled pair: optimize {RESULTS['bundled_optimize_seconds']:.0f} s; iteration ms "
+        + ", ".join(f"g{g} {1e3 * s:.3f}" for g, s in costs.items()))
+
+    if not args.skip_peers:
+        peers(target, draft, prompts, n, device, runs)
+    seconds, count, _ = fuser_runs(engine, prompts, n, PLAIN, runs)
+    row("bundled", "fuser target-only", seconds, count)
+    by_gamma = {}
+    for g in (*gammas, None):
+        seconds, count, stats = fuser_runs(engine, prompts, n, g, runs)
+        extra: dict = dict(acceptance=stats.acceptance_rate,
+                           mean_accepted_length=stats.mean_accepted_length)
+        if g is not None and costs:
+            predicted = expected_tokens(stats.acceptance_rate, g) / costs[g]
+            extra["predicted_tok_s"] = predicted
+            extra["pct_of_prediction"] = 100 * count / seconds / predicted
+            parts = step_parts_ms(engine, g)
+            if parts is not None:
+                extra["step_ms"] = 1e3 * costs[g]
+                extra["parts_ms"] = parts
+        name = f"fuser gamma={g}" if g is not None else f"fuser gamma=auto ({engine.gamma_reason})"
+        by_gamma[g] = row("bundled", name, seconds, count, **extra)
+        save(out)
+    RESULTS["bundled_by_gamma"] = {str(g): r["tok_s"] for g, r in by_gamma.items()}
+    del engine
+
+
+def peers(target, draft, prompts: list[torch.Tensor], n: int, device: torch.device,
+          runs: int) -> None:
+    """HF eager, HF static cache + compile, HF assisted generation with the same draft."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from peers import make_hf_eager, make_hf_static_compile
+
+    def assisted(model, prompt, count):
+        def run() -> torch.Tensor:
+            with torch.no_grad():
+                out = model.generate(prompt, assistant_model=draft, max_new_tokens=count,
+                                     min_new_tokens=count, do_sample=False, pad_token_id=0)
+            return out[:, prompt.shape[1]:]
+        return run
+
+    makers = [("HF eager", make_hf_eager), ("HF assisted (same draft)", assisted)]
+    if device.type == "cuda":
+        makers.insert(1, ("HF static cache + torch.compile", make_hf_static_compile))
+    for name, make in makers:
+        try:
+            fns = [make(target, p, n) for p in prompts]
+            fns[0]()  # warm up / compile
+            seconds, count = timed(lambda: sum(f().shape[1] for f in fns), runs, device)
+            row("bundled", name, seconds, count)
+        except Exception as e:  # noqa: BLE001 -- a peer that breaks must not lose the rest
+            RESULTS[f"error: {name}"] = f"{type(e).__name__}: {e}"[:1000]
+            log(f"{name}: failed ({type(e).__name__}: {str(e)[:200]})")
+        finally:
+            torch._dynamo.reset()
+
+
+def part_8b(args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
+            out: Path) -> None:
+    """(2): 8B-shape target, 1B-shape random draft (never agrees)."""
+    import transformers
+
+    from fuser.models import PRESETS
+
+    names = ("tiny-random-llama", "tiny-random-llama") if args.dry_run else \
+        ("llama-3-8b", "llama-3.2-1b")
+    models = []
+    for seed, name in enumerate(names):
+        torch.manual_seed(seed)
+        with torch.device(device):
+            models.append(transformers.LlamaForCausalLM(
+                transformers.LlamaConfig(**PRESETS[name])).to(dtype).eval())
+    target, draft = models
+    T, n = (8, 16) if args.dry_run else (128, 256)
+    prompt = torch.randint(0, target.config.vocab_size, (1, T), device=device)
+    start = time.perf_counter()
+    candidates = {"gamma_candidates": (1, 2)} if args.dry_run else {}  # dry run: fewer exports
+    engine = fuser.optimize(target, draft=draft, config=fuser.FuserConfig(
+        max_seq_len=T + n + 8, **candidates))
+    RESULTS["8b_optimize_seconds"] = time.perf_counter() - start
+    costs = engine.step_costs[1]
+    RESULTS["8b_iteration_ms"] = {g: 1e3 * s for g, s in costs.items()}
+    log("8B-shape iteration ms: " + ", ".join(f"g{g} {1e3 * s:.3f}" for g, s in costs.items()))
+    runs = 1 if args.dry_run else 3
+    plain_s, plain_n, _ = fuser_runs(engine, [prompt], n, PLAIN, runs)
+    plain = row("8b", "fuser target-only", plain_s, plain_n)
+    auto_s, auto_n, stats = fuser_runs(engine, [prompt], n, None, runs)
+    auto = row("8b", "fuser gamma=auto (non-agreeing draft)", auto_s, auto_n,
+               acceptance=stats.acceptance_rate, reason=engine.gamma_reason)
+    RESULTS["8b_auto_over_target_only"] = auto["tok_s"] / plain["tok_s"]
+    RESULTS["8b_auto_at_least_95pct"] = auto["tok_s"] >= 0.95 * plain["tok_s"]
+    # Projected (not measured): best gamma's E(alpha, g) / cost(g) at each acceptance rate.
+    curve = []
+    for i in range(21):
+        alpha = i / 20
+        best = max([(1.0 / costs[PLAIN], 0)] + [(expected_tokens(alpha, g) / costs[g], g)
+                                                for g in engine.gammas])
+        curve.append({"alpha": alpha, "projected_tok_s": best[0], "gamma": best[1]})
+    RESULTS["8b_projected_curve"] = curve
+    save(out)
+    del engine
+
+
+def part_buckets(args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
+                 out: Path) -> None:
+    """(3): one prompt on engines built for max_batch_size 16 and 1 (target only)."""
+    from transformers import AutoModelForCausalLM
+
+    from fuser.models import TARGET_PATH
+
+    if args.dry_run:
+        from tiny_models import tiny_pair
+
+        target, _, prompts = tiny_pair(device)
+    else:
+        target = AutoModelForCausalLM.from_pretrained(TARGET_PATH, dtype=dtype).to(device).eval()
+        prompts = [torch.randint(3, 1000, (1, args.prompt_tokens), device=device)]
+    n = args.new_tokens
+    for size in (16, 1):
+        engine = fuser.optimize(target, config=fuser.FuserConfig(
+            max_seq_len=prompts[0].shape[1] + n + 8, max_batch_size=size, batch_buckets="auto"))
+        seconds, count, _ = fuser_runs(engine, prompts[:1], n, None, 1 if args.dry_run else 3)
+        row("buckets", f"one prompt, max_batch_size={size} (buckets {sorted(engine.buckets)})",
+            seconds, count)
+        del engine
+    save(out)
+
+
+def plot(out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    by_gamma = RESULTS.get("bundled_by_gamma", {})
+    gs = [g for g in by_gamma if g != "None"]
+    if gs:
+        left.plot([int(g) for g in gs], [by_gamma[g] for g in gs], "o-", label="fixed gamma")
+        if "None" in by_gamma:
+            left.axhline(by_gamma["None"], color="g", ls="--", label="gamma=auto")
+        plain = [r["tok_s"] for r in RESULTS["rows"]
+                 if r["part"] == "bundled" and r["system"] == "fuser target-only"]
+        if plain:
+            left.axhline(plain[0], color="k", ls=":", label="target-only")
+        left.set(xlabel="gamma", ylabel="tok/s", title="bundled pair (measured)")
+        left.legend()
+    curve = RESULTS.get("8b_projected_curve")
+    if curve:
+        right.plot([c["alpha"] for c in curve], [c["projected_tok_s"] for c in curve], "o-")
+        right.set(xlabel="acceptance rate", ylabel="tok/s",
+                  title="8B-shape + 1B-shape draft: PROJECTED from measured costs")
+    fig.tight_layout()
+    fig.savefig(out / "e2e.png", dpi=100)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="e2e-out")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny random models")
+    parser.add_argument("--skip-8b", action="store_true")
+    parser.add_argument("--skip-peers", action="store_true")
+    parser.add_argument("--skip-buckets", action="store_true")
+    parser.add_argument("--gammas", default="1,2,3,4,5,6,7,8",
+                        help="fixed gammas to time on the bundled pair (each one more compiled "
+                             "verify graph)")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    args = parser.parse_args()
+    warnings.simplefilter("ignore")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(Path(__file__).parent))
+    if args.dry_run:
+        device, dtype = torch.device("cpu"), torch.float32
+        args.prompts, args.prompt_tokens, args.new_tokens = 2, 8, 12
+        args.gammas = ",".join(args.gammas.split(",")[:2])
+    elif torch.cuda.is_available():
+        device, dtype = torch.device("cuda"), torch.bfloat16
+    else:
+        print("benchmarks/e2e.py: no CUDA device; pass --dry-run for the CPU plumbing check",
+              file=sys.stderr)
+        raise SystemExit(2)
+    RESULTS["env"] = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                      "torch": torch.__version__, "command": " ".join(sys.argv),
+                      "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens}
+    part_bundled(args, device, dtype, out)
+    if not args.skip_8b:
+        part_8b(args, device, dtype, out)
+    if not args.skip_buckets:
+        part_buckets(args, device, dtype, out)
+    save(out)
+    plot(out)
+    log(f"\n{'part':<8} {'system':<60} {'tok/s':>9} {'accept':>7} {'%pred':>6}")
+    for r in RESULTS["rows"]:
+        acc = f"{r['acceptance']:.2f}" if "acceptance" in r else "-"
+        pred = f"{r['pct_of_prediction']:.0f}" if "pct_of_prediction" in r else "-"
+        log(f"{r['part']:<8} {r['system'][:60]:<60} {r['tok_s']:>9.1f} {acc:>7} {pred:>6}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""Whole decoding iterations, one CUDA graph each, per batch bucket.
+
+A batch bucket is one fixed batch size (1, 2, 4, 8, 16, ... up to max_batch_size). A call with B
+rows runs in the smallest bucket >= B: its steps were built for that batch over rows [:bucket]
+of the engine's KV caches, and its `DecodeState` is static, so the iterations of
+runtime/speculative.py can be captured:
+
+    ("plain", do_sample):   target decode + choice + state update          -> packed [b, 2]
+    (gamma, do_sample):     draft catch-up + gamma - 1 draft decodes + verify over gamma + 1
+                            + acceptance + per-row length updates            -> packed [b, gamma + 2]
+
+Each is the same Python function whether it runs uncaptured (CPU; a shape whose capture failed)
+or captured once under `torch.cuda.graph` and replayed. Inside a captured iteration the model
+steps run their compiled (Inductor) callables, never CUDA graphs of their own (graphs do not
+nest). All graphs of an engine share one memory pool. The sampling generator is registered with
+every graph, so a seeded run replays the same random stream.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from fuser.runtime import speculative
+from fuser.runtime.speculative import DecodeState
+from fuser.runtime.steps import ModelSteps
+
+PLAIN = 0  # gamma 0: the target-only iteration
+
+
+def bucket_sizes(max_batch_size: int, every: bool = True) -> tuple[int, ...]:
+    """The batch buckets of an engine: powers of two from 1 below max_batch_size, then
+    max_batch_size itself (every=False: only max_batch_size)."""
+    if not every:
+        return (max_batch_size,)
+    sizes, b = [], 1
+    while b < max_batch_size:
+        sizes.append(b)
+        b *= 2
+    return tuple(sizes) + (max_batch_size,)
+
+
+def bucket_for(batch: int, sizes: tuple[int, ...]) -> int:
+    """The smallest bucket holding `batch` rows."""
+    for size in sorted(sizes):
+        if size >= batch:
+            return size
+    raise ValueError(f"batch {batch} is above the largest bucket {max(sizes)}")
+
+
+class IterationGraph:
+    """One iteration function captured as a CUDA graph; calling it replays the graph and
+    returns its static packed output (overwritten by the next replay)."""
+
+    def __init__(self, fn: Callable[[], torch.Tensor], generator: torch.Generator | None,
+                 pool: object, warmup: int = 2) -> None:
+        device = torch.device("cuda", torch.cuda.current_device())
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side), torch.no_grad():
+            for _ in range(warmup):  # lazy initialisation, autotuning: not under capture
+                fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        if generator is not None and generator.device.type == "cuda":
+            self.graph.register_generator_state(generator)
+        with torch.cuda.graph(self.graph, pool=pool), torch.no_grad():
+            self.output = fn()
+        self.replays = 0
+
+    def __call__(self) -> torch.Tensor:
+        self.graph.replay()
+        self.replays += 1
+        return self.output
+
+
+class Bucket:
+    """One batch bucket: the target's (and draft's) steps at this batch, a static decode state,
+    and the captured iterations keyed by (gamma, do_sample), gamma 0 = target-only.
+
+    `run(gamma, do_sample)` replays the iteration's graph if it was captured and otherwise runs
+    the same function uncaptured.
+    """
+
+    def __init__(self, batch: int, target: ModelSteps, draft: ModelSteps | None,
+                 vocab_size: int, generator: torch.Generator) -> None:
+        self.batch = batch
+        self.target, self.draft = target, draft
+        self.vocab_size = vocab_size
+        self.generator = generator
+        device = target.cache.seq_lens.device
+        self.state = DecodeState.allocate(batch, target.cache.slots, device)
+        self.graphs: dict[tuple[int, bool], IterationGraph] = {}
+        self.uncaptured_runs: dict[tuple[int, bool], int] = {}
+
+    def function(self, gamma: int, do_sample: bool) -> Callable[[], torch.Tensor]:
+        """The iteration as a closure over this bucket's static state: () -> packed."""
+        generator = self.generator if do_sample else None
+        if gamma == PLAIN:
+            return lambda: speculative.plain_step(self.target, self.state, self.vocab_size,
+                                                  do_sample, generator)
+        if self.draft is None:
+            raise ValueError(f"gamma={gamma} needs a draft; this engine has none")
+        return lambda: speculative.speculative_step(self.target, self.draft, self.state, gamma,
+                                                    self.vocab_size, do_sample, generator)
+
+    @torch.no_grad()
+    def run(self, gamma: int, do_sample: bool) -> torch.Tensor:
+        """One iteration: packed [batch, gamma + 2] (gamma 0: [batch, 2])."""
+        graph = self.graphs.get((gamma, do_sample))
+        if graph is not None:
+            return graph()
+        key = (gamma, do_sample)
+        self.uncaptured_runs[key] = self.uncaptured_runs.get(key, 0) + 1
+        return self.function(gamma, do_sample)()
+
+    def reset_for_timing(self, length: int) -> None:
+        """Dummy state for warm-up, capture and timing: every row active at `length` slots."""
+        state = self.state
+        for model in (self.target, self.draft):
+            if model is not None:
+                model.cache.reset()
+        self.target.cache.set_lengths(length)
+        state.load(max_new_tokens=1 << 30, eos=[], temperature=1.0, top_k=None, top_p=None,
+                   vocab_size=self.vocab_size)
+        state.active.fill_(True)
+        state.generated.fill_(1)
+        state.pending.zero_()
+        state.last.zero_()
+
+    def capture(self, gammas: list[int], pool: object, timing_length: int) -> list[str]:
+        """Capture every (gamma, do_sample) iteration; -> failures (that shape then runs
+        uncaptured). Call after the model steps are warmed up (compiled)."""
+        failures = []
+        for gamma in gammas:
+            for do_sample in (False, True):
+                self.reset_for_timing(timing_length)
+                try:
+                    self.graphs[(gamma, do_sample)] = IterationGraph(
+                        self.function(gamma, do_sample), self.generator, pool)
+                except Exception as e:  # noqa: BLE001 -- a shape that cannot be captured
+                    failures.append(f"bucket {self.batch}, {_name(gamma, do_sample)}: CUDA graph "
+                                    f"capture failed ({type(e).__name__}: "
+                                    f"{str(e).strip().splitlines()[0][:200] if str(e) else ''});"
+                                    " it runs uncaptured")
+                    try:
+                        torch.cuda.synchronize()
+                    except Exception:  # noqa: BLE001
+                        pass
+        self.reset_for_timing(0)
+        return failures
+
+    @torch.no_grad()
+    def measure(self, gamma: int, length: int, reps: int) -> float:
+        """Median seconds of one greedy iteration at `gamma` with every row at `length`
+        slots: CUDA events around graph replays on CUDA, wall time elsewhere."""
+        cuda = self.target.cache.seq_lens.device.type == "cuda"
+        samples = []
+        for i in range(reps + 1):
+            self.reset_for_timing(length)
+            if cuda:
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+                self.run(gamma, False)
+                end.record()
+                end.synchronize()
+                seconds = begin.elapsed_time(end) * 1e-3
+            else:
+                start = time.perf_counter()
+                self.run(gamma, False)
+                seconds = time.perf_counter() - start
+            if i > 0:  # the first run warms up
+                samples.append(seconds)
+        self.reset_for_timing(0)
+        # Timing runs are not decoding: they do not count as replays.
+        graph = self.graphs.get((gamma, False))
+        if graph is not None:
+            graph.replays -= reps + 1
+        else:
+            self.uncaptured_runs[(gamma, False)] -= reps + 1
+        samples.sort()
+        return samples[len(samples) // 2]
+
+    def replays(self) -> dict[str, int]:
+        """Replays so far per captured iteration, keyed as report().graph_replays shows them."""
+        return {f"step.b{self.batch}.{_name(g, s)}": graph.replays
+                for (g, s), graph in self.graphs.items()}
+
+
+def _name(gamma: int, do_sample: bool) -> str:
+    """"plain.greedy", "gamma4.sample", ..."""
+    kind = "plain" if gamma == PLAIN else f"gamma{gamma}"
+    return f"{kind}.{'sample' if do_sample else 'greedy'}"
+
+
+def capture_buckets(buckets: list[Bucket], gammas: list[int], timing_length: int,
+                    progress: Callable[[str], None] | None = None) -> list[str]:
+    """Capture every bucket's iterations in one shared memory pool; -> failure messages (each
+    also warned about)."""
+    pool = torch.cuda.graph_pool_handle()
+    failures: list[str] = []
+    total = len(buckets) * len(gammas) * 2
+    done = 0
+    for bucket in buckets:
+        usable = [g for g in gammas if g == PLAIN or bucket.draft is not None]
+        start = time.perf_counter()
+        failures += bucket.capture(usable, pool, timing_length)
+        done += len(gammas) * 2
+        if progress is not None:
+            progress(f"captured step graphs {done}/{total} (bucket {bucket.batch}: "
+                     f"{len(usable) * 2} graphs in {time.perf_counter() - start:.1f} s)")
+    for message in failures:
+        warnings.warn(f"fuser: {message}", stacklevel=2)
+    return failures

@@ -1,0 +1,31 @@
+"""benchmarks/e2e.py --dry-run on CPU: every part runs on tiny models and writes its outputs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_e2e_dry_run_writes_json_plot_and_table(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "e2e.py"), "--dry-run", "--gammas", "1,2",
+         "--out", str(tmp_path)], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "e2e.json").read_text())
+    assert (tmp_path / "e2e.png").stat().st_size > 0
+    systems = [r["system"] for r in results["rows"]]
+    for name in ("HF eager", "HF assisted (same draft)", "fuser target-only", "fuser gamma=1",
+                 "fuser gamma=2"):
+        assert name in systems, systems
+    assert any(s.startswith("fuser gamma=auto") for s in systems)
+    spec = [r for r in results["rows"] if r["system"] == "fuser gamma=2"][0]
+    assert 0 <= spec["acceptance"] <= 1 and spec["predicted_tok_s"] > 0
+    assert set(results["bundled_iteration_ms"]) == {"0", "1", "2"}
+    assert len(results["8b_projected_curve"]) == 21
+    assert "8b_auto_over_target_only" in results
+    assert sum(r["part"] == "buckets" for r in results["rows"]) == 2
+    assert proc.stdout.strip().splitlines()[-1].startswith("buckets")  # the table comes last
