@@ -60,7 +60,15 @@ class Engine:
         self._fallbacks: list[str] = list(fallbacks or [])
         self._generating = False
         self._forced_gamma: int | None = None
+        # Metrics record from the first token when prometheus_client is installed (the
+        # time-per-token histogram cannot be rebuilt later); without it they are off.
         self._metrics = None
+        try:
+            from fuser.runtime.metrics import SpecMetrics
+
+            self._metrics = SpecMetrics(self.stats, max_gamma=max(self.gammas, default=0))
+        except ImportError:
+            pass
         self.buckets: dict[int, Bucket] = {}
         if target is not None:
             if buckets is None:

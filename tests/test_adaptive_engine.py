@@ -78,8 +78,10 @@ def test_gamma_follows_scripted_acceptance_and_output_stays_lossless() -> None:
         for p in draft.parameters():
             p.copy_(torch.randn(p.shape, generator=generator) * 3)
     engine.stats.reset()
-    out = engine.generate(ids, n, eos_token_id=[])
-    assert torch.equal(out, ref)  # lossless through target-only stretches and probes
+    # Long enough for the acceptance estimates (memory 0.7 per step) to forget phase 1.
+    long = MAX_SEQ_LEN - 6
+    out = engine.generate(ids, long, eos_token_id=[])
+    assert torch.equal(out, hf_greedy(target, ids, long))  # lossless through off and probes
     assert engine.stats.acceptance_rate < 0.2
     assert not engine.controller(1).enabled, engine.gamma_reason
     assert "speculation off" in engine.gamma_reason or "probing" in engine.gamma_reason

@@ -31,7 +31,9 @@ def emulated_fp8(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of `model` that computes what an FP8 engine computes (fuser.ops.fp8.emulated_fp8,
     the same emulation the engine's self-check uses), hooks left on for the test's lifetime."""
     emulated = copy.deepcopy(model)
-    fp8.emulated_fp8(emulated).__enter__()
+    emulation = fp8.emulated_fp8(emulated)
+    emulation.__enter__()
+    emulated.fp8_emulation = emulation  # keep it alive: a collected context would unhook
     return emulated
 
 

@@ -18,7 +18,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fuser.report import SpecStats
-from fuser.runtime.generate import _count_speculation  # the engine's own counting
+
+
+def _count_speculation(stats: SpecStats, n: list[int], was_active: list[bool], gamma: int) -> None:
+    """vLLM's counting rule, written out (what generate.py counted before the engine moved to
+    runtime/metrics.count_speculation): per active row one draft, gamma draft tokens, n[b]
+    accepted, and one accepted token at each position below n[b]."""
+    for b, active in enumerate(was_active):
+        if not active:
+            continue
+        stats.num_drafts += 1
+        stats.num_draft_tokens += gamma
+        stats.num_accepted_tokens += n[b]
+        for i in range(n[b]):
+            stats.accepted_per_position[i] += 1
+
 
 prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
