@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -21,13 +22,15 @@ class Engine:
     """An optimized target (and optional draft): `logits`, `generate`, `stream`, `report()`."""
 
     def __init__(self, target: ModelSteps | None, draft: ModelSteps | None, *,
-                 config: FuserConfig, user_target: nn.Module, device: torch.device,
+                 config: FuserConfig, user_target: nn.Module | object, device: torch.device,
                  dtype: torch.dtype, vocab_size: int, gamma: int,
                  tokenizer: object | None = None, fallbacks: list[str] | None = None,
                  compile_seconds: float = 0.0) -> None:
         """An engine over built steps (`fuser.optimize` builds them; `fuser.load` reads them).
 
         target: the target's steps, or None when it runs as plain Hugging Face (user_target).
+        user_target: the user's model; for a loaded engine, a `fuser.engine_io.DetachedModel`
+            (the generation config only: running it raises).
         draft: the draft's steps, or None (no speculation). gamma: draft tokens per step.
         """
         self.target = target
@@ -43,6 +46,8 @@ class Engine:
         self.stats = SpecStats(gamma=gamma, accepted_per_position=[0] * gamma)
         self._fallbacks: list[str] = list(fallbacks or [])
         self._generating = False
+        self.load_seconds: float | None = None  # set by fuser.load
+        self.manifest: dict | None = None  # the engine directory's manifest, set by fuser.load
 
     @contextmanager
     def generating(self) -> Iterator[None]:
@@ -98,6 +103,13 @@ class Engine:
         from fuser.runtime.generate import stream
 
         return stream(self, input_ids, max_new_tokens, **kwargs)
+
+    def save(self, path: str | Path, overwrite: bool = False) -> dict:
+        """Write this engine as an engine directory (DESIGN.md, engine files); `fuser.load`
+        reads it back without capture, passes or code generation. Returns the manifest."""
+        from fuser.engine_io import save
+
+        return save(self, path, overwrite=overwrite)
 
     def report(self) -> Report:
         """What optimize() did: passes, fused ops per graph, fallbacks, compile time."""
