@@ -141,8 +141,13 @@ def extra_files(engine: Engine, scratch: Path) -> dict[str, bytes | Path]:
     return extra
 
 
-def save(engine: Engine, path: str | Path, overwrite: bool = False) -> dict[str, Any]:
-    """Write `engine` as an engine directory at `path` (atomically); returns the manifest."""
+def save(engine: Engine, path: str | Path, overwrite: bool = False,
+         source: dict[str, str] | None = None) -> dict[str, Any]:
+    """Write `engine` as an engine directory at `path` (atomically); returns the manifest.
+
+    source: where the models came from (role -> model directory), recorded for `fuser bench`
+    (its Hugging Face column) and `fuser inspect`.
+    """
     models = savable_models(engine)
     graphs = {role: {kind.name: g.rewritten for kind, g in steps.steps.items()}
               for role, steps in models.items()}
@@ -156,6 +161,7 @@ def save(engine: Engine, path: str | Path, overwrite: bool = False) -> dict[str,
                    else "fx",
                    "fallbacks": list(engine._fallbacks)},
         "models": {role: model_info(steps) for role, steps in models.items()},
+        "source": dict(source or {}),
     }
     with tempfile.TemporaryDirectory() as scratch:
         return ef.save_engine(path, graphs, config=config_dict(engine.config),
