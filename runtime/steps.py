@@ -91,11 +91,16 @@ class StepGraph:
     @property
     def uncaptured(self) -> StepFn:
         """The step without its CUDA graph: compiled, else rewritten, else eager."""
-        return self.compiled or self.rewritten or self.eager
+        # `is not None`, not truthiness: bool() of a torch.compile'd GraphModule raises.
+        for fn in (self.compiled, self.rewritten):
+            if fn is not None:
+                return fn
+        return self.eager
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
                  starts: torch.Tensor) -> torch.Tensor:
-        return (self.captured or self.uncaptured)(tokens, positions, seq_lens, starts)
+        step = self.captured if self.captured is not None else self.uncaptured
+        return step(tokens, positions, seq_lens, starts)
 
 
 class ModelSteps:
