@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.metadata
 import json
 import os
 import platform
 import shutil
+import sys
 import tempfile
 from collections.abc import Collection, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -284,9 +286,13 @@ def _attr(root: torch.nn.Module, target: str) -> Any:
 
 
 def _version(module: str) -> str | None:
+    """The installed version of `module`; from package metadata where the module is not
+    imported yet (importing transformers only to read its version costs seconds)."""
+    if module in sys.modules:
+        return getattr(sys.modules[module], "__version__", None)
     try:
-        return importlib.import_module(module).__version__
-    except ImportError:
+        return importlib.metadata.version(module)
+    except importlib.metadata.PackageNotFoundError:
         return None
 
 

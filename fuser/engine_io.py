@@ -267,8 +267,9 @@ def load(path: str | Path, device: str | torch.device | None = None, *,
         say("compiling the fixed-T steps from the saved compile cache ...")
         for role, steps in models.items():
             compile_steps(steps, info["models"][role])
-    for steps in models.values():
-        warm_up(steps)
+    if info["engine"]["compile"] == "inductor" or device.type == "cuda":
+        for steps in models.values():  # compile now (from the cache), not in the first request
+            warm_up(steps)
     config = FuserConfig(**{**manifest["config"], "device": str(device)})
     if device.type == "cuda" and config.cuda_graphs:
         say("capturing CUDA graphs ...")
