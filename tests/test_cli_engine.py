@@ -84,3 +84,32 @@ def test_build_then_generate_a_model_directory(tmp_path: Path) -> None:
 def test_user_errors_are_one_line(tmp_path: Path) -> None:
     user_error(run_fuser("inspect", str(tmp_path)), "no manifest.json")
     user_error(run_fuser("generate", str(tmp_path / "nope"), "--prompt", "x"), "not a model directory")
+
+
+def test_demo_rebuilds_a_refused_cache_and_says_why(bundled_engine: BuiltEngine, tmp_path: Path,
+                                                    monkeypatch: object, capsys: object) -> None:
+    """A cached engine the manifest refuses (here: another torch) is rebuilt, with the reason."""
+    from fuser import cli
+
+    cached = tmp_path / "fuser" / "demo-engine"
+    shutil.copytree(bundled_engine.path, cached)
+    manifest = json.loads((cached / "manifest.json").read_text())
+    manifest["environment"]["torch"] = "2.0.0"
+    (cached / "manifest.json").write_text(json.dumps(manifest))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+
+    class Rebuilt(Exception):
+        pass
+
+    def build(*args: object) -> None:
+        raise Rebuilt
+
+    monkeypatch.setattr(cli, "build_engine_from_args", build)
+    try:
+        cli.demo_engine(None)
+    except Rebuilt:
+        pass
+    else:
+        raise AssertionError("the refused engine was used")
+    err = capsys.readouterr().err
+    assert "cannot be used" in err and "torch: engine built with '2.0.0'" in err and "rebuilding" in err
