@@ -14,22 +14,24 @@ so speculation is slower here; the point is loaded == in-process).
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
-import subprocess
-import sys
-import tempfile
 import time
-import warnings
-from pathlib import Path
 
-import torch
+STARTED = time.perf_counter()  # before the imports: the loaded process reports them too
 
-import fuser
-from fuser import compare
-from fuser.engine_file import compile_cache_counts
-from fuser.models import PRESETS
+import argparse  # noqa: E402
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import warnings  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+import fuser  # noqa: E402
+from fuser import compare  # noqa: E402
+from fuser.engine_file import compile_cache_counts  # noqa: E402
+from fuser.models import PRESETS  # noqa: E402
 
 LOAD_LIMIT_SECONDS = 20.0
 DRY_TARGET = dict(PRESETS["tiny-random-llama"])
@@ -93,7 +95,6 @@ def child(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    started = time.perf_counter()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny random models")
     parser.add_argument("--out", default=None, help="write the results as JSON")
@@ -107,7 +108,7 @@ def main() -> None:
     parser.add_argument("--started", type=float, default=0.0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.load:
-        args.started = started
+        args.started = STARTED
         return child(args)
     if args.dry_run:
         device, dtype, shapes = torch.device("cpu"), torch.float32, (DRY_TARGET, DRY_DRAFT)
