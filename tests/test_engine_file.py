@@ -10,8 +10,10 @@ import torch
 
 from fuser import engine_file as ef
 from fuser.capture import StepModule, engine_view, export_step
-from fuser.passes import PASSES, run_passes
+from fuser.config import FuserConfig
+from fuser.passes import PASSES, PassContext, run_passes
 from fuser.runtime.kv_cache import KVCache
+from fuser.runtime.steps import StepKind
 from tiny import tiny_model
 
 PASS_NAMES = [p.name for p in PASSES]
@@ -37,9 +39,9 @@ def built() -> dict[str, object]:
     cache = KVCache.allocate(2, BATCH, SLOTS, 2, 16, torch.float32, CPU)
     graphs = {}
     for name, T in STEPS.items():
-        gm = export_step(StepModule(model, cache.k, cache.v, prefill=False, fused_attention=True),
-                         BATCH, T, max_tokens=SLOTS)
-        run_passes(gm, name)
+        _, gm = export_step(StepModule(model, cache.k, cache.v, prefill=False), BATCH, T,
+                            max_tokens=SLOTS)
+        run_passes(gm, PassContext(f"target.{name}", StepKind(name, T), FuserConfig(), "target"))
         graphs[name] = gm
     buffers = {f"{kv}_cache_{i}": getattr(cache, kv)[i] for kv in "kv" for i in range(2)}
     return {"graphs": graphs, "buffers": buffers, "expected": run_graphs(graphs, buffers)}
