@@ -123,6 +123,10 @@ def build_engine_from_args(model: str | None, draft: str | None, config: object)
 
     if model is None and bundled_pair() is not None:
         model, draft = (str(p) for p in bundled_pair())
+    for path, argument in ((model, "MODEL"), (draft, "--draft")):
+        if path is not None and not (Path(path) / "config.json").is_file():
+            raise ValueError(f"{argument}={path!r} is neither a model directory (config.json + "
+                             "safetensors) nor an engine directory (manifest.json)")
     progress("loading the Hugging Face models ...")
     target, draft_model, tokenizer, name = _load_pair(model, draft)
     progress(f"capturing (torch.export), rewriting (passes) and compiling {name} ...")

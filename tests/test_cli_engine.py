@@ -83,7 +83,7 @@ def test_build_then_generate_a_model_directory(tmp_path: Path) -> None:
 
 def test_user_errors_are_one_line(tmp_path: Path) -> None:
     user_error(run_fuser("inspect", str(tmp_path)), "no manifest.json")
-    user_error(run_fuser("generate", str(tmp_path / "nope"), "--prompt", "x"), "not a model directory")
+    user_error(run_fuser("generate", str(tmp_path / "nope"), "--prompt", "x"), "neither a model directory")
 
 
 def test_demo_rebuilds_a_refused_cache_and_says_why(bundled_engine: BuiltEngine, tmp_path: Path,
