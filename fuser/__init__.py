@@ -2,12 +2,16 @@
 
     engine = fuser.optimize(target, draft=draft, config=fuser.FuserConfig())
     engine.logits(input_ids); engine.generate(input_ids, max_new_tokens=64)
+    engine.save("engine_dir"); engine = fuser.load("engine_dir")
 """
 
 from fuser.config import FuserConfig
 from fuser.engine import Engine
+from fuser.engine_file import EngineFileError
+from fuser.engine_io import load
 from fuser.pipeline import optimize
 from fuser.report import Report, SpecStats
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "FuserConfig", "Report", "SpecStats", "optimize", "__version__"]
+__all__ = ["Engine", "EngineFileError", "FuserConfig", "Report", "SpecStats", "load", "optimize",
+           "__version__"]

@@ -16,6 +16,7 @@ from torch import nn
 
 from fuser.capture import StepModule, export_step
 from fuser.config import FuserConfig
+from fuser.engine_file import EngineFileError, portable_module
 from fuser.numerics import SELF_CHECK_TOLERANCE, relative_error
 from fuser.ops.fp8 import emulated_fp8
 from fuser.passes import PassContext, run_passes
@@ -89,8 +90,17 @@ def add_step(steps: ModelSteps, view: nn.Module, kind: StepKind, config: FuserCo
     # Prefill (dynamic T) runs once per request: on the GPU its ATen kernels are long enough;
     # Inductor is kept for the fixed-T steps that run once per token.
     if compile_mode(config, device) == "inductor" and kind.fixed:
-        graph.compiled = torch.compile(graph.rewritten, fullgraph=True, dynamic=False)
+        graph.compiled = torch.compile(compilable(graph.rewritten), fullgraph=True, dynamic=False)
     return graph
+
+
+def compilable(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """What Inductor compiles for `gm`: the module a loaded engine rebuilds (so compile-cache
+    artifacts saved with the engine hit on load), or `gm` itself if it cannot be saved."""
+    try:
+        return portable_module(gm)
+    except EngineFileError:
+        return gm
 
 
 @torch.no_grad()

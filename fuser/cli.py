@@ -1,16 +1,25 @@
-"""The `fuser` command line: demo, generate, bench (build and inspect come with engine files)."""
+"""The `fuser` command line: build, inspect, generate, bench, demo (API.md, command line).
+
+MODEL_OR_ENGINE arguments take a model directory or an engine directory (one with a
+manifest.json). Results go to stdout, progress lines to stderr; a user error is one line on
+stderr and exit status 2.
+"""
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import time
-import warnings
-from collections.abc import Sequence
-from pathlib import Path
 
-import torch
+STARTED = time.perf_counter()  # before torch's import: `fuser demo` reports time to first token
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+import warnings  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
 
 # Prompts end mid-line: a prompt that ends in "\n" splits the BPE's newline+indent tokens.
 DEMO_PROMPTS = [
@@ -79,101 +88,290 @@ def _hf_generate_seconds(model: torch.nn.Module, ids: torch.Tensor, mask: torch.
     return out, time.perf_counter() - start
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    import fuser
+def progress(message: str) -> None:
+    """A step line on stderr for long steps (build, save, load, timing)."""
+    print(f"fuser: {message}", file=sys.stderr, flush=True)
 
-    say("fuser demo")
-    target, draft, tokenizer, name = _load_pair(args.model, args.draft)
-    say(f"model: {name}")
-    prompts = DEMO_PROMPTS
-    config = fuser.FuserConfig(max_batch_size=len(prompts), max_seq_len=256)
-    say("capturing, rewriting and compiling the step graphs ...")
+
+def is_engine_dir(path: str | None) -> bool:
+    """Whether `path` is an engine directory (has a manifest) rather than a model directory."""
+    from fuser.engine_file import MANIFEST
+
+    return path is not None and (Path(path) / MANIFEST).is_file()
+
+
+def demo_cache_dir() -> Path:
+    """Where `fuser demo` keeps its engine: $XDG_CACHE_HOME/fuser, else ~/.cache/fuser."""
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(root) / "fuser" / "demo-engine"
+
+
+def _generation_ids(engine: object) -> tuple[object, int]:
+    """(eos, pad) from the engine's generation config (pad falls back to eos, then 0)."""
+    gen = getattr(engine.user_target, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None)
+    pad = getattr(gen, "pad_token_id", None)
+    if pad is None:
+        pad = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
+    return eos, int(pad)
+
+
+def build_engine_from_args(model: str | None, draft: str | None, config: object) -> tuple[object, dict[str, str], str]:
+    """(engine, source paths, description) built from model directories (or the bundled pair)."""
+    from fuser.models import bundled_pair
+    from fuser.pipeline import build_engine
+
+    if model is None and bundled_pair() is not None:
+        model, draft = (str(p) for p in bundled_pair())
+    for path, argument in ((model, "MODEL"), (draft, "--draft")):
+        if path is not None and not (Path(path) / "config.json").is_file():
+            raise ValueError(f"{argument}={path!r} is neither a model directory (config.json + "
+                             "safetensors) nor an engine directory (manifest.json)")
+    progress("loading the Hugging Face models ...")
+    target, draft_model, tokenizer, name = _load_pair(model, draft)
+    progress(f"capturing (torch.export), rewriting (passes) and compiling {name} ...")
+    start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        engine = fuser.optimize(target, draft=draft, config=config)
-    report = engine.report()
-    say(str(report))
+        engine = build_engine(target, draft_model, config, tokenizer)
+    progress(f"built in {time.perf_counter() - start:.1f} s")
+    source = {"target": str(Path(model).resolve())} if model else {}
+    if draft:
+        source["draft"] = str(Path(draft).resolve())
+    return engine, source, name
 
-    ids, mask = _encode(tokenizer, prompts, target.config.vocab_size)
-    device = next(target.parameters()).device
-    ids, mask = ids.to(device), mask.to(device)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        ref = target(input_ids=ids, attention_mask=mask, position_ids=positions).logits.float()
-    out = engine.logits(ids, attention_mask=mask)
-    real = mask.bool()
-    error = float((out[real] - ref[real]).norm() / ref[real].norm())
-    say(f"engine.logits vs eager PyTorch: relative error {error:.2e} "
-        f"({'within' if error <= 1e-4 else 'OUTSIDE'} the fp32 bound 1e-4)")
 
-    new_tokens = args.max_new_tokens
-    gen = target.generation_config
-    eos, pad = gen.eos_token_id, gen.pad_token_id if gen.pad_token_id is not None else 0
-    engine.generate(ids, 4, attention_mask=mask, eos_token_id=eos, pad_token_id=pad)  # warm-up
-    engine.stats.reset()
+def cmd_build(args: argparse.Namespace) -> int:
+    import fuser
+    from fuser.engine_io import save
+
+    out = Path(args.out)
+    if out.exists() and not args.overwrite:
+        raise ValueError(f"--out {out} already exists (pass --overwrite to replace it)")
+    gamma = args.gamma if args.gamma == "auto" else int(args.gamma)
+    config = fuser.FuserConfig(precision=args.precision, gamma=gamma,
+                               max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len)
+    engine, source, _ = build_engine_from_args(args.model, args.draft, config)
+    progress(f"saving to {out} ...")
     start = time.perf_counter()
-    out_ids = engine.generate(ids, new_tokens, attention_mask=mask, eos_token_id=eos,
-                              pad_token_id=pad)
-    fuser_seconds = time.perf_counter() - start
-    hf_ids, hf_seconds = _hf_generate_seconds(target, ids, mask, new_tokens, eos, pad)
-    T = ids.shape[1]
-    for text in _decode(tokenizer, torch.cat([ids, out_ids[:, T:]], dim=1)):
-        say("-" * 60 + "\n" + text)
-    say("-" * 60)
-    fuser_new = int((out_ids[:, T:] != pad).sum())
-    hf_new = int((hf_ids[:, T:] != pad).sum())
-    same = out_ids.shape == hf_ids.shape and bool((out_ids == hf_ids).all())
-    say(f"greedy output identical to Hugging Face generate: {same}")
-    stats = engine.stats
-    if engine.draft is not None:
-        say(f"speculation: gamma {engine.gamma}, acceptance {stats.acceptance_rate:.2f}, "
-            f"mean accepted length {stats.mean_accepted_length:.2f}")
-    say(f"tokens/s on {engine.device}: fuser {fuser_new / fuser_seconds:.1f}, "
-        f"Hugging Face generate {hf_new / hf_seconds:.1f} "
-        f"(CPU is a correctness target, not a speed target)")
+    save(engine, out, overwrite=args.overwrite, source=source)
+    progress(f"saved in {time.perf_counter() - start:.1f} s")
+    say(str(out))
     return 0
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from fuser import engine_file as ef
+
+    directory = Path(args.engine)
+    manifest = ef.read_manifest(directory)
+    env, info = manifest["environment"], manifest["info"]
+    say(f"engine {directory}")
+    say("built with: " + ", ".join(f"{k} {v}" for k, v in env.items() if v is not None))
+    say("config: " + ", ".join(f"{k}={v}" for k, v in manifest["config"].items()))
+    engine = info["engine"]
+    say(f"dtype {engine['dtype']}, gamma {engine['gamma']}, vocabulary {engine['vocab_size']}, "
+        f"steps {engine['compile']}, build {engine['build_seconds']:.1f} s")
+    say(f"passes ({manifest['sources']['hash'][:12]}): {', '.join(manifest['sources']['passes'])}")
+    for role, m in info["models"].items():
+        kinds = ", ".join(f"{k}(T={'any' if t is None else t})" for k, t in m["kinds"])
+        say(f"{role}: {m['layers']} layers, KV cache [B={m['batch']}, slots={m['slots']}, "
+            f"kv_heads={m['kv_heads']}, D={m['head_dim']}] {m['cache_dtype']}; steps {kinds}")
+        for name, g in m["graphs"].items():
+            fired = ", ".join(f"{p} {n}" for p, n in g["matches"].items() if n) or "(none)"
+            ops = ", ".join(f"{op} x{n}" for op, n in sorted(g["fused_ops"].items())) or "(none)"
+            say(f"  {name:<16} passes fired: {fired}")
+            say(f"  {'':<16} fused ops: {ops}")
+    say("files:")
+    for rel, record in manifest["files"].items():
+        say(f"  {rel:<48} {_size(record['size']):>10}")
+    total = sum(r["size"] for r in manifest["files"].values())
+    say(f"  {'total':<48} {_size(total):>10}")
+    try:
+        ef.check_environment(env, ef.environment(_inspect_device(env)))
+        say("loadable here: yes")
+    except ef.EngineFileError as e:
+        say(f"loadable here: no ({e})")
+    return 0
+
+
+def _inspect_device(env: dict) -> torch.device:
+    if env["device_type"] == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def open_engine(model: str | None, draft: str | None, config: object) -> tuple[object, dict[str, str]]:
+    """(engine, source paths): loaded from an engine directory, or built from model ones."""
+    import fuser
+
+    if is_engine_dir(model):
+        if draft is not None:
+            raise ValueError(f"{model} is an engine directory: its draft is built in "
+                             "(--draft applies to model directories)")
+        engine = fuser.load(model, log=progress)
+        return engine, dict(engine.manifest["info"].get("source", {}))
+    engine, source, _ = build_engine_from_args(model, draft, config)
+    return engine, source
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     import fuser
 
-    target, draft, tokenizer, _ = _load_pair(args.model, args.draft)
+    engine, _ = open_engine(args.model, args.draft, fuser.FuserConfig(max_seq_len=args.max_seq_len))
+    tokenizer = engine.tokenizer
     if tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer files: cannot encode --prompt")
-    engine = fuser.optimize(target, draft=draft, config=fuser.FuserConfig(max_seq_len=args.max_seq_len))
-    ids, mask = _encode(tokenizer, [args.prompt], target.config.vocab_size)
+    eos, pad = _generation_ids(engine)
+    ids, mask = _encode(tokenizer, [args.prompt], engine.vocab_size)
     say(args.prompt)
     for column in engine.stream(ids, args.max_new_tokens, attention_mask=mask,
-                                do_sample=args.sample, seed=args.seed):
+                                do_sample=args.sample, seed=args.seed, eos_token_id=eos,
+                                pad_token_id=pad):
         sys.stdout.write(tokenizer.decode(column[:1]))
         sys.stdout.flush()
     say("")
     return 0
 
 
+def _hf_model(source: dict[str, str], engine: object) -> torch.nn.Module | None:
+    """The Hugging Face target for comparisons, in the engine's dtype and device, or None."""
+    from fuser.pipeline import load_model
+
+    path = source.get("target")
+    if not path or not Path(path).is_dir():
+        return None
+    model = load_model(path, "target")[0]
+    return model.to(device=engine.device, dtype=engine.dtype).eval()
+
+
+def compare_systems(engine: object, hf: torch.nn.Module | None, ids: torch.Tensor,
+                    mask: torch.Tensor, new_tokens: int, runs: int) -> tuple[list, list[str]]:
+    """(rows, notes): fuser speculative, fuser target-only and HF generate, timed alike."""
+    from fuser import compare
+
+    eos, pad = _generation_ids(engine)
+    device = engine.device
+    ids, mask = ids.to(device), mask.to(device)
+    T = ids.shape[1]
+    systems = []
+    if engine.draft is not None:
+        systems.append((f"fuser speculative (gamma {engine.gamma})", engine))
+    systems.append(("fuser target-only", compare.target_only(engine)))
+    rows, outs = [], {}
+    for name, e in systems:
+        progress(f"timing {name} ({runs} runs after a warm-up) ...")
+        row, outs[name] = compare.time_system(name, compare.engine_generate(e, eos, pad), ids,
+                                              mask, new_tokens, pad, runs, device)
+        rows.append(row)
+    if engine.draft is not None:
+        rows[0].note = (f"mean accepted length {engine.stats.mean_accepted_length:.2f}")
+    notes = [f"device {device}"
+             + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
+             + f", dtype {str(engine.dtype).removeprefix('torch.')}, batch {ids.shape[0]}, "
+             f"{new_tokens} new tokens, median of {runs} runs"]
+    if hf is None:
+        notes.append("Hugging Face generate: not run (the engine does not record a model "
+                     "directory that exists here)")
+        return rows, notes
+    progress(f"timing Hugging Face generate ({runs} runs after a warm-up) ...")
+    row, hf_out = compare.time_system("Hugging Face generate", compare.hf_generate(hf, eos, pad),
+                                      ids, mask, new_tokens, pad, runs, device)
+    rows.append(row)
+    exact = engine.dtype == torch.float32
+    for name, out in outs.items():
+        where = compare.first_divergence(out, hf_out, T)
+        if exact:
+            notes.append(f"{name} vs Hugging Face (fp32, exactness promised): "
+                         f"{'identical' if where is None else 'DIFFERENT at token ' + str(where)}")
+        else:
+            notes.append(f"{name} vs Hugging Face: {compare.describe_divergence(where)}")
+    if not exact:
+        hf_self = compare.hf_kernel_divergence(hf, ids, mask, new_tokens, eos, pad)
+        notes.append("for scale, Hugging Face sdpa vs eager attention: "
+                     + compare.describe_divergence(hf_self))
+    return rows, notes
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import fuser
+    from fuser import compare
 
-    target, draft, tokenizer, name = _load_pair(args.model, args.draft)
-    engine = fuser.optimize(target, draft=draft, config=fuser.FuserConfig(max_seq_len=512))
-    ids, mask = _encode(tokenizer, DEMO_PROMPTS[:1], target.config.vocab_size)
-    engine.generate(ids, 8, attention_mask=mask)
-    engine.stats.reset()
-    start = time.perf_counter()
-    out = engine.generate(ids, args.max_new_tokens, attention_mask=mask)
-    seconds = time.perf_counter() - start
-    result = {"model": name, "device": str(engine.device), "new_tokens": out.shape[1] - ids.shape[1],
-              "seconds": seconds, "tokens_per_second": (out.shape[1] - ids.shape[1]) / seconds,
-              "mean_accepted_length": engine.stats.mean_accepted_length}
-    say(json.dumps(result, indent=2))
+    engine, source = open_engine(args.model, args.draft, fuser.FuserConfig(
+        max_batch_size=1, max_seq_len=max(256, args.max_new_tokens + 64)))
+    hf = _hf_model(source, engine) if not args.no_hf else None
+    ids, mask = _encode(engine.tokenizer, DEMO_PROMPTS[:1], engine.vocab_size)
+    rows, notes = compare_systems(engine, hf, ids, mask, args.max_new_tokens, args.runs)
+    say(compare.table(rows))
+    for note in notes:
+        say(note)
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        Path(args.json).write_text(json.dumps({"rows": [r.as_dict() for r in rows],
+                                               "notes": notes}, indent=2))
     return 0
 
 
-def cmd_not_yet(args: argparse.Namespace) -> int:
-    raise ValueError(f"'fuser {args.command}' needs engine files, which this version does not "
-                     "build yet; use 'fuser generate MODEL_DIR' or the Python API")
+def demo_engine(config: object) -> object:
+    """The bundled pair's engine: loaded from the cache directory, else built and saved there."""
+    import fuser
+    from fuser.engine_io import save
+
+    directory = demo_cache_dir()
+    if is_engine_dir(str(directory)):
+        try:
+            return fuser.load(directory, log=progress)
+        except fuser.EngineFileError as e:
+            progress(f"the cached engine in {directory} cannot be used ({e}); rebuilding it")
+    else:
+        progress(f"first run: building the demo engine (saved to {directory} for later runs)")
+    engine, source, _ = build_engine_from_args(None, None, config)
+    progress(f"saving to {directory} ...")
+    save(engine, directory, overwrite=True, source=source)
+    return engine
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    import fuser
+    from fuser import compare
+    from fuser.models import bundled_pair
+
+    say("fuser demo")
+    prompts = DEMO_PROMPTS
+    config = fuser.FuserConfig(max_batch_size=len(prompts), max_seq_len=256)
+    if args.model is None and bundled_pair() is not None and not args.no_cache:
+        engine = demo_engine(config)
+        source = dict((engine.manifest or {}).get("info", {}).get("source", {})) or \
+            {"target": str(bundled_pair()[0])}
+    else:
+        engine, source = open_engine(args.model, args.draft, config)
+    say(str(engine.report()))
+    eos, pad = _generation_ids(engine)
+    ids, mask = _encode(engine.tokenizer, prompts, engine.vocab_size)
+    say("-" * 60)
+    out = []
+    for i, column in enumerate(engine.stream(ids, args.max_new_tokens, attention_mask=mask,
+                                             eos_token_id=eos, pad_token_id=pad)):
+        if i == 0:
+            progress(f"first token {time.perf_counter() - STARTED:.1f} s after the command "
+                     "started (imports included)")
+        out.append(column)
+    gen = torch.cat([ids, torch.stack(out, 1)], dim=1)
+    for text in _decode(engine.tokenizer, gen):
+        say(text + "\n" + "-" * 60)
+    hf = _hf_model(source, engine)
+    rows, notes = compare_systems(engine, hf, ids, mask, args.max_new_tokens, args.runs)
+    say(compare.table(rows))
+    for note in notes:
+        say(note)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -183,9 +381,24 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", default=None, help="a model directory instead of the bundled target")
     demo.add_argument("--draft", default=None)
     demo.add_argument("--max-new-tokens", type=int, default=48)
+    demo.add_argument("--runs", type=int, default=3, help="timed runs per system (median)")
+    demo.add_argument("--no-cache", action="store_true", help="build, do not use the cached engine")
     demo.set_defaults(fn=cmd_demo)
+    build = sub.add_parser("build", help="build an engine directory from model directories")
+    build.add_argument("model")
+    build.add_argument("--draft", default=None)
+    build.add_argument("--precision", default="auto")
+    build.add_argument("--gamma", default="auto")
+    build.add_argument("--max-batch-size", type=int, default=1)
+    build.add_argument("--max-seq-len", type=int, default=2048)
+    build.add_argument("--out", required=True)
+    build.add_argument("--overwrite", action="store_true")
+    build.set_defaults(fn=cmd_build)
+    inspect = sub.add_parser("inspect", help="manifest, passes fired, fused ops, shapes, files")
+    inspect.add_argument("engine")
+    inspect.set_defaults(fn=cmd_inspect)
     gen = sub.add_parser("generate", help="generate text from a prompt")
-    gen.add_argument("model")
+    gen.add_argument("model", help="a model directory or an engine directory")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--max-seq-len", type=int, default=1024)
@@ -193,16 +406,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sample", action="store_true")
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(fn=cmd_generate)
-    bench = sub.add_parser("bench", help="time generation")
-    bench.add_argument("model")
+    bench = sub.add_parser("bench", help="time fuser (speculative, target-only) and HF generate")
+    bench.add_argument("model", help="a model directory or an engine directory")
     bench.add_argument("--draft", default=None)
     bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--runs", type=int, default=3)
+    bench.add_argument("--no-hf", action="store_true", help="skip the Hugging Face column")
     bench.add_argument("--json", default=None)
     bench.set_defaults(fn=cmd_bench)
-    for name in ("build", "inspect"):
-        p = sub.add_parser(name, help="(engine files: not in this version)")
-        p.add_argument("rest", nargs=argparse.REMAINDER)
-        p.set_defaults(fn=cmd_not_yet)
     return parser
 
 

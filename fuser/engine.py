@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -24,7 +25,7 @@ class Engine:
     """An optimized target (and optional draft): `logits`, `generate`, `stream`, `report()`."""
 
     def __init__(self, target: ModelSteps | None, draft: ModelSteps | None, *,
-                 config: FuserConfig, user_target: nn.Module, device: torch.device,
+                 config: FuserConfig, user_target: nn.Module | object, device: torch.device,
                  dtype: torch.dtype, vocab_size: int, gamma: int,
                  tokenizer: object | None = None, fallbacks: list[str] | None = None,
                  compile_seconds: float = 0.0,
@@ -33,6 +34,8 @@ class Engine:
         """An engine over built steps (`fuser.optimize` builds them; `fuser.load` reads them).
 
         target: the target's steps, or None when it runs as plain Hugging Face (user_target).
+        user_target: the user's model; for a loaded engine, a `fuser.engine_io.DetachedModel`
+            (the generation config only: running it raises).
         draft: the draft's steps, or None (no speculation). gamma: draft tokens per step (with
         config.gamma == "auto": the largest candidate).
         buckets: batch size -> (target steps, draft steps) built at that batch over rows
@@ -199,6 +202,8 @@ class Engine:
         """Serve the metrics over HTTP at addr:port (port 0: any free one, see `.port`);
         returns an object with `.shutdown()`."""
         return self.metrics().start_server(port, addr)
+        self.load_seconds: float | None = None  # set by fuser.load
+        self.manifest: dict | None = None  # the engine directory's manifest, set by fuser.load
 
     @contextmanager
     def generating(self) -> Iterator[None]:
@@ -254,6 +259,13 @@ class Engine:
         from fuser.runtime.generate import stream
 
         return stream(self, input_ids, max_new_tokens, **kwargs)
+
+    def save(self, path: str | Path, overwrite: bool = False) -> dict:
+        """Write this engine as an engine directory (DESIGN.md, engine files); `fuser.load`
+        reads it back without capture, passes or code generation. Returns the manifest."""
+        from fuser.engine_io import save
+
+        return save(self, path, overwrite=overwrite)
 
     def report(self) -> Report:
         """What optimize() did: passes, fused ops per graph, fallbacks, compile time."""

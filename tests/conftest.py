@@ -33,3 +33,13 @@ def interpreter_rounds_bf16_like_gpu():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(interpreter.InterpreterBuilder, "cast_impl", cast_impl)
         yield
+
+
+@pytest.fixture(scope="session")
+def bundled_engine(tmp_path_factory):
+    """The demo's engine of the bundled pair (fp32 on CPU), built once in this process and
+    saved: (directory, prompt ids, mask, greedy tokens of the in-process engine, build seconds).
+    Shared by tests/test_engine_save_load.py and tests/test_cli_engine.py."""
+    from engine_dirs import build_bundled_engine
+
+    return build_bundled_engine(tmp_path_factory.mktemp("bundled") / "engine")

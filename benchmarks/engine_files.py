@@ -1,0 +1,186 @@
+"""Engine files at real size: build, save, load in a fresh process, and time both engines.
+
+    python benchmarks/engine_files.py --out engine_files.json        # H200: ~5 min
+    python benchmarks/engine_files.py --dry-run --out dry.json       # CPU, tiny random models
+
+Builds a random Llama-3-8B-shape target (bf16) with a random Llama-3.2-1B-shape draft
+(models.PRESETS), saves the engine, loads it in a new Python process and reports: build
+seconds, save seconds, load seconds (fuser.load alone, and with the interpreter's imports; the
+requirement is load <= 20 s), Inductor compile-cache hits and misses in the loaded process (a
+miss means code was generated again), greedy tokens of loaded vs in-process engine, and tok/s
+of both (speculative and target-only; a random draft almost never agrees with a random target,
+so speculation is slower here; the point is loaded == in-process).
+"""
+
+from __future__ import annotations
+
+import time
+
+STARTED = time.perf_counter()  # before the imports: the loaded process reports them too
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import warnings  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+import fuser  # noqa: E402
+from fuser import compare  # noqa: E402
+from fuser.engine_file import compile_cache_counts  # noqa: E402
+from fuser.models import PRESETS  # noqa: E402
+
+LOAD_LIMIT_SECONDS = 20.0
+DRY_TARGET = dict(PRESETS["tiny-random-llama"])
+DRY_DRAFT = dict(DRY_TARGET, hidden_size=64, intermediate_size=160, num_hidden_layers=1,
+                 num_attention_heads=2, num_key_value_heads=1)
+
+
+def log(message: str) -> None:
+    print(f"[engine_files] {message}", file=sys.stderr, flush=True)
+
+
+def random_llama(shape: dict[str, object], dtype: torch.dtype, device: torch.device,
+                 seed: int) -> torch.nn.Module:
+    """A randomly initialised Llama of `shape`, built directly in `dtype` on `device`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(LlamaConfig(**shape))
+    finally:
+        torch.set_default_dtype(default)
+    return model.eval()
+
+
+def prompt(vocab: int, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One random prompt [1, length] and its mask."""
+    ids = torch.randint(3, vocab, (1, length), generator=torch.Generator().manual_seed(0))
+    return ids.to(device), torch.ones_like(ids).to(device)
+
+
+def time_engine(engine: fuser.Engine, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int,
+                runs: int) -> dict[str, object]:
+    """tok/s (median of `runs` after a warm-up) speculative and target-only, and the tokens."""
+    out: dict[str, object] = {}
+    systems = [("target_only", compare.target_only(engine))]
+    if engine.draft is not None:
+        systems.insert(0, ("speculative", engine))
+    for name, e in systems:
+        # eos -1 is not a token: every run generates exactly new_tokens
+        fn = lambda i, m, n, e=e: e.generate(i, n, attention_mask=m, eos_token_id=[],
+                                              pad_token_id=0)
+        row, tokens = compare.time_system(name, fn, ids, mask, new_tokens, -1, runs, engine.device)
+        out[name] = {"tokens_per_second": row.tokens_per_second, "seconds": row.seconds,
+                     "tokens": tokens[0, ids.shape[1]:].tolist()}
+    return out
+
+
+def child(args: argparse.Namespace) -> None:
+    """The fresh process: load the engine, time it, print one JSON line."""
+    engine = fuser.load(args.load)
+    counts = compile_cache_counts()
+    ids, mask = prompt(engine.vocab_size, args.prompt_tokens, engine.device)
+    result = {"load_seconds": engine.load_seconds,
+              "import_and_load_seconds": time.perf_counter() - args.started,
+              "compile_cache": counts,
+              "timing": time_engine(engine, ids, mask, args.new_tokens, args.runs)}
+    print(json.dumps(result))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny random models")
+    parser.add_argument("--out", default=None, help="write the results as JSON")
+    parser.add_argument("--engine-dir", default=None, help="where to save (default: a temp dir)")
+    parser.add_argument("--compile", default="auto", choices=["auto", "inductor", "fx"])
+    parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--load", default=None, help=argparse.SUPPRESS)  # child mode
+    parser.add_argument("--started", type=float, default=0.0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.load:
+        args.started = STARTED
+        return child(args)
+    if args.dry_run:
+        device, dtype, shapes = torch.device("cpu"), torch.float32, (DRY_TARGET, DRY_DRAFT)
+        args.prompt_tokens, args.new_tokens, args.runs = 8, 8, 1
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("needs a CUDA device (or --dry-run)")
+        device, dtype = torch.device("cuda"), torch.bfloat16
+        shapes = (PRESETS["llama-3-8b"], PRESETS["llama-3.2-1b"])
+    log(f"random models on {device}, {dtype} ...")
+    target = random_llama(shapes[0], dtype, device, seed=0)
+    draft = random_llama(shapes[1], dtype, device, seed=1)
+    config = fuser.FuserConfig(gamma=args.gamma, compile=args.compile,
+                               max_seq_len=args.prompt_tokens + args.new_tokens + 16)
+    log("building (export, passes, compile, warm-up, CUDA graphs) ...")
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = fuser.optimize(target, draft=draft, config=config)
+    build_seconds = time.perf_counter() - start
+    log(f"built in {build_seconds:.1f} s; timing the in-process engine ...")
+    ids, mask = prompt(engine.vocab_size, args.prompt_tokens, device)
+    in_process = time_engine(engine, ids, mask, args.new_tokens, args.runs)
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(args.engine_dir or Path(scratch) / "engine")
+        start = time.perf_counter()
+        engine.save(path, overwrite=True)
+        save_seconds = time.perf_counter() - start
+        size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+        log(f"saved {size / 2**30:.2f} GiB in {save_seconds:.1f} s; loading in a fresh process ...")
+        child_args = [sys.executable, __file__, "--load", str(path), "--runs", str(args.runs),
+                      "--prompt-tokens", str(args.prompt_tokens),
+                      "--new-tokens", str(args.new_tokens)]
+        done = subprocess.run(child_args, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"the loading process failed:\n{done.stderr[-4000:]}")
+        loaded = json.loads(done.stdout.strip().splitlines()[-1])
+    results = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": str(dtype), "shapes": "tiny (dry run)" if args.dry_run else "llama-3-8b + llama-3.2-1b",
+        "build_seconds": build_seconds, "save_seconds": save_seconds, "engine_bytes": size,
+        "load_seconds": loaded["load_seconds"],
+        "import_and_load_seconds": loaded["import_and_load_seconds"],
+        "compile_cache_in_loaded_process": loaded["compile_cache"],
+        "in_process": in_process, "loaded": loaded["timing"],
+    }
+    for mode in in_process:
+        same = in_process[mode]["tokens"] == loaded["timing"][mode]["tokens"]
+        results[f"{mode}_tokens_identical"] = same
+    print(report(results))
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+def report(r: dict[str, object]) -> str:
+    """The results as lines of text; the last line is the verdict."""
+    lines = [f"device {r['device']}, {r['dtype']}, {r['shapes']}",
+             f"build {r['build_seconds']:.1f} s, save {r['save_seconds']:.1f} s "
+             f"({r['engine_bytes'] / 2**30:.2f} GiB), load {r['load_seconds']:.1f} s "
+             f"(with imports {r['import_and_load_seconds']:.1f} s)",
+             f"loaded process Inductor FX-graph cache: {r['compile_cache_in_loaded_process']}"]
+    for mode, timing in r["in_process"].items():
+        lines.append(f"{mode}: in-process {timing['tokens_per_second']:.1f} tok/s, loaded "
+                     f"{r['loaded'][mode]['tokens_per_second']:.1f} tok/s, tokens identical: "
+                     f"{r[f'{mode}_tokens_identical']}")
+    fast = r["load_seconds"] <= LOAD_LIMIT_SECONDS
+    misses = r["compile_cache_in_loaded_process"]["miss"]
+    verdict = "dry run on CPU" if r["device"] == "cpu" else "H200 run"
+    lines.append(f"{verdict}: load {'<=' if fast else '>'} {LOAD_LIMIT_SECONDS:.0f} s, "
+                 f"{misses} compile-cache misses after load")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

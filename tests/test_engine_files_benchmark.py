@@ -1,0 +1,23 @@
+"""benchmarks/engine_files.py --dry-run: build, save, load in a fresh process, time both, on CPU
+with tiny random models (the H200 run uses the same code at Llama-3-8B shape)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_engine_files_benchmark_dry_run(tmp_path: Path) -> None:
+    out = tmp_path / "engine_files.json"
+    proc = subprocess.run([sys.executable, "benchmarks/engine_files.py", "--dry-run", "--out",
+                           str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["speculative_tokens_identical"] and r["target_only_tokens_identical"]
+    assert r["load_seconds"] < r["build_seconds"]
+    assert r["loaded"]["speculative"]["tokens_per_second"] > 0
+    assert proc.stdout.strip().splitlines()[-1].startswith("dry run on CPU: load <= 20 s")
