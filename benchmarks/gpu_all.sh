@@ -24,6 +24,19 @@ if [ "$what" = checks ]; then
 elif [ "$what" = decode ]; then
   echo "== decode benchmark"
   python3 benchmarks/decode.py --out "$OUT/decode.json" "$@" 2>&1 | tee "$OUT/decode.log" | grep -v Warning | tail -80
+elif [ "$what" = session ]; then
+  # One call for a short lease: GPU tests of the new kernels and step graphs, bf16 and fp8
+  # decode at the 8B shape (no peers), and the bundled pair end to end.
+  echo "== GPU tests"
+  timeout 170 python3 -m pytest -q -p no:cacheprovider tests/test_ops_fp8.py tests/test_cuda_spec.py \
+    tests/test_cuda.py -k "cuda or gpu or CUDA or GPU" 2>&1 | tee "$OUT/gpu_tests.log" | tail -12
+  summary+=("GPU tests: $(tail -1 "$OUT/gpu_tests.log")")
+  echo "== decode benchmark"
+  timeout 330 python3 benchmarks/decode.py --out "$OUT/decode.json" --skip-peers --profile 2>&1 \
+    | tee "$OUT/decode.log" | grep -v Warning | grep -E "^\[|^kernel|^GEMV|^GEMM|^attention|^rms|^rotary|^KV|^gated|^rope|^sum|^graph|^fp8 vs|^HBM|ceiling|fallback|Error" | tail -60
+  echo "== speculative end to end (bundled pair)"
+  timeout 240 python3 benchmarks/e2e.py --out "$OUT" --skip-8b --skip-buckets --gammas 1,2,4,6 2>&1 \
+    | tee "$OUT/e2e.log" | grep -v Warning | tail -30
 elif [ "$what" = e2e ]; then
   echo "== speculative end to end"
   python3 benchmarks/e2e.py --out "$OUT" "$@" 2>&1 | tee "$OUT/e2e.log" | grep -v Warning | tail -60

@@ -23,7 +23,10 @@ from tiny import random_prompts, tiny_model
 MAX_SEQ_LEN = 96
 CANDIDATES = (1, 3)
 # Target-only step 1.0; a speculative step at gamma g costs 1 + 0.1 g (draft ~ 1/10 target).
-COSTS = {0: 1.0, 1: 1.1, 3: 1.3}
+# Iteration costs (target-only = 1): a draft step costs 0.3 here, so a scrambled draft, which
+# still agrees ~16% of the time by chance over this 160-token vocabulary, does not pay
+# (gamma 1: 1.16 tokens for 1.3) while a perfect one does (gamma 3: 4 tokens for 1.9).
+COSTS = {0: 1.0, 1: 1.3, 3: 1.9}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -78,10 +81,8 @@ def test_gamma_follows_scripted_acceptance_and_output_stays_lossless() -> None:
         for p in draft.parameters():
             p.copy_(torch.randn(p.shape, generator=generator) * 3)
     engine.stats.reset()
-    # Long enough for the acceptance estimates (memory 0.7 per step) to forget phase 1.
-    long = MAX_SEQ_LEN - 6
-    out = engine.generate(ids, long, eos_token_id=[])
-    assert torch.equal(out, hf_greedy(target, ids, long))  # lossless through off and probes
+    out = engine.generate(ids, n, eos_token_id=[])
+    assert torch.equal(out, ref)  # lossless through target-only stretches and probes
     assert engine.stats.acceptance_rate < 0.2
     assert not engine.controller(1).enabled, engine.gamma_reason
     assert "speculation off" in engine.gamma_reason or "probing" in engine.gamma_reason
