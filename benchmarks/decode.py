@@ -180,6 +180,8 @@ def time_fuser(model: torch.nn.Module, precision: str, prompt: torch.Tensor,
     result["graph_replays"] = engine.report().graph_replays
 
     one, at = prompt[:, :1], torch.zeros(1, 1, dtype=torch.long, device="cuda")
+    capture_cuda_graphs(engine.target)  # the step alone as a CUDA graph (generate replays
+    # whole iterations: step, choice and state update in one graph)
     decode_ms = event_time_ms(lambda: engine.target.run(DECODE, one, at))
     result["decode_step_ms"] = decode_ms
     log(f"[{precision}] target decode step (T=1): {decode_ms:.3f} ms = "
