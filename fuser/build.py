@@ -17,7 +17,7 @@ from torch import nn
 from fuser.capture import StepModule, export_step
 from fuser.config import FuserConfig
 from fuser.engine_file import EngineFileError, portable_module
-from fuser.numerics import SELF_CHECK_TOLERANCE, relative_error
+from fuser.numerics import FP8_SELF_CHECK_TOLERANCE, SELF_CHECK_TOLERANCE, relative_error
 from fuser.ops.fp8 import emulated_fp8
 from fuser.passes import PassContext, run_passes
 from fuser.runtime.cuda_graphs import CudaGraphStep
@@ -155,8 +155,8 @@ def check_against_eager(steps: ModelSteps, model: nn.Module, max_seq_len: int,
     # The coarser of the two dtypes sets the bound: an fp32 engine of a bf16 model is checked
     # against bf16 eager logits.
     dtypes = (cache.k[0].dtype if cache.k else torch.float32, next(model.parameters()).dtype)
-    tolerance = max(SELF_CHECK_TOLERANCE.get(d, SELF_CHECK_TOLERANCE[torch.bfloat16])
-                    for d in dtypes)
+    table = SELF_CHECK_TOLERANCE if fp8_lm_head is None else FP8_SELF_CHECK_TOLERANCE
+    tolerance = max(table.get(d, table[torch.bfloat16]) for d in dtypes)
     if error <= tolerance:
         return None
     return f"relative error {error:.2e} > {tolerance:g}"

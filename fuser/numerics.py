@@ -24,13 +24,23 @@ LOGITS_TOLERANCE: dict[torch.dtype, float] = {
 # another dtype than the engine (precision="bf16" over an fp32 model), on another device, and
 # random tokens at random weights give near-uniform logits; the check is there to catch a wrong
 # capture (errors of order 1), not to grade rounding, so its bounds are looser than the table.
-# An FP8 engine is checked against the eager model with FP8 emulated (fuser.ops.fp8), under the
-# same bounds: quantization error is not what the check is for (on a random 8B-shape model it
-# alone moves the logits by ~46%, measured on an H200).
+# An FP8 engine is checked against the eager model with FP8 emulated (fuser.ops.fp8): FP8
+# quantization itself is not what the check is for (on a random 8B-shape model it alone moves
+# the logits by 46%, measured on an H200). In half precision the emulation cannot be exact:
+# where the fused norm's output differs from eager's by one bf16 ulp, the FP8 code of that
+# activation flips with probability ~2^-8 / 2^-4 = 1/16, a 6% change of that element, and a
+# random 32-layer model amplifies such changes (measured on the H200: 0.30 against the
+# emulation, 2026-11-30). A wrong capture gives uncorrelated logits (relative error ~1.4), so
+# FP8 engines in half precision are held to 0.5; in fp32 (CPU tests) to the fp32 bound.
 SELF_CHECK_TOLERANCE: dict[torch.dtype, float] = {
     torch.float32: 1e-3,
     torch.bfloat16: 5e-2,
     torch.float16: 5e-2,
+}
+FP8_SELF_CHECK_TOLERANCE: dict[torch.dtype, float] = {
+    torch.float32: 1e-3,
+    torch.bfloat16: 0.5,
+    torch.float16: 0.5,
 }
 
 # Greedy comparisons stop at the first position where the reference's top-2 logits are this
