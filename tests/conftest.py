@@ -43,3 +43,24 @@ def bundled_engine(tmp_path_factory):
     from engine_dirs import build_bundled_engine
 
     return build_bundled_engine(tmp_path_factory.mktemp("bundled") / "engine")
+
+
+@pytest.fixture(scope="session")
+def engines():
+    """The generate tests' shared engines by name (tests/engines.py: "plain", "g1", "g4self",
+    "g8"): `engines(name) -> (engine, HF target)`, each built on first use and then kept for the
+    session (per xdist worker), whichever test file asks."""
+    from engines import engine_and_target
+
+    return engine_and_target
+
+
+@pytest.fixture(scope="module")
+def one_intra_op_thread():
+    """Tiny models: splitting each op over threads costs more than it saves (about 1.7x slower
+    with 2 threads on a 2-core machine, worse when the cores are shared). Restored afterwards.
+    Use it from a test module with `pytestmark = pytest.mark.usefixtures("one_intra_op_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

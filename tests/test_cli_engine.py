@@ -7,7 +7,6 @@ import json
 import shutil
 from pathlib import Path
 
-import torch
 
 from engine_dirs import BuiltEngine, run_fuser
 from fuser.models import bundled_pair

@@ -8,7 +8,6 @@ import urllib.request
 import warnings
 
 import pytest
-import torch
 
 import fuser
 from tiny import random_prompts, tiny_model

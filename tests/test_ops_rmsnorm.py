@@ -8,7 +8,6 @@ import os
 
 import pytest
 import torch
-import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -1,0 +1,150 @@
+"""The engines the generate tests share, on tests/tiny.py's models, and greedy comparison against
+Hugging Face `generate`.
+
+Engines are expensive to build on CPU (torch.export of every step graph, ~5 s each), so a few are
+built once per session (per xdist worker: `engine_and_target` is cached) and shared by every
+tests/test_generate_*.py and tests/test_stream.py through the `engines` fixture (conftest.py):
+
+    plain   Llama target, no draft
+    g1      Llama target, a different random Mistral draft, gamma 1 (rejects nearly everything)
+    g4self  Qwen2 target, draft = a copy of the target, gamma 4 (accepts everything: bonus path)
+    g8      Llama target, draft = the target with 5% weight noise, gamma 8 (partial acceptance),
+            max_batch_size 64 for the sampling-distribution test
+
+Greedy output must equal Hugging Face's on the target, token for token, up to the first near-tie
+of the reference (top-2 logits within fuser.numerics.NEAR_TIE; DESIGN.md, numerics contract).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import warnings
+
+import torch
+
+import fuser
+from fuser.numerics import NEAR_TIE
+from tiny import random_prompts, tiny_model
+
+VOCAB = 160
+MAX_SEQ_LEN = 64
+# No special tokens in the models' configs: each test says which eos/pad it wants.
+NO_SPECIAL = dict(bos=None, eos=None, pad=None)
+# Logits with std ~2.4 (init_range 0.3): varied greedy continuations, near-ties rare.
+SHAPE = dict(vocab=VOCAB, heads=4, kv_heads=2, head_dim=16, intermediate=128, layers=2,
+             init_range=0.3, **NO_SPECIAL)
+
+ENGINES = ("plain", "g1", "g4self", "g8")
+
+
+@functools.cache
+def llama_target() -> torch.nn.Module:
+    return tiny_model("llama", seed=0, **SHAPE)
+
+
+@functools.cache
+def qwen_target() -> torch.nn.Module:
+    return tiny_model("qwen2", seed=1, **SHAPE)
+
+
+def mistral_draft() -> torch.nn.Module:
+    return tiny_model("mistral", seed=2, vocab=VOCAB, heads=2, kv_heads=1, head_dim=16,
+                      intermediate=64, layers=1, init_range=0.3, **NO_SPECIAL)
+
+
+def perturbed(model: torch.nn.Module, noise: float, seed: int) -> torch.nn.Module:
+    """A copy of `model` with Gaussian noise of `noise` x each tensor's std added to its weights."""
+    copy_ = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in copy_.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * noise * p.std())
+    return copy_
+
+
+@functools.cache
+def engine_and_target(name: str) -> tuple[fuser.Engine, torch.nn.Module]:
+    """The engine `name` (see the module docstring) and the HF target it must agree with."""
+    config = functools.partial(fuser.FuserConfig, max_seq_len=MAX_SEQ_LEN, max_batch_size=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if name == "plain":
+            target = llama_target()
+            engine = fuser.optimize(target, config=config())
+        elif name == "g1":
+            target = llama_target()
+            engine = fuser.optimize(target, draft=mistral_draft(), config=config(gamma=1))
+        elif name == "g4self":
+            target = qwen_target()
+            engine = fuser.optimize(target, draft=copy.deepcopy(target), config=config(gamma=4))
+        elif name == "g8":
+            target = llama_target()
+            engine = fuser.optimize(target, draft=perturbed(target, 0.05, seed=3),
+                                    config=config(gamma=8, max_batch_size=64))
+        else:
+            raise KeyError(name)
+    assert engine.target is not None and engine.report().fallbacks == []
+    assert (engine.draft is None) == (name == "plain")
+    return engine, target
+
+
+def prompts(lengths: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random prompts of the given lengths, left-padded (pad id 0): (input_ids, attention_mask)."""
+    return random_prompts(len(lengths), lengths, VOCAB, seed)
+
+
+def hf_greedy(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int,
+              eos: int | list[int] | None = None, pad: int | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hugging Face greedy output [B, T + n] and where its top-2 logits nearly tie [B, n]."""
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=eos, pad_token_id=pad,
+                             output_logits=True, return_dict_in_generate=True)
+    logits = torch.stack(out.logits, dim=1)  # [B, n, V]
+    top2 = logits.topk(2, dim=-1).values  # [B, n, 2]
+    return out.sequences, (top2[..., 0] - top2[..., 1]) < NEAR_TIE
+
+
+def assert_greedy_matches(ours: torch.Tensor, ref: torch.Tensor, near_tie: torch.Tensor,
+                          ids: torch.Tensor, eos: list[int]) -> None:
+    """ours == ref up to each row's first near-tie (exactly, shape included, when there is none)."""
+    T = ids.shape[1]
+    assert torch.equal(ours[:, :T], ids), "the prompt part must be the input unchanged"
+    new = ref[:, T:]
+    # Only ties while a row is still generating matter; after its eos it is padding.
+    finished_before = torch.zeros_like(near_tie)
+    if eos:
+        is_eos = torch.isin(new, torch.tensor(eos))
+        finished_before[:, 1:] = is_eos.long().cummax(dim=1).values[:, :-1].bool()
+    ties = near_tie & ~finished_before
+    if not ties.any():
+        assert ours.shape == ref.shape, (ours, ref)
+        assert torch.equal(ours, ref), (ours, ref)
+        return
+    for b in range(ref.shape[0]):
+        cut = int(ties[b].long().argmax()) if ties[b].any() else new.shape[1]
+        assert torch.equal(ours[b, T:T + cut], new[b, :cut]), (b, cut, ours, ref)
+
+
+def eos_that_ends_one_row(ref: torch.Tensor, T: int) -> tuple[int, int, int]:
+    """(token, row, index): a token that row `row` emits first at new index 1..5 and no other
+    row ever emits, so that as eos it ends that row early while the others go on."""
+    new = ref[:, T:]
+    for index in range(1, 6):
+        for row in range(new.shape[0]):
+            token = int(new[row, index])
+            others = torch.cat([new[:row], new[row + 1:]]).flatten()
+            if token not in new[row, :index].tolist() and token not in others.tolist():
+                return token, row, index
+    raise AssertionError(f"no token ends exactly one row early in {new}")
+
+
+def check_stats(engine: fuser.Engine) -> fuser.SpecStats:
+    stats = engine.stats
+    assert stats.num_draft_tokens == engine.gamma * stats.num_drafts
+    assert sum(stats.accepted_per_position) == stats.num_accepted_tokens
+    per_position = stats.accepted_per_position
+    assert all(a >= b for a, b in zip(per_position, per_position[1:])), per_position
+    return stats
