@@ -276,7 +276,9 @@ def load(path: str | Path, device: str | torch.device | None = None, *,
     if info["engine"]["compile"] == "inductor" or device.type == "cuda":
         for steps in models.values():  # compile now (from the cache), not in the first request
             warm_up(steps)
-    config = FuserConfig(**{**manifest["config"], "device": str(device)})
+    # JSON gave lists where the config holds tuples (gamma_candidates, batch_buckets).
+    saved = {k: tuple(v) if isinstance(v, list) else v for k, v in manifest["config"].items()}
+    config = FuserConfig(**{**saved, "device": str(device)})
     tokenizer, generation_config = load_extras(directory)
     engine_info = info["engine"]
     engine = Engine(models["target"], models.get("draft"), config=config,
