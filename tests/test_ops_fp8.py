@@ -460,9 +460,22 @@ def test_gated_act_quant_equals_quantized_gated_act_kernel(rows, I, dtype, activ
     q, s = gated_act_quant_triton(gate_up, activation, block=block)
     assert q.shape == (rows, I) and s.shape == (rows,)
     assert_quantized_equal((q, s), quantize_rows(gated_act_triton(gate_up, activation)))
-    assert_codes_near((q.cpu(), s.cpu()),
-                      quantize_rows(gated_act_reference(gate_up, activation).cpu()),
+    assert_codes_near((q.cpu(), s.cpu()), quantize_rows(exact_gated_act(gate_up.cpu(), activation)),
                       rounded_to=dtype, min_equal=0.9)
+
+
+def exact_gated_act(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) * up with the activation in float64, rounded to the dtype, times up, rounded
+    again: the kernel's contract (gated_act.py) with exact math. Not PyTorch's fp32 gelu_tanh:
+    0.5 g (1 + tanh(y)) cancels below g ~ -3, where act is ~1e-9 and PyTorch's fp32 value is
+    off by several percent (hypothesis found g*u ~ 1.1e-9 off by 6.7%); the kernel's
+    g * sigmoid(2y) is not (tests/test_gated_mlp.py has the same note)."""
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    if activation == "silu":
+        act = torch.nn.functional.silu(gate)
+    else:
+        act = torch.nn.functional.gelu(gate, approximate="tanh")
+    return (act.to(gate_up.dtype).double() * up).to(gate_up.dtype)
 
 
 def test_outlier_activations_stay_finite():
