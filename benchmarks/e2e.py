@@ -281,7 +281,11 @@ def part_buckets(args: argparse.Namespace, device: torch.device, dtype: torch.dt
 
 
 def plot(out: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # the GPU machine's image may lack it: the JSON has every figure
+        log("no plot: matplotlib is not installed (pip install 'fuser[plots]')")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
