@@ -277,15 +277,10 @@ class Engine:
             report.graph_replays.update(m.graph_replays())
             for graph in m.steps.values():
                 report.graphs[graph.name] = dict(graph.fused_ops)
-        # The step graphs: each replay also counts for every model step inside it.
+        # The iteration graphs: each replay also counts for every model step inside it.
         for bucket in self.buckets.values():
             for name, replays in bucket.replays().items():
-                report.graph_replays[name] = replays
-                gamma = int(name.split(".")[2].removeprefix("gamma").replace("plain", "0"))
-                inner = ["target.decode"] if gamma == PLAIN else \
-                    ["target.verify", "draft.catchup"] + (["draft.decode"] if gamma > 1 else [])
-                for step in inner:
-                    report.graph_replays[step] = report.graph_replays.get(step, 0) + replays
+                report.graph_replays[name] = report.graph_replays.get(name, 0) + replays
         if self.target is not None and DECODE in self.target:
             decode = self.target[DECODE]
             report.passes = dict(decode.matches)

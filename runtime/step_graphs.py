@@ -26,7 +26,7 @@ import torch
 
 from fuser.runtime import speculative
 from fuser.runtime.speculative import DecodeState
-from fuser.runtime.steps import ModelSteps
+from fuser.runtime.steps import CATCHUP, DECODE, ModelSteps, StepGraph, verify
 
 PLAIN = 0  # gamma 0: the target-only iteration
 
@@ -185,9 +185,21 @@ class Bucket:
         return samples[len(samples) // 2]
 
     def replays(self) -> dict[str, int]:
-        """Replays so far per captured iteration, keyed as report().graph_replays shows them."""
-        return {f"step.b{self.batch}.{_name(g, s)}": graph.replays
-                for (g, s), graph in self.graphs.items()}
+        """Replays so far per captured iteration, keyed as report().graph_replays shows them,
+        with each replay also counted for every model step the iteration runs."""
+        counts: dict[str, int] = {}
+        for (gamma, do_sample), graph in self.graphs.items():
+            counts[f"step.b{self.batch}.{_name(gamma, do_sample)}"] = graph.replays
+            for step in self.inner_steps(gamma):
+                counts[step.name] = counts.get(step.name, 0) + graph.replays
+        return counts
+
+    def inner_steps(self, gamma: int) -> list[StepGraph]:
+        """The model steps one iteration at `gamma` runs (runtime/speculative.py)."""
+        if gamma == PLAIN:
+            return [self.target[DECODE]]
+        return ([self.target[verify(gamma)], self.draft[CATCHUP]]
+                + ([self.draft[DECODE]] if gamma > 1 else []))
 
 
 def _name(gamma: int, do_sample: bool) -> str:

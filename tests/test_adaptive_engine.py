@@ -29,12 +29,7 @@ CANDIDATES = (1, 3)
 COSTS = {0: 1.0, 1: 1.3, 3: 1.9}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_intra_op_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")  # conftest.py
 
 
 @functools.cache

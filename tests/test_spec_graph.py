@@ -9,7 +9,6 @@ logit scales; test_generate.py holds the near-tie rule).
 
 from __future__ import annotations
 
-import copy
 import functools
 import warnings
 
@@ -20,26 +19,13 @@ from hypothesis import strategies as st
 
 import fuser
 from fuser.runtime.sampling import process_logits, process_logits_rows
+from engines import perturbed
 from tiny import random_prompts, tiny_model
 
 MAX_SEQ_LEN = 48
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_intra_op_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def noisy(model: torch.nn.Module, noise: float, seed: int) -> torch.nn.Module:
-    out = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in out.parameters():
-            p.add_(torch.randn(p.shape, generator=generator) * noise * p.std())
-    return out
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")  # conftest.py
 
 
 @functools.cache
@@ -49,7 +35,7 @@ def engine_and_target() -> tuple[fuser.Engine, torch.nn.Module]:
                                batch_buckets=(1,))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        engine = fuser.optimize(target, draft=noisy(target, 0.3, seed=1), config=config)
+        engine = fuser.optimize(target, draft=perturbed(target, 0.3, seed=1), config=config)
     assert engine.report().fallbacks == []
     return engine, target
 
