@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_all.sh decode [decode.py flags]   # bf16 and fp8 engines vs peers, 8B shape
 #   bash benchmarks/gpu_all.sh e2e      # speculative end to end (benchmarks/e2e.py), engine files
 #   bash benchmarks/gpu_all.sh ops      # per-op table and the older sweeps
+#   bash benchmarks/gpu_all.sh files    # GPU tests (no -x, failures listed) + engine files at 8B + 1B
 # OUT=<dir for logs and JSON>
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -37,6 +38,14 @@ elif [ "$what" = session ]; then
   echo "== speculative end to end (bundled pair)"
   timeout 240 python3 benchmarks/e2e.py --out "$OUT" --skip-8b --skip-buckets --gammas 1,2,4,6 2>&1 \
     | tee "$OUT/e2e.log" | grep -v Warning | tail -30
+elif [ "$what" = files ]; then
+  echo "== GPU tests"
+  timeout 200 python3 -m pytest -q -rf -p no:cacheprovider tests -k "cuda or gpu or CUDA or GPU" \
+    --ignore=tests/test_benchmarks.py 2>&1 | tee "$OUT/gpu_tests.log" | grep -v Warning | tail -40
+  summary+=("GPU tests: $(tail -1 "$OUT/gpu_tests.log")")
+  echo "== engine files (8B + 1B draft)"
+  timeout 370 python3 benchmarks/engine_files.py --out "$OUT/engine_files.json" 2>&1 \
+    | tee "$OUT/engine_files.log" | grep -v Warning | tail -25
 elif [ "$what" = e2e ]; then
   echo "== speculative end to end"
   python3 benchmarks/e2e.py --out "$OUT" "$@" 2>&1 | tee "$OUT/e2e.log" | grep -v Warning | tail -60
