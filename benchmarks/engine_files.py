@@ -69,13 +69,12 @@ def time_engine(engine: fuser.Engine, ids: torch.Tensor, mask: torch.Tensor, new
                 runs: int) -> dict[str, object]:
     """tok/s (median of `runs` after a warm-up) speculative and target-only, and the tokens."""
     out: dict[str, object] = {}
-    systems = [("target_only", compare.target_only(engine))]
+    systems: list[tuple[str, int | None]] = [("target_only", 0)]
     if engine.draft is not None:
-        systems.insert(0, ("speculative", engine))
-    for name, e in systems:
-        # eos -1 is not a token: every run generates exactly new_tokens
-        fn = lambda i, m, n, e=e: e.generate(i, n, attention_mask=m, eos_token_id=[],
-                                              pad_token_id=0)
+        systems.insert(0, ("speculative", None))
+    for name, gamma in systems:
+        # no eos: every run generates exactly new_tokens
+        fn = compare.engine_generate(engine, [], 0, gamma)
         row, tokens = compare.time_system(name, fn, ids, mask, new_tokens, -1, runs, engine.device)
         out[name] = {"tokens_per_second": row.tokens_per_second, "seconds": row.seconds,
                      "tokens": tokens[0, ids.shape[1]:].tolist()}

@@ -262,15 +262,16 @@ def compare_systems(engine: object, hf: torch.nn.Module | None, ids: torch.Tenso
     device = engine.device
     ids, mask = ids.to(device), mask.to(device)
     T = ids.shape[1]
-    systems = []
+    systems: list[tuple[str, int | None]] = []
     if engine.draft is not None:
-        systems.append((f"fuser speculative (gamma {engine.gamma})", engine))
-    systems.append(("fuser target-only", compare.target_only(engine)))
+        gamma = "auto" if engine.adaptive else str(engine.gamma)
+        systems.append((f"fuser speculative (gamma {gamma})", None))
+    systems.append(("fuser target-only", 0))
     rows, outs = [], {}
-    for name, e in systems:
+    for name, gamma in systems:
         progress(f"timing {name} ({runs} runs after a warm-up) ...")
-        row, outs[name] = compare.time_system(name, compare.engine_generate(e, eos, pad), ids,
-                                              mask, new_tokens, pad, runs, device)
+        row, outs[name] = compare.time_system(name, compare.engine_generate(engine, eos, pad, gamma),
+                                              ids, mask, new_tokens, pad, runs, device)
         rows.append(row)
     if engine.draft is not None:
         rows[0].note = (f"mean accepted length {engine.stats.mean_accepted_length:.2f}")

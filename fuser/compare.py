@@ -35,18 +35,18 @@ class Row:
         return asdict(self)
 
 
-def target_only(engine: Engine) -> Engine:
-    """An Engine over the same target steps without the draft (shares the KV cache: use one
-    engine at a time)."""
-    return Engine(engine.target, None, config=engine.config, user_target=engine.user_target,
-                  tokenizer=engine.tokenizer, device=engine.device, dtype=engine.dtype,
-                  vocab_size=engine.vocab_size, gamma=0, compile_seconds=engine.compile_seconds)
-
-
-def engine_generate(engine: Engine, eos: object, pad: int) -> Generate:
-    """Greedy `engine.generate` as a Generate."""
-    return lambda ids, mask, n: engine.generate(ids, n, attention_mask=mask, eos_token_id=eos,
-                                                pad_token_id=pad)
+def engine_generate(engine: Engine, eos: object, pad: int, gamma: int | None = None) -> Generate:
+    """Greedy `engine.generate` as a Generate; with `gamma` (0: target-only) every step of the
+    call runs at that draft length (`Engine.fix_gamma`) on the engine's own captured graphs."""
+    def run(ids: torch.Tensor, mask: torch.Tensor, n: int) -> torch.Tensor:
+        previous = engine.forced_gamma
+        engine.fix_gamma(gamma if gamma is not None else previous)
+        try:
+            return engine.generate(ids, n, attention_mask=mask, eos_token_id=eos,
+                                   pad_token_id=pad)
+        finally:
+            engine.fix_gamma(previous)
+    return run
 
 
 def hf_generate(model: torch.nn.Module, eos: object, pad: int) -> Generate:

@@ -84,6 +84,8 @@ class Engine:
         # `prepare`, and the controller built from them (gamma="auto" only).
         self.step_costs: dict[int, dict[int, float]] = {}
         self._controllers: dict[int, GammaController] = {}
+        self.load_seconds: float | None = None  # set by fuser.load
+        self.manifest: dict | None = None  # the engine directory's manifest, set by fuser.load
 
     # -- runtime preparation (at optimize/load time) ---------------------------------------------
 
@@ -148,6 +150,11 @@ class Engine:
         if gamma is not None:
             self.stats.gamma = gamma
 
+    @property
+    def forced_gamma(self) -> int | None:
+        """The gamma `fix_gamma` forces, or None."""
+        return self._forced_gamma
+
     def next_gamma(self, controller: GammaController | None) -> int:
         """The draft length of the next step (0 = target-only)."""
         if self._forced_gamma is not None:
@@ -202,8 +209,6 @@ class Engine:
         """Serve the metrics over HTTP at addr:port (port 0: any free one, see `.port`);
         returns an object with `.shutdown()`."""
         return self.metrics().start_server(port, addr)
-        self.load_seconds: float | None = None  # set by fuser.load
-        self.manifest: dict | None = None  # the engine directory's manifest, set by fuser.load
 
     @contextmanager
     def generating(self) -> Iterator[None]:

@@ -122,3 +122,19 @@ def test_config_validates_candidates_and_buckets() -> None:
     assert fuser.FuserConfig(max_batch_size=16).buckets_for(cuda) == (1, 2, 4, 8, 16)
     assert fuser.FuserConfig(max_batch_size=12).buckets_for(cuda) == (1, 2, 4, 8, 12)
     assert fuser.FuserConfig(max_batch_size=12).buckets_for(torch.device("cpu")) == (12,)
+
+
+def test_compare_times_target_only_on_the_same_engine() -> None:
+    """`compare.engine_generate(engine, ..., gamma=0)` runs the engine's own (captured) steps
+    target-only, leaves no draft statistics behind and restores a gamma fixed before."""
+    from fuser import compare
+
+    engine, target, _ = engine_and_models()
+    ids, _ = random_prompts(1, [4], target.config.vocab_size, seed=13)
+    mask = torch.ones_like(ids)
+    engine.fix_gamma(3)
+    engine.stats.reset()
+    out = compare.engine_generate(engine, [], 0, gamma=0)(ids, mask, 10)
+    assert torch.equal(out, hf_greedy(target, ids, 10))
+    assert engine.stats.num_drafts == 0 and engine.forced_gamma == 3
+    engine.fix_gamma(None)

@@ -62,3 +62,10 @@ def test_sampling_with_a_seed_is_reproducible(engines) -> None:
         first = engine.generate(ids, seed=1, **kwargs)
         assert torch.equal(first, engine.generate(ids, seed=1, **kwargs))
         assert not torch.equal(first, engine.generate(ids, seed=2, **kwargs))
+
+
+def test_an_engine_built_in_process_has_no_manifest(engines) -> None:
+    """`fuser.load` sets `manifest` and `load_seconds`; a built engine has both, as None (the
+    demo's first run reads them before any load)."""
+    engine, _ = engines("plain")
+    assert engine.manifest is None and engine.load_seconds is None
