@@ -316,6 +316,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="e2e-out")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny random models")
+    parser.add_argument("--skip-bundled", action="store_true")
     parser.add_argument("--skip-8b", action="store_true")
     parser.add_argument("--skip-peers", action="store_true")
     parser.add_argument("--skip-buckets", action="store_true")
@@ -343,7 +344,8 @@ def main() -> None:
     RESULTS["env"] = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                       "torch": torch.__version__, "command": " ".join(sys.argv),
                       "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens}
-    part_bundled(args, device, dtype, out)
+    if not args.skip_bundled:
+        part_bundled(args, device, dtype, out)
     if not args.skip_8b:
         part_8b(args, device, dtype, out)
     if not args.skip_buckets:

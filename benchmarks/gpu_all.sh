@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_all.sh decode [decode.py flags]   # bf16 and fp8 engines vs peers, 8B shape
 #   bash benchmarks/gpu_all.sh e2e      # speculative end to end (benchmarks/e2e.py), engine files
 #   bash benchmarks/gpu_all.sh ops      # per-op table and the older sweeps
+#   bash benchmarks/gpu_all.sh spec     # step-graph GPU tests + e2e parts (2) 8B + 1B draft and (3) buckets
 #   bash benchmarks/gpu_all.sh files    # GPU tests (no -x, failures listed) + engine files at 8B + 1B
 # OUT=<dir for logs and JSON>
 set -o pipefail
@@ -37,6 +38,15 @@ elif [ "$what" = session ]; then
     | tee "$OUT/decode.log" | grep -v Warning | grep -E "^\[|^kernel|^GEMV|^GEMM|^attention|^rms|^rotary|^KV|^gated|^rope|^sum|^graph|^fp8 vs|^HBM|ceiling|fallback|Error" | tail -60
   echo "== speculative end to end (bundled pair)"
   timeout 240 python3 benchmarks/e2e.py --out "$OUT" --skip-8b --skip-buckets --gammas 1,2,4,6 2>&1 \
+    | tee "$OUT/e2e.log" | grep -v Warning | tail -30
+elif [ "$what" = spec ]; then
+  echo "== step-graph GPU tests"
+  timeout 170 python3 -m pytest -q -rf -p no:cacheprovider --durations=8 tests/test_cuda_spec.py \
+    tests/test_generate_speculative.py -k "cuda or gpu or syncs" 2>&1 | tee "$OUT/gpu_tests.log" \
+    | grep -v Warning | tail -30
+  summary+=("GPU tests: $(tail -1 "$OUT/gpu_tests.log")")
+  echo "== speculative end to end: 8B + 1B draft, buckets"
+  timeout 400 python3 benchmarks/e2e.py --out "$OUT/e2e" --skip-bundled "$@" 2>&1 \
     | tee "$OUT/e2e.log" | grep -v Warning | tail -30
 elif [ "$what" = files ]; then
   echo "== GPU tests"
