@@ -28,8 +28,11 @@ a ratio of exponential moving averages shrunk towards a prior of weight w (pseud
 prior of position 1 is an optimistic constant; a deeper position borrows the estimate of the
 position before it, so positions never drafted yet look like the deepest one measured. While
 speculation is off the counts keep decaying, so the estimates drift back to the optimistic prior
-and the next probe (one speculative step every `probe_interval` target-only steps) can turn
-speculation back on. Everything here is deterministic and runs on the host between steps.
+and the next probe (one speculative step after `probe_interval` target-only steps) can turn
+speculation back on. A probe costs more than its step: the draft first re-reads every token the
+target emitted without it. So each probe that leaves speculation off doubles the wait before the
+next one, up to `max_probe_interval`; turning speculation on resets it. Everything here is
+deterministic and runs on the host between steps.
 """
 
 from __future__ import annotations
@@ -81,8 +84,9 @@ class GammaController:
         prior_weight: w in (2), in pseudo-trials.
         memory: count decay per speculative step (evidence half-life ln 2 / -ln(memory) steps).
         off_memory: count decay per target-only step, so estimates drift back to the prior.
-        probe_interval: while off, one speculative step at the best gamma every this many
-            target-only steps.
+        probe_interval: while off, one speculative step at the best gamma after this many
+            target-only steps; doubled after each probe that leaves speculation off.
+        max_probe_interval: the most target-only steps between two probes.
         min_speedup: speculation is on only when the best gamma's expected speedup over
             target-only decoding exceeds this.
     """
@@ -90,7 +94,7 @@ class GammaController:
     def __init__(self, step_seconds: Mapping[int, float], decode_seconds: float, *,
                  prior: float = 0.7, prior_weight: float = 1.0, memory: float = 0.95,
                  off_memory: float = 0.99, probe_interval: int = 64,
-                 min_speedup: float = 1.0) -> None:
+                 max_probe_interval: int = 1024, min_speedup: float = 1.0) -> None:
         if not step_seconds:
             raise ValueError("step_seconds must give the cost of at least one gamma")
         for g, seconds in step_seconds.items():
@@ -111,12 +115,22 @@ class GammaController:
         if isinstance(probe_interval, bool) or not isinstance(probe_interval, int) \
                 or probe_interval < 1:
             raise ValueError(f"probe_interval={probe_interval!r} must be an int >= 1")
+        if isinstance(max_probe_interval, bool) or not isinstance(max_probe_interval, int) \
+                or max_probe_interval < probe_interval:
+            raise ValueError(f"max_probe_interval={max_probe_interval!r} must be an int >= "
+                             f"probe_interval={probe_interval}")
         self.step_seconds = dict(sorted(step_seconds.items()))
         self.decode_seconds = float(decode_seconds)
         self.max_gamma = max(self.step_seconds)
         self.prior, self.prior_weight = float(prior), float(prior_weight)
         self.memory, self.off_memory = float(memory), float(off_memory)
         self.probe_interval = probe_interval
+        self.max_probe_interval = max_probe_interval
+        self._interval = probe_interval  # the wait before the next probe (backs off)
+        self._in_probe = False  # speculation is on (or was tried) because of a probe
+        # Plain successes and trials per position since that probe began (no prior, no decay).
+        self._probe_accepted = [0] * self.max_gamma
+        self._probe_trials = [0] * self.max_gamma
         self.min_speedup = float(min_speedup)
         # Exponentially weighted successes A_i and trials N_i; index i - 1 for position i.
         self._accepted = [0.0] * self.max_gamma
@@ -168,17 +182,39 @@ class GammaController:
         """The measured gamma with the highest expected throughput (smallest on a tie)."""
         return max(self.step_seconds, key=lambda g: (self.expected_speedup(g), -g))
 
+    def _probe_pays(self) -> bool:
+        """Whether the acceptance seen since the last probe began, alone, makes the best
+        gamma beat target-only (a position without trials borrows the one before it)."""
+        alphas, alpha = [], 0.0
+        for a, n in zip(self._probe_accepted, self._probe_trials):
+            alpha = a / n if n else alpha
+            alphas.append(alpha)
+        g = self._best
+        speedup = expected_tokens_per_step(alphas, g) * self.decode_seconds / self.step_seconds[g]
+        return speedup > self.min_speedup
+
     # -- the choice --------------------------------------------------------------------------
 
     @property
     def probing(self) -> bool:
         """Whether the next step is a probe: speculation is off and a probe is due."""
-        return not self._on and self._steps_off >= self.probe_interval
+        return not self._on and self._steps_off >= self._interval
 
     @property
     def enabled(self) -> bool:
         """Whether speculation is on (probes aside)."""
         return self._on
+
+    @property
+    def in_probe(self) -> bool:
+        """Whether speculation is on only because a probe turned it on and its own evidence
+        has not yet shown that it pays."""
+        return self._on and self._in_probe
+
+    @property
+    def interval(self) -> int:
+        """Target-only steps before the next probe while speculation is off."""
+        return self._interval
 
     @property
     def gamma(self) -> int:
@@ -194,13 +230,13 @@ class GammaController:
         """Why `gamma` is what it is, in one line."""
         g, speedup = self._best, self.expected_speedup(self._best)
         if self._on:
-            return (f"gamma {g}: {self.expected_tokens(g):.2f} tokens/step expected, "
-                    f"{speedup:.2f}x target-only")
+            return (f"{'probing ' if self._in_probe else ''}gamma {g}: "
+                    f"{self.expected_tokens(g):.2f} tokens/step expected, {speedup:.2f}x target-only")
         if self.probing:
             return (f"probing gamma {g} after {self._steps_off} target-only steps "
                     f"(expects {speedup:.2f}x target-only)")
         return (f"speculation off: best gamma {g} expects {speedup:.2f}x target-only; "
-                f"probing every {self.probe_interval} steps")
+                f"next probe after {self._interval} target-only steps")
 
     def update(self, num_accepted_per_row: Sequence[int], gamma_used: int) -> None:
         """Account for one finished step.
@@ -212,6 +248,7 @@ class GammaController:
         if isinstance(gamma_used, bool) or not isinstance(gamma_used, int) \
                 or not 0 <= gamma_used <= self.max_gamma:
             raise ValueError(f"gamma_used={gamma_used!r} must be an int in 0..{self.max_gamma}")
+        was_probe = gamma_used > 0 and self.probing  # (a second, pipelined probe is not)
         if gamma_used == 0:
             decay = self.off_memory
             self._steps_off += 1
@@ -235,4 +272,24 @@ class GammaController:
         if gamma_used > 0:
             # On/off changes only on evidence: after a speculative step (a probe included).
             # Between probes the decaying counts only change which gamma the next probe uses.
+            if was_probe:
+                self._in_probe = True
+                self._probe_accepted = [0] * self.max_gamma
+                self._probe_trials = [0] * self.max_gamma
+            if self._in_probe:
+                for n in num_accepted_per_row:
+                    for i in range(min(n + 1, gamma_used)):
+                        self._probe_trials[i] += 1
+                    for i in range(n):
+                        self._probe_accepted[i] += 1
             self._on = self.expected_speedup(self._best) > self.min_speedup
+            if self._in_probe and not self._on:
+                # Speculation went off again: the probe found nothing that pays, so wait twice
+                # as long before the next one.
+                self._interval = min(2 * self._interval, self.max_probe_interval)
+                self._in_probe = False
+            elif self._in_probe and self._probe_pays():
+                # The probe's own evidence (no prior) says speculation pays again: probe at
+                # the base rate next time it goes off.
+                self._interval = self.probe_interval
+                self._in_probe = False

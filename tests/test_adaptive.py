@@ -236,10 +236,27 @@ def test_zero_acceptance_switches_speculation_off(c: float) -> None:
     assert used[-100:].count(0) >= 90
     # Probes and prior-driven retries cost at most 2% of target-only throughput.
     assert tokens / seconds >= 0.98 / ctl.decode_seconds
-    # Probes do happen: one at least every probe_interval + 1 steps.
+    # Probes do happen, each failed one doubling the wait before the next, up to the cap.
     spec_steps = [t for t, g in enumerate(used) if g]
-    gaps = [b - a for a, b in itertools.pairwise(spec_steps)]
-    assert gaps and max(gaps) <= ctl.probe_interval + 1
+    gaps = [b - a - 1 for a, b in itertools.pairwise(spec_steps) if b - a > 1]
+    cap = ctl.max_probe_interval
+    assert gaps[0] in (64, 128) and len(gaps) >= 3 and gaps[-1] <= cap, gaps
+    assert all(later == min(2 * gap, cap) for gap, later in itertools.pairwise(gaps)), gaps
+
+
+def test_pipelined_double_probe_backs_off_once() -> None:
+    """The engine issues a step before the last one's update arrives, so a probe may run
+    twice in a row; the wait before the next probe doubles once, not twice."""
+    ctl = GammaController.from_cost_ratio(1.0, 4, probe_interval=8)
+    while ctl.enabled:
+        ctl.update([0], ctl.gamma)
+    for _ in range(8):
+        ctl.update([0], 0)
+    first, second = ctl.gamma, ctl.gamma  # both issued before either update
+    assert first >= 1 and second >= 1
+    ctl.update([0], first)
+    ctl.update([0], second)
+    assert ctl.interval == 16 and ctl.gamma == 0
 
 
 def test_off_reason_and_probe() -> None:
@@ -248,24 +265,27 @@ def test_off_reason_and_probe() -> None:
         ctl.update([0], ctl.gamma)
     assert ctl.gamma == 0
     assert re.fullmatch(r"speculation off: best gamma \d+ expects \d\.\d\dx target-only; "
-                        r"probing every 16 steps", ctl.reason), ctl.reason
+                        r"next probe after 16 target-only steps", ctl.reason), ctl.reason
     for _ in range(16):
         assert ctl.gamma == 0 and not ctl.probing
         ctl.update([0], 0)
     assert ctl.probing and ctl.gamma >= 1
     assert ctl.reason.startswith(f"probing gamma {ctl.gamma} after 16 target-only steps")
-    ctl.update([0], ctl.gamma)  # the probe found nothing accepted
-    assert ctl.gamma == 0 and not ctl.probing
+    ctl.update([0], ctl.gamma)  # the probe found nothing accepted: the next waits longer
+    assert ctl.gamma == 0 and not ctl.probing and ctl.interval == 32
+    assert ctl.reason.endswith("next probe after 32 target-only steps"), ctl.reason
 
 
 @pytest.mark.parametrize("c", [0.1, 0.3, 0.5])
 def test_acceptance_recovering_switches_speculation_back_on(c: float) -> None:
     ctl = GammaController.from_cost_ratio(c, 8)
     run_single_row(ctl, 0.0, 2000)
-    used, _, _ = run_single_row(ctl, 0.9, 4 * ctl.probe_interval, start=2000)
+    waited = ctl.interval  # backed off by the failed probes, at most max_probe_interval
+    assert ctl.probe_interval < waited <= ctl.max_probe_interval
+    used, _, _ = run_single_row(ctl, 0.9, 3 * ctl.max_probe_interval, start=2000)
     turned_on = next(t for t in range(1, len(used)) if used[t] and used[t - 1])
-    assert turned_on <= 3 * ctl.probe_interval
-    assert ctl.enabled
+    assert turned_on <= waited + 2 * ctl.probe_interval
+    assert ctl.enabled and ctl.interval == ctl.probe_interval
     assert re.fullmatch(r"gamma \d+: \d+\.\d\d tokens/step expected, \d+\.\d\dx target-only",
                         ctl.reason), ctl.reason
 
