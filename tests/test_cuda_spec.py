@@ -15,8 +15,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_step_graph_greedy_equals_target_only_and_replays_once_per_step() -> None:
     target = tiny_model("llama", layers=2, dtype=torch.bfloat16).to("cuda")
     draft = tiny_model("llama", layers=1, seed=1, dtype=torch.bfloat16).to("cuda")
+    # compile="fx": the subject is the step graphs, not Inductor (which costs minutes here).
     config = fuser.FuserConfig(max_seq_len=96, max_batch_size=4, gamma="auto",
-                               gamma_candidates=(1, 3))
+                               gamma_candidates=(1, 3), compile="fx")
     engine = fuser.optimize(target, draft=draft, config=config)
     assert engine.report().fallbacks == []
     assert sorted(engine.buckets) == [1, 2, 4]
@@ -46,7 +47,8 @@ def test_step_graph_greedy_equals_target_only_and_replays_once_per_step() -> Non
 def test_seeded_sampling_through_step_graphs_is_reproducible() -> None:
     target = tiny_model("qwen2", layers=2, dtype=torch.bfloat16).to("cuda")
     draft = tiny_model("qwen2", layers=1, seed=1, dtype=torch.bfloat16).to("cuda")
-    engine = fuser.optimize(target, draft=draft, config=fuser.FuserConfig(max_seq_len=64, gamma=2))
+    engine = fuser.optimize(target, draft=draft, config=fuser.FuserConfig(max_seq_len=64, gamma=2,
+                                                                              compile="fx"))
     ids, _ = random_prompts(1, [6], target.config.vocab_size, seed=2)
     kwargs = dict(do_sample=True, temperature=0.8, top_k=50, top_p=0.9, seed=7, eos_token_id=[])
     a = engine.generate(ids.cuda(), 30, **kwargs)

@@ -109,7 +109,7 @@ def test_a_speculative_step_never_syncs_with_the_host(do_sample: bool) -> None:
         engine = fuser.optimize(copy.deepcopy(target).cuda(),
                                 draft=perturbed(target, 0.05, seed=3).cuda(),
                                 config=fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=4,
-                                                         gamma=4))
+                                                         gamma=4, compile="fx"))
     ids, mask = prompts([5, 3], seed=1)
     checked = check_prompts(ids, mask, vocab_size=engine.vocab_size, max_batch_size=4,
                             max_tokens=MAX_SEQ_LEN, device=engine.device)
