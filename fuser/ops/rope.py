@@ -304,6 +304,19 @@ rotary.register_kernel("cuda")(rotary_triton)
 @torch.library.custom_op("fuser::rotary_cache_write", mutates_args=("k_cache", "v_cache"))
 def rotary_cache_write(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
                        k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor) -> Tensor:
+    """rope(q), and a step's KV-cache write with rope(k) in it. Contract:
+
+    - returns rope(q): a fresh contiguous [B, H, T, D] (as `rotary`'s first output);
+    - writes, for every row b and token t, k_cache[b, seq_lens[b] + t] = rope(k)[b, :, t] and
+      v_cache[b, seq_lens[b] + t] = v[b, :, t] (v bit for bit), and no other slot; rope(k) is
+      not returned;
+    - q, k, v: [B, heads, T, D] of any strides; k_cache, v_cache: contiguous [B, S, kv_heads, D]
+      (the engine's KVCache layout), one dtype with q; seq_lens: [B] int64 on q's device, read
+      by the kernel (no host sync: a CUDA graph replays it with new lengths);
+    - seq_lens[b] + T <= S (the engine guarantees it; the CPU reference raises otherwise, the
+      kernel drops slots past S).
+    Numerics as `rotary` (module docstring). CPU: the reference; CUDA: one Triton launch.
+    """
     _check(q, k, cos, sin)
     _check_cache(q, k, v, k_cache, v_cache, seq_lens)
     return rotary_cache_write_reference(q, k, v, cos, sin, k_cache, v_cache, seq_lens).contiguous()
