@@ -23,7 +23,8 @@ KERNEL_GROUPS: list[tuple[str, tuple[str, ...]]] = [
     ("GEMV: fuser::linear", ("_linear_kernel",)),
     ("attention: fuser split-K", ("_split_kernel", "_combine_kernel")),
     ("rms_norm / add_rms_norm", ("_rms_norm_kernel",)),
-    ("rotary", ("_rotary_kernel",)),
+    # fuser::rotary and fuser::rotary_cache_write (one kernel; the latter also writes k/v)
+    ("rotary (+ KV cache write)", ("_rotary_kernel",)),
     ("gated activation", ("_gated_act_kernel",)),
     ("GEMM (cuBLAS / CUTLASS)", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitkreduce")),
     ("KV cache write", ("index_put", "scatter")),

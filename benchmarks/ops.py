@@ -5,10 +5,11 @@
 
 Batch 1, bf16, T = 1, 5, 9 tokens per step (decode and verification); attention also at context
 1024 and 8192 (cache of ctx + 16 slots, seq_lens = ctx, starts = 0). Ops: rms_norm,
-add_rms_norm, rotary, gated_act (silu), cache attention, the merged q/k/v and gate/up GEMMs
-(one F.linear over the concatenated weight), the plain o_proj, down_proj and lm_head GEMMs, and
-fuser's decode GEMV (`linear`: torch.ops.fuser.linear against F.linear at the five projection
-shapes qkv, o_proj, gate_up, down, lm_head).
+add_rms_norm, rotary, rotary with the KV-cache write (rotary_cache), gated_act (silu), cache
+attention, the merged q/k/v and gate/up GEMMs (one F.linear over the concatenated weight), the
+plain o_proj, down_proj and lm_head GEMMs, and fuser's decode GEMV (`linear`:
+torch.ops.fuser.linear against F.linear at the five projection shapes qkv, o_proj, gate_up,
+down, lm_head).
 
 For every (op, case), three ways, each timed per call by CUDA-graph replay (benchmarks/timing.py:
 warm-up on a side stream, CUDA_GRAPH_CALLS = 20 back-to-back calls captured into one graph,
@@ -65,7 +66,7 @@ import fuser  # noqa: F401  (registers torch.ops.fuser.*)
 from fuser.ops.attention import cache_attention_reference
 from fuser.ops.gated_act import gated_act_reference
 from fuser.ops.rmsnorm import add_rms_norm_reference, rms_norm_reference
-from fuser.ops.rope import rotary_reference
+from fuser.ops.rope import rotary_cache_write_reference, rotary_reference
 from timing import (CALLS, EAGER_LAUNCH, ROTATE_BYTES, Timing, copies_for,  # benchmarks/
                     log, measure_read_bandwidth, missing_gpu, time_us)
 
@@ -198,6 +199,26 @@ def make_rotary(s: Shapes, T: int, device: str) -> Problem:
                    2 * nbytes(q, k) + nbytes(cos, sin))  # q_rot, k_rot like q, k
 
 
+def make_rotary_cache(s: Shapes, T: int, device: str) -> Problem:
+    # rotary with the step's KV-cache write (passes/rotary_cache.py): q, k, v as make_rotary's
+    # views of one qkv output; the old path is rotary and two index_put_ into the caches
+    # ([1, S, kv_heads, D], S = the largest context + 16; only the T new slots are touched, so
+    # the caches are not streamed and not rotated). Compared: the returned rope(q).
+    q_width, kv_width = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    qkv = randn(1, T, q_width + 2 * kv_width, device=device)
+    q, k, v = (part.unflatten(-1, (-1, s.head_dim)).transpose(1, 2)
+               for part in qkv.split([q_width, kv_width, kv_width], dim=-1))
+    angles = torch.rand(1, T, s.head_dim, device=device) * (2 * math.pi)
+    cos, sin = angles.cos().to(DTYPE), angles.sin().to(DTYPE)
+    slots = max(s.contexts) + EXTRA_SLOTS
+    k_cache = randn(1, slots, s.kv_heads, s.head_dim, device=device)
+    v_cache = randn(1, slots, s.kv_heads, s.head_dim, device=device)
+    seq_lens = torch.full((1,), max(s.contexts), dtype=torch.int64, device=device)
+    return Problem((q, k, v, cos, sin, k_cache, v_cache, seq_lens), rotary_cache_write_reference,
+                   lambda *args: torch.ops.fuser.rotary_cache_write(*args),
+                   2 * nbytes(q, k, v) + nbytes(cos, sin))  # q_rot, k and v slots like q, k, v
+
+
 def make_gated_act(s: Shapes, T: int, device: str) -> Problem:
     gate_up = randn(1, T, 2 * s.intermediate, device=device)
     return Problem((gate_up,), lambda g: gated_act_reference(g, "silu"),
@@ -280,6 +301,7 @@ def specs(s: Shapes, only: list[str] | None) -> list[Spec]:
         "rms_norm": functools.partial(make_rms_norm, s),
         "add_rms_norm": functools.partial(make_add_rms_norm, s),
         "rotary": functools.partial(make_rotary, s),
+        "rotary_cache": functools.partial(make_rotary_cache, s),
         "gated_act": functools.partial(make_gated_act, s),
         "attention": functools.partial(make_attention, s),
         "qkv_proj": functools.partial(make_merged, qkv_rows, s),
@@ -305,8 +327,8 @@ def specs(s: Shapes, only: list[str] | None) -> list[Spec]:
     return out
 
 
-OPS = ("rms_norm", "add_rms_norm", "rotary", "gated_act", "attention", "qkv_proj",
-       "gate_up_proj", "o_proj", "down_proj", "lm_head", "linear")
+OPS = ("rms_norm", "add_rms_norm", "rotary", "rotary_cache", "gated_act", "attention",
+       "qkv_proj", "gate_up_proj", "o_proj", "down_proj", "lm_head", "linear")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,11 +20,13 @@ from fuser.passes.linear import LINEAR
 from fuser.passes.projections import MERGE_GATE_UP, MERGE_QKV
 from fuser.passes.rmsnorm import ADD_RMS_NORM, RMS_NORM
 from fuser.passes.rope import ROTARY
+from fuser.passes.rotary_cache import ROTARY_CACHE
 
 PASSES: list[GraphRewrite] = [
     ADD_RMS_NORM,  # before rms_norm: a plain RMSNorm is a subset of add + RMSNorm
     RMS_NORM,
     ROTARY,
+    ROTARY_CACHE,  # fixed-T steps, after rotary: fuser::rotary and the KV-cache writes after it
     ATTENTION,  # fixed-T steps, with FuserConfig(fused_attention=True)
     MERGE_GATE_UP,  # the two linears feeding act(gate) * up; merge_qkv takes every other group
     MERGE_QKV,

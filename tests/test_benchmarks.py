@@ -106,6 +106,7 @@ def test_breakdown_groups_kernels_by_name() -> None:
     assert group_of("_split_kernel") == group_of("_combine_kernel") == "attention: fuser split-K"
     assert group_of("triton_poi_fused_add_arange_index_put_permute_unsqueeze_3") == "KV cache write"
     assert group_of("_rms_norm_kernel") == "rms_norm / add_rms_norm"
+    assert group_of("_rotary_kernel") == "rotary (+ KV cache write)"  # either rotary op
     assert group_of("triton_poi_fused__to_copy_bmm_cat_cos_mul_permute_rotary_sin_slice_view_5") \
         == "rope cos/sin (Inductor)"
 

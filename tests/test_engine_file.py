@@ -12,6 +12,7 @@ from fuser import engine_file as ef
 from fuser.capture import StepModule, engine_view, export_step
 from fuser.config import FuserConfig
 from fuser.passes import PASSES, PassContext, run_passes
+from fuser.passes.fx import count_targets
 from fuser.runtime.kv_cache import KVCache
 from fuser.runtime.steps import StepKind
 from tiny import tiny_model
@@ -82,6 +83,8 @@ def test_round_trip_is_exact_and_shares_tensors(built: dict[str, object], tmp_pa
 
     loaded = ef.load_engine(path, CPU, passes=PASS_NAMES)
     graphs, buffers = loaded.graphs["target"], loaded.buffers["target"]
+    for gm in graphs.values():  # the cache written in place by a fuser op (2 layers)
+        assert count_targets(gm, torch.ops.fuser.rotary_cache_write.default) == 2
     got = run_graphs(graphs, buffers)
     for name, (logits, cache) in built["expected"].items():
         assert torch.equal(got[name][0], logits)

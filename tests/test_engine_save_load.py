@@ -15,6 +15,7 @@ import torch
 import fuser
 from engine_dirs import BuiltEngine, load_in_fresh_process
 from fuser import engine_file as ef
+from fuser.passes.fx import count_targets
 
 
 def test_fresh_process_reproduces_tokens_and_loads_fast(bundled_engine: BuiltEngine,
@@ -30,6 +31,14 @@ def test_loaded_engine_has_the_built_graphs_and_no_hf_model(bundled_engine: Buil
     assert set(report.graphs) == {"target.prefill", "target.decode", "target.verify",
                                   "draft.prefill", "draft.decode", "draft.catchup"}
     assert report.fused_ops.get("add_rms_norm", 0) > 0 and report.passes["merge_qkv"] > 0
+    # the loaded fixed-T graphs write the KV cache through fuser::rotary_cache_write, one per layer
+    for steps in (engine.target, engine.draft):
+        for kind, graph in steps.steps.items():
+            writes = count_targets(graph.rewritten, torch.ops.fuser.rotary_cache_write.default)
+            if kind.fixed:  # as many as the build counted (the manifest), one per layer
+                assert writes == graph.fused_ops["rotary_cache_write"] > 0, graph.name
+            else:
+                assert writes == 0, graph.name
     assert engine.tokenizer is not None
     assert engine.user_target.generation_config.eos_token_id is not None
     logits = engine.logits(bundled_engine.ids[:1, -5:])

@@ -58,6 +58,8 @@ def test_counts_and_no_weight_read_left(llama) -> None:
     assert report.passes["linear"] == 0
     decode, prefill = engine.target[DECODE], engine.target[PREFILL]
     assert decode.fused_ops["fp8_linear"] == 4 * L + 1
+    # rotary and the KV-cache write stay one op (the cache keeps the model's dtype)
+    assert report.passes["rotary_cache"] == L and decode.fused_ops["rotary_cache_write"] == L
     assert prefill.fused_ops["fp8_scaled_mm"] == 4 * L + 1
     # Every prefill activation quantized inside the kernel that produces it, except o_proj's
     # input (the attention output): first norm, 2L - 1 add+norms and the final one, L gated.

@@ -10,6 +10,14 @@ at dim 1). q: [B, H, T, D], k: [B, kv_heads, T, D] (any strides: they are transp
 projection outputs); cos, sin: [B or 1, T or 1, R], R even, R <= D; all four of one dtype.
 Outputs are fresh contiguous tensors shaped like q and k.
 
+    rotary_cache_write(q, k, v, cos, sin, k_cache, v_cache, seq_lens) -> rope(q)
+        k_cache[b, seq_lens[b] + t] = rope(k)[b, :, t];  v_cache[b, seq_lens[b] + t] = v[b, :, t]
+
+is the same rotation with a decode step's KV-cache write folded in (passes/rotary_cache.py):
+v: [B, kv_heads, T, D] like k; k_cache, v_cache: [B, S, kv_heads, D] contiguous, written in
+place; seq_lens: [B] int64. One launch instead of rotary + two index_put kernels. Both ops run
+one kernel (`WRITE_CACHE` selects where k goes and whether v is copied).
+
 Numerics. The kernel multiplies and adds in fp32 and rounds once to the input dtype. In fp32
 that is PyTorch's own sequence of roundings (mul, mul, add), so the result is bitwise equal to
 the reference (fp contraction into FMA is switched off at launch so a GPU keeps that sequence).
@@ -21,6 +29,7 @@ of the three roundings PyTorch makes, u for the kernel's one), which the tests h
 
 Cost per token (s = element size in bytes, N = (H + kv_heads) * D):
     bytes = 2 * N * s  (+ 2 * R * s of cos/sin per program, mostly from L1/L2)
+            (+ 2 * kv_heads * D * s for rotary_cache_write's copy of v)
     FLOPs = 3 * (H + kv_heads) * R
 """
 
@@ -43,14 +52,16 @@ HEADS_PER_PROGRAM = 4
 
 @triton.jit
 def _rotate_heads(
-    x_ptr, out_ptr, cos_row, sin_row,  # cos_row, sin_row: this token's [R] rows
-    b, t, T, n_heads, head0,
+    x_ptr, out_row, cos_row, sin_row,  # out_row: this token's output row; cos_row, sin_row: its [R] rows
+    b, t, n_heads, head0,
     x_sb, x_sh, x_st, x_sd,            # x: [B, n_heads, T, D] strides
+    o_sh,                              # out: stride between heads (columns contiguous)
     c_sr, s_sr,                        # cos, sin: stride of the last dim
     D: tl.constexpr, R: tl.constexpr,
     HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+    n_store,                           # heads stored: n_heads, or 0 for a cache slot past the end
 ):
-    """Rotate heads head0 .. head0 + HEADS - 1 of x at token (b, t) into out."""
+    """Rotate heads head0 .. head0 + HEADS - 1 of x at token (b, t) into out_row + head * o_sh."""
     HALF: tl.constexpr = R // 2
     heads = head0 + tl.arange(0, HEADS)                 # [HEADS]
     cols = tl.arange(0, BLOCK_HALF)                      # [BLOCK_HALF] columns of one half
@@ -59,7 +70,7 @@ def _rotate_heads(
     mask = head_ok[:, None] & col_ok[None, :]            # [HEADS, BLOCK_HALF]
 
     x_rows = x_ptr + b * x_sb + t * x_st + heads[:, None].to(tl.int64) * x_sh  # [HEADS, 1]
-    out_rows = out_ptr + ((b * n_heads + heads[:, None].to(tl.int64)) * T + t) * D  # contiguous
+    out_rows = out_row + heads[:, None].to(tl.int64) * o_sh                     # [HEADS, 1]
 
     x1 = tl.load(x_rows + cols[None, :] * x_sd, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_rows + (cols[None, :] + HALF) * x_sd, mask=mask, other=0.0).to(tl.float32)
@@ -71,7 +82,9 @@ def _rotate_heads(
     # rotate_half(x) = cat(-x2, x1): (-x2) * sin1 is exactly -(x2 * sin1).
     out1 = x1 * cos1 - x2 * sin1
     out2 = x2 * cos2 + x1 * sin2
-    dtype = out_ptr.dtype.element_ty
+    dtype = out_row.dtype.element_ty
+    # (a block mask, not `mask & flag`: Triton 3.9's interpreter refuses a scalar bool in a mask)
+    mask = (heads < n_store)[:, None] & col_ok[None, :]
     tl.store(out_rows + cols[None, :], out1.to(dtype), mask=mask)
     tl.store(out_rows + cols[None, :] + HALF, out2.to(dtype), mask=mask)
 
@@ -79,27 +92,50 @@ def _rotate_heads(
         rest = R + tl.arange(0, BLOCK_PASS)
         rest_mask = head_ok[:, None] & (rest < D)[None, :]
         x_rest = tl.load(x_rows + rest[None, :] * x_sd, mask=rest_mask, other=0.0)
-        tl.store(out_rows + rest[None, :], x_rest, mask=rest_mask)
+        tl.store(out_rows + rest[None, :], x_rest, mask=(heads < n_store)[:, None] & (rest < D)[None, :])
+
+
+@triton.jit
+def _copy_heads(
+    x_ptr, out_row, b, t, n_heads, head0,
+    x_sb, x_sh, x_st, x_sd,            # x: [B, n_heads, T, D] strides
+    o_sh,                              # out: stride between heads (columns contiguous)
+    D: tl.constexpr, HEADS: tl.constexpr, BLOCK_D: tl.constexpr,
+    n_store,                           # heads stored: n_heads, or 0 for a cache slot past the end
+):
+    """Copy heads head0 .. head0 + HEADS - 1 of x at token (b, t) to out_row + head * o_sh."""
+    heads = head0 + tl.arange(0, HEADS)[:, None].to(tl.int64)   # [HEADS, 1]
+    cols = tl.arange(0, BLOCK_D)[None, :]                         # [1, BLOCK_D]
+    x = tl.load(x_ptr + b * x_sb + t * x_st + heads * x_sh + cols * x_sd,
+                mask=(heads < n_heads) & (cols < D))
+    tl.store(out_row + heads * o_sh + cols, x, mask=(heads < n_store) & (cols < D))
 
 
 @triton.jit
 def _rotary_kernel(
     q_ptr,         # q: [B, H, T, D], strides q_s*
     k_ptr,         # k: [B, KH, T, D], strides k_s*
+    v_ptr,         # v: [B, KH, T, D], strides v_s* (WRITE_CACHE only)
     cos_ptr,       # cos: [B, T, R] (broadcast dims have stride 0), strides c_s*
     sin_ptr,       # sin: like cos, strides s_s*
     q_out_ptr,     # q_out: [B, H, T, D], contiguous
-    k_out_ptr,     # k_out: [B, KH, T, D], contiguous
-    T, H, KH,
+    k_out_ptr,     # rotary: k_out [B, KH, T, D] contiguous; WRITE_CACHE: k_cache [B, S, KH, D]
+    v_out_ptr,     # WRITE_CACHE: v_cache [B, S, KH, D] contiguous
+    seq_lens_ptr,  # WRITE_CACHE: [B] int64, token t of row b goes to slot seq_lens[b] + t
+    T, H, KH, S,
     q_sb, q_sh, q_st, q_sd,
     k_sb, k_sh, k_st, k_sd,
+    v_sb, v_sh, v_st, v_sd,
     c_sb, c_st, c_sr,
     s_sb, s_st, s_sr,
     D: tl.constexpr, R: tl.constexpr,
     HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    WRITE_CACHE: tl.constexpr,
 ):
-    # Grid: (B * T tokens, cdiv(H, HEADS) + cdiv(KH, HEADS) head blocks). Axis 1 first covers
-    # the q heads, then the k heads, so q and k are rotated in one launch.
+    # Grid: (B * T tokens, cdiv(H, HEADS) + cdiv(KH, HEADS) [+ cdiv(KH, HEADS)] head blocks).
+    # Axis 1 first covers the q heads, then the k heads, then (WRITE_CACHE) the v heads, so one
+    # launch rotates q and k and, for a cache write, stores k and v into their cache slots.
     token = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     b = token // T
@@ -107,12 +143,27 @@ def _rotary_kernel(
     cos_row = cos_ptr + b * c_sb + t * c_st
     sin_row = sin_ptr + b * s_sb + t * s_st
     q_blocks = tl.cdiv(H, HEADS)
-    if block < q_blocks:
-        _rotate_heads(q_ptr, q_out_ptr, cos_row, sin_row, b, t, T, H, block * HEADS,
-                      q_sb, q_sh, q_st, q_sd, c_sr, s_sr, D, R, HEADS, BLOCK_HALF, BLOCK_PASS)
+    kv_blocks = tl.cdiv(KH, HEADS)
+    if WRITE_CACHE:
+        slot = tl.load(seq_lens_ptr + b) + t
+        kv_row = (b * S + slot) * KH * D     # the cache row [KH, D] of this token
+        kv_sh = D
+        kv_store = tl.where(slot < S, KH, 0)  # a slot past the cache is dropped, never written
     else:
-        _rotate_heads(k_ptr, k_out_ptr, cos_row, sin_row, b, t, T, KH, (block - q_blocks) * HEADS,
-                      k_sb, k_sh, k_st, k_sd, c_sr, s_sr, D, R, HEADS, BLOCK_HALF, BLOCK_PASS)
+        kv_row = ((b * KH) * T + t) * D      # row t of a contiguous [B, KH, T, D]
+        kv_sh = T * D
+        kv_store = KH
+    if block < q_blocks:
+        _rotate_heads(q_ptr, q_out_ptr + ((b * H) * T + t) * D, cos_row, sin_row, b, t, H,
+                      block * HEADS, q_sb, q_sh, q_st, q_sd, T * D, c_sr, s_sr,
+                      D, R, HEADS, BLOCK_HALF, BLOCK_PASS, H)
+    elif block < q_blocks + kv_blocks:
+        _rotate_heads(k_ptr, k_out_ptr + kv_row, cos_row, sin_row, b, t, KH,
+                      (block - q_blocks) * HEADS, k_sb, k_sh, k_st, k_sd, kv_sh, c_sr, s_sr,
+                      D, R, HEADS, BLOCK_HALF, BLOCK_PASS, kv_store)
+    elif WRITE_CACHE:
+        _copy_heads(v_ptr, v_out_ptr + kv_row, b, t, KH, (block - q_blocks - kv_blocks) * HEADS,
+                    v_sb, v_sh, v_st, v_sd, kv_sh, D, HEADS, BLOCK_D, kv_store)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,34 +199,81 @@ def _check(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> int:
     return R
 
 
-def rotary_triton(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    """q: [B, H, T, D], k: [B, KH, T, D], cos, sin: [B, T, R] -> (q_embed, k_embed), contiguous."""
-    R = _check(q, k, cos, sin)
+def _check_cache(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                 seq_lens: Tensor) -> None:
+    """Validate rotary_cache_write's cache arguments (q, k, cos, sin go through `_check`)."""
+    B, _, T, D = q.shape
+    KH = k.shape[1]
+    if v.dim() != 4 or any(_differs(a, b) for a, b in zip(v.shape, k.shape)):
+        raise ValueError(f"rotary_cache_write: v {tuple(v.shape)} must be shaped like k {tuple(k.shape)}")
+    if k_cache.dim() != 4 or any(_differs(a, b) for a, b in zip(k_cache.shape, v_cache.shape)):
+        raise ValueError("rotary_cache_write: k_cache and v_cache must both be [B, S, kv_heads, D], "
+                         f"got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    if any(_differs(k_cache.shape[i], n) for i, n in ((0, B), (2, KH), (3, D))):
+        raise ValueError(f"rotary_cache_write: cache {tuple(k_cache.shape)} does not fit k "
+                         f"{tuple(k.shape)} (need [B, S, kv_heads, D])")
+    if not q.dtype == v.dtype == k_cache.dtype == v_cache.dtype:
+        raise ValueError(f"rotary_cache_write: q, v and the caches must share a dtype, got "
+                         f"{q.dtype}, {v.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("rotary_cache_write: the caches must be contiguous")
+    if seq_lens.dim() != 1 or _differs(seq_lens.shape[0], B) or seq_lens.dtype != torch.int64:
+        raise ValueError(f"rotary_cache_write: seq_lens must be [B] int64, got "
+                         f"{tuple(seq_lens.shape)} {seq_lens.dtype}")
+
+
+def _launch(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, q_out: Tensor, k_out: Tensor,
+            cache: tuple[Tensor, Tensor, Tensor] | None) -> None:
+    """Run `_rotary_kernel`: rope(q) into q_out and rope(k) into k_out ([B, KH, T, D]
+    contiguous), or, with cache = (v, v_cache, seq_lens), rope(k) and v into the slots
+    seq_lens[b] + t of k_out = k_cache and v_cache ([B, S, KH, D] contiguous)."""
+    R = cos.shape[-1]
     B, H, T, D = q.shape
     KH = k.shape[1]
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if B * T * (H + KH) == 0:  # D > 0: R <= D and R > 0
-        return q_out, k_out
+        return
     cos = cos.expand(B, T, R)  # broadcast batch/token dims become stride 0
     sin = sin.expand(B, T, R)
+    v, v_out, seq_lens = cache if cache is not None else (k, k_out, k_out)  # unused without a cache
     heads = min(HEADS_PER_PROGRAM, triton.next_power_of_2(max(H, KH)))
     block_half = triton.next_power_of_2(R // 2)
-    grid = (B * T, triton.cdiv(H, heads) + triton.cdiv(KH, heads))
+    kv_blocks = triton.cdiv(KH, heads)
+    grid = (B * T, triton.cdiv(H, heads) + kv_blocks * (2 if cache is not None else 1))
     _rotary_kernel[grid](
-        q, k, cos, sin, q_out, k_out,
-        T, H, KH,
-        *q.stride(), *k.stride(), *cos.stride(), *sin.stride(),
+        q, k, v, cos, sin, q_out, k_out, v_out, seq_lens,
+        T, H, KH, k_out.shape[1] if cache is not None else T,
+        *q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(),
         D=D, R=R,
         HEADS=heads, BLOCK_HALF=block_half,
         BLOCK_PASS=triton.next_power_of_2(max(D - R, 1)),
+        BLOCK_D=triton.next_power_of_2(D),
+        WRITE_CACHE=cache is not None,
         # About 8 elements of each half per thread (one 16-byte bf16 vector): 4 heads x 64
         # columns, a head dim of 128, is one warp. Tiles are small; 1..4 warps.
         num_warps=max(1, min(4, heads * block_half // 256)),
         # Keep mul, mul, add as three roundings (no FMA): fp32 stays bitwise equal to PyTorch.
         enable_fp_fusion=False,
     )
+
+
+def rotary_triton(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """q: [B, H, T, D], k: [B, KH, T, D], cos, sin: [B, T, R] -> (q_embed, k_embed), contiguous."""
+    _check(q, k, cos, sin)
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    _launch(q, k, cos, sin, q_out, k_out, cache=None)
     return q_out, k_out
+
+
+def rotary_cache_write_triton(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
+                              k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor) -> Tensor:
+    """rope(q) -> q_embed [B, H, T, D] contiguous; rope(k) and v -> k_cache, v_cache
+    [B, S, KH, D] at slots seq_lens[b] + t (in place). One launch; slots >= S are dropped."""
+    _check(q, k, cos, sin)
+    _check_cache(q, k, v, k_cache, v_cache, seq_lens)
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _launch(q, k, cos, sin, q_out, k_cache, cache=(v, v_cache, seq_lens))
+    return q_out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,6 +299,40 @@ def _rotary_fake(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor
 rotary.register_kernel("cuda")(rotary_triton)
 
 
+# rotary_cache_write: q's rotation is the only output; k and v go into the caches in place
+# (the one mutation a step graph has, now inside the op instead of index_put + copy_).
+@torch.library.custom_op("fuser::rotary_cache_write", mutates_args=("k_cache", "v_cache"))
+def rotary_cache_write(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
+                       k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor) -> Tensor:
+    """rope(q), and a step's KV-cache write with rope(k) in it. Contract:
+
+    - returns rope(q): a fresh contiguous [B, H, T, D] (as `rotary`'s first output);
+    - writes, for every row b and token t, k_cache[b, seq_lens[b] + t] = rope(k)[b, :, t] and
+      v_cache[b, seq_lens[b] + t] = v[b, :, t] (v bit for bit), and no other slot; rope(k) is
+      not returned;
+    - q, k, v: [B, heads, T, D] of any strides; k_cache, v_cache: contiguous [B, S, kv_heads, D]
+      (the engine's KVCache layout), one dtype with q; seq_lens: [B] int64 on q's device, read
+      by the kernel (no host sync: a CUDA graph replays it with new lengths);
+    - seq_lens[b] + T <= S (the engine guarantees it; the CPU reference raises otherwise, the
+      kernel drops slots past S).
+    Numerics as `rotary` (module docstring). CPU: the reference; CUDA: one Triton launch.
+    """
+    _check(q, k, cos, sin)
+    _check_cache(q, k, v, k_cache, v_cache, seq_lens)
+    return rotary_cache_write_reference(q, k, v, cos, sin, k_cache, v_cache, seq_lens).contiguous()
+
+
+@rotary_cache_write.register_fake
+def _rotary_cache_write_fake(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
+                             k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor) -> Tensor:
+    _check(q, k, cos, sin)
+    _check_cache(q, k, v, k_cache, v_cache, seq_lens)
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+rotary_cache_write.register_kernel("cuda")(rotary_cache_write_triton)
+
+
 # ---------------------------------------------------------------------------------------------
 # Reference (Hugging Face's apply_rotary_pos_emb, with the partial-rotary split of
 # Phi-3/StableLM/GPT-NeoX); what the CPU path runs and what tests compare against.
@@ -223,3 +355,16 @@ def rotary_reference(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Te
         return rotated if R == x.shape[-1] else torch.cat([rotated, x[..., R:]], dim=-1)
 
     return rope(q), rope(k)
+
+
+def rotary_cache_write_reference(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
+                                 k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor) -> Tensor:
+    """What a decode graph did before the rotary_cache pass: rotary, then capture's two
+    index_put_ writes (fuser/capture.py, `cache_attention`). Writes the caches, returns rope(q)."""
+    q_embed, k_embed = rotary_reference(q, k, cos, sin)
+    B, _, T, _ = q.shape
+    slots = seq_lens[:, None] + torch.arange(T, device=q.device)  # [B, T] slot of each new token
+    rows = torch.arange(B, device=q.device)[:, None].expand(B, T)  # [B, T]
+    k_cache.index_put_((rows, slots), k_embed.transpose(1, 2))  # [B, T, kv_heads, D]
+    v_cache.index_put_((rows, slots), v.transpose(1, 2))
+    return q_embed
