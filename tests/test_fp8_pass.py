@@ -57,7 +57,10 @@ def test_counts_and_no_weight_read_left(llama) -> None:
     assert report.passes["fp8_linear"] == 4 * L + 1
     assert report.passes["linear"] == 0
     decode, prefill = engine.target[DECODE], engine.target[PREFILL]
-    assert decode.fused_ops["fp8_linear"] == 4 * L + 1
+    # gate/up's GEMV takes the activation (gated_linear): qkv, o_proj, down_proj, LM head left
+    assert report.passes["gated_linear"] == L
+    assert decode.fused_ops["fp8_linear"] == 3 * L + 1
+    assert decode.fused_ops["fp8_gated_linear"] == L and "gated_act" not in decode.fused_ops
     assert prefill.fused_ops["fp8_scaled_mm"] == 4 * L + 1
     # Every prefill activation quantized inside the kernel that produces it, except o_proj's
     # input (the attention output): first norm, 2L - 1 add+norms and the final one, L gated.
@@ -115,6 +118,7 @@ def test_fires_on_every_supported_family(family: str) -> None:
     L = model.config.num_hidden_layers
     assert engine.report().fallbacks == []
     assert engine.report().passes["fp8_linear"] == 4 * L + 1
+    assert engine.report().fused_ops["fp8_gated_linear"] == L
     reference = emulated_fp8(model)
     ids, mask = random_prompts(2, [5, 3], model.config.vocab_size, seed=2)
     out = engine.logits(ids, attention_mask=mask)
