@@ -28,8 +28,23 @@ multiplies each output once after the K loop, before the one rounding to x's dty
 activations are not quantized on this path. Its tile defaults are untuned guesses
 (_default_fp8_config) until benchmarks/fp8_ops.py's sweep runs on an H200.
 
+Gated MLP (`fuser::gated_linear(x, weight, activation)`, `fuser::fp8_gated_linear(x, w_fp8,
+w_scale, activation)`, passes/gated_linear.py): the weight is a merged gate/up matrix [2I, K],
+gate rows first (as merge_gate_up concatenates them, and as Phi-3 ships gate_up_proj), and the
+output is act(gate) * up: [M, I], with the activation in the kernel's epilogue. One kernel
+instead of the GEMV and fuser::gated_act, and no [M, 2I] intermediate. A program owns output
+columns [n, n + BLOCK_N) and streams two weight tiles per K step: gate rows n.. and up rows
+I + n.. of the same matrix. Each row of each tile is a contiguous run along K, exactly as in the
+plain kernel, so the loads stay coalesced 16-byte vectors; the merged weight is not reordered
+(the prefill GEMM, the FP8 scale vector and engine files read it as it is). The tuned tables
+are looked up at N = 2I and their block_n counts weight rows, half gate and half up: the same
+bytes per program and the same grid as the plain GEMV over the merged weight. Numerics: gate
+and up each rounded to x's dtype (after their scales, for FP8), as the GEMV's output is, then
+act(gate) * up exactly as fuser::gated_act computes it (fuser/ops/gated_act.py act_times_up).
+
 Cost: bytes = N * K * s_w + M * K * s_x + M * N * s_out (+ 4N for the FP8 scales);
-FLOPs = 2 * M * N * K (+ M * N scale multiplies).
+FLOPs = 2 * M * N * K (+ M * N scale multiplies). Gated, with N = 2I weight rows: the same
+weight and x bytes, M * I * s_out written; FLOPs = 4 * M * I * K + ~6-10 * M * I (activation).
 """
 
 import torch
