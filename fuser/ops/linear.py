@@ -32,12 +32,17 @@ Gated MLP (`fuser::gated_linear(x, weight, activation)`, `fuser::fp8_gated_linea
 w_scale, activation)`, passes/gated_linear.py): the weight is a merged gate/up matrix [2I, K],
 gate rows first (as merge_gate_up concatenates them, and as Phi-3 ships gate_up_proj), and the
 output is act(gate) * up: [M, I], with the activation in the kernel's epilogue. One kernel
-instead of the GEMV and fuser::gated_act, and no [M, 2I] intermediate. A program owns output
-columns [n, n + BLOCK_N) and streams two weight tiles per K step: gate rows n.. and up rows
-I + n.. of the same matrix. Each row of each tile is a contiguous run along K, exactly as in the
-plain kernel, so the loads stay coalesced 16-byte vectors; the merged weight is not reordered
-(the prefill GEMM, the FP8 scale vector and engine files read it as it is). The tuned tables
-are looked up at N = 2I and their block_n counts weight rows, half gate and half up: the same
+instead of the GEMV and fuser::gated_act, and no [M, 2I] intermediate. A program's weight tile
+is BLOCK_N rows as before, gathered differently: BLOCK_N / 2 gate rows n.. and the matching up
+rows I + n.. of the same matrix. Each tile row is a contiguous run along K, exactly as in the
+plain kernel, and the K loop (one load, one dot per step) is the plain kernel's, so the loads
+stay coalesced 16-byte vectors and the tuned tile shapes keep their register and shared-memory
+footprint; after the loop the accumulator's columns are split into gate and up for the
+epilogue. Compiled for sm_90 (Triton 3.9, Llama-3-8B's gate/up) it has the plain kernel's loads,
+MMAs and registers within 5%; two separate [BLOCK_N / 2, BLOCK_K] tiles and two dots per step
+had the same loads but, for FP8 weights at M > 1, 255 registers against the plain 96. The
+merged weight is not reordered: the prefill GEMM, the FP8 scale vector and engine files read it
+as it is. The tuned tables are looked up at N = 2I, block_n counting weight rows: the same
 bytes per program and the same grid as the plain GEMV over the merged weight. Numerics: gate
 and up each rounded to x's dtype (after their scales, for FP8), as the GEMV's output is, then
 act(gate) * up exactly as fuser::gated_act computes it (fuser/ops/gated_act.py act_times_up).
@@ -59,46 +64,16 @@ MAX_ROWS = 16  # M above this is not a decode shape: the op falls back to the re
 
 
 @triton.jit
-def _accumulate(acc, x, w, BLOCK_M: tl.constexpr, FP32_DOTS: tl.constexpr,
-                HAS_SCALE: tl.constexpr):
-    """acc + x @ w.T for one weight tile w: [BLOCK_N, BLOCK_K] and the matching slice of x.
-
-    BLOCK_M == 1: x [BLOCK_K], acc [BLOCK_N], products and sums on the CUDA cores in fp32.
-    Otherwise: x [BLOCK_M, BLOCK_K], acc [BLOCK_M, BLOCK_N], one MMA.
-    """
-    if BLOCK_M == 1:
-        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-    elif FP32_DOTS:
-        acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-    elif HAS_SCALE:
-        # e4m3fn -> bf16/fp16 is exact: the MMA multiplies the activation by the weight's exact
-        # value and the activation is never quantized on this path.
-        acc += tl.dot(x, tl.trans(w.to(x.dtype)))
-    else:
-        acc += tl.dot(x.to(w.dtype), tl.trans(w))
-    return acc
-
-
-@triton.jit
-def _scaled(acc, scale_ptr, cols, col_ok, BLOCK_M: tl.constexpr):
-    """acc * w_scale[cols], once per output after the sum over K (acc as in _accumulate)."""
-    scale = tl.load(scale_ptr + cols, mask=col_ok, other=0.0)
-    if BLOCK_M == 1:
-        return acc * scale
-    return acc * scale[None, :]
-
-
-@triton.jit
 def _linear_kernel(
     x_ptr,                      # x: [M, K], row stride stride_xm, column stride 1
     w_ptr,                      # weight: [N, K] ([2N, K], gate rows then up rows, if gated);
                                 # row stride stride_wn; x's dtype, or e4m3fn
-    scale_ptr,                  # w_scale: [N] ([2N] if gated) fp32 (read only if HAS_SCALE)
+    scale_ptr,                  # w_scale: one fp32 per weight row (read only if HAS_SCALE)
     out_ptr,                    # out: [M, N], row stride stride_om, x's dtype
     M, N, K,                    # N: output columns
     stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr,      # 1 (CUDA-core path) or a power of two >= 16 (MMA path)
-    BLOCK_N: tl.constexpr,      # output columns per program (gated: half its weight rows)
+    BLOCK_N: tl.constexpr,      # weight rows per program (gated: half gate, half up)
     BLOCK_K: tl.constexpr,
     FP32_DOTS: tl.constexpr,    # MMA path in fp32 (TRITON_INTERPRET: its bf16 dot is wrong)
     HAS_SCALE: tl.constexpr,    # FP8 weight: dequantized in registers, out = acc * w_scale
@@ -106,45 +81,63 @@ def _linear_kernel(
                                 # out = act(x @ W[:N].T) * (x @ W[N:].T), the gated MLP
 ):
     pid = tl.program_id(0)
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)            # output columns = weight rows
+    tile = tl.arange(0, BLOCK_N)                            # rows of the weight tile
+    if ACTIVATION == "":
+        cols = pid * BLOCK_N + tile                         # output columns = weight rows
+        w_row = cols
+    else:
+        # Tile rows [0, HALF): the gate rows of output columns pid * HALF + r; rows
+        # [HALF, BLOCK_N): the matching up rows, N further down the merged weight. One tile, one
+        # load and one dot per K step, as for a plain weight: only the rows it gathers differ.
+        HALF: tl.constexpr = BLOCK_N // 2
+        cols = pid * HALF + tile % HALF
+        w_row = cols + tl.where(tile < HALF, 0, N)
     col_ok = cols < N
     offs_k = tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
-    # Gated: this program also streams the matching up rows (N further down the same matrix):
-    # two [BLOCK_N, BLOCK_K] tiles per step, each row of each a contiguous run along K.
-    up_rows = w_ptr + (cols[:, None] + N).to(tl.int64) * stride_wn
-    rows = tl.arange(0, BLOCK_M)
-    row_ok = rows < M
+    w_rows = w_ptr + w_row[:, None].to(tl.int64) * stride_wn
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)      # gated only (else unused)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + offs_k
-        k_ok = k < K
-        w_ok = col_ok[:, None] & k_ok[None, :]
-        w = tl.load(w_rows + k[None, :], mask=w_ok, other=0.0)
-        if ACTIVATION != "":
-            w_up = tl.load(up_rows + k[None, :], mask=w_ok, other=0.0)
-        if BLOCK_M == 1:
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + offs_k
+            k_ok = k < K
+            w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_ptr + k, mask=k_ok, other=0.0)
-        else:
+            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        if HAS_SCALE:  # once per output, after the sum over K
+            acc *= tl.load(scale_ptr + w_row, mask=col_ok, other=0.0)
+    else:
+        rows = tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + offs_k
+            k_ok = k < K
+            w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :],
                         mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = _accumulate(acc, x, w, BLOCK_M, FP32_DOTS, HAS_SCALE)
-        if ACTIVATION != "":
-            acc_up = _accumulate(acc_up, x, w_up, BLOCK_M, FP32_DOTS, HAS_SCALE)
+            if FP32_DOTS:
+                acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)),
+                              input_precision="ieee")
+            elif HAS_SCALE:
+                # e4m3fn -> bf16/fp16 is exact: the MMA multiplies the activation by the
+                # weight's exact value and the activation is never quantized on this path.
+                acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+            else:
+                acc += tl.dot(x.to(w.dtype), tl.trans(w))
+        if HAS_SCALE:  # once per output column, after the sum over K
+            acc *= tl.load(scale_ptr + w_row, mask=col_ok, other=0.0)[None, :]
     out_dtype = out_ptr.dtype.element_ty
-    if HAS_SCALE:  # once per output, after the sum over K
-        acc = _scaled(acc, scale_ptr, cols, col_ok, BLOCK_M)
-        if ACTIVATION != "":
-            acc_up = _scaled(acc_up, scale_ptr + N, cols, col_ok, BLOCK_M)
     if ACTIVATION != "":
-        # The unfused path's roundings: gate and up rounded to x's dtype as the GEMM's output,
-        # then act(gate) * up exactly as fuser::gated_act computes it.
-        acc = act_times_up(acc.to(out_dtype).to(tl.float32), acc_up.to(out_dtype).to(tl.float32),
+        # Split the tile's columns into gate [.., HALF] and up [.., HALF] (once, after the K
+        # loop), round each to x's dtype as the GEMV's output would be, then act(gate) * up
+        # exactly as fuser::gated_act computes it.
+        cols = pid * HALF + tl.arange(0, HALF)
+        col_ok = cols < N
+        if BLOCK_M == 1:
+            gate, up = tl.split(tl.permute(tl.reshape(acc, [2, HALF]), [1, 0]))
+        else:
+            gate, up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, HALF]), [0, 2, 1]))
+        acc = act_times_up(gate.to(out_dtype).to(tl.float32), up.to(out_dtype).to(tl.float32),
                            ACTIVATION, out_dtype)
     if BLOCK_M == 1:
         tl.store(out_ptr + cols, acc.to(out_dtype), mask=col_ok)
@@ -212,9 +205,9 @@ def linear_triton(
 
     The other keyword arguments override the tuned defaults (tests, benchmarks/linear_sweep.py
     and benchmarks/fp8_ops.py). block_n counts rows of `weight` per program either way: a gated
-    program streams block_n / 2 gate rows and the block_n / 2 matching up rows, so the tuned
-    tables (looked up at N = 2I, the merged weight's rows) keep their meaning: the same bytes
-    per program and the same number of programs as the unfused GEMV over the merged weight.
+    program streams block_n / 2 gate rows and the block_n / 2 matching up rows in one tile, so
+    the tuned tables (looked up at N = 2I, the merged weight's rows) keep their meaning: the
+    same tile and the same number of programs as the unfused GEMV over the merged weight.
     """
     *lead, K = x.shape
     rows_w = weight.shape[0]
@@ -241,20 +234,17 @@ def linear_triton(
         return out.zero_().reshape(*lead, N)
     bn, bk, warps, stages = (_default_fp8_config if fp8 else _default_config)(M, rows_w, K)
     bn, bk = block_n or bn, block_k or bk
-    if activation is not None:
-        if bn % 2:
-            raise ValueError(f"block_n={bn}: a gated program takes block_n / 2 gate rows and "
-                             "as many up rows, so block_n must be even")
-        bn //= 2                                                 # output columns per program
+    if activation is not None and bn < 2:
+        raise ValueError(f"block_n={bn}: a gated program takes block_n / 2 gate rows and as "
+                         "many up rows, so block_n must be 2 or more")
     block_m = 1 if M == 1 else max(16, triton.next_power_of_2(M))
     if block_m > 1 and bn < 16:
-        raise ValueError(f"block_n={block_n or bn}: the MMA path (more than one row) needs 16 "
-                         f"output columns per program or more"
-                         + (" (block_n >= 32 when gated)" if activation is not None else ""))
+        raise ValueError(f"block_n={bn}: the MMA path (more than one row) needs block_n >= 16")
     dot_dtype = x.dtype if fp8 else weight.dtype  # fp8: the MMA runs in x's dtype
     fp32_dots = dot_dtype == torch.float32 or (
         x.device.type != "cuda" and dot_dtype == torch.bfloat16)
-    _linear_kernel[(triton.cdiv(N, bn),)](
+    cols_per_program = bn // 2 if activation is not None else bn
+    _linear_kernel[(triton.cdiv(N, cols_per_program),)](
         x2, weight, weight_scale if fp8 else out, out,
         M, N, K, x2.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, FP32_DOTS=fp32_dots, HAS_SCALE=fp8,
