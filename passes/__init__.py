@@ -15,6 +15,7 @@ from fuser.passes.attention import ATTENTION
 from fuser.passes.base import GraphRewrite, PassContext, dump_dir, dump_graph
 from fuser.passes.fp8 import FP8_LINEAR
 from fuser.passes.fx import count_fuser_ops, prepare_graph
+from fuser.passes.gated_linear import GATED_LINEAR
 from fuser.passes.gated_mlp import GATED_ACT
 from fuser.passes.linear import LINEAR
 from fuser.passes.projections import MERGE_GATE_UP, MERGE_QKV
@@ -33,7 +34,9 @@ PASSES: list[GraphRewrite] = [
     GATED_ACT,  # after merge_gate_up: needs gate and up as the two halves of one GEMM output
     FP8_LINEAR,  # with precision="fp8": after the merges (one scale per merged matrix); takes
     # every linear, so the bf16 GEMV pass below finds none left
-    LINEAR,  # last: every GEMM the merges left, at decode shapes, becomes the GEMV kernel
+    LINEAR,  # every GEMM the merges left, at decode shapes, becomes the GEMV kernel
+    GATED_LINEAR,  # last: folds gated_act into the decode GEMV (bf16 or FP8) that feeds it;
+    # needs the GEMVs above, and gated_act's op over the merged gate/up output
 ]
 
 

@@ -69,9 +69,14 @@ def test_decode_gemv_in_every_fixed_step_and_no_fallback() -> None:
                             config=fuser.FuserConfig(max_seq_len=64, max_batch_size=2, gamma=3))
     report = engine.report()
     assert report.fallbacks == []
+    layers = target.config.num_hidden_layers
     for name in ("target.decode", "target.verify"):
-        assert report.graphs[name]["linear"] == 4 * target.config.num_hidden_layers + 1, name
+        # qkv, o_proj, down_proj per layer and the LM head; gate_up with its activation
+        assert report.graphs[name]["linear"] == 3 * layers + 1, name
+        assert report.graphs[name]["gated_linear"] == layers, name
+        assert "gated_act" not in report.graphs[name], name
     assert "linear" not in report.graphs["target.prefill"]
+    assert "gated_linear" not in report.graphs["target.prefill"]
     ids, mask = random_prompts(2, [6, 9], target.config.vocab_size, seed=5)
     out = engine.generate(ids.cuda(), 12, attention_mask=mask.cuda(),
                           eos_token_id=[target.config.vocab_size - 1])

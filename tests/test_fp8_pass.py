@@ -57,7 +57,10 @@ def test_counts_and_no_weight_read_left(llama) -> None:
     assert report.passes["fp8_linear"] == 4 * L + 1
     assert report.passes["linear"] == 0
     decode, prefill = engine.target[DECODE], engine.target[PREFILL]
-    assert decode.fused_ops["fp8_linear"] == 4 * L + 1
+    # gate/up's GEMV takes the activation (gated_linear): qkv, o_proj, down_proj, LM head left
+    assert report.passes["gated_linear"] == L
+    assert decode.fused_ops["fp8_linear"] == 3 * L + 1
+    assert decode.fused_ops["fp8_gated_linear"] == L and "gated_act" not in decode.fused_ops
     # rotary and the KV-cache write stay one op (the cache keeps the model's dtype)
     assert report.passes["rotary_cache"] == L and decode.fused_ops["rotary_cache_write"] == L
     assert prefill.fused_ops["fp8_scaled_mm"] == 4 * L + 1
@@ -117,6 +120,7 @@ def test_fires_on_every_supported_family(family: str) -> None:
     L = model.config.num_hidden_layers
     assert engine.report().fallbacks == []
     assert engine.report().passes["fp8_linear"] == 4 * L + 1
+    assert engine.report().fused_ops["fp8_gated_linear"] == L
     reference = emulated_fp8(model)
     ids, mask = random_prompts(2, [5, 3], model.config.vocab_size, seed=2)
     out = engine.logits(ids, attention_mask=mask)

@@ -192,10 +192,14 @@ def test_phi3_merged_projections_take_the_fast_path() -> None:
     assert report.passes["gated_act"] == layers
     assert report.passes["merge_qkv"] == report.passes["merge_gate_up"] == 0
     for name, graph in engine.target.steps.items():
-        assert graph.fused_ops["gated_act"] == layers, name
+        ops = graph.fused_ops  # decode: gated_act inside gate_up's GEMV (gated_linear)
+        assert ops.get("gated_act", 0) + ops.get("gated_linear", 0) == layers, name
         assert count_targets(graph.rewritten, aten.sigmoid.default) == 0, name
-    # qkv, o, gate_up, down per layer and lm_head: one GEMM each, as Phi-3 ships them
-    assert count_targets(decode, torch.ops.fuser.linear.default) == 4 * layers + 1  # GEMMs
+    # qkv, o, gate_up, down per layer and lm_head: one GEMM each, as Phi-3 ships them; in the
+    # decode graph gate_up's GEMV then takes the activation (tests/test_gated_linear_pass.py)
+    assert report.passes["gated_linear"] == layers
+    assert count_targets(decode, torch.ops.fuser.linear.default) == 3 * layers + 1
+    assert count_targets(decode, torch.ops.fuser.gated_linear.default) == layers
 
 
 def test_gemma2_geglu_fused_per_layer() -> None:
@@ -210,9 +214,12 @@ def test_gemma2_geglu_fused_per_layer() -> None:
     assert report.passes["gated_act"] == report.passes["merge_gate_up"] == layers
     assert report.passes["merge_qkv"] == layers
     for name, graph in engine.target.steps.items():
-        assert graph.fused_ops["gated_act"] == layers, name
+        ops = graph.fused_ops
+        assert ops.get("gated_act", 0) + ops.get("gated_linear", 0) == layers, name
         assert count_targets(graph.rewritten, aten.gelu.default) == 0, name
-    assert count_targets(decode, torch.ops.fuser.linear.default) == 4 * layers + 1  # GEMMs
+    assert report.passes["gated_linear"] == layers  # GeGLU in gate_up's decode GEMV
+    assert count_targets(decode, torch.ops.fuser.linear.default) == 3 * layers + 1
+    assert count_targets(decode, torch.ops.fuser.gated_linear.default) == layers
 
 
 # --- negative tests on small exported modules --------------------------------------------------
@@ -276,7 +283,10 @@ def test_gated_act_only_where_it_computes_the_same(variant: str, merged: tuple[i
     assert result.errors == []
     assert (result.matches["merge_gate_up"], result.matches["merge_qkv"]) == merged
     assert result.matches["gated_act"] == fused
-    assert result.fused_ops.get("gated_act", 0) == fused
+    # a decode-shaped graph (6 rows): gated_linear then folds the op into gate_up's GEMV
+    ops = result.fused_ops
+    assert ops.get("gated_act", 0) + ops.get("gated_linear", 0) == fused
+    assert result.matches["gated_linear"] == ops.get("gated_linear", 0)
     with torch.no_grad():
         for got, want in zip(gm(x), m(x)):
             # fp32: F.silu vs the exported x * sigmoid(x), and the merged GEMM's blocking, differ

@@ -1,7 +1,8 @@
-"""The linear pass: decode-shaped GEMMs become fuser::linear on Llama, Mistral and Qwen2.
+"""The linear pass: decode-shaped GEMMs become fuser::linear on Llama, Mistral and Qwen2, and
+the gated_linear pass after it folds gate/up's activation into its GEMV (fuser::gated_linear).
 
 Exact counts (every layer's merged QKV, o_proj, merged gate/up, down_proj, and the LM head, in
-every fixed-T graph; none in prefill), numbers against eager through the engine, and negatives:
+every fixed-T graph, gate/up then with its activation; none in prefill), numbers against eager through the engine, and negatives:
 more rows than the kernel takes, and a mm whose right side is not a parameter.
 """
 
@@ -43,14 +44,20 @@ def check(model: nn.Module, batch: int, lengths: list[int], gamma: int, seed: in
         n = len(compiled.cache.k)
         for graph in compiled.steps.values():
             rows = None if graph.kind.tokens is None else batch * graph.kind.tokens
-            linears = graph.fused_ops.get("linear", 0)
+            ops = graph.fused_ops
+            linears, gated = ops.get("linear", 0), ops.get("gated_linear", 0)
             if rows is not None and rows <= MAX_ROWS:
-                # qkv (merged), o_proj, gate_up (merged), down_proj per layer, and the LM head
-                assert linears == 4 * n + 1 and gemms(graph.rewritten) == 0, graph.name
+                # qkv (merged), o_proj, gate_up (merged), down_proj per layer, and the LM head;
+                # then gate_up's GEMV takes the activation (gated_linear): one op per layer
                 assert graph.matches["linear"] == 4 * n + 1, graph.name
-            else:  # prefill (symbolic rows) and too many rows keep their GEMMs
-                assert linears == 0 and gemms(graph.rewritten) == 4 * n + 1, graph.name
+                assert graph.matches["gated_linear"] == gated == n, graph.name
+                assert linears == 3 * n + 1 and "gated_act" not in ops, graph.name
+                assert gemms(graph.rewritten) == 0, graph.name
+            else:  # prefill (symbolic rows) and too many rows keep their GEMMs and gated_act
+                assert linears == gated == 0 and ops["gated_act"] == n, graph.name
+                assert gemms(graph.rewritten) == 4 * n + 1, graph.name
     assert report.passes["linear"] == 4 * layers + 1
+    assert report.passes["gated_linear"] == layers
     # numbers: prefill logits against eager, and greedy speculative == target-only greedy
     dtype = next(model.parameters()).dtype
     assert real_logits_error(engine, model, batch, lengths, seed) <= LOGITS_TOLERANCE[dtype]

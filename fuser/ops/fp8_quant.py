@@ -44,7 +44,7 @@ from fuser.ops.fp8 import (
     fp8_scaled_mm_reference,
     quantize_rows,
 )
-from fuser.ops.gated_act import _GELU_SCALE, _check, gated_act_reference
+from fuser.ops.gated_act import _check, act_times_up, gated_act_reference
 from fuser.ops.rmsnorm import (
     MAX_SINGLE_PASS,
     _load_block,
@@ -164,13 +164,7 @@ def _gated_block(gate_row, cols, mask, I, ACTIVATION: tl.constexpr, out_dtype: t
     """One block of act(gate) * up, rounded as gated_act.py's kernel rounds it, in fp32."""
     g = tl.load(gate_row + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gate_row + I + cols, mask=mask, other=0.0).to(tl.float32)
-    if ACTIVATION == "silu":
-        a = g / (1.0 + tl.exp(-g))
-    else:  # gelu_tanh as g * sigmoid(2y); see gated_act.py for why this form
-        z = _GELU_SCALE * (g + 0.044715 * g * g * g)
-        a = g / (1.0 + tl.exp(-z))
-    a = a.to(out_dtype).to(tl.float32)
-    return (a * u).to(out_dtype).to(tl.float32)
+    return act_times_up(g, u, ACTIVATION, out_dtype).to(out_dtype).to(tl.float32)
 
 
 @triton.jit

@@ -40,6 +40,28 @@ _GELU_SCALE = tl.constexpr(2.0 * math.sqrt(2.0 / math.pi))  # 1 + tanh(y) = 2 si
 
 
 @triton.jit
+def act_times_up(g, u, ACTIVATION: tl.constexpr, out_dtype: tl.constexpr):
+    """act(g) * u in fp32, rounded as Hugging Face eager rounds it, for g, u in fp32 that hold
+    values of out_dtype: act in fp32, rounded to out_dtype (HF's act_fn(gate)), times u in fp32
+    (exact for two bf16/fp16 values). The caller rounds the result to out_dtype once more.
+
+    Shared by every kernel that computes a gated activation (this file's, fuser/ops/fp8_quant.py's
+    gated_act_quant, and fuser/ops/linear.py's gated GEMV epilogue), so they round alike.
+    """
+    if ACTIVATION == "silu":
+        a = g / (1.0 + tl.exp(-g))  # PyTorch's formula; exp(-g) = inf gives -0, as there
+    else:
+        # gelu_tanh as g * sigmoid(2y), y = sqrt(2/pi) (g + 0.044715 g^3): the same function
+        # without PyTorch's cancellation in 1 + tanh(y) for g below about -3 (there PyTorch's
+        # fp32 result carries an absolute error of up to about |g| * 2^-25, half an ulp of tanh
+        # near -1 times g; this form stays accurate to a few ulps of the result).
+        z = _GELU_SCALE * (g + 0.044715 * g * g * g)
+        a = g / (1.0 + tl.exp(-z))
+    a = a.to(out_dtype).to(tl.float32)  # act rounded to the input dtype, as HF's act_fn(gate)
+    return a * u
+
+
+@triton.jit
 def _gated_act_kernel(
     gate_up_ptr,      # gate_up: [rows, 2I], row stride row_stride, column stride 1
     out_ptr,          # out: [rows, I], contiguous, gate_up's dtype
@@ -55,18 +77,9 @@ def _gated_act_kernel(
     gate_row = gate_up_ptr + row * row_stride
     g = tl.load(gate_row + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gate_row + I + cols, mask=mask, other=0.0).to(tl.float32)
-    if ACTIVATION == "silu":
-        a = g / (1.0 + tl.exp(-g))  # PyTorch's formula; exp(-g) = inf gives -0, as there
-    else:
-        # gelu_tanh as g * sigmoid(2y), y = sqrt(2/pi) (g + 0.044715 g^3): the same function
-        # without PyTorch's cancellation in 1 + tanh(y) for g below about -3 (there PyTorch's
-        # fp32 result carries an absolute error of up to about |g| * 2^-25, half an ulp of tanh
-        # near -1 times g; this form stays accurate to a few ulps of the result).
-        z = _GELU_SCALE * (g + 0.044715 * g * g * g)
-        a = g / (1.0 + tl.exp(-z))
     out_dtype = out_ptr.dtype.element_ty
-    a = a.to(out_dtype).to(tl.float32)  # act rounded to the input dtype, as HF's act_fn(gate)
-    tl.store(out_ptr + row * I + cols, (a * u).to(out_dtype), mask=mask)
+    tl.store(out_ptr + row * I + cols, act_times_up(g, u, ACTIVATION, out_dtype).to(out_dtype),
+             mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,8 +28,28 @@ multiplies each output once after the K loop, before the one rounding to x's dty
 activations are not quantized on this path. Its tile defaults are untuned guesses
 (_default_fp8_config) until benchmarks/fp8_ops.py's sweep runs on an H200.
 
+Gated MLP (`fuser::gated_linear(x, weight, activation)`, `fuser::fp8_gated_linear(x, w_fp8,
+w_scale, activation)`, passes/gated_linear.py): the weight is a merged gate/up matrix [2I, K],
+gate rows first (as merge_gate_up concatenates them, and as Phi-3 ships gate_up_proj), and the
+output is act(gate) * up: [M, I], with the activation in the kernel's epilogue. One kernel
+instead of the GEMV and fuser::gated_act, and no [M, 2I] intermediate. A program's weight tile
+is BLOCK_N rows as before, gathered differently: BLOCK_N / 2 gate rows n.. and the matching up
+rows I + n.. of the same matrix. Each tile row is a contiguous run along K, exactly as in the
+plain kernel, and the K loop (one load, one dot per step) is the plain kernel's, so the loads
+stay coalesced 16-byte vectors and the tuned tile shapes keep their register and shared-memory
+footprint; after the loop the accumulator's columns are split into gate and up for the
+epilogue. Compiled for sm_90 (Triton 3.9, Llama-3-8B's gate/up) it has the plain kernel's loads,
+MMAs and registers within 5%; two separate [BLOCK_N / 2, BLOCK_K] tiles and two dots per step
+had the same loads but, for FP8 weights at M > 1, 255 registers against the plain 96. The
+merged weight is not reordered: the prefill GEMM, the FP8 scale vector and engine files read it
+as it is. The tuned tables are looked up at N = 2I, block_n counting weight rows: the same
+bytes per program and the same grid as the plain GEMV over the merged weight. Numerics: gate
+and up each rounded to x's dtype (after their scales, for FP8), as the GEMV's output is, then
+act(gate) * up exactly as fuser::gated_act computes it (fuser/ops/gated_act.py act_times_up).
+
 Cost: bytes = N * K * s_w + M * K * s_x + M * N * s_out (+ 4N for the FP8 scales);
-FLOPs = 2 * M * N * K (+ M * N scale multiplies).
+FLOPs = 2 * M * N * K (+ M * N scale multiplies). Gated, with N = 2I weight rows: the same
+weight and x bytes, M * I * s_out written; FLOPs = 4 * M * I * K + ~6-10 * M * I (activation).
 """
 
 import torch
@@ -38,6 +58,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fuser.ops.fp8 import FP8_DTYPE, fp8_linear_reference
+from fuser.ops.gated_act import ACTIVATIONS, act_times_up, gated_act_reference
 
 MAX_ROWS = 16  # M above this is not a decode shape: the op falls back to the reference
 
@@ -45,22 +66,35 @@ MAX_ROWS = 16  # M above this is not a decode shape: the op falls back to the re
 @triton.jit
 def _linear_kernel(
     x_ptr,                      # x: [M, K], row stride stride_xm, column stride 1
-    w_ptr,                      # weight: [N, K], row stride stride_wn; x's dtype, or e4m3fn
-    scale_ptr,                  # w_scale: [N] fp32 (read only if HAS_SCALE)
+    w_ptr,                      # weight: [N, K] ([2N, K], gate rows then up rows, if gated);
+                                # row stride stride_wn; x's dtype, or e4m3fn
+    scale_ptr,                  # w_scale: one fp32 per weight row (read only if HAS_SCALE)
     out_ptr,                    # out: [M, N], row stride stride_om, x's dtype
-    M, N, K,
+    M, N, K,                    # N: output columns
     stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr,      # 1 (CUDA-core path) or a power of two >= 16 (MMA path)
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr,      # weight rows per program (gated: half gate, half up)
     BLOCK_K: tl.constexpr,
     FP32_DOTS: tl.constexpr,    # MMA path in fp32 (TRITON_INTERPRET: its bf16 dot is wrong)
     HAS_SCALE: tl.constexpr,    # FP8 weight: dequantized in registers, out = acc * w_scale
+    ACTIVATION: tl.constexpr,   # "": out = x @ W.T; else a key of gated_act.ACTIVATIONS:
+                                # out = act(x @ W[:N].T) * (x @ W[N:].T), the gated MLP
 ):
     pid = tl.program_id(0)
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)            # output columns = weight rows
+    tile = tl.arange(0, BLOCK_N)                            # rows of the weight tile
+    if ACTIVATION == "":
+        cols = pid * BLOCK_N + tile                         # output columns = weight rows
+        w_row = cols
+    else:
+        # Tile rows [0, HALF): the gate rows of output columns pid * HALF + r; rows
+        # [HALF, BLOCK_N): the matching up rows, N further down the merged weight. One tile, one
+        # load and one dot per K step, as for a plain weight: only the rows it gathers differ.
+        HALF: tl.constexpr = BLOCK_N // 2
+        cols = pid * HALF + tile % HALF
+        w_row = cols + tl.where(tile < HALF, 0, N)
     col_ok = cols < N
     offs_k = tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
+    w_rows = w_ptr + w_row[:, None].to(tl.int64) * stride_wn
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -70,8 +104,7 @@ def _linear_kernel(
             x = tl.load(x_ptr + k, mask=k_ok, other=0.0)
             acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
         if HAS_SCALE:  # once per output, after the sum over K
-            acc *= tl.load(scale_ptr + cols, mask=col_ok, other=0.0)
-        tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+            acc *= tl.load(scale_ptr + w_row, mask=col_ok, other=0.0)
     else:
         rows = tl.arange(0, BLOCK_M)
         row_ok = rows < M
@@ -92,9 +125,25 @@ def _linear_kernel(
             else:
                 acc += tl.dot(x.to(w.dtype), tl.trans(w))
         if HAS_SCALE:  # once per output column, after the sum over K
-            acc *= tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
+            acc *= tl.load(scale_ptr + w_row, mask=col_ok, other=0.0)[None, :]
+    out_dtype = out_ptr.dtype.element_ty
+    if ACTIVATION != "":
+        # Split the tile's columns into gate [.., HALF] and up [.., HALF] (once, after the K
+        # loop), round each to x's dtype as the GEMV's output would be, then act(gate) * up
+        # exactly as fuser::gated_act computes it.
+        cols = pid * HALF + tl.arange(0, HALF)
+        col_ok = cols < N
+        if BLOCK_M == 1:
+            gate, up = tl.split(tl.permute(tl.reshape(acc, [2, HALF]), [1, 0]))
+        else:
+            gate, up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, HALF]), [0, 2, 1]))
+        acc = act_times_up(gate.to(out_dtype).to(tl.float32), up.to(out_dtype).to(tl.float32),
+                           ACTIVATION, out_dtype)
+    if BLOCK_M == 1:
+        tl.store(out_ptr + cols, acc.to(out_dtype), mask=col_ok)
+    else:
         out = out_ptr + rows[:, None] * stride_om + cols[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        tl.store(out, acc.to(out_dtype), mask=row_ok[:, None] & col_ok[None, :])
 
 
 def _default_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
@@ -138,6 +187,7 @@ def prefers_cublas(M: int, N: int, K: int) -> bool:
 
 def linear_triton(
     x: Tensor, weight: Tensor, *, weight_scale: Tensor | None = None,
+    activation: str | None = None,
     block_n: int | None = None, block_k: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None,
 ) -> Tensor:
@@ -146,18 +196,31 @@ def linear_triton(
     With weight_scale ([N] fp32; weight then float8 e4m3fn, see fuser/ops/fp8.py) it is
     (x @ weight.T) * weight_scale, the scale applied once per output in fp32 before the one
     rounding to x's dtype: fuser::fp8_linear. The output is in x's dtype either way.
+
+    With activation (a key of fuser.ops.gated_act.ACTIVATIONS) weight is a merged gate/up
+    matrix [2I, K], gate rows first, and the result is act(gate) * up: [..., I], with
+    gate = x @ weight[:I].T and up = x @ weight[I:].T (each times its half of weight_scale),
+    rounded as fuser::linear then fuser::gated_act round them: fuser::gated_linear and
+    fuser::fp8_gated_linear.
+
     The other keyword arguments override the tuned defaults (tests, benchmarks/linear_sweep.py
-    and benchmarks/fp8_ops.py).
+    and benchmarks/fp8_ops.py). block_n counts rows of `weight` per program either way: a gated
+    program streams block_n / 2 gate rows and the block_n / 2 matching up rows in one tile, so
+    the tuned tables (looked up at N = 2I, the merged weight's rows) keep their meaning: the
+    same tile and the same number of programs as the unfused GEMV over the merged weight.
     """
     *lead, K = x.shape
-    N = weight.shape[0]
-    assert weight.shape == (N, K), (x.shape, weight.shape)
+    rows_w = weight.shape[0]
+    assert weight.shape == (rows_w, K), (x.shape, weight.shape)
+    if activation is not None:
+        check_gated(weight, activation)
+    N = rows_w // 2 if activation is not None else rows_w       # output columns
     fp8 = weight_scale is not None
     if fp8:
         assert weight.dtype == FP8_DTYPE, f"weight_scale given with a {weight.dtype} weight"
-        assert weight_scale.shape == (N,) and weight_scale.dtype == torch.float32, (
-            f"weight_scale must be [N] = [{N}] fp32, got {weight_scale.dtype} "
-            f"{tuple(weight_scale.shape)}")
+        assert weight_scale.shape == (rows_w,) and weight_scale.dtype == torch.float32, (
+            f"weight_scale must be [{rows_w}] fp32 (one per weight row), got "
+            f"{weight_scale.dtype} {tuple(weight_scale.shape)}")
         weight_scale = weight_scale.contiguous()
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
@@ -167,23 +230,37 @@ def linear_triton(
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if out.numel() == 0 or K == 0:
+    if out.numel() == 0 or K == 0:  # gated too: act(0) * 0 = 0
         return out.zero_().reshape(*lead, N)
-    bn, bk, warps, stages = (_default_fp8_config if fp8 else _default_config)(M, N, K)
+    bn, bk, warps, stages = (_default_fp8_config if fp8 else _default_config)(M, rows_w, K)
     bn, bk = block_n or bn, block_k or bk
+    if activation is not None and bn < 2:
+        raise ValueError(f"block_n={bn}: a gated program takes block_n / 2 gate rows and as "
+                         "many up rows, so block_n must be 2 or more")
     block_m = 1 if M == 1 else max(16, triton.next_power_of_2(M))
     if block_m > 1 and bn < 16:
         raise ValueError(f"block_n={bn}: the MMA path (more than one row) needs block_n >= 16")
     dot_dtype = x.dtype if fp8 else weight.dtype  # fp8: the MMA runs in x's dtype
     fp32_dots = dot_dtype == torch.float32 or (
         x.device.type != "cuda" and dot_dtype == torch.bfloat16)
-    _linear_kernel[(triton.cdiv(N, bn),)](
+    cols_per_program = bn // 2 if activation is not None else bn
+    _linear_kernel[(triton.cdiv(N, cols_per_program),)](
         x2, weight, weight_scale if fp8 else out, out,
         M, N, K, x2.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, FP32_DOTS=fp32_dots, HAS_SCALE=fp8,
+        ACTIVATION=activation or "",
         num_warps=num_warps or warps, num_stages=num_stages or stages,
     )
     return out.reshape(*lead, N)
+
+
+def check_gated(weight: Tensor, activation: str) -> None:
+    """Refuse what a gated GEMV cannot compute: an unknown activation, an odd row count."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r} is not one of {ACTIVATIONS}")
+    if weight.dim() != 2 or weight.shape[0] % 2:
+        raise ValueError(f"a gated linear's weight is [2I, K] (gate rows, then up rows), got "
+                         f"{tuple(weight.shape)}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,3 +319,68 @@ def _fp8_linear_cuda(x: Tensor, w_fp8: Tensor, w_scale: Tensor) -> Tensor:
 
 
 fp8_linear.register_kernel("cuda")(_fp8_linear_cuda)
+
+
+# ---------------------------------------------------------------------------------------------
+# fuser::gated_linear, fuser::fp8_gated_linear: the same kernel over a merged gate/up weight
+# [2I, K] with the gated activation in its epilogue (passes/gated_linear.py): one kernel, no
+# [T, 2I] intermediate, no separate fuser::gated_act. CPU runs the unfused references.
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fuser::gated_linear", mutates_args=())
+def gated_linear(x: Tensor, weight: Tensor, activation: str) -> Tensor:
+    """x [..., K], weight [2I, K] (gate rows, then up rows), x's dtype -> act(gate) * up [..., I]."""
+    return gated_linear_reference(x, weight, activation)
+
+
+@gated_linear.register_fake
+def _gated_linear_fake(x: Tensor, weight: Tensor, activation: str) -> Tensor:
+    check_gated(weight, activation)
+    return x.new_empty((*x.shape[:-1], weight.shape[0] // 2))
+
+
+def _gated_linear_cuda(x: Tensor, weight: Tensor, activation: str) -> Tensor:
+    if x.numel() // max(x.shape[-1], 1) > MAX_ROWS or x.dtype != weight.dtype:
+        return gated_linear_reference(x, weight, activation)
+    return linear_triton(x, weight, activation=activation)
+
+
+gated_linear.register_kernel("cuda")(_gated_linear_cuda)
+
+
+def gated_linear_reference(x: Tensor, weight: Tensor, activation: str) -> Tensor:
+    """gated_act(linear(x, weight)): the GEMM's [..., 2I] output rounded to x's dtype, then
+    Hugging Face's act_fn(gate) * up on its halves (fuser/ops/gated_act.py)."""
+    check_gated(weight, activation)
+    return gated_act_reference(linear_reference(x, weight), activation).contiguous()
+
+
+@torch.library.custom_op("fuser::fp8_gated_linear", mutates_args=())
+def fp8_gated_linear(x: Tensor, w_fp8: Tensor, w_scale: Tensor, activation: str) -> Tensor:
+    """x [..., K], w_fp8 [2I, K] e4m3fn (gate rows, then up rows), w_scale [2I] fp32
+    -> act(gate) * up [..., I] in x's dtype."""
+    return fp8_gated_linear_reference(x, w_fp8, w_scale, activation)
+
+
+@fp8_gated_linear.register_fake
+def _fp8_gated_linear_fake(x: Tensor, w_fp8: Tensor, w_scale: Tensor, activation: str) -> Tensor:
+    check_gated(w_fp8, activation)
+    return x.new_empty((*x.shape[:-1], w_fp8.shape[0] // 2))
+
+
+def _fp8_gated_linear_cuda(x: Tensor, w_fp8: Tensor, w_scale: Tensor, activation: str) -> Tensor:
+    if x.numel() // max(x.shape[-1], 1) > MAX_ROWS:  # not a decode shape: see _fp8_linear_cuda
+        return fp8_gated_linear_reference(x, w_fp8, w_scale, activation)
+    return linear_triton(x, w_fp8, weight_scale=w_scale, activation=activation)
+
+
+fp8_gated_linear.register_kernel("cuda")(_fp8_gated_linear_cuda)
+
+
+def fp8_gated_linear_reference(x: Tensor, w_fp8: Tensor, w_scale: Tensor, activation: str) -> Tensor:
+    """gated_act(fp8_linear(x, w_fp8, w_scale)): each half's scale applied to its own rows
+    (the one per-channel scale vector of the merged matrix), rounded to x's dtype, then
+    act(gate) * up."""
+    check_gated(w_fp8, activation)
+    return gated_act_reference(fp8_linear_reference(x, w_fp8, w_scale), activation).contiguous()
