@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_all.sh e2e      # speculative end to end (benchmarks/e2e.py), engine files
 #   bash benchmarks/gpu_all.sh ops      # per-op table and the older sweeps
 #   bash benchmarks/gpu_all.sh spec     # step-graph GPU tests + e2e parts (2) 8B + 1B draft and (3) buckets
+#   bash benchmarks/gpu_all.sh final    # new kernels' GPU tests, 8B decode bf16 + fp8 (--profile), 1B decode, buckets
 #   bash benchmarks/gpu_all.sh files    # GPU tests (no -x, failures listed) + engine files at 8B + 1B
 # OUT=<dir for logs and JSON>
 set -o pipefail
@@ -39,6 +40,24 @@ elif [ "$what" = session ]; then
   echo "== speculative end to end (bundled pair)"
   timeout 240 python3 benchmarks/e2e.py --out "$OUT" --skip-8b --skip-buckets --gammas 1,2,4,6 2>&1 \
     | tee "$OUT/e2e.log" | grep -v Warning | tail -30
+elif [ "$what" = final ]; then
+  # One ~9-minute call: every step has its own timeout, and logs land in $OUT as they go.
+  echo "== GPU tests: fused kernels, step graphs"
+  timeout 110 python3 -m pytest -q -rf -p no:cacheprovider --durations=5 tests/test_rotary_cache.py \
+    tests/test_ops_gated_linear.py tests/test_ops_linear.py tests/test_ops_fp8.py tests/test_cuda_spec.py \
+    tests/test_generate_speculative.py -k "cuda or gpu or sm90 or syncs" 2>&1 | tee "$OUT/gpu_tests.log" \
+    | grep -v Warning | tail -25
+  summary+=("GPU tests: $(tail -1 "$OUT/gpu_tests.log")")
+  echo "== decode, 8B shape, bf16 + fp8"
+  timeout 290 python3 benchmarks/decode.py --out "$OUT/decode.json" --skip-peers --profile 2>&1 \
+    | tee "$OUT/decode.log" | grep -v Warning | grep -E "^\[|kernels|^sum|^graph|^GEMV|^GEMM|^attention|^rms|^rotary|^KV|^gated|^rope|^fp8 vs|^HBM|ceiling|fallback|Error|verify|prefill" | tail -60
+  echo "== decode, 1B shape, bf16"
+  timeout 75 python3 benchmarks/decode.py --preset llama-3.2-1b --precisions bf16 --skip-peers --profile \
+    --skip-verify --out "$OUT/decode_1b.json" 2>&1 | tee "$OUT/decode_1b.log" | grep -v Warning \
+    | grep -E "^\[|kernels|^sum|^graph|ceiling|fallback|Error" | tail -20
+  echo "== batch buckets"
+  timeout 90 python3 benchmarks/e2e.py --out "$OUT/e2e" --skip-bundled --skip-8b 2>&1 \
+    | tee "$OUT/e2e.log" | grep -v Warning | grep buckets | tail -6
 elif [ "$what" = spec ]; then
   echo "== step-graph GPU tests"
   timeout 170 python3 -m pytest -q -rf -p no:cacheprovider --durations=8 tests/test_cuda_spec.py \
