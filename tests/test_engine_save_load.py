@@ -31,6 +31,7 @@ def test_loaded_engine_has_the_built_graphs_and_no_hf_model(bundled_engine: Buil
     assert set(report.graphs) == {"target.prefill", "target.decode", "target.verify",
                                   "draft.prefill", "draft.decode", "draft.catchup"}
     assert report.fused_ops.get("add_rms_norm", 0) > 0 and report.passes["merge_qkv"] > 0
+    assert report.fused_ops.get("gated_linear", 0) > 0  # decode GEMV with its activation
     # the loaded fixed-T graphs write the KV cache through fuser::rotary_cache_write, one per layer
     for steps in (engine.target, engine.draft):
         for kind, graph in steps.steps.items():

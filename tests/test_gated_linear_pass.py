@@ -22,7 +22,7 @@ from fuser.ops.linear import MAX_ROWS
 from fuser.passes import PASSES, PassContext, run_passes
 from fuser.passes.fx import count_targets
 from fuser.runtime.steps import DECODE
-from tiny import export_like_capture
+from tiny import export_like_capture, random_prompts, tiny_model
 
 aten = torch.ops.aten
 fuser_ops = torch.ops.fuser
@@ -165,3 +165,18 @@ def test_shared_greedy_engines_run_the_fused_op(engines) -> None:
     ids, mask = prompts([5, 2], seed=11)
     ref, near_tie = hf_greedy(target, ids, mask, 10)
     assert_greedy_matches(engine.generate(ids, 10, attention_mask=mask), ref, near_tie, ids, eos=[])
+
+
+def test_fp8_engine_saves_and_loads_the_fused_op(tmp_path) -> None:
+    # The fused op reads the codes and scales fp8_linear registered, in the merged weight's own
+    # row order: an engine file stores and restores them as they are.
+    model = tiny_model("llama", seed=5, layers=1)
+    engine = fuser.optimize(model, config=fuser.FuserConfig(precision="fp8", max_batch_size=1,
+                                                             max_seq_len=32))
+    assert engine.report().fused_ops["fp8_gated_linear"] == 1
+    engine.save(tmp_path / "engine")
+    loaded = fuser.load(tmp_path / "engine")
+    assert loaded.report().graphs["target.decode"]["fp8_gated_linear"] == 1
+    ids, mask = random_prompts(1, [5], model.config.vocab_size, seed=4)
+    assert torch.equal(loaded.generate(ids, 6, attention_mask=mask, eos_token_id=[]),
+                       engine.generate(ids, 6, attention_mask=mask, eos_token_id=[]))
