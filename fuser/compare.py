@@ -43,6 +43,17 @@ def target_only(engine: Engine) -> Engine:
                   vocab_size=engine.vocab_size, gamma=0, compile_seconds=engine.compile_seconds)
 
 
+def draft_only(engine: Engine, draft: torch.nn.Module) -> Engine:
+    """An Engine over the same draft steps as a target-only engine (its `logits` are the
+    optimized draft's); `draft` is the user's draft model. Shares the draft's KV cache: use
+    one engine at a time."""
+    if engine.draft is None:
+        raise ValueError("the engine has no optimized draft (none given, or it fell back)")
+    return Engine(engine.draft, None, config=engine.config, user_target=draft,
+                  tokenizer=engine.tokenizer, device=engine.device, dtype=engine.dtype,
+                  vocab_size=engine.vocab_size, gamma=0, compile_seconds=engine.compile_seconds)
+
+
 def engine_generate(engine: Engine, eos: object, pad: int) -> Generate:
     """Greedy `engine.generate` as a Generate."""
     return lambda ids, mask, n: engine.generate(ids, n, attention_mask=mask, eos_token_id=eos,
