@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_all.sh spec     # step-graph GPU tests + e2e parts (2) 8B + 1B draft and (3) buckets
 #   bash benchmarks/gpu_all.sh final    # new kernels' GPU tests, 8B decode bf16 + fp8 (--profile), 1B decode, buckets
 #   bash benchmarks/gpu_all.sh files    # GPU tests (no -x, failures listed) + engine files at 8B + 1B
+#   bash benchmarks/gpu_all.sh fp8-accuracy [fp8_accuracy.py flags]   # FP8 vs bf16 on the bundled pair
 # OUT=<dir for logs and JSON>
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -75,6 +76,10 @@ elif [ "$what" = files ]; then
   echo "== engine files (8B + 1B draft)"
   timeout 370 python3 benchmarks/engine_files.py --out "$OUT/engine_files.json" 2>&1 \
     | tee "$OUT/engine_files.log" | grep -v Warning | tail -25
+elif [ "$what" = fp8-accuracy ]; then
+  echo "== FP8 accuracy (bundled pair)"
+  timeout 540 python3 benchmarks/fp8_accuracy.py --device cuda --out "$OUT/fp8_accuracy.json" "$@" 2>&1 \
+    | tee "$OUT/fp8_accuracy.log" | grep -v Warning | tail -90
 elif [ "$what" = e2e ]; then
   echo "== speculative end to end"
   python3 benchmarks/e2e.py --out "$OUT" "$@" 2>&1 | tee "$OUT/e2e.log" | grep -v Warning | tail -60

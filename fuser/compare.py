@@ -35,6 +35,17 @@ class Row:
         return asdict(self)
 
 
+def draft_only(engine: Engine, draft: torch.nn.Module) -> Engine:
+    """An Engine over the same draft steps as a target-only engine (its `logits` are the
+    optimized draft's); `draft` is the user's draft model. Shares the draft's KV cache: use
+    one engine at a time."""
+    if engine.draft is None:
+        raise ValueError("the engine has no optimized draft (none given, or it fell back)")
+    return Engine(engine.draft, None, config=engine.config, user_target=draft,
+                  tokenizer=engine.tokenizer, device=engine.device, dtype=engine.dtype,
+                  vocab_size=engine.vocab_size, gamma=0, compile_seconds=engine.compile_seconds)
+
+
 def engine_generate(engine: Engine, eos: object, pad: int, gamma: int | None = None) -> Generate:
     """Greedy `engine.generate` as a Generate; with `gamma` (0: target-only) every step of the
     call runs at that draft length (`Engine.fix_gamma`) on the engine's own captured graphs."""
