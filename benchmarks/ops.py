@@ -7,9 +7,11 @@ Batch 1, bf16, T = 1, 5, 9 tokens per step (decode and verification); attention 
 1024 and 8192 (cache of ctx + 16 slots, seq_lens = ctx, starts = 0). Ops: rms_norm,
 add_rms_norm, rotary, rotary with the KV-cache write (rotary_cache), gated_act (silu), cache
 attention, the merged q/k/v and gate/up GEMMs (one F.linear over the concatenated weight), the
-plain o_proj, down_proj and lm_head GEMMs, and fuser's decode GEMV (`linear`:
+plain o_proj, down_proj and lm_head GEMMs, fuser's decode GEMV (`linear`:
 torch.ops.fuser.linear against F.linear at the five projection shapes qkv, o_proj, gate_up,
-down, lm_head).
+down, lm_head), and the GEMV with the gated activation in its epilogue (`gated_linear`:
+torch.ops.fuser.gated_linear over the merged gate/up weight against F.linear then act(gate) * up;
+compare with the `linear` gate_up row plus the `gated_act` row, the two kernels it replaces).
 
 For every (op, case), three ways, each timed per call by CUDA-graph replay (benchmarks/timing.py:
 warm-up on a side stream, CUDA_GRAPH_CALLS = 20 back-to-back calls captured into one graph,
@@ -287,6 +289,20 @@ def make_fused_linear(out_features: int, in_features: int, T: int, device: str) 
     return p
 
 
+def make_gated_linear(s: Shapes, T: int, device: str) -> Problem:
+    """fuser's gated decode GEMV (torch.ops.fuser.gated_linear: gate/up GEMV and SwiGLU in one
+    kernel) against F.linear (cuBLAS) over the merged weight, then act(gate) * up."""
+    if not hasattr(torch.ops.fuser, "gated_linear"):
+        raise RuntimeError("torch.ops.fuser.gated_linear is not registered (fuser/ops/linear.py: "
+                           f"{LINEAR_IMPORT_ERROR or 'imported, but no op'})")
+    x = randn(1, T, s.hidden, device=device)
+    w = randn(2 * s.intermediate, s.hidden, device=device)   # gate rows, then up rows
+    return Problem((x, w), lambda x, w: gated_act_reference(F.linear(x, w), "silu"),
+                   lambda x, w: torch.ops.fuser.gated_linear(x, w, "silu"),
+                   nbytes(x, w) + T * s.intermediate * x.element_size(),  # writes [T, I] only
+                   fresh=lambda: (x, w.clone()), rotated=nbytes(w))
+
+
 def linear_shapes(s: Shapes) -> dict[str, tuple[int, int]]:
     """(out_features, in_features) of the decode GEMMs, merged where the passes merge them."""
     q_width, kv_width = s.heads * s.head_dim, s.kv_heads * s.head_dim
@@ -310,6 +326,7 @@ def specs(s: Shapes, only: list[str] | None) -> list[Spec]:
         "down_proj": functools.partial(make_linear, s.hidden, s.intermediate),
         "lm_head": functools.partial(make_linear, s.vocab, s.hidden),
         "linear": None,  # five shapes per T: linear_shapes
+        "gated_linear": functools.partial(make_gated_linear, s),
     }
     out = []
     for op, make in per_token.items():
@@ -328,7 +345,7 @@ def specs(s: Shapes, only: list[str] | None) -> list[Spec]:
 
 
 OPS = ("rms_norm", "add_rms_norm", "rotary", "rotary_cache", "gated_act", "attention",
-       "qkv_proj", "gate_up_proj", "o_proj", "down_proj", "lm_head", "linear")
+       "qkv_proj", "gate_up_proj", "o_proj", "down_proj", "lm_head", "linear", "gated_linear")
 
 
 # ---------------------------------------------------------------------------------------------

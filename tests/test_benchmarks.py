@@ -31,10 +31,12 @@ def test_ops_benchmark_dry_run(tmp_path: Path) -> None:
         assert not [r for r in rows if r["errors"] or r["flagged"]]
     else:  # the op is missing: its rows fail at setup, the rest still runs clean
         assert all("not registered" in r["errors"].get("setup", "") for r in linear)
-        assert not [r for r in rows if r["op"] != "linear" and (r["errors"] or r["flagged"])]
+        assert not [r for r in rows if r["op"] not in ("linear", "gated_linear")
+                    and (r["errors"] or r["flagged"])]
     # weights and caches come in copies (2 in the dry run), small ops' inputs do not
     assert {r["op"] for r in rows if r["copies"] > 1} == {
-        "attention", "qkv_proj", "gate_up_proj", "o_proj", "down_proj", "lm_head", "linear"}
+        "attention", "qkv_proj", "gate_up_proj", "o_proj", "down_proj", "lm_head", "linear",
+        "gated_linear"}
     assert proc.stdout.strip().splitlines()[-1].startswith("dry run on CPU")
 
 
