@@ -28,8 +28,9 @@ Conditions (anything else is left alone):
   seq_lens a [B] int64 tensor, on two different caches whose only users are the write and the
   `copy_` of it back into them (no other read of the old cache);
 - every reader of q_rot, k_new and v_new comes after both writes (the op takes their place);
-- T is fixed (prefill graphs have a dynamic T; there the new k also feeds attention directly,
-  so k_rot's extra user keeps them out anyway);
+- the step has a fixed T (the pass's `when`: decode, verify, catch-up). Prefill keeps its
+  writes: there the new k also feeds attention among the new tokens directly, so k_rot's extra
+  user would keep it out anyway, and its T is dynamic;
 - the op accepts the shapes and dtypes (its fake implementation checks them).
 """
 
