@@ -7,6 +7,8 @@
 #   bash benchmarks/gpu_all.sh spec     # step-graph GPU tests + e2e parts (2) 8B + 1B draft and (3) buckets
 #   bash benchmarks/gpu_all.sh final    # new kernels' GPU tests, 8B decode bf16 + fp8 (--profile), 1B decode, buckets
 #   bash benchmarks/gpu_all.sh files    # GPU tests (no -x, failures listed) + engine files at 8B + 1B
+#   bash benchmarks/gpu_all.sh early    # fused-quant GPU test failures in full, e2e part (2) 8B + 1B draft, step-graph GPU tests
+#   bash benchmarks/gpu_all.sh bundled  # fused-quant GPU tests, e2e part (1): the bundled pair, peers, gamma 1..8 and auto
 #   bash benchmarks/gpu_all.sh fp8-accuracy [fp8_accuracy.py flags]   # FP8 vs bf16 on the bundled pair
 # OUT=<dir for logs and JSON>
 set -o pipefail
@@ -59,6 +61,26 @@ elif [ "$what" = final ]; then
   echo "== batch buckets"
   timeout 90 python3 benchmarks/e2e.py --out "$OUT/e2e" --skip-bundled --skip-8b 2>&1 \
     | tee "$OUT/e2e.log" | grep -v Warning | grep buckets | tail -6
+elif [ "$what" = early ]; then
+  echo "== fused norm/act + quant GPU tests (full failure output)"
+  timeout 80 python3 -m pytest -q -rf -p no:cacheprovider tests/test_ops_fp8.py -k "fused_quant and gpu" \
+    2>&1 | tee "$OUT/fused_quant.log" | grep -v Warning | grep -E "^E |Error|assert|passed|failed|mismatch" | head -40
+  echo "== speculative end to end: 8B + 1B draft"
+  timeout 320 python3 benchmarks/e2e.py --out "$OUT/e2e" --skip-bundled --skip-buckets 2>&1 \
+    | tee "$OUT/e2e.log" | grep -v Warning | tail -14
+  echo "== step-graph GPU tests"
+  timeout 140 python3 -m pytest -q -rf -p no:cacheprovider --durations=8 tests/test_cuda_spec.py \
+    tests/test_generate_speculative.py -k "cuda or gpu or syncs" 2>&1 | tee "$OUT/gpu_tests.log" \
+    | grep -v Warning | tail -20
+  summary+=("GPU tests: $(tail -1 "$OUT/gpu_tests.log")")
+elif [ "$what" = bundled ]; then
+  echo "== fused norm/act + quant GPU tests"
+  timeout 60 python3 -m pytest -q -rf -p no:cacheprovider tests/test_ops_fp8.py -k "fused_quant and gpu" \
+    2>&1 | tee "$OUT/fused_quant.log" | grep -v Warning | grep -E "^E |passed|failed" | head -20
+  summary+=("fused-quant GPU tests: $(tail -1 "$OUT/fused_quant.log")")
+  echo "== speculative end to end: the bundled pair"
+  timeout 500 python3 benchmarks/e2e.py --out "$OUT/e2e" --skip-8b --skip-buckets "$@" 2>&1 \
+    | tee "$OUT/e2e.log" | grep -v Warning | tail -30
 elif [ "$what" = spec ]; then
   echo "== step-graph GPU tests"
   timeout 170 python3 -m pytest -q -rf -p no:cacheprovider --durations=8 tests/test_cuda_spec.py \

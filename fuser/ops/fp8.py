@@ -48,7 +48,11 @@ def _row_scale(amax: Tensor) -> Tensor:
     The floor is applied to amax, not to the quotient, so that amax / 448 is one correctly
     rounded division of the kernel's amax and the same in every implementation.
     """
-    return amax.clamp_min(FP8_MIN_AMAX) / FP8_MAX
+    # A tensor divisor, not the Python float: PyTorch's CUDA kernel divides by a scalar as a
+    # product with its reciprocal (one ulp off the correctly rounded quotient in some rows,
+    # unlike the Triton kernels' div_rn and every CPU path); a 0-dim tensor gets true division.
+    amax = amax.clamp_min(FP8_MIN_AMAX)
+    return amax / amax.new_full((), FP8_MAX)
 
 
 def _cast(values: Tensor, scale: Tensor) -> Tensor:
