@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from fuser.capture import StepModule, export_step
+from fuser.compile_cpu import CpuStep
 from fuser.config import FuserConfig
 from fuser.engine_file import EngineFileError, portable_module
 from fuser.numerics import FP8_SELF_CHECK_TOLERANCE, SELF_CHECK_TOLERANCE, relative_error
@@ -22,7 +23,7 @@ from fuser.ops.fp8 import emulated_fp8
 from fuser.passes import PassContext, run_passes
 from fuser.runtime.cuda_graphs import CudaGraphStep
 from fuser.runtime.kv_cache import KVCache, free_memory_bytes
-from fuser.runtime.steps import DECODE, PREFILL, ModelSteps, StepGraph, StepKind
+from fuser.runtime.steps import DECODE, PREFILL, ModelSteps, StepFn, StepGraph, StepKind
 
 
 def model_geometry(config: object) -> tuple[int, int, int]:
@@ -48,11 +49,20 @@ def allocate_cache(role: str, model_config: object, batch: int, slots: int, dtyp
     return KVCache.allocate(layers, batch, slots, kv_heads, head_dim, dtype, device)
 
 
-def compile_mode(config: FuserConfig, device: torch.device) -> str:
-    """"inductor" or "fx": the config's choice, "auto" = Inductor on CUDA, FX elsewhere."""
+# With compile="auto" on CPU, models below this many parameters run their FX graphs: compiling
+# C++ kernels for a test-sized model takes longer than it will ever run.
+CPU_INDUCTOR_MIN_PARAMETERS = 1_000_000
+
+
+def compile_mode(config: FuserConfig, device: torch.device, model: nn.Module) -> str:
+    """"inductor" or "fx": the config's choice; "auto" = Inductor on CUDA, and on CPU for
+    models of at least CPU_INDUCTOR_MIN_PARAMETERS parameters (FX below that)."""
     if config.compile != "auto":
         return config.compile
-    return "inductor" if device.type == "cuda" else "fx"
+    if device.type == "cuda":
+        return "inductor"
+    parameters = sum(p.numel() for p in model.parameters())
+    return "inductor" if parameters >= CPU_INDUCTOR_MIN_PARAMETERS else "fx"
 
 
 def build_steps(role: str, view: nn.Module, cache: KVCache, kinds: list[StepKind],
@@ -89,9 +99,18 @@ def add_step(steps: ModelSteps, view: nn.Module, kind: StepKind, config: FuserCo
     graph.matches, graph.fused_ops = result.matches, result.fused_ops
     # Prefill (dynamic T) runs once per request: on the GPU its ATen kernels are long enough;
     # Inductor is kept for the fixed-T steps that run once per token.
-    if compile_mode(config, device) == "inductor" and kind.fixed:
-        graph.compiled = torch.compile(compilable(graph.rewritten), fullgraph=True, dynamic=False)
+    if compile_mode(config, device, view) == "inductor" and kind.fixed:
+        graph.compiled = compile_step(compilable(graph.rewritten), device)
     return graph
+
+
+def compile_step(gm: torch.fx.GraphModule, device: torch.device) -> StepFn:
+    """Inductor over a rewritten fixed-T step: `torch.compile` on CUDA; on CPU the C++ backend
+    with the fused ops' references inlined, without Dynamo (fuser/compile_cpu.py). Compiles
+    on the first call."""
+    if device.type == "cpu":
+        return CpuStep(gm)
+    return torch.compile(gm, fullgraph=True, dynamic=False)
 
 
 def compilable(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

@@ -278,7 +278,8 @@ def compare_systems(engine: object, hf: torch.nn.Module | None, ids: torch.Tenso
     notes = [f"device {device}"
              + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
              + f", dtype {str(engine.dtype).removeprefix('torch.')}, batch {ids.shape[0]}, "
-             f"{new_tokens} new tokens, median of {runs} runs"]
+             f"{new_tokens} new tokens, median of {runs} runs"
+             + (f", {torch.get_num_threads()} intra-op thread(s)" if device.type == "cpu" else "")]
     if hf is None:
         notes.append("Hugging Face generate: not run (the engine does not record a model "
                      "directory that exists here)")
@@ -415,12 +416,33 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-hf", action="store_true", help="skip the Hugging Face column")
     bench.add_argument("--json", default=None)
     bench.set_defaults(fn=cmd_bench)
+    for command in (demo, build, gen, bench):
+        command.add_argument("--threads", type=int, default=None,
+                             help="intra-op CPU threads (default without CUDA: 1, or "
+                                  "OMP_NUM_THREADS when set)")
     return parser
+
+
+def set_threads(threads: int | None) -> None:
+    """Intra-op threads for this process's CPU work (--threads): the number given; without one,
+    1 on a machine without CUDA unless OMP_NUM_THREADS says otherwise.
+
+    The bundled models are small enough that splitting each op between threads costs more than
+    it saves, and when other processes share the cores, threads waiting on each other at every
+    op slow decoding down many times over (benchmarks/RESULTS.md, 2026-11-30 third session).
+    Every system a command times runs under the same setting."""
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads {threads} must be at least 1")
+    if threads is None and (torch.cuda.is_available() or "OMP_NUM_THREADS" in os.environ):
+        return
+    torch.set_num_threads(threads or 1)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if hasattr(args, "threads"):
+            set_threads(args.threads)
         return int(args.fn(args))
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
         print(f"fuser: error: {e}", file=sys.stderr)

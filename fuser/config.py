@@ -52,8 +52,11 @@ class FuserConfig:
         cuda_graphs: capture each decoding iteration (target-only, and each speculative gamma,
             greedy and sampling) as one CUDA graph per batch bucket (ignored on CPU).
         device: where the engine runs; default is the target model's device.
-        compile: "fx" runs the rewritten FX graph as is, "inductor" compiles it with Inductor,
-            "auto" picks Inductor on CUDA and "fx" on CPU (where it is a correctness target).
+        compile: "fx" runs the rewritten FX graph as is, "inductor" compiles each fixed-T step
+            with Inductor (on CPU its C++ backend, the fused ops' references inlined:
+            fuser/compile_cpu.py); "auto" picks Inductor on CUDA, and on CPU for models of at
+            least a million parameters ("fx" for test-sized ones, where compiling would take
+            longer than they ever run: fuser.build.compile_mode).
         dump_graphs: a directory to write every graph before and after every pass (also set by
             the FUSER_DUMP_GRAPHS environment variable).
         fused_attention: decode and verification steps attend through the split-K Triton op

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from fuser import engine_file as ef
-from fuser.build import warm_up
+from fuser.build import compile_step, warm_up
 from fuser.config import FuserConfig
 from fuser.engine import Engine
 from fuser.engine_file import EngineFileError
@@ -223,11 +223,12 @@ def model_steps(role: str, info: dict[str, Any], cache: KVCache,
     return steps
 
 
-def compile_steps(steps: ModelSteps, info: dict[str, Any]) -> None:
-    """torch.compile the steps that were compiled at build time (fixed T, Inductor)."""
+def compile_steps(steps: ModelSteps, info: dict[str, Any], device: torch.device) -> None:
+    """Compile the steps that were compiled at build time (fixed T, Inductor) as the build did
+    (`fuser.build.compile_step`)."""
     for graph in steps.steps.values():
         if info["graphs"].get(graph.name, {}).get("compiled"):
-            graph.compiled = torch.compile(graph.rewritten, fullgraph=True, dynamic=False)
+            graph.compiled = compile_step(graph.rewritten, device)
 
 
 def load_extras(directory: Path) -> tuple[object | None, object | None]:
@@ -272,7 +273,7 @@ def load(path: str | Path, device: str | torch.device | None = None, *,
         ef.install_compile_cache(cache_file.read_bytes())
         say("compiling the fixed-T steps from the saved compile cache ...")
         for role, steps in models.items():
-            compile_steps(steps, info["models"][role])
+            compile_steps(steps, info["models"][role], device)
     if info["engine"]["compile"] == "inductor" or device.type == "cuda":
         for steps in models.values():  # compile now (from the cache), not in the first request
             warm_up(steps)

@@ -1,4 +1,14 @@
-"""Fused ops: importing this package registers every `torch.ops.fuser.*` op."""
+"""Fused ops: importing this package registers every `torch.ops.fuser.*` op.
+
+`CPU_INLINE` maps each op whose CPU kernel is its plain-PyTorch reference to a function that
+computes exactly what that kernel computes (outputs contiguous, as the op's are). Where Inductor
+compiles a step on CPU (fuser/build.py, `compilable`), calls of these ops are replaced by the
+functions, so Inductor traces into the references and fuses them with the ATen ops around them
+into C++ kernels; an opaque op would run its reference eagerly, one ATen op at a time, behind a
+Python call. The FP8 ops stay opaque: their CPU path emulates FP8 for correctness only.
+"""
+
+import torch
 
 from fuser.ops import rmsnorm  # noqa: F401
 from fuser.ops import rope  # noqa: F401
@@ -7,3 +17,32 @@ from fuser.ops import attention  # noqa: F401
 from fuser.ops import linear  # noqa: F401
 from fuser.ops import fp8  # noqa: F401
 from fuser.ops import fp8_quant  # noqa: F401
+
+
+def rms_norm_cpu(x, weight, eps):
+    return rmsnorm.rms_norm_reference(x, weight, eps).contiguous()
+
+
+def add_rms_norm_cpu(x, residual, weight, eps):
+    normed, summed = rmsnorm.add_rms_norm_reference(x, residual, weight, eps)
+    return normed.contiguous(), summed.contiguous()
+
+
+def rotary_cpu(q, k, cos, sin):
+    q_embed, k_embed = rope.rotary_reference(q, k, cos, sin)
+    return q_embed.contiguous(), k_embed.contiguous()
+
+
+def gated_act_cpu(gate_up, activation):
+    return gated_act.gated_act_reference(gate_up, activation).contiguous()
+
+
+CPU_INLINE = {
+    torch.ops.fuser.rms_norm.default: rms_norm_cpu,
+    torch.ops.fuser.add_rms_norm.default: add_rms_norm_cpu,
+    torch.ops.fuser.rotary.default: rotary_cpu,
+    torch.ops.fuser.gated_act.default: gated_act_cpu,
+    torch.ops.fuser.linear.default: linear.linear_reference,
+    torch.ops.fuser.cache_attention.default: attention.cache_attention_grouped,
+    torch.ops.fuser.cache_attention_read.default: attention.cache_attention_grouped,
+}

@@ -351,3 +351,36 @@ def cache_attention_reference(
     key_slots = torch.arange(k_cache.shape[1], device=q.device)  # [S]
     return masked_attention(q, k_cache.transpose(1, 2), v_cache.transpose(1, 2), slots,
                             key_slots, starts, scale, window, softcap)
+
+
+def cache_attention_grouped(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor, starts: Tensor,
+    scale: float, window: int, softcap: float,
+) -> Tensor:
+    """`cache_attention_reference`'s math with each GQA group's rep * T queries as the rows of
+    one matrix: the two products are batched GEMMs [rep * T, D] x [D, S] and [rep * T, S] x
+    [S, D] per (b, kv head). What Inductor compiles on CPU (fuser.ops.CPU_INLINE): with
+    rep * T > 1 it calls its GEMM kernel on materialized q and probabilities, where a
+    one-row product would become a reduction that recomputes its inlined producers (rotary,
+    softmax) for every key slot. Same values as the reference (fp32 scores and softmax).
+
+    q: [B, H, T, D]; k_cache, v_cache: [B, S, KV, D]. Returns [B, T, H, D] contiguous.
+    """
+    B, H, T, D = q.shape
+    S, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    rep = H // kv_heads
+    qg = q.float().reshape(B, kv_heads, rep * T, D)  # rows (r, t) of each group
+    keys = k_cache.float().permute(0, 2, 3, 1)  # [B, KV, D, S]
+    scores = (qg @ keys) * scale  # [B, KV, rep * T, S]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    i = (seq_lens[:, None] + torch.arange(T, device=q.device))[:, :, None]  # [B, T, 1] query slots
+    j = torch.arange(S, device=q.device)[None, None]  # [1, 1, S] key slots
+    visible = (j >= starts[:, None, None]) & (j <= i)  # [B, T, S]
+    if window:
+        visible = visible & (i - j < window)
+    visible = visible[:, None, None].expand(B, 1, rep, T, S).reshape(B, 1, rep * T, S)
+    scores = torch.where(visible, scores, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1).to(v_cache.dtype)
+    out = probs @ v_cache.permute(0, 2, 1, 3)  # [B, KV, rep * T, D]
+    return out.reshape(B, H, T, D).transpose(1, 2).to(q.dtype).contiguous()
