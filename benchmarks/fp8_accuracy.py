@@ -409,7 +409,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="rows of part (4), the first of the perplexity rows (default: all "
                              "of them); 0 skips it")
     parser.add_argument("--compile", choices=["auto", "fx", "inductor"], default="auto",
-                        help="FuserConfig.compile (auto: Inductor on CUDA, the FX graph on CPU)")
+                        help="FuserConfig.compile (auto: Inductor on CUDA; on CPU its C++ backend for models of "
+                             ">= 1M parameters, the FX graph below)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--dry-run", action="store_true",
                         help="tiny random pair, few tokens, bf16 and fp8 only: the plumbing")
