@@ -101,6 +101,9 @@ class Engine:
         length = min(128, self.config.max_seq_len // 2)
         if self.device.type == "cuda" and self.config.cuda_graphs:
             self._fallbacks += capture_buckets(list(self.buckets.values()), kinds, length, say)
+            prefill_pool = torch.cuda.graph_pool_handle()
+            for bucket in self.buckets.values():
+                bucket.capture_prefills(prefill_pool)
         if self.adaptive:
             reps = 10 if self.device.type == "cuda" else 2
             for size, bucket in self.buckets.items():
@@ -284,6 +287,7 @@ class Engine:
                 report.graphs[graph.name] = dict(graph.fused_ops)
         # The iteration graphs: each replay also counts for every model step inside it.
         for bucket in self.buckets.values():
+            report.fallbacks += bucket.prefill_failures()
             for name, replays in bucket.replays().items():
                 report.graph_replays[name] = report.graph_replays.get(name, 0) + replays
         if self.target is not None and DECODE in self.target:

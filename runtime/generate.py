@@ -161,7 +161,7 @@ def _decode_loop(engine: Engine, request: Request) -> Iterator[torch.Tensor]:
     # columns. Step k + 1 depends on step k only through device state, and a row that step k
     # finished is frozen on the device, so a step issued "too early" emits nothing anyone keeps.
     start = time.perf_counter()
-    padded = pad_batch(prompts, bucket.batch, min_length=2)
+    padded = pad_batch(prompts, bucket.batch, min_length=bucket.prefill_length(T))
     result = speculative.prefill(target, draft, state, padded, T, V, do_sample, engine.generator)
     in_flight = deque([(ReadBack(result.packed()), -1)])  # -1: the prefill's first token
     while in_flight:

@@ -128,8 +128,9 @@ def prefill(target: ModelSteps, draft: ModelSteps | None, state: DecodeState, pr
     """Run the prompts through both models; choose the first new token (into `state`, which
     `load` has filled with the request's values).
 
-    prompts: padded to the bucket's batch and to at least 2 tokens (the prefill graph needs
-    T >= 2); true_length is the prompt width before that right padding. Right-padding slots
+    prompts: padded to the bucket's batch and on the right to `Bucket.prefill_length` tokens
+    (at least 2, which the prefill step needs; on CUDA a captured prefill's length);
+    true_length is the prompt width before that right padding. Right-padding slots
     are written here and overwritten later: seq_lens is set to true_length.
     """
     B, T = prompts.tokens.shape

@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 
 from fuser.runtime import speculative
+from fuser.runtime.prefill_graphs import PrefillGraphs, padded_length
 from fuser.runtime.speculative import DecodeState
 from fuser.runtime.steps import CATCHUP, DECODE, ModelSteps, StepGraph, verify
 
@@ -95,6 +96,29 @@ class Bucket:
         self.state = DecodeState.allocate(batch, target.cache.slots, device)
         self.graphs: dict[tuple[int, bool], IterationGraph] = {}
         self.uncaptured_runs: dict[tuple[int, bool], int] = {}
+        self.prefills: list[PrefillGraphs] = []
+
+    def capture_prefills(self, pool: object) -> None:
+        """From now on, prefill at padded lengths through CUDA graphs captured on first use
+        (runtime/prefill_graphs.py), all in `pool`."""
+        self.prefills = [PrefillGraphs(model, pool) for model in (self.target, self.draft)
+                         if model is not None]
+        for prefill in self.prefills:
+            prefill.model.prefill_graphs = prefill
+
+    def prefill_length(self, tokens: int) -> int:
+        """The width a prompt of `tokens` tokens is padded to on the right before prefill: a
+        captured length when prefill graphs are on and one applies, else at least 2 (the
+        prefill step needs T >= 2)."""
+        if self.prefills:
+            padded = padded_length(tokens, min(p.model.cache.slots for p in self.prefills))
+            if padded is not None:
+                return padded
+        return max(tokens, 2)
+
+    def prefill_failures(self) -> list[str]:
+        """Prefill lengths whose capture failed (they run uncaptured), one message each."""
+        return [message for prefill in self.prefills for message in prefill.failures]
 
     def function(self, gamma: int, do_sample: bool) -> Callable[[], torch.Tensor]:
         """The iteration as a closure over this bucket's static state: () -> packed."""
@@ -192,6 +216,8 @@ class Bucket:
             counts[f"step.b{self.batch}.{_name(gamma, do_sample)}"] = graph.replays
             for step in self.inner_steps(gamma):
                 counts[step.name] = counts.get(step.name, 0) + graph.replays
+        for prefill in self.prefills:
+            counts.update(prefill.replays())
         return counts
 
     def inner_steps(self, gamma: int) -> list[StepGraph]:

@@ -119,6 +119,9 @@ class ModelSteps:
         self.fallbacks: list[str] = list(fallbacks or [])
         # What the passes share across this model's graphs while they are built (PassContext).
         self.build_state: dict = {}
+        # Captured prefills (runtime/prefill_graphs.py `PrefillGraphs`), set on CUDA by the
+        # engine's batch buckets; None: prefill runs its step uncaptured.
+        self.prefill_graphs: object | None = None
 
     def __getitem__(self, kind: StepKind) -> StepGraph:
         return self.steps[kind]
@@ -134,6 +137,8 @@ class ModelSteps:
         at slots seq_lens[b] + t and does not move the lengths: the caller does (by what it
         keeps), through the cache.
         """
+        if kind == PREFILL and self.prefill_graphs is not None:
+            return self.prefill_graphs.run(tokens, positions)
         return self.steps[kind](tokens, positions, self.cache.seq_lens, self.cache.starts)
 
     def graph_replays(self) -> dict[str, int]:

@@ -1,0 +1,89 @@
+"""Prefill as CUDA graphs: prompts padded on the right to a multiple of PREFILL_BLOCK tokens,
+one graph per padded length, captured the first time a request needs it.
+
+Prefill takes any prompt length, so it is not one of the fixed-T steps captured at optimize
+time, and run as an FX graph it launches one kernel per op from Python: for a small model the
+host's launches, not the GPU, set its time (the bundled target's prefill graph has ~540 ops,
+the draft's ~190; on the H200 a generate call spent ~13 ms before its first decode step, more
+than the 128 decode steps after it took). Replayed, the same kernels run back to back.
+
+Padding is safe because prefill attention is causal and a row's padding slots lie past its end:
+they are written, then overwritten by the decode steps (runtime/prompts.py `pad_batch`). Up to
+PREFILL_GRAPH_MAX_TOKENS; longer prompts keep the uncaptured prefill, where the GPU's work, not
+the launches, dominates. All prefill graphs of an engine share one memory pool (they run one
+at a time, and each graph's output stays its own).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from fuser.runtime.cuda_graphs import CudaGraphStep
+from fuser.runtime.steps import PREFILL, ModelSteps
+
+PREFILL_BLOCK = 32  # padded prompt lengths are multiples of this
+PREFILL_GRAPH_MAX_TOKENS = 512  # longer prompts run uncaptured
+
+
+def padded_length(tokens: int, slots: int) -> int | None:
+    """The captured length a prompt of `tokens` tokens runs at (a multiple of PREFILL_BLOCK),
+    or None when it runs uncaptured (too long, or the padded prompt would not fit the cache)."""
+    if tokens < 1:
+        raise ValueError(f"a prompt needs at least one token, got {tokens}")
+    padded = -(-tokens // PREFILL_BLOCK) * PREFILL_BLOCK
+    return padded if padded <= min(PREFILL_GRAPH_MAX_TOKENS, slots) else None
+
+
+class PrefillGraphs:
+    """The captured prefills of one model at one batch bucket, keyed by padded length.
+
+    A length whose capture fails runs uncaptured from then on; the failure is recorded in
+    `failures` (report().fallbacks) with a warning, once.
+    """
+
+    def __init__(self, model: ModelSteps, pool: object) -> None:
+        self.model = model
+        self.pool = pool
+        self.graphs: dict[int, CudaGraphStep] = {}
+        self.failed: set[int] = set()
+        self.failures: list[str] = []
+
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Prefill logits [B, T, V] (a static buffer: read it before the next prefill at T)."""
+        model, T = self.model, tokens.shape[1]
+        cache = model.cache
+        graph = self.graphs.get(T)
+        if graph is None and T not in self.failed and padded_length(T, cache.slots) == T:
+            graph = self._capture(T)
+        if graph is None:
+            return model[PREFILL](tokens, positions, cache.seq_lens, cache.starts)
+        return graph(tokens, positions, cache.seq_lens, cache.starts)
+
+    def _capture(self, T: int) -> CudaGraphStep | None:
+        model, cache = self.model, self.model.cache
+        # Warm-up and capture write slots [seq_lens, seq_lens + T) of the cache: the prefill
+        # that follows writes them again, and later slots are masked by the lengths.
+        try:
+            graph = CudaGraphStep(model[PREFILL].uncaptured, cache.batch_size, T, cache.seq_lens,
+                                  cache.starts, pool=self.pool)
+        except Exception as e:  # noqa: BLE001 -- a length that cannot be captured runs without
+            self.failed.add(T)
+            first = str(e).strip().splitlines()[0][:200] if str(e) else ""
+            self.failures.append(f"{model.role}.prefill at {T} tokens (batch "
+                                 f"{cache.batch_size}): CUDA graph capture failed "
+                                 f"({type(e).__name__}: {first}); it runs uncaptured")
+            warnings.warn(f"fuser: {self.failures[-1]}", stacklevel=4)
+            try:
+                torch.cuda.synchronize()
+            except Exception:  # noqa: BLE001 -- a failed capture can leave an error behind
+                pass
+            return None
+        self.graphs[T] = graph
+        return graph
+
+    def replays(self) -> dict[str, int]:
+        """Replays per captured length, keyed "prefill.b<batch>.<role>.t<T>"."""
+        batch, role = self.model.cache.batch_size, self.model.role
+        return {f"prefill.b{batch}.{role}.t{T}": g.replays for T, g in self.graphs.items()}
