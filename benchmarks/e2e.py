@@ -158,24 +158,27 @@ def part_bundled(args: argparse.Namespace, device: torch.device, dtype: torch.dt
     if not args.skip_peers:
         peers(target, draft, prompts, n, device, runs)
     seconds, count, _ = fuser_runs(engine, prompts, n, PLAIN, runs)
-    row("bundled", "fuser target-only", seconds, count)
+    plain = row("bundled", "fuser target-only", seconds, count)
     by_gamma = {}
     for g in (*gammas, None):
         seconds, count, stats = fuser_runs(engine, prompts, n, g, runs)
         extra: dict = dict(acceptance=stats.acceptance_rate,
                            mean_accepted_length=stats.mean_accepted_length)
-        if g is not None and costs:
-            predicted = expected_tokens(stats.acceptance_rate, g) / costs[g]
+        # auto: predicted at the gamma it settled on (stats.gamma), from its own acceptance.
+        at = g if g is not None else stats.gamma
+        if at and costs:
+            predicted = expected_tokens(stats.acceptance_rate, at) / costs[at]
             extra["predicted_tok_s"] = predicted
             extra["pct_of_prediction"] = 100 * count / seconds / predicted
-            parts = step_parts_ms(engine, g)
+            parts = step_parts_ms(engine, at)
             if parts is not None:
-                extra["step_ms"] = 1e3 * costs[g]
+                extra["step_ms"] = 1e3 * costs[at]
                 extra["parts_ms"] = parts
         name = f"fuser gamma={g}" if g is not None else f"fuser gamma=auto ({engine.gamma_reason})"
         by_gamma[g] = row("bundled", name, seconds, count, **extra)
         save(out)
     RESULTS["bundled_by_gamma"] = {str(g): r["tok_s"] for g, r in by_gamma.items()}
+    RESULTS["bundled_auto_over_target_only"] = by_gamma[None]["tok_s"] / plain["tok_s"]
     del engine
 
 
