@@ -602,12 +602,22 @@ def test_gpu_fused_quant_llama3_prefill(dtype):
     x = torch.randn(2048, 4096, device="cuda", dtype=dtype) * 3
     r = torch.randn(2048, 4096, device="cuda", dtype=dtype)
     w = (1 + 0.5 * torch.randn(4096, device="cuda")).to(dtype)
-    assert_quantized_equal(torch.ops.fuser.rms_norm_quant(x, w, 1e-5),
-                           quantize_rows(rms_norm_triton(x, w, 1e-5)))
+    # The norms: bit-equal codes where the normalised row is rounded to 16 bits. In fp32 nothing
+    # rounds it, and the fused kernel's sum of squares may take another order than rmsnorm.py's
+    # (Triton lays the two kernels' reductions out by their loads and stores: fp8 stores here,
+    # fp32 there), so a row's rstd, hence its values and scale, can move by an ulp; measured on
+    # the H200: a few rows in 2048. There the codes must agree up to rounding-boundary cases.
+    if dtype == torch.float32:
+        def check(got, want):
+            assert_codes_near(tuple(t.cpu() for t in got), tuple(t.cpu() for t in want),
+                              torch.float32, min_equal=0.999)
+    else:
+        check = assert_quantized_equal
+    check(torch.ops.fuser.rms_norm_quant(x, w, 1e-5), quantize_rows(rms_norm_triton(x, w, 1e-5)))
     q, s, summed = torch.ops.fuser.add_rms_norm_quant(x, r, w, 1e-5)
     normed, want_sum = add_rms_norm_triton(x, r, w, 1e-5)
     assert torch.equal(summed, want_sum)
-    assert_quantized_equal((q, s), quantize_rows(normed))
+    check((q, s), quantize_rows(normed))
     gate_up = torch.randn(2048, 2 * 14336, device="cuda", dtype=dtype) * 2
     for act in ("silu", "gelu_tanh"):
         assert_quantized_equal(torch.ops.fuser.gated_act_quant(gate_up, act),
