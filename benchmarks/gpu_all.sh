@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu_all.sh files    # GPU tests (no -x, failures listed) + engine files at 8B + 1B
 #   bash benchmarks/gpu_all.sh early    # fused-quant GPU test failures in full, e2e part (2) 8B + 1B draft, step-graph GPU tests
 #   bash benchmarks/gpu_all.sh bundled  # fused-quant GPU tests, e2e part (1): the bundled pair, peers, gamma 1..8 and auto
+#   bash benchmarks/gpu_all.sh late     # new GPU tests (prefill graphs, step kernels, fused quant, step graphs), e2e (1) bundled + (3) buckets
 #   bash benchmarks/gpu_all.sh fp8-accuracy [fp8_accuracy.py flags]   # FP8 vs bf16 on the bundled pair
 # OUT=<dir for logs and JSON>
 set -o pipefail
@@ -81,6 +82,19 @@ elif [ "$what" = bundled ]; then
   echo "== speculative end to end: the bundled pair"
   timeout 500 python3 benchmarks/e2e.py --out "$OUT/e2e" --skip-8b --skip-buckets "$@" 2>&1 \
     | tee "$OUT/e2e.log" | grep -v Warning | tail -30
+elif [ "$what" = late ]; then
+  echo "== GPU tests"
+  timeout 170 python3 -m pytest -v -rf -p no:cacheprovider --durations=6 tests/test_prefill_graphs.py \
+    $(ls tests/test_step_kernels.py 2>/dev/null) tests/test_generate_speculative.py tests/test_cuda_spec.py \
+    tests/test_ops_fp8.py -k "gpu or cuda or syncs" 2>&1 | tee "$OUT/gpu_tests.log" | grep -v Warning \
+    | grep -E "PASS|FAIL|ERROR|^E |passed|failed|s call|s setup" | head -45
+  summary+=("GPU tests: $(tail -1 "$OUT/gpu_tests.log")")
+  echo "== speculative end to end: the bundled pair"
+  timeout 230 python3 benchmarks/e2e.py --out "$OUT/e2e" --skip-8b --skip-buckets 2>&1 \
+    | tee "$OUT/e2e.log" | grep -v Warning | tail -16
+  echo "== batch buckets"
+  timeout 170 python3 benchmarks/e2e.py --out "$OUT/e2e_buckets" --skip-bundled --skip-8b 2>&1 \
+    | tee "$OUT/e2e_buckets.log" | grep -v Warning | grep -E "buckets|Error" | tail -6
 elif [ "$what" = spec ]; then
   echo "== step-graph GPU tests"
   timeout 170 python3 -m pytest -q -rf -p no:cacheprovider --durations=8 tests/test_cuda_spec.py \
