@@ -89,9 +89,13 @@ class Engine:
 
     # -- runtime preparation (at optimize/load time) ---------------------------------------------
 
-    def prepare(self, progress: object | None = None) -> None:
+    def prepare(self, progress: object | None = None,
+                known_costs: dict[int, dict[int, float]] | None = None) -> None:
         """Capture the step graphs (CUDA, config.cuda_graphs) and, with gamma="auto", measure
-        each iteration's cost per bucket and gamma. Runs once, at optimize (or load) time."""
+        each iteration's cost per bucket and gamma. Runs once, at optimize (or load) time.
+
+        known_costs: bucket -> gamma -> seconds measured before (an engine file's), used for
+        the buckets it covers with every gamma instead of measuring them again."""
         from fuser.runtime.step_graphs import capture_buckets
 
         if not self.buckets:
@@ -107,7 +111,9 @@ class Engine:
         if self.adaptive:
             reps = 10 if self.device.type == "cuda" else 2
             for size, bucket in self.buckets.items():
-                self.step_costs[size] = {g: bucket.measure(g, length, reps) for g in kinds}
+                known = (known_costs or {}).get(size, {})
+                self.step_costs[size] = dict(known) if set(kinds) <= set(known) else {
+                    g: bucket.measure(g, length, reps) for g in kinds}
                 if say is not None:
                     costs = ", ".join(f"{g}: {1e3 * t:.2f} ms"
                                       for g, t in self.step_costs[size].items())

@@ -165,7 +165,12 @@ def save(engine: Engine, path: str | Path, overwrite: bool = False,
                    "compile": "inductor" if any(i["compiled"] for m in models.values()
                                                 for i in model_info(m)["graphs"].values())
                    else "fx",
-                   "fallbacks": list(engine._fallbacks)},
+                   "fallbacks": list(engine._fallbacks),
+                   # gamma="auto": the iteration costs measured at build time, per gamma, of the
+                   # bucket the file keeps (max_batch_size); a load reuses them (same device
+                   # kind, the manifest checks) instead of timing every gamma again.
+                   "step_costs": {str(g): s for g, s in
+                                  engine.step_costs.get(engine.config.max_batch_size, {}).items()}},
         "models": {role: model_info(steps) for role, steps in models.items()},
         "source": dict(source or {}),
     }
@@ -292,7 +297,8 @@ def load(path: str | Path, device: str | torch.device | None = None, *,
                                         if k.name == "verify")) if "draft" in models else ())
     # One bucket (the saved max_batch_size); its whole-step CUDA graphs and, with
     # gamma="auto", its measured costs, as at build time.
-    engine.prepare(progress=say)
+    costs = {int(g): float(s) for g, s in engine_info.get("step_costs", {}).items()}
+    engine.prepare(progress=say, known_costs={config.max_batch_size: costs} if costs else None)
     engine.compile_seconds = time.perf_counter() - start
     engine.load_seconds = engine.compile_seconds
     engine.manifest = manifest

@@ -42,6 +42,10 @@ def test_loaded_engine_has_the_built_graphs_and_no_hf_model(bundled_engine: Buil
                 assert writes == 0, graph.name
     assert engine.tokenizer is not None
     assert engine.user_target.generation_config.eos_token_id is not None
+    # gamma="auto": the build's iteration costs come with the file; the load does not re-time
+    saved = engine.manifest["info"]["engine"]["step_costs"]
+    assert {int(g) for g in saved} == {0, *engine.gammas}
+    assert engine.step_costs == {engine.config.max_batch_size: {int(g): s for g, s in saved.items()}}
     logits = engine.logits(bundled_engine.ids[:1, -5:])
     assert logits.shape == (1, 5, engine.vocab_size) and torch.isfinite(logits).all()
     with pytest.raises(RuntimeError, match="no Hugging Face model"):
