@@ -110,14 +110,20 @@ def probs(state: DecodeState, logits: torch.Tensor) -> torch.Tensor:
 
 def choose(state: DecodeState, logits: torch.Tensor, do_sample: bool,
            generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row of `logits` [B, V]: the argmax, or a draw from `probs`."""
+    """One token per row of `logits` [B, V]: the argmax, or a draw from `probs`.
+
+    The argmax is taken in the logits' own dtype: upcasting bf16 to float32 is exact and keeps
+    the order (ties included), so a `.float()` first would only add a kernel.
+    """
     if not do_sample:
         return torch.argmax(logits, dim=-1)
-    return sample(probs(state, logits), generator)
+    return sample(probs(state, logits.float()), generator)
 
 
 def step_positions(cache_lens: torch.Tensor, starts: torch.Tensor, T: int) -> torch.Tensor:
     """[B, T] rotary positions of the T slots from cache_lens[b] on: slot - starts[b]."""
+    if T == 1:  # the decode steps: one subtraction, no arange and add of zeros
+        return (cache_lens - starts)[:, None]
     offsets = torch.arange(T, device=cache_lens.device)  # [T]
     return (cache_lens - starts)[:, None] + offsets[None]
 
@@ -174,7 +180,7 @@ def decode_one_token(target: ModelSteps, state: DecodeState, vocab_size: int, do
     cache = target.cache
     positions = step_positions(cache.seq_lens, cache.starts, 1)  # [B, 1]
     logits = target.run(DECODE, state.pending[:, None], positions)  # [B, 1, V_target]
-    token = choose(state, logits[:, 0, :vocab_size].float(), do_sample, generator)  # [B]
+    token = choose(state, logits[:, 0, :vocab_size], do_sample, generator)  # [B]
     result = StepResult(token[:, None], torch.zeros_like(token))
     _advance(target, state, result)
     return result
@@ -200,20 +206,20 @@ def draft(draft_model: ModelSteps, target_lens: torch.Tensor, state: DecodeState
     cache.set_lengths(target_lens - 1)  # rewinds past whatever the last round left
     tokens = torch.stack([state.last, state.pending], dim=1)  # [B, 2]
     positions = step_positions(cache.seq_lens, cache.starts, 2)  # [B, 2]
-    logits = draft_model.run(CATCHUP, tokens, positions)[:, -1, :vocab_size].float()  # [B, V]
+    logits = draft_model.run(CATCHUP, tokens, positions)[:, -1, :vocab_size]  # [B, V]
     cache.advance(2)
     drafted, draft_probs = [], []
     for i in range(gamma):
         if i > 0:
             positions = step_positions(cache.seq_lens, cache.starts, 1)  # [B, 1]
             step_logits = draft_model.run(DECODE, drafted[-1][:, None], positions)
-            logits = step_logits[:, 0, :vocab_size].float()  # [B, V]
+            logits = step_logits[:, 0, :vocab_size]  # [B, V]
             cache.advance(1)
         if do_sample:
-            p = probs(state, logits)  # [B, V]
+            p = probs(state, logits.float())  # [B, V]
             draft_probs.append(p)
             drafted.append(sample(p, generator))
-        else:
+        else:  # in the logits' dtype: see `choose`
             drafted.append(torch.argmax(logits, dim=-1))
     draft_tokens = torch.stack(drafted, dim=1)  # [B, gamma]
     return draft_tokens, (torch.stack(draft_probs, dim=1) if draft_probs else None)
@@ -223,13 +229,14 @@ def verify(target: ModelSteps, state: DecodeState, draft_tokens: torch.Tensor,
            vocab_size: int) -> torch.Tensor:
     """The target over [pending, d_1..d_gamma] at slots L..L+gamma in one forward.
 
-    Returns float32 logits [B, gamma + 1, V]: row i scores the token after slot L + i.
+    Returns logits [B, gamma + 1, V] in the model's dtype (a view: the caller upcasts only to
+    sample): row i scores the token after slot L + i.
     """
     cache = target.cache
     tokens = torch.cat([state.pending[:, None], draft_tokens], dim=1)  # [B, gamma + 1]
     positions = step_positions(cache.seq_lens, cache.starts, tokens.shape[1])
     kind = verify_step(draft_tokens.shape[1])
-    return target.run(kind, tokens, positions)[:, :, :vocab_size].float()
+    return target.run(kind, tokens, positions)[:, :, :vocab_size]
 
 
 def speculative_step(target: ModelSteps, draft_model: ModelSteps, state: DecodeState,
@@ -244,9 +251,10 @@ def speculative_step(target: ModelSteps, draft_model: ModelSteps, state: DecodeS
                             do_sample, generator)
     target_logits = verify(target, state, draft_tokens, vocab_size)  # [B, gamma + 1, V]
     if do_sample:
-        q = probs(state, target_logits)  # [B, gamma + 1, V]
+        q = probs(state, target_logits.float())  # [B, gamma + 1, V]
         n, next_token = accept_sampling(draft_tokens, p, q, generator)
     else:
+        # the argmax in the logits' dtype: see `choose`
         n, next_token = accept_greedy(draft_tokens, torch.argmax(target_logits, dim=-1))
     # [d_1..d_n, next, (stale drafts)]: row b keeps its first n + 1.
     tokens = torch.cat([draft_tokens, draft_tokens.new_zeros(draft_tokens.shape[0], 1)], dim=1)
