@@ -134,8 +134,9 @@ def _finish_greedy_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-def finish_greedy_step(state: DecodeState, seq_lens: torch.Tensor, draft_tokens: torch.Tensor | None,
-                       target_tokens: torch.Tensor) -> torch.Tensor:
+def finish_greedy_step(state: DecodeState, seq_lens: torch.Tensor,
+                       draft_tokens: torch.Tensor | None, target_tokens: torch.Tensor
+                       ) -> torch.Tensor:
     """Accept, advance and finish a greedy step in one launch (see the module docstring).
 
     state: the iteration's DecodeState, updated in place (history, last, pending, generated,
@@ -160,7 +161,8 @@ def finish_greedy_step(state: DecodeState, seq_lens: torch.Tensor, draft_tokens:
     history = state.history
     assert history.shape[0] == B and history.stride(1) == 1 and state.eos.is_contiguous()
     packed = torch.empty(B, G + 2, dtype=torch.long, device=target_tokens.device)
-    # BLOCK >= 2: a one-element arange is the one shape some Triton versions reject.
+    # BLOCK >= 2 even for the plain step: one spare lane costs nothing, and every block stays a
+    # vector rather than the one-element corner case of arange and the reductions.
     block = max(2, triton.next_power_of_2(G + 1))
     eos_slots = state.eos.shape[0]
     _finish_greedy_kernel[(B,)](

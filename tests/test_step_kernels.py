@@ -9,6 +9,7 @@ Without a GPU the launcher runs under TRITON_INTERPRET=1 (conftest.py); with one
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 
 from fuser.runtime import speculative, step_kernels
 from fuser.runtime.kv_cache import KVCache
-from fuser.runtime.speculative import EOS_SLOTS, DecodeState
+from fuser.runtime.speculative import DecodeState
 from fuser.runtime.steps import ModelSteps
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -39,8 +40,8 @@ class Case:
 
     def to(self, device: str) -> Case:
         """A deep copy on `device` (each run mutates its own)."""
-        fields = {name: getattr(self.state, name).to(device, copy=True)
-                  for name in self.state.__dataclass_fields__}
+        fields = {f.name: getattr(self.state, f.name).to(device, copy=True)
+                  for f in dataclasses.fields(self.state)}
         draft = None if self.draft_tokens is None else self.draft_tokens.to(device, copy=True)
         return Case(DecodeState(**fields), self.seq_lens.to(device, copy=True), draft,
                     self.target_tokens.to(device, copy=True))
@@ -67,7 +68,9 @@ def cases(draw: st.DrawFn, clamp: bool = True) -> Case:
     B = draw(st.integers(1, 5))
     gamma = draw(st.integers(0, 8))
     S = gamma + 2 + draw(st.integers(0, 6))  # room for L + 1 + gamma when L is small
-    ints = lambda lo, hi, n: draw(st.lists(st.integers(lo, hi), min_size=n, max_size=n))  # noqa: E731
+
+    def ints(lo: int, hi: int, n: int) -> list[int]:
+        return draw(st.lists(st.integers(lo, hi), min_size=n, max_size=n))
 
     # Target argmax agrees with the drafts for a drawn prefix, then (if any drafts are left)
     # disagrees at the next position; the rest is random.
@@ -120,7 +123,7 @@ def check(case: Case, device: str) -> None:
         assert got.dtype == want.dtype and torch.equal(got, want), (name, got, want)
 
 
-SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = {"deadline": None, "derandomize": True, "suppress_health_check": [HealthCheck.too_slow]}
 
 
 @settings(max_examples=40, **SETTINGS)
@@ -139,8 +142,8 @@ def test_clamped_slots_keep_the_last_token() -> None:
     state.active.fill_(True)
     state.generated.fill_(1)
     state.max_new_tokens.fill_(50)
-    draft = torch.tensor([[1, 2, 3, 4]] * B)
-    target = torch.tensor([[1, 2, 3, 4, 5]] * B)  # all accepted: tokens [1, 2, 3, 4, 5]
+    draft = torch.arange(1, gamma + 1).repeat(B, 1)  # [B, gamma]
+    target = torch.arange(1, gamma + 2).repeat(B, 1)  # all accepted: tokens [1, 2, 3, 4, 5]
     case = Case(state, torch.tensor([S - 1, S - 3, 2]), draft, target)
     eager = case.to("cpu")
     run(eager, fused=False)
