@@ -18,7 +18,8 @@ the step's only sync. `plain_step` and `speculative_step` are the whole per-toke
 their Python values are only the shape-fixing ones (gamma, do_sample); every per-request value
 (budget, eos ids, sampling parameters) is a device tensor of fixed shape in `DecodeState`, so the
 same function runs uncaptured (CPU, tests) and captured once as one CUDA graph
-(runtime/step_graphs.py).
+(runtime/step_graphs.py). On CUDA a greedy step's work after the target's argmax is one Triton
+kernel (`finish_greedy`, runtime/step_kernels.py); the eager code stays as its reference.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 from fuser.runtime.steps import CATCHUP, DECODE, PREFILL, ModelSteps, verify as verify_step
 from fuser.runtime.prompts import Prompts
 from fuser.runtime.sampling import accept_greedy, accept_sampling, process_logits_rows, sample
+from fuser.runtime.step_kernels import finish_greedy_step, fused_by_default
 
 
 EOS_SLOTS = 8  # eos ids per request held in the state, padded with -1 (never a token id)
@@ -93,13 +95,22 @@ class DecodeState:
 @dataclass
 class StepResult:
     """What one step emitted: tokens [B, g + 1] of which row b keeps the first num_accepted[b] + 1,
-    and num_accepted [B] (always 0 for a plain decode step)."""
+    and num_accepted [B] (always 0 for a plain decode step). `joined` is the packed form when
+    the step already wrote it (the fused greedy kernel does), else None."""
 
     tokens: torch.Tensor
     num_accepted: torch.Tensor
+    joined: torch.Tensor | None = None
+
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor) -> StepResult:
+        """The result whose packed form is `packed` [B, g + 2] (views of it, no copy)."""
+        return cls(packed[:, :-1], packed[:, -1], packed)
 
     def packed(self) -> torch.Tensor:
         """[B, g + 2]: tokens then num_accepted, so the host reads both back in one copy."""
+        if self.joined is not None:
+            return self.joined
         return torch.cat([self.tokens, self.num_accepted[:, None]], dim=1)
 
 
@@ -110,14 +121,20 @@ def probs(state: DecodeState, logits: torch.Tensor) -> torch.Tensor:
 
 def choose(state: DecodeState, logits: torch.Tensor, do_sample: bool,
            generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row of `logits` [B, V]: the argmax, or a draw from `probs`."""
+    """One token per row of `logits` [B, V]: the argmax, or a draw from `probs`.
+
+    The argmax is taken in the logits' own dtype: upcasting bf16 to float32 is exact and keeps
+    the order (ties included), so a `.float()` first would only add a kernel.
+    """
     if not do_sample:
         return torch.argmax(logits, dim=-1)
-    return sample(probs(state, logits), generator)
+    return sample(probs(state, logits.float()), generator)
 
 
 def step_positions(cache_lens: torch.Tensor, starts: torch.Tensor, T: int) -> torch.Tensor:
     """[B, T] rotary positions of the T slots from cache_lens[b] on: slot - starts[b]."""
+    if T == 1:  # the decode steps: one subtraction, no arange and add of zeros
+        return (cache_lens - starts)[:, None]
     offsets = torch.arange(T, device=cache_lens.device)  # [T]
     return (cache_lens - starts)[:, None] + offsets[None]
 
@@ -171,11 +188,14 @@ def plain_step(target: ModelSteps, state: DecodeState, vocab_size: int, do_sampl
 
 def decode_one_token(target: ModelSteps, state: DecodeState, vocab_size: int, do_sample: bool,
                      generator: torch.Generator | None) -> StepResult:
-    """Without a draft: feed `pending` at slot L, choose the next token from the target."""
+    """Without a draft: feed `pending` at slot L, choose the next token from the target (greedy:
+    the rest of the step is `finish_greedy`'s)."""
     cache = target.cache
     positions = step_positions(cache.seq_lens, cache.starts, 1)  # [B, 1]
     logits = target.run(DECODE, state.pending[:, None], positions)  # [B, 1, V_target]
-    token = choose(state, logits[:, 0, :vocab_size].float(), do_sample, generator)  # [B]
+    token = choose(state, logits[:, 0, :vocab_size], do_sample, generator)  # [B]
+    if not do_sample:
+        return finish_greedy(target, state, None, token[:, None])
     result = StepResult(token[:, None], torch.zeros_like(token))
     _advance(target, state, result)
     return result
@@ -201,20 +221,20 @@ def draft(draft_model: ModelSteps, target_lens: torch.Tensor, state: DecodeState
     cache.set_lengths(target_lens - 1)  # rewinds past whatever the last round left
     tokens = torch.stack([state.last, state.pending], dim=1)  # [B, 2]
     positions = step_positions(cache.seq_lens, cache.starts, 2)  # [B, 2]
-    logits = draft_model.run(CATCHUP, tokens, positions)[:, -1, :vocab_size].float()  # [B, V]
+    logits = draft_model.run(CATCHUP, tokens, positions)[:, -1, :vocab_size]  # [B, V]
     cache.advance(2)
     drafted, draft_probs = [], []
     for i in range(gamma):
         if i > 0:
             positions = step_positions(cache.seq_lens, cache.starts, 1)  # [B, 1]
             step_logits = draft_model.run(DECODE, drafted[-1][:, None], positions)
-            logits = step_logits[:, 0, :vocab_size].float()  # [B, V]
+            logits = step_logits[:, 0, :vocab_size]  # [B, V]
             cache.advance(1)
         if do_sample:
-            p = probs(state, logits)  # [B, V]
+            p = probs(state, logits.float())  # [B, V]
             draft_probs.append(p)
             drafted.append(sample(p, generator))
-        else:
+        else:  # in the logits' dtype: see `choose`
             drafted.append(torch.argmax(logits, dim=-1))
     draft_tokens = torch.stack(drafted, dim=1)  # [B, gamma]
     return draft_tokens, (torch.stack(draft_probs, dim=1) if draft_probs else None)
@@ -224,13 +244,14 @@ def verify(target: ModelSteps, state: DecodeState, draft_tokens: torch.Tensor,
            vocab_size: int) -> torch.Tensor:
     """The target over [pending, d_1..d_gamma] at slots L..L+gamma in one forward.
 
-    Returns float32 logits [B, gamma + 1, V]: row i scores the token after slot L + i.
+    Returns logits [B, gamma + 1, V] in the model's dtype (a view: the caller upcasts only to
+    sample): row i scores the token after slot L + i.
     """
     cache = target.cache
     tokens = torch.cat([state.pending[:, None], draft_tokens], dim=1)  # [B, gamma + 1]
     positions = step_positions(cache.seq_lens, cache.starts, tokens.shape[1])
     kind = verify_step(draft_tokens.shape[1])
-    return target.run(kind, tokens, positions)[:, :, :vocab_size].float()
+    return target.run(kind, tokens, positions)[:, :, :vocab_size]
 
 
 def speculative_step(target: ModelSteps, draft_model: ModelSteps, state: DecodeState,
@@ -244,20 +265,53 @@ def speculative_step(target: ModelSteps, draft_model: ModelSteps, state: DecodeS
     draft_tokens, p = draft(draft_model, target.cache.seq_lens, state, gamma, vocab_size,
                             do_sample, generator)
     target_logits = verify(target, state, draft_tokens, vocab_size)  # [B, gamma + 1, V]
-    if do_sample:
-        q = probs(state, target_logits)  # [B, gamma + 1, V]
-        n, next_token = accept_sampling(draft_tokens, p, q, generator)
-    else:
-        n, next_token = accept_greedy(draft_tokens, torch.argmax(target_logits, dim=-1))
-    # [d_1..d_n, next, (stale drafts)]: row b keeps its first n + 1.
+    if not do_sample:  # the argmax in the logits' dtype: see `choose`
+        target_tokens = torch.argmax(target_logits, dim=-1)  # [B, gamma + 1]
+        return finish_greedy(target, state, draft_tokens, target_tokens).packed()
+    q = probs(state, target_logits.float())  # [B, gamma + 1, V]
+    n, next_token = accept_sampling(draft_tokens, p, q, generator)
+    result = _emit(draft_tokens, n, next_token)
+    _advance(target, state, result, _new_last(state, draft_tokens, n))
+    return result.packed()
+
+
+def finish_greedy(target: ModelSteps, state: DecodeState, draft_tokens: torch.Tensor | None,
+                  target_tokens: torch.Tensor, fused: bool | None = None) -> StepResult:
+    """Everything a greedy step does after the target's argmax: accept, advance, finish rows.
+
+    draft_tokens: [B, gamma], or None for a plain decode step. target_tokens: [B, gamma + 1]
+    (plain: [B, 1]), the target's argmax over [pending, d_1..d_gamma].
+    fused: True runs runtime/step_kernels.py's one Triton kernel (one launch instead of ~30
+    tiny ones), False the eager code below (the reference: bit for bit the same), None the
+    kernel on CUDA (elsewhere too with step_kernels.FUSE_OFF_CUDA, for tests).
+    """
+    if fused is None:
+        fused = fused_by_default(target_tokens.device)
+    if fused:
+        packed = finish_greedy_step(state, target.cache.seq_lens, draft_tokens, target_tokens)
+        return StepResult.from_packed(packed)
+    if draft_tokens is None:  # plain decode: the one token, nothing accepted
+        token = target_tokens[:, 0]
+        result = StepResult(target_tokens, torch.zeros_like(token))
+        _advance(target, state, result)
+        return result
+    n, next_token = accept_greedy(draft_tokens, target_tokens)
+    result = _emit(draft_tokens, n, next_token)
+    _advance(target, state, result, _new_last(state, draft_tokens, n))
+    return result
+
+
+def _emit(draft_tokens: torch.Tensor, n: torch.Tensor, next_token: torch.Tensor) -> StepResult:
+    """The step's tokens [d_1..d_n, next, (stale drafts)]: row b keeps its first n + 1."""
     tokens = torch.cat([draft_tokens, draft_tokens.new_zeros(draft_tokens.shape[0], 1)], dim=1)
     tokens = tokens.scatter(1, n[:, None], next_token[:, None])  # [B, gamma + 1]
-    # The token now in slot L + n (y when n == 0, else d_n) is the next round's `last`.
+    return StepResult(tokens, n)
+
+
+def _new_last(state: DecodeState, draft_tokens: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """The token now in slot L + n (y when n == 0, else d_n): the next round's `last` [B]."""
     fed = torch.cat([state.pending[:, None], draft_tokens], dim=1)  # [B, gamma + 1]
-    new_last = fed.gather(1, n[:, None])[:, 0]
-    result = StepResult(tokens, n)
-    _advance(target, state, result, new_last)
-    return result.packed()
+    return fed.gather(1, n[:, None])[:, 0]
 
 
 @torch.no_grad()
@@ -290,6 +344,10 @@ def _advance(target: ModelSteps, state: DecodeState, result: StepResult,
     (ignored) steps write only slots up to L + gamma: inside the cache. The runtime issues
     steps ahead of its read-backs, so such steps do run. The emitted tokens go into `history`
     at slots L + 1.. (the first is the new pending's slot when n + 1 tokens are kept).
+    With S = max_seq_len + gamma + 1 slots (fuser/pipeline.py) and L <= max_seq_len - 1, those
+    slots end at L + 1 + gamma <= S - 1: the clamp below guards the bounds but never folds two
+    tokens onto one slot (where it would, scatter_'s winner is the last on the CPU and
+    unspecified on CUDA; runtime/step_kernels.py keeps the CPU's).
     """
     active = state.active
     n = result.num_accepted
