@@ -113,17 +113,19 @@ def test_a_speculative_step_never_syncs_with_the_host(do_sample: bool) -> None:
     ids, mask = prompts([5, 3], seed=1)
     checked = check_prompts(ids, mask, vocab_size=engine.vocab_size, max_batch_size=4,
                             max_tokens=MAX_SEQ_LEN, device=engine.device)
-    generator = torch.Generator(device=engine.device).manual_seed(0)
-    sampling = speculative.Sampling(do_sample, 0.8, 20, 0.9, generator)
-    eos = torch.tensor([3], device=engine.device)
-    state, _ = speculative.prefill(engine.target, engine.draft, pad_batch(checked, 4, 2),
-                                   checked.length, engine.vocab_size, sampling, eos, 30)
+    bucket = engine.bucket(checked.batch)
+    state, generator = bucket.state, engine.generator
+    generator.manual_seed(0)
+    state.load(30, [3], 0.8, 20, 0.9, engine.vocab_size)
+    speculative.prefill(bucket.target, bucket.draft, state, pad_batch(checked, bucket.batch, 2),
+                        checked.length, engine.vocab_size, do_sample, generator)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for _ in range(3):
-            result = speculative.speculative_step(engine.target, engine.draft, state,
-                                                  engine.gamma, engine.vocab_size, sampling)
+        for _ in range(3):  # uncaptured: what the step graph was captured from
+            packed = speculative.speculative_step(bucket.target, bucket.draft, state,
+                                                  engine.gamma, engine.vocab_size, do_sample,
+                                                  generator)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert result.packed().cpu().shape == (4, engine.gamma + 2)
+    assert packed.cpu().shape == (bucket.batch, engine.gamma + 2)
