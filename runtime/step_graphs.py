@@ -57,12 +57,15 @@ class IterationGraph:
     returns its static packed output (overwritten by the next replay)."""
 
     def __init__(self, fn: Callable[[], torch.Tensor], generator: torch.Generator | None,
-                 pool: object, warmup: int = 2) -> None:
+                 pool: object, warmup: int = 2,
+                 reset: Callable[[], None] | None = None) -> None:
         device = torch.device("cuda", torch.cuda.current_device())
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side), torch.no_grad():
             for _ in range(warmup):  # lazy initialisation, autotuning: not under capture
+                if reset is not None:
+                    reset()  # each warm-up step from the same lengths: the cache stays in bounds
                 fn()
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
@@ -163,8 +166,11 @@ class Bucket:
             for do_sample in (False, True):
                 self.reset_for_timing(timing_length)
                 try:
+                    # Warm-up steps advance the lengths by up to gamma + 1 each: without the
+                    # reset, two of them from timing_length could write past a small cache.
                     self.graphs[(gamma, do_sample)] = IterationGraph(
-                        self.function(gamma, do_sample), self.generator, pool)
+                        self.function(gamma, do_sample), self.generator, pool,
+                        reset=lambda: self.reset_for_timing(timing_length))
                 except Exception as e:  # noqa: BLE001 -- a shape that cannot be captured
                     failures.append(f"bucket {self.batch}, {_name(gamma, do_sample)}: CUDA graph "
                                     f"capture failed ({type(e).__name__}: "
