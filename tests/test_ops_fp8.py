@@ -23,7 +23,7 @@ import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from fuser.ops import fp8_quant as _  # noqa: F401  (registers the fuser::*_quant ops)
@@ -177,7 +177,8 @@ def assert_quantized_equal(got: tuple[torch.Tensor, torch.Tensor],
 
 
 def assert_codes_near(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor],
-                      rounded_to: torch.dtype, min_equal: float) -> None:
+                      rounded_to: torch.dtype, min_equal: float,
+                      scale_ulps: float | torch.Tensor = 4) -> None:
     """Quantized activations of two computations that agree to ~2 ulps of `rounded_to`.
 
     Scales agree to 4 ulps of that dtype (amax moves by 2 ulps at most, one division); each
@@ -188,7 +189,7 @@ def assert_codes_near(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.
     (q, s), (rq, rs) = got, want
     assert_valid_codes(q, s)
     eps = torch.finfo(rounded_to).eps
-    assert ((s.double() - rs.double()).abs() <= 4 * eps * rs.double()).all()
+    assert ((s.double() - rs.double()).abs() <= scale_ulps * eps * rs.double()).all()
     a, b = q.double(), rq.double()
     step = torch.maximum(a.abs(), b.abs()).clamp_min(2.0**-6) * 2**-3  # one e4m3 step at a, b
     assert ((a - b).abs() <= step).all(), "a code moved by more than one step"
@@ -447,7 +448,9 @@ def test_norm_quant_multi_pass(residual):
                       quantize_rows(rms_norm_reference(x, w, 1e-5).cpu()), torch.float32, 0.98)
 
 
-@settings(max_examples=20, **SETTINGS)
+@settings(max_examples=20, derandomize=True, **SETTINGS)
+@example(rows=1, I=1, dtype=torch.float32, activation="gelu_tanh", block=None, outlier=False,
+         zero_rows=0, seed=4)  # act ~ 5e-7 at g ~ -4.6: 7 ulps off (activation_ulps)
 @given(rows=st.integers(1, 6), I=st.sampled_from([1, 7, 64, 65, 300]),
        dtype=st.sampled_from(DTYPES), activation=st.sampled_from(["silu", "gelu_tanh"]),
        block=st.sampled_from([None, 32]), outlier=st.booleans(), zero_rows=st.integers(0, 1),
@@ -460,8 +463,21 @@ def test_gated_act_quant_equals_quantized_gated_act_kernel(rows, I, dtype, activ
     q, s = gated_act_quant_triton(gate_up, activation, block=block)
     assert q.shape == (rows, I) and s.shape == (rows,)
     assert_quantized_equal((q, s), quantize_rows(gated_act_triton(gate_up, activation)))
-    assert_codes_near((q.cpu(), s.cpu()), quantize_rows(exact_gated_act(gate_up.cpu(), activation)),
-                      rounded_to=dtype, min_equal=0.9)
+    exact = exact_gated_act(gate_up.cpu(), activation)
+    assert_codes_near((q.cpu(), s.cpu()), quantize_rows(exact), rounded_to=dtype, min_equal=0.9,
+                      scale_ulps=activation_ulps(gate_up.cpu(), exact, activation))
+
+
+def activation_ulps(gate_up: torch.Tensor, exact: torch.Tensor, activation: str) -> torch.Tensor:
+    """Per row, how many ulps the kernel's fp32 act(g) * u at the row's amax may be off: 4, plus
+    |z| where act = g / (1 + exp(-z)) (z = g for silu, 2 sqrt(2/pi) (g + 0.044715 g^3) for
+    gelu_tanh). z carries a rounding of ~|z| * eps, which exp turns into a relative error of
+    the same size when exp(-z) >> 1: act ~ 1e-7 at g ~ -4.5 is accurate to ~|z| = 10 ulps only
+    (hypothesis found 7 there)."""
+    gate = gate_up.double().chunk(2, dim=-1)[0]
+    z = gate if activation == "silu" else 2 * math.sqrt(2 / math.pi) * (gate + 0.044715 * gate**3)
+    at = exact.double().abs().argmax(dim=-1, keepdim=True)  # [rows, 1], the amax element
+    return 4 + z.gather(-1, at)[:, 0].abs().nan_to_num(0.0)
 
 
 def exact_gated_act(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
