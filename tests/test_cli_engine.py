@@ -12,6 +12,9 @@ from engine_dirs import BuiltEngine, run_fuser
 from fuser.models import bundled_pair
 from tiny import tiny_model
 
+# One pytest worker builds the bundled engine for both files (README: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("bundled_engine")
+
 
 def ok(done: object) -> str:
     assert done.returncode == 0, done.stderr[-3000:]

@@ -17,6 +17,9 @@ from engine_dirs import BuiltEngine, load_in_fresh_process
 from fuser import engine_file as ef
 from fuser.passes.fx import count_targets
 
+# One pytest worker builds the bundled engine for both files (README: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("bundled_engine")
+
 
 def test_fresh_process_reproduces_tokens_and_loads_fast(bundled_engine: BuiltEngine,
                                                         tmp_path: Path) -> None:

@@ -20,7 +20,8 @@ def test_fused_attention_in_decode_and_verify(family: str) -> None:
     window = WINDOW.get(family)
     target = tiny_model(family, layers=2, sliding_window=window)
     draft = tiny_model(family, layers=1, seed=1, sliding_window=window)
-    config = fuser.FuserConfig(max_batch_size=2, max_seq_len=32, gamma=4, fused_attention=True)
+    config = fuser.FuserConfig(max_batch_size=2,
+                               batch_buckets=(2,), max_seq_len=32, gamma=4, fused_attention=True)
     engine = fuser.optimize(target, draft=draft, config=config)
     graphs = engine.report().graphs
     for name in ("target.decode", "target.verify", "draft.decode", "draft.catchup"):
@@ -36,7 +37,8 @@ def test_fused_attention_in_decode_and_verify(family: str) -> None:
 
     eos = [target.config.vocab_size - 1]
     got = engine.generate(ids, 12, attention_mask=mask, eos_token_id=eos)
-    plain = fuser.optimize(target, config=fuser.FuserConfig(max_batch_size=2, max_seq_len=32))
+    plain = fuser.optimize(target, config=fuser.FuserConfig(max_batch_size=2,
+                                                            batch_buckets=(2,), max_seq_len=32))
     want = plain.generate(ids, 12, attention_mask=mask, eos_token_id=eos)
     assert torch.equal(got, want)
 

@@ -37,7 +37,7 @@ def check(model: nn.Module, batch: int, lengths: list[int], gamma: int, seed: in
                        kv_heads=model.config.num_key_value_heads,
                        head_dim=model.config.head_dim)
     engine = fuser.optimize(model, draft=draft, config=fuser.FuserConfig(
-        max_batch_size=batch, max_seq_len=32, gamma=gamma))
+        max_batch_size=batch, batch_buckets=(batch,), max_seq_len=32, gamma=gamma))
     report = engine.report()
     assert report.fallbacks == []
     for compiled in (engine.target, engine.draft):
@@ -61,7 +61,8 @@ def check(model: nn.Module, batch: int, lengths: list[int], gamma: int, seed: in
     # numbers: prefill logits against eager, and greedy speculative == target-only greedy
     dtype = next(model.parameters()).dtype
     assert real_logits_error(engine, model, batch, lengths, seed) <= LOGITS_TOLERANCE[dtype]
-    plain = fuser.optimize(model, config=fuser.FuserConfig(max_batch_size=batch, max_seq_len=32))
+    plain = fuser.optimize(model, config=fuser.FuserConfig(max_batch_size=batch,
+                                                           batch_buckets=(batch,), max_seq_len=32))
     ids, mask = random_prompts(batch, lengths, model.config.vocab_size, seed)
     eos = [model.config.vocab_size - 1]
     assert torch.equal(engine.generate(ids, 8, attention_mask=mask, eos_token_id=eos),

@@ -56,7 +56,8 @@ def check_engine(model: nn.Module, batch: int, lengths: list[int], seed: int) ->
     before = copy.deepcopy(model)
     weights_before = storage_bytes(list(model.parameters()))
     with gemms_before_passes() as gemms_before:
-        engine = fuser.optimize(model, config=fuser.FuserConfig(max_batch_size=batch, max_seq_len=32))
+        config = fuser.FuserConfig(max_batch_size=batch, batch_buckets=(batch,), max_seq_len=32)
+        engine = fuser.optimize(model, config=config)
     report = engine.report()
     assert report.fallbacks == []
 

@@ -30,7 +30,8 @@ def norm_entries(counts: dict[str, int]) -> dict[str, int]:
 
 def check_engine(model: torch.nn.Module, batch: int, lengths: list[int], seed: int) -> None:
     layers = model.config.num_hidden_layers
-    engine = fuser.optimize(model, config=fuser.FuserConfig(max_batch_size=batch, max_seq_len=32))
+    engine = fuser.optimize(model, config=fuser.FuserConfig(max_batch_size=batch,
+                                                            batch_buckets=(batch,), max_seq_len=32))
     report = engine.report()
 
     # 1. numbers agree with eager on every real (non-padding) position
@@ -57,7 +58,8 @@ def test_rmsnorm_fused_and_exact(family: str, data: st.DataObject) -> None:
 
 def test_bf16_counts_and_numbers() -> None:
     model = tiny_model("llama", dtype=torch.bfloat16, layers=2)
-    engine = fuser.optimize(model, config=fuser.FuserConfig(max_batch_size=2, max_seq_len=16))
+    engine = fuser.optimize(model, config=fuser.FuserConfig(max_batch_size=2,
+                                                            batch_buckets=(2,), max_seq_len=16))
     assert norm_entries(engine.report().passes) == expected_counts(2)
     ids, mask = random_prompts(2, [5, 3], model.config.vocab_size, seed=1)
     out = engine.logits(ids, attention_mask=mask)

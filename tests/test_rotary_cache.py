@@ -205,7 +205,7 @@ def test_pass_on_engines(family: str) -> None:
     window = 3 if family == "mistral" else None
     target = tiny_model(family, layers=2, heads=4, kv_heads=2, head_dim=24, sliding_window=window)
     draft = tiny_model(family, layers=1, seed=1, heads=2, kv_heads=1, sliding_window=window)
-    config = fuser.FuserConfig(max_batch_size=2, max_seq_len=32, gamma=2)
+    config = fuser.FuserConfig(max_batch_size=2, batch_buckets=(2,), max_seq_len=32, gamma=2)
     engine = fuser.optimize(target, draft=draft, config=config)
     report = engine.report()
     assert report.fallbacks == []
