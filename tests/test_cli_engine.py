@@ -7,6 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 
 from engine_dirs import BuiltEngine, run_fuser
 from fuser.models import bundled_pair
