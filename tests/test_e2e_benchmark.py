@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # about 90 s on a 2-core CPU (three parts, two engines each, peers)
 def test_e2e_dry_run_writes_json_plot_and_table(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "e2e.py"), "--dry-run", "--gammas", "1,2",
