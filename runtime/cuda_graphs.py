@@ -14,6 +14,17 @@ import torch
 StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def capture_failed(e: Exception) -> str:
+    """After a failed capture: let the device settle (a failed capture can leave an error
+    behind) and describe the failure in one line, "CUDA graph capture failed (Type: first line)"."""
+    try:
+        torch.cuda.synchronize()
+    except Exception:  # noqa: BLE001 -- the error the failed capture left, already reported
+        pass
+    first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+    return f"CUDA graph capture failed ({type(e).__name__}: {first})"
+
+
 class CudaGraphStep:
     """`fn` captured for tokens of one shape [B, T]; call it like `fn`."""
 

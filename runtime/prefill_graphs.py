@@ -20,7 +20,7 @@ import warnings
 
 import torch
 
-from fuser.runtime.cuda_graphs import CudaGraphStep
+from fuser.runtime.cuda_graphs import CudaGraphStep, capture_failed
 from fuser.runtime.steps import PREFILL, ModelSteps
 
 PREFILL_BLOCK = 32  # padded prompt lengths are multiples of this
@@ -70,15 +70,9 @@ class PrefillGraphs:
                                   cache.starts, pool=self.pool)
         except Exception as e:  # noqa: BLE001 -- a length that cannot be captured runs without
             self.failed.add(T)
-            first = str(e).strip().splitlines()[0][:200] if str(e) else ""
             self.failures.append(f"{model.role}.prefill at {T} tokens (batch "
-                                 f"{cache.batch_size}): CUDA graph capture failed "
-                                 f"({type(e).__name__}: {first}); it runs uncaptured")
+                                 f"{cache.batch_size}): {capture_failed(e)}; it runs uncaptured")
             warnings.warn(f"fuser: {self.failures[-1]}", stacklevel=4)
-            try:
-                torch.cuda.synchronize()
-            except Exception:  # noqa: BLE001 -- a failed capture can leave an error behind
-                pass
             return None
         self.graphs[T] = graph
         return graph

@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 
 from fuser.runtime import speculative
+from fuser.runtime.cuda_graphs import capture_failed
 from fuser.runtime.prefill_graphs import PrefillGraphs, padded_length
 from fuser.runtime.speculative import DecodeState
 from fuser.runtime.steps import CATCHUP, DECODE, ModelSteps, StepGraph, verify
@@ -172,14 +173,8 @@ class Bucket:
                         self.function(gamma, do_sample), self.generator, pool,
                         reset=lambda: self.reset_for_timing(timing_length))
                 except Exception as e:  # noqa: BLE001 -- a shape that cannot be captured
-                    failures.append(f"bucket {self.batch}, {_name(gamma, do_sample)}: CUDA graph "
-                                    f"capture failed ({type(e).__name__}: "
-                                    f"{str(e).strip().splitlines()[0][:200] if str(e) else ''});"
-                                    " it runs uncaptured")
-                    try:
-                        torch.cuda.synchronize()
-                    except Exception:  # noqa: BLE001
-                        pass
+                    failures.append(f"bucket {self.batch}, {_name(gamma, do_sample)}: "
+                                    f"{capture_failed(e)}; it runs uncaptured")
         self.reset_for_timing(0)
         return failures
 
