@@ -10,6 +10,7 @@
 #   bash benchmarks/gpu_all.sh early    # fused-quant GPU test failures in full, e2e part (2) 8B + 1B draft, step-graph GPU tests
 #   bash benchmarks/gpu_all.sh bundled  # fused-quant GPU tests, e2e part (1): the bundled pair, peers, gamma 1..8 and auto
 #   bash benchmarks/gpu_all.sh late     # new GPU tests (prefill graphs, step kernels, fused quant, step graphs), e2e (1) bundled + (3) buckets
+#   bash benchmarks/gpu_all.sh lab      # fp32 CUDA-engine test tracebacks, candidate GEMV kernels (gemv_lab.py)
 #   bash benchmarks/gpu_all.sh fp8-accuracy [fp8_accuracy.py flags]   # FP8 vs bf16 on the bundled pair
 # OUT=<dir for logs and JSON>
 set -o pipefail
@@ -28,6 +29,18 @@ if [ "$what" = checks ]; then
   summary+=("GPU tests: $(tail -1 "$OUT/gpu_tests.log")")
   echo "== FP8 ops"
   python3 benchmarks/fp8_ops.py --out "$OUT/fp8_ops.json" 2>&1 | tee "$OUT/fp8_ops.log" | tail -40
+elif [ "$what" = lab ]; then
+  # Fifth session, first call: the fp32 CUDA-engine test failures in full, then candidate GEMV
+  # kernels (benchmarks/gemv_lab.py) against the current one.
+  echo "== failing GPU tests, tracebacks"
+  timeout 200 python3 -m pytest -q -p no:logging -p no:cacheprovider --tb=short -x \
+    tests/test_prefill_graphs.py tests/test_generate_speculative.py -k "gpu or syncs" 2>&1 \
+    | tee "$OUT/gpu_tests.log" | grep -v Warning | tail -40
+  echo "== GEMV lab"
+  timeout 150 python3 benchmarks/gemv_lab.py --out "$OUT/lab_fp8.json" --only qkv,o_proj,down,gate_up \
+    --dtypes fp8 --rows 1,5 --budget 140 2>&1 | tee "$OUT/lab_fp8.log" | grep -v Warning
+  timeout 100 python3 benchmarks/gemv_lab.py --out "$OUT/lab_bf16.json" --only qkv,o_proj,down \
+    --dtypes bf16 --rows 1,5 --budget 90 2>&1 | tee "$OUT/lab_bf16.log" | grep -v Warning
 elif [ "$what" = decode ]; then
   echo "== decode benchmark"
   python3 benchmarks/decode.py --out "$OUT/decode.json" "$@" 2>&1 | tee "$OUT/decode.log" | grep -v Warning | tail -80
