@@ -110,3 +110,23 @@ def test_cublas_keeps_the_shapes_it_measured_faster_on():
     for M, N, K in [(1, 6144, 4096), (1, 4096, 4096), (1, 28672, 4096), (1, 128256, 4096),
                     (5, 4096, 14336), (9, 6144, 4096), (5, 128256, 4096)]:
         assert not prefers_cublas(M, N, K), (M, N, K)
+
+
+def test_tiles_fit_shared_memory_and_tuned_configs_stay():
+    """fp32 weights at the MMA path's tuned tiles asked an H200 for 288 KB of shared memory
+    (OutOfResources in every fp32 CUDA engine); the launcher trims stages, then block_k. The
+    tuned bf16 and FP8 tables stay as measured."""
+    from fuser.ops.linear import (SHARED_MEMORY_BUDGET, _default_config, _default_fp8_config,
+                                  _fit_shared_memory)
+
+    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (96, 64)]
+    for M in (1, 2, 5, 9, 16):
+        block_m = 1 if M == 1 else 16
+        for N, K in shapes:
+            bn, bk, _, stages = _default_config(M, N, K)
+            assert _fit_shared_memory(block_m, bn, bk, stages, 2, 2) == (stages, bk)
+            bn8, bk8, _, stages8 = _default_fp8_config(M, N, K)
+            assert _fit_shared_memory(block_m, bn8, bk8, stages8, 1, 2) == (stages8, bk8)
+            fit_stages, fit_k = _fit_shared_memory(block_m, bn, bk, stages, 4, 4)
+            assert fit_stages * fit_k * (bn * 4 + block_m * 4) <= SHARED_MEMORY_BUDGET
+            assert fit_stages >= 2 and fit_k >= 32

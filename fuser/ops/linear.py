@@ -175,6 +175,28 @@ def _default_fp8_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
     return 64, 256, 4, 4                # lm_head (the sweep's 32 x 512 measured slower)
 
 
+SHARED_MEMORY_BUDGET = 200 * 1024  # bytes of pipelined tiles (an H200 SM has 227 KiB); every tuned
+# bf16 and FP8 configuration fits it unchanged
+
+
+def _fit_shared_memory(block_m: int, block_n: int, block_k: int, stages: int, w_size: int,
+                       x_size: int) -> tuple[int, int]:
+    """(num_stages, block_k) whose pipelined tiles fit SHARED_MEMORY_BUDGET.
+
+    The tuned tables are for 2-byte (and FP8) weights; an fp32 model's tiles are twice the
+    bytes, and at the MMA path's 64 x 256 tile with 4 stages they ask ~320 KB of shared memory
+    (Triton's OutOfResources on an H200). Fewer stages first (down to 2), then shorter K steps.
+    """
+    def need(stages: int, block_k: int) -> int:
+        return stages * block_k * (block_n * w_size + (block_m if block_m > 1 else 1) * x_size)
+
+    while need(stages, block_k) > SHARED_MEMORY_BUDGET and stages > 2:
+        stages -= 1
+    while need(stages, block_k) > SHARED_MEMORY_BUDGET and block_k > 32:
+        block_k //= 2
+    return stages, block_k
+
+
 def prefers_cublas(M: int, N: int, K: int) -> bool:
     """Shapes where cuBLAS measured faster than every configuration of this kernel on an H200
     (benchmarks/RESULTS.md): one row against a long K (down_proj: 32.4 vs 34.7 us), and several
@@ -238,6 +260,9 @@ def linear_triton(
         raise ValueError(f"block_n={bn}: a gated program takes block_n / 2 gate rows and as "
                          "many up rows, so block_n must be 2 or more")
     block_m = 1 if M == 1 else max(16, triton.next_power_of_2(M))
+    if num_stages is None and block_k is None:
+        stages, bk = _fit_shared_memory(block_m, bn, bk, stages, weight.element_size(),
+                                        x.element_size())
     if block_m > 1 and bn < 16:
         raise ValueError(f"block_n={bn}: the MMA path (more than one row) needs block_n >= 16")
     dot_dtype = x.dtype if fp8 else weight.dtype  # fp8: the MMA runs in x's dtype
