@@ -105,9 +105,9 @@ def test_gpu_op_falls_back_above_max_rows():
 def test_cublas_keeps_the_shapes_it_measured_faster_on():
     from fuser.ops.linear import prefers_cublas
 
-    assert prefers_cublas(1, 4096, 14336)  # down_proj, one row
     assert prefers_cublas(5, 28672, 4096)  # gate_up, verification rows
     for M, N, K in [(1, 6144, 4096), (1, 4096, 4096), (1, 28672, 4096), (1, 128256, 4096),
+                    (1, 4096, 14336),  # down_proj, one row: split-K beats cuBLAS
                     (5, 4096, 14336), (9, 6144, 4096), (5, 128256, 4096)]:
         assert not prefers_cublas(M, N, K), (M, N, K)
 
@@ -130,3 +130,65 @@ def test_tiles_fit_shared_memory_and_tuned_configs_stay():
             fit_stages, fit_k = _fit_shared_memory(block_m, bn, bk, stages, 4, 4)
             assert fit_stages * fit_k * (bn * 4 + block_m * 4) <= SHARED_MEMORY_BUDGET
             assert fit_stages >= 2 and fit_k >= 32
+
+
+# --- split-K: SPLIT_K programs per column block, summed by the last one in the same launch ------
+
+
+@settings(max_examples=12, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(
+    M=st.sampled_from([1, 3, 16]),
+    N=st.integers(1, 70),
+    blocks_per_split=st.integers(1, 3),
+    split_k=st.sampled_from([2, 3, 4]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    fp8=st.booleans(),
+    activation=st.sampled_from([None, "silu"]),
+    seed=st.integers(0, 2**16),
+)
+def test_split_k_equals_the_unsplit_sum_and_leaves_counters_at_zero(
+        M, N, blocks_per_split, split_k, dtype, fp8, activation, seed):
+    from fuser.ops.fp8 import quantize_weight
+    from fuser.ops.linear import split_counters
+
+    block_k = 32
+    K = block_k * blocks_per_split * split_k
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).to(dtype).to(DEVICE)
+    w = (torch.randn(2 * N if activation else N, K, generator=g) * 0.1).to(dtype).to(DEVICE)
+    scale = None
+    if fp8:
+        w, scale = quantize_weight(w)
+    config = dict(weight_scale=scale, activation=activation, block_n=16, block_k=block_k)
+    split = linear_triton(x, w, split_k=split_k, **config)
+    again = linear_triton(x, w, split_k=split_k, **config)  # the counters were reset
+    whole = linear_triton(x, w, split_k=1, **config)
+    assert torch.equal(split, again)
+    assert not split_counters(x.device).any()
+    assert split.shape == whole.shape and torch.isfinite(split).all()
+    # the same products, summed in split order: equal up to the fp32 order of the sum (and one
+    # rounding of the result to the dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2.0**-7
+    torch.testing.assert_close(split.float(), whole.float(), rtol=tol, atol=tol * (
+        whole.float().abs().max().item() + 1e-6))
+    if activation is None and not fp8:
+        check(x.cpu(), w.cpu(), split.cpu())
+
+
+def test_split_k_refuses_a_split_that_does_not_divide_k():
+    x = torch.randn(1, 96, device=DEVICE)
+    w = torch.randn(8, 96, device=DEVICE)
+    with pytest.raises(ValueError, match="split_k"):
+        linear_triton(x, w, split_k=2, block_k=64)
+
+
+def test_default_split_k_is_where_it_measured_faster():
+    from fuser.ops.linear import _default_split_k
+
+    assert _default_split_k(1, 4096, 14336, False) == 2      # down_proj, bf16
+    assert _default_split_k(1, 4096, 14336, True) == 2       # down_proj, fp8
+    assert _default_split_k(1, 4096, 4096, False) == 2       # o_proj, bf16
+    assert _default_split_k(1, 4096, 4096, True) == 1
+    assert _default_split_k(1, 6144, 4096, False) == 1       # qkv
+    assert _default_split_k(5, 4096, 14336, False) == 1      # several rows: never

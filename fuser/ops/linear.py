@@ -64,12 +64,41 @@ MAX_ROWS = 16  # M above this is not a decode shape: the op falls back to the re
 
 
 @triton.jit
+def _sum_splits(acc, part_ptr, count_ptr, pid, SIZE: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Split-K in one launch: (sum of the SPLIT_K partial accumulators of column block `pid`,
+    whether this program is the one that summed them).
+
+    Every program of the block stores its fp32 partial, then increments the block's counter
+    (acq_rel, GPU scope; the barrier first, so that all of this program's warps have stored).
+    The program that sees SPLIT_K - 1 arrived last: every other partial is visible to it. It
+    reads them with L2-only loads (.cg: an L1 line of this SM could hold a previous call's
+    partial), adds them in split order, the same order whichever program is last, so the result
+    is deterministic, and resets the counter to zero for the next call or graph replay. The
+    others return zeros and store nothing.
+    """
+    idx = tl.arange(0, SIZE)
+    parts = part_ptr + pid.to(tl.int64) * (SPLIT_K * SIZE)
+    tl.store(parts + tl.program_id(1) * SIZE + idx, tl.reshape(acc, [SIZE]))
+    tl.debug_barrier()
+    arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel")
+    last = arrived == SPLIT_K - 1
+    total = tl.zeros([SIZE], dtype=tl.float32)
+    if last:
+        for s in tl.static_range(SPLIT_K):
+            total += tl.load(parts + s * SIZE + idx, cache_modifier=".cg")
+        tl.store(count_ptr + pid, 0)
+    return tl.reshape(total, acc.shape), last
+
+
+@triton.jit
 def _linear_kernel(
     x_ptr,                      # x: [M, K], row stride stride_xm, column stride 1
     w_ptr,                      # weight: [N, K] ([2N, K], gate rows then up rows, if gated);
                                 # row stride stride_wn; x's dtype, or e4m3fn
     scale_ptr,                  # w_scale: one fp32 per weight row (read only if HAS_SCALE)
     out_ptr,                    # out: [M, N], row stride stride_om, x's dtype
+    part_ptr,                   # SPLIT_K > 1: fp32 workspace [programs, SPLIT_K, BLOCK_M * BLOCK_N]
+    count_ptr,                  # SPLIT_K > 1: int32 counter per program, zero between calls
     M, N, K,                    # N: output columns
     stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr,      # 1 (CUDA-core path) or a power of two >= 16 (MMA path)
@@ -79,8 +108,17 @@ def _linear_kernel(
     HAS_SCALE: tl.constexpr,    # FP8 weight: dequantized in registers, out = acc * w_scale
     ACTIVATION: tl.constexpr,   # "": out = x @ W.T; else a key of gated_act.ACTIVATIONS:
                                 # out = act(x @ W[:N].T) * (x @ W[N:].T), the gated MLP
+    SPLIT_K: tl.constexpr = 1,  # programs per column block, each over K / SPLIT_K (see below)
 ):
     pid = tl.program_id(0)
+    # Split-K: program (pid, s) sums K range [s * K / SPLIT_K, (s + 1) * K / SPLIT_K) (the
+    # launcher makes SPLIT_K * BLOCK_K divide K): both ends are multiples of 16, which keeps
+    # the weight loads 16-byte vectors (FP8 too: K // 2 alone is known only as a multiple of 8).
+    k_lo = tl.program_id(1) * (K // SPLIT_K)
+    k_hi = k_lo + K // SPLIT_K
+    if SPLIT_K > 1:
+        k_lo = tl.multiple_of(k_lo, 16)
+        k_hi = tl.multiple_of(k_hi, 16)
     tile = tl.arange(0, BLOCK_N)                            # rows of the weight tile
     if ACTIVATION == "":
         cols = pid * BLOCK_N + tile                         # output columns = weight rows
@@ -97,21 +135,23 @@ def _linear_kernel(
     w_rows = w_ptr + w_row[:, None].to(tl.int64) * stride_wn
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             k = k0 + offs_k
-            k_ok = k < K
+            k_ok = k < k_hi
             w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_ptr + k, mask=k_ok, other=0.0)
             acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        if SPLIT_K > 1:
+            acc, last = _sum_splits(acc, part_ptr, count_ptr, pid, BLOCK_N, SPLIT_K)
         if HAS_SCALE:  # once per output, after the sum over K
             acc *= tl.load(scale_ptr + w_row, mask=col_ok, other=0.0)
     else:
         rows = tl.arange(0, BLOCK_M)
         row_ok = rows < M
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             k = k0 + offs_k
-            k_ok = k < K
+            k_ok = k < k_hi
             w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :],
                         mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -124,6 +164,8 @@ def _linear_kernel(
                 acc += tl.dot(x, tl.trans(w.to(x.dtype)))
             else:
                 acc += tl.dot(x.to(w.dtype), tl.trans(w))
+        if SPLIT_K > 1:
+            acc, last = _sum_splits(acc, part_ptr, count_ptr, pid, BLOCK_M * BLOCK_N, SPLIT_K)
         if HAS_SCALE:  # once per output column, after the sum over K
             acc *= tl.load(scale_ptr + w_row, mask=col_ok, other=0.0)[None, :]
     out_dtype = out_ptr.dtype.element_ty
@@ -139,6 +181,8 @@ def _linear_kernel(
             gate, up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, HALF]), [0, 2, 1]))
         acc = act_times_up(gate.to(out_dtype).to(tl.float32), up.to(out_dtype).to(tl.float32),
                            ACTIVATION, out_dtype)
+    if SPLIT_K > 1:  # only the program that summed the splits writes (see _sum_splits)
+        col_ok = (col_ok.to(tl.int32) * last.to(tl.int32)) != 0
     if BLOCK_M == 1:
         tl.store(out_ptr + cols, acc.to(out_dtype), mask=col_ok)
     else:
@@ -150,8 +194,10 @@ def _default_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
     """(block_n, block_k, num_warps, num_stages): the fastest of benchmarks/linear_sweep.py's
     configurations on an H200 at Llama-3-8B shapes (benchmarks/RESULTS.md)."""
     if M == 1:
+        if K > 8192:                # down_proj, split in 2 (_default_split_k): gemv_lab.py
+            return 8, 512, 4, 4
         if N * K <= 2**25:          # qkv (6144 x 4096), o_proj (4096 x 4096): more programs
-            return 8, 512, 8, 4
+            return (8, 512, 4, 4) if N <= 4096 else (8, 512, 8, 4)   # o_proj: split in 2
         return 16, 512, 4, 4        # gate_up, lm_head
     if K >= 8192 or N <= 4096:      # down_proj, o_proj
         return 32, 512, 4, 4
@@ -173,6 +219,40 @@ def _default_fp8_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
     if N < 2**16:                       # qkv, o_proj, gate_up, down_proj
         return 32, 512, 4, 4
     return 64, 256, 4, 4                # lm_head (the sweep's 32 x 512 measured slower)
+
+
+def _default_split_k(M: int, N: int, K: int, fp8: bool) -> int:
+    """Programs per column block (split-K, summed in the same launch): 2 where
+    benchmarks/gemv_lab.py measured it faster on an H200 (2026-12-01, RESULTS.md): one row
+    against down_proj's long K (bf16 30.1 vs 38.7 us unsplit and 31.8 for cuBLAS; FP8 18.7 vs
+    20.7) and, in bf16, o_proj's 4096 x 4096 (11.2 vs 12.2). Everything else measured no gain."""
+    if M != 1:
+        return 1
+    if K > 8192:
+        return 2
+    return 2 if (not fp8 and N <= 4096) else 1
+
+
+MAX_SPLIT_PROGRAMS = 1 << 16  # counters in split_counters' buffer: column blocks of one launch
+_SPLIT_COUNTERS: dict[tuple[int, int], Tensor] = {}
+
+
+def split_counters(device: torch.device) -> Tensor:
+    """The split-K counters of `device` and the current stream: MAX_SPLIT_PROGRAMS int32 zeros.
+
+    Every split launch leaves the counters it used at zero (_sum_splits resets them), so the
+    launches of one stream can share one buffer: they run one after another. Another stream
+    gets its own. The buffer is allocated on a stream's first split launch; in an engine that
+    is the eager warm-up, before any CUDA graph is captured (a first use inside a capture would
+    record its zero fill as one more kernel of the graph, still correct).
+    """
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device.index or 0 if device.type == "cuda" else -1, stream)
+    counters = _SPLIT_COUNTERS.get(key)
+    if counters is None:
+        counters = torch.zeros(MAX_SPLIT_PROGRAMS, dtype=torch.int32, device=device)
+        _SPLIT_COUNTERS[key] = counters
+    return counters
 
 
 SHARED_MEMORY_BUDGET = 200 * 1024  # bytes of pipelined tiles (an H200 SM has 227 KiB); every tuned
@@ -199,11 +279,11 @@ def _fit_shared_memory(block_m: int, block_n: int, block_k: int, stages: int, w_
 
 def prefers_cublas(M: int, N: int, K: int) -> bool:
     """Shapes where cuBLAS measured faster than every configuration of this kernel on an H200
-    (benchmarks/RESULTS.md): one row against a long K (down_proj: 32.4 vs 34.7 us), and several
-    rows against a wide, 4096-deep weight (gate_up: 57.6 vs 57.5-58.2 us, a tie at best).
-    passes/linear.py leaves these GEMMs to cuBLAS."""
+    (benchmarks/RESULTS.md): several rows against a wide, 4096-deep weight (gate_up: 57.6 vs
+    57.5-58.2 us, a tie at best). passes/linear.py leaves these GEMMs to cuBLAS. (One row
+    against down_proj's long K was cuBLAS's too, 32.4 vs 34.7 us, until split-K: 30.1 vs 31.8.)"""
     if M == 1:
-        return K > 8192
+        return False
     return N * K > 2**26 and N < 2**16
 
 
@@ -211,7 +291,7 @@ def linear_triton(
     x: Tensor, weight: Tensor, *, weight_scale: Tensor | None = None,
     activation: str | None = None,
     block_n: int | None = None, block_k: int | None = None,
-    num_warps: int | None = None, num_stages: int | None = None,
+    num_warps: int | None = None, num_stages: int | None = None, split_k: int | None = None,
 ) -> Tensor:
     """x @ weight.T for x [..., K] with at most MAX_ROWS rows in all; weight [N, K].
 
@@ -269,11 +349,23 @@ def linear_triton(
     fp32_dots = dot_dtype == torch.float32 or (
         x.device.type != "cuda" and dot_dtype == torch.bfloat16)
     cols_per_program = bn // 2 if activation is not None else bn
-    _linear_kernel[(triton.cdiv(N, cols_per_program),)](
-        x2, weight, weight_scale if fp8 else out, out,
+    programs = triton.cdiv(N, cols_per_program)
+    splits = _default_split_k(M, rows_w, K, fp8) if split_k is None else split_k
+    if splits > 1 and (K % (splits * bk) or programs > MAX_SPLIT_PROGRAMS):
+        if split_k is not None:
+            raise ValueError(f"split_k={split_k}: needs split_k * block_k ({splits} * {bk}) to "
+                             f"divide K={K} and at most {MAX_SPLIT_PROGRAMS} column blocks")
+        splits = 1
+    parts = counts = out  # unused unless split
+    if splits > 1:
+        parts = torch.empty((programs, splits, block_m * bn), dtype=torch.float32,
+                            device=x.device)
+        counts = split_counters(x.device)
+    _linear_kernel[(programs, splits)](
+        x2, weight, weight_scale if fp8 else out, out, parts, counts,
         M, N, K, x2.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, FP32_DOTS=fp32_dots, HAS_SCALE=fp8,
-        ACTIVATION=activation or "",
+        ACTIVATION=activation or "", SPLIT_K=splits,
         num_warps=num_warps or warps, num_stages=num_stages or stages,
     )
     return out.reshape(*lead, N)
