@@ -343,16 +343,16 @@ from fuser.ops.linear import _default_config, _default_fp8_config, _linear_kerne
 
 NAMES = ["x_ptr", "w_ptr", "scale_ptr", "out_ptr", "part_ptr", "count_ptr", "M", "N", "K",
          "stride_xm", "stride_wn", "stride_om", "BLOCK_M", "BLOCK_N", "BLOCK_K", "FP32_DOTS",
-         "HAS_SCALE", "ACTIVATION"]
+         "HAS_SCALE", "ACTIVATION", "SPLIT_K"]
 out = {}
 for fp8, M in [(False, 1), (True, 16)]:
     for act in ("", "silu"):
         bn, bk, warps, stages = (_default_fp8_config if fp8 else _default_config)(M, 28672, 4096)
         types = ["*bf16", "*fp8e4nv" if fp8 else "*bf16", "*fp32", "*bf16", "*fp32",
                  "*i32"] + ["i32"] * 6
-        sig = dict(zip(NAMES, types + ["constexpr"] * 6))
+        sig = dict(zip(NAMES, types + ["constexpr"] * 7))
         consts = dict(BLOCK_M=1 if M == 1 else 16, BLOCK_N=bn, BLOCK_K=bk, FP32_DOTS=False,
-                      HAS_SCALE=fp8, ACTIVATION=act)
+                      HAS_SCALE=fp8, ACTIVATION=act, SPLIT_K=1)
         attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11)}
         src = ASTSource(_linear_kernel, sig, {(NAMES.index(k),): v for k, v in consts.items()},
                         attrs)
