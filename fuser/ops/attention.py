@@ -42,8 +42,9 @@ size of the cache, M = rep * T query rows:
     FLOPs ~= 4 * M * L * D  (q.k^T and p.v) + ~5 * M * L (scale, mask, exp, max/sum)
 One launch per call: the merge no longer costs a second kernel and its launch gap (~0.5 us each,
 once per layer in a decode step), but runs in one program per (b, kv head) after the others,
-serially over the splits (MERGE_UNROLL of them in flight), where the second kernel spread it over
-B * H * T programs.
+a few splits at a time (`_merge_config`), where the second kernel spread it over B * H * T
+programs: it reads num_splits * M * (D + 2) * 4 bytes of scratch alone, ~35 KB per kv head at
+Llama-3-8B decode (17 splits, M = 4), 9x that at T = 9.
 Decode (T = 1) is memory bound on K/V; at rep * T = 128 (rep 8, T 16) the two dots dominate.
 """
 
@@ -85,25 +86,26 @@ def _merge_splits(
     acc_ptr, ml_ptr,   # scratch from _split_kernel
     bk, rows, row_ok, cols, col_ok, M, D,   # rows: [R] query rows of (b, kv head) bk
     NUM_SPLITS: tl.constexpr,
-    UNROLL: tl.constexpr,         # splits loaded per loop step (independent loads in flight)
+    MAX_CHUNK: tl.constexpr,      # splits per [MAX_CHUNK, R] tile of m in the first pass
+    UNROLL: tl.constexpr,         # splits loaded per step of the second (independent loads)
     CACHE: tl.constexpr,          # cache modifier of the scratch loads
 ):
     """out[r] = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s with m = max_s m_s: [R, BLOCK_D].
 
-    Two passes over the splits, each in order 0..NUM_SPLITS-1 and elementwise per (row, col):
-    no cross-thread reduction, so the sums round the same way in any tile shape and launch
-    configuration (the fused and the two-kernel paths give the same bits). The max is exact in
-    any order. Splits past NUM_SPLITS (the last UNROLL step) load m = -inf, l = 0, acc = 0,
-    which add exact zeros.
+    The sums run in split order 0..NUM_SPLITS-1, elementwise per (row, col): no cross-thread
+    reduction, so they round the same way in any tile shape and launch configuration (the fused
+    and the two-kernel paths give the same bits). The max is exact in any order: a tile
+    reduction. Splits past NUM_SPLITS (the last step) load m = -inf, l = 0, acc = 0, which add
+    exact zeros.
     """
     m_max = tl.full(rows.shape, float("-inf"), tl.float32)
-    for s0 in range(0, NUM_SPLITS, UNROLL):
-        for i in tl.static_range(UNROLL):
-            part = bk * NUM_SPLITS + s0 + i
-            ok = row_ok & (s0 + i < NUM_SPLITS)
-            m = tl.load(ml_ptr + part * 2 * M + rows, mask=ok, other=float("-inf"),
-                        cache_modifier=CACHE)
-            m_max = tl.maximum(m_max, m)
+    for s0 in range(0, NUM_SPLITS, MAX_CHUNK):
+        splits = s0 + tl.arange(0, MAX_CHUNK)
+        part = bk * NUM_SPLITS + splits
+        m = tl.load(ml_ptr + part[:, None] * 2 * M + rows[None, :],
+                    mask=(splits < NUM_SPLITS)[:, None] & row_ok[None, :], other=float("-inf"),
+                    cache_modifier=CACHE)                   # [MAX_CHUNK, R]
+        m_max = tl.maximum(m_max, tl.max(m, axis=0))
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)   # no visible key anywhere: all w = 0
     denom = tl.zeros(rows.shape, tl.float32)
     o = tl.zeros([rows.shape[0], cols.shape[0]], tl.float32)
@@ -152,7 +154,9 @@ def _split_kernel(
     window,
     NUM_SPLITS: tl.constexpr,
     FUSED: tl.constexpr,          # merge the splits here (last program); else _combine_kernel does
-    MERGE_UNROLL: tl.constexpr,   # splits whose partials the merge loads at once
+    MERGE_ROWS: tl.constexpr,     # power of two >= M: the merge's rows (no dot, no 16 minimum)
+    MERGE_CHUNK: tl.constexpr,    # _merge_splits' MAX_CHUNK
+    MERGE_UNROLL: tl.constexpr,   # _merge_splits' UNROLL
     BLOCK_M: tl.constexpr,        # power of two >= max(16, M): tl.dot needs M, N, K >= 16
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,        # power of two >= max(16, D); D = 80 runs masked in 128
@@ -269,9 +273,11 @@ def _split_kernel(
             tl.debug_barrier()
             done = tl.atomic_add(counter_ptr + bk, 1, sem="acq_rel", scope="gpu")
             if done == NUM_SPLITS - 1:
-                o = _merge_splits(acc_ptr, ml_ptr, bk, rows, row_ok, cols, col_ok, M, D,
-                                  NUM_SPLITS, MERGE_UNROLL, ".cg")
-                _store_rows(out_ptr, o, b, kvh, rows, row_ok, cols, col_ok, KV, T, D, M)
+                merge_rows = tl.arange(0, MERGE_ROWS)
+                merge_ok = merge_rows < M
+                o = _merge_splits(acc_ptr, ml_ptr, bk, merge_rows, merge_ok, cols, col_ok, M, D,
+                                  NUM_SPLITS, MERGE_CHUNK, MERGE_UNROLL, ".cg")
+                _store_rows(out_ptr, o, b, kvh, merge_rows, merge_ok, cols, col_ok, KV, T, D, M)
                 # Back to zero for the next kernel on the stream (the next layer, the next
                 # replay of a CUDA graph): every split of this (b, kv head) has counted.
                 tl.store(counter_ptr + bk, 0)
@@ -283,6 +289,7 @@ def _combine_kernel(
     out_ptr,           # [B, T, H, D] contiguous
     H, KV, T, D, M,
     NUM_SPLITS: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
     MERGE_UNROLL: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -299,7 +306,7 @@ def _combine_kernel(
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
     o = _merge_splits(acc_ptr, ml_ptr, b * KV + kvh, rows, row_ok, cols, col_ok, M, D,
-                      NUM_SPLITS, MERGE_UNROLL, "")
+                      NUM_SPLITS, MERGE_CHUNK, MERGE_UNROLL, "")
     _store_rows(out_ptr, o, b, kvh, rows, row_ok, cols, col_ok, KV, T, D, M)
 
 
@@ -316,6 +323,16 @@ def _num_splits(programs: int, s: int, block_n: int, target_programs: int) -> in
     # shapes, never on seq_lens, so a CUDA graph captured once stays valid.
     n_blocks = triton.cdiv(s, block_n)
     return max(1, min(triton.cdiv(target_programs, programs), n_blocks, MAX_SPLITS))
+
+
+def _merge_config(splits: int, rows: int, block_d: int) -> dict:
+    """_merge_splits' loop steps for `rows` query rows. Its loads are L2 round trips, serial from
+    one step to the next, so each step loads as many splits as fit in ~4K (m: one tile, often
+    all splits) or ~8K (the [rows, block_d] partials: 64 fp32 registers a thread at 4 warps)
+    values. Exact for any steps: the order of the sums does not change."""
+    p2 = triton.next_power_of_2(splits)
+    return dict(MERGE_CHUNK=min(p2, max(1, 4096 // rows)),
+                MERGE_UNROLL=min(p2, max(1, 8192 // (rows * block_d)), 16))
 
 
 # Split counters of the fused merge, per device: int32, zero between kernels. One buffer serves
@@ -388,15 +405,13 @@ def cache_attention_read_triton(
     fp32_dots = k_cache.dtype == torch.float32 or (
         q.device.type != "cuda" and k_cache.dtype == torch.bfloat16)
     log2e = 1.4426950408889634
-    # The merge loads MERGE_UNROLL splits' [M, D] partials at a time: independent loads in
-    # flight hide the L2 latency of a serial loop over splits; ~8K fp32 values in flight
-    # (64 registers a thread at 4 warps) leave room for the rest of the kernel.
-    unroll = min(triton.next_power_of_2(splits), max(1, 8192 // (block_m * block_d)), 8)
+    merge_rows = triton.next_power_of_2(M)
+    merge = dict(MERGE_ROWS=merge_rows, **_merge_config(splits, merge_rows, block_d))
     _split_kernel[(programs, splits)](
         q, k_cache, v_cache, seq_lens, starts, acc, ml, out, counters,
         *q.stride(), S, KV, T, D, M,
         scale if softcap else scale * log2e, float(softcap), int(window),
-        NUM_SPLITS=splits, FUSED=fused, MERGE_UNROLL=unroll,
+        NUM_SPLITS=splits, FUSED=fused, **merge,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_WINDOW=bool(window), HAS_SOFTCAP=bool(softcap), FP32_DOTS=fp32_dots,
         # 4 warps: measured as fast or faster than 8 at every Llama-3-8B case on an H200, up to
@@ -406,7 +421,7 @@ def cache_attention_read_triton(
     if not fused:
         _combine_kernel[(B * H * T,)](
             acc, ml, out, H, KV, T, D, M,
-            NUM_SPLITS=splits, MERGE_UNROLL=min(triton.next_power_of_2(splits), 8),
+            NUM_SPLITS=splits, **_merge_config(splits, 1, block_d),
             BLOCK_D=block_d, num_warps=1 if block_d <= 64 else 2,
         )
     return out
