@@ -53,6 +53,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from fuser.ops.counters import split_counters
+
 BLOCK_N = 64          # key slots per inner-loop step
 TARGET_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs): latency of one hides behind the other
 MAX_SPLITS = 128
@@ -333,35 +335,6 @@ def _merge_config(splits: int, rows: int, block_d: int) -> dict:
     p2 = triton.next_power_of_2(splits)
     return dict(MERGE_CHUNK=min(p2, max(1, 4096 // rows)),
                 MERGE_UNROLL=min(p2, max(1, 8192 // (rows * block_d)), 16))
-
-
-# Split counters of the fused merge, per device: int32, zero between kernels. One buffer serves
-# every call on a device, as kernels on one stream run one after another and each leaves the
-# counters it used at zero (the last program of each (b, kv head) resets its own); two calls
-# may share counters only if they never overlap, which holds as long as attention runs on one
-# stream at a time (the engine's steps do; warm-up on a side stream is joined before capture).
-# Allocated on the first call (the engines run an eager warm-up before they capture; torch.zeros
-# inside a capture would record a memset in the graph), with room to spare, and never freed: a
-# CUDA graph keeps the address it captured, so a buffer grown later keeps the old one alive.
-SPLIT_COUNTERS = 4096
-_counters: dict[torch.device, Tensor] = {}
-_retired_counters: list[Tensor] = []
-
-
-def split_counters(device: torch.device, n: int) -> Tensor:
-    """At least n zeroed int32 split counters on device, the same buffer call after call."""
-    buf = _counters.get(device)
-    if buf is not None and buf.numel() >= n:
-        return buf
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            f"fuser::cache_attention_read needs {n} split counters on {device} and has "
-            f"{0 if buf is None else buf.numel()}; they cannot be allocated during CUDA graph "
-            "capture: call the op once outside the capture first (as the engines' warm-up does)")
-    if buf is not None:
-        _retired_counters.append(buf)  # captured graphs may still use it
-    _counters[device] = torch.zeros(max(n, SPLIT_COUNTERS), dtype=torch.int32, device=device)
-    return _counters[device]
 
 
 def cache_attention_read_triton(

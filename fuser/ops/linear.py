@@ -57,6 +57,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from fuser.ops.counters import split_counters
 from fuser.ops.fp8 import FP8_DTYPE, fp8_linear_reference
 from fuser.ops.gated_act import ACTIVATIONS, act_times_up, gated_act_reference
 
@@ -233,28 +234,6 @@ def _default_split_k(M: int, N: int, K: int, fp8: bool) -> int:
     return 2 if (not fp8 and N <= 4096) else 1
 
 
-MAX_SPLIT_PROGRAMS = 1 << 16  # counters in split_counters' buffer: column blocks of one launch
-_SPLIT_COUNTERS: dict[tuple[int, int], Tensor] = {}
-
-
-def split_counters(device: torch.device) -> Tensor:
-    """The split-K counters of `device` and the current stream: MAX_SPLIT_PROGRAMS int32 zeros.
-
-    Every split launch leaves the counters it used at zero (_sum_splits resets them), so the
-    launches of one stream can share one buffer: they run one after another. Another stream
-    gets its own. The buffer is allocated on a stream's first split launch; in an engine that
-    is the eager warm-up, before any CUDA graph is captured (a first use inside a capture would
-    record its zero fill as one more kernel of the graph, still correct).
-    """
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device.index or 0 if device.type == "cuda" else -1, stream)
-    counters = _SPLIT_COUNTERS.get(key)
-    if counters is None:
-        counters = torch.zeros(MAX_SPLIT_PROGRAMS, dtype=torch.int32, device=device)
-        _SPLIT_COUNTERS[key] = counters
-    return counters
-
-
 SHARED_MEMORY_BUDGET = 200 * 1024  # bytes of pipelined tiles (an H200 SM has 227 KiB); every tuned
 # bf16 and FP8 configuration fits it unchanged
 
@@ -351,16 +330,16 @@ def linear_triton(
     cols_per_program = bn // 2 if activation is not None else bn
     programs = triton.cdiv(N, cols_per_program)
     splits = _default_split_k(M, rows_w, K, fp8) if split_k is None else split_k
-    if splits > 1 and (K % (splits * bk) or programs > MAX_SPLIT_PROGRAMS):
+    if splits > 1 and K % (splits * bk):
         if split_k is not None:
             raise ValueError(f"split_k={split_k}: needs split_k * block_k ({splits} * {bk}) to "
-                             f"divide K={K} and at most {MAX_SPLIT_PROGRAMS} column blocks")
+                             f"divide K={K}")
         splits = 1
     parts = counts = out  # unused unless split
     if splits > 1:
         parts = torch.empty((programs, splits, block_m * bn), dtype=torch.float32,
                             device=x.device)
-        counts = split_counters(x.device)
+        counts = split_counters(x.device, programs)
     _linear_kernel[(programs, splits)](
         x2, weight, weight_scale if fp8 else out, out, parts, counts,
         M, N, K, x2.stride(0), weight.stride(0), out.stride(0),
