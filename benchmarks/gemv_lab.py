@@ -53,7 +53,8 @@ FULL = dict(warmup=25, rep=100)
 def _lab_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, count_ptr,
                 M, N, K, stride_xm, stride_wn, stride_om,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                SPLIT_K: tl.constexpr, HAS_SCALE: tl.constexpr, FP32_DOTS: tl.constexpr):
+                SPLIT_K: tl.constexpr, HAS_SCALE: tl.constexpr, FP32_DOTS: tl.constexpr,
+                MMA: tl.constexpr = True):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -71,6 +72,10 @@ def _lab_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, count_ptr,
         if BLOCK_M == 1:
             x = tl.load(x_ptr + k)
             acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1, keep_dims=True)
+        elif not MMA:  # several rows on the CUDA cores: [BLOCK_N, BLOCK_M, BLOCK_K] products
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None],
+                        other=0.0)
+            acc += tl.sum(w.to(tl.float32)[:, None, :] * x.to(tl.float32)[None, :, :], axis=2)
         else:
             xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + k[:, None], mask=m_ok[None, :],
                          other=0.0)
@@ -109,7 +114,12 @@ def lab_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, *, 
     M, K = x.shape
     N = w.shape[0]
     assert K % (split_k * block_k) == 0, (K, split_k, block_k)
-    block_m = 1 if (M == 1 and not mma) else max(16, triton.next_power_of_2(M))
+    if M == 1 and not mma:
+        block_m = 1
+    elif mma:
+        block_m = max(16, triton.next_power_of_2(M))
+    else:
+        block_m = triton.next_power_of_2(M)
     grid_n = triton.cdiv(N, block_n)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     key = (x.device, grid_n)
@@ -122,7 +132,7 @@ def lab_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, *, 
         x, w, scale if scale is not None else out, out, parts, _COUNTERS[key],
         M, N, K, x.stride(0), w.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-        HAS_SCALE=scale is not None, FP32_DOTS=fp32_dots,
+        HAS_SCALE=scale is not None, FP32_DOTS=fp32_dots, MMA=bool(mma) or block_m == 1,
         num_warps=num_warps, num_stages=num_stages)
     return out
 
@@ -135,14 +145,14 @@ def configs(M: int, fp8: bool, K: int) -> list[dict]:
     elif M == 1:
         core = [(8, 512, 1), (8, 512, 2), (4, 512, 4), (16, 256, 2), (8, 256, 4), (16, 512, 4)]
         mma = [(64, 128, 2), (32, 128, 4)]
-    else:
-        core = []
-        mma = [(16, 256, 1), (32, 256, 1), (64, 256, 1), (32, 256, 2), (64, 256, 2),
-               (64, 128, 4), (32, 128, 4), (16, 256, 4)]
+    else:  # CUDA cores (3-D products: keep block_n * block_m * block_k / threads small), MMA
+        core = [(4, 128, 1), (4, 256, 1), (8, 128, 1), (2, 256, 1), (4, 128, 2), (8, 64, 1)]
+        mma = [(32, 256, 1), (64, 256, 1), (64, 256, 2), (64, 128, 4)]
     out = []
     for (bn, bk, sk), mma_ in [(c, False) for c in core] + [(c, True) for c in mma]:
         if K % (sk * bk) == 0:
-            out.append(dict(block_n=bn, block_k=bk, split_k=sk, num_warps=4,
+            out.append(dict(block_n=bn, block_k=bk, split_k=sk,
+                            num_warps=8 if (M > 1 and not mma_) else 4,
                             num_stages=4 if not mma_ else 3, mma=mma_))
     return out
 

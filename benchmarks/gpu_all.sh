@@ -11,6 +11,7 @@
 #   bash benchmarks/gpu_all.sh bundled  # fused-quant GPU tests, e2e part (1): the bundled pair, peers, gamma 1..8 and auto
 #   bash benchmarks/gpu_all.sh late     # new GPU tests (prefill graphs, step kernels, fused quant, step graphs), e2e (1) bundled + (3) buckets
 #   bash benchmarks/gpu_all.sh lab      # fp32 CUDA-engine test tracebacks, candidate GEMV kernels (gemv_lab.py)
+#   bash benchmarks/gpu_all.sh kernels  # split-K GEMV + one-launch attention GPU tests, attention sweep, multi-row GEMV lab
 #   bash benchmarks/gpu_all.sh fp8-accuracy [fp8_accuracy.py flags]   # FP8 vs bf16 on the bundled pair
 # OUT=<dir for logs and JSON>
 set -o pipefail
@@ -41,6 +42,20 @@ elif [ "$what" = lab ]; then
     --dtypes fp8 --rows 1,5 --budget 140 2>&1 | tee "$OUT/lab_fp8.log" | grep -v Warning
   timeout 100 python3 benchmarks/gemv_lab.py --out "$OUT/lab_bf16.json" --only qkv,o_proj,down \
     --dtypes bf16 --rows 1,5 --budget 90 2>&1 | tee "$OUT/lab_bf16.log" | grep -v Warning
+elif [ "$what" = kernels ]; then
+  # Fifth session: GPU tests of the one-launch split-K kernels (GEMV, attention), the fp32 CUDA
+  # engines, the attention sweep (fused vs two-kernel merge), the multi-row GEMV lab.
+  echo "== GPU tests"
+  timeout 200 python3 -m pytest -q -p no:logging -p no:cacheprovider --tb=short -rf \
+    tests/test_ops_linear.py tests/test_ops_attention.py tests/test_ops_gated_linear.py \
+    tests/test_ops_fp8.py tests/test_prefill_graphs.py tests/test_generate_speculative.py \
+    -k "gpu or cuda or syncs or sm90" 2>&1 | tee "$OUT/gpu_tests.log" | grep -v Warning | tail -25
+  echo "== attention sweep"
+  timeout 120 python3 benchmarks/attention_sweep.py --out "$OUT/attention_sweep.json" 2>&1 \
+    | tee "$OUT/attention_sweep.log" | grep -v Warning | tail -20
+  echo "== GEMV lab, several rows"
+  timeout 130 python3 benchmarks/gemv_lab.py --out "$OUT/lab_rows.json" --only qkv,o_proj,down,gate_up \
+    --dtypes fp8 --rows 5,9 --budget 120 2>&1 | tee "$OUT/lab_rows.log" | grep -v Warning
 elif [ "$what" = decode ]; then
   echo "== decode benchmark"
   python3 benchmarks/decode.py --out "$OUT/decode.json" "$@" 2>&1 | tee "$OUT/decode.log" | grep -v Warning | tail -80
