@@ -47,9 +47,32 @@ bytes per program and the same grid as the plain GEMV over the merged weight. Nu
 and up each rounded to x's dtype (after their scales, for FP8), as the GEMV's output is, then
 act(gate) * up exactly as fuser::gated_act computes it (fuser/ops/gated_act.py act_times_up).
 
+RMSNorm prologue (`fuser::rms_norm_linear(x, g, eps, W, w_scale, act)`,
+`fuser::add_rms_norm_linear(x, r, g, eps, W, w_scale, act) -> (out, summed)`,
+passes/norm_linear.py): the GEMV's input is the norm's output, computed in the kernel instead of
+by fuser::rms_norm / add_rms_norm (one kernel and one launch gap fewer per norm: 2L + 1 per
+decode step, 65 on Llama-3-8B; ~2.5 us each on an H200), over any of the four weights above
+(w_scale None: x's dtype; act None: not gated). Each program first makes one pass over its
+rows' K for the sum of squares of h = x (+ r), h rounded to x's dtype before any upcast, and
+rstd = rsqrt(sum / K + eps) in fp32 (rmsnorm.py's formula); program 0 also writes h to `summed`
+(a separate buffer, never x or r: the other programs still read them). The K loop then loads
+x (and r) tiles instead of a normalised tile and forms g * (h * rstd).to(dtype), rounded once
+to x's dtype, with rmsnorm.py's own helpers (_load_block, _normalise): the value the norm
+kernel writes, bit for bit, except where the sum of squares, summed in another order (BLOCK_K
+chunks, then one reduction, against the norm kernel's single row-wide one), moves rstd by an
+ulp: in fp32 such a row then differs from norm-then-GEMV by ~2^-24 relative, in bf16/fp16
+nearly never (tests/test_ops_norm_linear.py). The kernel takes x, r and g in one dtype; the
+ops run the separate kernels for anything else and above MAX_ROWS.
+
 Cost: bytes = N * K * s_w + M * K * s_x + M * N * s_out (+ 4N for the FP8 scales);
 FLOPs = 2 * M * N * K (+ M * N scale multiplies). Gated, with N = 2I weight rows: the same
 weight and x bytes, M * I * s_out written; FLOPs = 4 * M * I * K + ~6-10 * M * I (activation).
+With the norm prologue: from HBM, + M * K * (s_r + s_sum) + K * s_g (the residual, summed
+written once, the norm weight) and no normed tensor written and read back; from L2, every
+program reads its rows of x (and r) twice (the sum-of-squares pass, then the K loop) and g
+once: grid * M * K * (2 (s_x + s_r) + s_g) bytes, e.g. 768 programs x 4096 x 10 B ~ 31 MB for
+qkv at M = 1 against its 50 MB weight from HBM; the first pass also delays each program's
+first weight load by one walk over x. FLOPs + ~5 * M * K per program (the recomputed norm).
 """
 
 import torch
