@@ -18,6 +18,7 @@ from fuser.passes.fx import count_fuser_ops, prepare_graph
 from fuser.passes.gated_linear import GATED_LINEAR
 from fuser.passes.gated_mlp import GATED_ACT
 from fuser.passes.linear import LINEAR
+from fuser.passes.norm_linear import NORM_LINEAR
 from fuser.passes.projections import MERGE_GATE_UP, MERGE_QKV
 from fuser.passes.rmsnorm import ADD_RMS_NORM, RMS_NORM
 from fuser.passes.rope import ROTARY
@@ -37,6 +38,8 @@ PASSES: list[GraphRewrite] = [
     LINEAR,  # every GEMM the merges left, at decode shapes, becomes the GEMV kernel
     GATED_LINEAR,  # last: folds gated_act into the decode GEMV (bf16 or FP8) that feeds it;
     # needs the GEMVs above, and gated_act's op over the merged gate/up output
+    NORM_LINEAR,  # after every GEMV pass: folds a norm into the one GEMV (any of the four) that
+    # reads it, so it must see the final GEMV op, gated_linear's included
 ]
 
 

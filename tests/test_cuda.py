@@ -71,9 +71,12 @@ def test_decode_gemv_in_every_fixed_step_and_no_fallback() -> None:
     assert report.fallbacks == []
     layers = target.config.num_hidden_layers
     for name in ("target.decode", "target.verify"):
-        # qkv, o_proj, down_proj per layer and the LM head; gate_up with its activation
-        assert report.graphs[name]["linear"] == 3 * layers + 1, name
-        assert report.graphs[name]["gated_linear"] == layers, name
+        # o_proj, down_proj per layer; qkv, gate_up (with its activation) and the LM head
+        # behind their norms, in one kernel each (norm_linear)
+        assert report.graphs[name]["linear"] == 2 * layers, name
+        assert report.graphs[name]["add_rms_norm_linear"] == 2 * layers, name
+        assert report.graphs[name]["rms_norm_linear"] == 1, name
+        assert "gated_linear" not in report.graphs[name], name
         assert "gated_act" not in report.graphs[name], name
     assert "linear" not in report.graphs["target.prefill"]
     assert "gated_linear" not in report.graphs["target.prefill"]

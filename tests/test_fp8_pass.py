@@ -37,6 +37,12 @@ def emulated_fp8(model: torch.nn.Module) -> torch.nn.Module:
     return emulated
 
 
+def norm_gemv_scales(gm: GraphModule) -> list[bool]:
+    """For each norm + GEMV op (norm_linear), whether it reads FP8 weights (a weight_scale)."""
+    ops = (torch.ops.fuser.rms_norm_linear.default, torch.ops.fuser.add_rms_norm_linear.default)
+    return [n.args[-2] is not None for n in gm.graph.nodes if n.target in ops]
+
+
 def linear_weight_reads(gm: GraphModule) -> int:
     """GEMMs left that read a model weight (in the model's dtype)."""
     return sum(1 for n in gm.graph.nodes if as_linear(n) is not None)
@@ -57,10 +63,13 @@ def test_counts_and_no_weight_read_left(llama) -> None:
     assert report.passes["fp8_linear"] == 4 * L + 1
     assert report.passes["linear"] == 0
     decode, prefill = engine.target[DECODE], engine.target[PREFILL]
-    # gate/up's GEMV takes the activation (gated_linear): qkv, o_proj, down_proj, LM head left
-    assert report.passes["gated_linear"] == L
-    assert decode.fused_ops["fp8_linear"] == 3 * L + 1
-    assert decode.fused_ops["fp8_gated_linear"] == L and "gated_act" not in decode.fused_ops
+    # gate/up's GEMV takes the activation (gated_linear), then every norm the GEMV it feeds
+    # (norm_linear: qkv, gate/up, LM head): o_proj and down_proj are left as fp8_linear
+    assert report.passes["gated_linear"] == L and report.passes["norm_linear"] == 2 * L + 1
+    assert decode.fused_ops["fp8_linear"] == 2 * L and "fp8_gated_linear" not in decode.fused_ops
+    assert decode.fused_ops["add_rms_norm_linear"] == 2 * L
+    assert decode.fused_ops["rms_norm_linear"] == 1 and "gated_act" not in decode.fused_ops
+    assert norm_gemv_scales(decode.rewritten) == [True] * (2 * L + 1)  # all over FP8 weights
     # rotary and the KV-cache write stay one op (the cache keeps the model's dtype)
     assert report.passes["rotary_cache"] == L and decode.fused_ops["rotary_cache_write"] == L
     assert prefill.fused_ops["fp8_scaled_mm"] == 4 * L + 1
@@ -110,7 +119,10 @@ def test_lm_head_kept_when_asked() -> None:
     engine = fuser.optimize(model, config=fuser.FuserConfig(**CONFIG, fp8_lm_head=False))
     L = model.config.num_hidden_layers
     assert engine.report().passes["fp8_linear"] == 4 * L
-    assert engine.target[DECODE].fused_ops.get("linear", 0) == 1  # the bf16/fp32 LM head GEMV
+    # the bf16/fp32 LM head GEMV, behind the final norm (norm_linear): the one fused op without
+    # an FP8 scale
+    assert engine.report().passes["norm_linear"] == 2 * L + 1
+    assert sorted(norm_gemv_scales(engine.target[DECODE].rewritten)) == [False] + [True] * 2 * L
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f != "llama"])
@@ -120,7 +132,8 @@ def test_fires_on_every_supported_family(family: str) -> None:
     L = model.config.num_hidden_layers
     assert engine.report().fallbacks == []
     assert engine.report().passes["fp8_linear"] == 4 * L + 1
-    assert engine.report().fused_ops["fp8_gated_linear"] == L
+    assert engine.report().passes["gated_linear"] == L
+    assert engine.report().passes["norm_linear"] == 2 * L + 1
     reference = emulated_fp8(model)
     ids, mask = random_prompts(2, [5, 3], model.config.vocab_size, seed=2)
     out = engine.logits(ids, attention_mask=mask)

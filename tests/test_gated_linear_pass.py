@@ -33,6 +33,12 @@ WITHOUT_GATED_LINEAR = [p for p in PASSES if p.name != "gated_linear"]
 WITHOUT_LINEAR = [p for p in PASSES if p.name != "linear"]  # as on CUDA where cuBLAS is kept
 
 
+def gated_norm_gemvs(gm: torch.fx.GraphModule) -> int:
+    """fuser::add_rms_norm_linear calls with an activation: the gated GEMV behind its norm."""
+    return sum(1 for n in gm.graph.nodes
+               if n.target is fuser_ops.add_rms_norm_linear.default and n.args[-1] is not None)
+
+
 class _MLP(nn.Module):
     """down(act(gate(x)) * up(x)); `variant` says how gate and up are computed and what else the
     module returns."""
@@ -159,8 +165,9 @@ def test_shared_greedy_engines_run_the_fused_op(engines) -> None:
         ops = graph.fused_ops
         if graph.kind.tokens is None:  # prefill
             assert ops.get("gated_linear", 0) == 0 and ops["gated_act"] == layers, graph.name
-        else:
-            assert ops["gated_linear"] == layers and "gated_act" not in ops, graph.name
+        else:  # the gated GEMV, then inside the post-attention norm's op (norm_linear)
+            assert graph.matches["gated_linear"] == layers and "gated_act" not in ops, graph.name
+            assert gated_norm_gemvs(graph.rewritten) == layers, graph.name
     assert engine.report().passes["gated_linear"] == layers
     ids, mask = prompts([5, 2], seed=11)
     ref, near_tie = hf_greedy(target, ids, mask, 10)
@@ -169,14 +176,21 @@ def test_shared_greedy_engines_run_the_fused_op(engines) -> None:
 
 def test_fp8_engine_saves_and_loads_the_fused_op(tmp_path) -> None:
     # The fused op reads the codes and scales fp8_linear registered, in the merged weight's own
-    # row order: an engine file stores and restores them as they are.
+    # row order: an engine file stores and restores them as they are. In the decode graph it
+    # then sits inside the post-attention norm's op (norm_linear), FP8 scale and activation
+    # among its arguments: the engine file stores that op too.
     model = tiny_model("llama", seed=5, layers=1)
     engine = fuser.optimize(model, config=fuser.FuserConfig(precision="fp8", max_batch_size=1,
                                                              max_seq_len=32))
-    assert engine.report().fused_ops["fp8_gated_linear"] == 1
+    report = engine.report()
+    assert report.passes["gated_linear"] == 1 and report.passes["norm_linear"] == 3
+    assert report.fused_ops == {"add_rms_norm_linear": 2, "cache_attention_read": 1,
+                                "fp8_linear": 2, "rms_norm_linear": 1, "rotary_cache_write": 1}
+    assert gated_norm_gemvs(engine.target[DECODE].rewritten) == 1
     engine.save(tmp_path / "engine")
     loaded = fuser.load(tmp_path / "engine")
-    assert loaded.report().graphs["target.decode"]["fp8_gated_linear"] == 1
+    assert loaded.report().graphs["target.decode"] == report.fused_ops
+    assert gated_norm_gemvs(loaded.target[DECODE].rewritten) == 1
     ids, mask = random_prompts(1, [5], model.config.vocab_size, seed=4)
     assert torch.equal(loaded.generate(ids, 6, attention_mask=mask, eos_token_id=[]),
                        engine.generate(ids, 6, attention_mask=mask, eos_token_id=[]))

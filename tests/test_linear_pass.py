@@ -1,5 +1,6 @@
 """The linear pass: decode-shaped GEMMs become fuser::linear on Llama, Mistral and Qwen2, and
-the gated_linear pass after it folds gate/up's activation into its GEMV (fuser::gated_linear).
+the gated_linear pass after it folds gate/up's activation into its GEMV (fuser::gated_linear),
+and norm_linear then folds each RMSNorm into the GEMV it feeds (fuser::(add_)rms_norm_linear).
 
 Exact counts (every layer's merged QKV, o_proj, merged gate/up, down_proj, and the LM head, in
 every fixed-T graph, gate/up then with its activation; none in prefill), numbers against eager through the engine, and negatives:
@@ -50,14 +51,21 @@ def check(model: nn.Module, batch: int, lengths: list[int], gamma: int, seed: in
                 # qkv (merged), o_proj, gate_up (merged), down_proj per layer, and the LM head;
                 # then gate_up's GEMV takes the activation (gated_linear): one op per layer
                 assert graph.matches["linear"] == 4 * n + 1, graph.name
-                assert graph.matches["gated_linear"] == gated == n, graph.name
-                assert linears == 3 * n + 1 and "gated_act" not in ops, graph.name
+                assert graph.matches["gated_linear"] == n and gated == 0, graph.name
+                # then every norm takes the GEMV it feeds (norm_linear): qkv and gate_up behind
+                # each layer's two norms, the LM head behind the final one; o_proj, down_proj left
+                assert graph.matches["norm_linear"] == 2 * n + 1, graph.name
+                assert ops["add_rms_norm_linear"] == 2 * n and ops["rms_norm_linear"] == 1, graph.name
+                assert "add_rms_norm" not in ops and "rms_norm" not in ops, graph.name
+                assert linears == 2 * n and "gated_act" not in ops, graph.name
                 assert gemms(graph.rewritten) == 0, graph.name
             else:  # prefill (symbolic rows) and too many rows keep their GEMMs and gated_act
                 assert linears == gated == 0 and ops["gated_act"] == n, graph.name
+                assert graph.matches["norm_linear"] == 0 and ops["add_rms_norm"] == 2 * n, graph.name
                 assert gemms(graph.rewritten) == 4 * n + 1, graph.name
     assert report.passes["linear"] == 4 * layers + 1
     assert report.passes["gated_linear"] == layers
+    assert report.passes["norm_linear"] == 2 * layers + 1
     # numbers: prefill logits against eager, and greedy speculative == target-only greedy
     dtype = next(model.parameters()).dtype
     assert real_logits_error(engine, model, batch, lengths, seed) <= LOGITS_TOLERANCE[dtype]

@@ -341,24 +341,26 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from fuser.ops.linear import _default_config, _default_fp8_config, _linear_kernel
 
-NAMES = ["x_ptr", "w_ptr", "scale_ptr", "out_ptr", "part_ptr", "count_ptr", "M", "N", "K",
-         "stride_xm", "stride_wn", "stride_om", "BLOCK_M", "BLOCK_N", "BLOCK_K", "FP32_DOTS",
-         "HAS_SCALE", "ACTIVATION", "SPLIT_K"]
+NAMES = ["x_ptr", "w_ptr", "scale_ptr", "out_ptr", "part_ptr", "count_ptr", "r_ptr", "g_ptr",
+         "sum_ptr", "M", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_rm", "eps",
+         "BLOCK_M", "BLOCK_N", "BLOCK_K", "FP32_DOTS", "HAS_SCALE", "ACTIVATION", "NORM",
+         "HAS_RESIDUAL", "SPLIT_K"]
 out = {}
 for fp8, M in [(False, 1), (True, 16)]:
-    for act in ("", "silu"):
+    for act, norm in (("", False), ("silu", False), ("silu", True)):
         bn, bk, warps, stages = (_default_fp8_config if fp8 else _default_config)(M, 28672, 4096)
-        types = ["*bf16", "*fp8e4nv" if fp8 else "*bf16", "*fp32", "*bf16", "*fp32",
-                 "*i32"] + ["i32"] * 6
-        sig = dict(zip(NAMES, types + ["constexpr"] * 7))
+        types = ["*bf16", "*fp8e4nv" if fp8 else "*bf16", "*fp32", "*bf16", "*fp32", "*i32",
+                 "*bf16", "*bf16", "*bf16"] + ["i32"] * 7 + ["fp32"]
+        sig = dict(zip(NAMES, types + ["constexpr"] * 9))
         consts = dict(BLOCK_M=1 if M == 1 else 16, BLOCK_N=bn, BLOCK_K=bk, FP32_DOTS=False,
-                      HAS_SCALE=fp8, ACTIVATION=act, SPLIT_K=1)
-        attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11)}
+                      HAS_SCALE=fp8, ACTIVATION=act, NORM=norm, HAS_RESIDUAL=norm, SPLIT_K=1)
+        attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12,
+                                                           13, 14, 15)}
         src = ASTSource(_linear_kernel, sig, {(NAMES.index(k),): v for k, v in consts.items()},
                         attrs)
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                              options={"num_warps": warps, "num_stages": stages}).asm["ptx"]
-        out[f"{'fp8' if fp8 else 'bf16'} M{M} {act or 'plain'}"] = [
+        out[f"{'fp8' if fp8 else 'bf16'} M{M} {act or 'plain'}{' norm' if norm else ''}"] = [
             ptx.count("ld.global.v4"), ptx.count("cp.async.cg"), ptx.count("cp.async.ca")]
 print(json.dumps(out))
 """
@@ -379,6 +381,10 @@ def test_gated_kernel_compiles_for_sm90_with_the_plain_kernels_loads() -> None:
         plain, gated = loads[f"{case} plain"], loads[f"{case} silu"]
         assert sum(plain) > 0, (case, plain)  # the count sees the weight loads at all
         assert gated == plain, (case, plain, gated)
+        # the norm prologue (fuser::add_rms_norm_linear) compiles for sm_90 too; it adds the
+        # loads of x, the residual and the norm weight, never fewer weight loads
+        normed = loads[f"{case} silu norm"]
+        assert all(n >= p for n, p in zip(normed, plain)), (case, plain, normed)
 
 
 # --- on a GPU: Llama-3-8B's gate/up (I = 14336, K = 4096) -----------------------------------------

@@ -72,13 +72,15 @@ def check_engine(model: nn.Module, batch: int, lengths: list[int], seed: int) ->
         name = graph.name
         assert graph.matches["merge_qkv"] == graph.matches["merge_gate_up"] == layers, name
         # the SwiGLU, alone or (decode-shaped graphs) inside gate_up's GEMV: gated_linear
-        gated = graph.fused_ops.get("gated_linear", 0)
+        # (then inside the norm's op with that GEMV: norm_linear)
+        gated = graph.matches["gated_linear"]
         assert graph.fused_ops.get("gated_act", 0) + gated == layers, name
         assert count_targets(graph.rewritten, aten.sigmoid.default) == 0, name  # core ATen's silu
         assert count_targets(graph.rewritten, aten.silu.default) == 0, name
         # q, k, v -> one GEMM and gate, up -> one: three fewer per layer (in decode-shaped
         # graphs the linear pass then turns each GEMM into fuser::linear: tests/test_linear_pass.py)
-        linears = graph.fused_ops.get("linear", 0) + gated
+        linears = sum(graph.fused_ops.get(op, 0) for op in (
+            "linear", "gated_linear", "rms_norm_linear", "add_rms_norm_linear"))
         assert gemms(graph.rewritten) + linears == gemms_before[name] - 3 * layers, name
     assert gemms_before["target.decode"] == 7 * layers + 1  # q k v o gate up down, lm_head
 

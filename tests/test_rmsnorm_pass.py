@@ -24,8 +24,11 @@ def expected_counts(layers: int) -> dict[str, int]:
 
 
 def norm_entries(counts: dict[str, int]) -> dict[str, int]:
-    """The RMSNorm entries of a passes / fused_ops dict (other passes report their own)."""
-    return {name: counts.get(name, 0) for name in ("add_rms_norm", "rms_norm")}
+    """The RMSNorm entries of a passes / fused_ops dict (other passes report their own). In
+    decode-shaped graphs a norm sits inside the GEMV it feeds (norm_linear: fuser::rms_norm_linear,
+    fuser::add_rms_norm_linear), counted here as its norm."""
+    return {name: counts.get(name, 0) + counts.get(f"{name}_linear", 0)
+            for name in ("add_rms_norm", "rms_norm")}
 
 
 def check_engine(model: torch.nn.Module, batch: int, lengths: list[int], seed: int) -> None:

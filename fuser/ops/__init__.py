@@ -37,12 +37,31 @@ def gated_act_cpu(gate_up, activation):
     return gated_act.gated_act_reference(gate_up, activation).contiguous()
 
 
+def _inline_linear(normed, weight, weight_scale, activation):
+    # As the unfused graph compiled: fuser::linear inlined, the gated and FP8 GEMVs opaque.
+    if weight_scale is None and activation is None:
+        return linear.linear_reference(normed, weight)
+    return linear._linear_op(normed, weight, weight_scale, activation)
+
+
+def rms_norm_linear_cpu(x, norm_weight, eps, weight, weight_scale, activation):
+    return _inline_linear(rms_norm_cpu(x, norm_weight, eps), weight, weight_scale, activation)
+
+
+def add_rms_norm_linear_cpu(x, residual, norm_weight, eps, weight, weight_scale, activation):
+    normed, summed = add_rms_norm_cpu(x, residual, norm_weight, eps)
+    return _inline_linear(normed, weight, weight_scale, activation), summed
+
+
 CPU_INLINE = {
     torch.ops.fuser.rms_norm.default: rms_norm_cpu,
     torch.ops.fuser.add_rms_norm.default: add_rms_norm_cpu,
     torch.ops.fuser.rotary.default: rotary_cpu,
     torch.ops.fuser.gated_act.default: gated_act_cpu,
     torch.ops.fuser.linear.default: linear.linear_reference,
+    # the norm inlined, the linear as its own op is (the norm + GEMV kernel is CUDA's)
+    torch.ops.fuser.rms_norm_linear.default: rms_norm_linear_cpu,
+    torch.ops.fuser.add_rms_norm_linear.default: add_rms_norm_linear_cpu,
     torch.ops.fuser.cache_attention.default: attention.cache_attention_grouped,
     torch.ops.fuser.cache_attention_read.default: attention.cache_attention_grouped,
 }

@@ -47,9 +47,32 @@ bytes per program and the same grid as the plain GEMV over the merged weight. Nu
 and up each rounded to x's dtype (after their scales, for FP8), as the GEMV's output is, then
 act(gate) * up exactly as fuser::gated_act computes it (fuser/ops/gated_act.py act_times_up).
 
+RMSNorm prologue (`fuser::rms_norm_linear(x, g, eps, W, w_scale, act)`,
+`fuser::add_rms_norm_linear(x, r, g, eps, W, w_scale, act) -> (out, summed)`,
+passes/norm_linear.py): the GEMV's input is the norm's output, computed in the kernel instead of
+by fuser::rms_norm / add_rms_norm (one kernel and one launch gap fewer per norm: 2L + 1 per
+decode step, 65 on Llama-3-8B; ~2.5 us each on an H200), over any of the four weights above
+(w_scale None: x's dtype; act None: not gated). Each program first makes one pass over its
+rows' K for the sum of squares of h = x (+ r), h rounded to x's dtype before any upcast, and
+rstd = rsqrt(sum / K + eps) in fp32 (rmsnorm.py's formula); program 0 also writes h to `summed`
+(a separate buffer, never x or r: the other programs still read them). The K loop then loads
+x (and r) tiles instead of a normalised tile and forms g * (h * rstd).to(dtype), rounded once
+to x's dtype, with rmsnorm.py's own helpers (_load_block, _normalise): the value the norm
+kernel writes, bit for bit, except where the sum of squares, summed in another order (BLOCK_K
+chunks, then one reduction, against the norm kernel's single row-wide one), moves rstd by an
+ulp: in fp32 such a row then differs from norm-then-GEMV by ~2^-24 relative, in bf16/fp16
+nearly never (tests/test_ops_norm_linear.py). The kernel takes x, r and g in one dtype; the
+ops run the separate kernels for anything else and above MAX_ROWS.
+
 Cost: bytes = N * K * s_w + M * K * s_x + M * N * s_out (+ 4N for the FP8 scales);
 FLOPs = 2 * M * N * K (+ M * N scale multiplies). Gated, with N = 2I weight rows: the same
 weight and x bytes, M * I * s_out written; FLOPs = 4 * M * I * K + ~6-10 * M * I (activation).
+With the norm prologue: from HBM, + M * K * (s_r + s_sum) + K * s_g (the residual, summed
+written once, the norm weight) and no normed tensor written and read back; from L2, every
+program reads its rows of x (and r) twice (the sum-of-squares pass, then the K loop) and g
+once: grid * M * K * (2 (s_x + s_r) + s_g) bytes, e.g. 768 programs x 4096 x 10 B ~ 31 MB for
+qkv at M = 1 against its 50 MB weight from HBM; the first pass also delays each program's
+first weight load by one walk over x. FLOPs + ~5 * M * K per program (the recomputed norm).
 """
 
 import torch
@@ -60,8 +83,28 @@ from torch import Tensor
 from fuser.ops.counters import split_counters
 from fuser.ops.fp8 import FP8_DTYPE, fp8_linear_reference
 from fuser.ops.gated_act import ACTIVATIONS, act_times_up, gated_act_reference
+from fuser.ops.rmsnorm import _load_block, _normalise, add_rms_norm_reference, rms_norm_reference
 
 MAX_ROWS = 16  # M above this is not a decode shape: the op falls back to the reference
+GEMV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # x's dtypes the kernel takes
+
+
+@triton.jit
+def _norm_x_tile(x_ptrs, r_ptrs, g_ptr, k, mask, k_ok, rstd, NORM: tl.constexpr,
+                 HAS_RESIDUAL: tl.constexpr):
+    """The GEMV's input tile at columns k, in x's dtype. x_ptrs / r_ptrs: row starts (broadcast
+    against k), mask: rows and columns in bounds, k_ok: columns in bounds (k's shape).
+
+    Without NORM that is x. With NORM it is the value fuser::rms_norm / add_rms_norm writes,
+    g * (h * rstd).to(dtype) rounded once, h = x (+ r) rounded to x's dtype, computed by
+    rmsnorm.py's own helpers (_load_block, _normalise) in the same order: the same bits for the
+    same rstd.
+    """
+    if NORM:
+        h = _load_block(x_ptrs, r_ptrs, x_ptrs, k, mask, HAS_RESIDUAL, False)
+        g = tl.load(g_ptr + k, mask=k_ok, other=0.0)
+        return _normalise(h, rstd, g, x_ptrs.dtype.element_ty).to(x_ptrs.dtype.element_ty)
+    return tl.load(x_ptrs + k, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -100,8 +143,12 @@ def _linear_kernel(
     out_ptr,                    # out: [M, N], row stride stride_om, x's dtype
     part_ptr,                   # SPLIT_K > 1: fp32 workspace [programs, SPLIT_K, BLOCK_M * BLOCK_N]
     count_ptr,                  # SPLIT_K > 1: int32 counter per program, zero between calls
+    r_ptr,                      # residual: [M, K] like x, row stride stride_rm (HAS_RESIDUAL)
+    g_ptr,                      # norm weight: [K], contiguous, x's dtype (NORM)
+    sum_ptr,                    # summed: [M, K], contiguous, x's dtype (HAS_RESIDUAL): x + r
     M, N, K,                    # N: output columns
-    stride_xm, stride_wn, stride_om,
+    stride_xm, stride_wn, stride_om, stride_rm,
+    eps,                        # the norm's epsilon (NORM)
     BLOCK_M: tl.constexpr,      # 1 (CUDA-core path) or a power of two >= 16 (MMA path)
     BLOCK_N: tl.constexpr,      # weight rows per program (gated: half gate, half up)
     BLOCK_K: tl.constexpr,
@@ -109,6 +156,9 @@ def _linear_kernel(
     HAS_SCALE: tl.constexpr,    # FP8 weight: dequantized in registers, out = acc * w_scale
     ACTIVATION: tl.constexpr,   # "": out = x @ W.T; else a key of gated_act.ACTIVATIONS:
                                 # out = act(x @ W[:N].T) * (x @ W[N:].T), the gated MLP
+    NORM: tl.constexpr,         # the GEMV's input is rms_norm(h) * g, h = x (+ r): see above
+    HAS_RESIDUAL: tl.constexpr,  # h = x + r (rounded to x's dtype); program 0 writes h to summed
+                                # (with SPLIT_K > 1 every split of column block 0: same values)
     SPLIT_K: tl.constexpr = 1,  # programs per column block, each over K / SPLIT_K (see below)
 ):
     pid = tl.program_id(0)
@@ -135,12 +185,27 @@ def _linear_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + w_row[:, None].to(tl.int64) * stride_wn
     if BLOCK_M == 1:
+        x_row, r_row = x_ptr, r_ptr
+        rstd = 0.0
+        if NORM:
+            # Norm prologue: one pass over the row for its sum of squares (program 0 also writes
+            # h = x + r out), rstd as rmsnorm.py computes it; the K loop then normalises x's tiles.
+            squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + offs_k
+                k_ok = k < K
+                h = _load_block(x_row, r_row, sum_ptr, k, k_ok, HAS_RESIDUAL, False)
+                if HAS_RESIDUAL:
+                    if pid == 0:  # one writer; never in place: the other programs read x, r
+                        tl.store(sum_ptr + k, h.to(sum_ptr.dtype.element_ty), mask=k_ok)
+                squares += h * h
+            rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)  # fp32, as rmsnorm.py
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             k = k0 + offs_k
             k_ok = k < k_hi
             w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            x = tl.load(x_ptr + k, mask=k_ok, other=0.0)
+            x = _norm_x_tile(x_row, r_row, g_ptr, k, k_ok, k_ok, rstd, NORM, HAS_RESIDUAL)
             acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
         if SPLIT_K > 1:
             acc, last = _sum_splits(acc, part_ptr, count_ptr, pid, BLOCK_N, SPLIT_K)
@@ -149,13 +214,28 @@ def _linear_kernel(
     else:
         rows = tl.arange(0, BLOCK_M)
         row_ok = rows < M
+        x_rows = x_ptr + rows[:, None] * stride_xm              # [BLOCK_M, 1]
+        r_rows = r_ptr + rows[:, None] * stride_rm
+        rstd = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
+        if NORM:  # the norm prologue, per row (padding rows: h = 0, never stored)
+            squares = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + offs_k
+                x_ok = row_ok[:, None] & (k < K)[None, :]
+                h = _load_block(x_rows, r_rows, sum_ptr, k[None, :], x_ok, HAS_RESIDUAL, False)
+                if HAS_RESIDUAL:
+                    if pid == 0:
+                        tl.store(sum_ptr + rows[:, None] * K + k[None, :],
+                                 h.to(sum_ptr.dtype.element_ty), mask=x_ok)
+                squares += h * h
+            rstd = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)[:, None]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             k = k0 + offs_k
             k_ok = k < k_hi
             w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :],
-                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            x = _norm_x_tile(x_rows, r_rows, g_ptr, k[None, :], row_ok[:, None] & k_ok[None, :],
+                             k_ok[None, :], rstd, NORM, HAS_RESIDUAL)
             if FP32_DOTS:
                 acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)),
                               input_precision="ieee")
@@ -290,6 +370,40 @@ def linear_triton(
     the tuned tables (looked up at N = 2I, the merged weight's rows) keep their meaning: the
     same tile and the same number of programs as the unfused GEMV over the merged weight.
     """
+    out, _ = _launch(x, None, None, 0.0, weight, weight_scale, activation,
+                     (block_n, block_k, num_warps, num_stages, split_k))
+    return out
+
+
+def rms_norm_linear_triton(
+    x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float, weight: Tensor, *,
+    weight_scale: Tensor | None = None, activation: str | None = None,
+    block_n: int | None = None, block_k: int | None = None,
+    num_warps: int | None = None, num_stages: int | None = None, split_k: int | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """linear_triton(normed, weight, ...) with normed = fuser::rms_norm(x, norm_weight, eps), or
+    fuser::add_rms_norm(x, residual, norm_weight, eps)'s first output, in one kernel:
+    (out, summed), summed = x + residual ([..., K], as add_rms_norm returns it; None without a
+    residual). x, residual and norm_weight share one dtype (bf16/fp16/fp32); `weight` is in it
+    too, or e4m3fn with weight_scale.
+    """
+    if norm_weight.shape != (x.shape[-1],):
+        raise ValueError(f"norm weight {tuple(norm_weight.shape)} does not match width "
+                         f"{x.shape[-1]}")
+    dtypes = {x.dtype, norm_weight.dtype} | ({residual.dtype} if residual is not None else set())
+    if len(dtypes) != 1:
+        raise ValueError(f"x, residual and norm weight must share a dtype, got {dtypes}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual {tuple(residual.shape)} != x {tuple(x.shape)}")
+    return _launch(x, residual, norm_weight, eps, weight, weight_scale, activation,
+                   (block_n, block_k, num_warps, num_stages, split_k))
+
+
+def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps: float,
+            weight: Tensor, weight_scale: Tensor | None, activation: str | None,
+            overrides: tuple) -> tuple[Tensor, Tensor | None]:
+    """The one launcher of _linear_kernel: linear_triton (norm_weight None) and
+    rms_norm_linear_triton. Returns (out [..., N], summed [..., K] or None)."""
     *lead, K = x.shape
     rows_w = weight.shape[0]
     assert weight.shape == (rows_w, K), (x.shape, weight.shape)
@@ -303,17 +417,26 @@ def linear_triton(
             f"weight_scale must be [{rows_w}] fp32 (one per weight row), got "
             f"{weight_scale.dtype} {tuple(weight_scale.shape)}")
         weight_scale = weight_scale.contiguous()
-    x2 = x.reshape(-1, K)
+    x2 = x.reshape(-1, K)                                       # [M, K]
     M = x2.shape[0]
     assert M <= MAX_ROWS, f"{M} rows: linear_triton is for decode shapes (<= {MAX_ROWS} rows)"
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
+    norm = norm_weight is not None
+    r2 = residual.reshape(-1, K) if residual is not None else x2  # [M, K]
+    if r2.stride(-1) != 1:
+        r2 = r2.contiguous()
+    summed = torch.empty_like(x2, memory_format=torch.contiguous_format) if residual is not None \
+        else None                                               # [M, K]: x + residual
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if out.numel() == 0 or K == 0:  # gated too: act(0) * 0 = 0
-        return out.zero_().reshape(*lead, N)
+        if summed is not None:  # no program runs to write it
+            torch.add(x2, r2, out=summed)
+        return out.zero_().reshape(*lead, N), _lead(summed, lead, K)
     bn, bk, warps, stages = (_default_fp8_config if fp8 else _default_config)(M, rows_w, K)
+    block_n, block_k, num_warps, num_stages, split_k = overrides
     bn, bk = block_n or bn, block_k or bk
     if activation is not None and bn < 2:
         raise ValueError(f"block_n={bn}: a gated program takes block_n / 2 gate rows and as "
@@ -342,12 +465,18 @@ def linear_triton(
         counts = split_counters(x.device, programs)
     _linear_kernel[(programs, splits)](
         x2, weight, weight_scale if fp8 else out, out, parts, counts,
-        M, N, K, x2.stride(0), weight.stride(0), out.stride(0),
+        r2, norm_weight.contiguous() if norm else x2, summed if summed is not None else x2,
+        M, N, K, x2.stride(0), weight.stride(0), out.stride(0), r2.stride(0), eps,
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, FP32_DOTS=fp32_dots, HAS_SCALE=fp8,
-        ACTIVATION=activation or "", SPLIT_K=splits,
+        ACTIVATION=activation or "", NORM=norm, HAS_RESIDUAL=residual is not None,
+        SPLIT_K=splits,
         num_warps=num_warps or warps, num_stages=num_stages or stages,
     )
-    return out.reshape(*lead, N)
+    return out.reshape(*lead, N), _lead(summed, lead, K)
+
+
+def _lead(t: Tensor | None, lead: list, K: int) -> Tensor | None:
+    return None if t is None else t.reshape(*lead, K)
 
 
 def check_gated(weight: Tensor, activation: str) -> None:
@@ -480,3 +609,134 @@ def fp8_gated_linear_reference(x: Tensor, w_fp8: Tensor, w_scale: Tensor, activa
     act(gate) * up."""
     check_gated(w_fp8, activation)
     return gated_act_reference(fp8_linear_reference(x, w_fp8, w_scale), activation).contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# fuser::rms_norm_linear, fuser::add_rms_norm_linear: the RMSNorm (and residual add) folded into
+# the decode GEMV that reads its output (passes/norm_linear.py), over any of the four weights
+# above: plain or FP8 (weight_scale), with or without the gated activation. Two ops, as
+# rms_norm and add_rms_norm are two: the residual form also returns the sum, the other has none.
+# CPU runs the unfused references; CUDA runs the separate kernels above MAX_ROWS or for mixed
+# dtypes, so correctness never depends on shape.
+# ---------------------------------------------------------------------------------------------
+
+
+def _linear_op(normed: Tensor, weight: Tensor, weight_scale: Tensor | None,
+               activation: str | None) -> Tensor:
+    """The fuser op the fused ops stand for, applied to the norm's output."""
+    if weight_scale is None:
+        if activation is None:
+            return torch.ops.fuser.linear(normed, weight)
+        return torch.ops.fuser.gated_linear(normed, weight, activation)
+    if activation is None:
+        return torch.ops.fuser.fp8_linear(normed, weight, weight_scale)
+    return torch.ops.fuser.fp8_gated_linear(normed, weight, weight_scale, activation)
+
+
+def linear_any_reference(x: Tensor, weight: Tensor, weight_scale: Tensor | None,
+                         activation: str | None) -> Tensor:
+    """What _linear_op's op computes on CPU: its reference."""
+    if weight_scale is None:
+        if activation is None:
+            return linear_reference(x, weight)
+        return gated_linear_reference(x, weight, activation)
+    if activation is None:
+        return fp8_linear_reference(x, weight, weight_scale)
+    return fp8_gated_linear_reference(x, weight, weight_scale, activation)
+
+
+def _norm_linear_fake_out(normed_dtype: torch.dtype, x: Tensor, weight: Tensor,
+                          activation: str | None) -> Tensor:
+    if activation is not None:
+        check_gated(weight, activation)
+    n = weight.shape[0] // 2 if activation is not None else weight.shape[0]
+    return torch.empty((*x.shape[:-1], n), dtype=normed_dtype, device=x.device)
+
+
+def _fused_kernel_takes(x: Tensor, residual: Tensor | None, norm_weight: Tensor, weight: Tensor,
+                        weight_scale: Tensor | None) -> bool:
+    """Whether the one-kernel path computes these: decode rows, one activation dtype (which the
+    unfused GEMV also needs: its input is the norm's output, in promote(norm_weight, x))."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    dtypes = {x.dtype, norm_weight.dtype} | ({residual.dtype} if residual is not None else set())
+    return (rows <= MAX_ROWS and len(dtypes) == 1 and x.dtype in GEMV_DTYPES
+            and (weight.dtype == x.dtype if weight_scale is None else weight.dtype == FP8_DTYPE))
+
+
+
+@torch.library.custom_op("fuser::rms_norm_linear", mutates_args=())
+def rms_norm_linear(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor,
+                    weight_scale: Tensor | None, activation: str | None) -> Tensor:
+    """x [..., K], norm_weight [K], weight [N, K] (or [2N, K] gated; e4m3fn with weight_scale)
+    -> linear(rms_norm(x, norm_weight, eps), weight) [..., N], by the four linears' rules."""
+    return rms_norm_linear_reference(x, norm_weight, eps, weight, weight_scale, activation)
+
+
+@rms_norm_linear.register_fake
+def _rms_norm_linear_fake(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor,
+                          weight_scale: Tensor | None, activation: str | None) -> Tensor:
+    return _norm_linear_fake_out(torch.promote_types(norm_weight.dtype, x.dtype), x, weight,
+                                 activation)
+
+
+def _rms_norm_linear_cuda(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor,
+                          weight_scale: Tensor | None, activation: str | None) -> Tensor:
+    if not _fused_kernel_takes(x, None, norm_weight, weight, weight_scale):
+        return _linear_op(torch.ops.fuser.rms_norm(x, norm_weight, eps), weight, weight_scale,
+                          activation)
+    out, _ = rms_norm_linear_triton(x, None, norm_weight, eps, weight, weight_scale=weight_scale,
+                                    activation=activation)
+    return out
+
+
+rms_norm_linear.register_kernel("cuda")(_rms_norm_linear_cuda)
+
+
+def rms_norm_linear_reference(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor,
+                              weight_scale: Tensor | None, activation: str | None) -> Tensor:
+    """fuser::rms_norm's reference, then the linear's: what the two ops compute on CPU."""
+    normed = rms_norm_reference(x, norm_weight, eps).contiguous()
+    return linear_any_reference(normed, weight, weight_scale, activation)
+
+
+@torch.library.custom_op("fuser::add_rms_norm_linear", mutates_args=())
+def add_rms_norm_linear(x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float,
+                        weight: Tensor, weight_scale: Tensor | None, activation: str | None
+                        ) -> tuple[Tensor, Tensor]:
+    """(linear(normed, weight), summed) with (normed, summed) = add_rms_norm(x, residual,
+    norm_weight, eps); shapes and the linear's rules as fuser::rms_norm_linear."""
+    out, summed = add_rms_norm_linear_reference(x, residual, norm_weight, eps, weight,
+                                                weight_scale, activation)
+    return out, summed
+
+
+@add_rms_norm_linear.register_fake
+def _add_rms_norm_linear_fake(x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float,
+                              weight: Tensor, weight_scale: Tensor | None, activation: str | None
+                              ) -> tuple[Tensor, Tensor]:
+    summed_dtype = torch.promote_types(x.dtype, residual.dtype)
+    out = _norm_linear_fake_out(torch.promote_types(norm_weight.dtype, summed_dtype), x, weight,
+                                activation)
+    return out, torch.empty(x.shape, dtype=summed_dtype, device=x.device)
+
+
+def _add_rms_norm_linear_cuda(x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float,
+                              weight: Tensor, weight_scale: Tensor | None, activation: str | None
+                              ) -> tuple[Tensor, Tensor]:
+    if not _fused_kernel_takes(x, residual, norm_weight, weight, weight_scale):
+        normed, summed = torch.ops.fuser.add_rms_norm(x, residual, norm_weight, eps)
+        return _linear_op(normed, weight, weight_scale, activation), summed
+    return rms_norm_linear_triton(x, residual, norm_weight, eps, weight,
+                                  weight_scale=weight_scale, activation=activation)
+
+
+add_rms_norm_linear.register_kernel("cuda")(_add_rms_norm_linear_cuda)
+
+
+def add_rms_norm_linear_reference(x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float,
+                                  weight: Tensor, weight_scale: Tensor | None,
+                                  activation: str | None) -> tuple[Tensor, Tensor]:
+    """fuser::add_rms_norm's reference, then the linear's: what the two ops compute on CPU."""
+    normed, summed = add_rms_norm_reference(x, residual, norm_weight, eps)
+    out = linear_any_reference(normed.contiguous(), weight, weight_scale, activation)
+    return out, summed.contiguous()

@@ -47,14 +47,21 @@ def _load_block(x_row, residual_row, summed_row, cols, mask,
 
 
 @triton.jit
-def _store_block(h, rstd, weight_ptr, out_row, cols, mask, in_dtype: tl.constexpr):
-    """out = weight * (h * rstd).to(in_dtype), multiplied in fp32 and rounded once.
+def _normalise(h, rstd, w, in_dtype: tl.constexpr):
+    """weight * (h * rstd).to(in_dtype) in fp32, for the caller to round once to the output
+    dtype. Shared with the decode GEMV's norm prologue (fuser/ops/linear.py): same bits.
 
     The product of two bf16/fp16 values is exact in fp32, so rounding it to the output dtype
     equals a correctly rounded multiply in that dtype (what PyTorch does).
     """
+    return (h * rstd).to(in_dtype).to(tl.float32) * w.to(tl.float32)
+
+
+@triton.jit
+def _store_block(h, rstd, weight_ptr, out_row, cols, mask, in_dtype: tl.constexpr):
+    """out = weight * (h * rstd).to(in_dtype), multiplied in fp32 and rounded once."""
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    y = (h * rstd).to(in_dtype).to(tl.float32) * w.to(tl.float32)
+    y = _normalise(h, rstd, w, in_dtype)
     tl.store(out_row + cols, y.to(out_row.dtype.element_ty), mask=mask)
 
 
