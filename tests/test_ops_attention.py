@@ -297,3 +297,11 @@ def test_gpu_fused_combine_in_cuda_graph(T, num_splits):
             separate = cache_attention_read_triton(x, k, v, seq_lens, starts, *rest,
                                                    combine="separate", **kw)
             assert torch.equal(out, separate), lens
+
+
+def test_default_config_merges_in_one_launch_for_decode_only():
+    from fuser.ops.attention import default_config
+
+    assert default_config(1)["combine"] == "fused"
+    for T in (2, 5, 9, 16):
+        assert default_config(T)["combine"] == "separate"

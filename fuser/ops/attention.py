@@ -30,8 +30,9 @@ Triton implementation (split-K / flash-decoding, one launch):
     first call, outside any CUDA graph capture (the engines warm up eagerly before capturing),
     and shared by every call: kernels on one stream do not overlap, and each leaves its counters
     at zero, so the next layer's kernel and the next replay of a graph start from zero too.
-  combine="separate" keeps the two-kernel path for comparison: the split kernel only writes the
-    scratch and a second kernel, grid (B * H * T,), merges one query row per program. Both run
+  combine="separate" is the two-kernel path, the default for T > 1 (`default_config`: measured
+    faster there): the split kernel only writes the scratch and a second kernel, grid
+    (B * H * T,), merges one query row per program. Both run
     the same merge (`_merge_splits`: fixed split order, elementwise), so they give the same bits,
     whichever program of a group happens to finish last.
 
@@ -337,19 +338,36 @@ def _merge_config(splits: int, rows: int, block_d: int) -> dict:
                 MERGE_UNROLL=min(p2, max(1, 8192 // (rows * block_d)), 16))
 
 
+def default_config(T: int) -> dict:
+    """The launcher's defaults for T queries per row, from benchmarks/attention_sweep.py on an
+    H200 (Llama-3-8B heads, bf16, 2026-12-01, RESULTS.md). One query (decode): 128-slot blocks,
+    ~132 programs and the merge in the same launch (7.9 us at context 1024 and 20.8 at 8192,
+    against 9.1 and 21.9 for the two-kernel path at 64-slot blocks and ~264 programs).
+    Several (verification): the two-kernel path, whose merge is spread over every query row
+    (T = 5: 12.0 / 20.8 us, T = 9: 12.8 / 21.2, against 12.7 / 27.4 and 19.7 / 40.5 merged in
+    the last program of each kv head, which then reads every split's partials alone)."""
+    if T == 1:
+        return dict(block_n=128, target_programs=132, combine="fused")
+    return dict(block_n=BLOCK_N, target_programs=TARGET_PROGRAMS, combine="separate")
+
+
 def cache_attention_read_triton(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor, starts: Tensor,
     scale: float, window: int, softcap: float,
-    *, num_splits: int | None = None, block_n: int = BLOCK_N,
-    target_programs: int = TARGET_PROGRAMS, num_warps: int | None = None, num_stages: int = 2,
-    combine: str = "fused",
+    *, num_splits: int | None = None, block_n: int | None = None,
+    target_programs: int | None = None, num_warps: int | None = None, num_stages: int = 2,
+    combine: str | None = None,
 ) -> Tensor:
     """See the module docstring. The keyword-only arguments are tuning overrides (tests and
-    benchmarks/attention_sweep.py); the defaults are what the engine runs. combine: "fused"
-    (one launch: the last split program of each (b, kv head) merges) or "separate" (the
-    two-kernel path: _combine_kernel merges); same bits either way."""
-    assert combine in ("fused", "separate"), combine
+    benchmarks/attention_sweep.py); the defaults (`default_config`) are what the engine runs.
+    combine: "fused" (one launch: the last split program of each (b, kv head) merges) or
+    "separate" (the two-kernel path: _combine_kernel merges); same bits either way."""
     B, H, T, D = q.shape
+    tuned = default_config(T)
+    block_n = block_n or tuned["block_n"]
+    target_programs = target_programs or tuned["target_programs"]
+    combine = combine or tuned["combine"]
+    assert combine in ("fused", "separate"), combine
     _, S, KV, _ = k_cache.shape
     assert k_cache.shape == v_cache.shape == (B, S, KV, D), (q.shape, k_cache.shape, v_cache.shape)
     assert H % KV == 0, f"{H} query heads do not group over {KV} kv heads"
