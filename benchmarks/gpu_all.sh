@@ -12,6 +12,7 @@
 #   bash benchmarks/gpu_all.sh late     # new GPU tests (prefill graphs, step kernels, fused quant, step graphs), e2e (1) bundled + (3) buckets
 #   bash benchmarks/gpu_all.sh lab      # fp32 CUDA-engine test tracebacks, candidate GEMV kernels (gemv_lab.py)
 #   bash benchmarks/gpu_all.sh kernels  # split-K GEMV + one-launch attention GPU tests, attention sweep, multi-row GEMV lab
+#   bash benchmarks/gpu_all.sh fused    # 8B bf16 + fp8 decode (--profile, HF eager + gpt-fast-style peers), 1B decode, new GPU tests
 #   bash benchmarks/gpu_all.sh fp8-accuracy [fp8_accuracy.py flags]   # FP8 vs bf16 on the bundled pair
 # OUT=<dir for logs and JSON>
 set -o pipefail
@@ -56,6 +57,22 @@ elif [ "$what" = kernels ]; then
   echo "== GEMV lab, several rows"
   timeout 130 python3 benchmarks/gemv_lab.py --out "$OUT/lab_rows.json" --only qkv,o_proj,down,gate_up \
     --dtypes fp8 --rows 5,9 --budget 120 2>&1 | tee "$OUT/lab_rows.log" | grep -v Warning
+elif [ "$what" = fused ]; then
+  # Fifth session: the decode step with norms folded into the GEMVs, split-K down/o_proj and
+  # one-launch decode attention: 8B bf16 + fp8 beside HF eager and the gpt-fast-style peer,
+  # the 1B shape, then the new GPU tests.
+  echo "== decode, 8B shape, bf16 + fp8, peers"
+  timeout 400 python3 benchmarks/decode.py --out "$OUT/decode.json" --profile --skip-hf-compile 2>&1 \
+    | tee "$OUT/decode.log" | grep -v Warning | grep -E "^\[|kernels|^sum|^graph|^GEMV|^GEMM|^attention|^rms|^rotary|^KV|^gated|^rope|^fp8 vs|^HBM|ceiling|fallback|Error|verify|prefill|peer|tok/s" | tail -70
+  echo "== decode, 1B shape, bf16"
+  timeout 75 python3 benchmarks/decode.py --preset llama-3.2-1b --precisions bf16 --skip-peers --profile \
+    --out "$OUT/decode_1b.json" 2>&1 | tee "$OUT/decode_1b.log" | grep -v Warning \
+    | grep -E "^\[|kernels|^sum|^graph|^GEMV|^GEMM|^attention|^rms|^rotary|^rope|fallback|Error|verify" | tail -20
+  echo "== GPU tests"
+  timeout 100 python3 -m pytest -q -p no:logging -p no:cacheprovider --tb=short -rf \
+    tests/test_ops_norm_linear.py tests/test_ops_attention.py tests/test_ops_linear.py \
+    tests/test_prefill_graphs.py tests/test_generate_speculative.py -k "gpu or cuda or syncs" 2>&1 \
+    | tee "$OUT/gpu_tests.log" | grep -v Warning | tail -25
 elif [ "$what" = decode ]; then
   echo "== decode benchmark"
   python3 benchmarks/decode.py --out "$OUT/decode.json" "$@" 2>&1 | tee "$OUT/decode.log" | grep -v Warning | tail -80
