@@ -15,7 +15,7 @@ A query that sees no key (only dummy rows can: starts[b] > seq_lens[b] + t, or t
 everything) is undefined in the model. The reference gives the uniform average of v over all S
 slots (its mask value is finfo.min, not -inf); the Triton kernel gives zeros. Both are finite.
 
-Triton implementation (split-K / flash-decoding, one launch):
+Triton implementation (split-K / flash-decoding; combine="fused", one launch):
   grid (B * KV, num_splits): one program takes the rep * T query rows of one kv head
     (rep = H // KV) as one [BLOCK_M >= 16, BLOCK_D] tile, walks its share of the BLOCK_N-slot
     blocks between the first visible slot (starts, window) and the last (seq_lens + T - 1),
@@ -30,8 +30,8 @@ Triton implementation (split-K / flash-decoding, one launch):
     first call, outside any CUDA graph capture (the engines warm up eagerly before capturing),
     and shared by every call: kernels on one stream do not overlap, and each leaves its counters
     at zero, so the next layer's kernel and the next replay of a graph start from zero too.
-  combine="separate" is the two-kernel path, the default for T > 1 (`default_config`: measured
-    faster there): the split kernel only writes the scratch and a second kernel, grid
+  combine="separate" is the two-kernel path, the default (`default_config`: measured faster
+    in the engine's steps): the split kernel only writes the scratch and a second kernel, grid
     (B * H * T,), merges one query row per program. Both run
     the same merge (`_merge_splits`: fixed split order, elementwise), so they give the same bits,
     whichever program of a group happens to finish last.
@@ -339,15 +339,16 @@ def _merge_config(splits: int, rows: int, block_d: int) -> dict:
 
 
 def default_config(T: int) -> dict:
-    """The launcher's defaults for T queries per row, from benchmarks/attention_sweep.py on an
-    H200 (Llama-3-8B heads, bf16, 2026-12-01, RESULTS.md). One query (decode): 128-slot blocks,
-    ~132 programs and the merge in the same launch (7.9 us at context 1024 and 20.8 at 8192,
-    against 9.1 and 21.9 for the two-kernel path at 64-slot blocks and ~264 programs).
-    Several (verification): the two-kernel path, whose merge is spread over every query row
-    (T = 5: 12.0 / 20.8 us, T = 9: 12.8 / 21.2, against 12.7 / 27.4 and 19.7 / 40.5 merged in
-    the last program of each kv head, which then reads every split's partials alone)."""
-    if T == 1:
-        return dict(block_n=128, target_programs=132, combine="fused")
+    """The launcher's defaults for T queries per row (H200, Llama-3-8B heads, bf16, 2026-12-01,
+    RESULTS.md): the two-kernel path at 64-slot blocks and ~264 programs, for every T.
+
+    The one-launch merge is kept as an option (combine="fused"): alone, at contexts that fill
+    the cache, benchmarks/attention_sweep.py measured it faster for one query with 128-slot
+    blocks and ~132 programs (7.9 us at context 1024 and 20.8 at 8192, against 9.1 and 21.9),
+    but in the 8B decode step (a short context in a longer cache) that choice took 322.5 us of
+    attention per step against 178.9; for several queries it is slower alone too (T = 5:
+    12.7 / 27.4 us against 12.0 / 20.8; T = 9: 19.7 / 40.5 against 12.8 / 21.2), as the last
+    program of each kv head reads every split's partials alone."""
     return dict(block_n=BLOCK_N, target_programs=TARGET_PROGRAMS, combine="separate")
 
 

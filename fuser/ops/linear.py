@@ -653,13 +653,21 @@ def _norm_linear_fake_out(normed_dtype: torch.dtype, x: Tensor, weight: Tensor,
     return torch.empty((*x.shape[:-1], n), dtype=normed_dtype, device=x.device)
 
 
+# Rows up to which the norm runs inside the GEMV on CUDA. One row (decode) measured faster
+# fused; at 5 rows (verification, the MMA path) the fused kernels made the 8B verify step 1.40x
+# the decode step in bf16 and 3.09x in FP8, against 1.09x and 1.48x with separate norm kernels
+# (benchmarks/decode.py on the H200, 2026-12-01, RESULTS.md): there the op runs the norm kernel,
+# then the GEMV.
+NORM_PROLOGUE_MAX_ROWS = 1
+
+
 def _fused_kernel_takes(x: Tensor, residual: Tensor | None, norm_weight: Tensor, weight: Tensor,
                         weight_scale: Tensor | None) -> bool:
     """Whether the one-kernel path computes these: decode rows, one activation dtype (which the
     unfused GEMV also needs: its input is the norm's output, in promote(norm_weight, x))."""
     rows = x.numel() // max(x.shape[-1], 1)
     dtypes = {x.dtype, norm_weight.dtype} | ({residual.dtype} if residual is not None else set())
-    return (rows <= MAX_ROWS and len(dtypes) == 1 and x.dtype in GEMV_DTYPES
+    return (rows <= NORM_PROLOGUE_MAX_ROWS and len(dtypes) == 1 and x.dtype in GEMV_DTYPES
             and (weight.dtype == x.dtype if weight_scale is None else weight.dtype == FP8_DTYPE))
 
 
