@@ -13,6 +13,7 @@
 #   bash benchmarks/gpu_all.sh lab      # fp32 CUDA-engine test tracebacks, candidate GEMV kernels (gemv_lab.py)
 #   bash benchmarks/gpu_all.sh kernels  # split-K GEMV + one-launch attention GPU tests, attention sweep, multi-row GEMV lab
 #   bash benchmarks/gpu_all.sh fused    # 8B bf16 + fp8 decode (--profile, HF eager + gpt-fast-style peers), 1B decode, new GPU tests
+#   bash benchmarks/gpu_all.sh fused2   # 8B bf16 + fp8 decode (--profile), fp32 CUDA-engine tests
 #   bash benchmarks/gpu_all.sh fp8-accuracy [fp8_accuracy.py flags]   # FP8 vs bf16 on the bundled pair
 # OUT=<dir for logs and JSON>
 set -o pipefail
@@ -73,6 +74,16 @@ elif [ "$what" = fused ]; then
     tests/test_ops_norm_linear.py tests/test_ops_attention.py tests/test_ops_linear.py \
     tests/test_prefill_graphs.py tests/test_generate_speculative.py -k "gpu or cuda or syncs" 2>&1 \
     | tee "$OUT/gpu_tests.log" | grep -v Warning | tail -25
+elif [ "$what" = fused2 ]; then
+  # Fifth session, last call: the 8B decode after keeping the norm prologue to one row and
+  # attention's two-kernel merge; then the GPU tests that did not finish in the call before.
+  echo "== decode, 8B shape, bf16 + fp8"
+  timeout 330 python3 benchmarks/decode.py --out "$OUT/decode.json" --skip-peers --profile 2>&1 \
+    | tee "$OUT/decode.log" | grep -v Warning | grep -E "^\[|kernels|^sum|^graph|^GEMV|^GEMM|^attention|^rms|^rotary|^KV|^gated|^rope|^fp8 vs|^HBM|ceiling|fallback|Error|verify|prefill" | tail -60
+  echo "== GPU tests"
+  timeout 75 python3 -m pytest -q -p no:logging -p no:cacheprovider --tb=short -rf \
+    tests/test_prefill_graphs.py tests/test_generate_speculative.py -k "gpu or syncs" 2>&1 \
+    | tee "$OUT/gpu_tests.log" | grep -v Warning | tail -15
 elif [ "$what" = decode ]; then
   echo "== decode benchmark"
   python3 benchmarks/decode.py --out "$OUT/decode.json" "$@" 2>&1 | tee "$OUT/decode.log" | grep -v Warning | tail -80
