@@ -5,10 +5,8 @@
 
 32 query heads over 8 kv heads, head dim 128, bf16, batch 1, contexts 1024 and 8192 (cache of
 ctx + 16 slots), T = 1, 5, 9. Configurations: the launcher's default, block_n {32, 64, 128} x
-target_programs {132, 264, 528} x num_warps {4, 8} at num_stages 2, the default with
-num_stages 3, and the default with combine="separate" (the two-kernel path: the split kernel,
-then a merge kernel; the default merges in the last split program of each kv head, one launch).
-Configurations that resolve to the same kernel and grid (target_programs only sets
+target_programs {132, 264, 528} x num_warps {4, 8} at num_stages 2, and the default with
+num_stages 3. Configurations that resolve to the same kernel and grid (target_programs only sets
 the number of splits, which the cache's block count caps: `_num_splits`) are timed once and
 marked `same_as` in the JSON. Each is checked against the reference once (||out - ref|| /
 ||ref|| in fp32; over 2e-2 is flagged and never "best").
@@ -20,10 +18,9 @@ distinct copies (47 at ctx 1024, 6 at 8192) so that calls within a replay do not
 L2; q stays L2-resident (written by the previous kernel in a step). A time that could not be
 captured is taken by eager launch instead and marked `~` (JSON: "timing": "eager-launch").
 
-The table gives the eager reference (the same graph timing), the default's time, the two-kernel
-path's ("2-kernel us"), the best configuration, and the default and the best as % of the read
-bandwidth (bytes: K and V of the ctx + T visible slots, q and out; bandwidth measured first as in
-ops.py).
+The table gives the eager reference (the same graph timing), the default's time, the best
+configuration, and both as % of the read bandwidth (bytes: K and V of the ctx + T visible slots,
+q and out; bandwidth measured first as in ops.py).
 """
 
 from __future__ import annotations
@@ -52,16 +49,15 @@ FULL = dict(kv=8, rep=4, d=128, contexts=(1024, 8192), tokens=(1, 5, 9))
 TINY = dict(kv=2, rep=2, d=16, contexts=(48,), tokens=(1, 3))
 GRID = [dict(block_n=b, target_programs=p, num_warps=w, num_stages=2)
         for b, p, w in itertools.product([32, 64, 128], [132, 264, 528], [4, 8])]
-SEPARATE = dict(combine="separate")  # the two-kernel path, against the default's one launch
-CONFIGS = [{}] + GRID + [dict(num_stages=3), SEPARATE]   # {}: the launcher's defaults
-TINY_CONFIGS = [{}, GRID[0], GRID[-1], dict(num_stages=3), SEPARATE]
+CONFIGS = [{}] + GRID + [dict(num_stages=3)]   # {}: the launcher's defaults
+TINY_CONFIGS = [{}, GRID[0], GRID[-1], dict(num_stages=3)]
 
 
 def label(config: dict) -> str:
     if not config:
         return "default"
     short = {"block_n": "bn", "target_programs": "p", "num_warps": "w", "num_stages": "s"}
-    text = " ".join(f"{short[k]}{v}" if k in short else f"{k}={v}" for k, v in config.items())
+    text = " ".join(f"{short[k]}{v}" for k, v in config.items())
     return text if set(config) == set(short) else f"default {text}"  # others left default
 
 
@@ -175,14 +171,12 @@ def main() -> int:
     seconds = time.perf_counter() - started
     if args.out:
         save(args.out, bandwidth, rows, args.dry_run, seconds)
-    log(f"\n{'ctx':>5}{'T':>3}{'eager us':>10}{'default us':>12}{'%bw':>6}{'2-kernel us':>13}"
-        f"{'best us':>9}{'%bw':>6}  best config")
+    log(f"\n{'ctx':>5}{'T':>3}{'eager us':>10}{'default us':>12}{'%bw':>6}{'best us':>9}{'%bw':>6}"
+        "  best config")
     for r in rows:
         d_, b = r["default"], r["best"] or {}
-        sep = next((x for x in r["all"] if x["overrides"] == SEPARATE), {})
         log(f"{r['ctx']:>5}{r['T']:>3}{fmt(r['eager_us'], r['eager_timing']):>10}"
             f"{fmt(d_.get('us'), d_.get('timing')):>12}{num(d_.get('pct_bw'), '.1f'):>6}"
-            f"{fmt(sep.get('us'), sep.get('timing')):>13}"
             f"{fmt(b.get('us'), b.get('timing')):>9}{num(b.get('pct_bw'), '.1f'):>6}"
             f"  {b.get('config', '-')}")
     errors = sum(r["errors"] for r in rows)

@@ -6,9 +6,7 @@
 Batch 1, bf16, T = 1, 5, 9 tokens per step (decode and verification); attention also at context
 1024 and 8192 (cache of ctx + 16 slots, seq_lens = ctx, starts = 0). Ops: rms_norm,
 add_rms_norm, rotary, rotary with the KV-cache write (rotary_cache), gated_act (silu), cache
-attention (the op as the engine runs it, merging the splits in its one launch; and
-`attention_separate`: the launcher's two-kernel path, combine="separate", for comparison), the
-merged q/k/v and gate/up GEMMs (one F.linear over the concatenated weight), the
+attention, the merged q/k/v and gate/up GEMMs (one F.linear over the concatenated weight), the
 plain o_proj, down_proj and lm_head GEMMs, fuser's decode GEMV (`linear`:
 torch.ops.fuser.linear against F.linear at the five projection shapes qkv, o_proj, gate_up,
 down, lm_head), and the GEMV with the gated activation in its epilogue (`gated_linear`:
@@ -67,7 +65,7 @@ import triton
 from torch import Tensor
 
 import fuser  # noqa: F401  (registers torch.ops.fuser.*)
-from fuser.ops.attention import cache_attention_read_triton, cache_attention_reference
+from fuser.ops.attention import cache_attention_reference
 from fuser.ops.gated_act import gated_act_reference
 from fuser.ops.rmsnorm import add_rms_norm_reference, rms_norm_reference
 from fuser.ops.rope import rotary_cache_write_reference, rotary_reference
@@ -230,9 +228,7 @@ def make_gated_act(s: Shapes, T: int, device: str) -> Problem:
                    nbytes(gate_up) * 3 // 2)  # read 2I, write I
 
 
-def make_attention(s: Shapes, T: int, ctx: int, device: str, combine: str = "fused") -> Problem:
-    """combine="separate": the launcher's two-kernel path on the GPU (on CPU, the dry run, the
-    op's reference as for every other row: no Triton there)."""
+def make_attention(s: Shapes, T: int, ctx: int, device: str) -> Problem:
     slots = ctx + EXTRA_SLOTS
     q = randn(1, s.heads, T, s.head_dim, device=device)
     k_cache = randn(1, slots, s.kv_heads, s.head_dim, device=device)
@@ -241,17 +237,12 @@ def make_attention(s: Shapes, T: int, ctx: int, device: str, combine: str = "fus
     starts = torch.zeros(1, dtype=torch.int64, device=device)
     scale = s.head_dim ** -0.5
     visible_kv = 2 * (ctx + T) * s.kv_heads * s.head_dim * k_cache.element_size()
-
-    def fused(q: Tensor, k: Tensor, v: Tensor, lens: Tensor, starts: Tensor) -> Tensor:
-        if combine == "fused" or device != "cuda":
-            return torch.ops.fuser.cache_attention_read(q, k, v, lens, starts, scale, 0, 0.0)
-        return cache_attention_read_triton(q, k, v, lens, starts, scale, 0, 0.0, combine=combine)
-
     return Problem(
         (q, k_cache, v_cache, seq_lens, starts),
         lambda q, k, v, lens, starts: cache_attention_reference(
             q, k, v, lens, starts, scale, 0, 0.0),
-        fused,
+        lambda q, k, v, lens, starts: torch.ops.fuser.cache_attention_read(
+            q, k, v, lens, starts, scale, 0, 0.0),
         visible_kv + 2 * nbytes(q),  # out [B, T, H, D] like q
         fresh=lambda: (q, k_cache.clone(), v_cache.clone(), seq_lens, starts),
         rotated=nbytes(k_cache, v_cache))
@@ -329,7 +320,6 @@ def specs(s: Shapes, only: list[str] | None) -> list[Spec]:
         "rotary_cache": functools.partial(make_rotary_cache, s),
         "gated_act": functools.partial(make_gated_act, s),
         "attention": functools.partial(make_attention, s),
-        "attention_separate": functools.partial(make_attention, s, combine="separate"),
         "qkv_proj": functools.partial(make_merged, qkv_rows, s),
         "gate_up_proj": functools.partial(make_merged, (s.intermediate, s.intermediate), s),
         "o_proj": functools.partial(make_linear, s.hidden, s.heads * s.head_dim),
@@ -343,7 +333,7 @@ def specs(s: Shapes, only: list[str] | None) -> list[Spec]:
         if only and op not in only:
             continue
         for T in s.tokens:
-            if op.startswith("attention"):
+            if op == "attention":
                 out += [Spec(op, f"ctx={ctx} T={T}", functools.partial(make, T, ctx))
                         for ctx in s.contexts]
             elif op == "linear":
@@ -355,7 +345,6 @@ def specs(s: Shapes, only: list[str] | None) -> list[Spec]:
 
 
 OPS = ("rms_norm", "add_rms_norm", "rotary", "rotary_cache", "gated_act", "attention",
-       "attention_separate",
        "qkv_proj", "gate_up_proj", "o_proj", "down_proj", "lm_head", "linear", "gated_linear")
 
 

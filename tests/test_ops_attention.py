@@ -1,8 +1,6 @@
 """fuser::cache_attention_read: the split-K Triton launcher and the custom op against the reference.
 
 Without a GPU the launcher runs under TRITON_INTERPRET=1 (conftest.py); with one it runs for real.
-The interpreter runs the programs of a grid one after another, so the fused merge's "last
-program" is always the same one there; on a GPU any split may finish last (the CUDA tests).
 Only queries with at least one visible key are compared: for a query that sees nothing the
 reference averages all S slots and the kernel writes zeros (both finite; checked separately).
 """
@@ -13,8 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fuser.ops import attention  # noqa: F401  (registers torch.ops.fuser.cache_attention_read)
-from fuser.ops.attention import (cache_attention_read_triton, cache_attention_reference,
-                                  split_counters)
+from fuser.ops.attention import cache_attention_read_triton, cache_attention_reference
 
 pytestmark = pytest.mark.usefixtures("interpreter_rounds_bf16_like_gpu")
 
@@ -152,69 +149,6 @@ def test_contiguous_q_and_window_one():
     torch.testing.assert_close(out, expect, rtol=1e-6, atol=1e-6)
 
 
-def run_both_combines(q, k, v, seq_lens, starts, scale, window, softcap, **kw):
-    """Fused twice (the second call finds the counters the first reset), then the two-kernel
-    path: all three must be the same bits, and the counters zero after each fused call."""
-    args = [x.to(DEVICE) for x in (q, k, v, seq_lens, starts)]
-    outs = []
-    for combine in ("fused", "fused", "separate"):
-        outs.append(cache_attention_read_triton(*args, scale, window, softcap, combine=combine,
-                                                **kw).cpu())
-        counters = split_counters(args[0].device, 1)
-        assert (counters == 0).all(), f"{combine}: counters left at {counters.unique().tolist()}"
-    first, again, separate = outs
-    assert torch.equal(first, again), "second fused call differs: counters not reset?"
-    diff = (first.float() - separate.float()).abs().max()
-    assert torch.equal(first, separate), f"fused and separate merges differ by up to {diff}"
-    return first
-
-
-@settings(max_examples=12, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow])
-@given(
-    B=st.integers(1, 3),
-    KV=st.integers(1, 2),
-    rep=st.sampled_from([1, 4]),
-    T=st.sampled_from([1, 5]),
-    extra=st.integers(0, 60),
-    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
-    window=st.sampled_from([0, 3, 20]),
-    softcap=st.sampled_from([0.0, 15.0]),
-    splits=st.sampled_from([1, 2, 3, 5]),
-    left_pad=st.booleans(),
-    seed=st.integers(0, 2**16),
-)
-def test_fused_combine_matches_separate_and_reference(B, KV, rep, T, extra, dtype, window, softcap,
-                                                      splits, left_pad, seed):
-    # splits 1: the fused kernel writes out directly (no scratch, no counter); > 1: the last
-    # program of each (b, kv head) merges, with more splits than blocks leaving some empty.
-    S = T + extra
-    q, k, v, seq_lens, starts = make_case(B, KV, rep, T, 64, S, dtype, seed, left_pad=left_pad)
-    out = run_both_combines(q, k, v, seq_lens, starts, 64**-0.5, window, softcap,
-                            num_splits=splits, block_n=16)
-    ref = cache_attention_reference(q, k, v, seq_lens, starts, 64**-0.5, window, softcap)
-    check(out, ref, v, visible_queries(seq_lens, starts, T, S, window), dtype)
-
-
-@pytest.mark.parametrize("splits", [1, 4])
-def test_fused_combine_dummy_row_is_zero(splits):
-    # A row that sees nothing: every split empty (m = -inf, l = 0); the merge writes 0, not NaN.
-    q, k, v, seq_lens, starts = make_case(2, 2, 4, 5, 64, 48, torch.float32, 7, dummy_row=True)
-    out = run_both_combines(q, k, v, seq_lens, starts, 0.125, 0, 0.0, num_splits=splits,
-                            block_n=16)
-    assert torch.isfinite(out).all() and (out[-1] == 0).all()
-
-
-def test_split_counters_persist_and_grow():
-    device = torch.device(DEVICE)
-    counters = split_counters(device, 1)
-    assert counters.dtype == torch.int32 and counters.numel() >= 4096 and (counters == 0).all()
-    assert split_counters(device, counters.numel()) is counters  # the same buffer every call
-    grown = split_counters(device, counters.numel() + 1)
-    assert grown.numel() > counters.numel() and (grown == 0).all()
-    assert split_counters(device, 1) is grown
-
-
 def test_custom_op_opcheck():
     q, k, v, seq_lens, starts = make_case(2, 2, 4, 5, 64, 24, torch.float32, 11)
     args = (q, k, v, seq_lens, starts, 0.125, 8, 30.0)
@@ -256,51 +190,3 @@ def test_gpu_llama3_shapes_and_tuning_overrides(T, dtype):
                    dict(block_n=128, target_programs=528, num_warps=8, num_stages=2)]:
             out = cache_attention_read_triton(*args, 128**-0.5, 0, 0.0, **kw)
             check(out.cpu(), ref, v, seen, dtype)
-            separate = cache_attention_read_triton(*args, 128**-0.5, 0, 0.0, combine="separate",
-                                                   **kw)
-            assert torch.equal(out, separate), kw
-
-
-@needs_cuda
-@pytest.mark.parametrize("T,num_splits", [(1, None), (5, None), (5, 1)])
-def test_gpu_fused_combine_in_cuda_graph(T, num_splits):
-    # Two calls per graph (two layers sharing the split counters), replayed with three sets of
-    # seq_lens: each replay must match the reference and, bit for bit, the two-kernel path run
-    # eagerly on the same inputs; the counters are zero after every replay.
-    B, KV, rep, D, S = 2, 8, 4, 128, 2048
-    q, k, v, _, _ = make_case(B, KV, rep, T, D, S, torch.bfloat16, seed=T)
-    q2 = q.flip(-1).contiguous()  # the second "layer"
-    q, q2, k, v = (x.cuda() for x in (q, q2, k, v))
-    seq_lens = torch.tensor([S - T, 5], device="cuda")
-    starts = torch.tensor([0, 2], device="cuda")
-    kw = dict(num_splits=num_splits)
-    rest = (D**-0.5, 0, 0.0)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # eager warm-up: compiles (q's strides, q2's), allocates counters
-        for x in (q, q2):
-            cache_attention_read_triton(x, k, v, seq_lens, starts, *rest, **kw)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = [cache_attention_read_triton(x, k, v, seq_lens, starts, *rest, **kw)
-                for x in (q, q2)]
-    for lens in ([S - T, 5], [700, 1500], [64, S - T]):
-        seq_lens.copy_(torch.tensor(lens))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert (split_counters(q.device, 1) == 0).all()
-        seen = visible_queries(seq_lens.cpu(), starts.cpu(), T, S, 0)
-        for x, out in zip((q, q2), outs):
-            ref = cache_attention_reference(x, k, v, seq_lens, starts, *rest)
-            check(out.cpu(), ref.cpu(), v.cpu(), seen, torch.bfloat16)
-            separate = cache_attention_read_triton(x, k, v, seq_lens, starts, *rest,
-                                                   combine="separate", **kw)
-            assert torch.equal(out, separate), lens
-
-
-def test_default_config_is_the_two_kernel_path_that_measured_faster_in_the_step():
-    from fuser.ops.attention import default_config
-
-    for T in (1, 2, 5, 9, 16):
-        assert default_config(T)["combine"] == "separate"

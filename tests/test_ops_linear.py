@@ -192,3 +192,16 @@ def test_default_split_k_is_where_it_measured_faster():
     assert _default_split_k(1, 4096, 4096, True) == 1
     assert _default_split_k(1, 6144, 4096, False) == 1       # qkv
     assert _default_split_k(5, 4096, 14336, False) == 1      # several rows: never
+
+
+def test_split_counters_persist_and_grow():
+    from fuser.ops.counters import SPLIT_COUNTERS, split_counters
+
+    device = torch.device(DEVICE)
+    counters = split_counters(device, 1)
+    assert counters.dtype == torch.int32 and counters.numel() >= SPLIT_COUNTERS
+    assert not counters.any()
+    assert split_counters(device, counters.numel()) is counters  # the same buffer every call
+    grown = split_counters(device, counters.numel() + 1)
+    assert grown.numel() > counters.numel() and not grown.any()
+    assert split_counters(device, 1) is grown

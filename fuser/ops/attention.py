@@ -15,37 +15,19 @@ A query that sees no key (only dummy rows can: starts[b] > seq_lens[b] + t, or t
 everything) is undefined in the model. The reference gives the uniform average of v over all S
 slots (its mask value is finfo.min, not -inf); the Triton kernel gives zeros. Both are finite.
 
-Triton implementation (split-K / flash-decoding; combine="fused", one launch):
-  grid (B * KV, num_splits): one program takes the rep * T query rows of one kv head
+Triton implementation (split-K / flash-decoding):
+  kernel 1, grid (B * KV, num_splits): one program takes the rep * T query rows of one kv head
     (rep = H // KV) as one [BLOCK_M >= 16, BLOCK_D] tile, walks its share of the BLOCK_N-slot
     blocks between the first visible slot (starts, window) and the last (seq_lens + T - 1),
     keeping the online-softmax state (running max m, sum l, accumulator acc; fp32), and writes
-    (acc, m, l) to fp32 scratch. Then it increments the int32 counter of its (b, kv head)
-    (atomic, acq_rel); the program that counts num_splits - 1 is the last of its group: it reads
-    every split's partials, in split order 0..num_splits-1, merges them by log-sum-exp
-    (out = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s, m = max_s m_s), writes the rep * T
-    output rows and sets the counter back to 0. With num_splits = 1 the program normalises
-    its own state and writes out directly: no scratch, no counter.
-  The counters (`split_counters`) are one persistent zeroed buffer per device, allocated on the
-    first call, outside any CUDA graph capture (the engines warm up eagerly before capturing),
-    and shared by every call: kernels on one stream do not overlap, and each leaves its counters
-    at zero, so the next layer's kernel and the next replay of a graph start from zero too.
-  combine="separate" is the two-kernel path, the default (`default_config`: measured faster
-    in the engine's steps): the split kernel only writes the scratch and a second kernel, grid
-    (B * H * T,), merges one query row per program. Both run
-    the same merge (`_merge_splits`: fixed split order, elementwise), so they give the same bits,
-    whichever program of a group happens to finish last.
+    (acc, m, l) to fp32 scratch.
+  kernel 2, grid (B * H * T,): merges the splits of one query row by log-sum-exp and writes it.
 
 Cost per (b, kv head), with L = visible slots (seq_lens + T - starts, or ~window + T), s = element
 size of the cache, M = rep * T query rows:
     bytes  = 2 * L * D * s  (K and V, each read once for the whole GQA group)
-           + M * D * (s_q + s_out) + scratch 2 * num_splits * M * (D + 2) * 4 (none at 1 split)
+           + M * D * (s_q + s_out) + scratch 2 * num_splits * M * (D + 2) * 4
     FLOPs ~= 4 * M * L * D  (q.k^T and p.v) + ~5 * M * L (scale, mask, exp, max/sum)
-One launch per call: the merge no longer costs a second kernel and its launch gap (~0.5 us each,
-once per layer in a decode step), but runs in one program per (b, kv head) after the others,
-a few splits at a time (`_merge_config`), where the second kernel spread it over B * H * T
-programs: it reads num_splits * M * (D + 2) * 4 bytes of scratch alone, ~35 KB per kv head at
-Llama-3-8B decode (17 splits, M = 4), 9x that at T = 9.
 Decode (T = 1) is memory bound on K/V; at rep * T = 128 (rep 8, T 16) the two dots dominate.
 """
 
@@ -53,8 +35,6 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-
-from fuser.ops.counters import split_counters
 
 BLOCK_N = 64          # key slots per inner-loop step
 TARGET_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs): latency of one hides behind the other
@@ -78,69 +58,6 @@ def _tanh(x):
 
 
 @triton.jit
-def _normalise(o, denom):
-    """o / denom per row; a row with no visible key anywhere (denom = 0, o = 0) gives 0, not NaN."""
-    denom = tl.where(denom == 0.0, 1.0, denom)
-    return o / denom[:, None]
-
-
-@triton.jit
-def _merge_splits(
-    acc_ptr, ml_ptr,   # scratch from _split_kernel
-    bk, rows, row_ok, cols, col_ok, M, D,   # rows: [R] query rows of (b, kv head) bk
-    NUM_SPLITS: tl.constexpr,
-    MAX_CHUNK: tl.constexpr,      # splits per [MAX_CHUNK, R] tile of m in the first pass
-    UNROLL: tl.constexpr,         # splits loaded per step of the second (independent loads)
-    CACHE: tl.constexpr,          # cache modifier of the scratch loads
-):
-    """out[r] = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s with m = max_s m_s: [R, BLOCK_D].
-
-    The sums run in split order 0..NUM_SPLITS-1, elementwise per (row, col): no cross-thread
-    reduction, so they round the same way in any tile shape and launch configuration (the fused
-    and the two-kernel paths give the same bits). The max is exact in any order: a tile
-    reduction. Splits past NUM_SPLITS (the last step) load m = -inf, l = 0, acc = 0, which add
-    exact zeros.
-    """
-    m_max = tl.full(rows.shape, float("-inf"), tl.float32)
-    for s0 in range(0, NUM_SPLITS, MAX_CHUNK):
-        splits = s0 + tl.arange(0, MAX_CHUNK)
-        part = bk * NUM_SPLITS + splits
-        m = tl.load(ml_ptr + part[:, None] * 2 * M + rows[None, :],
-                    mask=(splits < NUM_SPLITS)[:, None] & row_ok[None, :], other=float("-inf"),
-                    cache_modifier=CACHE)                   # [MAX_CHUNK, R]
-        m_max = tl.maximum(m_max, tl.max(m, axis=0))
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)   # no visible key anywhere: all w = 0
-    denom = tl.zeros(rows.shape, tl.float32)
-    o = tl.zeros([rows.shape[0], cols.shape[0]], tl.float32)
-    for s0 in range(0, NUM_SPLITS, UNROLL):
-        for i in tl.static_range(UNROLL):
-            part = bk * NUM_SPLITS + s0 + i
-            ok = row_ok & (s0 + i < NUM_SPLITS)
-            m = tl.load(ml_ptr + part * 2 * M + rows, mask=ok, other=float("-inf"),
-                        cache_modifier=CACHE)
-            l = tl.load(ml_ptr + part * 2 * M + M + rows, mask=ok, other=0.0,
-                        cache_modifier=CACHE)
-            acc = tl.load(acc_ptr + (part * M + rows[:, None]) * D + cols[None, :],
-                          mask=ok[:, None] & col_ok[None, :], other=0.0, cache_modifier=CACHE)
-            w = tl.exp2(m - m_max)                          # empty splits: exp2(-inf) = 0
-            denom = denom + w * l
-            o = o + acc * w[:, None]
-    return _normalise(o, denom)
-
-
-@triton.jit
-def _store_rows(out_ptr, o, b, kvh, rows, row_ok, cols, col_ok, KV, T, D, M):
-    """o: [R, BLOCK_D] fp32, query rows r = (head within the group) * T + t of kv head kvh,
-    into out [B, T, H, D] at head h = kvh * rep + r // T."""
-    rep = M // T
-    t = rows % T
-    h = kvh * rep + rows // T
-    out_rows = out_ptr + ((b * T + t) * (KV * rep) + h) * D
-    tl.store(out_rows[:, None] + cols[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
-
-
-@triton.jit
 def _split_kernel(
     q_ptr,             # q: [B, H, T, D], strides sq_b, sq_h, sq_t, sq_d
     k_ptr, v_ptr,      # k_cache, v_cache: [B, S, KV, D] contiguous
@@ -148,18 +65,12 @@ def _split_kernel(
     starts_ptr,        # [B] int64
     acc_ptr,           # scratch [B * KV, NUM_SPLITS, M, D] fp32: unnormalised p @ v
     ml_ptr,            # scratch [B * KV, NUM_SPLITS, 2, M] fp32: running max (log2 units), sum
-    out_ptr,           # [B, T, H, D] contiguous (written here when FUSED)
-    counter_ptr,       # [>= B * KV] int32, zero between calls: splits done per (b, kv head)
     sq_b, sq_h, sq_t, sq_d,
     S, KV, T, D, M,    # M = rep * T query rows per kv head
     scale_log2e,       # scale * log2(e) (no softcap) or scale (softcap: tanh comes first)
     softcap,
     window,
     NUM_SPLITS: tl.constexpr,
-    FUSED: tl.constexpr,          # merge the splits here (last program); else _combine_kernel does
-    MERGE_ROWS: tl.constexpr,     # power of two >= M: the merge's rows (no dot, no 16 minimum)
-    MERGE_CHUNK: tl.constexpr,    # _merge_splits' MAX_CHUNK
-    MERGE_UNROLL: tl.constexpr,   # _merge_splits' UNROLL
     BLOCK_M: tl.constexpr,        # power of two >= max(16, M): tl.dot needs M, N, K >= 16
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,        # power of two >= max(16, D); D = 80 runs masked in 128
@@ -245,45 +156,11 @@ def _split_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
-    if FUSED and NUM_SPLITS == 1:
-        # The whole range in this program: normalise and write, no scratch, no counter. The
-        # merge's arithmetic for one split (w = 1 or 0), so that the bits equal the two-kernel
-        # path's at num_splits = 1.
-        m_max = tl.where(m_i == float("-inf"), 0.0, m_i)
-        w = tl.exp2(m_i - m_max)
-        _store_rows(out_ptr, _normalise(acc * w[:, None], w * l_i),
-                    b, kvh, rows, row_ok, cols, col_ok, KV, T, D, M)
-    else:
-        part = bk * NUM_SPLITS + split
-        acc_ptrs = acc_ptr + (part * M + rows[:, None]) * D + cols[None, :]
-        tl.store(acc_ptrs, acc, mask=row_ok[:, None] & col_ok[None, :])
-        tl.store(ml_ptr + part * 2 * M + rows, m_i, mask=row_ok)
-        tl.store(ml_ptr + part * 2 * M + M + rows, l_i, mask=row_ok)
-        if FUSED:
-            # "Last program reduces": count the splits of (b, kv head) that are done; the one
-            # that counts last merges them all. Memory ordering (PTX memory model):
-            # - debug_barrier (bar.sync): every warp's partial stores above precede the
-            #   atomic, which one thread issues for the program.
-            # - the atomic is acq_rel at gpu scope: its release makes those stores visible
-            #   (cumulatively, through the barrier) to whichever program acquires a later count;
-            #   its acquire orders the last program's reads of the other programs' partials
-            #   after their releases (the count it read proves they all happened).
-            # - the merge loads with .cg (L2 only, no L1): partials written from other SMs
-            #   must not come from an L1 line this SM holds. The acquire already invalidates
-            #   L1 on NVIDIA GPUs; .cg makes the read independent of that.
-            # The merge reads the splits in order 0..NUM_SPLITS-1 from memory whichever
-            # program runs it, so the output is the same bits whatever order programs finish in.
-            tl.debug_barrier()
-            done = tl.atomic_add(counter_ptr + bk, 1, sem="acq_rel", scope="gpu")
-            if done == NUM_SPLITS - 1:
-                merge_rows = tl.arange(0, MERGE_ROWS)
-                merge_ok = merge_rows < M
-                o = _merge_splits(acc_ptr, ml_ptr, bk, merge_rows, merge_ok, cols, col_ok, M, D,
-                                  NUM_SPLITS, MERGE_CHUNK, MERGE_UNROLL, ".cg")
-                _store_rows(out_ptr, o, b, kvh, merge_rows, merge_ok, cols, col_ok, KV, T, D, M)
-                # Back to zero for the next kernel on the stream (the next layer, the next
-                # replay of a CUDA graph): every split of this (b, kv head) has counted.
-                tl.store(counter_ptr + bk, 0)
+    part = bk * NUM_SPLITS + split
+    acc_ptrs = acc_ptr + (part * M + rows[:, None]) * D + cols[None, :]
+    tl.store(acc_ptrs, acc, mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(ml_ptr + part * 2 * M + rows, m_i, mask=row_ok)
+    tl.store(ml_ptr + part * 2 * M + M + rows, l_i, mask=row_ok)
 
 
 @triton.jit
@@ -292,25 +169,34 @@ def _combine_kernel(
     out_ptr,           # [B, T, H, D] contiguous
     H, KV, T, D, M,
     NUM_SPLITS: tl.constexpr,
-    MERGE_CHUNK: tl.constexpr,
-    MERGE_UNROLL: tl.constexpr,
+    SPLITS_P2: tl.constexpr,      # next power of two >= NUM_SPLITS
     BLOCK_D: tl.constexpr,
 ):
-    # The two-kernel path (combine="separate"): one program per output row (b, h, t), the
-    # same merge as the fused path's last program.
+    # One program per output row (b, h, t): out = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s.
     pid = tl.program_id(0).to(tl.int64)
     t = pid % T
     h = (pid // T) % H
     b = pid // (T * H)
     rep = H // KV
-    kvh = h // rep
-    rows = tl.zeros([1], tl.int64) + (h % rep) * T + t      # [1]
-    row_ok = rows < M
+    bk = b * KV + h // rep
+    r = (h % rep) * T + t
+    splits = tl.arange(0, SPLITS_P2)
+    split_ok = splits < NUM_SPLITS
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
-    o = _merge_splits(acc_ptr, ml_ptr, b * KV + kvh, rows, row_ok, cols, col_ok, M, D,
-                      NUM_SPLITS, MERGE_CHUNK, MERGE_UNROLL, "")
-    _store_rows(out_ptr, o, b, kvh, rows, row_ok, cols, col_ok, KV, T, D, M)
+    part = bk * NUM_SPLITS + splits
+    m = tl.load(ml_ptr + part * 2 * M + r, mask=split_ok, other=float("-inf"))
+    l = tl.load(ml_ptr + part * 2 * M + M + r, mask=split_ok, other=0.0)
+    acc = tl.load(acc_ptr + (part[:, None] * M + r) * D + cols[None, :],
+                  mask=split_ok[:, None] & col_ok[None, :], other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)   # no visible key anywhere: all w = 0
+    w = tl.exp2(m - m_max)                                  # empty splits: exp2(-inf) = 0
+    denom = tl.sum(w * l, axis=0)
+    denom = tl.where(denom == 0.0, 1.0, denom)              # ... and the output is 0, not NaN
+    o = tl.sum(acc * w[:, None], axis=0) / denom
+    out_row = out_ptr + ((b * T + t) * H + h) * D
+    tl.store(out_row + cols, o.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,47 +214,15 @@ def _num_splits(programs: int, s: int, block_n: int, target_programs: int) -> in
     return max(1, min(triton.cdiv(target_programs, programs), n_blocks, MAX_SPLITS))
 
 
-def _merge_config(splits: int, rows: int, block_d: int) -> dict:
-    """_merge_splits' loop steps for `rows` query rows. Its loads are L2 round trips, serial from
-    one step to the next, so each step loads as many splits as fit in ~4K (m: one tile, often
-    all splits) or ~8K (the [rows, block_d] partials: 64 fp32 registers a thread at 4 warps)
-    values. Exact for any steps: the order of the sums does not change."""
-    p2 = triton.next_power_of_2(splits)
-    return dict(MERGE_CHUNK=min(p2, max(1, 4096 // rows)),
-                MERGE_UNROLL=min(p2, max(1, 8192 // (rows * block_d)), 16))
-
-
-def default_config(T: int) -> dict:
-    """The launcher's defaults for T queries per row (H200, Llama-3-8B heads, bf16, 2026-12-01,
-    RESULTS.md): the two-kernel path at 64-slot blocks and ~264 programs, for every T.
-
-    The one-launch merge is kept as an option (combine="fused"): alone, at contexts that fill
-    the cache, benchmarks/attention_sweep.py measured it faster for one query with 128-slot
-    blocks and ~132 programs (7.9 us at context 1024 and 20.8 at 8192, against 9.1 and 21.9),
-    but in the 8B decode step (a short context in a longer cache) that choice took 322.5 us of
-    attention per step against 178.9; for several queries it is slower alone too (T = 5:
-    12.7 / 27.4 us against 12.0 / 20.8; T = 9: 19.7 / 40.5 against 12.8 / 21.2), as the last
-    program of each kv head reads every split's partials alone."""
-    return dict(block_n=BLOCK_N, target_programs=TARGET_PROGRAMS, combine="separate")
-
-
 def cache_attention_read_triton(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor, starts: Tensor,
     scale: float, window: int, softcap: float,
-    *, num_splits: int | None = None, block_n: int | None = None,
-    target_programs: int | None = None, num_warps: int | None = None, num_stages: int = 2,
-    combine: str | None = None,
+    *, num_splits: int | None = None, block_n: int = BLOCK_N,
+    target_programs: int = TARGET_PROGRAMS, num_warps: int | None = None, num_stages: int = 2,
 ) -> Tensor:
     """See the module docstring. The keyword-only arguments are tuning overrides (tests and
-    benchmarks/attention_sweep.py); the defaults (`default_config`) are what the engine runs.
-    combine: "fused" (one launch: the last split program of each (b, kv head) merges) or
-    "separate" (the two-kernel path: _combine_kernel merges); same bits either way."""
+    benchmarks/attention_sweep.py); the defaults are what the engine runs."""
     B, H, T, D = q.shape
-    tuned = default_config(T)
-    block_n = block_n or tuned["block_n"]
-    target_programs = target_programs or tuned["target_programs"]
-    combine = combine or tuned["combine"]
-    assert combine in ("fused", "separate"), combine
     _, S, KV, _ = k_cache.shape
     assert k_cache.shape == v_cache.shape == (B, S, KV, D), (q.shape, k_cache.shape, v_cache.shape)
     assert H % KV == 0, f"{H} query heads do not group over {KV} kv heads"
@@ -382,13 +236,8 @@ def cache_attention_read_triton(
     M = (H // KV) * T
     programs = B * KV
     splits = num_splits or _num_splits(programs, S, block_n, target_programs)
-    fused = combine == "fused"
-    if fused and splits == 1:  # the one program per (b, kv head) writes out: no scratch
-        acc = ml = counters = out
-    else:
-        acc = torch.empty((programs, splits, M, D), dtype=torch.float32, device=q.device)
-        ml = torch.empty((programs, splits, 2, M), dtype=torch.float32, device=q.device)
-        counters = split_counters(q.device, programs) if fused else seq_lens  # else unused
+    acc = torch.empty((programs, splits, M, D), dtype=torch.float32, device=q.device)
+    ml = torch.empty((programs, splits, 2, M), dtype=torch.float32, device=q.device)
     block_m = max(16, triton.next_power_of_2(M))
     block_d = max(16, triton.next_power_of_2(D))
     # MMA in the cache's dtype (fp32 accumulate) for bf16/fp16; IEEE fp32 for fp32 caches, and
@@ -397,25 +246,21 @@ def cache_attention_read_triton(
     fp32_dots = k_cache.dtype == torch.float32 or (
         q.device.type != "cuda" and k_cache.dtype == torch.bfloat16)
     log2e = 1.4426950408889634
-    merge_rows = triton.next_power_of_2(M)
-    merge = dict(MERGE_ROWS=merge_rows, **_merge_config(splits, merge_rows, block_d))
     _split_kernel[(programs, splits)](
-        q, k_cache, v_cache, seq_lens, starts, acc, ml, out, counters,
+        q, k_cache, v_cache, seq_lens, starts, acc, ml,
         *q.stride(), S, KV, T, D, M,
         scale if softcap else scale * log2e, float(softcap), int(window),
-        NUM_SPLITS=splits, FUSED=fused, **merge,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_WINDOW=bool(window), HAS_SOFTCAP=bool(softcap), FP32_DOTS=fp32_dots,
         # 4 warps: measured as fast or faster than 8 at every Llama-3-8B case on an H200, up to
         # 2x at T = 9, ctx 8192 (benchmarks/attention_sweep.py, RESULTS.md).
         num_warps=num_warps or 4, num_stages=num_stages,
     )
-    if not fused:
-        _combine_kernel[(B * H * T,)](
-            acc, ml, out, H, KV, T, D, M,
-            NUM_SPLITS=splits, **_merge_config(splits, 1, block_d),
-            BLOCK_D=block_d, num_warps=1 if block_d <= 64 else 2,
-        )
+    _combine_kernel[(B * H * T,)](
+        acc, ml, out, H, KV, T, D, M,
+        NUM_SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), BLOCK_D=block_d,
+        num_warps=1 if block_d <= 64 else 2,
+    )
     return out
 
 

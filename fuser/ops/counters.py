@@ -1,10 +1,12 @@
 """Split counters: the zeroed int32 buffer that one-launch split-K kernels count arrivals in.
 
-fuser::cache_attention_read (fuser/ops/attention.py) and the split-K decode GEMV
-(fuser/ops/linear.py) cut one reduction over several programs and let the last program to
-arrive sum the parts, in the same launch: each program increments its block's counter, and the
-last one resets it to zero. So between kernels every counter is zero, and the kernels of one
-stream, which run one after another, share one buffer per device.
+The split-K decode GEMV (fuser/ops/linear.py) cuts one reduction over several programs and lets
+the last program to arrive sum the parts, in the same launch: each program increments its
+block's counter, and the last one resets it to zero. So between kernels every counter is zero,
+and the kernels of one stream, which run one after another, share one buffer per device.
+
+(Attention's split merge was tried the same way, one launch per call, and measured slower on an
+H200 than its two-kernel path: benchmarks/RESULTS.md, 2026-12-01.)
 """
 
 import torch
