@@ -14,6 +14,7 @@
 #   bash benchmarks/gpu_all.sh kernels  # split-K GEMV + one-launch attention GPU tests, attention sweep, multi-row GEMV lab
 #   bash benchmarks/gpu_all.sh fused    # 8B bf16 + fp8 decode (--profile, HF eager + gpt-fast-style peers), 1B decode, new GPU tests
 #   bash benchmarks/gpu_all.sh fused2   # 8B bf16 + fp8 decode (--profile), fp32 CUDA-engine tests
+#   bash benchmarks/gpu_all.sh gpt-fast # the real gpt-fast (benchmarks/gpt_fast_peer.py; carry benchmarks/.gpt-fast) and fuser bf16
 #   bash benchmarks/gpu_all.sh fp8-accuracy [fp8_accuracy.py flags]   # FP8 vs bf16 on the bundled pair
 # OUT=<dir for logs and JSON>
 set -o pipefail
@@ -84,6 +85,14 @@ elif [ "$what" = fused2 ]; then
   timeout 75 python3 -m pytest -q -p no:logging -p no:cacheprovider --tb=short -rf \
     tests/test_prefill_graphs.py tests/test_generate_speculative.py -k "gpu or syncs" 2>&1 \
     | tee "$OUT/gpu_tests.log" | grep -v Warning | tail -15
+elif [ "$what" = gpt-fast ]; then
+  # The real gpt-fast (a checkout in the git-ignored benchmarks/.gpt-fast; run with
+  # carry=["benchmarks/.gpt-fast"]) at the 8B shape, then fuser's bf16 decode in the same call.
+  echo "== gpt-fast"
+  timeout 240 python3 benchmarks/gpt_fast_peer.py --out "$OUT/gpt_fast.json" 2>&1 | grep -v Warning | tail -5
+  echo "== fuser decode, 8B shape, bf16"
+  timeout 240 python3 benchmarks/decode.py --out "$OUT/decode.json" --precisions bf16 --skip-peers 2>&1 \
+    | tee "$OUT/decode.log" | grep -E "^\[|ceiling|verify|fallback|Error" | tail -20
 elif [ "$what" = decode ]; then
   echo "== decode benchmark"
   python3 benchmarks/decode.py --out "$OUT/decode.json" "$@" 2>&1 | tee "$OUT/decode.log" | grep -v Warning | tail -80
