@@ -8,6 +8,11 @@ The candidate (`_lab_kernel`) differs from fuser/ops/linear.py's `_linear_kernel
   acc[BLOCK_N, BLOCK_M] += W[BLOCK_N, BLOCK_K] @ x.T[BLOCK_K, BLOCK_M]. The weight tile is then
   in its natural (K-contiguous, row-major A) layout, and an FP8 tile is widened to x's dtype in
   registers right before the MMA, instead of being transposed as the second operand;
+- several rows in a hand-pipelined kernel (`_lab_prefetch_kernel`, num_stages=1: the next
+  tile's loads issued before this tile's MMA): the weight tile goes global -> registers ->
+  widened -> the MMA's register operand (on sm_90 a wgmma with A from registers; compiled
+  locally with Triton 3.9 it has no shared-memory traffic for the weight), with three ways to
+  widen FP8 (`_widen`: Triton's cast, the bit recipe in Triton ops, the bit recipe in PTX);
 - split-K without a second kernel: the K range is cut in SPLIT_K parts, each program writes its
   fp32 partial to a workspace, and the last program of each column block (an atomic counter per
   block, acq_rel) sums the parts in split order (deterministic), applies the scale, writes the
@@ -46,6 +51,8 @@ SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336), "lm_head": (128256, 4096)}
 TINY = {"qkv": (96, 256), "down": (64, 512)}
 SCAN = dict(warmup=3, rep=15)
+# FP8 weight widening in the hand-pipelined kernel; "asm" is inline PTX (not interpretable)
+WIDENS = ("cvt", "bits") if os.environ.get("TRITON_INTERPRET") == "1" else ("cvt", "bits", "asm")
 FULL = dict(warmup=25, rep=100)
 
 
@@ -105,12 +112,108 @@ def _lab_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, count_ptr,
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
 
 
+@triton.jit
+def _widen(w, to: tl.constexpr, WIDEN: tl.constexpr):
+    """An e4m3fn (or bf16/fp16/fp32) tile in dtype `to`, exactly. WIDEN "cvt": Triton's cast
+    (on sm_90: e4m3x2 -> f16x2, then f16 -> bf16 per element); "bits": the e4m3fn bits placed in
+    a bf16's (sign to bit 15, exponent and mantissa from bit 4 up), which is the value times
+    2^-120 for every finite code, subnormals and zero included; one multiply by 2^120 (exact)
+    restores it; integer ops and one bf16 multiply instead of conversion instructions."""
+    if WIDEN == "asm":  # the "bits" recipe in PTX, four codes per 32-bit register
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t0, t1, s0, s1, c;
+            prmt.b32 t0, $2, 0, 0x1404;
+            prmt.b32 t1, $2, 0, 0x3424;
+            shr.b32 s0, t0, 4;
+            shr.b32 s1, t1, 4;
+            and.b32 s0, s0, 0x07F007F0;
+            and.b32 s1, s1, 0x07F007F0;
+            and.b32 t0, t0, 0x80008000;
+            and.b32 t1, t1, 0x80008000;
+            or.b32 t0, t0, s0;
+            or.b32 t1, t1, s1;
+            mov.b32 c, 0x7B807B80;
+            mul.rn.bf16x2 $0, t0, c;
+            mul.rn.bf16x2 $1, t1, c;
+            }""",
+            constraints="=r,=r,r", args=[w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16,
+            is_pure=True, pack=4).to(to)
+    if WIDEN == "bits" and to == tl.float32:  # the same in fp32 bits (the CPU interpreter's
+        b = w.to(tl.uint8, bitcast=True).to(tl.uint32)  # bf16 flushes subnormals: dry runs)
+        bits = ((b & 0x80) << 24) | ((b & 0x7F) << 20)
+        return bits.to(tl.float32, bitcast=True) * 2.0**120
+    if WIDEN == "bits":
+        b = w.to(tl.uint8, bitcast=True).to(tl.uint16)
+        bits = ((b & 0x80) << 8) | ((b & 0x7F) << 4)
+        wide = bits.to(tl.bfloat16, bitcast=True) * tl.full([1, 1], 2.0**120, tl.bfloat16)
+        return wide.to(to)
+    return w.to(to)
+
+
+@triton.jit
+def _lab_prefetch_kernel(x_ptr, w_ptr, scale_ptr, out_ptr,
+                         M, N, K, stride_xm, stride_wn, stride_om,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         HAS_SCALE: tl.constexpr, FP32_DOTS: tl.constexpr, WIDEN: tl.constexpr):
+    """Several rows, the weight tile as the MMA's first operand, widened in registers, with the
+    next tile's loads issued before this tile's MMA (software pipelining by hand: num_stages=1,
+    so that Triton's pipeliner does not route the FP8 tile through shared memory)."""
+    pid_n = tl.program_id(0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    x_cols = x_ptr + offs_m[None, :] * stride_xm
+    w_next = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)
+    x_next = tl.load(x_cols + offs_k[:, None], mask=m_ok[None, :], other=0.0)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(BLOCK_K, K + BLOCK_K, BLOCK_K):
+        w = w_next
+        xt = x_next
+        k = k0 + offs_k
+        k_ok = k < K
+        w_next = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x_next = tl.load(x_cols + k[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+        if FP32_DOTS:
+            acc += tl.dot(_widen(w, tl.float32, WIDEN), xt.to(tl.float32),
+                          input_precision="ieee")
+        else:
+            acc = tl.dot(_widen(w, xt.dtype, WIDEN), xt, acc)
+    if HAS_SCALE:
+        acc *= tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
+    out = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
+
+
+def lab_prefetch_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, *,
+                        block_n: int, block_k: int, num_warps: int, widen: str,
+                        **_: object) -> torch.Tensor:
+    M, K = x.shape
+    N = w.shape[0]
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    fp32_dots = x.dtype == torch.float32 or (x.device.type != "cuda" and x.dtype == torch.bfloat16)
+    _lab_prefetch_kernel[(triton.cdiv(N, block_n),)](
+        x, w, scale if scale is not None else out, out, M, N, K,
+        x.stride(0), w.stride(0), out.stride(0),
+        BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_SCALE=scale is not None, FP32_DOTS=fp32_dots,
+        WIDEN=widen if w.dtype == torch.float8_e4m3fn else "cvt",
+        num_warps=num_warps, num_stages=1)
+    return out
+
+
 _COUNTERS: dict[tuple, torch.Tensor] = {}
 
 
 def lab_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, *, block_n: int,
                block_k: int, split_k: int, num_warps: int, num_stages: int,
-               mma: bool | None = None) -> torch.Tensor:
+               mma: bool | None = None, widen: str | None = None) -> torch.Tensor:
+    if widen is not None:
+        return lab_prefetch_linear(x, w, scale, block_n=block_n, block_k=block_k,
+                                   num_warps=num_warps, widen=widen)
     M, K = x.shape
     N = w.shape[0]
     assert K % (split_k * block_k) == 0, (K, split_k, block_k)
@@ -145,10 +248,14 @@ def configs(M: int, fp8: bool, K: int) -> list[dict]:
     elif M == 1:
         core = [(8, 512, 1), (8, 512, 2), (4, 512, 4), (16, 256, 2), (8, 256, 4), (16, 512, 4)]
         mma = [(64, 128, 2), (32, 128, 4)]
-    else:  # CUDA cores (3-D products: keep block_n * block_m * block_k / threads small), MMA
-        core = [(4, 128, 1), (4, 256, 1), (8, 128, 1), (2, 256, 1), (4, 128, 2), (8, 64, 1)]
-        mma = [(32, 256, 1), (64, 256, 1), (64, 256, 2), (64, 128, 4)]
-    out = []
+    else:  # MMA, and the hand-pipelined kernel with the weight widened in registers
+        core = []
+        mma = [(64, 256, 1), (64, 256, 2)]
+        prefetch = [dict(block_n=bn, block_k=bk, split_k=1, num_warps=w, num_stages=1,
+                         widen=widen)
+                    for bn, bk, w in [(64, 128, 4), (64, 256, 4), (128, 128, 8), (32, 256, 4)]
+                    for widen in (WIDENS if fp8 else ("cvt",))]
+    out = [c for c in (prefetch if M > 1 else []) if K % c["block_k"] == 0]
     for (bn, bk, sk), mma_ in [(c, False) for c in core] + [(c, True) for c in mma]:
         if K % (sk * bk) == 0:
             out.append(dict(block_n=bn, block_k=bk, split_k=sk,
@@ -159,7 +266,8 @@ def configs(M: int, fp8: bool, K: int) -> list[dict]:
 
 def label(c: dict) -> str:
     return (f"n{c['block_n']} k{c['block_k']} s{c['split_k']} w{c['num_warps']} "
-            f"st{c['num_stages']}{' mma' if c.get('mma') else ''}")
+            f"st{c['num_stages']}{' mma' if c.get('mma') else ''}"
+            f"{' prefetch-' + c['widen'] if c.get('widen') else ''}")
 
 
 def main() -> int:
