@@ -18,9 +18,10 @@ for its model graphs alone (gamma 4: 0.375 vs 0.336). Per greedy iteration with 
 `finish_greedy_step`, unchanged. Each kernel does exactly what the eager code does, bit for bit
 (tests/test_draft_kernels.py compares every output and every mutated tensor):
 
-    catchup_inputs:  seq_lens = L - 1;  tokens = [last, pending];  positions = seq_lens - starts + [0, 1]
+    catchup_inputs:  seq_lens = L - 1;  tokens = [last, pending];
+                     positions = seq_lens - starts + [0, 1]
     draft_advance:   d = argmax(logits[b, :V]);  drafted[b, i] = d;  seq_lens += k;
-                     token = [d];  position = [seq_lens - starts]       (the next draft step's inputs)
+                     token = [d];  position = [seq_lens - starts]   (the next step's inputs)
     verify_inputs:   tokens = [pending, d_1..d_G];  positions = L - starts + [0..G]
 
 (L: the target cache's lengths; seq_lens, starts: the draft cache's unless said otherwise.)
@@ -115,7 +116,7 @@ def _draft_advance_kernel(
     for start in range(0, V, BLOCK_V):
         at = start + lane
         x = tl.load(row_ptr + at, mask=at < V, other=float("-inf")).to(tl.float32)
-        nan_at = tl.minimum(nan_at, tl.where(x != x, at, V))
+        nan_at = tl.minimum(nan_at, tl.where(x != x, at, V))  # NaN: unequal to itself
         better = x > best  # false for NaN
         best = tl.where(better, x, best)
         best_at = tl.where(better, at, best_at)
