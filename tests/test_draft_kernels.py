@@ -26,9 +26,11 @@ from fuser.runtime.steps import CATCHUP, DECODE, ModelSteps, StepGraph, StepKind
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-# Vocabularies: tiny, non-powers of two, the tests' engines' 160, and either side of one
-# MAX_BLOCK_V loop block (the argmax's running maximum carried across blocks).
-VOCABS = (2, 3, 100, 160, 1000, draft_kernels.MAX_BLOCK_V - 1, draft_kernels.MAX_BLOCK_V + 5)
+# Vocabularies: tiny, non-powers of two, the tests' engines' 160 (a multiple of the 16-wide
+# test block, see `cases`), one block of 1024. Either side of a real MAX_BLOCK_V block and the
+# Llama-3 vocabulary are `test_a_vocabulary_either_side_of_a_block`'s and
+# `test_argmax_ties_nans_and_a_large_vocabulary`'s (the interpreter's pace).
+VOCABS = (2, 3, 100, 160, 1000)
 SPECIALS = (float("nan"), float("inf"), float("-inf"))
 
 
@@ -175,7 +177,7 @@ def check(case: Case, device: str) -> None:
 SETTINGS = {"deadline": None, "derandomize": True, "suppress_health_check": [HealthCheck.too_slow]}
 
 
-@settings(max_examples=25, **SETTINGS)
+@settings(max_examples=40, **SETTINGS)
 @given(case=cases())
 def test_kernels_equal_eager(case: Case) -> None:
     check(case, "cuda" if torch.cuda.is_available() else "cpu")
@@ -213,6 +215,22 @@ def test_argmax_ties_nans_and_a_large_vocabulary() -> None:
     case = Case(target_lens=torch.tensor([5, 9, 3, 4, 7, 2]), target_starts=torch.zeros(6).long(),
                 draft_lens=torch.zeros(6).long(), draft_starts=torch.zeros(6).long(),
                 last=torch.arange(6), pending=torch.arange(6) + 10, logits=[x], vocab_size=V)
+    check(case, "cpu")
+
+
+@pytest.mark.parametrize("extra", [-1, 0, 1])
+def test_a_vocabulary_either_side_of_a_block(extra: int) -> None:
+    """V = MAX_BLOCK_V - 1, MAX_BLOCK_V, MAX_BLOCK_V + 1 in bf16, values in {0, 1} (a tie in
+    every row), a NaN in one decode step."""
+    V = draft_kernels.MAX_BLOCK_V + extra
+    specials = [(float("nan"), 1, V - 1)]
+    steps = [logits((3, 2, V + 8), V, torch.bfloat16, 7, 2, []),
+             logits((3, 1, V + 8), V, torch.bfloat16, 8, 2, specials)]
+    lens = torch.tensor([9, 30, 2])
+    case = Case(target_lens=lens, target_starts=torch.tensor([0, 4, 1]),
+                draft_lens=torch.tensor([0, 40, 7]), draft_starts=torch.tensor([0, 4, 1]),
+                last=torch.tensor([1, 2, 3]), pending=torch.tensor([4, 5, 6]), logits=steps,
+                vocab_size=V)
     check(case, "cpu")
 
 
