@@ -342,8 +342,8 @@ def test_speculative_steps_are_unchanged_with_the_kernels(engines,
 
     def steps() -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
         """Three steps from `start`: (packed, snapshot after) each."""
-        for name_, t in live(bucket).items():
-            t.copy_(start[name_])
+        for key, t in live(bucket).items():
+            t.copy_(start[key])
         out = []
         for _ in range(3):
             packed = speculative.speculative_step(bucket.target, bucket.draft, bucket.state,
