@@ -61,7 +61,8 @@ class KVCache:
         return self.k[0].shape[1] if self.k else 0
 
     # The lengths change only through the methods below, in place: captured CUDA graphs read
-    # seq_lens and starts where they live.
+    # seq_lens and starts where they live. (The greedy step's fused kernels, runtime/
+    # step_kernels.py and runtime/draft_kernels.py, make the same updates in their launches.)
 
     def reset(self) -> None:
         """Forget every sequence (the slots keep their stale values, masked by the lengths)."""

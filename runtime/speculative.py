@@ -19,7 +19,9 @@ their Python values are only the shape-fixing ones (gamma, do_sample); every per
 (budget, eos ids, sampling parameters) is a device tensor of fixed shape in `DecodeState`, so the
 same function runs uncaptured (CPU, tests) and captured once as one CUDA graph
 (runtime/step_graphs.py). On CUDA a greedy step's work after the target's argmax is one Triton
-kernel (`finish_greedy`, runtime/step_kernels.py); the eager code stays as its reference.
+kernel (`finish_greedy`, runtime/step_kernels.py), and the glue between its model graphs one
+launch per seam (`draft`, `verify`: runtime/draft_kernels.py); the eager code stays as their
+reference.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fuser.runtime.draft_kernels import catchup_inputs, draft_advance, verify_inputs
 from fuser.runtime.steps import CATCHUP, DECODE, PREFILL, ModelSteps, verify as verify_step
 from fuser.runtime.prompts import Prompts
 from fuser.runtime.sampling import accept_greedy, accept_sampling, process_logits_rows, sample
@@ -202,8 +205,8 @@ def decode_one_token(target: ModelSteps, state: DecodeState, vocab_size: int, do
 
 
 def draft(draft_model: ModelSteps, target_lens: torch.Tensor, state: DecodeState,
-          gamma: int, vocab_size: int, do_sample: bool, generator: torch.Generator | None
-          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+          gamma: int, vocab_size: int, do_sample: bool, generator: torch.Generator | None,
+          fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Propose gamma tokens: (draft_tokens [B, gamma], draft probs [B, gamma, V] or None).
 
     Draft-cache consistency. With the target at length L (pending token y for slot L), the
@@ -216,7 +219,16 @@ def draft(draft_model: ModelSteps, target_lens: torch.Tensor, state: DecodeState
     tokens of slots L-1 and L, at seq_lens = L-1: one uniform step for both cases (it rewrites
     slot L-1 with the token already there when n < gamma). Its last logits give d_1; then
     gamma-1 "decode" steps feed d_1..d_{gamma-1} at slots L+1..L+gamma-1.
+
+    fused (greedy only): True runs the glue between the draft steps as runtime/draft_kernels.py's
+    kernels (G + 1 launches instead of 3G + 6), False the eager code below (the reference: bit
+    for bit the same), None the kernels on CUDA for a greedy draft (see `finish_greedy`).
     """
+    if fused is None:
+        fused = not do_sample and fused_by_default(target_lens.device)
+    if fused:
+        assert not do_sample, "the fused draft is greedy"
+        return _draft_greedy_fused(draft_model, target_lens, state, gamma, vocab_size), None
     cache = draft_model.cache
     cache.set_lengths(target_lens - 1)  # rewinds past whatever the last round left
     tokens = torch.stack([state.last, state.pending], dim=1)  # [B, 2]
@@ -240,16 +252,41 @@ def draft(draft_model: ModelSteps, target_lens: torch.Tensor, state: DecodeState
     return draft_tokens, (torch.stack(draft_probs, dim=1) if draft_probs else None)
 
 
+def _draft_greedy_fused(draft_model: ModelSteps, target_lens: torch.Tensor, state: DecodeState,
+                        gamma: int, vocab_size: int) -> torch.Tensor:
+    """`draft`'s greedy path with one kernel per seam: the same steps, tokens and lengths."""
+    cache = draft_model.cache
+    # seq_lens = L - 1; tokens = [last, pending], positions: [B, 2] each
+    tokens, positions = catchup_inputs(cache, target_lens, state.last, state.pending)
+    drafted = torch.empty(cache.batch_size, gamma, dtype=torch.long,
+                          device=target_lens.device)  # [B, gamma], a column per draft step
+    kind = CATCHUP
+    for i in range(gamma):
+        logits = draft_model.run(kind, tokens, positions)[:, -1, :vocab_size]  # [B, V]
+        # drafted[:, i] = argmax; seq_lens += T; the next step's token and position: [B, 1]
+        tokens, positions = draft_advance(logits, drafted, i, cache, kind.tokens)
+        kind = DECODE
+    return drafted
+
+
 def verify(target: ModelSteps, state: DecodeState, draft_tokens: torch.Tensor,
-           vocab_size: int) -> torch.Tensor:
+           vocab_size: int, fused: bool | None = None) -> torch.Tensor:
     """The target over [pending, d_1..d_gamma] at slots L..L+gamma in one forward.
 
     Returns logits [B, gamma + 1, V] in the model's dtype (a view: the caller upcasts only to
     sample): row i scores the token after slot L + i.
+    fused: True builds the step's tokens and positions in one launch
+    (runtime/draft_kernels.py's `verify_inputs`), False with the eager code below (4 kernels),
+    None as `fused_by_default`.
     """
     cache = target.cache
-    tokens = torch.cat([state.pending[:, None], draft_tokens], dim=1)  # [B, gamma + 1]
-    positions = step_positions(cache.seq_lens, cache.starts, tokens.shape[1])
+    if fused is None:
+        fused = fused_by_default(draft_tokens.device)
+    if fused:
+        tokens, positions = verify_inputs(cache, state.pending, draft_tokens)  # [B, gamma + 1]
+    else:
+        tokens = torch.cat([state.pending[:, None], draft_tokens], dim=1)  # [B, gamma + 1]
+        positions = step_positions(cache.seq_lens, cache.starts, tokens.shape[1])
     kind = verify_step(draft_tokens.shape[1])
     return target.run(kind, tokens, positions)[:, :, :vocab_size]
 
@@ -262,9 +299,12 @@ def speculative_step(target: ModelSteps, draft_model: ModelSteps, state: DecodeS
     Emits n + 1 tokens per row: the n accepted drafts, then the target's correction (or the
     bonus token when n == gamma). Returns the packed result [B, gamma + 2].
     """
+    # Greedy: the glue between the model graphs as runtime/draft_kernels.py's (on CUDA);
+    # sampling keeps the eager code.
+    fused = not do_sample and fused_by_default(target.cache.seq_lens.device)
     draft_tokens, p = draft(draft_model, target.cache.seq_lens, state, gamma, vocab_size,
-                            do_sample, generator)
-    target_logits = verify(target, state, draft_tokens, vocab_size)  # [B, gamma + 1, V]
+                            do_sample, generator, fused)
+    target_logits = verify(target, state, draft_tokens, vocab_size, fused)  # [B, gamma + 1, V]
     if not do_sample:  # the argmax in the logits' dtype: see `choose`
         target_tokens = torch.argmax(target_logits, dim=-1)  # [B, gamma + 1]
         return finish_greedy(target, state, draft_tokens, target_tokens).packed()

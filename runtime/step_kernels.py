@@ -39,12 +39,14 @@ if TYPE_CHECKING:
     from fuser.runtime.speculative import DecodeState
 
 # Off CUDA the eager code runs (it is the reference); tests set this (pytest's monkeypatch) to
-# run the kernel under TRITON_INTERPRET=1 on the CPU too. Read at each call, never at import.
+# run the kernels under TRITON_INTERPRET=1 on the CPU too. Read at each call, never at import.
+# One switch for the greedy iteration's kernels: this module's and runtime/draft_kernels.py's.
 FUSE_OFF_CUDA = False
 
 
 def fused_by_default(device: torch.device) -> bool:
-    """Whether a greedy step on `device` finishes in `finish_greedy_step` unless told otherwise."""
+    """Whether a greedy step on `device` runs its fused kernels unless told otherwise: its end
+    in `finish_greedy_step`, its draft/verify glue in runtime/draft_kernels.py."""
     return device.type == "cuda" or FUSE_OFF_CUDA
 
 
