@@ -62,7 +62,17 @@ kernel writes, bit for bit, except where the sum of squares, summed in another o
 chunks, then one reduction, against the norm kernel's single row-wide one), moves rstd by an
 ulp: in fp32 such a row then differs from norm-then-GEMV by ~2^-24 relative, in bf16/fp16
 nearly never (tests/test_ops_norm_linear.py). The kernel takes x, r and g in one dtype; the
-ops run the separate kernels for anything else and above MAX_ROWS.
+ops run the separate kernels for anything else and above MAX_ROWS; on CUDA also above
+NORM_PROLOGUE_MAX_ROWS (one row), where the prologue measured slower than the norm kernel.
+
+Split-K in the same launch (SPLIT_K > 1, `_default_split_k`: down_proj's long K at one row,
+and bf16 o_proj): grid (column blocks, SPLIT_K); program (b, s) sums K range s of SPLIT_K, stores
+its fp32 partial, and the last program of block b to arrive (an atomic counter per block,
+fuser/ops/counters.py) adds the parts in split order 0..SPLIT_K-1, so the result does not depend
+on which program finished last, runs the epilogue (scale, activation) and resets the counter
+(`_sum_splits`). One launch instead of a GEMV and a reduction kernel; more programs for a
+narrow, deep weight (down_proj: 512 column blocks of 8 rows, each K = 14336 long, become 1024
+programs). Extra bytes: 2 * SPLIT_K * grid * BLOCK_M * BLOCK_N * 4 of partials (L2).
 
 Cost: bytes = N * K * s_w + M * K * s_x + M * N * s_out (+ 4N for the FP8 scales);
 FLOPs = 2 * M * N * K (+ M * N scale multiplies). Gated, with N = 2I weight rows: the same
