@@ -15,6 +15,7 @@
 #   bash benchmarks/gpu_all.sh fused    # 8B bf16 + fp8 decode (--profile, HF eager + gpt-fast-style peers), 1B decode, new GPU tests
 #   bash benchmarks/gpu_all.sh fused2   # 8B bf16 + fp8 decode (--profile), fp32 CUDA-engine tests
 #   bash benchmarks/gpu_all.sh gpt-fast # the real gpt-fast (benchmarks/gpt_fast_peer.py; carry benchmarks/.gpt-fast) and fuser bf16
+#   bash benchmarks/gpu_all.sh pending  # GPU tests not yet run (fp32 engines, draft kernels), several-row GEMV candidates
 #   bash benchmarks/gpu_all.sh fp8-accuracy [fp8_accuracy.py flags]   # FP8 vs bf16 on the bundled pair
 # OUT=<dir for logs and JSON>
 set -o pipefail
@@ -93,6 +94,19 @@ elif [ "$what" = gpt-fast ]; then
   echo "== fuser decode, 8B shape, bf16"
   timeout 240 python3 benchmarks/decode.py --out "$OUT/decode.json" --precisions bf16 --skip-peers 2>&1 \
     | tee "$OUT/decode.log" | grep -E "^\[|ceiling|verify|fallback|Error" | tail -20
+elif [ "$what" = pending ]; then
+  # What the fifth session could not run: the GPU tests of the fp32 shared-memory fix and of
+  # runtime/draft_kernels.py, then the several-row GEMV candidates (hand-pipelined, FP8 widened
+  # in registers three ways). Follow with `decode --profile --skip-hf-compile` (the tree's 8B
+  # figures) and `bundled` (the draft kernels in the bundled pair's iterations).
+  echo "== GPU tests"
+  timeout 300 python3 -m pytest -q -p no:logging -p no:cacheprovider --tb=short -rf \
+    tests/test_draft_kernels.py tests/test_step_kernels.py tests/test_ops_norm_linear.py \
+    tests/test_ops_linear.py tests/test_prefill_graphs.py tests/test_generate_speculative.py \
+    tests/test_cuda_spec.py -k "gpu or cuda or syncs" 2>&1 | tee "$OUT/gpu_tests.log" | grep -v Warning | tail -25
+  echo "== GEMV lab, several rows"
+  timeout 200 python3 benchmarks/gemv_lab.py --out "$OUT/lab_rows.json" --only qkv,o_proj,down,gate_up \
+    --dtypes fp8,bf16 --rows 5 --budget 190 2>&1 | tee "$OUT/lab_rows.log" | grep -v Warning
 elif [ "$what" = decode ]; then
   echo "== decode benchmark"
   python3 benchmarks/decode.py --out "$OUT/decode.json" "$@" 2>&1 | tee "$OUT/decode.log" | grep -v Warning | tail -80
