@@ -15,7 +15,8 @@ from torch import Tensor
 # Per device: int32, zero between kernels. One buffer serves every call on a device, as
 # kernels on one stream run one after another and each leaves the counters it used at zero
 # (the last program of each block resets its own); two calls may share counters only if they
-# never overlap, which holds as long as these kernels run on one stream at a time (the engine's steps do; warm-up on a side stream is joined before capture).
+# never overlap, which holds as long as these kernels run on one stream at a time (the
+# engine's steps do; warm-up on a side stream is joined before capture).
 # Allocated on the first call (the engines run an eager warm-up before they capture; torch.zeros
 # inside a capture would record a memset in the graph), with room to spare, and never freed: a
 # CUDA graph keeps the address it captured, so a buffer grown later keeps the old one alive.
