@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 import fuser.ops  # noqa: F401  (registers torch.ops.fuser.*)
-from fuser.ops.attention import masked_attention
 
 ATTENTION = "fuser"
 # Families whose decode step is fully fused and checked against Hugging Face (API.md,
@@ -76,8 +75,8 @@ def cache_attention(
     scale = scaling if scaling is not None else D**-0.5
     window, cap = int(sliding_window or 0), float(softcap or 0.0)
     if step.prefill:  # the cache was empty: attend among the T new tokens only
-        return masked_attention(query, key, value, slots, torch.arange(T, device=device),
-                                step.starts, scale, window, cap), None
+        return torch.ops.fuser.prefill_attention(
+            query, key, value, slots, step.starts, scale, window, cap), None
     # One opaque op per layer: passes/attention.py chooses the kernel that computes it.
     return torch.ops.fuser.cache_attention(
         query, k_cache, v_cache, step.seq_lens, step.starts, scale, window, cap), None

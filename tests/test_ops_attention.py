@@ -190,3 +190,59 @@ def test_gpu_llama3_shapes_and_tuning_overrides(T, dtype):
                    dict(block_n=128, target_programs=528, num_warps=8, num_stages=2)]:
             out = cache_attention_read_triton(*args, 128**-0.5, 0, 0.0, **kw)
             check(out.cpu(), ref, v, seen, dtype)
+
+
+# --- prefill: fuser::prefill_attention (SDPA on CUDA, masked_attention elsewhere) -------------
+
+
+@settings(max_examples=25, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(
+    B=st.integers(1, 3),
+    T=st.integers(1, 40),
+    heads=st.sampled_from([(4, 4), (4, 2), (8, 2)]),
+    D=st.sampled_from([16, 32]),
+    pad=st.integers(0, 5),
+    window=st.sampled_from([0, 3, 16]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_prefill_sdpa_equals_the_reference_on_real_rows(B, T, heads, D, pad, window, dtype,
+                                                         seed):
+    """The CUDA kernel of fuser::prefill_attention (run here on the CPU: SDPA exists there too)
+    against the reference: equal on every row that sees a key; finite on the left-padding rows
+    that see none (the reference averages every value there, SDPA attends to the diagonal)."""
+    from fuser.ops.attention import prefill_attention_reference, prefill_attention_sdpa
+
+    H, KV = heads
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, T, D, generator=g).to(dtype)
+    k = torch.randn(B, KV, T, D, generator=g).to(dtype)
+    v = torch.randn(B, KV, T, D, generator=g).to(dtype)
+    starts = torch.randint(0, min(pad, T - 1) + 1, (B,), generator=g)
+    slots = torch.arange(T)[None].expand(B, T)
+    args = (q, k, v, slots, starts, D**-0.5, window, 0.0)
+    out, ref = prefill_attention_sdpa(*args), prefill_attention_reference(*args)
+    assert out.shape == ref.shape == (B, T, H, D) and out.dtype == dtype
+    assert torch.isfinite(out).all()
+    real = slots >= starts[:, None]                                   # [B, T]: sees a key
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[real].float(), ref[real].float(), rtol=tol, atol=tol)
+
+
+def test_prefill_sdpa_keeps_the_reference_for_softcap():
+    from fuser.ops.attention import prefill_attention_reference, prefill_attention_sdpa
+
+    q, k, v = torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
+    args = (q, k, v, torch.arange(5)[None], torch.zeros(1, dtype=torch.long), 0.25, 0, 30.0)
+    assert torch.equal(prefill_attention_sdpa(*args), prefill_attention_reference(*args))
+
+
+def test_prefill_attention_op_runs_the_reference_on_cpu():
+    from fuser.ops.attention import prefill_attention_reference
+
+    q, k, v = torch.randn(2, 4, 6, 16), torch.randn(2, 2, 6, 16), torch.randn(2, 2, 6, 16)
+    args = (q, k, v, torch.arange(6)[None].expand(2, 6), torch.tensor([0, 2]), 0.25, 0, 0.0)
+    torch.library.opcheck(torch.ops.fuser.prefill_attention.default, args)
+    assert torch.equal(torch.ops.fuser.prefill_attention(*args),
+                       prefill_attention_reference(*args))

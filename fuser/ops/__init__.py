@@ -64,4 +64,5 @@ CPU_INLINE = {
     torch.ops.fuser.add_rms_norm_linear.default: add_rms_norm_linear_cpu,
     torch.ops.fuser.cache_attention.default: attention.cache_attention_grouped,
     torch.ops.fuser.cache_attention_read.default: attention.cache_attention_grouped,
+    torch.ops.fuser.prefill_attention.default: attention.prefill_attention_reference,
 }

@@ -341,6 +341,76 @@ def masked_attention(
     return out.transpose(1, 2).to(q.dtype).contiguous()
 
 
+@torch.library.custom_op("fuser::prefill_attention", mutates_args=())
+def prefill_attention(
+    q: Tensor, k: Tensor, v: Tensor, query_slots: Tensor, starts: Tensor,
+    scale: float, window: int, softcap: float,
+) -> Tensor:
+    """Attention among a prefill's T new tokens (the cache was empty): what capture emits for
+    a prefill step's attention.
+
+    q: [B, H, T, D]; k, v: [B, kv_heads, T, D], token t at slot t; query_slots: [B, T]; starts:
+    [B]. Key j is visible to query i when starts <= j <= query_slots[i] (and within the window).
+    -> [B, T, H, D] contiguous, q's dtype. CPU (and any device but CUDA) runs `masked_attention`
+    (fp32 scores for every pair: the reference); CUDA runs `prefill_attention_sdpa`.
+    """
+    return prefill_attention_reference(q, k, v, query_slots, starts, scale, window, softcap)
+
+
+@prefill_attention.register_fake
+def _prefill_attention_fake(
+    q: Tensor, k: Tensor, v: Tensor, query_slots: Tensor, starts: Tensor,
+    scale: float, window: int, softcap: float,
+) -> Tensor:
+    B, H, T, D = q.shape
+    return q.new_empty((B, T, H, D))
+
+
+def prefill_attention_reference(
+    q: Tensor, k: Tensor, v: Tensor, query_slots: Tensor, starts: Tensor,
+    scale: float, window: int, softcap: float,
+) -> Tensor:
+    """`masked_attention` over the T new keys at slots 0..T-1."""
+    key_slots = torch.arange(k.shape[2], device=k.device)
+    return masked_attention(q, k, v, query_slots, key_slots, starts, scale, window, softcap)
+
+
+def prefill_attention_sdpa(
+    q: Tensor, k: Tensor, v: Tensor, query_slots: Tensor, starts: Tensor,
+    scale: float, window: int, softcap: float,
+) -> Tensor:
+    """The prefill's attention by torch's scaled_dot_product_attention with a boolean mask: a
+    fused kernel (memory-efficient attention on CUDA), no [T, T] fp32 scores in memory.
+
+    The same visibility as the reference, plus the diagonal: a query that sees no key (a left
+    padding row, query_slots < starts) attends to its own key, where the reference averages
+    every value; both are finite, and no real row reads a padding row's output (its key is
+    never visible to one). Real rows see their own key anyway, so the diagonal changes nothing
+    for them. Scores and softmax in fp32 inside the kernel. Kv heads are repeated to the query
+    heads (head h reads kv head h // rep, as the reference groups them) so that the
+    memory-efficient kernel takes the call. Softcap (tanh on the scores) is not an SDPA
+    option: the reference runs then.
+    """
+    if softcap:
+        return prefill_attention_reference(q, k, v, query_slots, starts, scale, window, softcap)
+    B, H, T, D = q.shape
+    rep = H // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    j = torch.arange(k.shape[2], device=q.device)                       # key slots [S]
+    i = query_slots[:, :, None]                                         # [B, T, 1]
+    visible = (j >= starts[:, None, None]) & (j <= i)                   # [B, T, S]
+    if window:
+        visible = visible & (i - j < window)
+    visible = visible | (j[None, :] == torch.arange(T, device=q.device)[:, None])  # diagonal
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k.to(q.dtype), v.to(q.dtype), attn_mask=visible[:, None], scale=scale)
+    return out.transpose(1, 2).contiguous()
+
+
+prefill_attention.register_kernel("cuda")(prefill_attention_sdpa)
+
+
 def cache_attention_reference(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor, starts: Tensor,
     scale: float, window: int, softcap: float,
