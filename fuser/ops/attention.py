@@ -11,6 +11,12 @@ s = tanh(s / softcap) * softcap when softcap != 0, softmax in fp32 over visible 
 v's dtype, out = probs @ v: the non-prefill branch of fuser/capture.py's `cache_attention`
 (`cache_attention_reference` below is that math, standalone).
 
+The prefill branch (the cache was empty: the T new tokens attend among themselves) is
+`fuser::prefill_attention`, the same visibility: its reference is `masked_attention` (fp32
+scores for all T x T pairs, what CPU runs and inlines), and on CUDA `prefill_attention_sdpa`
+runs torch's scaled_dot_product_attention with a boolean mask, one fused kernel without the
+T x T scores in memory (at T = 2048 on a 32-head model those are 512 MB of fp32 per layer).
+
 A query that sees no key (only dummy rows can: starts[b] > seq_lens[b] + t, or the window past
 everything) is undefined in the model. The reference gives the uniform average of v over all S
 slots (its mask value is finfo.min, not -inf); the Triton kernel gives zeros. Both are finite.
