@@ -43,6 +43,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import fuser.ops  # noqa: E402,F401
+from fuser.ops.counters import split_counters  # noqa: E402
 from fuser.ops.fp8 import quantize_weight  # noqa: E402
 from fuser.ops.linear import linear_triton  # noqa: E402
 from timing import copies_for, log, measure_read_bandwidth, missing_gpu, time_us  # noqa: E402
@@ -54,6 +55,16 @@ SCAN = dict(warmup=3, rep=15)
 # FP8 weight widening in the hand-pipelined kernel; "asm" is inline PTX (not interpretable)
 WIDENS = ("cvt", "bits") if os.environ.get("TRITON_INTERPRET") == "1" else ("cvt", "bits", "asm")
 FULL = dict(warmup=25, rep=100)
+
+
+@triton.jit
+def _lab_store(acc, scale_ptr, out_ptr, offs_n, n_ok, offs_m, m_ok, stride_om,
+               HAS_SCALE: tl.constexpr):
+    """out[m, n] = acc[n, m] (* scale[n]), rounded once to out's dtype."""
+    if HAS_SCALE:
+        acc *= tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
+    out = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
 
 
 @triton.jit
@@ -101,15 +112,9 @@ def _lab_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, count_ptr,
             for s in tl.static_range(SPLIT_K):  # fixed order: the same bits whoever is last
                 acc += tl.load(parts + s * (BLOCK_N * BLOCK_M) + tile, cache_modifier=".cg")
             tl.store(count_ptr + pid_n, 0)
-            if HAS_SCALE:
-                acc *= tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
-            out = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
+            _lab_store(acc, scale_ptr, out_ptr, offs_n, n_ok, offs_m, m_ok, stride_om, HAS_SCALE)
     else:
-        if HAS_SCALE:
-            acc *= tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
-        out = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
+        _lab_store(acc, scale_ptr, out_ptr, offs_n, n_ok, offs_m, m_ok, stride_om, HAS_SCALE)
 
 
 @triton.jit
@@ -182,10 +187,7 @@ def _lab_prefetch_kernel(x_ptr, w_ptr, scale_ptr, out_ptr,
                           input_precision="ieee")
         else:
             acc = tl.dot(_widen(w, xt.dtype, WIDEN), xt, acc)
-    if HAS_SCALE:
-        acc *= tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
-    out = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
+    _lab_store(acc, scale_ptr, out_ptr, offs_n, n_ok, offs_m, m_ok, stride_om, HAS_SCALE)
 
 
 def lab_prefetch_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, *,
@@ -205,9 +207,6 @@ def lab_prefetch_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | 
     return out
 
 
-_COUNTERS: dict[tuple, torch.Tensor] = {}
-
-
 def lab_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, *, block_n: int,
                block_k: int, split_k: int, num_warps: int, num_stages: int,
                mma: bool | None = None, widen: str | None = None) -> torch.Tensor:
@@ -225,14 +224,11 @@ def lab_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, *, 
         block_m = triton.next_power_of_2(M)
     grid_n = triton.cdiv(N, block_n)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    key = (x.device, grid_n)
-    if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(max(grid_n, 1), dtype=torch.int32, device=x.device)
     parts = (torch.empty((grid_n, split_k, block_n, block_m), dtype=torch.float32,
                          device=x.device) if split_k > 1 else out)
     fp32_dots = x.dtype == torch.float32 or (x.device.type != "cuda" and x.dtype == torch.bfloat16)
     _lab_kernel[(grid_n, split_k)](
-        x, w, scale if scale is not None else out, out, parts, _COUNTERS[key],
+        x, w, scale if scale is not None else out, out, parts, split_counters(x.device, grid_n),
         M, N, K, x.stride(0), w.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
         HAS_SCALE=scale is not None, FP32_DOTS=fp32_dots, MMA=bool(mma) or block_m == 1,
