@@ -261,9 +261,9 @@ def test_the_worked_round() -> None:
     check(case, "cpu")
 
 
-def test_sampling_keeps_the_eager_glue(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the kernels on by default (FUSE_OFF_CUDA here), a sampled draft runs none of them;
-    a greedy one runs each."""
+def count_launches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Turn the fused glue on (FUSE_OFF_CUDA) and record, by name, every launcher that
+    runtime/speculative.py calls from now on."""
     calls: list[str] = []
     for name in ("catchup_inputs", "draft_advance", "verify_inputs"):
         def counted(*args: object, _name: str = name,
@@ -272,6 +272,13 @@ def test_sampling_keeps_the_eager_glue(monkeypatch: pytest.MonkeyPatch) -> None:
             return _launch(*args)
         monkeypatch.setattr(speculative, name, counted)
     monkeypatch.setattr(step_kernels, "FUSE_OFF_CUDA", True)
+    return calls
+
+
+def test_sampling_keeps_the_eager_glue(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the kernels on by default (FUSE_OFF_CUDA here), a sampled draft runs none of them;
+    a greedy one runs each."""
+    calls = count_launches(monkeypatch)
     B, W = 2, 8
     cache = KVCache([], [], seq_lens=torch.zeros(B).long(), starts=torch.zeros(B).long())
     outputs = [torch.randn(B, 2, W), torch.randn(B, 1, W)]
@@ -352,14 +359,7 @@ def test_speculative_steps_are_unchanged_with_the_kernels(engines,
         return out
 
     eager = steps()
-    launches: list[str] = []
-    for launcher in ("catchup_inputs", "draft_advance", "verify_inputs"):
-        def counted(*args: object, _name: str = launcher,
-                    _launch: object = getattr(draft_kernels, launcher)) -> object:
-            launches.append(_name)
-            return _launch(*args)
-        monkeypatch.setattr(speculative, launcher, counted)
-    monkeypatch.setattr(step_kernels, "FUSE_OFF_CUDA", True)
+    launches = count_launches(monkeypatch)
     fused = steps()
     assert len(launches) == 3 * (engine.gamma + 2), launches
     for i, ((packed, after), (want_packed, want_after)) in enumerate(zip(fused, eager)):
