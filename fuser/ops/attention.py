@@ -410,7 +410,7 @@ def prefill_attention_sdpa(
         visible = visible & (i - j < window)
     visible = visible | (j[None, :] == torch.arange(T, device=q.device)[:, None])  # diagonal
     out = torch.nn.functional.scaled_dot_product_attention(
-        q, k.to(q.dtype), v.to(q.dtype), attn_mask=visible[:, None], scale=scale)
+        q, k, v, attn_mask=visible[:, None], scale=scale)
     return out.transpose(1, 2).contiguous()
 
 
