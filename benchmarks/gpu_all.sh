@@ -16,6 +16,7 @@
 #   bash benchmarks/gpu_all.sh fused2   # 8B bf16 + fp8 decode (--profile), fp32 CUDA-engine tests
 #   bash benchmarks/gpu_all.sh gpt-fast # the real gpt-fast (benchmarks/gpt_fast_peer.py; carry benchmarks/.gpt-fast) and fuser bf16
 #   bash benchmarks/gpu_all.sh pending  # GPU tests not yet run (fp32 engines, draft kernels), several-row GEMV candidates
+#   bash benchmarks/gpu_all.sh now      # pending GPU tests (fp32 engines, draft kernels, prefill attention), 8B bf16 + fp8 decode (--profile)
 #   bash benchmarks/gpu_all.sh fp8-accuracy [fp8_accuracy.py flags]   # FP8 vs bf16 on the bundled pair
 # OUT=<dir for logs and JSON>
 set -o pipefail
@@ -107,6 +108,18 @@ elif [ "$what" = pending ]; then
   echo "== GEMV lab, several rows"
   timeout 200 python3 benchmarks/gemv_lab.py --out "$OUT/lab_rows.json" --only qkv,o_proj,down,gate_up \
     --dtypes fp8,bf16 --rows 5 --budget 190 2>&1 | tee "$OUT/lab_rows.log" | grep -v Warning
+elif [ "$what" = now ]; then
+  # Sixth session, first call: the GPU tests the fifth session could not run, then the tree's
+  # 8B figures (bf16 + fp8, per-op profile, verify and prefill rows).
+  echo "== GPU tests"
+  timeout 220 python3 -m pytest -q -p no:logging -p no:cacheprovider --tb=short -rf \
+    tests/test_draft_kernels.py tests/test_step_kernels.py tests/test_ops_norm_linear.py \
+    tests/test_ops_linear.py tests/test_prefill_graphs.py tests/test_generate_speculative.py \
+    tests/test_ops_attention.py tests/test_cuda.py -k "gpu or cuda or syncs" 2>&1 | tee "$OUT/gpu_tests.log" | grep -v Warning | tail -25
+  summary+=("GPU tests: $(tail -1 "$OUT/gpu_tests.log")")
+  echo "== decode, 8B shape, bf16 + fp8"
+  timeout 330 python3 benchmarks/decode.py --out "$OUT/decode.json" --skip-peers --profile 2>&1 \
+    | tee "$OUT/decode.log" | grep -v Warning | grep -E "^\[|kernels|^sum|^graph|^GEMV|^GEMM|^attention|^rms|^rotary|^KV|^gated|^rope|^fp8 vs|^HBM|ceiling|fallback|Error|verify|prefill" | tail -60
 elif [ "$what" = decode ]; then
   echo "== decode benchmark"
   python3 benchmarks/decode.py --out "$OUT/decode.json" "$@" 2>&1 | tee "$OUT/decode.log" | grep -v Warning | tail -80
