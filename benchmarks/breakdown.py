@@ -45,7 +45,8 @@ def group_of(kernel: str) -> str:
 
 def kernel_breakdown(step_fn: Callable[[], object], steps: int = 20) -> dict:
     """{"groups": {group: us per step}, "kernels": {name: us per step}, "launches": per step,
-    "gemms": {shape: us per step}, "total_us": per step} from `steps` profiled calls."""
+    "gemms": {shape: us per step}, "ops": {fuser op and input shapes: us per step},
+    "total_us": per step} from `steps` profiled calls."""
     for _ in range(5):
         step_fn()
     torch.cuda.synchronize()
@@ -66,15 +67,19 @@ def kernel_breakdown(step_fn: Callable[[], object], steps: int = 20) -> dict:
     for name, us in kernels.items():
         groups[group_of(name)] += us
     gemms: dict[str, float] = {}
+    ops: dict[str, float] = {}
     for avg in prof.key_averages(group_by_input_shape=True):
-        if avg.key in ("aten::mm", "aten::addmm", "aten::bmm"):
-            shapes = "x".join(str(s) for s in avg.input_shapes[:2])
+        shapes = "x".join(str(s) for s in avg.input_shapes[:2])
+        if avg.key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_mm"):
             gemms[f"{avg.key} {shapes}"] = avg.self_device_time_total / steps
+        elif avg.key.startswith("fuser::"):  # fuser's ops by shape: which GEMV is slow
+            ops[f"{avg.key} {shapes}"] = avg.device_time_total / steps
     return {
         "groups": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
         "kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:40]),
         "launches": launches / steps,
         "gemms": dict(sorted(gemms.items(), key=lambda kv: -kv[1])),
+        "ops": dict(sorted(ops.items(), key=lambda kv: -kv[1])),
         "total_us": sum(kernels.values()),
     }
 
@@ -93,5 +98,9 @@ def format_breakdown(table: dict, graph_ms: float | None = None) -> str:
     if table["gemms"]:
         lines.append("GEMMs by shape (us/step):")
         for shape, us in list(table["gemms"].items())[:8]:
+            lines.append(f"  {shape:<60}{us:>10.1f}")
+    if table.get("ops"):
+        lines.append("fuser ops by shape (us/step, with the kernels they launch):")
+        for shape, us in list(table["ops"].items())[:12]:
             lines.append(f"  {shape:<60}{us:>10.1f}")
     return "\n".join(lines)

@@ -93,18 +93,24 @@ def main() -> None:
     parser.add_argument("--precisions", default="bf16,fp8",
                         help="fuser engines to time, comma-separated: bf16 (the model's own) and fp8")
     parser.add_argument("--prefill-tokens", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=None,
+                        help="decoder layers (default: the preset's); fewer for a quick per-op "
+                             "profile, whose per-layer rows do not depend on the layer count")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     RESULTS["env"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "triton": triton.__version__, "transformers": transformers.__version__,
                       "preset": args.preset, "prompt_tokens": args.prompt_tokens,
-                      "new_tokens": args.new_tokens, "command": " ".join(sys.argv)}
+                      "new_tokens": args.new_tokens, "layers": args.layers, "command": " ".join(sys.argv)}
     bandwidth = measure_read_bandwidth()
     log(f"HBM read bandwidth: {bandwidth / 1e12:.2f} TB/s")
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(**PRESETS[args.preset])
+    preset = dict(PRESETS[args.preset])
+    if args.layers is not None:
+        preset["num_hidden_layers"] = args.layers
+    config = transformers.LlamaConfig(**preset)
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
         model = transformers.LlamaForCausalLM(config).eval()
@@ -197,8 +203,16 @@ def time_fuser(model: torch.nn.Module, precision: str, prompt: torch.Tensor,
         result["kernels_per_step"] = table.get("launches")
     result["prefill_ms"] = time_prefill(engine, args.prefill_tokens, model.config.vocab_size)
     log(f"[{precision}] prefill of {args.prefill_tokens} tokens: {result['prefill_ms']:.1f} ms")
+    if args.profile:
+        table = profile_prefill(engine, args.prefill_tokens, model.config.vocab_size)
+        result["prefill_breakdown"] = table
+        log(f"[{precision}] prefill breakdown\n{format_breakdown(table, result['prefill_ms'])}")
     if not args.skip_verify:
         result["verify5_ms"] = time_verify(engine, prompt, decode_ms)
+        if args.profile:
+            table = profile_verify(engine, prompt)
+            result["verify5_breakdown"] = table
+            log(f"[{precision}] verify breakdown\n{format_breakdown(table, result['verify5_ms'])}")
     engine.target.cache.reset()
     RESULTS[f"fuser_{precision}"] = result
     save(args.out)
@@ -209,12 +223,9 @@ def time_fuser(model: torch.nn.Module, precision: str, prompt: torch.Tensor,
 
 def time_prefill(engine: fuser.Engine, tokens: int, vocab: int) -> float:
     """Median ms of the target's prefill step over `tokens` random tokens (one row)."""
-    g = torch.Generator(device="cuda").manual_seed(1)
-    ids = torch.randint(0, vocab, (1, tokens), device="cuda", generator=g)
-    positions = torch.arange(tokens, device="cuda")[None]
+    ids, positions = prefill_inputs(engine, tokens, vocab)
     cache = engine.target.cache
     B = cache.batch_size
-    ids, positions = ids.expand(B, tokens).contiguous(), positions.expand(B, tokens).contiguous()
 
     def prefill() -> None:
         cache.begin(torch.zeros(B, dtype=torch.long, device="cuda"))
@@ -223,6 +234,45 @@ def time_prefill(engine: fuser.Engine, tokens: int, vocab: int) -> float:
     ms = event_time_ms(prefill, iters=10)
     cache.reset()
     return ms
+
+
+def prefill_inputs(engine: fuser.Engine, tokens: int,
+                   vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random token ids [B, tokens] (seeded) and their positions, B the cache's batch size."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(0, vocab, (1, tokens), device="cuda", generator=g)
+    positions = torch.arange(tokens, device="cuda")[None]
+    B = engine.target.cache.batch_size
+    return ids.expand(B, tokens).contiguous(), positions.expand(B, tokens).contiguous()
+
+
+def profile_prefill(engine: fuser.Engine, tokens: int, vocab: int) -> dict:
+    """The prefill's kernels by group and its ops by shape (benchmarks/breakdown.py), run
+    uncaptured so that the profiler sees each kernel."""
+    ids, positions = prefill_inputs(engine, tokens, vocab)
+    cache = engine.target.cache
+    step = engine.target[PREFILL].uncaptured
+
+    def prefill() -> None:
+        cache.begin(torch.zeros(ids.shape[0], dtype=torch.long, device="cuda"))
+        step(ids, positions, cache.seq_lens, cache.starts)
+
+    with torch.no_grad():
+        table = kernel_breakdown(prefill, steps=3)
+    cache.reset()
+    return table
+
+
+def profile_verify(engine: fuser.Engine, prompt: torch.Tensor) -> dict:
+    """The verification step's (T = 5) kernels by group and its ops by shape, uncaptured."""
+    cache = engine.target.cache
+    step = engine.target[verify(4)].uncaptured
+    cache.set_lengths(prompt.shape[1])
+    positions = torch.arange(5, device="cuda")[None]
+    with torch.no_grad():
+        table = kernel_breakdown(lambda: step(prompt[:, :5], positions, cache.seq_lens,
+                                              cache.starts))
+    return table
 
 
 def time_verify(engine: fuser.Engine, prompt: torch.Tensor, decode_ms: float) -> float:

@@ -17,6 +17,7 @@
 #   bash benchmarks/gpu_all.sh gpt-fast # the real gpt-fast (benchmarks/gpt_fast_peer.py; carry benchmarks/.gpt-fast) and fuser bf16
 #   bash benchmarks/gpu_all.sh pending  # GPU tests not yet run (fp32 engines, draft kernels), several-row GEMV candidates
 #   bash benchmarks/gpu_all.sh now      # pending GPU tests (fp32 engines, draft kernels, prefill attention), 8B bf16 + fp8 decode (--profile)
+#   bash benchmarks/gpu_all.sh profile  # decode/verify/prefill per-op profiles at 4 layers of the 8B shape, FP8 prefill GEMM lab
 #   bash benchmarks/gpu_all.sh fp8-accuracy [fp8_accuracy.py flags]   # FP8 vs bf16 on the bundled pair
 # OUT=<dir for logs and JSON>
 set -o pipefail
@@ -120,6 +121,16 @@ elif [ "$what" = now ]; then
   echo "== decode, 8B shape, bf16 + fp8"
   timeout 330 python3 benchmarks/decode.py --out "$OUT/decode.json" --skip-peers --profile 2>&1 \
     | tee "$OUT/decode.log" | grep -v Warning | grep -E "^\[|kernels|^sum|^graph|^GEMV|^GEMM|^attention|^rms|^rotary|^KV|^gated|^rope|^fp8 vs|^HBM|ceiling|fallback|Error|verify|prefill" | tail -60
+elif [ "$what" = profile ]; then
+  # Sixth session: where the verify step's and the prefill's time goes (ops by shape), at 4
+  # layers of the 8B shape (per-layer rows do not depend on the layer count), and the FP8
+  # prefill GEMMs against bf16 (benchmarks/prefill_lab.py).
+  echo "== prefill lab"
+  timeout 150 python3 benchmarks/prefill_lab.py --out "$OUT/prefill_lab.json" "$@" 2>&1 \
+    | tee "$OUT/prefill_lab.log" | grep -v Warning
+  echo "== decode, 4 layers of the 8B shape, profiles"
+  timeout 300 python3 benchmarks/decode.py --layers 4 --out "$OUT/decode_profile.json" --skip-peers \
+    --profile 2>&1 | tee "$OUT/decode_profile.log" | grep -v Warning | grep -E "^\[|^  fuser::|^  aten|kernels|^sum|^graph|^GEMV|^GEMM|^attention|^rms|^rotary|^KV|^gated|^rope|^other|verify|prefill|Error" | tail -120
 elif [ "$what" = decode ]; then
   echo "== decode benchmark"
   python3 benchmarks/decode.py --out "$OUT/decode.json" "$@" 2>&1 | tee "$OUT/decode.log" | grep -v Warning | tail -80
