@@ -35,6 +35,9 @@ KERNEL_GROUPS: list[tuple[str, tuple[str, ...]]] = [
 ]
 
 
+HOST_ROWS = 12  # host-side (CPU) rows kept: the ops whose own CPU time is largest
+
+
 def group_of(kernel: str) -> str:
     lower = kernel.lower()
     for group, needles in KERNEL_GROUPS:
@@ -68,6 +71,8 @@ def kernel_breakdown(step_fn: Callable[[], object], steps: int = 20) -> dict:
         groups[group_of(name)] += us
     gemms: dict[str, float] = {}
     ops: dict[str, float] = {}
+    host = {avg.key: avg.self_cpu_time_total / steps for avg in prof.key_averages()}
+    host = dict(sorted(host.items(), key=lambda kv: -kv[1])[:HOST_ROWS])
     for avg in prof.key_averages(group_by_input_shape=True):
         shapes = "x".join(str(s) for s in avg.input_shapes[:2])
         if avg.key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_mm"):
@@ -80,12 +85,14 @@ def kernel_breakdown(step_fn: Callable[[], object], steps: int = 20) -> dict:
         "launches": launches / steps,
         "gemms": dict(sorted(gemms.items(), key=lambda kv: -kv[1])),
         "ops": dict(sorted(ops.items(), key=lambda kv: -kv[1])),
+        "host": host,
         "total_us": sum(kernels.values()),
     }
 
 
-def format_breakdown(table: dict, graph_ms: float | None = None) -> str:
-    """The groups as text lines, with the kernels' sum against the graph's replay time."""
+def format_breakdown(table: dict, graph_ms: float | None = None, host: bool = False) -> str:
+    """The groups as text lines, with the kernels' sum against the graph's replay time (and,
+    with `host`, the ops that take the most CPU time: for a step run without a CUDA graph)."""
     total = table["total_us"]
     lines = [f"{'kernel group':<30}{'us/step':>10}{'share':>8}"]
     for group, us in table["groups"].items():
@@ -99,6 +106,10 @@ def format_breakdown(table: dict, graph_ms: float | None = None) -> str:
         lines.append("GEMMs by shape (us/step):")
         for shape, us in list(table["gemms"].items())[:8]:
             lines.append(f"  {shape:<60}{us:>10.1f}")
+    if host and table.get("host"):
+        lines.append("host: CPU time by op, own time (us/step):")
+        for name, us in table["host"].items():
+            lines.append(f"  {name[:60]:<60}{us:>10.1f}")
     if table.get("ops"):
         lines.append("fuser ops by shape (us/step, with the kernels they launch):")
         for shape, us in list(table["ops"].items())[:12]:

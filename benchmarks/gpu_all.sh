@@ -18,6 +18,7 @@
 #   bash benchmarks/gpu_all.sh pending  # GPU tests not yet run (fp32 engines, draft kernels), several-row GEMV candidates
 #   bash benchmarks/gpu_all.sh now      # pending GPU tests (fp32 engines, draft kernels, prefill attention), 8B bf16 + fp8 decode (--profile)
 #   bash benchmarks/gpu_all.sh profile  # decode/verify/prefill per-op profiles at 4 layers of the 8B shape, FP8 prefill GEMM lab
+#   bash benchmarks/gpu_all.sh prefill  # FP8 quant + prefill-graph GPU tests, 8B bf16 + fp8 decode (long prefills captured)
 #   bash benchmarks/gpu_all.sh fp8-accuracy [fp8_accuracy.py flags]   # FP8 vs bf16 on the bundled pair
 # OUT=<dir for logs and JSON>
 set -o pipefail
@@ -131,6 +132,17 @@ elif [ "$what" = profile ]; then
   echo "== decode, 4 layers of the 8B shape, profiles"
   timeout 300 python3 benchmarks/decode.py --layers 4 --out "$OUT/decode_profile.json" --skip-peers \
     --profile 2>&1 | tee "$OUT/decode_profile.log" | grep -v Warning | grep -E "^\[|^  fuser::|^  aten|kernels|^sum|^graph|^GEMV|^GEMM|^attention|^rms|^rotary|^KV|^gated|^rope|^other|verify|prefill|Error" | tail -120
+elif [ "$what" = prefill ]; then
+  # Sixth session: the FP8 prefill was host-bound (99.5 ms against ~42 ms of kernels); long
+  # prompts now replay captured graphs and o_proj's input quantizes in one kernel.
+  echo "== GPU tests"
+  timeout 120 python3 -m pytest -q -p no:logging -p no:cacheprovider --tb=short -rf \
+    tests/test_ops_fp8.py tests/test_prefill_graphs.py -k "gpu or cuda or quantize_rows" 2>&1 \
+    | tee "$OUT/gpu_tests.log" | grep -v Warning | tail -12
+  summary+=("GPU tests: $(tail -1 "$OUT/gpu_tests.log")")
+  echo "== decode, 8B shape, bf16 + fp8"
+  timeout 400 python3 benchmarks/decode.py --out "$OUT/decode.json" --skip-peers "$@" 2>&1 \
+    | tee "$OUT/decode.log" | grep -v Warning | grep -E "^\[|kernels|^sum|^graph|ceiling|fallback|Error|verify|prefill" | tail -40
 elif [ "$what" = decode ]; then
   echo "== decode benchmark"
   python3 benchmarks/decode.py --out "$OUT/decode.json" "$@" 2>&1 | tee "$OUT/decode.log" | grep -v Warning | tail -80

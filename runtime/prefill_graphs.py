@@ -1,17 +1,26 @@
-"""Prefill as CUDA graphs: prompts padded on the right to a multiple of PREFILL_BLOCK tokens,
-one graph per padded length, captured the first time a request needs it.
+"""Prefill as CUDA graphs: prompts padded on the right to a captured length, one graph per
+padded length, captured the first time a request needs it.
 
 Prefill takes any prompt length, so it is not one of the fixed-T steps captured at optimize
 time, and run as an FX graph it launches one kernel per op from Python: for a small model the
 host's launches, not the GPU, set its time (the bundled target's prefill graph has ~540 ops,
 the draft's ~190; on the H200 a generate call spent ~13 ms before its first decode step, more
-than the 128 decode steps after it took). Replayed, the same kernels run back to back.
+than the 128 decode steps after it took). A long prompt on a large model is host-bound too when
+its ops are cheap to run but costly to launch: at the 8B shape in FP8 a 2048-token prefill took
+99.5 ms uncaptured against ~42 ms of kernels (host ~3 ms per layer, ~50 launches). Replayed,
+the same kernels run back to back.
+
+Captured lengths: multiples of PREFILL_BLOCK up to SHORT_PREFILL_TOKENS, then steps of 1/8 of
+the length's power of two (576, 640, ..., 1024, 1152, ..., 2048, 2304, ...), so that padding
+costs at most ~1/8 more work, up to PREFILL_GRAPH_MAX_TOKENS. Each graph keeps its output
+logits [B, T, V] and its activations' pool space, so at most MAX_LONG_GRAPHS graphs longer than
+SHORT_PREFILL_TOKENS are kept: capturing another drops the least recently used one. Longer
+prompts run uncaptured.
 
 Padding is safe because prefill attention is causal and a row's padding slots lie past its end:
-they are written, then overwritten by the decode steps (runtime/prompts.py `pad_batch`). Up to
-PREFILL_GRAPH_MAX_TOKENS; longer prompts keep the uncaptured prefill, where the GPU's work, not
-the launches, dominates. All prefill graphs of an engine share one memory pool (they run one
-at a time, and each graph's output stays its own).
+they are written, then overwritten by the decode steps (runtime/prompts.py `pad_batch`). All
+prefill graphs of an engine share one memory pool (they run one at a time, and each graph's
+output stays its own).
 """
 
 from __future__ import annotations
@@ -23,16 +32,21 @@ import torch
 from fuser.runtime.cuda_graphs import CudaGraphStep, capture_failed
 from fuser.runtime.steps import PREFILL, ModelSteps
 
-PREFILL_BLOCK = 32  # padded prompt lengths are multiples of this
-PREFILL_GRAPH_MAX_TOKENS = 512  # longer prompts run uncaptured
+PREFILL_BLOCK = 32  # padded prompt lengths up to SHORT_PREFILL_TOKENS are multiples of this
+SHORT_PREFILL_TOKENS = 512  # beyond: steps of 1/8 of the length's power of two
+PREFILL_GRAPH_MAX_TOKENS = 4096  # longer prompts run uncaptured
+MAX_LONG_GRAPHS = 4  # captured lengths above SHORT_PREFILL_TOKENS kept at once (LRU)
 
 
 def padded_length(tokens: int, slots: int) -> int | None:
-    """The captured length a prompt of `tokens` tokens runs at (a multiple of PREFILL_BLOCK),
-    or None when it runs uncaptured (too long, or the padded prompt would not fit the cache)."""
+    """The captured length a prompt of `tokens` tokens runs at (see the module's docstring), or
+    None when it runs uncaptured (too long, or the padded prompt would not fit the cache)."""
     if tokens < 1:
         raise ValueError(f"a prompt needs at least one token, got {tokens}")
-    padded = -(-tokens // PREFILL_BLOCK) * PREFILL_BLOCK
+    block = PREFILL_BLOCK
+    if tokens > SHORT_PREFILL_TOKENS:
+        block = max(PREFILL_BLOCK, (1 << ((tokens - 1).bit_length() - 1)) // 8)
+    padded = -(-tokens // block) * block
     return padded if padded <= min(PREFILL_GRAPH_MAX_TOKENS, slots) else None
 
 
@@ -56,10 +70,22 @@ class PrefillGraphs:
         cache = model.cache
         graph = self.graphs.get(T)
         if graph is None and T not in self.failed and padded_length(T, cache.slots) == T:
+            self._make_room(T)
             graph = self._capture(T)
+        elif graph is not None:  # most recently used last (dicts keep insertion order)
+            self.graphs[T] = self.graphs.pop(T)
         if graph is None:
             return model[PREFILL](tokens, positions, cache.seq_lens, cache.starts)
         return graph(tokens, positions, cache.seq_lens, cache.starts)
+
+    def _make_room(self, T: int) -> None:
+        """Before capturing a long length: drop the least recently used long graphs so that
+        at most MAX_LONG_GRAPHS stay (their memory returns to the shared pool)."""
+        if T <= SHORT_PREFILL_TOKENS:
+            return
+        long = [length for length in self.graphs if length > SHORT_PREFILL_TOKENS]
+        for length in long[:max(0, len(long) - MAX_LONG_GRAPHS + 1)]:
+            del self.graphs[length]
 
     def _capture(self, T: int) -> CudaGraphStep | None:
         model, cache = self.model, self.model.cache

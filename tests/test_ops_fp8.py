@@ -40,6 +40,7 @@ from fuser.ops.fp8 import (
 from fuser.ops.fp8_quant import (
     add_rms_norm_quant_triton,
     gated_act_quant_triton,
+    quantize_rows_triton,
     rms_norm_quant_triton,
     scaled_mm_rowwise,
 )
@@ -492,6 +493,32 @@ def exact_gated_act(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     else:
         act = torch.nn.functional.gelu(gate, approximate="tanh")
     return (act.to(gate_up.dtype).double() * up).to(gate_up.dtype)
+
+
+@settings(max_examples=20, derandomize=True, **SETTINGS)
+@given(rows=st.integers(1, 6), K=st.sampled_from([1, 7, 64, 65, 300]),
+       dtype=st.sampled_from(DTYPES), block=st.sampled_from([None, 32]),
+       outlier=st.sampled_from([0.0, 1e3, 6e4]), zero_rows=st.integers(0, 1),
+       seed=st.integers(0, 2**16))
+def test_quantize_rows_kernel_equals_the_reference(rows, K, dtype, block, outlier, zero_rows,
+                                                   seed):
+    # fuser::quantize_rows' CUDA kernel (o_proj's input in an FP8 prefill) against fp8.py's
+    # quantize_rows, bit for bit: one pass (block None) and two passes over 32-wide blocks;
+    # outliers far beyond +-448 and all-zero rows (the scale's floor).
+    x = activations(rows, K, dtype, seed, outlier=outlier, zero_rows=zero_rows)
+    got = quantize_rows_triton(x, block=block)
+    assert_quantized_equal(got, quantize_rows(x))
+
+
+def test_quantize_rows_kernel_over_leading_dims_and_strides():
+    # [B, T, K] with a row stride wider than K (a slice of a wider tensor), and no rows at all.
+    wide = activations(6, 96, torch.bfloat16, 3, outlier=1e4)
+    x = wide[:, :80].reshape(2, 3, 80)
+    codes, scale = quantize_rows_triton(x)
+    assert codes.shape == (2, 3, 80) and scale.shape == (2, 3)
+    assert_quantized_equal((codes.reshape(6, 80), scale.reshape(6)), quantize_rows(wide[:, :80]))
+    empty, floor = quantize_rows_triton(torch.empty(0, 16, device=DEVICE))
+    assert empty.shape == (0, 16) and floor.shape == (0,)
 
 
 def test_outlier_activations_stay_finite():

@@ -8,7 +8,13 @@ import torch
 from hypothesis import given, strategies as st
 
 import fuser
-from fuser.runtime.prefill_graphs import PREFILL_BLOCK, PREFILL_GRAPH_MAX_TOKENS, padded_length
+from fuser.runtime.prefill_graphs import (
+    MAX_LONG_GRAPHS,
+    PREFILL_BLOCK,
+    PREFILL_GRAPH_MAX_TOKENS,
+    SHORT_PREFILL_TOKENS,
+    padded_length,
+)
 from fuser.runtime.steps import PREFILL
 from tiny import random_prompts, tiny_model
 
@@ -17,10 +23,61 @@ from tiny import random_prompts, tiny_model
 def test_padded_length_is_the_next_block_that_fits(tokens: int, slots: int) -> None:
     padded = padded_length(tokens, slots)
     fits = -(-tokens // PREFILL_BLOCK) * PREFILL_BLOCK
-    if fits <= min(slots, PREFILL_GRAPH_MAX_TOKENS):
+    if tokens <= SHORT_PREFILL_TOKENS and fits <= slots:
         assert padded == fits and padded % PREFILL_BLOCK == 0 and tokens <= padded < tokens + PREFILL_BLOCK
-    else:
+    elif padded is not None:
+        assert tokens <= padded <= slots
+
+
+@given(tokens=st.integers(SHORT_PREFILL_TOKENS + 1, 2 * PREFILL_GRAPH_MAX_TOKENS))
+def test_long_prompts_pad_by_at_most_an_eighth(tokens: int) -> None:
+    padded = padded_length(tokens, 10**6)
+    if tokens > PREFILL_GRAPH_MAX_TOKENS:
         assert padded is None
+        return
+    assert padded is not None and tokens <= padded <= PREFILL_GRAPH_MAX_TOKENS
+    assert padded - tokens < max(PREFILL_BLOCK, padded / 8) and padded % PREFILL_BLOCK == 0
+    assert padded_length(padded, 10**6) == padded  # a captured length maps to itself
+
+
+def test_long_lengths_are_few() -> None:
+    # Eight captured lengths per doubling above the short range: 2048 and 4096 among them.
+    lengths = {padded_length(t, 10**6) for t in range(SHORT_PREFILL_TOKENS + 1, 4097)}
+    assert len(lengths) == 24 and {1024, 2048, 4096} <= lengths
+
+
+class _Step:
+    """A stand-in captured step (PrefillGraphs only stores and calls them)."""
+
+    def __init__(self, T: int) -> None:
+        self.T = T
+        self.replays = 0
+
+    def __call__(self, *args: object) -> int:
+        self.replays += 1
+        return self.T
+
+
+def test_long_prefill_graphs_are_kept_least_recently_used_first(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from fuser.runtime import prefill_graphs
+
+    cache = SimpleNamespace(slots=10**6, seq_lens=None, starts=None, batch_size=1)
+    model = SimpleNamespace(cache=cache, role="target")
+    graphs = prefill_graphs.PrefillGraphs(model, pool=None)
+    monkeypatch.setattr(graphs, "_capture",
+                        lambda T: graphs.graphs.setdefault(T, _Step(T)))
+
+    def run(T: int) -> int:
+        return graphs.run(torch.zeros(1, T), torch.zeros(1, T))
+
+    for T in (64, 1024, 2048, 3072, 4096, 1024):  # 1024 used again: now the most recent
+        assert run(T) == T
+    assert list(graphs.graphs) == [64, 2048, 3072, 4096, 1024]
+    run(1152)  # a fifth long length drops the least recently used long one (2048), not 64
+    assert list(graphs.graphs) == [64, 3072, 4096, 1024, 1152]
+    assert MAX_LONG_GRAPHS == 4
 
 
 def test_padded_length_rejects_an_empty_prompt() -> None:
