@@ -6,7 +6,8 @@ For each linear of a layer (and the LM head): bf16 cuBLAS (x @ w.T), torch._scal
 rowwise scales as fuser::fp8_scaled_mm calls it (use_fast_accum False), and the same with
 use_fast_accum=True (the FP8 tensor cores' own accumulation between fp32 promotions, which
 vLLM's and TensorRT-LLM's FP8 GEMMs use). Then the fused activation-quantization kernels at
-the same rows. Median of triton.testing.do_bench (L2 flushed), random normal data.
+the same rows, and fuser::prefill_attention's two CUDA kernels (the Triton flash kernel, SDPA
+with a boolean mask). Median of triton.testing.do_bench (L2 flushed), random normal data.
 """
 
 from __future__ import annotations
@@ -93,18 +94,44 @@ def quant_rows(M: int) -> list[dict]:
     return rows
 
 
+def attention_rows(T: int) -> list[dict]:
+    """fuser::prefill_attention's two CUDA kernels at the 8B shape (32 query heads, 8 kv heads,
+    head dim 128): the Triton flash kernel and SDPA with the boolean mask, one row."""
+    from fuser.ops.attention import prefill_attention_sdpa
+    from fuser.ops.flash_prefill import flash_prefill
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    q = torch.randn(1, T, 32, 128, device="cuda", generator=g, dtype=torch.bfloat16).transpose(1, 2)
+    k = torch.randn(1, 8, T, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    v = torch.randn(1, 8, T, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    slots = torch.arange(T, device="cuda")[None]
+    starts = torch.zeros(1, dtype=torch.long, device="cuda")
+    args = (q, k, v, slots, starts, 128**-0.5, 0, 0.0)
+    flops = 2 * 2 * T * T * 32 * 128 / 2  # QK^T and PV, causal half
+    rows = []
+    for name, fn in (("flash (Triton)", flash_prefill), ("SDPA + mask", prefill_attention_sdpa)):
+        ms = bench_ms(lambda: fn(*args))
+        log(f"prefill attention T={T} {name}: {ms * 1e3:.1f} us ({flops / ms / 1e9:.0f} TFLOP/s)")
+        rows.append({"name": name, "T": T, "us": ms * 1e3, "tflops": flops / ms / 1e9})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--out", default=None)
     parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--attention-only", action="store_true",
+                        help="only the prefill attention rows")
     args = parser.parse_args()
     if missing_gpu("prefill_lab.py", args.dry_run):
         return
     result = {"env": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "command": " ".join(sys.argv)},
-              "gemms": gemm_rows(args.tokens), "quant": quant_rows(args.tokens)}
-    for key in ("bf16_ms", "fp8_fast0_ms", "fp8_fast1_ms"):
+              "attention": attention_rows(args.tokens)}
+    if not args.attention_only:
+        result.update(gemms=gemm_rows(args.tokens), quant=quant_rows(args.tokens))
+    for key in ("bf16_ms", "fp8_fast0_ms", "fp8_fast1_ms") if "gemms" in result else ():
         total = sum(r[key] * PER_LAYER[r["name"]] for r in result["gemms"])
         log(f"prefill GEMMs, 32 layers + LM head, {key[:-3]}: {total:.1f} ms")
     if args.out:

@@ -246,3 +246,85 @@ def test_prefill_attention_op_runs_the_reference_on_cpu():
     torch.library.opcheck(torch.ops.fuser.prefill_attention.default, args)
     assert torch.equal(torch.ops.fuser.prefill_attention(*args),
                        prefill_attention_reference(*args))
+
+
+# --- prefill on CUDA: the Triton flash kernel (fuser/ops/flash_prefill.py) ---------------------
+
+
+@settings(max_examples=25, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(
+    B=st.integers(1, 3),
+    T=st.integers(1, 40),
+    heads=st.sampled_from([(4, 4), (4, 2), (8, 2)]),
+    D=st.sampled_from([16, 32]),
+    pad=st.integers(0, 5),
+    window=st.sampled_from([0, 3, 16]),
+    softcap=st.sampled_from([0.0, 0.0, 5.0]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_flash_prefill_equals_the_reference_on_real_rows(B, T, heads, D, pad, window, softcap,
+                                                         dtype, seed):
+    """The flash kernel (interpreted here, 16 x 16 tiles: several key blocks, partial ones,
+    whole blocks skipped for the padding and the window) against masked_attention: close on
+    every row that sees a key, zeros on the left-padding rows that see none."""
+    from fuser.ops.attention import prefill_attention_reference
+    from fuser.ops.flash_prefill import flash_prefill
+
+    H, KV = heads
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(B, T, H, D, generator=g) * 2).to(dtype).transpose(1, 2)  # strided, as capture
+    k = torch.randn(B, KV, T, D, generator=g).to(dtype)
+    v = torch.randn(B, KV, T, D, generator=g).to(dtype)
+    starts = torch.randint(0, min(pad, T - 1) + 1, (B,), generator=g)
+    slots = torch.arange(T)[None].expand(B, T)
+    args = (q, k, v, slots, starts, D**-0.5, window, softcap)
+    out, ref = flash_prefill(*args), prefill_attention_reference(*args)
+    assert out.shape == ref.shape == (B, T, H, D) and out.dtype == dtype and out.is_contiguous()
+    real = slots >= starts[:, None]
+    assert torch.isfinite(out).all() and (out[~real] == 0).all()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[real].float(), ref[real].float(), rtol=tol, atol=tol)
+
+
+def test_flash_prefill_fails_the_check_when_padding_keys_leak():
+    # The comparison above must see a kernel that ignores `starts`: with the starts dropped,
+    # the real rows of a padded row attend to its padding keys and move.
+    from fuser.ops.attention import prefill_attention_reference
+    from fuser.ops.flash_prefill import flash_prefill
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 20, 16, generator=g) for _ in range(3))
+    slots, starts = torch.arange(20)[None], torch.tensor([6])
+    ref = prefill_attention_reference(q, k, v, slots, starts, 0.25, 0, 0.0)
+    leaky = flash_prefill(q, k, v, slots, torch.zeros(1, dtype=torch.long), 0.25, 0, 0.0)
+    assert not torch.allclose(leaky[0, 6:], ref[0, 6:], atol=1e-3)
+
+
+def test_flash_prefill_takes_power_of_two_head_dims_only():
+    from fuser.ops.flash_prefill import flash_prefill_supported
+
+    q = torch.zeros(1, 2, 4, 128, dtype=torch.bfloat16)
+    assert flash_prefill_supported(q, q)
+    assert not flash_prefill_supported(q[..., :96], q[..., :96])       # 96: SDPA takes it
+    assert not flash_prefill_supported(q, q.float())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("T,pad", [(2048, 0), (777, 100)])
+def test_gpu_flash_prefill_llama3_shape(T, pad):
+    # The 8B shape's prefill attention (32 query heads over 8 kv heads, head dim 128) on the
+    # GPU's tiles, against SDPA with its mask (and the reference on a slice of the rows).
+    from fuser.ops.attention import prefill_attention_cuda, prefill_attention_sdpa
+
+    g = torch.Generator(device="cuda").manual_seed(T)
+    q = torch.randn(1, T, 32, 128, device="cuda", generator=g, dtype=torch.bfloat16).transpose(1, 2)
+    k = torch.randn(1, 8, T, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    v = torch.randn(1, 8, T, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    slots = torch.arange(T, device="cuda")[None]
+    starts = torch.tensor([pad], device="cuda")
+    args = (q, k, v, slots, starts, 128**-0.5, 0, 0.0)
+    out, sdpa = prefill_attention_cuda(*args), prefill_attention_sdpa(*args)
+    torch.testing.assert_close(out[0, pad:].float(), sdpa[0, pad:].float(), rtol=2e-2, atol=2e-2)
+    assert (out[0, :pad] == 0).all()

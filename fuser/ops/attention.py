@@ -13,8 +13,9 @@ v's dtype, out = probs @ v: the non-prefill branch of fuser/capture.py's `cache_
 
 The prefill branch (the cache was empty: the T new tokens attend among themselves) is
 `fuser::prefill_attention`, the same visibility: its reference is `masked_attention` (fp32
-scores for all T x T pairs, what CPU runs and inlines), and on CUDA `prefill_attention_sdpa`
-runs torch's scaled_dot_product_attention with a boolean mask, one fused kernel without the
+scores for all T x T pairs, what CPU runs and inlines), and on CUDA a causal flash kernel in
+Triton (fuser/ops/flash_prefill.py; torch's scaled_dot_product_attention with a boolean mask,
+`prefill_attention_sdpa`, where that kernel does not apply): one fused kernel without the
 T x T scores in memory (at T = 2048 on a 32-head model those are 512 MB of fp32 per layer).
 
 A query that sees no key (only dummy rows can: starts[b] > seq_lens[b] + t, or the window past
@@ -42,9 +43,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from fuser.ops.flash_prefill import flash_prefill, flash_prefill_supported
+
 BLOCK_N = 64          # key slots per inner-loop step
 TARGET_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs): latency of one hides behind the other
 MAX_SPLITS = 128
+# fuser::prefill_attention on CUDA: the Triton flash kernel (True) or torch SDPA with a mask.
+FLASH_PREFILL = True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -358,7 +363,8 @@ def prefill_attention(
     q: [B, H, T, D]; k, v: [B, kv_heads, T, D], token t at slot t; query_slots: [B, T]; starts:
     [B]. Key j is visible to query i when starts <= j <= query_slots[i] (and within the window).
     -> [B, T, H, D] contiguous, q's dtype. CPU (and any device but CUDA) runs `masked_attention`
-    (fp32 scores for every pair: the reference); CUDA runs `prefill_attention_sdpa`.
+    (fp32 scores for every pair: the reference); CUDA runs `prefill_attention_cuda` (the
+    Triton flash kernel of flash_prefill.py, or SDPA).
     """
     return prefill_attention_reference(q, k, v, query_slots, starts, scale, window, softcap)
 
@@ -414,7 +420,18 @@ def prefill_attention_sdpa(
     return out.transpose(1, 2).contiguous()
 
 
-prefill_attention.register_kernel("cuda")(prefill_attention_sdpa)
+def prefill_attention_cuda(
+    q: Tensor, k: Tensor, v: Tensor, query_slots: Tensor, starts: Tensor,
+    scale: float, window: int, softcap: float,
+) -> Tensor:
+    """fuser::prefill_attention on CUDA: the Triton flash kernel (fuser/ops/flash_prefill.py)
+    where it takes the head dim and dtypes, else torch SDPA with a boolean mask."""
+    if FLASH_PREFILL and flash_prefill_supported(q, k):
+        return flash_prefill(q, k, v, query_slots, starts, scale, window, softcap)
+    return prefill_attention_sdpa(q, k, v, query_slots, starts, scale, window, softcap)
+
+
+prefill_attention.register_kernel("cuda")(prefill_attention_cuda)
 
 
 def cache_attention_reference(

@@ -1,0 +1,170 @@
+"""The prefill's attention as one Triton kernel: causal flash attention over the T new tokens
+with each row's left padding, sliding window, softcap and grouped kv heads.
+
+    flash_prefill(q, k, v, query_slots, starts, scale, window, softcap) -> [B, T, H, D]
+
+The same visibility as `attention.masked_attention`: key j is visible to query i when
+starts[b] <= j <= query_slots[b, i] (and i - j < window where window > 0). Per (query block,
+batch row, head) one program walks the key blocks that can be visible to its queries (from the
+row's start, or the window's first key, to the block's last query slot), keeping the running max
+and sum of the softmax in fp32 (online softmax, as FlashAttention does): no [T, T] scores in
+memory. Scores in fp32 (exp2 of the scores times scale * log2(e)); probabilities rounded to v's
+dtype before P @ V, as the reference rounds them. A kv head serves its group of query heads by
+index (h // (H / kv_heads)): no repeated k/v copies.
+
+Left-padding rows (query_slots < starts) see no key; their output is 0, where the reference
+averages every value: no real row reads a padding row's output (its key is never visible to
+one), and both are finite.
+
+Why not torch SDPA: its flash kernel takes no mask, and with the boolean mask a padded batch
+needs it picks the memory-efficient kernel: 363 us per layer at the 8B shape's 2048-token
+prefill on the H200 (benchmarks/RESULTS.md, sixth session), ~4x the causal FLOPs' time.
+
+Cost per (batch row, head), causal: FLOPs ~ 2 T^2 D (half of the 4 T^2 D of full attention);
+bytes ~ T D (q, out) + (T / BLOCK_M) T D / 2 (k and v re-read per query block) in q's dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+LOG2E = math.log2(math.e)
+MIN_BLOCK = 16  # tl.dot's smallest tile side
+
+
+@triton.jit
+def _flash_prefill_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr,     # q [B, H, T, D], k/v [B, KV, T, D], out [B, T, H, D]
+    slots_ptr, starts_ptr,            # query_slots [B, T] int64 (contiguous), starts [B] int64
+    sq_b, sq_h, sq_t,                 # q strides (d stride 1)
+    sk_b, sk_h, sk_t,                 # k strides (d stride 1)
+    sv_b, sv_h, sv_t,                 # v strides (d stride 1)
+    T, H, GROUP,                      # GROUP = H // KV: query heads per kv head
+    qk_scale,                         # scale * log2(e): scores in base 2
+    softcap,                          # 0: none; else softcap * tanh(score / softcap)
+    WINDOW: tl.constexpr,             # 0: none
+    SOFTCAP: tl.constexpr,
+    D: tl.constexpr,                  # head dim, a power of two >= 16
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP32_DOTS: tl.constexpr,          # fp32 operands, IEEE products (fp32 models; the
+                                      # interpreter, whose bf16 dot is wrong)
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    kvh = h // GROUP
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    row_ok = offs_m < T
+    q = tl.load(q_ptr + b * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    qi = tl.load(slots_ptr + b * T + offs_m, mask=row_ok, other=-1)      # [BLOCK_M] slots
+    start = tl.load(starts_ptr + b)
+
+    # Keys that any query of this block may see: [lo, hi).
+    hi = tl.minimum(tl.max(qi, axis=0) + 1, T)
+    lo = start
+    if WINDOW > 0:
+        lowest = tl.min(tl.where(row_ok, qi, T), axis=0)
+        lo = tl.maximum(lo, lowest - WINDOW + 1)
+    lo = tl.maximum(lo, 0)
+    lo = (lo // BLOCK_N) * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    k_base = k_ptr + b * sk_b + kvh * sk_h
+    v_base = v_ptr + b * sv_b + kvh * sv_h
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        key_ok = offs_n < T
+        k = tl.load(k_base + offs_n[:, None] * sk_t + offs_d[None, :], mask=key_ok[:, None],
+                    other=0.0)
+        if FP32_DOTS:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))                                     # [BLOCK_M, BLOCK_N]
+        if SOFTCAP:
+            # softcap * tanh(x / softcap) = softcap * (1 - 2 / (exp(2x / softcap) + 1))
+            x = s * (qk_scale / 1.4426950408889634) / softcap
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * 1.4426950408889634
+        else:
+            s = s * qk_scale
+        visible = (offs_n[None, :] >= start) & (offs_n[None, :] <= qi[:, None]) & key_ok[None, :]
+        if WINDOW > 0:
+            visible = visible & (qi[:, None] - offs_n[None, :] < WINDOW)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :], mask=key_ok[:, None],
+                    other=0.0)
+        p = p.to(v.dtype)  # the reference rounds the probabilities to v's dtype too
+        if FP32_DOTS:
+            pv = tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p, v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out_rows = out_ptr + ((b * T + offs_m[:, None]) * H + h) * D + offs_d[None, :]
+    tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def flash_prefill_supported(q: Tensor, k: Tensor) -> bool:
+    """Head dims the kernel takes: a power of two from 16 to 256, q and k of one dtype, unit
+    stride along it."""
+    D = q.shape[-1]
+    return (16 <= D <= 256 and D & (D - 1) == 0 and q.dtype == k.dtype
+            and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and q.stride(-1) == 1 and k.stride(-1) == 1)
+
+
+def _blocks(T: int, D: int, dtype: torch.dtype, on_gpu: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages). On the GPU the Triton fused-attention
+    tutorial's Hopper shapes for D <= 128 (fp32 operands and D = 256 take smaller tiles to fit
+    shared memory); under the interpreter the smallest tiles, for speed."""
+    if not on_gpu:
+        return MIN_BLOCK, MIN_BLOCK, 1, 1
+    if dtype == torch.float32 or D > 128:
+        return 64, 32, 4, 2
+    return 128, 64, 8, 3
+
+
+def flash_prefill(q: Tensor, k: Tensor, v: Tensor, query_slots: Tensor, starts: Tensor,
+                  scale: float, window: int, softcap: float) -> Tensor:
+    """q [B, H, T, D], k/v [B, KV, T, D] (key t at slot t), query_slots [B, T], starts [B]
+    -> [B, T, H, D] contiguous in q's dtype. See the module's docstring."""
+    B, H, T, D = q.shape
+    KV = k.shape[1]
+    assert H % KV == 0, f"{H} query heads do not group over {KV} kv heads"
+    assert k.shape == v.shape == (B, KV, T, D), (q.shape, k.shape, v.shape)
+    out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
+    if out.numel() == 0:
+        return out
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    slots = query_slots.to(torch.int64).expand(B, T).contiguous()
+    starts = starts.to(torch.int64).contiguous()
+    BLOCK_M, BLOCK_N, warps, stages = _blocks(T, D, q.dtype, q.is_cuda)
+    grid = (triton.cdiv(T, BLOCK_M), B * H)
+    _flash_prefill_kernel[grid](
+        q, k, v, out, slots, starts,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        T, H, H // KV, scale * LOG2E, float(softcap),
+        WINDOW=int(window), SOFTCAP=bool(softcap), D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        FP32_DOTS=q.dtype == torch.float32 or not q.is_cuda,
+        num_warps=warps, num_stages=stages,
+    )
+    return out
