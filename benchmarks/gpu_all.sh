@@ -19,7 +19,7 @@
 #   bash benchmarks/gpu_all.sh now      # pending GPU tests (fp32 engines, draft kernels, prefill attention), 8B bf16 + fp8 decode (--profile)
 #   bash benchmarks/gpu_all.sh profile  # decode/verify/prefill per-op profiles at 4 layers of the 8B shape, FP8 prefill GEMM lab
 #   bash benchmarks/gpu_all.sh prefill  # FP8 quant + prefill-graph GPU tests, 8B bf16 + fp8 decode (long prefills captured)
-#   bash benchmarks/gpu_all.sh last     # flash prefill GPU tests + op timing, bundled pair e2e (draft kernels), 8B prefill bf16 + fp8
+#   bash benchmarks/gpu_all.sh last     # flash prefill GPU tests + op timing, 4-layer 8B-shape prefill, bundled pair e2e (draft kernels)
 #   bash benchmarks/gpu_all.sh fp8-accuracy [fp8_accuracy.py flags]   # FP8 vs bf16 on the bundled pair
 # OUT=<dir for logs and JSON>
 set -o pipefail
@@ -153,12 +153,12 @@ elif [ "$what" = last ]; then
   echo "== prefill attention, 8B shape"
   timeout 40 python3 benchmarks/prefill_lab.py --attention-only --out "$OUT/prefill_attention.json" 2>&1 \
     | tee "$OUT/prefill_attention.log" | grep -v Warning
+  echo "== decode, 4 layers of the 8B shape, bf16 + fp8 (prefill through the flash kernel)"
+  timeout 100 python3 benchmarks/decode.py --layers 4 --out "$OUT/decode4.json" --skip-peers --skip-verify 2>&1 \
+    | tee "$OUT/decode4.log" | grep -v Warning | grep -E "^\[|fallback|Error|prefill" | tail -8
   echo "== speculative end to end: the bundled pair"
-  timeout 150 python3 benchmarks/e2e.py --out "$OUT/e2e" --skip-8b --skip-buckets --skip-peers \
+  timeout 170 python3 benchmarks/e2e.py --out "$OUT/e2e" --skip-8b --skip-buckets --skip-peers \
     --gammas 2,3,4 2>&1 | tee "$OUT/e2e.log" | grep -v Warning | tail -12
-  echo "== decode, 8B shape, bf16 + fp8 (prefill rows)"
-  timeout 230 python3 benchmarks/decode.py --out "$OUT/decode.json" --skip-peers --skip-verify 2>&1 \
-    | tee "$OUT/decode.log" | grep -v Warning | grep -E "^\[|ceiling|fallback|Error|prefill" | tail -14
 elif [ "$what" = decode ]; then
   echo "== decode benchmark"
   python3 benchmarks/decode.py --out "$OUT/decode.json" "$@" 2>&1 | tee "$OUT/decode.log" | grep -v Warning | tail -80
