@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from fuser.runtime.draft_kernels import catchup_inputs, draft_advance, verify_inputs
+from fuser.runtime.prefill_graphs import padded_length
 from fuser.runtime.steps import CATCHUP, DECODE, PREFILL, ModelSteps, verify as verify_step
 from fuser.runtime.prompts import Prompts
 from fuser.runtime.sampling import accept_greedy, accept_sampling, process_logits_rows, sample
@@ -363,10 +364,16 @@ def resync_draft(draft_model: ModelSteps, target: ModelSteps, state: DecodeState
     holds slots 0..L-1 of every row, which `draft`'s invariant needs (valid up to L-2). It reads
     the longest row's length on the host: a sync, but it runs only when speculation resumes.
     Rows shorter than the longest get tokens past their end too: stale slots, masked and later
-    overwritten, and prefill attention is causal, so they do not affect the real ones.
+    overwritten, and prefill attention is causal, so they do not affect the real ones. Where the
+    draft prefills through CUDA graphs, T is padded to a captured length in the same way: an
+    uncaptured prefill at an arbitrary T launches every op from the host (milliseconds: on the
+    H200 the bundled pair's gamma="auto", toggling speculation, ran at 0.70x target-only).
     """
     cache = draft_model.cache
     T = max(int(target.cache.seq_lens.max()), 2)
+    if draft_model.prefill_graphs is not None:
+        slots = min(cache.slots, target.cache.slots, state.history.shape[1])
+        T = padded_length(T, slots) or T
     tokens = state.history[:, :T]  # [B, T]
     slots = torch.arange(T, device=tokens.device)[None]  # [1, T]
     positions = (slots - target.cache.starts[:, None]).clamp(min=0)  # [B, T]

@@ -125,3 +125,43 @@ def test_gpu_prefill_graph_replays_the_uncaptured_prefill() -> None:
     bucket.prefills = []
     again = engine.generate(ids.cuda(), 12, attention_mask=mask.cuda(), eos_token_id=[])
     assert torch.equal(out, again)
+
+
+class _Cache:
+    def __init__(self, slots: int, seq_lens: torch.Tensor) -> None:
+        self.slots, self.seq_lens = slots, seq_lens
+        self.starts = torch.zeros_like(seq_lens)
+
+    def begin(self, starts: torch.Tensor) -> None:
+        self.starts = starts.clone()
+
+    def set_lengths(self, lengths: torch.Tensor) -> None:
+        self.seq_lens = lengths.clone()
+
+
+class _Model:
+    """A stand-in for ModelSteps: records the prefill widths it is asked to run."""
+
+    def __init__(self, cache: _Cache, graphs: object | None) -> None:
+        self.cache, self.prefill_graphs, self.widths = cache, graphs, []
+
+    def run(self, kind: object, tokens: torch.Tensor, positions: torch.Tensor) -> None:
+        assert kind == PREFILL and tokens.shape == positions.shape
+        self.widths.append(tokens.shape[1])
+
+
+@pytest.mark.parametrize("graphs,width", [(None, 45), (object(), 64)])
+def test_resync_pads_the_draft_prefill_to_a_captured_length(graphs, width) -> None:
+    # After target-only steps the draft re-prefills the sequence; with prefill graphs it runs
+    # at a captured length (45 -> 64) instead of an uncaptured prefill at an arbitrary T.
+    from types import SimpleNamespace
+
+    from fuser.runtime.speculative import resync_draft
+
+    lengths = torch.tensor([45, 30])
+    target = _Model(_Cache(128, lengths), None)
+    draft = _Model(_Cache(128, torch.zeros(2, dtype=torch.long)), graphs)
+    state = SimpleNamespace(history=torch.arange(2 * 128).reshape(2, 128))
+    resync_draft(draft, target, state)
+    assert draft.widths == [width]
+    assert torch.equal(draft.cache.seq_lens, lengths)  # lengths follow the target, not the pad
