@@ -15,6 +15,12 @@ ROOT = Path(__file__).resolve().parents[1]
 LINEAR_OP = importlib.util.find_spec("fuser.ops.linear") is not None
 
 
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def run(script: str, out: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, f"benchmarks/{script}", "--dry-run", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=180)
@@ -126,3 +132,10 @@ def test_fp8_ops_dry_run(tmp_path: Path) -> None:
     assert all(c["rel_err"] is not None for r in decode for c in r["sweep"])
     assert {r["producer"] for r in prefill} == {"rms_norm", "gated_act"}
     assert proc.stdout.strip().splitlines()[-1].startswith("dry run on CPU")
+
+
+@pytest.mark.skipif(torch_cuda_available(), reason="checks the message a CPU machine gets")
+def test_prefill_lab_says_it_needs_a_gpu() -> None:
+    proc = subprocess.run([sys.executable, "benchmarks/prefill_lab.py", "--tokens", "64"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "no CUDA device" in proc.stderr, proc.stderr[-2000:]
