@@ -262,13 +262,15 @@ def test_prefill_attention_op_runs_the_reference_on_cpu():
     window=st.sampled_from([0, 3, 16]),
     softcap=st.sampled_from([0.0, 0.0, 5.0]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    mask_all=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_flash_prefill_equals_the_reference_on_real_rows(B, T, heads, D, pad, window, softcap,
-                                                         dtype, seed):
+                                                         dtype, mask_all, seed):
     """The flash kernel (interpreted here, 16 x 16 tiles: several key blocks, partial ones,
-    whole blocks skipped for the padding and the window) against masked_attention: close on
-    every row that sees a key, zeros on the left-padding rows that see none."""
+    whole blocks skipped for the padding and the window; every block masked, or only those
+    that need it) against masked_attention: close on every row that sees a key, zeros on the
+    left-padding rows that see none."""
     from fuser.ops.attention import prefill_attention_reference
     from fuser.ops.flash_prefill import flash_prefill
 
@@ -280,7 +282,7 @@ def test_flash_prefill_equals_the_reference_on_real_rows(B, T, heads, D, pad, wi
     starts = torch.randint(0, min(pad, T - 1) + 1, (B,), generator=g)
     slots = torch.arange(T)[None].expand(B, T)
     args = (q, k, v, slots, starts, D**-0.5, window, softcap)
-    out, ref = flash_prefill(*args), prefill_attention_reference(*args)
+    out, ref = flash_prefill(*args, mask_all=mask_all), prefill_attention_reference(*args)
     assert out.shape == ref.shape == (B, T, H, D) and out.dtype == dtype and out.is_contiguous()
     real = slots >= starts[:, None]
     assert torch.isfinite(out).all() and (out[~real] == 0).all()
@@ -298,8 +300,24 @@ def test_flash_prefill_fails_the_check_when_padding_keys_leak():
     q, k, v = (torch.randn(1, 2, 20, 16, generator=g) for _ in range(3))
     slots, starts = torch.arange(20)[None], torch.tensor([6])
     ref = prefill_attention_reference(q, k, v, slots, starts, 0.25, 0, 0.0)
-    leaky = flash_prefill(q, k, v, slots, torch.zeros(1, dtype=torch.long), 0.25, 0, 0.0)
-    assert not torch.allclose(leaky[0, 6:], ref[0, 6:], atol=1e-3)
+    for mask_all in (True, False):
+        leaky = flash_prefill(q, k, v, slots, torch.zeros(1, dtype=torch.long), 0.25, 0, 0.0,
+                              mask_all=mask_all)
+        assert not torch.allclose(leaky[0, 6:], ref[0, 6:], atol=1e-3)
+
+
+def test_flash_prefill_unmasked_blocks_agree_with_masked_ones():
+    # 64 rows of 16-row blocks: the later blocks see whole 16-key blocks unmasked when
+    # mask_all=False; with a window of 20 only some of them. Same bits as masking every block
+    # in fp32 (the same products and sums in the same order; a mask adds only -inf entries).
+    from fuser.ops.flash_prefill import flash_prefill
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 4, 64, 16, generator=g) for _ in range(3))
+    slots, starts = torch.arange(64)[None].expand(2, 64), torch.tensor([0, 19])
+    for window in (0, 20):
+        args = (q, k[:, :2], v[:, :2], slots, starts, 0.25, window, 0.0)
+        assert torch.equal(flash_prefill(*args, mask_all=False), flash_prefill(*args))
 
 
 def test_flash_prefill_takes_power_of_two_head_dims_only():
@@ -328,3 +346,8 @@ def test_gpu_flash_prefill_llama3_shape(T, pad):
     out, sdpa = prefill_attention_cuda(*args), prefill_attention_sdpa(*args)
     torch.testing.assert_close(out[0, pad:].float(), sdpa[0, pad:].float(), rtol=2e-2, atol=2e-2)
     assert (out[0, :pad] == 0).all()
+    from fuser.ops.flash_prefill import flash_prefill
+
+    fewer_masks = flash_prefill(*args, mask_all=False)
+    torch.testing.assert_close(fewer_masks[0, pad:].float(), sdpa[0, pad:].float(), rtol=2e-2,
+                               atol=2e-2)

@@ -38,6 +38,52 @@ MIN_BLOCK = 16  # tl.dot's smallest tile side
 
 
 @triton.jit
+def _attend(acc, m_i, l_i, q, qi, start, n0, k_base, v_base, sk_t, sv_t, offs_d, T, qk_scale,
+            softcap, MASKED: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+            BLOCK_N: tl.constexpr, FP32_DOTS: tl.constexpr):
+    """One key block [n0, n0 + BLOCK_N) into the running (acc, max, sum) of the online softmax.
+    MASKED: apply the visibility mask (else every key of the block is visible to every row)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    key_ok = offs_n < T
+    if MASKED:
+        k = tl.load(k_base + offs_n[:, None] * sk_t + offs_d[None, :], mask=key_ok[:, None],
+                    other=0.0)
+    else:
+        k = tl.load(k_base + offs_n[:, None] * sk_t + offs_d[None, :])
+    if FP32_DOTS:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))                                         # [BLOCK_M, BLOCK_N]
+    if SOFTCAP:
+        # softcap * tanh(x / softcap) = softcap * (1 - 2 / (exp(2x / softcap) + 1))
+        x = s * (qk_scale / 1.4426950408889634) / softcap
+        s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * 1.4426950408889634
+    else:
+        s = s * qk_scale
+    if MASKED:
+        visible = (offs_n[None, :] >= start) & (offs_n[None, :] <= qi[:, None]) & key_ok[None, :]
+        if WINDOW > 0:
+            visible = visible & (qi[:, None] - offs_n[None, :] < WINDOW)
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if MASKED:
+        v = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :], mask=key_ok[:, None],
+                    other=0.0)
+    else:
+        v = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :])
+    p = p.to(v.dtype)  # the reference rounds the probabilities to v's dtype too
+    if FP32_DOTS:
+        pv = tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p, v)
+    return acc * alpha[:, None] + pv, m_new, l_i
+
+
+@triton.jit
 def _flash_prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr,     # q [B, H, T, D], k/v [B, KV, T, D], out [B, T, H, D]
     slots_ptr, starts_ptr,            # query_slots [B, T] int64 (contiguous), starts [B] int64
@@ -54,6 +100,7 @@ def _flash_prefill_kernel(
     BLOCK_N: tl.constexpr,
     FP32_DOTS: tl.constexpr,          # fp32 operands, IEEE products (fp32 models; the
                                       # interpreter, whose bf16 dot is wrong)
+    MASK_ALL: tl.constexpr,           # mask every key block (else only the blocks that need it)
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -69,10 +116,11 @@ def _flash_prefill_kernel(
     start = tl.load(starts_ptr + b)
 
     # Keys that any query of this block may see: [lo, hi).
-    hi = tl.minimum(tl.max(qi, axis=0) + 1, T)
+    highest = tl.max(qi, axis=0)
+    lowest = tl.min(tl.where(row_ok, qi, T), axis=0)
+    hi = tl.minimum(highest + 1, T)
     lo = start
     if WINDOW > 0:
-        lowest = tl.min(tl.where(row_ok, qi, T), axis=0)
         lo = tl.maximum(lo, lowest - WINDOW + 1)
     lo = tl.maximum(lo, 0)
     lo = (lo // BLOCK_N) * BLOCK_N
@@ -82,39 +130,32 @@ def _flash_prefill_kernel(
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     k_base = k_ptr + b * sk_b + kvh * sk_h
     v_base = v_ptr + b * sv_b + kvh * sv_h
-    for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        key_ok = offs_n < T
-        k = tl.load(k_base + offs_n[:, None] * sk_t + offs_d[None, :], mask=key_ok[:, None],
-                    other=0.0)
-        if FP32_DOTS:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))                                     # [BLOCK_M, BLOCK_N]
-        if SOFTCAP:
-            # softcap * tanh(x / softcap) = softcap * (1 - 2 / (exp(2x / softcap) + 1))
-            x = s * (qk_scale / 1.4426950408889634) / softcap
-            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * 1.4426950408889634
-        else:
-            s = s * qk_scale
-        visible = (offs_n[None, :] >= start) & (offs_n[None, :] <= qi[:, None]) & key_ok[None, :]
+    if MASK_ALL:
+        for n0 in range(lo, hi, BLOCK_N):
+            acc, m_i, l_i = _attend(acc, m_i, l_i, q, qi, start, n0, k_base, v_base, sk_t, sv_t,
+                                    offs_d, T, qk_scale, softcap, True, WINDOW, SOFTCAP, BLOCK_N,
+                                    FP32_DOTS)
+    else:
+        # Blocks whose every key every row of this block sees: [full_lo, full_hi), block
+        # aligned: past the start (and inside every row's window), up to the lowest row's slot.
+        full_lo = tl.cdiv(start, BLOCK_N) * BLOCK_N
         if WINDOW > 0:
-            visible = visible & (qi[:, None] - offs_n[None, :] < WINDOW)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :], mask=key_ok[:, None],
-                    other=0.0)
-        p = p.to(v.dtype)  # the reference rounds the probabilities to v's dtype too
-        if FP32_DOTS:
-            pv = tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p, v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+            full_lo = tl.maximum(full_lo, tl.cdiv(highest - WINDOW + 1, BLOCK_N) * BLOCK_N)
+        full_hi = ((tl.minimum(lowest, T - 1) + 1) // BLOCK_N) * BLOCK_N
+        mid = tl.minimum(tl.maximum(full_lo, lo), hi)
+        end = tl.maximum(tl.minimum(full_hi, hi), mid)
+        for n0 in range(lo, mid, BLOCK_N):
+            acc, m_i, l_i = _attend(acc, m_i, l_i, q, qi, start, n0, k_base, v_base, sk_t, sv_t,
+                                    offs_d, T, qk_scale, softcap, True, WINDOW, SOFTCAP, BLOCK_N,
+                                    FP32_DOTS)
+        for n0 in range(mid, end, BLOCK_N):
+            acc, m_i, l_i = _attend(acc, m_i, l_i, q, qi, start, n0, k_base, v_base, sk_t, sv_t,
+                                    offs_d, T, qk_scale, softcap, False, WINDOW, SOFTCAP,
+                                    BLOCK_N, FP32_DOTS)
+        for n0 in range(end, hi, BLOCK_N):
+            acc, m_i, l_i = _attend(acc, m_i, l_i, q, qi, start, n0, k_base, v_base, sk_t, sv_t,
+                                    offs_d, T, qk_scale, softcap, True, WINDOW, SOFTCAP, BLOCK_N,
+                                    FP32_DOTS)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     out_rows = out_ptr + ((b * T + offs_m[:, None]) * H + h) * D + offs_d[None, :]
     tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -141,9 +182,14 @@ def _blocks(T: int, D: int, dtype: torch.dtype, on_gpu: bool) -> tuple[int, int,
 
 
 def flash_prefill(q: Tensor, k: Tensor, v: Tensor, query_slots: Tensor, starts: Tensor,
-                  scale: float, window: int, softcap: float) -> Tensor:
+                  scale: float, window: int, softcap: float, *, mask_all: bool = True) -> Tensor:
     """q [B, H, T, D], k/v [B, KV, T, D] (key t at slot t), query_slots [B, T], starts [B]
-    -> [B, T, H, D] contiguous in q's dtype. See the module's docstring."""
+    -> [B, T, H, D] contiguous in q's dtype. See the module's docstring.
+
+    mask_all=False masks only the key blocks that straddle a row's start, window edge or
+    diagonal (the Triton fused-attention tutorial's split): the same result, less work per
+    fully visible block. Not yet timed on a GPU, so not the default (benchmarks/prefill_lab.py
+    times both)."""
     B, H, T, D = q.shape
     KV = k.shape[1]
     assert H % KV == 0, f"{H} query heads do not group over {KV} kv heads"
@@ -164,7 +210,7 @@ def flash_prefill(q: Tensor, k: Tensor, v: Tensor, query_slots: Tensor, starts: 
         v.stride(0), v.stride(1), v.stride(2),
         T, H, H // KV, scale * LOG2E, float(softcap),
         WINDOW=int(window), SOFTCAP=bool(softcap), D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        FP32_DOTS=q.dtype == torch.float32 or not q.is_cuda,
+        FP32_DOTS=q.dtype == torch.float32 or not q.is_cuda, MASK_ALL=mask_all,
         num_warps=warps, num_stages=stages,
     )
     return out
