@@ -168,7 +168,10 @@ def _rms_norm_quant_kernel(
 
 @triton.jit
 def _gated_block(gate_row, cols, mask, I, ACTIVATION: tl.constexpr, out_dtype: tl.constexpr):
-    """One block of act(gate) * up, rounded as gated_act.py's kernel rounds it, in fp32."""
+    """One block of act(gate) * up, rounded as gated_act.py's kernel rounds it, in fp32; with
+    ACTIVATION "" the row's own values (quantize_rows)."""
+    if ACTIVATION == "":
+        return tl.load(gate_row + cols, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(gate_row + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gate_row + I + cols, mask=mask, other=0.0).to(tl.float32)
     return act_times_up(g, u, ACTIVATION, out_dtype).to(out_dtype).to(tl.float32)
@@ -176,16 +179,18 @@ def _gated_block(gate_row, cols, mask, I, ACTIVATION: tl.constexpr, out_dtype: t
 
 @triton.jit
 def _gated_act_quant_kernel(
-    gate_up_ptr,      # gate_up: [rows, 2I], row stride row_stride, column stride 1
+    gate_up_ptr,      # gate_up: [rows, 2I] (x: [rows, I] when ACTIVATION is ""), row stride
+                      # row_stride, column stride 1
     q_ptr,            # codes: [rows, I] e4m3fn, contiguous
     scale_ptr,        # scale: [rows] fp32
     row_stride,
     I,
-    ACTIVATION: tl.constexpr,     # one of gated_act.ACTIVATIONS
+    ACTIVATION: tl.constexpr,     # one of gated_act.ACTIVATIONS, or "": quantize the rows as
+                                  # they are (fuser::quantize_rows)
     BLOCK: tl.constexpr,          # power of two; >= I when SINGLE_PASS
     SINGLE_PASS: tl.constexpr,    # whole row in registers, else two passes over blocks
 ):
-    # One program per row.
+    # One program per row: amax, then the codes.
     row = tl.program_id(0).to(tl.int64)
     gate_row = gate_up_ptr + row * row_stride
     q_row = q_ptr + row * I
@@ -208,41 +213,6 @@ def _gated_act_quant_kernel(
             cols = start + tl.arange(0, BLOCK)
             mask = cols < I
             y = _gated_block(gate_row, cols, mask, I, ACTIVATION, out_dtype)
-            _store_codes(y, scale, q_row, cols, mask)
-    tl.store(scale_ptr + row, scale)
-
-
-@triton.jit
-def _quantize_rows_kernel(
-    x_ptr,            # x: [rows, K], row stride row_stride, column stride 1
-    q_ptr,            # codes: [rows, K] e4m3fn, contiguous
-    scale_ptr,        # scale: [rows] fp32
-    row_stride,
-    K,
-    BLOCK: tl.constexpr,          # power of two; >= K when SINGLE_PASS
-    SINGLE_PASS: tl.constexpr,    # whole row in registers, else two passes over blocks
-):
-    # One program per row: amax, then the codes (fp8.py's quantize_rows, bit for bit).
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * row_stride
-    q_row = q_ptr + row * K
-    if SINGLE_PASS:
-        cols = tl.arange(0, BLOCK)
-        mask = cols < K
-        y = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        scale = _row_scale(tl.max(tl.abs(y), axis=0))
-        _store_codes(y, scale, q_row, cols, mask)
-    else:
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, K, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            y = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(y))
-        scale = _row_scale(tl.max(amax, axis=0))
-        for start in range(0, K, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            mask = cols < K
-            y = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
             _store_codes(y, scale, q_row, cols, mask)
     tl.store(scale_ptr + row, scale)
 
@@ -325,7 +295,7 @@ def gated_act_quant_triton(gate_up: Tensor, activation: str, *,
 
 def quantize_rows_triton(x: Tensor, *, block: int | None = None) -> tuple[Tensor, Tensor]:
     """x [..., K] -> (codes [..., K] e4m3fn, scale [...] fp32): fp8.py's quantize_rows over the
-    last dimension in one kernel (one program per row), the same bits."""
+    last dimension in one kernel (gated_act_quant's, with no activation), the same bits."""
     K = x.shape[-1]
     codes = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
@@ -334,9 +304,9 @@ def quantize_rows_triton(x: Tensor, *, block: int | None = None) -> tuple[Tensor
         return codes, scale
     rows = _rows(x, K)                                          # [rows, K]
     block = block or min(triton.next_power_of_2(K), MAX_SINGLE_PASS_AMAX)
-    _quantize_rows_kernel[(rows.shape[0],)](
+    _gated_act_quant_kernel[(rows.shape[0],)](
         rows, codes, scale, rows.stride(0), K,
-        BLOCK=block, SINGLE_PASS=K <= block, num_warps=_num_warps(block),
+        ACTIVATION="", BLOCK=block, SINGLE_PASS=K <= block, num_warps=_num_warps(block),
     )
     return codes, scale
 
