@@ -372,8 +372,8 @@ def resync_draft(draft_model: ModelSteps, target: ModelSteps, state: DecodeState
     cache = draft_model.cache
     T = max(int(target.cache.seq_lens.max()), 2)
     if draft_model.prefill_graphs is not None:
-        slots = min(cache.slots, target.cache.slots, state.history.shape[1])
-        T = padded_length(T, slots) or T
+        room = min(cache.slots, target.cache.slots, state.history.shape[1])
+        T = padded_length(T, room) or T
     tokens = state.history[:, :T]  # [B, T]
     slots = torch.arange(T, device=tokens.device)[None]  # [1, T]
     positions = (slots - target.cache.starts[:, None]).clamp(min=0)  # [B, T]

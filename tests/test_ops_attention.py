@@ -195,9 +195,8 @@ def test_gpu_llama3_shapes_and_tuning_overrides(T, dtype):
 # --- prefill: fuser::prefill_attention (SDPA on CUDA, masked_attention elsewhere) -------------
 
 
-@settings(max_examples=25, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow])
-@given(
+# Prefill shapes both CUDA kernels of fuser::prefill_attention are held to the reference over.
+PREFILL_CASES = dict(
     B=st.integers(1, 3),
     T=st.integers(1, 40),
     heads=st.sampled_from([(4, 4), (4, 2), (8, 2)]),
@@ -207,6 +206,28 @@ def test_gpu_llama3_shapes_and_tuning_overrides(T, dtype):
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     seed=st.integers(0, 2**16),
 )
+
+
+def prefill_inputs(B: int, T: int, heads: tuple[int, int], D: int, pad: int,
+                   dtype: torch.dtype, seed: int, q_scale: float = 1.0, strided_q: bool = False):
+    """q [B, H, T, D] (a transposed [B, T, H, D] view when strided_q, as capture passes it),
+    k, v [B, KV, T, D], slots [B, T], starts [B] of up to `pad` left-padding rows."""
+    H, KV = heads
+    g = torch.Generator().manual_seed(seed)
+    if strided_q:
+        q = (torch.randn(B, T, H, D, generator=g) * q_scale).to(dtype).transpose(1, 2)
+    else:
+        q = (torch.randn(B, H, T, D, generator=g) * q_scale).to(dtype)
+    k = torch.randn(B, KV, T, D, generator=g).to(dtype)
+    v = torch.randn(B, KV, T, D, generator=g).to(dtype)
+    starts = torch.randint(0, min(pad, T - 1) + 1, (B,), generator=g)
+    slots = torch.arange(T)[None].expand(B, T)
+    return q, k, v, slots, starts
+
+
+@settings(max_examples=25, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(**PREFILL_CASES)
 def test_prefill_sdpa_equals_the_reference_on_real_rows(B, T, heads, D, pad, window, dtype,
                                                          seed):
     """The CUDA kernel of fuser::prefill_attention (run here on the CPU: SDPA exists there too)
@@ -214,13 +235,8 @@ def test_prefill_sdpa_equals_the_reference_on_real_rows(B, T, heads, D, pad, win
     that see none (the reference averages every value there, SDPA attends to the diagonal)."""
     from fuser.ops.attention import prefill_attention_reference, prefill_attention_sdpa
 
-    H, KV = heads
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, T, D, generator=g).to(dtype)
-    k = torch.randn(B, KV, T, D, generator=g).to(dtype)
-    v = torch.randn(B, KV, T, D, generator=g).to(dtype)
-    starts = torch.randint(0, min(pad, T - 1) + 1, (B,), generator=g)
-    slots = torch.arange(T)[None].expand(B, T)
+    H = heads[0]
+    q, k, v, slots, starts = prefill_inputs(B, T, heads, D, pad, dtype, seed)
     args = (q, k, v, slots, starts, D**-0.5, window, 0.0)
     out, ref = prefill_attention_sdpa(*args), prefill_attention_reference(*args)
     assert out.shape == ref.shape == (B, T, H, D) and out.dtype == dtype
@@ -253,18 +269,7 @@ def test_prefill_attention_op_runs_the_reference_on_cpu():
 
 @settings(max_examples=25, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
-@given(
-    B=st.integers(1, 3),
-    T=st.integers(1, 40),
-    heads=st.sampled_from([(4, 4), (4, 2), (8, 2)]),
-    D=st.sampled_from([16, 32]),
-    pad=st.integers(0, 5),
-    window=st.sampled_from([0, 3, 16]),
-    softcap=st.sampled_from([0.0, 0.0, 5.0]),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-    mask_all=st.booleans(),
-    seed=st.integers(0, 2**16),
-)
+@given(**PREFILL_CASES, softcap=st.sampled_from([0.0, 0.0, 5.0]), mask_all=st.booleans())
 def test_flash_prefill_equals_the_reference_on_real_rows(B, T, heads, D, pad, window, softcap,
                                                          dtype, mask_all, seed):
     """The flash kernel (interpreted here, 16 x 16 tiles: several key blocks, partial ones,
@@ -274,13 +279,9 @@ def test_flash_prefill_equals_the_reference_on_real_rows(B, T, heads, D, pad, wi
     from fuser.ops.attention import prefill_attention_reference
     from fuser.ops.flash_prefill import flash_prefill
 
-    H, KV = heads
-    g = torch.Generator().manual_seed(seed)
-    q = (torch.randn(B, T, H, D, generator=g) * 2).to(dtype).transpose(1, 2)  # strided, as capture
-    k = torch.randn(B, KV, T, D, generator=g).to(dtype)
-    v = torch.randn(B, KV, T, D, generator=g).to(dtype)
-    starts = torch.randint(0, min(pad, T - 1) + 1, (B,), generator=g)
-    slots = torch.arange(T)[None].expand(B, T)
+    H = heads[0]
+    q, k, v, slots, starts = prefill_inputs(B, T, heads, D, pad, dtype, seed, q_scale=2.0,
+                                            strided_q=True)
     args = (q, k, v, slots, starts, D**-0.5, window, softcap)
     out, ref = flash_prefill(*args, mask_all=mask_all), prefill_attention_reference(*args)
     assert out.shape == ref.shape == (B, T, H, D) and out.dtype == dtype and out.is_contiguous()

@@ -48,8 +48,6 @@ from fuser.ops.flash_prefill import flash_prefill, flash_prefill_supported
 BLOCK_N = 64          # key slots per inner-loop step
 TARGET_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs): latency of one hides behind the other
 MAX_SPLITS = 128
-# fuser::prefill_attention on CUDA: the Triton flash kernel (True) or torch SDPA with a mask.
-FLASH_PREFILL = True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -426,7 +424,7 @@ def prefill_attention_cuda(
 ) -> Tensor:
     """fuser::prefill_attention on CUDA: the Triton flash kernel (fuser/ops/flash_prefill.py)
     where it takes the head dim and dtypes, else torch SDPA with a boolean mask."""
-    if FLASH_PREFILL and flash_prefill_supported(q, k):
+    if flash_prefill_supported(q, k):
         return flash_prefill(q, k, v, query_slots, starts, scale, window, softcap)
     return prefill_attention_sdpa(q, k, v, query_slots, starts, scale, window, softcap)
 

@@ -170,7 +170,7 @@ def flash_prefill_supported(q: Tensor, k: Tensor) -> bool:
             and q.stride(-1) == 1 and k.stride(-1) == 1)
 
 
-def _blocks(T: int, D: int, dtype: torch.dtype, on_gpu: bool) -> tuple[int, int, int, int]:
+def _blocks(D: int, dtype: torch.dtype, on_gpu: bool) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). On the GPU the Triton fused-attention
     tutorial's Hopper shapes for D <= 128 (fp32 operands and D = 256 take smaller tiles to fit
     shared memory); under the interpreter the smallest tiles, for speed."""
@@ -201,7 +201,7 @@ def flash_prefill(q: Tensor, k: Tensor, v: Tensor, query_slots: Tensor, starts: 
         v = v.contiguous()
     slots = query_slots.to(torch.int64).expand(B, T).contiguous()
     starts = starts.to(torch.int64).contiguous()
-    BLOCK_M, BLOCK_N, warps, stages = _blocks(T, D, q.dtype, q.is_cuda)
+    BLOCK_M, BLOCK_N, warps, stages = _blocks(D, q.dtype, q.is_cuda)
     grid = (triton.cdiv(T, BLOCK_M), B * H)
     _flash_prefill_kernel[grid](
         q, k, v, out, slots, starts,
