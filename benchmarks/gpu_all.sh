@@ -20,6 +20,7 @@
 #   bash benchmarks/gpu_all.sh profile  # decode/verify/prefill per-op profiles at 4 layers of the 8B shape, FP8 prefill GEMM lab
 #   bash benchmarks/gpu_all.sh prefill  # FP8 quant + prefill-graph GPU tests, 8B bf16 + fp8 decode (long prefills captured)
 #   bash benchmarks/gpu_all.sh last     # flash prefill GPU tests + op timing, 4-layer 8B-shape prefill, bundled pair e2e (draft kernels)
+#   bash benchmarks/gpu_all.sh seventh1 # bundled pair e2e (peers, gamma 1..8, auto) + buckets, FP8 accuracy on the GPU
 #   bash benchmarks/gpu_all.sh fp8-accuracy [fp8_accuracy.py flags]   # FP8 vs bf16 on the bundled pair
 # OUT=<dir for logs and JSON>
 set -o pipefail
@@ -159,6 +160,15 @@ elif [ "$what" = last ]; then
   echo "== speculative end to end: the bundled pair"
   timeout 170 python3 benchmarks/e2e.py --out "$OUT/e2e" --skip-8b --skip-buckets --skip-peers \
     --gammas 2,3,4 2>&1 | tee "$OUT/e2e.log" | grep -v Warning | tail -12
+elif [ "$what" = seventh1 ]; then
+  # Seventh session, call 1: the bundled pair end to end with every peer, gamma 1..8 and auto
+  # (auto after the resync fix), batch buckets, then FP8 accuracy on the GPU (issue #10).
+  echo "== speculative end to end: the bundled pair, buckets"
+  timeout 380 python3 benchmarks/e2e.py --out "$OUT/e2e" --skip-8b --gammas 1,2,3,4,5,6,7,8 2>&1 \
+    | tee "$OUT/e2e.log" | grep -v Warning | tail -24
+  echo "== FP8 accuracy (bundled pair, on the GPU)"
+  timeout 160 python3 benchmarks/fp8_accuracy.py --device cuda --prompts 128 --out "$OUT/fp8_accuracy.json" 2>&1 \
+    | tee "$OUT/fp8_accuracy.log" | grep -v Warning | tail -40
 elif [ "$what" = decode ]; then
   echo "== decode benchmark"
   python3 benchmarks/decode.py --out "$OUT/decode.json" "$@" 2>&1 | tee "$OUT/decode.log" | grep -v Warning | tail -80
