@@ -21,6 +21,7 @@
 #   bash benchmarks/gpu_all.sh prefill  # FP8 quant + prefill-graph GPU tests, 8B bf16 + fp8 decode (long prefills captured)
 #   bash benchmarks/gpu_all.sh last     # flash prefill GPU tests + op timing, 4-layer 8B-shape prefill, bundled pair e2e (draft kernels)
 #   bash benchmarks/gpu_all.sh seventh1 # bundled pair e2e (peers, gamma 1..8, auto) + buckets, FP8 accuracy on the GPU
+#   bash benchmarks/gpu_all.sh seventh2 # PDL: GPU tests, GEMV chain lab, 8-layer decode with PDL off and on
 #   bash benchmarks/gpu_all.sh fp8-accuracy [fp8_accuracy.py flags]   # FP8 vs bf16 on the bundled pair
 # OUT=<dir for logs and JSON>
 set -o pipefail
@@ -169,6 +170,24 @@ elif [ "$what" = seventh1 ]; then
   echo "== FP8 accuracy (bundled pair, on the GPU)"
   timeout 160 python3 benchmarks/fp8_accuracy.py --device cuda --prompts 128 --out "$OUT/fp8_accuracy.json" 2>&1 \
     | tee "$OUT/fp8_accuracy.log" | grep -v Warning | tail -40
+elif [ "$what" = seventh2 ]; then
+  # Seventh session, call 2: programmatic dependent launch (fuser/ops/pdl.py): its GPU tests,
+  # the GEMV chain with PDL off / on (benchmarks/pdl_lab.py), 8 layers of the 8B decode step
+  # with PDL off, then on.
+  echo "== GPU tests: PDL, the kernels it touches"
+  timeout 110 python3 -m pytest -q -p no:logging -p no:cacheprovider --tb=short -rf tests/test_pdl.py \
+    tests/test_ops_attention.py tests/test_rotary_cache.py -k "gpu or cuda" 2>&1 | tee "$OUT/gpu_tests.log" \
+    | grep -v Warning | tail -12
+  summary+=("GPU tests: $(tail -1 "$OUT/gpu_tests.log")")
+  echo "== PDL lab: 8B-shape GEMV chain"
+  timeout 120 python3 benchmarks/pdl_lab.py --layers 16 --out "$OUT/pdl_lab.json" 2>&1 \
+    | tee "$OUT/pdl_lab.log" | grep -v Warning
+  for pdl in 0 1; do
+    echo "== decode, 8 layers of the 8B shape, FUSER_PDL=$pdl"
+    FUSER_PDL=$pdl timeout 120 python3 benchmarks/decode.py --layers 8 --out "$OUT/decode8_pdl$pdl.json" \
+      --skip-peers 2>&1 | tee "$OUT/decode8_pdl$pdl.log" | grep -v Warning \
+      | grep -E "^\[|ceiling|fallback|Error|verify|prefill" | tail -12
+  done
 elif [ "$what" = decode ]; then
   echo "== decode benchmark"
   python3 benchmarks/decode.py --out "$OUT/decode.json" "$@" 2>&1 | tee "$OUT/decode.log" | grep -v Warning | tail -80

@@ -344,24 +344,28 @@ from fuser.ops.linear import _default_config, _default_fp8_config, _linear_kerne
 NAMES = ["x_ptr", "w_ptr", "scale_ptr", "out_ptr", "part_ptr", "count_ptr", "r_ptr", "g_ptr",
          "sum_ptr", "M", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_rm", "eps",
          "BLOCK_M", "BLOCK_N", "BLOCK_K", "FP32_DOTS", "HAS_SCALE", "ACTIVATION", "NORM",
-         "HAS_RESIDUAL", "SPLIT_K"]
+         "HAS_RESIDUAL", "SPLIT_K", "PDL", "PREFETCH"]
 out = {}
 for fp8, M in [(False, 1), (True, 16)]:
-    for act, norm in (("", False), ("silu", False), ("silu", True)):
+    for act, norm, pdl in (("", False, 0), ("silu", False, 0), ("silu", True, 0), ("", False, 1),
+                           ("silu", True, 1)):
         bn, bk, warps, stages = (_default_fp8_config if fp8 else _default_config)(M, 28672, 4096)
         types = ["*bf16", "*fp8e4nv" if fp8 else "*bf16", "*fp32", "*bf16", "*fp32", "*i32",
                  "*bf16", "*bf16", "*bf16"] + ["i32"] * 7 + ["fp32"]
-        sig = dict(zip(NAMES, types + ["constexpr"] * 9))
+        sig = dict(zip(NAMES, types + ["constexpr"] * 11))
         consts = dict(BLOCK_M=1 if M == 1 else 16, BLOCK_N=bn, BLOCK_K=bk, FP32_DOTS=False,
-                      HAS_SCALE=fp8, ACTIVATION=act, NORM=norm, HAS_RESIDUAL=norm, SPLIT_K=1)
+                      HAS_SCALE=fp8, ACTIVATION=act, NORM=norm, HAS_RESIDUAL=norm, SPLIT_K=1,
+                      PDL=bool(pdl), PREFETCH=pdl)
         attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12,
                                                            13, 14, 15)}
         src = ASTSource(_linear_kernel, sig, {(NAMES.index(k),): v for k, v in consts.items()},
                         attrs)
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                              options={"num_warps": warps, "num_stages": stages}).asm["ptx"]
-        out[f"{'fp8' if fp8 else 'bf16'} M{M} {act or 'plain'}{' norm' if norm else ''}"] = [
-            ptx.count("ld.global.v4"), ptx.count("cp.async.cg"), ptx.count("cp.async.ca")]
+        out[f"{'fp8' if fp8 else 'bf16'} M{M} {act or 'plain'}{' norm' if norm else ''}"
+            f"{' pdl' if pdl else ''}"] = [
+            ptx.count("ld.global.v4"), ptx.count("cp.async.cg"), ptx.count("cp.async.ca"),
+            ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents")]
 print(json.dumps(out))
 """
 
@@ -385,6 +389,14 @@ def test_gated_kernel_compiles_for_sm90_with_the_plain_kernels_loads() -> None:
         # loads of x, the residual and the norm weight, never fewer weight loads
         normed = loads[f"{case} silu norm"]
         assert all(n >= p for n, p in zip(normed, plain)), (case, plain, normed)
+        # PDL (fuser/ops/pdl.py): one wait and one trigger, and the prefetched first weight tile
+        # adds loads to the pipelined loop's, never removes the pipelining
+        assert plain[3:] == [0, 0] and normed[3:] == [0, 0], (case, plain, normed)
+        for name, without in (("plain", plain), ("silu norm", normed)):
+            with_pdl = loads[f"{case} {name} pdl"]
+            assert with_pdl[3:] == [1, 1], (case, name, with_pdl)
+            assert sum(with_pdl[:3]) > sum(without[:3]) and with_pdl[1:3] >= without[1:3] \
+                or with_pdl[:3] == without[:3], (case, name, without, with_pdl)
 
 
 # --- on a GPU: Llama-3-8B's gate/up (I = 14336, K = 4096) -----------------------------------------

@@ -44,6 +44,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fuser.ops.flash_prefill import flash_prefill, flash_prefill_supported
+from fuser.ops.pdl import pdl_launch, wait_for_inputs
 
 BLOCK_N = 64          # key slots per inner-loop step
 TARGET_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs): latency of one hides behind the other
@@ -86,8 +87,10 @@ def _split_kernel(
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     FP32_DOTS: tl.constexpr,      # fp32 operands, IEEE products (fp32 caches; bf16 interpreted)
+    PDL: tl.constexpr = False,    # launched with PDL: wait for the previous kernel (fuser/ops/pdl.py)
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
+    wait_for_inputs(PDL)
     bk = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     b = bk // KV
@@ -180,7 +183,9 @@ def _combine_kernel(
     NUM_SPLITS: tl.constexpr,
     SPLITS_P2: tl.constexpr,      # next power of two >= NUM_SPLITS
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     # One program per output row (b, h, t): out = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s.
     pid = tl.program_id(0).to(tl.int64)
     t = pid % T
@@ -255,6 +260,7 @@ def cache_attention_read_triton(
     fp32_dots = k_cache.dtype == torch.float32 or (
         q.device.type != "cuda" and k_cache.dtype == torch.bfloat16)
     log2e = 1.4426950408889634
+    pdl = pdl_launch(q.device)
     _split_kernel[(programs, splits)](
         q, k_cache, v_cache, seq_lens, starts, acc, ml,
         *q.stride(), S, KV, T, D, M,
@@ -263,12 +269,12 @@ def cache_attention_read_triton(
         HAS_WINDOW=bool(window), HAS_SOFTCAP=bool(softcap), FP32_DOTS=fp32_dots,
         # 4 warps: measured as fast or faster than 8 at every Llama-3-8B case on an H200, up to
         # 2x at T = 9, ctx 8192 (benchmarks/attention_sweep.py, RESULTS.md).
-        num_warps=num_warps or 4, num_stages=num_stages,
+        num_warps=num_warps or 4, num_stages=num_stages, PDL=bool(pdl), **pdl,
     )
     _combine_kernel[(B * H * T,)](
         acc, ml, out, H, KV, T, D, M,
         NUM_SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), BLOCK_D=block_d,
-        num_warps=1 if block_d <= 64 else 2,
+        num_warps=1 if block_d <= 64 else 2, PDL=bool(pdl), **pdl,
     )
     return out
 

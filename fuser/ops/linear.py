@@ -93,6 +93,7 @@ from torch import Tensor
 from fuser.ops.counters import split_counters
 from fuser.ops.fp8 import FP8_DTYPE, fp8_linear_reference
 from fuser.ops.gated_act import ACTIVATIONS, act_times_up, gated_act_reference
+from fuser.ops.pdl import pdl_launch, wait_for_inputs
 from fuser.ops.rmsnorm import _load_block, _normalise, add_rms_norm_reference, rms_norm_reference
 
 MAX_ROWS = 16  # M above this is not a decode shape: the op falls back to the reference
@@ -115,6 +116,32 @@ def _norm_x_tile(x_ptrs, r_ptrs, g_ptr, k, mask, k_ok, rstd, NORM: tl.constexpr,
         g = tl.load(g_ptr + k, mask=k_ok, other=0.0)
         return _normalise(h, rstd, g, x_ptrs.dtype.element_ty).to(x_ptrs.dtype.element_ty)
     return tl.load(x_ptrs + k, mask=mask, other=0.0)
+
+
+@triton.jit
+def _row_step(acc, w, x_row, r_row, g_ptr, k, k_hi, rstd, NORM: tl.constexpr,
+              HAS_RESIDUAL: tl.constexpr):
+    """One K step of the one-row GEMV: acc [BLOCK_N] + w [BLOCK_N, BLOCK_K] . x[k], in fp32."""
+    k_ok = k < k_hi
+    x = _norm_x_tile(x_row, r_row, g_ptr, k, k_ok, k_ok, rstd, NORM, HAS_RESIDUAL)
+    return acc + tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+
+
+@triton.jit
+def _rows_step(acc, w, x_rows, r_rows, g_ptr, k, k_hi, row_ok, rstd, FP32_DOTS: tl.constexpr,
+               HAS_SCALE: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """One K step of the several-row GEMV on the MMA: acc [BLOCK_M, BLOCK_N] + x[:, k] . w.T."""
+    k_ok = k < k_hi
+    x = _norm_x_tile(x_rows, r_rows, g_ptr, k[None, :], row_ok[:, None] & k_ok[None, :],
+                     k_ok[None, :], rstd, NORM, HAS_RESIDUAL)
+    if FP32_DOTS:
+        return acc + tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+    elif HAS_SCALE:
+        # e4m3fn -> bf16/fp16 is exact: the MMA multiplies the activation by the weight's exact
+        # value and the activation is never quantized on this path.
+        return acc + tl.dot(x, tl.trans(w.to(x.dtype)))
+    else:
+        return acc + tl.dot(x.to(w.dtype), tl.trans(w))
 
 
 @triton.jit
@@ -170,6 +197,8 @@ def _linear_kernel(
     HAS_RESIDUAL: tl.constexpr,  # h = x + r (rounded to x's dtype); program 0 writes h to summed
                                 # (with SPLIT_K > 1 every split of column block 0: same values)
     SPLIT_K: tl.constexpr = 1,  # programs per column block, each over K / SPLIT_K (see below)
+    PDL: tl.constexpr = False,  # launched with PDL (fuser/ops/pdl.py): PREFETCH weight tiles
+    PREFETCH: tl.constexpr = 0,  # (0, 1 or 2) load before waiting for the previous kernel
 ):
     pid = tl.program_id(0)
     # Split-K: program (pid, s) sums K range [s * K / SPLIT_K, (s + 1) * K / SPLIT_K) (the
@@ -194,6 +223,21 @@ def _linear_kernel(
     col_ok = cols < N
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + w_row[:, None].to(tl.int64) * stride_wn
+    # PDL: the program's first PREFETCH weight tiles load while the previous kernel finishes
+    # (weights never depend on it); everything else waits. The K loop then starts after them and
+    # each prefetched tile is summed exactly as a loop step would, in the same order.
+    k_loop = k_lo
+    if PDL and PREFETCH >= 1:
+        k_pre0 = k_lo + offs_k
+        w_pre0 = tl.load(w_rows + k_pre0[None, :], mask=col_ok[:, None] & (k_pre0 < k_hi)[None, :],
+                         other=0.0)
+        k_loop += BLOCK_K
+    if PDL and PREFETCH >= 2:
+        k_pre1 = k_lo + BLOCK_K + offs_k
+        w_pre1 = tl.load(w_rows + k_pre1[None, :], mask=col_ok[:, None] & (k_pre1 < k_hi)[None, :],
+                         other=0.0)
+        k_loop += BLOCK_K
+    wait_for_inputs(PDL)
     if BLOCK_M == 1:
         x_row, r_row = x_ptr, r_ptr
         rstd = 0.0
@@ -211,12 +255,16 @@ def _linear_kernel(
                 squares += h * h
             rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)  # fp32, as rmsnorm.py
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
+        if PDL and PREFETCH >= 1:
+            acc = _row_step(acc, w_pre0, x_row, r_row, g_ptr, k_pre0, k_hi, rstd, NORM,
+                            HAS_RESIDUAL)
+        if PDL and PREFETCH >= 2:
+            acc = _row_step(acc, w_pre1, x_row, r_row, g_ptr, k_pre1, k_hi, rstd, NORM,
+                            HAS_RESIDUAL)
+        for k0 in range(k_loop, k_hi, BLOCK_K):
             k = k0 + offs_k
-            k_ok = k < k_hi
-            w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            x = _norm_x_tile(x_row, r_row, g_ptr, k, k_ok, k_ok, rstd, NORM, HAS_RESIDUAL)
-            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+            w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & (k < k_hi)[None, :], other=0.0)
+            acc = _row_step(acc, w, x_row, r_row, g_ptr, k, k_hi, rstd, NORM, HAS_RESIDUAL)
         if SPLIT_K > 1:
             acc, last = _sum_splits(acc, part_ptr, count_ptr, pid, BLOCK_N, SPLIT_K)
         if HAS_SCALE:  # once per output, after the sum over K
@@ -240,21 +288,17 @@ def _linear_kernel(
                 squares += h * h
             rstd = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)[:, None]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
+        if PDL and PREFETCH >= 1:
+            acc = _rows_step(acc, w_pre0, x_rows, r_rows, g_ptr, k_pre0, k_hi, row_ok, rstd,
+                             FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL)
+        if PDL and PREFETCH >= 2:
+            acc = _rows_step(acc, w_pre1, x_rows, r_rows, g_ptr, k_pre1, k_hi, row_ok, rstd,
+                             FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL)
+        for k0 in range(k_loop, k_hi, BLOCK_K):
             k = k0 + offs_k
-            k_ok = k < k_hi
-            w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            x = _norm_x_tile(x_rows, r_rows, g_ptr, k[None, :], row_ok[:, None] & k_ok[None, :],
-                             k_ok[None, :], rstd, NORM, HAS_RESIDUAL)
-            if FP32_DOTS:
-                acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)),
-                              input_precision="ieee")
-            elif HAS_SCALE:
-                # e4m3fn -> bf16/fp16 is exact: the MMA multiplies the activation by the
-                # weight's exact value and the activation is never quantized on this path.
-                acc += tl.dot(x, tl.trans(w.to(x.dtype)))
-            else:
-                acc += tl.dot(x.to(w.dtype), tl.trans(w))
+            w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & (k < k_hi)[None, :], other=0.0)
+            acc = _rows_step(acc, w, x_rows, r_rows, g_ptr, k, k_hi, row_ok, rstd, FP32_DOTS,
+                             HAS_SCALE, NORM, HAS_RESIDUAL)
         if SPLIT_K > 1:
             acc, last = _sum_splits(acc, part_ptr, count_ptr, pid, BLOCK_M * BLOCK_N, SPLIT_K)
         if HAS_SCALE:  # once per output column, after the sum over K
@@ -324,6 +368,8 @@ def _default_split_k(M: int, N: int, K: int, fp8: bool) -> int:
     return 2 if (not fp8 and N <= 4096) else 1
 
 
+PDL_PREFETCH = 1  # weight tiles a PDL-launched program loads before its wait (fuser/ops/pdl.py)
+
 SHARED_MEMORY_BUDGET = 200 * 1024  # bytes of pipelined tiles (an H200 SM has 227 KiB); every tuned
 # bf16 and FP8 configuration fits it unchanged
 
@@ -361,6 +407,7 @@ def linear_triton(
     activation: str | None = None,
     block_n: int | None = None, block_k: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, split_k: int | None = None,
+    prefetch: int | None = None,
 ) -> Tensor:
     """x @ weight.T for x [..., K] with at most MAX_ROWS rows in all; weight [N, K].
 
@@ -381,7 +428,7 @@ def linear_triton(
     same tile and the same number of programs as the unfused GEMV over the merged weight.
     """
     out, _ = _launch(x, None, None, 0.0, weight, weight_scale, activation,
-                     (block_n, block_k, num_warps, num_stages, split_k))
+                     (block_n, block_k, num_warps, num_stages, split_k, prefetch))
     return out
 
 
@@ -390,6 +437,7 @@ def rms_norm_linear_triton(
     weight_scale: Tensor | None = None, activation: str | None = None,
     block_n: int | None = None, block_k: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, split_k: int | None = None,
+    prefetch: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """linear_triton(normed, weight, ...) with normed = fuser::rms_norm(x, norm_weight, eps), or
     fuser::add_rms_norm(x, residual, norm_weight, eps)'s first output, in one kernel:
@@ -406,7 +454,7 @@ def rms_norm_linear_triton(
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual {tuple(residual.shape)} != x {tuple(x.shape)}")
     return _launch(x, residual, norm_weight, eps, weight, weight_scale, activation,
-                   (block_n, block_k, num_warps, num_stages, split_k))
+                   (block_n, block_k, num_warps, num_stages, split_k, prefetch))
 
 
 def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps: float,
@@ -446,7 +494,7 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
             torch.add(x2, r2, out=summed)
         return out.zero_().reshape(*lead, N), _lead(summed, lead, K)
     bn, bk, warps, stages = (_default_fp8_config if fp8 else _default_config)(M, rows_w, K)
-    block_n, block_k, num_warps, num_stages, split_k = overrides
+    block_n, block_k, num_warps, num_stages, split_k, prefetch = overrides
     bn, bk = block_n or bn, block_k or bk
     if activation is not None and bn < 2:
         raise ValueError(f"block_n={bn}: a gated program takes block_n / 2 gate rows and as "
@@ -473,14 +521,15 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         parts = torch.empty((programs, splits, block_m * bn), dtype=torch.float32,
                             device=x.device)
         counts = split_counters(x.device, programs)
+    pdl = pdl_launch(x.device)
     _linear_kernel[(programs, splits)](
         x2, weight, weight_scale if fp8 else out, out, parts, counts,
         r2, norm_weight.contiguous() if norm else x2, summed if summed is not None else x2,
         M, N, K, x2.stride(0), weight.stride(0), out.stride(0), r2.stride(0), eps,
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, FP32_DOTS=fp32_dots, HAS_SCALE=fp8,
         ACTIVATION=activation or "", NORM=norm, HAS_RESIDUAL=residual is not None,
-        SPLIT_K=splits,
-        num_warps=num_warps or warps, num_stages=num_stages or stages,
+        SPLIT_K=splits, PDL=bool(pdl), PREFETCH=PDL_PREFETCH if prefetch is None else prefetch,
+        num_warps=num_warps or warps, num_stages=num_stages or stages, **pdl,
     )
     return out.reshape(*lead, N), _lead(summed, lead, K)
 

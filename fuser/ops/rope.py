@@ -39,6 +39,8 @@ import triton.language as tl
 from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from fuser.ops.pdl import pdl_launch, wait_for_inputs
+
 # Heads of one tensor (q or k) that one program rotates: enough to load the token's cos/sin row
 # once for several heads, few enough that a decode step (B*T of 1..16 tokens) still spreads
 # over (H + kv_heads) / HEADS_PER_PROGRAM programs per token.
@@ -132,7 +134,9 @@ def _rotary_kernel(
     HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     WRITE_CACHE: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched with PDL: wait for the previous kernel (fuser/ops/pdl.py)
 ):
+    wait_for_inputs(PDL)
     # Grid: (B * T tokens, cdiv(H, HEADS) + cdiv(KH, HEADS) [+ cdiv(KH, HEADS)] head blocks).
     # Axis 1 first covers the q heads, then the k heads, then (WRITE_CACHE) the v heads, so one
     # launch rotates q and k and, for a cache write, stores k and v into their cache slots.
@@ -239,6 +243,7 @@ def _launch(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, q_out: Tensor, k_out
     block_half = triton.next_power_of_2(R // 2)
     kv_blocks = triton.cdiv(KH, heads)
     grid = (B * T, triton.cdiv(H, heads) + kv_blocks * (2 if cache is not None else 1))
+    pdl = pdl_launch(q.device)
     _rotary_kernel[grid](
         q, k, v, cos, sin, q_out, k_out, v_out, seq_lens,
         T, H, KH, k_out.shape[1] if cache is not None else T,
@@ -252,7 +257,7 @@ def _launch(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, q_out: Tensor, k_out
         # columns, a head dim of 128, is one warp. Tiles are small; 1..4 warps.
         num_warps=max(1, min(4, heads * block_half // 256)),
         # Keep mul, mul, add as three roundings (no FMA): fp32 stays bitwise equal to PyTorch.
-        enable_fp_fusion=False,
+        enable_fp_fusion=False, PDL=bool(pdl), **pdl,
     )
 
 

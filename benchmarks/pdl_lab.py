@@ -1,0 +1,150 @@
+"""Programmatic dependent launch (fuser/ops/pdl.py) on a chain of decode GEMVs, on the GPU.
+
+    python3 benchmarks/pdl_lab.py [--layers 32] [--rows 1,5] [--dtypes bf16,fp8] [--out f.json]
+
+The weight-streaming kernels of a Llama-3-8B-shape decode step, layer after layer as the step
+runs them (norm + qkv, o_proj, norm + gate/up with the activation, down_proj; the attention
+between them left out), captured in one CUDA graph and replayed: with PDL off (FUSER_PDL=0),
+and with PDL on and 0, 1 or 2 weight tiles loaded before each kernel's wait. Prints the chain's
+time per layer, its read bandwidth against the measured HBM read bandwidth, and whether every
+variant's output equals PDL off's bit for bit (the prefetched tiles are summed in loop order).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from timing import log, measure_read_bandwidth  # noqa: E402
+
+from fuser.ops.fp8 import quantize_weight  # noqa: E402
+from fuser.ops.linear import linear_triton, rms_norm_linear_triton  # noqa: E402
+
+HIDDEN, HEADS_OUT, INTER = 4096, 6144, 14336  # Llama-3-8B: qkv 6144 x 4096, gate/up 2 x 14336
+EPS = 1e-5
+VARIANTS = (("off", "0", None), ("pdl, no prefetch", "1", 0), ("pdl, 1 tile", "1", 1),
+            ("pdl, 2 tiles", "1", 2))
+
+
+def make_layers(n: int, fp8: bool, device: torch.device) -> list[dict]:
+    """Random weights of n layers (std 0.02; FP8: quantized per output channel)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    layers = []
+    for _ in range(n):
+        layer = {}
+        for name, shape in (("qkv", (HEADS_OUT, HIDDEN)), ("o", (HIDDEN, HIDDEN)),
+                            ("gate_up", (2 * INTER, HIDDEN)), ("down", (HIDDEN, INTER))):
+            w = torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen) * 0.02
+            layer[name] = quantize_weight(w) if fp8 else (w, None)
+        layer["g1"] = 1 + 0.1 * torch.randn(HIDDEN, device=device, dtype=torch.bfloat16,
+                                            generator=gen)
+        layer["g2"] = 1 + 0.1 * torch.randn(HIDDEN, device=device, dtype=torch.bfloat16,
+                                            generator=gen)
+        layers.append(layer)
+    return layers
+
+
+def chain(layers: list[dict], h: torch.Tensor, r: torch.Tensor, prefetch: int | None
+          ) -> torch.Tensor:
+    """The layers' GEMVs in step order; one row runs the norms inside the GEMVs (as the engine
+    does), several rows leave them out (the engine runs a norm kernel there)."""
+    kw = {} if prefetch is None else {"prefetch": prefetch}
+    one_row = h.shape[0] == 1
+    for layer in layers:
+        w, s = layer["qkv"]
+        if one_row:
+            qkv, r = rms_norm_linear_triton(h, r, layer["g1"], EPS, w, weight_scale=s, **kw)
+        else:
+            qkv = linear_triton(h, w, weight_scale=s, **kw)
+        w, s = layer["o"]
+        o = linear_triton(qkv[:, :HIDDEN], w, weight_scale=s, **kw)
+        w, s = layer["gate_up"]
+        if one_row:
+            act, r = rms_norm_linear_triton(o, r, layer["g2"], EPS, w, weight_scale=s,
+                                            activation="silu", **kw)
+        else:
+            act = linear_triton(o, w, weight_scale=s, activation="silu", **kw)
+        w, s = layer["down"]
+        h = linear_triton(act, w, weight_scale=s, **kw)
+    return h
+
+
+def time_graph(fn, replays: int = 30) -> tuple[float, torch.Tensor]:
+    """(median ms per replay of fn captured in one CUDA graph, its output)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), out.clone()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--rows", default="1,5")
+    parser.add_argument("--dtypes", default="bf16,fp8")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        log("pdl_lab.py needs a CUDA GPU; nothing to do")
+        return
+    device = torch.device("cuda")
+    bandwidth = measure_read_bandwidth()
+    log(f"HBM read bandwidth {bandwidth / 1e12:.2f} TB/s, {args.layers} layers")
+    rows = []
+    for dtype in args.dtypes.split(","):
+        layers = make_layers(args.layers, dtype == "fp8", device)
+        weight_bytes = sum(w.numel() * w.element_size() for layer in layers
+                           for w, _ in (layer[k] for k in ("qkv", "o", "gate_up", "down")))
+        for M in (int(m) for m in args.rows.split(",")):
+            gen = torch.Generator(device=device).manual_seed(M)
+            h = torch.randn(M, HIDDEN, device=device, dtype=torch.bfloat16, generator=gen)
+            r = torch.randn(M, HIDDEN, device=device, dtype=torch.bfloat16, generator=gen)
+            base_ms, base_out = None, None
+            for name, flag, prefetch in VARIANTS:
+                os.environ["FUSER_PDL"] = flag
+                ms, out = time_graph(lambda: chain(layers, h, r, prefetch))
+                if base_ms is None:
+                    base_ms, base_out = ms, out
+                row = dict(dtype=dtype, rows=M, variant=name, ms=ms,
+                           us_per_layer=1e3 * ms / args.layers,
+                           pct_bandwidth=100 * weight_bytes / (ms / 1e3) / bandwidth,
+                           speedup=base_ms / ms, equal=bool(torch.equal(out, base_out)))
+                rows.append(row)
+                log(f"{dtype:4s} M={M:2d} {name:17s} {ms:7.3f} ms ({row['us_per_layer']:6.1f} "
+                    f"us/layer, {row['pct_bandwidth']:4.1f}% of bandwidth) {row['speedup']:.3f}x "
+                    f"{'equal' if row['equal'] else 'DIFFERENT'}")
+        del layers
+        torch.cuda.empty_cache()
+    os.environ.pop("FUSER_PDL", None)
+    if args.out:
+        args.out.write_text(json.dumps(dict(bandwidth=bandwidth, layers=args.layers, rows=rows),
+                                       indent=1))
+
+
+if __name__ == "__main__":
+    main()

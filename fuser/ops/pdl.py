@@ -1,0 +1,78 @@
+"""Programmatic dependent launch (PDL): the next kernel starts before this one has finished.
+
+A decode step at batch 1 is ~240 short kernels in a row (benchmarks/RESULTS.md: 237 per step at
+the Llama-3-8B shape, an FP8 weight GEMV of 4-30 us each). Between two of them the GPU drains the
+first kernel's last blocks, flushes its writes, then launches and ramps up the second: ~0.4-0.7 us
+of gaps per kernel on an H200, plus each GEMV's first weight bytes arriving only after its launch.
+On Hopper a kernel launched with PDL (CUDA's programmatic stream serialization, Triton's
+`launch_pdl=True`) may start while the kernel before it still runs: its blocks become resident as
+soon as every block of the previous kernel has executed `griddepcontrol.launch_dependents`
+(or exited), and `griddepcontrol.wait` holds them until the previous kernel has completed and
+its writes are visible. Whatever a kernel does before its wait overlaps the previous kernel's
+tail: the GEMVs load their first weight tiles there (weights never depend on the previous
+kernel), everything else only gets its launch and scheduling out of the way.
+
+The contract every kernel launched with `launch_pdl` keeps (see `wait_for_inputs`):
+  - before `wait_for_inputs`, it reads only what no kernel of the step writes (weights), and
+    writes nothing;
+  - it calls `wait_for_inputs` (wait, then let the next kernel launch) on every path.
+Completion is transitive: a kernel completes only after its own wait returned, so waiting for the
+previous kernel is waiting for every kernel before it. A kernel launched without PDL (cuBLAS,
+Inductor's, PyTorch's) is serialized as usual; a PDL kernel after it just waits for it.
+
+CUDA graphs keep the dependency (stream capture turns it into a programmatic edge, CUDA >= 12.3).
+`griddepcontrol.wait` is a no-op in a kernel launched without PDL, so the same compiled kernel is
+correct either way. Off with FUSER_PDL=0 (benchmarks compare both), off on CPU / under
+TRITON_INTERPRET, before Hopper, and with a Triton that lacks the intrinsics.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # Triton >= 3.3 (the GPU machine has 3.6)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    HAVE_GDC = True
+except ImportError:  # pragma: no cover - older Triton: PDL stays off, the kernels never call these
+    HAVE_GDC = False
+
+    @triton.jit
+    def gdc_wait():  # type: ignore[no-redef]
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents():  # type: ignore[no-redef]
+        pass
+
+__all__ = ["HAVE_GDC", "pdl_enabled", "pdl_launch", "wait_for_inputs"]
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with PDL: CUDA, compute capability >= 9.0, Triton's
+    intrinsics present, not interpreted, and FUSER_PDL not "0" (read at each launch, so a
+    benchmark can compare both in one process; CUDA graphs keep what they were captured with)."""
+    if device.type != "cuda" or not HAVE_GDC:
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("FUSER_PDL", "1") == "0":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pdl_launch(device: torch.device) -> dict[str, bool]:
+    """Launch options for a kernel that keeps the contract above: `launch_pdl=True` where PDL is
+    on, nothing otherwise (so the interpreter never sees the option)."""
+    return {"launch_pdl": True} if pdl_enabled(device) else {}
+
+
+@triton.jit
+def wait_for_inputs(PDL: tl.constexpr):
+    """Wait until the previous kernel has completed (its writes visible), then let the next
+    kernel launch. With PDL False (CPU, interpreter) nothing: the launch was ordinary."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()

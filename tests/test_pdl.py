@@ -1,0 +1,69 @@
+"""Programmatic dependent launch (fuser/ops/pdl.py): off where it cannot run, and on a Hopper GPU
+the PDL-launched kernels give the ordinary launch's bits, alone and captured in a CUDA graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fuser.ops.fp8 import quantize_weight
+from fuser.ops.linear import linear_triton, rms_norm_linear_triton
+from fuser.ops.pdl import pdl_enabled, pdl_launch
+
+needs_hopper = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+    reason="needs a CUDA GPU with compute capability >= 9.0")
+
+
+def test_pdl_is_off_on_cpu_and_when_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not pdl_enabled(torch.device("cpu"))
+    assert pdl_launch(torch.device("cpu")) == {}  # the interpreter never sees launch_pdl
+    monkeypatch.setenv("FUSER_PDL", "0")
+    assert not pdl_enabled(torch.device("cuda"))  # decided before asking the device anything
+
+
+def _cases() -> list[tuple]:
+    # (rows, N, K, fp8, norm, activation, split_k): qkv and down_proj shapes at 8B width, the
+    # norm prologue and the gated epilogue, split-K, several rows on the MMA path
+    return [(1, 6144, 4096, False, True, None, None), (1, 6144, 4096, True, True, None, None),
+            (1, 4096, 14336, True, False, None, 2), (1, 4096, 14336, False, False, None, 2),
+            (1, 2 * 1024, 4096, True, True, "silu", None), (5, 6144, 4096, False, False, None, None),
+            (5, 6144, 4096, True, False, None, None), (9, 2 * 1024, 4096, True, False, "silu", None)]
+
+
+@needs_hopper
+@pytest.mark.parametrize("case", _cases())
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_gpu_pdl_launch_gives_the_ordinary_launchs_bits(case: tuple, prefetch: int,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    M, N, K, fp8, norm, activation, split_k = case
+    gen = torch.Generator(device="cuda").manual_seed(M * N + K)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+    r = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+    g = 1 + 0.1 * torch.randn(K, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    w, scale = quantize_weight(w) if fp8 else (w, None)
+
+    def run() -> torch.Tensor:
+        kw = dict(weight_scale=scale, activation=activation, split_k=split_k, prefetch=prefetch)
+        if norm:
+            out, summed = rms_norm_linear_triton(x, r, g, 1e-5, w, **kw)
+            return torch.cat([out.flatten(), summed.flatten()])
+        return linear_triton(x, w, **kw).flatten()
+
+    monkeypatch.setenv("FUSER_PDL", "0")
+    expected = run()
+    monkeypatch.setenv("FUSER_PDL", "1")
+    assert pdl_enabled(x.device)
+    torch.testing.assert_close(run(), expected, rtol=0, atol=0)
+    # captured: three PDL launches in a row in one graph
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [run() for _ in range(3)]
+    x.add_(0.5)  # new inputs: the replay must see them, not overlap the writes before it
+    monkeypatch.setenv("FUSER_PDL", "0")
+    expected = run()
+    graph.replay()
+    torch.cuda.synchronize()
+    for out in outs:
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
