@@ -133,7 +133,7 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
     target_built = prepare("target", target, target_kinds)
     draft_built = None
     if draft is not None and gammas and target_built is not None:
-        draft_built = prepare("draft", draft, draft_steps())
+        draft_built = prepare("draft", draft, draft_steps(slots))
     for built in (target_built, draft_built):
         for steps in (built or {}).values():
             warm_up(steps)

@@ -146,14 +146,16 @@ def _decode_loop(engine: Engine, request: Request) -> Iterator[torch.Tensor]:
         return any(not done[b] and produced[b] + in_flight < request.max_new_tokens
                    for b in range(B))
 
-    draft_behind = False  # target-only steps ran since the draft last saw the sequence
+    # Target-only steps issued since the draft last saw the sequence: each moves a row on by at
+    # most one token, so the host knows how far behind the draft is without asking the device.
+    draft_behind = 0
 
     def issue() -> tuple[ReadBack, int]:
         nonlocal draft_behind
         gamma = engine.next_gamma(controller) if draft is not None else 0
         if gamma > 0 and draft_behind:
-            speculative.resync_draft(draft, target, state)  # rare: speculation resumes
-        draft_behind = gamma == 0  # a speculative step leaves the draft caught up
+            bucket.resync(draft_behind)  # speculation resumes: the draft catches up first
+        draft_behind = draft_behind + 1 if gamma == 0 else 0  # a speculative step: caught up
         return ReadBack(bucket.run(gamma, do_sample)), gamma
 
     # The loop runs one step ahead of the host: step k + 1 is queued on the device before the

@@ -86,6 +86,14 @@ class KVCache:
         else:
             self.seq_lens.copy_(lengths)
 
+    def limit(self, lengths: torch.Tensor | int) -> None:
+        """Keep at most lengths[b] written slots per row ([B], or an int for every row):
+        seq_lens = min(seq_lens, lengths)."""
+        if isinstance(lengths, int):
+            self.seq_lens.clamp_(max=lengths)
+        else:
+            torch.minimum(self.seq_lens, lengths, out=self.seq_lens)
+
 
 def free_memory_bytes(device: torch.device) -> int | None:
     """Free memory on `device` in bytes, or None where it cannot be read."""

@@ -12,27 +12,29 @@ State between steps, per row (all on the device):
 The draft cache is only ever trusted up to slot L-2 (see `draft`), so a rejected draft needs no
 rollback in either cache: lengths move back, stale slots are masked and later overwritten.
 
-No function here reads a device value on the host (except `resync_draft`, which runs rarely and
-outside any captured graph); the caller reads back each step's packed tokens once, and that is
-the step's only sync. `plain_step` and `speculative_step` are the whole per-token iteration:
-their Python values are only the shape-fixing ones (gamma, do_sample); every per-request value
-(budget, eos ids, sampling parameters) is a device tensor of fixed shape in `DecodeState`, so the
-same function runs uncaptured (CPU, tests) and captured once as one CUDA graph
-(runtime/step_graphs.py). On CUDA a greedy step's work after the target's argmax is one Triton
-kernel (`finish_greedy`, runtime/step_kernels.py), and the glue between its model graphs one
-launch per seam (`draft`, `verify`: runtime/draft_kernels.py); the eager code stays as their
-reference.
+No function here reads a device value on the host (except `resync_draft`'s fallback, a full
+re-prefill of the draft that runs rarely and outside any captured graph); the caller reads back
+each step's packed tokens once, and that is the step's only sync. `plain_step` and
+`speculative_step` are the whole per-token iteration, and `resync_chunk` the draft's catching up
+after target-only steps: their Python values are only the shape-fixing ones (gamma, do_sample);
+every per-request value (budget, eos ids, sampling parameters) is a device tensor of fixed shape
+in `DecodeState`, so the same function runs uncaptured (CPU, tests) and captured once as one
+CUDA graph (runtime/step_graphs.py). On CUDA a greedy step's work after the target's argmax is
+one Triton kernel (`finish_greedy`, runtime/step_kernels.py), and the glue between its model
+graphs one launch per seam (`draft`, `verify`: runtime/draft_kernels.py); the eager code stays
+as their reference.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from fuser.runtime.draft_kernels import catchup_inputs, draft_advance, verify_inputs
 from fuser.runtime.prefill_graphs import padded_length
-from fuser.runtime.steps import CATCHUP, DECODE, PREFILL, ModelSteps, verify as verify_step
+from fuser.runtime.steps import CATCHUP, DECODE, PREFILL, RESYNC, ModelSteps, verify as verify_step
 from fuser.runtime.prompts import Prompts
 from fuser.runtime.sampling import accept_greedy, accept_sampling, process_logits_rows, sample
 from fuser.runtime.step_kernels import finish_greedy_step, fused_by_default
@@ -54,7 +56,7 @@ class DecodeState:
         eos: [EOS_SLOTS] int64 stop ids, padded with -1.
         temperature: [B] float32; top_k: [B] int64 (>= V: off); top_p: [B] float32 (1: off).
         history: [B, S] int64, the token in each cache slot (prompt and emitted), so that the
-            draft can be re-prefilled after target-only steps (`resync_draft`).
+            draft can catch up after target-only steps (`resync_draft`).
     """
 
     pending: torch.Tensor
@@ -355,19 +357,78 @@ def _new_last(state: DecodeState, draft_tokens: torch.Tensor, n: torch.Tensor) -
     return fed.gather(1, n[:, None])[:, 0]
 
 
-@torch.no_grad()
-def resync_draft(draft_model: ModelSteps, target: ModelSteps, state: DecodeState) -> None:
-    """Re-prefill the draft over every slot the target holds (after target-only steps, the
-    draft's cache is behind by as many tokens as those steps emitted).
+# `resync_draft` catches up by RESYNC steps while that takes at most this many of them, else
+# by one prefill over the whole sequence. A chunk costs about one draft decode step (it reads the
+# weights once); a prefill of a few hundred tokens costs a few such steps, plus the host sync
+# of reading the longest row's length (the issue-ahead pipeline stalls for a whole iteration) and,
+# the first time a padded length comes up, a CUDA graph capture. A rule of thumb, not a
+# measurement: at the default probe interval (64 target-only steps) the draft takes 5 chunks.
+RESYNC_MAX_CHUNKS = 8
 
-    Uses the draft's prefill step (dynamic T) over `state.history`; afterwards the draft cache
-    holds slots 0..L-1 of every row, which `draft`'s invariant needs (valid up to L-2). It reads
-    the longest row's length on the host: a sync, but it runs only when speculation resumes.
-    Rows shorter than the longest get tokens past their end too: stale slots, masked and later
-    overwritten, and prefill attention is causal, so they do not affect the real ones. Where the
-    draft prefills through CUDA graphs, T is padded to a captured length in the same way: an
-    uncaptured prefill at an arbitrary T launches every op from the host (milliseconds: on the
-    H200 the bundled pair's gamma="auto", toggling speculation, ran at 0.70x target-only).
+
+@torch.no_grad()
+def resync_draft(draft_model: ModelSteps, target: ModelSteps, state: DecodeState, behind: int,
+                 chunk: Callable[[], object] | None = None) -> None:
+    """Bring the draft's cache up to the target's after `behind` target-only steps: afterwards it
+    holds slots 0..L-1 of every row and its lengths equal the target's, which `draft`'s invariant
+    needs (valid up to L-2).
+
+    behind: the target-only steps run since the draft last ran (a host-side count; each moves a
+    row on by at most one token). The draft was valid up to slot L-2 after its last speculative
+    step (up to L-1 after the prompt), so every row's draft is valid below L - behind - 1.
+    From there, the draft feeds each row's tokens from `state.history` RESYNC_TOKENS at a time
+    (`resync_chunk`, ceil((behind + 1) / RESYNC_TOKENS) steps, nothing read on the host).
+    chunk: runs one `resync_chunk` over these arguments (the bucket's captured graph of it);
+    default: `resync_chunk` itself.
+
+    A draft without the RESYNC step (an engine file written before it, a cache of fewer slots),
+    or one more than RESYNC_MAX_CHUNKS chunks behind, is re-prefilled instead (`_reprefill`).
+    """
+    chunks = -(-(behind + 1) // RESYNC.tokens)
+    if RESYNC not in draft_model or chunks > RESYNC_MAX_CHUNKS:
+        _reprefill(draft_model, target, state)
+        return
+    # Left padding is re-fed too where behind reaches back into it (its slots are masked).
+    draft_model.cache.set_lengths((target.cache.seq_lens - (behind + 1)).clamp(min=0))
+    run_chunk = chunk or (lambda: resync_chunk(draft_model, target, state))
+    for _ in range(chunks):
+        run_chunk()
+
+
+def resync_chunk(draft_model: ModelSteps, target: ModelSteps, state: DecodeState) -> None:
+    """One RESYNC step of `resync_draft`: row b feeds the W = RESYNC_TOKENS tokens of
+    `state.history` from its draft length D on (slots D..D+W-1), then its draft length becomes
+    min(D + W, L). The same work whatever the lengths, so it is captured once per bucket.
+
+    Slots past a row's L (a row less than W behind, or one already caught up) get whatever the
+    history holds there: written, masked by the length, later overwritten; attention among the W
+    tokens is causal, so they do not change the real ones. Where D + W would pass the cache's
+    end, the row starts W slots before the end instead: the valid slots it re-feeds get the same
+    tokens at the same positions (the same values, up to rounding).
+    """
+    cache = draft_model.cache
+    W = RESYNC.tokens
+    room = min(cache.slots, state.history.shape[1])  # >= max_seq_len + 1 > L
+    cache.limit(room - W)
+    slots = cache.seq_lens[:, None] + torch.arange(W, device=cache.seq_lens.device)  # [B, W]
+    tokens = state.history.gather(1, slots.clamp(max=state.history.shape[1] - 1))  # [B, W]
+    # The draft's starts are the target's (`prefill` began both caches at the prompts').
+    positions = (slots - cache.starts[:, None]).clamp(min=0)  # [B, W]
+    draft_model.run(RESYNC, tokens, positions)
+    cache.advance(W)
+    cache.limit(target.cache.seq_lens)
+
+
+def _reprefill(draft_model: ModelSteps, target: ModelSteps, state: DecodeState) -> None:
+    """`resync_draft` by the draft's prefill step (dynamic T) over `state.history`: every slot
+    the target holds, afresh.
+
+    It reads the longest row's length on the host: a sync (the issue-ahead pipeline waits for
+    the device). Rows shorter than the longest get tokens past their end too: stale slots,
+    masked and later overwritten, and prefill attention is causal, so they do not affect the
+    real ones. Where the draft prefills through CUDA graphs, T is padded to a captured length in
+    the same way: an uncaptured prefill at an arbitrary T launches every op from the host
+    (milliseconds), and each new padded length is captured when it first comes up.
     """
     cache = draft_model.cache
     T = max(int(target.cache.seq_lens.max()), 2)

@@ -8,6 +8,8 @@ runtime/speculative.py can be captured:
     ("plain", do_sample):   target decode + choice + state update          -> packed [b, 2]
     (gamma, do_sample):     draft catch-up + gamma - 1 draft decodes + verify over gamma + 1
                             + acceptance + per-row length updates            -> packed [b, gamma + 2]
+    resync:                 one chunk of the draft catching up after target-only steps
+                            (`speculative.resync_chunk`), replayed as many times as it takes
 
 Each is the same Python function whether it runs uncaptured (CPU; a shape whose capture failed)
 or captured once under `torch.cuda.graph` and replayed. Inside a captured iteration the model
@@ -28,7 +30,7 @@ from fuser.runtime import speculative
 from fuser.runtime.cuda_graphs import capture_failed
 from fuser.runtime.prefill_graphs import PrefillGraphs, padded_length
 from fuser.runtime.speculative import DecodeState
-from fuser.runtime.steps import CATCHUP, DECODE, ModelSteps, StepGraph, verify
+from fuser.runtime.steps import CATCHUP, DECODE, RESYNC, ModelSteps, StepGraph, verify
 
 PLAIN = 0  # gamma 0: the target-only iteration
 
@@ -87,7 +89,7 @@ class Bucket:
     and the captured iterations keyed by (gamma, do_sample), gamma 0 = target-only.
 
     `run(gamma, do_sample)` replays the iteration's graph if it was captured and otherwise runs
-    the same function uncaptured.
+    the same function uncaptured; `resync(behind)` catches the draft up the same way.
     """
 
     def __init__(self, batch: int, target: ModelSteps, draft: ModelSteps | None,
@@ -99,6 +101,7 @@ class Bucket:
         device = target.cache.seq_lens.device
         self.state = DecodeState.allocate(batch, target.cache.slots, device)
         self.graphs: dict[tuple[int, bool], IterationGraph] = {}
+        self.resync_graph: IterationGraph | None = None  # one `resync_chunk`, when captured
         self.uncaptured_runs: dict[tuple[int, bool], int] = {}
         self.prefills: list[PrefillGraphs] = []
 
@@ -145,6 +148,13 @@ class Bucket:
         self.uncaptured_runs[key] = self.uncaptured_runs.get(key, 0) + 1
         return self.function(gamma, do_sample)()
 
+    @torch.no_grad()
+    def resync(self, behind: int) -> None:
+        """Catch the draft up after `behind` target-only steps (`speculative.resync_draft`),
+        its chunks replaying `resync_graph` where it was captured."""
+        speculative.resync_draft(self.draft, self.target, self.state, behind,
+                                 chunk=self.resync_graph)
+
     def reset_for_timing(self, length: int) -> None:
         """Dummy state for warm-up, capture and timing: every row active at `length` slots."""
         state = self.state
@@ -160,8 +170,8 @@ class Bucket:
         state.last.zero_()
 
     def capture(self, gammas: list[int], pool: object, timing_length: int) -> list[str]:
-        """Capture every (gamma, do_sample) iteration; -> failures (that shape then runs
-        uncaptured). Call after the model steps are warmed up (compiled)."""
+        """Capture every (gamma, do_sample) iteration and the draft's resync chunk; -> failures
+        (that shape then runs uncaptured). Call after the model steps are warmed up (compiled)."""
         failures = []
         for gamma in gammas:
             for do_sample in (False, True):
@@ -175,8 +185,24 @@ class Bucket:
                 except Exception as e:  # noqa: BLE001 -- a shape that cannot be captured
                     failures.append(f"bucket {self.batch}, {_name(gamma, do_sample)}: "
                                     f"{capture_failed(e)}; it runs uncaptured")
+        if self.draft is not None and RESYNC in self.draft:
+            failures += self._capture_resync(pool, timing_length)
         self.reset_for_timing(0)
         return failures
+
+    def _capture_resync(self, pool: object, timing_length: int) -> list[str]:
+        """Capture one `resync_chunk` (its warm-up and capture write the draft's first slots,
+        which `reset_for_timing` forgets); -> its failure, if any."""
+        def chunk() -> None:
+            speculative.resync_chunk(self.draft, self.target, self.state)
+
+        self.reset_for_timing(timing_length)
+        try:
+            self.resync_graph = IterationGraph(chunk, None, pool,
+                                               reset=lambda: self.reset_for_timing(timing_length))
+        except Exception as e:  # noqa: BLE001 -- then the chunks run uncaptured
+            return [f"bucket {self.batch}, resync: {capture_failed(e)}; it runs uncaptured"]
+        return []
 
     @torch.no_grad()
     def measure(self, gamma: int, length: int, reps: int) -> float:
@@ -217,6 +243,10 @@ class Bucket:
             counts[f"step.b{self.batch}.{_name(gamma, do_sample)}"] = graph.replays
             for step in self.inner_steps(gamma):
                 counts[step.name] = counts.get(step.name, 0) + graph.replays
+        if self.resync_graph is not None:
+            counts[f"step.b{self.batch}.resync"] = self.resync_graph.replays
+            name = self.draft[RESYNC].name
+            counts[name] = counts.get(name, 0) + self.resync_graph.replays
         for prefill in self.prefills:
             counts.update(prefill.replays())
         return counts

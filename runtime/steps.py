@@ -43,6 +43,12 @@ DECODE = StepKind("decode", 1)
 # The draft's first forward of a round re-feeds the last accepted token with the new one
 # (runtime/speculative.py, `draft`): two tokens.
 CATCHUP = StepKind("catchup", 2)
+# The draft catching up after target-only steps (runtime/speculative.py, `resync_draft`): the
+# tokens it missed, RESYNC_TOKENS per step. 16 is the most rows the decode-shaped kernels take
+# at batch 1 (fuser/ops/linear.py MAX_ROWS) and the longest verify step (gamma 15) the cache
+# attention already runs.
+RESYNC_TOKENS = 16
+RESYNC = StepKind("resync", RESYNC_TOKENS)
 
 
 def verify(gamma: int) -> StepKind:
@@ -55,9 +61,11 @@ def target_steps(gamma: int) -> list[StepKind]:
     return [PREFILL, DECODE] + ([verify(gamma)] if gamma > 0 else [])
 
 
-def draft_steps() -> list[StepKind]:
-    """The draft's steps: prefill, catch-up, and decode (its gamma - 1 later proposals)."""
-    return [PREFILL, DECODE, CATCHUP]
+def draft_steps(slots: int) -> list[StepKind]:
+    """The draft's steps: prefill, catch-up, decode (its gamma - 1 later proposals), and
+    resync where a row's `slots` cache slots hold its RESYNC_TOKENS tokens (without it the
+    draft catches up by a prefill)."""
+    return [PREFILL, DECODE, CATCHUP] + ([RESYNC] if slots >= RESYNC_TOKENS else [])
 
 
 @dataclass

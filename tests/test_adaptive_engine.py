@@ -1,6 +1,6 @@
 """gamma="auto" on a real tiny engine: the controller inside the decoding loop picks gamma from
 the acceptance it sees, switches speculation off when the draft never agrees, and on again when
-it recovers; greedy output stays Hugging Face's throughout (draft re-prefill included).
+it recovers; greedy output stays Hugging Face's throughout (the draft catching up included).
 
 Acceptance is scripted by changing the draft's weights in place (the engine's draft shares its
 parameters with the user's model): a copy of the target accepts everything, a scrambled one
@@ -85,8 +85,8 @@ def test_gamma_follows_scripted_acceptance_and_output_stays_lossless() -> None:
     enabled = 1 if engine.stats.gamma > 0 else 0  # a probe may be due
     assert f"fuser_spec_decode_enabled {enabled}.0" in engine.metrics_text()
 
-    # 3. the draft recovers: a probe sees it, speculation comes back on; the draft is
-    # re-prefilled over the tokens it missed, so the output is still the target's.
+    # 3. the draft recovers: a probe sees it, speculation comes back on; the draft first
+    # catches up on the tokens it missed, so the output is still the target's.
     with torch.no_grad():
         for p, s in zip(draft.parameters(), saved):
             p.copy_(s)

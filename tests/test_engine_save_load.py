@@ -32,7 +32,8 @@ def test_loaded_engine_has_the_built_graphs_and_no_hf_model(bundled_engine: Buil
     engine = fuser.load(bundled_engine.path)
     report = engine.report()
     assert set(report.graphs) == {"target.prefill", "target.decode", "target.verify",
-                                  "draft.prefill", "draft.decode", "draft.catchup"}
+                                  "draft.prefill", "draft.decode", "draft.catchup",
+                                  "draft.resync"}
     assert report.graphs["target.prefill"].get("add_rms_norm", 0) > 0
     assert report.passes["merge_qkv"] > 0
     # decode: the GEMV with its activation, behind its norm in one op (norm_linear)

@@ -140,10 +140,14 @@ class _Cache:
 
 
 class _Model:
-    """A stand-in for ModelSteps: records the prefill widths it is asked to run."""
+    """A stand-in for ModelSteps without a RESYNC step: records the prefill widths it is asked
+    to run."""
 
     def __init__(self, cache: _Cache, graphs: object | None) -> None:
         self.cache, self.prefill_graphs, self.widths = cache, graphs, []
+
+    def __contains__(self, kind: object) -> bool:
+        return kind == PREFILL
 
     def run(self, kind: object, tokens: torch.Tensor, positions: torch.Tensor) -> None:
         assert kind == PREFILL and tokens.shape == positions.shape
@@ -152,8 +156,9 @@ class _Model:
 
 @pytest.mark.parametrize("graphs,width", [(None, 45), (object(), 64)])
 def test_resync_pads_the_draft_prefill_to_a_captured_length(graphs, width) -> None:
-    # After target-only steps the draft re-prefills the sequence; with prefill graphs it runs
-    # at a captured length (45 -> 64) instead of an uncaptured prefill at an arbitrary T.
+    # After target-only steps a draft without the RESYNC step re-prefills the sequence; with
+    # prefill graphs it runs at a captured length (45 -> 64) instead of an uncaptured prefill at
+    # an arbitrary T.
     from types import SimpleNamespace
 
     from fuser.runtime.speculative import resync_draft
@@ -162,6 +167,6 @@ def test_resync_pads_the_draft_prefill_to_a_captured_length(graphs, width) -> No
     target = _Model(_Cache(128, lengths), None)
     draft = _Model(_Cache(128, torch.zeros(2, dtype=torch.long)), graphs)
     state = SimpleNamespace(history=torch.arange(2 * 128).reshape(2, 128))
-    resync_draft(draft, target, state)
+    resync_draft(draft, target, state, behind=20)
     assert draft.widths == [width]
     assert torch.equal(draft.cache.seq_lens, lengths)  # lengths follow the target, not the pad
