@@ -22,6 +22,8 @@
 #   bash benchmarks/gpu_all.sh last     # flash prefill GPU tests + op timing, 4-layer 8B-shape prefill, bundled pair e2e (draft kernels)
 #   bash benchmarks/gpu_all.sh seventh1 # bundled pair e2e (peers, gamma 1..8, auto) + buckets, FP8 accuracy on the GPU
 #   bash benchmarks/gpu_all.sh seventh2 # PDL: GPU tests, GEMV chain lab, 8-layer decode with PDL off and on
+#   bash benchmarks/gpu_all.sh eighth1  # PDL + resync GPU tests (PDL off if they fail), PDL lab, 8B bf16 + fp8 decode (--profile), 1B decode
+#   bash benchmarks/gpu_all.sh eighth2  # bundled pair e2e (peers, gamma 1..8, auto, chunked resync), buckets, 8B + 1B draft
 #   bash benchmarks/gpu_all.sh fp8-accuracy [fp8_accuracy.py flags]   # FP8 vs bf16 on the bundled pair
 # OUT=<dir for logs and JSON>
 set -o pipefail
@@ -188,6 +190,28 @@ elif [ "$what" = seventh2 ]; then
       --skip-peers 2>&1 | tee "$OUT/decode8_pdl$pdl.log" | grep -v Warning \
       | grep -E "^\[|ceiling|fallback|Error|verify|prefill" | tail -12
   done
+elif [ "$what" = eighth1 ]; then
+  # Eighth session, call 1: the seventh session's PDL (never run on a GPU) and the draft's
+  # chunked resync: their GPU tests; PDL is switched off for the rest if any fails. Then the PDL
+  # lab, the 8B decode in both precisions with the per-op profile, and the 1B-shape draft's step.
+  echo "== GPU tests: PDL, resync, the kernels PDL touches"
+  timeout 150 python3 -m pytest -q -p no:logging -p no:cacheprovider --tb=short -rf tests/test_pdl.py \
+    tests/test_resync.py tests/test_ops_gated_linear.py tests/test_ops_attention.py tests/test_rotary_cache.py \
+    -k "gpu or cuda" 2>&1 | tee "$OUT/gpu_tests.log" | grep -v Warning | grep -E "^E |FAIL|Error|passed|failed" | head -30
+  summary+=("GPU tests: $(tail -1 "$OUT/gpu_tests.log")")
+  if ! tail -1 "$OUT/gpu_tests.log" | grep -q passed || tail -1 "$OUT/gpu_tests.log" | grep -q failed; then
+    export FUSER_PDL=0; summary+=("PDL switched off for the benchmarks: a GPU test failed")
+  fi
+  echo "== PDL lab: 8B-shape GEMV chain, 16 layers"
+  timeout 80 python3 benchmarks/pdl_lab.py --layers 16 --out "$OUT/pdl_lab.json" 2>&1 \
+    | tee "$OUT/pdl_lab.log" | grep -v Warning | tail -14
+  echo "== decode, 8B shape, bf16 + fp8 (FUSER_PDL=${FUSER_PDL:-1})"
+  timeout 290 python3 benchmarks/decode.py --out "$OUT/decode.json" --skip-peers --profile 2>&1 \
+    | tee "$OUT/decode.log" | grep -v Warning | grep -E "^\[|kernels|^sum|^graph|^GEMV|^GEMM|^attention|^rms|^rotary|^KV|^gated|^rope|^fp8 vs|^HBM|ceiling|fallback|Error|verify|prefill" | tail -60
+  echo "== decode, 1B shape, bf16"
+  timeout 55 python3 benchmarks/decode.py --preset llama-3.2-1b --precisions bf16 --skip-peers --profile \
+    --skip-verify --out "$OUT/decode_1b.json" 2>&1 | tee "$OUT/decode_1b.log" | grep -v Warning \
+    | grep -E "^\[|kernels|^sum|^graph|ceiling|fallback|Error" | tail -12
 elif [ "$what" = decode ]; then
   echo "== decode benchmark"
   python3 benchmarks/decode.py --out "$OUT/decode.json" "$@" 2>&1 | tee "$OUT/decode.log" | grep -v Warning | tail -80
