@@ -20,6 +20,8 @@ def test_pdl_is_off_on_cpu_and_when_switched_off(monkeypatch: pytest.MonkeyPatch
     assert pdl_launch(torch.device("cpu")) == {}  # the interpreter never sees launch_pdl
     monkeypatch.setenv("FUSER_PDL", "0")
     assert not pdl_enabled(torch.device("cuda"))  # decided before asking the device anything
+    monkeypatch.delenv("FUSER_PDL")
+    assert not pdl_enabled(torch.device("cuda"))  # opt-in: a race at several rows (pdl.py)
 
 
 def _cases() -> list[tuple]:

@@ -22,8 +22,14 @@ Inductor's, PyTorch's) is serialized as usual; a PDL kernel after it just waits 
 
 CUDA graphs keep the dependency (stream capture turns it into a programmatic edge, CUDA >= 12.3).
 `griddepcontrol.wait` is a no-op in a kernel launched without PDL, so the same compiled kernel is
-correct either way. Off with FUSER_PDL=0 (benchmarks compare both), off on CPU / under
-TRITON_INTERPRET, before Hopper, and with a Triton that lacks the intrinsics.
+correct either way.
+
+Off by default; on with FUSER_PDL=1 (benchmarks compare both), and never on CPU / under
+TRITON_INTERPRET, before Hopper, or with a Triton that lacks the intrinsics. Measured on the H200
+(benchmarks/RESULTS.md, eighth session, benchmarks/pdl_lab.py over 16 layers of 8B-shape GEMVs):
+at one row PDL gained 1.1-1.3% in FP8 and nothing in bf16, and at five rows (the verify step's
+MMA path) its outputs were not bit-equal to the ordinary launch's, prefetch or not: a race not
+yet found. Until it is, PDL stays opt-in.
 """
 
 from __future__ import annotations
@@ -54,11 +60,11 @@ __all__ = ["HAVE_GDC", "pdl_enabled", "pdl_launch", "wait_for_inputs"]
 
 def pdl_enabled(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL: CUDA, compute capability >= 9.0, Triton's
-    intrinsics present, not interpreted, and FUSER_PDL not "0" (read at each launch, so a
+    intrinsics present, not interpreted, and FUSER_PDL = "1" (read at each launch, so a
     benchmark can compare both in one process; CUDA graphs keep what they were captured with)."""
     if device.type != "cuda" or not HAVE_GDC:
         return False
-    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("FUSER_PDL", "1") == "0":
+    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("FUSER_PDL", "0") != "1":
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
 
