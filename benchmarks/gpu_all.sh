@@ -212,6 +212,20 @@ elif [ "$what" = eighth1 ]; then
   timeout 55 python3 benchmarks/decode.py --preset llama-3.2-1b --precisions bf16 --skip-peers --profile \
     --skip-verify --out "$OUT/decode_1b.json" 2>&1 | tee "$OUT/decode_1b.log" | grep -v Warning \
     | grep -E "^\[|kernels|^sum|^graph|ceiling|fallback|Error" | tail -12
+elif [ "$what" = eighth2 ]; then
+  # Eighth session, call 2: the draft's chunked resync on the GPU (its no-sync test), then
+  # gamma="auto" end to end on the bundled pair (it ran at 0.70x target-only when each resync
+  # was an uncaptured re-prefill) with buckets, and the 8B + 1B non-agreeing pair (>= 95%).
+  echo "== GPU test: resync without a host sync"
+  timeout 80 python3 -m pytest -q -p no:logging -p no:cacheprovider --tb=short -rf tests/test_resync.py \
+    -k "cuda" 2>&1 | tee "$OUT/gpu_tests.log" | grep -v Warning | grep -E "^E |FAIL|Error|passed|failed" | head -20
+  summary+=("GPU tests: $(tail -1 "$OUT/gpu_tests.log")")
+  echo "== speculative end to end: the bundled pair, buckets"
+  timeout 230 python3 benchmarks/e2e.py --out "$OUT/e2e" --skip-8b --skip-peers --gammas 1,2,3,4,6 2>&1 \
+    | tee "$OUT/e2e.log" | grep -v Warning | tail -16
+  echo "== speculative end to end: 8B + 1B draft"
+  timeout 240 python3 benchmarks/e2e.py --out "$OUT/e2e8b" --skip-bundled --skip-buckets 2>&1 \
+    | tee "$OUT/e2e8b.log" | grep -v Warning | tail -16
 elif [ "$what" = decode ]; then
   echo "== decode benchmark"
   python3 benchmarks/decode.py --out "$OUT/decode.json" "$@" 2>&1 | tee "$OUT/decode.log" | grep -v Warning | tail -80
