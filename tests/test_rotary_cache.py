@@ -30,7 +30,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 # The interpreter must round fp32 -> bf16 as GPUs do for the bf16 checks to mean anything.
 pytestmark = pytest.mark.usefixtures("interpreter_rounds_bf16_like_gpu")
 
-FIXED_T_GRAPHS = ("target.decode", "target.verify", "draft.decode", "draft.catchup")
+FIXED_T_GRAPHS = ("target.decode", "target.verify", "draft.decode", "draft.catchup", "draft.resync")
 
 
 # --- kernel ---------------------------------------------------------------------------------
