@@ -8,7 +8,10 @@
     torch.compile, HF assisted generation with the same draft, fuser target-only, fuser at
     each gamma of --gammas and at gamma="auto": tok/s, acceptance, mean accepted length, and
     Leviathan's prediction from the measured iteration costs and the measured acceptance
-    (E(alpha, g) / cost(g); reported as % of prediction), plus the measured speculative step
+    (E(alpha, g) / cost(g), alpha the same at every draft position; reported as % of
+    prediction), the graph bound (the tokens each step emitted in the run, over the step graph's
+    measured cost: what the step graphs alone would give, without the host loop and the
+    prefills; reported as % of it), plus the measured speculative step
     against the sum of its parts (draft catch-up + (g - 1) draft decodes + verify, each timed
     as its own CUDA graph).
 (2) Llama-3-8B shape target with a Llama-3.2-1B shape draft, random bf16 weights (a draft
@@ -158,7 +161,8 @@ def part_bundled(args: argparse.Namespace, device: torch.device, dtype: torch.dt
     if not args.skip_peers:
         peers(target, draft, prompts, n, device, runs)
     seconds, count, _ = fuser_runs(engine, prompts, n, PLAIN, runs)
-    plain = row("bundled", "fuser target-only", seconds, count)
+    extra = {"pct_of_graph_bound": 100 * count / seconds * costs[PLAIN]} if costs else {}
+    plain = row("bundled", "fuser target-only", seconds, count, **extra)
     by_gamma = {}
     for g in (*gammas, None):
         seconds, count, stats = fuser_runs(engine, prompts, n, g, runs)
@@ -170,6 +174,9 @@ def part_bundled(args: argparse.Namespace, device: torch.device, dtype: torch.dt
             predicted = expected_tokens(stats.acceptance_rate, at) / costs[at]
             extra["predicted_tok_s"] = predicted
             extra["pct_of_prediction"] = 100 * count / seconds / predicted
+            if stats.mean_accepted_length:  # tokens per step, the bonus token included
+                bound = stats.mean_accepted_length / costs[at]
+                extra["pct_of_graph_bound"] = 100 * count / seconds / bound
             parts = step_parts_ms(engine, at)
             if parts is not None:
                 extra["step_ms"] = 1e3 * costs[at]
@@ -369,11 +376,13 @@ def main() -> None:
         part_buckets(args, device, dtype, out)
     save(out)
     plot(out)
-    log(f"\n{'part':<8} {'system':<60} {'tok/s':>9} {'accept':>7} {'%pred':>6}")
+    log(f"\n{'part':<8} {'system':<60} {'tok/s':>9} {'accept':>7} {'%pred':>6} {'%graph':>6}")
     for r in RESULTS["rows"]:
         acc = f"{r['acceptance']:.2f}" if "acceptance" in r else "-"
         pred = f"{r['pct_of_prediction']:.0f}" if "pct_of_prediction" in r else "-"
-        log(f"{r['part']:<8} {r['system'][:60]:<60} {r['tok_s']:>9.1f} {acc:>7} {pred:>6}")
+        bound = f"{r['pct_of_graph_bound']:.0f}" if "pct_of_graph_bound" in r else "-"
+        log(f"{r['part']:<8} {r['system'][:60]:<60} {r['tok_s']:>9.1f} {acc:>7} {pred:>6} "
+            f"{bound:>6}")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,12 @@ def test_e2e_dry_run_writes_json_plot_and_table(tmp_path: Path) -> None:
     assert any(s.startswith("fuser gamma=auto") for s in systems)
     spec = [r for r in results["rows"] if r["system"] == "fuser gamma=2"][0]
     assert 0 <= spec["acceptance"] <= 1 and spec["predicted_tok_s"] > 0
+    # the graph bound: measured tok/s over (tokens per step / the step graph's cost)
+    costs = results["bundled_iteration_ms"]
+    bound = spec["mean_accepted_length"] / (costs["2"] / 1e3)
+    assert spec["pct_of_graph_bound"] == pytest.approx(100 * spec["tok_s"] / bound)
+    plain = [r for r in results["rows"] if r["system"] == "fuser target-only"][0]
+    assert plain["pct_of_graph_bound"] == pytest.approx(plain["tok_s"] * costs["0"] / 10)
     assert set(results["bundled_iteration_ms"]) == {"0", "1", "2"}
     assert len(results["8b_projected_curve"]) == 21
     assert "8b_auto_over_target_only" in results
