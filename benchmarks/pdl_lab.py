@@ -8,6 +8,8 @@ between them left out), captured in one CUDA graph and replayed: with PDL off (F
 and with PDL on and 0, 1 or 2 weight tiles loaded before each kernel's wait. Prints the chain's
 time per layer, its read bandwidth against the measured HBM read bandwidth, and whether every
 variant's output equals PDL off's bit for bit (the prefetched tiles are summed in loop order).
+Since the eighth session the GEMV launches with PDL at one row only, so the several-row variants
+run ordinary launches (they were not bit-equal with PDL, benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations

@@ -69,3 +69,56 @@ def test_gpu_pdl_launch_gives_the_ordinary_launchs_bits(case: tuple, prefetch: i
     torch.cuda.synchronize()
     for out in outs:
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+@needs_hopper
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_gpu_dependent_pdl_launches_give_the_ordinary_launchs_bits(
+        rows: int, fp8: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chain in which every GEMV reads the one before's output (as a decode step runs them,
+    norm prologue and gated epilogue at one row), captured in one CUDA graph: the same bits with
+    PDL on as off. The test above never makes a PDL kernel wait for data; this one does (at 5
+    rows benchmarks/pdl_lab.py saw different bits before the MMA path left PDL)."""
+    H, I = 4096, 2048
+    gen = torch.Generator(device="cuda").manual_seed(rows + 10 * fp8)
+
+    def weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+        return quantize_weight(w) if fp8 else (w, None)
+
+    layers = [(weight(H, H), weight(2 * I, H), weight(H, I)) for _ in range(4)]
+    g = 1 + 0.1 * torch.randn(H, device="cuda", dtype=torch.bfloat16, generator=gen)
+    h0 = torch.randn(rows, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+    r0 = torch.randn(rows, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    def chain() -> torch.Tensor:
+        h, r = h0, r0
+        for (w1, s1), (w2, s2), (w3, s3) in layers:
+            if rows == 1:
+                x, r = rms_norm_linear_triton(h, r, g, 1e-5, w1, weight_scale=s1)
+                act, r = rms_norm_linear_triton(x, r, g, 1e-5, w2, weight_scale=s2,
+                                                activation="silu")
+            else:
+                x = linear_triton(h, w1, weight_scale=s1)
+                act = linear_triton(x, w2, weight_scale=s2, activation="silu")
+            h = linear_triton(act, w3, weight_scale=s3) * 0.25  # kept in range over the layers
+        return torch.cat([h.flatten(), r.flatten()])
+
+    def captured() -> torch.Tensor:
+        chain()  # compiles outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain()
+        h0.mul_(-1)  # new data for the replay
+        graph.replay()
+        torch.cuda.synchronize()
+        h0.mul_(-1)
+        return out.clone()
+
+    monkeypatch.setenv("FUSER_PDL", "0")
+    expected = captured()
+    monkeypatch.setenv("FUSER_PDL", "1")
+    got = captured()
+    assert torch.isfinite(expected).all()
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)

@@ -521,7 +521,10 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         parts = torch.empty((programs, splits, block_m * bn), dtype=torch.float32,
                             device=x.device)
         counts = split_counters(x.device, programs)
-    pdl = pdl_launch(x.device)
+    # PDL at one row only: at several rows (the MMA path) a chain of PDL launches, each reading
+    # the one before's output, was not bit-equal to ordinary launches on the H200, and gained
+    # nothing there (benchmarks/RESULTS.md, eighth session; fuser/ops/pdl.py).
+    pdl = pdl_launch(x.device) if block_m == 1 else {}
     _linear_kernel[(programs, splits)](
         x2, weight, weight_scale if fp8 else out, out, parts, counts,
         r2, norm_weight.contiguous() if norm else x2, summed if summed is not None else x2,

@@ -28,8 +28,11 @@ Off by default; on with FUSER_PDL=1 (benchmarks compare both), and never on CPU 
 TRITON_INTERPRET, before Hopper, or with a Triton that lacks the intrinsics. Measured on the H200
 (benchmarks/RESULTS.md, eighth session, benchmarks/pdl_lab.py over 16 layers of 8B-shape GEMVs):
 at one row PDL gained 1.1-1.3% in FP8 and nothing in bf16, and at five rows (the verify step's
-MMA path) its outputs were not bit-equal to the ordinary launch's, prefetch or not: a race not
-yet found. Until it is, PDL stays opt-in.
+MMA path) a chain of PDL launches was not bit-equal to ordinary launches, prefetch or not,
+although each kernel alone was. The tests then never had a PDL kernel read what the PDL kernel
+before it wrote; a likely cause is a load the MMA path's software pipelining issues ahead of
+`griddepcontrol.wait` (not confirmed). Since then the GEMV launches with PDL at one row only
+(fuser/ops/linear.py), `tests/test_pdl.py` chains dependent launches, and PDL stays opt-in.
 """
 
 from __future__ import annotations
