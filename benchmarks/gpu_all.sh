@@ -36,6 +36,17 @@ shift || true
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
 python3 -c "import torch, triton, transformers; print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, transformers.__version__)"
 summary=()
+# The 8B decode with its per-op profile, and the 1B-shape draft's decode step: several modes run
+# them, each with its own timeout (seconds, the first argument).
+decode_8b_profiled() {
+  timeout "$1" python3 benchmarks/decode.py --out "$OUT/decode.json" --skip-peers --profile 2>&1 \
+    | tee "$OUT/decode.log" | grep -v Warning | grep -E "^\[|kernels|^sum|^graph|^GEMV|^GEMM|^attention|^rms|^rotary|^KV|^gated|^rope|^fp8 vs|^HBM|ceiling|fallback|Error|verify|prefill" | tail -60
+}
+decode_1b() {
+  timeout "$1" python3 benchmarks/decode.py --preset llama-3.2-1b --precisions bf16 --skip-peers --profile \
+    --skip-verify --out "$OUT/decode_1b.json" 2>&1 | tee "$OUT/decode_1b.log" | grep -v Warning \
+    | grep -E "^\[|kernels|^sum|^graph|ceiling|fallback|Error" | tail -20
+}
 if [ "$what" = checks ]; then
   echo "== GPU tests"
   python3 -m pytest -q -p no:cacheprovider -x tests -k "cuda or gpu or CUDA or GPU" \
@@ -207,12 +218,9 @@ elif [ "$what" = eighth1 ]; then
   timeout 80 python3 benchmarks/pdl_lab.py --layers 16 --out "$OUT/pdl_lab.json" 2>&1 \
     | tee "$OUT/pdl_lab.log" | grep -v Warning | tail -14
   echo "== decode, 8B shape, bf16 + fp8 (FUSER_PDL=${FUSER_PDL:-1})"
-  timeout 290 python3 benchmarks/decode.py --out "$OUT/decode.json" --skip-peers --profile 2>&1 \
-    | tee "$OUT/decode.log" | grep -v Warning | grep -E "^\[|kernels|^sum|^graph|^GEMV|^GEMM|^attention|^rms|^rotary|^KV|^gated|^rope|^fp8 vs|^HBM|ceiling|fallback|Error|verify|prefill" | tail -60
+  decode_8b_profiled 290
   echo "== decode, 1B shape, bf16"
-  timeout 55 python3 benchmarks/decode.py --preset llama-3.2-1b --precisions bf16 --skip-peers --profile \
-    --skip-verify --out "$OUT/decode_1b.json" 2>&1 | tee "$OUT/decode_1b.log" | grep -v Warning \
-    | grep -E "^\[|kernels|^sum|^graph|ceiling|fallback|Error" | tail -12
+  decode_1b 55
 elif [ "$what" = eighth2 ]; then
   # Eighth session, call 2: the draft's chunked resync on the GPU (its no-sync test), then
   # gamma="auto" end to end on the bundled pair (it ran at 0.70x target-only when each resync
@@ -241,9 +249,7 @@ elif [ "$what" = ninth ]; then
   timeout 80 python3 benchmarks/pdl_lab.py --layers 16 --out "$OUT/pdl_lab.json" 2>&1 \
     | tee "$OUT/pdl_lab.log" | grep -v Warning | tail -17
   echo "== decode, 1B shape, bf16"
-  timeout 90 python3 benchmarks/decode.py --preset llama-3.2-1b --precisions bf16 --skip-peers --profile \
-    --skip-verify --out "$OUT/decode_1b.json" 2>&1 | tee "$OUT/decode_1b.log" | grep -v Warning \
-    | grep -E "^\[|kernels|^sum|^graph|ceiling|fallback|Error" | tail -12
+  decode_1b 90
   echo "== decode, 8B shape, bf16 + fp8"
   timeout 240 python3 benchmarks/decode.py --out "$OUT/decode.json" --skip-peers 2>&1 \
     | tee "$OUT/decode.log" | grep -v Warning | grep -E "^\[|ceiling|fallback|Error|verify|prefill|fp8 vs" | tail -20
@@ -272,12 +278,9 @@ elif [ "$what" = final ]; then
     | grep -v Warning | tail -25
   summary+=("GPU tests: $(tail -1 "$OUT/gpu_tests.log")")
   echo "== decode, 8B shape, bf16 + fp8"
-  timeout 290 python3 benchmarks/decode.py --out "$OUT/decode.json" --skip-peers --profile 2>&1 \
-    | tee "$OUT/decode.log" | grep -v Warning | grep -E "^\[|kernels|^sum|^graph|^GEMV|^GEMM|^attention|^rms|^rotary|^KV|^gated|^rope|^fp8 vs|^HBM|ceiling|fallback|Error|verify|prefill" | tail -60
+  decode_8b_profiled 290
   echo "== decode, 1B shape, bf16"
-  timeout 75 python3 benchmarks/decode.py --preset llama-3.2-1b --precisions bf16 --skip-peers --profile \
-    --skip-verify --out "$OUT/decode_1b.json" 2>&1 | tee "$OUT/decode_1b.log" | grep -v Warning \
-    | grep -E "^\[|kernels|^sum|^graph|ceiling|fallback|Error" | tail -20
+  decode_1b 75
   echo "== batch buckets"
   timeout 90 python3 benchmarks/e2e.py --out "$OUT/e2e" --skip-bundled --skip-8b 2>&1 \
     | tee "$OUT/e2e.log" | grep -v Warning | grep buckets | tail -6
