@@ -8,6 +8,8 @@ calls of Triton kernels. On CPU two things differ, and this module does both:
   Inductor, replaces each call by its reference (`fuser.ops.CPU_INLINE`), so the C++ backend
   fuses norms, rotary, the gated activation and attention with the ops around them; GEMMs stay
   calls of the same ATen kernel as before.
+- A fused op that writes the KV cache and attends (`fuser.ops.CPU_SPLIT`) becomes the ops it
+  fused again (`lift_tensors`): the write stays opaque, the attention after it is inlined.
 - The rewritten graph is already ATen (torch.export captured it), so it goes to Inductor
   directly (`compile_graph`, as `torch._inductor.standalone_compile` does) with every tensor
   it reads, weights and KV cache alike, as an input, not through Dynamo, which would trace it
@@ -29,7 +31,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch._inductor.pattern_matcher import CallFunctionVarArgs, Match, PatternMatcherPass, \
     register_graph_pattern
 
-from fuser.ops import CPU_INLINE
+from fuser.ops import CPU_INLINE, CPU_SPLIT
 
 _SOURCES = tuple(str(p) for p in sorted((Path(__file__).parent / "ops").glob("*.py"))) + \
     (__file__,)
@@ -70,8 +72,13 @@ INLINE_REFERENCES = InlineReferences()
 
 def lift_tensors(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
     """(a module whose graph takes every tensor `gm` reads through get_attr as a leading input,
-    in graph order, then `gm`'s own inputs, and returns (logits,); those tensors)."""
+    in graph order, then `gm`'s own inputs, and returns (logits,); those tensors). Calls of an
+    op in `CPU_SPLIT` become the calls of its split function."""
+    from torch.fx.proxy import GraphAppendingTracer
+    from torch.utils._pytree import tree_map_only
+
     graph = torch.fx.Graph()
+    tracer = GraphAppendingTracer(graph)
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     tensors = []
     for node in gm.graph.find_nodes(op="get_attr"):
@@ -83,6 +90,10 @@ def lift_tensors(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[t
         if node.op == "output":
             outputs = node.args[0] if isinstance(node.args[0], (tuple, list)) else (node.args[0],)
             graph.output(tuple(env[o] for o in outputs))
+        elif node.op == "call_function" and node.target in CPU_SPLIT:
+            args, kwargs = tree_map_only(torch.fx.Node, lambda n: torch.fx.Proxy(env[n], tracer),
+                                         (node.args, node.kwargs))
+            env[node] = CPU_SPLIT[node.target](*args, **kwargs).node
         else:
             env[node] = graph.node_copy(node, env.__getitem__)
     return torch.fx.GraphModule({}, graph, class_name="CpuStep"), tensors

@@ -6,6 +6,10 @@ compiles a step on CPU (fuser/build.py, `compilable`), calls of these ops are re
 functions, so Inductor traces into the references and fuses them with the ATen ops around them
 into C++ kernels; an opaque op would run its reference eagerly, one ATen op at a time, behind a
 Python call. The FP8 ops stay opaque: their CPU path emulates FP8 for correctness only.
+
+`CPU_SPLIT` maps each fused op that writes the KV cache and attends to a function calling the
+ops it fused, which the CPU compile puts in its place before Inductor sees the graph: the cache
+write stays an opaque op (a mutation is not inlined), and the attention after it is inlined.
 """
 
 import torch
@@ -14,6 +18,7 @@ from fuser.ops import rmsnorm  # noqa: F401
 from fuser.ops import rope  # noqa: F401
 from fuser.ops import gated_act  # noqa: F401
 from fuser.ops import attention  # noqa: F401
+from fuser.ops import rotary_attention  # noqa: F401
 from fuser.ops import linear  # noqa: F401
 from fuser.ops import fp8  # noqa: F401
 from fuser.ops import fp8_quant  # noqa: F401
@@ -65,4 +70,8 @@ CPU_INLINE = {
     torch.ops.fuser.cache_attention.default: attention.cache_attention_grouped,
     torch.ops.fuser.cache_attention_read.default: attention.cache_attention_grouped,
     torch.ops.fuser.prefill_attention.default: attention.prefill_attention_reference,
+}
+
+CPU_SPLIT = {
+    torch.ops.fuser.rotary_cache_attention.default: rotary_attention.rotary_cache_attention_split,
 }

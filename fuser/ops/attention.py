@@ -68,6 +68,107 @@ def _tanh(x):
 
 
 @triton.jit
+def _attend_block(
+    q, k, v,           # q: [BLOCK_M, BLOCK_D] (MMA dtype or fp32); k, v: [BLOCK_N, BLOCK_D] keys, values
+    j, j_ok,           # [BLOCK_N] slots of the keys; which of them exist (loaded, not padding)
+    slot_i, start,     # [BLOCK_M] slot of each query; the row's first real slot
+    m_i, l_i, acc,     # online-softmax state: running max (log2 units), sum, unnormalised p @ v
+    scale_log2e, softcap, window,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FP32_DOTS: tl.constexpr,
+):
+    """One step of the online softmax over the keys j: with s = scores in log2 units, masked
+    to -inf where key j is invisible to query i (j < start, j > i, i - j >= window, missing),
+        m' = max(m, max_j s),  p = 2^(s - m'),  l' = l 2^(m - m') + sum_j p,
+        acc' = acc 2^(m - m') + p @ v.          Returns (m', l', acc')."""
+    LOG2E: tl.constexpr = 1.4426950408889634
+    if FP32_DOTS:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))                      # bf16/fp16 MMA, fp32 accumulate
+    # s: [BLOCK_M, BLOCK_N] fp32
+    if HAS_SOFTCAP:
+        s = _tanh(s * scale_log2e / softcap) * (softcap * LOG2E)
+    else:
+        s = s * scale_log2e                              # log2 units: exp2 below
+    visible = (j[None, :] >= start) & (j[None, :] <= slot_i[:, None]) & j_ok[None, :]
+    if HAS_WINDOW:
+        visible = visible & (slot_i[:, None] - j[None, :] < window)
+    s = tl.where(visible, s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # A row with nothing visible yet keeps m = -inf; subtract 0 there so that
+    # exp2(-inf - -inf) = NaN never appears (p and alpha are then exactly 0).
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    # The reference rounds the normalised probs to v's dtype; the MMA path rounds the
+    # unnormalised p (in [0, 1]) instead: a rounding of the same size, which the bf16/fp16
+    # tolerance of the tests covers. The fp32 path does not round.
+    if FP32_DOTS:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_cache(
+    q, k_ptr, v_ptr,   # q: [BLOCK_M, BLOCK_D]; k_cache, v_cache: [B, S, KV, D] contiguous
+    kv_row,            # offset of (b, slot 0, kv head) in the caches (int64)
+    slot_i, start, seq_len, window,
+    split, limit,      # this program's split; slots >= limit are never loaded (S, or the new slots)
+    hi,                # last slot any query of the group may see
+    m_i, l_i, acc,
+    scale_log2e, softcap,
+    KV, D,
+    NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FP32_DOTS: tl.constexpr,
+):
+    """The split `split` of the cache walk: visible slots of the whole group are [lo, hi]; the
+    BLOCK_N-slot blocks holding them (aligned: whole-block loads) are shared out over the
+    NUM_SPLITS programs, and each block goes through `_attend_block`. Returns (m, l, acc)."""
+    lo = tl.maximum(start, 0)
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, seq_len - window + 1)          # first slot the earliest query sees
+    base = (lo // BLOCK_N) * BLOCK_N
+    n_blocks = tl.maximum(tl.cdiv(hi + 1 - base, BLOCK_N), 0)
+    per_split = tl.cdiv(n_blocks, NUM_SPLITS)
+    first = split * per_split
+    last = tl.minimum(first + per_split, n_blocks)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    offs_n = tl.arange(0, BLOCK_N)
+    for blk in range(first, last):
+        j = base + blk * BLOCK_N + offs_n                   # [BLOCK_N] key slots
+        j_ok = (j >= 0) & (j < limit)
+        kv_offs = kv_row + j[:, None] * (KV * D) + cols[None, :]
+        kv_mask = j_ok[:, None] & col_ok[None, :]
+        k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
+        m_i, l_i, acc = _attend_block(q, k, v, j, j_ok, slot_i, start, m_i, l_i, acc,
+                                      scale_log2e, softcap, window,
+                                      HAS_WINDOW, HAS_SOFTCAP, FP32_DOTS)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _store_partial(
+    acc_ptr, ml_ptr, part, rows, acc, m_i, l_i, M, D,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Write one program's (acc, m, l) to the scratch slot `part` = (b * KV + kv head) * splits
+    + split, for `_combine_kernel`."""
+    row_ok = rows < M
+    cols = tl.arange(0, BLOCK_D)
+    acc_ptrs = acc_ptr + (part * M + rows[:, None]) * D + cols[None, :]
+    tl.store(acc_ptrs, acc, mask=row_ok[:, None] & (cols < D)[None, :])
+    tl.store(ml_ptr + part * 2 * M + rows, m_i, mask=row_ok)
+    tl.store(ml_ptr + part * 2 * M + M + rows, l_i, mask=row_ok)
+
+
+@triton.jit
 def _split_kernel(
     q_ptr,             # q: [B, H, T, D], strides sq_b, sq_h, sq_t, sq_d
     k_ptr, v_ptr,      # k_cache, v_cache: [B, S, KV, D] contiguous
@@ -89,7 +190,6 @@ def _split_kernel(
     FP32_DOTS: tl.constexpr,      # fp32 operands, IEEE products (fp32 caches; bf16 interpreted)
     PDL: tl.constexpr = False,    # launched with PDL: wait for the previous kernel (fuser/ops/pdl.py)
 ):
-    LOG2E: tl.constexpr = 1.4426950408889634
     wait_for_inputs(PDL)
     bk = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -113,66 +213,17 @@ def _split_kernel(
         q = q.to(k_ptr.dtype.element_ty)                    # the cache's dtype: one MMA type
     slot_i = seq_len + t                                   # [BLOCK_M] slot of each query
 
-    # Visible slots of the whole group: [lo, hi]. The loop only covers the blocks holding them.
-    hi = tl.minimum(seq_len + T - 1, S - 1)
-    lo = tl.maximum(start, 0)
-    if HAS_WINDOW:
-        lo = tl.maximum(lo, seq_len - window + 1)          # first slot the earliest query sees
-    base = (lo // BLOCK_N) * BLOCK_N                        # aligned: whole-block loads
-    n_blocks = tl.maximum(tl.cdiv(hi + 1 - base, BLOCK_N), 0)
-    per_split = tl.cdiv(n_blocks, NUM_SPLITS)
-    first = split * per_split
-    last = tl.minimum(first + per_split, n_blocks)
-
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    kv_row = b * S * KV * D + kvh * D                       # int64
-    offs_n = tl.arange(0, BLOCK_N)
-    for blk in range(first, last):
-        j = base + blk * BLOCK_N + offs_n                   # [BLOCK_N] key slots
-        j_ok = (j >= 0) & (j < S)
-        kv_offs = kv_row + j[:, None] * (KV * D) + cols[None, :]
-        kv_mask = j_ok[:, None] & col_ok[None, :]
-        k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
-
-        if FP32_DOTS:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))                      # bf16/fp16 MMA, fp32 accumulate
-        # s: [BLOCK_M, BLOCK_N] fp32
-        if HAS_SOFTCAP:
-            s = _tanh(s * scale_log2e / softcap) * (softcap * LOG2E)
-        else:
-            s = s * scale_log2e                              # log2 units: exp2 below
-        visible = (j[None, :] >= start) & (j[None, :] <= slot_i[:, None]) & j_ok[None, :]
-        if HAS_WINDOW:
-            visible = visible & (slot_i[:, None] - j[None, :] < window)
-        s = tl.where(visible, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # A row with nothing visible yet keeps m = -inf; subtract 0 there so that
-        # exp2(-inf - -inf) = NaN never appears (p and alpha are then exactly 0).
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        # The reference rounds the normalised probs to v's dtype; the MMA path rounds the
-        # unnormalised p (in [0, 1]) instead: a rounding of the same size, which the bf16/fp16
-        # tolerance of the tests covers. The fp32 path does not round.
-        if FP32_DOTS:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
-
-    part = bk * NUM_SPLITS + split
-    acc_ptrs = acc_ptr + (part * M + rows[:, None]) * D + cols[None, :]
-    tl.store(acc_ptrs, acc, mask=row_ok[:, None] & col_ok[None, :])
-    tl.store(ml_ptr + part * 2 * M + rows, m_i, mask=row_ok)
-    tl.store(ml_ptr + part * 2 * M + M + rows, l_i, mask=row_ok)
+    # Visible slots of the whole group end at the last query's slot (seq_lens + T - 1).
+    hi = tl.minimum(seq_len + T - 1, S - 1)
+    m_i, l_i, acc = _attend_cache(
+        q, k_ptr, v_ptr, b * S * KV * D + kvh * D, slot_i, start, seq_len, window, split, S, hi,
+        m_i, l_i, acc, scale_log2e, softcap, KV, D,
+        NUM_SPLITS, BLOCK_N, BLOCK_D, HAS_WINDOW, HAS_SOFTCAP, FP32_DOTS)
+    _store_partial(acc_ptr, ml_ptr, bk * NUM_SPLITS + split, rows, acc, m_i, l_i, M, D,
+                   BLOCK_M, BLOCK_D)
 
 
 @triton.jit
