@@ -24,6 +24,7 @@
 #   bash benchmarks/gpu_all.sh seventh2 # PDL: GPU tests, GEMV chain lab, 8-layer decode with PDL off and on
 #   bash benchmarks/gpu_all.sh eighth1  # PDL + resync GPU tests (PDL off if they fail), PDL lab, 8B bf16 + fp8 decode (--profile), 1B decode
 #   bash benchmarks/gpu_all.sh eighth2  # bundled pair e2e (peers, gamma 1..8, auto, chunked resync), buckets, 8B + 1B draft
+#   bash benchmarks/gpu_all.sh stream   # stream GEMV GPU tests + the 16-layer GEMV chain with its variants
 #   bash benchmarks/gpu_all.sh ninth    # (not yet run) PDL-chain + resync GPU tests, PDL lab, 1B decode, 8B decode without --profile
 #   bash benchmarks/gpu_all.sh fp8-accuracy [fp8_accuracy.py flags]   # FP8 vs bf16 on the bundled pair
 # OUT=<dir for logs and JSON>
@@ -253,6 +254,17 @@ elif [ "$what" = ninth ]; then
   echo "== decode, 8B shape, bf16 + fp8"
   timeout 240 python3 benchmarks/decode.py --out "$OUT/decode.json" --skip-peers 2>&1 \
     | tee "$OUT/decode.log" | grep -v Warning | grep -E "^\[|ceiling|fallback|Error|verify|prefill|fp8 vs" | tail -20
+elif [ "$what" = stream ]; then
+  # Ninth session, first call: the stream GEMV (fuser/ops/gemv_stream.py) on the GPU for the
+  # first time: its GPU tests, then the 16-layer GEMV chain with every variant (pdl_lab.py).
+  echo "== GPU tests: stream GEMV, PDL"
+  timeout 150 python3 -m pytest -q -p no:logging -p no:cacheprovider --tb=short -rf \
+    tests/test_ops_gemv_stream.py tests/test_pdl.py -k "gpu or cuda" 2>&1 | tee "$OUT/gpu_tests.log" \
+    | grep -v Warning | grep -E "^E |FAIL|Error|passed|failed" | head -30
+  summary+=("GPU tests: $(tail -1 "$OUT/gpu_tests.log")")
+  echo "== GEMV chain lab, 16 layers"
+  timeout 300 python3 benchmarks/pdl_lab.py --layers 16 --out "$OUT/pdl_lab.json" 2>&1 \
+    | tee "$OUT/pdl_lab.log" | grep -v Warning | tail -40
 elif [ "$what" = decode ]; then
   echo "== decode benchmark"
   python3 benchmarks/decode.py --out "$OUT/decode.json" "$@" 2>&1 | tee "$OUT/decode.log" | grep -v Warning | tail -80

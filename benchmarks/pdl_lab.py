@@ -28,13 +28,36 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from timing import log, measure_read_bandwidth  # noqa: E402
 
+from fuser.ops import gemv_stream  # noqa: E402
 from fuser.ops.fp8 import quantize_weight  # noqa: E402
+from fuser.ops.gemv_stream import StreamConfig  # noqa: E402
 from fuser.ops.linear import linear_triton, rms_norm_linear_triton  # noqa: E402
 
 HIDDEN, HEADS_OUT, INTER = 4096, 6144, 14336  # Llama-3-8B: qkv 6144 x 4096, gate/up 2 x 14336
 EPS = 1e-5
-VARIANTS = (("off", "0", None), ("pdl, no prefetch", "1", 0), ("pdl, 1 tile", "1", 1),
-            ("pdl, 2 tiles", "1", 2))
+# (name, FUSER_PDL, _linear_kernel's prefetch, the stream GEMV's configuration or None)
+VARIANTS = (("off", "0", None, None), ("pdl, 1 tile", "1", 1, None),
+            ("stream d3", "0", None, StreamConfig()),
+            ("stream pdl d3", "1", None, StreamConfig()),
+            ("stream pdl d4", "1", None, StreamConfig(depth=4)),
+            ("stream pdl d2 32K", "1", None, StreamConfig(tile_bytes=32768, depth=2)),
+            ("stream pdl 2/sm 8K", "1", None, StreamConfig(programs_per_sm=2, tile_bytes=8192)),
+            ("stream pdl d4 8K", "1", None, StreamConfig(tile_bytes=8192, depth=4)),
+            ("stream pdl 2/sm 8K d4", "1", None, StreamConfig(programs_per_sm=2,
+                                                              tile_bytes=8192, depth=4)),
+            ("stream pdl 2/sm 4K d4 w4", "1", None, StreamConfig(programs_per_sm=2,
+                                                                 tile_bytes=4096, depth=4,
+                                                                 num_warps=4)),
+            ("stream pdl 4/sm 4K d3 w4", "1", None, StreamConfig(programs_per_sm=4,
+                                                                 tile_bytes=4096, num_warps=4)))
+# Several rows (the verify step's MMA path; PDL is one row's): the stream GEMV's ROWS_CONFIG
+ROWS_VARIANTS = (("off", "0", None, None),
+                 ("stream d1 st3", "0", None, StreamConfig(depth=1, num_stages=3)),
+                 ("stream d3", "0", None, StreamConfig()),
+                 ("stream 2/sm d2 8K st2", "0", None, StreamConfig(programs_per_sm=2,
+                                                                    tile_bytes=8192, depth=2,
+                                                                    num_stages=2)),
+                 ("stream d2 32K", "0", None, StreamConfig(tile_bytes=32768, depth=2)))
 
 
 def make_layers(n: int, fp8: bool, device: torch.device) -> list[dict]:
@@ -104,11 +127,19 @@ def time_graph(fn, replays: int = 30) -> tuple[float, torch.Tensor]:
     return statistics.median(times), out.clone()
 
 
+def rel_diff(out: torch.Tensor, base: torch.Tensor) -> float:
+    """||out - base|| / ||base|| in fp64 (NaN anywhere: inf)."""
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out.double() - base.double()).norm() / base.double().norm().clamp_min(1e-30)).item()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--rows", default="1,5")
     parser.add_argument("--dtypes", default="bf16,fp8")
+    parser.add_argument("--variants", default="", help="comma-separated names (default all)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -127,19 +158,31 @@ def main() -> None:
             h = torch.randn(M, HIDDEN, device=device, dtype=torch.bfloat16, generator=gen)
             r = torch.randn(M, HIDDEN, device=device, dtype=torch.bfloat16, generator=gen)
             base_ms, base_out = None, None
-            for name, flag, prefetch in VARIANTS:
+            for name, flag, prefetch, stream in VARIANTS if M == 1 else ROWS_VARIANTS:
+                if args.variants and name not in args.variants.split(","):
+                    continue
                 os.environ["FUSER_PDL"] = flag
-                ms, out = time_graph(lambda: chain(layers, h, r, prefetch))
+                gemv_stream.CONFIG, gemv_stream.ROWS_CONFIG = (stream, None) if M == 1 else \
+                    (None, stream)
+                try:
+                    ms, out = time_graph(lambda: chain(layers, h, r, prefetch))
+                except Exception as error:  # noqa: BLE001  (a variant that does not compile)
+                    log(f"{dtype:4s} M={M:2d} {name:17s} failed: {type(error).__name__}: "
+                        f"{str(error)[:200]}")
+                    continue
+                finally:
+                    gemv_stream.CONFIG = gemv_stream.ROWS_CONFIG = None
                 if base_ms is None:
                     base_ms, base_out = ms, out
                 row = dict(dtype=dtype, rows=M, variant=name, ms=ms,
                            us_per_layer=1e3 * ms / args.layers,
                            pct_bandwidth=100 * weight_bytes / (ms / 1e3) / bandwidth,
-                           speedup=base_ms / ms, equal=bool(torch.equal(out, base_out)))
+                           speedup=base_ms / ms, equal=bool(torch.equal(out, base_out)),
+                           rel_diff=rel_diff(out, base_out))
                 rows.append(row)
-                log(f"{dtype:4s} M={M:2d} {name:17s} {ms:7.3f} ms ({row['us_per_layer']:6.1f} "
+                log(f"{dtype:4s} M={M:2d} {name:19s} {ms:7.3f} ms ({row['us_per_layer']:6.1f} "
                     f"us/layer, {row['pct_bandwidth']:4.1f}% of bandwidth) {row['speedup']:.3f}x "
-                    f"{'equal' if row['equal'] else 'DIFFERENT'}")
+                    f"{'equal' if row['equal'] else 'rel diff %.1e' % row['rel_diff']}")
         del layers
         torch.cuda.empty_cache()
     os.environ.pop("FUSER_PDL", None)

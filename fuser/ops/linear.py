@@ -493,8 +493,21 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         if summed is not None:  # no program runs to write it
             torch.add(x2, r2, out=summed)
         return out.zero_().reshape(*lead, N), _lead(summed, lead, K)
-    bn, bk, warps, stages = (_default_fp8_config if fp8 else _default_config)(M, rows_w, K)
     block_n, block_k, num_warps, num_stages, split_k, prefetch = overrides
+    if x.device.type == "cuda" and (M == 1 or not norm) and all(o is None for o in overrides):
+        from fuser.ops import gemv_stream  # noqa: PLC0415  (it imports this module's helpers)
+
+        config = gemv_stream.CONFIG if M == 1 else gemv_stream.ROWS_CONFIG
+        plan = None if config is None else gemv_stream.stream_plan(
+            N, K, weight.element_size(), activation is not None, config,
+            gemv_stream.num_sms(x.device), M)
+        if plan is not None:
+            gemv_stream.stream_gemv(
+                x2, weight, out, plan, config, weight_scale=weight_scale, activation=activation,
+                residual=r2 if residual is not None else None, eps=eps, summed=summed,
+                norm_weight=norm_weight.contiguous() if norm_weight is not None else None)
+            return out.reshape(*lead, N), _lead(summed, lead, K)
+    bn, bk, warps, stages = (_default_fp8_config if fp8 else _default_config)(M, rows_w, K)
     bn, bk = block_n or bn, block_k or bk
     if activation is not None and bn < 2:
         raise ValueError(f"block_n={bn}: a gated program takes block_n / 2 gate rows and as "

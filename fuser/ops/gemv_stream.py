@@ -1,0 +1,270 @@
+"""The one-row decode GEMV as a stream: one program per SM, each over a contiguous run of
+output columns and the whole of K, its weight rows read through one pipelined loop.
+
+    stream_gemv(x, weight, ...) = x @ weight.T     x: [1, K], weight: [N, K] -> [1, N]
+
+with the same options and the same math as fuser/ops/linear.py's one-row path (FP8 weights with
+per-row scales, the gated activation over a merged gate/up weight, the RMSNorm prologue with or
+without the residual add); it computes what `_linear_kernel` computes at BLOCK_M = 1, only the
+summation order differs (K steps of another width).
+
+Why another kernel. A decode step at batch 1 is a chain of short weight-streaming kernels (an FP8
+qkv GEMV at the 8B shape reads 25 MB: 5.9 us at the H200's 4.25 TB/s). `_linear_kernel` gives
+each program BLOCK_N = 8-32 weight rows and launches hundreds of programs, 1.2-6 waves of them:
+each program fills its pipeline from nothing, and at a kernel's end the last wave's programs
+leave SMs idle. Measured in a 16-layer chain of 8B GEMVs (benchmarks/pdl_lab.py, RESULTS.md,
+eighth session) a layer took 70.2 us in FP8 against 51.3 us of weight bytes (73%) and 118.9 us
+in bf16 against 102.6 (86%): some 3-5 us per kernel that do not shrink with the bytes.
+Here every SM gets the same share of the rows, ROWS = cdiv(N, programs), in `programs_per_sm`
+programs, so there is one wave, every SM streams the same bytes, and each program's pipeline
+fills once per kernel instead of once per BLOCK_N rows.
+
+PDL (fuser/ops/pdl.py, FUSER_PDL=1). A program loads its first `prefetch` weight tiles before
+anything else (weights never depend on the previous kernel), then lets the next kernel launch
+(`griddepcontrol.launch_dependents`) and only then waits for the previous kernel
+(`griddepcontrol.wait`) before it reads x. With one or two programs per SM and a moderate tile,
+the next GEMV's programs fit on the SMs beside the running ones, so they are resident and have
+their first tiles in flight while the running kernel streams its last bytes: the stream does
+not stop at the kernel boundary. Without PDL the prefetch still overlaps the norm prologue's
+walk over x. Completion stays transitive (a program completes only after its wait returned).
+
+Tile: [BLOCK_R, BLOCK_K] with BLOCK_R = next_pow2(ROWS) weight rows (gated: twice that, gate
+rows then the matching up rows, as in _linear_kernel) and BLOCK_K = tile_bytes / (BLOCK_R * the
+weight's element size), so a K step moves `tile_bytes` whatever the shape. The kernel is used
+only where each row's run per step is at least MIN_RUN_BYTES (whole 32-byte sectors, 16-byte
+loads): not the LM head (N = 128256: 972 rows a program), which _linear_kernel streams at ~100%.
+
+Cost: as _linear_kernel at one row. Bytes = N * K * s_w + K * s_x (+ the norm prologue's x, r
+re-read from L2 by every program) + N * s_out; FLOPs = 2 * N * K.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from fuser.ops.gated_act import act_times_up
+from fuser.ops.linear import _row_step, _rows_step
+from fuser.ops.pdl import gdc_launch_dependents, gdc_wait, pdl_launch
+from fuser.ops.rmsnorm import _load_block
+
+MIN_RUN_BYTES = 64  # bytes of one weight row per K step: two whole sectors, 16-byte loads
+NORM_BLOCK = 8192   # the norm prologue sums x (+ r) in chunks of at most this many columns
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """How the stream GEMV is cut: programs per SM, bytes per K step and program, warps, and
+    the weight tiles in flight per program (`depth`, 1-4: a pipeline in registers, the first
+    depth - 1 tiles loaded before the PDL wait). num_stages is Triton's own pipelining, which
+    only the several-row path (the MMA) gets."""
+
+    programs_per_sm: int = 1
+    tile_bytes: int = 16384
+    num_warps: int = 8
+    depth: int = 3
+    num_stages: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.depth <= 4:
+            raise ValueError(f"depth={self.depth}: 1 to 4 tiles in flight")
+        if self.programs_per_sm < 1 or self.tile_bytes < 256 or self.num_stages < 1:
+            raise ValueError(f"not a stream configuration: {self}")
+
+
+# The configuration linear.py uses at one row on CUDA; None leaves every one-row GEMV to
+# _linear_kernel. Benchmarks set it to compare (a CUDA graph keeps what it was captured with).
+CONFIG: StreamConfig | None = None
+ROWS_CONFIG: StreamConfig | None = None  # likewise for 2..16 rows (the MMA path)
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    """The launch a shape gets: ROWS output columns per program, the tile, the grid."""
+
+    rows: int
+    block_r: int
+    block_k: int
+    programs: int
+
+
+def stream_plan(N: int, K: int, weight_bytes: int, gated: bool, config: StreamConfig,
+                num_sms: int, x_rows: int = 1) -> StreamPlan | None:
+    """The launch for N output columns (gated: over a [2N, K] merged weight) and x_rows rows of
+    x, or None where a program's rows are too many for a K step of MIN_RUN_BYTES per row.
+    Several rows run on the MMA, whose tile needs at least 16 weight rows."""
+    rows = triton.cdiv(N, num_sms * config.programs_per_sm)
+    block_r = triton.next_power_of_2(rows) * (2 if gated else 1)
+    if x_rows > 1:
+        block_r = max(block_r, 16 * (2 if gated else 1))
+    block_k = config.tile_bytes // (block_r * weight_bytes)
+    if block_k * weight_bytes < MIN_RUN_BYTES:
+        return None
+    block_k = min(triton.next_power_of_2(block_k), triton.next_power_of_2(K))
+    return StreamPlan(rows, block_r, block_k, triton.cdiv(N, rows))
+
+
+@triton.jit
+def _load_tile(w_rows, col_ok, k, K):
+    """The weight tile at columns k (masked past K: a predicated-off load moves no bytes)."""
+    return tl.load(w_rows + k[None, :], mask=col_ok[:, None] & (k < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _step(acc, w, x_ptr, x_rows, r_ptr, g_ptr, k, K, row_ok, rstd, BLOCK_M: tl.constexpr,
+          FP32_DOTS: tl.constexpr, HAS_SCALE: tl.constexpr, NORM: tl.constexpr,
+          HAS_RESIDUAL: tl.constexpr):
+    """One K step: linear.py's one-row step (CUDA cores) or its several-row step (the MMA)."""
+    if BLOCK_M == 1:
+        acc = _row_step(acc, w, x_ptr, r_ptr, g_ptr, k, K, rstd, NORM, HAS_RESIDUAL)
+    else:
+        acc = _rows_step(acc, w, x_rows, x_rows, g_ptr, k, K, row_ok, rstd, FP32_DOTS,
+                         HAS_SCALE, False, False)
+    return acc
+
+
+@triton.jit
+def _stream_kernel(
+    x_ptr,                      # x: [M, K], row stride stride_xm, x's dtype
+    w_ptr,                      # weight: [N, K] ([2N, K] gated), row stride stride_wn
+    scale_ptr,                  # one fp32 per weight row (HAS_SCALE)
+    out_ptr,                    # out: [M, N], contiguous, x's dtype
+    r_ptr, g_ptr, sum_ptr,      # residual [K], norm weight [K], summed [K] (NORM: one row only)
+    M, N, K, ROWS, stride_xm, stride_wn, eps,
+    BLOCK_M: tl.constexpr,      # 1 (CUDA cores), or a power of two >= 16 (the MMA, as linear.py)
+    BLOCK_R: tl.constexpr,      # weight rows per tile: next_pow2(ROWS), twice that if gated
+    BLOCK_K: tl.constexpr,
+    DEPTH: tl.constexpr,        # weight tiles in flight per program (1-4); DEPTH - 1 load
+                                # before the PDL wait
+    NORM_K: tl.constexpr,       # the norm prologue's chunk
+    FP32_DOTS: tl.constexpr,    # the MMA in fp32 (fp32 models; bf16 under TRITON_INTERPRET)
+    HAS_SCALE: tl.constexpr, ACTIVATION: tl.constexpr, NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tile = tl.arange(0, BLOCK_R)
+    if ACTIVATION == "":
+        local = tile
+        w_shift = tile * 0
+    else:  # tile rows [0, HALF): gate rows; [HALF, BLOCK_R): the matching up rows, N further
+        HALF: tl.constexpr = BLOCK_R // 2
+        local = tile % HALF
+        w_shift = tl.where(tile < HALF, 0, N)
+    cols = pid * ROWS + local
+    col_ok = (local < ROWS) & (cols < N)
+    w_row = cols + w_shift
+    w_rows = w_ptr + w_row[:, None].to(tl.int64) * stride_wn
+    k0s = tl.arange(0, BLOCK_K)
+    # The pipeline, in registers: tiles 0 .. DEPTH - 2 load now (weights only: nothing the
+    # previous kernel writes), and each K step loads the tile DEPTH - 1 steps ahead before it
+    # sums the oldest, so DEPTH tiles are in flight (a load blocks only at its first use).
+    if DEPTH >= 2:
+        wa = _load_tile(w_rows, col_ok, k0s, K)
+    if DEPTH >= 3:
+        wb = _load_tile(w_rows, col_ok, BLOCK_K + k0s, K)
+    if DEPTH >= 4:
+        wc = _load_tile(w_rows, col_ok, 2 * BLOCK_K + k0s, K)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    x_rows = x_ptr
+    row_ok = tl.arange(0, BLOCK_M) < M
+    if BLOCK_M == 1:
+        rstd = 0.0
+        if NORM:  # one walk over the row for its sum of squares; program 0 writes h = x + r
+            squares = tl.zeros([NORM_K], dtype=tl.float32)
+            for k0 in range(0, K, NORM_K):
+                k = k0 + tl.arange(0, NORM_K)
+                k_ok = k < K
+                h = _load_block(x_ptr, r_ptr, sum_ptr, k, k_ok, HAS_RESIDUAL, False)
+                if HAS_RESIDUAL:
+                    if pid == 0:  # one writer, never in place: the other programs read x and r
+                        tl.store(sum_ptr + k, h.to(sum_ptr.dtype.element_ty), mask=k_ok)
+                squares += h * h
+            rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)  # fp32, as rmsnorm.py
+        acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    else:  # several rows, no norm: linear.py's MMA step over the same tiles
+        rows = tl.arange(0, BLOCK_M)
+        x_rows = x_ptr + rows[:, None] * stride_xm
+        rstd = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + k0s
+        if DEPTH == 1:
+            w = _load_tile(w_rows, col_ok, k, K)
+            acc = _step(acc, w, x_ptr, x_rows, r_ptr, g_ptr, k, K, row_ok, rstd, BLOCK_M,
+                        FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL)
+        else:
+            ahead = _load_tile(w_rows, col_ok, k + (DEPTH - 1) * BLOCK_K, K)
+            acc = _step(acc, wa, x_ptr, x_rows, r_ptr, g_ptr, k, K, row_ok, rstd, BLOCK_M,
+                        FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL)
+            if DEPTH == 2:
+                wa = ahead
+            elif DEPTH == 3:
+                wa, wb = wb, ahead
+            else:
+                wa, wb, wc = wb, wc, ahead
+    if HAS_SCALE:  # once per output, after the sum over K
+        scale = tl.load(scale_ptr + w_row, mask=col_ok, other=0.0)
+        acc *= scale if BLOCK_M == 1 else scale[None, :]
+    out_dtype = out_ptr.dtype.element_ty
+    if ACTIVATION != "":
+        if BLOCK_M == 1:
+            gate, up = tl.split(tl.permute(tl.reshape(acc, [2, HALF]), [1, 0]))
+        else:
+            gate, up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, HALF]), [0, 2, 1]))
+        acc = act_times_up(gate.to(out_dtype).to(tl.float32), up.to(out_dtype).to(tl.float32),
+                           ACTIVATION, out_dtype)
+        local = tl.arange(0, HALF)
+        cols = pid * ROWS + local
+        col_ok = (local < ROWS) & (cols < N)
+    if BLOCK_M == 1:
+        tl.store(out_ptr + cols, acc.to(out_dtype), mask=col_ok)
+    else:
+        out = out_ptr + tl.arange(0, BLOCK_M)[:, None] * N + cols[None, :]
+        tl.store(out, acc.to(out_dtype), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (4 elsewhere: the interpreter's stand-in)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def stream_gemv(x: Tensor, weight: Tensor, out: Tensor, plan: StreamPlan, config: StreamConfig,
+                *, weight_scale: Tensor | None = None, activation: str | None = None,
+                residual: Tensor | None = None, norm_weight: Tensor | None = None,
+                eps: float = 0.0, summed: Tensor | None = None) -> None:
+    """Launch the stream kernel: out [M, N] (contiguous) = the GEMV of x [M, K] (M <= 16, unit
+    column stride) as fuser/ops/linear.py's _launch defines it, by `plan` (stream_plan). With
+    norm_weight (one row only) the input is rms_norm(x (+ residual)) and summed [1, K] receives
+    x + residual. PDL (FUSER_PDL=1) at one row only, as _linear_kernel."""
+    M, K = x.shape
+    N = out.shape[-1]
+    norm = norm_weight is not None
+    if norm and M != 1:
+        raise ValueError(f"the stream GEMV's norm prologue is one row's, got {M} rows")
+    block_m = 1 if M == 1 else max(16, triton.next_power_of_2(M))
+    if block_m > 1 and plan.block_r < 16:
+        raise ValueError(f"{plan}: several rows (the MMA) need block_r >= 16")
+    dot_dtype = x.dtype if weight_scale is not None else weight.dtype
+    fp32_dots = dot_dtype == torch.float32 or (
+        x.device.type != "cuda" and dot_dtype == torch.bfloat16)
+    pdl = pdl_launch(x.device) if M == 1 else {}
+    _stream_kernel[(plan.programs,)](
+        x, weight, weight_scale if weight_scale is not None else out, out,
+        residual if residual is not None else x, norm_weight if norm else x,
+        summed if summed is not None else x,
+        M, N, K, plan.rows, x.stride(0), weight.stride(0), eps,
+        BLOCK_M=block_m, BLOCK_R=plan.block_r, BLOCK_K=plan.block_k,
+        DEPTH=config.depth,
+        NORM_K=min(triton.next_power_of_2(K), NORM_BLOCK), FP32_DOTS=fp32_dots,
+        HAS_SCALE=weight_scale is not None, ACTIVATION=activation or "", NORM=norm,
+        HAS_RESIDUAL=residual is not None, PDL=bool(pdl), num_warps=config.num_warps,
+        num_stages=config.num_stages, **pdl,
+    )

@@ -1,0 +1,179 @@
+"""The stream GEMV (fuser/ops/gemv_stream.py): one row, one program per SM over a run of
+output columns, against the references and against _linear_kernel's one-row path.
+
+Without a GPU the kernel runs under TRITON_INTERPRET=1 (conftest.py) with a stand-in of 4 SMs
+(or what a test asks); with one, the tests with "gpu" in their name run the 8B shapes for real.
+
+What must hold, for every plan (rows per program, tile, prefetched tiles):
+- summed (x + residual, program 0) equals add_rms_norm's sum bit for bit;
+- out is within the GEMV tests' float64 bounds (test_ops_linear.check, or
+  test_ops_gated_linear.assert_gated_close) around the reference's normed rows and weights;
+- in bf16/fp16 nearly every output equals _linear_kernel's bit for bit (only the summation
+  order differs), so a dropped or doubled K step or row cannot hide inside the bound.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fuser.ops import gemv_stream
+from fuser.ops.fp8 import dequantize, quantize_weight
+from fuser.ops.gemv_stream import StreamConfig, stream_gemv, stream_plan
+from fuser.ops.linear import linear_triton, rms_norm_linear_triton
+from test_ops_gated_linear import SETTINGS, assert_gated_close, assert_mostly_equal
+from test_ops_linear import check as assert_linear_close
+from test_ops_norm_linear import EPS, inputs, reference_norm
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+pytestmark = [
+    pytest.mark.usefixtures("interpreter_rounds_bf16_like_gpu"),
+    pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning"),
+]
+
+
+def run(K: int, N: int, dtype: torch.dtype, norm: bool, residual: bool, activation: str | None,
+        fp8: bool, seed: int, config: StreamConfig, sms: int, M: int = 1) -> None:
+    rows_w = 2 * N if activation else N
+    x, r, norm_weight, w = inputs(M, K, rows_w, dtype, seed, residual)
+    r = r if norm else None
+    scale = None
+    if fp8:
+        w, scale = quantize_weight(w.float())
+    plan = stream_plan(N, K, w.element_size(), activation is not None, config, sms, M)
+    assert plan is not None
+    assert plan.programs <= sms * config.programs_per_sm  # one wave
+    to = (lambda t: None if t is None else t.to(DEVICE))
+    xd, rd, gd, wd, sd = (to(t) for t in (x, r, norm_weight, w, scale))
+    out = torch.full((M, N), float("nan"), dtype=dtype, device=DEVICE)  # poisoned: all written?
+    summed = torch.full_like(xd, float("nan")) if r is not None else None
+    stream_gemv(xd, wd, out, plan, config, weight_scale=sd, activation=activation, residual=rd,
+                norm_weight=gd if norm else None, eps=EPS, summed=summed)
+    out = out.cpu()
+    w_values = dequantize(w, scale) if fp8 else w
+    if norm:
+        normed, summed_ref = reference_norm(x, r, norm_weight)
+        if r is not None:
+            assert torch.equal(summed.cpu(), summed_ref)
+        # _linear_kernel's one row (explicit blocks: never the stream kernel)
+        other, _ = rms_norm_linear_triton(xd, rd, gd, EPS, wd, weight_scale=sd,
+                                          activation=activation, block_n=16, block_k=64)
+    else:
+        normed = x
+        other = linear_triton(xd, wd, weight_scale=sd, activation=activation, block_n=16,
+                              block_k=64)
+    if activation is None:
+        assert_linear_close(normed, w_values, out)
+    else:
+        assert_gated_close(out, normed, w_values, activation, dtype)
+    assert_mostly_equal(out, other.cpu(), dtype)
+
+
+CONFIGS = [StreamConfig(tile_bytes=2048, depth=1), StreamConfig(tile_bytes=4096, depth=3),
+           StreamConfig(programs_per_sm=2, tile_bytes=1024, depth=2, num_stages=2),
+           StreamConfig(tile_bytes=4096, depth=4)]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"p{c.programs_per_sm}t{c.tile_bytes}"
+                         f"d{c.depth}")
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16w", "fp8w"])
+@pytest.mark.parametrize("activation", [None, "silu"])
+@pytest.mark.parametrize("norm, residual", [(False, False), (True, False), (True, True)],
+                         ids=["plain", "norm", "add_norm"])
+def test_plans_norms_gated_fp8(norm, residual, activation, fp8, config) -> None:
+    # N, K off every block size: a short last program, a masked last K step and rows past N
+    # inside the last program's tile.
+    run(200, 37, torch.bfloat16, norm, residual, activation, fp8, seed=7, config=config, sms=4)
+
+
+@settings(max_examples=12, derandomize=True, **SETTINGS)
+@given(
+    K=st.integers(8, 400),
+    N=st.integers(1, 90),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    norm_residual=st.sampled_from([(False, False), (True, False), (True, True)]),
+    activation=st.sampled_from([None, "silu", "gelu_tanh"]),
+    fp8=st.booleans(),
+    sms=st.integers(1, 8),
+    config=st.sampled_from(CONFIGS),
+    seed=st.integers(0, 2**16),
+)
+def test_any_shape(K, N, dtype, norm_residual, activation, fp8, sms, config, seed) -> None:
+    norm, residual = norm_residual
+    if stream_plan(N, K, 1 if fp8 else dtype.itemsize, activation is not None, config,
+                   sms) is None:
+        return  # too many rows a program for the tile: linear.py keeps _linear_kernel
+    run(K, N, dtype, norm, residual, activation, fp8, seed, config, sms)
+
+
+@pytest.mark.parametrize("M", [2, 5, 16])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16w", "fp8w"])
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_several_rows_on_the_mma(M, activation, fp8) -> None:
+    # the verification step's rows (no norm prologue there: the engine runs the norm kernel)
+    run(200, 37, torch.bfloat16, False, False, activation, fp8, seed=M, config=CONFIGS[1],
+        sms=4, M=M)
+
+
+@settings(max_examples=8, derandomize=True, **SETTINGS)
+@given(K=st.integers(8, 300), N=st.integers(1, 70), M=st.integers(2, 16),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       activation=st.sampled_from([None, "silu"]), fp8=st.booleans(), sms=st.integers(1, 6),
+       seed=st.integers(0, 2**16))
+def test_several_rows_any_shape(K, N, M, dtype, activation, fp8, sms, seed) -> None:
+    config = StreamConfig(tile_bytes=8192, depth=2)
+    if stream_plan(N, K, 1 if fp8 else dtype.itemsize, activation is not None, config, sms,
+                   M) is None:
+        return
+    run(K, N, dtype, False, False, activation, fp8, seed, config, sms, M)
+
+
+def test_plan_is_one_wave_of_equal_runs() -> None:
+    config = StreamConfig()
+    # Llama-3-8B at one row on an H200 (132 SMs): qkv, o_proj, gate/up (merged), down_proj
+    for N, K, gated, w_bytes, rows, block_r in [(6144, 4096, False, 1, 47, 64),
+                                                (4096, 4096, False, 2, 32, 32),
+                                                (14336, 4096, True, 1, 109, 256),
+                                                (4096, 14336, False, 1, 32, 32)]:
+        plan = stream_plan(N, K, w_bytes, gated, config, 132)
+        assert plan is not None and (plan.rows, plan.block_r) == (rows, block_r)
+        assert plan.programs <= 132 and plan.block_r * plan.block_k * w_bytes <= config.tile_bytes
+        assert plan.block_k * w_bytes >= gemv_stream.MIN_RUN_BYTES
+    # the LM head's 972 rows a program leave 16-byte runs: not this kernel's shape
+    assert stream_plan(128256, 4096, 1, False, config, 132) is None
+
+
+def test_bad_configs_are_refused() -> None:
+    with pytest.raises(ValueError, match="depth"):
+        StreamConfig(depth=5)
+    with pytest.raises(ValueError, match="stream configuration"):
+        StreamConfig(programs_per_sm=0)
+
+
+@needs_cuda
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16w", "fp8w"])
+@pytest.mark.parametrize("shape", ["qkv", "o_proj", "gate_up", "down"])
+def test_gpu_8b_shapes_through_linear(shape, fp8, monkeypatch: pytest.MonkeyPatch) -> None:
+    """linear.py dispatches one row to the stream kernel when CONFIG is set: the 8B shapes."""
+    K, N, norm, activation = {"qkv": (4096, 6144, True, None), "o_proj": (4096, 4096, False, None),
+                              "gate_up": (4096, 14336, True, "silu"),
+                              "down": (14336, 4096, False, None)}[shape]
+    monkeypatch.setattr(gemv_stream, "CONFIG", StreamConfig())
+    run(K, N, torch.bfloat16, norm, norm, activation, fp8, seed=3, config=StreamConfig(),
+        sms=gemv_stream.num_sms(torch.device("cuda")))
+    x, r, g, w = (t.cuda() if t is not None else None
+                  for t in inputs(1, K, 2 * N if activation else N, torch.bfloat16, 5, True))
+    w, scale = quantize_weight(w.float()) if fp8 else (w, None)
+    if norm:
+        out, _ = rms_norm_linear_triton(x, r, g, EPS, w, weight_scale=scale, activation=activation)
+        ref, _ = rms_norm_linear_triton(x, r, g, EPS, w, weight_scale=scale,
+                                        activation=activation, block_n=16, block_k=512)
+    else:
+        out = linear_triton(x, w, weight_scale=scale, activation=activation)
+        ref = linear_triton(x, w, weight_scale=scale, activation=activation, block_n=16,
+                            block_k=512)
+    assert_mostly_equal(out, ref, torch.bfloat16)
