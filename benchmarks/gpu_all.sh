@@ -263,7 +263,7 @@ elif [ "$what" = stream ]; then
     | grep -v Warning | grep -E "^E |FAIL|Error|passed|failed" | head -30
   summary+=("GPU tests: $(tail -1 "$OUT/gpu_tests.log")")
   echo "== GEMV chain lab, 16 layers"
-  timeout 300 python3 benchmarks/pdl_lab.py --layers 16 --out "$OUT/pdl_lab.json" 2>&1 \
+  timeout 300 python3 benchmarks/pdl_lab.py --layers 16 --out "$OUT/pdl_lab.json" "$@" 2>&1 \
     | tee "$OUT/pdl_lab.log" | grep -v Warning | tail -40
 elif [ "$what" = decode ]; then
   echo "== decode benchmark"

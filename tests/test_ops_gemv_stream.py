@@ -177,3 +177,16 @@ def test_gpu_8b_shapes_through_linear(shape, fp8, monkeypatch: pytest.MonkeyPatc
         ref = linear_triton(x, w, weight_scale=scale, activation=activation, block_n=16,
                             block_k=512)
     assert_mostly_equal(out, ref, torch.bfloat16)
+
+
+@needs_cuda
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16w", "fp8w"])
+@pytest.mark.parametrize("shape", ["qkv", "gate_up", "down"])
+@pytest.mark.parametrize("config", [StreamConfig(), StreamConfig(depth=1, num_stages=3)],
+                         ids=["d3", "d1st3"])
+def test_gpu_8b_shapes_five_rows(shape, fp8, config) -> None:
+    """The verify step's five rows at the 8B shapes, on the MMA."""
+    K, N, activation = {"qkv": (4096, 6144, None), "gate_up": (4096, 14336, "silu"),
+                        "down": (14336, 4096, None)}[shape]
+    run(K, N, torch.bfloat16, False, False, activation, fp8, seed=11, config=config,
+        sms=gemv_stream.num_sms(torch.device("cuda")), M=5)

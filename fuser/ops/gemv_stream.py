@@ -48,9 +48,9 @@ import triton.language as tl
 from torch import Tensor
 
 from fuser.ops.gated_act import act_times_up
-from fuser.ops.linear import _row_step, _rows_step
+from fuser.ops.linear import _mma
 from fuser.ops.pdl import gdc_launch_dependents, gdc_wait, pdl_launch
-from fuser.ops.rmsnorm import _load_block
+from fuser.ops.rmsnorm import _load_block, _normalise
 
 MIN_RUN_BYTES = 64  # bytes of one weight row per K step: two whole sectors, 16-byte loads
 NORM_BLOCK = 8192   # the norm prologue sums x (+ r) in chunks of at most this many columns
@@ -115,15 +115,40 @@ def _load_tile(w_rows, col_ok, k, K):
 
 
 @triton.jit
-def _step(acc, w, x_ptr, x_rows, r_ptr, g_ptr, k, K, row_ok, rstd, BLOCK_M: tl.constexpr,
-          FP32_DOTS: tl.constexpr, HAS_SCALE: tl.constexpr, NORM: tl.constexpr,
-          HAS_RESIDUAL: tl.constexpr):
-    """One K step: linear.py's one-row step (CUDA cores) or its several-row step (the MMA)."""
+def _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M: tl.constexpr, NORM: tl.constexpr,
+            HAS_RESIDUAL: tl.constexpr):
+    """The raw input tiles at columns k: (x, residual, norm weight); without NORM the last two
+    are x again (never used). Loaded a pipeline stage ahead, like the weight tile: a K step
+    waits on no load from L2."""
+    k_ok = k < K
     if BLOCK_M == 1:
-        acc = _row_step(acc, w, x_ptr, r_ptr, g_ptr, k, K, rstd, NORM, HAS_RESIDUAL)
+        x = tl.load(x_rows + k, mask=k_ok, other=0.0)
     else:
-        acc = _rows_step(acc, w, x_rows, x_rows, g_ptr, k, K, row_ok, rstd, FP32_DOTS,
-                         HAS_SCALE, False, False)
+        x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+    r = x
+    g = x
+    if NORM:  # one row only
+        g = tl.load(g_ptr + k, mask=k_ok, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(r_ptr + k, mask=k_ok, other=0.0)
+    return x, r, g
+
+
+@triton.jit
+def _step(acc, w, x, r, g, rstd, BLOCK_M: tl.constexpr, FP32_DOTS: tl.constexpr,
+          HAS_SCALE: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """One K step over loaded tiles: linear.py's one-row step (CUDA cores) or its several-row
+    step (the MMA). With NORM the input is g * (h * rstd).to(dtype) rounded once, h = x (+ r)
+    rounded to x's dtype: what linear.py's _norm_x_tile forms, bit for bit."""
+    if NORM:
+        h = x.to(tl.float32)
+        if HAS_RESIDUAL:
+            h = (h + r.to(tl.float32)).to(x.dtype).to(tl.float32)
+        x = _normalise(h, rstd, g, x.dtype).to(x.dtype)
+    if BLOCK_M == 1:
+        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    else:
+        acc = _mma(acc, x, w, FP32_DOTS, HAS_SCALE)
     return acc
 
 
@@ -159,9 +184,10 @@ def _stream_kernel(
     w_row = cols + w_shift
     w_rows = w_ptr + w_row[:, None].to(tl.int64) * stride_wn
     k0s = tl.arange(0, BLOCK_K)
-    # The pipeline, in registers: tiles 0 .. DEPTH - 2 load now (weights only: nothing the
-    # previous kernel writes), and each K step loads the tile DEPTH - 1 steps ahead before it
-    # sums the oldest, so DEPTH tiles are in flight (a load blocks only at its first use).
+    # The pipeline, in registers: the weight tiles of steps 0 .. DEPTH - 2 load now (weights
+    # only: nothing the previous kernel writes), their x tiles after the wait; each K step then
+    # loads the tiles DEPTH - 1 steps ahead before it sums the oldest, so DEPTH weight tiles are
+    # in flight and no step waits on a load (a load blocks only at its first use).
     if DEPTH >= 2:
         wa = _load_tile(w_rows, col_ok, k0s, K)
     if DEPTH >= 3:
@@ -171,9 +197,9 @@ def _stream_kernel(
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
-    x_rows = x_ptr
     row_ok = tl.arange(0, BLOCK_M) < M
     if BLOCK_M == 1:
+        x_rows = x_ptr
         rstd = 0.0
         if NORM:  # one walk over the row for its sum of squares; program 0 writes h = x + r
             squares = tl.zeros([NORM_K], dtype=tl.float32)
@@ -188,26 +214,39 @@ def _stream_kernel(
             rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)  # fp32, as rmsnorm.py
         acc = tl.zeros([BLOCK_R], dtype=tl.float32)
     else:  # several rows, no norm: linear.py's MMA step over the same tiles
-        rows = tl.arange(0, BLOCK_M)
-        x_rows = x_ptr + rows[:, None] * stride_xm
-        rstd = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
+        x_rows = x_ptr + tl.arange(0, BLOCK_M)[:, None] * stride_xm
+        rstd = 0.0
         acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    if DEPTH >= 2:
+        xa, ra, ga = _load_x(x_rows, r_ptr, g_ptr, k0s, K, row_ok, BLOCK_M, NORM, HAS_RESIDUAL)
+    if DEPTH >= 3:
+        xb, rb, gb = _load_x(x_rows, r_ptr, g_ptr, BLOCK_K + k0s, K, row_ok, BLOCK_M, NORM,
+                             HAS_RESIDUAL)
+    if DEPTH >= 4:
+        xc, rc, gc = _load_x(x_rows, r_ptr, g_ptr, 2 * BLOCK_K + k0s, K, row_ok, BLOCK_M, NORM,
+                             HAS_RESIDUAL)
     for k0 in range(0, K, BLOCK_K):
-        k = k0 + k0s
         if DEPTH == 1:
+            k = k0 + k0s
             w = _load_tile(w_rows, col_ok, k, K)
-            acc = _step(acc, w, x_ptr, x_rows, r_ptr, g_ptr, k, K, row_ok, rstd, BLOCK_M,
-                        FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL)
+            x, r, g = _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M, NORM, HAS_RESIDUAL)
+            acc = _step(acc, w, x, r, g, rstd, BLOCK_M, FP32_DOTS, HAS_SCALE, NORM,
+                        HAS_RESIDUAL)
         else:
-            ahead = _load_tile(w_rows, col_ok, k + (DEPTH - 1) * BLOCK_K, K)
-            acc = _step(acc, wa, x_ptr, x_rows, r_ptr, g_ptr, k, K, row_ok, rstd, BLOCK_M,
-                        FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL)
+            k = k0 + (DEPTH - 1) * BLOCK_K + k0s
+            w = _load_tile(w_rows, col_ok, k, K)
+            x, r, g = _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M, NORM, HAS_RESIDUAL)
+            acc = _step(acc, wa, xa, ra, ga, rstd, BLOCK_M, FP32_DOTS, HAS_SCALE, NORM,
+                        HAS_RESIDUAL)
             if DEPTH == 2:
-                wa = ahead
+                wa, xa, ra, ga = w, x, r, g
             elif DEPTH == 3:
-                wa, wb = wb, ahead
+                wa, xa, ra, ga = wb, xb, rb, gb
+                wb, xb, rb, gb = w, x, r, g
             else:
-                wa, wb, wc = wb, wc, ahead
+                wa, xa, ra, ga = wb, xb, rb, gb
+                wb, xb, rb, gb = wc, xc, rc, gc
+                wc, xc, rc, gc = w, x, r, g
     if HAS_SCALE:  # once per output, after the sum over K
         scale = tl.load(scale_ptr + w_row, mask=col_ok, other=0.0)
         acc *= scale if BLOCK_M == 1 else scale[None, :]

@@ -134,14 +134,21 @@ def _rows_step(acc, w, x_rows, r_rows, g_ptr, k, k_hi, row_ok, rstd, FP32_DOTS: 
     k_ok = k < k_hi
     x = _norm_x_tile(x_rows, r_rows, g_ptr, k[None, :], row_ok[:, None] & k_ok[None, :],
                      k_ok[None, :], rstd, NORM, HAS_RESIDUAL)
+    return _mma(acc, x, w, FP32_DOTS, HAS_SCALE)
+
+
+@triton.jit
+def _mma(acc, x, w, FP32_DOTS: tl.constexpr, HAS_SCALE: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] + x [BLOCK_M, BLOCK_K] . w [BLOCK_N, BLOCK_K].T on the MMA."""
     if FP32_DOTS:
-        return acc + tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
     elif HAS_SCALE:
         # e4m3fn -> bf16/fp16 is exact: the MMA multiplies the activation by the weight's exact
         # value and the activation is never quantized on this path.
-        return acc + tl.dot(x, tl.trans(w.to(x.dtype)))
+        acc += tl.dot(x, tl.trans(w.to(x.dtype)))
     else:
-        return acc + tl.dot(x.to(w.dtype), tl.trans(w))
+        acc += tl.dot(x.to(w.dtype), tl.trans(w))
+    return acc
 
 
 @triton.jit
