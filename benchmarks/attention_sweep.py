@@ -11,6 +11,12 @@ the number of splits, which the cache's block count caps: `_num_splits`) are tim
 marked `same_as` in the JSON. Each is checked against the reference once (||out - ref|| /
 ||ref|| in fp32; over 2e-2 is flagged and never "best").
 
+Per case also `fused`: fuser::rotary_cache_attention's launcher (rotary, KV-cache write and the
+split kernel in one launch, then the combine; what decode graphs run since the rotary_attention
+pass) at the default configuration, against `two_ops`: rotary_cache_write's kernel then
+cache_attention_read's launcher, which it replaces (and against whose output `fused` is checked).
+Both write the T new slots in place.
+
 Timing (benchmarks/timing.py): CUDA-graph replay of back-to-back calls (20, or one per copy if
 more), do_bench median, per call, as the engine's graphs run the op, so the ~20-40 us host launch
 of the custom op is not measured. K and V rotate over ceil(200 MB / bytes of one K+V cache)
@@ -40,6 +46,8 @@ import torch  # noqa: E402
 
 from fuser.ops.attention import (  # noqa: E402
     _num_splits, cache_attention_read_triton, cache_attention_reference)
+from fuser.ops.rope import rotary_cache_write_triton  # noqa: E402
+from fuser.ops.rotary_attention import rotary_cache_attention_triton  # noqa: E402
 from timing import (EAGER_LAUNCH, copies_for, log, measure_read_bandwidth,  # noqa: E402
                     missing_gpu, num, time_us)
 
@@ -72,6 +80,25 @@ def kernel_key(config: dict, kv: int, slots: int) -> tuple | None:
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref).norm() / ref.norm())
+
+
+def new_tokens(kv: int, rep: int, d: int, T: int, ctx: int, device: str,
+               g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """(q, k, v, cos, sin) of T new tokens at positions ctx.., un-rotated, as the decode graph
+    has them: views of one merged-QKV output [1, T, (rep + 2) kv, d]; cos, sin [1, T, d]."""
+    qkv = torch.randn(1, T, (rep + 2) * kv, d, device=device, generator=g, dtype=torch.bfloat16)
+    q, k, v = (x.transpose(1, 2) for x in qkv.split([rep * kv, kv, kv], dim=2))
+    inv_freq = 500000.0 ** -(torch.arange(0, d, 2, device=device).float() / d)
+    angles = (ctx + torch.arange(T, device=device)).float()[:, None] * inv_freq  # [T, d / 2]
+    angles = torch.cat([angles, angles], dim=-1)[None]                           # [1, T, d]
+    return q, k, v, angles.cos().bfloat16(), angles.sin().bfloat16()
+
+
+def two_ops(q, k, v, cos, sin, k_cache, v_cache, seq_lens, starts, scale, window, softcap):
+    """What fuser::rotary_cache_attention replaces: the rotary kernel, then attention."""
+    q_rot = rotary_cache_write_triton(q, k, v, cos, sin, k_cache, v_cache, seq_lens)
+    return cache_attention_read_triton(q_rot, k_cache, v_cache, seq_lens, starts, scale, window,
+                                       softcap)
 
 
 def main() -> int:
@@ -147,14 +174,29 @@ def main() -> int:
             if key is not None:
                 seen[key] = len(results)
             results.append(result)
+        fused, two = {"config": "fused"}, {"config": "two_ops"}
+        new = new_tokens(kv, rep, d, T, ctx, device, g)
+        try:
+            # against the two ops (the same roundings of rope(q), rope(k)); the reference
+            # rounds each product of the rotation to bf16, which alone moves it by ~1e-2
+            want = two_ops(*new, k.clone(), v.clone(), *rest).float()
+            fused["rel_err"] = rel_err(rotary_cache_attention_triton(
+                *new, k.clone(), v.clone(), *rest), want)
+            for entry, fn in ((fused, rotary_cache_attention_triton), (two, two_ops)):
+                us, timing, note = timer([functools.partial(fn, *new, kc, vc, *rest)
+                                          for kc, vc in caches])
+                entry.update(us=us, timing=timing, pct_bw=pct(us))
+        except Exception as e:  # noqa: BLE001
+            fused["error"] = f"{type(e).__name__}: {e}"[:300]
         ok = [r for r in results[1:] if r.get("us") is not None and not over(r)]
         best = min(ok, key=lambda r: r["us"]) if ok else None
         errs = [r["rel_err"] for r in results if r.get("rel_err") is not None]
         row = {"ctx": ctx, "T": T, "copies": copies, "nbytes": nbytes, "eager_us": eager_us,
                "eager_timing": eager_timing, "default": results[0], "best": best,
                "all": results, "worst_rel_err": max(errs) if errs else None,
-               "errors": sum("error" in r for r in results),
-               "flagged": sum(over(r) for r in results if "same_as" not in r),
+               "fused": fused, "two_ops": two,
+               "errors": sum("error" in r for r in [*results, fused]),
+               "flagged": sum(over(r) for r in [*results, fused] if "same_as" not in r),
                "seconds": time.perf_counter() - case_start}
         rows.append(row)
         del caches
@@ -163,6 +205,8 @@ def main() -> int:
             f"{fmt(results[0].get('us'), results[0].get('timing'))} us, best "
             f"{fmt(best and best['us'], best and best['timing'])} us "
             f"{best['config'] if best else '-'}, worst err {num(row['worst_rel_err'], '.1e')}, "
+            f"fused {fmt(fused.get('us'), fused.get('timing'))} us (err "
+            f"{num(fused.get('rel_err'), '.1e')}) vs two ops {fmt(two.get('us'), two.get('timing'))} us, "
             f"{timed}/{len(results)} configs run, {row['errors']} errors, {copies} K/V copies "
             f"({row['seconds']:.1f} s)")
         if args.out:
@@ -172,12 +216,14 @@ def main() -> int:
     if args.out:
         save(args.out, bandwidth, rows, args.dry_run, seconds)
     log(f"\n{'ctx':>5}{'T':>3}{'eager us':>10}{'default us':>12}{'%bw':>6}{'best us':>9}{'%bw':>6}"
-        "  best config")
+        f"{'fused us':>10}{'2 ops us':>10}  best config")
     for r in rows:
         d_, b = r["default"], r["best"] or {}
         log(f"{r['ctx']:>5}{r['T']:>3}{fmt(r['eager_us'], r['eager_timing']):>10}"
             f"{fmt(d_.get('us'), d_.get('timing')):>12}{num(d_.get('pct_bw'), '.1f'):>6}"
             f"{fmt(b.get('us'), b.get('timing')):>9}{num(b.get('pct_bw'), '.1f'):>6}"
+            f"{fmt(r['fused'].get('us'), r['fused'].get('timing')):>10}"
+            f"{fmt(r['two_ops'].get('us'), r['two_ops'].get('timing')):>10}"
             f"  {b.get('config', '-')}")
     errors = sum(r["errors"] for r in rows)
     flagged = sum(r["flagged"] for r in rows)

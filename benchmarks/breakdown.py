@@ -21,7 +21,8 @@ from torch.profiler import ProfilerActivity, profile
 # (group, substrings of a kernel's name); the first group that matches wins.
 KERNEL_GROUPS: list[tuple[str, tuple[str, ...]]] = [
     ("GEMV: fuser::linear", ("_linear_kernel",)),
-    ("attention: fuser split-K", ("_split_kernel", "_combine_kernel")),
+    # (_rotary_split_kernel: fuser::rotary_cache_attention, rotary and the KV-cache write inside)
+    ("attention: fuser split-K", ("_split_kernel", "_rotary_split_kernel", "_combine_kernel")),
     ("rms_norm / add_rms_norm", ("_rms_norm_kernel",)),
     # fuser::rotary and fuser::rotary_cache_write (one kernel; the latter also writes k/v)
     ("rotary (+ KV cache write)", ("_rotary_kernel",)),

@@ -22,6 +22,7 @@ from fuser.passes.norm_linear import NORM_LINEAR
 from fuser.passes.projections import MERGE_GATE_UP, MERGE_QKV
 from fuser.passes.rmsnorm import ADD_RMS_NORM, RMS_NORM
 from fuser.passes.rope import ROTARY
+from fuser.passes.rotary_attention import ROTARY_ATTENTION
 from fuser.passes.rotary_cache import ROTARY_CACHE
 
 PASSES: list[GraphRewrite] = [
@@ -30,6 +31,7 @@ PASSES: list[GraphRewrite] = [
     ROTARY,
     ROTARY_CACHE,  # fixed-T steps, after rotary: fuser::rotary and the KV-cache writes after it
     ATTENTION,  # fixed-T steps, with FuserConfig(fused_attention=True)
+    ROTARY_ATTENTION,  # after rotary_cache and attention: folds the write into the read after it
     MERGE_GATE_UP,  # the two linears feeding act(gate) * up; merge_qkv takes every other group
     MERGE_QKV,
     GATED_ACT,  # after merge_gate_up: needs gate and up as the two halves of one GEMM output

@@ -53,6 +53,7 @@ def test_attention_sweep_dry_run(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())["rows"]
     assert rows and all(r["errors"] == 0 and r["flagged"] == 0 for r in rows)
     assert all(res.get("rel_err") is not None for r in rows for res in r["all"])
+    assert all(r["fused"].get("rel_err") is not None for r in rows)  # rotary_cache_attention
     assert proc.stdout.strip().splitlines()[-1].startswith("dry run on CPU")
 
 
@@ -112,6 +113,7 @@ def test_breakdown_groups_kernels_by_name() -> None:
     assert group_of("_linear_kernel") == "GEMV: fuser::linear"
     assert group_of("nvjet_sm90_tst_128x8_64x12_2x1_v_bz_splitK_TNT") == "GEMM (cuBLAS / CUTLASS)"
     assert group_of("_split_kernel") == group_of("_combine_kernel") == "attention: fuser split-K"
+    assert group_of("_rotary_split_kernel") == "attention: fuser split-K"  # rotary folded in
     assert group_of("triton_poi_fused_add_arange_index_put_permute_unsqueeze_3") == "KV cache write"
     assert group_of("_rms_norm_kernel") == "rms_norm / add_rms_norm"
     assert group_of("_rotary_kernel") == "rotary (+ KV cache write)"  # either rotary op

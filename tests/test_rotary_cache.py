@@ -1,8 +1,9 @@
 """fuser::rotary_cache_write and the rotary_cache pass: the kernel against the reference (caches
 written at the right slots, nothing else touched), the pass on Llama, Mistral and Qwen2 through
 engines with a draft (one match per layer in every fixed-T graph, no fuser::rotary or index_put
-left there, decode/verify logits, greedy and speculative output), groups it must leave alone,
-and Inductor's code for a rewritten step (the caches are written in place, never copied).
+left there, and the rotary_attention pass after it folding each write into its attention:
+decode/verify logits, greedy and speculative output), groups they must leave alone, and
+Inductor's code for a rewritten step (the caches are written in place, never copied).
 
 Without a GPU the launcher runs under TRITON_INTERPRET=1 (conftest.py); with one, for real.
 """
@@ -210,20 +211,25 @@ def test_pass_on_engines(family: str) -> None:
     report = engine.report()
     assert report.fallbacks == []
 
-    # exact counts: one rewrite per layer in every fixed-T graph, prefill left as it was
-    assert report.passes["rotary_cache"] == 2  # the target's decode graph
-    assert report.fused_ops["rotary_cache_write"] == 2 and "rotary" not in report.fused_ops
+    # exact counts: one rewrite per layer in every fixed-T graph, prefill left as it was; then
+    # the rotary_attention pass folds each write and the attention reading its rope(q) into
+    # fuser::rotary_cache_attention (tests/test_rotary_attention.py)
+    assert report.passes["rotary_cache"] == report.passes["rotary_attention"] == 2  # target decode
+    assert report.fused_ops["rotary_cache_attention"] == 2 and "rotary" not in report.fused_ops
     layers = {"target": 2, "draft": 1}
     for steps in (engine.target, engine.draft):
         for kind, graph in steps.steps.items():
             n = layers[steps.role]
             if not kind.fixed:  # prefill: its k also feeds attention among the new tokens
                 assert graph.matches["rotary_cache"] == 0 and graph.fused_ops["rotary"] == n
+                assert graph.matches["rotary_attention"] == 0
                 continue
             assert graph.name in FIXED_T_GRAPHS
             assert graph.matches["rotary_cache"] == n, graph.name
-            assert graph.fused_ops["rotary_cache_write"] == n, graph.name
-            assert "rotary" not in graph.fused_ops, graph.name
+            assert graph.matches["rotary_attention"] == n, graph.name
+            assert graph.fused_ops["rotary_cache_attention"] == n, graph.name
+            for op in ("rotary", "rotary_cache_write", "cache_attention_read"):
+                assert op not in graph.fused_ops, (graph.name, op)
             for op in (aten.index_put.default, aten.index_put_.default, aten.copy_.default):
                 assert count_targets(graph.rewritten, op) == 0, (graph.name, op)
 
@@ -273,17 +279,24 @@ class _Layer(torch.nn.Module):
         rows = torch.arange(B)[:, None].expand(B, T)
         self.k_cache.index_put_((rows, slots), k.transpose(1, 2))
         self.v_cache.index_put_((rows, slots), v.transpose(1, 2))
+        if self.variant == "cache_read_elsewhere":  # a read of the written cache between
+            old = self.k_cache.sum()                 # the write and the attention
         out = torch.ops.fuser.cache_attention_read(q, self.k_cache, self.v_cache, seq_lens,
                                                    torch.zeros_like(seq_lens), 0.25, 0, 0.0)
         if self.variant == "k_used_elsewhere":
             out = out + k.sum()
+        if self.variant == "q_used_elsewhere":  # (a max: the same bits in any memory order)
+            out = out + q.amax()
         return out + old
 
 
-@pytest.mark.parametrize(("variant", "matches"), [
-    ("clean", 1), ("k_used_elsewhere", 0), ("old_cache_read", 0), ("other_slots", 0),
+@pytest.mark.parametrize(("variant", "matches", "with_attention"), [
+    ("clean", 1, 1), ("k_used_elsewhere", 0, 0), ("old_cache_read", 0, 0), ("other_slots", 0, 0),
+    # the write is made, but stays apart from the attention (passes/rotary_attention.py)
+    ("q_used_elsewhere", 1, 0), ("cache_read_elsewhere", 1, 0),
 ])
-def test_groups_that_do_not_fit_are_not_rewritten(variant: str, matches: int) -> None:
+def test_groups_that_do_not_fit_are_not_rewritten(variant: str, matches: int,
+                                                  with_attention: int) -> None:
     q, k, v, cos, sin, _, _, lens = (t.cpu() for t in make_case(
         2, 2, 1, 2, 16, 16, 8, torch.float32, seed=7, seq_lens=[3, 5]))
     args = (q, k, v, cos, sin, lens)
@@ -295,7 +308,10 @@ def test_groups_that_do_not_fit_are_not_rewritten(variant: str, matches: int) ->
     assert result.errors == []
     assert result.matches["rotary"] == 1  # the positive twin proves the group is otherwise whole
     assert result.matches["rotary_cache"] == matches
-    assert result.fused_ops.get("rotary_cache_write", 0) == matches
+    assert result.matches["rotary_attention"] == with_attention
+    assert result.fused_ops.get("rotary_cache_write", 0) == matches - with_attention
+    assert result.fused_ops.get("rotary_cache_attention", 0) == with_attention
+    assert result.fused_ops.get("cache_attention_read", 0) == 1 - with_attention
     assert count_targets(gm, aten.index_put.default) == 2 * (1 - matches)
     with torch.no_grad():
         got = gm(*args)
@@ -330,7 +346,8 @@ def test_inductor_writes_the_cache_in_place() -> None:
     module = StepModule(engine_view(model, torch.float32, torch.device("cpu")), k, v,
                         prefill=False)
     _, gm = export_step(module, B, 1, max_tokens=S)
-    assert run_passes(gm, pass_context("target.decode")).matches["rotary_cache"] == layers
+    result = run_passes(gm, pass_context("target.decode"))
+    assert result.matches["rotary_cache"] == result.matches["rotary_attention"] == layers
     tokens = torch.tensor([[5], [9]])
     positions, lens = torch.tensor([[3], [6]]), torch.tensor([3, 6])
     with torch.no_grad():
@@ -349,7 +366,8 @@ def test_inductor_writes_the_cache_in_place() -> None:
     assert all(torch.equal(new, old) for new, old in zip(v, written[layers:]))
     assert all(bool(t.any()) for t in (*k, *v))
     call = code[code.index("def call("):]
-    assert call.count("torch.ops.fuser.rotary_cache_write.default(") == layers
+    # (the write inside fuser::rotary_cache_attention since the rotary_attention pass)
+    assert call.count("torch.ops.fuser.rotary_cache_attention.default(") == layers
     for copying in ("index_put", ".copy_(", "clone", "aten.copy"):
         assert copying not in call, copying
 
