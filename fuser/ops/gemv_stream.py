@@ -163,7 +163,7 @@ def _stream_kernel(
     BLOCK_M: tl.constexpr,      # 1 (CUDA cores), or a power of two >= 16 (the MMA, as linear.py)
     BLOCK_R: tl.constexpr,      # weight rows per tile: next_pow2(ROWS), twice that if gated
     BLOCK_K: tl.constexpr,
-    DEPTH: tl.constexpr,        # weight tiles in flight per program (1-4); DEPTH - 1 load
+    DEPTH: tl.constexpr,        # weight tiles in flight per program (1-4), all loaded
                                 # before the PDL wait
     NORM_K: tl.constexpr,       # the norm prologue's chunk
     FP32_DOTS: tl.constexpr,    # the MMA in fp32 (fp32 models; bf16 under TRITON_INTERPRET)
@@ -184,16 +184,21 @@ def _stream_kernel(
     w_row = cols + w_shift
     w_rows = w_ptr + w_row[:, None].to(tl.int64) * stride_wn
     k0s = tl.arange(0, BLOCK_K)
-    # The pipeline, in registers: the weight tiles of steps 0 .. DEPTH - 2 load now (weights
-    # only: nothing the previous kernel writes), their x tiles after the wait; each K step then
-    # loads the tiles DEPTH - 1 steps ahead before it sums the oldest, so DEPTH weight tiles are
-    # in flight and no step waits on a load (a load blocks only at its first use).
+    # The pipeline, in registers, DEPTH slots: slot j holds the tiles of K step i * DEPTH + j.
+    # Every slot's weight tile loads now (weights only: nothing the previous kernel writes), its
+    # x tiles after the wait. The loop, unrolled by DEPTH, sums each slot and at once reloads it
+    # with the step DEPTH ahead, so DEPTH - 1 to DEPTH weight tiles are in flight and no step
+    # waits on a load issued less than DEPTH - 1 steps before. A slot is consumed and reloaded
+    # in place (never copied to another slot: a register copy of a tile still in flight would
+    # wait for it). Steps past K are masked off: their loads move no bytes and add zeros.
+    STEP: tl.constexpr = DEPTH * BLOCK_K
+    wa = _load_tile(w_rows, col_ok, k0s, K)
     if DEPTH >= 2:
-        wa = _load_tile(w_rows, col_ok, k0s, K)
-    if DEPTH >= 3:
         wb = _load_tile(w_rows, col_ok, BLOCK_K + k0s, K)
-    if DEPTH >= 4:
+    if DEPTH >= 3:
         wc = _load_tile(w_rows, col_ok, 2 * BLOCK_K + k0s, K)
+    if DEPTH >= 4:
+        wd = _load_tile(w_rows, col_ok, 3 * BLOCK_K + k0s, K)
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -217,36 +222,39 @@ def _stream_kernel(
         x_rows = x_ptr + tl.arange(0, BLOCK_M)[:, None] * stride_xm
         rstd = 0.0
         acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    xa, ra, ga = _load_x(x_rows, r_ptr, g_ptr, k0s, K, row_ok, BLOCK_M, NORM, HAS_RESIDUAL)
     if DEPTH >= 2:
-        xa, ra, ga = _load_x(x_rows, r_ptr, g_ptr, k0s, K, row_ok, BLOCK_M, NORM, HAS_RESIDUAL)
-    if DEPTH >= 3:
         xb, rb, gb = _load_x(x_rows, r_ptr, g_ptr, BLOCK_K + k0s, K, row_ok, BLOCK_M, NORM,
                              HAS_RESIDUAL)
-    if DEPTH >= 4:
+    if DEPTH >= 3:
         xc, rc, gc = _load_x(x_rows, r_ptr, g_ptr, 2 * BLOCK_K + k0s, K, row_ok, BLOCK_M, NORM,
                              HAS_RESIDUAL)
-    for k0 in range(0, K, BLOCK_K):
-        if DEPTH == 1:
-            k = k0 + k0s
-            w = _load_tile(w_rows, col_ok, k, K)
-            x, r, g = _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M, NORM, HAS_RESIDUAL)
-            acc = _step(acc, w, x, r, g, rstd, BLOCK_M, FP32_DOTS, HAS_SCALE, NORM,
+    if DEPTH >= 4:
+        xd, rd, gd = _load_x(x_rows, r_ptr, g_ptr, 3 * BLOCK_K + k0s, K, row_ok, BLOCK_M, NORM,
+                             HAS_RESIDUAL)
+    for k0 in range(0, K, STEP):
+        k = k0 + STEP + k0s  # slot a's next step
+        acc = _step(acc, wa, xa, ra, ga, rstd, BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL)
+        wa = _load_tile(w_rows, col_ok, k, K)
+        xa, ra, ga = _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M, NORM, HAS_RESIDUAL)
+        if DEPTH >= 2:
+            k += BLOCK_K
+            acc = _step(acc, wb, xb, rb, gb, rstd, BLOCK_M, FP32_DOTS, HAS_SCALE, NORM,
                         HAS_RESIDUAL)
-        else:
-            k = k0 + (DEPTH - 1) * BLOCK_K + k0s
-            w = _load_tile(w_rows, col_ok, k, K)
-            x, r, g = _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M, NORM, HAS_RESIDUAL)
-            acc = _step(acc, wa, xa, ra, ga, rstd, BLOCK_M, FP32_DOTS, HAS_SCALE, NORM,
+            wb = _load_tile(w_rows, col_ok, k, K)
+            xb, rb, gb = _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M, NORM, HAS_RESIDUAL)
+        if DEPTH >= 3:
+            k += BLOCK_K
+            acc = _step(acc, wc, xc, rc, gc, rstd, BLOCK_M, FP32_DOTS, HAS_SCALE, NORM,
                         HAS_RESIDUAL)
-            if DEPTH == 2:
-                wa, xa, ra, ga = w, x, r, g
-            elif DEPTH == 3:
-                wa, xa, ra, ga = wb, xb, rb, gb
-                wb, xb, rb, gb = w, x, r, g
-            else:
-                wa, xa, ra, ga = wb, xb, rb, gb
-                wb, xb, rb, gb = wc, xc, rc, gc
-                wc, xc, rc, gc = w, x, r, g
+            wc = _load_tile(w_rows, col_ok, k, K)
+            xc, rc, gc = _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M, NORM, HAS_RESIDUAL)
+        if DEPTH >= 4:
+            k += BLOCK_K
+            acc = _step(acc, wd, xd, rd, gd, rstd, BLOCK_M, FP32_DOTS, HAS_SCALE, NORM,
+                        HAS_RESIDUAL)
+            wd = _load_tile(w_rows, col_ok, k, K)
+            xd, rd, gd = _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M, NORM, HAS_RESIDUAL)
     if HAS_SCALE:  # once per output, after the sum over K
         scale = tl.load(scale_ptr + w_row, mask=col_ok, other=0.0)
         acc *= scale if BLOCK_M == 1 else scale[None, :]
