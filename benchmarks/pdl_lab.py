@@ -37,12 +37,18 @@ HIDDEN, HEADS_OUT, INTER = 4096, 6144, 14336  # Llama-3-8B: qkv 6144 x 4096, gat
 EPS = 1e-5
 # (name, FUSER_PDL, _linear_kernel's prefetch, the stream GEMV's configuration or None)
 VARIANTS = (("off", "0", None, None), ("pdl, 1 tile", "1", 1, None),
+            ("stream default", "0", None, gemv_stream.DEFAULT),
             ("stream d3", "0", None, StreamConfig()),
             ("stream pdl d3", "1", None, StreamConfig()),
             ("stream pdl d4", "1", None, StreamConfig(depth=4)),
             ("stream pdl d2 32K", "1", None, StreamConfig(tile_bytes=32768, depth=2)),
             ("stream pdl 2/sm 8K", "1", None, StreamConfig(programs_per_sm=2, tile_bytes=8192)),
             ("stream pdl d4 8K", "1", None, StreamConfig(tile_bytes=8192, depth=4)),
+            ("stream pdl 2/sm 8K d4 fp8", "1", None, StreamConfig(programs_per_sm=2,
+                                                                  tile_bytes=8192, depth=4)),
+            ("stream pdl 2/sm 8K d4 bytes", "1", None, StreamConfig(programs_per_sm=2,
+                                                                    tile_bytes=8192, depth=4,
+                                                                    packed=False)),
             ("stream pdl 2/sm 8K d4", "1", None, StreamConfig(programs_per_sm=2,
                                                               tile_bytes=8192, depth=4)),
             ("stream pdl 2/sm 4K d4 w4", "1", None, StreamConfig(programs_per_sm=2,

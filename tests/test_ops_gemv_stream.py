@@ -190,3 +190,60 @@ def test_gpu_8b_shapes_five_rows(shape, fp8, config) -> None:
                         "down": (14336, 4096, None)}[shape]
     run(K, N, torch.bfloat16, False, False, activation, fp8, seed=11, config=config,
         sms=gemv_stream.num_sms(torch.device("cuda")), M=5)
+
+
+def test_default_config_leaves_fp8_weights_to_linear_kernel() -> None:
+    default = gemv_stream.DEFAULT
+    assert stream_plan(6144, 4096, 2, False, default, 132) is not None  # bf16 qkv
+    assert stream_plan(6144, 4096, 1, False, default, 132) is None      # FP8: measured slower
+    assert stream_plan(6144, 4096, 1, False, StreamConfig(), 132) is not None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="needs a CUDA GPU with compute capability >= 9.0 (PDL)")
+def test_gpu_pdl_chain_gives_the_ordinary_launchs_bits() -> None:
+    """Two layers of the 8B decode GEMVs (norm + qkv, o_proj, norm + gate/up, down), each
+    reading what the one before wrote, in a CUDA graph: with PDL (the default's) the bits of
+    ordinary launches. A kernel that read its input before `griddepcontrol.wait` would read the
+    previous replay's values and differ."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape, std=1.0):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen) * std
+
+    layers = [dict(qkv=randn(6144, 4096, std=0.02), o=randn(4096, 4096, std=0.02),
+                   gate_up=randn(2 * 14336, 4096, std=0.02), down=randn(4096, 14336, std=0.02),
+                   g1=1 + randn(4096, std=0.1), g2=1 + randn(4096, std=0.1)) for _ in range(2)]
+    h0, r0 = randn(1, 4096), randn(1, 4096)
+
+    def chain(h: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        for layer in layers:
+            qkv, r = rms_norm_linear_triton(h, r, layer["g1"], EPS, layer["qkv"])
+            o = linear_triton(qkv[:, :4096], layer["o"])
+            act, r = rms_norm_linear_triton(o, r, layer["g2"], EPS, layer["gate_up"],
+                                            activation="silu")
+            h = linear_triton(act, layer["down"])
+        return torch.cat([h, r], dim=1)
+
+    def replayed(config: StreamConfig) -> torch.Tensor:
+        previous = gemv_stream.CONFIG
+        gemv_stream.CONFIG = config
+        try:
+            h, r = h0.clone(), r0.clone()
+            chain(h, r)  # compile outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = chain(h, r)
+            for scale in (3.0, 1.0):  # a replay after new inputs: stale reads would show
+                h.copy_(h0 * scale)
+                graph.replay()
+            torch.cuda.synchronize()
+            return out.clone()
+        finally:
+            gemv_stream.CONFIG = previous
+
+    with_pdl = replayed(gemv_stream.DEFAULT)
+    without = replayed(StreamConfig(programs_per_sm=2, tile_bytes=8192, depth=4, pdl=False,
+                                    fp8=False))
+    assert torch.isfinite(with_pdl).all()
+    assert torch.equal(with_pdl, without)

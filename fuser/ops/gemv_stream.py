@@ -48,8 +48,8 @@ import triton.language as tl
 from torch import Tensor
 
 from fuser.ops.gated_act import act_times_up
-from fuser.ops.linear import _mma
-from fuser.ops.pdl import gdc_launch_dependents, gdc_wait, pdl_launch
+from fuser.ops.linear import _mma, _norm_x_tile
+from fuser.ops.pdl import gdc_launch_dependents, gdc_wait, pdl_launch, pdl_supported
 from fuser.ops.rmsnorm import _load_block, _normalise
 
 MIN_RUN_BYTES = 64  # bytes of one weight row per K step: two whole sectors, 16-byte loads
@@ -58,16 +58,24 @@ NORM_BLOCK = 8192   # the norm prologue sums x (+ r) in chunks of at most this m
 
 @dataclass(frozen=True)
 class StreamConfig:
-    """How the stream GEMV is cut: programs per SM, bytes per K step and program, warps, and
-    the weight tiles in flight per program (`depth`, 1-4: a pipeline in registers, the first
-    depth - 1 tiles loaded before the PDL wait). num_stages is Triton's own pipelining, which
-    only the several-row path (the MMA) gets."""
+    """How the stream GEMV is cut and launched.
+
+    programs_per_sm: programs per SM (one wave); tile_bytes: weight bytes per K step and
+    program; num_warps; depth: weight tiles in flight per program (1-4: a pipeline in
+    registers, all loaded before the PDL wait); num_stages: Triton's own pipelining, which only
+    the several-row path (the MMA) gets; pdl: launch with PDL where the GPU supports it,
+    whatever FUSER_PDL says (pdl=None: as FUSER_PDL says); fp8: FP8 weights take this kernel too;
+    packed: one row reads FP8 weights as int32 words of four (_packed_products) where K allows.
+    """
 
     programs_per_sm: int = 1
     tile_bytes: int = 16384
     num_warps: int = 8
     depth: int = 3
     num_stages: int = 1
+    pdl: bool | None = None
+    fp8: bool = True
+    packed: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.depth <= 4:
@@ -76,10 +84,19 @@ class StreamConfig:
             raise ValueError(f"not a stream configuration: {self}")
 
 
+# The one-row configuration: the fastest in benchmarks/pdl_lab.py's 16-layer chain of 8B-shape
+# GEMVs on an H200 (benchmarks/RESULTS.md, ninth session): bf16 117.1 us a layer against
+# _linear_kernel's 120.0 (89.0% of the read bandwidth against 86.8%). With FP8 weights every
+# stream configuration measured slower than _linear_kernel (at best 89 us against 71), so FP8
+# stays there.
+DEFAULT = StreamConfig(programs_per_sm=2, tile_bytes=8192, depth=4, pdl=True, fp8=False)
+
 # The configuration linear.py uses at one row on CUDA; None leaves every one-row GEMV to
 # _linear_kernel. Benchmarks set it to compare (a CUDA graph keeps what it was captured with).
-CONFIG: StreamConfig | None = None
-ROWS_CONFIG: StreamConfig | None = None  # likewise for 2..16 rows (the MMA path)
+CONFIG: StreamConfig | None = DEFAULT
+# Likewise for 2..16 rows (the MMA path): off, every configuration measured slower there
+# (bf16 66% of the bandwidth at best against 80%, FP8 37% against 41%).
+ROWS_CONFIG: StreamConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -97,6 +114,8 @@ def stream_plan(N: int, K: int, weight_bytes: int, gated: bool, config: StreamCo
     """The launch for N output columns (gated: over a [2N, K] merged weight) and x_rows rows of
     x, or None where a program's rows are too many for a K step of MIN_RUN_BYTES per row.
     Several rows run on the MMA, whose tile needs at least 16 weight rows."""
+    if weight_bytes == 1 and not config.fp8:
+        return None
     rows = triton.cdiv(N, num_sms * config.programs_per_sm)
     block_r = triton.next_power_of_2(rows) * (2 if gated else 1)
     if x_rows > 1:
@@ -116,18 +135,20 @@ def _load_tile(w_rows, col_ok, k, K):
 
 @triton.jit
 def _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M: tl.constexpr, NORM: tl.constexpr,
-            HAS_RESIDUAL: tl.constexpr):
+            HAS_RESIDUAL: tl.constexpr, PACKED: tl.constexpr):
     """The raw input tiles at columns k: (x, residual, norm weight); without NORM the last two
     are x again (never used). Loaded a pipeline stage ahead, like the weight tile: a K step
     waits on no load from L2."""
     k_ok = k < K
-    if BLOCK_M == 1:
+    if PACKED:  # the step loads its x lanes itself (_packed_products): nothing to carry
+        x = k
+    elif BLOCK_M == 1:
         x = tl.load(x_rows + k, mask=k_ok, other=0.0)
     else:
         x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
     r = x
     g = x
-    if NORM:  # one row only
+    if NORM and not PACKED:  # one row only
         g = tl.load(g_ptr + k, mask=k_ok, other=0.0)
         if HAS_RESIDUAL:
             r = tl.load(r_ptr + k, mask=k_ok, other=0.0)
@@ -135,11 +156,35 @@ def _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M: tl.constexpr, NORM: tl.
 
 
 @triton.jit
-def _step(acc, w, x, r, g, rstd, BLOCK_M: tl.constexpr, FP32_DOTS: tl.constexpr,
-          HAS_SCALE: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+def _packed_products(w, x_ptr, r_ptr, g_ptr, kw, K, rstd, NORM: tl.constexpr,
+                     HAS_RESIDUAL: tl.constexpr):
+    """sum over the 4 bytes b of a tile of FP8 weights packed 4 to an int32 word (word j of a
+    row holds columns 4j .. 4j + 3, byte b column 4j + b, little-endian) of w_b * x[4j + b],
+    elementwise, in fp32: [BLOCK_R, BLOCK_KW]. The word tile stays packed in registers while
+    in flight (a tile of separate bytes takes four times the registers); each byte becomes its
+    exact fp32 value here, at its use."""
+    prod = tl.zeros(w.shape, dtype=tl.float32)
+    for b in tl.static_range(4):
+        k = kw * 4 + b
+        k_ok = k < K
+        x = _norm_x_tile(x_ptr, r_ptr, g_ptr, k, k_ok, k_ok, rstd, NORM, HAS_RESIDUAL)
+        byte = ((w >> (8 * b)) & 0xFF).to(tl.uint8)
+        prod += byte.to(tl.float8e4nv, bitcast=True).to(tl.float32) * x.to(tl.float32)[None, :]
+    return prod
+
+
+@triton.jit
+def _step(acc, w, x, r, g, rstd, x_ptr, r_ptr, g_ptr, kw, K, BLOCK_M: tl.constexpr,
+          FP32_DOTS: tl.constexpr, HAS_SCALE: tl.constexpr, NORM: tl.constexpr,
+          HAS_RESIDUAL: tl.constexpr, PACKED: tl.constexpr):
     """One K step over loaded tiles: linear.py's one-row step (CUDA cores) or its several-row
-    step (the MMA). With NORM the input is g * (h * rstd).to(dtype) rounded once, h = x (+ r)
-    rounded to x's dtype: what linear.py's _norm_x_tile forms, bit for bit."""
+    step (the MMA); PACKED: one row over FP8 words (_packed_products). With NORM the input is
+    g * (h * rstd).to(dtype) rounded once, h = x (+ r) rounded to x's dtype: what linear.py's
+    _norm_x_tile forms, bit for bit."""
+    if PACKED:
+        acc += tl.sum(_packed_products(w, x_ptr, r_ptr, g_ptr, kw, K, rstd, NORM, HAS_RESIDUAL),
+                      axis=1)
+        return acc
     if NORM:
         h = x.to(tl.float32)
         if HAS_RESIDUAL:
@@ -169,6 +214,8 @@ def _stream_kernel(
     FP32_DOTS: tl.constexpr,    # the MMA in fp32 (fp32 models; bf16 under TRITON_INTERPRET)
     HAS_SCALE: tl.constexpr, ACTIVATION: tl.constexpr, NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+    PACKED: tl.constexpr = False,  # one row, FP8 weights read as int32 words (w_ptr: *i32,
+                                   # stride_wn in words, K % 4 == 0): see _packed_products
 ):
     pid = tl.program_id(0)
     tile = tl.arange(0, BLOCK_R)
@@ -183,7 +230,10 @@ def _stream_kernel(
     col_ok = (local < ROWS) & (cols < N)
     w_row = cols + w_shift
     w_rows = w_ptr + w_row[:, None].to(tl.int64) * stride_wn
-    k0s = tl.arange(0, BLOCK_K)
+    # Tile columns: elements, or int32 words of four FP8 weights (PACKED).
+    BLOCK_KT: tl.constexpr = BLOCK_K // 4 if PACKED else BLOCK_K
+    KT = K // 4 if PACKED else K
+    k0s = tl.arange(0, BLOCK_KT)
     # The pipeline, in registers, DEPTH slots: slot j holds the tiles of K step i * DEPTH + j.
     # Every slot's weight tile loads now (weights only: nothing the previous kernel writes), its
     # x tiles after the wait. The loop, unrolled by DEPTH, sums each slot and at once reloads it
@@ -191,14 +241,14 @@ def _stream_kernel(
     # waits on a load issued less than DEPTH - 1 steps before. A slot is consumed and reloaded
     # in place (never copied to another slot: a register copy of a tile still in flight would
     # wait for it). Steps past K are masked off: their loads move no bytes and add zeros.
-    STEP: tl.constexpr = DEPTH * BLOCK_K
-    wa = _load_tile(w_rows, col_ok, k0s, K)
+    STEP: tl.constexpr = DEPTH * BLOCK_KT
+    wa = _load_tile(w_rows, col_ok, k0s, KT)
     if DEPTH >= 2:
-        wb = _load_tile(w_rows, col_ok, BLOCK_K + k0s, K)
+        wb = _load_tile(w_rows, col_ok, BLOCK_KT + k0s, KT)
     if DEPTH >= 3:
-        wc = _load_tile(w_rows, col_ok, 2 * BLOCK_K + k0s, K)
+        wc = _load_tile(w_rows, col_ok, 2 * BLOCK_KT + k0s, KT)
     if DEPTH >= 4:
-        wd = _load_tile(w_rows, col_ok, 3 * BLOCK_K + k0s, K)
+        wd = _load_tile(w_rows, col_ok, 3 * BLOCK_KT + k0s, KT)
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -222,39 +272,45 @@ def _stream_kernel(
         x_rows = x_ptr + tl.arange(0, BLOCK_M)[:, None] * stride_xm
         rstd = 0.0
         acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    xa, ra, ga = _load_x(x_rows, r_ptr, g_ptr, k0s, K, row_ok, BLOCK_M, NORM, HAS_RESIDUAL)
+    xa, ra, ga = _load_x(x_rows, r_ptr, g_ptr, k0s, K, row_ok, BLOCK_M, NORM, HAS_RESIDUAL,
+                         PACKED)
     if DEPTH >= 2:
-        xb, rb, gb = _load_x(x_rows, r_ptr, g_ptr, BLOCK_K + k0s, K, row_ok, BLOCK_M, NORM,
-                             HAS_RESIDUAL)
+        xb, rb, gb = _load_x(x_rows, r_ptr, g_ptr, BLOCK_KT + k0s, K, row_ok, BLOCK_M, NORM,
+                             HAS_RESIDUAL, PACKED)
     if DEPTH >= 3:
-        xc, rc, gc = _load_x(x_rows, r_ptr, g_ptr, 2 * BLOCK_K + k0s, K, row_ok, BLOCK_M, NORM,
-                             HAS_RESIDUAL)
+        xc, rc, gc = _load_x(x_rows, r_ptr, g_ptr, 2 * BLOCK_KT + k0s, K, row_ok, BLOCK_M,
+                             NORM, HAS_RESIDUAL, PACKED)
     if DEPTH >= 4:
-        xd, rd, gd = _load_x(x_rows, r_ptr, g_ptr, 3 * BLOCK_K + k0s, K, row_ok, BLOCK_M, NORM,
-                             HAS_RESIDUAL)
-    for k0 in range(0, K, STEP):
+        xd, rd, gd = _load_x(x_rows, r_ptr, g_ptr, 3 * BLOCK_KT + k0s, K, row_ok, BLOCK_M,
+                             NORM, HAS_RESIDUAL, PACKED)
+    for k0 in range(0, KT, STEP):
         k = k0 + STEP + k0s  # slot a's next step
-        acc = _step(acc, wa, xa, ra, ga, rstd, BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL)
-        wa = _load_tile(w_rows, col_ok, k, K)
-        xa, ra, ga = _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M, NORM, HAS_RESIDUAL)
+        acc = _step(acc, wa, xa, ra, ga, rstd, x_ptr, r_ptr, g_ptr, k - STEP, K, BLOCK_M,
+                    FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, PACKED)
+        wa = _load_tile(w_rows, col_ok, k, KT)
+        xa, ra, ga = _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M, NORM, HAS_RESIDUAL,
+                             PACKED)
         if DEPTH >= 2:
-            k += BLOCK_K
-            acc = _step(acc, wb, xb, rb, gb, rstd, BLOCK_M, FP32_DOTS, HAS_SCALE, NORM,
-                        HAS_RESIDUAL)
-            wb = _load_tile(w_rows, col_ok, k, K)
-            xb, rb, gb = _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M, NORM, HAS_RESIDUAL)
+            k += BLOCK_KT
+            acc = _step(acc, wb, xb, rb, gb, rstd, x_ptr, r_ptr, g_ptr, k - STEP, K,
+                        BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, PACKED)
+            wb = _load_tile(w_rows, col_ok, k, KT)
+            xb, rb, gb = _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M, NORM,
+                                 HAS_RESIDUAL, PACKED)
         if DEPTH >= 3:
-            k += BLOCK_K
-            acc = _step(acc, wc, xc, rc, gc, rstd, BLOCK_M, FP32_DOTS, HAS_SCALE, NORM,
-                        HAS_RESIDUAL)
-            wc = _load_tile(w_rows, col_ok, k, K)
-            xc, rc, gc = _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M, NORM, HAS_RESIDUAL)
+            k += BLOCK_KT
+            acc = _step(acc, wc, xc, rc, gc, rstd, x_ptr, r_ptr, g_ptr, k - STEP, K,
+                        BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, PACKED)
+            wc = _load_tile(w_rows, col_ok, k, KT)
+            xc, rc, gc = _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M, NORM,
+                                 HAS_RESIDUAL, PACKED)
         if DEPTH >= 4:
-            k += BLOCK_K
-            acc = _step(acc, wd, xd, rd, gd, rstd, BLOCK_M, FP32_DOTS, HAS_SCALE, NORM,
-                        HAS_RESIDUAL)
-            wd = _load_tile(w_rows, col_ok, k, K)
-            xd, rd, gd = _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M, NORM, HAS_RESIDUAL)
+            k += BLOCK_KT
+            acc = _step(acc, wd, xd, rd, gd, rstd, x_ptr, r_ptr, g_ptr, k - STEP, K,
+                        BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, PACKED)
+            wd = _load_tile(w_rows, col_ok, k, KT)
+            xd, rd, gd = _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M, NORM,
+                                 HAS_RESIDUAL, PACKED)
     if HAS_SCALE:  # once per output, after the sum over K
         scale = tl.load(scale_ptr + w_row, mask=col_ok, other=0.0)
         acc *= scale if BLOCK_M == 1 else scale[None, :]
@@ -302,16 +358,24 @@ def stream_gemv(x: Tensor, weight: Tensor, out: Tensor, plan: StreamPlan, config
     dot_dtype = x.dtype if weight_scale is not None else weight.dtype
     fp32_dots = dot_dtype == torch.float32 or (
         x.device.type != "cuda" and dot_dtype == torch.bfloat16)
-    pdl = pdl_launch(x.device) if M == 1 else {}
+    if M != 1:
+        pdl = {}
+    elif config.pdl is None:
+        pdl = pdl_launch(x.device)
+    else:
+        pdl = {"launch_pdl": True} if config.pdl and pdl_supported(x.device) else {}
+    packed = (config.packed and M == 1 and weight.element_size() == 1 and K % 4 == 0
+              and weight.stride(0) % 4 == 0 and weight.data_ptr() % 4 == 0)
+    w = weight.view(torch.int32) if packed else weight  # [N, K / 4] words of four weights
     _stream_kernel[(plan.programs,)](
-        x, weight, weight_scale if weight_scale is not None else out, out,
+        x, w, weight_scale if weight_scale is not None else out, out,
         residual if residual is not None else x, norm_weight if norm else x,
         summed if summed is not None else x,
-        M, N, K, plan.rows, x.stride(0), weight.stride(0), eps,
+        M, N, K, plan.rows, x.stride(0), w.stride(0), eps,
         BLOCK_M=block_m, BLOCK_R=plan.block_r, BLOCK_K=plan.block_k,
         DEPTH=config.depth,
         NORM_K=min(triton.next_power_of_2(K), NORM_BLOCK), FP32_DOTS=fp32_dots,
         HAS_SCALE=weight_scale is not None, ACTIVATION=activation or "", NORM=norm,
         HAS_RESIDUAL=residual is not None, PDL=bool(pdl), num_warps=config.num_warps,
-        num_stages=config.num_stages, **pdl,
+        num_stages=config.num_stages, PACKED=packed, **pdl,
     )

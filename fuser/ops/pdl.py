@@ -58,18 +58,24 @@ except ImportError:  # pragma: no cover - older Triton: PDL stays off, the kerne
     def gdc_launch_dependents():  # type: ignore[no-redef]
         pass
 
-__all__ = ["HAVE_GDC", "pdl_enabled", "pdl_launch", "wait_for_inputs"]
+__all__ = ["HAVE_GDC", "pdl_enabled", "pdl_launch", "pdl_supported", "wait_for_inputs"]
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether a kernel on `device` can launch with PDL at all: CUDA, compute capability >= 9.0,
+    Triton's intrinsics present, not interpreted."""
+    if device.type != "cuda" or not HAVE_GDC or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def pdl_enabled(device: torch.device) -> bool:
-    """Whether kernels on `device` launch with PDL: CUDA, compute capability >= 9.0, Triton's
-    intrinsics present, not interpreted, and FUSER_PDL = "1" (read at each launch, so a
-    benchmark can compare both in one process; CUDA graphs keep what they were captured with)."""
-    if device.type != "cuda" or not HAVE_GDC:
+    """Whether kernels on `device` launch with PDL: pdl_supported, and FUSER_PDL = "1" (read at
+    each launch, so a benchmark can compare both in one process; CUDA graphs keep what they
+    were captured with). The stream GEMV (fuser/ops/gemv_stream.py) has its own switch."""
+    if os.environ.get("FUSER_PDL", "0") != "1":
         return False
-    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("FUSER_PDL", "0") != "1":
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    return pdl_supported(device)
 
 
 def pdl_launch(device: torch.device) -> dict[str, bool]:
