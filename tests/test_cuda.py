@@ -40,7 +40,8 @@ def test_bf16_speculative_equals_target_only_and_replays() -> None:
 
 
 def test_fused_attention_engine_agrees_with_eager_and_speculates() -> None:
-    # fuser::cache_attention_read's Triton kernels in the decode, verify and catch-up graphs,
+    # fuser::rotary_cache_attention's Triton kernels (the split-K attention with rotary and the
+    # cache write folded in) in the decode, verify and catch-up graphs,
     # replayed as CUDA graphs: the engine's own self-check against eager Hugging Face must pass
     # (no fallback), and bf16 speculative greedy must equal target-only greedy.
     target = tiny_model("llama", layers=2, dtype=torch.bfloat16).to("cuda")
@@ -50,7 +51,7 @@ def test_fused_attention_engine_agrees_with_eager_and_speculates() -> None:
     spec = fuser.optimize(target, draft=draft, config=config)
     assert plain.report().fallbacks == [] and spec.report().fallbacks == []
     graphs = spec.report().graphs
-    assert graphs["target.verify"]["cache_attention_read"] == target.config.num_hidden_layers
+    assert graphs["target.verify"]["rotary_cache_attention"] == target.config.num_hidden_layers
     ids, mask = random_prompts(2, [9, 5], target.config.vocab_size, seed=3)
     ids, mask = ids.cuda(), mask.cuda()
     eos = [target.config.vocab_size - 1]

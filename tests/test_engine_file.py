@@ -84,7 +84,7 @@ def test_round_trip_is_exact_and_shares_tensors(built: dict[str, object], tmp_pa
     loaded = ef.load_engine(path, CPU, passes=PASS_NAMES)
     graphs, buffers = loaded.graphs["target"], loaded.buffers["target"]
     for gm in graphs.values():  # the cache written in place by a fuser op (2 layers)
-        assert count_targets(gm, torch.ops.fuser.rotary_cache_write.default) == 2
+        assert count_targets(gm, torch.ops.fuser.rotary_cache_attention.default) == 2
     got = run_graphs(graphs, buffers)
     for name, (logits, cache) in built["expected"].items():
         assert torch.equal(got[name][0], logits)

@@ -39,12 +39,14 @@ def test_loaded_engine_has_the_built_graphs_and_no_hf_model(bundled_engine: Buil
     # decode: the GEMV with its activation, behind its norm in one op (norm_linear)
     assert report.passes["gated_linear"] > 0 and report.passes["norm_linear"] > 0
     assert report.fused_ops.get("add_rms_norm_linear", 0) > 0
-    # the loaded fixed-T graphs write the KV cache through fuser::rotary_cache_write, one per layer
+    # the loaded fixed-T graphs write the KV cache through fuser::rotary_cache_attention (rotary,
+    # cache write and attention in one op), one per layer
     for steps in (engine.target, engine.draft):
         for kind, graph in steps.steps.items():
-            writes = count_targets(graph.rewritten, torch.ops.fuser.rotary_cache_write.default)
+            writes = count_targets(graph.rewritten,
+                                   torch.ops.fuser.rotary_cache_attention.default)
             if kind.fixed:  # as many as the build counted (the manifest), one per layer
-                assert writes == graph.fused_ops["rotary_cache_write"] > 0, graph.name
+                assert writes == graph.fused_ops["rotary_cache_attention"] > 0, graph.name
             else:
                 assert writes == 0, graph.name
     assert engine.tokenizer is not None

@@ -70,8 +70,9 @@ def test_counts_and_no_weight_read_left(llama) -> None:
     assert decode.fused_ops["add_rms_norm_linear"] == 2 * L
     assert decode.fused_ops["rms_norm_linear"] == 1 and "gated_act" not in decode.fused_ops
     assert norm_gemv_scales(decode.rewritten) == [True] * (2 * L + 1)  # all over FP8 weights
-    # rotary and the KV-cache write stay one op (the cache keeps the model's dtype)
-    assert report.passes["rotary_cache"] == L and decode.fused_ops["rotary_cache_write"] == L
+    # rotary, the KV-cache write and attention stay one op (the cache keeps the model's dtype)
+    assert report.passes["rotary_cache"] == L and report.passes["rotary_attention"] == L
+    assert decode.fused_ops["rotary_cache_attention"] == L
     assert prefill.fused_ops["fp8_scaled_mm"] == 4 * L + 1
     # Every prefill activation quantized inside the kernel that produces it, except o_proj's
     # input (the attention output): first norm, 2L - 1 add+norms and the final one, L gated.

@@ -1,5 +1,6 @@
-"""Decode and verify steps attending through fuser::cache_attention_read (the default), and the
-ATen path that FuserConfig(fused_attention=False) keeps."""
+"""Decode and verify steps attending through the split-K kernel (the default:
+fuser::cache_attention_read, which the rotary_attention pass turns into
+fuser::rotary_cache_attention), and the ATen path that FuserConfig(fused_attention=False) keeps."""
 
 from __future__ import annotations
 
@@ -26,8 +27,10 @@ def test_fused_attention_in_decode_and_verify(family: str) -> None:
     graphs = engine.report().graphs
     for name in ("target.decode", "target.verify", "draft.decode", "draft.catchup"):
         layers = (target if name.startswith("target") else draft).config.num_hidden_layers
-        assert graphs[name]["cache_attention_read"] == layers, name
-    assert "cache_attention_read" not in graphs["target.prefill"]  # prefill attends among new tokens
+        # the split-K kernel, with rotary and the cache write folded in (rotary_attention pass)
+        assert graphs[name]["rotary_cache_attention"] == layers, name
+    for op in ("cache_attention_read", "rotary_cache_attention"):  # prefill attends among new tokens
+        assert op not in graphs["target.prefill"]
     assert engine.report().fallbacks == []
 
     ids, mask = random_prompts(2, [6, 3], target.config.vocab_size, seed=2)
@@ -51,7 +54,7 @@ def test_default_is_fused_and_false_keeps_aten_attention() -> None:
     for fused in (None, False):
         options = {} if fused is None else {"fused_attention": fused}
         engine = fuser.optimize(target, config=fuser.FuserConfig(max_seq_len=32, **options))
-        count = engine.report().graphs["target.decode"].get("cache_attention_read", 0)
+        count = engine.report().graphs["target.decode"].get("rotary_cache_attention", 0)
         assert count == (2 if fused is None else 0)
         outputs.append(engine.generate(ids, 10, attention_mask=mask, eos_token_id=eos))
     assert torch.equal(*outputs)

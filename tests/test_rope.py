@@ -172,10 +172,11 @@ def check_engine(model: torch.nn.Module, batch: int, lengths: list[int], seed: i
     # neg is the only one a layer has, and no cat over head tensors is left (rotate_half's, and
     # partial rotary's pass-through cat; the rotary module's cat(freqs, freqs) is 3-D). In the
     # decode graph the rotary_cache pass folds it into fuser::rotary_cache_write
-    # (tests/test_rotary_cache.py).
+    # (tests/test_rotary_cache.py), and rotary_attention that into the attention after it
+    # (tests/test_rotary_attention.py).
     assert {kind.name for kind in engine.target.steps} == {"prefill", "decode"}
     for kind, graph in engine.target.steps.items():
-        fused = "rotary_cache_write" if kind.fixed else "rotary"
+        fused = "rotary_cache_attention" if kind.fixed else "rotary"
         assert graph.fused_ops[fused] == layers, graph.name
         assert graph.fused_ops.get("rotary", 0) == (0 if kind.fixed else layers), graph.name
         assert count_targets(graph.rewritten, aten.neg.default) == 0, graph.name
