@@ -265,6 +265,21 @@ elif [ "$what" = stream ]; then
   echo "== GEMV chain lab, 16 layers"
   timeout 300 python3 benchmarks/pdl_lab.py --layers 16 --out "$OUT/pdl_lab.json" "$@" 2>&1 \
     | tee "$OUT/pdl_lab.log" | grep -v Warning | tail -40
+elif [ "$what" = ninth2 ]; then
+  # Ninth session: the fused rotary + KV write + attention kernel's GPU tests and timing, then the
+  # FP8 one-row conversion by integer operations (linear.FP8_BITS) in the 16-layer GEMV chain.
+  echo "== GPU tests: rotary_cache_attention"
+  timeout 150 python3 -m pytest -q -p no:logging -p no:cacheprovider --tb=short -rfE \
+    tests/test_rotary_attention.py tests/test_ops_attention.py tests/test_ops_gemv_stream.py -k gpu 2>&1 \
+    | tee "$OUT/gpu_tests.log" | grep -v Warning | grep -E "^E |FAIL|Error|passed|failed" | head -30
+  summary+=("GPU tests: $(tail -1 "$OUT/gpu_tests.log")")
+  echo "== attention sweep (fused vs two ops)"
+  timeout 60 python3 benchmarks/attention_sweep.py --out "$OUT/attention_sweep.json" 2>&1 \
+    | tee "$OUT/attention_sweep.log" | grep -v Warning | tail -12
+  echo "== GEMV chain lab, FP8, 16 layers"
+  timeout 150 python3 benchmarks/pdl_lab.py --layers 16 --rows 1 --dtypes fp8 --out "$OUT/pdl_lab.json" \
+    --variants "off,off bits,pdl, 1 tile bits,stream pdl 2/sm 8K d4 bytes bits,stream pdl d4 8K bytes bits,stream pdl 3/sm 4K d4 bytes bits,stream pdl 2/sm 8K d4 fp8" 2>&1 \
+    | tee "$OUT/pdl_lab.log" | grep -v Warning | tail -12
 elif [ "$what" = decode ]; then
   echo "== decode benchmark"
   python3 benchmarks/decode.py --out "$OUT/decode.json" "$@" 2>&1 | tee "$OUT/decode.log" | grep -v Warning | tail -80

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import log, measure_read_bandwidth  # noqa: E402
 
 from fuser.ops import gemv_stream  # noqa: E402
+from fuser.ops import linear as linear_module  # noqa: E402
 from fuser.ops.fp8 import quantize_weight  # noqa: E402
 from fuser.ops.gemv_stream import StreamConfig  # noqa: E402
 from fuser.ops.linear import linear_triton, rms_norm_linear_triton  # noqa: E402
@@ -56,6 +57,15 @@ VARIANTS = (("off", "0", None, None), ("pdl, 1 tile", "1", 1, None),
                                                                  num_warps=4)),
             ("stream pdl 4/sm 4K d3 w4", "1", None, StreamConfig(programs_per_sm=4,
                                                                  tile_bytes=4096, num_warps=4)))
+# FP8 weights converted by integer operations (linear.FP8_BITS) at one row: every variant
+# whose name ends in " bits"
+VARIANTS += (("off bits", "0", None, None), ("pdl, 1 tile bits", "1", 1, None),
+             ("stream pdl 2/sm 8K d4 bytes bits", "1", None,
+              StreamConfig(programs_per_sm=2, tile_bytes=8192, depth=4, packed=False)),
+             ("stream pdl d4 8K bytes bits", "1", None,
+              StreamConfig(tile_bytes=8192, depth=4, packed=False)),
+             ("stream pdl 3/sm 4K d4 bytes bits", "1", None,
+              StreamConfig(programs_per_sm=3, tile_bytes=4096, depth=4, packed=False)))
 # Several rows (the verify step's MMA path; PDL is one row's): the stream GEMV's ROWS_CONFIG
 ROWS_VARIANTS = (("off", "0", None, None),
                  ("stream d1 st3", "0", None, StreamConfig(depth=1, num_stages=3)),
@@ -170,6 +180,7 @@ def main() -> None:
                 os.environ["FUSER_PDL"] = flag
                 gemv_stream.CONFIG, gemv_stream.ROWS_CONFIG = (stream, None) if M == 1 else \
                     (None, stream)
+                linear_module.FP8_BITS = name.endswith(" bits")
                 try:
                     ms, out = time_graph(lambda: chain(layers, h, r, prefetch))
                 except Exception as error:  # noqa: BLE001  (a variant that does not compile)
@@ -177,7 +188,8 @@ def main() -> None:
                         f"{str(error)[:200]}")
                     continue
                 finally:
-                    gemv_stream.CONFIG = gemv_stream.ROWS_CONFIG = None
+                    gemv_stream.CONFIG, gemv_stream.ROWS_CONFIG = gemv_stream.DEFAULT, None
+                    linear_module.FP8_BITS = False
                 if base_ms is None:
                     base_ms, base_out = ms, out
                 row = dict(dtype=dtype, rows=M, variant=name, ms=ms,

@@ -48,7 +48,8 @@ import triton.language as tl
 from torch import Tensor
 
 from fuser.ops.gated_act import act_times_up
-from fuser.ops.linear import _mma, _norm_x_tile
+from fuser.ops import linear
+from fuser.ops.linear import _e4m3_to_f32, _mma, _norm_x_tile, _weight_f32
 from fuser.ops.pdl import gdc_launch_dependents, gdc_wait, pdl_launch, pdl_supported
 from fuser.ops.rmsnorm import _load_block, _normalise
 
@@ -169,14 +170,14 @@ def _packed_products(w, x_ptr, r_ptr, g_ptr, kw, K, rstd, NORM: tl.constexpr,
         k_ok = k < K
         x = _norm_x_tile(x_ptr, r_ptr, g_ptr, k, k_ok, k_ok, rstd, NORM, HAS_RESIDUAL)
         byte = ((w >> (8 * b)) & 0xFF).to(tl.uint8)
-        prod += byte.to(tl.float8e4nv, bitcast=True).to(tl.float32) * x.to(tl.float32)[None, :]
+        prod += _e4m3_to_f32(byte.to(tl.float8e4nv, bitcast=True)) * x.to(tl.float32)[None, :]
     return prod
 
 
 @triton.jit
 def _step(acc, w, x, r, g, rstd, x_ptr, r_ptr, g_ptr, kw, K, BLOCK_M: tl.constexpr,
           FP32_DOTS: tl.constexpr, HAS_SCALE: tl.constexpr, NORM: tl.constexpr,
-          HAS_RESIDUAL: tl.constexpr, PACKED: tl.constexpr):
+          HAS_RESIDUAL: tl.constexpr, PACKED: tl.constexpr, FP8_BITS: tl.constexpr):
     """One K step over loaded tiles: linear.py's one-row step (CUDA cores) or its several-row
     step (the MMA); PACKED: one row over FP8 words (_packed_products). With NORM the input is
     g * (h * rstd).to(dtype) rounded once, h = x (+ r) rounded to x's dtype: what linear.py's
@@ -191,7 +192,7 @@ def _step(acc, w, x, r, g, rstd, x_ptr, r_ptr, g_ptr, kw, K, BLOCK_M: tl.constex
             h = (h + r.to(tl.float32)).to(x.dtype).to(tl.float32)
         x = _normalise(h, rstd, g, x.dtype).to(x.dtype)
     if BLOCK_M == 1:
-        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        acc += tl.sum(_weight_f32(w, FP8_BITS) * x.to(tl.float32)[None, :], axis=1)
     else:
         acc = _mma(acc, x, w, FP32_DOTS, HAS_SCALE)
     return acc
@@ -216,6 +217,7 @@ def _stream_kernel(
     HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
     PACKED: tl.constexpr = False,  # one row, FP8 weights read as int32 words (w_ptr: *i32,
                                    # stride_wn in words, K % 4 == 0): see _packed_products
+    FP8_BITS: tl.constexpr = False,  # one row: FP8 weights to fp32 by linear._e4m3_to_f32
 ):
     pid = tl.program_id(0)
     tile = tl.arange(0, BLOCK_R)
@@ -286,28 +288,31 @@ def _stream_kernel(
     for k0 in range(0, KT, STEP):
         k = k0 + STEP + k0s  # slot a's next step
         acc = _step(acc, wa, xa, ra, ga, rstd, x_ptr, r_ptr, g_ptr, k - STEP, K, BLOCK_M,
-                    FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, PACKED)
+                    FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, PACKED, FP8_BITS)
         wa = _load_tile(w_rows, col_ok, k, KT)
         xa, ra, ga = _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M, NORM, HAS_RESIDUAL,
                              PACKED)
         if DEPTH >= 2:
             k += BLOCK_KT
             acc = _step(acc, wb, xb, rb, gb, rstd, x_ptr, r_ptr, g_ptr, k - STEP, K,
-                        BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, PACKED)
+                        BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, PACKED,
+                        FP8_BITS)
             wb = _load_tile(w_rows, col_ok, k, KT)
             xb, rb, gb = _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M, NORM,
                                  HAS_RESIDUAL, PACKED)
         if DEPTH >= 3:
             k += BLOCK_KT
             acc = _step(acc, wc, xc, rc, gc, rstd, x_ptr, r_ptr, g_ptr, k - STEP, K,
-                        BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, PACKED)
+                        BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, PACKED,
+                        FP8_BITS)
             wc = _load_tile(w_rows, col_ok, k, KT)
             xc, rc, gc = _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M, NORM,
                                  HAS_RESIDUAL, PACKED)
         if DEPTH >= 4:
             k += BLOCK_KT
             acc = _step(acc, wd, xd, rd, gd, rstd, x_ptr, r_ptr, g_ptr, k - STEP, K,
-                        BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, PACKED)
+                        BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, PACKED,
+                        FP8_BITS)
             wd = _load_tile(w_rows, col_ok, k, KT)
             xd, rd, gd = _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M, NORM,
                                  HAS_RESIDUAL, PACKED)
@@ -377,5 +382,5 @@ def stream_gemv(x: Tensor, weight: Tensor, out: Tensor, plan: StreamPlan, config
         NORM_K=min(triton.next_power_of_2(K), NORM_BLOCK), FP32_DOTS=fp32_dots,
         HAS_SCALE=weight_scale is not None, ACTIVATION=activation or "", NORM=norm,
         HAS_RESIDUAL=residual is not None, PDL=bool(pdl), num_warps=config.num_warps,
-        num_stages=config.num_stages, PACKED=packed, **pdl,
+        num_stages=config.num_stages, PACKED=packed, FP8_BITS=linear.FP8_BITS, **pdl,
     )
