@@ -25,6 +25,8 @@
 #   bash benchmarks/gpu_all.sh eighth1  # PDL + resync GPU tests (PDL off if they fail), PDL lab, 8B bf16 + fp8 decode (--profile), 1B decode
 #   bash benchmarks/gpu_all.sh eighth2  # bundled pair e2e (peers, gamma 1..8, auto, chunked resync), buckets, 8B + 1B draft
 #   bash benchmarks/gpu_all.sh stream   # stream GEMV GPU tests + the 16-layer GEMV chain with its variants
+#   bash benchmarks/gpu_all.sh ninth2   # rotary+attention GPU tests and sweep, FP8_BITS in the chain
+#   bash benchmarks/gpu_all.sh tenth    # (not yet run) stream x_tile/acc_2d candidates, 1B decode
 #   bash benchmarks/gpu_all.sh ninth    # (not yet run) PDL-chain + resync GPU tests, PDL lab, 1B decode, 8B decode without --profile
 #   bash benchmarks/gpu_all.sh fp8-accuracy [fp8_accuracy.py flags]   # FP8 vs bf16 on the bundled pair
 # OUT=<dir for logs and JSON>
@@ -278,8 +280,25 @@ elif [ "$what" = ninth2 ]; then
     | tee "$OUT/attention_sweep.log" | grep -v Warning | tail -12
   echo "== GEMV chain lab, FP8, 16 layers"
   timeout 150 python3 benchmarks/pdl_lab.py --layers 16 --rows 1 --dtypes fp8 --out "$OUT/pdl_lab.json" \
-    --variants "off,off bits,pdl, 1 tile bits,stream pdl 2/sm 8K d4 bytes bits,stream pdl d4 8K bytes bits,stream pdl 3/sm 4K d4 bytes bits,stream pdl 2/sm 8K d4 fp8" 2>&1 \
+    --variants "off;off bits;pdl, 1 tile bits;stream pdl 2/sm 8K d4 bytes bits;stream pdl d4 8K bytes bits;stream pdl 3/sm 4K d4 bytes bits;stream pdl 2/sm 8K d4 fp8" 2>&1 \
     | tee "$OUT/pdl_lab.log" | grep -v Warning | tail -12
+elif [ "$what" = tenth ]; then
+  # For the next session's first call (written in the ninth, not yet run): the stream GEMV's
+  # x_tile / acc_2d candidates in the chain (FP8 first: the one-row FP8 GEMV holds issue #10)
+  # and the 1B-shape draft's decode (issue #11; it outlasted 55 and 90 s before). ~8 minutes:
+  # the 8B decode with its kernel profile (> 290 s) needs a call of its own (`decode
+  # --skip-peers --profile`).
+  echo "== GPU tests: stream GEMV"
+  timeout 120 python3 -m pytest -q -p no:logging -p no:cacheprovider --tb=short -rf \
+    tests/test_ops_gemv_stream.py -k gpu 2>&1 | tee "$OUT/gpu_tests.log" | grep -v Warning \
+    | grep -E "^E |FAIL|Error|passed|failed" | head -20
+  summary+=("GPU tests: $(tail -1 "$OUT/gpu_tests.log")")
+  echo "== GEMV chain lab, 16 layers"
+  timeout 150 python3 benchmarks/pdl_lab.py --layers 16 --rows 1 --dtypes fp8,bf16 --out "$OUT/pdl_lab.json" \
+    --variants "off;stream default;stream pdl 2/sm 8K d4 xt;stream pdl 2/sm 8K d4 xt acc;stream pdl d4 8K xt acc;stream pdl 2/sm 4K d4 xt acc" 2>&1 \
+    | tee "$OUT/pdl_lab.log" | grep -v Warning | tail -14
+  echo "== decode, 1B shape, bf16"
+  decode_1b 180
 elif [ "$what" = decode ]; then
   echo "== decode benchmark"
   python3 benchmarks/decode.py --out "$OUT/decode.json" "$@" 2>&1 | tee "$OUT/decode.log" | grep -v Warning | tail -80

@@ -1,15 +1,18 @@
-"""Programmatic dependent launch (fuser/ops/pdl.py) on a chain of decode GEMVs, on the GPU.
+"""The chain of one layer's decode GEMVs, layer after layer, on the GPU: PDL and the stream GEMV.
 
-    python3 benchmarks/pdl_lab.py [--layers 32] [--rows 1,5] [--dtypes bf16,fp8] [--out f.json]
+    python3 benchmarks/pdl_lab.py [--layers 32] [--rows 1,5] [--dtypes bf16,fp8]
+                                  [--variants "off;stream default;..."] [--out f.json]
 
 The weight-streaming kernels of a Llama-3-8B-shape decode step, layer after layer as the step
 runs them (norm + qkv, o_proj, norm + gate/up with the activation, down_proj; the attention
-between them left out), captured in one CUDA graph and replayed: with PDL off (FUSER_PDL=0),
-and with PDL on and 0, 1 or 2 weight tiles loaded before each kernel's wait. Prints the chain's
-time per layer, its read bandwidth against the measured HBM read bandwidth, and whether every
-variant's output equals PDL off's bit for bit (the prefetched tiles are summed in loop order).
-Since the eighth session the GEMV launches with PDL at one row only, so the several-row variants
-run ordinary launches (they were not bit-equal with PDL, benchmarks/RESULTS.md).
+between them left out), captured in one CUDA graph and replayed, once per variant (VARIANTS at
+one row, ROWS_VARIANTS at several): `_linear_kernel` with PDL off (FUSER_PDL=0, "off") or on
+with a prefetched tile; the stream GEMV (fuser/ops/gemv_stream.py) in several configurations
+(`gemv_stream.CONFIG` / `ROWS_CONFIG`; "stream default" is what the engine runs); names ending
+in " bits" convert FP8 weights by integer operations (`linear.FP8_BITS`). Prints the chain's
+time per layer, its read bandwidth against the measured HBM read bandwidth, and whether each
+variant's output equals "off"'s bit for bit, else their relative difference (summation order,
+amplified by 16 random layers; at several rows the norm-less chain overflows: "inf").
 """
 
 from __future__ import annotations
@@ -66,6 +69,19 @@ VARIANTS += (("off bits", "0", None, None), ("pdl, 1 tile bits", "1", 1, None),
               StreamConfig(tile_bytes=8192, depth=4, packed=False)),
              ("stream pdl 3/sm 4K d4 bytes bits", "1", None,
               StreamConfig(programs_per_sm=3, tile_bytes=4096, depth=4, packed=False)))
+# x loaded in the weight tile's shape (no per-step barrier), with a 2-D accumulator (one
+# reduction per program): the FP8 candidates after the ninth session (x_tile, acc_2d)
+VARIANTS += (("stream pdl 2/sm 8K d4 xt", "1", None,
+              StreamConfig(programs_per_sm=2, tile_bytes=8192, depth=4, packed=False,
+                           x_tile=True)),
+             ("stream pdl 2/sm 8K d4 xt acc", "1", None,
+              StreamConfig(programs_per_sm=2, tile_bytes=8192, depth=4, packed=False,
+                           x_tile=True, acc_2d=True)),
+             ("stream pdl d4 8K xt acc", "1", None,
+              StreamConfig(tile_bytes=8192, depth=4, packed=False, x_tile=True, acc_2d=True)),
+             ("stream pdl 2/sm 4K d4 xt acc", "1", None,
+              StreamConfig(programs_per_sm=2, tile_bytes=4096, depth=4, packed=False,
+                           x_tile=True, acc_2d=True)))
 # Several rows (the verify step's MMA path; PDL is one row's): the stream GEMV's ROWS_CONFIG
 ROWS_VARIANTS = (("off", "0", None, None),
                  ("stream d1 st3", "0", None, StreamConfig(depth=1, num_stages=3)),
@@ -155,7 +171,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--rows", default="1,5")
     parser.add_argument("--dtypes", default="bf16,fp8")
-    parser.add_argument("--variants", default="", help="comma-separated names (default all)")
+    parser.add_argument("--variants", default="",
+                        help="names separated by ';' (default all)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -175,7 +192,7 @@ def main() -> None:
             r = torch.randn(M, HIDDEN, device=device, dtype=torch.bfloat16, generator=gen)
             base_ms, base_out = None, None
             for name, flag, prefetch, stream in VARIANTS if M == 1 else ROWS_VARIANTS:
-                if args.variants and name not in args.variants.split(","):
+                if args.variants and name not in args.variants.split(";"):
                     continue
                 os.environ["FUSER_PDL"] = flag
                 gemv_stream.CONFIG, gemv_stream.ROWS_CONFIG = (stream, None) if M == 1 else \

@@ -77,11 +77,13 @@ def run(K: int, N: int, dtype: torch.dtype, norm: bool, residual: bool, activati
 
 CONFIGS = [StreamConfig(tile_bytes=2048, depth=1), StreamConfig(tile_bytes=4096, depth=3),
            StreamConfig(programs_per_sm=2, tile_bytes=1024, depth=2, num_stages=2),
-           StreamConfig(tile_bytes=4096, depth=4)]
+           StreamConfig(tile_bytes=4096, depth=4),
+           StreamConfig(programs_per_sm=2, tile_bytes=2048, depth=3, packed=False, x_tile=True),
+           StreamConfig(tile_bytes=2048, depth=2, packed=False, x_tile=True, acc_2d=True)]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"p{c.programs_per_sm}t{c.tile_bytes}"
-                         f"d{c.depth}")
+                         f"d{c.depth}{'x' if c.x_tile else ''}{'a' if c.acc_2d else ''}")
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16w", "fp8w"])
 @pytest.mark.parametrize("activation", [None, "silu"])
 @pytest.mark.parametrize("norm, residual", [(False, False), (True, False), (True, True)],
@@ -157,15 +159,22 @@ def test_bad_configs_are_refused() -> None:
 
 
 @needs_cuda
+@pytest.mark.parametrize("config", [StreamConfig(), gemv_stream.DEFAULT,
+                                    StreamConfig(programs_per_sm=2, tile_bytes=8192, depth=4,
+                                                 packed=False, x_tile=True, acc_2d=True)],
+                         ids=["d3", "default", "xt_acc"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16w", "fp8w"])
 @pytest.mark.parametrize("shape", ["qkv", "o_proj", "gate_up", "down"])
-def test_gpu_8b_shapes_through_linear(shape, fp8, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gpu_8b_shapes_through_linear(shape, fp8, config,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """linear.py dispatches one row to the stream kernel when CONFIG is set: the 8B shapes."""
     K, N, norm, activation = {"qkv": (4096, 6144, True, None), "o_proj": (4096, 4096, False, None),
                               "gate_up": (4096, 14336, True, "silu"),
                               "down": (14336, 4096, False, None)}[shape]
-    monkeypatch.setattr(gemv_stream, "CONFIG", StreamConfig())
-    run(K, N, torch.bfloat16, norm, norm, activation, fp8, seed=3, config=StreamConfig(),
+    if fp8 and not config.fp8:
+        config = StreamConfig(programs_per_sm=2, tile_bytes=8192, depth=4, pdl=True)
+    monkeypatch.setattr(gemv_stream, "CONFIG", config)
+    run(K, N, torch.bfloat16, norm, norm, activation, fp8, seed=3, config=config,
         sms=gemv_stream.num_sms(torch.device("cuda")))
     x, r, g, w = (t.cuda() if t is not None else None
                   for t in inputs(1, K, 2 * N if activation else N, torch.bfloat16, 5, True))

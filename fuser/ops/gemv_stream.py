@@ -1,12 +1,14 @@
-"""The one-row decode GEMV as a stream: one program per SM, each over a contiguous run of
-output columns and the whole of K, its weight rows read through one pipelined loop.
+"""The one-row decode GEMV as a stream: `programs_per_sm` programs per SM, one wave, each over
+a contiguous run of output columns and the whole of K, its weight tiles read through a pipeline
+in registers.
 
     stream_gemv(x, weight, ...) = x @ weight.T     x: [1, K], weight: [N, K] -> [1, N]
 
 with the same options and the same math as fuser/ops/linear.py's one-row path (FP8 weights with
 per-row scales, the gated activation over a merged gate/up weight, the RMSNorm prologue with or
 without the residual add); it computes what `_linear_kernel` computes at BLOCK_M = 1, only the
-summation order differs (K steps of another width).
+summation order differs (K steps of another width). It also takes 2..16 rows on the MMA
+(`ROWS_CONFIG`), off: slower than `_linear_kernel` there when measured.
 
 Why another kernel. A decode step at batch 1 is a chain of short weight-streaming kernels (an FP8
 qkv GEMV at the 8B shape reads 25 MB: 5.9 us at the H200's 4.25 TB/s). `_linear_kernel` gives
@@ -15,18 +17,35 @@ each program fills its pipeline from nothing, and at a kernel's end the last wav
 leave SMs idle. Measured in a 16-layer chain of 8B GEMVs (benchmarks/pdl_lab.py, RESULTS.md,
 eighth session) a layer took 70.2 us in FP8 against 51.3 us of weight bytes (73%) and 118.9 us
 in bf16 against 102.6 (86%): some 3-5 us per kernel that do not shrink with the bytes.
-Here every SM gets the same share of the rows, ROWS = cdiv(N, programs), in `programs_per_sm`
-programs, so there is one wave, every SM streams the same bytes, and each program's pipeline
-fills once per kernel instead of once per BLOCK_N rows.
+Here every SM gets the same share of the rows, ROWS = cdiv(N, programs), so there is one wave
+and every SM streams the same bytes.
 
-PDL (fuser/ops/pdl.py, FUSER_PDL=1). A program loads its first `prefetch` weight tiles before
-anything else (weights never depend on the previous kernel), then lets the next kernel launch
-(`griddepcontrol.launch_dependents`) and only then waits for the previous kernel
-(`griddepcontrol.wait`) before it reads x. With one or two programs per SM and a moderate tile,
-the next GEMV's programs fit on the SMs beside the running ones, so they are resident and have
-their first tiles in flight while the running kernel streams its last bytes: the stream does
-not stop at the kernel boundary. Without PDL the prefetch still overlaps the norm prologue's
-walk over x. Completion stays transitive (a program completes only after its wait returned).
+The pipeline. Triton software-pipelines (cp.async) only loads that feed a dot, so at one row a
+program's loads are plain register loads. The K loop therefore keeps `depth` weight tiles in
+flight itself: it is unrolled by depth, and each slot is summed and at once reloaded with the
+step depth ahead, in place (rotating slots, `a, b = b, next`, copies registers whose load is
+still in flight, and a copy waits for the load: measured, that pipeline held one tile). Every
+slot's first tile loads before anything else.
+
+PDL (fuser/ops/pdl.py). Those first tiles are weights, which no kernel of the step writes, so
+they load before the program lets the next kernel launch (`griddepcontrol.launch_dependents`)
+and waits for the previous one (`griddepcontrol.wait`); x is read after the wait. With two
+programs per SM and 8 KB tiles the next GEMV's programs fit on the SMs beside the running ones,
+so they are resident with their first tiles in flight while the running kernel streams its last
+bytes. `StreamConfig.pdl` switches it for this kernel alone, apart from FUSER_PDL (whose
+several-row race, fuser/ops/pdl.py, concerns `_linear_kernel`'s MMA path; this kernel takes PDL
+at one row only, and a GPU test holds a dependent chain of its launches, replayed in a CUDA
+graph, to the ordinary launch's bits). Completion stays transitive: a program completes only
+after its wait returned.
+
+Measured on the H200 (benchmarks/RESULTS.md, ninth session; 16 layers of 8B GEMVs in one CUDA
+graph): `DEFAULT` (2 programs per SM, 8 KB tiles, depth 4, PDL) 117.1 us a layer in bf16 against
+120.0 for `_linear_kernel` (89.0% of the read bandwidth against 86.8%); without PDL ~5% slower
+than with it. With FP8 weights every configuration was slower than `_linear_kernel` (at best
+89 us against 71): the per-step x broadcast (two barriers of the whole program each K step in
+the sm_90 code) and cross-thread reductions weigh twice as much per byte there. `x_tile` and
+`acc_2d` remove both (compiled offline: no barrier and one reduction per program); not yet
+timed on a GPU.
 
 Tile: [BLOCK_R, BLOCK_K] with BLOCK_R = next_pow2(ROWS) weight rows (gated: twice that, gate
 rows then the matching up rows, as in _linear_kernel) and BLOCK_K = tile_bytes / (BLOCK_R * the
@@ -66,7 +85,13 @@ class StreamConfig:
     registers, all loaded before the PDL wait); num_stages: Triton's own pipelining, which only
     the several-row path (the MMA) gets; pdl: launch with PDL where the GPU supports it,
     whatever FUSER_PDL says (pdl=None: as FUSER_PDL says); fp8: FP8 weights take this kernel too;
-    packed: one row reads FP8 weights as int32 words of four (_packed_products) where K allows.
+    packed: one row reads FP8 weights as int32 words of four (_packed_products) where K allows;
+    x_tile: one row loads x (and the norm's residual and weight) as a [BLOCK_R, BLOCK_K] tile of
+    the weight tile's shape, every row of it the same x, so it lands in the weight's register
+    layout: a [BLOCK_K] x broadcast against the weight goes through shared memory and two
+    barriers of the whole program every K step (seen in the compiled sm_90 code); acc_2d (one
+    row, with x_tile): products summed elementwise into a [BLOCK_R, BLOCK_K] fp32 accumulator
+    and reduced over K once at the end, instead of a cross-thread reduction every K step.
     """
 
     programs_per_sm: int = 1
@@ -77,6 +102,8 @@ class StreamConfig:
     pdl: bool | None = None
     fp8: bool = True
     packed: bool = True
+    x_tile: bool = False
+    acc_2d: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.depth <= 4:
@@ -136,11 +163,15 @@ def _load_tile(w_rows, col_ok, k, K):
 
 @triton.jit
 def _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M: tl.constexpr, NORM: tl.constexpr,
-            HAS_RESIDUAL: tl.constexpr, PACKED: tl.constexpr):
+            HAS_RESIDUAL: tl.constexpr, PACKED: tl.constexpr, X_TILE: tl.constexpr = False,
+            zero_rows=0):
     """The raw input tiles at columns k: (x, residual, norm weight); without NORM the last two
     are x again (never used). Loaded a pipeline stage ahead, like the weight tile: a K step
     waits on no load from L2."""
     k_ok = k < K
+    if X_TILE and BLOCK_M == 1 and not PACKED:
+        k = zero_rows[:, None] + k[None, :]  # [BLOCK_R, BLOCK_K]: the weight tile's shape
+        k_ok = k < K
     if PACKED:  # the step loads its x lanes itself (_packed_products): nothing to carry
         x = k
     elif BLOCK_M == 1:
@@ -177,7 +208,8 @@ def _packed_products(w, x_ptr, r_ptr, g_ptr, kw, K, rstd, NORM: tl.constexpr,
 @triton.jit
 def _step(acc, w, x, r, g, rstd, x_ptr, r_ptr, g_ptr, kw, K, BLOCK_M: tl.constexpr,
           FP32_DOTS: tl.constexpr, HAS_SCALE: tl.constexpr, NORM: tl.constexpr,
-          HAS_RESIDUAL: tl.constexpr, PACKED: tl.constexpr, FP8_BITS: tl.constexpr):
+          HAS_RESIDUAL: tl.constexpr, PACKED: tl.constexpr, FP8_BITS: tl.constexpr,
+          X_TILE: tl.constexpr = False, ACC_2D: tl.constexpr = False):
     """One K step over loaded tiles: linear.py's one-row step (CUDA cores) or its several-row
     step (the MMA); PACKED: one row over FP8 words (_packed_products). With NORM the input is
     g * (h * rstd).to(dtype) rounded once, h = x (+ r) rounded to x's dtype: what linear.py's
@@ -191,7 +223,11 @@ def _step(acc, w, x, r, g, rstd, x_ptr, r_ptr, g_ptr, kw, K, BLOCK_M: tl.constex
         if HAS_RESIDUAL:
             h = (h + r.to(tl.float32)).to(x.dtype).to(tl.float32)
         x = _normalise(h, rstd, g, x.dtype).to(x.dtype)
-    if BLOCK_M == 1:
+    if BLOCK_M == 1 and X_TILE and ACC_2D:  # acc: [BLOCK_R, BLOCK_K], summed at the end
+        acc += _weight_f32(w, FP8_BITS) * x.to(tl.float32)
+    elif BLOCK_M == 1 and X_TILE:  # x is already a tile of w's shape
+        acc += tl.sum(_weight_f32(w, FP8_BITS) * x.to(tl.float32), axis=1)
+    elif BLOCK_M == 1:
         acc += tl.sum(_weight_f32(w, FP8_BITS) * x.to(tl.float32)[None, :], axis=1)
     else:
         acc = _mma(acc, x, w, FP32_DOTS, HAS_SCALE)
@@ -218,6 +254,8 @@ def _stream_kernel(
     PACKED: tl.constexpr = False,  # one row, FP8 weights read as int32 words (w_ptr: *i32,
                                    # stride_wn in words, K % 4 == 0): see _packed_products
     FP8_BITS: tl.constexpr = False,  # one row: FP8 weights to fp32 by linear._e4m3_to_f32
+    X_TILE: tl.constexpr = False,  # one row: x loaded in the weight tile's shape (StreamConfig)
+    ACC_2D: tl.constexpr = False,  # one row, X_TILE: a [BLOCK_R, BLOCK_K] accumulator
 ):
     pid = tl.program_id(0)
     tile = tl.arange(0, BLOCK_R)
@@ -232,6 +270,7 @@ def _stream_kernel(
     col_ok = (local < ROWS) & (cols < N)
     w_row = cols + w_shift
     w_rows = w_ptr + w_row[:, None].to(tl.int64) * stride_wn
+    zero_rows = tile * 0  # [BLOCK_R] zeros: x_tile's row offsets
     # Tile columns: elements, or int32 words of four FP8 weights (PACKED).
     BLOCK_KT: tl.constexpr = BLOCK_K // 4 if PACKED else BLOCK_K
     KT = K // 4 if PACKED else K
@@ -269,53 +308,58 @@ def _stream_kernel(
                         tl.store(sum_ptr + k, h.to(sum_ptr.dtype.element_ty), mask=k_ok)
                 squares += h * h
             rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)  # fp32, as rmsnorm.py
-        acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+        if X_TILE and ACC_2D:
+            acc = tl.zeros([BLOCK_R, BLOCK_KT], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_R], dtype=tl.float32)
     else:  # several rows, no norm: linear.py's MMA step over the same tiles
         x_rows = x_ptr + tl.arange(0, BLOCK_M)[:, None] * stride_xm
         rstd = 0.0
         acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     xa, ra, ga = _load_x(x_rows, r_ptr, g_ptr, k0s, K, row_ok, BLOCK_M, NORM, HAS_RESIDUAL,
-                         PACKED)
+                         PACKED, X_TILE, zero_rows)
     if DEPTH >= 2:
         xb, rb, gb = _load_x(x_rows, r_ptr, g_ptr, BLOCK_KT + k0s, K, row_ok, BLOCK_M, NORM,
-                             HAS_RESIDUAL, PACKED)
+                             HAS_RESIDUAL, PACKED, X_TILE, zero_rows)
     if DEPTH >= 3:
         xc, rc, gc = _load_x(x_rows, r_ptr, g_ptr, 2 * BLOCK_KT + k0s, K, row_ok, BLOCK_M,
-                             NORM, HAS_RESIDUAL, PACKED)
+                             NORM, HAS_RESIDUAL, PACKED, X_TILE, zero_rows)
     if DEPTH >= 4:
         xd, rd, gd = _load_x(x_rows, r_ptr, g_ptr, 3 * BLOCK_KT + k0s, K, row_ok, BLOCK_M,
-                             NORM, HAS_RESIDUAL, PACKED)
+                             NORM, HAS_RESIDUAL, PACKED, X_TILE, zero_rows)
     for k0 in range(0, KT, STEP):
         k = k0 + STEP + k0s  # slot a's next step
         acc = _step(acc, wa, xa, ra, ga, rstd, x_ptr, r_ptr, g_ptr, k - STEP, K, BLOCK_M,
-                    FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, PACKED, FP8_BITS)
+                    FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, PACKED, FP8_BITS, X_TILE, ACC_2D)
         wa = _load_tile(w_rows, col_ok, k, KT)
         xa, ra, ga = _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M, NORM, HAS_RESIDUAL,
-                             PACKED)
+                             PACKED, X_TILE, zero_rows)
         if DEPTH >= 2:
             k += BLOCK_KT
             acc = _step(acc, wb, xb, rb, gb, rstd, x_ptr, r_ptr, g_ptr, k - STEP, K,
                         BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, PACKED,
-                        FP8_BITS)
+                        FP8_BITS, X_TILE, ACC_2D)
             wb = _load_tile(w_rows, col_ok, k, KT)
             xb, rb, gb = _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M, NORM,
-                                 HAS_RESIDUAL, PACKED)
+                                 HAS_RESIDUAL, PACKED, X_TILE, zero_rows)
         if DEPTH >= 3:
             k += BLOCK_KT
             acc = _step(acc, wc, xc, rc, gc, rstd, x_ptr, r_ptr, g_ptr, k - STEP, K,
                         BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, PACKED,
-                        FP8_BITS)
+                        FP8_BITS, X_TILE, ACC_2D)
             wc = _load_tile(w_rows, col_ok, k, KT)
             xc, rc, gc = _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M, NORM,
-                                 HAS_RESIDUAL, PACKED)
+                                 HAS_RESIDUAL, PACKED, X_TILE, zero_rows)
         if DEPTH >= 4:
             k += BLOCK_KT
             acc = _step(acc, wd, xd, rd, gd, rstd, x_ptr, r_ptr, g_ptr, k - STEP, K,
                         BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, PACKED,
-                        FP8_BITS)
+                        FP8_BITS, X_TILE, ACC_2D)
             wd = _load_tile(w_rows, col_ok, k, KT)
             xd, rd, gd = _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M, NORM,
-                                 HAS_RESIDUAL, PACKED)
+                                 HAS_RESIDUAL, PACKED, X_TILE, zero_rows)
+    if BLOCK_M == 1 and X_TILE and ACC_2D:
+        acc = tl.sum(acc, axis=1)
     if HAS_SCALE:  # once per output, after the sum over K
         scale = tl.load(scale_ptr + w_row, mask=col_ok, other=0.0)
         acc *= scale if BLOCK_M == 1 else scale[None, :]
@@ -382,5 +426,6 @@ def stream_gemv(x: Tensor, weight: Tensor, out: Tensor, plan: StreamPlan, config
         NORM_K=min(triton.next_power_of_2(K), NORM_BLOCK), FP32_DOTS=fp32_dots,
         HAS_SCALE=weight_scale is not None, ACTIVATION=activation or "", NORM=norm,
         HAS_RESIDUAL=residual is not None, PDL=bool(pdl), num_warps=config.num_warps,
-        num_stages=config.num_stages, PACKED=packed, FP8_BITS=linear.FP8_BITS, **pdl,
+        num_stages=config.num_stages, PACKED=packed, FP8_BITS=linear.FP8_BITS,
+        X_TILE=config.x_tile, ACC_2D=config.acc_2d and config.x_tile, **pdl,
     )
