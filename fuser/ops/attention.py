@@ -279,6 +279,26 @@ def _num_splits(programs: int, s: int, block_n: int, target_programs: int) -> in
     return max(1, min(triton.cdiv(target_programs, programs), n_blocks, MAX_SPLITS))
 
 
+def split_scratch(q: Tensor, k_cache: Tensor, num_splits: int | None, block_n: int,
+                  target_programs: int) -> tuple[int, int, int, Tensor, Tensor, bool]:
+    """What a split-K launch over q [B, H, T, D] and k_cache [B, S, KV, D] needs:
+    (M = rep * T query rows per kv head, programs = B * KV, splits, the fp32 scratch
+    acc [programs, splits, M, D] and ml [programs, splits, 2, M], fp32_dots). The MMA runs in
+    the cache's dtype (fp32 accumulate) for bf16/fp16; IEEE fp32 for fp32 caches, and for bf16
+    under TRITON_INTERPRET, whose bf16 dot is wrong (fp16 there takes the MMA path, so the CPU
+    tests cover it)."""
+    B, H, T, D = q.shape
+    _, S, KV, _ = k_cache.shape
+    M = (H // KV) * T
+    programs = B * KV
+    splits = num_splits or _num_splits(programs, S, block_n, target_programs)
+    acc = torch.empty((programs, splits, M, D), dtype=torch.float32, device=q.device)
+    ml = torch.empty((programs, splits, 2, M), dtype=torch.float32, device=q.device)
+    fp32_dots = k_cache.dtype == torch.float32 or (
+        q.device.type != "cuda" and k_cache.dtype == torch.bfloat16)
+    return M, programs, splits, acc, ml, fp32_dots
+
+
 def cache_attention_read_triton(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor, starts: Tensor,
     scale: float, window: int, softcap: float,
@@ -298,18 +318,10 @@ def cache_attention_read_triton(
     k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
     seq_lens = seq_lens.to(torch.int64).contiguous()
     starts = starts.to(torch.int64).contiguous()
-    M = (H // KV) * T
-    programs = B * KV
-    splits = num_splits or _num_splits(programs, S, block_n, target_programs)
-    acc = torch.empty((programs, splits, M, D), dtype=torch.float32, device=q.device)
-    ml = torch.empty((programs, splits, 2, M), dtype=torch.float32, device=q.device)
+    M, programs, splits, acc, ml, fp32_dots = split_scratch(q, k_cache, num_splits, block_n,
+                                                            target_programs)
     block_m = max(16, triton.next_power_of_2(M))
     block_d = max(16, triton.next_power_of_2(D))
-    # MMA in the cache's dtype (fp32 accumulate) for bf16/fp16; IEEE fp32 for fp32 caches, and
-    # for bf16 under TRITON_INTERPRET, whose bf16 dot is wrong (fp16 there takes the MMA path,
-    # so the CPU tests cover it).
-    fp32_dots = k_cache.dtype == torch.float32 or (
-        q.device.type != "cuda" and k_cache.dtype == torch.bfloat16)
     log2e = 1.4426950408889634
     pdl = pdl_launch(q.device)
     _split_kernel[(programs, splits)](

@@ -66,9 +66,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fuser.ops.gated_act import act_times_up
 from fuser.ops import linear
-from fuser.ops.linear import _e4m3_to_f32, _mma, _norm_x_tile, _weight_f32
+from fuser.ops.linear import _e4m3_to_f32, _gated_epilogue, _mma, _norm_x_tile, _weight_f32
 from fuser.ops.pdl import gdc_launch_dependents, gdc_wait, pdl_launch, pdl_supported
 from fuser.ops.rmsnorm import _load_block, _normalise
 
@@ -235,6 +234,22 @@ def _step(acc, w, x, r, g, rstd, x_ptr, r_ptr, g_ptr, kw, K, BLOCK_M: tl.constex
 
 
 @triton.jit
+def _slot(acc, w, x, r, g, k, rstd, w_rows, col_ok, x_ptr, x_rows, r_ptr, g_ptr, row_ok,
+          zero_rows, K, KT, STEP: tl.constexpr, BLOCK_M: tl.constexpr, FP32_DOTS: tl.constexpr,
+          HAS_SCALE: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+          PACKED: tl.constexpr, FP8_BITS: tl.constexpr, X_TILE: tl.constexpr,
+          ACC_2D: tl.constexpr):
+    """One pipeline slot's K step: sum its tiles (at tile columns k - STEP), then reload the
+    slot in place with the tiles at k, STEP columns ahead. Returns (acc, w, x, r, g)."""
+    acc = _step(acc, w, x, r, g, rstd, x_ptr, r_ptr, g_ptr, k - STEP, K, BLOCK_M, FP32_DOTS,
+                HAS_SCALE, NORM, HAS_RESIDUAL, PACKED, FP8_BITS, X_TILE, ACC_2D)
+    w = _load_tile(w_rows, col_ok, k, KT)
+    x, r, g = _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M, NORM, HAS_RESIDUAL, PACKED,
+                      X_TILE, zero_rows)
+    return acc, w, x, r, g
+
+
+@triton.jit
 def _stream_kernel(
     x_ptr,                      # x: [M, K], row stride stride_xm, x's dtype
     w_ptr,                      # weight: [N, K] ([2N, K] gated), row stride stride_wn
@@ -329,35 +344,25 @@ def _stream_kernel(
                              NORM, HAS_RESIDUAL, PACKED, X_TILE, zero_rows)
     for k0 in range(0, KT, STEP):
         k = k0 + STEP + k0s  # slot a's next step
-        acc = _step(acc, wa, xa, ra, ga, rstd, x_ptr, r_ptr, g_ptr, k - STEP, K, BLOCK_M,
-                    FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, PACKED, FP8_BITS, X_TILE, ACC_2D)
-        wa = _load_tile(w_rows, col_ok, k, KT)
-        xa, ra, ga = _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M, NORM, HAS_RESIDUAL,
-                             PACKED, X_TILE, zero_rows)
+        acc, wa, xa, ra, ga = _slot(
+            acc, wa, xa, ra, ga, k, rstd, w_rows, col_ok, x_ptr, x_rows, r_ptr, g_ptr, row_ok,
+            zero_rows, K, KT, STEP, BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, PACKED,
+            FP8_BITS, X_TILE, ACC_2D)
         if DEPTH >= 2:
-            k += BLOCK_KT
-            acc = _step(acc, wb, xb, rb, gb, rstd, x_ptr, r_ptr, g_ptr, k - STEP, K,
-                        BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, PACKED,
-                        FP8_BITS, X_TILE, ACC_2D)
-            wb = _load_tile(w_rows, col_ok, k, KT)
-            xb, rb, gb = _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M, NORM,
-                                 HAS_RESIDUAL, PACKED, X_TILE, zero_rows)
+            acc, wb, xb, rb, gb = _slot(
+                acc, wb, xb, rb, gb, k + BLOCK_KT, rstd, w_rows, col_ok, x_ptr, x_rows, r_ptr,
+                g_ptr, row_ok, zero_rows, K, KT, STEP, BLOCK_M, FP32_DOTS, HAS_SCALE, NORM,
+                HAS_RESIDUAL, PACKED, FP8_BITS, X_TILE, ACC_2D)
         if DEPTH >= 3:
-            k += BLOCK_KT
-            acc = _step(acc, wc, xc, rc, gc, rstd, x_ptr, r_ptr, g_ptr, k - STEP, K,
-                        BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, PACKED,
-                        FP8_BITS, X_TILE, ACC_2D)
-            wc = _load_tile(w_rows, col_ok, k, KT)
-            xc, rc, gc = _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M, NORM,
-                                 HAS_RESIDUAL, PACKED, X_TILE, zero_rows)
+            acc, wc, xc, rc, gc = _slot(
+                acc, wc, xc, rc, gc, k + 2 * BLOCK_KT, rstd, w_rows, col_ok, x_ptr, x_rows,
+                r_ptr, g_ptr, row_ok, zero_rows, K, KT, STEP, BLOCK_M, FP32_DOTS, HAS_SCALE,
+                NORM, HAS_RESIDUAL, PACKED, FP8_BITS, X_TILE, ACC_2D)
         if DEPTH >= 4:
-            k += BLOCK_KT
-            acc = _step(acc, wd, xd, rd, gd, rstd, x_ptr, r_ptr, g_ptr, k - STEP, K,
-                        BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, PACKED,
-                        FP8_BITS, X_TILE, ACC_2D)
-            wd = _load_tile(w_rows, col_ok, k, KT)
-            xd, rd, gd = _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M, NORM,
-                                 HAS_RESIDUAL, PACKED, X_TILE, zero_rows)
+            acc, wd, xd, rd, gd = _slot(
+                acc, wd, xd, rd, gd, k + 3 * BLOCK_KT, rstd, w_rows, col_ok, x_ptr, x_rows,
+                r_ptr, g_ptr, row_ok, zero_rows, K, KT, STEP, BLOCK_M, FP32_DOTS, HAS_SCALE,
+                NORM, HAS_RESIDUAL, PACKED, FP8_BITS, X_TILE, ACC_2D)
     if BLOCK_M == 1 and X_TILE and ACC_2D:
         acc = tl.sum(acc, axis=1)
     if HAS_SCALE:  # once per output, after the sum over K
@@ -365,12 +370,7 @@ def _stream_kernel(
         acc *= scale if BLOCK_M == 1 else scale[None, :]
     out_dtype = out_ptr.dtype.element_ty
     if ACTIVATION != "":
-        if BLOCK_M == 1:
-            gate, up = tl.split(tl.permute(tl.reshape(acc, [2, HALF]), [1, 0]))
-        else:
-            gate, up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, HALF]), [0, 2, 1]))
-        acc = act_times_up(gate.to(out_dtype).to(tl.float32), up.to(out_dtype).to(tl.float32),
-                           ACTIVATION, out_dtype)
+        acc = _gated_epilogue(acc, HALF, BLOCK_M, ACTIVATION, out_dtype)
         local = tl.arange(0, HALF)
         cols = pid * ROWS + local
         col_ok = (local < ROWS) & (cols < N)

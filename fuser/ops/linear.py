@@ -175,6 +175,20 @@ def _mma(acc, x, w, FP32_DOTS: tl.constexpr, HAS_SCALE: tl.constexpr):
 
 
 @triton.jit
+def _gated_epilogue(acc, HALF: tl.constexpr, BLOCK_M: tl.constexpr, ACTIVATION: tl.constexpr,
+                    out_dtype: tl.constexpr):
+    """act(gate) * up from an accumulator whose tile columns are HALF gate columns, then the
+    HALF matching up columns ([BLOCK_N] at one row, [BLOCK_M, BLOCK_N] else): each half rounded
+    to the output dtype as the GEMV's output would be, then exactly as fuser::gated_act."""
+    if BLOCK_M == 1:
+        gate, up = tl.split(tl.permute(tl.reshape(acc, [2, HALF]), [1, 0]))
+    else:
+        gate, up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, HALF]), [0, 2, 1]))
+    return act_times_up(gate.to(out_dtype).to(tl.float32), up.to(out_dtype).to(tl.float32),
+                        ACTIVATION, out_dtype)
+
+
+@triton.jit
 def _sum_splits(acc, part_ptr, count_ptr, pid, SIZE: tl.constexpr, SPLIT_K: tl.constexpr):
     """Split-K in one launch: (sum of the SPLIT_K partial accumulators of column block `pid`,
     whether this program is the one that summed them).
@@ -342,12 +356,7 @@ def _linear_kernel(
         # exactly as fuser::gated_act computes it.
         cols = pid * HALF + tl.arange(0, HALF)
         col_ok = cols < N
-        if BLOCK_M == 1:
-            gate, up = tl.split(tl.permute(tl.reshape(acc, [2, HALF]), [1, 0]))
-        else:
-            gate, up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, HALF]), [0, 2, 1]))
-        acc = act_times_up(gate.to(out_dtype).to(tl.float32), up.to(out_dtype).to(tl.float32),
-                           ACTIVATION, out_dtype)
+        acc = _gated_epilogue(acc, HALF, BLOCK_M, ACTIVATION, out_dtype)
     if SPLIT_K > 1:  # only the program that summed the splits writes (see _sum_splits)
         col_ok = (col_ok.to(tl.int32) * last.to(tl.int32)) != 0
     if BLOCK_M == 1:

@@ -44,8 +44,8 @@ import triton.language as tl
 from torch import Tensor
 
 from fuser.ops.attention import (BLOCK_N, TARGET_PROGRAMS, _attend_block, _attend_cache,
-                                 _combine_kernel, _num_splits, _store_partial,
-                                 cache_attention_read_triton, cache_attention_reference)
+                                 _combine_kernel, _store_partial, cache_attention_read_triton,
+                                 cache_attention_reference, split_scratch)
 from fuser.ops.pdl import pdl_launch, wait_for_inputs
 from fuser.ops.rope import (_check, _check_cache, rotary_cache_write_reference,
                             rotary_cache_write_triton)
@@ -216,15 +216,9 @@ def rotary_cache_attention_triton(
     if out.numel() == 0:
         return out
     cos, sin = cos.expand(B, T, R), sin.expand(B, T, R)  # broadcast dims become stride 0
-    M = (H // KV) * T
-    programs = B * KV
-    splits = num_splits or _num_splits(programs, S, block_n, target_programs)
-    acc = torch.empty((programs, splits, M, D), dtype=torch.float32, device=q.device)
-    ml = torch.empty((programs, splits, 2, M), dtype=torch.float32, device=q.device)
+    M, programs, splits, acc, ml, fp32_dots = split_scratch(q, k_cache, num_splits, block_n,
+                                                            target_programs)
     block_d = max(16, triton.next_power_of_2(D))
-    # As cache_attention_read: IEEE fp32 dots for fp32 caches and for bf16 under the interpreter.
-    fp32_dots = k_cache.dtype == torch.float32 or (
-        q.device.type != "cuda" and k_cache.dtype == torch.bfloat16)
     log2e = 1.4426950408889634
     pdl = pdl_launch(q.device)
     _rotary_split_kernel[(programs, splits)](
