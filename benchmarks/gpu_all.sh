@@ -284,18 +284,19 @@ elif [ "$what" = ninth2 ]; then
     | tee "$OUT/pdl_lab.log" | grep -v Warning | tail -12
 elif [ "$what" = tenth ]; then
   # For the next session's first call (written in the ninth, not yet run): the stream GEMV's
-  # x_tile / acc_2d candidates in the chain (FP8 first: the one-row FP8 GEMV holds issue #10)
+  # x_tile / acc_2d candidates and _linear_kernel's X_TILE in the chain (FP8 first: the one-row
+  # FP8 GEMV holds issue #10)
   # and the 1B-shape draft's decode (issue #11; it outlasted 55 and 90 s before). ~8 minutes:
   # the 8B decode with its kernel profile (> 290 s) needs a call of its own (`decode
   # --skip-peers --profile`).
   echo "== GPU tests: stream GEMV"
   timeout 120 python3 -m pytest -q -p no:logging -p no:cacheprovider --tb=short -rf \
-    tests/test_ops_gemv_stream.py -k gpu 2>&1 | tee "$OUT/gpu_tests.log" | grep -v Warning \
+    tests/test_ops_gemv_stream.py -k "gpu or x_tile or fp8_bits" 2>&1 | tee "$OUT/gpu_tests.log" | grep -v Warning \
     | grep -E "^E |FAIL|Error|passed|failed" | head -20
   summary+=("GPU tests: $(tail -1 "$OUT/gpu_tests.log")")
   echo "== GEMV chain lab, 16 layers"
-  timeout 150 python3 benchmarks/pdl_lab.py --layers 16 --rows 1 --dtypes fp8,bf16 --out "$OUT/pdl_lab.json" \
-    --variants "off;stream default;stream pdl 2/sm 8K d4 xt;stream pdl 2/sm 8K d4 xt acc;stream pdl d4 8K xt acc;stream pdl 2/sm 4K d4 xt acc" 2>&1 \
+  timeout 200 python3 benchmarks/pdl_lab.py --layers 16 --rows 1 --dtypes fp8,bf16 --out "$OUT/pdl_lab.json" \
+    --variants "off;off xtile;pdl, 1 tile xtile;stream default;stream default xtile;stream pdl 2/sm 8K d4 xt;stream pdl 2/sm 8K d4 xt acc;stream pdl d4 8K xt acc;stream pdl 2/sm 4K d4 xt acc" 2>&1 \
     | tee "$OUT/pdl_lab.log" | grep -v Warning | tail -14
   echo "== decode, 1B shape, bf16"
   decode_1b 180

@@ -9,7 +9,9 @@ between them left out), captured in one CUDA graph and replayed, once per varian
 one row, ROWS_VARIANTS at several): `_linear_kernel` with PDL off (FUSER_PDL=0, "off") or on
 with a prefetched tile; the stream GEMV (fuser/ops/gemv_stream.py) in several configurations
 (`gemv_stream.CONFIG` / `ROWS_CONFIG`; "stream default" is what the engine runs); names ending
-in " bits" convert FP8 weights by integer operations (`linear.FP8_BITS`). Prints the chain's
+in " bits" convert FP8 weights by integer operations (`linear.FP8_BITS`), names ending in
+" xtile" load x in the weight tile's shape in `_linear_kernel` (`linear.X_TILE`; FP8 and the LM
+head stay there under "stream default xtile"). Prints the chain's
 time per layer, its read bandwidth against the measured HBM read bandwidth, and whether each
 variant's output equals "off"'s bit for bit, else their relative difference (summation order,
 amplified by 16 random layers; at several rows the norm-less chain overflows: "inf").
@@ -82,6 +84,9 @@ VARIANTS += (("stream pdl 2/sm 8K d4 xt", "1", None,
              ("stream pdl 2/sm 4K d4 xt acc", "1", None,
               StreamConfig(programs_per_sm=2, tile_bytes=4096, depth=4, packed=False,
                            x_tile=True, acc_2d=True)))
+# _linear_kernel with x loaded in the weight tile's shape (linear.X_TILE): names ending " xtile"
+VARIANTS += (("off xtile", "0", None, None), ("pdl, 1 tile xtile", "1", 1, None),
+             ("stream default xtile", "0", None, gemv_stream.DEFAULT))
 # Several rows (the verify step's MMA path; PDL is one row's): the stream GEMV's ROWS_CONFIG
 ROWS_VARIANTS = (("off", "0", None, None),
                  ("stream d1 st3", "0", None, StreamConfig(depth=1, num_stages=3)),
@@ -198,6 +203,7 @@ def main() -> None:
                 gemv_stream.CONFIG, gemv_stream.ROWS_CONFIG = (stream, None) if M == 1 else \
                     (None, stream)
                 linear_module.FP8_BITS = name.endswith(" bits")
+                linear_module.X_TILE = name.endswith(" xtile")
                 try:
                     ms, out = time_graph(lambda: chain(layers, h, r, prefetch))
                 except Exception as error:  # noqa: BLE001  (a variant that does not compile)
@@ -206,7 +212,7 @@ def main() -> None:
                     continue
                 finally:
                     gemv_stream.CONFIG, gemv_stream.ROWS_CONFIG = gemv_stream.DEFAULT, None
-                    linear_module.FP8_BITS = False
+                    linear_module.FP8_BITS = linear_module.X_TILE = False
                 if base_ms is None:
                     base_ms, base_out = ms, out
                 row = dict(dtype=dtype, rows=M, variant=name, ms=ms,

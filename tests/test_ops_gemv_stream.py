@@ -310,3 +310,32 @@ def test_fp8_bits_conversion_in_both_kernels(via, norm, monkeypatch: pytest.Monk
     expected = run_once()
     monkeypatch.setattr(linear_module, "FP8_BITS", True)
     assert torch.equal(run_once(), expected)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16w", "fp8w"])
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_x_tile_in_linear_kernel_gives_the_same_bits(fp8, norm, activation,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """linear.X_TILE: _linear_kernel's one row loads x in the weight tile's shape; the same
+    values, products and sums, so the same bits (split-K and the norm prologue included)."""
+    from fuser.ops import linear as linear_module
+
+    K, N = 200, 37
+    x, r, g, w = inputs(1, K, 2 * N if activation else N, torch.bfloat16, 13, True)
+    w, scale = quantize_weight(w.float()) if fp8 else (w, None)
+    x, r, g, w = (t.to(DEVICE) for t in (x, r, g, w))
+    scale = scale.to(DEVICE) if scale is not None else None
+
+    def run_once() -> torch.Tensor:
+        kw = dict(weight_scale=scale, activation=activation, block_n=16, block_k=64)
+        if norm:
+            out, summed = rms_norm_linear_triton(x, r, g, EPS, w, **kw)
+            return torch.cat([out.flatten(), summed.flatten()])
+        return torch.cat([linear_triton(x, w, **kw).flatten(),
+                          linear_triton(x[:, :192], w[:, :192], split_k=3, **kw).flatten()])
+
+    monkeypatch.setattr(linear_module, "X_TILE", False)
+    expected = run_once()
+    monkeypatch.setattr(linear_module, "X_TILE", True)
+    assert torch.equal(run_once(), expected)

@@ -143,11 +143,24 @@ def _weight_f32(w, FP8_BITS: tl.constexpr):
 
 @triton.jit
 def _row_step(acc, w, x_row, r_row, g_ptr, k, k_hi, rstd, NORM: tl.constexpr,
-              HAS_RESIDUAL: tl.constexpr, FP8_BITS: tl.constexpr = False):
-    """One K step of the one-row GEMV: acc [BLOCK_N] + w [BLOCK_N, BLOCK_K] . x[k], in fp32."""
-    k_ok = k < k_hi
-    x = _norm_x_tile(x_row, r_row, g_ptr, k, k_ok, k_ok, rstd, NORM, HAS_RESIDUAL)
-    return acc + tl.sum(_weight_f32(w, FP8_BITS) * x.to(tl.float32)[None, :], axis=1)
+              HAS_RESIDUAL: tl.constexpr, FP8_BITS: tl.constexpr = False,
+              X_TILE: tl.constexpr = False):
+    """One K step of the one-row GEMV: acc [BLOCK_N] + w [BLOCK_N, BLOCK_K] . x[k], in fp32.
+
+    X_TILE loads x (and the norm's residual and weight) as a tile of w's shape, every row the
+    same x: it lands in w's register layout, where a [BLOCK_K] x broadcast against w is moved
+    through shared memory between two barriers of the whole program each step (seen in the
+    sm_90 code). The same values, products and sums either way."""
+    if X_TILE:
+        k = k[None, :] + tl.zeros([w.shape[0], 1], dtype=k.dtype)
+        k_ok = k < k_hi
+        x = _norm_x_tile(x_row, r_row, g_ptr, k, k_ok, k_ok, rstd, NORM, HAS_RESIDUAL)
+        acc += tl.sum(_weight_f32(w, FP8_BITS) * x.to(tl.float32), axis=1)
+    else:
+        k_ok = k < k_hi
+        x = _norm_x_tile(x_row, r_row, g_ptr, k, k_ok, k_ok, rstd, NORM, HAS_RESIDUAL)
+        acc += tl.sum(_weight_f32(w, FP8_BITS) * x.to(tl.float32)[None, :], axis=1)
+    return acc
 
 
 @triton.jit
@@ -244,6 +257,7 @@ def _linear_kernel(
     PDL: tl.constexpr = False,  # launched with PDL (fuser/ops/pdl.py): PREFETCH weight tiles
     PREFETCH: tl.constexpr = 0,  # (0, 1 or 2) load before waiting for the previous kernel
     FP8_BITS: tl.constexpr = False,  # one row: FP8 weights to fp32 by _e4m3_to_f32
+    X_TILE: tl.constexpr = False,  # one row: x loaded in the weight tile's shape (_row_step)
 ):
     pid = tl.program_id(0)
     # Split-K: program (pid, s) sums K range [s * K / SPLIT_K, (s + 1) * K / SPLIT_K) (the
@@ -302,15 +316,15 @@ def _linear_kernel(
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         if PDL and PREFETCH >= 1:
             acc = _row_step(acc, w_pre0, x_row, r_row, g_ptr, k_pre0, k_hi, rstd, NORM,
-                            HAS_RESIDUAL, FP8_BITS)
+                            HAS_RESIDUAL, FP8_BITS, X_TILE)
         if PDL and PREFETCH >= 2:
             acc = _row_step(acc, w_pre1, x_row, r_row, g_ptr, k_pre1, k_hi, rstd, NORM,
-                            HAS_RESIDUAL, FP8_BITS)
+                            HAS_RESIDUAL, FP8_BITS, X_TILE)
         for k0 in range(k_loop, k_hi, BLOCK_K):
             k = k0 + offs_k
             w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & (k < k_hi)[None, :], other=0.0)
             acc = _row_step(acc, w, x_row, r_row, g_ptr, k, k_hi, rstd, NORM, HAS_RESIDUAL,
-                            FP8_BITS)
+                            FP8_BITS, X_TILE)
         if SPLIT_K > 1:
             acc, last = _sum_splits(acc, part_ptr, count_ptr, pid, BLOCK_N, SPLIT_K)
         if HAS_SCALE:  # once per output, after the sum over K
@@ -413,6 +427,8 @@ def _default_split_k(M: int, N: int, K: int, fp8: bool) -> int:
 # hardware conversion. Benchmarks flip it to compare (a CUDA graph keeps what it was captured
 # with).
 FP8_BITS = False
+# One row: x loaded in the weight tile's shape (_row_step's X_TILE), off until timed on a GPU.
+X_TILE = False
 
 PDL_PREFETCH = 1  # weight tiles a PDL-launched program loads before its wait (fuser/ops/pdl.py)
 
@@ -591,7 +607,7 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, FP32_DOTS=fp32_dots, HAS_SCALE=fp8,
         ACTIVATION=activation or "", NORM=norm, HAS_RESIDUAL=residual is not None,
         SPLIT_K=splits, PDL=bool(pdl), PREFETCH=PDL_PREFETCH if prefetch is None else prefetch,
-        FP8_BITS=FP8_BITS,
+        FP8_BITS=FP8_BITS, X_TILE=X_TILE,
         num_warps=num_warps or warps, num_stages=num_stages or stages, **pdl,
     )
     return out.reshape(*lead, N), _lead(summed, lead, K)
