@@ -8,12 +8,10 @@ runs them (norm + qkv, o_proj, norm + gate/up with the activation, down_proj; th
 between them left out), captured in one CUDA graph and replayed, once per variant (VARIANTS at
 one row, ROWS_VARIANTS at several): `_linear_kernel` with PDL off (FUSER_PDL=0, "off") or on
 with a prefetched tile; the stream GEMV (fuser/ops/gemv_stream.py) in several configurations
-(`gemv_stream.CONFIG` / `ROWS_CONFIG`; "stream default" is what the engine runs); names ending
-in " bits" convert FP8 weights by integer operations (`linear.FP8_BITS`), names ending in
-" xtile" load x in the weight tile's shape in `_linear_kernel` (`linear.X_TILE`; FP8 and the LM
-head stay there under "stream default xtile"). Prints the chain's
-time per layer, its read bandwidth against the measured HBM read bandwidth, and whether each
-variant's output equals "off"'s bit for bit, else their relative difference (summation order,
+(`gemv_stream.CONFIG` / `ROWS_CONFIG`; "stream default" is what the engine runs); names
+ending in " xtile" load x in the weight tile's shape in `_linear_kernel` (`linear.X_TILE`; FP8
+and the LM head stay there under "stream default xtile"). Prints the chain's time per layer, its
+read bandwidth against the measured HBM read bandwidth, and whether each variant's output equals "off"'s bit for bit, else their relative difference (summation order,
 amplified by 16 random layers; at several rows the norm-less chain overflows: "inf").
 """
 
@@ -50,11 +48,6 @@ VARIANTS = (("off", "0", None, None), ("pdl, 1 tile", "1", 1, None),
             ("stream pdl d2 32K", "1", None, StreamConfig(tile_bytes=32768, depth=2)),
             ("stream pdl 2/sm 8K", "1", None, StreamConfig(programs_per_sm=2, tile_bytes=8192)),
             ("stream pdl d4 8K", "1", None, StreamConfig(tile_bytes=8192, depth=4)),
-            ("stream pdl 2/sm 8K d4 fp8", "1", None, StreamConfig(programs_per_sm=2,
-                                                                  tile_bytes=8192, depth=4)),
-            ("stream pdl 2/sm 8K d4 bytes", "1", None, StreamConfig(programs_per_sm=2,
-                                                                    tile_bytes=8192, depth=4,
-                                                                    packed=False)),
             ("stream pdl 2/sm 8K d4", "1", None, StreamConfig(programs_per_sm=2,
                                                               tile_bytes=8192, depth=4)),
             ("stream pdl 2/sm 4K d4 w4", "1", None, StreamConfig(programs_per_sm=2,
@@ -62,27 +55,18 @@ VARIANTS = (("off", "0", None, None), ("pdl, 1 tile", "1", 1, None),
                                                                  num_warps=4)),
             ("stream pdl 4/sm 4K d3 w4", "1", None, StreamConfig(programs_per_sm=4,
                                                                  tile_bytes=4096, num_warps=4)))
-# FP8 weights converted by integer operations (linear.FP8_BITS) at one row: every variant
-# whose name ends in " bits"
-VARIANTS += (("off bits", "0", None, None), ("pdl, 1 tile bits", "1", 1, None),
-             ("stream pdl 2/sm 8K d4 bytes bits", "1", None,
-              StreamConfig(programs_per_sm=2, tile_bytes=8192, depth=4, packed=False)),
-             ("stream pdl d4 8K bytes bits", "1", None,
-              StreamConfig(tile_bytes=8192, depth=4, packed=False)),
-             ("stream pdl 3/sm 4K d4 bytes bits", "1", None,
-              StreamConfig(programs_per_sm=3, tile_bytes=4096, depth=4, packed=False)))
 # x loaded in the weight tile's shape (no per-step barrier), with a 2-D accumulator (one
 # reduction per program): the FP8 candidates after the ninth session (x_tile, acc_2d)
 VARIANTS += (("stream pdl 2/sm 8K d4 xt", "1", None,
-              StreamConfig(programs_per_sm=2, tile_bytes=8192, depth=4, packed=False,
+              StreamConfig(programs_per_sm=2, tile_bytes=8192, depth=4,
                            x_tile=True)),
              ("stream pdl 2/sm 8K d4 xt acc", "1", None,
-              StreamConfig(programs_per_sm=2, tile_bytes=8192, depth=4, packed=False,
+              StreamConfig(programs_per_sm=2, tile_bytes=8192, depth=4,
                            x_tile=True, acc_2d=True)),
              ("stream pdl d4 8K xt acc", "1", None,
-              StreamConfig(tile_bytes=8192, depth=4, packed=False, x_tile=True, acc_2d=True)),
+              StreamConfig(tile_bytes=8192, depth=4, x_tile=True, acc_2d=True)),
              ("stream pdl 2/sm 4K d4 xt acc", "1", None,
-              StreamConfig(programs_per_sm=2, tile_bytes=4096, depth=4, packed=False,
+              StreamConfig(programs_per_sm=2, tile_bytes=4096, depth=4,
                            x_tile=True, acc_2d=True)))
 # _linear_kernel with x loaded in the weight tile's shape (linear.X_TILE): names ending " xtile"
 VARIANTS += (("off xtile", "0", None, None), ("pdl, 1 tile xtile", "1", 1, None),
@@ -202,7 +186,6 @@ def main() -> None:
                 os.environ["FUSER_PDL"] = flag
                 gemv_stream.CONFIG, gemv_stream.ROWS_CONFIG = (stream, None) if M == 1 else \
                     (None, stream)
-                linear_module.FP8_BITS = name.endswith(" bits")
                 linear_module.X_TILE = name.endswith(" xtile")
                 try:
                     ms, out = time_graph(lambda: chain(layers, h, r, prefetch))
@@ -212,7 +195,7 @@ def main() -> None:
                     continue
                 finally:
                     gemv_stream.CONFIG, gemv_stream.ROWS_CONFIG = gemv_stream.DEFAULT, None
-                    linear_module.FP8_BITS = linear_module.X_TILE = False
+                    linear_module.X_TILE = False
                 if base_ms is None:
                     base_ms, base_out = ms, out
                 row = dict(dtype=dtype, rows=M, variant=name, ms=ms,

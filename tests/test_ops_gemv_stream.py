@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fuser.ops import gemv_stream
 from fuser.ops.fp8 import dequantize, quantize_weight
 from fuser.ops.gemv_stream import StreamConfig, stream_gemv, stream_plan
-from fuser.ops.linear import _e4m3_to_f32, linear_triton, rms_norm_linear_triton
+from fuser.ops.linear import linear_triton, rms_norm_linear_triton
 from test_ops_gated_linear import SETTINGS, assert_gated_close, assert_mostly_equal
 from test_ops_linear import check as assert_linear_close
 from test_ops_norm_linear import EPS, inputs, reference_norm
@@ -78,8 +76,8 @@ def run(K: int, N: int, dtype: torch.dtype, norm: bool, residual: bool, activati
 CONFIGS = [StreamConfig(tile_bytes=2048, depth=1), StreamConfig(tile_bytes=4096, depth=3),
            StreamConfig(programs_per_sm=2, tile_bytes=1024, depth=2, num_stages=2),
            StreamConfig(tile_bytes=4096, depth=4),
-           StreamConfig(programs_per_sm=2, tile_bytes=2048, depth=3, packed=False, x_tile=True),
-           StreamConfig(tile_bytes=2048, depth=2, packed=False, x_tile=True, acc_2d=True)]
+           StreamConfig(programs_per_sm=2, tile_bytes=2048, depth=3, x_tile=True),
+           StreamConfig(tile_bytes=2048, depth=2, x_tile=True, acc_2d=True)]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"p{c.programs_per_sm}t{c.tile_bytes}"
@@ -161,7 +159,7 @@ def test_bad_configs_are_refused() -> None:
 @needs_cuda
 @pytest.mark.parametrize("config", [StreamConfig(), gemv_stream.DEFAULT,
                                     StreamConfig(programs_per_sm=2, tile_bytes=8192, depth=4,
-                                                 packed=False, x_tile=True, acc_2d=True)],
+                                                 x_tile=True, acc_2d=True)],
                          ids=["d3", "default", "xt_acc"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16w", "fp8w"])
 @pytest.mark.parametrize("shape", ["qkv", "o_proj", "gate_up", "down"])
@@ -258,58 +256,6 @@ def test_gpu_pdl_chain_gives_the_ordinary_launchs_bits() -> None:
                                     fp8=False))
     assert torch.isfinite(with_pdl).all()
     assert torch.equal(with_pdl, without)
-
-
-@triton.jit
-def _convert_kernel(w_ptr, out_ptr, BLOCK: tl.constexpr):
-    i = tl.arange(0, BLOCK)
-    tl.store(out_ptr + i, _e4m3_to_f32(tl.load(w_ptr + i)))
-
-
-def test_e4m3_bits_give_every_finite_codes_exact_value() -> None:
-    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
-    out = torch.empty(256, dtype=torch.float32)
-    out = out.to(DEVICE)
-    _convert_kernel[(1,)](codes.to(DEVICE), out, BLOCK=256)
-    expected = codes.float()
-    finite = torch.isfinite(expected)
-    assert finite.sum() == 254  # 0x7f and 0xff are NaN in e4m3fn
-    assert torch.equal(out.cpu()[finite], expected[finite])
-    # NaN, never written by quantize_weight, reads as +-480
-    assert out.cpu()[~finite].abs().eq(480).all()
-
-
-@pytest.mark.parametrize("via", ["linear_kernel", "stream"])
-@pytest.mark.parametrize("norm", [False, True])
-def test_fp8_bits_conversion_in_both_kernels(via, norm, monkeypatch: pytest.MonkeyPatch) -> None:
-    """linear.FP8_BITS: the one-row kernels convert FP8 weights by integer operations; the
-    outputs equal the hardware conversion's bit for bit (the same fp32 values, summed in the
-    same order)."""
-    from fuser.ops import linear as linear_module
-
-    x, r, g, w = inputs(1, 200, 2 * 37, torch.bfloat16, 9, True)
-    w, scale = quantize_weight(w.float())
-    x, r, g, w, scale = (t.to(DEVICE) for t in (x, r, g, w, scale))
-
-    def run_once() -> torch.Tensor:
-        if via == "stream":
-            out = torch.empty(1, 37, dtype=torch.bfloat16, device=DEVICE)
-            config = StreamConfig(tile_bytes=2048, packed=False)
-            plan = stream_plan(37, 200, 1, True, config, 4)
-            stream_gemv(x, w, out, plan, config, weight_scale=scale, activation="silu",
-                        residual=r if norm else None, norm_weight=g if norm else None, eps=EPS,
-                        summed=torch.empty_like(x) if norm else None)
-            return out
-        if norm:
-            return rms_norm_linear_triton(x, r, g, EPS, w, weight_scale=scale,
-                                          activation="silu", block_n=16, block_k=64)[0]
-        return linear_triton(x, w, weight_scale=scale, activation="silu", block_n=16,
-                             block_k=64)
-
-    monkeypatch.setattr(linear_module, "FP8_BITS", False)
-    expected = run_once()
-    monkeypatch.setattr(linear_module, "FP8_BITS", True)
-    assert torch.equal(run_once(), expected)
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16w", "fp8w"])

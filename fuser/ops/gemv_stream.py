@@ -66,8 +66,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fuser.ops import linear
-from fuser.ops.linear import _e4m3_to_f32, _gated_epilogue, _mma, _norm_x_tile, _weight_f32
+from fuser.ops.linear import _gated_epilogue, _mma
 from fuser.ops.pdl import gdc_launch_dependents, gdc_wait, pdl_launch, pdl_supported
 from fuser.ops.rmsnorm import _load_block, _normalise
 
@@ -84,7 +83,6 @@ class StreamConfig:
     registers, all loaded before the PDL wait); num_stages: Triton's own pipelining, which only
     the several-row path (the MMA) gets; pdl: launch with PDL where the GPU supports it,
     whatever FUSER_PDL says (pdl=None: as FUSER_PDL says); fp8: FP8 weights take this kernel too;
-    packed: one row reads FP8 weights as int32 words of four (_packed_products) where K allows;
     x_tile: one row loads x (and the norm's residual and weight) as a [BLOCK_R, BLOCK_K] tile of
     the weight tile's shape, every row of it the same x, so it lands in the weight's register
     layout: a [BLOCK_K] x broadcast against the weight goes through shared memory and two
@@ -100,7 +98,6 @@ class StreamConfig:
     num_stages: int = 1
     pdl: bool | None = None
     fp8: bool = True
-    packed: bool = True
     x_tile: bool = False
     acc_2d: bool = False
 
@@ -162,24 +159,21 @@ def _load_tile(w_rows, col_ok, k, K):
 
 @triton.jit
 def _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M: tl.constexpr, NORM: tl.constexpr,
-            HAS_RESIDUAL: tl.constexpr, PACKED: tl.constexpr, X_TILE: tl.constexpr = False,
-            zero_rows=0):
+            HAS_RESIDUAL: tl.constexpr, X_TILE: tl.constexpr = False, zero_rows=0):
     """The raw input tiles at columns k: (x, residual, norm weight); without NORM the last two
     are x again (never used). Loaded a pipeline stage ahead, like the weight tile: a K step
     waits on no load from L2."""
     k_ok = k < K
-    if X_TILE and BLOCK_M == 1 and not PACKED:
+    if X_TILE and BLOCK_M == 1:
         k = zero_rows[:, None] + k[None, :]  # [BLOCK_R, BLOCK_K]: the weight tile's shape
         k_ok = k < K
-    if PACKED:  # the step loads its x lanes itself (_packed_products): nothing to carry
-        x = k
-    elif BLOCK_M == 1:
+    if BLOCK_M == 1:
         x = tl.load(x_rows + k, mask=k_ok, other=0.0)
     else:
         x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
     r = x
     g = x
-    if NORM and not PACKED:  # one row only
+    if NORM:  # one row only
         g = tl.load(g_ptr + k, mask=k_ok, other=0.0)
         if HAS_RESIDUAL:
             r = tl.load(r_ptr + k, mask=k_ok, other=0.0)
@@ -187,65 +181,40 @@ def _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M: tl.constexpr, NORM: tl.
 
 
 @triton.jit
-def _packed_products(w, x_ptr, r_ptr, g_ptr, kw, K, rstd, NORM: tl.constexpr,
-                     HAS_RESIDUAL: tl.constexpr):
-    """sum over the 4 bytes b of a tile of FP8 weights packed 4 to an int32 word (word j of a
-    row holds columns 4j .. 4j + 3, byte b column 4j + b, little-endian) of w_b * x[4j + b],
-    elementwise, in fp32: [BLOCK_R, BLOCK_KW]. The word tile stays packed in registers while
-    in flight (a tile of separate bytes takes four times the registers); each byte becomes its
-    exact fp32 value here, at its use."""
-    prod = tl.zeros(w.shape, dtype=tl.float32)
-    for b in tl.static_range(4):
-        k = kw * 4 + b
-        k_ok = k < K
-        x = _norm_x_tile(x_ptr, r_ptr, g_ptr, k, k_ok, k_ok, rstd, NORM, HAS_RESIDUAL)
-        byte = ((w >> (8 * b)) & 0xFF).to(tl.uint8)
-        prod += _e4m3_to_f32(byte.to(tl.float8e4nv, bitcast=True)) * x.to(tl.float32)[None, :]
-    return prod
-
-
-@triton.jit
-def _step(acc, w, x, r, g, rstd, x_ptr, r_ptr, g_ptr, kw, K, BLOCK_M: tl.constexpr,
-          FP32_DOTS: tl.constexpr, HAS_SCALE: tl.constexpr, NORM: tl.constexpr,
-          HAS_RESIDUAL: tl.constexpr, PACKED: tl.constexpr, FP8_BITS: tl.constexpr,
+def _step(acc, w, x, r, g, rstd, BLOCK_M: tl.constexpr, FP32_DOTS: tl.constexpr,
+          HAS_SCALE: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
           X_TILE: tl.constexpr = False, ACC_2D: tl.constexpr = False):
     """One K step over loaded tiles: linear.py's one-row step (CUDA cores) or its several-row
-    step (the MMA); PACKED: one row over FP8 words (_packed_products). With NORM the input is
-    g * (h * rstd).to(dtype) rounded once, h = x (+ r) rounded to x's dtype: what linear.py's
-    _norm_x_tile forms, bit for bit."""
-    if PACKED:
-        acc += tl.sum(_packed_products(w, x_ptr, r_ptr, g_ptr, kw, K, rstd, NORM, HAS_RESIDUAL),
-                      axis=1)
-        return acc
+    step (the MMA). With NORM the input is g * (h * rstd).to(dtype) rounded once, h = x (+ r)
+    rounded to x's dtype: what linear.py's _norm_x_tile forms, bit for bit."""
     if NORM:
         h = x.to(tl.float32)
         if HAS_RESIDUAL:
             h = (h + r.to(tl.float32)).to(x.dtype).to(tl.float32)
         x = _normalise(h, rstd, g, x.dtype).to(x.dtype)
     if BLOCK_M == 1 and X_TILE and ACC_2D:  # acc: [BLOCK_R, BLOCK_K], summed at the end
-        acc += _weight_f32(w, FP8_BITS) * x.to(tl.float32)
+        acc += w.to(tl.float32) * x.to(tl.float32)
     elif BLOCK_M == 1 and X_TILE:  # x is already a tile of w's shape
-        acc += tl.sum(_weight_f32(w, FP8_BITS) * x.to(tl.float32), axis=1)
+        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)
     elif BLOCK_M == 1:
-        acc += tl.sum(_weight_f32(w, FP8_BITS) * x.to(tl.float32)[None, :], axis=1)
+        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
     else:
         acc = _mma(acc, x, w, FP32_DOTS, HAS_SCALE)
     return acc
 
 
 @triton.jit
-def _slot(acc, w, x, r, g, k, rstd, w_rows, col_ok, x_ptr, x_rows, r_ptr, g_ptr, row_ok,
-          zero_rows, K, KT, STEP: tl.constexpr, BLOCK_M: tl.constexpr, FP32_DOTS: tl.constexpr,
-          HAS_SCALE: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-          PACKED: tl.constexpr, FP8_BITS: tl.constexpr, X_TILE: tl.constexpr,
+def _slot(acc, w, x, r, g, k, rstd, w_rows, col_ok, x_rows, r_ptr, g_ptr, row_ok, zero_rows, K,
+          BLOCK_M: tl.constexpr, FP32_DOTS: tl.constexpr, HAS_SCALE: tl.constexpr,
+          NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, X_TILE: tl.constexpr,
           ACC_2D: tl.constexpr):
-    """One pipeline slot's K step: sum its tiles (at tile columns k - STEP), then reload the
-    slot in place with the tiles at k, STEP columns ahead. Returns (acc, w, x, r, g)."""
-    acc = _step(acc, w, x, r, g, rstd, x_ptr, r_ptr, g_ptr, k - STEP, K, BLOCK_M, FP32_DOTS,
-                HAS_SCALE, NORM, HAS_RESIDUAL, PACKED, FP8_BITS, X_TILE, ACC_2D)
-    w = _load_tile(w_rows, col_ok, k, KT)
-    x, r, g = _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M, NORM, HAS_RESIDUAL, PACKED,
-                      X_TILE, zero_rows)
+    """One pipeline slot's K step: sum its tiles, then reload the slot in place with the tiles
+    at columns k (the step DEPTH ahead). Returns (acc, w, x, r, g)."""
+    acc = _step(acc, w, x, r, g, rstd, BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL,
+                X_TILE, ACC_2D)
+    w = _load_tile(w_rows, col_ok, k, K)
+    x, r, g = _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M, NORM, HAS_RESIDUAL, X_TILE,
+                      zero_rows)
     return acc, w, x, r, g
 
 
@@ -266,9 +235,6 @@ def _stream_kernel(
     FP32_DOTS: tl.constexpr,    # the MMA in fp32 (fp32 models; bf16 under TRITON_INTERPRET)
     HAS_SCALE: tl.constexpr, ACTIVATION: tl.constexpr, NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
-    PACKED: tl.constexpr = False,  # one row, FP8 weights read as int32 words (w_ptr: *i32,
-                                   # stride_wn in words, K % 4 == 0): see _packed_products
-    FP8_BITS: tl.constexpr = False,  # one row: FP8 weights to fp32 by linear._e4m3_to_f32
     X_TILE: tl.constexpr = False,  # one row: x loaded in the weight tile's shape (StreamConfig)
     ACC_2D: tl.constexpr = False,  # one row, X_TILE: a [BLOCK_R, BLOCK_K] accumulator
 ):
@@ -286,10 +252,7 @@ def _stream_kernel(
     w_row = cols + w_shift
     w_rows = w_ptr + w_row[:, None].to(tl.int64) * stride_wn
     zero_rows = tile * 0  # [BLOCK_R] zeros: x_tile's row offsets
-    # Tile columns: elements, or int32 words of four FP8 weights (PACKED).
-    BLOCK_KT: tl.constexpr = BLOCK_K // 4 if PACKED else BLOCK_K
-    KT = K // 4 if PACKED else K
-    k0s = tl.arange(0, BLOCK_KT)
+    k0s = tl.arange(0, BLOCK_K)
     # The pipeline, in registers, DEPTH slots: slot j holds the tiles of K step i * DEPTH + j.
     # Every slot's weight tile loads now (weights only: nothing the previous kernel writes), its
     # x tiles after the wait. The loop, unrolled by DEPTH, sums each slot and at once reloads it
@@ -297,14 +260,14 @@ def _stream_kernel(
     # waits on a load issued less than DEPTH - 1 steps before. A slot is consumed and reloaded
     # in place (never copied to another slot: a register copy of a tile still in flight would
     # wait for it). Steps past K are masked off: their loads move no bytes and add zeros.
-    STEP: tl.constexpr = DEPTH * BLOCK_KT
-    wa = _load_tile(w_rows, col_ok, k0s, KT)
+    STEP: tl.constexpr = DEPTH * BLOCK_K
+    wa = _load_tile(w_rows, col_ok, k0s, K)
     if DEPTH >= 2:
-        wb = _load_tile(w_rows, col_ok, BLOCK_KT + k0s, KT)
+        wb = _load_tile(w_rows, col_ok, BLOCK_K + k0s, K)
     if DEPTH >= 3:
-        wc = _load_tile(w_rows, col_ok, 2 * BLOCK_KT + k0s, KT)
+        wc = _load_tile(w_rows, col_ok, 2 * BLOCK_K + k0s, K)
     if DEPTH >= 4:
-        wd = _load_tile(w_rows, col_ok, 3 * BLOCK_KT + k0s, KT)
+        wd = _load_tile(w_rows, col_ok, 3 * BLOCK_K + k0s, K)
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -324,7 +287,7 @@ def _stream_kernel(
                 squares += h * h
             rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)  # fp32, as rmsnorm.py
         if X_TILE and ACC_2D:
-            acc = tl.zeros([BLOCK_R, BLOCK_KT], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
         else:
             acc = tl.zeros([BLOCK_R], dtype=tl.float32)
     else:  # several rows, no norm: linear.py's MMA step over the same tiles
@@ -332,37 +295,36 @@ def _stream_kernel(
         rstd = 0.0
         acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     xa, ra, ga = _load_x(x_rows, r_ptr, g_ptr, k0s, K, row_ok, BLOCK_M, NORM, HAS_RESIDUAL,
-                         PACKED, X_TILE, zero_rows)
+                         X_TILE, zero_rows)
     if DEPTH >= 2:
-        xb, rb, gb = _load_x(x_rows, r_ptr, g_ptr, BLOCK_KT + k0s, K, row_ok, BLOCK_M, NORM,
-                             HAS_RESIDUAL, PACKED, X_TILE, zero_rows)
+        xb, rb, gb = _load_x(x_rows, r_ptr, g_ptr, BLOCK_K + k0s, K, row_ok, BLOCK_M, NORM,
+                             HAS_RESIDUAL, X_TILE, zero_rows)
     if DEPTH >= 3:
-        xc, rc, gc = _load_x(x_rows, r_ptr, g_ptr, 2 * BLOCK_KT + k0s, K, row_ok, BLOCK_M,
-                             NORM, HAS_RESIDUAL, PACKED, X_TILE, zero_rows)
+        xc, rc, gc = _load_x(x_rows, r_ptr, g_ptr, 2 * BLOCK_K + k0s, K, row_ok, BLOCK_M,
+                             NORM, HAS_RESIDUAL, X_TILE, zero_rows)
     if DEPTH >= 4:
-        xd, rd, gd = _load_x(x_rows, r_ptr, g_ptr, 3 * BLOCK_KT + k0s, K, row_ok, BLOCK_M,
-                             NORM, HAS_RESIDUAL, PACKED, X_TILE, zero_rows)
-    for k0 in range(0, KT, STEP):
+        xd, rd, gd = _load_x(x_rows, r_ptr, g_ptr, 3 * BLOCK_K + k0s, K, row_ok, BLOCK_M,
+                             NORM, HAS_RESIDUAL, X_TILE, zero_rows)
+    for k0 in range(0, K, STEP):
         k = k0 + STEP + k0s  # slot a's next step
         acc, wa, xa, ra, ga = _slot(
-            acc, wa, xa, ra, ga, k, rstd, w_rows, col_ok, x_ptr, x_rows, r_ptr, g_ptr, row_ok,
-            zero_rows, K, KT, STEP, BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, PACKED,
-            FP8_BITS, X_TILE, ACC_2D)
+            acc, wa, xa, ra, ga, k, rstd, w_rows, col_ok, x_rows, r_ptr, g_ptr, row_ok,
+            zero_rows, K, BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, X_TILE, ACC_2D)
         if DEPTH >= 2:
             acc, wb, xb, rb, gb = _slot(
-                acc, wb, xb, rb, gb, k + BLOCK_KT, rstd, w_rows, col_ok, x_ptr, x_rows, r_ptr,
-                g_ptr, row_ok, zero_rows, K, KT, STEP, BLOCK_M, FP32_DOTS, HAS_SCALE, NORM,
-                HAS_RESIDUAL, PACKED, FP8_BITS, X_TILE, ACC_2D)
+                acc, wb, xb, rb, gb, k + BLOCK_K, rstd, w_rows, col_ok, x_rows, r_ptr, g_ptr,
+                row_ok, zero_rows, K, BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, X_TILE,
+                ACC_2D)
         if DEPTH >= 3:
             acc, wc, xc, rc, gc = _slot(
-                acc, wc, xc, rc, gc, k + 2 * BLOCK_KT, rstd, w_rows, col_ok, x_ptr, x_rows,
-                r_ptr, g_ptr, row_ok, zero_rows, K, KT, STEP, BLOCK_M, FP32_DOTS, HAS_SCALE,
-                NORM, HAS_RESIDUAL, PACKED, FP8_BITS, X_TILE, ACC_2D)
+                acc, wc, xc, rc, gc, k + 2 * BLOCK_K, rstd, w_rows, col_ok, x_rows, r_ptr,
+                g_ptr, row_ok, zero_rows, K, BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL,
+                X_TILE, ACC_2D)
         if DEPTH >= 4:
             acc, wd, xd, rd, gd = _slot(
-                acc, wd, xd, rd, gd, k + 3 * BLOCK_KT, rstd, w_rows, col_ok, x_ptr, x_rows,
-                r_ptr, g_ptr, row_ok, zero_rows, K, KT, STEP, BLOCK_M, FP32_DOTS, HAS_SCALE,
-                NORM, HAS_RESIDUAL, PACKED, FP8_BITS, X_TILE, ACC_2D)
+                acc, wd, xd, rd, gd, k + 3 * BLOCK_K, rstd, w_rows, col_ok, x_rows, r_ptr,
+                g_ptr, row_ok, zero_rows, K, BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL,
+                X_TILE, ACC_2D)
     if BLOCK_M == 1 and X_TILE and ACC_2D:
         acc = tl.sum(acc, axis=1)
     if HAS_SCALE:  # once per output, after the sum over K
@@ -413,19 +375,16 @@ def stream_gemv(x: Tensor, weight: Tensor, out: Tensor, plan: StreamPlan, config
         pdl = pdl_launch(x.device)
     else:
         pdl = {"launch_pdl": True} if config.pdl and pdl_supported(x.device) else {}
-    packed = (config.packed and M == 1 and weight.element_size() == 1 and K % 4 == 0
-              and weight.stride(0) % 4 == 0 and weight.data_ptr() % 4 == 0)
-    w = weight.view(torch.int32) if packed else weight  # [N, K / 4] words of four weights
     _stream_kernel[(plan.programs,)](
-        x, w, weight_scale if weight_scale is not None else out, out,
+        x, weight, weight_scale if weight_scale is not None else out, out,
         residual if residual is not None else x, norm_weight if norm else x,
         summed if summed is not None else x,
-        M, N, K, plan.rows, x.stride(0), w.stride(0), eps,
+        M, N, K, plan.rows, x.stride(0), weight.stride(0), eps,
         BLOCK_M=block_m, BLOCK_R=plan.block_r, BLOCK_K=plan.block_k,
         DEPTH=config.depth,
         NORM_K=min(triton.next_power_of_2(K), NORM_BLOCK), FP32_DOTS=fp32_dots,
         HAS_SCALE=weight_scale is not None, ACTIVATION=activation or "", NORM=norm,
         HAS_RESIDUAL=residual is not None, PDL=bool(pdl), num_warps=config.num_warps,
-        num_stages=config.num_stages, PACKED=packed, FP8_BITS=linear.FP8_BITS,
-        X_TILE=config.x_tile, ACC_2D=config.acc_2d and config.x_tile, **pdl,
+        num_stages=config.num_stages, X_TILE=config.x_tile,
+        ACC_2D=config.acc_2d and config.x_tile, **pdl,
     )

@@ -119,32 +119,8 @@ def _norm_x_tile(x_ptrs, r_ptrs, g_ptr, k, mask, k_ok, rstd, NORM: tl.constexpr,
 
 
 @triton.jit
-def _e4m3_to_f32(w):
-    """e4m3fn -> fp32 by integer operations and one multiply, exactly, for every finite code
-    (NaN, 0x7f / 0xff, becomes +-480: quantize_weight never writes it). Sign to bit 31, the
-    4 exponent and 3 mantissa bits to bits 26..20: an fp32 whose value is the e4m3 value times
-    2^-120 (subnormals included: exponent field 0 is a subnormal in both), then * 2^120. The
-    hardware conversion (e4m3x2 -> f16x2 -> f32) runs on the slower conversion units, and at
-    one row the FP8 GEMV converts every weight once: 4 weights per byte-read cycle budget."""
-    b = w.to(tl.uint8, bitcast=True).to(tl.uint32)
-    bits = ((b & 0x80) << 24) | ((b & 0x7F) << 20)
-    return bits.to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2^120, exact
-
-
-@triton.jit
-def _weight_f32(w, FP8_BITS: tl.constexpr):
-    """A weight tile in fp32: FP8 by _e4m3_to_f32 where FP8_BITS, else a plain conversion."""
-    if FP8_BITS and w.dtype == tl.float8e4nv:
-        out = _e4m3_to_f32(w)
-    else:
-        out = w.to(tl.float32)
-    return out
-
-
-@triton.jit
 def _row_step(acc, w, x_row, r_row, g_ptr, k, k_hi, rstd, NORM: tl.constexpr,
-              HAS_RESIDUAL: tl.constexpr, FP8_BITS: tl.constexpr = False,
-              X_TILE: tl.constexpr = False):
+              HAS_RESIDUAL: tl.constexpr, X_TILE: tl.constexpr = False):
     """One K step of the one-row GEMV: acc [BLOCK_N] + w [BLOCK_N, BLOCK_K] . x[k], in fp32.
 
     X_TILE loads x (and the norm's residual and weight) as a tile of w's shape, every row the
@@ -155,11 +131,11 @@ def _row_step(acc, w, x_row, r_row, g_ptr, k, k_hi, rstd, NORM: tl.constexpr,
         k = k[None, :] + tl.zeros([w.shape[0], 1], dtype=k.dtype)
         k_ok = k < k_hi
         x = _norm_x_tile(x_row, r_row, g_ptr, k, k_ok, k_ok, rstd, NORM, HAS_RESIDUAL)
-        acc += tl.sum(_weight_f32(w, FP8_BITS) * x.to(tl.float32), axis=1)
+        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)
     else:
         k_ok = k < k_hi
         x = _norm_x_tile(x_row, r_row, g_ptr, k, k_ok, k_ok, rstd, NORM, HAS_RESIDUAL)
-        acc += tl.sum(_weight_f32(w, FP8_BITS) * x.to(tl.float32)[None, :], axis=1)
+        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
     return acc
 
 
@@ -256,7 +232,6 @@ def _linear_kernel(
     SPLIT_K: tl.constexpr = 1,  # programs per column block, each over K / SPLIT_K (see below)
     PDL: tl.constexpr = False,  # launched with PDL (fuser/ops/pdl.py): PREFETCH weight tiles
     PREFETCH: tl.constexpr = 0,  # (0, 1 or 2) load before waiting for the previous kernel
-    FP8_BITS: tl.constexpr = False,  # one row: FP8 weights to fp32 by _e4m3_to_f32
     X_TILE: tl.constexpr = False,  # one row: x loaded in the weight tile's shape (_row_step)
 ):
     pid = tl.program_id(0)
@@ -316,15 +291,15 @@ def _linear_kernel(
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         if PDL and PREFETCH >= 1:
             acc = _row_step(acc, w_pre0, x_row, r_row, g_ptr, k_pre0, k_hi, rstd, NORM,
-                            HAS_RESIDUAL, FP8_BITS, X_TILE)
+                            HAS_RESIDUAL, X_TILE)
         if PDL and PREFETCH >= 2:
             acc = _row_step(acc, w_pre1, x_row, r_row, g_ptr, k_pre1, k_hi, rstd, NORM,
-                            HAS_RESIDUAL, FP8_BITS, X_TILE)
+                            HAS_RESIDUAL, X_TILE)
         for k0 in range(k_loop, k_hi, BLOCK_K):
             k = k0 + offs_k
             w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & (k < k_hi)[None, :], other=0.0)
             acc = _row_step(acc, w, x_row, r_row, g_ptr, k, k_hi, rstd, NORM, HAS_RESIDUAL,
-                            FP8_BITS, X_TILE)
+                            X_TILE)
         if SPLIT_K > 1:
             acc, last = _sum_splits(acc, part_ptr, count_ptr, pid, BLOCK_N, SPLIT_K)
         if HAS_SCALE:  # once per output, after the sum over K
@@ -423,10 +398,6 @@ def _default_split_k(M: int, N: int, K: int, fp8: bool) -> int:
     return 2 if (not fp8 and N <= 4096) else 1
 
 
-# One row: FP8 weights become fp32 by integer operations (_e4m3_to_f32) instead of the
-# hardware conversion. Benchmarks flip it to compare (a CUDA graph keeps what it was captured
-# with).
-FP8_BITS = False
 # One row: x loaded in the weight tile's shape (_row_step's X_TILE), off until timed on a GPU.
 X_TILE = False
 
@@ -607,7 +578,7 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, FP32_DOTS=fp32_dots, HAS_SCALE=fp8,
         ACTIVATION=activation or "", NORM=norm, HAS_RESIDUAL=residual is not None,
         SPLIT_K=splits, PDL=bool(pdl), PREFETCH=PDL_PREFETCH if prefetch is None else prefetch,
-        FP8_BITS=FP8_BITS, X_TILE=X_TILE,
+        X_TILE=X_TILE,
         num_warps=num_warps or warps, num_stages=num_stages or stages, **pdl,
     )
     return out.reshape(*lead, N), _lead(summed, lead, K)
