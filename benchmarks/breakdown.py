@@ -20,7 +20,8 @@ from torch.profiler import ProfilerActivity, profile
 
 # (group, substrings of a kernel's name); the first group that matches wins.
 KERNEL_GROUPS: list[tuple[str, tuple[str, ...]]] = [
-    ("GEMV: fuser::linear", ("_linear_kernel",)),
+    # (_stream_kernel: fuser/ops/gemv_stream.py, bf16 one-row GEMVs on CUDA)
+    ("GEMV: fuser::linear", ("_linear_kernel", "_stream_kernel")),
     # (_rotary_split_kernel: fuser::rotary_cache_attention, rotary and the KV-cache write inside)
     ("attention: fuser split-K", ("_split_kernel", "_rotary_split_kernel", "_combine_kernel")),
     ("rms_norm / add_rms_norm", ("_rms_norm_kernel",)),

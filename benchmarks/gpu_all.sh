@@ -26,7 +26,8 @@
 #   bash benchmarks/gpu_all.sh eighth2  # bundled pair e2e (peers, gamma 1..8, auto, chunked resync), buckets, 8B + 1B draft
 #   bash benchmarks/gpu_all.sh stream   # stream GEMV GPU tests + the 16-layer GEMV chain with its variants
 #   bash benchmarks/gpu_all.sh ninth2   # rotary+attention GPU tests and sweep (its FP8_BITS lab variants are removed)
-#   bash benchmarks/gpu_all.sh tenth    # (not yet run) stream x_tile/acc_2d candidates, 1B decode
+#   bash benchmarks/gpu_all.sh eleventh # swap-AB MMA lab (bf16), profiled bf16 decode 8B + 1B
+#   bash benchmarks/gpu_all.sh eleventh2 # swapped MMA: GPU tests, 5-row chain, 8B decode, FP8 lab
 #   bash benchmarks/gpu_all.sh ninth    # (not yet run) PDL-chain + resync GPU tests, PDL lab, 1B decode, 8B decode without --profile
 #   bash benchmarks/gpu_all.sh fp8-accuracy [fp8_accuracy.py flags]   # FP8 vs bf16 on the bundled pair
 # OUT=<dir for logs and JSON>
@@ -284,24 +285,36 @@ elif [ "$what" = ninth2 ]; then
   timeout 150 python3 benchmarks/pdl_lab.py --layers 16 --rows 1 --dtypes fp8 --out "$OUT/pdl_lab.json" \
     --variants "off;off bits;pdl, 1 tile bits;stream pdl 2/sm 8K d4 bytes bits;stream pdl d4 8K bytes bits;stream pdl 3/sm 4K d4 bytes bits;stream pdl 2/sm 8K d4 fp8" 2>&1 \
     | tee "$OUT/pdl_lab.log" | grep -v Warning | tail -12
-elif [ "$what" = tenth ]; then
-  # For the next session's first call (written in the ninth, not yet run): the stream GEMV's
-  # x_tile / acc_2d candidates and _linear_kernel's X_TILE in the chain (FP8 first: the one-row
-  # FP8 GEMV holds issue #10)
-  # and the 1B-shape draft's decode (issue #11; it outlasted 55 and 90 s before). ~8 minutes:
-  # the 8B decode with its kernel profile (> 290 s) needs a call of its own (`decode
-  # --skip-peers --profile`).
-  echo "== GPU tests: stream GEMV"
-  timeout 120 python3 -m pytest -q -p no:logging -p no:cacheprovider --tb=short -rf \
-    tests/test_ops_gemv_stream.py -k "gpu or x_tile" 2>&1 | tee "$OUT/gpu_tests.log" | grep -v Warning \
-    | grep -E "^E |FAIL|Error|passed|failed" | head -20
-  summary+=("GPU tests: $(tail -1 "$OUT/gpu_tests.log")")
-  echo "== GEMV chain lab, 16 layers"
-  timeout 200 python3 benchmarks/pdl_lab.py --layers 16 --rows 1 --dtypes fp8,bf16 --out "$OUT/pdl_lab.json" \
-    --variants "off;off xtile;pdl, 1 tile xtile;stream default;stream default xtile;stream pdl 2/sm 8K d4 xt;stream pdl 2/sm 8K d4 xt acc;stream pdl d4 8K xt acc;stream pdl 2/sm 4K d4 xt acc" 2>&1 \
-    | tee "$OUT/pdl_lab.log" | grep -v Warning | tail -14
+elif [ "$what" = eleventh ]; then
+  # Tenth session: the weight tile as the MMA's A operand at several rows (bf16; FP8 ran in the
+  # session's second call), then the profiled bf16 decode at the 8B shape and the 1B-shape draft
+  # (issue #11: fixed cost, kernels per step, verify ratio). ~8 minutes.
+  echo "== swap-AB MMA lab, bf16"
+  timeout 150 python3 benchmarks/fp8_mma_lab.py --dtypes bf16 --rows 5,1 --skip-a8 \
+    --out "$OUT/bf16_swap_lab.json" 2>&1 | grep -v Warning | tail -24
+  echo "== decode, 8B shape, bf16, profiled"
+  timeout 260 python3 benchmarks/decode.py --precisions bf16 --out "$OUT/decode.json" --skip-peers \
+    --profile 2>&1 | tee "$OUT/decode.log" | grep -v Warning | grep -E "^\[|kernels|^sum|^graph|^GEMV|^GEMM|^attention|^rms|^rotary|^KV|^gated|^rope|^HBM|ceiling|fallback|Error|verify|prefill" | tail -40
   echo "== decode, 1B shape, bf16"
-  decode_1b 180
+  decode_1b 150
+elif [ "$what" = eleventh2 ]; then
+  # Tenth session, last call: the swapped MMA (linear._default_swap) at several rows on the GPU:
+  # its tests, the 16-layer chain at 5 rows, the 8B decode and verify steps; then the FP8
+  # swapped tiles over more shapes of tile. ~8 minutes.
+  echo "== GPU tests: linear"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -rf tests/test_ops_linear.py \
+    tests/test_ops_gated_linear.py tests/test_ops_norm_linear.py -k "gpu or cuda" 2>&1 \
+    | tee "$OUT/gpu_tests.log" | grep -E "^E |FAIL|Error|passed|failed" | head -20
+  summary+=("GPU tests: $(tail -1 "$OUT/gpu_tests.log")")
+  echo "== GEMV chain lab, 16 layers, 5 rows"
+  timeout 100 python3 benchmarks/pdl_lab.py --layers 16 --rows 5 --dtypes bf16,fp8 --variants "off" \
+    --out "$OUT/pdl_lab.json" 2>&1 | grep -v Warning | tail -4
+  echo "== decode, 8B shape"
+  timeout 300 python3 benchmarks/decode.py --out "$OUT/decode.json" --skip-peers 2>&1 \
+    | tee "$OUT/decode.log" | grep -v Warning | tail -24
+  echo "== swap-AB MMA lab, FP8, 5 rows"
+  timeout 100 python3 benchmarks/fp8_mma_lab.py --dtypes fp8 --rows 5 --skip-a8 \
+    --out "$OUT/fp8_swap_lab.json" 2>&1 | grep -v Warning | tail -12
 elif [ "$what" = decode ]; then
   echo "== decode benchmark"
   python3 benchmarks/decode.py --out "$OUT/decode.json" "$@" 2>&1 | tee "$OUT/decode.log" | grep -v Warning | tail -80

@@ -8,11 +8,10 @@ runs them (norm + qkv, o_proj, norm + gate/up with the activation, down_proj; th
 between them left out), captured in one CUDA graph and replayed, once per variant (VARIANTS at
 one row, ROWS_VARIANTS at several): `_linear_kernel` with PDL off (FUSER_PDL=0, "off") or on
 with a prefetched tile; the stream GEMV (fuser/ops/gemv_stream.py) in several configurations
-(`gemv_stream.CONFIG` / `ROWS_CONFIG`; "stream default" is what the engine runs); names
-ending in " xtile" load x in the weight tile's shape in `_linear_kernel` (`linear.X_TILE`; FP8
-and the LM head stay there under "stream default xtile"). Prints the chain's time per layer, its
-read bandwidth against the measured HBM read bandwidth, and whether each variant's output equals "off"'s bit for bit, else their relative difference (summation order,
-amplified by 16 random layers; at several rows the norm-less chain overflows: "inf").
+(`gemv_stream.CONFIG` / `ROWS_CONFIG`; "stream default" is what the engine runs). Prints the
+chain's time per layer, its read bandwidth against the measured HBM read bandwidth, and whether
+each variant's output equals "off"'s bit for bit, else their relative difference (summation
+order, amplified by 16 random layers; at several rows the norm-less chain overflows: "inf").
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import log, measure_read_bandwidth  # noqa: E402
 
 from fuser.ops import gemv_stream  # noqa: E402
-from fuser.ops import linear as linear_module  # noqa: E402
 from fuser.ops.fp8 import quantize_weight  # noqa: E402
 from fuser.ops.gemv_stream import StreamConfig  # noqa: E402
 from fuser.ops.linear import linear_triton, rms_norm_linear_triton  # noqa: E402
@@ -55,22 +53,6 @@ VARIANTS = (("off", "0", None, None), ("pdl, 1 tile", "1", 1, None),
                                                                  num_warps=4)),
             ("stream pdl 4/sm 4K d3 w4", "1", None, StreamConfig(programs_per_sm=4,
                                                                  tile_bytes=4096, num_warps=4)))
-# x loaded in the weight tile's shape (no per-step barrier), with a 2-D accumulator (one
-# reduction per program): the FP8 candidates after the ninth session (x_tile, acc_2d)
-VARIANTS += (("stream pdl 2/sm 8K d4 xt", "1", None,
-              StreamConfig(programs_per_sm=2, tile_bytes=8192, depth=4,
-                           x_tile=True)),
-             ("stream pdl 2/sm 8K d4 xt acc", "1", None,
-              StreamConfig(programs_per_sm=2, tile_bytes=8192, depth=4,
-                           x_tile=True, acc_2d=True)),
-             ("stream pdl d4 8K xt acc", "1", None,
-              StreamConfig(tile_bytes=8192, depth=4, x_tile=True, acc_2d=True)),
-             ("stream pdl 2/sm 4K d4 xt acc", "1", None,
-              StreamConfig(programs_per_sm=2, tile_bytes=4096, depth=4,
-                           x_tile=True, acc_2d=True)))
-# _linear_kernel with x loaded in the weight tile's shape (linear.X_TILE): names ending " xtile"
-VARIANTS += (("off xtile", "0", None, None), ("pdl, 1 tile xtile", "1", 1, None),
-             ("stream default xtile", "0", None, gemv_stream.DEFAULT))
 # Several rows (the verify step's MMA path; PDL is one row's): the stream GEMV's ROWS_CONFIG
 ROWS_VARIANTS = (("off", "0", None, None),
                  ("stream d1 st3", "0", None, StreamConfig(depth=1, num_stages=3)),
@@ -186,7 +168,6 @@ def main() -> None:
                 os.environ["FUSER_PDL"] = flag
                 gemv_stream.CONFIG, gemv_stream.ROWS_CONFIG = (stream, None) if M == 1 else \
                     (None, stream)
-                linear_module.X_TILE = name.endswith(" xtile")
                 try:
                     ms, out = time_graph(lambda: chain(layers, h, r, prefetch))
                 except Exception as error:  # noqa: BLE001  (a variant that does not compile)
@@ -195,7 +176,6 @@ def main() -> None:
                     continue
                 finally:
                     gemv_stream.CONFIG, gemv_stream.ROWS_CONFIG = gemv_stream.DEFAULT, None
-                    linear_module.X_TILE = False
                 if base_ms is None:
                     base_ms, base_out = ms, out
                 row = dict(dtype=dtype, rows=M, variant=name, ms=ms,

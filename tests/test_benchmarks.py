@@ -110,7 +110,7 @@ def test_breakdown_groups_kernels_by_name() -> None:
         from breakdown import group_of
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    assert group_of("_linear_kernel") == "GEMV: fuser::linear"
+    assert group_of("_linear_kernel") == group_of("_stream_kernel") == "GEMV: fuser::linear"
     assert group_of("nvjet_sm90_tst_128x8_64x12_2x1_v_bz_splitK_TNT") == "GEMM (cuBLAS / CUTLASS)"
     assert group_of("_split_kernel") == group_of("_combine_kernel") == "attention: fuser split-K"
     assert group_of("_rotary_split_kernel") == "attention: fuser split-K"  # rotary folded in

@@ -75,13 +75,11 @@ def run(K: int, N: int, dtype: torch.dtype, norm: bool, residual: bool, activati
 
 CONFIGS = [StreamConfig(tile_bytes=2048, depth=1), StreamConfig(tile_bytes=4096, depth=3),
            StreamConfig(programs_per_sm=2, tile_bytes=1024, depth=2, num_stages=2),
-           StreamConfig(tile_bytes=4096, depth=4),
-           StreamConfig(programs_per_sm=2, tile_bytes=2048, depth=3, x_tile=True),
-           StreamConfig(tile_bytes=2048, depth=2, x_tile=True, acc_2d=True)]
+           StreamConfig(tile_bytes=4096, depth=4)]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"p{c.programs_per_sm}t{c.tile_bytes}"
-                         f"d{c.depth}{'x' if c.x_tile else ''}{'a' if c.acc_2d else ''}")
+                         f"d{c.depth}")
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16w", "fp8w"])
 @pytest.mark.parametrize("activation", [None, "silu"])
 @pytest.mark.parametrize("norm, residual", [(False, False), (True, False), (True, True)],
@@ -157,10 +155,8 @@ def test_bad_configs_are_refused() -> None:
 
 
 @needs_cuda
-@pytest.mark.parametrize("config", [StreamConfig(), gemv_stream.DEFAULT,
-                                    StreamConfig(programs_per_sm=2, tile_bytes=8192, depth=4,
-                                                 x_tile=True, acc_2d=True)],
-                         ids=["d3", "default", "xt_acc"])
+@pytest.mark.parametrize("config", [StreamConfig(), gemv_stream.DEFAULT],
+                         ids=["d3", "default"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16w", "fp8w"])
 @pytest.mark.parametrize("shape", ["qkv", "o_proj", "gate_up", "down"])
 def test_gpu_8b_shapes_through_linear(shape, fp8, config,
@@ -256,32 +252,3 @@ def test_gpu_pdl_chain_gives_the_ordinary_launchs_bits() -> None:
                                     fp8=False))
     assert torch.isfinite(with_pdl).all()
     assert torch.equal(with_pdl, without)
-
-
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16w", "fp8w"])
-@pytest.mark.parametrize("norm", [False, True])
-@pytest.mark.parametrize("activation", [None, "silu"])
-def test_x_tile_in_linear_kernel_gives_the_same_bits(fp8, norm, activation,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """linear.X_TILE: _linear_kernel's one row loads x in the weight tile's shape; the same
-    values, products and sums, so the same bits (split-K and the norm prologue included)."""
-    from fuser.ops import linear as linear_module
-
-    K, N = 200, 37
-    x, r, g, w = inputs(1, K, 2 * N if activation else N, torch.bfloat16, 13, True)
-    w, scale = quantize_weight(w.float()) if fp8 else (w, None)
-    x, r, g, w = (t.to(DEVICE) for t in (x, r, g, w))
-    scale = scale.to(DEVICE) if scale is not None else None
-
-    def run_once() -> torch.Tensor:
-        kw = dict(weight_scale=scale, activation=activation, block_n=16, block_k=64)
-        if norm:
-            out, summed = rms_norm_linear_triton(x, r, g, EPS, w, **kw)
-            return torch.cat([out.flatten(), summed.flatten()])
-        return torch.cat([linear_triton(x, w, **kw).flatten(),
-                          linear_triton(x[:, :192], w[:, :192], split_k=3, **kw).flatten()])
-
-    monkeypatch.setattr(linear_module, "X_TILE", False)
-    expected = run_once()
-    monkeypatch.setattr(linear_module, "X_TILE", True)
-    assert torch.equal(run_once(), expected)

@@ -191,7 +191,23 @@ def test_default_split_k_is_where_it_measured_faster():
     assert _default_split_k(1, 4096, 4096, False) == 2       # o_proj, bf16
     assert _default_split_k(1, 4096, 4096, True) == 1
     assert _default_split_k(1, 6144, 4096, False) == 1       # qkv
-    assert _default_split_k(5, 4096, 14336, False) == 1      # several rows: never
+    # several rows, the swapped MMA's 64-row tiles (fp8_mma_lab.py at M = 5)
+    assert _default_split_k(5, 4096, 14336, False) == 4      # down_proj
+    assert _default_split_k(5, 4096, 4096, False) == 2       # o_proj
+    assert _default_split_k(5, 6144, 4096, False) == 1       # qkv
+    assert _default_split_k(5, 6144, 4096, True) == 4
+    assert _default_split_k(5, 28672, 4096, True) == 1       # gate_up
+
+
+def test_default_swap_is_where_it_measured_faster():
+    from fuser.ops.linear import _default_swap
+
+    assert not _default_swap(1, 28672, 4096, True)           # one row: the CUDA cores
+    for N, K in ((4096, 14336), (4096, 4096), (28672, 4096)):  # down, o_proj, gate_up
+        assert _default_swap(5, N, K, False) and _default_swap(5, N, K, True)
+    assert not _default_swap(5, 6144, 4096, False)           # qkv, bf16
+    assert not _default_swap(5, 128256, 4096, False)         # the LM head, bf16
+    assert _default_swap(5, 6144, 4096, True) and _default_swap(5, 128256, 4096, True)
 
 
 def test_split_counters_persist_and_grow():
@@ -205,3 +221,59 @@ def test_split_counters_persist_and_grow():
     grown = split_counters(device, counters.numel() + 1)
     assert grown.numel() > counters.numel() and not grown.any()
     assert split_counters(device, 1) is grown
+
+
+# --- several rows: the weight tile as the MMA's A operand (linear._default_swap) ----------------
+
+
+@settings(max_examples=16, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(
+    M=st.integers(2, MAX_ROWS),
+    N=st.integers(1, 70),
+    blocks=st.integers(1, 3),
+    split_k=st.sampled_from([1, 2]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    fp8=st.booleans(),
+    activation=st.sampled_from([None, "silu"]),
+    norm=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_swapped_mma_sums_the_same_products(M, N, blocks, split_k, dtype, fp8, activation, norm,
+                                            seed):
+    """_mma_swapped (acc[BLOCK_N, BLOCK_M] += w . x.T, transposed once after the K loop) against
+    _mma (acc[BLOCK_M, BLOCK_N] += x . w.T): the same products in fp32, summed in another order,
+    through split-K, the gated epilogue, the FP8 scale and the norm prologue; and against the
+    reference where there is one."""
+    from unittest import mock
+
+    from fuser.ops import linear as linear_module
+    from fuser.ops.fp8 import quantize_weight
+    from fuser.ops.linear import rms_norm_linear_triton
+
+    K = 32 * blocks * split_k
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).to(dtype).to(DEVICE)
+    r = torch.randn(M, K, generator=g).to(dtype).to(DEVICE)
+    gain = (1 + 0.1 * torch.randn(K, generator=g)).to(dtype).to(DEVICE)
+    w = (torch.randn(2 * N if activation else N, K, generator=g) * 0.1).to(dtype).to(DEVICE)
+    scale = None
+    if fp8:
+        w, scale = quantize_weight(w)
+    config = dict(weight_scale=scale, activation=activation, block_n=16, block_k=32,
+                  split_k=split_k)
+
+    def run_once(swap: bool) -> torch.Tensor:
+        with mock.patch.object(linear_module, "_default_swap", lambda *_: swap):
+            if norm:
+                out, summed = rms_norm_linear_triton(x, r, gain, 1e-5, w, **config)
+                return torch.cat([out.flatten(), summed.flatten()])
+            return linear_triton(x, w, **config)
+
+    swapped, plain = run_once(True), run_once(False)
+    assert swapped.shape == plain.shape and torch.isfinite(swapped).all()
+    tol = 1e-5 if dtype == torch.float32 else (2.0**-7 if dtype == torch.bfloat16 else 2.0**-9)
+    torch.testing.assert_close(swapped.float(), plain.float(), rtol=tol, atol=tol * (
+        plain.float().abs().max().item() + 1e-6))
+    if not (activation or fp8 or norm):
+        check(x.cpu(), w.cpu(), swapped.cpu())

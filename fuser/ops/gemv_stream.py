@@ -43,9 +43,9 @@ graph): `DEFAULT` (2 programs per SM, 8 KB tiles, depth 4, PDL) 117.1 us a layer
 120.0 for `_linear_kernel` (89.0% of the read bandwidth against 86.8%); without PDL ~5% slower
 than with it. With FP8 weights every configuration was slower than `_linear_kernel` (at best
 89 us against 71): the per-step x broadcast (two barriers of the whole program each K step in
-the sm_90 code) and cross-thread reductions weigh twice as much per byte there. `x_tile` and
-`acc_2d` remove both (compiled offline: no barrier and one reduction per program); not yet
-timed on a GPU.
+the sm_90 code) and cross-thread reductions weigh twice as much per byte there. Loading x in the
+weight tile's shape (no barrier) with a 2-D accumulator (one reduction per program) measured
+slower still, in FP8 and bf16 (tenth session), and was removed.
 
 Tile: [BLOCK_R, BLOCK_K] with BLOCK_R = next_pow2(ROWS) weight rows (gated: twice that, gate
 rows then the matching up rows, as in _linear_kernel) and BLOCK_K = tile_bytes / (BLOCK_R * the
@@ -82,13 +82,7 @@ class StreamConfig:
     program; num_warps; depth: weight tiles in flight per program (1-4: a pipeline in
     registers, all loaded before the PDL wait); num_stages: Triton's own pipelining, which only
     the several-row path (the MMA) gets; pdl: launch with PDL where the GPU supports it,
-    whatever FUSER_PDL says (pdl=None: as FUSER_PDL says); fp8: FP8 weights take this kernel too;
-    x_tile: one row loads x (and the norm's residual and weight) as a [BLOCK_R, BLOCK_K] tile of
-    the weight tile's shape, every row of it the same x, so it lands in the weight's register
-    layout: a [BLOCK_K] x broadcast against the weight goes through shared memory and two
-    barriers of the whole program every K step (seen in the compiled sm_90 code); acc_2d (one
-    row, with x_tile): products summed elementwise into a [BLOCK_R, BLOCK_K] fp32 accumulator
-    and reduced over K once at the end, instead of a cross-thread reduction every K step.
+    whatever FUSER_PDL says (pdl=None: as FUSER_PDL says); fp8: FP8 weights take this kernel too.
     """
 
     programs_per_sm: int = 1
@@ -98,8 +92,6 @@ class StreamConfig:
     num_stages: int = 1
     pdl: bool | None = None
     fp8: bool = True
-    x_tile: bool = False
-    acc_2d: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.depth <= 4:
@@ -159,14 +151,11 @@ def _load_tile(w_rows, col_ok, k, K):
 
 @triton.jit
 def _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M: tl.constexpr, NORM: tl.constexpr,
-            HAS_RESIDUAL: tl.constexpr, X_TILE: tl.constexpr = False, zero_rows=0):
+            HAS_RESIDUAL: tl.constexpr):
     """The raw input tiles at columns k: (x, residual, norm weight); without NORM the last two
     are x again (never used). Loaded a pipeline stage ahead, like the weight tile: a K step
     waits on no load from L2."""
     k_ok = k < K
-    if X_TILE and BLOCK_M == 1:
-        k = zero_rows[:, None] + k[None, :]  # [BLOCK_R, BLOCK_K]: the weight tile's shape
-        k_ok = k < K
     if BLOCK_M == 1:
         x = tl.load(x_rows + k, mask=k_ok, other=0.0)
     else:
@@ -182,8 +171,7 @@ def _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M: tl.constexpr, NORM: tl.
 
 @triton.jit
 def _step(acc, w, x, r, g, rstd, BLOCK_M: tl.constexpr, FP32_DOTS: tl.constexpr,
-          HAS_SCALE: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-          X_TILE: tl.constexpr = False, ACC_2D: tl.constexpr = False):
+          HAS_SCALE: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
     """One K step over loaded tiles: linear.py's one-row step (CUDA cores) or its several-row
     step (the MMA). With NORM the input is g * (h * rstd).to(dtype) rounded once, h = x (+ r)
     rounded to x's dtype: what linear.py's _norm_x_tile forms, bit for bit."""
@@ -192,11 +180,7 @@ def _step(acc, w, x, r, g, rstd, BLOCK_M: tl.constexpr, FP32_DOTS: tl.constexpr,
         if HAS_RESIDUAL:
             h = (h + r.to(tl.float32)).to(x.dtype).to(tl.float32)
         x = _normalise(h, rstd, g, x.dtype).to(x.dtype)
-    if BLOCK_M == 1 and X_TILE and ACC_2D:  # acc: [BLOCK_R, BLOCK_K], summed at the end
-        acc += w.to(tl.float32) * x.to(tl.float32)
-    elif BLOCK_M == 1 and X_TILE:  # x is already a tile of w's shape
-        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)
-    elif BLOCK_M == 1:
+    if BLOCK_M == 1:
         acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
     else:
         acc = _mma(acc, x, w, FP32_DOTS, HAS_SCALE)
@@ -204,17 +188,14 @@ def _step(acc, w, x, r, g, rstd, BLOCK_M: tl.constexpr, FP32_DOTS: tl.constexpr,
 
 
 @triton.jit
-def _slot(acc, w, x, r, g, k, rstd, w_rows, col_ok, x_rows, r_ptr, g_ptr, row_ok, zero_rows, K,
+def _slot(acc, w, x, r, g, k, rstd, w_rows, col_ok, x_rows, r_ptr, g_ptr, row_ok, K,
           BLOCK_M: tl.constexpr, FP32_DOTS: tl.constexpr, HAS_SCALE: tl.constexpr,
-          NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, X_TILE: tl.constexpr,
-          ACC_2D: tl.constexpr):
+          NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
     """One pipeline slot's K step: sum its tiles, then reload the slot in place with the tiles
     at columns k (the step DEPTH ahead). Returns (acc, w, x, r, g)."""
-    acc = _step(acc, w, x, r, g, rstd, BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL,
-                X_TILE, ACC_2D)
+    acc = _step(acc, w, x, r, g, rstd, BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL)
     w = _load_tile(w_rows, col_ok, k, K)
-    x, r, g = _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M, NORM, HAS_RESIDUAL, X_TILE,
-                      zero_rows)
+    x, r, g = _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M, NORM, HAS_RESIDUAL)
     return acc, w, x, r, g
 
 
@@ -235,8 +216,6 @@ def _stream_kernel(
     FP32_DOTS: tl.constexpr,    # the MMA in fp32 (fp32 models; bf16 under TRITON_INTERPRET)
     HAS_SCALE: tl.constexpr, ACTIVATION: tl.constexpr, NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
-    X_TILE: tl.constexpr = False,  # one row: x loaded in the weight tile's shape (StreamConfig)
-    ACC_2D: tl.constexpr = False,  # one row, X_TILE: a [BLOCK_R, BLOCK_K] accumulator
 ):
     pid = tl.program_id(0)
     tile = tl.arange(0, BLOCK_R)
@@ -251,7 +230,6 @@ def _stream_kernel(
     col_ok = (local < ROWS) & (cols < N)
     w_row = cols + w_shift
     w_rows = w_ptr + w_row[:, None].to(tl.int64) * stride_wn
-    zero_rows = tile * 0  # [BLOCK_R] zeros: x_tile's row offsets
     k0s = tl.arange(0, BLOCK_K)
     # The pipeline, in registers, DEPTH slots: slot j holds the tiles of K step i * DEPTH + j.
     # Every slot's weight tile loads now (weights only: nothing the previous kernel writes), its
@@ -286,47 +264,38 @@ def _stream_kernel(
                         tl.store(sum_ptr + k, h.to(sum_ptr.dtype.element_ty), mask=k_ok)
                 squares += h * h
             rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)  # fp32, as rmsnorm.py
-        if X_TILE and ACC_2D:
-            acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_R], dtype=tl.float32)
     else:  # several rows, no norm: linear.py's MMA step over the same tiles
         x_rows = x_ptr + tl.arange(0, BLOCK_M)[:, None] * stride_xm
         rstd = 0.0
         acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    xa, ra, ga = _load_x(x_rows, r_ptr, g_ptr, k0s, K, row_ok, BLOCK_M, NORM, HAS_RESIDUAL,
-                         X_TILE, zero_rows)
+    xa, ra, ga = _load_x(x_rows, r_ptr, g_ptr, k0s, K, row_ok, BLOCK_M, NORM, HAS_RESIDUAL)
     if DEPTH >= 2:
         xb, rb, gb = _load_x(x_rows, r_ptr, g_ptr, BLOCK_K + k0s, K, row_ok, BLOCK_M, NORM,
-                             HAS_RESIDUAL, X_TILE, zero_rows)
+                             HAS_RESIDUAL)
     if DEPTH >= 3:
         xc, rc, gc = _load_x(x_rows, r_ptr, g_ptr, 2 * BLOCK_K + k0s, K, row_ok, BLOCK_M,
-                             NORM, HAS_RESIDUAL, X_TILE, zero_rows)
+                             NORM, HAS_RESIDUAL)
     if DEPTH >= 4:
         xd, rd, gd = _load_x(x_rows, r_ptr, g_ptr, 3 * BLOCK_K + k0s, K, row_ok, BLOCK_M,
-                             NORM, HAS_RESIDUAL, X_TILE, zero_rows)
+                             NORM, HAS_RESIDUAL)
     for k0 in range(0, K, STEP):
         k = k0 + STEP + k0s  # slot a's next step
         acc, wa, xa, ra, ga = _slot(
             acc, wa, xa, ra, ga, k, rstd, w_rows, col_ok, x_rows, r_ptr, g_ptr, row_ok,
-            zero_rows, K, BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, X_TILE, ACC_2D)
+            K, BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL)
         if DEPTH >= 2:
             acc, wb, xb, rb, gb = _slot(
                 acc, wb, xb, rb, gb, k + BLOCK_K, rstd, w_rows, col_ok, x_rows, r_ptr, g_ptr,
-                row_ok, zero_rows, K, BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, X_TILE,
-                ACC_2D)
+                row_ok, K, BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL)
         if DEPTH >= 3:
             acc, wc, xc, rc, gc = _slot(
                 acc, wc, xc, rc, gc, k + 2 * BLOCK_K, rstd, w_rows, col_ok, x_rows, r_ptr,
-                g_ptr, row_ok, zero_rows, K, BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL,
-                X_TILE, ACC_2D)
+                g_ptr, row_ok, K, BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL)
         if DEPTH >= 4:
             acc, wd, xd, rd, gd = _slot(
                 acc, wd, xd, rd, gd, k + 3 * BLOCK_K, rstd, w_rows, col_ok, x_rows, r_ptr,
-                g_ptr, row_ok, zero_rows, K, BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL,
-                X_TILE, ACC_2D)
-    if BLOCK_M == 1 and X_TILE and ACC_2D:
-        acc = tl.sum(acc, axis=1)
+                g_ptr, row_ok, K, BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL)
     if HAS_SCALE:  # once per output, after the sum over K
         scale = tl.load(scale_ptr + w_row, mask=col_ok, other=0.0)
         acc *= scale if BLOCK_M == 1 else scale[None, :]
@@ -385,6 +354,5 @@ def stream_gemv(x: Tensor, weight: Tensor, out: Tensor, plan: StreamPlan, config
         NORM_K=min(triton.next_power_of_2(K), NORM_BLOCK), FP32_DOTS=fp32_dots,
         HAS_SCALE=weight_scale is not None, ACTIVATION=activation or "", NORM=norm,
         HAS_RESIDUAL=residual is not None, PDL=bool(pdl), num_warps=config.num_warps,
-        num_stages=config.num_stages, X_TILE=config.x_tile,
-        ACC_2D=config.acc_2d and config.x_tile, **pdl,
+        num_stages=config.num_stages, **pdl,
     )

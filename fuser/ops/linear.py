@@ -120,33 +120,47 @@ def _norm_x_tile(x_ptrs, r_ptrs, g_ptr, k, mask, k_ok, rstd, NORM: tl.constexpr,
 
 @triton.jit
 def _row_step(acc, w, x_row, r_row, g_ptr, k, k_hi, rstd, NORM: tl.constexpr,
-              HAS_RESIDUAL: tl.constexpr, X_TILE: tl.constexpr = False):
+              HAS_RESIDUAL: tl.constexpr):
     """One K step of the one-row GEMV: acc [BLOCK_N] + w [BLOCK_N, BLOCK_K] . x[k], in fp32.
-
-    X_TILE loads x (and the norm's residual and weight) as a tile of w's shape, every row the
-    same x: it lands in w's register layout, where a [BLOCK_K] x broadcast against w is moved
-    through shared memory between two barriers of the whole program each step (seen in the
-    sm_90 code). The same values, products and sums either way."""
-    if X_TILE:
-        k = k[None, :] + tl.zeros([w.shape[0], 1], dtype=k.dtype)
-        k_ok = k < k_hi
-        x = _norm_x_tile(x_row, r_row, g_ptr, k, k_ok, k_ok, rstd, NORM, HAS_RESIDUAL)
-        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)
-    else:
-        k_ok = k < k_hi
-        x = _norm_x_tile(x_row, r_row, g_ptr, k, k_ok, k_ok, rstd, NORM, HAS_RESIDUAL)
-        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    (x loaded in w's tile shape instead, which drops the sm_90 code's shared-memory broadcast of
+    x between two barriers per step, measured slower on the H200: benchmarks/RESULTS.md, tenth
+    session.)"""
+    k_ok = k < k_hi
+    x = _norm_x_tile(x_row, r_row, g_ptr, k, k_ok, k_ok, rstd, NORM, HAS_RESIDUAL)
+    acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
     return acc
 
 
 @triton.jit
 def _rows_step(acc, w, x_rows, r_rows, g_ptr, k, k_hi, row_ok, rstd, FP32_DOTS: tl.constexpr,
-               HAS_SCALE: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """One K step of the several-row GEMV on the MMA: acc [BLOCK_M, BLOCK_N] + x[:, k] . w.T."""
+               HAS_SCALE: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+               SWAP: tl.constexpr = False):
+    """One K step of the several-row GEMV on the MMA: acc [BLOCK_M, BLOCK_N] + x[:, k] . w.T
+    (SWAP: acc [BLOCK_N, BLOCK_M] + w . x[:, k].T)."""
     k_ok = k < k_hi
     x = _norm_x_tile(x_rows, r_rows, g_ptr, k[None, :], row_ok[:, None] & k_ok[None, :],
                      k_ok[None, :], rstd, NORM, HAS_RESIDUAL)
-    return _mma(acc, x, w, FP32_DOTS, HAS_SCALE)
+    if SWAP:
+        acc = _mma_swapped(acc, x, w, FP32_DOTS, HAS_SCALE)
+    else:
+        acc = _mma(acc, x, w, FP32_DOTS, HAS_SCALE)
+    return acc
+
+
+@triton.jit
+def _mma_swapped(acc, x, w, FP32_DOTS: tl.constexpr, HAS_SCALE: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] + w [BLOCK_N, BLOCK_K] . x [BLOCK_M, BLOCK_K].T: the weight tile
+    is the MMA's A operand (BLOCK_N, 64 or more, its M dimension; the few rows of x its N), so
+    on sm_90 a bf16 tile goes from shared memory to the wgmma as it was loaded, and an FP8 tile
+    is widened in registers, where the wgmma's A operand may also come from. The same products
+    and fp32 sums as _mma, in another order."""
+    if FP32_DOTS:
+        acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
+    elif HAS_SCALE:
+        acc = tl.dot(w.to(x.dtype), tl.trans(x), acc)
+    else:
+        acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc)
+    return acc
 
 
 @triton.jit
@@ -232,7 +246,7 @@ def _linear_kernel(
     SPLIT_K: tl.constexpr = 1,  # programs per column block, each over K / SPLIT_K (see below)
     PDL: tl.constexpr = False,  # launched with PDL (fuser/ops/pdl.py): PREFETCH weight tiles
     PREFETCH: tl.constexpr = 0,  # (0, 1 or 2) load before waiting for the previous kernel
-    X_TILE: tl.constexpr = False,  # one row: x loaded in the weight tile's shape (_row_step)
+    SWAP: tl.constexpr = False,  # MMA path: the weight tile as the MMA's A operand (_mma_swapped)
 ):
     pid = tl.program_id(0)
     # Split-K: program (pid, s) sums K range [s * K / SPLIT_K, (s + 1) * K / SPLIT_K) (the
@@ -291,15 +305,14 @@ def _linear_kernel(
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         if PDL and PREFETCH >= 1:
             acc = _row_step(acc, w_pre0, x_row, r_row, g_ptr, k_pre0, k_hi, rstd, NORM,
-                            HAS_RESIDUAL, X_TILE)
+                            HAS_RESIDUAL)
         if PDL and PREFETCH >= 2:
             acc = _row_step(acc, w_pre1, x_row, r_row, g_ptr, k_pre1, k_hi, rstd, NORM,
-                            HAS_RESIDUAL, X_TILE)
+                            HAS_RESIDUAL)
         for k0 in range(k_loop, k_hi, BLOCK_K):
             k = k0 + offs_k
             w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & (k < k_hi)[None, :], other=0.0)
-            acc = _row_step(acc, w, x_row, r_row, g_ptr, k, k_hi, rstd, NORM, HAS_RESIDUAL,
-                            X_TILE)
+            acc = _row_step(acc, w, x_row, r_row, g_ptr, k, k_hi, rstd, NORM, HAS_RESIDUAL)
         if SPLIT_K > 1:
             acc, last = _sum_splits(acc, part_ptr, count_ptr, pid, BLOCK_N, SPLIT_K)
         if HAS_SCALE:  # once per output, after the sum over K
@@ -322,18 +335,23 @@ def _linear_kernel(
                                  h.to(sum_ptr.dtype.element_ty), mask=x_ok)
                 squares += h * h
             rstd = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)[:, None]
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if SWAP:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if PDL and PREFETCH >= 1:
             acc = _rows_step(acc, w_pre0, x_rows, r_rows, g_ptr, k_pre0, k_hi, row_ok, rstd,
-                             FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL)
+                             FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, SWAP)
         if PDL and PREFETCH >= 2:
             acc = _rows_step(acc, w_pre1, x_rows, r_rows, g_ptr, k_pre1, k_hi, row_ok, rstd,
-                             FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL)
+                             FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, SWAP)
         for k0 in range(k_loop, k_hi, BLOCK_K):
             k = k0 + offs_k
             w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & (k < k_hi)[None, :], other=0.0)
             acc = _rows_step(acc, w, x_rows, r_rows, g_ptr, k, k_hi, row_ok, rstd, FP32_DOTS,
-                             HAS_SCALE, NORM, HAS_RESIDUAL)
+                             HAS_SCALE, NORM, HAS_RESIDUAL, SWAP)
+        if SWAP:  # back to [BLOCK_M, BLOCK_N], once per program, for the epilogue below
+            acc = tl.trans(acc)
         if SPLIT_K > 1:
             acc, last = _sum_splits(acc, part_ptr, count_ptr, pid, BLOCK_M * BLOCK_N, SPLIT_K)
         if HAS_SCALE:  # once per output column, after the sum over K
@@ -364,10 +382,16 @@ def _default_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
         if N * K <= 2**25:          # qkv (6144 x 4096), o_proj (4096 x 4096): more programs
             return (8, 512, 4, 4) if N <= 4096 else (8, 512, 8, 4)   # o_proj: split in 2
         return 16, 512, 4, 4        # gate_up, lm_head
-    if K >= 8192 or N <= 4096:      # down_proj, o_proj
-        return 32, 512, 4, 4
+    # Several rows: benchmarks/fp8_mma_lab.py at M = 5 (tenth session), where _default_swap
+    # says so; the others as benchmarks/linear_sweep.py measured them
+    if K >= 8192:                   # down_proj (swapped, split in 4)
+        return 64, 128, 4, 3
+    if N <= 4096:                   # o_proj (swapped, split in 2)
+        return 64, 128, 4, 5
     if N <= 8192:                   # qkv
         return 64, 256, 4, 4
+    if N < 2**16:                   # gate_up, gated (swapped)
+        return 128, 128, 4, 3
     return 64, 128, 4, 4            # lm_head
 
 
@@ -381,25 +405,38 @@ def _default_fp8_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
         if N < 2**16:                   # gate_up
             return 32, 512, 8, 4
         return 16, 512, 4, 4            # lm_head
-    if N < 2**16:                       # qkv, o_proj, gate_up, down_proj
-        return 32, 512, 4, 4
-    return 64, 256, 4, 4                # lm_head (the sweep's 32 x 512 measured slower)
+    return 64, 128, 4, 4  # swapped, every shape (benchmarks/fp8_mma_lab.py at M = 5, tenth session)
 
 
 def _default_split_k(M: int, N: int, K: int, fp8: bool) -> int:
     """Programs per column block (split-K, summed in the same launch): 2 where
     benchmarks/gemv_lab.py measured it faster on an H200 (2026-12-01, RESULTS.md): one row
     against down_proj's long K (bf16 30.1 vs 38.7 us unsplit and 31.8 for cuBLAS; FP8 18.7 vs
-    20.7) and, in bf16, o_proj's 4096 x 4096 (11.2 vs 12.2). Everything else measured no gain."""
+    20.7) and, in bf16, o_proj's 4096 x 4096 (11.2 vs 12.2). Everything else measured no gain.
+    Several rows (the swapped MMA's 64-row tiles: few programs on a narrow weight): the fastest
+    of benchmarks/fp8_mma_lab.py's at M = 5 (tenth session)."""
     if M != 1:
-        return 1
+        if fp8:
+            return 4 if N <= 8192 else 1    # qkv, o_proj, down_proj
+        if K >= 8192:
+            return 4                        # down_proj
+        return 2 if N <= 4096 else 1        # o_proj
     if K > 8192:
         return 2
     return 2 if (not fp8 and N <= 4096) else 1
 
 
-# One row: x loaded in the weight tile's shape (_row_step's X_TILE), off until timed on a GPU.
-X_TILE = False
+def _default_swap(M: int, N: int, K: int, fp8: bool) -> bool:
+    """Several rows: the weight tile as the MMA's A operand (_mma_swapped) where
+    benchmarks/fp8_mma_lab.py measured it faster on an H200 at M = 5 (tenth session,
+    benchmarks/RESULTS.md): bf16 down_proj 31.9 vs 35.6 us, o_proj 11.6 vs 13.3, gate_up 59.2
+    vs 69.6 (qkv 16.0 vs 15.5 and the LM head 235.2 vs 236.7: not taken); FP8 every shape (qkv
+    14.8 vs 17.0, o_proj 11.3 vs 13.3, down_proj 29.4 vs 37.5, gate_up 54.1 vs 56.1, the LM
+    head 183.4 vs 184.7)."""
+    if M == 1:
+        return False
+    return fp8 or K >= 8192 or N <= 4096 or 8192 < N < 2**16
+
 
 PDL_PREFETCH = 1  # weight tiles a PDL-launched program loads before its wait (fuser/ops/pdl.py)
 
@@ -578,7 +615,7 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, FP32_DOTS=fp32_dots, HAS_SCALE=fp8,
         ACTIVATION=activation or "", NORM=norm, HAS_RESIDUAL=residual is not None,
         SPLIT_K=splits, PDL=bool(pdl), PREFETCH=PDL_PREFETCH if prefetch is None else prefetch,
-        X_TILE=X_TILE,
+        SWAP=_default_swap(M, rows_w, K, fp8),
         num_warps=num_warps or warps, num_stages=num_stages or stages, **pdl,
     )
     return out.reshape(*lead, N), _lead(summed, lead, K)
