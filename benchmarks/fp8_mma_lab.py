@@ -172,6 +172,8 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--dtypes", default="fp8,bf16")
     parser.add_argument("--skip-a8", action="store_true")
+    parser.add_argument("--default-only", action="store_true",
+                        help="time `_linear_kernel`'s defaults (and cuBLAS) only, no candidates")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -213,7 +215,8 @@ def main() -> None:
                 us = time_chain(lambda x, w, ws, out: torch.mm(x, w.T, out=out), copies, x)
                 report("cuBLAS (torch.mm)", us, rel(x @ w0.T, ref16))
             best = {}
-            for a8 in ((True, False) if fp8 and not args.skip_a8 else (False,)):
+            for a8 in () if args.default_only else \
+                    ((True, False) if fp8 and not args.skip_a8 else (False,)):
                 for cfg in candidates(N, K, 1 if fp8 else 2):
                     try:
                         fn = Swap(N, K, *cfg, a8=a8, device=device)

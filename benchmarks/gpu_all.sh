@@ -28,6 +28,7 @@
 #   bash benchmarks/gpu_all.sh ninth2   # rotary+attention GPU tests and sweep (its FP8_BITS lab variants are removed)
 #   bash benchmarks/gpu_all.sh eleventh # swap-AB MMA lab (bf16), profiled bf16 decode 8B + 1B
 #   bash benchmarks/gpu_all.sh eleventh2 # swapped MMA: GPU tests, 5-row chain, 8B decode, FP8 lab
+#   bash benchmarks/gpu_all.sh eleventh3 # swapped layout kept to the store: tests, defaults, chain
 #   bash benchmarks/gpu_all.sh ninth    # (not yet run) PDL-chain + resync GPU tests, PDL lab, 1B decode, 8B decode without --profile
 #   bash benchmarks/gpu_all.sh fp8-accuracy [fp8_accuracy.py flags]   # FP8 vs bf16 on the bundled pair
 # OUT=<dir for logs and JSON>
@@ -315,6 +316,20 @@ elif [ "$what" = eleventh2 ]; then
   echo "== swap-AB MMA lab, FP8, 5 rows"
   timeout 100 python3 benchmarks/fp8_mma_lab.py --dtypes fp8 --rows 5 --skip-a8 \
     --out "$OUT/fp8_swap_lab.json" 2>&1 | grep -v Warning | tail -12
+elif [ "$what" = eleventh3 ]; then
+  # Tenth session: the swapped MMA keeps its layout through the split sum and the store (as the
+  # lab's kernel does): the GEMV GPU tests, the defaults alone, the 5-row chain. ~3 minutes.
+  echo "== GPU tests: linear"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -rf tests/test_ops_linear.py \
+    tests/test_ops_gated_linear.py tests/test_ops_norm_linear.py -k "gpu or cuda" 2>&1 \
+    | tee "$OUT/gpu_tests.log" | grep -E "^E |FAIL|Error|passed|failed" | head -20
+  summary+=("GPU tests: $(tail -1 "$OUT/gpu_tests.log")")
+  echo "== _linear_kernel defaults, 5 rows"
+  timeout 90 python3 benchmarks/fp8_mma_lab.py --dtypes fp8,bf16 --rows 5 --default-only \
+    --out "$OUT/defaults.json" 2>&1 | grep -v Warning | tail -16
+  echo "== GEMV chain lab, 16 layers, 5 rows"
+  timeout 60 python3 benchmarks/pdl_lab.py --layers 16 --rows 5 --dtypes bf16,fp8 --variants "off" \
+    --out "$OUT/pdl_lab.json" 2>&1 | grep -v Warning | tail -4
 elif [ "$what" = decode ]; then
   echo "== decode benchmark"
   python3 benchmarks/decode.py --out "$OUT/decode.json" "$@" 2>&1 | tee "$OUT/decode.log" | grep -v Warning | tail -80

@@ -350,12 +350,18 @@ def _linear_kernel(
             w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & (k < k_hi)[None, :], other=0.0)
             acc = _rows_step(acc, w, x_rows, r_rows, g_ptr, k, k_hi, row_ok, rstd, FP32_DOTS,
                              HAS_SCALE, NORM, HAS_RESIDUAL, SWAP)
-        if SWAP:  # back to [BLOCK_M, BLOCK_N], once per program, for the epilogue below
-            acc = tl.trans(acc)
+        # SWAP keeps acc [BLOCK_N, BLOCK_M] through the split sum (every split stores its partial
+        # in that layout), the scale and a plain store; only the gated epilogue transposes it.
         if SPLIT_K > 1:
             acc, last = _sum_splits(acc, part_ptr, count_ptr, pid, BLOCK_M * BLOCK_N, SPLIT_K)
         if HAS_SCALE:  # once per output column, after the sum over K
-            acc *= tl.load(scale_ptr + w_row, mask=col_ok, other=0.0)[None, :]
+            scale = tl.load(scale_ptr + w_row, mask=col_ok, other=0.0)
+            if SWAP:
+                acc *= scale[:, None]
+            else:
+                acc *= scale[None, :]
+        if SWAP and ACTIVATION != "":
+            acc = tl.trans(acc)
     out_dtype = out_ptr.dtype.element_ty
     if ACTIVATION != "":
         # Split the tile's columns into gate [.., HALF] and up [.., HALF] (once, after the K
@@ -368,6 +374,9 @@ def _linear_kernel(
         col_ok = (col_ok.to(tl.int32) * last.to(tl.int32)) != 0
     if BLOCK_M == 1:
         tl.store(out_ptr + cols, acc.to(out_dtype), mask=col_ok)
+    elif SWAP and ACTIVATION == "":  # acc [BLOCK_N, BLOCK_M]
+        out = out_ptr + rows[None, :] * stride_om + cols[:, None]
+        tl.store(out, acc.to(out_dtype), mask=row_ok[None, :] & col_ok[:, None])
     else:
         out = out_ptr + rows[:, None] * stride_om + cols[None, :]
         tl.store(out, acc.to(out_dtype), mask=row_ok[:, None] & col_ok[None, :])
@@ -615,7 +624,7 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, FP32_DOTS=fp32_dots, HAS_SCALE=fp8,
         ACTIVATION=activation or "", NORM=norm, HAS_RESIDUAL=residual is not None,
         SPLIT_K=splits, PDL=bool(pdl), PREFETCH=PDL_PREFETCH if prefetch is None else prefetch,
-        SWAP=_default_swap(M, rows_w, K, fp8),
+        SWAP=block_m > 1 and _default_swap(M, rows_w, K, fp8),
         num_warps=num_warps or warps, num_stages=num_stages or stages, **pdl,
     )
     return out.reshape(*lead, N), _lead(summed, lead, K)
