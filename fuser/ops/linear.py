@@ -17,6 +17,13 @@ the rows padded to 16 (the matrix units have spare throughput at these sizes: th
 bound by the weight's bytes). Software pipelining (num_stages) keeps several weight tiles in
 flight per program, which is what a memory-bound stream needs.
 
+Several rows, swapped (`_default_swap`: where it measured faster on an H200, benchmarks/RESULTS.md,
+tenth session): the weight tile is the MMA's A operand and x its B, acc[BLOCK_N, BLOCK_M] +=
+w . x.T (`_mma_swapped`), so BLOCK_N (64 or 128 weight rows) is the MMA's M dimension, which
+on sm_90 makes it a wgmma reading a bf16 tile from shared memory as it was loaded (the
+unswapped 16-row MMA is an mma.sync fed by ldmatrix). The accumulator keeps that layout through
+the split sum, the scale and the store; only the gated epilogue transposes it.
+
 Numerics: products and sums in fp32 (bf16/fp16 products are exact in fp32), one rounding to
 the output dtype, as cuBLAS does; only the summation order differs.
 
