@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -28,6 +27,8 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from timing import measure_read_bandwidth, replay_median_ms  # noqa: E402
 
 from fuser.ops.fp8 import fp8_linear_reference, quantize_rows, quantize_weight  # noqa: E402
 from fuser.ops.fp8_quant import _row_scale  # noqa: E402
@@ -123,30 +124,12 @@ def time_chain(fn, copies: list, x: torch.Tensor, replays: int = 20) -> float:
     outs = [torch.empty(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype)
             for w, _ in copies]
 
-    def run() -> None:
+    def run() -> torch.Tensor:
         for (w, ws), out in zip(copies, outs):
             fn(x, w, ws, out)
-    run()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / len(copies))
-    return statistics.median(times)
+        return outs[-1]
+    ms, _ = replay_median_ms(run, replays)
+    return ms * 1000 / len(copies)
 
 
 def candidates(N: int, K: int, w_size: int) -> list[tuple]:
@@ -178,7 +161,6 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda")
     torch.manual_seed(0)
-    from timing import measure_read_bandwidth
     bandwidth = measure_read_bandwidth()
     print(f"HBM read bandwidth {bandwidth / 1e12:.2f} TB/s")
     results = []

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -28,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from timing import log, measure_read_bandwidth  # noqa: E402
+from timing import log, measure_read_bandwidth, replay_median_ms  # noqa: E402
 
 from fuser.ops import gemv_stream  # noqa: E402
 from fuser.ops.fp8 import quantize_weight  # noqa: E402
@@ -106,30 +105,6 @@ def chain(layers: list[dict], h: torch.Tensor, r: torch.Tensor, prefetch: int | 
     return h
 
 
-def time_graph(fn, replays: int = 30) -> tuple[float, torch.Tensor]:
-    """(median ms per replay of fn captured in one CUDA graph, its output)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times), out.clone()
-
-
 def rel_diff(out: torch.Tensor, base: torch.Tensor) -> float:
     """||out - base|| / ||base|| in fp64 (NaN anywhere: inf)."""
     if not torch.isfinite(out).all():
@@ -169,7 +144,7 @@ def main() -> None:
                 gemv_stream.CONFIG, gemv_stream.ROWS_CONFIG = (stream, None) if M == 1 else \
                     (None, stream)
                 try:
-                    ms, out = time_graph(lambda: chain(layers, h, r, prefetch))
+                    ms, out = replay_median_ms(lambda: chain(layers, h, r, prefetch))
                 except Exception as error:  # noqa: BLE001  (a variant that does not compile)
                     log(f"{dtype:4s} M={M:2d} {name:17s} failed: {type(error).__name__}: "
                         f"{str(error)[:200]}")

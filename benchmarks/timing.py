@@ -26,6 +26,7 @@ method EAGER_LAUNCH, host overhead included.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -109,6 +110,34 @@ def time_us(fn: Fn | Sequence[Fn], calls: int = CALLS, *, warmup: int = 25,
     first = fn[0] if isinstance(fn, (list, tuple)) else fn
     ms = do_bench(first, warmup=warmup, rep=rep, return_mode="median")
     return Timing(ms * 1e3, EAGER_LAUNCH, 1, note)
+
+
+def replay_median_ms(fn: Callable[[], torch.Tensor], replays: int = 30
+                     ) -> tuple[float, torch.Tensor]:
+    """(median ms per replay of fn captured in one CUDA graph, a copy of its output): warmed up
+    twice on a side stream, captured, replayed 3 times, then timed by CUDA events per replay
+    (no L2 flush: fn itself streams more than the L2 holds, as benchmarks/pdl_lab.py's layer
+    chains and benchmarks/fp8_mma_lab.py's weight copies do)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), out.clone()
 
 
 def measure_read_bandwidth() -> float:
