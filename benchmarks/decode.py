@@ -27,6 +27,7 @@ import fuser
 from breakdown import format_breakdown, kernel_breakdown
 from fuser.build import add_step, capture_cuda_graphs, warm_up
 from fuser.models import PRESETS
+from fuser.runtime.step_graphs import PLAIN
 from fuser.runtime.steps import DECODE, PREFILL, verify
 from peers import make_gpt_fast_style, make_hf_eager, make_hf_static_compile
 from timing import log, measure_read_bandwidth
@@ -184,6 +185,14 @@ def time_fuser(model: torch.nn.Module, precision: str, prompt: torch.Tensor,
     log(f"[{precision}] fuser generate: {count} tokens in {seconds:.3f} s = {count / seconds:.1f} "
         f"tok/s ({result['pct_ceiling']:.1f}% of its {ceiling:.0f} tok/s ceiling)")
     result["graph_replays"] = engine.report().graph_replays
+    # What generate replays per token: the whole target-only iteration (the decode step, the
+    # token's choice, the state update, the packed result) as one graph, at the context length
+    # halfway through the timed run; its gap to the per-token time is the host loop's share.
+    bucket = engine.buckets[min(engine.buckets)]
+    result["iteration_ms"] = 1e3 * bucket.measure(PLAIN, args.prompt_tokens + n // 2, 20)
+    log(f"[{precision}] per token: generate {1e3 * seconds / count:.3f} ms (prefill included), "
+        f"target-only iteration graph {result['iteration_ms']:.3f} ms at "
+        f"{args.prompt_tokens + n // 2} slots")
 
     one, at = prompt[:, :1], torch.zeros(1, 1, dtype=torch.long, device="cuda")
     capture_cuda_graphs(engine.target)  # the step alone as a CUDA graph (generate replays
