@@ -29,6 +29,7 @@
 #   bash benchmarks/gpu_all.sh eleventh # swap-AB MMA lab (bf16), profiled bf16 decode 8B + 1B
 #   bash benchmarks/gpu_all.sh eleventh2 # swapped MMA: GPU tests, 5-row chain, 8B decode, FP8 lab
 #   bash benchmarks/gpu_all.sh eleventh3 # swapped layout kept to the store: tests, defaults, chain
+#   bash benchmarks/gpu_all.sh twelfth  # (not yet run) 8B decode + verify, per-token line
 #   bash benchmarks/gpu_all.sh ninth    # (not yet run) PDL-chain + resync GPU tests, PDL lab, 1B decode, 8B decode without --profile
 #   bash benchmarks/gpu_all.sh fp8-accuracy [fp8_accuracy.py flags]   # FP8 vs bf16 on the bundled pair
 # OUT=<dir for logs and JSON>
@@ -330,6 +331,15 @@ elif [ "$what" = eleventh3 ]; then
   echo "== GEMV chain lab, 16 layers, 5 rows"
   timeout 60 python3 benchmarks/pdl_lab.py --layers 16 --rows 5 --dtypes bf16,fp8 --variants "off" \
     --out "$OUT/pdl_lab.json" 2>&1 | grep -v Warning | tail -4
+elif [ "$what" = twelfth ]; then
+  # For the next session's first call (written in the tenth, not yet run): the 8B decode and
+  # verify steps after the swapped MMA kept its layout to the store (its 5-row chain: FP8 -6%),
+  # with decode.py's new per-token line (generate against the target-only iteration graph).
+  # ~5 minutes.
+  echo "== decode, 8B shape"
+  timeout 320 python3 benchmarks/decode.py --out "$OUT/decode.json" --skip-peers 2>&1 \
+    | tee "$OUT/decode.log" | grep -v Warning \
+    | grep -E "^\[|verify|ceiling|fp8 vs|per token|Error|fallback" | tail -24
 elif [ "$what" = decode ]; then
   echo "== decode benchmark"
   python3 benchmarks/decode.py --out "$OUT/decode.json" "$@" 2>&1 | tee "$OUT/decode.log" | grep -v Warning | tail -80
