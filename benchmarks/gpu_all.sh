@@ -53,6 +53,14 @@ decode_1b() {
     --skip-verify --out "$OUT/decode_1b.json" 2>&1 | tee "$OUT/decode_1b.log" | grep -v Warning \
     | grep -E "^\[|kernels|^sum|^graph|ceiling|fallback|Error" | tail -20
 }
+# The decode GEMV's GPU tests (every path of _linear_kernel against its reference).
+linear_gpu_tests() {
+  echo "== GPU tests: linear"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -rf tests/test_ops_linear.py \
+    tests/test_ops_gated_linear.py tests/test_ops_norm_linear.py -k "gpu or cuda" 2>&1 \
+    | tee "$OUT/gpu_tests.log" | grep -E "^E |FAIL|Error|passed|failed" | head -20
+  summary+=("GPU tests: $(tail -1 "$OUT/gpu_tests.log")")
+}
 if [ "$what" = checks ]; then
   echo "== GPU tests"
   python3 -m pytest -q -p no:cacheprovider -x tests -k "cuda or gpu or CUDA or GPU" \
@@ -303,11 +311,7 @@ elif [ "$what" = eleventh2 ]; then
   # Tenth session, last call: the swapped MMA (linear._default_swap) at several rows on the GPU:
   # its tests, the 16-layer chain at 5 rows, the 8B decode and verify steps; then the FP8
   # swapped tiles over more shapes of tile. ~8 minutes.
-  echo "== GPU tests: linear"
-  timeout 150 python3 -m pytest -q -p no:cacheprovider -rf tests/test_ops_linear.py \
-    tests/test_ops_gated_linear.py tests/test_ops_norm_linear.py -k "gpu or cuda" 2>&1 \
-    | tee "$OUT/gpu_tests.log" | grep -E "^E |FAIL|Error|passed|failed" | head -20
-  summary+=("GPU tests: $(tail -1 "$OUT/gpu_tests.log")")
+  linear_gpu_tests
   echo "== GEMV chain lab, 16 layers, 5 rows"
   timeout 100 python3 benchmarks/pdl_lab.py --layers 16 --rows 5 --dtypes bf16,fp8 --variants "off" \
     --out "$OUT/pdl_lab.json" 2>&1 | grep -v Warning | tail -4
@@ -320,11 +324,7 @@ elif [ "$what" = eleventh2 ]; then
 elif [ "$what" = eleventh3 ]; then
   # Tenth session: the swapped MMA keeps its layout through the split sum and the store (as the
   # lab's kernel does): the GEMV GPU tests, the defaults alone, the 5-row chain. ~3 minutes.
-  echo "== GPU tests: linear"
-  timeout 150 python3 -m pytest -q -p no:cacheprovider -rf tests/test_ops_linear.py \
-    tests/test_ops_gated_linear.py tests/test_ops_norm_linear.py -k "gpu or cuda" 2>&1 \
-    | tee "$OUT/gpu_tests.log" | grep -E "^E |FAIL|Error|passed|failed" | head -20
-  summary+=("GPU tests: $(tail -1 "$OUT/gpu_tests.log")")
+  linear_gpu_tests
   echo "== _linear_kernel defaults, 5 rows"
   timeout 90 python3 benchmarks/fp8_mma_lab.py --dtypes fp8,bf16 --rows 5 --default-only \
     --out "$OUT/defaults.json" 2>&1 | grep -v Warning | tail -16
