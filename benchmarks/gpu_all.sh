@@ -29,7 +29,7 @@
 #   bash benchmarks/gpu_all.sh eleventh # swap-AB MMA lab (bf16), profiled bf16 decode 8B + 1B
 #   bash benchmarks/gpu_all.sh eleventh2 # swapped MMA: GPU tests, 5-row chain, 8B decode, FP8 lab
 #   bash benchmarks/gpu_all.sh eleventh3 # swapped layout kept to the store: tests, defaults, chain
-#   bash benchmarks/gpu_all.sh twelfth  # (not yet run) 8B decode + verify, per-token line
+#   bash benchmarks/gpu_all.sh twelfth  # (not yet run) fp16 MMA for FP8 rows; 8B decode + verify
 #   bash benchmarks/gpu_all.sh ninth    # (not yet run) PDL-chain + resync GPU tests, PDL lab, 1B decode, 8B decode without --profile
 #   bash benchmarks/gpu_all.sh fp8-accuracy [fp8_accuracy.py flags]   # FP8 vs bf16 on the bundled pair
 # OUT=<dir for logs and JSON>
@@ -334,8 +334,17 @@ elif [ "$what" = eleventh3 ]; then
 elif [ "$what" = twelfth ]; then
   # For the next session's first call (written in the tenth, not yet run): the 8B decode and
   # verify steps after the swapped MMA kept its layout to the store (its 5-row chain: FP8 -6%),
-  # with decode.py's new per-token line (generate against the target-only iteration graph).
-  # ~5 minutes.
+  # with decode.py's new per-token line (generate against the target-only iteration graph);
+  # before it, the fp16 MMA for FP8 weights at several rows (off by default: its GPU tests and
+  # the 5-row chain; if it wins, turn it on and re-run the decode). ~8 minutes.
+  echo "== GPU tests: the fp16 MMA for FP8 weights (linear.FP8_F16_MMA), the swapped MMA"
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -rf tests/test_ops_linear.py \
+    -k "gpu or cuda or fp16_mma or swapped" 2>&1 | tee "$OUT/gpu_tests.log" \
+    | grep -E "^E |FAIL|Error|passed|failed" | head -20
+  summary+=("GPU tests: $(tail -1 "$OUT/gpu_tests.log")")
+  echo "== GEMV chain lab, 16 layers, 5 rows: FP8 on the bf16 or the fp16 MMA"
+  timeout 80 python3 benchmarks/pdl_lab.py --layers 16 --rows 5 --dtypes fp8 \
+    --variants "off;f16 mma" --out "$OUT/pdl_lab.json" 2>&1 | grep -v Warning | tail -3
   echo "== decode, 8B shape"
   timeout 320 python3 benchmarks/decode.py --out "$OUT/decode.json" --skip-peers 2>&1 \
     | tee "$OUT/decode.log" | grep -v Warning \

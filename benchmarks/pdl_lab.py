@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import log, measure_read_bandwidth, replay_median_ms  # noqa: E402
 
 from fuser.ops import gemv_stream  # noqa: E402
+from fuser.ops import linear as linear_module  # noqa: E402
 from fuser.ops.fp8 import quantize_weight  # noqa: E402
 from fuser.ops.gemv_stream import StreamConfig  # noqa: E402
 from fuser.ops.linear import linear_triton, rms_norm_linear_triton  # noqa: E402
@@ -59,7 +60,9 @@ ROWS_VARIANTS = (("off", "0", None, None),
                  ("stream 2/sm d2 8K st2", "0", None, StreamConfig(programs_per_sm=2,
                                                                     tile_bytes=8192, depth=2,
                                                                     num_stages=2)),
-                 ("stream d2 32K", "0", None, StreamConfig(tile_bytes=32768, depth=2)))
+                 ("stream d2 32K", "0", None, StreamConfig(tile_bytes=32768, depth=2)),
+                 # FP8 weights on an fp16 MMA (linear.FP8_F16_MMA; bf16 rows: unchanged)
+                 ("f16 mma", "0", None, None))
 
 
 def make_layers(n: int, fp8: bool, device: torch.device) -> list[dict]:
@@ -143,6 +146,7 @@ def main() -> None:
                 os.environ["FUSER_PDL"] = flag
                 gemv_stream.CONFIG, gemv_stream.ROWS_CONFIG = (stream, None) if M == 1 else \
                     (None, stream)
+                linear_module.FP8_F16_MMA = name == "f16 mma"
                 try:
                     ms, out = replay_median_ms(lambda: chain(layers, h, r, prefetch))
                 except Exception as error:  # noqa: BLE001  (a variant that does not compile)
@@ -151,6 +155,7 @@ def main() -> None:
                     continue
                 finally:
                     gemv_stream.CONFIG, gemv_stream.ROWS_CONFIG = gemv_stream.DEFAULT, None
+                    linear_module.FP8_F16_MMA = False
                 if base_ms is None:
                     base_ms, base_out = ms, out
                 row = dict(dtype=dtype, rows=M, variant=name, ms=ms,

@@ -141,28 +141,47 @@ def _row_step(acc, w, x_row, r_row, g_ptr, k, k_hi, rstd, NORM: tl.constexpr,
 @triton.jit
 def _rows_step(acc, w, x_rows, r_rows, g_ptr, k, k_hi, row_ok, rstd, FP32_DOTS: tl.constexpr,
                HAS_SCALE: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-               SWAP: tl.constexpr = False):
+               SWAP: tl.constexpr = False, F16_MMA: tl.constexpr = False):
     """One K step of the several-row GEMV on the MMA: acc [BLOCK_M, BLOCK_N] + x[:, k] . w.T
     (SWAP: acc [BLOCK_N, BLOCK_M] + w . x[:, k].T)."""
     k_ok = k < k_hi
     x = _norm_x_tile(x_rows, r_rows, g_ptr, k[None, :], row_ok[:, None] & k_ok[None, :],
                      k_ok[None, :], rstd, NORM, HAS_RESIDUAL)
     if SWAP:
-        acc = _mma_swapped(acc, x, w, FP32_DOTS, HAS_SCALE)
+        acc = _mma_swapped(acc, x, w, FP32_DOTS, HAS_SCALE, F16_MMA)
     else:
         acc = _mma(acc, x, w, FP32_DOTS, HAS_SCALE)
     return acc
 
 
 @triton.jit
-def _mma_swapped(acc, x, w, FP32_DOTS: tl.constexpr, HAS_SCALE: tl.constexpr):
+def _f16_x(x):
+    """bf16 x -> fp16 of x * 2^-4, saturated at +-65504 (_mma_swapped's F16_MMA)."""
+    return tl.clamp(x.to(tl.float32) * 0.0625, -65504.0, 65504.0).to(tl.float16)
+
+
+@triton.jit
+def _mma_swapped(acc, x, w, FP32_DOTS: tl.constexpr, HAS_SCALE: tl.constexpr,
+                 F16_MMA: tl.constexpr = False):
     """acc [BLOCK_N, BLOCK_M] + w [BLOCK_N, BLOCK_K] . x [BLOCK_M, BLOCK_K].T: the weight tile
     is the MMA's A operand (BLOCK_N, 64 or more, its M dimension; the few rows of x its N), so
     on sm_90 a bf16 tile goes from shared memory to the wgmma as it was loaded, and an FP8 tile
     is widened in registers, where the wgmma's A operand may also come from. The same products
-    and fp32 sums as _mma, in another order."""
+    and fp32 sums as _mma, in another order.
+
+    F16_MMA (FP8 weights): the MMA in fp16, the weight widened by one e4m3x2 -> f16x2 conversion
+    per pair (bf16 costs that, two f16 -> f32 conversions and a pack: the conversion unit, not
+    the bytes, bounds the bf16 path), x as fp16 of x * 2^-4 (_f16_x; the kernel multiplies the
+    sums by 2^4 with the weight's scale). Exact where bf16's x is exact in that fp16: |x| in
+    [2^-13, 65504 * 2^4]; smaller |x| round to 2^-21 absolute, larger saturate (a row of only
+    tiny values loses relative precision: a per-row power-of-two scale would not). Under
+    FP32_DOTS the same rounding of x, then fp32 dots."""
     if FP32_DOTS:
+        if F16_MMA:
+            x = _f16_x(x)
         acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
+    elif F16_MMA:
+        acc = tl.dot(w.to(tl.float16), tl.trans(_f16_x(x)), acc)
     elif HAS_SCALE:
         acc = tl.dot(w.to(x.dtype), tl.trans(x), acc)
     else:
@@ -254,6 +273,7 @@ def _linear_kernel(
     PDL: tl.constexpr = False,  # launched with PDL (fuser/ops/pdl.py): PREFETCH weight tiles
     PREFETCH: tl.constexpr = 0,  # (0, 1 or 2) load before waiting for the previous kernel
     SWAP: tl.constexpr = False,  # MMA path: the weight tile as the MMA's A operand (_mma_swapped)
+    F16_MMA: tl.constexpr = False,  # SWAP, FP8 weights: the MMA in fp16, x scaled by 2^-4
 ):
     pid = tl.program_id(0)
     # Split-K: program (pid, s) sums K range [s * K / SPLIT_K, (s + 1) * K / SPLIT_K) (the
@@ -348,21 +368,23 @@ def _linear_kernel(
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if PDL and PREFETCH >= 1:
             acc = _rows_step(acc, w_pre0, x_rows, r_rows, g_ptr, k_pre0, k_hi, row_ok, rstd,
-                             FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, SWAP)
+                             FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, SWAP, F16_MMA)
         if PDL and PREFETCH >= 2:
             acc = _rows_step(acc, w_pre1, x_rows, r_rows, g_ptr, k_pre1, k_hi, row_ok, rstd,
-                             FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, SWAP)
+                             FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, SWAP, F16_MMA)
         for k0 in range(k_loop, k_hi, BLOCK_K):
             k = k0 + offs_k
             w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & (k < k_hi)[None, :], other=0.0)
             acc = _rows_step(acc, w, x_rows, r_rows, g_ptr, k, k_hi, row_ok, rstd, FP32_DOTS,
-                             HAS_SCALE, NORM, HAS_RESIDUAL, SWAP)
+                             HAS_SCALE, NORM, HAS_RESIDUAL, SWAP, F16_MMA)
         # SWAP keeps acc [BLOCK_N, BLOCK_M] through the split sum (every split stores its partial
         # in that layout), the scale and a plain store; only the gated epilogue transposes it.
         if SPLIT_K > 1:
             acc, last = _sum_splits(acc, part_ptr, count_ptr, pid, BLOCK_M * BLOCK_N, SPLIT_K)
         if HAS_SCALE:  # once per output column, after the sum over K
             scale = tl.load(scale_ptr + w_row, mask=col_ok, other=0.0)
+            if F16_MMA:  # the sums are of x * 2^-4 (_f16_x): exact powers of two
+                scale = scale * 16.0
             if SWAP:
                 acc *= scale[:, None]
             else:
@@ -453,6 +475,10 @@ def _default_swap(M: int, N: int, K: int, fp8: bool) -> bool:
         return False
     return fp8 or K >= 8192 or N <= 4096 or 8192 < N < 2**16
 
+
+# Several rows, FP8 weights (swapped): the MMA in fp16 (_mma_swapped's F16_MMA) instead of bf16;
+# off until timed on a GPU (benchmarks/pdl_lab.py's "f16 mma" variant).
+FP8_F16_MMA = False
 
 PDL_PREFETCH = 1  # weight tiles a PDL-launched program loads before its wait (fuser/ops/pdl.py)
 
@@ -624,6 +650,7 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
     # the one before's output, was not bit-equal to ordinary launches on the H200, and gained
     # nothing there (benchmarks/RESULTS.md, eighth session; fuser/ops/pdl.py).
     pdl = pdl_launch(x.device) if block_m == 1 else {}
+    swap = block_m > 1 and _default_swap(M, rows_w, K, fp8)
     _linear_kernel[(programs, splits)](
         x2, weight, weight_scale if fp8 else out, out, parts, counts,
         r2, norm_weight.contiguous() if norm else x2, summed if summed is not None else x2,
@@ -631,7 +658,7 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, FP32_DOTS=fp32_dots, HAS_SCALE=fp8,
         ACTIVATION=activation or "", NORM=norm, HAS_RESIDUAL=residual is not None,
         SPLIT_K=splits, PDL=bool(pdl), PREFETCH=PDL_PREFETCH if prefetch is None else prefetch,
-        SWAP=block_m > 1 and _default_swap(M, rows_w, K, fp8),
+        SWAP=swap, F16_MMA=swap and fp8 and FP8_F16_MMA and x.dtype == torch.bfloat16,
         num_warps=num_warps or warps, num_stages=num_stages or stages, **pdl,
     )
     return out.reshape(*lead, N), _lead(summed, lead, K)
