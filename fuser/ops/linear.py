@@ -141,52 +141,68 @@ def _row_step(acc, w, x_row, r_row, g_ptr, k, k_hi, rstd, NORM: tl.constexpr,
 @triton.jit
 def _rows_step(acc, w, x_rows, r_rows, g_ptr, k, k_hi, row_ok, rstd, FP32_DOTS: tl.constexpr,
                HAS_SCALE: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-               SWAP: tl.constexpr = False, F16_MMA: tl.constexpr = False):
+               SWAP: tl.constexpr = False):
     """One K step of the several-row GEMV on the MMA: acc [BLOCK_M, BLOCK_N] + x[:, k] . w.T
     (SWAP: acc [BLOCK_N, BLOCK_M] + w . x[:, k].T)."""
     k_ok = k < k_hi
     x = _norm_x_tile(x_rows, r_rows, g_ptr, k[None, :], row_ok[:, None] & k_ok[None, :],
                      k_ok[None, :], rstd, NORM, HAS_RESIDUAL)
     if SWAP:
-        acc = _mma_swapped(acc, x, w, FP32_DOTS, HAS_SCALE, F16_MMA)
+        acc = _mma_swapped(acc, x, w, FP32_DOTS, HAS_SCALE)
     else:
         acc = _mma(acc, x, w, FP32_DOTS, HAS_SCALE)
     return acc
 
 
 @triton.jit
-def _f16_x(x):
-    """bf16 x -> fp16 of x * 2^-4, saturated at +-65504 (_mma_swapped's F16_MMA)."""
-    return tl.clamp(x.to(tl.float32) * 0.0625, -65504.0, 65504.0).to(tl.float16)
-
-
-@triton.jit
-def _mma_swapped(acc, x, w, FP32_DOTS: tl.constexpr, HAS_SCALE: tl.constexpr,
-                 F16_MMA: tl.constexpr = False):
+def _mma_swapped(acc, x, w, FP32_DOTS: tl.constexpr, HAS_SCALE: tl.constexpr):
     """acc [BLOCK_N, BLOCK_M] + w [BLOCK_N, BLOCK_K] . x [BLOCK_M, BLOCK_K].T: the weight tile
     is the MMA's A operand (BLOCK_N, 64 or more, its M dimension; the few rows of x its N), so
     on sm_90 a bf16 tile goes from shared memory to the wgmma as it was loaded, and an FP8 tile
     is widened in registers, where the wgmma's A operand may also come from. The same products
-    and fp32 sums as _mma, in another order.
-
-    F16_MMA (FP8 weights): the MMA in fp16, the weight widened by one e4m3x2 -> f16x2 conversion
-    per pair (bf16 costs that, two f16 -> f32 conversions and a pack: the conversion unit, not
-    the bytes, bounds the bf16 path), x as fp16 of x * 2^-4 (_f16_x; the kernel multiplies the
-    sums by 2^4 with the weight's scale). Exact where bf16's x is exact in that fp16: |x| in
-    [2^-13, 65504 * 2^4]; smaller |x| round to 2^-21 absolute, larger saturate (a row of only
-    tiny values loses relative precision: a per-row power-of-two scale would not). Under
-    FP32_DOTS the same rounding of x, then fp32 dots."""
+    and fp32 sums as _mma, in another order."""
     if FP32_DOTS:
-        if F16_MMA:
-            x = _f16_x(x)
         acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
-    elif F16_MMA:
-        acc = tl.dot(w.to(tl.float16), tl.trans(_f16_x(x)), acc)
     elif HAS_SCALE:
         acc = tl.dot(w.to(x.dtype), tl.trans(x), acc)
     else:
         acc = tl.dot(w, tl.trans(x.to(w.dtype)), acc)
     return acc
+
+
+@triton.jit
+def _pow2(e):
+    """2^e in fp32 for integer e in [-126, 127], built from its exponent bits (exact)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _f16_step(acc, shift, w, x, FP32_DOTS: tl.constexpr):
+    """One K step of F16_MMA (FP8 weights, swapped): (acc, shift) after adding w . (x 2^shift).T
+    on an fp16 MMA, acc [BLOCK_N, BLOCK_M] holding each row's sums times 2^shift.
+
+    The weight is widened by one e4m3x2 -> f16x2 conversion per pair (bf16 costs that, two
+    f16 -> f32 conversions and a pack: on sm_90 the conversion unit, not the bytes, bounds the
+    bf16 path). x goes into fp16 scaled by a power of two per row, shift [BLOCK_M] (int32),
+    chosen as the rows stream by so that every scaled |x| stays below 2^15: when a tile's max
+    |x| needs a smaller shift, acc's column is multiplied by the exact power of two first (the
+    online rescaling of flash attention). So bf16's x is exact in the fp16 unless it is below
+    the row's running max |x| by more than 2^28; the products are then exact in fp32, as on the
+    bf16 MMA, and only the order of the sum differs. Under FP32_DOTS the same rounding of x,
+    then fp32 dots."""
+    x32 = x.to(tl.float32)
+    amax = tl.max(tl.abs(x32), axis=1)                              # [BLOCK_M]
+    exponent = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF       # amax < 2^(exponent - 126)
+    new_shift = tl.minimum(shift, tl.minimum(141 - exponent, 100))  # amax 2^shift < 2^15
+    # Exact; 1 where unchanged. A drop past 2^-126 (a row growing by more than that) is clamped:
+    # the sums so far are then below 2^-126 * 2^15 * 448 * K, against new terms of 2^14 or more.
+    acc *= _pow2(tl.maximum(new_shift - shift, -126))[None, :]
+    x16 = (x32 * _pow2(new_shift)[:, None]).to(tl.float16)
+    if FP32_DOTS:
+        acc += tl.dot(w.to(tl.float32), tl.trans(x16.to(tl.float32)), input_precision="ieee")
+    else:
+        acc = tl.dot(w.to(tl.float16), tl.trans(x16), acc)
+    return acc, new_shift
 
 
 @triton.jit
@@ -273,7 +289,7 @@ def _linear_kernel(
     PDL: tl.constexpr = False,  # launched with PDL (fuser/ops/pdl.py): PREFETCH weight tiles
     PREFETCH: tl.constexpr = 0,  # (0, 1 or 2) load before waiting for the previous kernel
     SWAP: tl.constexpr = False,  # MMA path: the weight tile as the MMA's A operand (_mma_swapped)
-    F16_MMA: tl.constexpr = False,  # SWAP, FP8 weights: the MMA in fp16, x scaled by 2^-4
+    F16_MMA: tl.constexpr = False,  # SWAP, FP8 weights: the MMA in fp16 (_f16_step)
 ):
     pid = tl.program_id(0)
     # Split-K: program (pid, s) sums K range [s * K / SPLIT_K, (s + 1) * K / SPLIT_K) (the
@@ -368,23 +384,31 @@ def _linear_kernel(
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if PDL and PREFETCH >= 1:
             acc = _rows_step(acc, w_pre0, x_rows, r_rows, g_ptr, k_pre0, k_hi, row_ok, rstd,
-                             FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, SWAP, F16_MMA)
+                             FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, SWAP)
         if PDL and PREFETCH >= 2:
             acc = _rows_step(acc, w_pre1, x_rows, r_rows, g_ptr, k_pre1, k_hi, row_ok, rstd,
-                             FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, SWAP, F16_MMA)
+                             FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, SWAP)
+        shift = tl.full([BLOCK_M], 100, dtype=tl.int32)  # F16_MMA: acc holds sums * 2^shift
         for k0 in range(k_loop, k_hi, BLOCK_K):
             k = k0 + offs_k
             w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & (k < k_hi)[None, :], other=0.0)
-            acc = _rows_step(acc, w, x_rows, r_rows, g_ptr, k, k_hi, row_ok, rstd, FP32_DOTS,
-                             HAS_SCALE, NORM, HAS_RESIDUAL, SWAP, F16_MMA)
+            if F16_MMA:
+                k_ok = k < k_hi
+                x = _norm_x_tile(x_rows, r_rows, g_ptr, k[None, :],
+                                 row_ok[:, None] & k_ok[None, :], k_ok[None, :], rstd, NORM,
+                                 HAS_RESIDUAL)
+                acc, shift = _f16_step(acc, shift, w, x, FP32_DOTS)
+            else:
+                acc = _rows_step(acc, w, x_rows, r_rows, g_ptr, k, k_hi, row_ok, rstd,
+                                 FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, SWAP)
+        if F16_MMA:  # back to the sums themselves (each split had its own shifts)
+            acc *= _pow2(-shift)[None, :]
         # SWAP keeps acc [BLOCK_N, BLOCK_M] through the split sum (every split stores its partial
         # in that layout), the scale and a plain store; only the gated epilogue transposes it.
         if SPLIT_K > 1:
             acc, last = _sum_splits(acc, part_ptr, count_ptr, pid, BLOCK_M * BLOCK_N, SPLIT_K)
         if HAS_SCALE:  # once per output column, after the sum over K
             scale = tl.load(scale_ptr + w_row, mask=col_ok, other=0.0)
-            if F16_MMA:  # the sums are of x * 2^-4 (_f16_x): exact powers of two
-                scale = scale * 16.0
             if SWAP:
                 acc *= scale[:, None]
             else:
@@ -476,8 +500,8 @@ def _default_swap(M: int, N: int, K: int, fp8: bool) -> bool:
     return fp8 or K >= 8192 or N <= 4096 or 8192 < N < 2**16
 
 
-# Several rows, FP8 weights (swapped): the MMA in fp16 (_mma_swapped's F16_MMA) instead of bf16;
-# off until timed on a GPU (benchmarks/pdl_lab.py's "f16 mma" variant).
+# Several rows, FP8 weights (swapped): the MMA in fp16 (_f16_step) instead of bf16; off until
+# timed on a GPU (benchmarks/pdl_lab.py's "f16 mma" variant).
 FP8_F16_MMA = False
 
 PDL_PREFETCH = 1  # weight tiles a PDL-launched program loads before its wait (fuser/ops/pdl.py)
