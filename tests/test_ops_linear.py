@@ -226,13 +226,15 @@ def test_split_counters_persist_and_grow():
 # --- several rows: the weight tile as the MMA's A operand (linear._default_swap) ----------------
 
 
+# Several rows of x, a weight of N rows and K = 32 * blocks * split_k columns
+SEVERAL_ROWS = dict(M=st.integers(2, MAX_ROWS), N=st.integers(1, 70), blocks=st.integers(1, 3),
+                    split_k=st.sampled_from([1, 2]))
+
+
 @settings(max_examples=16, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(
-    M=st.integers(2, MAX_ROWS),
-    N=st.integers(1, 70),
-    blocks=st.integers(1, 3),
-    split_k=st.sampled_from([1, 2]),
+    **SEVERAL_ROWS,
     dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
     fp8=st.booleans(),
     activation=st.sampled_from([None, "silu"]),
@@ -294,10 +296,7 @@ def _run_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, f16: bool,
 @settings(max_examples=12, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(
-    M=st.integers(2, MAX_ROWS),
-    N=st.integers(1, 70),
-    blocks=st.integers(1, 3),
-    split_k=st.sampled_from([1, 2]),
+    **SEVERAL_ROWS,
     activation=st.sampled_from([None, "silu"]),
     magnitude=st.sampled_from([2.0**-40, 2.0**-8, 1.0, 2.0**40]),
     seed=st.integers(0, 2**16),
