@@ -139,14 +139,21 @@ def _row_step(acc, w, x_row, r_row, g_ptr, k, k_hi, rstd, NORM: tl.constexpr,
 
 
 @triton.jit
+def _rows_x(x_rows, r_rows, g_ptr, k, k_hi, row_ok, rstd, NORM: tl.constexpr,
+            HAS_RESIDUAL: tl.constexpr):
+    """The several-row GEMV's input tile [BLOCK_M, BLOCK_K] at columns k (_norm_x_tile)."""
+    k_ok = k < k_hi
+    return _norm_x_tile(x_rows, r_rows, g_ptr, k[None, :], row_ok[:, None] & k_ok[None, :],
+                        k_ok[None, :], rstd, NORM, HAS_RESIDUAL)
+
+
+@triton.jit
 def _rows_step(acc, w, x_rows, r_rows, g_ptr, k, k_hi, row_ok, rstd, FP32_DOTS: tl.constexpr,
                HAS_SCALE: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                SWAP: tl.constexpr = False):
     """One K step of the several-row GEMV on the MMA: acc [BLOCK_M, BLOCK_N] + x[:, k] . w.T
     (SWAP: acc [BLOCK_N, BLOCK_M] + w . x[:, k].T)."""
-    k_ok = k < k_hi
-    x = _norm_x_tile(x_rows, r_rows, g_ptr, k[None, :], row_ok[:, None] & k_ok[None, :],
-                     k_ok[None, :], rstd, NORM, HAS_RESIDUAL)
+    x = _rows_x(x_rows, r_rows, g_ptr, k, k_hi, row_ok, rstd, NORM, HAS_RESIDUAL)
     if SWAP:
         acc = _mma_swapped(acc, x, w, FP32_DOTS, HAS_SCALE)
     else:
@@ -393,10 +400,7 @@ def _linear_kernel(
             k = k0 + offs_k
             w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & (k < k_hi)[None, :], other=0.0)
             if F16_MMA:
-                k_ok = k < k_hi
-                x = _norm_x_tile(x_rows, r_rows, g_ptr, k[None, :],
-                                 row_ok[:, None] & k_ok[None, :], k_ok[None, :], rstd, NORM,
-                                 HAS_RESIDUAL)
+                x = _rows_x(x_rows, r_rows, g_ptr, k, k_hi, row_ok, rstd, NORM, HAS_RESIDUAL)
                 acc, shift = _f16_step(acc, shift, w, x, FP32_DOTS)
             else:
                 acc = _rows_step(acc, w, x_rows, r_rows, g_ptr, k, k_hi, row_ok, rstd,
