@@ -27,10 +27,11 @@ import fuser
 from breakdown import format_breakdown, kernel_breakdown
 from fuser.build import add_step, capture_cuda_graphs, warm_up
 from fuser.models import PRESETS
+from fuser.ops import linear as linear_module
 from fuser.runtime.step_graphs import PLAIN
 from fuser.runtime.steps import DECODE, PREFILL, verify
 from peers import make_gpt_fast_style, make_hf_eager, make_hf_static_compile
-from timing import log, measure_read_bandwidth
+from timing import ONE_ROW_MMA, log, measure_read_bandwidth
 
 RESULTS: dict = {}
 
@@ -97,8 +98,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None,
                         help="decoder layers (default: the preset's); fewer for a quick per-op "
                              "profile, whose per-layer rows do not depend on the layer count")
+    parser.add_argument("--one-row-mma", choices=["default", *ONE_ROW_MMA], default="default",
+                        help="a lab switch: which one-row linears run on the swapped MMA "
+                             "(fuser/ops/linear.py _one_row_mma) instead of its default")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.one_row_mma != "default":
+        linear_module._one_row_mma = ONE_ROW_MMA[args.one_row_mma]
     warnings.simplefilter("ignore")
     RESULTS["env"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "triton": triton.__version__, "transformers": transformers.__version__,
@@ -193,6 +199,18 @@ def time_fuser(model: torch.nn.Module, precision: str, prompt: torch.Tensor,
     log(f"[{precision}] per token: generate {1e3 * seconds / count:.3f} ms (prefill included), "
         f"target-only iteration graph {result['iteration_ms']:.3f} ms at "
         f"{args.prompt_tokens + n // 2} slots")
+    # generate's time, taken apart: the call up to its first token (the prompt's prefill and
+    # the host's set-up), and the iterations replayed back to back with no host loop between
+    # them (the GPU never idles, as in generate, so clocks and power are as there).
+    first_s, _ = timed_generate(lambda: engine.generate(prompt, 1, **no_eos).shape[1], runs=5)
+    result["first_token_ms"] = 1e3 * first_s
+    result["back_to_back_ms"] = 1e3 * back_to_back_seconds(bucket, args.prompt_tokens, n - 1) / (
+        n - 1)
+    log(f"[{precision}] generate's parts: first token (prefill of {args.prompt_tokens}) "
+        f"{result['first_token_ms']:.2f} ms; {n - 1} iterations back to back "
+        f"{result['back_to_back_ms']:.3f} ms each; sum "
+        f"{result['first_token_ms'] + (n - 1) * result['back_to_back_ms']:.1f} ms against "
+        f"generate's {1e3 * seconds:.1f} ms")
 
     one, at = prompt[:, :1], torch.zeros(1, 1, dtype=torch.long, device="cuda")
     capture_cuda_graphs(engine.target)  # the step alone as a CUDA graph (generate replays
@@ -229,6 +247,26 @@ def time_fuser(model: torch.nn.Module, precision: str, prompt: torch.Tensor,
     engine = None  # free its caches and graphs before the next engine
     torch._dynamo.reset()
     return result
+
+
+def back_to_back_seconds(bucket, length: int, iterations: int) -> float:
+    """Seconds of `iterations` target-only greedy iterations replayed back to back from
+    `length` slots (CUDA events around them all; the host queues them without waiting)."""
+    bucket.reset_for_timing(length)
+    bucket.run(PLAIN, False)  # warm
+    bucket.reset_for_timing(length)
+    torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(iterations):
+        bucket.run(PLAIN, False)
+    end.record()
+    end.synchronize()
+    bucket.reset_for_timing(0)
+    graph = bucket.graphs.get((PLAIN, False))
+    if graph is not None:  # timing runs are not decoding (as in measure)
+        graph.replays -= iterations + 1
+    return begin.elapsed_time(end) * 1e-3
 
 
 def time_prefill(engine: fuser.Engine, tokens: int, vocab: int) -> float:

@@ -29,7 +29,8 @@
 #   bash benchmarks/gpu_all.sh eleventh # swap-AB MMA lab (bf16), profiled bf16 decode 8B + 1B
 #   bash benchmarks/gpu_all.sh eleventh2 # swapped MMA: GPU tests, 5-row chain, 8B decode, FP8 lab
 #   bash benchmarks/gpu_all.sh eleventh3 # swapped layout kept to the store: tests, defaults, chain
-#   bash benchmarks/gpu_all.sh twelfth  # (not yet run) fp16 MMA for FP8 rows; 8B decode + verify
+#   bash benchmarks/gpu_all.sh thirteenth  # one row on the MMA; generate's time taken apart
+#   bash benchmarks/gpu_all.sh twelfth  # fp16 MMA for FP8 rows; 8B decode + verify
 #   bash benchmarks/gpu_all.sh ninth    # (not yet run) PDL-chain + resync GPU tests, PDL lab, 1B decode, 8B decode without --profile
 #   bash benchmarks/gpu_all.sh fp8-accuracy [fp8_accuracy.py flags]   # FP8 vs bf16 on the bundled pair
 # OUT=<dir for logs and JSON>
@@ -331,6 +332,24 @@ elif [ "$what" = eleventh3 ]; then
   echo "== GEMV chain lab, 16 layers, 5 rows"
   timeout 60 python3 benchmarks/pdl_lab.py --layers 16 --rows 5 --dtypes bf16,fp8 --variants "off" \
     --out "$OUT/pdl_lab.json" 2>&1 | grep -v Warning | tail -4
+elif [ "$what" = thirteenth ]; then
+  # Eleventh session: one row on the swapped MMA (linear._one_row_mma) in the 16-layer chain and
+  # in the 8B bf16 decode; generate's time taken apart (first token, back-to-back iterations);
+  # the fp16 MMA's GPU tests at the 8B shapes (the chain read non-finite values). ~7 minutes.
+  echo "== GPU tests: linear (one row on the MMA, the fp16 MMA at the 8B shapes)"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -rf tests/test_ops_linear.py \
+    -k "gpu or cuda" 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "^E  |FAIL|Error|passed|failed" | head -30
+  summary+=("GPU tests: $(tail -1 "$OUT/gpu_tests.log")")
+  echo "== GEMV chain lab, 16 layers, 1 row: the stream GEMV, some shapes on the swapped MMA"
+  timeout 100 python3 benchmarks/pdl_lab.py --layers 16 --rows 1 --dtypes bf16,fp8 \
+    --variants "stream default;stream + mma gate_up;stream + mma gate_up, down;mma all" \
+    --out "$OUT/pdl_lab.json" 2>&1 | grep -v Warning | tail -9
+  for mma in default gate_up; do
+    echo "== decode, 8B shape, bf16, --one-row-mma $mma"
+    timeout 200 python3 benchmarks/decode.py --out "$OUT/decode_$mma.json" --skip-peers \
+      --precisions bf16 --skip-verify --one-row-mma $mma 2>&1 | tee "$OUT/decode_$mma.log" \
+      | grep -v Warning | grep -E "^\[|ceiling|per token|parts|Error|fallback" | tail -12
+  done
 elif [ "$what" = twelfth ]; then
   # For the next session's first call (written in the tenth, not yet run): the 8B decode and
   # verify steps after the swapped MMA kept its layout to the store (its 5-row chain: FP8 -6%),
