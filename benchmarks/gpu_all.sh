@@ -29,6 +29,7 @@
 #   bash benchmarks/gpu_all.sh eleventh # swap-AB MMA lab (bf16), profiled bf16 decode 8B + 1B
 #   bash benchmarks/gpu_all.sh eleventh2 # swapped MMA: GPU tests, 5-row chain, 8B decode, FP8 lab
 #   bash benchmarks/gpu_all.sh eleventh3 # swapped layout kept to the store: tests, defaults, chain
+#   bash benchmarks/gpu_all.sh fourteenth  # FUSER_PDL=1 in the whole step; 4 iterations a graph
 #   bash benchmarks/gpu_all.sh thirteenth  # one row on the MMA; generate's time taken apart
 #   bash benchmarks/gpu_all.sh twelfth  # fp16 MMA for FP8 rows; 8B decode + verify
 #   bash benchmarks/gpu_all.sh ninth    # (not yet run) PDL-chain + resync GPU tests, PDL lab, 1B decode, 8B decode without --profile
@@ -332,6 +333,23 @@ elif [ "$what" = eleventh3 ]; then
   echo "== GEMV chain lab, 16 layers, 5 rows"
   timeout 60 python3 benchmarks/pdl_lab.py --layers 16 --rows 5 --dtypes bf16,fp8 --variants "off" \
     --out "$OUT/pdl_lab.json" 2>&1 | grep -v Warning | tail -4
+elif [ "$what" = fourteenth ]; then
+  # Eleventh session: PDL for every one-row kernel (FUSER_PDL=1: attention, the LM head, FP8's
+  # one-row GEMVs; the stream GEMV has it already) in the whole 8B step, never measured so; and
+  # 4 target-only iterations in one graph (decode.py --iterations-per-graph). ~8 minutes.
+  echo "== GPU tests under FUSER_PDL=1: PDL chains, attention, rotary + cache"
+  FUSER_PDL=1 timeout 150 python3 -m pytest -q -p no:cacheprovider -rf tests/test_pdl.py \
+    tests/test_ops_attention.py tests/test_rotary_attention.py tests/test_ops_linear.py \
+    -k "gpu or cuda" 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "^E  |FAIL|Error|passed|failed" | head -30
+  summary+=("GPU tests (FUSER_PDL=1): $(tail -1 "$OUT/gpu_tests.log")")
+  for pdl in 1 0; do
+    precisions=bf16,fp8; [ $pdl = 0 ] && precisions=fp8
+    echo "== decode, 8B shape, $precisions, FUSER_PDL=$pdl"
+    FUSER_PDL=$pdl timeout 330 python3 benchmarks/decode.py --out "$OUT/decode_pdl$pdl.json" \
+      --skip-peers --precisions $precisions --iterations-per-graph 4 2>&1 \
+      | tee "$OUT/decode_pdl$pdl.log" | grep -v Warning \
+      | grep -E "^\[|ceiling|per token|parts|graph|verify|Error|fallback" | tail -16
+  done
 elif [ "$what" = thirteenth ]; then
   # Eleventh session: one row on the swapped MMA (linear._one_row_mma) in the 16-layer chain and
   # in the 8B bf16 decode; generate's time taken apart (first token, back-to-back iterations);
