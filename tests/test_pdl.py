@@ -17,11 +17,23 @@ needs_hopper = pytest.mark.skipif(
 
 def test_pdl_is_off_on_cpu_and_when_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not pdl_enabled(torch.device("cpu"))
-    assert pdl_launch(torch.device("cpu")) == {}  # the interpreter never sees launch_pdl
+    assert pdl_launch(torch.device("cpu"), one_row=True) == {}  # the interpreter never sees it
     monkeypatch.setenv("FUSER_PDL", "0")
     assert not pdl_enabled(torch.device("cuda"))  # decided before asking the device anything
-    monkeypatch.delenv("FUSER_PDL")
-    assert not pdl_enabled(torch.device("cuda"))  # opt-in: a race at several rows (pdl.py)
+
+
+def test_pdl_is_on_by_default_for_one_row_launches_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The policy (fuser/ops/pdl.py): a supporting device launches one-row (decode) kernels with
+    PDL unless FUSER_PDL=0, and several-row kernels (verify, catch-up, prefill) never."""
+    from fuser.ops import pdl as pdl_module
+
+    monkeypatch.setattr(pdl_module, "pdl_supported", lambda device: True)
+    monkeypatch.delenv("FUSER_PDL", raising=False)
+    cuda = torch.device("cuda")
+    assert pdl_launch(cuda, one_row=True) == {"launch_pdl": True}
+    assert pdl_launch(cuda, one_row=False) == {}
+    monkeypatch.setenv("FUSER_PDL", "0")
+    assert pdl_launch(cuda, one_row=True) == {}
 
 
 def _cases() -> list[tuple]:

@@ -323,7 +323,7 @@ def cache_attention_read_triton(
     block_m = max(16, triton.next_power_of_2(M))
     block_d = max(16, triton.next_power_of_2(D))
     log2e = 1.4426950408889634
-    pdl = pdl_launch(q.device)
+    pdl = pdl_launch(q.device, one_row=T == 1)  # several rows: measured slower with it
     _split_kernel[(programs, splits)](
         q, k_cache, v_cache, seq_lens, starts, acc, ml,
         *q.stride(), S, KV, T, D, M,

@@ -326,7 +326,7 @@ def stream_gemv(x: Tensor, weight: Tensor, out: Tensor, plan: StreamPlan, config
     """Launch the stream kernel: out [M, N] (contiguous) = the GEMV of x [M, K] (M <= 16, unit
     column stride) as fuser/ops/linear.py's _launch defines it, by `plan` (stream_plan). With
     norm_weight (one row only) the input is rms_norm(x (+ residual)) and summed [1, K] receives
-    x + residual. PDL (FUSER_PDL=1) at one row only, as _linear_kernel."""
+    x + residual. PDL at one row only, as _linear_kernel (fuser/ops/pdl.py)."""
     M, K = x.shape
     N = out.shape[-1]
     norm = norm_weight is not None
@@ -341,7 +341,7 @@ def stream_gemv(x: Tensor, weight: Tensor, out: Tensor, plan: StreamPlan, config
     if M != 1:
         pdl = {}
     elif config.pdl is None:
-        pdl = pdl_launch(x.device)
+        pdl = pdl_launch(x.device, one_row=True)
     else:
         pdl = {"launch_pdl": True} if config.pdl and pdl_supported(x.device) else {}
     _stream_kernel[(plan.programs,)](

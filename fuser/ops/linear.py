@@ -689,7 +689,7 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
     # PDL at one row only: at several rows (the MMA path) a chain of PDL launches, each reading
     # the one before's output, was not bit-equal to ordinary launches on the H200, and gained
     # nothing there (benchmarks/RESULTS.md, eighth session; fuser/ops/pdl.py).
-    pdl = pdl_launch(x.device) if block_m == 1 else {}
+    pdl = pdl_launch(x.device, one_row=block_m == 1)
     swap = block_m > 1 and _default_swap(rows, rows_w, K, fp8)
     _linear_kernel[(programs, splits)](
         x2, weight, weight_scale if fp8 else out, out, parts, counts,

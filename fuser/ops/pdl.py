@@ -24,15 +24,18 @@ CUDA graphs keep the dependency (stream capture turns it into a programmatic edg
 `griddepcontrol.wait` is a no-op in a kernel launched without PDL, so the same compiled kernel is
 correct either way.
 
-Off by default; on with FUSER_PDL=1 (benchmarks compare both), and never on CPU / under
-TRITON_INTERPRET, before Hopper, or with a Triton that lacks the intrinsics. Measured on the H200
-(benchmarks/RESULTS.md, eighth session, benchmarks/pdl_lab.py over 16 layers of 8B-shape GEMVs):
-at one row PDL gained 1.1-1.3% in FP8 and nothing in bf16, and at five rows (the verify step's
-MMA path) a chain of PDL launches was not bit-equal to ordinary launches, prefetch or not,
-although each kernel alone was. The tests then never had a PDL kernel read what the PDL kernel
-before it wrote; a likely cause is a load the MMA path's software pipelining issues ahead of
-`griddepcontrol.wait` (not confirmed). Since then the GEMV launches with PDL at one row only
-(fuser/ops/linear.py), `tests/test_pdl.py` chains dependent launches, and PDL stays opt-in.
+On by default for one-row launches only: the decode step's kernels (T = 1: attention, the
+one-row GEMVs, the LM head); FUSER_PDL=0 switches it off. Several-row launches (verification,
+catch-up, prefill) never take it. Measured on the H200:
+  - eighth session (benchmarks/pdl_lab.py, 16 layers of 8B-shape GEMVs): at one row +1.1-1.3% in
+    FP8, nothing in bf16; at five rows (the verify step's MMA path) a chain of PDL launches was
+    not bit-equal to ordinary launches, prefetch or not, although each kernel alone was (a likely
+    cause: a load the MMA path's software pipelining issues ahead of `griddepcontrol.wait`; not
+    confirmed). `tests/test_pdl.py` chains dependent launches since.
+  - eleventh session (benchmarks/decode.py, the whole 8B step, one machine): FUSER_PDL=1 ran the
+    FP8 decode step in 2.544 ms against 2.626 (generate 385.2 against 372.7 tok/s), and the FP8
+    verify step (T = 5, where only attention took PDL) in 4.302 ms against 4.159: one row on,
+    several rows off.
 """
 
 from __future__ import annotations
@@ -70,18 +73,20 @@ def pdl_supported(device: torch.device) -> bool:
 
 
 def pdl_enabled(device: torch.device) -> bool:
-    """Whether kernels on `device` launch with PDL: pdl_supported, and FUSER_PDL = "1" (read at
-    each launch, so a benchmark can compare both in one process; CUDA graphs keep what they
-    were captured with). The stream GEMV (fuser/ops/gemv_stream.py) has its own switch."""
-    if os.environ.get("FUSER_PDL", "0") != "1":
+    """Whether one-row kernels on `device` launch with PDL: pdl_supported, and FUSER_PDL not
+    "0" (read at each launch, so a benchmark can compare both in one process; CUDA graphs keep
+    what they were captured with). The stream GEMV (fuser/ops/gemv_stream.py) has its own
+    switch."""
+    if os.environ.get("FUSER_PDL", "1") == "0":
         return False
     return pdl_supported(device)
 
 
-def pdl_launch(device: torch.device) -> dict[str, bool]:
+def pdl_launch(device: torch.device, one_row: bool) -> dict[str, bool]:
     """Launch options for a kernel that keeps the contract above: `launch_pdl=True` where PDL is
-    on, nothing otherwise (so the interpreter never sees the option)."""
-    return {"launch_pdl": True} if pdl_enabled(device) else {}
+    on and the launch is a one-row (decode) launch, nothing otherwise (so the interpreter never
+    sees the option)."""
+    return {"launch_pdl": True} if one_row and pdl_enabled(device) else {}
 
 
 @triton.jit

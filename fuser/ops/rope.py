@@ -243,7 +243,7 @@ def _launch(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, q_out: Tensor, k_out
     block_half = triton.next_power_of_2(R // 2)
     kv_blocks = triton.cdiv(KH, heads)
     grid = (B * T, triton.cdiv(H, heads) + kv_blocks * (2 if cache is not None else 1))
-    pdl = pdl_launch(q.device)
+    pdl = pdl_launch(q.device, one_row=T == 1)
     _rotary_kernel[grid](
         q, k, v, cos, sin, q_out, k_out, v_out, seq_lens,
         T, H, KH, k_out.shape[1] if cache is not None else T,

@@ -220,7 +220,7 @@ def rotary_cache_attention_triton(
                                                             target_programs)
     block_d = max(16, triton.next_power_of_2(D))
     log2e = 1.4426950408889634
-    pdl = pdl_launch(q.device)
+    pdl = pdl_launch(q.device, one_row=T == 1)  # several rows: measured slower with it
     _rotary_split_kernel[(programs, splits)](
         q, k, v, cos, sin, k_cache, v_cache, seq_lens, starts, acc, ml,
         *q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(),
