@@ -29,6 +29,7 @@
 #   bash benchmarks/gpu_all.sh eleventh # swap-AB MMA lab (bf16), profiled bf16 decode 8B + 1B
 #   bash benchmarks/gpu_all.sh eleventh2 # swapped MMA: GPU tests, 5-row chain, 8B decode, FP8 lab
 #   bash benchmarks/gpu_all.sh eleventh3 # swapped layout kept to the store: tests, defaults, chain
+#   bash benchmarks/gpu_all.sh fifteenth  # GPU tests with PDL at one row by default
 #   bash benchmarks/gpu_all.sh fourteenth  # FUSER_PDL=1 in the whole step; 4 iterations a graph
 #   bash benchmarks/gpu_all.sh thirteenth  # one row on the MMA; generate's time taken apart
 #   bash benchmarks/gpu_all.sh twelfth  # fp16 MMA for FP8 rows; 8B decode + verify
@@ -333,6 +334,15 @@ elif [ "$what" = eleventh3 ]; then
   echo "== GEMV chain lab, 16 layers, 5 rows"
   timeout 60 python3 benchmarks/pdl_lab.py --layers 16 --rows 5 --dtypes bf16,fp8 --variants "off" \
     --out "$OUT/pdl_lab.json" 2>&1 | grep -v Warning | tail -4
+elif [ "$what" = fifteenth ]; then
+  # Eleventh session, the last few device minutes: PDL on by default at one row. The engine's
+  # GPU tests (greedy against Hugging Face, speculative against target-only, the fused
+  # attention), then the PDL chains and the rotary attention's GPU tests. ~4 minutes.
+  echo "== GPU tests, PDL at one row by default"
+  timeout 210 python3 -m pytest -q -p no:cacheprovider -rf tests/test_cuda.py tests/test_pdl.py \
+    tests/test_rotary_attention.py -k "not gpu or gpu" 2>&1 | tee "$OUT/gpu_tests.log" \
+    | grep -E "^E  |FAIL|Error|passed|failed" | head -30
+  summary+=("GPU tests: $(tail -1 "$OUT/gpu_tests.log")")
 elif [ "$what" = fourteenth ]; then
   # Eleventh session: PDL for every one-row kernel (FUSER_PDL=1: attention, the LM head, FP8's
   # one-row GEMVs; the stream GEMV has it already) in the whole 8B step, never measured so; and
