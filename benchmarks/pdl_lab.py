@@ -4,14 +4,14 @@
                                   [--variants "off;stream default;..."] [--out f.json]
 
 The weight-streaming kernels of a Llama-3-8B-shape decode step, layer after layer as the step
-runs them (norm + qkv, o_proj, norm + gate/up with the activation, down_proj; the attention
-between them left out), captured in one CUDA graph and replayed, once per variant (VARIANTS at
+runs them (norm + qkv, o_proj, norm + gate/up with the activation, down_proj; the norms inside
+the GEMVs at one row, add_rms_norm kernels at several; the attention between them left out), captured in one CUDA graph and replayed, once per variant (VARIANTS at
 one row, ROWS_VARIANTS at several): `_linear_kernel` with PDL off (FUSER_PDL=0, "off") or on
 with a prefetched tile; the stream GEMV (fuser/ops/gemv_stream.py) in several configurations
 (`gemv_stream.CONFIG` / `ROWS_CONFIG`; "stream default" is what the engine runs). Prints the
 chain's time per layer, its read bandwidth against the measured HBM read bandwidth, and whether
 each variant's output equals "off"'s bit for bit, else their relative difference (summation
-order, amplified by 16 random layers; at several rows the norm-less chain overflows: "inf").
+order, amplified by 16 random layers).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from fuser.ops import linear as linear_module  # noqa: E402
 from fuser.ops.fp8 import quantize_weight  # noqa: E402
 from fuser.ops.gemv_stream import StreamConfig  # noqa: E402
 from fuser.ops.linear import linear_triton, rms_norm_linear_triton  # noqa: E402
+from fuser.ops.rmsnorm import add_rms_norm_triton  # noqa: E402
 
 HIDDEN, HEADS_OUT, INTER = 4096, 6144, 14336  # Llama-3-8B: qkv 6144 x 4096, gate/up 2 x 14336
 EPS = 1e-5
@@ -94,8 +95,10 @@ def make_layers(n: int, fp8: bool, device: torch.device) -> list[dict]:
 
 def chain(layers: list[dict], h: torch.Tensor, r: torch.Tensor, prefetch: int | None
           ) -> torch.Tensor:
-    """The layers' GEMVs in step order; one row runs the norms inside the GEMVs (as the engine
-    does), several rows leave them out (the engine runs a norm kernel there)."""
+    """The layers' GEMVs in step order with the norms as the engine runs them: inside the GEMVs
+    at one row, add_rms_norm kernels before qkv and gate_up at several rows (until the eleventh
+    session several rows left them out, and the chain's values overflowed to NaN by the sixth
+    layer: its bit-equality columns said nothing there)."""
     kw = {} if prefetch is None else {"prefetch": prefetch}
     one_row = h.shape[0] == 1
     for layer in layers:
@@ -103,7 +106,8 @@ def chain(layers: list[dict], h: torch.Tensor, r: torch.Tensor, prefetch: int | 
         if one_row:
             qkv, r = rms_norm_linear_triton(h, r, layer["g1"], EPS, w, weight_scale=s, **kw)
         else:
-            qkv = linear_triton(h, w, weight_scale=s, **kw)
+            normed, r = add_rms_norm_triton(h, r, layer["g1"], EPS)
+            qkv = linear_triton(normed, w, weight_scale=s, **kw)
         w, s = layer["o"]
         o = linear_triton(qkv[:, :HIDDEN], w, weight_scale=s, **kw)
         w, s = layer["gate_up"]
@@ -111,7 +115,8 @@ def chain(layers: list[dict], h: torch.Tensor, r: torch.Tensor, prefetch: int | 
             act, r = rms_norm_linear_triton(o, r, layer["g2"], EPS, w, weight_scale=s,
                                             activation="silu", **kw)
         else:
-            act = linear_triton(o, w, weight_scale=s, activation="silu", **kw)
+            normed, r = add_rms_norm_triton(o, r, layer["g2"], EPS)
+            act = linear_triton(normed, w, weight_scale=s, activation="silu", **kw)
         w, s = layer["down"]
         h = linear_triton(act, w, weight_scale=s, **kw)
     return h
