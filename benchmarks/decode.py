@@ -27,11 +27,10 @@ import fuser
 from breakdown import format_breakdown, kernel_breakdown
 from fuser.build import add_step, capture_cuda_graphs, warm_up
 from fuser.models import PRESETS
-from fuser.ops import linear as linear_module
-from fuser.runtime.step_graphs import PLAIN, IterationGraph
+from fuser.runtime.step_graphs import PLAIN
 from fuser.runtime.steps import DECODE, PREFILL, verify
 from peers import make_gpt_fast_style, make_hf_eager, make_hf_static_compile
-from timing import ONE_ROW_MMA, log, measure_read_bandwidth
+from timing import log, measure_read_bandwidth
 
 RESULTS: dict = {}
 
@@ -98,16 +97,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None,
                         help="decoder layers (default: the preset's); fewer for a quick per-op "
                              "profile, whose per-layer rows do not depend on the layer count")
-    parser.add_argument("--one-row-mma", choices=["default", *ONE_ROW_MMA], default="default",
-                        help="a lab switch: which one-row linears run on the swapped MMA "
-                             "(fuser/ops/linear.py _one_row_mma) instead of its default")
-    parser.add_argument("--iterations-per-graph", type=int, default=1,
-                        help="a lab figure: also time this many target-only iterations captured "
-                             "in one CUDA graph, replayed back to back")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    if args.one_row_mma != "default":
-        linear_module._one_row_mma = ONE_ROW_MMA[args.one_row_mma]
     warnings.simplefilter("ignore")
     RESULTS["env"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "triton": triton.__version__, "transformers": transformers.__version__,
@@ -214,15 +205,6 @@ def time_fuser(model: torch.nn.Module, precision: str, prompt: torch.Tensor,
         f"{result['back_to_back_ms']:.3f} ms each; sum "
         f"{result['first_token_ms'] + (n - 1) * result['back_to_back_ms']:.1f} ms against "
         f"generate's {1e3 * seconds:.1f} ms")
-    if args.iterations_per_graph > 1:
-        k = args.iterations_per_graph
-        try:
-            result["k_iterations_ms"] = k_iterations_back_to_back_ms(
-                bucket, args.prompt_tokens, k, n - 1)
-            log(f"[{precision}] {k} iterations in one graph, back to back: "
-                f"{result['k_iterations_ms']:.3f} ms per token")
-        except Exception as error:  # noqa: BLE001  (a lab figure: the run goes on without it)
-            log(f"[{precision}] {k} iterations in one graph: failed: {error!r}"[:300])
 
     one, at = prompt[:, :1], torch.zeros(1, 1, dtype=torch.long, device="cuda")
     capture_cuda_graphs(engine.target)  # the step alone as a CUDA graph (generate replays
@@ -279,30 +261,6 @@ def back_to_back_seconds(bucket, length: int, iterations: int) -> float:
     if graph is not None:  # timing runs are not decoding (as in measure)
         graph.replays -= iterations + 1
     return begin.elapsed_time(end) * 1e-3
-
-
-def k_iterations_back_to_back_ms(bucket, length: int, k: int, tokens: int) -> float:
-    """A lab figure: milliseconds per token of `k` target-only greedy iterations captured in
-    one CUDA graph (one graph launch and one read-back per k tokens instead of per token),
-    replayed back to back for about `tokens` tokens from `length` slots."""
-    step = bucket.function(PLAIN, False)
-    bucket.reset_for_timing(length)
-    graph = IterationGraph(lambda: torch.stack([step() for _ in range(k)]), None,
-                           torch.cuda.graph_pool_handle(),
-                           reset=lambda: bucket.reset_for_timing(length))
-    replays = max(1, tokens // k)
-    bucket.reset_for_timing(length)
-    graph()  # warm
-    bucket.reset_for_timing(length)
-    torch.cuda.synchronize()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(replays):
-        graph()
-    end.record()
-    end.synchronize()
-    bucket.reset_for_timing(0)
-    return begin.elapsed_time(end) / (replays * k)
 
 
 def time_prefill(engine: fuser.Engine, tokens: int, vocab: int) -> float:

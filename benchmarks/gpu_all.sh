@@ -29,9 +29,8 @@
 #   bash benchmarks/gpu_all.sh eleventh # swap-AB MMA lab (bf16), profiled bf16 decode 8B + 1B
 #   bash benchmarks/gpu_all.sh eleventh2 # swapped MMA: GPU tests, 5-row chain, 8B decode, FP8 lab
 #   bash benchmarks/gpu_all.sh eleventh3 # swapped layout kept to the store: tests, defaults, chain
+#   bash benchmarks/gpu_all.sh sixteenth  # (not yet run) engine GPU tests, 5-row chain with norms, 8B decode
 #   bash benchmarks/gpu_all.sh fifteenth  # GPU tests with PDL at one row by default
-#   bash benchmarks/gpu_all.sh fourteenth  # FUSER_PDL=1 in the whole step; 4 iterations a graph
-#   bash benchmarks/gpu_all.sh thirteenth  # one row on the MMA; generate's time taken apart
 #   bash benchmarks/gpu_all.sh twelfth  # fp16 MMA for FP8 rows; 8B decode + verify
 #   bash benchmarks/gpu_all.sh ninth    # (not yet run) PDL-chain + resync GPU tests, PDL lab, 1B decode, 8B decode without --profile
 #   bash benchmarks/gpu_all.sh fp8-accuracy [fp8_accuracy.py flags]   # FP8 vs bf16 on the bundled pair
@@ -334,6 +333,22 @@ elif [ "$what" = eleventh3 ]; then
   echo "== GEMV chain lab, 16 layers, 5 rows"
   timeout 60 python3 benchmarks/pdl_lab.py --layers 16 --rows 5 --dtypes bf16,fp8 --variants "off" \
     --out "$OUT/pdl_lab.json" 2>&1 | grep -v Warning | tail -4
+elif [ "$what" = sixteenth ]; then
+  # For the next session's first call (written in the eleventh, not yet run; ~9 minutes): the
+  # engine's GPU tests with PDL at one row by default (the eleventh's last call ran 3 of them
+  # in its time); the 5-row chain with its norms (now finite, so the equality column means
+  # something) for the fp16 MMA; then the 8B decode, both precisions, with the default PDL.
+  echo "== GPU tests: the engine with PDL at one row by default"
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -rf tests/test_cuda.py tests/test_cuda_spec.py \
+    2>&1 | tee "$OUT/gpu_tests.log" | grep -E "^E  |FAIL|Error|passed|failed" | head -30
+  summary+=("GPU tests: $(tail -1 "$OUT/gpu_tests.log")")
+  echo "== GEMV chain lab, 16 layers, 5 rows with norms: FP8 on the bf16 or the fp16 MMA"
+  timeout 80 python3 benchmarks/pdl_lab.py --layers 16 --rows 5 --dtypes fp8,bf16 \
+    --variants "off;f16 mma" --out "$OUT/pdl_lab.json" 2>&1 | grep -v Warning | tail -5
+  echo "== decode, 8B shape"
+  timeout 330 python3 benchmarks/decode.py --out "$OUT/decode.json" --skip-peers 2>&1 \
+    | tee "$OUT/decode.log" | grep -v Warning \
+    | grep -E "^\[|verify|ceiling|fp8 vs|per token|parts|Error|fallback" | tail -24
 elif [ "$what" = fifteenth ]; then
   # Eleventh session, the last few device minutes: PDL on by default at one row. The engine's
   # GPU tests (greedy against Hugging Face, speculative against target-only, the fused
@@ -343,41 +358,6 @@ elif [ "$what" = fifteenth ]; then
     tests/test_rotary_attention.py -k "gpu or cuda or greedy or speculative or engine or decode_gemv" 2>&1 | tee "$OUT/gpu_tests.log" \
     | grep -E "^E  |FAIL|Error|passed|failed" | head -30
   summary+=("GPU tests: $(tail -1 "$OUT/gpu_tests.log")")
-elif [ "$what" = fourteenth ]; then
-  # Eleventh session: PDL for every one-row kernel (FUSER_PDL=1: attention, the LM head, FP8's
-  # one-row GEMVs; the stream GEMV has it already) in the whole 8B step, never measured so; and
-  # 4 target-only iterations in one graph (decode.py --iterations-per-graph). ~8 minutes.
-  echo "== GPU tests under FUSER_PDL=1: PDL chains, attention, rotary + cache"
-  FUSER_PDL=1 timeout 150 python3 -m pytest -q -p no:cacheprovider -rf tests/test_pdl.py \
-    tests/test_ops_attention.py tests/test_rotary_attention.py tests/test_ops_linear.py \
-    -k "gpu or cuda" 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "^E  |FAIL|Error|passed|failed" | head -30
-  summary+=("GPU tests (FUSER_PDL=1): $(tail -1 "$OUT/gpu_tests.log")")
-  for pdl in 1 0; do
-    precisions=bf16,fp8; [ $pdl = 0 ] && precisions=fp8
-    echo "== decode, 8B shape, $precisions, FUSER_PDL=$pdl"
-    FUSER_PDL=$pdl timeout 330 python3 benchmarks/decode.py --out "$OUT/decode_pdl$pdl.json" \
-      --skip-peers --precisions $precisions --iterations-per-graph 4 2>&1 \
-      | tee "$OUT/decode_pdl$pdl.log" | grep -v Warning \
-      | grep -E "^\[|ceiling|per token|parts|graph|verify|Error|fallback" | tail -16
-  done
-elif [ "$what" = thirteenth ]; then
-  # Eleventh session: one row on the swapped MMA (linear._one_row_mma) in the 16-layer chain and
-  # in the 8B bf16 decode; generate's time taken apart (first token, back-to-back iterations);
-  # the fp16 MMA's GPU tests at the 8B shapes (the chain read non-finite values). ~7 minutes.
-  echo "== GPU tests: linear (one row on the MMA, the fp16 MMA at the 8B shapes)"
-  timeout 150 python3 -m pytest -q -p no:cacheprovider -rf tests/test_ops_linear.py \
-    -k "gpu or cuda" 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "^E  |FAIL|Error|passed|failed" | head -30
-  summary+=("GPU tests: $(tail -1 "$OUT/gpu_tests.log")")
-  echo "== GEMV chain lab, 16 layers, 1 row: the stream GEMV, some shapes on the swapped MMA"
-  timeout 100 python3 benchmarks/pdl_lab.py --layers 16 --rows 1 --dtypes bf16,fp8 \
-    --variants "stream default;stream + mma gate_up;stream + mma gate_up, down;mma all" \
-    --out "$OUT/pdl_lab.json" 2>&1 | grep -v Warning | tail -9
-  for mma in default gate_up; do
-    echo "== decode, 8B shape, bf16, --one-row-mma $mma"
-    timeout 200 python3 benchmarks/decode.py --out "$OUT/decode_$mma.json" --skip-peers \
-      --precisions bf16 --skip-verify --one-row-mma $mma 2>&1 | tee "$OUT/decode_$mma.log" \
-      | grep -v Warning | grep -E "^\[|ceiling|per token|parts|Error|fallback" | tail -12
-  done
 elif [ "$what" = twelfth ]; then
   # For the next session's first call (written in the tenth, not yet run): the 8B decode and
   # verify steps after the swapped MMA kept its layout to the store (its 5-row chain: FP8 -6%),

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from timing import ONE_ROW_MMA, log, measure_read_bandwidth, replay_median_ms  # noqa: E402
+from timing import log, measure_read_bandwidth, replay_median_ms  # noqa: E402
 
 from fuser.ops import gemv_stream  # noqa: E402
 from fuser.ops import linear as linear_module  # noqa: E402
@@ -53,16 +53,7 @@ VARIANTS = (("off", "0", None, None), ("pdl, 1 tile", "1", 1, None),
                                                                  tile_bytes=4096, depth=4,
                                                                  num_warps=4)),
             ("stream pdl 4/sm 4K d3 w4", "1", None, StreamConfig(programs_per_sm=4,
-                                                                 tile_bytes=4096, num_warps=4)),
-            # Some shapes' one row on the swapped MMA (linear._one_row_mma, ONE_ROW_MMA below),
-            # the others on the stream GEMV
-            ("stream + mma gate_up", "0", None, gemv_stream.DEFAULT),
-            ("stream + mma gate_up, down", "0", None, gemv_stream.DEFAULT),
-            ("mma all", "0", None, None))
-# Which weights a variant's one row runs on the swapped MMA (timing.ONE_ROW_MMA)
-VARIANT_MMA = {"stream + mma gate_up": ONE_ROW_MMA["gate_up"],
-               "stream + mma gate_up, down": ONE_ROW_MMA["gate_up,down"],
-               "mma all": ONE_ROW_MMA["all"]}
+                                                                 tile_bytes=4096, num_warps=4)))
 # Several rows (the verify step's MMA path; PDL is one row's): the stream GEMV's ROWS_CONFIG
 ROWS_VARIANTS = (("off", "0", None, None),
                  ("stream d1 st3", "0", None, StreamConfig(depth=1, num_stages=3)),
@@ -145,7 +136,6 @@ def main() -> None:
     bandwidth = measure_read_bandwidth()
     log(f"HBM read bandwidth {bandwidth / 1e12:.2f} TB/s, {args.layers} layers")
     rows = []
-    one_row_mma = linear_module._one_row_mma
     for dtype in args.dtypes.split(","):
         layers = make_layers(args.layers, dtype == "fp8", device)
         weight_bytes = sum(w.numel() * w.element_size() for layer in layers
@@ -162,7 +152,6 @@ def main() -> None:
                 gemv_stream.CONFIG, gemv_stream.ROWS_CONFIG = (stream, None) if M == 1 else \
                     (None, stream)
                 linear_module.FP8_F16_MMA = name == "f16 mma"
-                linear_module._one_row_mma = VARIANT_MMA.get(name, one_row_mma)
                 try:
                     ms, out = replay_median_ms(lambda: chain(layers, h, r, prefetch))
                 except Exception as error:  # noqa: BLE001  (a variant that does not compile)
@@ -172,7 +161,6 @@ def main() -> None:
                 finally:
                     gemv_stream.CONFIG, gemv_stream.ROWS_CONFIG = gemv_stream.DEFAULT, None
                     linear_module.FP8_F16_MMA = False
-                    linear_module._one_row_mma = one_row_mma
                 if base_ms is None:
                     base_ms, base_out = ms, out
                 row = dict(dtype=dtype, rows=M, variant=name, ms=ms,

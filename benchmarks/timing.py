@@ -36,11 +36,6 @@ from triton.testing import do_bench
 CALLS = 20                  # calls per captured graph (at least one per copy)
 ROTATE_BYTES = 200e6        # rotated copies together exceed ~4x the L2
 WARMUP_ROUNDS = 3           # eager calls of each callable before capture
-# Lab switch (decode.py --one-row-mma, pdl_lab.py's "mma" variants): which weights, by their
-# N rows and K columns, run one row on the swapped MMA (fuser/ops/linear.py _one_row_mma)
-ONE_ROW_MMA = {"gate_up": lambda N, K, fp8: 16384 < N < 2**16,
-               "gate_up,down": lambda N, K, fp8: 16384 < N < 2**16 or K >= 8192,
-               "all": lambda N, K, fp8: N < 2**16}
 CUDA_GRAPH = "cuda-graph"
 EAGER_LAUNCH = "eager-launch"
 

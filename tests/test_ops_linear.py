@@ -96,40 +96,6 @@ def test_gpu_llama3_shapes(M, N, K):
 
 
 @needs_cuda
-@pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("N,K,activation", [(6144, 4096, None), (4096, 4096, None),
-                                             (28672, 4096, "silu"), (4096, 14336, None)])
-def test_gpu_one_row_on_the_mma_path(N, K, activation, fp8):
-    """linear._one_row_mma at the 8B shapes with the default tiles, the norm prologue on the
-    norm-fed shapes as the decode step runs them: the one-row path's values."""
-    from unittest import mock
-
-    from fuser.ops import linear as linear_module
-    from fuser.ops.fp8 import quantize_weight
-    from fuser.ops.linear import rms_norm_linear_triton
-
-    g = torch.Generator(device="cuda").manual_seed(N + K)
-    x, r = (torch.randn(1, K, device="cuda", generator=g).bfloat16() for _ in range(2))
-    gain = (1 + 0.1 * torch.randn(K, device="cuda", generator=g)).bfloat16()
-    w = (torch.randn(N, K, device="cuda", generator=g) * 0.02).bfloat16()
-    scale = None
-    if fp8:
-        w, scale = quantize_weight(w)
-    norm = K == 4096 and N != 4096  # qkv and gate_up follow a norm
-
-    def run_once(mma: bool) -> torch.Tensor:
-        with mock.patch.object(linear_module, "_one_row_mma", lambda *_: mma):
-            if norm:
-                return rms_norm_linear_triton(x, r, gain, 1e-5, w, weight_scale=scale,
-                                              activation=activation)[0]
-            return linear_triton(x, w, weight_scale=scale, activation=activation)
-
-    on_mma, one_row = run_once(True), run_once(False)
-    torch.testing.assert_close(on_mma.float(), one_row.float(), rtol=2.0**-7,
-                               atol=2.0**-7 * one_row.float().abs().max().item())
-
-
-@needs_cuda
 def test_gpu_op_falls_back_above_max_rows():
     x = torch.randn(MAX_ROWS + 1, 256, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
@@ -313,54 +279,6 @@ def test_swapped_mma_sums_the_same_products(M, N, blocks, split_k, dtype, fp8, a
         plain.float().abs().max().item() + 1e-6))
     if not (activation or fp8 or norm):
         check(x.cpu(), w.cpu(), swapped.cpu())
-
-
-@settings(max_examples=10, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow])
-@given(
-    N=st.integers(1, 70), blocks=st.integers(1, 3), split_k=st.sampled_from([1, 2]),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-    fp8=st.booleans(),
-    activation=st.sampled_from([None, "silu"]),
-    norm=st.booleans(),
-    seed=st.integers(0, 2**16),
-)
-def test_one_row_on_the_mma_path_equals_the_one_row_path(N, blocks, split_k, dtype, fp8,
-                                                         activation, norm, seed):
-    """linear._one_row_mma: one row padded to 16 on the swapped MMA computes what the one-row
-    CUDA-core path computes (the same products in fp32, summed in another order), through the
-    norm prologue and its summed residual, the gated epilogue, split-K and FP8 scales."""
-    from unittest import mock
-
-    from fuser.ops import linear as linear_module
-    from fuser.ops.fp8 import quantize_weight
-    from fuser.ops.linear import rms_norm_linear_triton
-
-    K = 32 * blocks * split_k
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(1, K, generator=g).to(dtype).to(DEVICE)
-    r = torch.randn(1, K, generator=g).to(dtype).to(DEVICE)
-    gain = (1 + 0.1 * torch.randn(K, generator=g)).to(dtype).to(DEVICE)
-    w = (torch.randn(2 * N if activation else N, K, generator=g) * 0.1).to(dtype).to(DEVICE)
-    scale = None
-    if fp8:
-        w, scale = quantize_weight(w)
-    config = dict(weight_scale=scale, activation=activation, block_n=16, block_k=32,
-                  split_k=split_k)
-
-    def run_once(mma: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        with mock.patch.object(linear_module, "_one_row_mma", lambda *_: mma):
-            if norm:
-                return rms_norm_linear_triton(x, r, gain, 1e-5, w, **config)
-            return linear_triton(x, w, **config), None
-
-    (on_mma, summed_mma), (one_row, summed) = run_once(True), run_once(False)
-    assert on_mma.shape == one_row.shape == (1, N) and torch.isfinite(on_mma).all()
-    tol = 1e-5 if dtype == torch.float32 else 2.0**-7
-    torch.testing.assert_close(on_mma.float(), one_row.float(), rtol=tol, atol=tol * (
-        one_row.float().abs().max().item() + 1e-6))
-    if norm:
-        assert torch.equal(summed_mma, summed)  # x + r: the same rounding on both paths
 
 
 def _run_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, f16: bool,

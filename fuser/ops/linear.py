@@ -504,15 +504,6 @@ def _default_swap(M: int, N: int, K: int, fp8: bool) -> bool:
     return fp8 or K >= 8192 or N <= 4096 or 8192 < N < 2**16
 
 
-def _one_row_mma(N: int, K: int, fp8: bool) -> bool:
-    """One row on the several-row swapped MMA path (x padded to 16 rows, the weight tile the
-    MMA's A operand, the several-row tables) instead of the CUDA-core kernels: nowhere until a
-    GPU measures it faster in the decode chain (benchmarks/pdl_lab.py's "mma" variants; alone,
-    fp8_mma_lab.py's swap kernel read bf16 gate_up at one row in 57.9 us against 71.6 for the
-    stream GEMV, tenth session). N: weight rows."""
-    return False
-
-
 # Several rows, FP8 weights (swapped): the MMA in fp16 (_f16_step) instead of bf16; off until
 # timed on a GPU (benchmarks/pdl_lab.py's "f16 mma" variant).
 FP8_F16_MMA = False
@@ -643,10 +634,7 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
             torch.add(x2, r2, out=summed)
         return out.zero_().reshape(*lead, N), _lead(summed, lead, K)
     block_n, block_k, num_warps, num_stages, split_k, prefetch = overrides
-    # rows: what the tables and the path see (one row on the MMA path: as several rows)
-    rows = 16 if M == 1 and _one_row_mma(rows_w, K, fp8) else M
-    if x.device.type == "cuda" and rows == M and (M == 1 or not norm) and \
-            all(o is None for o in overrides):
+    if x.device.type == "cuda" and (M == 1 or not norm) and all(o is None for o in overrides):
         from fuser.ops import gemv_stream  # noqa: PLC0415  (it imports this module's helpers)
 
         config = gemv_stream.CONFIG if M == 1 else gemv_stream.ROWS_CONFIG
@@ -659,12 +647,12 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
                 residual=r2 if residual is not None else None, eps=eps, summed=summed,
                 norm_weight=norm_weight.contiguous() if norm_weight is not None else None)
             return out.reshape(*lead, N), _lead(summed, lead, K)
-    bn, bk, warps, stages = (_default_fp8_config if fp8 else _default_config)(rows, rows_w, K)
+    bn, bk, warps, stages = (_default_fp8_config if fp8 else _default_config)(M, rows_w, K)
     bn, bk = block_n or bn, block_k or bk
     if activation is not None and bn < 2:
         raise ValueError(f"block_n={bn}: a gated program takes block_n / 2 gate rows and as "
                          "many up rows, so block_n must be 2 or more")
-    block_m = 1 if rows == 1 else max(16, triton.next_power_of_2(M))
+    block_m = 1 if M == 1 else max(16, triton.next_power_of_2(M))
     if num_stages is None and block_k is None:
         stages, bk = _fit_shared_memory(block_m, bn, bk, stages, weight.element_size(),
                                         x.element_size())
@@ -675,7 +663,7 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         x.device.type != "cuda" and dot_dtype == torch.bfloat16)
     cols_per_program = bn // 2 if activation is not None else bn
     programs = triton.cdiv(N, cols_per_program)
-    splits = _default_split_k(rows, rows_w, K, fp8) if split_k is None else split_k
+    splits = _default_split_k(M, rows_w, K, fp8) if split_k is None else split_k
     if splits > 1 and K % (splits * bk):
         if split_k is not None:
             raise ValueError(f"split_k={split_k}: needs split_k * block_k ({splits} * {bk}) to "
@@ -690,7 +678,7 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
     # the one before's output, was not bit-equal to ordinary launches on the H200, and gained
     # nothing there (benchmarks/RESULTS.md, eighth session; fuser/ops/pdl.py).
     pdl = pdl_launch(x.device, one_row=block_m == 1)
-    swap = block_m > 1 and _default_swap(rows, rows_w, K, fp8)
+    swap = block_m > 1 and _default_swap(M, rows_w, K, fp8)
     _linear_kernel[(programs, splits)](
         x2, weight, weight_scale if fp8 else out, out, parts, counts,
         r2, norm_weight.contiguous() if norm else x2, summed if summed is not None else x2,
