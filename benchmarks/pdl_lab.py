@@ -136,6 +136,7 @@ def main() -> None:
     bandwidth = measure_read_bandwidth()
     log(f"HBM read bandwidth {bandwidth / 1e12:.2f} TB/s, {args.layers} layers")
     rows = []
+    f16_default = linear_module.FP8_F16_MMA
     for dtype in args.dtypes.split(","):
         layers = make_layers(args.layers, dtype == "fp8", device)
         weight_bytes = sum(w.numel() * w.element_size() for layer in layers
@@ -151,7 +152,7 @@ def main() -> None:
                 os.environ["FUSER_PDL"] = flag
                 gemv_stream.CONFIG, gemv_stream.ROWS_CONFIG = (stream, None) if M == 1 else \
                     (None, stream)
-                linear_module.FP8_F16_MMA = name == "f16 mma"
+                linear_module.FP8_F16_MMA = name == "f16 mma"  # "off": the bf16 MMA
                 try:
                     ms, out = replay_median_ms(lambda: chain(layers, h, r, prefetch))
                 except Exception as error:  # noqa: BLE001  (a variant that does not compile)
@@ -160,7 +161,7 @@ def main() -> None:
                     continue
                 finally:
                     gemv_stream.CONFIG, gemv_stream.ROWS_CONFIG = gemv_stream.DEFAULT, None
-                    linear_module.FP8_F16_MMA = False
+                    linear_module.FP8_F16_MMA = f16_default
                 if base_ms is None:
                     base_ms, base_out = ms, out
                 row = dict(dtype=dtype, rows=M, variant=name, ms=ms,

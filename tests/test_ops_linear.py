@@ -330,9 +330,9 @@ def test_fp8_weights_on_an_fp16_mma_keep_the_bf16_mma_values(M, N, blocks, split
 @pytest.mark.parametrize("N,K,activation", [(6144, 4096, None), (4096, 4096, None),
                                              (28672, 4096, "silu"), (4096, 14336, None)])
 def test_gpu_fp16_mma_at_llama3_shapes(N, K, activation, magnitude):
-    """FP8_F16_MMA at the 8B shapes, five rows, the default tiles and split-K (the decode chain
-    of benchmarks/pdl_lab.py, whose x grows layer by layer, read non-finite values once), x a
-    strided view as the qkv output's slice is: finite, and the bf16 MMA's values."""
+    """FP8_F16_MMA at the 8B shapes, five rows, the default tiles and split-K, x a strided view
+    as the qkv output's slice is, at ordinary and large magnitudes: finite, and the bf16 MMA's
+    values."""
     from fuser.ops.fp8 import quantize_weight
 
     g = torch.Generator(device="cuda").manual_seed(N + K)
