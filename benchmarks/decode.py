@@ -222,6 +222,11 @@ def time_fuser(model: torch.nn.Module, precision: str, prompt: torch.Tensor,
         result["decode_breakdown"] = table
         log(format_breakdown(table, decode_ms))
         result["kernels_per_step"] = table.get("launches")
+        try:
+            result["iteration_breakdown"] = profile_iteration(
+                bucket, args.prompt_tokens + n // 2, table)
+        except Exception as error:  # noqa: BLE001  (new, never run on a GPU: the rest goes on)
+            log(f"[{precision}] iteration profile failed: {error!r}"[:300])
     result["prefill_ms"] = time_prefill(engine, args.prefill_tokens, model.config.vocab_size)
     log(f"[{precision}] prefill of {args.prefill_tokens} tokens: {result['prefill_ms']:.1f} ms")
     if args.profile:
@@ -261,6 +266,24 @@ def back_to_back_seconds(bucket, length: int, iterations: int) -> float:
     if graph is not None:  # timing runs are not decoding (as in measure)
         graph.replays -= iterations + 1
     return begin.elapsed_time(end) * 1e-3
+
+
+def profile_iteration(bucket, length: int, step_table: dict) -> dict:
+    """The target-only iteration's kernels (run uncaptured, as it is captured) that the decode
+    step does not launch: the token's choice, the state update, the packed result. Logs them
+    with the iteration's kernel count; returns {"launches": ..., "extra": {kernel: us}}."""
+    bucket.reset_for_timing(length)  # 25 iterations from here (kernel_breakdown's calls)
+    with torch.no_grad():
+        table = kernel_breakdown(bucket.function(PLAIN, False))
+    bucket.reset_for_timing(0)
+    extra = {name: us for name, us in table["kernels"].items()
+             if name not in step_table["kernels"]}
+    lines = [f"iteration: {table['launches']:.0f} kernels (the step's {step_table['launches']:.0f}"
+             f" and these, us each):"]
+    lines += [f"  {name[:70]:<70}{us:>8.1f}" for name, us in
+              sorted(extra.items(), key=lambda kv: -kv[1])[:12]]
+    log("\n".join(lines))
+    return {"launches": table["launches"], "extra": extra}
 
 
 def time_prefill(engine: fuser.Engine, tokens: int, vocab: int) -> float:

@@ -346,9 +346,9 @@ elif [ "$what" = sixteenth ]; then
   timeout 80 python3 benchmarks/pdl_lab.py --layers 16 --rows 5 --dtypes fp8,bf16 \
     --variants "off;f16 mma" --out "$OUT/pdl_lab.json" 2>&1 | grep -v Warning | tail -5
   echo "== decode, 8B shape"
-  timeout 330 python3 benchmarks/decode.py --out "$OUT/decode.json" --skip-peers 2>&1 \
-    | tee "$OUT/decode.log" | grep -v Warning \
-    | grep -E "^\[|verify|ceiling|fp8 vs|per token|parts|Error|fallback" | tail -24
+  timeout 360 python3 benchmarks/decode.py --out "$OUT/decode.json" --skip-peers --profile 2>&1 \
+    | tee "$OUT/decode.log" | grep -v Warning | grep -E "^\[|verify|ceiling|fp8 vs|per token|parts|\
+Error|fallback|kernels|^sum|^graph|^GEMV|^attention|^rope|^other|^iteration|^  [a-z_]" | tail -70
 elif [ "$what" = fifteenth ]; then
   # Eleventh session, the last few device minutes: PDL on by default at one row. The engine's
   # GPU tests (greedy against Hugging Face, speculative against target-only, the fused
