@@ -334,14 +334,19 @@ elif [ "$what" = eleventh3 ]; then
   timeout 60 python3 benchmarks/pdl_lab.py --layers 16 --rows 5 --dtypes bf16,fp8 --variants "off" \
     --out "$OUT/pdl_lab.json" 2>&1 | grep -v Warning | tail -4
 elif [ "$what" = sixteenth ]; then
-  # For the next session's first call (written in the eleventh, not yet run; ~9 minutes): the
+  # For the next session's first call (written in the eleventh, not yet run; ~11 minutes): the
   # engine's GPU tests with PDL at one row by default (the eleventh's last call ran 3 of them
-  # in its time); the 5-row chain with its norms (now finite, so the equality column means
-  # something) for the fp16 MMA; then the 8B decode, both precisions, with the default PDL.
+  # in its time); the one-row chain with linear.ONE_ROW_UNROLL 2 and 4 (if FP8 gains, set it
+  # and re-run the decode); the 5-row chain with its norms (now finite, so the equality column
+  # means something) for the fp16 MMA; then the 8B decode, both precisions, profiled.
   echo "== GPU tests: the engine with PDL at one row by default"
   timeout 300 python3 -m pytest -q -p no:cacheprovider -rf tests/test_cuda.py tests/test_cuda_spec.py \
     2>&1 | tee "$OUT/gpu_tests.log" | grep -E "^E  |FAIL|Error|passed|failed" | head -30
   summary+=("GPU tests: $(tail -1 "$OUT/gpu_tests.log")")
+  echo "== GEMV chain lab, 16 layers, 1 row: _linear_kernel's K loop with 2 or 4 tiles in flight"
+  timeout 90 python3 benchmarks/pdl_lab.py --layers 16 --rows 1 --dtypes fp8,bf16 \
+    --variants "stream default;pdl, 1 tile;pdl unroll 2;pdl unroll 4" \
+    --out "$OUT/pdl_lab_unroll.json" 2>&1 | grep -v Warning | tail -9
   echo "== GEMV chain lab, 16 layers, 5 rows with norms: FP8 on the bf16 or the fp16 MMA"
   timeout 80 python3 benchmarks/pdl_lab.py --layers 16 --rows 5 --dtypes fp8,bf16 \
     --variants "off;f16 mma" --out "$OUT/pdl_lab.json" 2>&1 | grep -v Warning | tail -5

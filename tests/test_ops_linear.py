@@ -81,6 +81,50 @@ def test_one_row_uses_cuda_cores_with_small_block_n():
         linear_triton(torch.randn(2, 32).to(DEVICE), torch.randn(8, 32).to(DEVICE), block_n=8)
 
 
+@settings(max_examples=10, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(
+    N=st.integers(1, 40), K=st.integers(1, 300),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    fp8=st.booleans(), activation=st.sampled_from([None, "silu"]), norm=st.booleans(),
+    split_k=st.sampled_from([1, 2]), seed=st.integers(0, 2**16),
+)
+def test_one_row_unrolled_loads_give_the_same_bits(N, K, dtype, fp8, activation, norm, split_k,
+                                                   seed):
+    """linear.ONE_ROW_UNROLL: a one-row program loading 2 or 4 K tiles before it sums them
+    (more weight bytes in flight per program) sums the same tiles in the same order as one at a
+    time: bit for bit the same output (and summed residual), K off the tile multiples, through
+    the norm prologue, the gated epilogue, FP8 scales and split-K."""
+    from unittest import mock
+
+    from fuser.ops import linear as linear_module
+    from fuser.ops.fp8 import quantize_weight
+    from fuser.ops.linear import rms_norm_linear_triton
+
+    if split_k > 1:
+        K = 32 * split_k * (1 + K // 100)  # split-K needs split_k * block_k to divide K
+    g = torch.Generator().manual_seed(seed)
+    x, r = (torch.randn(1, K, generator=g).to(dtype).to(DEVICE) for _ in range(2))
+    gain = (1 + 0.1 * torch.randn(K, generator=g)).to(dtype).to(DEVICE)
+    w = (torch.randn(2 * N if activation else N, K, generator=g) * 0.1).to(dtype).to(DEVICE)
+    scale = None
+    if fp8:
+        w, scale = quantize_weight(w)
+    config = dict(weight_scale=scale, activation=activation, block_n=8, block_k=32,
+                  split_k=split_k)
+
+    def run_once(unroll: int) -> torch.Tensor:
+        with mock.patch.object(linear_module, "ONE_ROW_UNROLL", unroll):
+            if norm:
+                out, summed = rms_norm_linear_triton(x, r, gain, 1e-5, w, **config)
+                return torch.cat([out.flatten(), summed.flatten()])
+            return linear_triton(x, w, **config).flatten()
+
+    one = run_once(1)
+    for unroll in (2, 4):
+        assert torch.equal(run_once(unroll), one), unroll
+
+
 def test_custom_op_opcheck_and_reference_on_cpu():
     x, w = torch.randn(1, 3, 64), torch.randn(24, 64)
     torch.library.opcheck(torch.ops.fuser.linear.default, (x, w))
