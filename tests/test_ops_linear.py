@@ -81,6 +81,34 @@ def test_one_row_uses_cuda_cores_with_small_block_n():
         linear_triton(torch.randn(2, 32).to(DEVICE), torch.randn(8, 32).to(DEVICE), block_n=8)
 
 
+def _norm_linear_case(M: int, N: int, K: int, dtype: torch.dtype, fp8: bool,
+                      activation: str | None, seed: int) -> tuple:
+    """(x, residual, norm gain, weight, FP8 scale or None): x and the residual [M, K], the
+    weight [N, K] or, gated, [2N, K] (FP8: quantized per row), on DEVICE."""
+    from fuser.ops.fp8 import quantize_weight
+
+    g = torch.Generator().manual_seed(seed)
+    x, r = (torch.randn(M, K, generator=g).to(dtype).to(DEVICE) for _ in range(2))
+    gain = (1 + 0.1 * torch.randn(K, generator=g)).to(dtype).to(DEVICE)
+    w = (torch.randn(2 * N if activation else N, K, generator=g) * 0.1).to(dtype).to(DEVICE)
+    scale = None
+    if fp8:
+        w, scale = quantize_weight(w)
+    return x, r, gain, w, scale
+
+
+def _run_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, gain: torch.Tensor,
+                     w: torch.Tensor, **config) -> torch.Tensor:
+    """linear_triton(x, w), or with a residual rms_norm_linear_triton's output and summed
+    residual, flattened into one tensor."""
+    from fuser.ops.linear import rms_norm_linear_triton
+
+    if residual is None:
+        return linear_triton(x, w, **config).flatten()
+    out, summed = rms_norm_linear_triton(x, residual, gain, 1e-5, w, **config)
+    return torch.cat([out.flatten(), summed.flatten()])
+
+
 @settings(max_examples=10, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(
@@ -98,27 +126,16 @@ def test_one_row_unrolled_loads_give_the_same_bits(N, K, dtype, fp8, activation,
     from unittest import mock
 
     from fuser.ops import linear as linear_module
-    from fuser.ops.fp8 import quantize_weight
-    from fuser.ops.linear import rms_norm_linear_triton
 
     if split_k > 1:
         K = 32 * split_k * (1 + K // 100)  # split-K needs split_k * block_k to divide K
-    g = torch.Generator().manual_seed(seed)
-    x, r = (torch.randn(1, K, generator=g).to(dtype).to(DEVICE) for _ in range(2))
-    gain = (1 + 0.1 * torch.randn(K, generator=g)).to(dtype).to(DEVICE)
-    w = (torch.randn(2 * N if activation else N, K, generator=g) * 0.1).to(dtype).to(DEVICE)
-    scale = None
-    if fp8:
-        w, scale = quantize_weight(w)
+    x, r, gain, w, scale = _norm_linear_case(1, N, K, dtype, fp8, activation, seed)
     config = dict(weight_scale=scale, activation=activation, block_n=8, block_k=32,
                   split_k=split_k)
 
     def run_once(unroll: int) -> torch.Tensor:
         with mock.patch.object(linear_module, "ONE_ROW_UNROLL", unroll):
-            if norm:
-                out, summed = rms_norm_linear_triton(x, r, gain, 1e-5, w, **config)
-                return torch.cat([out.flatten(), summed.flatten()])
-            return linear_triton(x, w, **config).flatten()
+            return _run_norm_linear(x, r if norm else None, gain, w, **config)
 
     one = run_once(1)
     for unroll in (2, 4):
@@ -294,27 +311,15 @@ def test_swapped_mma_sums_the_same_products(M, N, blocks, split_k, dtype, fp8, a
     from unittest import mock
 
     from fuser.ops import linear as linear_module
-    from fuser.ops.fp8 import quantize_weight
-    from fuser.ops.linear import rms_norm_linear_triton
 
     K = 32 * blocks * split_k
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(M, K, generator=g).to(dtype).to(DEVICE)
-    r = torch.randn(M, K, generator=g).to(dtype).to(DEVICE)
-    gain = (1 + 0.1 * torch.randn(K, generator=g)).to(dtype).to(DEVICE)
-    w = (torch.randn(2 * N if activation else N, K, generator=g) * 0.1).to(dtype).to(DEVICE)
-    scale = None
-    if fp8:
-        w, scale = quantize_weight(w)
+    x, r, gain, w, scale = _norm_linear_case(M, N, K, dtype, fp8, activation, seed)
     config = dict(weight_scale=scale, activation=activation, block_n=16, block_k=32,
                   split_k=split_k)
 
     def run_once(swap: bool) -> torch.Tensor:
         with mock.patch.object(linear_module, "_default_swap", lambda *_: swap):
-            if norm:
-                out, summed = rms_norm_linear_triton(x, r, gain, 1e-5, w, **config)
-                return torch.cat([out.flatten(), summed.flatten()])
-            return linear_triton(x, w, **config)
+            return _run_norm_linear(x, r if norm else None, gain, w, **config)
 
     swapped, plain = run_once(True), run_once(False)
     assert swapped.shape == plain.shape and torch.isfinite(swapped).all()
@@ -322,7 +327,7 @@ def test_swapped_mma_sums_the_same_products(M, N, blocks, split_k, dtype, fp8, a
     torch.testing.assert_close(swapped.float(), plain.float(), rtol=tol, atol=tol * (
         plain.float().abs().max().item() + 1e-6))
     if not (activation or fp8 or norm):
-        check(x.cpu(), w.cpu(), swapped.cpu())
+        check(x.cpu(), w.cpu(), swapped.reshape(M, -1).cpu())
 
 
 def _run_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, f16: bool,
