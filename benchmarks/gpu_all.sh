@@ -29,7 +29,7 @@
 #   bash benchmarks/gpu_all.sh eleventh # swap-AB MMA lab (bf16), profiled bf16 decode 8B + 1B
 #   bash benchmarks/gpu_all.sh eleventh2 # swapped MMA: GPU tests, 5-row chain, 8B decode, FP8 lab
 #   bash benchmarks/gpu_all.sh eleventh3 # swapped layout kept to the store: tests, defaults, chain
-#   bash benchmarks/gpu_all.sh sixteenth  # (not yet run) engine GPU tests, 5-row chain with norms, 8B decode
+#   bash benchmarks/gpu_all.sh sixteenth  # (not yet run) unroll + 5-row chain labs, 8B decode profiled, engine GPU tests
 #   bash benchmarks/gpu_all.sh fifteenth  # GPU tests with PDL at one row by default
 #   bash benchmarks/gpu_all.sh twelfth  # fp16 MMA for FP8 rows; 8B decode + verify
 #   bash benchmarks/gpu_all.sh ninth    # (not yet run) PDL-chain + resync GPU tests, PDL lab, 1B decode, 8B decode without --profile
@@ -334,15 +334,11 @@ elif [ "$what" = eleventh3 ]; then
   timeout 60 python3 benchmarks/pdl_lab.py --layers 16 --rows 5 --dtypes bf16,fp8 --variants "off" \
     --out "$OUT/pdl_lab.json" 2>&1 | grep -v Warning | tail -4
 elif [ "$what" = sixteenth ]; then
-  # For the next session's first call (written in the eleventh, not yet run; ~11 minutes): the
-  # engine's GPU tests with PDL at one row by default (the eleventh's last call ran 3 of them
-  # in its time); the one-row chain with linear.ONE_ROW_UNROLL 2 and 4 (if FP8 gains, set it
-  # and re-run the decode); the 5-row chain with its norms (now finite, so the equality column
-  # means something) for the fp16 MMA; then the 8B decode, both precisions, profiled.
-  echo "== GPU tests: the engine with PDL at one row by default"
-  timeout 300 python3 -m pytest -q -p no:cacheprovider -rf tests/test_cuda.py tests/test_cuda_spec.py \
-    2>&1 | tee "$OUT/gpu_tests.log" | grep -E "^E  |FAIL|Error|passed|failed" | head -30
-  summary+=("GPU tests: $(tail -1 "$OUT/gpu_tests.log")")
+  # For the next session's first call (written in the eleventh, not yet run; ~15 minutes): the
+  # one-row chain with linear.ONE_ROW_UNROLL 2 and 4 (if FP8 gains, set it and re-run the
+  # decode); the 5-row chain with its norms (now finite, so the equality column means
+  # something) for the fp16 MMA; the 8B decode, both precisions, profiled; last, the engine's
+  # GPU tests with PDL at one row by default (the eleventh's last call ran 3 of them in 210 s).
   echo "== GEMV chain lab, 16 layers, 1 row: _linear_kernel's K loop with 2 or 4 tiles in flight"
   timeout 90 python3 benchmarks/pdl_lab.py --layers 16 --rows 1 --dtypes fp8,bf16 \
     --variants "stream default;pdl, 1 tile;pdl unroll 2;pdl unroll 4" \
@@ -354,6 +350,10 @@ elif [ "$what" = sixteenth ]; then
   timeout 360 python3 benchmarks/decode.py --out "$OUT/decode.json" --skip-peers --profile 2>&1 \
     | tee "$OUT/decode.log" | grep -v Warning | grep -E "^\[|verify|ceiling|fp8 vs|per token|parts|\
 Error|fallback|kernels|^sum|^graph|^GEMV|^attention|^rope|^other|^iteration|^  [a-z_]" | tail -70
+  echo "== GPU tests: the engine with PDL at one row by default (engine builds: minutes)"
+  timeout 420 python3 -m pytest -q -p no:cacheprovider -rf tests/test_cuda.py tests/test_cuda_spec.py \
+    2>&1 | tee "$OUT/gpu_tests.log" | grep -E "^E  |FAIL|Error|passed|failed" | head -30
+  summary+=("GPU tests: $(tail -1 "$OUT/gpu_tests.log")")
 elif [ "$what" = fifteenth ]; then
   # Eleventh session, the last few device minutes: PDL on by default at one row. The engine's
   # GPU tests (greedy against Hugging Face, speculative against target-only, the fused
