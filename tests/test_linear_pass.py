@@ -20,7 +20,7 @@ from fuser.ops.linear import MAX_ROWS
 from fuser.passes.linear import rewrite_linears
 from fuser.numerics import LOGITS_TOLERANCE
 from fuser.passes.fx import count_targets
-from tiny import (FAMILIES, engine_examples, export_like_capture, model_cases, pass_context,
+from tiny import (engine_examples, export_like_capture, families_in_ci, model_cases, pass_context,
                   random_prompts, real_logits_error, tiny_model)
 
 aten = torch.ops.aten
@@ -79,8 +79,7 @@ def check(model: nn.Module, batch: int, lengths: list[int], gamma: int, seed: in
 
 # Llama in every run; Mistral and Qwen2 (about 70 s each on a 2-core CPU, and the passes' firing
 # on them is also checked by test_fp8_pass, test_rmsnorm_pass, test_rope) under -m slow.
-@pytest.mark.parametrize("family", [f if f == "llama" else pytest.param(f, marks=pytest.mark.slow)
-                                    for f in sorted(FAMILIES)])
+@pytest.mark.parametrize("family", families_in_ci("llama"))
 @engine_examples
 @given(data=st.data())
 def test_decode_gemms_become_fuser_linear(family: str, data: st.DataObject) -> None:

@@ -18,8 +18,8 @@ from fuser.numerics import LOGITS_TOLERANCE
 from fuser.passes import run_passes
 from fuser.passes.fx import count_targets
 from fuser.passes.projections import MERGED_PREFIX, concatenate_rows
-from tiny import (FAMILIES, engine_examples, export_like_capture, hf_logits, model_cases, pass_context,
-                  random_prompts, real_logits_error, tiny_model)
+from tiny import (engine_examples, export_like_capture, families_in_ci, hf_logits, model_cases,
+                  pass_context, random_prompts, real_logits_error, tiny_model)
 
 aten = torch.ops.aten
 MEMORY_HEADROOM = 0.10  # API.md: memory the engine adds stays under 10% of the weights
@@ -98,7 +98,7 @@ def check_engine(model: nn.Module, batch: int, lengths: list[int], seed: int) ->
     assert weights_after == weights_before  # in fact not one byte more
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", families_in_ci("llama", "qwen2"))  # Mistral: -m slow
 @engine_examples
 @given(data=st.data())
 def test_projections_merged_and_swiglu_fused(family: str, data: st.DataObject) -> None:

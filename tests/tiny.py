@@ -3,6 +3,7 @@ helper that exports a module as capture does, and logits comparisons against eag
 
 from __future__ import annotations
 
+import pytest
 import torch
 import transformers
 from hypothesis import Phase, settings
@@ -26,6 +27,14 @@ def _classes(model_type: str) -> tuple[type, type]:
 # The supported families (fuser.capture.SUPPORTED_MODEL_TYPES, the one list) -> their classes.
 # Tests that run on every supported family iterate this.
 FAMILIES: dict[str, tuple[type, type]] = {t: _classes(t) for t in SUPPORTED_MODEL_TYPES}
+
+
+def families_in_ci(*kept: str) -> list:
+    """FAMILIES as pytest parameters, those not in `kept` marked slow (left out of the README's
+    test command; `-m slow` runs them). For a pass whose pattern is the same graph in another
+    family (the tiny Mistral is Llama's decoder under another class when it has no sliding
+    window): each family costs an engine build, 20-50 s on a 2-core CPU."""
+    return [f if f in kept else pytest.param(f, marks=pytest.mark.slow) for f in sorted(FAMILIES)]
 
 
 def tiny_config(family: str, *, heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
