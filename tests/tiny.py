@@ -33,7 +33,8 @@ def families_in_ci(*kept: str) -> list:
     """FAMILIES as pytest parameters, those not in `kept` marked slow (left out of the README's
     test command; `-m slow` runs them). For a pass whose pattern is the same graph in another
     family (the tiny Mistral is Llama's decoder under another class when it has no sliding
-    window): each family costs an engine build, 20-50 s on a 2-core CPU."""
+    window; Qwen2's norms, rotary and attention are Llama's): each family costs an engine
+    build, 20-50 s on a 2-core CPU."""
     return [f if f in kept else pytest.param(f, marks=pytest.mark.slow) for f in sorted(FAMILIES)]
 
 
