@@ -5,8 +5,9 @@
 
 The weight-streaming kernels of a Llama-3-8B-shape decode step, layer after layer as the step
 runs them (norm + qkv, o_proj, norm + gate/up with the activation, down_proj; the norms inside
-the GEMVs at one row, add_rms_norm kernels at several; the attention between them left out), captured in one CUDA graph and replayed, once per variant (VARIANTS at
-one row, ROWS_VARIANTS at several): `_linear_kernel` with PDL off (FUSER_PDL=0, "off") or on
+the GEMVs at one row, add_rms_norm kernels at several; the attention between them left out),
+captured in one CUDA graph and replayed, once per variant (VARIANTS at one row, ROWS_VARIANTS at
+several): `_linear_kernel` with PDL off (FUSER_PDL=0, "off") or on
 with a prefetched tile; the stream GEMV (fuser/ops/gemv_stream.py) in several configurations
 (`gemv_stream.CONFIG` / `ROWS_CONFIG`; "stream default" is what the engine runs). Prints the
 chain's time per layer, its read bandwidth against the measured HBM read bandwidth, and whether
