@@ -29,6 +29,7 @@
 #   bash benchmarks/gpu_all.sh eleventh # swap-AB MMA lab (bf16), profiled bf16 decode 8B + 1B
 #   bash benchmarks/gpu_all.sh eleventh2 # swapped MMA: GPU tests, 5-row chain, 8B decode, FP8 lab
 #   bash benchmarks/gpu_all.sh eleventh3 # swapped layout kept to the store: tests, defaults, chain
+#   bash benchmarks/gpu_all.sh shapes   # each 8B GEMV shape alone (shape_lab.py): stream configurations, unrolled FP8 loop
 #   bash benchmarks/gpu_all.sh sixteenth  # (not yet run) unroll + 5-row chain labs, 8B decode profiled, engine GPU tests
 #   bash benchmarks/gpu_all.sh fifteenth  # GPU tests with PDL at one row by default
 #   bash benchmarks/gpu_all.sh twelfth  # fp16 MMA for FP8 rows; 8B decode + verify
@@ -333,6 +334,23 @@ elif [ "$what" = eleventh3 ]; then
   echo "== GEMV chain lab, 16 layers, 5 rows"
   timeout 60 python3 benchmarks/pdl_lab.py --layers 16 --rows 5 --dtypes bf16,fp8 --variants "off" \
     --out "$OUT/pdl_lab.json" 2>&1 | grep -v Warning | tail -4
+elif [ "$what" = shapes ]; then
+  # Twelfth session, first call: each 8B-shape GEMV alone, 16 launches back to back (gate/up's
+  # stream tile reads each row 64 bytes a step), the stream configurations against
+  # _linear_kernel and cuBLAS; FP8's unrolled one-row loop; then the one-row chain with it.
+  echo "== shape lab, bf16"
+  timeout 240 python3 benchmarks/shape_lab.py --dtypes bf16 --out "$OUT/shape_lab_bf16.json" \
+    --variants "default;lk;cublas;2/sm 16K d2;2/sm 16K d3;2/sm 8K d4 run128;2/sm 8K d2 run256;\
+2/sm 8K d4 p2;4/sm 8K d2 w4;4/sm 8K d3 w4;1/sm 32K d2;2/sm 8K d3 run128 w16" 2>&1 \
+    | grep -v Warning | tee "$OUT/shape_lab_bf16.log"
+  echo "== shape lab, fp8"
+  timeout 150 python3 benchmarks/shape_lab.py --dtypes fp8 --out "$OUT/shape_lab_fp8.json" \
+    --variants "default;lk u2;lk u4;2/sm 8K d4;2/sm 16K d2;4/sm 8K d2 w4;2/sm 8K d2 run256" \
+    2>&1 | grep -v Warning | tee "$OUT/shape_lab_fp8.log"
+  echo "== GEMV chain lab, 16 layers, 1 row: _linear_kernel's K loop with 2 or 4 tiles in flight"
+  timeout 90 python3 benchmarks/pdl_lab.py --layers 16 --rows 1 --dtypes fp8,bf16 \
+    --variants "stream default;pdl, 1 tile;pdl unroll 2;pdl unroll 4" \
+    --out "$OUT/pdl_lab_unroll.json" 2>&1 | grep -v Warning | tail -9
 elif [ "$what" = sixteenth ]; then
   # For the next session's first call (written in the eleventh, not yet run; ~15 minutes): the
   # one-row chain with linear.ONE_ROW_UNROLL 2 and 4 (if FP8 gains, set it and re-run the

@@ -1,0 +1,156 @@
+"""One decode GEMV shape at a time, launched back to back as the step launches them.
+
+    python3 benchmarks/shape_lab.py [--dtypes bf16,fp8] [--shapes qkv,o,gate_up,down]
+                                    [--variants "default;lk;2/sm 16K d2;..."] [--out f.json]
+
+benchmarks/pdl_lab.py times a layer's four GEMVs together; this lab times each 8B-shape GEMV
+alone: 16 launches of it over distinct weights (16 copies: more than the L2 holds), captured in
+one CUDA graph with whatever PDL the variant launches with, so a kernel's ramp and tail overlap
+its neighbours' as they do in the step. qkv and gate/up run with the RMSNorm prologue (gate/up
+gated, SiLU), as the engine runs them at one row. Prints microseconds per launch and the share of
+the measured HBM read bandwidth that the weight bytes reach.
+
+A variant is a list of words:
+  default      what the engine runs (gemv_stream.CONFIG for bf16, _linear_kernel for FP8)
+  lk           _linear_kernel (gemv_stream.CONFIG = None); "uN": its one-row K loop unrolled
+               by N (linear.ONE_ROW_UNROLL)
+  cublas       torch's F.linear, without the norm or the activation (bf16: the plain GEMV's
+               cost, a reference, not a candidate)
+  N/sm NK dN wN runN p2
+               the stream GEMV (fuser/ops/gemv_stream.py) with programs_per_sm, tile_bytes
+               (KiB), depth, num_warps, run_bytes and pow2_rows set; the rest as DEFAULT
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from timing import graph_time_us, log, measure_read_bandwidth  # noqa: E402
+
+from fuser.ops import gemv_stream  # noqa: E402
+from fuser.ops import linear as linear_module  # noqa: E402
+from fuser.ops.fp8 import quantize_weight  # noqa: E402
+from fuser.ops.gemv_stream import StreamConfig  # noqa: E402
+from fuser.ops.linear import linear_triton, rms_norm_linear_triton  # noqa: E402
+
+HIDDEN, INTER = 4096, 14336
+# name: (weight rows, K, the norm prologue, gated)
+SHAPES = {"qkv": (6144, HIDDEN, True, False), "o": (HIDDEN, HIDDEN, False, False),
+          "gate_up": (2 * INTER, HIDDEN, True, True), "down": (HIDDEN, INTER, False, False)}
+COPIES = 16
+EPS = 1e-5
+
+
+@dataclasses.dataclass
+class Variant:
+    name: str
+    stream: StreamConfig | None   # gemv_stream.CONFIG while it runs
+    unroll: int = 1               # linear.ONE_ROW_UNROLL
+    cublas: bool = False
+
+
+def parse_variant(name: str, fp8: bool) -> Variant:
+    """A variant's words (the module docstring) -> what to set."""
+    words = name.split()
+    if words == ["default"]:
+        return Variant(name, gemv_stream.DEFAULT)
+    if words == ["cublas"]:
+        return Variant(name, None, cublas=True)
+    if words and words[0] == "lk":
+        unroll = int(words[1][1:]) if len(words) > 1 else 1
+        return Variant(name, None, unroll=unroll)
+    fields: dict[str, object] = {"fp8": True}
+    for word in words:
+        if word.endswith("/sm"):
+            fields["programs_per_sm"] = int(word[:-3])
+        elif word.endswith("K"):
+            fields["tile_bytes"] = int(word[:-1]) * 1024
+        elif word.startswith("run"):
+            fields["run_bytes"] = int(word[3:])
+        elif word.startswith("d"):
+            fields["depth"] = int(word[1:])
+        elif word.startswith("w"):
+            fields["num_warps"] = int(word[1:])
+        elif word == "p2":
+            fields["pow2_rows"] = True
+        else:
+            raise ValueError(f"variant {name!r}: unknown word {word!r}")
+    return Variant(name, dataclasses.replace(gemv_stream.DEFAULT, **fields))
+
+
+def launches(shape: str, fp8: bool, variant: Variant, device: torch.device) -> list:
+    """COPIES callables, one launch each over its own weight copy."""
+    rows, K, norm, gated = SHAPES[shape]
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(1, K, device=device, dtype=torch.bfloat16, generator=gen)
+    r = torch.randn(1, K, device=device, dtype=torch.bfloat16, generator=gen)
+    g = 1 + 0.1 * torch.randn(K, device=device, dtype=torch.bfloat16, generator=gen)
+    fns = []
+    for _ in range(COPIES):
+        w = torch.randn(rows, K, device=device, dtype=torch.bfloat16, generator=gen) * 0.02
+        w, s = quantize_weight(w) if fp8 else (w, None)
+        if variant.cublas:
+            fns.append(lambda w=w: F.linear(x, w))
+        elif norm:
+            fns.append(lambda w=w, s=s: rms_norm_linear_triton(
+                x, r, g, EPS, w, weight_scale=s, activation="silu" if gated else None))
+        else:
+            fns.append(lambda w=w, s=s: linear_triton(x, w, weight_scale=s))
+    return fns
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtypes", default="bf16,fp8")
+    parser.add_argument("--shapes", default="qkv,o,gate_up,down")
+    parser.add_argument("--variants", default="default;lk;cublas")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        log("shape_lab.py needs a CUDA GPU; nothing to do")
+        return
+    device = torch.device("cuda")
+    bandwidth = measure_read_bandwidth()
+    log(f"HBM read bandwidth {bandwidth / 1e12:.2f} TB/s; {COPIES} launches per shape")
+    saved = gemv_stream.CONFIG, linear_module.ONE_ROW_UNROLL
+    results = []
+    for dtype in args.dtypes.split(","):
+        fp8 = dtype == "fp8"
+        for shape in args.shapes.split(","):
+            rows, K, _, _ = SHAPES[shape]
+            nbytes = rows * K * (1 if fp8 else 2)
+            for name in args.variants.split(";"):
+                variant = parse_variant(name, fp8)
+                if variant.cublas and fp8:
+                    continue
+                gemv_stream.CONFIG = variant.stream
+                linear_module.ONE_ROW_UNROLL = variant.unroll
+                try:
+                    us = graph_time_us(launches(shape, fp8, variant, device), calls=COPIES)
+                except Exception as error:  # noqa: BLE001  (a variant that does not compile)
+                    log(f"{dtype:4s} {shape:7s} {name:22s} failed: {type(error).__name__}: "
+                        f"{str(error)[:160]}")
+                    continue
+                finally:
+                    gemv_stream.CONFIG, linear_module.ONE_ROW_UNROLL = saved
+                    torch.cuda.empty_cache()
+                pct = 100 * nbytes / (us * 1e-6) / bandwidth
+                results.append(dict(dtype=dtype, shape=shape, variant=name, us=us, pct=pct))
+                log(f"{dtype:4s} {shape:7s} {name:22s} {us:7.2f} us  {pct:5.1f}% of bandwidth "
+                    f"(bytes' time {1e6 * nbytes / bandwidth:6.2f} us)")
+    if args.out:
+        args.out.write_text(json.dumps(dict(bandwidth=bandwidth, rows=results), indent=1))
+
+
+if __name__ == "__main__":
+    main()
