@@ -30,6 +30,7 @@
 #   bash benchmarks/gpu_all.sh eleventh2 # swapped MMA: GPU tests, 5-row chain, 8B decode, FP8 lab
 #   bash benchmarks/gpu_all.sh eleventh3 # swapped layout kept to the store: tests, defaults, chain
 #   bash benchmarks/gpu_all.sh shapes   # each 8B GEMV shape alone (shape_lab.py): stream configurations, unrolled FP8 loop
+#   bash benchmarks/gpu_all.sh wide     # gate/up on 16 KB stream tiles: shape + chain labs, FP8 tiles and norm cost, 8B decode profiled
 #   bash benchmarks/gpu_all.sh sixteenth  # (not yet run) unroll + 5-row chain labs, 8B decode profiled, engine GPU tests
 #   bash benchmarks/gpu_all.sh fifteenth  # GPU tests with PDL at one row by default
 #   bash benchmarks/gpu_all.sh twelfth  # fp16 MMA for FP8 rows; 8B decode + verify
@@ -351,6 +352,30 @@ elif [ "$what" = shapes ]; then
   timeout 90 python3 benchmarks/pdl_lab.py --layers 16 --rows 1 --dtypes fp8,bf16 \
     --variants "stream default;pdl, 1 tile;pdl unroll 2;pdl unroll 4" \
     --out "$OUT/pdl_lab_unroll.json" 2>&1 | grep -v Warning | tail -9
+elif [ "$what" = wide ]; then
+  # Twelfth session, second call: gemv_stream.DEFAULT.wide (16 KB tiles, 2 deep) for the bf16
+  # gate/up; more stream configurations for down_proj and gate/up; FP8's _linear_kernel tiles
+  # and what its norm prologue costs ("nonorm"); the one-row chain; the 8B decode, profiled.
+  echo "== GPU tests: stream GEMV"
+  timeout 90 python3 -m pytest -q -p no:cacheprovider -rf tests/test_ops_gemv_stream.py \
+    -k "gpu or cuda" 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "^E  |FAIL|Error|passed|failed" | head
+  summary+=("GPU tests: $(tail -1 "$OUT/gpu_tests.log")")
+  echo "== shape lab, bf16"
+  timeout 120 python3 benchmarks/shape_lab.py --dtypes bf16 --shapes gate_up,down,qkv \
+    --out "$OUT/shape_lab_bf16.json" --variants "default;2/sm 16K d2 w16;4/sm 8K d2 w4;\
+4/sm 16K d2 w8;2/sm 8K d3 w16;2/sm 8K d4 w16;2/sm 16K d3 w16" 2>&1 | grep -v Warning \
+    | tee "$OUT/shape_lab_bf16.log"
+  echo "== shape lab, fp8"
+  timeout 130 python3 benchmarks/shape_lab.py --dtypes fp8 --out "$OUT/shape_lab_fp8.json" \
+    --variants "default;default nonorm;lk n16 k1024 w4 s4;lk n64 k512 w8 s4;lk n128 k256 w8 s4;\
+lk n16 k512 w4 s4;lk n32 k1024 w8 s3" 2>&1 | grep -v Warning | tee "$OUT/shape_lab_fp8.log"
+  echo "== GEMV chain lab, 16 layers, 1 row"
+  timeout 60 python3 benchmarks/pdl_lab.py --layers 16 --rows 1 --dtypes bf16 \
+    --variants "pdl, 1 tile;stream default" --out "$OUT/pdl_lab.json" 2>&1 | grep -v Warning | tail -3
+  echo "== decode, 8B shape"
+  timeout 330 python3 benchmarks/decode.py --out "$OUT/decode.json" --skip-peers --profile 2>&1 \
+    | tee "$OUT/decode.log" | grep -v Warning | grep -E "^\[|verify|ceiling|fp8 vs|per token|parts|\
+Error|fallback|kernels|^sum|^graph|^GEMV|^attention|^rope|^other|^iteration|^  [a-z_]" | tail -70
 elif [ "$what" = sixteenth ]; then
   # For the next session's first call (written in the eleventh, not yet run; ~15 minutes): the
   # one-row chain with linear.ONE_ROW_UNROLL 2 and 4 (if FP8 gains, set it and re-run the

@@ -54,11 +54,7 @@ VARIANTS = (("off", "0", None, None), ("pdl, 1 tile", "1", 1, None),
                                                                  tile_bytes=4096, depth=4,
                                                                  num_warps=4)),
             ("stream pdl 4/sm 4K d3 w4", "1", None, StreamConfig(programs_per_sm=4,
-                                                                 tile_bytes=4096, num_warps=4)),
-            # _linear_kernel's one-row K loop with 2 or 4 tiles' loads in flight
-            # (linear.ONE_ROW_UNROLL; FP8 runs _linear_kernel at one row in the engine)
-            ("pdl unroll 2", "1", None, None), ("pdl unroll 4", "1", None, None))
-UNROLL = {"pdl unroll 2": 2, "pdl unroll 4": 4}  # linear.ONE_ROW_UNROLL per variant
+                                                                 tile_bytes=4096, num_warps=4)))
 # Several rows (the verify step's MMA path; PDL is one row's): the stream GEMV's ROWS_CONFIG
 ROWS_VARIANTS = (("off", "0", None, None),
                  ("stream d1 st3", "0", None, StreamConfig(depth=1, num_stages=3)),
@@ -141,7 +137,7 @@ def main() -> None:
     bandwidth = measure_read_bandwidth()
     log(f"HBM read bandwidth {bandwidth / 1e12:.2f} TB/s, {args.layers} layers")
     rows = []
-    f16_default, unroll_default = linear_module.FP8_F16_MMA, linear_module.ONE_ROW_UNROLL
+    f16_default = linear_module.FP8_F16_MMA
     for dtype in args.dtypes.split(","):
         layers = make_layers(args.layers, dtype == "fp8", device)
         weight_bytes = sum(w.numel() * w.element_size() for layer in layers
@@ -158,7 +154,6 @@ def main() -> None:
                 gemv_stream.CONFIG, gemv_stream.ROWS_CONFIG = (stream, None) if M == 1 else \
                     (None, stream)
                 linear_module.FP8_F16_MMA = name == "f16 mma"  # "off": the bf16 MMA
-                linear_module.ONE_ROW_UNROLL = UNROLL.get(name, 1)
                 try:
                     ms, out = replay_median_ms(lambda: chain(layers, h, r, prefetch))
                 except Exception as error:  # noqa: BLE001  (a variant that does not compile)
@@ -168,7 +163,6 @@ def main() -> None:
                 finally:
                     gemv_stream.CONFIG, gemv_stream.ROWS_CONFIG = gemv_stream.DEFAULT, None
                     linear_module.FP8_F16_MMA = f16_default
-                    linear_module.ONE_ROW_UNROLL = unroll_default
                 if base_ms is None:
                     base_ms, base_out = ms, out
                 row = dict(dtype=dtype, rows=M, variant=name, ms=ms,

@@ -12,13 +12,15 @@ the measured HBM read bandwidth that the weight bytes reach.
 
 A variant is a list of words:
   default      what the engine runs (gemv_stream.CONFIG for bf16, _linear_kernel for FP8)
-  lk           _linear_kernel (gemv_stream.CONFIG = None); "uN": its one-row K loop unrolled
-               by N (linear.ONE_ROW_UNROLL)
+  lk           _linear_kernel (gemv_stream.CONFIG = None), its tuned tile, or as the words
+               after it say: nN block_n, kN block_k, wN num_warps, sN num_stages, xN split_k
   cublas       torch's F.linear, without the norm or the activation (bf16: the plain GEMV's
                cost, a reference, not a candidate)
   N/sm NK dN wN runN p2
                the stream GEMV (fuser/ops/gemv_stream.py) with programs_per_sm, tile_bytes
                (KiB), depth, num_warps, run_bytes and pow2_rows set; the rest as DEFAULT
+  nonorm       (after any of the above) qkv and gate/up without the norm prologue: what the
+               prologue costs
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import graph_time_us, log, measure_read_bandwidth  # noqa: E402
 
 from fuser.ops import gemv_stream  # noqa: E402
-from fuser.ops import linear as linear_module  # noqa: E402
 from fuser.ops.fp8 import quantize_weight  # noqa: E402
 from fuser.ops.gemv_stream import StreamConfig  # noqa: E402
 from fuser.ops.linear import linear_triton, rms_norm_linear_triton  # noqa: E402
@@ -55,20 +56,25 @@ EPS = 1e-5
 class Variant:
     name: str
     stream: StreamConfig | None   # gemv_stream.CONFIG while it runs
-    unroll: int = 1               # linear.ONE_ROW_UNROLL
+    overrides: dict[str, int] = dataclasses.field(default_factory=dict)  # _linear_kernel's
     cublas: bool = False
+    norm: bool = True
 
 
 def parse_variant(name: str, fp8: bool) -> Variant:
     """A variant's words (the module docstring) -> what to set."""
     words = name.split()
+    norm = "nonorm" not in words
+    words = [word for word in words if word != "nonorm"]
     if words == ["default"]:
-        return Variant(name, gemv_stream.DEFAULT)
+        return Variant(name, gemv_stream.DEFAULT, norm=norm)
     if words == ["cublas"]:
         return Variant(name, None, cublas=True)
     if words and words[0] == "lk":
-        unroll = int(words[1][1:]) if len(words) > 1 else 1
-        return Variant(name, None, unroll=unroll)
+        keys = {"n": "block_n", "k": "block_k", "w": "num_warps", "s": "num_stages",
+                "x": "split_k"}
+        return Variant(name, None, {keys[word[0]]: int(word[1:]) for word in words[1:]},
+                       norm=norm)
     fields: dict[str, object] = {"fp8": True}
     for word in words:
         if word.endswith("/sm"):
@@ -85,7 +91,7 @@ def parse_variant(name: str, fp8: bool) -> Variant:
             fields["pow2_rows"] = True
         else:
             raise ValueError(f"variant {name!r}: unknown word {word!r}")
-    return Variant(name, dataclasses.replace(gemv_stream.DEFAULT, **fields))
+    return Variant(name, dataclasses.replace(gemv_stream.DEFAULT, **fields), norm=norm)
 
 
 def launches(shape: str, fp8: bool, variant: Variant, device: torch.device) -> list:
@@ -101,11 +107,14 @@ def launches(shape: str, fp8: bool, variant: Variant, device: torch.device) -> l
         w, s = quantize_weight(w) if fp8 else (w, None)
         if variant.cublas:
             fns.append(lambda w=w: F.linear(x, w))
-        elif norm:
+        elif norm and variant.norm:
             fns.append(lambda w=w, s=s: rms_norm_linear_triton(
-                x, r, g, EPS, w, weight_scale=s, activation="silu" if gated else None))
+                x, r, g, EPS, w, weight_scale=s, activation="silu" if gated else None,
+                **variant.overrides))
         else:
-            fns.append(lambda w=w, s=s: linear_triton(x, w, weight_scale=s))
+            fns.append(lambda w=w, s=s: linear_triton(
+                x, w, weight_scale=s, activation="silu" if gated else None,
+                **variant.overrides))
     return fns
 
 
@@ -122,7 +131,7 @@ def main() -> None:
     device = torch.device("cuda")
     bandwidth = measure_read_bandwidth()
     log(f"HBM read bandwidth {bandwidth / 1e12:.2f} TB/s; {COPIES} launches per shape")
-    saved = gemv_stream.CONFIG, linear_module.ONE_ROW_UNROLL
+    saved = gemv_stream.CONFIG
     results = []
     for dtype in args.dtypes.split(","):
         fp8 = dtype == "fp8"
@@ -134,7 +143,6 @@ def main() -> None:
                 if variant.cublas and fp8:
                     continue
                 gemv_stream.CONFIG = variant.stream
-                linear_module.ONE_ROW_UNROLL = variant.unroll
                 try:
                     us = graph_time_us(launches(shape, fp8, variant, device), calls=COPIES)
                 except Exception as error:  # noqa: BLE001  (a variant that does not compile)
@@ -142,7 +150,7 @@ def main() -> None:
                         f"{str(error)[:160]}")
                     continue
                 finally:
-                    gemv_stream.CONFIG, linear_module.ONE_ROW_UNROLL = saved
+                    gemv_stream.CONFIG = saved
                     torch.cuda.empty_cache()
                 pct = 100 * nbytes / (us * 1e-6) / bandwidth
                 results.append(dict(dtype=dtype, shape=shape, variant=name, us=us, pct=pct))

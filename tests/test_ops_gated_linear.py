@@ -344,14 +344,11 @@ from fuser.ops.linear import _default_config, _default_fp8_config, _default_swap
 NAMES = ["x_ptr", "w_ptr", "scale_ptr", "out_ptr", "part_ptr", "count_ptr", "r_ptr", "g_ptr",
          "sum_ptr", "M", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_rm", "eps",
          "BLOCK_M", "BLOCK_N", "BLOCK_K", "FP32_DOTS", "HAS_SCALE", "ACTIVATION", "NORM",
-         "HAS_RESIDUAL", "SPLIT_K", "PDL", "PREFETCH", "SWAP", "F16_MMA", "UNROLL"]
+         "HAS_RESIDUAL", "SPLIT_K", "PDL", "PREFETCH", "SWAP", "F16_MMA"]
 out = {}
 for fp8, M in [(False, 1), (True, 16), (True, 1)]:
-    for act, norm, pdl, unroll in (("", False, 0, 1), ("silu", False, 0, 1), ("silu", True, 0, 1),
-                                   ("", False, 1, 1), ("silu", True, 1, 1), ("", False, 0, 2),
-                                   ("", False, 0, 4)):
-        if unroll > 1 and M > 1:
-            continue
+    for act, norm, pdl in (("", False, 0), ("silu", False, 0), ("silu", True, 0),
+                           ("", False, 1), ("silu", True, 1)):
         bn, bk, warps, stages = (_default_fp8_config if fp8 else _default_config)(M, 28672, 4096)
         types = ["*bf16", "*fp8e4nv" if fp8 else "*bf16", "*fp32", "*bf16", "*fp32", "*i32",
                  "*bf16", "*bf16", "*bf16"] + ["i32"] * 7 + ["fp32"]
@@ -359,7 +356,7 @@ for fp8, M in [(False, 1), (True, 16), (True, 1)]:
         consts = dict(BLOCK_M=1 if M == 1 else 16, BLOCK_N=bn, BLOCK_K=bk, FP32_DOTS=False,
                       HAS_SCALE=fp8, ACTIVATION=act, NORM=norm, HAS_RESIDUAL=norm, SPLIT_K=1,
                       PDL=bool(pdl), PREFETCH=pdl,
-                      SWAP=_default_swap(M, 28672, 4096, fp8), F16_MMA=False, UNROLL=unroll)
+                      SWAP=_default_swap(M, 28672, 4096, fp8), F16_MMA=False)
         attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12,
                                                            13, 14, 15)}
         src = ASTSource(_linear_kernel, sig, {(NAMES.index(k),): v for k, v in consts.items()},
@@ -367,7 +364,7 @@ for fp8, M in [(False, 1), (True, 16), (True, 1)]:
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                              options={"num_warps": warps, "num_stages": stages}).asm["ptx"]
         out[f"{'fp8' if fp8 else 'bf16'} M{M} {act or 'plain'}{' norm' if norm else ''}"
-            f"{' pdl' if pdl else ''}{f' unroll{unroll}' if unroll > 1 else ''}"] = [
+            f"{' pdl' if pdl else ''}"] = [
             ptx.count("ld.global.v4"), ptx.count("cp.async.cg"), ptx.count("cp.async.ca"),
             ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents")]
 print(json.dumps(out))
@@ -401,12 +398,6 @@ def test_gated_kernel_compiles_for_sm90_with_the_plain_kernels_loads() -> None:
             assert with_pdl[3:] == [1, 1], (case, name, with_pdl)
             assert sum(with_pdl[:3]) > sum(without[:3]) and with_pdl[1:3] >= without[1:3] \
                 or with_pdl[:3] == without[:3], (case, name, without, with_pdl)
-    # linear.ONE_ROW_UNROLL: the unrolled one-row K loop issues 2 and 4 tiles' vector loads
-    # where the plain loop issues one tile's (fp8 and bf16 weights)
-    for case in ("bf16 M1", "fp8 M1"):
-        one = loads[f"{case} plain"][0]
-        assert loads[f"{case} plain unroll2"][0] == 2 * one, (case, loads)
-        assert loads[f"{case} plain unroll4"][0] == 4 * one, (case, loads)
 
 
 # --- on a GPU: Llama-3-8B's gate/up (I = 14336, K = 4096) -----------------------------------------

@@ -14,6 +14,8 @@ What must hold, for every plan (rows per program, tile, prefetched tiles):
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -76,7 +78,8 @@ def run(K: int, N: int, dtype: torch.dtype, norm: bool, residual: bool, activati
 CONFIGS = [StreamConfig(tile_bytes=2048, depth=1), StreamConfig(tile_bytes=4096, depth=3),
            StreamConfig(programs_per_sm=2, tile_bytes=1024, depth=2, num_stages=2),
            StreamConfig(tile_bytes=4096, depth=4),
-           StreamConfig(tile_bytes=1024, depth=2, run_bytes=256, pow2_rows=True)]
+           StreamConfig(tile_bytes=4096, depth=2, run_bytes=256, pow2_rows=True),
+           dataclasses.replace(gemv_stream.DEFAULT.wide, fp8=True)]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"p{c.programs_per_sm}t{c.tile_bytes}"
@@ -146,6 +149,25 @@ def test_plan_is_one_wave_of_equal_runs() -> None:
         assert plan.block_k * w_bytes >= gemv_stream.MIN_RUN_BYTES
     # the LM head's 972 rows a program leave 16-byte runs: not this kernel's shape
     assert stream_plan(128256, 4096, 1, False, config, 132) is None
+
+
+@pytest.mark.parametrize("gpu, shapes", [
+    ("8B", [(6144, 4096, False), (4096, 4096, False), (14336, 4096, True), (4096, 14336, False)]),
+    ("1B", [(3072, 2048, False), (2048, 2048, False), (8192, 2048, True), (2048, 8192, False)])])
+def test_default_takes_its_wide_tile_where_rows_are_read_64_bytes_a_step(gpu, shapes) -> None:
+    """gemv_stream.choose: the 8B gate/up (110 rows of a 128-row 8 KB tile, 64 bytes of each a
+    step) on DEFAULT.wide's 16 KB tiles, every other Llama-3 shape on DEFAULT; a configuration
+    without `wide` (the labs') keeps its own."""
+    default = gemv_stream.DEFAULT
+    for N, K, gated in shapes:
+        config, plan = gemv_stream.choose(N, K, 2, gated, default, 132)
+        wide = gpu == "8B" and gated
+        assert config is (default.wide if wide else default), (N, K, gated)
+        assert plan.block_k * 2 >= 128, plan  # a row's run a step: 128 bytes or more
+        assert plan.programs <= 2 * 132
+        plain = StreamConfig(programs_per_sm=2, tile_bytes=8192, depth=4)
+        assert gemv_stream.choose(N, K, 2, gated, plain, 132)[0] is plain
+    assert gemv_stream.choose(14336, 4096, 1, True, default, 132) is None  # FP8: _linear_kernel
 
 
 def test_bad_configs_are_refused() -> None:

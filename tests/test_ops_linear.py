@@ -109,39 +109,6 @@ def _run_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, gain: torch
     return torch.cat([out.flatten(), summed.flatten()])
 
 
-@settings(max_examples=10, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow])
-@given(
-    N=st.integers(1, 40), K=st.integers(1, 300),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-    fp8=st.booleans(), activation=st.sampled_from([None, "silu"]), norm=st.booleans(),
-    split_k=st.sampled_from([1, 2]), seed=st.integers(0, 2**16),
-)
-def test_one_row_unrolled_loads_give_the_same_bits(N, K, dtype, fp8, activation, norm, split_k,
-                                                   seed):
-    """linear.ONE_ROW_UNROLL: a one-row program loading 2 or 4 K tiles before it sums them
-    (more weight bytes in flight per program) sums the same tiles in the same order as one at a
-    time: bit for bit the same output (and summed residual), K off the tile multiples, through
-    the norm prologue, the gated epilogue, FP8 scales and split-K."""
-    from unittest import mock
-
-    from fuser.ops import linear as linear_module
-
-    if split_k > 1:
-        K = 32 * split_k * (1 + K // 100)  # split-K needs split_k * block_k to divide K
-    x, r, gain, w, scale = _norm_linear_case(1, N, K, dtype, fp8, activation, seed)
-    config = dict(weight_scale=scale, activation=activation, block_n=8, block_k=32,
-                  split_k=split_k)
-
-    def run_once(unroll: int) -> torch.Tensor:
-        with mock.patch.object(linear_module, "ONE_ROW_UNROLL", unroll):
-            return _run_norm_linear(x, r if norm else None, gain, w, **config)
-
-    one = run_once(1)
-    for unroll in (2, 4):
-        assert torch.equal(run_once(unroll), one), unroll
-
-
 def test_custom_op_opcheck_and_reference_on_cpu():
     x, w = torch.randn(1, 3, 64), torch.randn(24, 64)
     torch.library.opcheck(torch.ops.fuser.linear.default, (x, w))

@@ -94,6 +94,7 @@ class StreamConfig:
     fp8: bool = True
     run_bytes: int = 64
     pow2_rows: bool = False
+    wide: StreamConfig | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.depth <= 4:
@@ -107,8 +108,14 @@ class StreamConfig:
 # GEMVs on an H200 (benchmarks/RESULTS.md, ninth session): bf16 117.1 us a layer against
 # _linear_kernel's 120.0 (89.0% of the read bandwidth against 86.8%). With FP8 weights every
 # stream configuration measured slower than _linear_kernel (at best 89 us against 71), so FP8
-# stays there.
-DEFAULT = StreamConfig(programs_per_sm=2, tile_bytes=8192, depth=4, pdl=True, fp8=False)
+# stays there. Its `wide` configuration takes the shapes whose 8 KB tile holds so many rows that
+# each is read 64 bytes a step: the 8B gate/up (110 rows of a 128-row tile). Timed alone, 16
+# launches back to back (benchmarks/shape_lab.py, RESULTS.md, twelfth session): 57.15 us against
+# 62.73 (98.0% of the read bandwidth against 89.3%; cuBLAS's plain GEMV, without the norm or the
+# activation, 57.69); at qkv, o_proj and down_proj 16 KB tiles were no faster or slower.
+DEFAULT = StreamConfig(programs_per_sm=2, tile_bytes=8192, depth=4, pdl=True, fp8=False,
+                       wide=StreamConfig(programs_per_sm=2, tile_bytes=16384, depth=2, pdl=True,
+                                         fp8=False))
 
 # The configuration linear.py uses at one row on CUDA; None leaves every one-row GEMV to
 # _linear_kernel. Benchmarks set it to compare (a CUDA graph keeps what it was captured with).
@@ -147,6 +154,21 @@ def stream_plan(N: int, K: int, weight_bytes: int, gated: bool, config: StreamCo
     block_k = max(block_k, config.run_bytes // weight_bytes)
     block_k = min(triton.next_power_of_2(block_k), triton.next_power_of_2(K))
     return StreamPlan(rows, block_r, block_k, triton.cdiv(N, rows))
+
+
+def choose(N: int, K: int, weight_bytes: int, gated: bool, config: StreamConfig, num_sms: int,
+           x_rows: int = 1) -> tuple[StreamConfig, StreamPlan] | None:
+    """(the configuration, its plan) for a shape: `config`'s plan, or `config.wide`'s where
+    config's tile would read each weight row only MIN_RUN_BYTES a K step; None where the stream
+    kernel does not take the shape (stream_plan)."""
+    plan = stream_plan(N, K, weight_bytes, gated, config, num_sms, x_rows)
+    if plan is None:
+        return None
+    if config.wide is not None and plan.block_k * weight_bytes <= MIN_RUN_BYTES:
+        wide = stream_plan(N, K, weight_bytes, gated, config.wide, num_sms, x_rows)
+        if wide is not None:
+            return config.wide, wide
+    return config, plan
 
 
 @triton.jit

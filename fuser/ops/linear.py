@@ -304,7 +304,6 @@ def _linear_kernel(
     PREFETCH: tl.constexpr = 0,  # (0, 1 or 2) load before waiting for the previous kernel
     SWAP: tl.constexpr = False,  # MMA path: the weight tile as the MMA's A operand (_mma_swapped)
     F16_MMA: tl.constexpr = False,  # SWAP, FP8 weights: the MMA in fp16 (_f16_step)
-    UNROLL: tl.constexpr = 1,  # one row: K tiles loaded before they are summed (1, 2 or 4)
 ):
     pid = tl.program_id(0)
     # Split-K: program (pid, s) sums K range [s * K / SPLIT_K, (s + 1) * K / SPLIT_K) (the
@@ -365,37 +364,10 @@ def _linear_kernel(
         if PDL and PREFETCH >= 2:
             acc = _row_step(acc, w_pre1, x_row, r_row, g_ptr, k_pre1, k_hi, rstd, NORM,
                             HAS_RESIDUAL)
-        # UNROLL tiles' loads are issued before the first of them is summed, so a program has
-        # UNROLL times the weight bytes in flight (Triton pipelines only loads that feed a dot);
-        # the tiles are summed in the same order as one at a time: the same bits.
-        if UNROLL == 1:
-            for k0 in range(k_loop, k_hi, BLOCK_K):
-                k = k0 + offs_k
-                w = _w_tile(w_rows, col_ok, k, k_hi)
-                acc = _row_step(acc, w, x_row, r_row, g_ptr, k, k_hi, rstd, NORM, HAS_RESIDUAL)
-        elif UNROLL == 2:
-            for k0 in range(k_loop, k_hi, 2 * BLOCK_K):
-                ka = k0 + offs_k
-                kb = ka + BLOCK_K
-                wa = _w_tile(w_rows, col_ok, ka, k_hi)
-                wb = _w_tile(w_rows, col_ok, kb, k_hi)
-                acc = _row_step(acc, wa, x_row, r_row, g_ptr, ka, k_hi, rstd, NORM, HAS_RESIDUAL)
-                acc = _row_step(acc, wb, x_row, r_row, g_ptr, kb, k_hi, rstd, NORM, HAS_RESIDUAL)
-        else:
-            tl.static_assert(UNROLL == 4, "UNROLL must be 1, 2 or 4")
-            for k0 in range(k_loop, k_hi, 4 * BLOCK_K):
-                ka = k0 + offs_k
-                kb = ka + BLOCK_K
-                kc = kb + BLOCK_K
-                kd = kc + BLOCK_K
-                wa = _w_tile(w_rows, col_ok, ka, k_hi)
-                wb = _w_tile(w_rows, col_ok, kb, k_hi)
-                wc = _w_tile(w_rows, col_ok, kc, k_hi)
-                wd = _w_tile(w_rows, col_ok, kd, k_hi)
-                acc = _row_step(acc, wa, x_row, r_row, g_ptr, ka, k_hi, rstd, NORM, HAS_RESIDUAL)
-                acc = _row_step(acc, wb, x_row, r_row, g_ptr, kb, k_hi, rstd, NORM, HAS_RESIDUAL)
-                acc = _row_step(acc, wc, x_row, r_row, g_ptr, kc, k_hi, rstd, NORM, HAS_RESIDUAL)
-                acc = _row_step(acc, wd, x_row, r_row, g_ptr, kd, k_hi, rstd, NORM, HAS_RESIDUAL)
+        for k0 in range(k_loop, k_hi, BLOCK_K):
+            k = k0 + offs_k
+            w = _w_tile(w_rows, col_ok, k, k_hi)
+            acc = _row_step(acc, w, x_row, r_row, g_ptr, k, k_hi, rstd, NORM, HAS_RESIDUAL)
         if SPLIT_K > 1:
             acc, last = _sum_splits(acc, part_ptr, count_ptr, pid, BLOCK_N, SPLIT_K)
         if HAS_SCALE:  # once per output, after the sum over K
@@ -543,12 +515,6 @@ def _default_swap(M: int, N: int, K: int, fp8: bool) -> bool:
 # to the bf16 MMA's values at the 8B shapes.
 FP8_F16_MMA = True
 
-# One row: K tiles a program loads before it sums them (_linear_kernel's UNROLL: 1, 2 or 4). 1
-# until a GPU measures more faster (benchmarks/pdl_lab.py's "unroll" variants): a one-row FP8
-# GEMV pays ~4 us over its bytes' time at every 8B shape (RESULTS.md, tenth session), which
-# looks like a program's K steps waiting on their loads one after another.
-ONE_ROW_UNROLL = 1
-
 PDL_PREFETCH = 1  # weight tiles a PDL-launched program loads before its wait (fuser/ops/pdl.py)
 
 SHARED_MEMORY_BUDGET = 200 * 1024  # bytes of pipelined tiles (an H200 SM has 227 KiB); every tuned
@@ -679,10 +645,11 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         from fuser.ops import gemv_stream  # noqa: PLC0415  (it imports this module's helpers)
 
         config = gemv_stream.CONFIG if M == 1 else gemv_stream.ROWS_CONFIG
-        plan = None if config is None else gemv_stream.stream_plan(
+        chosen = None if config is None else gemv_stream.choose(
             N, K, weight.element_size(), activation is not None, config,
             gemv_stream.num_sms(x.device), M)
-        if plan is not None:
+        if chosen is not None:
+            config, plan = chosen
             gemv_stream.stream_gemv(
                 x2, weight, out, plan, config, weight_scale=weight_scale, activation=activation,
                 residual=r2 if residual is not None else None, eps=eps, summed=summed,
@@ -728,7 +695,6 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         ACTIVATION=activation or "", NORM=norm, HAS_RESIDUAL=residual is not None,
         SPLIT_K=splits, PDL=bool(pdl), PREFETCH=PDL_PREFETCH if prefetch is None else prefetch,
         SWAP=swap, F16_MMA=swap and fp8 and FP8_F16_MMA and x.dtype == torch.bfloat16,
-        UNROLL=ONE_ROW_UNROLL if block_m == 1 else 1,
         num_warps=num_warps or warps, num_stages=num_stages or stages, **pdl,
     )
     return out.reshape(*lead, N), _lead(summed, lead, K)
