@@ -31,6 +31,7 @@
 #   bash benchmarks/gpu_all.sh eleventh3 # swapped layout kept to the store: tests, defaults, chain
 #   bash benchmarks/gpu_all.sh shapes   # each 8B GEMV shape alone (shape_lab.py): stream configurations, unrolled FP8 loop
 #   bash benchmarks/gpu_all.sh wide     # gate/up on 16 KB stream tiles: shape + chain labs, FP8 tiles and norm cost, 8B decode profiled
+#   bash benchmarks/gpu_all.sh prologue # FP8 one-row norm prologue over the whole row; 5-row norm prologue chain; 8B decode + verify; engine tests
 #   bash benchmarks/gpu_all.sh sixteenth  # (not yet run) unroll + 5-row chain labs, 8B decode profiled, engine GPU tests
 #   bash benchmarks/gpu_all.sh fifteenth  # GPU tests with PDL at one row by default
 #   bash benchmarks/gpu_all.sh twelfth  # fp16 MMA for FP8 rows; 8B decode + verify
@@ -376,6 +377,30 @@ lk n16 k512 w4 s4;lk n32 k1024 w8 s3" 2>&1 | grep -v Warning | tee "$OUT/shape_l
   timeout 330 python3 benchmarks/decode.py --out "$OUT/decode.json" --skip-peers --profile 2>&1 \
     | tee "$OUT/decode.log" | grep -v Warning | grep -E "^\[|verify|ceiling|fp8 vs|per token|parts|\
 Error|fallback|kernels|^sum|^graph|^GEMV|^attention|^rope|^other|^iteration|^  [a-z_]" | tail -70
+elif [ "$what" = prologue ]; then
+  # Twelfth session, third call: _linear_kernel's one-row norm prologue over the whole row
+  # (ONE_ROW_NORM_K) against its cost measured in the second call; the 5-row chain with the
+  # norms inside the GEMVs (the verify step's candidate); the 8B decode with its verify step,
+  # unprofiled; then the engine's GPU tests in what time is left.
+  echo "== GPU tests: PDL chain with the wide tile, norm prologue"
+  timeout 100 python3 -m pytest -q -p no:cacheprovider -rf tests/test_ops_gemv_stream.py \
+    tests/test_ops_norm_linear.py -k "pdl_chain or through_linear or gpu_8b_norm or cuda" 2>&1 \
+    | tee "$OUT/gpu_tests.log" | grep -E "^E  |FAIL|Error|passed|failed" | head
+  summary+=("GPU tests: $(tail -1 "$OUT/gpu_tests.log")")
+  echo "== shape lab, fp8: the norm prologue's cost"
+  timeout 60 python3 benchmarks/shape_lab.py --dtypes fp8 --shapes qkv,gate_up \
+    --variants "default;default nonorm" --out "$OUT/shape_lab_fp8.json" 2>&1 | grep -v Warning
+  echo "== GEMV chain lab, 16 layers, 5 rows: norms inside the GEMVs"
+  timeout 60 python3 benchmarks/pdl_lab.py --layers 16 --rows 5 --dtypes bf16 \
+    --variants "off;norm prologue" --out "$OUT/pdl_lab.json" 2>&1 | grep -v Warning | tail -3
+  echo "== decode, 8B shape"
+  timeout 400 python3 benchmarks/decode.py --out "$OUT/decode.json" --skip-peers 2>&1 \
+    | tee "$OUT/decode.log" | grep -v Warning | grep -E "^\[|verify|ceiling|fp8 vs|per token|\
+parts|Error|fallback" | tail -30
+  left=$((585 - SECONDS))
+  echo "== GPU tests: the engine (${left} s left)"
+  [ "$left" -gt 30 ] && timeout "$left" python3 -m pytest -q -p no:cacheprovider -rf \
+    tests/test_cuda.py 2>&1 | tee "$OUT/gpu_tests_engine.log" | grep -E "^E  |FAIL|Error|passed|failed" | head
 elif [ "$what" = sixteenth ]; then
   # For the next session's first call (written in the eleventh, not yet run; ~15 minutes): the
   # one-row chain with linear.ONE_ROW_UNROLL 2 and 4 (if FP8 gains, set it and re-run the

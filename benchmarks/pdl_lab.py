@@ -64,7 +64,10 @@ ROWS_VARIANTS = (("off", "0", None, None),
                                                                     num_stages=2)),
                  ("stream d2 32K", "0", None, StreamConfig(tile_bytes=32768, depth=2)),
                  # FP8 weights on an fp16 MMA (linear.FP8_F16_MMA; bf16 rows: unchanged)
-                 ("f16 mma", "0", None, None))
+                 ("f16 mma", "0", None, None),
+                 # the norms inside the qkv and gate/up GEMVs (their per-row prologue) instead
+                 # of add_rms_norm kernels (linear.NORM_PROLOGUE_MAX_ROWS)
+                 ("norm prologue", "0", None, None))
 
 
 def make_layers(n: int, fp8: bool, device: torch.device) -> list[dict]:
@@ -85,14 +88,15 @@ def make_layers(n: int, fp8: bool, device: torch.device) -> list[dict]:
     return layers
 
 
-def chain(layers: list[dict], h: torch.Tensor, r: torch.Tensor, prefetch: int | None
-          ) -> torch.Tensor:
+def chain(layers: list[dict], h: torch.Tensor, r: torch.Tensor, prefetch: int | None,
+          prologue: bool = False) -> torch.Tensor:
     """The layers' GEMVs in step order with the norms as the engine runs them: inside the GEMVs
     at one row, add_rms_norm kernels before qkv and gate_up at several rows (until the eleventh
     session several rows left them out, and the chain's values overflowed to NaN by the sixth
-    layer: its bit-equality columns said nothing there)."""
+    layer: its bit-equality columns said nothing there). `prologue`: the norms inside the GEMVs
+    at several rows too."""
     kw = {} if prefetch is None else {"prefetch": prefetch}
-    one_row = h.shape[0] == 1
+    one_row = h.shape[0] == 1 or prologue
     for layer in layers:
         w, s = layer["qkv"]
         if one_row:
@@ -155,7 +159,8 @@ def main() -> None:
                     (None, stream)
                 linear_module.FP8_F16_MMA = name == "f16 mma"  # "off": the bf16 MMA
                 try:
-                    ms, out = replay_median_ms(lambda: chain(layers, h, r, prefetch))
+                    ms, out = replay_median_ms(
+                        lambda: chain(layers, h, r, prefetch, name == "norm prologue"))
                 except Exception as error:  # noqa: BLE001  (a variant that does not compile)
                     log(f"{dtype:4s} M={M:2d} {name:17s} failed: {type(error).__name__}: "
                         f"{str(error)[:200]}")

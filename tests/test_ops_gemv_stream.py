@@ -271,7 +271,8 @@ def test_gpu_pdl_chain_gives_the_ordinary_launchs_bits() -> None:
             gemv_stream.CONFIG = previous
 
     with_pdl = replayed(gemv_stream.DEFAULT)
-    without = replayed(StreamConfig(programs_per_sm=2, tile_bytes=8192, depth=4, pdl=False,
-                                    fp8=False))
+    default = gemv_stream.DEFAULT  # its wide configuration too (gate/up): PDL off in both
+    without = replayed(dataclasses.replace(default, pdl=False,
+                                           wide=dataclasses.replace(default.wide, pdl=False)))
     assert torch.isfinite(with_pdl).all()
     assert torch.equal(with_pdl, without)
