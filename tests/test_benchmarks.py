@@ -141,3 +141,29 @@ def test_prefill_lab_says_it_needs_a_gpu() -> None:
     proc = subprocess.run([sys.executable, "benchmarks/prefill_lab.py", "--tokens", "64"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "no CUDA device" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.skipif(torch_cuda_available(), reason="checks the message a CPU machine gets")
+@pytest.mark.parametrize("script", ["shape_lab.py", "argmax_lab.py"])
+def test_labs_say_they_need_a_gpu(script: str) -> None:
+    proc = subprocess.run([sys.executable, f"benchmarks/{script}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "needs a CUDA GPU" in proc.stdout + proc.stderr, proc.stderr
+
+
+def test_shape_lab_variant_words() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from shape_lab import parse_variant
+
+    from fuser.ops import gemv_stream
+
+    assert parse_variant("default", False).stream is gemv_stream.DEFAULT
+    lk = parse_variant("lk n64 k512 w8 s4 nonorm", True)
+    assert lk.stream is None and not lk.norm
+    assert lk.overrides == dict(block_n=64, block_k=512, num_warps=8, num_stages=4)
+    stream = parse_variant("2/sm 16K d2 w16 run128 p2", False).stream
+    assert (stream.programs_per_sm, stream.tile_bytes, stream.depth, stream.num_warps,
+            stream.run_bytes, stream.pow2_rows, stream.fp8) == (2, 16384, 2, 16, 128, True, True)
+    assert parse_variant("cublas", False).cublas
+    with pytest.raises(ValueError, match="unknown word"):
+        parse_variant("2/sm 16K q3", False)
