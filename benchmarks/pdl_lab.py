@@ -54,7 +54,10 @@ VARIANTS = (("off", "0", None, None), ("pdl, 1 tile", "1", 1, None),
                                                                  tile_bytes=4096, depth=4,
                                                                  num_warps=4)),
             ("stream pdl 4/sm 4K d3 w4", "1", None, StreamConfig(programs_per_sm=4,
-                                                                 tile_bytes=4096, num_warps=4)))
+                                                                 tile_bytes=4096, num_warps=4)),
+            # the engine's launches (PDL on), the norms as add_rms_norm kernels instead of
+            # inside qkv and gate/up (what FP8's per-program norm prologue costs against)
+            ("norm kernels", "1", None, gemv_stream.DEFAULT))
 # Several rows (the verify step's MMA path; PDL is one row's): the stream GEMV's ROWS_CONFIG
 ROWS_VARIANTS = (("off", "0", None, None),
                  ("stream d1 st3", "0", None, StreamConfig(depth=1, num_stages=3)),
@@ -89,14 +92,14 @@ def make_layers(n: int, fp8: bool, device: torch.device) -> list[dict]:
 
 
 def chain(layers: list[dict], h: torch.Tensor, r: torch.Tensor, prefetch: int | None,
-          prologue: bool = False) -> torch.Tensor:
+          prologue: bool = False, norm_kernels: bool = False) -> torch.Tensor:
     """The layers' GEMVs in step order with the norms as the engine runs them: inside the GEMVs
     at one row, add_rms_norm kernels before qkv and gate_up at several rows (until the eleventh
     session several rows left them out, and the chain's values overflowed to NaN by the sixth
     layer: its bit-equality columns said nothing there). `prologue`: the norms inside the GEMVs
-    at several rows too."""
+    at several rows too; `norm_kernels`: norm kernels at one row too."""
     kw = {} if prefetch is None else {"prefetch": prefetch}
-    one_row = h.shape[0] == 1 or prologue
+    one_row = (h.shape[0] == 1 and not norm_kernels) or prologue
     for layer in layers:
         w, s = layer["qkv"]
         if one_row:
@@ -160,7 +163,8 @@ def main() -> None:
                 linear_module.FP8_F16_MMA = name == "f16 mma"  # "off": the bf16 MMA
                 try:
                     ms, out = replay_median_ms(
-                        lambda: chain(layers, h, r, prefetch, name == "norm prologue"))
+                        lambda: chain(layers, h, r, prefetch, name == "norm prologue",
+                                      name == "norm kernels"))
                 except Exception as error:  # noqa: BLE001  (a variant that does not compile)
                     log(f"{dtype:4s} M={M:2d} {name:17s} failed: {type(error).__name__}: "
                         f"{str(error)[:200]}")

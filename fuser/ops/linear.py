@@ -469,12 +469,15 @@ def _default_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
 def _default_fp8_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
     """(block_n, block_k, num_warps, num_stages) for e4m3fn weights: the fastest of
     benchmarks/fp8_ops.py's sweep on an H200 at Llama-3-8B shapes (benchmarks/RESULTS.md,
-    2026-11-30). One 16-byte load carries 16 weights, so BLOCK_K is twice the bf16 table's."""
+    2026-11-30). One 16-byte load carries 16 weights, so BLOCK_K is twice the bf16 table's.
+    gate/up at one row: benchmarks/shape_lab.py as the engine runs it (norm prologue, gated,
+    PDL), twelfth session: 128 x 256 tiles 32.93 us against 34.20 for 32 x 512 (a quarter of
+    the programs, each making the norm prologue's pass over x)."""
     if M == 1:
         if N * K <= 2**25 or K > 8192:  # qkv, o_proj, down_proj: narrow programs, long K steps
             return 8, 1024, 4, 4
         if N < 2**16:                   # gate_up
-            return 32, 512, 8, 4
+            return 128, 256, 8, 4
         return 16, 512, 4, 4            # lm_head
     return 64, 128, 4, 4  # swapped, every shape (benchmarks/fp8_mma_lab.py at M = 5, tenth session)
 
