@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import warnings
@@ -30,7 +31,7 @@ from fuser.models import PRESETS
 from fuser.runtime.step_graphs import PLAIN
 from fuser.runtime.steps import DECODE, PREFILL, verify
 from peers import make_gpt_fast_style, make_hf_eager, make_hf_static_compile
-from timing import log, measure_read_bandwidth
+from timing import log, measure_read_bandwidth, replay_median_ms
 
 RESULTS: dict = {}
 
@@ -89,6 +90,9 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="break the decode step's kernel time down by op")
     parser.add_argument("--skip-verify", action="store_true")
+    parser.add_argument("--verify-pdl-rows", action="store_true",
+                        help="also time the verify step captured with FUSER_PDL_ROWS=0 and =1 "
+                             "(several-row launches with PDL), one capture each")
     parser.add_argument("--fused-attention", choices=["default", "on", "off"], default="default",
                         help="FuserConfig.fused_attention: the split-K Triton op for decode/verify")
     parser.add_argument("--precisions", default="bf16,fp8",
@@ -236,6 +240,8 @@ def time_fuser(model: torch.nn.Module, precision: str, prompt: torch.Tensor,
             f"{format_breakdown(table, result['prefill_ms'], host=True)}")
     if not args.skip_verify:
         result["verify5_ms"] = time_verify(engine, prompt, decode_ms)
+        if args.verify_pdl_rows:
+            result["verify5_pdl_rows_ms"] = time_verify_pdl_rows(engine, prompt, decode_ms)
         if args.profile:
             table = profile_verify(engine, prompt)
             result["verify5_breakdown"] = table
@@ -359,6 +365,35 @@ def time_verify(engine: fuser.Engine, prompt: torch.Tensor, decode_ms: float) ->
         kind, prompt[:, :5], torch.arange(5, device="cuda")[None]))
     log(f"target verify step (T=5): {verify_ms:.3f} ms = {verify_ms / decode_ms:.3f} x decode")
     return verify_ms
+
+
+def time_verify_pdl_rows(engine: fuser.Engine, prompt: torch.Tensor, decode_ms: float
+                         ) -> dict[str, float]:
+    """The verify step (T = 5) captured twice, with several-row launches without and with PDL
+    (FUSER_PDL_ROWS, read at capture), each timed as benchmarks/timing.py's replay_median_ms;
+    -> {"off": ms, "on": ms}. Logs both and whether their logits are bit-equal."""
+    cache = engine.target.cache
+    step = engine.target[verify(4)].uncaptured
+    positions = torch.arange(5, device="cuda")[None]
+    times, outs = {}, {}
+    saved = os.environ.get("FUSER_PDL_ROWS")
+    try:
+        for name in ("off", "on"):
+            os.environ["FUSER_PDL_ROWS"] = "1" if name == "on" else "0"
+            cache.set_lengths(prompt.shape[1])
+            with torch.no_grad():
+                times[name], outs[name] = replay_median_ms(
+                    lambda: step(prompt[:, :5], positions, cache.seq_lens, cache.starts))
+    finally:
+        if saved is None:
+            os.environ.pop("FUSER_PDL_ROWS", None)
+        else:
+            os.environ["FUSER_PDL_ROWS"] = saved
+    log(f"verify step (T=5), several-row PDL off {times['off']:.3f} ms "
+        f"({times['off'] / decode_ms:.3f}x decode), on {times['on']:.3f} ms "
+        f"({times['on'] / decode_ms:.3f}x); logits "
+        f"{'bit-equal' if torch.equal(outs['off'], outs['on']) else 'DIFFERENT'}")
+    return times
 
 
 def hf_peers(model: torch.nn.Module, prompt: torch.Tensor, args: argparse.Namespace,

@@ -70,7 +70,10 @@ ROWS_VARIANTS = (("off", "0", None, None),
                  ("f16 mma", "0", None, None),
                  # the norms inside the qkv and gate/up GEMVs (their per-row prologue) instead
                  # of add_rms_norm kernels (linear.NORM_PROLOGUE_MAX_ROWS)
-                 ("norm prologue", "0", None, None))
+                 ("norm prologue", "0", None, None),
+                 # several-row launches with PDL (FUSER_PDL_ROWS=1), the first tile prefetched;
+                 # FP8 on the bf16 MMA, as "off", so that the equality column means something
+                 ("pdl rows", "1", 1, None))
 
 
 def make_layers(n: int, fp8: bool, device: torch.device) -> list[dict]:
@@ -158,6 +161,7 @@ def main() -> None:
                 if args.variants and name not in args.variants.split(";"):
                     continue
                 os.environ["FUSER_PDL"] = flag
+                os.environ["FUSER_PDL_ROWS"] = "1" if name == "pdl rows" else "0"
                 gemv_stream.CONFIG, gemv_stream.ROWS_CONFIG = (stream, None) if M == 1 else \
                     (None, stream)
                 linear_module.FP8_F16_MMA = name == "f16 mma"  # "off": the bf16 MMA
@@ -186,6 +190,7 @@ def main() -> None:
         del layers
         torch.cuda.empty_cache()
     os.environ.pop("FUSER_PDL", None)
+    os.environ.pop("FUSER_PDL_ROWS", None)
     if args.out:
         args.out.write_text(json.dumps(dict(bandwidth=bandwidth, layers=args.layers, rows=rows),
                                        indent=1))
