@@ -38,9 +38,10 @@ def logits_with(rows: int, V: int, dtype: torch.dtype, seed: int, ties: bool, na
        seed=st.integers(0, 2**16))
 def test_equals_torch_argmax(rows, V, dtype, ties, nans, infs, seed) -> None:
     x = logits_with(rows, V, dtype, seed, ties, nans, infs)
-    with mock.patch.object(argmax_module, "CHUNK", 64):  # several chunks at small V
-        out = argmax(x.to(DEVICE), kernels=True).cpu()
-    assert torch.equal(out, torch.argmax(x, dim=-1)), (x, out)
+    for single_max in (0, 1 << 20):  # several chunks of 64 at small V; one program a row
+        with mock.patch.multiple(argmax_module, CHUNK=64, SINGLE_MAX=single_max):
+            out = argmax(x.to(DEVICE), kernels=True).cpu()
+        assert torch.equal(out, torch.argmax(x, dim=-1)), (single_max, x, out)
 
 
 def test_leading_dims_and_strided_rows() -> None:

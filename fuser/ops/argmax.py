@@ -7,7 +7,8 @@ row) it took 37.6 us of the 8B decode iteration on an H200 (benchmarks/decode.py
 benchmarks/RESULTS.md, twelfth session), some 1% of a bf16 token and 1.5% of an FP8 one. Here
 the row is cut into CHUNK-wide chunks, one program each (`_chunk_kernel`: the chunk's maximum,
 the first index holding it, the first NaN), and one program per row combines the chunks in
-order (`_combine_kernel`).
+order (`_combine_kernel`). A vocabulary of at most SINGLE_MAX tokens takes one program a row
+and one kernel.
 
 Semantics are torch.argmax's: the first index of the maximum; a NaN counts as above every number,
 so the first NaN wins; a row of -inf gives 0. Comparisons are in fp32, exact for bf16/fp16 (the
@@ -23,12 +24,14 @@ import triton.language as tl
 from torch import Tensor
 
 CHUNK = 2048        # logits per program of the first kernel
+SINGLE_MAX = 8192   # vocabularies up to this size: one program a row, one kernel (the bundled
+# pair's 4096 tokens: its steps are launch-bound, a second kernel would cost more than it saves)
 NUM_WARPS = 4
 
 
 @triton.jit
-def _chunk_kernel(x_ptr, val_ptr, idx_ptr, nan_ptr, V, stride_row, CHUNKS,
-                  CHUNK: tl.constexpr):
+def _chunk_kernel(x_ptr, val_ptr, idx_ptr, nan_ptr, out_ptr, V, stride_row, CHUNKS,
+                  CHUNK: tl.constexpr, SINGLE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     at = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -36,10 +39,13 @@ def _chunk_kernel(x_ptr, val_ptr, idx_ptr, nan_ptr, V, stride_row, CHUNKS,
     top = tl.max(x, axis=0)  # NaN-free: NaNs are handled apart
     first_top = tl.min(tl.where(x == top, at, V), axis=0)
     first_nan = tl.min(tl.where(x != x, at, V), axis=0)  # NaN: unequal to itself
-    out = row * CHUNKS + chunk
-    tl.store(val_ptr + out, top)
-    tl.store(idx_ptr + out, first_top)
-    tl.store(nan_ptr + out, first_nan)
+    if SINGLE:  # the whole row in this chunk: the token itself
+        tl.store(out_ptr + row, tl.where(first_nan < V, first_nan, first_top).to(tl.int64))
+    else:
+        out = row * CHUNKS + chunk
+        tl.store(val_ptr + out, top)
+        tl.store(idx_ptr + out, first_top)
+        tl.store(nan_ptr + out, first_nan)
 
 
 @triton.jit
@@ -69,13 +75,17 @@ def argmax(logits: Tensor, *, kernels: bool | None = None) -> Tensor:
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     R = rows.shape[0]
+    out = torch.empty(R, dtype=torch.int64, device=logits.device)
+    if V <= SINGLE_MAX:  # one program a row, one kernel
+        _chunk_kernel[(R, 1)](rows, out, out, out, out, V, rows.stride(0), 1,
+                              CHUNK=triton.next_power_of_2(V), SINGLE=True, num_warps=NUM_WARPS)
+        return out.reshape(lead)
     chunks = triton.cdiv(V, CHUNK)
     val = torch.empty((R, chunks), dtype=torch.float32, device=logits.device)
     idx = torch.empty((R, chunks), dtype=torch.int32, device=logits.device)
     nan = torch.empty_like(idx)
-    out = torch.empty(R, dtype=torch.int64, device=logits.device)
-    _chunk_kernel[(R, chunks)](rows, val, idx, nan, V, rows.stride(0), chunks, CHUNK=CHUNK,
-                               num_warps=NUM_WARPS)
+    _chunk_kernel[(R, chunks)](rows, val, idx, nan, out, V, rows.stride(0), chunks, CHUNK=CHUNK,
+                               SINGLE=False, num_warps=NUM_WARPS)
     _combine_kernel[(R,)](val, idx, nan, out, V, chunks,
                           BLOCK_C=triton.next_power_of_2(chunks), num_warps=1)
     return out.reshape(lead)
