@@ -685,9 +685,8 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         parts = torch.empty((programs, splits, block_m * bn), dtype=torch.float32,
                             device=x.device)
         counts = split_counters(x.device, programs)
-    # PDL at one row only: at several rows (the MMA path) a chain of PDL launches, each reading
-    # the one before's output, was not bit-equal to ordinary launches on the H200, and gained
-    # nothing there (benchmarks/RESULTS.md, eighth session; fuser/ops/pdl.py).
+    # PDL at one row; at several rows (the MMA path) only under FUSER_PDL_ROWS=1, until a GPU
+    # run times the verify step with it (fuser/ops/pdl.py).
     pdl = pdl_launch(x.device, one_row=block_m == 1)
     swap = block_m > 1 and _default_swap(M, rows_w, K, fp8)
     _linear_kernel[(programs, splits)](
