@@ -156,13 +156,15 @@ def test_plan_is_one_wave_of_equal_runs() -> None:
     ("1B", [(3072, 2048, False), (2048, 2048, False), (8192, 2048, True), (2048, 8192, False)])])
 def test_default_takes_its_wide_tile_where_rows_are_read_64_bytes_a_step(gpu, shapes) -> None:
     """gemv_stream.choose: the 8B gate/up (110 rows of a 128-row 8 KB tile, 64 bytes of each a
-    step) on DEFAULT.wide's 16 KB tiles, every other Llama-3 shape on DEFAULT; a configuration
-    without `wide` (the labs') keeps its own."""
+    step) on DEFAULT.wide's 16 KB tiles, the 8B down_proj (K = 14336) on DEFAULT.long_k's 16
+    warps, every other Llama-3 shape on DEFAULT; a configuration without them (the labs') keeps
+    its own."""
     default = gemv_stream.DEFAULT
     for N, K, gated in shapes:
         config, plan = gemv_stream.choose(N, K, 2, gated, default, 132)
-        wide = gpu == "8B" and gated
-        assert config is (default.wide if wide else default), (N, K, gated)
+        wide, long_k = gpu == "8B" and gated, K > 8192  # the 8B gate/up; the 8B down_proj
+        assert config is (default.wide if wide else default.long_k if long_k else default), (
+            N, K, gated)
         assert plan.block_k * 2 >= 128, plan  # a row's run a step: 128 bytes or more
         assert plan.programs <= 2 * 132
         plain = StreamConfig(programs_per_sm=2, tile_bytes=8192, depth=4)
@@ -271,8 +273,9 @@ def test_gpu_pdl_chain_gives_the_ordinary_launchs_bits() -> None:
             gemv_stream.CONFIG = previous
 
     with_pdl = replayed(gemv_stream.DEFAULT)
-    default = gemv_stream.DEFAULT  # its wide configuration too (gate/up): PDL off in both
-    without = replayed(dataclasses.replace(default, pdl=False,
-                                           wide=dataclasses.replace(default.wide, pdl=False)))
+    default = gemv_stream.DEFAULT  # its wide and long-K configurations too: PDL off in all
+    without = replayed(dataclasses.replace(
+        default, pdl=False, wide=dataclasses.replace(default.wide, pdl=False),
+        long_k=dataclasses.replace(default.long_k, pdl=False)))
     assert torch.isfinite(with_pdl).all()
     assert torch.equal(with_pdl, without)

@@ -82,7 +82,12 @@ class StreamConfig:
     program; num_warps; depth: weight tiles in flight per program (1-4: a pipeline in
     registers, all loaded before the PDL wait); num_stages: Triton's own pipelining, which only
     the several-row path (the MMA) gets; pdl: launch with PDL where the GPU supports it,
-    whatever FUSER_PDL says (pdl=None: as FUSER_PDL says); fp8: FP8 weights take this kernel too.
+    whatever FUSER_PDL says (pdl=None: as FUSER_PDL says); fp8: FP8 weights take this kernel too;
+    run_bytes: the least bytes of one weight row a K step reads (the tile grows past tile_bytes
+    to reach it); pow2_rows: ROWS rounded up to a power of two (no masked-off tile rows, fewer
+    programs than the wave holds); wide: the configuration for shapes whose tile under this one
+    reads each row only MIN_RUN_BYTES a K step; long_k: the configuration for K > LONG_K (both
+    taken by `choose`).
     """
 
     programs_per_sm: int = 1
@@ -95,6 +100,7 @@ class StreamConfig:
     run_bytes: int = 64
     pow2_rows: bool = False
     wide: StreamConfig | None = None
+    long_k: StreamConfig | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.depth <= 4:
@@ -113,9 +119,15 @@ class StreamConfig:
 # launches back to back (benchmarks/shape_lab.py, RESULTS.md, twelfth session): 57.15 us against
 # 62.73 (98.0% of the read bandwidth against 89.3%; cuBLAS's plain GEMV, without the norm or the
 # activation, 57.69); at qkv, o_proj and down_proj 16 KB tiles were no faster or slower.
+# Its `long_k` configuration, 16 warps, takes K > LONG_K (the 8B down_proj, K = 14336): 28.08
+# us against 29.36 (98.5% of the read bandwidth against 94.2%; shape_lab.py, twelfth session,
+# call 2), where qkv ran slower with 16 warps (22.5 against 15.9 us).
 DEFAULT = StreamConfig(programs_per_sm=2, tile_bytes=8192, depth=4, pdl=True, fp8=False,
                        wide=StreamConfig(programs_per_sm=2, tile_bytes=16384, depth=2, pdl=True,
-                                         fp8=False))
+                                         fp8=False),
+                       long_k=StreamConfig(programs_per_sm=2, tile_bytes=8192, depth=4,
+                                           num_warps=16, pdl=True, fp8=False))
+LONG_K = 8192
 
 # The configuration linear.py uses at one row on CUDA; None leaves every one-row GEMV to
 # _linear_kernel. Benchmarks set it to compare (a CUDA graph keeps what it was captured with).
@@ -159,15 +171,17 @@ def stream_plan(N: int, K: int, weight_bytes: int, gated: bool, config: StreamCo
 def choose(N: int, K: int, weight_bytes: int, gated: bool, config: StreamConfig, num_sms: int,
            x_rows: int = 1) -> tuple[StreamConfig, StreamPlan] | None:
     """(the configuration, its plan) for a shape: `config`'s plan, or `config.wide`'s where
-    config's tile would read each weight row only MIN_RUN_BYTES a K step; None where the stream
-    kernel does not take the shape (stream_plan)."""
+    config's tile would read each weight row only MIN_RUN_BYTES a K step, or `config.long_k`'s
+    where K > LONG_K; None where the stream kernel does not take the shape (stream_plan)."""
     plan = stream_plan(N, K, weight_bytes, gated, config, num_sms, x_rows)
     if plan is None:
         return None
-    if config.wide is not None and plan.block_k * weight_bytes <= MIN_RUN_BYTES:
-        wide = stream_plan(N, K, weight_bytes, gated, config.wide, num_sms, x_rows)
-        if wide is not None:
-            return config.wide, wide
+    for other, wanted in ((config.wide, plan.block_k * weight_bytes <= MIN_RUN_BYTES),
+                          (config.long_k, K > LONG_K)):
+        if other is not None and wanted:
+            other_plan = stream_plan(N, K, weight_bytes, gated, other, num_sms, x_rows)
+            if other_plan is not None:
+                return other, other_plan
     return config, plan
 
 
