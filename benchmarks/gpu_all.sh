@@ -405,15 +405,17 @@ parts|Error|fallback" | tail -30
 elif [ "$what" = thirteenth ]; then
   # For the next session's first call (written in the twelfth, not yet run; ~10 minutes): the
   # tree's changes since the twelfth session's engine runs (FP8 gate/up at one row on 128 x 256
-  # tiles, the greedy argmax in two kernels) and the several-row PDL switch (FUSER_PDL_ROWS):
+  # tiles, bf16 down_proj on 16 warps, the greedy argmax in two kernels) and the several-row
+  # PDL switch (FUSER_PDL_ROWS):
   # the linear, argmax and PDL GPU tests (the dependent 5-row chain under FUSER_PDL_ROWS=1);
   # the one-row chain with norm kernels instead of FP8's per-program prologue and the 5-row
   # chain with PDL; the 8B decode and verify steps, unprofiled, verify also captured with and
   # without several-row PDL; the engine's GPU tests in what time is left. If PDL at several rows
   # is bit-equal and faster, make it the default (fuser/ops/pdl.py).
   linear_gpu_tests
-  timeout 60 python3 -m pytest -q -p no:cacheprovider -rf tests/test_ops_argmax.py 2>&1 | tail -1
-  timeout 120 python3 -m pytest -q -p no:cacheprovider -rf tests/test_pdl.py 2>&1 | tail -1
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -rf tests/test_ops_argmax.py \
+    tests/test_pdl.py tests/test_ops_gemv_stream.py -k "cuda or gpu_dependent or gpu_pdl \
+or pdl_chain or through_linear" 2>&1 | grep -E "^E  |FAIL|Error|passed|failed" | head
   echo "== GEMV chain lab, 16 layers: FP8's norm prologue against norm kernels; PDL at 5 rows"
   timeout 90 python3 benchmarks/pdl_lab.py --layers 16 --rows 1,5 --dtypes fp8,bf16 \
     --variants "pdl, 1 tile;stream default;norm kernels;off;f16 mma;pdl rows" \
