@@ -32,7 +32,8 @@
 #   bash benchmarks/gpu_all.sh shapes   # each 8B GEMV shape alone (shape_lab.py): stream configurations, unrolled FP8 loop
 #   bash benchmarks/gpu_all.sh wide     # gate/up on 16 KB stream tiles: shape + chain labs, FP8 tiles and norm cost, 8B decode profiled
 #   bash benchmarks/gpu_all.sh prologue # FP8 one-row norm prologue over the whole row; 5-row norm prologue chain; 8B decode + verify; engine tests
-#   bash benchmarks/gpu_all.sh thirteenth # (not yet run) FP8 gate/up tile + argmax in the engine, PDL at several rows: GPU tests, chains, 8B decode + verify both ways, engine tests
+#   bash benchmarks/gpu_all.sh thirteenth # (not yet run) 8B decode + verify with and without PDL at several rows, chains, stream/PDL/argmax GPU tests
+#   bash benchmarks/gpu_all.sh fourteenth # (not yet run) linear GPU tests, the engine's GPU tests
 #   bash benchmarks/gpu_all.sh sixteenth  # (not yet run) unroll + 5-row chain labs, 8B decode profiled, engine GPU tests
 #   bash benchmarks/gpu_all.sh fifteenth  # GPU tests with PDL at one row by default
 #   bash benchmarks/gpu_all.sh twelfth  # fp16 MMA for FP8 rows; 8B decode + verify
@@ -406,25 +407,29 @@ elif [ "$what" = thirteenth ]; then
   # For the next session's first call (written in the twelfth, not yet run; ~10 minutes): the
   # tree's changes since the twelfth session's engine runs (FP8 gate/up at one row on 128 x 256
   # tiles, bf16 down_proj on 16 warps, the greedy argmax in two kernels) and the several-row
-  # PDL switch (FUSER_PDL_ROWS):
-  # the linear, argmax and PDL GPU tests (the dependent 5-row chain under FUSER_PDL_ROWS=1);
-  # the one-row chain with norm kernels instead of FP8's per-program prologue and the 5-row
-  # chain with PDL; the 8B decode and verify steps, unprofiled, verify also captured with and
-  # without several-row PDL; the engine's GPU tests in what time is left. If PDL at several rows
-  # is bit-equal and faster, make it the default (fuser/ops/pdl.py).
-  linear_gpu_tests
-  timeout 150 python3 -m pytest -q -p no:cacheprovider -rf tests/test_ops_argmax.py \
-    tests/test_pdl.py tests/test_ops_gemv_stream.py -k "cuda or gpu_dependent or gpu_pdl \
-or pdl_chain or through_linear" 2>&1 | grep -E "^E  |FAIL|Error|passed|failed" | head
+  # PDL switch (FUSER_PDL_ROWS): the 8B decode and verify steps, unprofiled, verify also
+  # captured with and without several-row PDL (its logits' bit-equality printed); the one-row
+  # chain with norm kernels instead of FP8's per-program prologue and the 5-row chain with PDL;
+  # then GPU tests in what time is left (the rest: `fourteenth`). If PDL at several rows is
+  # bit-equal and faster, make it the default (fuser/ops/pdl.py).
+  echo "== decode, 8B shape"
+  timeout 400 python3 benchmarks/decode.py --out "$OUT/decode.json" --skip-peers \
+    --verify-pdl-rows 2>&1 | tee "$OUT/decode.log" | grep -v Warning \
+    | grep -E "^\[|verify|ceiling|fp8 vs|per token|parts|Error|fallback" | tail -32
   echo "== GEMV chain lab, 16 layers: FP8's norm prologue against norm kernels; PDL at 5 rows"
   timeout 90 python3 benchmarks/pdl_lab.py --layers 16 --rows 1,5 --dtypes fp8,bf16 \
     --variants "pdl, 1 tile;stream default;norm kernels;off;f16 mma;pdl rows" \
     --out "$OUT/pdl_lab.json" 2>&1 | grep -v Warning | tail -13
-  echo "== decode, 8B shape"
-  timeout 400 python3 benchmarks/decode.py --out "$OUT/decode.json" --skip-peers \
-    --verify-pdl-rows 2>&1 \
-    | tee "$OUT/decode.log" | grep -v Warning | grep -E "^\[|verify|ceiling|fp8 vs|per token|\
-parts|Error|fallback" | tail -32
+  left=$((585 - SECONDS))
+  echo "== GPU tests: stream, PDL, argmax (${left} s left)"
+  [ "$left" -gt 30 ] && timeout "$left" python3 -m pytest -q -p no:cacheprovider -rf \
+    tests/test_ops_gemv_stream.py tests/test_pdl.py tests/test_ops_argmax.py \
+    -k "pdl_chain or through_linear or gpu_dependent or gpu_pdl or vocabulary" 2>&1 \
+    | tee "$OUT/gpu_tests.log" | grep -E "^E  |FAIL|Error|passed|failed" | head
+elif [ "$what" = fourteenth ]; then
+  # The next session's second call (written in the twelfth, not yet run): the linear GPU
+  # tests (FP8 gate/up's new tile among them), then the engine's GPU tests.
+  linear_gpu_tests
   left=$((585 - SECONDS))
   echo "== GPU tests: the engine (${left} s left)"
   [ "$left" -gt 30 ] && timeout "$left" python3 -m pytest -q -p no:cacheprovider -rf \
