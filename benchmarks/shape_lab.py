@@ -21,6 +21,8 @@ A variant is a list of words:
                (KiB), depth, num_warps, run_bytes and pow2_rows set; the rest as DEFAULT
   nonorm       (after any of the above) qkv and gate/up without the norm prologue: what the
                prologue costs
+  nkN          (after any of the above) _linear_kernel's one-row prologue N columns a step
+               (linear.ONE_ROW_NORM_K)
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import graph_time_us, log, measure_read_bandwidth  # noqa: E402
 
 from fuser.ops import gemv_stream  # noqa: E402
+from fuser.ops import linear as linear_module  # noqa: E402
 from fuser.ops.fp8 import quantize_weight  # noqa: E402
 from fuser.ops.gemv_stream import StreamConfig  # noqa: E402
 from fuser.ops.linear import linear_triton, rms_norm_linear_triton  # noqa: E402
@@ -59,13 +62,22 @@ class Variant:
     overrides: dict[str, int] = dataclasses.field(default_factory=dict)  # _linear_kernel's
     cublas: bool = False
     norm: bool = True
+    norm_k: int | None = None     # linear.ONE_ROW_NORM_K while it runs
 
 
 def parse_variant(name: str, fp8: bool) -> Variant:
     """A variant's words (the module docstring) -> what to set."""
     words = name.split()
     norm = "nonorm" not in words
-    words = [word for word in words if word != "nonorm"]
+    norm_k = next((int(word[2:]) for word in words if word.startswith("nk")), None)
+    words = [word for word in words if word != "nonorm" and not word.startswith("nk")]
+    variant = _parse_kernel(name, words, norm)
+    variant.norm_k = norm_k
+    return variant
+
+
+def _parse_kernel(name: str, words: list[str], norm: bool) -> Variant:
+    """The kernel words of a variant (parse_variant without nonorm and nkN)."""
     if words == ["default"]:
         return Variant(name, gemv_stream.DEFAULT, norm=norm)
     if words == ["cublas"]:
@@ -75,7 +87,7 @@ def parse_variant(name: str, fp8: bool) -> Variant:
                 "x": "split_k"}
         return Variant(name, None, {keys[word[0]]: int(word[1:]) for word in words[1:]},
                        norm=norm)
-    fields: dict[str, object] = {"fp8": True}
+    fields: dict[str, object] = {"fp8": True, "wide": None, "long_k": None}  # this tile alone
     for word in words:
         if word.endswith("/sm"):
             fields["programs_per_sm"] = int(word[:-3])
@@ -131,7 +143,7 @@ def main() -> None:
     device = torch.device("cuda")
     bandwidth = measure_read_bandwidth()
     log(f"HBM read bandwidth {bandwidth / 1e12:.2f} TB/s; {COPIES} launches per shape")
-    saved = gemv_stream.CONFIG
+    saved = gemv_stream.CONFIG, linear_module.ONE_ROW_NORM_K
     results = []
     for dtype in args.dtypes.split(","):
         fp8 = dtype == "fp8"
@@ -143,6 +155,7 @@ def main() -> None:
                 if variant.cublas and fp8:
                     continue
                 gemv_stream.CONFIG = variant.stream
+                linear_module.ONE_ROW_NORM_K = variant.norm_k
                 try:
                     us = graph_time_us(launches(shape, fp8, variant, device), calls=COPIES)
                 except Exception as error:  # noqa: BLE001  (a variant that does not compile)
@@ -150,7 +163,7 @@ def main() -> None:
                         f"{str(error)[:160]}")
                     continue
                 finally:
-                    gemv_stream.CONFIG = saved
+                    gemv_stream.CONFIG, linear_module.ONE_ROW_NORM_K = saved
                     torch.cuda.empty_cache()
                 pct = 100 * nbytes / (us * 1e-6) / bandwidth
                 results.append(dict(dtype=dtype, shape=shape, variant=name, us=us, pct=pct))

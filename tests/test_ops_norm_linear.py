@@ -128,6 +128,22 @@ def test_random_shapes(M, K, N, dtype, residual, activation, fp8, block_n, block
     run(M, K, N, dtype, residual, activation, fp8, seed, block_n=block_n, block_k=block_k)
 
 
+@pytest.mark.parametrize("norm_k", [16, 64, 4096])
+@pytest.mark.parametrize("residual", [False, True], ids=["norm", "add_norm"])
+def test_one_row_prologue_at_other_widths(norm_k: int, residual: bool) -> None:
+    """linear.ONE_ROW_NORM_K: one row's norm prologue stepping 16, 64 or all of K's columns
+    (against BLOCK_K = 32) still gives the norm's value, summed and the GEMV (K off every
+    width: a masked last step)."""
+    from unittest import mock
+
+    from fuser.ops import linear as linear_module
+
+    with mock.patch.object(linear_module, "ONE_ROW_NORM_K", norm_k):
+        for fp8, activation in ((False, None), (True, "silu")):
+            run(1, 200, 24, torch.bfloat16, residual, activation, fp8, seed=norm_k,
+                block_n=8, block_k=32)
+
+
 def test_leading_dims_strided_inputs_and_tuned_blocks() -> None:
     run(5, 96, 40, torch.bfloat16, True, None, False, seed=3, lead=(1,), block_n=32, block_k=32)
     run(1, 512, 300, torch.bfloat16, True, "silu", False, seed=4)    # the tuned tables' blocks

@@ -292,6 +292,7 @@ def _linear_kernel(
     BLOCK_M: tl.constexpr,      # 1 (CUDA-core path) or a power of two >= 16 (MMA path)
     BLOCK_N: tl.constexpr,      # weight rows per program (gated: half gate, half up)
     BLOCK_K: tl.constexpr,
+    NORM_K: tl.constexpr,       # one row's norm prologue: columns of x (and r) a step
     FP32_DOTS: tl.constexpr,    # MMA path in fp32 (TRITON_INTERPRET: its bf16 dot is wrong)
     HAS_SCALE: tl.constexpr,    # FP8 weight: dequantized in registers, out = acc * w_scale
     ACTIVATION: tl.constexpr,   # "": out = x @ W.T; else a key of gated_act.ACTIVATIONS:
@@ -347,9 +348,9 @@ def _linear_kernel(
         if NORM:
             # Norm prologue: one pass over the row for its sum of squares (program 0 also writes
             # h = x + r out), rstd as rmsnorm.py computes it; the K loop then normalises x's tiles.
-            squares = tl.zeros([BLOCK_K], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                k = k0 + offs_k
+            squares = tl.zeros([NORM_K], dtype=tl.float32)
+            for k0 in range(0, K, NORM_K):
+                k = k0 + tl.arange(0, NORM_K)
                 k_ok = k < K
                 h = _load_block(x_row, r_row, sum_ptr, k, k_ok, HAS_RESIDUAL, False)
                 if HAS_RESIDUAL:
@@ -517,6 +518,13 @@ def _default_swap(M: int, N: int, K: int, fp8: bool) -> bool:
 # 5-row FP8 GEMVs took 89.9 us a layer against 109.5 on the bf16 MMA (1.22x); GPU tests hold it
 # to the bf16 MMA's values at the 8B shapes.
 FP8_F16_MMA = True
+
+# One row's norm prologue reads x (and r) BLOCK_K columns a step (None), or this many. Every
+# program makes the pass, one L2 round trip a step: FP8's qkv and gate/up GEMVs (768 and 224
+# programs) took 1.7 and 3.9 us longer with the prologue than without (benchmarks/shape_lab.py,
+# RESULTS.md, twelfth session); the whole row a step (4096) measured slower still (FP8 qkv 12.56
+# against 10.78 us). shape_lab.py's "nkN" word times other widths.
+ONE_ROW_NORM_K: int | None = None
 
 PDL_PREFETCH = 1  # weight tiles a PDL-launched program loads before its wait (fuser/ops/pdl.py)
 
@@ -693,7 +701,9 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         x2, weight, weight_scale if fp8 else out, out, parts, counts,
         r2, norm_weight.contiguous() if norm else x2, summed if summed is not None else x2,
         M, N, K, x2.stride(0), weight.stride(0), out.stride(0), r2.stride(0), eps,
-        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, FP32_DOTS=fp32_dots, HAS_SCALE=fp8,
+        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
+        NORM_K=min(ONE_ROW_NORM_K, triton.next_power_of_2(K)) if ONE_ROW_NORM_K else bk,
+        FP32_DOTS=fp32_dots, HAS_SCALE=fp8,
         ACTIVATION=activation or "", NORM=norm, HAS_RESIDUAL=residual is not None,
         SPLIT_K=splits, PDL=bool(pdl), PREFETCH=PDL_PREFETCH if prefetch is None else prefetch,
         SWAP=swap, F16_MMA=swap and fp8 and FP8_F16_MMA and x.dtype == torch.bfloat16,
