@@ -410,6 +410,7 @@ elif [ "$what" = thirteenth ]; then
   # PDL switch (FUSER_PDL_ROWS): the 8B decode and verify steps, unprofiled, verify also
   # captured with and without several-row PDL (its logits' bit-equality printed); the one-row
   # chain with norm kernels instead of FP8's per-program prologue and the 5-row chain with PDL;
+  # FP8's prologue at 1024 and 2048 columns a step;
   # then GPU tests in what time is left (the rest: `fourteenth`). If PDL at several rows is
   # bit-equal and faster, make it the default (fuser/ops/pdl.py).
   echo "== decode, 8B shape"
@@ -420,6 +421,10 @@ elif [ "$what" = thirteenth ]; then
   timeout 90 python3 benchmarks/pdl_lab.py --layers 16 --rows 1,5 --dtypes fp8,bf16 \
     --variants "pdl, 1 tile;stream default;norm kernels;off;f16 mma;pdl rows" \
     --out "$OUT/pdl_lab.json" 2>&1 | grep -v Warning | tail -13
+  echo "== shape lab, fp8: the one-row prologue's step width (linear.ONE_ROW_NORM_K)"
+  timeout 60 python3 benchmarks/shape_lab.py --dtypes fp8 --shapes qkv,gate_up \
+    --variants "default;default nk1024;default nk2048;default nonorm" \
+    --out "$OUT/shape_lab_fp8.json" 2>&1 | grep -v Warning
   left=$((585 - SECONDS))
   echo "== GPU tests: stream, PDL, argmax (${left} s left)"
   [ "$left" -gt 30 ] && timeout "$left" python3 -m pytest -q -p no:cacheprovider -rf \
