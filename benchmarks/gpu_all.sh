@@ -34,6 +34,7 @@
 #   bash benchmarks/gpu_all.sh prologue # FP8 one-row norm prologue over the whole row; 5-row norm prologue chain; 8B decode + verify; engine tests
 #   bash benchmarks/gpu_all.sh thirteenth # (not yet run) 8B decode + verify with and without PDL at several rows, chains, stream/PDL/argmax GPU tests
 #   bash benchmarks/gpu_all.sh fourteenth # (not yet run) linear GPU tests, the engine's GPU tests
+#   bash benchmarks/gpu_all.sh bundled-rows # (not yet run) the bundled pair end to end with PDL at several rows off, then on
 #   bash benchmarks/gpu_all.sh sixteenth  # (not yet run) unroll + 5-row chain labs, 8B decode profiled, engine GPU tests
 #   bash benchmarks/gpu_all.sh fifteenth  # GPU tests with PDL at one row by default
 #   bash benchmarks/gpu_all.sh twelfth  # fp16 MMA for FP8 rows; 8B decode + verify
@@ -440,6 +441,15 @@ elif [ "$what" = fourteenth ]; then
   [ "$left" -gt 30 ] && timeout "$left" python3 -m pytest -q -p no:cacheprovider -rf \
     tests/test_cuda.py tests/test_cuda_spec.py 2>&1 | tee "$OUT/gpu_tests_engine.log" \
     | grep -E "^E  |FAIL|Error|passed|failed" | head
+elif [ "$what" = bundled-rows ]; then
+  # Written in the twelfth session, not yet run: the bundled pair's launch-bound speculative
+  # step (issue #12) with several-row launches (verify, catch-up) without, then with, PDL.
+  for rows in 0 1; do
+    echo "== speculative end to end: the bundled pair, FUSER_PDL_ROWS=$rows"
+    FUSER_PDL_ROWS=$rows timeout 270 python3 benchmarks/e2e.py --out "$OUT/e2e_rows$rows" \
+      --skip-8b --skip-peers --skip-buckets --gammas 1,2,3,4 2>&1 \
+      | tee "$OUT/e2e_rows$rows.log" | grep -v Warning | tail -12
+  done
 elif [ "$what" = sixteenth ]; then
   # For the next session's first call (written in the eleventh, not yet run; ~15 minutes): the
   # one-row chain with linear.ONE_ROW_UNROLL 2 and 4 (if FP8 gains, set it and re-run the
