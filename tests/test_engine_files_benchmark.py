@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # ~1 minute of CI on 2 cores: a benchmark's plumbing, -m slow runs it
 def test_engine_files_benchmark_dry_run(tmp_path: Path) -> None:
     out = tmp_path / "engine_files.json"
     proc = subprocess.run([sys.executable, "benchmarks/engine_files.py", "--dry-run", "--out",

@@ -73,6 +73,7 @@ def test_checks_say_met_and_not_met() -> None:
     assert fp8["gap_at_divergence"] == [pytest.approx(0.7)]
 
 
+@pytest.mark.slow  # ~1 minute of CI on 2 cores: a benchmark's plumbing, -m slow runs it
 def test_dry_run_runs_every_part(tmp_path: Path) -> None:
     out = tmp_path / "fp8_accuracy.json"
     proc = subprocess.run([sys.executable, "benchmarks/fp8_accuracy.py", "--dry-run", "--out",
