@@ -343,6 +343,8 @@ elif [ "$what" = shapes ]; then
   # Twelfth session, first call: each 8B-shape GEMV alone, 16 launches back to back (gate/up's
   # stream tile reads each row 64 bytes a step), the stream configurations against
   # _linear_kernel and cuBLAS; FP8's unrolled one-row loop; then the one-row chain with it.
+  # (As run then: the variant words runN, p2 and lk uN, and the unrolled loop, were removed
+  # after this call's figures.)
   echo "== shape lab, bf16"
   timeout 240 python3 benchmarks/shape_lab.py --dtypes bf16 --out "$OUT/shape_lab_bf16.json" \
     --variants "default;lk;cublas;2/sm 16K d2;2/sm 16K d3;2/sm 8K d4 run128;2/sm 8K d2 run256;\

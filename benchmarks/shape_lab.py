@@ -16,9 +16,10 @@ A variant is a list of words:
                after it say: nN block_n, kN block_k, wN num_warps, sN num_stages, xN split_k
   cublas       torch's F.linear, without the norm or the activation (bf16: the plain GEMV's
                cost, a reference, not a candidate)
-  N/sm NK dN wN runN p2
+  N/sm NK dN wN
                the stream GEMV (fuser/ops/gemv_stream.py) with programs_per_sm, tile_bytes
-               (KiB), depth, num_warps, run_bytes and pow2_rows set; the rest as DEFAULT
+               (KiB), depth and num_warps set; the rest as DEFAULT (without its wide and
+               long_k configurations: the named tile at every shape)
   nonorm       (after any of the above) qkv and gate/up without the norm prologue: what the
                prologue costs
   nkN          (after any of the above) _linear_kernel's one-row prologue N columns a step
@@ -93,14 +94,10 @@ def _parse_kernel(name: str, words: list[str], norm: bool) -> Variant:
             fields["programs_per_sm"] = int(word[:-3])
         elif word.endswith("K"):
             fields["tile_bytes"] = int(word[:-1]) * 1024
-        elif word.startswith("run"):
-            fields["run_bytes"] = int(word[3:])
         elif word.startswith("d"):
             fields["depth"] = int(word[1:])
         elif word.startswith("w"):
             fields["num_warps"] = int(word[1:])
-        elif word == "p2":
-            fields["pow2_rows"] = True
         else:
             raise ValueError(f"variant {name!r}: unknown word {word!r}")
     return Variant(name, dataclasses.replace(gemv_stream.DEFAULT, **fields), norm=norm)

@@ -162,9 +162,9 @@ def test_shape_lab_variant_words() -> None:
     assert lk.stream is None and not lk.norm and lk.norm_k is None
     assert parse_variant("default nk2048", True).norm_k == 2048
     assert lk.overrides == dict(block_n=64, block_k=512, num_warps=8, num_stages=4)
-    stream = parse_variant("2/sm 16K d2 w16 run128 p2", False).stream
+    stream = parse_variant("2/sm 16K d2 w16", False).stream
     assert (stream.programs_per_sm, stream.tile_bytes, stream.depth, stream.num_warps,
-            stream.run_bytes, stream.pow2_rows, stream.fp8) == (2, 16384, 2, 16, 128, True, True)
+            stream.fp8) == (2, 16384, 2, 16, True)
     assert stream.wide is None and stream.long_k is None  # the named tile at every shape
     assert parse_variant("cublas", False).cublas
     with pytest.raises(ValueError, match="unknown word"):

@@ -78,7 +78,6 @@ def run(K: int, N: int, dtype: torch.dtype, norm: bool, residual: bool, activati
 CONFIGS = [StreamConfig(tile_bytes=2048, depth=1), StreamConfig(tile_bytes=4096, depth=3),
            StreamConfig(programs_per_sm=2, tile_bytes=1024, depth=2, num_stages=2),
            StreamConfig(tile_bytes=4096, depth=4),
-           StreamConfig(tile_bytes=4096, depth=2, run_bytes=256, pow2_rows=True),
            dataclasses.replace(gemv_stream.DEFAULT.wide, fp8=True)]
 
 

@@ -83,11 +83,8 @@ class StreamConfig:
     registers, all loaded before the PDL wait); num_stages: Triton's own pipelining, which only
     the several-row path (the MMA) gets; pdl: launch with PDL where the GPU supports it,
     whatever FUSER_PDL says (pdl=None: as FUSER_PDL says); fp8: FP8 weights take this kernel too;
-    run_bytes: the least bytes of one weight row a K step reads (the tile grows past tile_bytes
-    to reach it); pow2_rows: ROWS rounded up to a power of two (no masked-off tile rows, fewer
-    programs than the wave holds); wide: the configuration for shapes whose tile under this one
-    reads each row only MIN_RUN_BYTES a K step; long_k: the configuration for K > LONG_K (both
-    taken by `choose`).
+    wide: the configuration for shapes whose tile under this one reads each row only
+    MIN_RUN_BYTES a K step; long_k: the configuration for K > LONG_K (both taken by `choose`).
     """
 
     programs_per_sm: int = 1
@@ -97,16 +94,13 @@ class StreamConfig:
     num_stages: int = 1
     pdl: bool | None = None
     fp8: bool = True
-    run_bytes: int = 64
-    pow2_rows: bool = False
     wide: StreamConfig | None = None
     long_k: StreamConfig | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.depth <= 4:
             raise ValueError(f"depth={self.depth}: 1 to 4 tiles in flight")
-        if self.programs_per_sm < 1 or self.tile_bytes < 256 or self.num_stages < 1 or \
-                self.run_bytes < MIN_RUN_BYTES:
+        if self.programs_per_sm < 1 or self.tile_bytes < 256 or self.num_stages < 1:
             raise ValueError(f"not a stream configuration: {self}")
 
 
@@ -155,15 +149,12 @@ def stream_plan(N: int, K: int, weight_bytes: int, gated: bool, config: StreamCo
     if weight_bytes == 1 and not config.fp8:
         return None
     rows = triton.cdiv(N, num_sms * config.programs_per_sm)
-    if config.pow2_rows:
-        rows = triton.next_power_of_2(rows)
     block_r = triton.next_power_of_2(rows) * (2 if gated else 1)
     if x_rows > 1:
         block_r = max(block_r, 16 * (2 if gated else 1))
     block_k = config.tile_bytes // (block_r * weight_bytes)
     if block_k * weight_bytes < MIN_RUN_BYTES:
         return None
-    block_k = max(block_k, config.run_bytes // weight_bytes)
     block_k = min(triton.next_power_of_2(block_k), triton.next_power_of_2(K))
     return StreamPlan(rows, block_r, block_k, triton.cdiv(N, rows))
 
