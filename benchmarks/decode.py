@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 import warnings
@@ -28,6 +27,7 @@ import fuser
 from breakdown import format_breakdown, kernel_breakdown
 from fuser.build import add_step, capture_cuda_graphs, warm_up
 from fuser.models import PRESETS
+from fuser.ops import l2_prefetch
 from fuser.runtime.step_graphs import PLAIN
 from fuser.runtime.steps import DECODE, PREFILL, verify
 from peers import make_gpt_fast_style, make_hf_eager, make_hf_static_compile
@@ -90,9 +90,10 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="break the decode step's kernel time down by op")
     parser.add_argument("--skip-verify", action="store_true")
-    parser.add_argument("--verify-pdl-rows", action="store_true",
-                        help="also time the verify step captured with FUSER_PDL_ROWS=0 and =1 "
-                             "(several-row launches with PDL), one capture each")
+    parser.add_argument("--compare-prefetch", action="store_true",
+                        help="also time the decode and verify steps captured with attention's L2 "
+                             "prefetch of o_proj's weight off and on (fuser/ops/l2_prefetch.py), "
+                             "alternating, the same way and at the same cache length")
     parser.add_argument("--fused-attention", choices=["default", "on", "off"], default="default",
                         help="FuserConfig.fused_attention: the split-K Triton op for decode/verify")
     parser.add_argument("--precisions", default="bf16,fp8",
@@ -240,8 +241,8 @@ def time_fuser(model: torch.nn.Module, precision: str, prompt: torch.Tensor,
             f"{format_breakdown(table, result['prefill_ms'], host=True)}")
     if not args.skip_verify:
         result["verify5_ms"] = time_verify(engine, prompt, decode_ms)
-        if args.verify_pdl_rows:
-            result["verify5_pdl_rows_ms"] = time_verify_pdl_rows(engine, prompt, decode_ms)
+    if args.compare_prefetch:
+        result["prefetch_ms"] = time_prefetch(engine, prompt)
         if args.profile:
             table = profile_verify(engine, prompt)
             result["verify5_breakdown"] = table
@@ -367,33 +368,39 @@ def time_verify(engine: fuser.Engine, prompt: torch.Tensor, decode_ms: float) ->
     return verify_ms
 
 
-def time_verify_pdl_rows(engine: fuser.Engine, prompt: torch.Tensor, decode_ms: float
-                         ) -> dict[str, float]:
-    """The verify step (T = 5) captured twice, with several-row launches without and with PDL
-    (FUSER_PDL_ROWS, read at capture), each timed as benchmarks/timing.py's replay_median_ms;
-    -> {"off": ms, "on": ms}. Logs both and whether their logits are bit-equal."""
+def time_prefetch(engine: fuser.Engine, prompt: torch.Tensor) -> dict[str, float]:
+    """The decode (T = 1) and verify (T = 5) steps with attention's L2 prefetch off and on
+    (l2_prefetch.MAX_BYTES = 0 or its default, read at capture), each captured alone and timed
+    as benchmarks/timing.py's replay_median_ms at the prompt's cache length, off/on/off/on
+    (each figure the mean of its two runs, so drift falls on both). Logs the four figures, the
+    verify/decode ratio either way and whether the logits are bit-equal; -> the figures."""
     cache = engine.target.cache
-    step = engine.target[verify(4)].uncaptured
-    positions = torch.arange(5, device="cuda")[None]
-    times, outs = {}, {}
-    saved = os.environ.get("FUSER_PDL_ROWS")
+    default = l2_prefetch.MAX_BYTES
+    times: dict[str, list[float]] = {}
+    outs = {}
     try:
-        for name in ("off", "on"):
-            os.environ["FUSER_PDL_ROWS"] = "1" if name == "on" else "0"
-            cache.set_lengths(prompt.shape[1])
-            with torch.no_grad():
-                times[name], outs[name] = replay_median_ms(
-                    lambda: step(prompt[:, :5], positions, cache.seq_lens, cache.starts))
+        for _ in range(2):
+            for name in ("off", "on"):
+                l2_prefetch.MAX_BYTES = 0 if name == "off" else default
+                for T, kind in ((1, DECODE), (5, verify(4))):
+                    step = engine.target[kind].uncaptured
+                    positions = torch.arange(T, device="cuda")[None]
+                    cache.set_lengths(prompt.shape[1])
+                    with torch.no_grad():
+                        ms, outs[name, T] = replay_median_ms(
+                            lambda: step(prompt[:, :T], positions, cache.seq_lens, cache.starts))
+                    times.setdefault(f"T{T}_{name}", []).append(ms)
     finally:
-        if saved is None:
-            os.environ.pop("FUSER_PDL_ROWS", None)
-        else:
-            os.environ["FUSER_PDL_ROWS"] = saved
-    log(f"verify step (T=5), several-row PDL off {times['off']:.3f} ms "
-        f"({times['off'] / decode_ms:.3f}x decode), on {times['on']:.3f} ms "
-        f"({times['on'] / decode_ms:.3f}x); logits "
-        f"{'bit-equal' if torch.equal(outs['off'], outs['on']) else 'DIFFERENT'}")
-    return times
+        l2_prefetch.MAX_BYTES = default
+    result = {key: sum(v) / len(v) for key, v in times.items()}
+    for name in ("off", "on"):
+        log(f"L2 prefetch {name}: decode step {result[f'T1_{name}']:.3f} ms, verify (T=5) "
+            f"{result[f'T5_{name}']:.3f} ms = {result[f'T5_{name}'] / result[f'T1_{name}']:.3f}x "
+            f"decode")
+    equal = all(torch.equal(outs["off", T], outs["on", T]) for T in (1, 5))
+    log(f"L2 prefetch on/off: decode {result['T1_off'] / result['T1_on']:.3f}x faster, verify "
+        f"{result['T5_off'] / result['T5_on']:.3f}x; logits {'bit-equal' if equal else 'DIFFERENT'}")
+    return result
 
 
 def hf_peers(model: torch.nn.Module, prompt: torch.Tensor, args: argparse.Namespace,

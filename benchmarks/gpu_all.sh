@@ -32,9 +32,9 @@
 #   bash benchmarks/gpu_all.sh shapes   # each 8B GEMV shape alone (shape_lab.py): stream configurations, unrolled FP8 loop
 #   bash benchmarks/gpu_all.sh wide     # gate/up on 16 KB stream tiles: shape + chain labs, FP8 tiles and norm cost, 8B decode profiled
 #   bash benchmarks/gpu_all.sh prologue # FP8 one-row norm prologue over the whole row; 5-row norm prologue chain; 8B decode + verify; engine tests
-#   bash benchmarks/gpu_all.sh thirteenth # (not yet run) 8B decode + verify with and without PDL at several rows, chains, stream/PDL/argmax GPU tests
+#   bash benchmarks/gpu_all.sh thirteenth # 8B decode + verify with and without PDL at several rows, chains, stream/PDL/argmax GPU tests
+#   bash benchmarks/gpu_all.sh prefetch # L2 prefetch GPU tests, 8B decode + verify with attention's L2 prefetch off/on, FP8 chain with GEMVs' own L2 prefetch
 #   bash benchmarks/gpu_all.sh fourteenth # (not yet run) linear GPU tests, the engine's GPU tests
-#   bash benchmarks/gpu_all.sh bundled-rows # (not yet run) the bundled pair end to end with PDL at several rows off, then on
 #   bash benchmarks/gpu_all.sh sixteenth  # (not yet run) unroll + 5-row chain labs, 8B decode profiled, engine GPU tests
 #   bash benchmarks/gpu_all.sh fifteenth  # GPU tests with PDL at one row by default
 #   bash benchmarks/gpu_all.sh twelfth  # fp16 MMA for FP8 rows; 8B decode + verify
@@ -418,11 +418,11 @@ elif [ "$what" = thirteenth ]; then
   # bit-equal and faster, make it the default (fuser/ops/pdl.py).
   echo "== decode, 8B shape"
   timeout 400 python3 benchmarks/decode.py --out "$OUT/decode.json" --skip-peers \
-    --verify-pdl-rows 2>&1 | tee "$OUT/decode.log" | grep -v Warning \
+    2>&1 | tee "$OUT/decode.log" | grep -v Warning \
     | grep -E "^\[|verify|ceiling|fp8 vs|per token|parts|Error|fallback" | tail -32
   echo "== GEMV chain lab, 16 layers: FP8's norm prologue against norm kernels; PDL at 5 rows"
   timeout 90 python3 benchmarks/pdl_lab.py --layers 16 --rows 1,5 --dtypes fp8,bf16 \
-    --variants "pdl, 1 tile;stream default;norm kernels;off;f16 mma;pdl rows" \
+    --variants "pdl, 1 tile;stream default;norm kernels;off;f16 mma" \
     --out "$OUT/pdl_lab.json" 2>&1 | grep -v Warning | tail -13
   echo "== shape lab, fp8: the one-row prologue's step width (linear.ONE_ROW_NORM_K)"
   timeout 60 python3 benchmarks/shape_lab.py --dtypes fp8 --shapes qkv,gate_up \
@@ -443,15 +443,27 @@ elif [ "$what" = fourteenth ]; then
   [ "$left" -gt 30 ] && timeout "$left" python3 -m pytest -q -p no:cacheprovider -rf \
     tests/test_cuda.py tests/test_cuda_spec.py 2>&1 | tee "$OUT/gpu_tests_engine.log" \
     | grep -E "^E  |FAIL|Error|passed|failed" | head
-elif [ "$what" = bundled-rows ]; then
-  # Written in the twelfth session, not yet run: the bundled pair's launch-bound speculative
-  # step (issue #12) with several-row launches (verify, catch-up) without, then with, PDL.
-  for rows in 0 1; do
-    echo "== speculative end to end: the bundled pair, FUSER_PDL_ROWS=$rows"
-    FUSER_PDL_ROWS=$rows timeout 270 python3 benchmarks/e2e.py --out "$OUT/e2e_rows$rows" \
-      --skip-8b --skip-peers --skip-buckets --gammas 1,2,3,4 2>&1 \
-      | tee "$OUT/e2e_rows$rows.log" | grep -v Warning | tail -12
-  done
+elif [ "$what" = prefetch ]; then
+  # Thirteenth session, second call: the L2 prefetch (fuser/ops/l2_prefetch.py). Its GPU tests
+  # first (if they fail, FUSER_L2_PREFETCH=0 for the rest, so the decode still runs); the 8B
+  # decode and verify, both precisions, with the prefetch off/on in one process (FP8's norm
+  # prologue now 2048 columns a step); the FP8 one-row chain with each GEMV's own rows
+  # prefetched into L2 before its PDL wait (linear.L2_OWN_BYTES).
+  echo "== GPU tests: L2 prefetch, PDL chains, norm + linear"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -rf tests/test_l2_prefetch.py \
+    tests/test_pdl.py -k "gpu" 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "^E  |FAIL|Error|passed|failed" | head
+  if grep -q "failed\|error" "$OUT/gpu_tests.log"; then
+    echo "L2 prefetch GPU tests failed: FUSER_L2_PREFETCH=0 from here"; export FUSER_L2_PREFETCH=0
+  fi
+  summary+=("GPU tests: $(tail -1 "$OUT/gpu_tests.log")")
+  echo "== decode, 8B shape, attention's L2 prefetch off and on"
+  timeout 330 python3 benchmarks/decode.py --out "$OUT/decode.json" --skip-peers \
+    --compare-prefetch 2>&1 | tee "$OUT/decode.log" | grep -v Warning \
+    | grep -E "^\[|verify|ceiling|fp8 vs|per token|parts|Error|fallback|L2 prefetch" | tail -34
+  echo "== GEMV chain lab, 16 layers, 1 row: each GEMV's own rows into L2 before its wait"
+  timeout 70 python3 benchmarks/pdl_lab.py --layers 16 --rows 1 --dtypes fp8 \
+    --variants "pdl, 1 tile;norm kernels;l2 own 16K;l2 own 64K;l2 own 256K" \
+    --out "$OUT/pdl_lab.json" 2>&1 | grep -v Warning | tail -6
 elif [ "$what" = sixteenth ]; then
   # For the next session's first call (written in the eleventh, not yet run; ~15 minutes): the
   # one-row chain with linear.ONE_ROW_UNROLL 2 and 4 (if FP8 gains, set it and re-run the

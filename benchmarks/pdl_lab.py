@@ -57,7 +57,14 @@ VARIANTS = (("off", "0", None, None), ("pdl, 1 tile", "1", 1, None),
                                                                  tile_bytes=4096, num_warps=4)),
             # the engine's launches (PDL on), the norms as add_rms_norm kernels instead of
             # inside qkv and gate/up (what FP8's per-program norm prologue costs against)
-            ("norm kernels", "1", None, gemv_stream.DEFAULT))
+            ("norm kernels", "1", None, gemv_stream.DEFAULT),
+            # the engine's launches, each _linear_kernel program (FP8's, bf16's outside the
+            # stream GEMV) first prefetching this many bytes of its rows into L2
+            # (linear.L2_OWN_BYTES)
+            ("l2 own 16K", "1", None, gemv_stream.DEFAULT),
+            ("l2 own 64K", "1", None, gemv_stream.DEFAULT),
+            ("l2 own 256K", "1", None, gemv_stream.DEFAULT))
+L2_OWN = {"l2 own 16K": 16384, "l2 own 64K": 65536, "l2 own 256K": 262144}
 # Several rows (the verify step's MMA path; PDL is one row's): the stream GEMV's ROWS_CONFIG
 ROWS_VARIANTS = (("off", "0", None, None),
                  ("stream d1 st3", "0", None, StreamConfig(depth=1, num_stages=3)),
@@ -70,10 +77,7 @@ ROWS_VARIANTS = (("off", "0", None, None),
                  ("f16 mma", "0", None, None),
                  # the norms inside the qkv and gate/up GEMVs (their per-row prologue) instead
                  # of add_rms_norm kernels (linear.NORM_PROLOGUE_MAX_ROWS)
-                 ("norm prologue", "0", None, None),
-                 # several-row launches with PDL (FUSER_PDL_ROWS=1), the first tile prefetched;
-                 # FP8 on the bf16 MMA, as "off", so that the equality column means something
-                 ("pdl rows", "1", 1, None))
+                 ("norm prologue", "0", None, None))
 
 
 def make_layers(n: int, fp8: bool, device: torch.device) -> list[dict]:
@@ -161,10 +165,10 @@ def main() -> None:
                 if args.variants and name not in args.variants.split(";"):
                     continue
                 os.environ["FUSER_PDL"] = flag
-                os.environ["FUSER_PDL_ROWS"] = "1" if name == "pdl rows" else "0"
                 gemv_stream.CONFIG, gemv_stream.ROWS_CONFIG = (stream, None) if M == 1 else \
                     (None, stream)
                 linear_module.FP8_F16_MMA = name == "f16 mma"  # "off": the bf16 MMA
+                linear_module.L2_OWN_BYTES = L2_OWN.get(name, 0)
                 try:
                     ms, out = replay_median_ms(
                         lambda: chain(layers, h, r, prefetch, name == "norm prologue",
@@ -176,6 +180,7 @@ def main() -> None:
                 finally:
                     gemv_stream.CONFIG, gemv_stream.ROWS_CONFIG = gemv_stream.DEFAULT, None
                     linear_module.FP8_F16_MMA = f16_default
+                    linear_module.L2_OWN_BYTES = 0
                 if base_ms is None:
                     base_ms, base_out = ms, out
                 row = dict(dtype=dtype, rows=M, variant=name, ms=ms,
@@ -190,7 +195,6 @@ def main() -> None:
         del layers
         torch.cuda.empty_cache()
     os.environ.pop("FUSER_PDL", None)
-    os.environ.pop("FUSER_PDL_ROWS", None)
     if args.out:
         args.out.write_text(json.dumps(dict(bandwidth=bandwidth, layers=args.layers, rows=rows),
                                        indent=1))

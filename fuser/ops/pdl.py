@@ -26,7 +26,7 @@ correct either way.
 
 On by default for one-row launches only: the decode step's kernels (T = 1: attention, the
 one-row GEMVs, the LM head); FUSER_PDL=0 switches it off. Several-row launches (verification,
-catch-up, prefill) take it only under FUSER_PDL_ROWS=1, until a GPU run decides (below).
+catch-up, prefill) never take it (below).
 Measured on the H200:
   - eighth session (benchmarks/pdl_lab.py, 16 layers of 8B-shape GEMVs): at one row +1.1-1.3% in
     FP8, nothing in bf16; at five rows (the verify step's MMA path) a chain of PDL launches was
@@ -37,15 +37,12 @@ Measured on the H200:
     FP8 decode step in 2.544 ms against 2.626 (generate 385.2 against 372.7 tok/s), and the FP8
     verify step (T = 5, where only attention took PDL) in 4.302 ms against 4.159: one row on,
     several rows off.
-  - the eighth session's "not bit-equal" at five rows is doubtful: that lab's 5-row chain had
-    no norms and its values overflowed to NaN (found in the eleventh session), and NaN is never
-    torch.equal to NaN, so every variant read "DIFFERENT" there, race or not. The PTX of the
-    MMA path compiled for sm_90 (twelfth session, offline) issues only the prefetched weight
-    tile's loads before `griddepcontrol.wait`. The same lab, with norms since, has a
-    "pdl rows" variant, tests/test_pdl.py's dependent chain runs at five rows under
-    FUSER_PDL_ROWS=1, and benchmarks/decode.py --verify-pdl-rows times the verify step both
-    ways. (The eighth session's NaN chain still timed it: bf16 at five rows 1.058x faster with
-    PDL, FP8 0.954x.)
+  - thirteenth session (the eighth's 5-row chain had overflowed to NaN, never equal to itself,
+    so a switch, FUSER_PDL_ROWS=1, let a GPU run decide): with PDL at several rows the 8B FP8
+    verify step's logits were not bit-equal to ordinary launches and tests/test_pdl.py's 5-row
+    FP8 chain differed on half its elements (by up to 1.1e-6), a race not found; and it was
+    slower: verify (T = 5) bf16 4.545 against 4.349 ms, FP8 4.055 against 3.458. The switch is
+    gone; several-row launches stay ordinary.
 """
 
 from __future__ import annotations
@@ -71,8 +68,7 @@ except ImportError:  # pragma: no cover - older Triton: PDL stays off, the kerne
     def gdc_launch_dependents():  # type: ignore[no-redef]
         pass
 
-__all__ = ["HAVE_GDC", "pdl_enabled", "pdl_launch", "pdl_rows_enabled", "pdl_supported",
-           "wait_for_inputs"]
+__all__ = ["HAVE_GDC", "pdl_enabled", "pdl_launch", "pdl_supported", "wait_for_inputs"]
 
 
 def pdl_supported(device: torch.device) -> bool:
@@ -93,18 +89,11 @@ def pdl_enabled(device: torch.device) -> bool:
     return pdl_supported(device)
 
 
-def pdl_rows_enabled() -> bool:
-    """Whether several-row launches take PDL too: FUSER_PDL_ROWS=1 (off by default; read at
-    each launch, so a benchmark can time a step captured either way in one process)."""
-    return os.environ.get("FUSER_PDL_ROWS", "0") == "1"
-
-
 def pdl_launch(device: torch.device, one_row: bool) -> dict[str, bool]:
     """Launch options for a kernel that keeps the contract above: `launch_pdl=True` where PDL is
-    on and the launch is a one-row (decode) launch or FUSER_PDL_ROWS=1 asks for several-row
-    ones too, nothing otherwise (so the interpreter never sees the option)."""
-    wanted = one_row or pdl_rows_enabled()
-    return {"launch_pdl": True} if wanted and pdl_enabled(device) else {}
+    on and the launch is a one-row (decode) launch, nothing otherwise (so the interpreter never
+    sees the option)."""
+    return {"launch_pdl": True} if one_row and pdl_enabled(device) else {}
 
 
 @triton.jit
