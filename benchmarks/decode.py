@@ -27,7 +27,6 @@ import fuser
 from breakdown import format_breakdown, kernel_breakdown
 from fuser.build import add_step, capture_cuda_graphs, warm_up
 from fuser.models import PRESETS
-from fuser.ops import l2_prefetch
 from fuser.runtime.step_graphs import PLAIN
 from fuser.runtime.steps import DECODE, PREFILL, verify
 from peers import make_gpt_fast_style, make_hf_eager, make_hf_static_compile
@@ -90,10 +89,6 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="break the decode step's kernel time down by op")
     parser.add_argument("--skip-verify", action="store_true")
-    parser.add_argument("--compare-prefetch", action="store_true",
-                        help="also time the decode and verify steps captured with attention's L2 "
-                             "prefetch of o_proj's weight off and on (fuser/ops/l2_prefetch.py), "
-                             "alternating, the same way and at the same cache length")
     parser.add_argument("--fused-attention", choices=["default", "on", "off"], default="default",
                         help="FuserConfig.fused_attention: the split-K Triton op for decode/verify")
     parser.add_argument("--precisions", default="bf16,fp8",
@@ -241,8 +236,7 @@ def time_fuser(model: torch.nn.Module, precision: str, prompt: torch.Tensor,
             f"{format_breakdown(table, result['prefill_ms'], host=True)}")
     if not args.skip_verify:
         result["verify5_ms"] = time_verify(engine, prompt, decode_ms)
-    if args.compare_prefetch:
-        result["prefetch_ms"] = time_prefetch(engine, prompt)
+        result["replayed_ms"] = time_steps_alike(engine, prompt)
         if args.profile:
             table = profile_verify(engine, prompt)
             result["verify5_breakdown"] = table
@@ -368,38 +362,29 @@ def time_verify(engine: fuser.Engine, prompt: torch.Tensor, decode_ms: float) ->
     return verify_ms
 
 
-def time_prefetch(engine: fuser.Engine, prompt: torch.Tensor) -> dict[str, float]:
-    """The decode (T = 1) and verify (T = 5) steps with attention's L2 prefetch off and on
-    (l2_prefetch.MAX_BYTES = 0 or its default, read at capture), each captured alone and timed
-    as benchmarks/timing.py's replay_median_ms at the prompt's cache length, off/on/off/on
-    (each figure the mean of its two runs, so drift falls on both). Logs the four figures, the
-    verify/decode ratio either way and whether the logits are bit-equal; -> the figures."""
+def time_steps_alike(engine: fuser.Engine, prompt: torch.Tensor) -> dict[str, float]:
+    """The decode (T = 1) and verify (T = 5) steps timed the same way at the same cache length
+    (the prompt's): each captured alone and timed as benchmarks/timing.py's replay_median_ms,
+    decode, verify, decode, verify, each figure the mean of its two runs (so drift between them
+    falls on both). time_verify's ratio divides a step timed through the engine's graphs after a
+    recapture by one timed before it; this one is like for like. Logs and returns the figures."""
     cache = engine.target.cache
-    default = l2_prefetch.MAX_BYTES
     times: dict[str, list[float]] = {}
-    outs = {}
-    try:
-        for _ in range(2):
-            for name in ("off", "on"):
-                l2_prefetch.MAX_BYTES = 0 if name == "off" else default
-                for T, kind in ((1, DECODE), (5, verify(4))):
-                    step = engine.target[kind].uncaptured
-                    positions = torch.arange(T, device="cuda")[None]
-                    cache.set_lengths(prompt.shape[1])
-                    with torch.no_grad():
-                        ms, outs[name, T] = replay_median_ms(
-                            lambda: step(prompt[:, :T], positions, cache.seq_lens, cache.starts))
-                    times.setdefault(f"T{T}_{name}", []).append(ms)
-    finally:
-        l2_prefetch.MAX_BYTES = default
+    for _ in range(2):
+        for T, kind in ((1, DECODE), (5, verify(4))):
+            step = engine.target[kind].uncaptured
+            positions = torch.arange(T, device="cuda")[None]
+            cache.set_lengths(prompt.shape[1])
+            with torch.no_grad():
+                ms, _ = replay_median_ms(
+                    lambda: step(prompt[:, :T], positions, cache.seq_lens, cache.starts))
+            times.setdefault(f"T{T}", []).append(ms)
     result = {key: sum(v) / len(v) for key, v in times.items()}
-    for name in ("off", "on"):
-        log(f"L2 prefetch {name}: decode step {result[f'T1_{name}']:.3f} ms, verify (T=5) "
-            f"{result[f'T5_{name}']:.3f} ms = {result[f'T5_{name}'] / result[f'T1_{name}']:.3f}x "
-            f"decode")
-    equal = all(torch.equal(outs["off", T], outs["on", T]) for T in (1, 5))
-    log(f"L2 prefetch on/off: decode {result['T1_off'] / result['T1_on']:.3f}x faster, verify "
-        f"{result['T5_off'] / result['T5_on']:.3f}x; logits {'bit-equal' if equal else 'DIFFERENT'}")
+    result["ratio"] = result["T5"] / result["T1"]
+    log(f"steps replayed alike (cache at {prompt.shape[1]} slots): decode {result['T1']:.3f} ms, "
+        f"verify (T=5) {result['T5']:.3f} ms = {result['ratio']:.3f}x decode "
+        f"(runs: decode {', '.join(f'{t:.3f}' for t in times['T1'])}; verify "
+        f"{', '.join(f'{t:.3f}' for t in times['T5'])})")
     return result
 
 
@@ -448,7 +433,8 @@ def summary(rows: list, ceiling: float, nbytes: int, bandwidth: float, steps: di
         verify = r.get("verify5_ms", float("nan"))
         log(f"[{precision}] {r['tok_s']:.1f} tok/s = {r['pct_ceiling']:.1f}% of its "
             f"{r['ceiling_tok_s']:.0f} tok/s ceiling; decode step {r['decode_step_ms']:.3f} ms, "
-            f"verify(T=5) {verify:.3f} ms ({verify / r['decode_step_ms']:.3f}x), prefill "
+            f"verify(T=5) {verify:.3f} ms ({verify / r['decode_step_ms']:.3f}x; replayed alike "
+            f"{r.get('replayed_ms', {}).get('ratio', float('nan')):.3f}x), prefill "
             f"{r['prefill_ms']:.1f} ms, kernels/step {r.get('kernels_per_step')}")
     if all("tok_s" in steps.get(p, {}) for p in ("bf16", "fp8")):
         log(f"fp8 vs bf16: decode {steps['fp8']['tok_s'] / steps['bf16']['tok_s']:.2f}x, prefill "

@@ -33,7 +33,6 @@
 #   bash benchmarks/gpu_all.sh wide     # gate/up on 16 KB stream tiles: shape + chain labs, FP8 tiles and norm cost, 8B decode profiled
 #   bash benchmarks/gpu_all.sh prologue # FP8 one-row norm prologue over the whole row; 5-row norm prologue chain; 8B decode + verify; engine tests
 #   bash benchmarks/gpu_all.sh thirteenth # 8B decode + verify with and without PDL at several rows, chains, stream/PDL/argmax GPU tests
-#   bash benchmarks/gpu_all.sh prefetch # L2 prefetch GPU tests, 8B decode + verify with attention's L2 prefetch off/on, FP8 chain with GEMVs' own L2 prefetch
 #   bash benchmarks/gpu_all.sh fourteenth # (not yet run) linear GPU tests, the engine's GPU tests
 #   bash benchmarks/gpu_all.sh sixteenth  # (not yet run) unroll + 5-row chain labs, 8B decode profiled, engine GPU tests
 #   bash benchmarks/gpu_all.sh fifteenth  # GPU tests with PDL at one row by default
@@ -443,27 +442,6 @@ elif [ "$what" = fourteenth ]; then
   [ "$left" -gt 30 ] && timeout "$left" python3 -m pytest -q -p no:cacheprovider -rf \
     tests/test_cuda.py tests/test_cuda_spec.py 2>&1 | tee "$OUT/gpu_tests_engine.log" \
     | grep -E "^E  |FAIL|Error|passed|failed" | head
-elif [ "$what" = prefetch ]; then
-  # Thirteenth session, second call: the L2 prefetch (fuser/ops/l2_prefetch.py). Its GPU tests
-  # first (if they fail, FUSER_L2_PREFETCH=0 for the rest, so the decode still runs); the 8B
-  # decode and verify, both precisions, with the prefetch off/on in one process (FP8's norm
-  # prologue now 2048 columns a step); the FP8 one-row chain with each GEMV's own rows
-  # prefetched into L2 before its PDL wait (linear.L2_OWN_BYTES).
-  echo "== GPU tests: L2 prefetch, PDL chains, norm + linear"
-  timeout 150 python3 -m pytest -q -p no:cacheprovider -rf tests/test_l2_prefetch.py \
-    tests/test_pdl.py -k "gpu" 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "^E  |FAIL|Error|passed|failed" | head
-  if grep -q "failed\|error" "$OUT/gpu_tests.log"; then
-    echo "L2 prefetch GPU tests failed: FUSER_L2_PREFETCH=0 from here"; export FUSER_L2_PREFETCH=0
-  fi
-  summary+=("GPU tests: $(tail -1 "$OUT/gpu_tests.log")")
-  echo "== decode, 8B shape, attention's L2 prefetch off and on"
-  timeout 330 python3 benchmarks/decode.py --out "$OUT/decode.json" --skip-peers \
-    --compare-prefetch 2>&1 | tee "$OUT/decode.log" | grep -v Warning \
-    | grep -E "^\[|verify|ceiling|fp8 vs|per token|parts|Error|fallback|L2 prefetch" | tail -34
-  echo "== GEMV chain lab, 16 layers, 1 row: each GEMV's own rows into L2 before its wait"
-  timeout 70 python3 benchmarks/pdl_lab.py --layers 16 --rows 1 --dtypes fp8 \
-    --variants "pdl, 1 tile;norm kernels;l2 own 16K;l2 own 64K;l2 own 256K" \
-    --out "$OUT/pdl_lab.json" 2>&1 | grep -v Warning | tail -6
 elif [ "$what" = sixteenth ]; then
   # For the next session's first call (written in the eleventh, not yet run; ~15 minutes): the
   # one-row chain with linear.ONE_ROW_UNROLL 2 and 4 (if FP8 gains, set it and re-run the

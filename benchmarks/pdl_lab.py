@@ -57,14 +57,7 @@ VARIANTS = (("off", "0", None, None), ("pdl, 1 tile", "1", 1, None),
                                                                  tile_bytes=4096, num_warps=4)),
             # the engine's launches (PDL on), the norms as add_rms_norm kernels instead of
             # inside qkv and gate/up (what FP8's per-program norm prologue costs against)
-            ("norm kernels", "1", None, gemv_stream.DEFAULT),
-            # the engine's launches, each _linear_kernel program (FP8's, bf16's outside the
-            # stream GEMV) first prefetching this many bytes of its rows into L2
-            # (linear.L2_OWN_BYTES)
-            ("l2 own 16K", "1", None, gemv_stream.DEFAULT),
-            ("l2 own 64K", "1", None, gemv_stream.DEFAULT),
-            ("l2 own 256K", "1", None, gemv_stream.DEFAULT))
-L2_OWN = {"l2 own 16K": 16384, "l2 own 64K": 65536, "l2 own 256K": 262144}
+            ("norm kernels", "1", None, gemv_stream.DEFAULT))
 # Several rows (the verify step's MMA path; PDL is one row's): the stream GEMV's ROWS_CONFIG
 ROWS_VARIANTS = (("off", "0", None, None),
                  ("stream d1 st3", "0", None, StreamConfig(depth=1, num_stages=3)),
@@ -168,7 +161,6 @@ def main() -> None:
                 gemv_stream.CONFIG, gemv_stream.ROWS_CONFIG = (stream, None) if M == 1 else \
                     (None, stream)
                 linear_module.FP8_F16_MMA = name == "f16 mma"  # "off": the bf16 MMA
-                linear_module.L2_OWN_BYTES = L2_OWN.get(name, 0)
                 try:
                     ms, out = replay_median_ms(
                         lambda: chain(layers, h, r, prefetch, name == "norm prologue",
@@ -180,7 +172,6 @@ def main() -> None:
                 finally:
                     gemv_stream.CONFIG, gemv_stream.ROWS_CONFIG = gemv_stream.DEFAULT, None
                     linear_module.FP8_F16_MMA = f16_default
-                    linear_module.L2_OWN_BYTES = 0
                 if base_ms is None:
                     base_ms, base_out = ms, out
                 row = dict(dtype=dtype, rows=M, variant=name, ms=ms,

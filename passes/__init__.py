@@ -17,7 +17,6 @@ from fuser.passes.fp8 import FP8_LINEAR
 from fuser.passes.fx import count_fuser_ops, prepare_graph
 from fuser.passes.gated_linear import GATED_LINEAR
 from fuser.passes.gated_mlp import GATED_ACT
-from fuser.passes.l2_prefetch import L2_PREFETCH
 from fuser.passes.linear import LINEAR
 from fuser.passes.norm_linear import NORM_LINEAR
 from fuser.passes.projections import MERGE_GATE_UP, MERGE_QKV
@@ -43,8 +42,6 @@ PASSES: list[GraphRewrite] = [
     # needs the GEMVs above, and gated_act's op over the merged gate/up output
     NORM_LINEAR,  # after every GEMV pass: folds a norm into the one GEMV (any of the four) that
     # reads it, so it must see the final GEMV op, gated_linear's included
-    L2_PREFETCH,  # last: attention prefetches the weight of the GEMV after it (o_proj), which
-    # must be the final GEMV op
 ]
 
 

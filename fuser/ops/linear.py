@@ -100,7 +100,6 @@ from torch import Tensor
 from fuser.ops.counters import split_counters
 from fuser.ops.fp8 import FP8_DTYPE, fp8_linear_reference
 from fuser.ops.gated_act import ACTIVATIONS, act_times_up, gated_act_reference
-from fuser.ops.l2_prefetch import prefetch_l2
 from fuser.ops.pdl import pdl_launch, wait_for_inputs
 from fuser.ops.rmsnorm import _load_block, _normalise, add_rms_norm_reference, rms_norm_reference
 
@@ -276,19 +275,6 @@ def _sum_splits(acc, part_ptr, count_ptr, pid, SIZE: tl.constexpr, SPLIT_K: tl.c
 
 
 @triton.jit
-def _prefetch_rows(w_ptr, row0, N, K, stride_wn, MAX_BYTES: tl.constexpr, LANES: tl.constexpr):
-    """Bulk L2 prefetch of the first MAX_BYTES of weight rows row0.. (those below N), as they
-    lie in memory: rows of stride_wn elements, the last one's first K."""
-    w_bytes: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-    span = (tl.maximum(N - row0, 1) - 1).to(tl.int64) * stride_wn * w_bytes + K * w_bytes
-    nbytes = tl.minimum(span, MAX_BYTES)
-    nbytes -= nbytes % 16
-    chunk = (nbytes + LANES * 16 - 1) // (LANES * 16) * 16
-    if row0 < N:
-        prefetch_l2(w_ptr + row0.to(tl.int64) * stride_wn, nbytes, chunk, 0, LANES)
-
-
-@triton.jit
 def _linear_kernel(
     x_ptr,                      # x: [M, K], row stride stride_xm, column stride 1
     w_ptr,                      # weight: [N, K] ([2N, K], gate rows then up rows, if gated);
@@ -319,8 +305,6 @@ def _linear_kernel(
     PREFETCH: tl.constexpr = 0,  # (0, 1 or 2) load before waiting for the previous kernel
     SWAP: tl.constexpr = False,  # MMA path: the weight tile as the MMA's A operand (_mma_swapped)
     F16_MMA: tl.constexpr = False,  # SWAP, FP8 weights: the MMA in fp16 (_f16_step)
-    L2_OWN: tl.constexpr = 0,   # one row, PDL, no split: bytes of its rows each program
-    L2_LANES: tl.constexpr = 128,  # prefetches into L2 before the wait (32 * num_warps lanes)
 ):
     pid = tl.program_id(0)
     # Split-K: program (pid, s) sums K range [s * K / SPLIT_K, (s + 1) * K / SPLIT_K) (the
@@ -349,15 +333,6 @@ def _linear_kernel(
     # (weights never depend on it); everything else waits. The K loop then starts after them and
     # each prefetched tile is summed exactly as a loop step would, in the same order.
     k_loop = k_lo
-    if PDL and L2_OWN > 0 and BLOCK_M == 1 and SPLIT_K == 1:
-        # The program's weight rows as they lie in memory (a gated tile's two runs of rows),
-        # their first L2_OWN bytes into L2 (fuser/ops/l2_prefetch.py): a hint, no value changes.
-        if ACTIVATION == "":
-            _prefetch_rows(w_ptr, pid * BLOCK_N, N, K, stride_wn, L2_OWN, L2_LANES)
-        else:
-            _prefetch_rows(w_ptr, pid * (BLOCK_N // 2), N, K, stride_wn, L2_OWN // 2, L2_LANES)
-            _prefetch_rows(w_ptr + N.to(tl.int64) * stride_wn, pid * (BLOCK_N // 2), N, K, stride_wn,
-                           L2_OWN // 2, L2_LANES)
     if PDL and PREFETCH >= 1:
         k_pre0 = k_lo + offs_k
         w_pre0 = _w_tile(w_rows, col_ok, k_pre0, k_hi)
@@ -549,14 +524,12 @@ FP8_F16_MMA = True
 # and gate/up GEMVs (768 and 224 programs) took 1.7 and 3.9 us longer with the prologue than
 # without (benchmarks/shape_lab.py, RESULTS.md, twelfth session); 2048 columns a step took qkv
 # 10.28 against 10.77 us and gate/up 32.02 against 33.23 (1024: 10.79 and 32.76; thirteenth
-# session), the whole row (4096) 12.56 for qkv (twelfth). shape_lab.py's "nkN" word times others.
+# session), the whole row (4096) 12.56 for qkv (twelfth); in the engine the 8B FP8 decode step
+# took 2.431 ms against 2.523 before (two machines of one kind; RESULTS.md, thirteenth session).
+# shape_lab.py's "nkN" word times other widths.
 ONE_ROW_NORM_K: int | None = 2048
 
 PDL_PREFETCH = 1  # weight tiles a PDL-launched program loads before its wait (fuser/ops/pdl.py)
-# One row with PDL: bytes of its own weight rows each program prefetches into L2 before its
-# wait (fuser/ops/l2_prefetch.py; no registers held, unlike PDL_PREFETCH's tiles), 0: none.
-# benchmarks/pdl_lab.py's "l2 own" variants time it.
-L2_OWN_BYTES = 0
 
 SHARED_MEMORY_BUDGET = 200 * 1024  # bytes of pipelined tiles (an H200 SM has 227 KiB); every tuned
 # bf16 and FP8 configuration fits it unchanged
@@ -736,16 +709,9 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         ACTIVATION=activation or "", NORM=norm, HAS_RESIDUAL=residual is not None,
         SPLIT_K=splits, PDL=bool(pdl), PREFETCH=PDL_PREFETCH if prefetch is None else prefetch,
         SWAP=swap, F16_MMA=swap and fp8 and FP8_F16_MMA and x.dtype == torch.bfloat16,
-        L2_OWN=L2_OWN_BYTES if pdl and block_m == 1 and splits == 1 and _aligned(weight) else 0,
-        L2_LANES=32 * (num_warps or warps),
         num_warps=num_warps or warps, num_stages=num_stages or stages, **pdl,
     )
     return out.reshape(*lead, N), _lead(summed, lead, K)
-
-
-def _aligned(weight: Tensor) -> bool:
-    """Whether every weight row starts on a 16-byte boundary (the bulk L2 prefetch's)."""
-    return weight.data_ptr() % 16 == 0 and weight.stride(0) * weight.element_size() % 16 == 0
 
 
 def _lead(t: Tensor | None, lead: list, K: int) -> Tensor | None:

@@ -1,7 +1,7 @@
 """Rotary, KV-cache write and attention of a fixed-T step in one split-K kernel.
 
     rotary_cache_attention(q, k, v, cos, sin, k_cache, v_cache, seq_lens, starts,
-                           scale, window, softcap, prefetch=None) -> out [B, T, H, D]
+                           scale, window, softcap) -> out [B, T, H, D]
       = q_rot = rotary_cache_write(q, k, v, cos, sin, k_cache, v_cache, seq_lens)
         cache_attention_read(q_rot, k_cache, v_cache, seq_lens, starts, scale, window, softcap)
 
@@ -24,10 +24,7 @@ Triton (one launch less per layer than the two ops: the rotary kernel is gone). 
     more block of the online softmax), and writes them to the caches' slots seq_lens[b] + t:
     exactly one program per (b, kv head) writes, on every row, whether or not its queries see
     anything;
-  - writes (acc, m, l) to scratch; attention's `_combine_kernel` merges the splits;
-  - first of all, with `prefetch` (the next kernel's weight: o_proj's), issues its share of that
-    weight's L2 prefetch, which the memory system serves while attention computes
-    (fuser/ops/l2_prefetch.py).
+  - writes (acc, m, l) to scratch; attention's `_combine_kernel` merges the splits.
 
 Numerics. The caches' new slots and the rotated q equal rotary_cache_write's kernel bit for
 bit; the output is cache_attention_read's math over those values (the new keys are one block
@@ -49,7 +46,6 @@ from torch import Tensor
 from fuser.ops.attention import (BLOCK_N, TARGET_PROGRAMS, _attend_block, _attend_cache,
                                  _combine_kernel, _store_partial, cache_attention_read_triton,
                                  cache_attention_reference, split_scratch)
-from fuser.ops.l2_prefetch import prefetch_args, prefetch_l2
 from fuser.ops.pdl import pdl_launch, wait_for_inputs
 from fuser.ops.rope import (_check, _check_cache, rotary_cache_write_reference,
                             rotary_cache_write_triton)
@@ -110,7 +106,6 @@ def _rotary_split_kernel(
     s_sb, s_st, s_sr,
     S, KV, T, D, M,    # M = rep * T query rows per kv head
     scale_log2e, softcap, window,
-    pf_ptr, pf_bytes, pf_chunk,  # the next kernel's weight, prefetched into L2 (l2_prefetch.py)
     R: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr,        # power of two >= max(16, M)
@@ -121,14 +116,10 @@ def _rotary_split_kernel(
     HAS_SOFTCAP: tl.constexpr,
     FP32_DOTS: tl.constexpr,
     PDL: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
-    PF_LANES: tl.constexpr = 128,  # 32 * num_warps: one prefetch per thread
 ):
+    wait_for_inputs(PDL)
     bk = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
-    if PREFETCH:  # weights only, before the wait: PDL's contract (fuser/ops/pdl.py) holds
-        prefetch_l2(pf_ptr, pf_bytes, pf_chunk, bk * NUM_SPLITS + split, PF_LANES)
-    wait_for_inputs(PDL)
     b = bk // KV
     kvh = bk % KV
     seq_len = tl.load(seq_lens_ptr + b)
@@ -207,13 +198,10 @@ def fused_supported(q: Tensor) -> bool:
 def rotary_cache_attention_triton(
     q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
     seq_lens: Tensor, starts: Tensor, scale: float, window: int, softcap: float,
-    prefetch: Tensor | None = None,
     *, num_splits: int | None = None, block_n: int = BLOCK_N,
     target_programs: int = TARGET_PROGRAMS, num_warps: int | None = None, num_stages: int = 2,
 ) -> Tensor:
-    """See the module docstring. prefetch: the next kernel's weight, prefetched into L2 by
-    the split programs (fuser/ops/l2_prefetch.py; the two-kernel path ignores it). Keyword-only
-    arguments: attention's tuning overrides."""
+    """See the module docstring. Keyword-only arguments: attention's tuning overrides."""
     _check(q, k, cos, sin)
     _check_cache(q, k, v, k_cache, v_cache, seq_lens)
     _check_attention(q, k, seq_lens, starts)
@@ -233,8 +221,6 @@ def rotary_cache_attention_triton(
     block_d = max(16, triton.next_power_of_2(D))
     log2e = 1.4426950408889634
     pdl = pdl_launch(q.device, one_row=T == 1)  # several rows: measured slower with it
-    warps = num_warps or 4
-    pf, pf_bytes, pf_chunk, pf_on = prefetch_args(prefetch, programs * splits, 32 * warps, q)
     _rotary_split_kernel[(programs, splits)](
         q, k, v, cos, sin, k_cache, v_cache, seq_lens, starts, acc, ml,
         *q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(),
@@ -243,11 +229,9 @@ def rotary_cache_attention_triton(
         R=R, NUM_SPLITS=splits, BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n,
         BLOCK_T=max(16, triton.next_power_of_2(T)), BLOCK_D=block_d,
         HAS_WINDOW=bool(window), HAS_SOFTCAP=bool(softcap), FP32_DOTS=fp32_dots,
-        num_warps=warps, num_stages=num_stages,
+        num_warps=num_warps or 4, num_stages=num_stages,
         # mul, mul, add as three roundings: the rotation stays bit-equal to the rotary kernel's.
-        enable_fp_fusion=False, PDL=bool(pdl),
-        pf_ptr=pf, pf_bytes=pf_bytes, pf_chunk=pf_chunk, PREFETCH=pf_on, PF_LANES=32 * warps,
-        **pdl,
+        enable_fp_fusion=False, PDL=bool(pdl), **pdl,
     )
     _combine_kernel[(B * H * T,)](
         acc, ml, out, H, KV, T, D, M,
@@ -266,13 +250,10 @@ def rotary_cache_attention_triton(
 def rotary_cache_attention(
     q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
     seq_lens: Tensor, starts: Tensor, scale: float, window: int, softcap: float,
-    prefetch: Tensor | None = None,
 ) -> Tensor:
     """rotary_cache_write then cache_attention_read (module docstring): writes rope(k) and v at
     the caches' slots seq_lens[b] + t, returns attention's [B, T, H, D] (contiguous, q's dtype).
-    CPU: the two references; CUDA: one split-K launch and the combine. prefetch: a weight the
-    next kernel reads (passes/l2_prefetch.py gives o_proj's), prefetched into L2 on CUDA while
-    attention runs: a hint, no value changes (CPU ignores it)."""
+    CPU: the two references; CUDA: one split-K launch and the combine."""
     _check(q, k, cos, sin)
     _check_cache(q, k, v, k_cache, v_cache, seq_lens)
     _check_attention(q, k, seq_lens, starts)
@@ -284,7 +265,6 @@ def rotary_cache_attention(
 def _rotary_cache_attention_fake(
     q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
     seq_lens: Tensor, starts: Tensor, scale: float, window: int, softcap: float,
-    prefetch: Tensor | None = None,
 ) -> Tensor:
     _check(q, k, cos, sin)
     _check_cache(q, k, v, k_cache, v_cache, seq_lens)
@@ -299,7 +279,6 @@ rotary_cache_attention.register_kernel("cuda")(rotary_cache_attention_triton)
 def rotary_cache_attention_split(
     q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
     seq_lens: Tensor, starts: Tensor, scale: float, window: int, softcap: float,
-    prefetch: Tensor | None = None,
 ) -> Tensor:
     """The same call as the two ops it fuses (what a CPU compile runs: fuser/compile_cpu.py
     inlines cache_attention_read's reference into its C++ kernels)."""
