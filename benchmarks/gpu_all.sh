@@ -33,7 +33,7 @@
 #   bash benchmarks/gpu_all.sh wide     # gate/up on 16 KB stream tiles: shape + chain labs, FP8 tiles and norm cost, 8B decode profiled
 #   bash benchmarks/gpu_all.sh prologue # FP8 one-row norm prologue over the whole row; 5-row norm prologue chain; 8B decode + verify; engine tests
 #   bash benchmarks/gpu_all.sh thirteenth # 8B decode + verify with and without PDL at several rows, chains, stream/PDL/argmax GPU tests
-#   bash benchmarks/gpu_all.sh fourteenth # (not yet run) linear GPU tests, the engine's GPU tests
+#   bash benchmarks/gpu_all.sh fourteenth # linear GPU tests, the chains without norms (what a norm fusion can reach), the engine's GPU tests
 #   bash benchmarks/gpu_all.sh sixteenth  # (not yet run) unroll + 5-row chain labs, 8B decode profiled, engine GPU tests
 #   bash benchmarks/gpu_all.sh fifteenth  # GPU tests with PDL at one row by default
 #   bash benchmarks/gpu_all.sh twelfth  # fp16 MMA for FP8 rows; 8B decode + verify
@@ -434,14 +434,20 @@ elif [ "$what" = thirteenth ]; then
     -k "pdl_chain or through_linear or gpu_dependent or gpu_pdl or vocabulary" 2>&1 \
     | tee "$OUT/gpu_tests.log" | grep -E "^E  |FAIL|Error|passed|failed" | head
 elif [ "$what" = fourteenth ]; then
-  # The next session's second call (written in the twelfth, not yet run): the linear GPU
-  # tests (FP8 gate/up's new tile among them), then the engine's GPU tests.
+  # Written in the twelfth session, run in the thirteenth's last call: the linear GPU tests
+  # (FP8 gate/up's new tile, FP8's 2048-column norm prologue), the 16-layer chains at 1 and 5
+  # rows with their norms as the engine runs them and with none at all (the bound for fusing
+  # the norms into the GEMVs), then the engine's GPU tests in the time left.
   linear_gpu_tests
+  echo "== GEMV chain lab, 16 layers: the norms as the engine runs them, and none"
+  timeout 100 python3 benchmarks/pdl_lab.py --layers 16 --rows 1,5 --dtypes fp8,bf16 \
+    --variants "pdl, 1 tile;stream default;f16 mma;off;no norms" \
+    --out "$OUT/pdl_lab.json" 2>&1 | grep -v Warning | tail -12
   left=$((585 - SECONDS))
   echo "== GPU tests: the engine (${left} s left)"
-  [ "$left" -gt 30 ] && timeout "$left" python3 -m pytest -q -p no:cacheprovider -rf \
+  [ "$left" -gt 30 ] && timeout "$left" python3 -m pytest -v -p no:cacheprovider -rf \
     tests/test_cuda.py tests/test_cuda_spec.py 2>&1 | tee "$OUT/gpu_tests_engine.log" \
-    | grep -E "^E  |FAIL|Error|passed|failed" | head
+    | grep -E "^E  |PASSED|FAILED|ERROR|passed|failed" | cut -c1-150 | tail -30
 elif [ "$what" = sixteenth ]; then
   # For the next session's first call (written in the eleventh, not yet run; ~15 minutes): the
   # one-row chain with linear.ONE_ROW_UNROLL 2 and 4 (if FP8 gains, set it and re-run the

@@ -57,7 +57,8 @@ VARIANTS = (("off", "0", None, None), ("pdl, 1 tile", "1", 1, None),
                                                                  tile_bytes=4096, num_warps=4)),
             # the engine's launches (PDL on), the norms as add_rms_norm kernels instead of
             # inside qkv and gate/up (what FP8's per-program norm prologue costs against)
-            ("norm kernels", "1", None, gemv_stream.DEFAULT))
+            ("norm kernels", "1", None, gemv_stream.DEFAULT),
+            ("no norms", "1", None, gemv_stream.DEFAULT))
 # Several rows (the verify step's MMA path; PDL is one row's): the stream GEMV's ROWS_CONFIG
 ROWS_VARIANTS = (("off", "0", None, None),
                  ("stream d1 st3", "0", None, StreamConfig(depth=1, num_stages=3)),
@@ -70,7 +71,8 @@ ROWS_VARIANTS = (("off", "0", None, None),
                  ("f16 mma", "0", None, None),
                  # the norms inside the qkv and gate/up GEMVs (their per-row prologue) instead
                  # of add_rms_norm kernels (linear.NORM_PROLOGUE_MAX_ROWS)
-                 ("norm prologue", "0", None, None))
+                 ("norm prologue", "0", None, None),
+                 ("no norms", "0", None, None))
 
 
 def make_layers(n: int, fp8: bool, device: torch.device) -> list[dict]:
@@ -92,17 +94,22 @@ def make_layers(n: int, fp8: bool, device: torch.device) -> list[dict]:
 
 
 def chain(layers: list[dict], h: torch.Tensor, r: torch.Tensor, prefetch: int | None,
-          prologue: bool = False, norm_kernels: bool = False) -> torch.Tensor:
+          prologue: bool = False, norm_kernels: bool = False, no_norms: bool = False
+          ) -> torch.Tensor:
     """The layers' GEMVs in step order with the norms as the engine runs them: inside the GEMVs
     at one row, add_rms_norm kernels before qkv and gate_up at several rows (until the eleventh
     session several rows left them out, and the chain's values overflowed to NaN by the sixth
     layer: its bit-equality columns said nothing there). `prologue`: the norms inside the GEMVs
-    at several rows too; `norm_kernels`: norm kernels at one row too."""
+    at several rows too; `norm_kernels`: norm kernels at one row too; `no_norms`: the GEMVs
+    alone, no norm anywhere (what any fusion of the norms can reach at best; values are not
+    kept in range, so its equality column says nothing)."""
     kw = {} if prefetch is None else {"prefetch": prefetch}
     one_row = (h.shape[0] == 1 and not norm_kernels) or prologue
     for layer in layers:
         w, s = layer["qkv"]
-        if one_row:
+        if no_norms:
+            qkv = linear_triton(h, w, weight_scale=s, **kw)
+        elif one_row:
             qkv, r = rms_norm_linear_triton(h, r, layer["g1"], EPS, w, weight_scale=s, **kw)
         else:
             normed, r = add_rms_norm_triton(h, r, layer["g1"], EPS)
@@ -110,7 +117,9 @@ def chain(layers: list[dict], h: torch.Tensor, r: torch.Tensor, prefetch: int | 
         w, s = layer["o"]
         o = linear_triton(qkv[:, :HIDDEN], w, weight_scale=s, **kw)
         w, s = layer["gate_up"]
-        if one_row:
+        if no_norms:
+            act = linear_triton(o, w, weight_scale=s, activation="silu", **kw)
+        elif one_row:
             act, r = rms_norm_linear_triton(o, r, layer["g2"], EPS, w, weight_scale=s,
                                             activation="silu", **kw)
         else:
@@ -160,11 +169,12 @@ def main() -> None:
                 os.environ["FUSER_PDL"] = flag
                 gemv_stream.CONFIG, gemv_stream.ROWS_CONFIG = (stream, None) if M == 1 else \
                     (None, stream)
-                linear_module.FP8_F16_MMA = name == "f16 mma"  # "off": the bf16 MMA
+                # "off": the bf16 MMA; "no norms" as the engine (fp16), against "f16 mma"
+                linear_module.FP8_F16_MMA = name in ("f16 mma", "no norms")
                 try:
                     ms, out = replay_median_ms(
                         lambda: chain(layers, h, r, prefetch, name == "norm prologue",
-                                      name == "norm kernels"))
+                                      name == "norm kernels", name == "no norms"))
                 except Exception as error:  # noqa: BLE001  (a variant that does not compile)
                     log(f"{dtype:4s} M={M:2d} {name:17s} failed: {type(error).__name__}: "
                         f"{str(error)[:200]}")
