@@ -33,7 +33,6 @@
 #   bash benchmarks/gpu_all.sh wide     # gate/up on 16 KB stream tiles: shape + chain labs, FP8 tiles and norm cost, 8B decode profiled
 #   bash benchmarks/gpu_all.sh prologue # FP8 one-row norm prologue over the whole row; 5-row norm prologue chain; 8B decode + verify; engine tests
 #   bash benchmarks/gpu_all.sh thirteenth # 8B decode + verify with and without PDL at several rows, chains, stream/PDL/argmax GPU tests
-#   bash benchmarks/gpu_all.sh squares  # norm_squares GPU tests (ops, engine), 8B FP8 decode + verify
 #   bash benchmarks/gpu_all.sh fourteenth # linear GPU tests, the chains without norms (what a norm fusion can reach), the engine's GPU tests
 #   bash benchmarks/gpu_all.sh sixteenth  # (not yet run) unroll + 5-row chain labs, 8B decode profiled, engine GPU tests
 #   bash benchmarks/gpu_all.sh fifteenth  # GPU tests with PDL at one row by default
@@ -449,19 +448,6 @@ elif [ "$what" = fourteenth ]; then
   [ "$left" -gt 30 ] && timeout "$left" python3 -m pytest -v -p no:cacheprovider -rf \
     tests/test_cuda.py tests/test_cuda_spec.py 2>&1 | tee "$OUT/gpu_tests_engine.log" \
     | grep -E "^E  |PASSED|FAILED|ERROR|passed|failed" | cut -c1-150 | tail -30
-elif [ "$what" = squares ]; then
-  # Thirteenth session, last call (~5 minutes of device time left): the norm_squares pass's
-  # kernels (fuser::linear_add_squares, fuser::squares_norm_linear) against their references at
-  # the 8B shapes and in a bf16 engine's decode/verify graphs (two rows), then the 8B FP8 decode
-  # and verify (FP8 and several-row steps take the pass).
-  echo "== GPU tests: norm squares ops, the engine's GEMVs"
-  timeout 150 python3 -m pytest -q -p no:cacheprovider -rf tests/test_ops_norm_squares.py \
-    tests/test_cuda.py -k "gpu or decode_gemv" 2>&1 | tee "$OUT/gpu_tests.log" \
-    | grep -E "^E  |FAIL|Error|passed|failed" | head -12
-  echo "== decode, 8B shape, FP8"
-  timeout 270 python3 benchmarks/decode.py --out "$OUT/decode.json" --skip-peers \
-    --precisions fp8 2>&1 | tee "$OUT/decode.log" | grep -v Warning \
-    | grep -E "^\[|verify|ceiling|per token|parts|Error|fallback|alike" | tail -20
 elif [ "$what" = sixteenth ]; then
   # For the next session's first call (written in the eleventh, not yet run; ~15 minutes): the
   # one-row chain with linear.ONE_ROW_UNROLL 2 and 4 (if FP8 gains, set it and re-run the
