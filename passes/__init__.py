@@ -19,7 +19,6 @@ from fuser.passes.gated_linear import GATED_LINEAR
 from fuser.passes.gated_mlp import GATED_ACT
 from fuser.passes.linear import LINEAR
 from fuser.passes.norm_linear import NORM_LINEAR
-from fuser.passes.norm_squares import NORM_SQUARES
 from fuser.passes.projections import MERGE_GATE_UP, MERGE_QKV
 from fuser.passes.rmsnorm import ADD_RMS_NORM, RMS_NORM
 from fuser.passes.rope import ROTARY
@@ -43,7 +42,6 @@ PASSES: list[GraphRewrite] = [
     # needs the GEMVs above, and gated_act's op over the merged gate/up output
     NORM_LINEAR,  # after every GEMV pass: folds a norm into the one GEMV (any of the four) that
     # reads it, so it must see the final GEMV op, gated_linear's included
-    NORM_SQUARES,  # after norm_linear: the GEMV before each fused norm sums its squares
 ]
 
 

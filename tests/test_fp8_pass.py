@@ -38,10 +38,8 @@ def emulated_fp8(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def norm_gemv_scales(gm: GraphModule) -> list[bool]:
-    """For each norm + GEMV op (norm_linear, or norm_squares's squares_norm_linear), whether it
-    reads FP8 weights (a weight_scale)."""
-    ops = (torch.ops.fuser.rms_norm_linear.default, torch.ops.fuser.add_rms_norm_linear.default,
-           torch.ops.fuser.squares_norm_linear.default)
+    """For each norm + GEMV op (norm_linear), whether it reads FP8 weights (a weight_scale)."""
+    ops = (torch.ops.fuser.rms_norm_linear.default, torch.ops.fuser.add_rms_norm_linear.default)
     return [n.args[-2] is not None for n in gm.graph.nodes if n.target in ops]
 
 
@@ -66,14 +64,10 @@ def test_counts_and_no_weight_read_left(llama) -> None:
     assert report.passes["linear"] == 0
     decode, prefill = engine.target[DECODE], engine.target[PREFILL]
     # gate/up's GEMV takes the activation (gated_linear), then every norm the GEMV it feeds
-    # (norm_linear: qkv, gate/up, LM head); then o_proj and down_proj sum the squares of the
-    # norm after them (norm_squares), which reads those instead of passing over its row
+    # (norm_linear: qkv, gate/up, LM head): o_proj and down_proj are left as fp8_linear
     assert report.passes["gated_linear"] == L and report.passes["norm_linear"] == 2 * L + 1
-    assert report.passes["norm_squares"] == 2 * L
-    assert "fp8_linear" not in decode.fused_ops and "fp8_gated_linear" not in decode.fused_ops
-    assert "add_rms_norm_linear" not in decode.fused_ops
-    assert decode.fused_ops["linear_add_squares"] == decode.fused_ops["squares_norm_linear"] \
-        == 2 * L
+    assert decode.fused_ops["fp8_linear"] == 2 * L and "fp8_gated_linear" not in decode.fused_ops
+    assert decode.fused_ops["add_rms_norm_linear"] == 2 * L
     assert decode.fused_ops["rms_norm_linear"] == 1 and "gated_act" not in decode.fused_ops
     assert norm_gemv_scales(decode.rewritten) == [True] * (2 * L + 1)  # all over FP8 weights
     # rotary, the KV-cache write and attention stay one op (the cache keeps the model's dtype)

@@ -58,16 +58,6 @@ def add_rms_norm_linear_cpu(x, residual, norm_weight, eps, weight, weight_scale,
     return _inline_linear(normed, weight, weight_scale, activation), summed
 
 
-def linear_add_squares_cpu(x, weight, weight_scale, residual):
-    y = _inline_linear(x, weight, weight_scale, None)
-    h = (y.reshape(residual.shape) + residual).contiguous()
-    return h, h.float().square().sum(-1).reshape(-1)
-
-
-def squares_norm_linear_cpu(h, squares, norm_weight, eps, weight, weight_scale, activation):
-    return rms_norm_linear_cpu(h, norm_weight, eps, weight, weight_scale, activation)
-
-
 CPU_INLINE = {
     torch.ops.fuser.rms_norm.default: rms_norm_cpu,
     torch.ops.fuser.add_rms_norm.default: add_rms_norm_cpu,
@@ -77,8 +67,6 @@ CPU_INLINE = {
     # the norm inlined, the linear as its own op is (the norm + GEMV kernel is CUDA's)
     torch.ops.fuser.rms_norm_linear.default: rms_norm_linear_cpu,
     torch.ops.fuser.add_rms_norm_linear.default: add_rms_norm_linear_cpu,
-    torch.ops.fuser.linear_add_squares.default: linear_add_squares_cpu,
-    torch.ops.fuser.squares_norm_linear.default: squares_norm_linear_cpu,
     torch.ops.fuser.cache_attention.default: attention.cache_attention_grouped,
     torch.ops.fuser.cache_attention_read.default: attention.cache_attention_grouped,
     torch.ops.fuser.prefill_attention.default: attention.prefill_attention_reference,

@@ -275,55 +275,6 @@ def _sum_splits(acc, part_ptr, count_ptr, pid, SIZE: tl.constexpr, SPLIT_K: tl.c
 
 
 @triton.jit
-def _add_squares(acc, out_ptr, r_ptr, sq_ptr, sq_part_ptr, count_ptr, pid, writer, rows,
-                 row_ok, cols, col_ok, stride_om, stride_rm, BLOCK_M: tl.constexpr,
-                 BLOCK_P: tl.constexpr, SWAP: tl.constexpr):
-    """ADD_SQUARES epilogue: h = (y + r) rounded to out's dtype, y the GEMV's output rounded
-    to it (as fuser::add_rms_norm adds the GEMV's output to the residual), stored as the output;
-    sq[m] = sum over all N columns of h[m]^2 in fp32, for the next GEMV's norm (SQUARES).
-
-    Each program sums its columns' squares per row into sq_part_ptr[pid], then counts itself
-    in at counter count_ptr[programs] (acq_rel, after a barrier, as _sum_splits does); the one
-    that arrives last adds every program's partial in program order (deterministic, whichever
-    program is last), writes sq and resets the counter. With split-K only the programs that
-    summed their splits (`writer`) take part. acc: [BLOCK_N] at one row, [BLOCK_M, BLOCK_N]
-    else, [BLOCK_N, BLOCK_M] with SWAP."""
-    out_dtype = out_ptr.dtype.element_ty
-    y = acc.to(out_dtype).to(tl.float32)
-    if BLOCK_M == 1:
-        r = tl.load(r_ptr + cols, mask=col_ok, other=0.0)
-        h = (y + r.to(tl.float32)).to(out_dtype)
-        tl.store(out_ptr + cols, h, mask=col_ok)
-        hf = tl.where(col_ok, h.to(tl.float32), 0.0)
-        part = tl.zeros([1], dtype=tl.float32) + tl.sum(hf * hf, axis=0)   # [1]
-    elif SWAP:  # acc [BLOCK_N, BLOCK_M]
-        mask = row_ok[None, :] & col_ok[:, None]
-        r = tl.load(r_ptr + rows[None, :] * stride_rm + cols[:, None], mask=mask, other=0.0)
-        h = (y + r.to(tl.float32)).to(out_dtype)
-        tl.store(out_ptr + rows[None, :] * stride_om + cols[:, None], h, mask=mask)
-        hf = tl.where(mask, h.to(tl.float32), 0.0)
-        part = tl.sum(hf * hf, axis=0)                                    # [BLOCK_M]
-    else:
-        mask = row_ok[:, None] & col_ok[None, :]
-        r = tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0)
-        h = (y + r.to(tl.float32)).to(out_dtype)
-        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], h, mask=mask)
-        hf = tl.where(mask, h.to(tl.float32), 0.0)
-        part = tl.sum(hf * hf, axis=1)                                    # [BLOCK_M]
-    programs = tl.num_programs(0)
-    if writer:
-        tl.store(sq_part_ptr + pid * BLOCK_M + rows, part)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + programs, 1, sem="acq_rel")
-        if arrived == programs - 1:
-            p = tl.arange(0, BLOCK_P)
-            parts = tl.load(sq_part_ptr + p[:, None] * BLOCK_M + rows[None, :],
-                            mask=(p < programs)[:, None], other=0.0, cache_modifier=".cg")
-            tl.store(sq_ptr + rows, tl.sum(parts, axis=0), mask=row_ok)
-            tl.store(count_ptr + programs, 0)
-
-
-@triton.jit
 def _linear_kernel(
     x_ptr,                      # x: [M, K], row stride stride_xm, column stride 1
     w_ptr,                      # weight: [N, K] ([2N, K], gate rows then up rows, if gated);
@@ -334,9 +285,7 @@ def _linear_kernel(
     count_ptr,                  # SPLIT_K > 1: int32 counter per program, zero between calls
     r_ptr,                      # residual: [M, K] like x, row stride stride_rm (HAS_RESIDUAL)
     g_ptr,                      # norm weight: [K], contiguous, x's dtype (NORM)
-    sum_ptr,                    # summed: [M, K], contiguous, x's dtype (HAS_RESIDUAL): x + r;
-                                # SQUARES / ADD_SQUARES: squares [M] fp32, read / written
-    sq_part_ptr,                # ADD_SQUARES: fp32 workspace [programs, BLOCK_M]
+    sum_ptr,                    # summed: [M, K], contiguous, x's dtype (HAS_RESIDUAL): x + r
     M, N, K,                    # N: output columns
     stride_xm, stride_wn, stride_om, stride_rm,
     eps,                        # the norm's epsilon (NORM)
@@ -356,9 +305,6 @@ def _linear_kernel(
     PREFETCH: tl.constexpr = 0,  # (0, 1 or 2) load before waiting for the previous kernel
     SWAP: tl.constexpr = False,  # MMA path: the weight tile as the MMA's A operand (_mma_swapped)
     F16_MMA: tl.constexpr = False,  # SWAP, FP8 weights: the MMA in fp16 (_f16_step)
-    SQUARES: tl.constexpr = False,  # NORM without a residual: rstd from squares (sum_ptr), no pass
-    ADD_SQUARES: tl.constexpr = False,  # plain GEMV: out = y + r ([M, N], r_ptr) and its
-    BLOCK_P: tl.constexpr = 1,  # squares per row into sum_ptr (_add_squares); BLOCK_P >= programs
 ):
     pid = tl.program_id(0)
     # Split-K: program (pid, s) sums K range [s * K / SPLIT_K, (s + 1) * K / SPLIT_K) (the
@@ -399,9 +345,7 @@ def _linear_kernel(
     if BLOCK_M == 1:
         x_row, r_row = x_ptr, r_ptr
         rstd = 0.0
-        if NORM and SQUARES:  # the GEMV before summed the squares (_add_squares): no pass
-            rstd = tl.rsqrt(tl.load(sum_ptr) / K + eps)
-        elif NORM:
+        if NORM:
             # Norm prologue: one pass over the row for its sum of squares (program 0 also writes
             # h = x + r out), rstd as rmsnorm.py computes it; the K loop then normalises x's tiles.
             squares = tl.zeros([NORM_K], dtype=tl.float32)
@@ -435,10 +379,7 @@ def _linear_kernel(
         x_rows = x_ptr + rows[:, None] * stride_xm              # [BLOCK_M, 1]
         r_rows = r_ptr + rows[:, None] * stride_rm
         rstd = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
-        if NORM and SQUARES:  # padding rows: rsqrt(eps), times x = 0
-            squares = tl.load(sum_ptr + rows, mask=row_ok, other=0.0)
-            rstd = tl.rsqrt(squares / K + eps)[:, None]
-        elif NORM:  # the norm prologue, per row (padding rows: h = 0, never stored)
+        if NORM:  # the norm prologue, per row (padding rows: h = 0, never stored)
             squares = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 k = k0 + offs_k
@@ -494,16 +435,7 @@ def _linear_kernel(
         acc = _gated_epilogue(acc, HALF, BLOCK_M, ACTIVATION, out_dtype)
     if SPLIT_K > 1:  # only the program that summed the splits writes (see _sum_splits)
         col_ok = (col_ok.to(tl.int32) * last.to(tl.int32)) != 0
-        writer = last
-    else:
-        writer = pid >= 0
     if BLOCK_M == 1:
-        rows = tl.arange(0, 1)
-        row_ok = rows < 1
-    if ADD_SQUARES:
-        _add_squares(acc, out_ptr, r_ptr, sum_ptr, sq_part_ptr, count_ptr, pid, writer, rows,
-                     row_ok, cols, col_ok, stride_om, stride_rm, BLOCK_M, BLOCK_P, SWAP)
-    elif BLOCK_M == 1:
         tl.store(out_ptr + cols, acc.to(out_dtype), mask=col_ok)
     elif SWAP and ACTIVATION == "":  # acc [BLOCK_N, BLOCK_M]
         out = out_ptr + rows[None, :] * stride_om + cols[:, None]
@@ -688,13 +620,9 @@ def rms_norm_linear_triton(
 
 def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps: float,
             weight: Tensor, weight_scale: Tensor | None, activation: str | None,
-            overrides: tuple, squares: Tensor | None = None, add_squares: bool = False
-            ) -> tuple[Tensor, Tensor | None]:
-    """The one launcher of _linear_kernel: linear_triton (norm_weight None),
-    rms_norm_linear_triton, squares_norm_linear_triton (`squares`, with norm_weight, no
-    residual) and linear_add_squares_triton (`add_squares`: residual [.., N] is added to the
-    output). Returns (out [..., N], summed [..., K] or None); with add_squares (h [..., N] =
-    out + residual, squares [M] fp32)."""
+            overrides: tuple) -> tuple[Tensor, Tensor | None]:
+    """The one launcher of _linear_kernel: linear_triton (norm_weight None) and
+    rms_norm_linear_triton. Returns (out [..., N], summed [..., K] or None)."""
     *lead, K = x.shape
     rows_w = weight.shape[0]
     assert weight.shape == (rows_w, K), (x.shape, weight.shape)
@@ -716,28 +644,18 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     norm = norm_weight is not None
-    assert not (add_squares and (norm or activation is not None)), "add_squares: a plain GEMV"
-    r_width = N if add_squares else K
-    r2 = residual.reshape(-1, r_width) if residual is not None else x2  # [M, K] ([M, N])
+    r2 = residual.reshape(-1, K) if residual is not None else x2  # [M, K]
     if r2.stride(-1) != 1:
         r2 = r2.contiguous()
-    summed = torch.empty_like(x2, memory_format=torch.contiguous_format) \
-        if residual is not None and not add_squares else None  # [M, K]: x + residual
+    summed = torch.empty_like(x2, memory_format=torch.contiguous_format) if residual is not None \
+        else None                                               # [M, K]: x + residual
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    sq = squares.reshape(M) if squares is not None else None
-    if add_squares:
-        sq = torch.empty(M, dtype=torch.float32, device=x.device)
     if out.numel() == 0 or K == 0:  # gated too: act(0) * 0 = 0
         if summed is not None:  # no program runs to write it
             torch.add(x2, r2, out=summed)
-        if add_squares:
-            torch.add(out.zero_(), r2, out=out)
-            torch.sum(out.float().square(), dim=-1, out=sq)
-            return out.reshape(residual.shape), sq
         return out.zero_().reshape(*lead, N), _lead(summed, lead, K)
     block_n, block_k, num_warps, num_stages, split_k, prefetch = overrides
-    if x.device.type == "cuda" and (M == 1 or not norm) and all(o is None for o in overrides) \
-            and sq is None:  # the stream GEMV has neither squares mode
+    if x.device.type == "cuda" and (M == 1 or not norm) and all(o is None for o in overrides):
         from fuser.ops import gemv_stream  # noqa: PLC0415  (it imports this module's helpers)
 
         config = gemv_stream.CONFIG if M == 1 else gemv_stream.ROWS_CONFIG
@@ -773,35 +691,26 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
             raise ValueError(f"split_k={split_k}: needs split_k * block_k ({splits} * {bk}) to "
                              f"divide K={K}")
         splits = 1
-    parts = counts = sq_parts = out  # unused unless split / add_squares
+    parts = counts = out  # unused unless split
     if splits > 1:
         parts = torch.empty((programs, splits, block_m * bn), dtype=torch.float32,
                             device=x.device)
-    if splits > 1 or add_squares:  # add_squares: counter `programs`, after the split ones
-        counts = split_counters(x.device, programs + 1)
-    if add_squares:
-        sq_parts = torch.empty(programs * block_m, dtype=torch.float32, device=x.device)
+        counts = split_counters(x.device, programs)
     # PDL at one row only (several rows: not bit-equal and slower, fuser/ops/pdl.py).
     pdl = pdl_launch(x.device, one_row=block_m == 1)
     swap = block_m > 1 and _default_swap(M, rows_w, K, fp8)
     _linear_kernel[(programs, splits)](
         x2, weight, weight_scale if fp8 else out, out, parts, counts,
-        r2, norm_weight.contiguous() if norm else x2,
-        sq if sq is not None else (summed if summed is not None else x2), sq_parts,
+        r2, norm_weight.contiguous() if norm else x2, summed if summed is not None else x2,
         M, N, K, x2.stride(0), weight.stride(0), out.stride(0), r2.stride(0), eps,
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
         NORM_K=min(ONE_ROW_NORM_K, triton.next_power_of_2(K)) if ONE_ROW_NORM_K and fp8 else bk,
         FP32_DOTS=fp32_dots, HAS_SCALE=fp8,
-        ACTIVATION=activation or "", NORM=norm,
-        HAS_RESIDUAL=residual is not None and not add_squares,
+        ACTIVATION=activation or "", NORM=norm, HAS_RESIDUAL=residual is not None,
         SPLIT_K=splits, PDL=bool(pdl), PREFETCH=PDL_PREFETCH if prefetch is None else prefetch,
         SWAP=swap, F16_MMA=swap and fp8 and FP8_F16_MMA and x.dtype == torch.bfloat16,
-        SQUARES=squares is not None, ADD_SQUARES=add_squares,
-        BLOCK_P=triton.next_power_of_2(programs) if add_squares else 1,
         num_warps=num_warps or warps, num_stages=num_stages or stages, **pdl,
     )
-    if add_squares:
-        return out.reshape(residual.shape), sq
     return out.reshape(*lead, N), _lead(summed, lead, K)
 
 
@@ -1078,133 +987,3 @@ def add_rms_norm_linear_reference(x: Tensor, residual: Tensor, norm_weight: Tens
     normed, summed = add_rms_norm_reference(x, residual, norm_weight, eps)
     out = linear_any_reference(normed.contiguous(), weight, weight_scale, activation)
     return out, summed.contiguous()
-
-
-# ---------------------------------------------------------------------------------------------
-# fuser::linear_add_squares and fuser::squares_norm_linear: a GEMV whose output the residual add
-# and the next norm read, with the norm's sum of squares computed in the GEMV's epilogue
-# (passes/norm_squares.py). What a layer ran as
-#     y = fuser.linear(x, W1)                                  # o_proj, down_proj
-#     out, h = fuser.add_rms_norm_linear(r, y, g, eps, W2)     # norm inside gate/up, qkv
-# becomes
-#     h, sq = fuser.linear_add_squares(x, W1, None, r)         # h = y + r, sq = sum(h^2) per row
-#     out = fuser.squares_norm_linear(h, sq, g, eps, W2, None, None)
-# so the GEMV after the norm no longer passes over its input row first (every program of it
-# did: at five rows the norm ran as its own kernel instead). benchmarks/pdl_lab.py's chains
-# without norms bound the gain (RESULTS.md, thirteenth session).
-# ---------------------------------------------------------------------------------------------
-
-
-def linear_add_squares_triton(x: Tensor, weight: Tensor, residual: Tensor, *,
-                              weight_scale: Tensor | None = None, block_n: int | None = None,
-                              block_k: int | None = None, split_k: int | None = None
-                              ) -> tuple[Tensor, Tensor]:
-    """(h, squares): h = linear(x, weight) + residual, both rounded to x's dtype as
-    fuser::linear then fuser::add_rms_norm round them ([..., N], residual's shape), and
-    squares = sum of h^2 over N per row, fp32 ([rows]). x [..., K], residual with x's rows.
-    block_n, block_k, split_k: linear_triton's overrides (tests)."""
-    rows = x.numel() // max(x.shape[-1], 1)
-    if residual.dtype != x.dtype or residual.numel() != rows * weight.shape[0]:
-        raise ValueError(f"linear_add_squares: residual {residual.dtype} "
-                         f"{tuple(residual.shape)} must be {x.dtype} with {rows} rows of "
-                         f"{weight.shape[0]}")
-    h, squares = _launch(x, residual, None, 0.0, weight, weight_scale, None,
-                         (block_n, block_k, None, None, split_k, None), add_squares=True)
-    return h, squares
-
-
-def squares_norm_linear_triton(h: Tensor, squares: Tensor, norm_weight: Tensor, eps: float,
-                               weight: Tensor, *, weight_scale: Tensor | None = None,
-                               activation: str | None = None) -> Tensor:
-    """linear(rms_norm(h, norm_weight, eps), weight) with rms_norm's sum of squares given
-    (squares [rows] fp32, as linear_add_squares returns it): rstd = rsqrt(squares / K + eps)."""
-    rows = h.numel() // max(h.shape[-1], 1)
-    if norm_weight.shape != (h.shape[-1],) or norm_weight.dtype != h.dtype:
-        raise ValueError(f"squares_norm_linear: norm weight {norm_weight.dtype} "
-                         f"{tuple(norm_weight.shape)} must be {h.dtype} [{h.shape[-1]}]")
-    if squares.dtype != torch.float32 or squares.numel() != rows:
-        raise ValueError(f"squares_norm_linear: squares must be {rows} fp32 values, got "
-                         f"{squares.dtype} {tuple(squares.shape)}")
-    out, _ = _launch(h, None, norm_weight, eps, weight, weight_scale, activation, (None,) * 6,
-                     squares=squares.contiguous())
-    return out
-
-
-def _squares_kernel_takes(x: Tensor, weight: Tensor, weight_scale: Tensor | None) -> bool:
-    rows = x.numel() // max(x.shape[-1], 1)
-    return (rows <= MAX_ROWS and x.dtype in GEMV_DTYPES
-            and (weight.dtype == x.dtype if weight_scale is None else weight.dtype == FP8_DTYPE))
-
-
-@torch.library.custom_op("fuser::linear_add_squares", mutates_args=())
-def linear_add_squares(x: Tensor, weight: Tensor, weight_scale: Tensor | None,
-                       residual: Tensor) -> tuple[Tensor, Tensor]:
-    """(h, squares) = (linear(x, weight) + residual, sum(h^2) per row in fp32): see
-    linear_add_squares_triton. CPU: the reference; CUDA: one _linear_kernel launch."""
-    return linear_add_squares_reference(x, weight, weight_scale, residual)
-
-
-@linear_add_squares.register_fake
-def _linear_add_squares_fake(x: Tensor, weight: Tensor, weight_scale: Tensor | None,
-                             residual: Tensor) -> tuple[Tensor, Tensor]:
-    rows = residual.numel() // max(residual.shape[-1], 1)
-    return torch.empty_like(residual), residual.new_empty((rows,), dtype=torch.float32)
-
-
-def _linear_add_squares_cuda(x: Tensor, weight: Tensor, weight_scale: Tensor | None,
-                             residual: Tensor) -> tuple[Tensor, Tensor]:
-    if not _squares_kernel_takes(x, weight, weight_scale):
-        return linear_add_squares_reference(x, weight, weight_scale, residual)
-    return linear_add_squares_triton(x, weight, residual, weight_scale=weight_scale)
-
-
-linear_add_squares.register_kernel("cuda")(_linear_add_squares_cuda)
-
-
-def linear_add_squares_reference(x: Tensor, weight: Tensor, weight_scale: Tensor | None,
-                                 residual: Tensor) -> tuple[Tensor, Tensor]:
-    """The GEMV's reference, the residual added in the input dtype as fuser::add_rms_norm's
-    reference adds it, then the squares in fp32."""
-    y = linear_any_reference(x, weight, weight_scale, None)
-    h = (y.reshape(residual.shape) + residual).contiguous()
-    return h, h.float().square().sum(-1).reshape(-1)
-
-
-@torch.library.custom_op("fuser::squares_norm_linear", mutates_args=())
-def squares_norm_linear(h: Tensor, squares: Tensor, norm_weight: Tensor, eps: float,
-                        weight: Tensor, weight_scale: Tensor | None, activation: str | None
-                        ) -> Tensor:
-    """linear(rms_norm(h, norm_weight, eps), weight) by fuser::rms_norm_linear's rules, given
-    squares = sum(h^2) per row (fp32, fuser::linear_add_squares's second output). The CUDA
-    kernel takes rstd from squares; the reference computes the norm from h as fuser::rms_norm
-    does (so a CPU engine's values stay those of the ops this replaces)."""
-    return squares_norm_linear_reference(h, squares, norm_weight, eps, weight, weight_scale,
-                                         activation)
-
-
-@squares_norm_linear.register_fake
-def _squares_norm_linear_fake(h: Tensor, squares: Tensor, norm_weight: Tensor, eps: float,
-                              weight: Tensor, weight_scale: Tensor | None,
-                              activation: str | None) -> Tensor:
-    return _norm_linear_fake_out(torch.promote_types(norm_weight.dtype, h.dtype), h, weight,
-                                 activation)
-
-
-def _squares_norm_linear_cuda(h: Tensor, squares: Tensor, norm_weight: Tensor, eps: float,
-                              weight: Tensor, weight_scale: Tensor | None,
-                              activation: str | None) -> Tensor:
-    if not (_squares_kernel_takes(h, weight, weight_scale) and norm_weight.dtype == h.dtype):
-        return _linear_op(torch.ops.fuser.rms_norm(h, norm_weight, eps), weight, weight_scale,
-                          activation)
-    return squares_norm_linear_triton(h, squares, norm_weight, eps, weight,
-                                      weight_scale=weight_scale, activation=activation)
-
-
-squares_norm_linear.register_kernel("cuda")(_squares_norm_linear_cuda)
-
-
-def squares_norm_linear_reference(h: Tensor, squares: Tensor, norm_weight: Tensor, eps: float,
-                                  weight: Tensor, weight_scale: Tensor | None,
-                                  activation: str | None) -> Tensor:
-    """fuser::rms_norm_linear's reference over h (squares is the CUDA kernel's shortcut)."""
-    return rms_norm_linear_reference(h, norm_weight, eps, weight, weight_scale, activation)
