@@ -406,20 +406,17 @@ parts|Error|fallback" | tail -30
   [ "$left" -gt 30 ] && timeout "$left" python3 -m pytest -q -p no:cacheprovider -rf \
     tests/test_cuda.py 2>&1 | tee "$OUT/gpu_tests_engine.log" | grep -E "^E  |FAIL|Error|passed|failed" | head
 elif [ "$what" = thirteenth ]; then
-  # For the next session's first call (written in the twelfth, not yet run; ~10 minutes): the
-  # tree's changes since the twelfth session's engine runs (FP8 gate/up at one row on 128 x 256
-  # tiles, bf16 down_proj on 16 warps, the greedy argmax in two kernels) and the several-row
-  # PDL switch (FUSER_PDL_ROWS): the 8B decode and verify steps, unprofiled, verify also
-  # captured with and without several-row PDL (its logits' bit-equality printed); the one-row
-  # chain with norm kernels instead of FP8's per-program prologue and the 5-row chain with PDL;
-  # FP8's prologue at 1024 and 2048 columns a step;
-  # then GPU tests in what time is left (the rest: `fourteenth`). If PDL at several rows is
-  # bit-equal and faster, make it the default (fuser/ops/pdl.py).
+  # Run as the thirteenth session's first call (commit ccdfc22, RESULTS.md): the twelfth's
+  # untimed changes (FP8 gate/up on 128 x 256 tiles, bf16 down_proj on 16 warps, the two-kernel
+  # argmax) in the 8B decode and verify steps; the one-row chain with norm kernels instead of
+  # FP8's per-program prologue; FP8's prologue at 1024 and 2048 columns a step; stream, PDL and
+  # argmax GPU tests. It then also timed several-row PDL (--verify-pdl-rows, the "pdl rows"
+  # variant), which that run removed: the mode now runs without them.
   echo "== decode, 8B shape"
   timeout 400 python3 benchmarks/decode.py --out "$OUT/decode.json" --skip-peers \
     2>&1 | tee "$OUT/decode.log" | grep -v Warning \
     | grep -E "^\[|verify|ceiling|fp8 vs|per token|parts|Error|fallback" | tail -32
-  echo "== GEMV chain lab, 16 layers: FP8's norm prologue against norm kernels; PDL at 5 rows"
+  echo "== GEMV chain lab, 16 layers: FP8's norm prologue against norm kernels; 5 rows"
   timeout 90 python3 benchmarks/pdl_lab.py --layers 16 --rows 1,5 --dtypes fp8,bf16 \
     --variants "pdl, 1 tile;stream default;norm kernels;off;f16 mma" \
     --out "$OUT/pdl_lab.json" 2>&1 | grep -v Warning | tail -13
