@@ -34,6 +34,7 @@
 #   bash benchmarks/gpu_all.sh prologue # FP8 one-row norm prologue over the whole row; 5-row norm prologue chain; 8B decode + verify; engine tests
 #   bash benchmarks/gpu_all.sh thirteenth # 8B decode + verify with and without PDL at several rows, chains, stream/PDL/argmax GPU tests
 #   bash benchmarks/gpu_all.sh fourteenth # linear GPU tests, the chains without norms (what a norm fusion can reach), the engine's GPU tests
+#   bash benchmarks/gpu_all.sh rstd     # one row's norm with rstd after the sum: GPU tests, shape + chain labs, 8B decode, FP8 rows lab, engine tests
 #   bash benchmarks/gpu_all.sh sixteenth  # (not yet run) unroll + 5-row chain labs, 8B decode profiled, engine GPU tests
 #   bash benchmarks/gpu_all.sh fifteenth  # GPU tests with PDL at one row by default
 #   bash benchmarks/gpu_all.sh twelfth  # fp16 MMA for FP8 rows; 8B decode + verify
@@ -445,6 +446,40 @@ elif [ "$what" = fourteenth ]; then
   [ "$left" -gt 30 ] && timeout "$left" python3 -m pytest -v -p no:cacheprovider -rf \
     tests/test_cuda.py tests/test_cuda_spec.py 2>&1 | tee "$OUT/gpu_tests_engine.log" \
     | grep -E "^E  |PASSED|FAILED|ERROR|passed|failed" | cut -c1-150 | tail -30
+elif [ "$what" = rstd ]; then
+  # Fourteenth session: one row's norm inside the GEMV without the prologue pass (the K loop
+  # gathers the squares, rstd multiplies the sums: linear.NORM_RSTD_LAST) against the pass and
+  # against no norm at all; each shape alone, the 16-layer chains, the 8B decode (both
+  # precisions, verify replayed alike), then the several-row FP8 lab and the engine's GPU tests.
+  linear_gpu_tests
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -rf tests/test_ops_gemv_stream.py \
+    tests/test_pdl.py -k "gpu or cuda" 2>&1 | tee "$OUT/gpu_tests_stream.log" \
+    | grep -E "^E |FAIL|Error|passed|failed" | head -10
+  summary+=("GPU tests, stream + PDL: $(tail -1 "$OUT/gpu_tests_stream.log")")
+  echo "== shape lab: rstd after the sum (default) against the prologue pass and no norm"
+  timeout 90 python3 benchmarks/shape_lab.py --dtypes fp8,bf16 --shapes qkv,gate_up \
+    --variants "default;default pass;default nonorm" --out "$OUT/shape_lab.json" 2>&1 \
+    | grep -v Warning | tail -13
+  echo "== GEMV chain lab, 16 layers, 1 row"
+  timeout 90 python3 benchmarks/pdl_lab.py --layers 16 --rows 1 --dtypes fp8,bf16 \
+    --variants "pdl, 1 tile;stream default;norm pass;no norms" \
+    --out "$OUT/pdl_lab.json" 2>&1 | grep -v Warning | tail -9
+  echo "== decode, 8B shape"
+  timeout 300 python3 benchmarks/decode.py --out "$OUT/decode.json" --skip-peers 2>&1 \
+    | tee "$OUT/decode.log" | grep -v Warning | grep -E "^\[|verify|alike|ceiling|fp8 vs|\
+Error|fallback" | tail -24
+  mapfile -t generated < <(grep -E "fuser generate|alike" "$OUT/decode.log")
+  summary+=("${generated[@]}")
+  if [ -f benchmarks/fp8_rows_lab.py ]; then
+    echo "== several-row FP8 lab"
+    timeout 130 python3 benchmarks/fp8_rows_lab.py --out "$OUT/fp8_rows_lab.json" 2>&1 \
+      | grep -v Warning | tail -30
+  fi
+  left=$((580 - SECONDS))
+  echo "== GPU tests: the engine (${left} s left)"
+  [ "$left" -gt 60 ] && timeout "$left" python3 -m pytest -q -p no:cacheprovider -rf \
+    tests/test_cuda.py tests/test_cuda_spec.py 2>&1 | tee "$OUT/gpu_tests_engine.log" \
+    | grep -E "^E  |FAILED|ERROR|passed|failed" | cut -c1-150 | tail -12
 elif [ "$what" = sixteenth ]; then
   # For the next session's first call (written in the eleventh, not yet run; ~15 minutes): the
   # one-row chain with linear.ONE_ROW_UNROLL 2 and 4 (if FP8 gains, set it and re-run the

@@ -58,6 +58,9 @@ VARIANTS = (("off", "0", None, None), ("pdl, 1 tile", "1", 1, None),
             # the engine's launches (PDL on), the norms as add_rms_norm kernels instead of
             # inside qkv and gate/up (what FP8's per-program norm prologue costs against)
             ("norm kernels", "1", None, gemv_stream.DEFAULT),
+            # the engine's launches with the norm as a prologue pass over x inside the GEMVs
+            # (linear.NORM_RSTD_LAST = False) instead of rstd multiplying the sums
+            ("norm pass", "1", None, gemv_stream.DEFAULT),
             ("no norms", "1", None, gemv_stream.DEFAULT))
 # Several rows (the verify step's MMA path; PDL is one row's): the stream GEMV's ROWS_CONFIG
 ROWS_VARIANTS = (("off", "0", None, None),
@@ -153,7 +156,7 @@ def main() -> None:
     bandwidth = measure_read_bandwidth()
     log(f"HBM read bandwidth {bandwidth / 1e12:.2f} TB/s, {args.layers} layers")
     rows = []
-    f16_default = linear_module.FP8_F16_MMA
+    f16_default, rstd_default = linear_module.FP8_F16_MMA, linear_module.NORM_RSTD_LAST
     for dtype in args.dtypes.split(","):
         layers = make_layers(args.layers, dtype == "fp8", device)
         weight_bytes = sum(w.numel() * w.element_size() for layer in layers
@@ -171,6 +174,7 @@ def main() -> None:
                     (None, stream)
                 # "off": the bf16 MMA; "no norms" as the engine (fp16), against "f16 mma"
                 linear_module.FP8_F16_MMA = name in ("f16 mma", "no norms")
+                linear_module.NORM_RSTD_LAST = name != "norm pass"
                 try:
                     ms, out = replay_median_ms(
                         lambda: chain(layers, h, r, prefetch, name == "norm prologue",
@@ -182,6 +186,7 @@ def main() -> None:
                 finally:
                     gemv_stream.CONFIG, gemv_stream.ROWS_CONFIG = gemv_stream.DEFAULT, None
                     linear_module.FP8_F16_MMA = f16_default
+                    linear_module.NORM_RSTD_LAST = rstd_default
                 if base_ms is None:
                     base_ms, base_out = ms, out
                 row = dict(dtype=dtype, rows=M, variant=name, ms=ms,

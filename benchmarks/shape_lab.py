@@ -23,7 +23,9 @@ A variant is a list of words:
   nonorm       (after any of the above) qkv and gate/up without the norm prologue: what the
                prologue costs
   nkN          (after any of the above) _linear_kernel's one-row prologue N columns a step
-               (linear.ONE_ROW_NORM_K)
+               (linear.ONE_ROW_NORM_K; implies pass)
+  pass         (after any of the above) the norm as a prologue pass over x before the K loop
+               (linear.NORM_RSTD_LAST = False) instead of rstd after the sum
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ class Variant:
     overrides: dict[str, int] = dataclasses.field(default_factory=dict)  # _linear_kernel's
     cublas: bool = False
     norm: bool = True
-    norm_k: int | None = None     # linear.ONE_ROW_NORM_K while it runs
+    norm_k: int | None = None     # linear.ONE_ROW_NORM_K while it runs (None: as it is)
+    rstd_last: bool = True        # linear.NORM_RSTD_LAST while it runs
 
 
 def parse_variant(name: str, fp8: bool) -> Variant:
@@ -71,14 +74,16 @@ def parse_variant(name: str, fp8: bool) -> Variant:
     words = name.split()
     norm = "nonorm" not in words
     norm_k = next((int(word[2:]) for word in words if word.startswith("nk")), None)
-    words = [word for word in words if word != "nonorm" and not word.startswith("nk")]
+    rstd_last = "pass" not in words and norm_k is None
+    words = [word for word in words
+             if word not in ("nonorm", "pass") and not word.startswith("nk")]
     variant = _parse_kernel(name, words, norm)
-    variant.norm_k = norm_k
+    variant.norm_k, variant.rstd_last = norm_k, rstd_last
     return variant
 
 
 def _parse_kernel(name: str, words: list[str], norm: bool) -> Variant:
-    """The kernel words of a variant (parse_variant without nonorm and nkN)."""
+    """The kernel words of a variant (parse_variant without nonorm, nkN and pass)."""
     if words == ["default"]:
         return Variant(name, gemv_stream.DEFAULT, norm=norm)
     if words == ["cublas"]:
@@ -140,7 +145,7 @@ def main() -> None:
     device = torch.device("cuda")
     bandwidth = measure_read_bandwidth()
     log(f"HBM read bandwidth {bandwidth / 1e12:.2f} TB/s; {COPIES} launches per shape")
-    saved = gemv_stream.CONFIG, linear_module.ONE_ROW_NORM_K
+    saved = gemv_stream.CONFIG, linear_module.ONE_ROW_NORM_K, linear_module.NORM_RSTD_LAST
     results = []
     for dtype in args.dtypes.split(","):
         fp8 = dtype == "fp8"
@@ -152,7 +157,8 @@ def main() -> None:
                 if variant.cublas and fp8:
                     continue
                 gemv_stream.CONFIG = variant.stream
-                linear_module.ONE_ROW_NORM_K = variant.norm_k
+                linear_module.ONE_ROW_NORM_K = variant.norm_k or saved[1]
+                linear_module.NORM_RSTD_LAST = variant.rstd_last
                 try:
                     us = graph_time_us(launches(shape, fp8, variant, device), calls=COPIES)
                 except Exception as error:  # noqa: BLE001  (a variant that does not compile)
@@ -160,7 +166,8 @@ def main() -> None:
                         f"{str(error)[:160]}")
                     continue
                 finally:
-                    gemv_stream.CONFIG, linear_module.ONE_ROW_NORM_K = saved
+                    (gemv_stream.CONFIG, linear_module.ONE_ROW_NORM_K,
+                     linear_module.NORM_RSTD_LAST) = saved
                     torch.cuda.empty_cache()
                 pct = 100 * nbytes / (us * 1e-6) / bandwidth
                 results.append(dict(dtype=dtype, shape=shape, variant=name, us=us, pct=pct))

@@ -344,7 +344,7 @@ from fuser.ops.linear import _default_config, _default_fp8_config, _default_swap
 NAMES = ["x_ptr", "w_ptr", "scale_ptr", "out_ptr", "part_ptr", "count_ptr", "r_ptr", "g_ptr",
          "sum_ptr", "M", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_rm", "eps",
          "BLOCK_M", "BLOCK_N", "BLOCK_K", "NORM_K", "FP32_DOTS", "HAS_SCALE", "ACTIVATION",
-         "NORM", "HAS_RESIDUAL", "SPLIT_K", "PDL", "PREFETCH", "SWAP", "F16_MMA"]
+         "NORM", "HAS_RESIDUAL", "SPLIT_K", "PDL", "PREFETCH", "SWAP", "F16_MMA", "RSTD_LAST"]
 out = {}
 for fp8, M in [(False, 1), (True, 16), (True, 1)]:
     for act, norm, pdl in (("", False, 0), ("silu", False, 0), ("silu", True, 0),
@@ -352,11 +352,12 @@ for fp8, M in [(False, 1), (True, 16), (True, 1)]:
         bn, bk, warps, stages = (_default_fp8_config if fp8 else _default_config)(M, 28672, 4096)
         types = ["*bf16", "*fp8e4nv" if fp8 else "*bf16", "*fp32", "*bf16", "*fp32", "*i32",
                  "*bf16", "*bf16", "*bf16"] + ["i32"] * 7 + ["fp32"]
-        sig = dict(zip(NAMES, types + ["constexpr"] * 14))
+        sig = dict(zip(NAMES, types + ["constexpr"] * 15))
         consts = dict(BLOCK_M=1 if M == 1 else 16, BLOCK_N=bn, BLOCK_K=bk, NORM_K=bk,
                       FP32_DOTS=False, HAS_SCALE=fp8, ACTIVATION=act, NORM=norm,
                       HAS_RESIDUAL=norm, SPLIT_K=1, PDL=bool(pdl), PREFETCH=pdl,
-                      SWAP=_default_swap(M, 28672, 4096, fp8), F16_MMA=False)
+                      SWAP=_default_swap(M, 28672, 4096, fp8), F16_MMA=False,
+                      RSTD_LAST=norm and M == 1)
         attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12,
                                                            13, 14, 15)}
         src = ASTSource(_linear_kernel, sig, {(NAMES.index(k),): v for k, v in consts.items()},

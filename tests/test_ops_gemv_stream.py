@@ -7,7 +7,8 @@ Without a GPU the kernel runs under TRITON_INTERPRET=1 (conftest.py) with a stan
 What must hold, for every plan (rows per program, tile, prefetched tiles):
 - summed (x + residual, program 0) equals add_rms_norm's sum bit for bit;
 - out is within the GEMV tests' float64 bounds (test_ops_linear.check, or
-  test_ops_gated_linear.assert_gated_close) around the reference's normed rows and weights;
+  test_ops_gated_linear.assert_gated_close) around the reference's normed rows and weights
+  (with linear.NORM_RSTD_LAST, around the exact norm's: tests/test_ops_norm_linear.py);
 - in bf16/fp16 nearly every output equals _linear_kernel's bit for bit (only the summation
   order differs), so a dropped or doubled K step or row cannot hide inside the bound.
 """
@@ -27,7 +28,7 @@ from fuser.ops.gemv_stream import StreamConfig, stream_gemv, stream_plan
 from fuser.ops.linear import linear_triton, rms_norm_linear_triton
 from test_ops_gated_linear import SETTINGS, assert_gated_close, assert_mostly_equal
 from test_ops_linear import check as assert_linear_close
-from test_ops_norm_linear import EPS, inputs, reference_norm
+from test_ops_norm_linear import EPS, exact_norm, inputs, reference_norm, rstd_last
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -61,6 +62,8 @@ def run(K: int, N: int, dtype: torch.dtype, norm: bool, residual: bool, activati
         normed, summed_ref = reference_norm(x, r, norm_weight)
         if r is not None:
             assert torch.equal(summed.cpu(), summed_ref)
+        if rstd_last(M):  # rstd after the sum: the float64 GEMV of the exact norm
+            normed = exact_norm(x, r, norm_weight)
         # _linear_kernel's one row (explicit blocks: never the stream kernel)
         other, _ = rms_norm_linear_triton(xd, rd, gd, EPS, wd, weight_scale=sd,
                                           activation=activation, block_n=16, block_k=64)
@@ -69,7 +72,7 @@ def run(K: int, N: int, dtype: torch.dtype, norm: bool, residual: bool, activati
         other = linear_triton(xd, wd, weight_scale=sd, activation=activation, block_n=16,
                               block_k=64)
     if activation is None:
-        assert_linear_close(normed, w_values, out)
+        assert_linear_close(normed, w_values, out, dtype)
     else:
         assert_gated_close(out, normed, w_values, activation, dtype)
     assert_mostly_equal(out, other.cpu(), dtype)

@@ -5,8 +5,8 @@ in registers.
     stream_gemv(x, weight, ...) = x @ weight.T     x: [1, K], weight: [N, K] -> [1, N]
 
 with the same options and the same math as fuser/ops/linear.py's one-row path (FP8 weights with
-per-row scales, the gated activation over a merged gate/up weight, the RMSNorm prologue with or
-without the residual add); it computes what `_linear_kernel` computes at BLOCK_M = 1, only the
+per-row scales, the gated activation over a merged gate/up weight, the RMSNorm with or without
+the residual add, rstd after the sum under linear.NORM_RSTD_LAST); it computes what `_linear_kernel` computes at BLOCK_M = 1, only the
 summation order differs (K steps of another width). It also takes 2..16 rows on the MMA
 (`ROWS_CONFIG`), off: slower than `_linear_kernel` there when measured.
 
@@ -66,7 +66,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fuser.ops.linear import _gated_epilogue, _mma
+from fuser.ops import linear as linear_module
+from fuser.ops.linear import _gated_epilogue, _mma, _rstd_last
 from fuser.ops.pdl import gdc_launch_dependents, gdc_wait, pdl_launch, pdl_supported
 from fuser.ops.rmsnorm import _load_block, _normalise
 
@@ -203,33 +204,47 @@ def _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M: tl.constexpr, NORM: tl.
 
 
 @triton.jit
-def _step(acc, w, x, r, g, rstd, BLOCK_M: tl.constexpr, FP32_DOTS: tl.constexpr,
-          HAS_SCALE: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """One K step over loaded tiles: linear.py's one-row step (CUDA cores) or its several-row
-    step (the MMA). With NORM the input is g * (h * rstd).to(dtype) rounded once, h = x (+ r)
-    rounded to x's dtype: what linear.py's _norm_x_tile forms, bit for bit."""
+def _step(acc, squares, w, x, r, g, rstd, k, K, sum_ptr, store_sum, BLOCK_M: tl.constexpr,
+          FP32_DOTS: tl.constexpr, HAS_SCALE: tl.constexpr, NORM: tl.constexpr,
+          HAS_RESIDUAL: tl.constexpr, RSTD_LAST: tl.constexpr):
+    """One K step over loaded tiles (columns k): linear.py's one-row step (CUDA cores) or its
+    several-row step (the MMA). Returns (acc, squares). With NORM, h = x (+ r) rounded to x's
+    dtype; the input is g * (h * rstd).to(dtype) rounded once (what linear.py's _norm_x_tile
+    forms, bit for bit) or, with RSTD_LAST, g * h in fp32 with h * h added to squares for the
+    rstd that multiplies acc after the loop (linear.py's _row_step and _rstd_last), program 0
+    (store_sum) writing h to summed."""
     if NORM:
         h = x.to(tl.float32)
         if HAS_RESIDUAL:
             h = (h + r.to(tl.float32)).to(x.dtype).to(tl.float32)
-        x = _normalise(h, rstd, g, x.dtype).to(x.dtype)
+        if RSTD_LAST:
+            if HAS_RESIDUAL:
+                if store_sum:  # one writer, never in place: the other programs read x and r
+                    tl.store(sum_ptr + k, h.to(sum_ptr.dtype.element_ty), mask=k < K)
+            squares += h * h
+            x = h * g.to(tl.float32)
+        else:
+            x = _normalise(h, rstd, g, x.dtype).to(x.dtype)
     if BLOCK_M == 1:
         acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
     else:
         acc = _mma(acc, x, w, FP32_DOTS, HAS_SCALE)
-    return acc
+    return acc, squares
 
 
 @triton.jit
-def _slot(acc, w, x, r, g, k, rstd, w_rows, col_ok, x_rows, r_ptr, g_ptr, row_ok, K,
-          BLOCK_M: tl.constexpr, FP32_DOTS: tl.constexpr, HAS_SCALE: tl.constexpr,
-          NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """One pipeline slot's K step: sum its tiles, then reload the slot in place with the tiles
-    at columns k (the step DEPTH ahead). Returns (acc, w, x, r, g)."""
-    acc = _step(acc, w, x, r, g, rstd, BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL)
+def _slot(acc, squares, w, x, r, g, k, rstd, w_rows, col_ok, x_rows, r_ptr, g_ptr, sum_ptr,
+          store_sum, row_ok, K, STEP: tl.constexpr, BLOCK_M: tl.constexpr,
+          FP32_DOTS: tl.constexpr, HAS_SCALE: tl.constexpr, NORM: tl.constexpr,
+          HAS_RESIDUAL: tl.constexpr, RSTD_LAST: tl.constexpr):
+    """One pipeline slot's K step: sum its tiles (columns k - STEP), then reload the slot in
+    place with the tiles at columns k (the step DEPTH ahead). Returns (acc, squares, w, x, r,
+    g)."""
+    acc, squares = _step(acc, squares, w, x, r, g, rstd, k - STEP, K, sum_ptr, store_sum,
+                         BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, RSTD_LAST)
     w = _load_tile(w_rows, col_ok, k, K)
     x, r, g = _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M, NORM, HAS_RESIDUAL)
-    return acc, w, x, r, g
+    return acc, squares, w, x, r, g
 
 
 @triton.jit
@@ -249,6 +264,7 @@ def _stream_kernel(
     FP32_DOTS: tl.constexpr,    # the MMA in fp32 (fp32 models; bf16 under TRITON_INTERPRET)
     HAS_SCALE: tl.constexpr, ACTIVATION: tl.constexpr, NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+    RSTD_LAST: tl.constexpr = False,  # NORM: no prologue pass, rstd after the loop (_step)
 ):
     pid = tl.program_id(0)
     tile = tl.arange(0, BLOCK_R)
@@ -286,7 +302,7 @@ def _stream_kernel(
     if BLOCK_M == 1:
         x_rows = x_ptr
         rstd = 0.0
-        if NORM:  # one walk over the row for its sum of squares; program 0 writes h = x + r
+        if NORM and not RSTD_LAST:  # a walk over the row for its squares; program 0 writes h
             squares = tl.zeros([NORM_K], dtype=tl.float32)
             for k0 in range(0, K, NORM_K):
                 k = k0 + tl.arange(0, NORM_K)
@@ -312,23 +328,31 @@ def _stream_kernel(
     if DEPTH >= 4:
         xd, rd, gd = _load_x(x_rows, r_ptr, g_ptr, 3 * BLOCK_K + k0s, K, row_ok, BLOCK_M,
                              NORM, HAS_RESIDUAL)
+    squares = tl.zeros([BLOCK_K], dtype=tl.float32)  # NORM and RSTD_LAST
+    first = pid == 0
     for k0 in range(0, K, STEP):
         k = k0 + STEP + k0s  # slot a's next step
-        acc, wa, xa, ra, ga = _slot(
-            acc, wa, xa, ra, ga, k, rstd, w_rows, col_ok, x_rows, r_ptr, g_ptr, row_ok,
-            K, BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL)
+        acc, squares, wa, xa, ra, ga = _slot(
+            acc, squares, wa, xa, ra, ga, k, rstd, w_rows, col_ok, x_rows, r_ptr, g_ptr,
+            sum_ptr, first, row_ok, K, STEP, BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL,
+            RSTD_LAST)
         if DEPTH >= 2:
-            acc, wb, xb, rb, gb = _slot(
-                acc, wb, xb, rb, gb, k + BLOCK_K, rstd, w_rows, col_ok, x_rows, r_ptr, g_ptr,
-                row_ok, K, BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL)
+            acc, squares, wb, xb, rb, gb = _slot(
+                acc, squares, wb, xb, rb, gb, k + BLOCK_K, rstd, w_rows, col_ok, x_rows, r_ptr,
+                g_ptr, sum_ptr, first, row_ok, K, STEP, BLOCK_M, FP32_DOTS, HAS_SCALE, NORM,
+                HAS_RESIDUAL, RSTD_LAST)
         if DEPTH >= 3:
-            acc, wc, xc, rc, gc = _slot(
-                acc, wc, xc, rc, gc, k + 2 * BLOCK_K, rstd, w_rows, col_ok, x_rows, r_ptr,
-                g_ptr, row_ok, K, BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL)
+            acc, squares, wc, xc, rc, gc = _slot(
+                acc, squares, wc, xc, rc, gc, k + 2 * BLOCK_K, rstd, w_rows, col_ok, x_rows,
+                r_ptr, g_ptr, sum_ptr, first, row_ok, K, STEP, BLOCK_M, FP32_DOTS, HAS_SCALE,
+                NORM, HAS_RESIDUAL, RSTD_LAST)
         if DEPTH >= 4:
-            acc, wd, xd, rd, gd = _slot(
-                acc, wd, xd, rd, gd, k + 3 * BLOCK_K, rstd, w_rows, col_ok, x_rows, r_ptr,
-                g_ptr, row_ok, K, BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL)
+            acc, squares, wd, xd, rd, gd = _slot(
+                acc, squares, wd, xd, rd, gd, k + 3 * BLOCK_K, rstd, w_rows, col_ok, x_rows,
+                r_ptr, g_ptr, sum_ptr, first, row_ok, K, STEP, BLOCK_M, FP32_DOTS, HAS_SCALE,
+                NORM, HAS_RESIDUAL, RSTD_LAST)
+    if NORM and RSTD_LAST:
+        acc = _rstd_last(acc, squares, K, eps)
     if HAS_SCALE:  # once per output, after the sum over K
         scale = tl.load(scale_ptr + w_row, mask=col_ok, other=0.0)
         acc *= scale if BLOCK_M == 1 else scale[None, :]
@@ -386,6 +410,7 @@ def stream_gemv(x: Tensor, weight: Tensor, out: Tensor, plan: StreamPlan, config
         DEPTH=config.depth,
         NORM_K=min(triton.next_power_of_2(K), NORM_BLOCK), FP32_DOTS=fp32_dots,
         HAS_SCALE=weight_scale is not None, ACTIVATION=activation or "", NORM=norm,
-        HAS_RESIDUAL=residual is not None, PDL=bool(pdl), num_warps=config.num_warps,
+        HAS_RESIDUAL=residual is not None, PDL=bool(pdl), RSTD_LAST=norm and linear_module.NORM_RSTD_LAST,
+        num_warps=config.num_warps,
         num_stages=config.num_stages, **pdl,
     )

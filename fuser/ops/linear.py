@@ -71,6 +71,12 @@ ulp: in fp32 such a row then differs from norm-then-GEMV by ~2^-24 relative, in 
 nearly never (tests/test_ops_norm_linear.py). The kernel takes x, r and g in one dtype; the
 ops run the separate kernels for anything else and above MAX_ROWS; on CUDA also above
 NORM_PROLOGUE_MAX_ROWS (one row), where the prologue measured slower than the norm kernel.
+At one row (NORM_RSTD_LAST, the default) there is no first pass: the K loop multiplies each
+weight tile by g * h in fp32 (exact for bf16/fp16: h and g have 8 or 11 significant bits),
+gathers h * h from the same tiles, and multiplies each output's fp32 sum by rstd after the loop
+(rstd is one number per row: it factors out of the sum). The norm's own roundings of the normed
+row are gone, so the result is closer to the exact norm-then-GEMV than the unfused kernels'
+(tests/test_ops_norm_linear.py holds both), and not their bits.
 
 Split-K in the same launch (SPLIT_K > 1, `_default_split_k`: down_proj's long K at one row,
 and bf16 o_proj): grid (column blocks, SPLIT_K); program (b, s) sums K range s of SPLIT_K, stores
@@ -89,7 +95,8 @@ written once, the norm weight) and no normed tensor written and read back; from 
 program reads its rows of x (and r) twice (the sum-of-squares pass, then the K loop) and g
 once: grid * M * K * (2 (s_x + s_r) + s_g) bytes, e.g. 768 programs x 4096 x 10 B ~ 31 MB for
 qkv at M = 1 against its 50 MB weight from HBM; the first pass also delays each program's
-first weight load by one walk over x. FLOPs + ~5 * M * K per program (the recomputed norm).
+first weight load by one walk over x. FLOPs + ~5 * M * K per program (the recomputed norm). With NORM_RSTD_LAST (one row) x and r
+are read once per program, in the K loop: grid * K * (s_x + s_r + s_g) from L2.
 """
 
 import torch
@@ -133,16 +140,36 @@ def _w_tile(w_rows, col_ok, k, k_hi):
 
 
 @triton.jit
-def _row_step(acc, w, x_row, r_row, g_ptr, k, k_hi, rstd, NORM: tl.constexpr,
-              HAS_RESIDUAL: tl.constexpr):
-    """One K step of the one-row GEMV: acc [BLOCK_N] + w [BLOCK_N, BLOCK_K] . x[k], in fp32.
-    (x loaded in w's tile shape instead, which drops the sm_90 code's shared-memory broadcast of
-    x between two barriers per step, measured slower on the H200: benchmarks/RESULTS.md, tenth
-    session.)"""
+def _row_step(acc, squares, w, x_row, r_row, g_ptr, sum_ptr, k, k_hi, rstd, NORM: tl.constexpr,
+              HAS_RESIDUAL: tl.constexpr, RSTD_LAST: tl.constexpr, STORE_SUM):
+    """One K step of the one-row GEMV: (acc [BLOCK_N] + w [BLOCK_N, BLOCK_K] . x[k] in fp32,
+    squares). (x loaded in w's tile shape instead, which drops the sm_90 code's shared-memory
+    broadcast of x between two barriers per step, measured slower on the H200:
+    benchmarks/RESULTS.md, tenth session.)
+
+    NORM with RSTD_LAST: x[k] is g * h (fp32, h = x (+ r) rounded to x's dtype), squares
+    [BLOCK_K] gathers h * h for the rstd that multiplies acc after the loop (_rstd_last), and
+    STORE_SUM (program 0) writes h to summed."""
     k_ok = k < k_hi
-    x = _norm_x_tile(x_row, r_row, g_ptr, k, k_ok, k_ok, rstd, NORM, HAS_RESIDUAL)
+    if NORM and RSTD_LAST:
+        h = _load_block(x_row, r_row, sum_ptr, k, k_ok, HAS_RESIDUAL, False)
+        if HAS_RESIDUAL:
+            if STORE_SUM:  # one writer, never in place: the other programs read x and r
+                tl.store(sum_ptr + k, h.to(sum_ptr.dtype.element_ty), mask=k_ok)
+        squares += h * h
+        x = h * tl.load(g_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+    else:
+        x = _norm_x_tile(x_row, r_row, g_ptr, k, k_ok, k_ok, rstd, NORM, HAS_RESIDUAL)
     acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-    return acc
+    return acc, squares
+
+
+@triton.jit
+def _rstd_last(acc, squares, K, eps):
+    """The one-row GEMV's sum times the norm's rstd = rsqrt(sum(h^2) / K + eps) (fp32, as
+    rmsnorm.py), from the squares its K loop gathered: rstd is one number per row, so
+    sum_k w[n, k] g[k] h[k] rstd = rstd * sum_k w[n, k] (g[k] h[k])."""
+    return acc * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
 
 
 @triton.jit
@@ -305,6 +332,8 @@ def _linear_kernel(
     PREFETCH: tl.constexpr = 0,  # (0, 1 or 2) load before waiting for the previous kernel
     SWAP: tl.constexpr = False,  # MMA path: the weight tile as the MMA's A operand (_mma_swapped)
     F16_MMA: tl.constexpr = False,  # SWAP, FP8 weights: the MMA in fp16 (_f16_step)
+    RSTD_LAST: tl.constexpr = False,  # one row, NORM: no prologue pass; the K loop gathers the
+                                # squares and rstd multiplies the sum (_row_step, _rstd_last)
 ):
     pid = tl.program_id(0)
     # Split-K: program (pid, s) sums K range [s * K / SPLIT_K, (s + 1) * K / SPLIT_K) (the
@@ -345,7 +374,7 @@ def _linear_kernel(
     if BLOCK_M == 1:
         x_row, r_row = x_ptr, r_ptr
         rstd = 0.0
-        if NORM:
+        if NORM and not RSTD_LAST:
             # Norm prologue: one pass over the row for its sum of squares (program 0 also writes
             # h = x + r out), rstd as rmsnorm.py computes it; the K loop then normalises x's tiles.
             squares = tl.zeros([NORM_K], dtype=tl.float32)
@@ -359,16 +388,23 @@ def _linear_kernel(
                 squares += h * h
             rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)  # fp32, as rmsnorm.py
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        row_squares = tl.zeros([BLOCK_K], dtype=tl.float32)  # NORM and RSTD_LAST (SPLIT_K 1)
+        first = pid == 0
         if PDL and PREFETCH >= 1:
-            acc = _row_step(acc, w_pre0, x_row, r_row, g_ptr, k_pre0, k_hi, rstd, NORM,
-                            HAS_RESIDUAL)
+            acc, row_squares = _row_step(acc, row_squares, w_pre0, x_row, r_row, g_ptr, sum_ptr,
+                                         k_pre0, k_hi, rstd, NORM, HAS_RESIDUAL, RSTD_LAST,
+                                         first)
         if PDL and PREFETCH >= 2:
-            acc = _row_step(acc, w_pre1, x_row, r_row, g_ptr, k_pre1, k_hi, rstd, NORM,
-                            HAS_RESIDUAL)
+            acc, row_squares = _row_step(acc, row_squares, w_pre1, x_row, r_row, g_ptr, sum_ptr,
+                                         k_pre1, k_hi, rstd, NORM, HAS_RESIDUAL, RSTD_LAST,
+                                         first)
         for k0 in range(k_loop, k_hi, BLOCK_K):
             k = k0 + offs_k
             w = _w_tile(w_rows, col_ok, k, k_hi)
-            acc = _row_step(acc, w, x_row, r_row, g_ptr, k, k_hi, rstd, NORM, HAS_RESIDUAL)
+            acc, row_squares = _row_step(acc, row_squares, w, x_row, r_row, g_ptr, sum_ptr, k,
+                                         k_hi, rstd, NORM, HAS_RESIDUAL, RSTD_LAST, first)
+        if NORM and RSTD_LAST:
+            acc = _rstd_last(acc, row_squares, K, eps)
         if SPLIT_K > 1:
             acc, last = _sum_splits(acc, part_ptr, count_ptr, pid, BLOCK_N, SPLIT_K)
         if HAS_SCALE:  # once per output, after the sum over K
@@ -529,6 +565,14 @@ FP8_F16_MMA = True
 # shape_lab.py's "nkN" word times other widths.
 ONE_ROW_NORM_K: int | None = 2048
 
+# One row with the norm (NORM): no prologue pass over x. The K loop gathers the row's sum of
+# squares from the tiles it loads anyway and multiplies its fp32 sums by rstd after the loop
+# (_rstd_last): out = rstd * sum_k w[n, k] (g[k] h[k]), rstd being one number per row. One
+# rounding fewer than the norm kernel's (normed = g * (h * rstd).to(dtype), rounded again), so the
+# values are not the unfused kernels' bits: tests/test_ops_norm_linear.py holds both to the
+# float64 norm-then-GEMV. False: the prologue pass and the norm's own roundings (ONE_ROW_NORM_K).
+NORM_RSTD_LAST = True
+
 PDL_PREFETCH = 1  # weight tiles a PDL-launched program loads before its wait (fuser/ops/pdl.py)
 
 SHARED_MEMORY_BUDGET = 200 * 1024  # bytes of pipelined tiles (an H200 SM has 227 KiB); every tuned
@@ -686,6 +730,12 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
     cols_per_program = bn // 2 if activation is not None else bn
     programs = triton.cdiv(N, cols_per_program)
     splits = _default_split_k(M, rows_w, K, fp8) if split_k is None else split_k
+    rstd_last = norm and M == 1 and NORM_RSTD_LAST
+    if rstd_last and splits > 1:  # every program needs its row's squares over all of K
+        if split_k is not None:
+            raise ValueError(f"split_k={split_k}: one row's norm (NORM_RSTD_LAST) needs the "
+                             "whole of K in each program")
+        splits = 1
     if splits > 1 and K % (splits * bk):
         if split_k is not None:
             raise ValueError(f"split_k={split_k}: needs split_k * block_k ({splits} * {bk}) to "
@@ -709,7 +759,7 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         ACTIVATION=activation or "", NORM=norm, HAS_RESIDUAL=residual is not None,
         SPLIT_K=splits, PDL=bool(pdl), PREFETCH=PDL_PREFETCH if prefetch is None else prefetch,
         SWAP=swap, F16_MMA=swap and fp8 and FP8_F16_MMA and x.dtype == torch.bfloat16,
-        num_warps=num_warps or warps, num_stages=num_stages or stages, **pdl,
+        RSTD_LAST=rstd_last, num_warps=num_warps or warps, num_stages=num_stages or stages, **pdl,
     )
     return out.reshape(*lead, N), _lead(summed, lead, K)
 
