@@ -34,7 +34,7 @@
 #   bash benchmarks/gpu_all.sh prologue # FP8 one-row norm prologue over the whole row; 5-row norm prologue chain; 8B decode + verify; engine tests
 #   bash benchmarks/gpu_all.sh thirteenth # 8B decode + verify with and without PDL at several rows, chains, stream/PDL/argmax GPU tests
 #   bash benchmarks/gpu_all.sh fourteenth # linear GPU tests, the chains without norms (what a norm fusion can reach), the engine's GPU tests
-#   bash benchmarks/gpu_all.sh rstd     # one row's norm with rstd after the sum: GPU tests, shape + chain labs, 8B decode, FP8 rows lab, engine tests
+#   bash benchmarks/gpu_all.sh rstd     # one row's norm with rstd after the sum: GPU tests, shape + chain labs, 8B decode, engine tests
 #   bash benchmarks/gpu_all.sh sixteenth  # (not yet run) unroll + 5-row chain labs, 8B decode profiled, engine GPU tests
 #   bash benchmarks/gpu_all.sh fifteenth  # GPU tests with PDL at one row by default
 #   bash benchmarks/gpu_all.sh twelfth  # fp16 MMA for FP8 rows; 8B decode + verify
@@ -450,7 +450,7 @@ elif [ "$what" = rstd ]; then
   # Fourteenth session: one row's norm inside the GEMV without the prologue pass (the K loop
   # gathers the squares, rstd multiplies the sums: linear.NORM_RSTD_LAST) against the pass and
   # against no norm at all; each shape alone, the 16-layer chains, the 8B decode (both
-  # precisions, verify replayed alike), then the several-row FP8 lab and the engine's GPU tests.
+  # precisions, verify replayed alike), then the engine's GPU tests.
   linear_gpu_tests
   timeout 120 python3 -m pytest -q -p no:cacheprovider -rf tests/test_ops_gemv_stream.py \
     tests/test_pdl.py -k "gpu or cuda" 2>&1 | tee "$OUT/gpu_tests_stream.log" \
@@ -470,11 +470,6 @@ elif [ "$what" = rstd ]; then
 Error|fallback" | tail -24
   mapfile -t generated < <(grep -E "fuser generate|alike" "$OUT/decode.log")
   summary+=("${generated[@]}")
-  if [ -f benchmarks/fp8_rows_lab.py ]; then
-    echo "== several-row FP8 lab"
-    timeout 130 python3 benchmarks/fp8_rows_lab.py --out "$OUT/fp8_rows_lab.json" 2>&1 \
-      | grep -v Warning | tail -30
-  fi
   left=$((580 - SECONDS))
   echo "== GPU tests: the engine (${left} s left)"
   [ "$left" -gt 60 ] && timeout "$left" python3 -m pytest -q -p no:cacheprovider -rf \
