@@ -34,6 +34,7 @@
 #   bash benchmarks/gpu_all.sh prologue # FP8 one-row norm prologue over the whole row; 5-row norm prologue chain; 8B decode + verify; engine tests
 #   bash benchmarks/gpu_all.sh thirteenth # 8B decode + verify with and without PDL at several rows, chains, stream/PDL/argmax GPU tests
 #   bash benchmarks/gpu_all.sh fourteenth # linear GPU tests, the chains without norms (what a norm fusion can reach), the engine's GPU tests
+#   bash benchmarks/gpu_all.sh rstd2    # the same with summed's store predicated; decode if the FP8 chain gains; FP8 rows lab
 #   bash benchmarks/gpu_all.sh rstd     # one row's norm with rstd after the sum: GPU tests, shape + chain labs, 8B decode, engine tests
 #   bash benchmarks/gpu_all.sh sixteenth  # (not yet run) unroll + 5-row chain labs, 8B decode profiled, engine GPU tests
 #   bash benchmarks/gpu_all.sh fifteenth  # GPU tests with PDL at one row by default
@@ -475,6 +476,37 @@ Error|fallback" | tail -24
   [ "$left" -gt 60 ] && timeout "$left" python3 -m pytest -q -p no:cacheprovider -rf \
     tests/test_cuda.py tests/test_cuda_spec.py 2>&1 | tee "$OUT/gpu_tests_engine.log" \
     | grep -E "^E  |FAILED|ERROR|passed|failed" | cut -c1-150 | tail -12
+elif [ "$what" = rstd2 ]; then
+  # Fourteenth session, call 2: `rstd` (call 1) found rstd after the sum slower than the prologue
+  # pass where program 0 stored summed inside the K loop behind a branch; the store is now
+  # predicated. The same shape and chain labs; the 8B decode only where the FP8 chain says rstd
+  # after the sum is faster; then the several-row FP8 lab (benchmarks/fp8_rows_lab.py).
+  timeout 90 python3 -m pytest -q -p no:cacheprovider -rf tests/test_ops_norm_linear.py \
+    -k "gpu or cuda" 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "^E |FAIL|Error|passed|failed" | head
+  summary+=("GPU tests, norm linear: $(tail -1 "$OUT/gpu_tests.log")")
+  echo "== shape lab: rstd after the sum (default) against the prologue pass and no norm"
+  timeout 90 python3 benchmarks/shape_lab.py --dtypes fp8,bf16 --shapes qkv,gate_up \
+    --variants "default;default pass;default nonorm" --out "$OUT/shape_lab.json" 2>&1 \
+    | grep -v Warning | tail -13
+  echo "== GEMV chain lab, 16 layers, 1 row"
+  timeout 90 python3 benchmarks/pdl_lab.py --layers 16 --rows 1 --dtypes fp8,bf16 \
+    --variants "pdl, 1 tile;stream default;norm pass;no norms" \
+    --out "$OUT/pdl_lab.json" 2>&1 | grep -v Warning | tail -9
+  faster=$(python3 -c "
+import json; rows = json.load(open('$OUT/pdl_lab.json'))['rows']
+ms = {r['variant']: r['ms'] for r in rows if r['dtype'] == 'fp8'}
+print(int(ms['pdl, 1 tile'] < ms['norm pass']))" 2>/dev/null)
+  if [ "$faster" = 1 ]; then
+    echo "== decode, 8B shape (FP8 chain faster with rstd after the sum)"
+    timeout 300 python3 benchmarks/decode.py --out "$OUT/decode.json" --skip-peers 2>&1 \
+      | tee "$OUT/decode.log" | grep -v Warning | grep -E "^\[|verify|alike|ceiling|fp8 vs|\
+Error|fallback" | tail -24
+  else
+    echo "== decode skipped: the FP8 chain is not faster with rstd after the sum"
+  fi
+  echo "== several-row FP8 lab"
+  timeout $((590 - SECONDS)) python3 benchmarks/fp8_rows_lab.py --out "$OUT/fp8_rows_lab.json" \
+    2>&1 | grep -v Warning | tail -40
 elif [ "$what" = sixteenth ]; then
   # For the next session's first call (written in the eleventh, not yet run; ~15 minutes): the
   # one-row chain with linear.ONE_ROW_UNROLL 2 and 4 (if FP8 gains, set it and re-run the

@@ -218,9 +218,8 @@ def _step(acc, squares, w, x, r, g, rstd, k, K, sum_ptr, store_sum, BLOCK_M: tl.
         if HAS_RESIDUAL:
             h = (h + r.to(tl.float32)).to(x.dtype).to(tl.float32)
         if RSTD_LAST:
-            if HAS_RESIDUAL:
-                if store_sum:  # one writer, never in place: the other programs read x and r
-                    tl.store(sum_ptr + k, h.to(sum_ptr.dtype.element_ty), mask=k < K)
+            if HAS_RESIDUAL:  # one writer (a predicated store: no branch in the loop)
+                tl.store(sum_ptr + k, h.to(sum_ptr.dtype.element_ty), mask=k < tl.where(store_sum, K, 0))
             squares += h * h
             x = h * g.to(tl.float32)
         else:

@@ -153,9 +153,8 @@ def _row_step(acc, squares, w, x_row, r_row, g_ptr, sum_ptr, k, k_hi, rstd, NORM
     k_ok = k < k_hi
     if NORM and RSTD_LAST:
         h = _load_block(x_row, r_row, sum_ptr, k, k_ok, HAS_RESIDUAL, False)
-        if HAS_RESIDUAL:
-            if STORE_SUM:  # one writer, never in place: the other programs read x and r
-                tl.store(sum_ptr + k, h.to(sum_ptr.dtype.element_ty), mask=k_ok)
+        if HAS_RESIDUAL:  # one writer (a predicated store: no branch in the loop)
+            tl.store(sum_ptr + k, h.to(sum_ptr.dtype.element_ty), mask=k < tl.where(STORE_SUM, k_hi, 0))
         squares += h * h
         x = h * tl.load(g_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
     else:
