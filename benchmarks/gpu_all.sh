@@ -479,31 +479,29 @@ Error|fallback" | tail -24
 elif [ "$what" = rstd2 ]; then
   # Fourteenth session, call 2: `rstd` (call 1) found rstd after the sum slower than the prologue
   # pass where program 0 stored summed inside the K loop behind a branch; the store is now
-  # predicated. The same shape and chain labs; the 8B decode only where the FP8 chain says rstd
-  # after the sum is faster; then the several-row FP8 lab (benchmarks/fp8_rows_lab.py).
-  timeout 90 python3 -m pytest -q -p no:cacheprovider -rf tests/test_ops_norm_linear.py \
-    -k "gpu or cuda" 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "^E |FAIL|Error|passed|failed" | head
-  summary+=("GPU tests, norm linear: $(tail -1 "$OUT/gpu_tests.log")")
+  # predicated. The same shape and chain labs (5 rows too: FP8's x shift from a prepass,
+  # linear.FP8_F16_PREPASS); the 8B decode with whichever one-row norm the FP8 chain found
+  # faster; then the several-row FP8 lab (benchmarks/fp8_rows_lab.py).
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -rf tests/test_ops_norm_linear.py \
+    tests/test_ops_linear.py -k "gpu or cuda" 2>&1 | tee "$OUT/gpu_tests.log" \
+    | grep -E "^E |FAIL|Error|passed|failed" | head
+  summary+=("GPU tests, linear + norm linear: $(tail -1 "$OUT/gpu_tests.log")")
   echo "== shape lab: rstd after the sum (default) against the prologue pass and no norm"
   timeout 90 python3 benchmarks/shape_lab.py --dtypes fp8,bf16 --shapes qkv,gate_up \
     --variants "default;default pass;default nonorm" --out "$OUT/shape_lab.json" 2>&1 \
     | grep -v Warning | tail -13
-  echo "== GEMV chain lab, 16 layers, 1 row"
-  timeout 90 python3 benchmarks/pdl_lab.py --layers 16 --rows 1 --dtypes fp8,bf16 \
-    --variants "pdl, 1 tile;stream default;norm pass;no norms" \
-    --out "$OUT/pdl_lab.json" 2>&1 | grep -v Warning | tail -9
-  faster=$(python3 -c "
+  echo "== GEMV chain lab, 16 layers, 1 row; 5 rows: FP8 x's shift from a prepass or step by step"
+  timeout 120 python3 benchmarks/pdl_lab.py --layers 16 --rows 1,5 --dtypes fp8,bf16 \
+    --variants "pdl, 1 tile;stream default;norm pass;no norms;off;f16 mma;f16 step" \
+    --out "$OUT/pdl_lab.json" 2>&1 | grep -v Warning | tail -14
+  pass=$(python3 -c "
 import json; rows = json.load(open('$OUT/pdl_lab.json'))['rows']
-ms = {r['variant']: r['ms'] for r in rows if r['dtype'] == 'fp8'}
-print(int(ms['pdl, 1 tile'] < ms['norm pass']))" 2>/dev/null)
-  if [ "$faster" = 1 ]; then
-    echo "== decode, 8B shape (FP8 chain faster with rstd after the sum)"
-    timeout 300 python3 benchmarks/decode.py --out "$OUT/decode.json" --skip-peers 2>&1 \
-      | tee "$OUT/decode.log" | grep -v Warning | grep -E "^\[|verify|alike|ceiling|fp8 vs|\
+ms = {r['variant']: r['ms'] for r in rows if r['dtype'] == 'fp8' and r['rows'] == 1}
+print('--norm-pass' if ms['pdl, 1 tile'] > ms['norm pass'] else '')" 2>/dev/null)
+  echo "== decode, 8B shape ${pass:-(rstd after the sum)}"
+  timeout 300 python3 benchmarks/decode.py --out "$OUT/decode.json" --skip-peers $pass 2>&1 \
+    | tee "$OUT/decode.log" | grep -v Warning | grep -E "^\[|verify|alike|ceiling|fp8 vs|\
 Error|fallback" | tail -24
-  else
-    echo "== decode skipped: the FP8 chain is not faster with rstd after the sum"
-  fi
   echo "== several-row FP8 lab"
   timeout $((590 - SECONDS)) python3 benchmarks/fp8_rows_lab.py --out "$OUT/fp8_rows_lab.json" \
     2>&1 | grep -v Warning | tail -40
