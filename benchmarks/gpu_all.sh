@@ -499,11 +499,12 @@ import json; rows = json.load(open('$OUT/pdl_lab.json'))['rows']
 ms = {r['variant']: r['ms'] for r in rows if r['dtype'] == 'fp8' and r['rows'] == 1}
 print('--norm-pass' if ms['pdl, 1 tile'] > ms['norm pass'] else '')" 2>/dev/null)
   echo "== decode, 8B shape ${pass:-(rstd after the sum)}"
-  timeout $((560 - SECONDS)) python3 benchmarks/decode.py --out "$OUT/decode.json" --skip-peers $pass 2>&1 \
+  timeout $((${BUDGET:-590} - 30 - SECONDS)) python3 benchmarks/decode.py --out "$OUT/decode.json" --skip-peers $pass 2>&1 \
     | tee "$OUT/decode.log" | grep -v Warning | grep -E "^\[|verify|alike|ceiling|fp8 vs|\
 Error|fallback" | tail -24
-  echo "== several-row FP8 lab ($((590 - SECONDS)) s left)"
-  [ $((590 - SECONDS)) -gt 30 ] && timeout $((590 - SECONDS)) python3 benchmarks/fp8_rows_lab.py --out "$OUT/fp8_rows_lab.json" \
+  left=$((${BUDGET:-590} - SECONDS))
+  echo "== several-row FP8 lab (${left} s left)"
+  [ "$left" -gt 30 ] && timeout "$left" python3 benchmarks/fp8_rows_lab.py --out "$OUT/fp8_rows_lab.json" \
     --shapes gate_up,down --variants "default,f16 cvt,f16 cvt prepass,f16 bits asm,a8 ceiling,a8 x2" \
     2>&1 | grep -v Warning | tail -40
 elif [ "$what" = sixteenth ]; then
