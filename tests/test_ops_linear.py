@@ -302,18 +302,14 @@ def test_swapped_mma_sums_the_same_products(M, N, blocks, split_k, dtype, fp8, a
 
 
 def _run_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, f16: bool,
-             prepass: bool | None = None, **config) -> torch.Tensor:
-    """linear_triton over FP8 weights on the swapped MMA, in fp16 (FP8_F16_MMA; x's shift from a
-    first walk over K with `prepass`, followed step by step without; None: the default) or
-    bf16."""
+             **config) -> torch.Tensor:
+    """linear_triton over FP8 weights on the swapped MMA, in fp16 (FP8_F16_MMA) or bf16."""
     from unittest import mock
 
     from fuser.ops import linear as linear_module
 
-    prepass = linear_module.FP8_F16_PREPASS if prepass is None else prepass
     with mock.patch.object(linear_module, "_default_swap", lambda *_: True), \
-            mock.patch.object(linear_module, "FP8_F16_MMA", f16), \
-            mock.patch.object(linear_module, "FP8_F16_PREPASS", prepass):
+            mock.patch.object(linear_module, "FP8_F16_MMA", f16):
         return linear_triton(x, w, weight_scale=scale, **config)
 
 
@@ -323,14 +319,12 @@ def _run_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, f16: bool,
     **SEVERAL_ROWS,
     activation=st.sampled_from([None, "silu"]),
     magnitude=st.sampled_from([2.0**-40, 2.0**-8, 1.0, 2.0**40]),
-    prepass=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_fp8_weights_on_an_fp16_mma_keep_the_bf16_mma_values(M, N, blocks, split_k, activation,
-                                                           magnitude, prepass, seed):
+                                                           magnitude, seed):
     """linear.FP8_F16_MMA (_f16_step): x enters the fp16 MMA scaled per row by a power of two
-    that follows its running max |x| (or, FP8_F16_PREPASS, the max over the program's K range
-    from a first walk: _f16_fixed), so bf16's x is exact there at any magnitude and the
+    that follows its running max |x|, so bf16's x is exact there at any magnitude and the
     products are the bf16 MMA's: the outputs agree up to the fp32 order of the sum and one
     rounding, and match the reference."""
     from fuser.ops.fp8 import fp8_linear_reference, quantize_weight
@@ -341,7 +335,7 @@ def test_fp8_weights_on_an_fp16_mma_keep_the_bf16_mma_values(M, N, blocks, split
     w, scale = quantize_weight((torch.randn(2 * N if activation else N, K, generator=g)))
     w, scale = w.to(DEVICE), scale.to(DEVICE)
     config = dict(activation=activation, block_n=16, block_k=32, split_k=split_k)
-    f16, bf16 = (_run_fp8(x, w, scale, flag, prepass, **config) for flag in (True, False))
+    f16, bf16 = (_run_fp8(x, w, scale, flag, **config) for flag in (True, False))
     assert torch.isfinite(f16).all()
     torch.testing.assert_close(f16.float(), bf16.float(), rtol=2.0**-7,
                                atol=2.0**-7 * bf16.float().abs().max().item() + 1e-37)
@@ -387,9 +381,7 @@ def test_fp16_mma_rescales_when_a_row_grows_by_far_more_than_fp16_holds():
     x = x.to(torch.bfloat16).to(DEVICE)
     w, scale = quantize_weight(torch.randn(24, 128, generator=g))
     w, scale = w.to(DEVICE), scale.to(DEVICE)
+    out = _run_fp8(x, w, scale, True, block_n=16, block_k=32)
     ref = fp8_linear_reference(x, w, scale).float()
-    for prepass in (False, True):  # with the prepass the tiny tiles fall below fp16: negligible
-        out = _run_fp8(x, w, scale, True, prepass, block_n=16, block_k=32)
-        assert torch.isfinite(out).all()
-        torch.testing.assert_close(out.float(), ref, rtol=2.0**-7,
-                                   atol=2.0**-7 * ref.abs().max())
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), ref, rtol=2.0**-7, atol=2.0**-7 * ref.abs().max())

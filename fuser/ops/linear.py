@@ -231,7 +231,9 @@ def _f16_step(acc, shift, w, x, FP32_DOTS: tl.constexpr):
     bf16 MMA, and only the order of the sum differs. Under FP32_DOTS the same rounding of x,
     then fp32 dots."""
     x32 = x.to(tl.float32)
-    new_shift = _f16_shift(tl.max(tl.abs(x32), axis=1), shift)
+    amax = tl.max(tl.abs(x32), axis=1)                              # [BLOCK_M]
+    exponent = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF       # amax < 2^(exponent - 126)
+    new_shift = tl.minimum(shift, tl.minimum(141 - exponent, 100))  # amax 2^shift < 2^15
     # Exact; 1 where unchanged. A drop past 2^-126 (a row growing by more than that) is clamped:
     # the sums so far are then below 2^-126 * 2^15 * 448 * K, against new terms of 2^14 or more.
     acc *= _pow2(tl.maximum(new_shift - shift, -126))[None, :]
@@ -241,25 +243,6 @@ def _f16_step(acc, shift, w, x, FP32_DOTS: tl.constexpr):
     else:
         acc = tl.dot(w.to(tl.float16), tl.trans(x16), acc)
     return acc, new_shift
-
-
-@triton.jit
-def _f16_shift(amax, shift):
-    """The largest shift <= `shift` (and <= 100) with amax 2^shift < 2^15, per row ([BLOCK_M])."""
-    exponent = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF       # amax < 2^(exponent - 126)
-    return tl.minimum(shift, tl.minimum(141 - exponent, 100))
-
-
-@triton.jit
-def _f16_fixed(acc, shift, w, x, FP32_DOTS: tl.constexpr):
-    """_f16_step with the shift fixed for the whole K range (F16_PREPASS: every |x| 2^shift of
-    the range < 2^15 already): acc + w . (x 2^shift).T, x rounded to fp16 the same way."""
-    x16 = (x.to(tl.float32) * _pow2(shift)[:, None]).to(tl.float16)
-    if FP32_DOTS:
-        acc += tl.dot(w.to(tl.float32), tl.trans(x16.to(tl.float32)), input_precision="ieee")
-    else:
-        acc = tl.dot(w.to(tl.float16), tl.trans(x16), acc)
-    return acc
 
 
 @triton.jit
@@ -348,8 +331,6 @@ def _linear_kernel(
     PREFETCH: tl.constexpr = 0,  # (0, 1 or 2) load before waiting for the previous kernel
     SWAP: tl.constexpr = False,  # MMA path: the weight tile as the MMA's A operand (_mma_swapped)
     F16_MMA: tl.constexpr = False,  # SWAP, FP8 weights: the MMA in fp16 (_f16_step)
-    F16_PREPASS: tl.constexpr = False,  # F16_MMA without NORM: x's shift from a first walk over
-                                # the program's K range, fixed in the loop (_f16_fixed)
     RSTD_LAST: tl.constexpr = False,  # one row, NORM: no prologue pass; the K loop gathers the
                                 # squares and rstd multiplies the sum (_row_step, _rstd_last)
 ):
@@ -456,26 +437,12 @@ def _linear_kernel(
             acc = _rows_step(acc, w_pre1, x_rows, r_rows, g_ptr, k_pre1, k_hi, row_ok, rstd,
                              FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, SWAP)
         shift = tl.full([BLOCK_M], 100, dtype=tl.int32)  # F16_MMA: acc holds sums * 2^shift
-        if F16_MMA and F16_PREPASS:
-            # _f16_step's bound (max |x| 2^shift < 2^15) over this program's K range at once, from
-            # a first walk over x (small, from L2): the loop then neither tracks the running max
-            # nor rescales acc (_f16_fixed).
-            x_max = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-            for k0 in range(k_lo, k_hi, BLOCK_K):
-                k = k0 + offs_k
-                x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & (k < k_hi)[None, :],
-                            other=0.0)
-                x_max = tl.maximum(x_max, tl.abs(x.to(tl.float32)))
-            shift = _f16_shift(tl.max(x_max, axis=1), shift)
         for k0 in range(k_loop, k_hi, BLOCK_K):
             k = k0 + offs_k
             w = _w_tile(w_rows, col_ok, k, k_hi)
             if F16_MMA:
                 x = _rows_x(x_rows, r_rows, g_ptr, k, k_hi, row_ok, rstd, NORM, HAS_RESIDUAL)
-                if F16_PREPASS:
-                    acc = _f16_fixed(acc, shift, w, x, FP32_DOTS)
-                else:
-                    acc, shift = _f16_step(acc, shift, w, x, FP32_DOTS)
+                acc, shift = _f16_step(acc, shift, w, x, FP32_DOTS)
             else:
                 acc = _rows_step(acc, w, x_rows, r_rows, g_ptr, k, k_hi, row_ok, rstd,
                                  FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, SWAP)
@@ -586,10 +553,6 @@ def _default_swap(M: int, N: int, K: int, fp8: bool) -> bool:
 # 5-row FP8 GEMVs took 89.9 us a layer against 109.5 on the bf16 MMA (1.22x); GPU tests hold it
 # to the bf16 MMA's values at the 8B shapes.
 FP8_F16_MMA = True
-# ... with x's per-row shift from a first walk over the program's K range (F16_PREPASS), not
-# tracked step by step: offline (sm_90, Triton 3.9) the loop lost 58 of its 272 instructions
-# (benchmarks/fp8_rows_lab.py). Not with the norm inside (NORM: its x is computed per tile).
-FP8_F16_PREPASS = True
 
 # FP8 weights, one row: the norm prologue reads x (and r) this many columns a step (None:
 # BLOCK_K). Every program makes the pass, one L2 round trip a step: at BLOCK_K a step FP8's qkv
@@ -785,7 +748,6 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
     # PDL at one row only (several rows: not bit-equal and slower, fuser/ops/pdl.py).
     pdl = pdl_launch(x.device, one_row=block_m == 1)
     swap = block_m > 1 and _default_swap(M, rows_w, K, fp8)
-    f16_mma = swap and fp8 and FP8_F16_MMA and x.dtype == torch.bfloat16
     _linear_kernel[(programs, splits)](
         x2, weight, weight_scale if fp8 else out, out, parts, counts,
         r2, norm_weight.contiguous() if norm else x2, summed if summed is not None else x2,
@@ -795,7 +757,7 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         FP32_DOTS=fp32_dots, HAS_SCALE=fp8,
         ACTIVATION=activation or "", NORM=norm, HAS_RESIDUAL=residual is not None,
         SPLIT_K=splits, PDL=bool(pdl), PREFETCH=PDL_PREFETCH if prefetch is None else prefetch,
-        SWAP=swap, F16_MMA=f16_mma, F16_PREPASS=f16_mma and FP8_F16_PREPASS and not norm,
+        SWAP=swap, F16_MMA=swap and fp8 and FP8_F16_MMA and x.dtype == torch.bfloat16,
         RSTD_LAST=rstd_last, num_warps=num_warps or warps, num_stages=num_stages or stages, **pdl,
     )
     return out.reshape(*lead, N), _lead(summed, lead, K)
