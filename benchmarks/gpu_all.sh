@@ -480,7 +480,7 @@ elif [ "$what" = rstd2 ]; then
   # Fourteenth session, call 2: `rstd` (call 1) found rstd after the sum slower than the prologue
   # pass where program 0 stored summed inside the K loop behind a branch; the store is now
   # predicated. The same shape and chain labs (5 rows too: FP8's x shift from a prepass,
-  # linear.FP8_F16_PREPASS); the 8B decode with whichever one-row norm the FP8 chain found
+  # linear.FP8_F16_PREPASS, removed after this call: slower); the 8B decode with whichever one-row norm the FP8 chain found
   # faster; then the several-row FP8 lab (benchmarks/fp8_rows_lab.py).
   timeout 80 python3 -m pytest -q -p no:cacheprovider -rf tests/test_ops_norm_linear.py \
     tests/test_ops_linear.py -k "gpu_llama3_qkv or gpu_fp16" 2>&1 | tee "$OUT/gpu_tests.log" \

@@ -72,8 +72,6 @@ ROWS_VARIANTS = (("off", "0", None, None),
                  ("stream d2 32K", "0", None, StreamConfig(tile_bytes=32768, depth=2)),
                  # FP8 weights on an fp16 MMA (linear.FP8_F16_MMA; bf16 rows: unchanged)
                  ("f16 mma", "0", None, None),
-                 # ... with x's shift followed step by step (linear.FP8_F16_PREPASS = False)
-                 ("f16 step", "0", None, None),
                  # the norms inside the qkv and gate/up GEMVs (their per-row prologue) instead
                  # of add_rms_norm kernels (linear.NORM_PROLOGUE_MAX_ROWS)
                  ("norm prologue", "0", None, None),
@@ -175,8 +173,7 @@ def main() -> None:
                 gemv_stream.CONFIG, gemv_stream.ROWS_CONFIG = (stream, None) if M == 1 else \
                     (None, stream)
                 # "off": the bf16 MMA; "no norms" as the engine (fp16), against "f16 mma"
-                linear_module.FP8_F16_MMA = name in ("f16 mma", "f16 step", "no norms")
-                linear_module.FP8_F16_PREPASS = name != "f16 step"
+                linear_module.FP8_F16_MMA = name in ("f16 mma", "no norms")
                 linear_module.NORM_RSTD_LAST = name != "norm pass"
                 try:
                     ms, out = replay_median_ms(
@@ -189,7 +186,6 @@ def main() -> None:
                 finally:
                     gemv_stream.CONFIG, gemv_stream.ROWS_CONFIG = gemv_stream.DEFAULT, None
                     linear_module.FP8_F16_MMA = f16_default
-                    linear_module.FP8_F16_PREPASS = True
                     linear_module.NORM_RSTD_LAST = rstd_default
                 if base_ms is None:
                     base_ms, base_out = ms, out

@@ -29,6 +29,7 @@ from fuser.ops.linear import linear_triton, rms_norm_linear_triton
 from test_ops_gated_linear import SETTINGS, assert_gated_close, assert_mostly_equal
 from test_ops_linear import check as assert_linear_close
 from test_ops_norm_linear import EPS, exact_norm, inputs, reference_norm, rstd_last
+from test_ops_norm_linear import rstd_after_the_sum  # noqa: F401  (a fixture)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -114,6 +115,17 @@ def test_any_shape(K, N, dtype, norm_residual, activation, fp8, sms, config, see
                    sms) is None:
         return  # too many rows a program for the tile: linear.py keeps _linear_kernel
     run(K, N, dtype, norm, residual, activation, fp8, seed, config, sms)
+
+
+@pytest.mark.usefixtures("rstd_after_the_sum")
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16w", "fp8w"])
+@pytest.mark.parametrize("activation", [None, "silu"])
+@pytest.mark.parametrize("residual", [False, True], ids=["norm", "add_norm"])
+def test_rstd_after_the_sum(residual, activation, fp8) -> None:
+    """linear.NORM_RSTD_LAST in the stream kernel: the exact norm's bounds, summed bit for bit,
+    and _linear_kernel's values (which then computes the norm the same way)."""
+    run(200, 37, torch.bfloat16, True, residual, activation, fp8, seed=9, config=CONFIGS[1],
+        sms=4)
 
 
 @pytest.mark.parametrize("M", [2, 5, 16])

@@ -71,12 +71,12 @@ ulp: in fp32 such a row then differs from norm-then-GEMV by ~2^-24 relative, in 
 nearly never (tests/test_ops_norm_linear.py). The kernel takes x, r and g in one dtype; the
 ops run the separate kernels for anything else and above MAX_ROWS; on CUDA also above
 NORM_PROLOGUE_MAX_ROWS (one row), where the prologue measured slower than the norm kernel.
-At one row (NORM_RSTD_LAST, the default) there is no first pass: the K loop multiplies each
-weight tile by g * h in fp32 (exact for bf16/fp16: h and g have 8 or 11 significant bits),
-gathers h * h from the same tiles, and multiplies each output's fp32 sum by rstd after the loop
-(rstd is one number per row: it factors out of the sum). The norm's own roundings of the normed
-row are gone, so the result is closer to the exact norm-then-GEMV than the unfused kernels'
-(tests/test_ops_norm_linear.py holds both), and not their bits.
+At one row with NORM_RSTD_LAST (off by default: measured slower) there is no first pass: the
+K loop multiplies each weight tile by g * h in fp32 (exact for bf16/fp16: h and g have 8 or 11
+significant bits), gathers h * h from the same tiles, and multiplies each output's fp32 sum by
+rstd after the loop (rstd is one number per row: it factors out of the sum). The norm's own
+roundings of the normed row are gone, so the result is closer to the exact norm-then-GEMV than
+the unfused kernels' (tests/test_ops_norm_linear.py holds both), and not their bits.
 
 Split-K in the same launch (SPLIT_K > 1, `_default_split_k`: down_proj's long K at one row,
 and bf16 o_proj): grid (column blocks, SPLIT_K); program (b, s) sums K range s of SPLIT_K, stores
@@ -570,7 +570,10 @@ ONE_ROW_NORM_K: int | None = 2048
 # rounding fewer than the norm kernel's (normed = g * (h * rstd).to(dtype), rounded again), so the
 # values are not the unfused kernels' bits: tests/test_ops_norm_linear.py holds both to the
 # float64 norm-then-GEMV. False: the prologue pass and the norm's own roundings (ONE_ROW_NORM_K).
-NORM_RSTD_LAST = True
+# Off: on the H200 (benchmarks/RESULTS.md, fourteenth session) it made FP8's qkv faster alone
+# (9.60 against 10.17 us) but FP8's gate/up slower (34.93 against 31.67) and bf16's qkv slower
+# (17.17 against 15.91); the 16-layer FP8 chain took 67.9 us a layer against 64.6 with the pass.
+NORM_RSTD_LAST = False
 
 PDL_PREFETCH = 1  # weight tiles a PDL-launched program loads before its wait (fuser/ops/pdl.py)
 
