@@ -97,16 +97,16 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None,
                         help="decoder layers (default: the preset's); fewer for a quick per-op "
                              "profile, whose per-layer rows do not depend on the layer count")
-    parser.add_argument("--norm-pass", action="store_true",
-                        help="one row's norm as a prologue pass inside the GEMVs "
-                             "(linear.NORM_RSTD_LAST = False) instead of rstd after the sum")
+    parser.add_argument("--rstd-last", action="store_true",
+                        help="one row's norm inside the GEMVs with rstd after the sum "
+                             "(linear.NORM_RSTD_LAST) instead of the prologue pass")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     warnings.simplefilter("ignore")
-    if args.norm_pass:
+    if args.rstd_last:
         from fuser.ops import linear as linear_module  # noqa: PLC0415
 
-        linear_module.NORM_RSTD_LAST = False
+        linear_module.NORM_RSTD_LAST = True
     RESULTS["env"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "triton": triton.__version__, "transformers": transformers.__version__,
                       "preset": args.preset, "prompt_tokens": args.prompt_tokens,

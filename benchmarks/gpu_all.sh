@@ -34,8 +34,7 @@
 #   bash benchmarks/gpu_all.sh prologue # FP8 one-row norm prologue over the whole row; 5-row norm prologue chain; 8B decode + verify; engine tests
 #   bash benchmarks/gpu_all.sh thirteenth # 8B decode + verify with and without PDL at several rows, chains, stream/PDL/argmax GPU tests
 #   bash benchmarks/gpu_all.sh fourteenth # linear GPU tests, the chains without norms (what a norm fusion can reach), the engine's GPU tests
-#   bash benchmarks/gpu_all.sh rstd2    # the same with summed's store predicated; decode if the FP8 chain gains; FP8 rows lab
-#   bash benchmarks/gpu_all.sh rstd     # one row's norm with rstd after the sum: GPU tests, shape + chain labs, 8B decode, engine tests
+#   bash benchmarks/gpu_all.sh rstd2    # one row's norm, rstd after the sum vs the pass: GPU tests, shape + chain labs, 8B decode, FP8 rows lab
 #   bash benchmarks/gpu_all.sh sixteenth  # (not yet run) unroll + 5-row chain labs, 8B decode profiled, engine GPU tests
 #   bash benchmarks/gpu_all.sh fifteenth  # GPU tests with PDL at one row by default
 #   bash benchmarks/gpu_all.sh twelfth  # fp16 MMA for FP8 rows; 8B decode + verify
@@ -447,65 +446,39 @@ elif [ "$what" = fourteenth ]; then
   [ "$left" -gt 30 ] && timeout "$left" python3 -m pytest -v -p no:cacheprovider -rf \
     tests/test_cuda.py tests/test_cuda_spec.py 2>&1 | tee "$OUT/gpu_tests_engine.log" \
     | grep -E "^E  |PASSED|FAILED|ERROR|passed|failed" | cut -c1-150 | tail -30
-elif [ "$what" = rstd ]; then
-  # Fourteenth session: one row's norm inside the GEMV without the prologue pass (the K loop
-  # gathers the squares, rstd multiplies the sums: linear.NORM_RSTD_LAST) against the pass and
-  # against no norm at all; each shape alone, the 16-layer chains, the 8B decode (both
-  # precisions, verify replayed alike), then the engine's GPU tests.
-  linear_gpu_tests
-  timeout 120 python3 -m pytest -q -p no:cacheprovider -rf tests/test_ops_gemv_stream.py \
-    tests/test_pdl.py -k "gpu or cuda" 2>&1 | tee "$OUT/gpu_tests_stream.log" \
-    | grep -E "^E |FAIL|Error|passed|failed" | head -10
-  summary+=("GPU tests, stream + PDL: $(tail -1 "$OUT/gpu_tests_stream.log")")
-  echo "== shape lab: rstd after the sum (default) against the prologue pass and no norm"
-  timeout 90 python3 benchmarks/shape_lab.py --dtypes fp8,bf16 --shapes qkv,gate_up \
-    --variants "default;default pass;default nonorm" --out "$OUT/shape_lab.json" 2>&1 \
-    | grep -v Warning | tail -13
-  echo "== GEMV chain lab, 16 layers, 1 row"
-  timeout 90 python3 benchmarks/pdl_lab.py --layers 16 --rows 1 --dtypes fp8,bf16 \
-    --variants "pdl, 1 tile;stream default;norm pass;no norms" \
-    --out "$OUT/pdl_lab.json" 2>&1 | grep -v Warning | tail -9
-  echo "== decode, 8B shape"
-  timeout 300 python3 benchmarks/decode.py --out "$OUT/decode.json" --skip-peers 2>&1 \
-    | tee "$OUT/decode.log" | grep -v Warning | grep -E "^\[|verify|alike|ceiling|fp8 vs|\
-Error|fallback" | tail -24
-  mapfile -t generated < <(grep -E "fuser generate|alike" "$OUT/decode.log")
-  summary+=("${generated[@]}")
-  left=$((580 - SECONDS))
-  echo "== GPU tests: the engine (${left} s left)"
-  [ "$left" -gt 60 ] && timeout "$left" python3 -m pytest -q -p no:cacheprovider -rf \
-    tests/test_cuda.py tests/test_cuda_spec.py 2>&1 | tee "$OUT/gpu_tests_engine.log" \
-    | grep -E "^E  |FAILED|ERROR|passed|failed" | cut -c1-150 | tail -12
 elif [ "$what" = rstd2 ]; then
-  # Fourteenth session, call 2: `rstd` (call 1) found rstd after the sum slower than the prologue
-  # pass where program 0 stored summed inside the K loop behind a branch; the store is now
-  # predicated. The same shape and chain labs (5 rows too: FP8's x shift from a prepass,
-  # linear.FP8_F16_PREPASS, removed after this call: slower); the 8B decode with whichever one-row norm the FP8 chain found
-  # faster; then the several-row FP8 lab (benchmarks/fp8_rows_lab.py).
+  # Fourteenth session, call 2 (call 1, `rstd`, is in git history at 8b93114): one row's norm
+  # with rstd after the sum (linear.NORM_RSTD_LAST, the labs' word/variant "rstd") against the
+  # prologue pass and no norm, each shape alone and in the 16-layer chains; the 8B decode with
+  # whichever the FP8 chain found faster; then the several-row FP8 lab. As it ran (4fc8873) the
+  # module default was rstd after the sum and the 5-row chains also timed FP8_F16_PREPASS
+  # ("f16 step"; reverted since); the words below ask for each path explicitly.
   timeout 80 python3 -m pytest -q -p no:cacheprovider -rf tests/test_ops_norm_linear.py \
     tests/test_ops_linear.py -k "gpu_llama3_qkv or gpu_fp16" 2>&1 | tee "$OUT/gpu_tests.log" \
     | grep -E "^E |FAIL|Error|passed|failed" | head
   summary+=("GPU tests, linear + norm linear: $(tail -1 "$OUT/gpu_tests.log")")
-  echo "== shape lab: rstd after the sum (default) against the prologue pass and no norm"
+  echo "== shape lab: rstd after the sum against the prologue pass and no norm"
   timeout 90 python3 benchmarks/shape_lab.py --dtypes fp8,bf16 --shapes qkv,gate_up \
-    --variants "default;default pass;default nonorm" --out "$OUT/shape_lab.json" 2>&1 \
+    --variants "default rstd;default pass;default nonorm" --out "$OUT/shape_lab.json" 2>&1 \
     | grep -v Warning | tail -13
-  echo "== GEMV chain lab, 16 layers, 1 row; 5 rows: FP8 x's shift from a prepass or step by step"
+  echo "== GEMV chain lab, 16 layers, 1 and 5 rows"
   timeout 120 python3 benchmarks/pdl_lab.py --layers 16 --rows 1,5 --dtypes fp8,bf16 \
-    --variants "pdl, 1 tile;stream default;norm pass;no norms;off;f16 mma;f16 step" \
+    --variants "rstd last;stream default;norm pass;no norms;off;f16 mma" \
     --out "$OUT/pdl_lab.json" 2>&1 | grep -v Warning | tail -14
-  pass=$(python3 -c "
+  rstd=$(python3 -c "
 import json; rows = json.load(open('$OUT/pdl_lab.json'))['rows']
 ms = {r['variant']: r['ms'] for r in rows if r['dtype'] == 'fp8' and r['rows'] == 1}
-print('--norm-pass' if ms['pdl, 1 tile'] > ms['norm pass'] else '')" 2>/dev/null)
-  echo "== decode, 8B shape ${pass:-(rstd after the sum)}"
-  timeout $((${BUDGET:-590} - 30 - SECONDS)) python3 benchmarks/decode.py --out "$OUT/decode.json" --skip-peers $pass 2>&1 \
+print('--rstd-last' if ms['rstd last'] < ms['norm pass'] else '')" 2>/dev/null)
+  echo "== decode, 8B shape ${rstd:-(the norm as a prologue pass)}"
+  timeout $((${BUDGET:-590} - 30 - SECONDS)) python3 benchmarks/decode.py --out "$OUT/decode.json" \
+    --skip-peers $rstd 2>&1 \
     | tee "$OUT/decode.log" | grep -v Warning | grep -E "^\[|verify|alike|ceiling|fp8 vs|\
 Error|fallback" | tail -24
   left=$((${BUDGET:-590} - SECONDS))
   echo "== several-row FP8 lab (${left} s left)"
-  [ "$left" -gt 30 ] && timeout "$left" python3 benchmarks/fp8_rows_lab.py --out "$OUT/fp8_rows_lab.json" \
-    --shapes gate_up,down --variants "default,f16 cvt,f16 cvt prepass,f16 bits asm,a8 ceiling,a8 x2" \
+  [ "$left" -gt 30 ] && timeout "$left" python3 benchmarks/fp8_rows_lab.py \
+    --out "$OUT/fp8_rows_lab.json" --shapes gate_up,down \
+    --variants "default,f16 cvt,f16 cvt prepass,f16 bits asm,a8 ceiling,a8 x2" \
     2>&1 | grep -v Warning | tail -40
 elif [ "$what" = sixteenth ]; then
   # For the next session's first call (written in the eleventh, not yet run; ~15 minutes): the

@@ -58,9 +58,10 @@ VARIANTS = (("off", "0", None, None), ("pdl, 1 tile", "1", 1, None),
             # the engine's launches (PDL on), the norms as add_rms_norm kernels instead of
             # inside qkv and gate/up (what FP8's per-program norm prologue costs against)
             ("norm kernels", "1", None, gemv_stream.DEFAULT),
-            # the engine's launches with the norm as a prologue pass over x inside the GEMVs
-            # (linear.NORM_RSTD_LAST = False) instead of rstd multiplying the sums
+            # the engine's launches with the norm inside the GEMVs as a prologue pass over x
+            # (the default), or with rstd multiplying the sums (linear.NORM_RSTD_LAST)
             ("norm pass", "1", None, gemv_stream.DEFAULT),
+            ("rstd last", "1", None, gemv_stream.DEFAULT),
             ("no norms", "1", None, gemv_stream.DEFAULT))
 # Several rows (the verify step's MMA path; PDL is one row's): the stream GEMV's ROWS_CONFIG
 ROWS_VARIANTS = (("off", "0", None, None),
@@ -174,7 +175,7 @@ def main() -> None:
                     (None, stream)
                 # "off": the bf16 MMA; "no norms" as the engine (fp16), against "f16 mma"
                 linear_module.FP8_F16_MMA = name in ("f16 mma", "no norms")
-                linear_module.NORM_RSTD_LAST = name != "norm pass"
+                linear_module.NORM_RSTD_LAST = name == "rstd last"
                 try:
                     ms, out = replay_median_ms(
                         lambda: chain(layers, h, r, prefetch, name == "norm prologue",

@@ -23,9 +23,10 @@ A variant is a list of words:
   nonorm       (after any of the above) qkv and gate/up without the norm prologue: what the
                prologue costs
   nkN          (after any of the above) _linear_kernel's one-row prologue N columns a step
-               (linear.ONE_ROW_NORM_K; implies pass)
-  pass         (after any of the above) the norm as a prologue pass over x before the K loop
-               (linear.NORM_RSTD_LAST = False) instead of rstd after the sum
+               (linear.ONE_ROW_NORM_K; a prologue pass)
+  rstd         (after any of the above) the norm without the prologue pass: rstd multiplies
+               the sums after the K loop (linear.NORM_RSTD_LAST)
+  pass         (after any of the above) the prologue pass (the default; for symmetry)
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class Variant:
     cublas: bool = False
     norm: bool = True
     norm_k: int | None = None     # linear.ONE_ROW_NORM_K while it runs (None: as it is)
-    rstd_last: bool = True        # linear.NORM_RSTD_LAST while it runs
+    rstd_last: bool = False       # linear.NORM_RSTD_LAST while it runs
 
 
 def parse_variant(name: str, fp8: bool) -> Variant:
@@ -74,16 +75,16 @@ def parse_variant(name: str, fp8: bool) -> Variant:
     words = name.split()
     norm = "nonorm" not in words
     norm_k = next((int(word[2:]) for word in words if word.startswith("nk")), None)
-    rstd_last = "pass" not in words and norm_k is None
+    rstd_last = "rstd" in words and "pass" not in words and norm_k is None
     words = [word for word in words
-             if word not in ("nonorm", "pass") and not word.startswith("nk")]
+             if word not in ("nonorm", "pass", "rstd") and not word.startswith("nk")]
     variant = _parse_kernel(name, words, norm)
     variant.norm_k, variant.rstd_last = norm_k, rstd_last
     return variant
 
 
 def _parse_kernel(name: str, words: list[str], norm: bool) -> Variant:
-    """The kernel words of a variant (parse_variant without nonorm, nkN and pass)."""
+    """The kernel words of a variant (parse_variant without nonorm, nkN, rstd and pass)."""
     if words == ["default"]:
         return Variant(name, gemv_stream.DEFAULT, norm=norm)
     if words == ["cublas"]:

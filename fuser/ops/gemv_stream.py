@@ -6,9 +6,10 @@ in registers.
 
 with the same options and the same math as fuser/ops/linear.py's one-row path (FP8 weights with
 per-row scales, the gated activation over a merged gate/up weight, the RMSNorm with or without
-the residual add, rstd after the sum under linear.NORM_RSTD_LAST); it computes what `_linear_kernel` computes at BLOCK_M = 1, only the
-summation order differs (K steps of another width). It also takes 2..16 rows on the MMA
-(`ROWS_CONFIG`), off: slower than `_linear_kernel` there when measured.
+the residual add, rstd after the sum under linear.NORM_RSTD_LAST); it computes what
+`_linear_kernel` computes at BLOCK_M = 1, only the summation order differs (K steps of another
+width). It also takes 2..16 rows on the MMA (`ROWS_CONFIG`), off: slower than `_linear_kernel`
+there when measured.
 
 Why another kernel. A decode step at batch 1 is a chain of short weight-streaming kernels (an FP8
 qkv GEMV at the 8B shape reads 25 MB: 5.9 us at the H200's 4.25 TB/s). `_linear_kernel` gives
@@ -219,7 +220,8 @@ def _step(acc, squares, w, x, r, g, rstd, k, K, sum_ptr, store_sum, BLOCK_M: tl.
             h = (h + r.to(tl.float32)).to(x.dtype).to(tl.float32)
         if RSTD_LAST:
             if HAS_RESIDUAL:  # one writer (a predicated store: no branch in the loop)
-                tl.store(sum_ptr + k, h.to(sum_ptr.dtype.element_ty), mask=k < tl.where(store_sum, K, 0))
+                tl.store(sum_ptr + k, h.to(sum_ptr.dtype.element_ty),
+                         mask=k < tl.where(store_sum, K, 0))
             squares += h * h
             x = h * g.to(tl.float32)
         else:
@@ -409,7 +411,7 @@ def stream_gemv(x: Tensor, weight: Tensor, out: Tensor, plan: StreamPlan, config
         DEPTH=config.depth,
         NORM_K=min(triton.next_power_of_2(K), NORM_BLOCK), FP32_DOTS=fp32_dots,
         HAS_SCALE=weight_scale is not None, ACTIVATION=activation or "", NORM=norm,
-        HAS_RESIDUAL=residual is not None, PDL=bool(pdl), RSTD_LAST=norm and linear_module.NORM_RSTD_LAST,
-        num_warps=config.num_warps,
+        HAS_RESIDUAL=residual is not None, PDL=bool(pdl),
+        RSTD_LAST=norm and linear_module.NORM_RSTD_LAST, num_warps=config.num_warps,
         num_stages=config.num_stages, **pdl,
     )

@@ -95,8 +95,9 @@ written once, the norm weight) and no normed tensor written and read back; from 
 program reads its rows of x (and r) twice (the sum-of-squares pass, then the K loop) and g
 once: grid * M * K * (2 (s_x + s_r) + s_g) bytes, e.g. 768 programs x 4096 x 10 B ~ 31 MB for
 qkv at M = 1 against its 50 MB weight from HBM; the first pass also delays each program's
-first weight load by one walk over x. FLOPs + ~5 * M * K per program (the recomputed norm). With NORM_RSTD_LAST (one row) x and r
-are read once per program, in the K loop: grid * K * (s_x + s_r + s_g) from L2.
+first weight load by one walk over x. FLOPs + ~5 * M * K per program (the recomputed norm).
+With NORM_RSTD_LAST (one row) x and r are read once per program, in the K loop:
+grid * K * (s_x + s_r + s_g) from L2.
 """
 
 import torch
@@ -154,7 +155,8 @@ def _row_step(acc, squares, w, x_row, r_row, g_ptr, sum_ptr, k, k_hi, rstd, NORM
     if NORM and RSTD_LAST:
         h = _load_block(x_row, r_row, sum_ptr, k, k_ok, HAS_RESIDUAL, False)
         if HAS_RESIDUAL:  # one writer (a predicated store: no branch in the loop)
-            tl.store(sum_ptr + k, h.to(sum_ptr.dtype.element_ty), mask=k < tl.where(STORE_SUM, k_hi, 0))
+            tl.store(sum_ptr + k, h.to(sum_ptr.dtype.element_ty),
+                     mask=k < tl.where(STORE_SUM, k_hi, 0))
         squares += h * h
         x = h * tl.load(g_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
     else:
