@@ -100,13 +100,24 @@ def main() -> None:
     parser.add_argument("--rstd-last", action="store_true",
                         help="one row's norm inside the GEMVs with rstd after the sum "
                              "(linear.NORM_RSTD_LAST) instead of the prologue pass")
+    parser.add_argument("--norm-pass", action="store_true",
+                        help="one row's norm by the prologue pass at every shape (no "
+                             "linear.FP8_PLAIN_RSTD_LAST)")
+    parser.add_argument("--fp8-rows", choices=["f16", "x2", "bf16"], default=None,
+                        help="several-row FP8 GEMVs (the verify step) on the fp16 MMA, the FP8 "
+                             "MMA with x in two pieces, or the bf16 MMA (linear.FP8_ROWS_MMA; "
+                             "default: the module's)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     warnings.simplefilter("ignore")
-    if args.rstd_last:
-        from fuser.ops import linear as linear_module  # noqa: PLC0415
+    from fuser.ops import linear as linear_module  # noqa: PLC0415
 
+    if args.rstd_last:
         linear_module.NORM_RSTD_LAST = True
+    if args.norm_pass:
+        linear_module.NORM_RSTD_LAST = linear_module.FP8_PLAIN_RSTD_LAST = False
+    if args.fp8_rows is not None:
+        linear_module.FP8_ROWS_MMA = None if args.fp8_rows == "bf16" else args.fp8_rows
     RESULTS["env"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "triton": triton.__version__, "transformers": transformers.__version__,
                       "preset": args.preset, "prompt_tokens": args.prompt_tokens,

@@ -138,6 +138,8 @@ VARIANTS = {
     "a8 ceiling": ("fp8", "a8"),
     "a8 x2": ("fp8", "a8x2"),
 }
+# name -> linear.FP8_ROWS_MMA: the engine's kernel (linear_triton) with the sweep's tiles
+ENGINE_VARIANTS = {"engine f16": "f16", "engine x2": "x2"}
 DEFAULT_VARIANTS = ["default", "f16 cvt", "f16 cvt prepass", "f16 cvt x16", "f16 bits asm",
                     "f16 bits asm prepass", "f16 bits asm x16", "f16 bits int", "a8 ceiling",
                     "a8 x2"]
@@ -330,6 +332,36 @@ def weight_view(w: torch.Tensor, WEIGHT: str) -> torch.Tensor:
     return w
 
 
+class EngineGemv:
+    """linear_triton (the engine's several-row path) with one FP8_ROWS_MMA and a configuration
+    given (block_n, block_k, split_k, stages); called as RowsGemv is. x is the bf16 x itself
+    (prepare_x's "shift" triple: the kernel prepares it)."""
+
+    def __init__(self, variant: str, block_n: int, block_k: int, split_k: int, stages: int):
+        self.mma = ENGINE_VARIANTS[variant]
+        self.overrides = dict(block_n=block_n, block_k=block_k, split_k=split_k,
+                              num_stages=stages)
+
+    def __call__(self, xp: tuple, w: torch.Tensor, ws: torch.Tensor,
+                 out: torch.Tensor) -> torch.Tensor:
+        from fuser.ops import linear as linear_module  # noqa: PLC0415
+
+        saved, linear_module.FP8_ROWS_MMA = linear_module.FP8_ROWS_MMA, self.mma
+        try:
+            out.copy_(linear_triton(xp[0], w, weight_scale=ws, **self.overrides))
+        finally:
+            linear_module.FP8_ROWS_MMA = saved
+        return out
+
+
+def make_gemv(N: int, K: int, variant: str, cfg: tuple, device) -> RowsGemv | EngineGemv:
+    """The callable that runs `variant` at configuration cfg (block_n, block_k, split_k,
+    stages)."""
+    if variant in ENGINE_VARIANTS:
+        return EngineGemv(variant, *cfg)
+    return RowsGemv(N, K, variant, *cfg, device=device)
+
+
 class RowsGemv:
     """One configuration of _rows_kernel for one shape, with its split-K buffers."""
 
@@ -466,11 +498,12 @@ def _signature(fn, types: dict, consts: dict) -> tuple:
 def compile_sm90(variant: str, N: int, K: int, block_n: int, block_k: int, split_k: int,
                  stages: int, warps: int = 4):
     """`variant` compiled for sm_90 (no GPU needed): the CompiledKernel. "default" is the
-    engine's _linear_kernel as linear_triton launches it at 5 rows (SWAP, F16_MMA)."""
+    engine's _linear_kernel as linear_triton launches it at 5 rows (SWAP, F16_MMA); "engine
+    f16" the same, "engine x2" with X2_MMA instead."""
     from triton.backends.compiler import GPUTarget  # noqa: PLC0415
     from triton.compiler import ASTSource  # noqa: PLC0415
 
-    if variant == "default":
+    if variant == "default" or variant in ENGINE_VARIANTS:
         from fuser.ops.linear import _linear_kernel  # noqa: PLC0415
 
         fn = _linear_kernel
@@ -479,7 +512,9 @@ def compile_sm90(variant: str, N: int, K: int, block_n: int, block_k: int, split
                      eps="fp32")
         consts = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, NORM_K=block_k,
                       FP32_DOTS=False, HAS_SCALE=True, ACTIVATION="", NORM=False,
-                      HAS_RESIDUAL=False, SPLIT_K=split_k, SWAP=True, F16_MMA=True)
+                      HAS_RESIDUAL=False, SPLIT_K=split_k, SWAP=True,
+                      F16_MMA=ENGINE_VARIANTS.get(variant, "f16") == "f16",
+                      X2_MMA=ENGINE_VARIANTS.get(variant) == "x2")
     else:
         fn = _rows_kernel
         weight, xm = VARIANTS[variant]
@@ -570,7 +605,7 @@ def _compile_job(job: tuple) -> str | None:
     into its on-disk cache exactly as the timed process's launch will look it up ("default":
     linear_triton at that shape and row count). None, or the error."""
     variant, N, K, M, cfg = job
-    key = (N, K, M, VARIANTS[variant][1] if variant != "default" else "shift")
+    key = (N, K, M, VARIANTS[variant][1] if variant in VARIANTS else "shift")
     try:
         if key not in _WORKER_INPUTS:
             w = torch.zeros(N, K, device="cuda", dtype=torch.float8_e4m3fn)
@@ -582,7 +617,7 @@ def _compile_job(job: tuple) -> str | None:
         if variant == "default":
             linear_triton(x, w, weight_scale=ws)
         else:
-            RowsGemv(N, K, variant, *cfg, device="cuda")(xp, w, ws, out)
+            make_gemv(N, K, variant, cfg, "cuda")(xp, w, ws, out)
         torch.cuda.synchronize()
     except Exception as exc:  # noqa: BLE001 - reported; the sweep then skips or retries it
         return f"{variant} {cfg}: {type(exc).__name__}: {exc}"[:240]
@@ -678,12 +713,12 @@ def sweep(args, variants: list[str], rows: list[int], shapes: dict) -> list[dict
             for variant in variants:
                 if variant == "default":
                     continue
-                xp = prepare_x(x, VARIANTS[variant][1])
+                xp = prepare_x(x, VARIANTS[variant][1] if variant in VARIANTS else "shift")
                 timed = {}
 
                 def attempt(cfg: tuple) -> None:
                     try:
-                        fn = RowsGemv(N, K, variant, *cfg, device=device)
+                        fn = make_gemv(N, K, variant, cfg, device)
                         out = torch.empty(M, N, device=device, dtype=x.dtype)
                         err = max_rel_err(fn(xp, w0, ws0, out), ref)
                         us = timer(lambda w, ws, out: fn(xp, w, ws, out), copies)
@@ -715,7 +750,8 @@ def main() -> None:
                         "default is always timed")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
-                        help=f"comma-separated, of: default, {', '.join(VARIANTS)}")
+                        help="comma-separated, of: default, "
+                        f"{', '.join([*VARIANTS, *ENGINE_VARIANTS])}")
     parser.add_argument("--out", default=None, help="write every timed configuration as JSON")
     parser.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1),
                         help="processes compiling ahead (1: compile in the sweep)")
@@ -727,9 +763,10 @@ def main() -> None:
                         help="--compile-only's block_n,block_k,split_k,stages")
     args = parser.parse_args()
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = [v for v in variants if v != "default" and v not in VARIANTS]
+    known = ["default", *VARIANTS, *ENGINE_VARIANTS]
+    unknown = [v for v in variants if v not in known]
     if unknown:
-        parser.error(f"unknown variants {unknown}; known: default, {', '.join(VARIANTS)}")
+        parser.error(f"unknown variants {unknown}; known: {', '.join(known)}")
     if args.compile_only:
         results = compile_only(variants, tuple(int(c) for c in args.config.split(",")))
         if args.out:

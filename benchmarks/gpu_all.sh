@@ -34,6 +34,7 @@
 #   bash benchmarks/gpu_all.sh prologue # FP8 one-row norm prologue over the whole row; 5-row norm prologue chain; 8B decode + verify; engine tests
 #   bash benchmarks/gpu_all.sh thirteenth # 8B decode + verify with and without PDL at several rows, chains, stream/PDL/argmax GPU tests
 #   bash benchmarks/gpu_all.sh fourteenth # linear GPU tests, the chains without norms (what a norm fusion can reach), the engine's GPU tests
+#   bash benchmarks/gpu_all.sh x2       # several-row FP8 on the FP8 MMA (x in two pieces): tests, labs, FP8 decode
 #   bash benchmarks/gpu_all.sh rstd2    # one row's norm, rstd after the sum vs the pass: GPU tests, shape + chain labs, 8B decode, FP8 rows lab
 #   bash benchmarks/gpu_all.sh sixteenth  # (not yet run) unroll + 5-row chain labs, 8B decode profiled, engine GPU tests
 #   bash benchmarks/gpu_all.sh fifteenth  # GPU tests with PDL at one row by default
@@ -446,6 +447,32 @@ elif [ "$what" = fourteenth ]; then
   [ "$left" -gt 30 ] && timeout "$left" python3 -m pytest -v -p no:cacheprovider -rf \
     tests/test_cuda.py tests/test_cuda_spec.py 2>&1 | tee "$OUT/gpu_tests_engine.log" \
     | grep -E "^E  |PASSED|FAILED|ERROR|passed|failed" | cut -c1-150 | tail -30
+elif [ "$what" = x2 ]; then
+  # Fifteenth session, call 1: the several-row FP8 GEMVs on the FP8 MMA with x in two e4m3
+  # pieces (linear.FP8_ROWS_MMA = "x2") against the fp16 MMA: GPU tests, the engine's kernel
+  # swept over tiles at each 8B shape (fp8_rows_lab.py "engine x2" / "engine f16"), the 5-row
+  # chain; one row: rstd after the sum for FP8 qkv and the LM head (FP8_PLAIN_RSTD_LAST, the
+  # default now) against the pass; then the 8B FP8 decode + verify with x2 if time is left.
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -rf tests/test_ops_linear.py \
+    tests/test_ops_norm_linear.py -k "gpu or cuda or fp8_mma_pieces" 2>&1 \
+    | tee "$OUT/gpu_tests.log" | grep -E "^E |FAIL|Error|passed|failed" | head
+  summary+=("GPU tests, linear + norm linear: $(tail -1 "$OUT/gpu_tests.log")")
+  echo "== several-row FP8 lab: the engine's kernel, fp16 MMA or FP8 MMA with x in two pieces"
+  timeout 200 python3 benchmarks/fp8_rows_lab.py --out "$OUT/fp8_rows_lab.json" \
+    --variants "default,engine f16,engine x2" 2>&1 | grep -v Warning | tail -24
+  echo "== GEMV chain lab, 16 layers, 5 rows"
+  timeout 80 python3 benchmarks/pdl_lab.py --layers 16 --rows 5 --dtypes fp8 \
+    --variants "f16 mma;x2 mma;no norms" --out "$OUT/pdl_lab.json" 2>&1 | grep -v Warning \
+    | tail -4
+  echo "== shape lab, FP8 one row: qkv and the LM head, rstd after the sum (default) or the pass"
+  timeout 100 python3 benchmarks/shape_lab.py --dtypes fp8 --shapes qkv,head \
+    --variants "default;default pass;lk n16 k1024;lk n32 k512 w8" --out "$OUT/shape_lab.json" \
+    2>&1 | grep -v Warning | tail -9
+  left=$((${BUDGET:-590} - 20 - SECONDS))
+  echo "== decode, 8B shape, FP8, --fp8-rows x2 (${left} s left)"
+  [ "$left" -gt 60 ] && timeout "$left" python3 benchmarks/decode.py --out "$OUT/decode.json" \
+    --skip-peers --precisions fp8 --fp8-rows x2 2>&1 | tee "$OUT/decode.log" \
+    | grep -v Warning | grep -E "^\[|verify|alike|ceiling|Error|fallback" | tail -12
 elif [ "$what" = rstd2 ]; then
   # Fourteenth session, call 2 (call 1, `rstd`, is in git history at 8b93114): one row's norm
   # with rstd after the sum (linear.NORM_RSTD_LAST, the labs' word/variant "rstd") against the

@@ -71,8 +71,10 @@ ROWS_VARIANTS = (("off", "0", None, None),
                                                                     tile_bytes=8192, depth=2,
                                                                     num_stages=2)),
                  ("stream d2 32K", "0", None, StreamConfig(tile_bytes=32768, depth=2)),
-                 # FP8 weights on an fp16 MMA (linear.FP8_F16_MMA; bf16 rows: unchanged)
+                 # FP8 weights on an fp16 MMA or the FP8 MMA with x in two pieces
+                 # (linear.FP8_ROWS_MMA "f16", "x2"; bf16 rows: unchanged)
                  ("f16 mma", "0", None, None),
+                 ("x2 mma", "0", None, None),
                  # the norms inside the qkv and gate/up GEMVs (their per-row prologue) instead
                  # of add_rms_norm kernels (linear.NORM_PROLOGUE_MAX_ROWS)
                  ("norm prologue", "0", None, None),
@@ -157,7 +159,8 @@ def main() -> None:
     bandwidth = measure_read_bandwidth()
     log(f"HBM read bandwidth {bandwidth / 1e12:.2f} TB/s, {args.layers} layers")
     rows = []
-    f16_default, rstd_default = linear_module.FP8_F16_MMA, linear_module.NORM_RSTD_LAST
+    rows_default, rstd_default = linear_module.FP8_ROWS_MMA, linear_module.NORM_RSTD_LAST
+    plain_default = linear_module.FP8_PLAIN_RSTD_LAST
     for dtype in args.dtypes.split(","):
         layers = make_layers(args.layers, dtype == "fp8", device)
         weight_bytes = sum(w.numel() * w.element_size() for layer in layers
@@ -173,9 +176,12 @@ def main() -> None:
                 os.environ["FUSER_PDL"] = flag
                 gemv_stream.CONFIG, gemv_stream.ROWS_CONFIG = (stream, None) if M == 1 else \
                     (None, stream)
-                # "off": the bf16 MMA; "no norms" as the engine (fp16), against "f16 mma"
-                linear_module.FP8_F16_MMA = name in ("f16 mma", "no norms")
+                # "off" (and the rest): the bf16 MMA; "no norms" as the engine (fp16)
+                linear_module.FP8_ROWS_MMA = {"f16 mma": "f16", "no norms": "f16",
+                                              "x2 mma": "x2"}.get(name)
                 linear_module.NORM_RSTD_LAST = name == "rstd last"
+                if name == "norm pass":  # the prologue pass at every shape
+                    linear_module.FP8_PLAIN_RSTD_LAST = False
                 try:
                     ms, out = replay_median_ms(
                         lambda: chain(layers, h, r, prefetch, name == "norm prologue",
@@ -186,8 +192,9 @@ def main() -> None:
                     continue
                 finally:
                     gemv_stream.CONFIG, gemv_stream.ROWS_CONFIG = gemv_stream.DEFAULT, None
-                    linear_module.FP8_F16_MMA = f16_default
+                    linear_module.FP8_ROWS_MMA = rows_default
                     linear_module.NORM_RSTD_LAST = rstd_default
+                    linear_module.FP8_PLAIN_RSTD_LAST = plain_default
                 if base_ms is None:
                     base_ms, base_out = ms, out
                 row = dict(dtype=dtype, rows=M, variant=name, ms=ms,

@@ -25,8 +25,9 @@ A variant is a list of words:
   nkN          (after any of the above) _linear_kernel's one-row prologue N columns a step
                (linear.ONE_ROW_NORM_K; a prologue pass)
   rstd         (after any of the above) the norm without the prologue pass: rstd multiplies
-               the sums after the K loop (linear.NORM_RSTD_LAST)
-  pass         (after any of the above) the prologue pass (the default; for symmetry)
+               the sums after the K loop (linear.NORM_RSTD_LAST), every shape
+  pass         (after any of the above) the prologue pass at every shape (without either
+               word: linear.rstd_last_for's choice, FP8's qkv and LM head after the sum)
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ from fuser.ops.linear import linear_triton, rms_norm_linear_triton  # noqa: E402
 HIDDEN, INTER = 4096, 14336
 # name: (weight rows, K, the norm prologue, gated)
 SHAPES = {"qkv": (6144, HIDDEN, True, False), "o": (HIDDEN, HIDDEN, False, False),
-          "gate_up": (2 * INTER, HIDDEN, True, True), "down": (HIDDEN, INTER, False, False)}
+          "gate_up": (2 * INTER, HIDDEN, True, True), "down": (HIDDEN, INTER, False, False),
+          "head": (128256, HIDDEN, True, False)}  # the LM head after the final norm
 COPIES = 16
 EPS = 1e-5
 
@@ -67,7 +69,8 @@ class Variant:
     cublas: bool = False
     norm: bool = True
     norm_k: int | None = None     # linear.ONE_ROW_NORM_K while it runs (None: as it is)
-    rstd_last: bool = False       # linear.NORM_RSTD_LAST while it runs
+    rstd_last: bool | None = None  # linear.NORM_RSTD_LAST and FP8_PLAIN_RSTD_LAST while it
+                                   # runs (None: as the module has them)
 
 
 def parse_variant(name: str, fp8: bool) -> Variant:
@@ -75,7 +78,8 @@ def parse_variant(name: str, fp8: bool) -> Variant:
     words = name.split()
     norm = "nonorm" not in words
     norm_k = next((int(word[2:]) for word in words if word.startswith("nk")), None)
-    rstd_last = "rstd" in words and "pass" not in words and norm_k is None
+    rstd_last = None if not {"rstd", "pass"} & set(words) and norm_k is None else \
+        "rstd" in words and "pass" not in words and norm_k is None
     words = [word for word in words
              if word not in ("nonorm", "pass", "rstd") and not word.startswith("nk")]
     variant = _parse_kernel(name, words, norm)
@@ -146,7 +150,8 @@ def main() -> None:
     device = torch.device("cuda")
     bandwidth = measure_read_bandwidth()
     log(f"HBM read bandwidth {bandwidth / 1e12:.2f} TB/s; {COPIES} launches per shape")
-    saved = gemv_stream.CONFIG, linear_module.ONE_ROW_NORM_K, linear_module.NORM_RSTD_LAST
+    saved = (gemv_stream.CONFIG, linear_module.ONE_ROW_NORM_K, linear_module.NORM_RSTD_LAST,
+             linear_module.FP8_PLAIN_RSTD_LAST)
     results = []
     for dtype in args.dtypes.split(","):
         fp8 = dtype == "fp8"
@@ -159,7 +164,9 @@ def main() -> None:
                     continue
                 gemv_stream.CONFIG = variant.stream
                 linear_module.ONE_ROW_NORM_K = variant.norm_k or saved[1]
-                linear_module.NORM_RSTD_LAST = variant.rstd_last
+                if variant.rstd_last is not None:  # "rstd": every shape; "pass": none
+                    linear_module.NORM_RSTD_LAST = variant.rstd_last
+                    linear_module.FP8_PLAIN_RSTD_LAST = variant.rstd_last
                 try:
                     us = graph_time_us(launches(shape, fp8, variant, device), calls=COPIES)
                 except Exception as error:  # noqa: BLE001  (a variant that does not compile)
@@ -168,7 +175,7 @@ def main() -> None:
                     continue
                 finally:
                     (gemv_stream.CONFIG, linear_module.ONE_ROW_NORM_K,
-                     linear_module.NORM_RSTD_LAST) = saved
+                     linear_module.NORM_RSTD_LAST, linear_module.FP8_PLAIN_RSTD_LAST) = saved
                     torch.cuda.empty_cache()
                 pct = 100 * nbytes / (us * 1e-6) / bandwidth
                 results.append(dict(dtype=dtype, shape=shape, variant=name, us=us, pct=pct))

@@ -167,5 +167,10 @@ def test_shape_lab_variant_words() -> None:
             stream.fp8) == (2, 16384, 2, 16, True)
     assert stream.wide is None and stream.long_k is None  # the named tile at every shape
     assert parse_variant("cublas", False).cublas
+    # the norm's switches: as the module has them, after the sum everywhere, the pass everywhere
+    assert parse_variant("default", True).rstd_last is None
+    assert parse_variant("default rstd", True).rstd_last is True
+    assert parse_variant("default pass", True).rstd_last is False
+    assert parse_variant("default nk1024", True).rstd_last is False
     with pytest.raises(ValueError, match="unknown word"):
         parse_variant("2/sm 16K q3", False)

@@ -301,15 +301,16 @@ def test_swapped_mma_sums_the_same_products(M, N, blocks, split_k, dtype, fp8, a
         check(x.cpu(), w.cpu(), swapped.reshape(M, -1).cpu())
 
 
-def _run_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, f16: bool,
+def _run_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, mma: str | None,
              **config) -> torch.Tensor:
-    """linear_triton over FP8 weights on the swapped MMA, in fp16 (FP8_F16_MMA) or bf16."""
+    """linear_triton over FP8 weights on the swapped MMA: fp16 ("f16"), the FP8 MMA with x in
+    two pieces ("x2") or bf16 (None): linear.FP8_ROWS_MMA."""
     from unittest import mock
 
     from fuser.ops import linear as linear_module
 
     with mock.patch.object(linear_module, "_default_swap", lambda *_: True), \
-            mock.patch.object(linear_module, "FP8_F16_MMA", f16):
+            mock.patch.object(linear_module, "FP8_ROWS_MMA", mma):
         return linear_triton(x, w, weight_scale=scale, **config)
 
 
@@ -317,16 +318,18 @@ def _run_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, f16: bool,
           suppress_health_check=[HealthCheck.too_slow])
 @given(
     **SEVERAL_ROWS,
+    mma=st.sampled_from(["f16", "x2"]),
     activation=st.sampled_from([None, "silu"]),
     magnitude=st.sampled_from([2.0**-40, 2.0**-8, 1.0, 2.0**40]),
     seed=st.integers(0, 2**16),
 )
-def test_fp8_weights_on_an_fp16_mma_keep_the_bf16_mma_values(M, N, blocks, split_k, activation,
-                                                           magnitude, seed):
-    """linear.FP8_F16_MMA (_f16_step): x enters the fp16 MMA scaled per row by a power of two
-    that follows its running max |x|, so bf16's x is exact there at any magnitude and the
-    products are the bf16 MMA's: the outputs agree up to the fp32 order of the sum and one
-    rounding, and match the reference."""
+def test_fp8_weights_on_an_fp16_or_fp8_mma_keep_the_bf16_mma_values(M, N, blocks, split_k, mma,
+                                                                  activation, magnitude, seed):
+    """linear.FP8_ROWS_MMA: "f16" (_f16_step) puts x into the fp16 MMA scaled per row by a power
+    of two that follows its running max |x|; "x2" (_x2_step) splits each K step's x tile into
+    two e4m3 pieces under a power of two per row. Either way bf16's x is exact there at any
+    magnitude and the products are the bf16 MMA's: the outputs agree up to the fp32 order of
+    the sum and one rounding, and match the reference."""
     from fuser.ops.fp8 import fp8_linear_reference, quantize_weight
 
     K = 32 * blocks * split_k
@@ -335,31 +338,64 @@ def test_fp8_weights_on_an_fp16_mma_keep_the_bf16_mma_values(M, N, blocks, split
     w, scale = quantize_weight((torch.randn(2 * N if activation else N, K, generator=g)))
     w, scale = w.to(DEVICE), scale.to(DEVICE)
     config = dict(activation=activation, block_n=16, block_k=32, split_k=split_k)
-    f16, bf16 = (_run_fp8(x, w, scale, flag, **config) for flag in (True, False))
-    assert torch.isfinite(f16).all()
-    torch.testing.assert_close(f16.float(), bf16.float(), rtol=2.0**-7,
+    out, bf16 = (_run_fp8(x, w, scale, kind, **config) for kind in (mma, None))
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), bf16.float(), rtol=2.0**-7,
                                atol=2.0**-7 * bf16.float().abs().max().item() + 1e-37)
     if activation is None:
         ref = fp8_linear_reference(x, w, scale).float()
-        torch.testing.assert_close(f16.float(), ref, rtol=2.0**-7,
+        torch.testing.assert_close(out.float(), ref, rtol=2.0**-7,
                                    atol=2.0**-7 * ref.abs().max().item() + 1e-37)
 
 
+@pytest.mark.parametrize("exponent", [-100, -3, 0, 50])
+def test_fp8_mma_pieces_carry_every_bit_of_bf16_x(exponent):
+    """"x2": hi + lo 2^-4 is x exactly (bf16's 8 significant bits in two e4m3 pieces of 4)
+    when x stays within 2^13 of its tile's max |x|. Through an identity weight (1.0 is exact in
+    e4m3, scale 1) every output is one x value times 1: the kernel must return x bit for bit,
+    which fails if lo is dropped (4 bits kept), rounded, or scaled by the wrong power."""
+    g = torch.Generator().manual_seed(exponent + 1000)
+    M, K = 5, 64
+    mantissa = 1 + torch.randint(0, 128, (M, K), generator=g) / 128   # 8 significant bits
+    sign = torch.where(torch.rand(M, K, generator=g) < 0.5, -1.0, 1.0)
+    spread = torch.randint(-12, 1, (M, K), generator=g).double()       # within 2^12 of the max
+    x = (sign * mantissa * torch.exp2(spread + exponent)).to(torch.bfloat16)
+    assert torch.equal(x.double(), sign * mantissa * torch.exp2(spread + exponent))
+    w = torch.eye(K).to(torch.float8_e4m3fn)
+    scale = torch.ones(K)
+    out = _run_fp8(x.to(DEVICE), w.to(DEVICE), scale.to(DEVICE), "x2", block_n=16, block_k=32)
+    assert torch.equal(out.cpu(), x)
+
+
+def test_fp8_mma_rejects_an_unknown_choice():
+    from unittest import mock
+
+    from fuser.ops import linear as linear_module
+    from fuser.ops.fp8 import quantize_weight
+
+    w, scale = quantize_weight(torch.randn(16, 32))
+    with mock.patch.object(linear_module, "FP8_ROWS_MMA", "fp4"), \
+            pytest.raises(ValueError, match="FP8_ROWS_MMA='fp4'"):
+        _run_fp8(torch.randn(3, 32).to(torch.bfloat16).to(DEVICE), w.to(DEVICE),
+                 scale.to(DEVICE), "fp4")
+
+
 @needs_cuda
+@pytest.mark.parametrize("mma", ["f16", "x2"])
 @pytest.mark.parametrize("magnitude", [1.0, 2.0**37])
 @pytest.mark.parametrize("N,K,activation", [(6144, 4096, None), (4096, 4096, None),
                                              (28672, 4096, "silu"), (4096, 14336, None)])
-def test_gpu_fp16_mma_at_llama3_shapes(N, K, activation, magnitude):
-    """FP8_F16_MMA at the 8B shapes, five rows, the default tiles and split-K, x a strided view
-    as the qkv output's slice is, at ordinary and large magnitudes: finite, and the bf16 MMA's
-    values."""
+def test_gpu_fp16_mma_at_llama3_shapes(N, K, activation, magnitude, mma):
+    """FP8_ROWS_MMA ("f16", "x2") at the 8B shapes, five rows, the default tiles and split-K, x a
+    strided view as the qkv output's slice is, at ordinary and large magnitudes: finite, and the
+    bf16 MMA's values."""
     from fuser.ops.fp8 import quantize_weight
 
     g = torch.Generator(device="cuda").manual_seed(N + K)
     wide = torch.randn(5, K + 64, device="cuda", generator=g) * magnitude
     x = wide.to(torch.bfloat16)[:, :K]
     w, scale = quantize_weight(torch.randn(N, K, device="cuda", generator=g) * 0.02)
-    f16, bf16 = (_run_fp8(x, w, scale, flag, activation=activation) for flag in (True, False))
+    f16, bf16 = (_run_fp8(x, w, scale, kind, activation=activation) for kind in (mma, None))
     bad = ~torch.isfinite(f16)
     assert not bad.any(), (f"{int(bad.sum())} of {f16.numel()} outputs non-finite, rows "
                            f"{bad.any(1).nonzero().flatten().tolist()}, first columns "
@@ -381,7 +417,7 @@ def test_fp16_mma_rescales_when_a_row_grows_by_far_more_than_fp16_holds():
     x = x.to(torch.bfloat16).to(DEVICE)
     w, scale = quantize_weight(torch.randn(24, 128, generator=g))
     w, scale = w.to(DEVICE), scale.to(DEVICE)
-    out = _run_fp8(x, w, scale, True, block_n=16, block_k=32)
+    out = _run_fp8(x, w, scale, "f16", block_n=16, block_k=32)
     ref = fp8_linear_reference(x, w, scale).float()
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.float(), ref, rtol=2.0**-7, atol=2.0**-7 * ref.abs().max())

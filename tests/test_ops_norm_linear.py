@@ -89,11 +89,11 @@ def rstd_after_the_sum():
         yield
 
 
-def rstd_last(rows: int) -> bool:
-    """Whether the kernel multiplies by rstd after its loop (one row, NORM_RSTD_LAST)."""
+def rstd_last(rows: int, fp8: bool, activation: str | None) -> bool:
+    """Whether the kernel multiplies by rstd after its loop (one row, linear.rstd_last_for)."""
     from fuser.ops import linear as linear_module
 
-    return rows == 1 and linear_module.NORM_RSTD_LAST
+    return rows == 1 and linear_module.rstd_last_for(fp8, activation is not None)
 
 
 def unfused_kernels(x, r, norm_weight, w, scale, activation, **blocks):
@@ -122,7 +122,7 @@ def run(M: int, K: int, N: int, dtype: torch.dtype, residual: bool, activation: 
         assert summed is None
     assert out.shape == (*lead, M, N) and out.dtype == dtype
     w_values = dequantize(w, scale) if fp8 else w
-    after = rstd_last(x.numel() // max(K, 1))
+    after = rstd_last(x.numel() // max(K, 1), fp8, activation)
     if after:  # the float64 GEMV of the exact normed rows (the module docstring)
         normed = exact_norm(x, r, norm_weight)
     if activation is None:

@@ -412,6 +412,8 @@ def stream_gemv(x: Tensor, weight: Tensor, out: Tensor, plan: StreamPlan, config
         NORM_K=min(triton.next_power_of_2(K), NORM_BLOCK), FP32_DOTS=fp32_dots,
         HAS_SCALE=weight_scale is not None, ACTIVATION=activation or "", NORM=norm,
         HAS_RESIDUAL=residual is not None, PDL=bool(pdl),
-        RSTD_LAST=norm and linear_module.NORM_RSTD_LAST, num_warps=config.num_warps,
+        RSTD_LAST=norm and linear_module.rstd_last_for(weight_scale is not None,
+                                                       activation is not None),
+        num_warps=config.num_warps,
         num_stages=config.num_stages, **pdl,
     )

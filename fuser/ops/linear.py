@@ -248,6 +248,52 @@ def _f16_step(acc, shift, w, x, FP32_DOTS: tl.constexpr):
 
 
 @triton.jit
+def _e4m3_rounded(v):
+    """fp32 v (|v| < 2^8) rounded to the nearest e4m3 value, ties to even, in fp32 arithmetic:
+    4 significant bits, or the subnormals' step 2^-9 below 2^-6. What cvt.rn...e4m3 gives on
+    the GPU; _x2_step's path under the interpreter."""
+    exponent = (v.to(tl.int32, bitcast=True) >> 23) & 0xFF                # |v| in [2^(e-127), ..)
+    step = _pow2(tl.maximum(exponent - 127, -6) - 3)                      # e4m3's spacing there
+    magic = 12582912.0                                                    # 1.5 * 2^23: RNE
+    return ((v / step + magic) - magic) * step
+
+
+@triton.jit
+def _x2_step(acc, w, x, FP32_DOTS: tl.constexpr):
+    """One K step of X2_MMA (FP8 weights, swapped): acc [BLOCK_N, BLOCK_M] + w . x.T on the FP8
+    MMA, the e4m3 weight tile going to it as loaded (no conversion), x split into two e4m3
+    pieces per row of the tile.
+
+    Each row's tile is scaled by a power of two 2^t chosen from its max |x| so that every
+    |x 2^t| < 2^8 (below e4m3's 448); hi = e4m3(x 2^t) keeps its top 4 significant bits (round
+    to nearest even) and lo = e4m3((x 2^t - hi) 2^4) the rest: x 2^t - hi is at most half of
+    hi's last place and has at most 4 significant bits left of bf16's 8, so hi + lo 2^-4 is
+    x 2^t exactly unless x is below the tile's max |x| by more than ~2^13 (then lo is an e4m3
+    subnormal and drops bits worth less than 2^-17 of the max). The products are exact in fp32;
+    each step's two dots start from zero and are added to acc in fp32 here (the H100's FP8 MMA
+    keeps fewer bits when it accumulates: DeepSeek-V3's promotion every 128 columns), so acc
+    holds the same sums as the bf16 MMA's up to their order. Under FP32_DOTS the same pieces
+    in fp32 dots."""
+    x32 = x.to(tl.float32)
+    amax = tl.max(tl.abs(x32), axis=1)                              # [BLOCK_M]
+    exponent = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF       # amax < 2^(exponent - 126)
+    t = tl.minimum(tl.maximum(134 - exponent, -126), 126)           # amax 2^t < 2^8
+    scaled = x32 * _pow2(t)[:, None]                                # exact
+    if FP32_DOTS:  # the interpreter, whose fp32 -> e4m3 cast mishandles a carry (31.4 -> 16)
+        hi = _e4m3_rounded(scaled)
+        lo = _e4m3_rounded((scaled - hi) * 16.0)
+        wide = w.to(tl.float32)
+        p_hi = tl.dot(wide, tl.trans(hi), input_precision="ieee")
+        p_lo = tl.dot(wide, tl.trans(lo), input_precision="ieee")
+    else:
+        hi = scaled.to(tl.float8e4nv)
+        lo = ((scaled - hi.to(tl.float32)) * 16.0).to(tl.float8e4nv)  # exact (see above)
+        p_hi = tl.dot(w, tl.trans(hi))
+        p_lo = tl.dot(w, tl.trans(lo))
+    return acc + (p_hi + p_lo * 0.0625) * _pow2(-t)[None, :]
+
+
+@triton.jit
 def _mma(acc, x, w, FP32_DOTS: tl.constexpr, HAS_SCALE: tl.constexpr):
     """acc [BLOCK_M, BLOCK_N] + x [BLOCK_M, BLOCK_K] . w [BLOCK_N, BLOCK_K].T on the MMA."""
     if FP32_DOTS:
@@ -333,6 +379,7 @@ def _linear_kernel(
     PREFETCH: tl.constexpr = 0,  # (0, 1 or 2) load before waiting for the previous kernel
     SWAP: tl.constexpr = False,  # MMA path: the weight tile as the MMA's A operand (_mma_swapped)
     F16_MMA: tl.constexpr = False,  # SWAP, FP8 weights: the MMA in fp16 (_f16_step)
+    X2_MMA: tl.constexpr = False,  # SWAP, FP8 weights: the FP8 MMA, x in two pieces (_x2_step)
     RSTD_LAST: tl.constexpr = False,  # one row, NORM: no prologue pass; the K loop gathers the
                                 # squares and rstd multiplies the sum (_row_step, _rstd_last)
 ):
@@ -442,13 +489,16 @@ def _linear_kernel(
         for k0 in range(k_loop, k_hi, BLOCK_K):
             k = k0 + offs_k
             w = _w_tile(w_rows, col_ok, k, k_hi)
-            if F16_MMA:
+            if X2_MMA:
+                x = _rows_x(x_rows, r_rows, g_ptr, k, k_hi, row_ok, rstd, NORM, HAS_RESIDUAL)
+                acc = _x2_step(acc, w, x, FP32_DOTS)
+            elif F16_MMA:
                 x = _rows_x(x_rows, r_rows, g_ptr, k, k_hi, row_ok, rstd, NORM, HAS_RESIDUAL)
                 acc, shift = _f16_step(acc, shift, w, x, FP32_DOTS)
             else:
                 acc = _rows_step(acc, w, x_rows, r_rows, g_ptr, k, k_hi, row_ok, rstd,
                                  FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, SWAP)
-        if F16_MMA:  # back to the sums themselves (each split had its own shifts)
+        if F16_MMA and not X2_MMA:  # back to the sums themselves (each split: its own shifts)
             acc *= _pow2(-shift)[None, :]
         # SWAP keeps acc [BLOCK_N, BLOCK_M] through the split sum (every split stores its partial
         # in that layout), the scale and a plain store; only the gated epilogue transposes it.
@@ -550,11 +600,16 @@ def _default_swap(M: int, N: int, K: int, fp8: bool) -> bool:
     return fp8 or K >= 8192 or N <= 4096 or 8192 < N < 2**16
 
 
-# Several rows, FP8 weights, bf16 x (swapped): the MMA in fp16 (_f16_step) instead of bf16. On
-# the H200 (benchmarks/pdl_lab.py --rows 5 --dtypes fp8, eleventh session) the 16-layer chain of
-# 5-row FP8 GEMVs took 89.9 us a layer against 109.5 on the bf16 MMA (1.22x); GPU tests hold it
-# to the bf16 MMA's values at the 8B shapes.
-FP8_F16_MMA = True
+# Several rows, FP8 weights, bf16 x (swapped): which MMA. "f16": the weight widened to fp16 in
+# registers, x in fp16 times a running power of two per row (_f16_step); "x2": the FP8 MMA on
+# the weight tile as loaded, x in two e4m3 pieces per row and K step (_x2_step); None: the bf16
+# MMA. On the H200 (benchmarks/pdl_lab.py --rows 5 --dtypes fp8, eleventh session) the 16-layer
+# chain of 5-row FP8 GEMVs took 89.9 us a layer in fp16 against 109.5 on the bf16 MMA (1.22x);
+# benchmarks/fp8_rows_lab.py's "a8 x2" (x split outside the kernel) read gate/up in 31.99 us
+# against the fp16 path's 42.17 (fourteenth session). GPU tests hold each to the bf16 MMA's
+# values at the 8B shapes.
+FP8_ROWS_MMA: str | None = "f16"
+FP8_ROWS_CHOICES = ("f16", "x2", None)
 
 # FP8 weights, one row: the norm prologue reads x (and r) this many columns a step (None:
 # BLOCK_K). Every program makes the pass, one L2 round trip a step: at BLOCK_K a step FP8's qkv
@@ -576,6 +631,17 @@ ONE_ROW_NORM_K: int | None = 2048
 # (9.60 against 10.17 us) but FP8's gate/up slower (34.93 against 31.67) and bf16's qkv slower
 # (17.17 against 15.91); the 16-layer FP8 chain took 67.9 us a layer against 64.6 with the pass.
 NORM_RSTD_LAST = False
+
+# NORM_RSTD_LAST for FP8 weights without the gated activation alone (qkv, the LM head): on the
+# H200 FP8's qkv took 9.60 against 10.17 us and 9.78 against 10.14 with it (benchmarks/
+# shape_lab.py, RESULTS.md, fourteenth session, two calls), where the other shapes lost.
+FP8_PLAIN_RSTD_LAST = True
+
+
+def rstd_last_for(fp8: bool, gated: bool) -> bool:
+    """Whether a one-row GEMV with the norm multiplies by rstd after its K loop rather than
+    making the prologue pass (NORM_RSTD_LAST, FP8_PLAIN_RSTD_LAST)."""
+    return NORM_RSTD_LAST or (fp8 and not gated and FP8_PLAIN_RSTD_LAST)
 
 PDL_PREFETCH = 1  # weight tiles a PDL-launched program loads before its wait (fuser/ops/pdl.py)
 
@@ -734,7 +800,7 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
     cols_per_program = bn // 2 if activation is not None else bn
     programs = triton.cdiv(N, cols_per_program)
     splits = _default_split_k(M, rows_w, K, fp8) if split_k is None else split_k
-    rstd_last = norm and M == 1 and NORM_RSTD_LAST
+    rstd_last = norm and M == 1 and rstd_last_for(fp8, activation is not None)
     if rstd_last and splits > 1:  # every program needs its row's squares over all of K
         if split_k is not None:
             raise ValueError(f"split_k={split_k}: one row's norm (NORM_RSTD_LAST) needs the "
@@ -753,6 +819,9 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
     # PDL at one row only (several rows: not bit-equal and slower, fuser/ops/pdl.py).
     pdl = pdl_launch(x.device, one_row=block_m == 1)
     swap = block_m > 1 and _default_swap(M, rows_w, K, fp8)
+    if FP8_ROWS_MMA not in FP8_ROWS_CHOICES:
+        raise ValueError(f"linear.FP8_ROWS_MMA={FP8_ROWS_MMA!r} is not one of {FP8_ROWS_CHOICES}")
+    fp8_rows = FP8_ROWS_MMA if swap and fp8 and x.dtype == torch.bfloat16 else None
     _linear_kernel[(programs, splits)](
         x2, weight, weight_scale if fp8 else out, out, parts, counts,
         r2, norm_weight.contiguous() if norm else x2, summed if summed is not None else x2,
@@ -762,7 +831,7 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         FP32_DOTS=fp32_dots, HAS_SCALE=fp8,
         ACTIVATION=activation or "", NORM=norm, HAS_RESIDUAL=residual is not None,
         SPLIT_K=splits, PDL=bool(pdl), PREFETCH=PDL_PREFETCH if prefetch is None else prefetch,
-        SWAP=swap, F16_MMA=swap and fp8 and FP8_F16_MMA and x.dtype == torch.bfloat16,
+        SWAP=swap, F16_MMA=fp8_rows == "f16", X2_MMA=fp8_rows == "x2",
         RSTD_LAST=rstd_last, num_warps=num_warps or warps, num_stages=num_stages or stages, **pdl,
     )
     return out.reshape(*lead, N), _lead(summed, lead, K)
