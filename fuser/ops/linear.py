@@ -265,32 +265,31 @@ def _x2_step(acc, w, x, FP32_DOTS: tl.constexpr):
     pieces per row of the tile.
 
     Each row's tile is scaled by a power of two 2^t chosen from its max |x| so that every
-    |x 2^t| < 2^8 (below e4m3's 448); hi = e4m3(x 2^t) keeps its top 4 significant bits (round
-    to nearest even) and lo = e4m3((x 2^t - hi) 2^4) the rest: x 2^t - hi is at most half of
-    hi's last place and has at most 4 significant bits left of bf16's 8, so hi + lo 2^-4 is
-    x 2^t exactly unless x is below the tile's max |x| by more than ~2^13 (then lo is an e4m3
-    subnormal and drops bits worth less than 2^-17 of the max). The products are exact in fp32;
-    each step's two dots start from zero and are added to acc in fp32 here (the H100's FP8 MMA
-    keeps fewer bits when it accumulates: DeepSeek-V3's promotion every 128 columns), so acc
-    holds the same sums as the bf16 MMA's up to their order. Under FP32_DOTS the same pieces
-    in fp32 dots."""
+    |x 2^t| < 2^8 (below e4m3's 448); hi is x 2^t cut to its top 4 significant bits (the fp32
+    bits masked: no rounding, so no carry) and lo = x 2^t - hi, the 4 bits left of bf16's 8,
+    below hi's last place (|lo| < 2^4). Both are e4m3 values and hi + lo is x 2^t exactly
+    unless x is below the tile's max |x| by more than ~2^10 (lo, or hi below 2^-14, then on
+    e4m3's subnormal grid of 2^-9: an error below 2^-17 of the max). The products are exact
+    in fp32; each step's two dots (lo's, then hi's onto it) start from zero and are added to
+    acc in fp32 here (the H100's FP8 MMA keeps fewer bits when it accumulates: DeepSeek-V3's
+    promotion every 128 columns), so acc holds the bf16 MMA's sums up to their order and that
+    step-local accumulation. Under FP32_DOTS the same pieces in fp32 dots."""
     x32 = x.to(tl.float32)
     amax = tl.max(tl.abs(x32), axis=1)                              # [BLOCK_M]
     exponent = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF       # amax < 2^(exponent - 126)
     t = tl.minimum(tl.maximum(134 - exponent, -126), 126)           # amax 2^t < 2^8
     scaled = x32 * _pow2(t)[:, None]                                # exact
+    # hi: scaled cut to 3 mantissa bits (an e4m3 value unless below 2^-6); lo: what was cut.
+    top = (scaled.to(tl.int32, bitcast=True) & -1048576).to(tl.float32, bitcast=True)
+    rest = scaled - top                                             # exact, |rest| < 2^4
     if FP32_DOTS:  # the interpreter, whose fp32 -> e4m3 cast mishandles a carry (31.4 -> 16)
-        hi = _e4m3_rounded(scaled)
-        lo = _e4m3_rounded((scaled - hi) * 16.0)
         wide = w.to(tl.float32)
-        p_hi = tl.dot(wide, tl.trans(hi), input_precision="ieee")
-        p_lo = tl.dot(wide, tl.trans(lo), input_precision="ieee")
+        part = tl.dot(wide, tl.trans(_e4m3_rounded(rest)), input_precision="ieee")
+        part = tl.dot(wide, tl.trans(_e4m3_rounded(top)), part, input_precision="ieee")
     else:
-        hi = scaled.to(tl.float8e4nv)
-        lo = ((scaled - hi.to(tl.float32)) * 16.0).to(tl.float8e4nv)  # exact (see above)
-        p_hi = tl.dot(w, tl.trans(hi))
-        p_lo = tl.dot(w, tl.trans(lo))
-    return acc + (p_hi + p_lo * 0.0625) * _pow2(-t)[None, :]
+        part = tl.dot(w, tl.trans(rest.to(tl.float8e4nv)))
+        part = tl.dot(w, tl.trans(top.to(tl.float8e4nv)), part)
+    return acc + part * _pow2(-t)[None, :]
 
 
 @triton.jit
