@@ -63,7 +63,7 @@ def run(K: int, N: int, dtype: torch.dtype, norm: bool, residual: bool, activati
         normed, summed_ref = reference_norm(x, r, norm_weight)
         if r is not None:
             assert torch.equal(summed.cpu(), summed_ref)
-        if rstd_last(M, fp8, activation):  # rstd after the sum: the exact norm's GEMV
+        if rstd_last(M, fp8, activation, N):  # rstd after the sum: the exact norm's GEMV
             normed = exact_norm(x, r, norm_weight)
         # _linear_kernel's one row (explicit blocks: never the stream kernel)
         other, _ = rms_norm_linear_triton(xd, rd, gd, EPS, wd, weight_scale=sd,

@@ -89,11 +89,11 @@ def rstd_after_the_sum():
         yield
 
 
-def rstd_last(rows: int, fp8: bool, activation: str | None) -> bool:
+def rstd_last(rows: int, fp8: bool, activation: str | None, n: int) -> bool:
     """Whether the kernel multiplies by rstd after its loop (one row, linear.rstd_last_for)."""
     from fuser.ops import linear as linear_module
 
-    return rows == 1 and linear_module.rstd_last_for(fp8, activation is not None)
+    return rows == 1 and linear_module.rstd_last_for(fp8, activation is not None, n)
 
 
 def unfused_kernels(x, r, norm_weight, w, scale, activation, **blocks):
@@ -122,7 +122,7 @@ def run(M: int, K: int, N: int, dtype: torch.dtype, residual: bool, activation: 
         assert summed is None
     assert out.shape == (*lead, M, N) and out.dtype == dtype
     w_values = dequantize(w, scale) if fp8 else w
-    after = rstd_last(x.numel() // max(K, 1), fp8, activation)
+    after = rstd_last(x.numel() // max(K, 1), fp8, activation, N)
     if after:  # the float64 GEMV of the exact normed rows (the module docstring)
         normed = exact_norm(x, r, norm_weight)
     if activation is None:
@@ -332,3 +332,14 @@ def test_gpu_ops_run_the_kernel_and_fall_back_above_max_rows(rows: int) -> None:
                                                  activation=activation)
             want = (out,) if r is None else (out, summed)
         assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want)), op
+
+
+def test_rstd_after_the_sum_is_chosen_for_fp8_qkv_only() -> None:
+    """The defaults: rstd after the sum for one-row FP8 GEMVs without the gated activation and
+    under 2^16 outputs (qkv), the prologue pass for the LM head, gate/up and bf16 weights."""
+    from fuser.ops import linear as linear_module
+
+    assert linear_module.rstd_last_for(True, False, 6144)
+    assert not linear_module.rstd_last_for(True, False, 128256)   # the LM head
+    assert not linear_module.rstd_last_for(True, True, 14336)     # gate/up
+    assert not linear_module.rstd_last_for(False, False, 6144)    # bf16

@@ -413,7 +413,7 @@ def stream_gemv(x: Tensor, weight: Tensor, out: Tensor, plan: StreamPlan, config
         HAS_SCALE=weight_scale is not None, ACTIVATION=activation or "", NORM=norm,
         HAS_RESIDUAL=residual is not None, PDL=bool(pdl),
         RSTD_LAST=norm and linear_module.rstd_last_for(weight_scale is not None,
-                                                       activation is not None),
+                                                       activation is not None, N),
         num_warps=config.num_warps,
         num_stages=config.num_stages, **pdl,
     )

@@ -631,16 +631,18 @@ ONE_ROW_NORM_K: int | None = 2048
 # (17.17 against 15.91); the 16-layer FP8 chain took 67.9 us a layer against 64.6 with the pass.
 NORM_RSTD_LAST = False
 
-# NORM_RSTD_LAST for FP8 weights without the gated activation alone (qkv, the LM head): on the
-# H200 FP8's qkv took 9.60 against 10.17 us and 9.78 against 10.14 with it (benchmarks/
-# shape_lab.py, RESULTS.md, fourteenth session, two calls), where the other shapes lost.
+# NORM_RSTD_LAST for FP8 weights without the gated activation and fewer than 2^16 outputs
+# alone (qkv): on the H200 FP8's qkv took 9.60 against 10.17 us, 9.78 against 10.14 and 9.56
+# against 10.18 with it (benchmarks/shape_lab.py, RESULTS.md, fourteenth and fifteenth
+# sessions), where gate/up and bf16 lost, and so did FP8's LM head (130.64 against 124.19 us,
+# fifteenth: the pass already streams it at the read bandwidth).
 FP8_PLAIN_RSTD_LAST = True
 
 
-def rstd_last_for(fp8: bool, gated: bool) -> bool:
-    """Whether a one-row GEMV with the norm multiplies by rstd after its K loop rather than
-    making the prologue pass (NORM_RSTD_LAST, FP8_PLAIN_RSTD_LAST)."""
-    return NORM_RSTD_LAST or (fp8 and not gated and FP8_PLAIN_RSTD_LAST)
+def rstd_last_for(fp8: bool, gated: bool, n: int) -> bool:
+    """Whether a one-row GEMV with the norm and n outputs multiplies by rstd after its K loop
+    rather than making the prologue pass (NORM_RSTD_LAST, FP8_PLAIN_RSTD_LAST)."""
+    return NORM_RSTD_LAST or (fp8 and not gated and n < 2**16 and FP8_PLAIN_RSTD_LAST)
 
 PDL_PREFETCH = 1  # weight tiles a PDL-launched program loads before its wait (fuser/ops/pdl.py)
 
@@ -799,7 +801,7 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
     cols_per_program = bn // 2 if activation is not None else bn
     programs = triton.cdiv(N, cols_per_program)
     splits = _default_split_k(M, rows_w, K, fp8) if split_k is None else split_k
-    rstd_last = norm and M == 1 and rstd_last_for(fp8, activation is not None)
+    rstd_last = norm and M == 1 and rstd_last_for(fp8, activation is not None, N)
     if rstd_last and splits > 1:  # every program needs its row's squares over all of K
         if split_k is not None:
             raise ValueError(f"split_k={split_k}: one row's norm (NORM_RSTD_LAST) needs the "
