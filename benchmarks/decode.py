@@ -107,9 +107,6 @@ def main() -> None:
                         help="several-row FP8 GEMVs (the verify step) on the fp16 MMA, the FP8 "
                              "MMA with x in two pieces, or the bf16 MMA (linear.FP8_ROWS_MMA; "
                              "default: the module's)")
-    parser.add_argument("--attention-merge", choices=["none", "one row", "all"], default=None,
-                        help="which attention launches merge their splits themselves "
-                             "(attention.MERGE_IN_LAUNCH; default: the module's)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     warnings.simplefilter("ignore")
@@ -121,10 +118,6 @@ def main() -> None:
         linear_module.NORM_RSTD_LAST = linear_module.FP8_PLAIN_RSTD_LAST = False
     if args.fp8_rows is not None:
         linear_module.FP8_ROWS_MMA = None if args.fp8_rows == "bf16" else args.fp8_rows
-    if args.attention_merge is not None:
-        from fuser.ops import attention as attention_module  # noqa: PLC0415
-
-        attention_module.MERGE_IN_LAUNCH = args.attention_merge
     RESULTS["env"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "triton": triton.__version__, "transformers": transformers.__version__,
                       "preset": args.preset, "prompt_tokens": args.prompt_tokens,

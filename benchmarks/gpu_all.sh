@@ -34,7 +34,6 @@
 #   bash benchmarks/gpu_all.sh prologue # FP8 one-row norm prologue over the whole row; 5-row norm prologue chain; 8B decode + verify; engine tests
 #   bash benchmarks/gpu_all.sh thirteenth # 8B decode + verify with and without PDL at several rows, chains, stream/PDL/argmax GPU tests
 #   bash benchmarks/gpu_all.sh fourteenth # linear GPU tests, the chains without norms (what a norm fusion can reach), the engine's GPU tests
-#   bash benchmarks/gpu_all.sh merge    # attention's merge in the split launch vs its own: GPU tests, 8B decode FP8 both ways, bf16
 #   bash benchmarks/gpu_all.sh final15  # the tree's defaults: 8B decode both precisions, then the engine's GPU tests
 #   bash benchmarks/gpu_all.sh x2       # several-row FP8 on the FP8 MMA (x in two pieces): tests, labs, FP8 decode
 #   bash benchmarks/gpu_all.sh rstd2    # one row's norm, rstd after the sum vs the pass: GPU tests, shape + chain labs, 8B decode, FP8 rows lab
@@ -449,28 +448,6 @@ elif [ "$what" = fourteenth ]; then
   [ "$left" -gt 30 ] && timeout "$left" python3 -m pytest -v -p no:cacheprovider -rf \
     tests/test_cuda.py tests/test_cuda_spec.py 2>&1 | tee "$OUT/gpu_tests_engine.log" \
     | grep -E "^E  |PASSED|FAILED|ERROR|passed|failed" | cut -c1-150 | tail -30
-elif [ "$what" = merge ]; then
-  # Fifteenth session, call 2: attention's split merge inside the split launch
-  # (attention.MERGE_IN_LAUNCH "all": the last program of each kv head merges; no combine
-  # kernel) against its own launch ("none", the default): the attention GPU tests both ways,
-  # the 8B FP8 decode + verify both ways, then bf16 with "all".
-  timeout 120 python3 -m pytest -q -p no:cacheprovider -rf tests/test_ops_attention.py \
-    tests/test_rotary_attention.py -k "gpu or cuda" 2>&1 | tee "$OUT/gpu_tests.log" \
-    | grep -E "^E |FAIL|Error|passed|failed" | head
-  summary+=("GPU tests, attention both merges: $(tail -1 "$OUT/gpu_tests.log")")
-  for merge in all none; do
-    echo "== decode, 8B shape, FP8, attention merge: $merge"
-    timeout 200 python3 benchmarks/decode.py --out "$OUT/decode_fp8_$merge.json" --skip-peers \
-      --precisions fp8 --attention-merge "$merge" 2>&1 | tee "$OUT/decode_fp8_$merge.log" \
-      | grep -v Warning | grep -E "^\[fp8\] (fuser gen|target|prefill)|verify|alike|ceiling|\
-Error|fallback" | tail -8
-  done
-  left=$((${BUDGET:-590} - SECONDS))
-  echo "== decode, 8B shape, bf16, attention merge: all (${left} s left)"
-  [ "$left" -gt 60 ] && timeout "$left" python3 benchmarks/decode.py --out "$OUT/decode_bf16.json" \
-    --skip-peers --precisions bf16 --attention-merge all 2>&1 | tee "$OUT/decode_bf16.log" \
-    | grep -v Warning | grep -E "^\[bf16\] (fuser gen|target|prefill)|verify|alike|ceiling|\
-Error|fallback" | tail -8
 elif [ "$what" = final15 ]; then
   # Fifteenth session, call 2: the tree's defaults (FP8 qkv with rstd after the sum, the LM head
   # and everything else with the prologue pass; several-row FP8 on the fp16 MMA): the 8B decode

@@ -83,28 +83,3 @@ def one_intra_op_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture(params=["none", "all"], ids=["merge kernel", "merge in launch"])
-def attention_merge(request):
-    """Attention's split-K merge both ways (fuser/ops/attention.py MERGE_IN_LAUNCH): its own
-    launch (_combine_kernel) or the last program of each kv head's splits (_merge_last).
-    Yields the mode. The splits' scratch starts as NaN (a merge that reads a partial no split
-    has written yet gives NaN, not a stale copy of an earlier call's), and the split counters
-    must be back at zero after each test's launches."""
-    from unittest import mock
-
-    from fuser.ops import attention, counters, rotary_attention
-
-    plain = attention.split_scratch
-
-    def poisoned(*args, **kwargs):
-        M, programs, splits, acc, ml, fp32_dots = plain(*args, **kwargs)
-        return M, programs, splits, acc.fill_(float("nan")), ml.fill_(float("nan")), fp32_dots
-
-    with mock.patch.object(attention, "MERGE_IN_LAUNCH", request.param), \
-            mock.patch.object(attention, "split_scratch", poisoned), \
-            mock.patch.object(rotary_attention, "split_scratch", poisoned):
-        yield request.param
-    for buf in counters._counters.values():
-        assert not buf.any(), "a merge left split counters non-zero"

@@ -103,16 +103,13 @@ FIXED = [
 ]
 
 
-@pytest.mark.usefixtures("attention_merge")
 @pytest.mark.parametrize("B,KV,rep,T,D,S,dtype,window,softcap,num_splits,block_n", FIXED)
 def test_fixed_cases(B, KV, rep, T, D, S, dtype, window, softcap, num_splits, block_n):
     run_case(B, KV, rep, T, D, S, dtype, window, softcap, seed=B * 1000 + S,
              num_splits=num_splits, block_n=block_n)
 
 
-@pytest.mark.usefixtures("attention_merge")
-@settings(max_examples=15, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     B=st.integers(1, 3),
     KV=st.integers(1, 2),
@@ -133,7 +130,6 @@ def test_random_cases(B, KV, rep, T, D, extra, dtype, window, softcap, splits, b
              num_splits=splits, block_n=block_n, left_pad=left_pad)
 
 
-@pytest.mark.usefixtures("attention_merge")
 def test_dummy_row_is_finite_and_zero():
     # Last row: starts = S, nothing visible. The kernel writes zeros (reference: the mean of v).
     out, seen = run_case(3, 2, 4, 5, 64, 48, torch.float32, 0, 0.0, seed=7, num_splits=3, block_n=16,
@@ -162,7 +158,6 @@ def test_custom_op_opcheck():
     assert out.shape == (2, 5, 8, 64) and out.is_contiguous()
 
 
-@pytest.mark.usefixtures("attention_merge")
 @needs_cuda
 def test_gpu_long_cache_bf16():
     torch.manual_seed(0)
@@ -179,7 +174,6 @@ def test_gpu_long_cache_bf16():
         check(out.cpu(), ref.cpu(), v, seen, torch.bfloat16)
 
 
-@pytest.mark.usefixtures("attention_merge")
 @needs_cuda
 @pytest.mark.parametrize("T", [1, 5, 9, 16])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

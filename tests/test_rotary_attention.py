@@ -77,7 +77,6 @@ FIXED = [
 ]
 
 
-@pytest.mark.usefixtures("attention_merge")
 @pytest.mark.parametrize("B,H,KV,T,D,R,S,lens,pad,dtype,window,softcap,splits,block_n", FIXED)
 def test_fixed_cases(B, H, KV, T, D, R, S, lens, pad, dtype, window, softcap, splits, block_n):
     case = make_case(B, H, KV, T, D, R, S, dtype, seed=S + T, seq_lens=lens, merged=T % 2 == 1)
@@ -85,9 +84,8 @@ def test_fixed_cases(B, H, KV, T, D, R, S, lens, pad, dtype, window, softcap, sp
               block_n=block_n)
 
 
-@pytest.mark.usefixtures("attention_merge")
 @settings(max_examples=12, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+          suppress_health_check=[HealthCheck.too_slow])
 @given(
     dtype=st.sampled_from(DTYPES),
     batch=st.integers(1, 3),
@@ -117,7 +115,6 @@ def test_random_cases(dtype, batch, kv_heads, group, tokens, head_dim, rotary_fr
               block_n=16)
 
 
-@pytest.mark.usefixtures("attention_merge")
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_stale_new_slots_are_never_read(tokens: int) -> None:
     # NaN in the slots this step writes: a kernel attending over the cache there (instead of
@@ -129,7 +126,6 @@ def test_stale_new_slots_are_never_read(tokens: int) -> None:
               block_n=16)
 
 
-@pytest.mark.usefixtures("attention_merge")
 def test_poison_fails_a_kernel_that_reads_the_cache() -> None:
     # The poison is seen: cache_attention_read (which reads the new slots from the cache) run
     # on the poisoned cache after the write is skipped gives NaN on every real query.
@@ -212,7 +208,6 @@ def test_pass_on_phi3_and_gemma2(family: str) -> None:
 # --- GPU --------------------------------------------------------------------------------------
 
 
-@pytest.mark.usefixtures("attention_merge")
 @needs_cuda
 @pytest.mark.parametrize("tokens", [1, 5])
 @pytest.mark.parametrize("context", [300, 3000])
@@ -236,7 +231,6 @@ def test_gpu_llama3_8b_shape(tokens: int, context: int) -> None:
     assert torch.equal(k_op, k_cache) and torch.equal(v_op, v_cache)
 
 
-@pytest.mark.usefixtures("attention_merge")
 @needs_cuda
 def test_gpu_window_softcap_and_cuda_graph_replay() -> None:
     # Captured once and replayed with new lengths and inputs: the slots follow seq_lens, the

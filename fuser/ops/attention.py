@@ -29,8 +29,6 @@ Triton implementation (split-K / flash-decoding):
     keeping the online-softmax state (running max m, sum l, accumulator acc; fp32), and writes
     (acc, m, l) to fp32 scratch.
   kernel 2, grid (B * H * T,): merges the splits of one query row by log-sum-exp and writes it.
-    Or, where MERGE_IN_LAUNCH says so, no kernel 2: the last program of each (b, kv head) to
-    finish kernel 1 merges the group's rows (an arrival counter, as the split-K GEMV's).
 
 Cost per (b, kv head), with L = visible slots (seq_lens + T - starts, or ~window + T), s = element
 size of the cache, M = rep * T query rows:
@@ -45,17 +43,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fuser.ops.counters import split_counters
 from fuser.ops.flash_prefill import flash_prefill, flash_prefill_supported
 from fuser.ops.pdl import pdl_launch, wait_for_inputs
 
 BLOCK_N = 64          # key slots per inner-loop step
-# Which launches merge their splits in the split launch itself (_merge_last), one kernel a
-# layer fewer, instead of a second launch (_combine_kernel): "one row" (decode, T = 1),
-# "all", or "none". (The fifth session's one-launch merge, before PDL and with a rewritten
-# merge, measured slower on an H200: benchmarks/RESULTS.md, 2026-12-01.)
-MERGE_IN_LAUNCH = "none"
-MERGE_CHOICES = ("none", "one row", "all")
 TARGET_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs): latency of one hides behind the other
 MAX_SPLITS = 128
 
@@ -178,57 +169,6 @@ def _store_partial(
 
 
 @triton.jit
-def _merge_last(
-    acc_ptr, ml_ptr, out_ptr, count_ptr, bk, b, kvh, H, T, D, M,
-    NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """The splits' merge inside the split launch (MERGE): called by every program of (b, kv head)
-    after _store_partial. Each increments the pair's counter (acq_rel, GPU scope; the barrier
-    first, so that all of the program's warps have stored); the one that sees NUM_SPLITS - 1
-    arrived last and every other partial is visible to it. It reads them with L2-only loads
-    (.cg: an L1 line of its SM could hold a previous call's partial), merges them as
-    _combine_kernel does, split by split in order (so the result does not depend on which
-    program came last), writes the group's M output rows and resets the counter for the next
-    call or graph replay (fuser/ops/counters.py)."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(count_ptr + bk, 1, sem="acq_rel")
-    if arrived == NUM_SPLITS - 1:
-        rows = tl.arange(0, BLOCK_M)
-        row_ok = rows < M
-        cols = tl.arange(0, BLOCK_D)
-        col_ok = cols < D
-        first = bk * NUM_SPLITS
-        m_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        for s in range(NUM_SPLITS):
-            m = tl.load(ml_ptr + (first + s) * 2 * M + rows, mask=row_ok, other=float("-inf"),
-                        cache_modifier=".cg")
-            m_max = tl.maximum(m_max, m)
-        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)   # nothing visible: all w = 0
-        denom = tl.zeros([BLOCK_M], dtype=tl.float32)
-        o = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        for s in range(NUM_SPLITS):
-            part = first + s
-            m = tl.load(ml_ptr + part * 2 * M + rows, mask=row_ok, other=float("-inf"),
-                        cache_modifier=".cg")
-            l = tl.load(ml_ptr + part * 2 * M + M + rows, mask=row_ok, other=0.0,
-                        cache_modifier=".cg")
-            acc = tl.load(acc_ptr + (part * M + rows[:, None]) * D + cols[None, :],
-                          mask=row_ok[:, None] & col_ok[None, :], other=0.0,
-                          cache_modifier=".cg")
-            w = tl.exp2(m - m_max)                              # an empty split: exp2(-inf) = 0
-            denom += w * l
-            o += acc * w[:, None]
-        denom = tl.where(denom == 0.0, 1.0, denom)              # ... and the output is 0
-        o = o / denom[:, None]
-        t = rows % T
-        h = kvh * (M // T) + rows // T
-        out_rows = out_ptr + ((b * T + t) * H + h)[:, None] * D
-        tl.store(out_rows + cols[None, :], o.to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & col_ok[None, :])
-        tl.store(count_ptr + bk, 0)
-
-
-@triton.jit
 def _split_kernel(
     q_ptr,             # q: [B, H, T, D], strides sq_b, sq_h, sq_t, sq_d
     k_ptr, v_ptr,      # k_cache, v_cache: [B, S, KV, D] contiguous
@@ -236,10 +176,8 @@ def _split_kernel(
     starts_ptr,        # [B] int64
     acc_ptr,           # scratch [B * KV, NUM_SPLITS, M, D] fp32: unnormalised p @ v
     ml_ptr,            # scratch [B * KV, NUM_SPLITS, 2, M] fp32: running max (log2 units), sum
-    out_ptr,           # MERGE: out [B, T, H, D] contiguous
-    count_ptr,         # MERGE: int32 split counters, zero between launches (fuser/ops/counters.py)
     sq_b, sq_h, sq_t, sq_d,
-    S, H, KV, T, D, M,  # M = rep * T query rows per kv head
+    S, KV, T, D, M,    # M = rep * T query rows per kv head
     scale_log2e,       # scale * log2(e) (no softcap) or scale (softcap: tanh comes first)
     softcap,
     window,
@@ -251,7 +189,6 @@ def _split_kernel(
     HAS_SOFTCAP: tl.constexpr,
     FP32_DOTS: tl.constexpr,      # fp32 operands, IEEE products (fp32 caches; bf16 interpreted)
     PDL: tl.constexpr = False,    # launched with PDL: wait for the previous kernel (fuser/ops/pdl.py)
-    MERGE: tl.constexpr = False,  # the last program of each (b, kv head) merges (_merge_last)
 ):
     wait_for_inputs(PDL)
     bk = tl.program_id(0).to(tl.int64)
@@ -287,9 +224,6 @@ def _split_kernel(
         NUM_SPLITS, BLOCK_N, BLOCK_D, HAS_WINDOW, HAS_SOFTCAP, FP32_DOTS)
     _store_partial(acc_ptr, ml_ptr, bk * NUM_SPLITS + split, rows, acc, m_i, l_i, M, D,
                    BLOCK_M, BLOCK_D)
-    if MERGE:
-        _merge_last(acc_ptr, ml_ptr, out_ptr, count_ptr, bk, b, kvh, H, T, D, M,
-                    NUM_SPLITS, BLOCK_M, BLOCK_D)
 
 
 @triton.jit
@@ -390,40 +324,22 @@ def cache_attention_read_triton(
     block_d = max(16, triton.next_power_of_2(D))
     log2e = 1.4426950408889634
     pdl = pdl_launch(q.device, one_row=T == 1)  # several rows: measured slower with it
-    merge = merge_in_launch(T)
     _split_kernel[(programs, splits)](
-        q, k_cache, v_cache, seq_lens, starts, acc, ml, out,
-        split_counters(q.device, programs) if merge else seq_lens,
-        *q.stride(), S, H, KV, T, D, M,
+        q, k_cache, v_cache, seq_lens, starts, acc, ml,
+        *q.stride(), S, KV, T, D, M,
         scale if softcap else scale * log2e, float(softcap), int(window),
         NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_WINDOW=bool(window), HAS_SOFTCAP=bool(softcap), FP32_DOTS=fp32_dots,
         # 4 warps: measured as fast or faster than 8 at every Llama-3-8B case on an H200, up to
         # 2x at T = 9, ctx 8192 (benchmarks/attention_sweep.py, RESULTS.md).
-        num_warps=num_warps or 4, num_stages=num_stages, PDL=bool(pdl), MERGE=merge, **pdl,
+        num_warps=num_warps or 4, num_stages=num_stages, PDL=bool(pdl), **pdl,
     )
-    if not merge:
-        combine(acc, ml, out, KV, splits, block_d, pdl)
-    return out
-
-
-def merge_in_launch(T: int) -> bool:
-    """Whether a launch of T new tokens merges its splits itself (MERGE_IN_LAUNCH)."""
-    if MERGE_IN_LAUNCH not in MERGE_CHOICES:
-        raise ValueError(f"attention.MERGE_IN_LAUNCH={MERGE_IN_LAUNCH!r} is not one of "
-                         f"{MERGE_CHOICES}")
-    return MERGE_IN_LAUNCH == "all" or (MERGE_IN_LAUNCH == "one row" and T == 1)
-
-
-def combine(acc: Tensor, ml: Tensor, out: Tensor, KV: int, splits: int, block_d: int,
-            pdl: dict) -> None:
-    """The merge as its own launch (_combine_kernel) over out [B, T, H, D]."""
-    B, T, H, D = out.shape
     _combine_kernel[(B * H * T,)](
-        acc, ml, out, H, KV, T, D, acc.shape[2],
+        acc, ml, out, H, KV, T, D, M,
         NUM_SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), BLOCK_D=block_d,
         num_warps=1 if block_d <= 64 else 2, PDL=bool(pdl), **pdl,
     )
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

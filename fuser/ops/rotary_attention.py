@@ -24,8 +24,7 @@ Triton (one launch less per layer than the two ops: the rotary kernel is gone). 
     more block of the online softmax), and writes them to the caches' slots seq_lens[b] + t:
     exactly one program per (b, kv head) writes, on every row, whether or not its queries see
     anything;
-  - writes (acc, m, l) to scratch; attention's `_combine_kernel` merges the splits, or
-    (attention.MERGE_IN_LAUNCH) the last program of the (b, kv head) does (`_merge_last`).
+  - writes (acc, m, l) to scratch; attention's `_combine_kernel` merges the splits.
 
 Numerics. The caches' new slots and the rotated q equal rotary_cache_write's kernel bit for
 bit; the output is cache_attention_read's math over those values (the new keys are one block
@@ -45,10 +44,8 @@ import triton.language as tl
 from torch import Tensor
 
 from fuser.ops.attention import (BLOCK_N, TARGET_PROGRAMS, _attend_block, _attend_cache,
-                                 _merge_last, _store_partial, cache_attention_read_triton,
-                                 cache_attention_reference, combine, merge_in_launch,
-                                 split_scratch)
-from fuser.ops.counters import split_counters
+                                 _combine_kernel, _store_partial, cache_attention_read_triton,
+                                 cache_attention_reference, split_scratch)
 from fuser.ops.pdl import pdl_launch, wait_for_inputs
 from fuser.ops.rope import (_check, _check_cache, rotary_cache_write_reference,
                             rotary_cache_write_triton)
@@ -102,13 +99,12 @@ def _rotary_split_kernel(
     k_cache_ptr, v_cache_ptr,  # [B, S, KV, D] contiguous: read below seq_lens, written at seq_lens + t
     seq_lens_ptr, starts_ptr,  # [B] int64
     acc_ptr, ml_ptr,   # scratch, as attention's `_split_kernel`
-    out_ptr, count_ptr,  # MERGE: out [B, T, H, D] contiguous; split counters (as _split_kernel)
     sq_b, sq_h, sq_t, sq_d,
     sk_b, sk_h, sk_t, sk_d,
     sv_b, sv_h, sv_t, sv_d,
     c_sb, c_st, c_sr,
     s_sb, s_st, s_sr,
-    S, H, KV, T, D, M,  # M = rep * T query rows per kv head
+    S, KV, T, D, M,    # M = rep * T query rows per kv head
     scale_log2e, softcap, window,
     R: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -120,7 +116,6 @@ def _rotary_split_kernel(
     HAS_SOFTCAP: tl.constexpr,
     FP32_DOTS: tl.constexpr,
     PDL: tl.constexpr = False,
-    MERGE: tl.constexpr = False,  # the last program of each (b, kv head) merges (_merge_last)
 ):
     wait_for_inputs(PDL)
     bk = tl.program_id(0).to(tl.int64)
@@ -178,9 +173,6 @@ def _rotary_split_kernel(
 
     _store_partial(acc_ptr, ml_ptr, bk * NUM_SPLITS + split, rows, acc, m_i, l_i, M, D,
                    BLOCK_M, BLOCK_D)
-    if MERGE:
-        _merge_last(acc_ptr, ml_ptr, out_ptr, count_ptr, bk, b, kvh, H, T, D, M,
-                    NUM_SPLITS, BLOCK_M, BLOCK_D)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,22 +221,23 @@ def rotary_cache_attention_triton(
     block_d = max(16, triton.next_power_of_2(D))
     log2e = 1.4426950408889634
     pdl = pdl_launch(q.device, one_row=T == 1)  # several rows: measured slower with it
-    merge = merge_in_launch(T)
     _rotary_split_kernel[(programs, splits)](
-        q, k, v, cos, sin, k_cache, v_cache, seq_lens, starts, acc, ml, out,
-        split_counters(q.device, programs) if merge else seq_lens,
+        q, k, v, cos, sin, k_cache, v_cache, seq_lens, starts, acc, ml,
         *q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(),
-        S, H, KV, T, D, M,
+        S, KV, T, D, M,
         scale if softcap else scale * log2e, float(softcap), int(window),
         R=R, NUM_SPLITS=splits, BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n,
         BLOCK_T=max(16, triton.next_power_of_2(T)), BLOCK_D=block_d,
         HAS_WINDOW=bool(window), HAS_SOFTCAP=bool(softcap), FP32_DOTS=fp32_dots,
         num_warps=num_warps or 4, num_stages=num_stages,
         # mul, mul, add as three roundings: the rotation stays bit-equal to the rotary kernel's.
-        enable_fp_fusion=False, PDL=bool(pdl), MERGE=merge, **pdl,
+        enable_fp_fusion=False, PDL=bool(pdl), **pdl,
     )
-    if not merge:
-        combine(acc, ml, out, KV, splits, block_d, pdl)
+    _combine_kernel[(B * H * T,)](
+        acc, ml, out, H, KV, T, D, M,
+        NUM_SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), BLOCK_D=block_d,
+        num_warps=1 if block_d <= 64 else 2, PDL=bool(pdl), **pdl,
+    )
     return out
 
 
