@@ -34,7 +34,7 @@
 #   bash benchmarks/gpu_all.sh prologue # FP8 one-row norm prologue over the whole row; 5-row norm prologue chain; 8B decode + verify; engine tests
 #   bash benchmarks/gpu_all.sh thirteenth # 8B decode + verify with and without PDL at several rows, chains, stream/PDL/argmax GPU tests
 #   bash benchmarks/gpu_all.sh fourteenth # linear GPU tests, the chains without norms (what a norm fusion can reach), the engine's GPU tests
-#   bash benchmarks/gpu_all.sh final15  # the tree's defaults: 8B decode both precisions, then the engine's GPU tests
+#   bash benchmarks/gpu_all.sh engine15 # the engine's GPU tests (test_cuda.py, test_cuda_spec.py)
 #   bash benchmarks/gpu_all.sh x2       # several-row FP8 on the FP8 MMA (x in two pieces): tests, labs, FP8 decode
 #   bash benchmarks/gpu_all.sh rstd2    # one row's norm, rstd after the sum vs the pass: GPU tests, shape + chain labs, 8B decode, FP8 rows lab
 #   bash benchmarks/gpu_all.sh sixteenth  # (not yet run) unroll + 5-row chain labs, 8B decode profiled, engine GPU tests
@@ -448,18 +448,12 @@ elif [ "$what" = fourteenth ]; then
   [ "$left" -gt 30 ] && timeout "$left" python3 -m pytest -v -p no:cacheprovider -rf \
     tests/test_cuda.py tests/test_cuda_spec.py 2>&1 | tee "$OUT/gpu_tests_engine.log" \
     | grep -E "^E  |PASSED|FAILED|ERROR|passed|failed" | cut -c1-150 | tail -30
-elif [ "$what" = final15 ]; then
-  # Fifteenth session, call 2: the tree's defaults (FP8 qkv with rstd after the sum, the LM head
-  # and everything else with the prologue pass; several-row FP8 on the fp16 MMA): the 8B decode
-  # both precisions, then the engine's GPU tests with the time left.
-  echo "== decode, 8B shape"
-  timeout 300 python3 benchmarks/decode.py --out "$OUT/decode.json" --skip-peers 2>&1 \
-    | tee "$OUT/decode.log" | grep -v Warning | grep -E "^\[|verify|alike|ceiling|fp8 vs|\
-Error|fallback" | tail -24
-  left=$((${BUDGET:-590} - SECONDS))
-  echo "== GPU tests: the engine (${left} s left)"
-  [ "$left" -gt 30 ] && timeout "$left" python3 -m pytest -v -p no:cacheprovider -rf \
-    tests/test_cuda.py tests/test_cuda_spec.py 2>&1 | tee "$OUT/gpu_tests_engine.log" \
+elif [ "$what" = engine15 ]; then
+  # Fifteenth session, call 3 (call 2, `merge`, is in git history at e8dd772): the engine's GPU
+  # tests on the tree's defaults (FP8 qkv with rstd after the sum), in what the lease has left.
+  echo "== GPU tests: the engine"
+  timeout "${BUDGET:-320}" python3 -m pytest -v -p no:cacheprovider -rf tests/test_cuda.py \
+    tests/test_cuda_spec.py 2>&1 | tee "$OUT/gpu_tests_engine.log" \
     | grep -E "^E  |PASSED|FAILED|ERROR|passed|failed" | cut -c1-150 | tail -30
 elif [ "$what" = x2 ]; then
   # Fifteenth session, call 1: the several-row FP8 GEMVs on the FP8 MMA with x in two e4m3
