@@ -29,6 +29,13 @@ keyed by WEIGHT, how the weight tile reaches the MMA, and X, what x is; VARIANTS
                     lo = e4m3((x - hi s_hi) / s_lo), each scale amax / 448 of its row; two FP8
                     dots a K step into two fp32 accumulators, out = (acc_hi s_hi + acc_lo s_lo)
                     * w_scale: up to ~2^-8 relative error in x (tests/test_fp8_rows_lab.py)
+  x2 pieces         x split outside exactly as the engine's "x2" splits it inside
+                    (linear._x2_step, one power of two 2^t per row here): hi = x 2^t cut to 4
+                    significant bits, lo = the rest; lo's dot then hi's onto it from zero each K
+                    step, added to an fp32 accumulator (the promotion the H100's FP8 MMA needs):
+                    what a producer handing the GEMV x in pieces would give it
+  x2 pieces chained the same pieces, both dots chained in the MMA's accumulator over all of K (no
+                    promotion: the FP8 MMA's own accumulation, fewer bits; its err column shows)
 
 The bit conversion: for an e4m3fn byte b (never NaN: weights are clamped to +-448), the fp16
 with bits ((b & 0x80) << 8) | ((b & 0x7F) << 7) is value(b) * 2^-8 exactly, normals and
@@ -137,6 +144,8 @@ VARIANTS = {
     "f16 bits words": ("words", "shift"),
     "a8 ceiling": ("fp8", "a8"),
     "a8 x2": ("fp8", "a8x2"),
+    "x2 pieces": ("fp8", "x2p"),
+    "x2 pieces chained": ("fp8", "x2c"),
 }
 # name -> linear.FP8_ROWS_MMA: the engine's kernel (linear_triton) with the sweep's tiles
 ENGINE_VARIANTS = {"engine f16": "f16", "engine x2": "x2"}
@@ -269,11 +278,18 @@ def _rows_kernel(
         elif X == "prepass":
             x = (x.to(tl.float32) * _pow2(shift)[:, None]).to(tl.float16)
             acc = _dot_swapped(acc, w, x, FP32_DOTS)
-        else:
+        elif X != "x2p" and X != "x2c":
             acc = _dot_swapped(acc, w, x, FP32_DOTS)
         if X == "a8x2":
             x_lo = tl.load(x_lo_rows + k[None, :], mask=m_ok[:, None], other=0.0)
             acc_lo = _dot_swapped(acc_lo, w, x_lo, FP32_DOTS)
+        elif X == "x2p":  # lo, then hi onto it, from zero; promoted to acc in fp32
+            x_lo = tl.load(x_lo_rows + k[None, :], mask=m_ok[:, None], other=0.0)
+            part = _dot_swapped(tl.zeros_like(acc), w, x_lo, FP32_DOTS)
+            acc += _dot_swapped(part, w, x, FP32_DOTS)
+        elif X == "x2c":  # lo and hi chained in the MMA's accumulator
+            x_lo = tl.load(x_lo_rows + k[None, :], mask=m_ok[:, None], other=0.0)
+            acc = _dot_swapped(_dot_swapped(acc, w, x_lo, FP32_DOTS), w, x, FP32_DOTS)
     # One accumulator of plain sums per split before the split sum (everything here is linear).
     if X == "shift" or X == "prepass":
         acc *= _pow2(-shift)[None, :]
@@ -305,7 +321,8 @@ def prepare_x(x: torch.Tensor, X: str) -> tuple[torch.Tensor, torch.Tensor, torc
     max |x| 2^s < 2^15 (_f16_step's rule over the whole row), xs = 2^-s: exact unless a value is
     below the row's max by more than ~2^28 (fp16's subnormal step). "a8": quantize_rows(x).
     "a8x2": hi, s_hi = quantize_rows(x); lo, s_lo = quantize_rows(x - hi s_hi), the residual
-    formed in fp32."""
+    formed in fp32. "x2p" / "x2c": linear._x2_step's pieces with one power of two per row,
+    xs[0] = 2^-t (exact: hi + lo = x 2^t for values within ~2^10 of the row's max)."""
     M = x.shape[0]
     xs = torch.ones(2, M, device=x.device, dtype=torch.float32)
     if X in ("shift", "prepass"):
@@ -316,6 +333,14 @@ def prepare_x(x: torch.Tensor, X: str) -> tuple[torch.Tensor, torch.Tensor, torc
         s = torch.clamp(141 - exponent, max=100).to(torch.float32)
         xs[0] = torch.exp2(-s)
         return (x.float() * torch.exp2(s)[:, None]).to(torch.float16), x, xs
+    if X in ("x2p", "x2c"):
+        amax = x.float().abs().amax(dim=1)                                   # [M]
+        exponent = (amax.view(torch.int32) >> 23) & 0xFF
+        t = torch.clamp(134 - exponent, -126, 126).to(torch.float32)         # amax 2^t < 2^8
+        scaled = x.float() * torch.exp2(t)[:, None]
+        top = (scaled.view(torch.int32) & -1048576).view(torch.float32)      # 4 significant bits
+        xs[0] = torch.exp2(-t)
+        return top.to(torch.float8_e4m3fn), (scaled - top).to(torch.float8_e4m3fn), xs
     hi, xs[0] = quantize_rows(x)
     if X == "a8":
         return hi, hi, xs
@@ -519,7 +544,7 @@ def compile_sm90(variant: str, N: int, K: int, block_n: int, block_k: int, split
         fn = _rows_kernel
         weight, xm = VARIANTS[variant]
         x_type = {"shift": "*bf16", "prepass": "*bf16", "f16": "*fp16", "a8": "*fp8e4nv",
-                  "a8x2": "*fp8e4nv"}[xm]
+                  "a8x2": "*fp8e4nv", "x2p": "*fp8e4nv", "x2c": "*fp8e4nv"}[xm]
         w_type = {"cvt": "*fp8e4nv", "fp8": "*fp8e4nv", "asm": "*u8", "int": "*u8",
                   "words": "*i32"}[weight]
         types = dict(x_ptr=x_type, x_lo_ptr=x_type, xs_ptr="*fp32", w_ptr=w_type,

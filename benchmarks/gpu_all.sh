@@ -34,6 +34,7 @@
 #   bash benchmarks/gpu_all.sh prologue # FP8 one-row norm prologue over the whole row; 5-row norm prologue chain; 8B decode + verify; engine tests
 #   bash benchmarks/gpu_all.sh thirteenth # 8B decode + verify with and without PDL at several rows, chains, stream/PDL/argmax GPU tests
 #   bash benchmarks/gpu_all.sh fourteenth # linear GPU tests, the chains without norms (what a norm fusion can reach), the engine's GPU tests
+#   bash benchmarks/gpu_all.sh pieces   # (not yet run) several-row FP8 with x split outside, promoted or chained, vs the engine's paths
 #   bash benchmarks/gpu_all.sh engine15 # the engine's GPU tests (test_cuda.py, test_cuda_spec.py)
 #   bash benchmarks/gpu_all.sh x2       # several-row FP8 on the FP8 MMA (x in two pieces): tests, labs, FP8 decode
 #   bash benchmarks/gpu_all.sh rstd2    # one row's norm, rstd after the sum vs the pass: GPU tests, shape + chain labs, 8B decode, FP8 rows lab
@@ -448,6 +449,18 @@ elif [ "$what" = fourteenth ]; then
   [ "$left" -gt 30 ] && timeout "$left" python3 -m pytest -v -p no:cacheprovider -rf \
     tests/test_cuda.py tests/test_cuda_spec.py 2>&1 | tee "$OUT/gpu_tests_engine.log" \
     | grep -E "^E  |PASSED|FAILED|ERROR|passed|failed" | cut -c1-150 | tail -30
+elif [ "$what" = pieces ]; then
+  # For the next session (written in the fifteenth, not yet run; ~4 minutes): is x handed to
+  # the several-row FP8 GEMV already split in two e4m3 pieces worth a producer that splits it?
+  # fp8_rows_lab.py's "x2 pieces" (the engine's split, made outside, promoted to fp32 every K
+  # step) and "x2 pieces chained" (no promotion) against "a8 x2", the engine's in-kernel "x2"
+  # and its fp16 MMA, at every 8B shape; then the lab's GPU tests.
+  timeout 240 python3 benchmarks/fp8_rows_lab.py --out "$OUT/fp8_rows_lab.json" \
+    --variants "default,engine f16,engine x2,a8 x2,x2 pieces,x2 pieces chained" 2>&1 \
+    | grep -v Warning | tail -36
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -rf tests/test_fp8_rows_lab.py 2>&1 \
+    | tee "$OUT/gpu_tests.log" | grep -E "^E |FAIL|Error|passed|failed" | head
+  summary+=("GPU tests, rows lab: $(tail -1 "$OUT/gpu_tests.log")")
 elif [ "$what" = engine15 ]; then
   # Fifteenth session, call 3 (call 2, `merge`, is in git history at e8dd772): the engine's GPU
   # tests on the tree's defaults (FP8 qkv with rstd after the sum), in what the lease has left.
