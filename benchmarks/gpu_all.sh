@@ -450,17 +450,25 @@ elif [ "$what" = fourteenth ]; then
     tests/test_cuda.py tests/test_cuda_spec.py 2>&1 | tee "$OUT/gpu_tests_engine.log" \
     | grep -E "^E  |PASSED|FAILED|ERROR|passed|failed" | cut -c1-150 | tail -30
 elif [ "$what" = pieces ]; then
-  # For the next session (written in the fifteenth, not yet run; ~4 minutes): is x handed to
+  # For the next session (written in the fifteenth, not yet run; ~8 minutes): is x handed to
   # the several-row FP8 GEMV already split in two e4m3 pieces worth a producer that splits it?
   # fp8_rows_lab.py's "x2 pieces" (the engine's split, made outside, promoted to fp32 every K
   # step) and "x2 pieces chained" (no promotion) against "a8 x2", the engine's in-kernel "x2"
   # and its fp16 MMA, at every 8B shape; then the lab's GPU tests.
+  # "engine pieces" is linear_pieces_triton (X2_PIECES) on x split outside; the decode then
+  # runs the engine with the norm kernel splitting x for qkv and gate/up ("norm pieces").
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -rf tests/test_fp8_rows_lab.py \
+    tests/test_e4m3_pieces.py -k "gpu or cuda" 2>&1 | tee "$OUT/gpu_tests.log" \
+    | grep -E "^E |FAIL|Error|passed|failed" | head
+  summary+=("GPU tests, rows lab + pieces: $(tail -1 "$OUT/gpu_tests.log")")
   timeout 240 python3 benchmarks/fp8_rows_lab.py --out "$OUT/fp8_rows_lab.json" \
-    --variants "default,engine f16,engine x2,a8 x2,x2 pieces,x2 pieces chained" 2>&1 \
-    | grep -v Warning | tail -36
-  timeout 120 python3 -m pytest -q -p no:cacheprovider -rf tests/test_fp8_rows_lab.py 2>&1 \
-    | tee "$OUT/gpu_tests.log" | grep -E "^E |FAIL|Error|passed|failed" | head
-  summary+=("GPU tests, rows lab: $(tail -1 "$OUT/gpu_tests.log")")
+    --variants "default,engine f16,engine x2,engine pieces,a8 x2,x2 pieces,x2 pieces chained" \
+    2>&1 | grep -v Warning | tail -40
+  left=$((${BUDGET:-590} - SECONDS))
+  echo "== decode, 8B shape, FP8, --fp8-rows 'norm pieces' (${left} s left)"
+  [ "$left" -gt 60 ] && timeout "$left" python3 benchmarks/decode.py --out "$OUT/decode.json" \
+    --skip-peers --precisions fp8 --fp8-rows "norm pieces" 2>&1 | tee "$OUT/decode.log" \
+    | grep -v Warning | grep -E "^\[fp8\] (fuser gen|target|prefill)|verify|alike|Error" | tail -8
 elif [ "$what" = engine15 ]; then
   # Fifteenth session, call 3 (call 2, `merge`, is in git history at e8dd772): the engine's GPU
   # tests on the tree's defaults (FP8 qkv with rstd after the sum), in what the lease has left.

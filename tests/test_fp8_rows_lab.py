@@ -160,6 +160,17 @@ def test_variant_under_the_interpreter(variant: str) -> None:
     check(variant, out, x, w, ws, out_rounding=0.0)
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the interpreter's run")
+@pytest.mark.parametrize("variant", list(lab.ENGINE_VARIANTS))
+def test_engine_variant_under_the_interpreter(variant: str) -> None:
+    """The lab's calls of the engine's kernel (linear_triton, linear_pieces_triton) with its
+    tiles: exact variants, within the fp32 sum's bound and their bf16 output's rounding."""
+    x, w, ws = make(80, 512)
+    fn = lab.make_gemv(80, 512, variant, (64, 128, 2, 3), "cpu")
+    out = fn(lab.prepare_x(x, "shift"), w, ws, torch.full((5, 80), float("nan")))
+    check("f16 cvt", out, x, w, ws, out_rounding=2.0**-8)
+
+
 def test_a8_bounds_are_tight_enough_to_mean_something() -> None:
     """The a8x2 bound is ~16x the a8 one smaller, and the a8 error does exceed the a8x2 bound
     (so a kernel that dropped the lo piece would fail the a8x2 check)."""

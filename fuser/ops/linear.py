@@ -106,6 +106,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fuser.ops.counters import split_counters
+from fuser.ops.e4m3_pieces import _e4m3_rounded, _pow2, _scale_exponent, _split
 from fuser.ops.fp8 import FP8_DTYPE, fp8_linear_reference
 from fuser.ops.gated_act import ACTIVATIONS, act_times_up, gated_act_reference
 from fuser.ops.pdl import pdl_launch, wait_for_inputs
@@ -213,12 +214,6 @@ def _mma_swapped(acc, x, w, FP32_DOTS: tl.constexpr, HAS_SCALE: tl.constexpr):
 
 
 @triton.jit
-def _pow2(e):
-    """2^e in fp32 for integer e in [-126, 127], built from its exponent bits (exact)."""
-    return ((e + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _f16_step(acc, shift, w, x, FP32_DOTS: tl.constexpr):
     """One K step of F16_MMA (FP8 weights, swapped): (acc, shift) after adding w . (x 2^shift).T
     on an fp16 MMA, acc [BLOCK_N, BLOCK_M] holding each row's sums times 2^shift.
@@ -248,17 +243,6 @@ def _f16_step(acc, shift, w, x, FP32_DOTS: tl.constexpr):
 
 
 @triton.jit
-def _e4m3_rounded(v):
-    """fp32 v (|v| < 2^8) rounded to the nearest e4m3 value, ties to even, in fp32 arithmetic:
-    4 significant bits, or the subnormals' step 2^-9 below 2^-6. What cvt.rn...e4m3 gives on
-    the GPU; _x2_step's path under the interpreter."""
-    exponent = (v.to(tl.int32, bitcast=True) >> 23) & 0xFF                # |v| in [2^(e-127), ..)
-    step = _pow2(tl.maximum(exponent - 127, -6) - 3)                      # e4m3's spacing there
-    magic = 12582912.0                                                    # 1.5 * 2^23: RNE
-    return ((v / step + magic) - magic) * step
-
-
-@triton.jit
 def _x2_step(acc, w, x, FP32_DOTS: tl.constexpr):
     """One K step of X2_MMA (FP8 weights, swapped): acc [BLOCK_N, BLOCK_M] + w . x.T on the FP8
     MMA, the e4m3 weight tile going to it as loaded (no conversion), x split into two e4m3
@@ -268,28 +252,34 @@ def _x2_step(acc, w, x, FP32_DOTS: tl.constexpr):
     |x 2^t| < 2^8 (below e4m3's 448); hi is x 2^t cut to its top 4 significant bits (the fp32
     bits masked: no rounding, so no carry) and lo = x 2^t - hi, the 4 bits left of bf16's 8,
     below hi's last place (|lo| < 2^4). Both are e4m3 values and hi + lo is x 2^t exactly
-    unless x is below the tile's max |x| by more than ~2^10 (lo, or hi below 2^-14, then on
-    e4m3's subnormal grid of 2^-9: an error below 2^-17 of the max). The products are exact
+    unless x is below the tile's max |x| by more than ~2^9 (the pieces then on e4m3's
+    subnormal grid of 2^-9: an error of at most 2^-16 of the max; fuser/ops/e4m3_pieces.py,
+    whose helpers split it here). The products are exact
     in fp32; each step's two dots (lo's, then hi's onto it) start from zero and are added to
     acc in fp32 here (the H100's FP8 MMA keeps fewer bits when it accumulates: DeepSeek-V3's
     promotion every 128 columns), so acc holds the bf16 MMA's sums up to their order and that
     step-local accumulation. Under FP32_DOTS the same pieces in fp32 dots."""
     x32 = x.to(tl.float32)
-    amax = tl.max(tl.abs(x32), axis=1)                              # [BLOCK_M]
-    exponent = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF       # amax < 2^(exponent - 126)
-    t = tl.minimum(tl.maximum(134 - exponent, -126), 126)           # amax 2^t < 2^8
-    scaled = x32 * _pow2(t)[:, None]                                # exact
-    # hi: scaled cut to 3 mantissa bits (an e4m3 value unless below 2^-6); lo: what was cut.
-    top = (scaled.to(tl.int32, bitcast=True) & -1048576).to(tl.float32, bitcast=True)
-    rest = scaled - top                                             # exact, |rest| < 2^4
+    t = _scale_exponent(tl.max(tl.abs(x32), axis=1))               # [BLOCK_M]: amax 2^t < 2^8
+    hi, lo = _split(x32 * _pow2(t)[:, None])                        # fuser/ops/e4m3_pieces.py
     if FP32_DOTS:  # the interpreter, whose fp32 -> e4m3 cast mishandles a carry (31.4 -> 16)
-        wide = w.to(tl.float32)
-        part = tl.dot(wide, tl.trans(_e4m3_rounded(rest)), input_precision="ieee")
-        part = tl.dot(wide, tl.trans(_e4m3_rounded(top)), part, input_precision="ieee")
+        hi, lo = _e4m3_rounded(hi), _e4m3_rounded(lo)
     else:
-        part = tl.dot(w, tl.trans(rest.to(tl.float8e4nv)))
-        part = tl.dot(w, tl.trans(top.to(tl.float8e4nv)), part)
-    return acc + part * _pow2(-t)[None, :]
+        hi, lo = hi.to(tl.float8e4nv), lo.to(tl.float8e4nv)
+    return acc + _pieces_dot(w, hi, lo, FP32_DOTS) * _pow2(-t)[None, :]
+
+
+@triton.jit
+def _pieces_dot(w, hi, lo, FP32_DOTS: tl.constexpr):
+    """w [BLOCK_N, BLOCK_K] . (hi + lo).T from zero, [BLOCK_N, BLOCK_M] fp32: lo's dot, then
+    hi's onto it (both e4m3, on the FP8 MMA; fp32 dots of their values under FP32_DOTS). The
+    caller adds it to its fp32 accumulator: one K step in the MMA's own accumulation."""
+    if FP32_DOTS:
+        wide = w.to(tl.float32)
+        part = tl.dot(wide, tl.trans(lo.to(tl.float32)), input_precision="ieee")
+        return tl.dot(wide, tl.trans(hi.to(tl.float32)), part, input_precision="ieee")
+    part = tl.dot(w, tl.trans(lo))
+    return tl.dot(w, tl.trans(hi), part)
 
 
 @triton.jit
@@ -359,6 +349,8 @@ def _linear_kernel(
     r_ptr,                      # residual: [M, K] like x, row stride stride_rm (HAS_RESIDUAL)
     g_ptr,                      # norm weight: [K], contiguous, x's dtype (NORM)
     sum_ptr,                    # summed: [M, K], contiguous, x's dtype (HAS_RESIDUAL): x + r
+    lo_ptr,                     # X2_PIECES: x is hi, this lo ([M, K] e4m3fn, x's row stride)
+    inv_ptr,                    # X2_PIECES: [M] fp32, each row's 2^-t (fuser/ops/e4m3_pieces.py)
     M, N, K,                    # N: output columns
     stride_xm, stride_wn, stride_om, stride_rm,
     eps,                        # the norm's epsilon (NORM)
@@ -379,6 +371,7 @@ def _linear_kernel(
     SWAP: tl.constexpr = False,  # MMA path: the weight tile as the MMA's A operand (_mma_swapped)
     F16_MMA: tl.constexpr = False,  # SWAP, FP8 weights: the MMA in fp16 (_f16_step)
     X2_MMA: tl.constexpr = False,  # SWAP, FP8 weights: the FP8 MMA, x in two pieces (_x2_step)
+    X2_PIECES: tl.constexpr = False,  # SWAP, FP8 weights: x given as pieces (hi, lo, inv_ptr)
     RSTD_LAST: tl.constexpr = False,  # one row, NORM: no prologue pass; the K loop gathers the
                                 # squares and rstd multiplies the sum (_row_step, _rstd_last)
 ):
@@ -488,7 +481,13 @@ def _linear_kernel(
         for k0 in range(k_loop, k_hi, BLOCK_K):
             k = k0 + offs_k
             w = _w_tile(w_rows, col_ok, k, k_hi)
-            if X2_MMA:
+            if X2_PIECES:
+                x_ok = row_ok[:, None] & (k < k_hi)[None, :]
+                hi = tl.load(x_rows + k[None, :], mask=x_ok, other=0.0)
+                lo = tl.load(lo_ptr + rows[:, None] * stride_xm + k[None, :], mask=x_ok,
+                             other=0.0)
+                acc += _pieces_dot(w, hi, lo, FP32_DOTS)
+            elif X2_MMA:
                 x = _rows_x(x_rows, r_rows, g_ptr, k, k_hi, row_ok, rstd, NORM, HAS_RESIDUAL)
                 acc = _x2_step(acc, w, x, FP32_DOTS)
             elif F16_MMA:
@@ -499,6 +498,8 @@ def _linear_kernel(
                                  FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, SWAP)
         if F16_MMA and not X2_MMA:  # back to the sums themselves (each split: its own shifts)
             acc *= _pow2(-shift)[None, :]
+        if X2_PIECES:  # the rows' 2^-t (acc [BLOCK_N, BLOCK_M]: SWAP)
+            acc *= tl.load(inv_ptr + rows, mask=row_ok, other=0.0)[None, :]
         # SWAP keeps acc [BLOCK_N, BLOCK_M] through the split sum (every split stores its partial
         # in that layout), the scale and a plain store; only the gated epilogue transposes it.
         if SPLIT_K > 1:
@@ -608,7 +609,10 @@ def _default_swap(M: int, N: int, K: int, fp8: bool) -> bool:
 # against the fp16 path's 42.17 (fourteenth session). GPU tests hold each to the bf16 MMA's
 # values at the 8B shapes.
 FP8_ROWS_MMA: str | None = "f16"
-FP8_ROWS_CHOICES = ("f16", "x2", None)
+# "norm pieces": the GEMVs after a norm (qkv, gate/up: rms_norm_linear, add_rms_norm_linear)
+# take x from the norm kernel as e4m3 pieces (fuser/ops/e4m3_pieces.py) on the FP8 MMA
+# (X2_PIECES); the others (o_proj, down_proj) run "f16". Not yet measured on a GPU.
+FP8_ROWS_CHOICES = ("f16", "x2", "norm pieces", None)
 
 # FP8 weights, one row: the norm prologue reads x (and r) this many columns a step (None:
 # BLOCK_K). Every program makes the pass, one L2 round trip a step: at BLOCK_K a step FP8's qkv
@@ -733,11 +737,36 @@ def rms_norm_linear_triton(
                    (block_n, block_k, num_warps, num_stages, split_k, prefetch))
 
 
+def linear_pieces_triton(
+    hi: Tensor, lo: Tensor, inv_scale: Tensor, weight: Tensor, weight_scale: Tensor, *,
+    activation: str | None = None, out_dtype: torch.dtype = torch.bfloat16,
+    block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+    num_stages: int | None = None, split_k: int | None = None,
+) -> Tensor:
+    """linear_triton(x, weight, weight_scale=..., activation=...) for 2..16 rows of x given as
+    e4m3 pieces, x = (hi + lo) * inv_scale[:, None] (fuser/ops/e4m3_pieces.py): hi, lo
+    [M, K] e4m3fn (one row stride), inv_scale [M] fp32; FP8 weights. The FP8 MMA multiplies
+    the weight by both pieces (X2_PIECES); out [M, N] in out_dtype."""
+    if hi.shape != lo.shape or hi.dtype != FP8_DTYPE or lo.dtype != FP8_DTYPE or \
+            hi.stride() != lo.stride() or hi.stride(-1) != 1 or hi.dim() != 2 or \
+            inv_scale.shape != hi.shape[:1] or \
+            inv_scale.dtype != torch.float32:
+        raise ValueError(f"pieces must be hi, lo [M, K] {FP8_DTYPE} of one layout and "
+                         f"inv_scale [M] fp32, got {hi.dtype} {tuple(hi.shape)}, {lo.dtype} "
+                         f"{tuple(lo.shape)}, {inv_scale.dtype} {tuple(inv_scale.shape)}")
+    out, _ = _launch(hi, None, None, 0.0, weight, weight_scale, activation,
+                     (block_n, block_k, num_warps, num_stages, split_k, None),
+                     pieces=(lo, inv_scale.contiguous()), out_dtype=out_dtype)
+    return out
+
+
 def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps: float,
             weight: Tensor, weight_scale: Tensor | None, activation: str | None,
-            overrides: tuple) -> tuple[Tensor, Tensor | None]:
-    """The one launcher of _linear_kernel: linear_triton (norm_weight None) and
-    rms_norm_linear_triton. Returns (out [..., N], summed [..., K] or None)."""
+            overrides: tuple, pieces: tuple[Tensor, Tensor] | None = None,
+            out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None]:
+    """The one launcher of _linear_kernel: linear_triton (norm_weight None),
+    rms_norm_linear_triton and linear_pieces_triton (pieces: x is hi, pieces (lo, inv_scale)).
+    Returns (out [..., N] in out_dtype or x's, summed [..., K] or None)."""
     *lead, K = x.shape
     rows_w = weight.shape[0]
     assert weight.shape == (rows_w, K), (x.shape, weight.shape)
@@ -764,13 +793,14 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         r2 = r2.contiguous()
     summed = torch.empty_like(x2, memory_format=torch.contiguous_format) if residual is not None \
         else None                                               # [M, K]: x + residual
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    out = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
     if out.numel() == 0 or K == 0:  # gated too: act(0) * 0 = 0
         if summed is not None:  # no program runs to write it
             torch.add(x2, r2, out=summed)
         return out.zero_().reshape(*lead, N), _lead(summed, lead, K)
     block_n, block_k, num_warps, num_stages, split_k, prefetch = overrides
-    if x.device.type == "cuda" and (M == 1 or not norm) and all(o is None for o in overrides):
+    if x.device.type == "cuda" and (M == 1 or not norm) and pieces is None and \
+            all(o is None for o in overrides):
         from fuser.ops import gemv_stream  # noqa: PLC0415  (it imports this module's helpers)
 
         config = gemv_stream.CONFIG if M == 1 else gemv_stream.ROWS_CONFIG
@@ -790,14 +820,14 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         raise ValueError(f"block_n={bn}: a gated program takes block_n / 2 gate rows and as "
                          "many up rows, so block_n must be 2 or more")
     block_m = 1 if M == 1 else max(16, triton.next_power_of_2(M))
-    if num_stages is None and block_k is None:
+    if num_stages is None and block_k is None:  # pieces: two 1-byte tiles of x a step
         stages, bk = _fit_shared_memory(block_m, bn, bk, stages, weight.element_size(),
-                                        x.element_size())
+                                        2 if pieces is not None else x.element_size())
     if block_m > 1 and bn < 16:
         raise ValueError(f"block_n={bn}: the MMA path (more than one row) needs block_n >= 16")
     dot_dtype = x.dtype if fp8 else weight.dtype  # fp8: the MMA runs in x's dtype
     fp32_dots = dot_dtype == torch.float32 or (
-        x.device.type != "cuda" and dot_dtype == torch.bfloat16)
+        x.device.type != "cuda" and dot_dtype in (torch.bfloat16, FP8_DTYPE))
     cols_per_program = bn // 2 if activation is not None else bn
     programs = triton.cdiv(N, cols_per_program)
     splits = _default_split_k(M, rows_w, K, fp8) if split_k is None else split_k
@@ -823,17 +853,22 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
     if FP8_ROWS_MMA not in FP8_ROWS_CHOICES:
         raise ValueError(f"linear.FP8_ROWS_MMA={FP8_ROWS_MMA!r} is not one of {FP8_ROWS_CHOICES}")
     fp8_rows = FP8_ROWS_MMA if swap and fp8 and x.dtype == torch.bfloat16 else None
+    if pieces is not None:
+        if not (swap and fp8 and not norm):
+            raise ValueError("x as e4m3 pieces takes FP8 weights at 2 to 16 rows, no norm")
+        fp8_rows = "pieces"
+    lo, inv = pieces if pieces is not None else (x2, out)
     _linear_kernel[(programs, splits)](
         x2, weight, weight_scale if fp8 else out, out, parts, counts,
         r2, norm_weight.contiguous() if norm else x2, summed if summed is not None else x2,
-        M, N, K, x2.stride(0), weight.stride(0), out.stride(0), r2.stride(0), eps,
+        lo, inv, M, N, K, x2.stride(0), weight.stride(0), out.stride(0), r2.stride(0), eps,
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
         NORM_K=min(ONE_ROW_NORM_K, triton.next_power_of_2(K)) if ONE_ROW_NORM_K and fp8 else bk,
         FP32_DOTS=fp32_dots, HAS_SCALE=fp8,
         ACTIVATION=activation or "", NORM=norm, HAS_RESIDUAL=residual is not None,
         SPLIT_K=splits, PDL=bool(pdl), PREFETCH=PDL_PREFETCH if prefetch is None else prefetch,
-        SWAP=swap, F16_MMA=fp8_rows == "f16", X2_MMA=fp8_rows == "x2",
-        RSTD_LAST=rstd_last, num_warps=num_warps or warps, num_stages=num_stages or stages, **pdl,
+        SWAP=swap, F16_MMA=fp8_rows in ("f16", "norm pieces"), X2_MMA=fp8_rows == "x2",
+        X2_PIECES=fp8_rows == "pieces", RSTD_LAST=rstd_last, num_warps=num_warps or warps, num_stages=num_stages or stages, **pdl,
     )
     return out.reshape(*lead, N), _lead(summed, lead, K)
 
@@ -1050,8 +1085,34 @@ def _rms_norm_linear_fake(x: Tensor, norm_weight: Tensor, eps: float, weight: Te
                                  activation)
 
 
+def _norm_pieces_take(x: Tensor, residual: Tensor | None, norm_weight: Tensor,
+                      weight_scale: Tensor | None) -> bool:
+    """Whether the several-row norm hands the FP8 GEMV its rows as e4m3 pieces
+    (FP8_ROWS_MMA "norm pieces"): 2..16 bf16 rows, FP8 weights."""
+    from fuser.ops.e4m3_pieces import pieces_supported  # noqa: PLC0415
+
+    rows = x.numel() // max(x.shape[-1], 1)
+    return (FP8_ROWS_MMA == "norm pieces" and weight_scale is not None
+            and 1 < rows <= MAX_ROWS and pieces_supported(x, norm_weight, residual))
+
+
+def _norm_pieces_linear(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float,
+                        weight: Tensor, weight_scale: Tensor, activation: str | None
+                        ) -> tuple[Tensor, Tensor | None]:
+    """The norm kernel writing pieces, then the GEMV on them: (out, summed or None)."""
+    from fuser.ops.e4m3_pieces import add_rms_norm_pieces_triton  # noqa: PLC0415
+
+    hi, lo, inv, summed = add_rms_norm_pieces_triton(x, residual, norm_weight, eps)
+    out = linear_pieces_triton(hi, lo, inv, weight, weight_scale, activation=activation,
+                               out_dtype=x.dtype)
+    return out.reshape(*x.shape[:-1], out.shape[-1]), summed
+
+
 def _rms_norm_linear_cuda(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor,
                           weight_scale: Tensor | None, activation: str | None) -> Tensor:
+    if _norm_pieces_take(x, None, norm_weight, weight_scale):
+        return _norm_pieces_linear(x, None, norm_weight, eps, weight, weight_scale,
+                                   activation)[0]
     if not _fused_kernel_takes(x, None, norm_weight, weight, weight_scale):
         return _linear_op(torch.ops.fuser.rms_norm(x, norm_weight, eps), weight, weight_scale,
                           activation)
@@ -1094,6 +1155,9 @@ def _add_rms_norm_linear_fake(x: Tensor, residual: Tensor, norm_weight: Tensor, 
 def _add_rms_norm_linear_cuda(x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float,
                               weight: Tensor, weight_scale: Tensor | None, activation: str | None
                               ) -> tuple[Tensor, Tensor]:
+    if _norm_pieces_take(x, residual, norm_weight, weight_scale):
+        return _norm_pieces_linear(x, residual, norm_weight, eps, weight, weight_scale,
+                                   activation)
     if not _fused_kernel_takes(x, residual, norm_weight, weight, weight_scale):
         normed, summed = torch.ops.fuser.add_rms_norm(x, residual, norm_weight, eps)
         return _linear_op(normed, weight, weight_scale, activation), summed

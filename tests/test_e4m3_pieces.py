@@ -1,0 +1,192 @@
+"""fuser/ops/e4m3_pieces.py and linear.py's X2_PIECES: bf16 rows as two e4m3 pieces, made by the
+several-row norm kernel and multiplied by FP8 weights on the FP8 MMA (linear.FP8_ROWS_MMA =
+"norm pieces"). Without a GPU the kernels run under TRITON_INTERPRET=1 (conftest.py)."""
+
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fuser.ops import linear as linear_module
+from fuser.ops.e4m3_pieces import (add_rms_norm_pieces_triton, join_pieces, pieces_supported,
+                                   split_pieces_reference)
+from fuser.ops.fp8 import fp8_linear_reference, quantize_weight
+from fuser.ops.linear import MAX_ROWS, linear_pieces_triton, linear_triton
+from fuser.ops.rmsnorm import add_rms_norm_reference, add_rms_norm_triton, rms_norm_triton
+
+pytestmark = pytest.mark.usefixtures("interpreter_rounds_bf16_like_gpu")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+EPS = 1e-5
+SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+
+
+def spread_rows(M: int, K: int, exponent: int, span: int, seed: int) -> torch.Tensor:
+    """bf16 [M, K]: random signs, 8-bit mantissas, magnitudes 2^(exponent - span .. exponent)."""
+    g = torch.Generator().manual_seed(seed)
+    mantissa = 1 + torch.randint(0, 128, (M, K), generator=g) / 128
+    sign = torch.where(torch.rand(M, K, generator=g) < 0.5, -1.0, 1.0)
+    power = torch.randint(-span, 1, (M, K), generator=g).double() + exponent
+    return (sign * mantissa * torch.exp2(power)).to(torch.bfloat16)
+
+
+@settings(max_examples=20, **SETTINGS)
+@given(M=st.integers(1, 8), K=st.integers(1, 200), exponent=st.integers(-120, 120),
+       span=st.integers(0, 20), seed=st.integers(0, 2**16))
+def test_split_is_exact_near_the_row_max_and_bounded_below(M, K, exponent, span, seed):
+    """hi + lo is x exactly for values within 2^9 of their row's max |x| (below that each piece
+    may round to e4m3's subnormal step, 2^-9: never off by more than 2^-9 inv_scale in all);
+    every piece is an e4m3 value under 2^8, so no MMA input saturates."""
+    x = spread_rows(M, K, exponent, span, seed)
+    hi, lo, inv = split_pieces_reference(x)
+    back = join_pieces(hi, lo, inv)
+    x64 = x.double()
+    near = x64.abs() >= x64.abs().amax(dim=1, keepdim=True) * 2.0**-9
+    assert torch.equal(back[near], x64[near])
+    assert ((back - x64).abs() <= 2.0**-9 * inv.double()[:, None]).all()
+    assert (hi.float().abs() < 256).all() and (lo.float().abs() < 16).all()
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["norm", "add_norm"])
+@pytest.mark.parametrize("M,K", [(1, 64), (5, 200), (16, 4096)])
+def test_norm_kernel_writes_the_norms_value_as_pieces(M, K, residual):
+    """The norm kernel's pieces are the split of what the norm kernel (fuser::add_rms_norm's,
+    fuser::rms_norm's) writes, bit for bit, and summed is the residual add's."""
+    g = torch.Generator().manual_seed(M * K)
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    r = torch.randn(M, K, generator=g).to(torch.bfloat16) if residual else None
+    w = (1 + 0.2 * torch.randn(K, generator=g)).to(torch.bfloat16)
+    hi, lo, inv, summed = add_rms_norm_pieces_triton(
+        x.to(DEVICE), r.to(DEVICE) if residual else None, w.to(DEVICE), EPS)
+    if residual:
+        normed, _ = add_rms_norm_triton(x.to(DEVICE), r.to(DEVICE), w.to(DEVICE), EPS)
+        assert torch.equal(summed.cpu(), add_rms_norm_reference(x, r, w, EPS)[1])
+    else:
+        normed = rms_norm_triton(x.to(DEVICE), w.to(DEVICE), EPS)
+        assert summed is None
+    want = split_pieces_reference(normed.cpu())
+    for got, ref in zip((hi, lo), want[:2]):
+        assert torch.equal(got.cpu().view(torch.uint8), ref.view(torch.uint8))
+    assert torch.equal(inv.cpu(), want[2])
+
+
+def _run_bf16_mma(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, **config):
+    """The several-row FP8 GEMV on the bf16 MMA: the exact products of bf16's x."""
+    with mock.patch.object(linear_module, "_default_swap", lambda *_: True), \
+            mock.patch.object(linear_module, "FP8_ROWS_MMA", None):
+        return linear_triton(x, w, weight_scale=scale, **config)
+
+
+@settings(max_examples=12, **SETTINGS)
+@given(M=st.integers(2, MAX_ROWS), N=st.integers(1, 70), blocks=st.integers(1, 3),
+       split_k=st.sampled_from([1, 2]), activation=st.sampled_from([None, "silu"]),
+       magnitude=st.sampled_from([2.0**-40, 1.0, 2.0**40]), seed=st.integers(0, 2**16))
+def test_gemv_on_pieces_keeps_the_bf16_mma_values(M, N, blocks, split_k, activation,
+                                                   magnitude, seed):
+    """X2_PIECES: the FP8 MMA over x's pieces gives the bf16 MMA's outputs (the same exact
+    products, summed in another order, one rounding) and the reference's, at any magnitude."""
+    K = 32 * blocks * split_k
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(M, K, generator=g) * magnitude).to(torch.bfloat16)
+    w, scale = quantize_weight(torch.randn(2 * N if activation else N, K, generator=g))
+    w, scale = w.to(DEVICE), scale.to(DEVICE)
+    hi, lo, inv = (t.to(DEVICE) for t in split_pieces_reference(x))
+    config = dict(activation=activation, block_n=16, block_k=32, split_k=split_k)
+    out = linear_pieces_triton(hi, lo, inv, w, scale, **config)
+    bf16 = _run_bf16_mma(x.to(DEVICE), w, scale, **config)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    tol = 2.0**-7
+    torch.testing.assert_close(out.float(), bf16.float(), rtol=tol,
+                               atol=tol * bf16.float().abs().max().item() + 1e-37)
+    if activation is None:
+        ref = fp8_linear_reference(x.to(DEVICE), w, scale).float()
+        torch.testing.assert_close(out.float(), ref, rtol=tol,
+                                   atol=tol * ref.abs().max().item() + 1e-37)
+
+
+def test_pieces_carry_every_bit_through_an_identity_weight():
+    """Through an identity weight (1.0 exact in e4m3, scale 1) the GEMV returns x bit for bit:
+    fails if the lo piece is dropped or the rows' 2^-t is misapplied."""
+    x = spread_rows(5, 64, 3, 9, seed=1)
+    hi, lo, inv = (t.to(DEVICE) for t in split_pieces_reference(x))
+    w = torch.eye(64).to(torch.float8_e4m3fn).to(DEVICE)
+    out = linear_pieces_triton(hi, lo, inv, w, torch.ones(64, device=DEVICE),
+                               block_n=16, block_k=32)
+    assert torch.equal(out.cpu(), x)
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["norm", "add_norm"])
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_norm_linear_ops_take_the_pieces_path(residual, activation):
+    """FP8_ROWS_MMA = "norm pieces": the CUDA implementations of fuser::rms_norm_linear and
+    fuser::add_rms_norm_linear at several rows run the norm kernel with pieces, then the GEMV on
+    them: their references' values, summed bit for bit; off, the pieces kernel never runs."""
+    from fuser.ops import e4m3_pieces
+
+    g = torch.Generator().manual_seed(7)
+    M, K, N = 5, 96, 40
+    x, r = (torch.randn(1, M, K, generator=g).to(torch.bfloat16).to(DEVICE) for _ in range(2))
+    nw = (1 + 0.2 * torch.randn(K, generator=g)).to(torch.bfloat16).to(DEVICE)
+    w, scale = quantize_weight(torch.randn(2 * N if activation else N, K, generator=g))
+    w, scale = w.to(DEVICE), scale.to(DEVICE)
+    args = (x, r, nw, EPS, w, scale, activation) if residual else \
+        (x, nw, EPS, w, scale, activation)
+    fn = linear_module._add_rms_norm_linear_cuda if residual else \
+        linear_module._rms_norm_linear_cuda
+    ref_fn = linear_module.add_rms_norm_linear_reference if residual else \
+        linear_module.rms_norm_linear_reference
+    spy = mock.Mock(wraps=e4m3_pieces.add_rms_norm_pieces_triton)
+    with mock.patch.object(e4m3_pieces, "add_rms_norm_pieces_triton", spy):
+        with mock.patch.object(linear_module, "FP8_ROWS_MMA", "norm pieces"):
+            got = fn(*args)
+        assert spy.call_count == 1
+        fn(*args)  # the default: the norm kernel, then the GEMV on the fp16 MMA
+        assert spy.call_count == 1
+    ref = ref_fn(*(a.cpu() if isinstance(a, torch.Tensor) else a for a in args))
+    if residual:
+        (got, summed), (ref, summed_ref) = got, ref
+        assert torch.equal(summed.cpu(), summed_ref)
+    assert got.shape == ref.shape
+    tol = 2.0**-7
+    torch.testing.assert_close(got.cpu().float(), ref.float(), rtol=tol,
+                               atol=tol * ref.float().abs().max().item())
+
+
+def test_bad_pieces_are_refused_with_a_message():
+    w, scale = quantize_weight(torch.randn(16, 32))
+    x = torch.randn(3, 32).to(torch.bfloat16)
+    hi, lo, inv = split_pieces_reference(x)
+    with pytest.raises(ValueError, match="pieces must be"):
+        linear_pieces_triton(x, lo, inv, w, scale)                 # hi in bf16
+    with pytest.raises(ValueError, match="pieces must be"):
+        linear_pieces_triton(hi, lo, inv[:2], w, scale)            # a scale missing
+    h1, l1, i1 = split_pieces_reference(x[:1])
+    with pytest.raises(ValueError, match="2 to 16 rows"):
+        linear_pieces_triton(h1, l1, i1, w, scale)                 # one row: not the MMA path
+    assert not pieces_supported(x.half(), torch.ones(32).half(), None)
+    with pytest.raises(ValueError, match="bf16 rows"):
+        add_rms_norm_pieces_triton(x.half(), None, torch.ones(32).half(), EPS)
+
+
+@needs_cuda
+@pytest.mark.parametrize("N,activation", [(6144, None), (28672, "silu")])
+def test_gpu_norm_pieces_at_llama3_shapes(N, activation):
+    """The 8B qkv and gate/up GEMVs at five rows through the pieces path: finite, and the bf16
+    MMA's values on the same normed rows."""
+    K = 4096
+    g = torch.Generator(device="cuda").manual_seed(N)
+    x, r = (torch.randn(5, K, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
+    nw = (1 + 0.1 * torch.randn(K, device="cuda", generator=g)).to(torch.bfloat16)
+    w, scale = quantize_weight(torch.randn(N, K, device="cuda", generator=g) * 0.02)
+    with mock.patch.object(linear_module, "FP8_ROWS_MMA", "norm pieces"):
+        out, summed = linear_module._add_rms_norm_linear_cuda(x, r, nw, EPS, w, scale,
+                                                               activation)
+    normed, summed_ref = add_rms_norm_reference(x, r, nw, EPS)
+    assert torch.equal(summed, summed_ref)
+    bf16 = _run_bf16_mma(normed, w, scale, activation=activation)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), bf16.float(), rtol=2.0**-7,
+                               atol=2.0**-7 * bf16.float().abs().max().item())
