@@ -341,25 +341,24 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from fuser.ops.linear import _default_config, _default_fp8_config, _default_swap, _linear_kernel
 
-NAMES = ["x_ptr", "w_ptr", "scale_ptr", "out_ptr", "part_ptr", "count_ptr", "r_ptr", "g_ptr",
-         "sum_ptr", "M", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_rm", "eps",
-         "BLOCK_M", "BLOCK_N", "BLOCK_K", "NORM_K", "FP32_DOTS", "HAS_SCALE", "ACTIVATION",
-         "NORM", "HAS_RESIDUAL", "SPLIT_K", "PDL", "PREFETCH", "SWAP", "F16_MMA", "RSTD_LAST"]
+NAMES = [param.name for param in _linear_kernel.params]
 out = {}
 for fp8, M in [(False, 1), (True, 16), (True, 1)]:
     for act, norm, pdl in (("", False, 0), ("silu", False, 0), ("silu", True, 0),
                            ("", False, 1), ("silu", True, 1)):
         bn, bk, warps, stages = (_default_fp8_config if fp8 else _default_config)(M, 28672, 4096)
-        types = ["*bf16", "*fp8e4nv" if fp8 else "*bf16", "*fp32", "*bf16", "*fp32", "*i32",
-                 "*bf16", "*bf16", "*bf16"] + ["i32"] * 7 + ["fp32"]
-        sig = dict(zip(NAMES, types + ["constexpr"] * 15))
+        types = dict(w_ptr="*fp8e4nv" if fp8 else "*bf16", scale_ptr="*fp32", part_ptr="*fp32",
+                     count_ptr="*i32", lo_ptr="*fp8e4nv", inv_ptr="*fp32", eps="fp32")
+        sig = {param.name: "constexpr" if param.is_constexpr else types.get(
+                   param.name, "*bf16" if param.name.endswith("_ptr") else "i32")
+               for param in _linear_kernel.params}
         consts = dict(BLOCK_M=1 if M == 1 else 16, BLOCK_N=bn, BLOCK_K=bk, NORM_K=bk,
                       FP32_DOTS=False, HAS_SCALE=fp8, ACTIVATION=act, NORM=norm,
                       HAS_RESIDUAL=norm, SPLIT_K=1, PDL=bool(pdl), PREFETCH=pdl,
-                      SWAP=_default_swap(M, 28672, 4096, fp8), F16_MMA=False,
-                      RSTD_LAST=norm and M == 1)
-        attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12,
-                                                           13, 14, 15)}
+                      SWAP=_default_swap(M, 28672, 4096, fp8), F16_MMA=False, X2_MMA=False,
+                      X2_PIECES=False, RSTD_LAST=norm and M == 1)
+        aligned = [n for n in NAMES if n.endswith("_ptr") or n.startswith("stride")] + ["N", "K"]
+        attrs = {(NAMES.index(n),): [["tt.divisibility", 16]] for n in aligned}
         src = ASTSource(_linear_kernel, sig, {(NAMES.index(k),): v for k, v in consts.items()},
                         attrs)
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
