@@ -27,7 +27,7 @@ A variant is a list of words:
   rstd         (after any of the above) the norm without the prologue pass: rstd multiplies
                the sums after the K loop (linear.NORM_RSTD_LAST), every shape
   pass         (after any of the above) the prologue pass at every shape (without either
-               word: linear.rstd_last_for's choice, FP8's qkv and LM head after the sum)
+               word: linear.rstd_last_for's choice, FP8's qkv after the sum)
 """
 
 from __future__ import annotations

@@ -124,8 +124,6 @@ def test_norm_linear_ops_take_the_pieces_path(residual, activation):
     """FP8_ROWS_MMA = "norm pieces": the CUDA implementations of fuser::rms_norm_linear and
     fuser::add_rms_norm_linear at several rows run the norm kernel with pieces, then the GEMV on
     them: their references' values, summed bit for bit; off, the pieces kernel never runs."""
-    from fuser.ops import e4m3_pieces
-
     g = torch.Generator().manual_seed(7)
     M, K, N = 5, 96, 40
     x, r = (torch.randn(1, M, K, generator=g).to(torch.bfloat16).to(DEVICE) for _ in range(2))
@@ -138,8 +136,8 @@ def test_norm_linear_ops_take_the_pieces_path(residual, activation):
         linear_module._rms_norm_linear_cuda
     ref_fn = linear_module.add_rms_norm_linear_reference if residual else \
         linear_module.rms_norm_linear_reference
-    spy = mock.Mock(wraps=e4m3_pieces.add_rms_norm_pieces_triton)
-    with mock.patch.object(e4m3_pieces, "add_rms_norm_pieces_triton", spy):
+    spy = mock.Mock(wraps=add_rms_norm_pieces_triton)
+    with mock.patch.object(linear_module, "add_rms_norm_pieces_triton", spy):
         with mock.patch.object(linear_module, "FP8_ROWS_MMA", "norm pieces"):
             got = fn(*args)
         assert spy.call_count == 1

@@ -13,9 +13,10 @@ The split. A row is scaled by 2^t, the power of two that puts its max |x| in [2^
 rounding, so no carry) and lo = x 2^t - hi holds the (at most) 4 bits left of bf16's 8, below
 hi's last place, so |lo| < 2^4. Both are e4m3 values, unless they fall below e4m3's normal range
 (2^-6), where its subnormal step 2^-9 rounds them: values more than ~2^9 below the row's max
-lose bits, at most 2^-9 2^-t in all (2^-16 of the row's max). An FP8 x FP8 MMA over (hi, lo) then multiplies the
-weight by x's exact value: linear.py's X2 paths (`_x2_step` splits each K step's tile inside the
-GEMV; X2_PIECES takes pieces made here, once per row, by the kernel that made the row).
+lose bits, at most 2^-9 2^-t in all (2^-16 of the row's max). An FP8 x FP8 MMA over (hi, lo)
+then multiplies the weight by x's exact value: linear.py's X2 paths (`_x2_step` splits each K
+step's tile inside the GEMV; X2_PIECES takes pieces made here, once per row, by the kernel that
+made the row).
 
 Cost of the norm kernel with pieces: it writes 2 bytes per value (hi, lo) instead of bf16's 2,
 plus 4 bytes a row; the GEMV then reads 2 bytes of x per value, as before.
@@ -64,7 +65,7 @@ def _scale_exponent(amax):
 @triton.jit
 def _split(scaled):
     """(hi, lo) in fp32 of x 2^t (|.| < 2^8): the top 4 significant bits, and the rest."""
-    top = (scaled.to(tl.int32, bitcast=True) & -1048576).to(tl.float32, bitcast=True)
+    top = (scaled.to(tl.int32, bitcast=True) & -1048576).to(tl.float32, bitcast=True)  # TOP_BITS
     return top, scaled - top
 
 

@@ -106,7 +106,8 @@ import triton.language as tl
 from torch import Tensor
 
 from fuser.ops.counters import split_counters
-from fuser.ops.e4m3_pieces import _e4m3_rounded, _pow2, _scale_exponent, _split
+from fuser.ops.e4m3_pieces import (_e4m3_rounded, _pow2, _scale_exponent, _split,
+                                   add_rms_norm_pieces_triton, pieces_supported)
 from fuser.ops.fp8 import FP8_DTYPE, fp8_linear_reference
 from fuser.ops.gated_act import ACTIVATIONS, act_times_up, gated_act_reference
 from fuser.ops.pdl import pdl_launch, wait_for_inputs
@@ -254,11 +255,11 @@ def _x2_step(acc, w, x, FP32_DOTS: tl.constexpr):
     below hi's last place (|lo| < 2^4). Both are e4m3 values and hi + lo is x 2^t exactly
     unless x is below the tile's max |x| by more than ~2^9 (the pieces then on e4m3's
     subnormal grid of 2^-9: an error of at most 2^-16 of the max; fuser/ops/e4m3_pieces.py,
-    whose helpers split it here). The products are exact
-    in fp32; each step's two dots (lo's, then hi's onto it) start from zero and are added to
-    acc in fp32 here (the H100's FP8 MMA keeps fewer bits when it accumulates: DeepSeek-V3's
-    promotion every 128 columns), so acc holds the bf16 MMA's sums up to their order and that
-    step-local accumulation. Under FP32_DOTS the same pieces in fp32 dots."""
+    whose helpers split it here). The products are exact in fp32; each step's two dots (lo's,
+    then hi's onto it) start from zero and are added to acc in fp32 here (the H100's FP8 MMA
+    keeps fewer bits when it accumulates: DeepSeek-V3's promotion every 128 columns), so acc
+    holds the bf16 MMA's sums up to their order and that step-local accumulation. Under
+    FP32_DOTS the same pieces in fp32 dots."""
     x32 = x.to(tl.float32)
     t = _scale_exponent(tl.max(tl.abs(x32), axis=1))               # [BLOCK_M]: amax 2^t < 2^8
     hi, lo = _split(x32 * _pow2(t)[:, None])                        # fuser/ops/e4m3_pieces.py
@@ -496,7 +497,7 @@ def _linear_kernel(
             else:
                 acc = _rows_step(acc, w, x_rows, r_rows, g_ptr, k, k_hi, row_ok, rstd,
                                  FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, SWAP)
-        if F16_MMA and not X2_MMA:  # back to the sums themselves (each split: its own shifts)
+        if F16_MMA:  # back to the sums themselves (each split had its own shifts)
             acc *= _pow2(-shift)[None, :]
         if X2_PIECES:  # the rows' 2^-t (acc [BLOCK_N, BLOCK_M]: SWAP)
             acc *= tl.load(inv_ptr + rows, mask=row_ok, other=0.0)[None, :]
@@ -868,7 +869,8 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         ACTIVATION=activation or "", NORM=norm, HAS_RESIDUAL=residual is not None,
         SPLIT_K=splits, PDL=bool(pdl), PREFETCH=PDL_PREFETCH if prefetch is None else prefetch,
         SWAP=swap, F16_MMA=fp8_rows in ("f16", "norm pieces"), X2_MMA=fp8_rows == "x2",
-        X2_PIECES=fp8_rows == "pieces", RSTD_LAST=rstd_last, num_warps=num_warps or warps, num_stages=num_stages or stages, **pdl,
+        X2_PIECES=fp8_rows == "pieces", RSTD_LAST=rstd_last, num_warps=num_warps or warps,
+        num_stages=num_stages or stages, **pdl,
     )
     return out.reshape(*lead, N), _lead(summed, lead, K)
 
@@ -1089,8 +1091,6 @@ def _norm_pieces_take(x: Tensor, residual: Tensor | None, norm_weight: Tensor,
                       weight_scale: Tensor | None) -> bool:
     """Whether the several-row norm hands the FP8 GEMV its rows as e4m3 pieces
     (FP8_ROWS_MMA "norm pieces"): 2..16 bf16 rows, FP8 weights."""
-    from fuser.ops.e4m3_pieces import pieces_supported  # noqa: PLC0415
-
     rows = x.numel() // max(x.shape[-1], 1)
     return (FP8_ROWS_MMA == "norm pieces" and weight_scale is not None
             and 1 < rows <= MAX_ROWS and pieces_supported(x, norm_weight, residual))
@@ -1100,8 +1100,6 @@ def _norm_pieces_linear(x: Tensor, residual: Tensor | None, norm_weight: Tensor,
                         weight: Tensor, weight_scale: Tensor, activation: str | None
                         ) -> tuple[Tensor, Tensor | None]:
     """The norm kernel writing pieces, then the GEMV on them: (out, summed or None)."""
-    from fuser.ops.e4m3_pieces import add_rms_norm_pieces_triton  # noqa: PLC0415
-
     hi, lo, inv, summed = add_rms_norm_pieces_triton(x, residual, norm_weight, eps)
     out = linear_pieces_triton(hi, lo, inv, weight, weight_scale, activation=activation,
                                out_dtype=x.dtype)
