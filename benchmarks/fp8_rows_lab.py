@@ -551,7 +551,8 @@ def compile_sm90(variant: str, N: int, K: int, block_n: int, block_k: int, split
                       HAS_RESIDUAL=False, SPLIT_K=split_k, SWAP=True,
                       F16_MMA=ENGINE_VARIANTS.get(variant, "f16") == "f16",
                       X2_MMA=ENGINE_VARIANTS.get(variant) == "x2",
-                      X2_PIECES=ENGINE_VARIANTS.get(variant) == "pieces")
+                      X2_PIECES=ENGINE_VARIANTS.get(variant) == "pieces",
+                      EVEN_K=K % (split_k * block_k) == 0)
     else:
         fn = _rows_kernel
         weight, xm = VARIANTS[variant]

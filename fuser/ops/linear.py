@@ -136,10 +136,21 @@ def _norm_x_tile(x_ptrs, r_ptrs, g_ptr, k, mask, k_ok, rstd, NORM: tl.constexpr,
 
 
 @triton.jit
-def _w_tile(w_rows, col_ok, k, k_hi):
+def _k_ok(k, k_hi, EVEN_K: tl.constexpr):
+    """k < k_hi, or a constant True where the launcher knows every K step is whole (EVEN_K):
+    the masks then fold away (on sm_90 a 5-row FP8 GEMV's K loop at 128 x 128 tiles drops from
+    197 to 178 instructions, the predicate logic gone)."""
+    if EVEN_K:
+        return tl.full(k.shape, 1, tl.int1)
+    return k < k_hi
+
+
+@triton.jit
+def _w_tile(w_rows, col_ok, k, k_hi, EVEN_K: tl.constexpr = False):
     """The weight tile [BLOCK_N, BLOCK_K] at columns k (masked past k_hi: a predicated-off load
     moves no bytes)."""
-    return tl.load(w_rows + k[None, :], mask=col_ok[:, None] & (k < k_hi)[None, :], other=0.0)
+    return tl.load(w_rows + k[None, :], mask=col_ok[:, None] & _k_ok(k, k_hi, EVEN_K)[None, :],
+                   other=0.0)
 
 
 @triton.jit
@@ -177,9 +188,9 @@ def _rstd_last(acc, squares, K, eps):
 
 @triton.jit
 def _rows_x(x_rows, r_rows, g_ptr, k, k_hi, row_ok, rstd, NORM: tl.constexpr,
-            HAS_RESIDUAL: tl.constexpr):
+            HAS_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr = False):
     """The several-row GEMV's input tile [BLOCK_M, BLOCK_K] at columns k (_norm_x_tile)."""
-    k_ok = k < k_hi
+    k_ok = _k_ok(k, k_hi, EVEN_K)
     return _norm_x_tile(x_rows, r_rows, g_ptr, k[None, :], row_ok[:, None] & k_ok[None, :],
                         k_ok[None, :], rstd, NORM, HAS_RESIDUAL)
 
@@ -187,10 +198,10 @@ def _rows_x(x_rows, r_rows, g_ptr, k, k_hi, row_ok, rstd, NORM: tl.constexpr,
 @triton.jit
 def _rows_step(acc, w, x_rows, r_rows, g_ptr, k, k_hi, row_ok, rstd, FP32_DOTS: tl.constexpr,
                HAS_SCALE: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-               SWAP: tl.constexpr = False):
+               SWAP: tl.constexpr = False, EVEN_K: tl.constexpr = False):
     """One K step of the several-row GEMV on the MMA: acc [BLOCK_M, BLOCK_N] + x[:, k] . w.T
     (SWAP: acc [BLOCK_N, BLOCK_M] + w . x[:, k].T)."""
-    x = _rows_x(x_rows, r_rows, g_ptr, k, k_hi, row_ok, rstd, NORM, HAS_RESIDUAL)
+    x = _rows_x(x_rows, r_rows, g_ptr, k, k_hi, row_ok, rstd, NORM, HAS_RESIDUAL, EVEN_K)
     if SWAP:
         acc = _mma_swapped(acc, x, w, FP32_DOTS, HAS_SCALE)
     else:
@@ -375,6 +386,8 @@ def _linear_kernel(
     X2_PIECES: tl.constexpr = False,  # SWAP, FP8 weights: x given as pieces (hi, lo, inv_ptr)
     RSTD_LAST: tl.constexpr = False,  # one row, NORM: no prologue pass; the K loop gathers the
                                 # squares and rstd multiplies the sum (_row_step, _rstd_last)
+    EVEN_K: tl.constexpr = False,  # several rows: SPLIT_K * BLOCK_K divides K, so the K loop's
+                                # tiles need no column masks (_k_ok)
 ):
     pid = tl.program_id(0)
     # Split-K: program (pid, s) sums K range [s * K / SPLIT_K, (s + 1) * K / SPLIT_K) (the
@@ -481,22 +494,24 @@ def _linear_kernel(
         shift = tl.full([BLOCK_M], 100, dtype=tl.int32)  # F16_MMA: acc holds sums * 2^shift
         for k0 in range(k_loop, k_hi, BLOCK_K):
             k = k0 + offs_k
-            w = _w_tile(w_rows, col_ok, k, k_hi)
+            w = _w_tile(w_rows, col_ok, k, k_hi, EVEN_K)
             if X2_PIECES:
-                x_ok = row_ok[:, None] & (k < k_hi)[None, :]
+                x_ok = row_ok[:, None] & _k_ok(k, k_hi, EVEN_K)[None, :]
                 hi = tl.load(x_rows + k[None, :], mask=x_ok, other=0.0)
                 lo = tl.load(lo_ptr + rows[:, None] * stride_xm + k[None, :], mask=x_ok,
                              other=0.0)
                 acc += _pieces_dot(w, hi, lo, FP32_DOTS)
             elif X2_MMA:
-                x = _rows_x(x_rows, r_rows, g_ptr, k, k_hi, row_ok, rstd, NORM, HAS_RESIDUAL)
+                x = _rows_x(x_rows, r_rows, g_ptr, k, k_hi, row_ok, rstd, NORM, HAS_RESIDUAL,
+                            EVEN_K)
                 acc = _x2_step(acc, w, x, FP32_DOTS)
             elif F16_MMA:
-                x = _rows_x(x_rows, r_rows, g_ptr, k, k_hi, row_ok, rstd, NORM, HAS_RESIDUAL)
+                x = _rows_x(x_rows, r_rows, g_ptr, k, k_hi, row_ok, rstd, NORM, HAS_RESIDUAL,
+                            EVEN_K)
                 acc, shift = _f16_step(acc, shift, w, x, FP32_DOTS)
             else:
                 acc = _rows_step(acc, w, x_rows, r_rows, g_ptr, k, k_hi, row_ok, rstd,
-                                 FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, SWAP)
+                                 FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, SWAP, EVEN_K)
         if F16_MMA:  # back to the sums themselves (each split had its own shifts)
             acc *= _pow2(-shift)[None, :]
         if X2_PIECES:  # the rows' 2^-t (acc [BLOCK_N, BLOCK_M]: SWAP)
@@ -869,7 +884,8 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         ACTIVATION=activation or "", NORM=norm, HAS_RESIDUAL=residual is not None,
         SPLIT_K=splits, PDL=bool(pdl), PREFETCH=PDL_PREFETCH if prefetch is None else prefetch,
         SWAP=swap, F16_MMA=fp8_rows in ("f16", "norm pieces"), X2_MMA=fp8_rows == "x2",
-        X2_PIECES=fp8_rows == "pieces", RSTD_LAST=rstd_last, num_warps=num_warps or warps,
+        X2_PIECES=fp8_rows == "pieces", RSTD_LAST=rstd_last,
+        EVEN_K=block_m > 1 and K % (splits * bk) == 0, num_warps=num_warps or warps,
         num_stages=num_stages or stages, **pdl,
     )
     return out.reshape(*lead, N), _lead(summed, lead, K)
