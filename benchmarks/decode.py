@@ -103,11 +103,12 @@ def main() -> None:
     parser.add_argument("--norm-pass", action="store_true",
                         help="one row's norm by the prologue pass at every shape (no "
                              "linear.FP8_PLAIN_RSTD_LAST)")
-    parser.add_argument("--fp8-rows", choices=["f16", "x2", "norm pieces", "bf16"], default=None,
+    parser.add_argument("--fp8-rows", choices=["f16", "x2", "norm pieces", "pieces", "bf16"],
+                        default=None,
                         help="several-row FP8 GEMVs (the verify step) on the fp16 MMA, the FP8 "
-                             "MMA with x split in two pieces in the GEMV or by the norm kernel "
-                             "before it, or the bf16 MMA (linear.FP8_ROWS_MMA; default: the "
-                             "module's)")
+                             "MMA with x split in two pieces in the GEMV, by the norm kernel "
+                             "before it, or by the norm kernel and a split kernel, or the bf16 "
+                             "MMA (linear.FP8_ROWS_MMA; default: the module's)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     warnings.simplefilter("ignore")

@@ -126,7 +126,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fuser.ops.fp8 import quantize_rows, quantize_weight  # noqa: E402
-from fuser.ops.e4m3_pieces import split_pieces_reference  # noqa: E402
+from fuser.ops.e4m3_pieces import split_pieces_reference, split_pieces_triton  # noqa: E402
 from fuser.ops.linear import _f16_step, _pow2, _sum_splits, linear_pieces_triton  # noqa: E402
 from fuser.ops.linear import linear_triton  # noqa: E402
 
@@ -150,7 +150,8 @@ VARIANTS = {
     "x2 pieces chained": ("fp8", "x2c"),
 }
 # name -> linear.FP8_ROWS_MMA: the engine's kernel (linear_triton) with the sweep's tiles
-ENGINE_VARIANTS = {"engine f16": "f16", "engine x2": "x2", "engine pieces": "pieces"}
+ENGINE_VARIANTS = {"engine f16": "f16", "engine x2": "x2", "engine pieces": "pieces",
+                   "engine split pieces": "split pieces"}
 DEFAULT_VARIANTS = ["default", "f16 cvt", "f16 cvt prepass", "f16 cvt x16", "f16 bits asm",
                     "f16 bits asm prepass", "f16 bits asm x16", "f16 bits int", "a8 ceiling",
                     "a8 x2"]
@@ -363,7 +364,8 @@ class EngineGemv:
     """linear_triton (the engine's several-row path) with one FP8_ROWS_MMA and a configuration
     given (block_n, block_k, split_k, stages); called as RowsGemv is. x is the bf16 x itself
     (prepare_x's "shift" triple: the kernel prepares it). "engine pieces": linear_pieces_triton
-    on x split outside (fuser/ops/e4m3_pieces.py, untimed: what the norm kernel would hand it)."""
+    on x split outside (fuser/ops/e4m3_pieces.py, untimed: what the norm kernel would hand it);
+    "engine split pieces": split_pieces_triton then linear_pieces_triton, both timed."""
 
     def __init__(self, variant: str, block_n: int, block_k: int, split_k: int, stages: int):
         self.mma = ENGINE_VARIANTS[variant]
@@ -375,6 +377,9 @@ class EngineGemv:
                  out: torch.Tensor) -> torch.Tensor:
         from fuser.ops import linear as linear_module  # noqa: PLC0415
 
+        if self.mma == "split pieces":  # the split kernel timed with the GEMV
+            out.copy_(linear_pieces_triton(*split_pieces_triton(xp[0]), w, ws, **self.overrides))
+            return out
         if self.mma == "pieces":
             if self.pieces is None or self.pieces[0] is not xp[0]:
                 self.pieces = (xp[0], split_pieces_reference(xp[0]))
@@ -544,14 +549,14 @@ def compile_sm90(variant: str, N: int, K: int, block_n: int, block_k: int, split
         types = {name: "*bf16" for name in ("x_ptr", "out_ptr", "r_ptr", "g_ptr", "sum_ptr")}
         types.update(w_ptr="*fp8e4nv", scale_ptr="*fp32", part_ptr="*fp32", count_ptr="*i32",
                      eps="fp32", lo_ptr="*fp8e4nv", inv_ptr="*fp32")
-        if variant == "engine pieces":
+        if variant in ("engine pieces", "engine split pieces"):
             types["x_ptr"] = "*fp8e4nv"
         consts = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, NORM_K=block_k,
                       FP32_DOTS=False, HAS_SCALE=True, ACTIVATION="", NORM=False,
                       HAS_RESIDUAL=False, SPLIT_K=split_k, SWAP=True,
                       F16_MMA=ENGINE_VARIANTS.get(variant, "f16") == "f16",
                       X2_MMA=ENGINE_VARIANTS.get(variant) == "x2",
-                      X2_PIECES=ENGINE_VARIANTS.get(variant) == "pieces",
+                      X2_PIECES=ENGINE_VARIANTS.get(variant) in ("pieces", "split pieces"),
                       EVEN_K=K % (split_k * block_k) == 0)
     else:
         fn = _rows_kernel

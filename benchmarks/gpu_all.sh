@@ -34,7 +34,9 @@
 #   bash benchmarks/gpu_all.sh prologue # FP8 one-row norm prologue over the whole row; 5-row norm prologue chain; 8B decode + verify; engine tests
 #   bash benchmarks/gpu_all.sh thirteenth # 8B decode + verify with and without PDL at several rows, chains, stream/PDL/argmax GPU tests
 #   bash benchmarks/gpu_all.sh fourteenth # linear GPU tests, the chains without norms (what a norm fusion can reach), the engine's GPU tests
-#   bash benchmarks/gpu_all.sh pieces   # (not yet run) several-row FP8 with x split outside, promoted or chained, vs the engine's paths
+#   bash benchmarks/gpu_all.sh s16a     # FP8 rows all on e4m3 pieces (default "pieces"), EVEN_K: tests, rows lab, FP8 + bf16 decode
+#   bash benchmarks/gpu_all.sh s16b     # the engine's GPU tests (test_cuda.py with its FP8 speculative test, test_cuda_spec.py)
+#   bash benchmarks/gpu_all.sh pieces   # several-row FP8 with x split outside, promoted or chained, vs the engine's paths
 #   bash benchmarks/gpu_all.sh engine15 # the engine's GPU tests (test_cuda.py, test_cuda_spec.py)
 #   bash benchmarks/gpu_all.sh x2       # several-row FP8 on the FP8 MMA (x in two pieces): tests, labs, FP8 decode
 #   bash benchmarks/gpu_all.sh rstd2    # one row's norm, rstd after the sum vs the pass: GPU tests, shape + chain labs, 8B decode, FP8 rows lab
@@ -449,8 +451,36 @@ elif [ "$what" = fourteenth ]; then
   [ "$left" -gt 30 ] && timeout "$left" python3 -m pytest -v -p no:cacheprovider -rf \
     tests/test_cuda.py tests/test_cuda_spec.py 2>&1 | tee "$OUT/gpu_tests_engine.log" \
     | grep -E "^E  |PASSED|FAILED|ERROR|passed|failed" | cut -c1-150 | tail -30
+elif [ "$what" = s16a ]; then
+  # Sixteenth session, call 2: FP8_ROWS_MMA = "pieces" (the default now: the norm kernel splits
+  # x for qkv, gate/up and the LM head, split_pieces_triton for o_proj and down_proj) and
+  # EVEN_K (no column masks in the several-row K loop): the GPU tests of the GEMVs, the rows lab
+  # (the engine's pieces GEMV with x split outside, with the split kernel timed in, and the fp16
+  # path), then the 8B decode + verify, FP8 then bf16, in what the budget leaves.
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -rf tests/test_e4m3_pieces.py \
+    tests/test_ops_linear.py tests/test_ops_norm_linear.py tests/test_ops_gated_linear.py \
+    -k "gpu or cuda" 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "^E |FAIL|Error|passed|failed" | head
+  summary+=("GPU tests, pieces + linear: $(tail -1 "$OUT/gpu_tests.log")")
+  timeout 150 python3 benchmarks/fp8_rows_lab.py --out "$OUT/fp8_rows_lab.json" \
+    --variants "default,engine f16,engine pieces,engine split pieces,x2 pieces" \
+    2>&1 | grep -v Warning | tail -30
+  for precision in fp8 bf16; do
+    left=$((${BUDGET:-560} - SECONDS))
+    echo "== decode, 8B shape, $precision (${left} s left)"
+    [ "$left" -gt 100 ] && timeout "$left" python3 benchmarks/decode.py \
+      --out "$OUT/decode_$precision.json" --skip-peers --precisions $precision 2>&1 \
+      | tee "$OUT/decode_$precision.log" | grep -v Warning \
+      | grep -E "^\[$precision\] (fuser gen|target|prefill|per token)|verify|alike|Error" | tail -8
+  done
+elif [ "$what" = s16b ]; then
+  # Sixteenth session, call 3: the engine's GPU tests on the tree's defaults, FP8 speculative
+  # on e4m3 pieces among them.
+  echo "== GPU tests: the engine"
+  timeout "${BUDGET:-320}" python3 -m pytest -v -p no:cacheprovider -rf tests/test_cuda.py \
+    tests/test_cuda_spec.py 2>&1 | tee "$OUT/gpu_tests_engine.log" \
+    | grep -E "^E  |PASSED|FAILED|ERROR|passed|failed" | cut -c1-150 | tail -30
 elif [ "$what" = pieces ]; then
-  # For the next session (written in the fifteenth, not yet run; ~8 minutes): is x handed to
+  # Sixteenth session, call 1 (written in the fifteenth; ~5 minutes): is x handed to
   # the several-row FP8 GEMV already split in two e4m3 pieces worth a producer that splits it?
   # fp8_rows_lab.py's "x2 pieces" (the engine's split, made outside, promoted to fp32 every K
   # step) and "x2 pieces chained" (no promotion) against "a8 x2", the engine's in-kernel "x2"

@@ -85,3 +85,34 @@ def test_decode_gemv_in_every_fixed_step_and_no_fallback() -> None:
     out = engine.generate(ids.cuda(), 12, attention_mask=mask.cuda(),
                           eos_token_id=[target.config.vocab_size - 1])
     assert out.shape == (2, ids.shape[1] + 12)
+
+
+def test_fp8_speculative_on_e4m3_pieces_equals_target_only() -> None:
+    # precision="fp8": the verify graph's FP8 GEMVs take x as e4m3 pieces (linear.FP8_ROWS_MMA,
+    # "pieces" by default: the norm kernel splits before qkv, gate/up and the LM head, the split
+    # kernel before o_proj and down_proj), captured into the graph (the spies see the calls at
+    # capture); greedy speculative output equals FP8 target-only greedy, and the engine's
+    # self-check passes (no fallback).
+    from unittest import mock
+
+    from fuser.ops import linear as linear_module
+
+    target = tiny_model("llama", layers=2, dtype=torch.bfloat16).to("cuda")
+    draft = tiny_model("llama", layers=1, seed=1, dtype=torch.bfloat16).to("cuda")
+    config = fuser.FuserConfig(max_seq_len=64, max_batch_size=2, gamma=4, precision="fp8")
+    plain = fuser.optimize(target, config=config)
+    norm_spy = mock.Mock(wraps=linear_module.add_rms_norm_pieces_triton)
+    split_spy = mock.Mock(wraps=linear_module.split_pieces_triton)
+    with mock.patch.object(linear_module, "add_rms_norm_pieces_triton", norm_spy), \
+            mock.patch.object(linear_module, "split_pieces_triton", split_spy):
+        spec = fuser.optimize(target, draft=draft, config=config)
+    if linear_module.FP8_ROWS_MMA == "pieces":
+        assert norm_spy.call_count > 0 and split_spy.call_count > 0
+    assert plain.report().fallbacks == [] and spec.report().fallbacks == []
+    ids, mask = random_prompts(2, [7, 4], target.config.vocab_size, seed=2)
+    ids, mask = ids.cuda(), mask.cuda()
+    eos = [target.config.vocab_size - 1]
+    a = plain.generate(ids, 24, attention_mask=mask, eos_token_id=eos)
+    b = spec.generate(ids, 24, attention_mask=mask, eos_token_id=eos)
+    assert torch.equal(a, b)
+    assert spec.report().graph_replays["target.verify"] > 0

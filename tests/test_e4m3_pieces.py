@@ -2,6 +2,7 @@
 several-row norm kernel and multiplied by FP8 weights on the FP8 MMA (linear.FP8_ROWS_MMA =
 "norm pieces"). Without a GPU the kernels run under TRITON_INTERPRET=1 (conftest.py)."""
 
+import math
 from unittest import mock
 
 import pytest
@@ -9,9 +10,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fuser.ops import e4m3_pieces
 from fuser.ops import linear as linear_module
 from fuser.ops.e4m3_pieces import (add_rms_norm_pieces_triton, join_pieces, pieces_supported,
-                                   split_pieces_reference)
+                                   split_pieces_reference, split_pieces_triton)
 from fuser.ops.fp8 import fp8_linear_reference, quantize_weight
 from fuser.ops.linear import MAX_ROWS, linear_pieces_triton, linear_triton
 from fuser.ops.rmsnorm import add_rms_norm_reference, add_rms_norm_triton, rms_norm_triton
@@ -73,6 +75,51 @@ def test_norm_kernel_writes_the_norms_value_as_pieces(M, K, residual):
     assert torch.equal(inv.cpu(), want[2])
 
 
+@settings(max_examples=10, **SETTINGS)
+@given(lead=st.sampled_from([(1,), (3,), (1, 5), (2, 3)]), K=st.integers(1, 300),
+       exponent=st.integers(-120, 120), span=st.integers(0, 20), seed=st.integers(0, 2**16))
+def test_split_kernel_is_the_reference_split(lead, K, exponent, span, seed):
+    """split_pieces_triton: split_pieces_reference's pieces and scales bit for bit, any row
+    count, width and magnitude (rows over several of the kernel's steps included)."""
+    x = spread_rows(math.prod(lead), K, exponent, span, seed).reshape(*lead, K)
+    with mock.patch.object(e4m3_pieces, "SPLIT_BLOCK", 64):  # K > 64: more than one step
+        got = split_pieces_triton(x.to(DEVICE))
+    want = split_pieces_reference(x.reshape(-1, K))
+    for a, b in zip(got[:2], want[:2]):
+        assert a.shape == b.shape and torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8))
+    assert torch.equal(got[2].cpu(), want[2])
+
+
+def test_split_kernel_refuses_other_dtypes_and_takes_empty_rows():
+    with pytest.raises(ValueError, match="bf16 rows"):
+        split_pieces_triton(torch.ones(2, 8, dtype=torch.float16))
+    hi, lo, inv = split_pieces_triton(torch.ones(3, 0, dtype=torch.bfloat16, device=DEVICE))
+    assert hi.shape == (3, 0) and inv.shape == (3,)
+
+
+@pytest.mark.parametrize("M", [1, 5])
+def test_fp8_linear_splits_its_rows_under_pieces(M):
+    """FP8_ROWS_MMA = "pieces": fuser::fp8_linear's CUDA implementation at 2..16 bf16 rows (o_proj,
+    down_proj) splits x and runs the GEMV on the pieces (spied), with the reference's values;
+    one row never splits, nor does "norm pieces"."""
+    g = torch.Generator().manual_seed(M)
+    x = torch.randn(1, M, 96, generator=g).to(torch.bfloat16).to(DEVICE)
+    w, scale = (t.to(DEVICE) for t in quantize_weight(torch.randn(40, 96, generator=g)))
+    spy = mock.Mock(wraps=split_pieces_triton)
+    with mock.patch.object(linear_module, "split_pieces_triton", spy):
+        with mock.patch.object(linear_module, "FP8_ROWS_MMA", "pieces"):
+            got = linear_module._fp8_linear_cuda(x, w, scale)
+        assert spy.call_count == (1 if M > 1 else 0)
+        with mock.patch.object(linear_module, "FP8_ROWS_MMA", "norm pieces"):
+            linear_module._fp8_linear_cuda(x, w, scale)
+        assert spy.call_count == (1 if M > 1 else 0)
+    ref = fp8_linear_reference(x.cpu(), w.cpu(), scale.cpu())
+    assert got.shape == ref.shape == (1, M, 40)
+    tol = 2.0**-7
+    torch.testing.assert_close(got.cpu().float(), ref.float(), rtol=tol,
+                               atol=tol * ref.float().abs().max().item())
+
+
 def _run_bf16_mma(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, **config):
     """The several-row FP8 GEMV on the bf16 MMA: the exact products of bf16's x."""
     with mock.patch.object(linear_module, "_default_swap", lambda *_: True), \
@@ -123,7 +170,7 @@ def test_pieces_carry_every_bit_through_an_identity_weight():
 def test_norm_linear_ops_take_the_pieces_path(residual, activation):
     """FP8_ROWS_MMA = "norm pieces": the CUDA implementations of fuser::rms_norm_linear and
     fuser::add_rms_norm_linear at several rows run the norm kernel with pieces, then the GEMV on
-    them: their references' values, summed bit for bit; off, the pieces kernel never runs."""
+    them: their references' values, summed bit for bit; under "f16" the pieces kernel never runs."""
     g = torch.Generator().manual_seed(7)
     M, K, N = 5, 96, 40
     x, r = (torch.randn(1, M, K, generator=g).to(torch.bfloat16).to(DEVICE) for _ in range(2))
@@ -141,7 +188,8 @@ def test_norm_linear_ops_take_the_pieces_path(residual, activation):
         with mock.patch.object(linear_module, "FP8_ROWS_MMA", "norm pieces"):
             got = fn(*args)
         assert spy.call_count == 1
-        fn(*args)  # the default: the norm kernel, then the GEMV on the fp16 MMA
+        with mock.patch.object(linear_module, "FP8_ROWS_MMA", "f16"):
+            fn(*args)  # the norm kernel, then the GEMV on the fp16 MMA
         assert spy.call_count == 1
     ref = ref_fn(*(a.cpu() if isinstance(a, torch.Tensor) else a for a in args))
     if residual:
@@ -185,6 +233,26 @@ def test_gpu_norm_pieces_at_llama3_shapes(N, activation):
     normed, summed_ref = add_rms_norm_reference(x, r, nw, EPS)
     assert torch.equal(summed, summed_ref)
     bf16 = _run_bf16_mma(normed, w, scale, activation=activation)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), bf16.float(), rtol=2.0**-7,
+                               atol=2.0**-7 * bf16.float().abs().max().item())
+
+
+@needs_cuda
+@pytest.mark.parametrize("N,K", [(4096, 4096), (4096, 14336)])
+def test_gpu_split_pieces_at_llama3_shapes(N, K):
+    """The 8B o_proj and down_proj GEMVs at five rows split by split_pieces_triton: the split is
+    the reference's bit for bit, the GEMV the bf16 MMA's values on the same rows."""
+    g = torch.Generator(device="cuda").manual_seed(K)
+    x = torch.randn(5, K, device="cuda", generator=g).to(torch.bfloat16)
+    w, scale = quantize_weight(torch.randn(N, K, device="cuda", generator=g) * 0.02)
+    pieces = split_pieces_triton(x)
+    for a, b in zip(pieces, split_pieces_reference(x)):
+        assert torch.equal(a.view(torch.uint8) if a.dtype != torch.float32 else a,
+                           b.view(torch.uint8) if b.dtype != torch.float32 else b)
+    with mock.patch.object(linear_module, "FP8_ROWS_MMA", "pieces"):
+        out = linear_module._fp8_linear_cuda(x, w, scale)
+    bf16 = _run_bf16_mma(x, w, scale)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.float(), bf16.float(), rtol=2.0**-7,
                                atol=2.0**-7 * bf16.float().abs().max().item())

@@ -8,6 +8,10 @@
       the several-row norm kernel (fuser/ops/rmsnorm.py) writing its normalised rows as pieces
       instead of bf16: fuser::add_rms_norm's (or fuser::rms_norm's) value, bit for bit, split
 
+    split_pieces_triton(x) -> (hi, lo, inv_scale)
+      split_pieces_reference's split on the GPU, one program a row: for the GEMVs whose input
+      no norm makes (o_proj after attention, down_proj after the gated activation)
+
 The split. A row is scaled by 2^t, the power of two that puts its max |x| in [2^7, 2^8)
 (below e4m3's 448); hi is x 2^t cut to its top 4 significant bits (the fp32 bits masked: no
 rounding, so no carry) and lo = x 2^t - hi holds the (at most) 4 bits left of bf16's 8, below
@@ -23,6 +27,8 @@ plus 4 bytes a row; the GEMV then reads 2 bytes of x per value, as before.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -101,6 +107,61 @@ def _norm_pieces_kernel(
     tl.store(hi_ptr + row * N + cols, hi.to(hi_ptr.dtype.element_ty), mask=mask)
     tl.store(lo_ptr + row * N + cols, lo.to(lo_ptr.dtype.element_ty), mask=mask)
     tl.store(inv_ptr + row, _pow2(-t))
+
+
+@triton.jit
+def _split_kernel(
+    x_ptr,                 # [rows, N] bf16, row stride x_row_stride
+    hi_ptr, lo_ptr,        # [rows, N] e4m3fn, contiguous
+    inv_ptr,               # [rows] fp32: 2^-t
+    x_row_stride, N,
+    BLOCK: tl.constexpr,   # columns a step (the row in one step when N <= BLOCK)
+    EMULATE_CAST: tl.constexpr,
+):
+    """One program per row: the row's max |x| (a first walk), then its pieces (a second walk;
+    from L1/L2 when the row fits, as it does at the 8B shapes' 4096 and 14336 columns)."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_row_stride
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for k0 in range(0, N, BLOCK):
+        cols = k0 + tl.arange(0, BLOCK)
+        amax = tl.maximum(amax, tl.abs(tl.load(x_row + cols, mask=cols < N, other=0.0)
+                                       .to(tl.float32)))
+    t = _scale_exponent(tl.max(amax, axis=0))
+    for k0 in range(0, N, BLOCK):
+        cols = k0 + tl.arange(0, BLOCK)
+        mask = cols < N
+        hi, lo = _split(tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32) * _pow2(t))
+        if EMULATE_CAST:
+            hi = _e4m3_rounded(hi)
+            lo = _e4m3_rounded(lo)
+        tl.store(hi_ptr + row * N + cols, hi.to(hi_ptr.dtype.element_ty), mask=mask)
+        tl.store(lo_ptr + row * N + cols, lo.to(lo_ptr.dtype.element_ty), mask=mask)
+    tl.store(inv_ptr + row, _pow2(-t))
+
+
+SPLIT_BLOCK = 4096  # columns a step of _split_kernel: 16 warps, 8 values a thread
+
+
+def split_pieces_triton(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(hi, lo, inv_scale) of bf16 x [..., N]: split_pieces_reference's values, bit for bit
+    (hi, lo [rows, N] e4m3fn, inv_scale [rows] fp32)."""
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"e4m3 pieces take bf16 rows (8 significant bits), got {x.dtype}")
+    n = x.shape[-1]
+    rows = math.prod(x.shape[:-1])
+    x2 = _rows(x, n) if n else x.reshape(rows, 0)
+    hi = torch.empty((rows, n), dtype=E4M3, device=x.device)
+    lo = torch.empty_like(hi)
+    inv = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if rows and n:
+        block = min(SPLIT_BLOCK, triton.next_power_of_2(n))
+        _split_kernel[(rows,)](x2, hi, lo, inv, x2.stride(0), n, BLOCK=block,
+                               EMULATE_CAST=x.device.type != "cuda",
+                               num_warps=_num_warps(block))
+    elif rows:
+        inv.fill_(2.0**-126)  # an empty row's max is 0: the reference's clamp
+    return hi, lo, inv
 
 
 def pieces_supported(x: Tensor, norm_weight: Tensor, residual: Tensor | None) -> bool:

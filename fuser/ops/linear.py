@@ -107,7 +107,8 @@ from torch import Tensor
 
 from fuser.ops.counters import split_counters
 from fuser.ops.e4m3_pieces import (_e4m3_rounded, _pow2, _scale_exponent, _split,
-                                   add_rms_norm_pieces_triton, pieces_supported)
+                                   add_rms_norm_pieces_triton, pieces_supported,
+                                   split_pieces_triton)
 from fuser.ops.fp8 import FP8_DTYPE, fp8_linear_reference
 from fuser.ops.gated_act import ACTIVATIONS, act_times_up, gated_act_reference
 from fuser.ops.pdl import pdl_launch, wait_for_inputs
@@ -624,11 +625,14 @@ def _default_swap(M: int, N: int, K: int, fp8: bool) -> bool:
 # benchmarks/fp8_rows_lab.py's "a8 x2" (x split outside the kernel) read gate/up in 31.99 us
 # against the fp16 path's 42.17 (fourteenth session). GPU tests hold each to the bf16 MMA's
 # values at the 8B shapes.
-FP8_ROWS_MMA: str | None = "f16"
+FP8_ROWS_MMA: str | None = "pieces"
 # "norm pieces": the GEMVs after a norm (qkv, gate/up: rms_norm_linear, add_rms_norm_linear)
 # take x from the norm kernel as e4m3 pieces (fuser/ops/e4m3_pieces.py) on the FP8 MMA
-# (X2_PIECES); the others (o_proj, down_proj) run "f16". Not yet measured on a GPU.
-FP8_ROWS_CHOICES = ("f16", "x2", "norm pieces", None)
+# (X2_PIECES); the others (o_proj, down_proj) run "f16". "pieces": the same, and fuser::
+# fp8_linear's bf16 rows (o_proj, down_proj) split by a kernel of their own
+# (split_pieces_triton) before the GEMV. On the H200 "norm pieces" took the 8B FP8 verify step
+# (T = 5) from 1.442x to 1.267x the decode step (benchmarks/RESULTS.md, sixteenth session).
+FP8_ROWS_CHOICES = ("f16", "x2", "norm pieces", "pieces", None)
 
 # FP8 weights, one row: the norm prologue reads x (and r) this many columns a step (None:
 # BLOCK_K). Every program makes the pass, one L2 round trip a step: at BLOCK_K a step FP8's qkv
@@ -872,7 +876,7 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
     if pieces is not None:
         if not (swap and fp8 and not norm):
             raise ValueError("x as e4m3 pieces takes FP8 weights at 2 to 16 rows, no norm")
-        fp8_rows = "pieces"
+        fp8_rows = "given pieces"
     lo, inv = pieces if pieces is not None else (x2, out)
     _linear_kernel[(programs, splits)](
         x2, weight, weight_scale if fp8 else out, out, parts, counts,
@@ -883,8 +887,8 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         FP32_DOTS=fp32_dots, HAS_SCALE=fp8,
         ACTIVATION=activation or "", NORM=norm, HAS_RESIDUAL=residual is not None,
         SPLIT_K=splits, PDL=bool(pdl), PREFETCH=PDL_PREFETCH if prefetch is None else prefetch,
-        SWAP=swap, F16_MMA=fp8_rows in ("f16", "norm pieces"), X2_MMA=fp8_rows == "x2",
-        X2_PIECES=fp8_rows == "pieces", RSTD_LAST=rstd_last,
+        SWAP=swap, F16_MMA=fp8_rows in ("f16", "norm pieces", "pieces"), X2_MMA=fp8_rows == "x2",
+        X2_PIECES=fp8_rows == "given pieces", RSTD_LAST=rstd_last,
         EVEN_K=block_m > 1 and K % (splits * bk) == 0, num_warps=num_warps or warps,
         num_stages=num_stages or stages, **pdl,
     )
@@ -956,7 +960,17 @@ def _fp8_linear_cuda(x: Tensor, w_fp8: Tensor, w_scale: Tensor) -> Tensor:
     # reference's fp32 GEMM: correct, not fast.
     if x.numel() // max(x.shape[-1], 1) > MAX_ROWS:
         return fp8_linear_reference(x, w_fp8, w_scale)
+    if _split_pieces_take(x):
+        out = linear_pieces_triton(*split_pieces_triton(x), w_fp8, w_scale, out_dtype=x.dtype)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
     return linear_triton(x, w_fp8, weight_scale=w_scale)
+
+
+def _split_pieces_take(x: Tensor) -> bool:
+    """Whether fuser::fp8_linear splits its rows into e4m3 pieces before the GEMV
+    (FP8_ROWS_MMA "pieces"): 2..16 bf16 rows."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    return FP8_ROWS_MMA == "pieces" and x.dtype == torch.bfloat16 and 1 < rows <= MAX_ROWS
 
 
 fp8_linear.register_kernel("cuda")(_fp8_linear_cuda)
@@ -1108,7 +1122,7 @@ def _norm_pieces_take(x: Tensor, residual: Tensor | None, norm_weight: Tensor,
     """Whether the several-row norm hands the FP8 GEMV its rows as e4m3 pieces
     (FP8_ROWS_MMA "norm pieces"): 2..16 bf16 rows, FP8 weights."""
     rows = x.numel() // max(x.shape[-1], 1)
-    return (FP8_ROWS_MMA == "norm pieces" and weight_scale is not None
+    return (FP8_ROWS_MMA in ("norm pieces", "pieces") and weight_scale is not None
             and 1 < rows <= MAX_ROWS and pieces_supported(x, norm_weight, residual))
 
 
