@@ -571,7 +571,8 @@ def _default_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
     return 64, 128, 4, 4            # lm_head
 
 
-def _default_fp8_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
+def _default_fp8_config(M: int, N: int, K: int,
+                        pieces: bool = False) -> tuple[int, int, int, int]:
     """(block_n, block_k, num_warps, num_stages) for e4m3fn weights: the fastest of
     benchmarks/fp8_ops.py's sweep on an H200 at Llama-3-8B shapes (benchmarks/RESULTS.md,
     2026-11-30). One 16-byte load carries 16 weights, so BLOCK_K is twice the bf16 table's.
@@ -584,6 +585,8 @@ def _default_fp8_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
         if N < 2**16:                   # gate_up
             return 128, 256, 8, 4
         return 16, 512, 4, 4            # lm_head
+    if pieces and K > 8192:  # down_proj on x's pieces: benchmarks/fp8_rows_lab.py at M = 5
+        return 64, 256, 4, 3  # (sixteenth session): 20.48 against 21.11 us at 64 x 128, 4 stages
     return 64, 128, 4, 4  # swapped, every shape (benchmarks/fp8_mma_lab.py at M = 5, tenth session)
 
 
@@ -834,7 +837,8 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
                 residual=r2 if residual is not None else None, eps=eps, summed=summed,
                 norm_weight=norm_weight.contiguous() if norm_weight is not None else None)
             return out.reshape(*lead, N), _lead(summed, lead, K)
-    bn, bk, warps, stages = (_default_fp8_config if fp8 else _default_config)(M, rows_w, K)
+    bn, bk, warps, stages = _default_fp8_config(M, rows_w, K, pieces is not None) if fp8 else \
+        _default_config(M, rows_w, K)
     bn, bk = block_n or bn, block_k or bk
     if activation is not None and bn < 2:
         raise ValueError(f"block_n={bn}: a gated program takes block_n / 2 gate rows and as "
