@@ -474,11 +474,17 @@ elif [ "$what" = s16a ]; then
   done
 elif [ "$what" = s16b ]; then
   # Sixteenth session, call 3: the engine's GPU tests on the tree's defaults, FP8 speculative
-  # on e4m3 pieces among them.
+  # on e4m3 pieces among them; then the bf16 decode + verify in what the budget leaves.
   echo "== GPU tests: the engine"
   timeout "${BUDGET:-320}" python3 -m pytest -v -p no:cacheprovider -rf tests/test_cuda.py \
     tests/test_cuda_spec.py 2>&1 | tee "$OUT/gpu_tests_engine.log" \
     | grep -E "^E  |PASSED|FAILED|ERROR|passed|failed" | cut -c1-150 | tail -30
+  left=$((${BUDGET:-320} - SECONDS))
+  echo "== decode, 8B shape, bf16 (${left} s left)"
+  [ "$left" -gt 100 ] && timeout "$left" python3 benchmarks/decode.py \
+    --out "$OUT/decode_bf16.json" --skip-peers --precisions bf16 2>&1 \
+    | tee "$OUT/decode_bf16.log" | grep -v Warning \
+    | grep -E "^\[bf16\] (fuser gen|target|prefill|per token)|verify|alike|Error" | tail -8
 elif [ "$what" = pieces ]; then
   # Sixteenth session, call 1 (written in the fifteenth; ~5 minutes): is x handed to
   # the several-row FP8 GEMV already split in two e4m3 pieces worth a producer that splits it?
