@@ -321,6 +321,8 @@ def test_gpu_llama3_qkv_and_gate_up(M: int, residual: bool, fp8: bool) -> None:
 @needs_cuda
 @pytest.mark.parametrize("rows", [5, MAX_ROWS + 1])
 def test_gpu_ops_run_the_kernel_and_fall_back_above_max_rows(rows: int) -> None:
+    from fuser.ops import linear as linear_module
+
     for op, args, unfused in op_cases(rows=rows, device="cuda"):
         got = _outputs(op(*args))
         if rows > MAX_ROWS:  # the separate kernels, exactly
@@ -328,8 +330,12 @@ def test_gpu_ops_run_the_kernel_and_fall_back_above_max_rows(rows: int) -> None:
         else:
             x, r, g = (args[0], None, args[1]) if len(args) == 6 else args[:3]
             weight, scale, activation = args[-3:]
-            out, summed = rms_norm_linear_triton(x, r, g, EPS, weight, weight_scale=scale,
-                                                 activation=activation)
+            if linear_module._norm_pieces_take(x, r, g, scale):  # FP8 rows on e4m3 pieces
+                out, summed = linear_module._norm_pieces_linear(x, r, g, EPS, weight, scale,
+                                                                activation)
+            else:
+                out, summed = rms_norm_linear_triton(x, r, g, EPS, weight, weight_scale=scale,
+                                                     activation=activation)
             want = (out,) if r is None else (out, summed)
         assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want)), op
 
