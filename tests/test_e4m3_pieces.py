@@ -99,16 +99,20 @@ def test_split_kernel_refuses_other_dtypes_and_takes_empty_rows():
 
 @pytest.mark.parametrize("M", [1, 5])
 def test_fp8_linear_splits_its_rows_under_pieces(M):
-    """FP8_ROWS_MMA = "pieces": fuser::fp8_linear's CUDA implementation at 2..16 bf16 rows (o_proj,
-    down_proj) splits x and runs the GEMV on the pieces (spied), with the reference's values;
-    one row never splits, nor does "norm pieces"."""
+    """FP8_ROWS_MMA = "pieces": fuser::fp8_linear's CUDA implementation at 2..16 bf16 rows longer
+    than SPLIT_PIECES_MIN_K (down_proj) splits x and runs the GEMV on the pieces (spied), with
+    the reference's values; one row, a short row and "norm pieces" never split."""
     g = torch.Generator().manual_seed(M)
     x = torch.randn(1, M, 96, generator=g).to(torch.bfloat16).to(DEVICE)
     w, scale = (t.to(DEVICE) for t in quantize_weight(torch.randn(40, 96, generator=g)))
     spy = mock.Mock(wraps=split_pieces_triton)
     with mock.patch.object(linear_module, "split_pieces_triton", spy):
         with mock.patch.object(linear_module, "FP8_ROWS_MMA", "pieces"):
-            got = linear_module._fp8_linear_cuda(x, w, scale)
+            with mock.patch.object(linear_module, "SPLIT_PIECES_MIN_K", 96):
+                linear_module._fp8_linear_cuda(x, w, scale)  # rows of 96: too short to split
+            assert spy.call_count == 0
+            with mock.patch.object(linear_module, "SPLIT_PIECES_MIN_K", 64):
+                got = linear_module._fp8_linear_cuda(x, w, scale)
         assert spy.call_count == (1 if M > 1 else 0)
         with mock.patch.object(linear_module, "FP8_ROWS_MMA", "norm pieces"):
             linear_module._fp8_linear_cuda(x, w, scale)
@@ -250,7 +254,8 @@ def test_gpu_split_pieces_at_llama3_shapes(N, K):
     for a, b in zip(pieces, split_pieces_reference(x)):
         assert torch.equal(a.view(torch.uint8) if a.dtype != torch.float32 else a,
                            b.view(torch.uint8) if b.dtype != torch.float32 else b)
-    with mock.patch.object(linear_module, "FP8_ROWS_MMA", "pieces"):
+    with mock.patch.object(linear_module, "FP8_ROWS_MMA", "pieces"), \
+            mock.patch.object(linear_module, "SPLIT_PIECES_MIN_K", 0):
         out = linear_module._fp8_linear_cuda(x, w, scale)
     bf16 = _run_bf16_mma(x, w, scale)
     assert torch.isfinite(out).all()

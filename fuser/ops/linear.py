@@ -632,9 +632,10 @@ FP8_ROWS_MMA: str | None = "pieces"
 # "norm pieces": the GEMVs after a norm (qkv, gate/up: rms_norm_linear, add_rms_norm_linear)
 # take x from the norm kernel as e4m3 pieces (fuser/ops/e4m3_pieces.py) on the FP8 MMA
 # (X2_PIECES); the others (o_proj, down_proj) run "f16". "pieces": the same, and fuser::
-# fp8_linear's bf16 rows (o_proj, down_proj) split by a kernel of their own
-# (split_pieces_triton) before the GEMV. On the H200 "norm pieces" took the 8B FP8 verify step
-# (T = 5) from 1.442x to 1.267x the decode step (benchmarks/RESULTS.md, sixteenth session).
+# fp8_linear's long bf16 rows (down_proj; SPLIT_PIECES_MIN_K) split by a kernel of their own
+# (split_pieces_triton) before the GEMV. On the H200 (benchmarks/RESULTS.md, sixteenth session)
+# the 8B FP8 verify step (T = 5) took 1.442x the decode step on "f16", 1.267x on "norm pieces",
+# 1.248x on "pieces" splitting o_proj's rows too (two machines of one kind).
 FP8_ROWS_CHOICES = ("f16", "x2", "norm pieces", "pieces", None)
 
 # FP8 weights, one row: the norm prologue reads x (and r) this many columns a step (None:
@@ -970,11 +971,20 @@ def _fp8_linear_cuda(x: Tensor, w_fp8: Tensor, w_scale: Tensor) -> Tensor:
     return linear_triton(x, w_fp8, weight_scale=w_scale)
 
 
+# FP8_ROWS_MMA "pieces": fuser::fp8_linear splits rows longer than this (down_proj's 14336 at
+# the 8B shape) into pieces before its GEMV. On the H200 (benchmarks/fp8_rows_lab.py, 5 rows,
+# sixteenth session) the split kernel and the pieces GEMV took down_proj 23.96 us against 25.42
+# on the fp16 path, o_proj (K = 4096) 11.51 against 11.45: the split kernel's ~2 us launch eats
+# a short row's gain.
+SPLIT_PIECES_MIN_K = 8192
+
+
 def _split_pieces_take(x: Tensor) -> bool:
     """Whether fuser::fp8_linear splits its rows into e4m3 pieces before the GEMV
-    (FP8_ROWS_MMA "pieces"): 2..16 bf16 rows."""
+    (FP8_ROWS_MMA "pieces"): 2..16 bf16 rows of more than SPLIT_PIECES_MIN_K values."""
     rows = x.numel() // max(x.shape[-1], 1)
-    return FP8_ROWS_MMA == "pieces" and x.dtype == torch.bfloat16 and 1 < rows <= MAX_ROWS
+    return (FP8_ROWS_MMA == "pieces" and x.dtype == torch.bfloat16 and 1 < rows <= MAX_ROWS
+            and x.shape[-1] > SPLIT_PIECES_MIN_K)
 
 
 fp8_linear.register_kernel("cuda")(_fp8_linear_cuda)
