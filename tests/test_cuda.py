@@ -11,6 +11,19 @@ from tiny import random_prompts, tiny_model
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+def assert_same_greedy(plain: fuser.Engine, spec: fuser.Engine, lengths: list[int], seed: int,
+                       new_tokens: int) -> None:
+    """Greedy output of `spec` (with its draft) equals `plain`'s (target only) on random ragged
+    prompts, and the verify graph was replayed."""
+    vocab = plain.vocab_size
+    ids, mask = random_prompts(len(lengths), lengths, vocab, seed=seed)
+    ids, mask = ids.cuda(), mask.cuda()
+    a = plain.generate(ids, new_tokens, attention_mask=mask, eos_token_id=[vocab - 1])
+    b = spec.generate(ids, new_tokens, attention_mask=mask, eos_token_id=[vocab - 1])
+    assert torch.equal(a, b)
+    assert spec.report().graph_replays["target.verify"] > 0
+
+
 def test_fp32_greedy_equals_hugging_face_and_decode_replays() -> None:
     model = tiny_model("llama", layers=2).to("cuda")
     engine = fuser.optimize(model, config=fuser.FuserConfig(max_seq_len=64))
@@ -29,14 +42,9 @@ def test_bf16_speculative_equals_target_only_and_replays() -> None:
     config = fuser.FuserConfig(max_seq_len=64, max_batch_size=2, gamma=4)
     plain = fuser.optimize(target, config=config)
     spec = fuser.optimize(target, draft=draft, config=config)
-    ids, mask = random_prompts(2, [7, 4], target.config.vocab_size, seed=1)
-    ids, mask = ids.cuda(), mask.cuda()
-    eos = [target.config.vocab_size - 1]
-    a = plain.generate(ids, 24, attention_mask=mask, eos_token_id=eos)
-    b = spec.generate(ids, 24, attention_mask=mask, eos_token_id=eos)
-    assert torch.equal(a, b)  # DESIGN.md: bf16 speculative greedy == fuser's own target-only greedy
-    replays = spec.report().graph_replays
-    assert replays["target.verify"] > 0 and replays["draft.decode"] > 0
+    # DESIGN.md: bf16 speculative greedy == fuser's own target-only greedy
+    assert_same_greedy(plain, spec, [7, 4], seed=1, new_tokens=24)
+    assert spec.report().graph_replays["draft.decode"] > 0
 
 
 def test_fused_attention_engine_agrees_with_eager_and_speculates() -> None:
@@ -52,13 +60,7 @@ def test_fused_attention_engine_agrees_with_eager_and_speculates() -> None:
     assert plain.report().fallbacks == [] and spec.report().fallbacks == []
     graphs = spec.report().graphs
     assert graphs["target.verify"]["rotary_cache_attention"] == target.config.num_hidden_layers
-    ids, mask = random_prompts(2, [9, 5], target.config.vocab_size, seed=3)
-    ids, mask = ids.cuda(), mask.cuda()
-    eos = [target.config.vocab_size - 1]
-    a = plain.generate(ids, 40, attention_mask=mask, eos_token_id=eos)
-    b = spec.generate(ids, 40, attention_mask=mask, eos_token_id=eos)
-    assert torch.equal(a, b)
-    assert spec.report().graph_replays["target.verify"] > 0
+    assert_same_greedy(plain, spec, [9, 5], seed=3, new_tokens=40)
 
 
 def test_decode_gemv_in_every_fixed_step_and_no_fallback() -> None:
@@ -110,10 +112,4 @@ def test_fp8_speculative_on_e4m3_pieces_equals_target_only() -> None:
     if linear_module.FP8_ROWS_MMA == "pieces":
         assert norm_spy.call_count > 0 and split_spy.call_count > 0
     assert plain.report().fallbacks == [] and spec.report().fallbacks == []
-    ids, mask = random_prompts(2, [7, 4], target.config.vocab_size, seed=2)
-    ids, mask = ids.cuda(), mask.cuda()
-    eos = [target.config.vocab_size - 1]
-    a = plain.generate(ids, 24, attention_mask=mask, eos_token_id=eos)
-    b = spec.generate(ids, 24, attention_mask=mask, eos_token_id=eos)
-    assert torch.equal(a, b)
-    assert spec.report().graph_replays["target.verify"] > 0
+    assert_same_greedy(plain, spec, [7, 4], seed=2, new_tokens=24)

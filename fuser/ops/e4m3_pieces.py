@@ -76,6 +76,18 @@ def _split(scaled):
 
 
 @triton.jit
+def _store_pieces(hi_ptr, lo_ptr, offsets, scaled, mask, EMULATE_CAST: tl.constexpr):
+    """Store the pieces of scaled = x 2^t (fp32, |.| < 2^8) at offsets of hi_ptr and lo_ptr
+    (EMULATE_CAST: rounded to e4m3 in fp32 first, for the interpreter's cast)."""
+    hi, lo = _split(scaled)
+    if EMULATE_CAST:
+        hi = _e4m3_rounded(hi)
+        lo = _e4m3_rounded(lo)
+    tl.store(hi_ptr + offsets, hi.to(hi_ptr.dtype.element_ty), mask=mask)
+    tl.store(lo_ptr + offsets, lo.to(lo_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _norm_pieces_kernel(
     x_ptr, residual_ptr,   # [rows, N], row strides x_row_stride, residual_row_stride
     weight_ptr,            # the norm's weight [N], x's dtype
@@ -100,12 +112,7 @@ def _norm_pieces_kernel(
     in_dtype = summed_ptr.dtype.element_ty if HAS_RESIDUAL else x_ptr.dtype.element_ty
     y = _normalise(h, rstd, w, in_dtype).to(in_dtype).to(tl.float32)
     t = _scale_exponent(tl.max(tl.abs(y), axis=0))
-    hi, lo = _split(y * _pow2(t))
-    if EMULATE_CAST:
-        hi = _e4m3_rounded(hi)
-        lo = _e4m3_rounded(lo)
-    tl.store(hi_ptr + row * N + cols, hi.to(hi_ptr.dtype.element_ty), mask=mask)
-    tl.store(lo_ptr + row * N + cols, lo.to(lo_ptr.dtype.element_ty), mask=mask)
+    _store_pieces(hi_ptr, lo_ptr, row * N + cols, y * _pow2(t), mask, EMULATE_CAST)
     tl.store(inv_ptr + row, _pow2(-t))
 
 
@@ -131,12 +138,8 @@ def _split_kernel(
     for k0 in range(0, N, BLOCK):
         cols = k0 + tl.arange(0, BLOCK)
         mask = cols < N
-        hi, lo = _split(tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32) * _pow2(t))
-        if EMULATE_CAST:
-            hi = _e4m3_rounded(hi)
-            lo = _e4m3_rounded(lo)
-        tl.store(hi_ptr + row * N + cols, hi.to(hi_ptr.dtype.element_ty), mask=mask)
-        tl.store(lo_ptr + row * N + cols, lo.to(lo_ptr.dtype.element_ty), mask=mask)
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        _store_pieces(hi_ptr, lo_ptr, row * N + cols, x * _pow2(t), mask, EMULATE_CAST)
     tl.store(inv_ptr + row, _pow2(-t))
 
 
