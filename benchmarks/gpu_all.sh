@@ -489,10 +489,9 @@ elif [ "$what" = s16c ]; then
   # Sixteenth session, call 3 (s16b did not fit what was left): the GPU tests the default
   # "pieces" touches (the ops, the engine's FP8 and bf16 speculative tests), in the budget.
   timeout "${BUDGET:-250}" python3 -m pytest -v -p no:cacheprovider -rf \
-    tests/test_e4m3_pieces.py tests/test_ops_norm_linear.py -k "gpu or speculative or decode_gemv" \
+    tests/test_e4m3_pieces.py tests/test_ops_norm_linear.py -k "gpu or speculative" \
     "tests/test_cuda.py::test_fp8_speculative_on_e4m3_pieces_equals_target_only" \
-    "tests/test_cuda.py::test_bf16_speculative_equals_target_only_and_replays" \
-    "tests/test_cuda.py::test_decode_gemv_in_every_fixed_step_and_no_fallback" 2>&1 \
+    "tests/test_cuda.py::test_bf16_speculative_equals_target_only_and_replays" 2>&1 \
     | tee "$OUT/gpu_tests.log" | grep -E "^E  |PASSED|FAILED|ERROR|passed|failed" \
     | cut -c1-150 | tail -30
 elif [ "$what" = pieces ]; then
