@@ -336,14 +336,9 @@ def prepare_x(x: torch.Tensor, X: str) -> tuple[torch.Tensor, torch.Tensor, torc
         s = torch.clamp(141 - exponent, max=100).to(torch.float32)
         xs[0] = torch.exp2(-s)
         return (x.float() * torch.exp2(s)[:, None]).to(torch.float16), x, xs
-    if X in ("x2p", "x2c"):
-        amax = x.float().abs().amax(dim=1)                                   # [M]
-        exponent = (amax.view(torch.int32) >> 23) & 0xFF
-        t = torch.clamp(134 - exponent, -126, 126).to(torch.float32)         # amax 2^t < 2^8
-        scaled = x.float() * torch.exp2(t)[:, None]
-        top = (scaled.view(torch.int32) & -1048576).view(torch.float32)      # 4 significant bits
-        xs[0] = torch.exp2(-t)
-        return top.to(torch.float8_e4m3fn), (scaled - top).to(torch.float8_e4m3fn), xs
+    if X in ("x2p", "x2c"):  # the engine's split (fuser/ops/e4m3_pieces.py)
+        hi, lo, xs[0] = split_pieces_reference(x)
+        return hi, lo, xs
     hi, xs[0] = quantize_rows(x)
     if X == "a8":
         return hi, hi, xs

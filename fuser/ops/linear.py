@@ -118,6 +118,11 @@ MAX_ROWS = 16  # M above this is not a decode shape: the op falls back to the re
 GEMV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # x's dtypes the kernel takes
 
 
+def _row_count(x: Tensor) -> int:
+    """Rows of x [..., K] (its leading dims flattened; 0 for an empty K too)."""
+    return x.numel() // max(x.shape[-1], 1)
+
+
 @triton.jit
 def _norm_x_tile(x_ptrs, r_ptrs, g_ptr, k, mask, k_ok, rstd, NORM: tl.constexpr,
                  HAS_RESIDUAL: tl.constexpr):
@@ -877,11 +882,10 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
     swap = block_m > 1 and _default_swap(M, rows_w, K, fp8)
     if FP8_ROWS_MMA not in FP8_ROWS_CHOICES:
         raise ValueError(f"linear.FP8_ROWS_MMA={FP8_ROWS_MMA!r} is not one of {FP8_ROWS_CHOICES}")
+    # bf16 x's mode; x given as pieces (e4m3) has none: the kernel multiplies them (X2_PIECES)
     fp8_rows = FP8_ROWS_MMA if swap and fp8 and x.dtype == torch.bfloat16 else None
-    if pieces is not None:
-        if not (swap and fp8 and not norm):
-            raise ValueError("x as e4m3 pieces takes FP8 weights at 2 to 16 rows, no norm")
-        fp8_rows = "given pieces"
+    if pieces is not None and not (swap and fp8 and not norm):
+        raise ValueError("x as e4m3 pieces takes FP8 weights at 2 to 16 rows, no norm")
     lo, inv = pieces if pieces is not None else (x2, out)
     _linear_kernel[(programs, splits)](
         x2, weight, weight_scale if fp8 else out, out, parts, counts,
@@ -893,7 +897,7 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         ACTIVATION=activation or "", NORM=norm, HAS_RESIDUAL=residual is not None,
         SPLIT_K=splits, PDL=bool(pdl), PREFETCH=PDL_PREFETCH if prefetch is None else prefetch,
         SWAP=swap, F16_MMA=fp8_rows in ("f16", "norm pieces", "pieces"), X2_MMA=fp8_rows == "x2",
-        X2_PIECES=fp8_rows == "given pieces", RSTD_LAST=rstd_last,
+        X2_PIECES=pieces is not None, RSTD_LAST=rstd_last,
         EVEN_K=block_m > 1 and K % (splits * bk) == 0, num_warps=num_warps or warps,
         num_stages=num_stages or stages, **pdl,
     )
@@ -929,7 +933,7 @@ def _linear_fake(x: Tensor, weight: Tensor) -> Tensor:
 
 
 def _linear_cuda(x: Tensor, weight: Tensor) -> Tensor:
-    if x.numel() // max(x.shape[-1], 1) > MAX_ROWS or x.dtype != weight.dtype:
+    if _row_count(x) > MAX_ROWS or x.dtype != weight.dtype:
         return linear_reference(x, weight)
     return linear_triton(x, weight)
 
@@ -963,7 +967,7 @@ def _fp8_linear_cuda(x: Tensor, w_fp8: Tensor, w_scale: Tensor) -> Tensor:
     # Above MAX_ROWS this is not a decode shape; prefill quantizes its activations and calls
     # fuser::fp8_scaled_mm instead (fuser/ops/fp8_quant.py), so this fallback is the
     # reference's fp32 GEMM: correct, not fast.
-    if x.numel() // max(x.shape[-1], 1) > MAX_ROWS:
+    if _row_count(x) > MAX_ROWS:
         return fp8_linear_reference(x, w_fp8, w_scale)
     if _split_pieces_take(x):
         out = linear_pieces_triton(*split_pieces_triton(x), w_fp8, w_scale, out_dtype=x.dtype)
@@ -982,7 +986,7 @@ SPLIT_PIECES_MIN_K = 8192
 def _split_pieces_take(x: Tensor) -> bool:
     """Whether fuser::fp8_linear splits its rows into e4m3 pieces before the GEMV
     (FP8_ROWS_MMA "pieces"): 2..16 bf16 rows of more than SPLIT_PIECES_MIN_K values."""
-    rows = x.numel() // max(x.shape[-1], 1)
+    rows = _row_count(x)
     return (FP8_ROWS_MMA == "pieces" and x.dtype == torch.bfloat16 and 1 < rows <= MAX_ROWS
             and x.shape[-1] > SPLIT_PIECES_MIN_K)
 
@@ -1010,7 +1014,7 @@ def _gated_linear_fake(x: Tensor, weight: Tensor, activation: str) -> Tensor:
 
 
 def _gated_linear_cuda(x: Tensor, weight: Tensor, activation: str) -> Tensor:
-    if x.numel() // max(x.shape[-1], 1) > MAX_ROWS or x.dtype != weight.dtype:
+    if _row_count(x) > MAX_ROWS or x.dtype != weight.dtype:
         return gated_linear_reference(x, weight, activation)
     return linear_triton(x, weight, activation=activation)
 
@@ -1039,7 +1043,7 @@ def _fp8_gated_linear_fake(x: Tensor, w_fp8: Tensor, w_scale: Tensor, activation
 
 
 def _fp8_gated_linear_cuda(x: Tensor, w_fp8: Tensor, w_scale: Tensor, activation: str) -> Tensor:
-    if x.numel() // max(x.shape[-1], 1) > MAX_ROWS:  # not a decode shape: see _fp8_linear_cuda
+    if _row_count(x) > MAX_ROWS:  # not a decode shape: see _fp8_linear_cuda
         return fp8_gated_linear_reference(x, w_fp8, w_scale, activation)
     return linear_triton(x, w_fp8, weight_scale=w_scale, activation=activation)
 
@@ -1109,7 +1113,7 @@ def _fused_kernel_takes(x: Tensor, residual: Tensor | None, norm_weight: Tensor,
                         weight_scale: Tensor | None) -> bool:
     """Whether the one-kernel path computes these: decode rows, one activation dtype (which the
     unfused GEMV also needs: its input is the norm's output, in promote(norm_weight, x))."""
-    rows = x.numel() // max(x.shape[-1], 1)
+    rows = _row_count(x)
     dtypes = {x.dtype, norm_weight.dtype} | ({residual.dtype} if residual is not None else set())
     return (rows <= NORM_PROLOGUE_MAX_ROWS and len(dtypes) == 1 and x.dtype in GEMV_DTYPES
             and (weight.dtype == x.dtype if weight_scale is None else weight.dtype == FP8_DTYPE))
@@ -1134,8 +1138,8 @@ def _rms_norm_linear_fake(x: Tensor, norm_weight: Tensor, eps: float, weight: Te
 def _norm_pieces_take(x: Tensor, residual: Tensor | None, norm_weight: Tensor,
                       weight_scale: Tensor | None) -> bool:
     """Whether the several-row norm hands the FP8 GEMV its rows as e4m3 pieces
-    (FP8_ROWS_MMA "norm pieces"): 2..16 bf16 rows, FP8 weights."""
-    rows = x.numel() // max(x.shape[-1], 1)
+    (FP8_ROWS_MMA "norm pieces" or "pieces"): 2..16 bf16 rows, FP8 weights."""
+    rows = _row_count(x)
     return (FP8_ROWS_MMA in ("norm pieces", "pieces") and weight_scale is not None
             and 1 < rows <= MAX_ROWS and pieces_supported(x, norm_weight, residual))
 
