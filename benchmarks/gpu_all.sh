@@ -35,6 +35,7 @@
 #   bash benchmarks/gpu_all.sh thirteenth # 8B decode + verify with and without PDL at several rows, chains, stream/PDL/argmax GPU tests
 #   bash benchmarks/gpu_all.sh fourteenth # linear GPU tests, the chains without norms (what a norm fusion can reach), the engine's GPU tests
 #   bash benchmarks/gpu_all.sh s16a     # FP8 rows all on e4m3 pieces (default "pieces"), EVEN_K: tests, rows lab, FP8 + bf16 decode
+#   bash benchmarks/gpu_all.sh s17a     # one row's sums per thread (ONE_ROW_PARTIALS): tests, shape lab on/off, FP8 + bf16 decode
 #   bash benchmarks/gpu_all.sh s16b     # the engine's GPU tests (test_cuda.py with its FP8 speculative test, test_cuda_spec.py)
 #   bash benchmarks/gpu_all.sh pieces   # several-row FP8 with x split outside, promoted or chained, vs the engine's paths
 #   bash benchmarks/gpu_all.sh engine15 # the engine's GPU tests (test_cuda.py, test_cuda_spec.py)
@@ -494,6 +495,24 @@ elif [ "$what" = s16c ]; then
     "tests/test_cuda.py::test_bf16_speculative_equals_target_only_and_replays" 2>&1 \
     | tee "$OUT/gpu_tests.log" | grep -E "^E  |PASSED|FAILED|ERROR|passed|failed" \
     | cut -c1-150 | tail -30
+elif [ "$what" = s17a ]; then
+  # Seventeenth session, call 1: one row's sums kept per thread (linear.ONE_ROW_PARTIALS, one
+  # reduction across threads after the K loop): the GEMVs' GPU tests, each 8B shape alone with
+  # and without it (shape_lab.py "shuffle"), the 8B decode FP8 then bf16, then the engine's
+  # GPU tests that s16c was to run, in what the budget leaves.
+  linear_gpu_tests
+  timeout 120 python3 benchmarks/shape_lab.py --dtypes fp8 --shapes qkv,o,gate_up,down,head \
+    --variants "default;default shuffle" --out "$OUT/shape_lab_fp8.json" 2>&1 | grep -v Warn | tail -12
+  timeout 90 python3 benchmarks/shape_lab.py --dtypes bf16 --shapes qkv,o,down,head \
+    --variants "default;lk;lk shuffle" --out "$OUT/shape_lab_bf16.json" 2>&1 | grep -v Warn | tail -14
+  for precision in fp8 bf16; do
+    left=$((${BUDGET:-560} - SECONDS))
+    echo "== decode, 8B shape, $precision (${left} s left)"
+    [ "$left" -gt 100 ] && timeout "$left" python3 benchmarks/decode.py \
+      --out "$OUT/decode_$precision.json" --skip-peers --precisions $precision 2>&1 \
+      | tee "$OUT/decode_$precision.log" | grep -v Warning \
+      | grep -E "^\[$precision\] (fuser gen|target|prefill|per token)|verify|alike|Error" | tail -8
+  done
 elif [ "$what" = pieces ]; then
   # Sixteenth session, call 1 (written in the fifteenth; ~5 minutes): is x handed to
   # the several-row FP8 GEMV already split in two e4m3 pieces worth a producer that splits it?

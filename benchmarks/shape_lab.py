@@ -28,6 +28,8 @@ A variant is a list of words:
                the sums after the K loop (linear.NORM_RSTD_LAST), every shape
   pass         (after any of the above) the prologue pass at every shape (without either
                word: linear.rstd_last_for's choice, FP8's qkv after the sum)
+  shuffle      (after any of the above) _linear_kernel's one-row sums reduced across threads
+               every K step (linear.ONE_ROW_PARTIALS off), not once after the loop
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class Variant:
     norm_k: int | None = None     # linear.ONE_ROW_NORM_K while it runs (None: as it is)
     rstd_last: bool | None = None  # linear.NORM_RSTD_LAST and FP8_PLAIN_RSTD_LAST while it
                                    # runs (None: as the module has them)
+    partials: bool = True         # linear.ONE_ROW_PARTIALS while it runs
 
 
 def parse_variant(name: str, fp8: bool) -> Variant:
@@ -80,10 +83,11 @@ def parse_variant(name: str, fp8: bool) -> Variant:
     norm_k = next((int(word[2:]) for word in words if word.startswith("nk")), None)
     rstd_last = None if not {"rstd", "pass"} & set(words) and norm_k is None else \
         "rstd" in words and "pass" not in words and norm_k is None
-    words = [word for word in words
-             if word not in ("nonorm", "pass", "rstd") and not word.startswith("nk")]
+    partials = "shuffle" not in words
+    words = [word for word in words if word not in ("nonorm", "pass", "rstd", "shuffle")
+             and not word.startswith("nk")]
     variant = _parse_kernel(name, words, norm)
-    variant.norm_k, variant.rstd_last = norm_k, rstd_last
+    variant.norm_k, variant.rstd_last, variant.partials = norm_k, rstd_last, partials
     return variant
 
 
@@ -151,7 +155,7 @@ def main() -> None:
     bandwidth = measure_read_bandwidth()
     log(f"HBM read bandwidth {bandwidth / 1e12:.2f} TB/s; {COPIES} launches per shape")
     saved = (gemv_stream.CONFIG, linear_module.ONE_ROW_NORM_K, linear_module.NORM_RSTD_LAST,
-             linear_module.FP8_PLAIN_RSTD_LAST)
+             linear_module.FP8_PLAIN_RSTD_LAST, linear_module.ONE_ROW_PARTIALS)
     results = []
     for dtype in args.dtypes.split(","):
         fp8 = dtype == "fp8"
@@ -164,6 +168,7 @@ def main() -> None:
                     continue
                 gemv_stream.CONFIG = variant.stream
                 linear_module.ONE_ROW_NORM_K = variant.norm_k or saved[1]
+                linear_module.ONE_ROW_PARTIALS = variant.partials
                 if variant.rstd_last is not None:  # "rstd": every shape; "pass": none
                     linear_module.NORM_RSTD_LAST = variant.rstd_last
                     linear_module.FP8_PLAIN_RSTD_LAST = variant.rstd_last
@@ -175,7 +180,8 @@ def main() -> None:
                     continue
                 finally:
                     (gemv_stream.CONFIG, linear_module.ONE_ROW_NORM_K,
-                     linear_module.NORM_RSTD_LAST, linear_module.FP8_PLAIN_RSTD_LAST) = saved
+                     linear_module.NORM_RSTD_LAST, linear_module.FP8_PLAIN_RSTD_LAST,
+                     linear_module.ONE_ROW_PARTIALS) = saved
                     torch.cuda.empty_cache()
                 pct = 100 * nbytes / (us * 1e-6) / bandwidth
                 results.append(dict(dtype=dtype, shape=shape, variant=name, us=us, pct=pct))

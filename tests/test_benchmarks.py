@@ -172,5 +172,8 @@ def test_shape_lab_variant_words() -> None:
     assert parse_variant("default rstd", True).rstd_last is True
     assert parse_variant("default pass", True).rstd_last is False
     assert parse_variant("default nk1024", True).rstd_last is False
+    # the one-row sums: partials per thread (the module's default), or shuffled every K step
+    assert parse_variant("default", True).partials
+    assert not parse_variant("lk shuffle", True).partials
     with pytest.raises(ValueError, match="unknown word"):
         parse_variant("2/sm 16K q3", False)
