@@ -18,6 +18,7 @@ import json
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 import triton
@@ -30,6 +31,7 @@ from fuser.models import PRESETS
 from fuser.runtime.step_graphs import PLAIN
 from fuser.runtime.steps import DECODE, PREFILL, verify
 from peers import make_gpt_fast_style, make_hf_eager, make_hf_static_compile
+from shape_lab import load_tiles
 from timing import log, measure_read_bandwidth, replay_median_ms
 
 RESULTS: dict = {}
@@ -109,6 +111,9 @@ def main() -> None:
                              "MMA with x split in two pieces in the GEMV, by the norm kernel "
                              "before it, or by the norm kernel and a split kernel, or the bf16 "
                              "MMA (linear.FP8_ROWS_MMA; default: the module's)")
+    parser.add_argument("--one-row-tiles", nargs="*", default=[], metavar="JSON",
+                        help="one-row FP8 tiles by shape from benchmarks/shape_lab.py --best "
+                             "files (linear.FP8_ONE_ROW_TILES; default: the module's tables)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     warnings.simplefilter("ignore")
@@ -120,6 +125,10 @@ def main() -> None:
         linear_module.NORM_RSTD_LAST = linear_module.FP8_PLAIN_RSTD_LAST = False
     if args.fp8_rows is not None:
         linear_module.FP8_ROWS_MMA = None if args.fp8_rows == "bf16" else args.fp8_rows
+    for path in args.one_row_tiles:
+        linear_module.FP8_ONE_ROW_TILES.update(load_tiles(Path(path)))
+    if linear_module.FP8_ONE_ROW_TILES:
+        log(f"one-row FP8 tiles: {linear_module.FP8_ONE_ROW_TILES}")
     RESULTS["env"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "triton": triton.__version__, "transformers": transformers.__version__,
                       "preset": args.preset, "prompt_tokens": args.prompt_tokens,

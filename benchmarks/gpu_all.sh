@@ -36,7 +36,7 @@
 #   bash benchmarks/gpu_all.sh fourteenth # linear GPU tests, the chains without norms (what a norm fusion can reach), the engine's GPU tests
 #   bash benchmarks/gpu_all.sh s16a     # FP8 rows all on e4m3 pieces (default "pieces"), EVEN_K: tests, rows lab, FP8 + bf16 decode
 #   bash benchmarks/gpu_all.sh s17a     # one row's sums per thread (ONE_ROW_PARTIALS): tests, shape lab on/off, FP8 + bf16 decode
-#   bash benchmarks/gpu_all.sh s17b     # one-row FP8 tiles swept again (shape lab), the engine's GPU tests s16c was to run
+#   bash benchmarks/gpu_all.sh s17b     # one-row FP8 tiles swept again (shape lab), FP8 decode on the fastest, engine GPU tests
 #   bash benchmarks/gpu_all.sh s16b     # the engine's GPU tests (test_cuda.py with its FP8 speculative test, test_cuda_spec.py)
 #   bash benchmarks/gpu_all.sh pieces   # several-row FP8 with x split outside, promoted or chained, vs the engine's paths
 #   bash benchmarks/gpu_all.sh engine15 # the engine's GPU tests (test_cuda.py, test_cuda_spec.py)
@@ -517,25 +517,27 @@ elif [ "$what" = s17a ]; then
 elif [ "$what" = s17b ]; then
   # Seventeenth session, call 2: with ONE_ROW_PARTIALS (call 1: FP8 419.3 tok/s), the one-row
   # FP8 tiles again at qkv, o_proj, down_proj and gate/up (shape_lab.py "lk" words: nN block_n,
-  # kN block_k, wN warps, xN split_k), then the engine's GPU tests that s16c was to run.
-  timeout 200 python3 benchmarks/shape_lab.py --dtypes fp8 --shapes qkv --out "$OUT/sweep_qkv.json" \
-    --variants "default;lk n16 k512 w4;lk n16 k1024 w4;lk n16 k1024 w8;lk n32 k512 w8;lk n8 k512 w4;lk n8 k2048 w8;lk n4 k1024 w4;lk n4 k2048 w4" \
-    2>&1 | grep -v Warn | tail -9
-  timeout 200 python3 benchmarks/shape_lab.py --dtypes fp8 --shapes o --out "$OUT/sweep_o.json" \
-    --variants "default;lk n8 k512 w4;lk n4 k1024 w4;lk n16 k512 w4;lk n16 k1024 w8;lk n8 k1024 w4 x2;lk n16 k1024 w4 x2;lk n8 k2048 w8;lk n4 k2048 w4" \
-    2>&1 | grep -v Warn | tail -9
-  timeout 200 python3 benchmarks/shape_lab.py --dtypes fp8 --shapes down --out "$OUT/sweep_down.json" \
-    --variants "default;default shuffle;lk n8 k512 w4 x4;lk n16 k1024 w4 x2;lk n16 k512 w4 x2;lk n8 k2048 w8 x1;lk n8 k1024 w4 x1;lk n4 k1024 w4 x2;lk n8 k1024 w8 x2;lk n4 k2048 w4 x1" \
-    2>&1 | grep -v Warn | tail -10
-  timeout 150 python3 benchmarks/shape_lab.py --dtypes fp8 --shapes gate_up --out "$OUT/sweep_gate_up.json" \
-    --variants "default;lk n64 k256 w4;lk n128 k512 w8;lk n256 k256 w8;lk n64 k512 w8;lk n32 k1024 w8" \
-    2>&1 | grep -v Warn | tail -6
+  # kN block_k, wN warps, xN split_k); the 8B FP8 decode on the fastest (--best files, read by
+  # decode.py --one-row-tiles), then the engine's GPU tests that s16c was to run.
+  sweep() {  # shape, variants
+    timeout 150 python3 benchmarks/shape_lab.py --dtypes fp8 --shapes "$1" --variants "$2" \
+      --out "$OUT/sweep_$1.json" --best "$OUT/best_$1.json" 2>&1 | grep -v Warn | tail -12
+  }
+  sweep qkv "default;lk n16 k512 w4;lk n16 k1024 w4;lk n16 k1024 w8;lk n32 k512 w8;lk n8 k512 w4;lk n8 k2048 w8;lk n4 k1024 w4;lk n4 k2048 w4"
+  sweep o "default;lk n8 k512 w4;lk n4 k1024 w4;lk n16 k512 w4;lk n16 k1024 w8;lk n8 k1024 w4 x2;lk n16 k1024 w4 x2;lk n8 k2048 w8;lk n4 k2048 w4"
+  sweep down "default;default shuffle;lk n8 k512 w4 x4;lk n16 k1024 w4 x2;lk n16 k512 w4 x2;lk n8 k2048 w8 x1;lk n8 k1024 w4 x1;lk n4 k1024 w4 x2;lk n8 k1024 w8 x2;lk n4 k2048 w4 x1"
+  sweep gate_up "default;lk n64 k256 w4;lk n128 k512 w8;lk n256 k256 w8;lk n64 k512 w8;lk n32 k1024 w8"
+  left=$((${BUDGET:-560} - SECONDS))
+  echo "== decode, 8B shape, fp8 on the fastest tiles (${left} s left)"
+  [ "$left" -gt 100 ] && timeout "$left" python3 benchmarks/decode.py --out "$OUT/decode_fp8.json" \
+    --skip-peers --precisions fp8 --one-row-tiles "$OUT"/best_*.json 2>&1 \
+    | tee "$OUT/decode_fp8.log" | grep -v Warning \
+    | grep -E "^\[fp8\] (fuser gen|target|prefill|per token)|tiles|verify|alike|Error" | tail -9
   left=$((${BUDGET:-560} - SECONDS))
   echo "== GPU tests: the engine's, s16c's (${left} s left)"
-  timeout "$left" python3 -m pytest -v -p no:cacheprovider -rf \
+  [ "$left" -gt 60 ] && timeout "$left" python3 -m pytest -v -p no:cacheprovider -rf \
     tests/test_e4m3_pieces.py tests/test_ops_norm_linear.py -k "gpu or speculative" \
-    "tests/test_cuda.py::test_fp8_speculative_on_e4m3_pieces_equals_target_only" \
-    "tests/test_cuda.py::test_bf16_speculative_equals_target_only_and_replays" 2>&1 \
+    "tests/test_cuda.py::test_fp8_speculative_on_e4m3_pieces_equals_target_only" 2>&1 \
     | tee "$OUT/gpu_tests.log" | grep -E "^E  |PASSED|FAILED|ERROR|passed|failed" \
     | cut -c1-150 | tail -30
 elif [ "$what" = pieces ]; then

@@ -2,6 +2,7 @@
 
     python3 benchmarks/shape_lab.py [--dtypes bf16,fp8] [--shapes qkv,o,gate_up,down]
                                     [--variants "default;lk;2/sm 16K d2;..."] [--out f.json]
+                                    [--best tiles.json]
 
 benchmarks/pdl_lab.py times a layer's four GEMVs together; this lab times each 8B-shape GEMV
 alone: 16 launches of it over distinct weights (16 copies: more than the L2 holds), captured in
@@ -30,6 +31,11 @@ A variant is a list of words:
                word: linear.rstd_last_for's choice, FP8's qkv after the sum)
   shuffle      (after any of the above) _linear_kernel's one-row sums reduced across threads
                every K step (linear.ONE_ROW_PARTIALS off), not once after the loop
+
+--best writes, for each FP8 shape where an "lk" variant (with or without "shuffle") or
+"default shuffle" beat every other, that tile as linear.FP8_ONE_ROW_TILES takes it
+({"ROWSxK": [block_n, block_k, num_warps, split_k, partials]}; `load_tiles` reads it back), so
+that `benchmarks/decode.py --one-row-tiles` runs the engine on what this GPU measured fastest.
 """
 
 from __future__ import annotations
@@ -117,6 +123,41 @@ def _parse_kernel(name: str, words: list[str], norm: bool) -> Variant:
     return Variant(name, dataclasses.replace(gemv_stream.DEFAULT, **fields), norm=norm)
 
 
+def tile_of(variant: Variant, rows: int, K: int) -> list | None:
+    """[block_n, block_k, num_warps, split_k, partials] that an FP8 variant runs at one row
+    (linear.FP8_ONE_ROW_TILES' value; the tables fill what its words leave out), or None for
+    one that is not _linear_kernel with the norm as the engine runs it."""
+    if variant.cublas or not variant.norm or variant.norm_k is not None or \
+            variant.rstd_last is not None or variant.stream not in (None, gemv_stream.DEFAULT):
+        return None
+    bn, bk, warps, _ = linear_module._default_fp8_config(1, rows, K)
+    o = variant.overrides
+    return [o.get("block_n", bn), o.get("block_k", bk), o.get("num_warps", warps),
+            o.get("split_k", linear_module._default_split_k(1, rows, K, True)), variant.partials]
+
+
+def best_tiles(rows_timed: list[dict]) -> dict[str, list]:
+    """{"ROWSxK": tile} for each FP8 shape whose fastest variant has a tile_of other than the
+    module's own choice (what --best writes)."""
+    best: dict[str, list] = {}
+    for shape in dict.fromkeys(r["shape"] for r in rows_timed if r["dtype"] == "fp8"):
+        timed = [r for r in rows_timed if r["dtype"] == "fp8" and r["shape"] == shape]
+        fastest = min(timed, key=lambda r: r["us"])
+        if fastest.get("tile") is not None and fastest["variant"] != "default":
+            rows, K, _, _ = SHAPES[shape]
+            best[f"{rows}x{K}"] = fastest["tile"]
+    return best
+
+
+def load_tiles(path: Path) -> dict[tuple[int, int], tuple[int, int, int, int, bool]]:
+    """A --best file as linear.FP8_ONE_ROW_TILES takes it."""
+    tiles = {}
+    for key, (bn, bk, warps, split, partials) in json.loads(path.read_text()).items():
+        rows, K = (int(v) for v in key.split("x"))
+        tiles[(rows, K)] = (int(bn), int(bk), int(warps), int(split), bool(partials))
+    return tiles
+
+
 def launches(shape: str, fp8: bool, variant: Variant, device: torch.device) -> list:
     """COPIES callables, one launch each over its own weight copy."""
     rows, K, norm, gated = SHAPES[shape]
@@ -147,6 +188,7 @@ def main() -> None:
     parser.add_argument("--shapes", default="qkv,o,gate_up,down")
     parser.add_argument("--variants", default="default;lk;cublas")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--best", type=Path, help="write the fastest FP8 tiles (see above)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         log("shape_lab.py needs a CUDA GPU; nothing to do")
@@ -184,11 +226,16 @@ def main() -> None:
                      linear_module.ONE_ROW_PARTIALS) = saved
                     torch.cuda.empty_cache()
                 pct = 100 * nbytes / (us * 1e-6) / bandwidth
-                results.append(dict(dtype=dtype, shape=shape, variant=name, us=us, pct=pct))
+                results.append(dict(dtype=dtype, shape=shape, variant=name, us=us, pct=pct,
+                                    tile=tile_of(variant, rows, K) if fp8 else None))
                 log(f"{dtype:4s} {shape:7s} {name:22s} {us:7.2f} us  {pct:5.1f}% of bandwidth "
                     f"(bytes' time {1e6 * nbytes / bandwidth:6.2f} us)")
     if args.out:
         args.out.write_text(json.dumps(dict(bandwidth=bandwidth, rows=results), indent=1))
+    if args.best:
+        best = best_tiles(results)
+        args.best.write_text(json.dumps(best))
+        log(f"fastest FP8 tiles where not the module's: {best or 'none'}")
 
 
 if __name__ == "__main__":

@@ -177,3 +177,27 @@ def test_shape_lab_variant_words() -> None:
     assert not parse_variant("lk shuffle", True).partials
     with pytest.raises(ValueError, match="unknown word"):
         parse_variant("2/sm 16K q3", False)
+
+
+def test_shape_lab_best_tiles_round_trip(tmp_path) -> None:
+    """--best keeps, per FP8 shape, the fastest variant's tile where it is not the default,
+    the tables filling the words it leaves out; decode.py's --one-row-tiles reads it back."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from shape_lab import SHAPES, best_tiles, load_tiles, parse_variant, tile_of
+
+    from fuser.ops.linear import _default_fp8_config
+
+    rows, K, _, _ = SHAPES["down"]
+    lk = tile_of(parse_variant("lk n16 w8 shuffle", True), rows, K)
+    assert lk == [16, _default_fp8_config(1, rows, K)[1], 8, 2, False]
+    assert tile_of(parse_variant("lk nonorm", True), rows, K) is None  # not as the engine runs
+    timed = [dict(dtype="fp8", shape="down", variant="default", us=17.2,
+                  tile=tile_of(parse_variant("default", True), rows, K)),
+             dict(dtype="fp8", shape="down", variant="lk n16 w8 shuffle", us=16.9, tile=lk),
+             dict(dtype="fp8", shape="qkv", variant="default", us=9.6, tile=None),
+             dict(dtype="fp8", shape="qkv", variant="lk n16", us=9.9, tile=[16, 1024, 4, 1, True])]
+    best = best_tiles(timed)
+    assert best == {f"{rows}x{K}": lk}  # qkv: the default was fastest
+    path = tmp_path / "tiles.json"
+    path.write_text(json.dumps(best))
+    assert load_tiles(path) == {(rows, K): (16, lk[1], 8, 2, False)}

@@ -85,6 +85,74 @@ def test_one_row_uses_cuda_cores_with_small_block_n():
         linear_triton(torch.randn(2, 32).to(DEVICE), torch.randn(8, 32).to(DEVICE), block_n=8)
 
 
+class _LaunchSpy:
+    """Stands in for linear._linear_kernel: records each launch's keyword arguments."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append(kwargs)
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+@settings(max_examples=12, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(N=st.integers(1, 40), K=st.integers(1, 300),
+       block=st.sampled_from([(4, 16), (8, 32), (2, 64), (16, 128)]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       fp8=st.booleans(), seed=st.integers(0, 2**16))
+def test_one_row_partials_sum_the_same_products(N, K, block, dtype, fp8, seed, monkeypatch):
+    """One row with ONE_ROW_PARTIALS (each thread's partial per 16-byte run of columns, added
+    across threads after the K loop) and without (a reduction every K step): both the GEMV's
+    sum within its bound, FP8 weights too, at tiles narrower than a 16-byte run (fp32: 4
+    columns; block_k 16 of FP8: the whole step one run)."""
+    from fuser.ops import linear
+    from fuser.ops.fp8 import dequantize, quantize_weight
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, K, generator=g).to(dtype)
+    w = torch.randn(N, K, generator=g).to(dtype)
+    scale = None
+    if fp8 and dtype != torch.float32:
+        w, scale = quantize_weight(w)
+    spy = _LaunchSpy(linear._linear_kernel)
+    monkeypatch.setattr(linear, "_linear_kernel", spy)
+    for partials in (True, False):
+        monkeypatch.setattr(linear, "ONE_ROW_PARTIALS", partials)
+        out = linear_triton(x.to(DEVICE), w.to(DEVICE), weight_scale=None if scale is None else
+                            scale.to(DEVICE), block_n=block[0], block_k=block[1]).cpu()
+        check(x, w if scale is None else dequantize(w, scale), out)
+        vec = spy.launches[-1]["ROW_VEC"]
+        assert vec == (min(16 // w.element_size(), block[1]) if partials else 0)
+
+
+def test_tuned_one_row_fp8_tiles_are_taken_where_set(monkeypatch):
+    """linear.FP8_ONE_ROW_TILES (a benchmark's measured tiles) decides an FP8 one-row launch
+    of its shape, split and partials included; other shapes and explicit tiles keep theirs."""
+    from fuser.ops import linear
+    from fuser.ops.fp8 import dequantize, quantize_weight
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(1, 256, generator=g).to(torch.bfloat16)
+    w, scale = quantize_weight(torch.randn(24, 256, generator=g).to(torch.bfloat16))
+    spy = _LaunchSpy(linear._linear_kernel)
+    monkeypatch.setattr(linear, "_linear_kernel", spy)
+    monkeypatch.setattr(linear, "FP8_ONE_ROW_TILES", {(24, 256): (4, 64, 2, 2, False)})
+    run_w = w.to(DEVICE), scale.to(DEVICE)
+    out = linear_triton(x.to(DEVICE), run_w[0], weight_scale=run_w[1]).cpu()
+    check(x, dequantize(w, scale), out)
+    taken = spy.launches[-1]
+    assert (taken["BLOCK_N"], taken["BLOCK_K"], taken["num_warps"], taken["SPLIT_K"],
+            taken["ROW_VEC"]) == (4, 64, 2, 2, 0)
+    linear_triton(x.to(DEVICE), run_w[0], weight_scale=run_w[1], block_n=8, block_k=32)
+    assert (spy.launches[-1]["BLOCK_N"], spy.launches[-1]["BLOCK_K"]) == (8, 32)
+    linear_triton(torch.cat([x, x]).to(DEVICE), run_w[0], weight_scale=run_w[1])  # two rows
+    assert spy.launches[-1]["BLOCK_M"] == 16
+
+
 def _norm_linear_case(M: int, N: int, K: int, dtype: torch.dtype, fp8: bool,
                       activation: str | None, seed: int) -> tuple:
     """(x, residual, norm gain, weight, FP8 scale or None): x and the residual [M, K], the

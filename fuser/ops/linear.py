@@ -699,6 +699,12 @@ def rstd_last_for(fp8: bool, gated: bool, n: int) -> bool:
 # qkv's 8 x 1024 and from 299 to 247 at down_proj's; the sum's order changes, not its terms.
 ONE_ROW_PARTIALS = True
 
+# One-row FP8 tiles by shape, set by a benchmark from a measurement on the GPU it runs on:
+# (weight rows, K) -> (block_n, block_k, num_warps, split_k, partials), taken before the
+# tables of _default_fp8_config and _default_split_k (and ONE_ROW_PARTIALS). Empty in the
+# library; benchmarks/decode.py --one-row-tiles fills it from benchmarks/shape_lab.py --best.
+FP8_ONE_ROW_TILES: dict[tuple[int, int], tuple[int, int, int, int, bool]] = {}
+
 PDL_PREFETCH = 1  # weight tiles a PDL-launched program loads before its wait (fuser/ops/pdl.py)
 
 SHARED_MEMORY_BUDGET = 200 * 1024  # bytes of pipelined tiles (an H200 SM has 227 KiB); every tuned
@@ -867,6 +873,10 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
             return out.reshape(*lead, N), _lead(summed, lead, K)
     bn, bk, warps, stages = _default_fp8_config(M, rows_w, K, pieces is not None) if fp8 else \
         _default_config(M, rows_w, K)
+    partials = ONE_ROW_PARTIALS
+    tuned = FP8_ONE_ROW_TILES.get((rows_w, K)) if fp8 and M == 1 else None
+    if tuned is not None and all(o is None for o in overrides):
+        bn, bk, warps, split_k, partials = tuned
     bn, bk = block_n or bn, block_k or bk
     if activation is not None and bn < 2:
         raise ValueError(f"block_n={bn}: a gated program takes block_n / 2 gate rows and as "
@@ -920,7 +930,7 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         SPLIT_K=splits, PDL=bool(pdl), PREFETCH=PDL_PREFETCH if prefetch is None else prefetch,
         SWAP=swap, F16_MMA=fp8_rows in ("f16", "norm pieces", "pieces"), X2_MMA=fp8_rows == "x2",
         X2_PIECES=pieces is not None, RSTD_LAST=rstd_last,
-        ROW_VEC=min(16 // weight.element_size(), bk) if block_m == 1 and ONE_ROW_PARTIALS else 0,
+        ROW_VEC=min(16 // weight.element_size(), bk) if block_m == 1 and partials else 0,
         EVEN_K=block_m > 1 and K % (splits * bk) == 0, num_warps=num_warps or warps,
         num_stages=num_stages or stages, **pdl,
     )
