@@ -598,9 +598,13 @@ def _default_fp8_config(M: int, N: int, K: int,
     gate/up at one row: benchmarks/shape_lab.py as the engine runs it (norm prologue, gated,
     PDL), twelfth session: 128 x 256 tiles 32.93 us against 34.20 for 32 x 512 (a quarter of
     the programs, each making the norm prologue's pass over x)."""
-    if M == 1:
-        if N * K <= 2**25 or K > 8192:  # qkv, o_proj, down_proj: narrow programs, long K steps
-            return 8, 1024, 4, 4
+    if M == 1:  # with ONE_ROW_PARTIALS: benchmarks/shape_lab.py, seventeenth session
+        if K > 8192:                    # down_proj, unsplit: 15.72 against 17.14 us at 8 x 1024
+            return 8, 2048, 8, 4        # (split in 2, 8 x 1024, before)
+        if N <= 4096:                   # o_proj: 6.05 against 7.01 us at 8 x 1024, 4 warps
+            return 8, 2048, 8, 4
+        if N * K <= 2**25:              # qkv: 9.57 against 9.60 us at 8 x 1024, 4 warps
+            return 16, 1024, 8, 4
         if N < 2**16:                   # gate_up
             return 128, 256, 8, 4
         return 16, 512, 4, 4            # lm_head
@@ -612,8 +616,10 @@ def _default_fp8_config(M: int, N: int, K: int,
 def _default_split_k(M: int, N: int, K: int, fp8: bool) -> int:
     """Programs per column block (split-K, summed in the same launch): 2 where
     benchmarks/gemv_lab.py measured it faster on an H200 (2026-12-01, RESULTS.md): one row
-    against down_proj's long K (bf16 30.1 vs 38.7 us unsplit and 31.8 for cuBLAS; FP8 18.7 vs
-    20.7) and, in bf16, o_proj's 4096 x 4096 (11.2 vs 12.2). Everything else measured no gain.
+    against down_proj's long K in bf16 (30.1 vs 38.7 us unsplit and 31.8 for cuBLAS; FP8 took
+    18.7 vs 20.7 then, and since ONE_ROW_PARTIALS 15.72 unsplit at 8 x 2048 tiles against 17.14
+    split at 8 x 1024: benchmarks/shape_lab.py, seventeenth session) and, in bf16, o_proj's
+    4096 x 4096 (11.2 vs 12.2). Everything else measured no gain.
     Several rows (the swapped MMA's 64-row tiles: few programs on a narrow weight): the fastest
     of benchmarks/fp8_mma_lab.py's at M = 5 (tenth session)."""
     if M != 1:
@@ -623,7 +629,7 @@ def _default_split_k(M: int, N: int, K: int, fp8: bool) -> int:
             return 4                        # down_proj
         return 2 if N <= 4096 else 1        # o_proj
     if K > 8192:
-        return 2
+        return 1 if fp8 else 2  # FP8 down_proj at 8 x 2048 tiles, 8 warps: 15.72 us unsplit
     return 2 if (not fp8 and N <= 4096) else 1
 
 
