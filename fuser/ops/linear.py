@@ -12,9 +12,11 @@ an H200: ~42% of the read bandwidth for 4096 x 4096, ~58% for 6144 x 4096, ~98% 
 Triton implementation: grid (cdiv(N, BLOCK_N),); one program owns BLOCK_N output columns and
 walks K in BLOCK_K chunks, loading a [BLOCK_N, BLOCK_K] tile of the weight (contiguous along
 K: coalesced, 16-byte loads) and the matching [M, BLOCK_K] slice of x (small, from L2), and
-keeps fp32 accumulators. M = 1 multiplies and sums on the CUDA cores; M > 1 uses an MMA with
-the rows padded to 16 (the matrix units have spare throughput at these sizes: the kernel stays
-bound by the weight's bytes). Software pipelining (num_stages) keeps several weight tiles in
+keeps fp32 accumulators. M = 1 multiplies and sums on the CUDA cores, each thread adding its
+products into a partial per 16-byte run of columns that it loads, the partials added across
+threads once after the K loop (ONE_ROW_PARTIALS); M > 1 uses an MMA with the rows padded to 16
+(the matrix units have spare throughput at these sizes: the kernel stays bound by the weight's
+bytes). Software pipelining (num_stages) keeps several weight tiles in
 flight per program, which is what a memory-bound stream needs.
 
 Several rows, swapped (`_default_swap`: where it measured faster on an H200, benchmarks/RESULTS.md,
@@ -32,8 +34,8 @@ kernel reads an e4m3fn weight [N, K] (half the bytes) with one fp32 scale per ou
 (fuser/ops/fp8.py). Each weight tile is dequantized in registers (exactly: to fp32 on the
 CUDA-core path, to x's bf16/fp16 for the MMA), the sum runs in fp32 as above, and the scale
 multiplies each output once after the K loop, before the one rounding to x's dtype. The
-activations are not quantized on this path. Its tile defaults are untuned guesses
-(_default_fp8_config) until benchmarks/fp8_ops.py's sweep runs on an H200.
+activations are not quantized on this path. Its tiles (_default_fp8_config) are the fastest
+measured on an H200 (benchmarks/RESULTS.md); FP8_ONE_ROW_TILES lets a benchmark run others.
 
 Gated MLP (`fuser::gated_linear(x, weight, activation)`, `fuser::fp8_gated_linear(x, w_fp8,
 w_scale, activation)`, passes/gated_linear.py): the weight is a merged gate/up matrix [2I, K],
