@@ -36,7 +36,7 @@
 #   bash benchmarks/gpu_all.sh fourteenth # linear GPU tests, the chains without norms (what a norm fusion can reach), the engine's GPU tests
 #   bash benchmarks/gpu_all.sh s16a     # FP8 rows all on e4m3 pieces (default "pieces"), EVEN_K: tests, rows lab, FP8 + bf16 decode
 #   bash benchmarks/gpu_all.sh s17a     # one row's sums per thread (ONE_ROW_PARTIALS): tests, shape lab on/off, FP8 + bf16 decode
-#   bash benchmarks/gpu_all.sh s17c     # the sweep's tiles as defaults: linear GPU tests, FP8 decode
+#   bash benchmarks/gpu_all.sh s17c     # the sweep's tiles as defaults: FP8 one-row GPU tests, FP8 decode
 #   bash benchmarks/gpu_all.sh s17b     # one-row FP8 tiles swept again (shape lab), FP8 decode on the fastest, engine GPU tests
 #   bash benchmarks/gpu_all.sh s16b     # the engine's GPU tests (test_cuda.py with its FP8 speculative test, test_cuda_spec.py)
 #   bash benchmarks/gpu_all.sh pieces   # several-row FP8 with x split outside, promoted or chained, vs the engine's paths
@@ -517,11 +517,15 @@ elif [ "$what" = s17a ]; then
   done
 elif [ "$what" = s17c ]; then
   # Seventeenth session, call 3: call 2's fastest one-row FP8 tiles as the module's defaults:
-  # the GEMVs' GPU tests at the 8B shapes on them, then the 8B FP8 decode without overrides.
-  linear_gpu_tests
+  # the FP8 GEMVs' GPU tests at the 8B shapes on them (plain, norm + qkv/gate-up), then the 8B
+  # FP8 decode without overrides, in what the lease leaves (its tok/s line comes first).
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -rf tests/test_ops_fp8.py \
+    tests/test_ops_norm_linear.py -k "gpu_fp8_linear_llama3 or gpu_llama3_qkv" 2>&1 \
+    | tee "$OUT/gpu_tests.log" | grep -E "^E |FAIL|Error|passed|failed" | head
+  summary+=("GPU tests, FP8 one row: $(tail -1 "$OUT/gpu_tests.log")")
   left=$((${BUDGET:-300} - SECONDS))
   echo "== decode, 8B shape, fp8 (${left} s left)"
-  [ "$left" -gt 100 ] && timeout "$left" python3 benchmarks/decode.py --out "$OUT/decode_fp8.json" \
+  timeout "$left" python3 benchmarks/decode.py --out "$OUT/decode_fp8.json" \
     --skip-peers --precisions fp8 2>&1 | tee "$OUT/decode_fp8.log" | grep -v Warning \
     | grep -E "^\[fp8\] (fuser gen|target|prefill|per token)|verify|alike|Error" | tail -8
 elif [ "$what" = s17b ]; then
