@@ -185,15 +185,16 @@ def test_shape_lab_best_tiles_round_trip(tmp_path) -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from shape_lab import SHAPES, best_tiles, load_tiles, parse_variant, tile_of
 
-    from fuser.ops.linear import _default_fp8_config
+    from fuser.ops.linear import _default_fp8_config, _default_split_k
 
     rows, K, _, _ = SHAPES["down"]
-    lk = tile_of(parse_variant("lk n16 w8 shuffle", True), rows, K)
+    lk = tile_of(parse_variant("lk n16 w8 shuffle x2", True), rows, K)
     assert lk == [16, _default_fp8_config(1, rows, K)[1], 8, 2, False]
+    assert tile_of(parse_variant("lk", True), rows, K)[3] == _default_split_k(1, rows, K, True)
     assert tile_of(parse_variant("lk nonorm", True), rows, K) is None  # not as the engine runs
     timed = [dict(dtype="fp8", shape="down", variant="default", us=17.2,
                   tile=tile_of(parse_variant("default", True), rows, K)),
-             dict(dtype="fp8", shape="down", variant="lk n16 w8 shuffle", us=16.9, tile=lk),
+             dict(dtype="fp8", shape="down", variant="lk n16 w8 shuffle x2", us=16.9, tile=lk),
              dict(dtype="fp8", shape="qkv", variant="default", us=9.6, tile=None),
              dict(dtype="fp8", shape="qkv", variant="lk n16", us=9.9, tile=[16, 1024, 4, 1, True])]
     best = best_tiles(timed)
