@@ -69,6 +69,18 @@ decode_1b() {
     --skip-verify --out "$OUT/decode_1b.json" 2>&1 | tee "$OUT/decode_1b.log" | grep -v Warning \
     | grep -E "^\[|kernels|^sum|^graph|ceiling|fallback|Error" | tail -20
 }
+# The 8B decode + verify of one precision without peers, if what the budget (BUDGET, else the
+# default given) leaves is more than 100 s: its tok/s, step and verify lines.
+decode_8b() {  # precision, default budget in seconds, more decode.py flags
+  local precision=$1 budget=$2
+  shift 2
+  local left=$((${BUDGET:-$budget} - SECONDS))
+  echo "== decode, 8B shape, $precision (${left} s left)"
+  [ "$left" -gt 100 ] && timeout "$left" python3 benchmarks/decode.py \
+    --out "$OUT/decode_$precision.json" --skip-peers --precisions "$precision" "$@" 2>&1 \
+    | tee "$OUT/decode_$precision.log" | grep -v Warning \
+    | grep -E "^\[$precision\] (fuser gen|target|prefill|per token)|tiles|verify|alike|Error" | tail -9
+}
 # The decode GEMV's GPU tests (every path of _linear_kernel against its reference).
 linear_gpu_tests() {
   echo "== GPU tests: linear"
@@ -467,14 +479,8 @@ elif [ "$what" = s16a ]; then
   timeout 150 python3 benchmarks/fp8_rows_lab.py --out "$OUT/fp8_rows_lab.json" \
     --variants "default,engine f16,engine pieces,engine split pieces,x2 pieces" \
     2>&1 | grep -v Warning | tail -30
-  for precision in fp8 bf16; do
-    left=$((${BUDGET:-560} - SECONDS))
-    echo "== decode, 8B shape, $precision (${left} s left)"
-    [ "$left" -gt 100 ] && timeout "$left" python3 benchmarks/decode.py \
-      --out "$OUT/decode_$precision.json" --skip-peers --precisions $precision 2>&1 \
-      | tee "$OUT/decode_$precision.log" | grep -v Warning \
-      | grep -E "^\[$precision\] (fuser gen|target|prefill|per token)|verify|alike|Error" | tail -8
-  done
+  decode_8b fp8 560
+  decode_8b bf16 560
 elif [ "$what" = s16b ]; then
   # Sixteenth session, call 3: the engine's GPU tests on the tree's defaults, FP8 speculative
   # on e4m3 pieces among them; then the bf16 decode + verify in what the budget leaves.
@@ -482,12 +488,7 @@ elif [ "$what" = s16b ]; then
   timeout "${BUDGET:-320}" python3 -m pytest -v -p no:cacheprovider -rf tests/test_cuda.py \
     tests/test_cuda_spec.py 2>&1 | tee "$OUT/gpu_tests_engine.log" \
     | grep -E "^E  |PASSED|FAILED|ERROR|passed|failed" | cut -c1-150 | tail -30
-  left=$((${BUDGET:-320} - SECONDS))
-  echo "== decode, 8B shape, bf16 (${left} s left)"
-  [ "$left" -gt 100 ] && timeout "$left" python3 benchmarks/decode.py \
-    --out "$OUT/decode_bf16.json" --skip-peers --precisions bf16 2>&1 \
-    | tee "$OUT/decode_bf16.log" | grep -v Warning \
-    | grep -E "^\[bf16\] (fuser gen|target|prefill|per token)|verify|alike|Error" | tail -8
+  decode_8b bf16 320
 elif [ "$what" = s16c ]; then
   # Sixteenth session, call 3 (s16b did not fit what was left): the GPU tests the default
   # "pieces" touches (the ops, the engine's FP8 and bf16 speculative tests), in the budget.
@@ -507,27 +508,17 @@ elif [ "$what" = s17a ]; then
     --variants "default;default shuffle" --out "$OUT/shape_lab_fp8.json" 2>&1 | grep -v Warn | tail -12
   timeout 90 python3 benchmarks/shape_lab.py --dtypes bf16 --shapes qkv,o,down,head \
     --variants "default;lk;lk shuffle" --out "$OUT/shape_lab_bf16.json" 2>&1 | grep -v Warn | tail -14
-  for precision in fp8 bf16; do
-    left=$((${BUDGET:-560} - SECONDS))
-    echo "== decode, 8B shape, $precision (${left} s left)"
-    [ "$left" -gt 100 ] && timeout "$left" python3 benchmarks/decode.py \
-      --out "$OUT/decode_$precision.json" --skip-peers --precisions $precision 2>&1 \
-      | tee "$OUT/decode_$precision.log" | grep -v Warning \
-      | grep -E "^\[$precision\] (fuser gen|target|prefill|per token)|verify|alike|Error" | tail -8
-  done
+  decode_8b fp8 560
+  decode_8b bf16 560
 elif [ "$what" = s17c ]; then
   # Seventeenth session, call 3: call 2's fastest one-row FP8 tiles as the module's defaults:
   # the FP8 GEMVs' GPU tests at the 8B shapes on them (plain, norm + qkv/gate-up), then the 8B
-  # FP8 decode without overrides, in what the lease leaves (its tok/s line comes first).
+  # FP8 decode without overrides if the lease leaves time for it.
   timeout 120 python3 -m pytest -q -p no:cacheprovider -rf tests/test_ops_fp8.py \
     tests/test_ops_norm_linear.py -k "gpu_fp8_linear_llama3 or gpu_llama3_qkv" 2>&1 \
     | tee "$OUT/gpu_tests.log" | grep -E "^E |FAIL|Error|passed|failed" | head
   summary+=("GPU tests, FP8 one row: $(tail -1 "$OUT/gpu_tests.log")")
-  left=$((${BUDGET:-300} - SECONDS))
-  echo "== decode, 8B shape, fp8 (${left} s left)"
-  timeout "$left" python3 benchmarks/decode.py --out "$OUT/decode_fp8.json" \
-    --skip-peers --precisions fp8 2>&1 | tee "$OUT/decode_fp8.log" | grep -v Warning \
-    | grep -E "^\[fp8\] (fuser gen|target|prefill|per token)|verify|alike|Error" | tail -8
+  decode_8b fp8 300
 elif [ "$what" = s17b ]; then
   # Seventeenth session, call 2: with ONE_ROW_PARTIALS (call 1: FP8 419.3 tok/s), the one-row
   # FP8 tiles again at qkv, o_proj, down_proj and gate/up (shape_lab.py "lk" words: nN block_n,
@@ -541,12 +532,7 @@ elif [ "$what" = s17b ]; then
   sweep o "default;lk n8 k512 w4;lk n4 k1024 w4;lk n16 k512 w4;lk n16 k1024 w8;lk n8 k1024 w4 x2;lk n16 k1024 w4 x2;lk n8 k2048 w8;lk n4 k2048 w4"
   sweep down "default;default shuffle;lk n8 k512 w4 x4;lk n16 k1024 w4 x2;lk n16 k512 w4 x2;lk n8 k2048 w8 x1;lk n8 k1024 w4 x1;lk n4 k1024 w4 x2;lk n8 k1024 w8 x2;lk n4 k2048 w4 x1"
   sweep gate_up "default;lk n64 k256 w4;lk n128 k512 w8;lk n256 k256 w8;lk n64 k512 w8;lk n32 k1024 w8"
-  left=$((${BUDGET:-560} - SECONDS))
-  echo "== decode, 8B shape, fp8 on the fastest tiles (${left} s left)"
-  [ "$left" -gt 100 ] && timeout "$left" python3 benchmarks/decode.py --out "$OUT/decode_fp8.json" \
-    --skip-peers --precisions fp8 --one-row-tiles "$OUT"/best_*.json 2>&1 \
-    | tee "$OUT/decode_fp8.log" | grep -v Warning \
-    | grep -E "^\[fp8\] (fuser gen|target|prefill|per token)|tiles|verify|alike|Error" | tail -9
+  decode_8b fp8 560 --one-row-tiles "$OUT"/best_*.json
   left=$((${BUDGET:-560} - SECONDS))
   echo "== GPU tests: the engine's, s16c's (${left} s left)"
   [ "$left" -gt 60 ] && timeout "$left" python3 -m pytest -v -p no:cacheprovider -rf \
