@@ -16,8 +16,8 @@ keeps fp32 accumulators. M = 1 multiplies and sums on the CUDA cores, each threa
 products into a partial per 16-byte run of columns that it loads, the partials added across
 threads once after the K loop (ONE_ROW_PARTIALS); M > 1 uses an MMA with the rows padded to 16
 (the matrix units have spare throughput at these sizes: the kernel stays bound by the weight's
-bytes). Software pipelining (num_stages) keeps several weight tiles in
-flight per program, which is what a memory-bound stream needs.
+bytes). Software pipelining (num_stages) keeps several weight tiles in flight per program,
+which is what a memory-bound stream needs.
 
 Several rows, swapped (`_default_swap`: where it measured faster on an H200, benchmarks/RESULTS.md,
 tenth session): the weight tile is the MMA's A operand and x its B, acc[BLOCK_N, BLOCK_M] +=
@@ -167,9 +167,9 @@ def _row_step(acc, squares, w, x_row, r_row, g_ptr, sum_ptr, k, k_hi, rstd, NORM
     """One K step of the one-row GEMV: (acc [BLOCK_N] + w [BLOCK_N, BLOCK_K] . x[k] in fp32,
     squares). With acc [BLOCK_N, BLOCK_K // ROW_VEC] (the kernel's ROW_VEC) each run of ROW_VEC
     columns, the run a thread loads as one 16-byte vector, adds its products to its own partial:
-    sums inside each thread, no reduction across threads until the loop ends. (x loaded in w's tile shape instead, which drops the sm_90 code's shared-memory
-    broadcast of x between two barriers per step, measured slower on the H200:
-    benchmarks/RESULTS.md, tenth session.)
+    sums inside each thread, no reduction across threads until the loop ends. (x loaded in w's
+    tile shape instead, which drops the sm_90 code's shared-memory broadcast of x between two
+    barriers per step, measured slower on the H200: benchmarks/RESULTS.md, tenth session.)
 
     NORM with RSTD_LAST: x[k] is g * h (fp32, h = x (+ r) rounded to x's dtype), squares
     [BLOCK_K] gathers h * h for the rstd that multiplies acc after the loop (_rstd_last), and
