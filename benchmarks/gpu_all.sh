@@ -36,7 +36,7 @@
 #   bash benchmarks/gpu_all.sh fourteenth # linear GPU tests, the chains without norms (what a norm fusion can reach), the engine's GPU tests
 #   bash benchmarks/gpu_all.sh s16a     # FP8 rows all on e4m3 pieces (default "pieces"), EVEN_K: tests, rows lab, FP8 + bf16 decode
 #   bash benchmarks/gpu_all.sh s17a     # one row's sums per thread (ONE_ROW_PARTIALS): tests, shape lab on/off, FP8 + bf16 decode
-#   bash benchmarks/gpu_all.sh s17c     # the sweep's tiles as defaults: FP8 one-row GPU tests, FP8 decode
+#   bash benchmarks/gpu_all.sh s17c     # the sweep's tiles as defaults: FP8 one-row GPU tests, whole-K tiles, FP8 decode
 #   bash benchmarks/gpu_all.sh s17b     # one-row FP8 tiles swept again (shape lab), FP8 decode on the fastest, engine GPU tests
 #   bash benchmarks/gpu_all.sh s16b     # the engine's GPU tests (test_cuda.py with its FP8 speculative test, test_cuda_spec.py)
 #   bash benchmarks/gpu_all.sh pieces   # several-row FP8 with x split outside, promoted or chained, vs the engine's paths
@@ -512,12 +512,15 @@ elif [ "$what" = s17a ]; then
   decode_8b bf16 560
 elif [ "$what" = s17c ]; then
   # Seventeenth session, call 3: call 2's fastest one-row FP8 tiles as the module's defaults:
-  # the FP8 GEMVs' GPU tests at the 8B shapes on them (plain, norm + qkv/gate-up), then the 8B
-  # FP8 decode without overrides if the lease leaves time for it.
+  # the FP8 GEMVs' GPU tests at the 8B shapes on them (plain, norm + qkv/gate-up); then whole-K
+  # tiles (one K step: with PDL a program loads its whole slice of the weight before its wait)
+  # at o_proj and qkv against the defaults, and the 8B FP8 decode if the lease leaves time.
   timeout 120 python3 -m pytest -q -p no:cacheprovider -rf tests/test_ops_fp8.py \
     tests/test_ops_norm_linear.py -k "gpu_fp8_linear_llama3 or gpu_llama3_qkv" 2>&1 \
     | tee "$OUT/gpu_tests.log" | grep -E "^E |FAIL|Error|passed|failed" | head
   summary+=("GPU tests, FP8 one row: $(tail -1 "$OUT/gpu_tests.log")")
+  timeout 60 python3 benchmarks/shape_lab.py --dtypes fp8 --shapes o,qkv \
+    --variants "default;lk n8 k4096 w8;lk n4 k4096 w8;lk n16 k4096 w8" 2>&1 | grep -v Warn | tail -9
   decode_8b fp8 300
 elif [ "$what" = s17b ]; then
   # Seventeenth session, call 2: with ONE_ROW_PARTIALS (call 1: FP8 419.3 tok/s), the one-row
