@@ -36,6 +36,7 @@
 #   bash benchmarks/gpu_all.sh fourteenth # linear GPU tests, the chains without norms (what a norm fusion can reach), the engine's GPU tests
 #   bash benchmarks/gpu_all.sh s16a     # FP8 rows all on e4m3 pieces (default "pieces"), EVEN_K: tests, rows lab, FP8 + bf16 decode
 #   bash benchmarks/gpu_all.sh s17a     # one row's sums per thread (ONE_ROW_PARTIALS): tests, shape lab on/off, FP8 + bf16 decode
+#   bash benchmarks/gpu_all.sh s17d     # FP8 one-row GPU tests, pipelined one-row loop, whole-K tiles (short)
 #   bash benchmarks/gpu_all.sh pipe     # (not yet run) one-row K loop software-pipelined, whole-K tiles: shape lab
 #   bash benchmarks/gpu_all.sh s17c     # the sweep's tiles as defaults: FP8 one-row GPU tests, whole-K tiles, FP8 decode
 #   bash benchmarks/gpu_all.sh s17b     # one-row FP8 tiles swept again (shape lab), FP8 decode on the fastest, engine GPU tests
@@ -511,6 +512,16 @@ elif [ "$what" = s17a ]; then
     --variants "default;lk;lk shuffle" --out "$OUT/shape_lab_bf16.json" 2>&1 | grep -v Warn | tail -14
   decode_8b fp8 560
   decode_8b bf16 560
+elif [ "$what" = s17d ]; then
+  # Seventeenth session, last call (the lease's last minutes): the FP8 one-row GPU tests on
+  # the new default tiles, then the one-row K loop software-pipelined and whole-K tiles.
+  timeout 75 python3 -m pytest -q -p no:cacheprovider -rf tests/test_ops_fp8.py \
+    tests/test_ops_norm_linear.py -k "gpu_fp8_linear_llama3 or gpu_llama3_qkv" 2>&1 \
+    | tee "$OUT/gpu_tests.log" | grep -E "^E |FAIL|Error|passed|failed" | head
+  timeout 70 python3 benchmarks/shape_lab.py --dtypes fp8 --shapes o,qkv,down,gate_up \
+    --variants "default;lk s3 pipe;lk s4 pipe" 2>&1 | grep -v Warn | tail -13
+  timeout 30 python3 benchmarks/shape_lab.py --dtypes fp8 --shapes o,qkv \
+    --variants "default;lk n8 k4096 w8;lk n4 k4096 w8" 2>&1 | grep -v Warn | tail -7
 elif [ "$what" = pipe ]; then
   # Written in the seventeenth session, not yet run: the one-row K loop software-pipelined
   # (linear.ONE_ROW_PIPELINE; cp.async into shared memory, num_stages deep) at each 8B shape
