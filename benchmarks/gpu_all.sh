@@ -37,7 +37,6 @@
 #   bash benchmarks/gpu_all.sh s16a     # FP8 rows all on e4m3 pieces (default "pieces"), EVEN_K: tests, rows lab, FP8 + bf16 decode
 #   bash benchmarks/gpu_all.sh s17a     # one row's sums per thread (ONE_ROW_PARTIALS): tests, shape lab on/off, FP8 + bf16 decode
 #   bash benchmarks/gpu_all.sh s17d     # FP8 one-row GPU tests, pipelined one-row loop, whole-K tiles (short)
-#   bash benchmarks/gpu_all.sh pipe     # (not yet run) one-row K loop software-pipelined, whole-K tiles: shape lab
 #   bash benchmarks/gpu_all.sh s17c     # the sweep's tiles as defaults: FP8 one-row GPU tests, whole-K tiles, FP8 decode
 #   bash benchmarks/gpu_all.sh s17b     # one-row FP8 tiles swept again (shape lab), FP8 decode on the fastest, engine GPU tests
 #   bash benchmarks/gpu_all.sh s16b     # the engine's GPU tests (test_cuda.py with its FP8 speculative test, test_cuda_spec.py)
@@ -514,7 +513,8 @@ elif [ "$what" = s17a ]; then
   decode_8b bf16 560
 elif [ "$what" = s17d ]; then
   # Seventeenth session, last call (the lease's last minutes): the FP8 one-row GPU tests on
-  # the new default tiles, then the one-row K loop software-pipelined and whole-K tiles.
+  # the new default tiles, then the one-row K loop software-pipelined (commit dfaa782's
+  # linear.ONE_ROW_PIPELINE, removed after this call: slower) and whole-K tiles.
   timeout 75 python3 -m pytest -q -p no:cacheprovider -rf tests/test_ops_fp8.py \
     tests/test_ops_norm_linear.py -k "gpu_fp8_linear_llama3 or gpu_llama3_qkv" 2>&1 \
     | tee "$OUT/gpu_tests.log" | grep -E "^E |FAIL|Error|passed|failed" | head
@@ -522,19 +522,6 @@ elif [ "$what" = s17d ]; then
     --variants "default;lk s3 pipe;lk s4 pipe" 2>&1 | grep -v Warn | tail -13
   timeout 30 python3 benchmarks/shape_lab.py --dtypes fp8 --shapes o,qkv \
     --variants "default;lk n8 k4096 w8;lk n4 k4096 w8" 2>&1 | grep -v Warn | tail -7
-elif [ "$what" = pipe ]; then
-  # Written in the seventeenth session, not yet run: the one-row K loop software-pipelined
-  # (linear.ONE_ROW_PIPELINE; cp.async into shared memory, num_stages deep) at each 8B shape
-  # alone, FP8 on the default tiles and bf16 on _linear_kernel's, 2 to 4 stages, and whole-K
-  # tiles at o_proj and qkv (with PDL a program loads its whole slice before its wait).
-  timeout 200 python3 benchmarks/shape_lab.py --dtypes fp8 --shapes qkv,o,gate_up,down,head \
-    --variants "default;lk s2 pipe;lk s3 pipe;lk s4 pipe" --out "$OUT/shape_lab_pipe_fp8.json" \
-    2>&1 | grep -v Warn | tail -22
-  timeout 60 python3 benchmarks/shape_lab.py --dtypes fp8 --shapes o,qkv \
-    --variants "default;lk n8 k4096 w8;lk n4 k4096 w8;lk n16 k4096 w8" 2>&1 | grep -v Warn | tail -9
-  timeout 150 python3 benchmarks/shape_lab.py --dtypes bf16 --shapes qkv,o,down,head \
-    --variants "default;lk;lk s3 pipe;lk s4 pipe" --out "$OUT/shape_lab_pipe_bf16.json" \
-    2>&1 | grep -v Warn | tail -18
 elif [ "$what" = s17c ]; then
   # Seventeenth session, call 3: call 2's fastest one-row FP8 tiles as the module's defaults:
   # the FP8 GEMVs' GPU tests at the 8B shapes on them (plain, norm + qkv/gate-up); then whole-K

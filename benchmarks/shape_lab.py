@@ -31,8 +31,6 @@ A variant is a list of words:
                word: linear.rstd_last_for's choice, FP8's qkv after the sum)
   shuffle      (after any of the above) _linear_kernel's one-row sums reduced across threads
                every K step (linear.ONE_ROW_PARTIALS off), not once after the loop
-  pipe         (after any of the above) _linear_kernel's one-row K loop software-pipelined
-               num_stages deep (linear.ONE_ROW_PIPELINE; "lk ... sN" sets the depth)
 
 --best writes, for each FP8 shape where an "lk" variant (with or without "shuffle") or
 "default shuffle" beat every other, that tile as linear.FP8_ONE_ROW_TILES takes it
@@ -82,7 +80,6 @@ class Variant:
     rstd_last: bool | None = None  # linear.NORM_RSTD_LAST and FP8_PLAIN_RSTD_LAST while it
                                    # runs (None: as the module has them)
     partials: bool = True         # linear.ONE_ROW_PARTIALS while it runs
-    pipeline: bool = False        # linear.ONE_ROW_PIPELINE while it runs
 
 
 def parse_variant(name: str, fp8: bool) -> Variant:
@@ -92,12 +89,11 @@ def parse_variant(name: str, fp8: bool) -> Variant:
     norm_k = next((int(word[2:]) for word in words if word.startswith("nk")), None)
     rstd_last = None if not {"rstd", "pass"} & set(words) and norm_k is None else \
         "rstd" in words and "pass" not in words and norm_k is None
-    partials, pipeline = "shuffle" not in words, "pipe" in words
-    words = [word for word in words if word not in ("nonorm", "pass", "rstd", "shuffle", "pipe")
+    partials = "shuffle" not in words
+    words = [word for word in words if word not in ("nonorm", "pass", "rstd", "shuffle")
              and not word.startswith("nk")]
     variant = _parse_kernel(name, words, norm)
-    variant.norm_k, variant.rstd_last = norm_k, rstd_last
-    variant.partials, variant.pipeline = partials, pipeline
+    variant.norm_k, variant.rstd_last, variant.partials = norm_k, rstd_last, partials
     return variant
 
 
@@ -132,8 +128,7 @@ def tile_of(variant: Variant, rows: int, K: int) -> list | None:
     (linear.FP8_ONE_ROW_TILES' value; the tables fill what its words leave out), or None for
     one that is not _linear_kernel with the norm as the engine runs it."""
     if variant.cublas or not variant.norm or variant.norm_k is not None or \
-            variant.rstd_last is not None or variant.stream not in (None, gemv_stream.DEFAULT) or \
-            variant.pipeline:
+            variant.rstd_last is not None or variant.stream not in (None, gemv_stream.DEFAULT):
         return None
     bn, bk, warps, _ = linear_module._default_fp8_config(1, rows, K)
     o = variant.overrides
@@ -202,8 +197,7 @@ def main() -> None:
     bandwidth = measure_read_bandwidth()
     log(f"HBM read bandwidth {bandwidth / 1e12:.2f} TB/s; {COPIES} launches per shape")
     saved = (gemv_stream.CONFIG, linear_module.ONE_ROW_NORM_K, linear_module.NORM_RSTD_LAST,
-             linear_module.FP8_PLAIN_RSTD_LAST, linear_module.ONE_ROW_PARTIALS,
-             linear_module.ONE_ROW_PIPELINE)
+             linear_module.FP8_PLAIN_RSTD_LAST, linear_module.ONE_ROW_PARTIALS)
     results = []
     for dtype in args.dtypes.split(","):
         fp8 = dtype == "fp8"
@@ -217,7 +211,6 @@ def main() -> None:
                 gemv_stream.CONFIG = variant.stream
                 linear_module.ONE_ROW_NORM_K = variant.norm_k or saved[1]
                 linear_module.ONE_ROW_PARTIALS = variant.partials
-                linear_module.ONE_ROW_PIPELINE = variant.pipeline
                 if variant.rstd_last is not None:  # "rstd": every shape; "pass": none
                     linear_module.NORM_RSTD_LAST = variant.rstd_last
                     linear_module.FP8_PLAIN_RSTD_LAST = variant.rstd_last
@@ -230,7 +223,7 @@ def main() -> None:
                 finally:
                     (gemv_stream.CONFIG, linear_module.ONE_ROW_NORM_K,
                      linear_module.NORM_RSTD_LAST, linear_module.FP8_PLAIN_RSTD_LAST,
-                     linear_module.ONE_ROW_PARTIALS, linear_module.ONE_ROW_PIPELINE) = saved
+                     linear_module.ONE_ROW_PARTIALS) = saved
                     torch.cuda.empty_cache()
                 pct = 100 * nbytes / (us * 1e-6) / bandwidth
                 results.append(dict(dtype=dtype, shape=shape, variant=name, us=us, pct=pct,

@@ -103,14 +103,12 @@ class _LaunchSpy:
 @given(N=st.integers(1, 40), K=st.integers(1, 300),
        block=st.sampled_from([(4, 16), (8, 32), (2, 64), (16, 128)]),
        dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
-       fp8=st.booleans(), pipeline=st.booleans(), seed=st.integers(0, 2**16))
-def test_one_row_partials_sum_the_same_products(N, K, block, dtype, fp8, pipeline, seed,
-                                                monkeypatch):
+       fp8=st.booleans(), seed=st.integers(0, 2**16))
+def test_one_row_partials_sum_the_same_products(N, K, block, dtype, fp8, seed, monkeypatch):
     """One row with ONE_ROW_PARTIALS (each thread's partial per 16-byte run of columns, added
     across threads after the K loop) and without (a reduction every K step): both the GEMV's
     sum within its bound, FP8 weights too, at tiles narrower than a 16-byte run (fp32: 4
-    columns; block_k 16 of FP8: the whole step one run); with the K loop software-pipelined
-    (ONE_ROW_PIPELINE, num_stages deep) or not."""
+    columns; block_k 16 of FP8: the whole step one run)."""
     from fuser.ops import linear
     from fuser.ops.fp8 import dequantize, quantize_weight
 
@@ -122,7 +120,6 @@ def test_one_row_partials_sum_the_same_products(N, K, block, dtype, fp8, pipelin
         w, scale = quantize_weight(w)
     spy = _LaunchSpy(linear._linear_kernel)
     monkeypatch.setattr(linear, "_linear_kernel", spy)
-    monkeypatch.setattr(linear, "ONE_ROW_PIPELINE", pipeline)
     for partials in (True, False):
         monkeypatch.setattr(linear, "ONE_ROW_PARTIALS", partials)
         out = linear_triton(x.to(DEVICE), w.to(DEVICE), weight_scale=None if scale is None else
@@ -130,7 +127,6 @@ def test_one_row_partials_sum_the_same_products(N, K, block, dtype, fp8, pipelin
         check(x, w if scale is None else dequantize(w, scale), out)
         vec = spy.launches[-1]["ROW_VEC"]
         assert vec == (min(16 // w.element_size(), block[1]) if partials else 0)
-        assert (spy.launches[-1]["ROW_STAGES"] is not None) == pipeline
 
 
 def test_tuned_one_row_fp8_tiles_are_taken_where_set(monkeypatch):

@@ -403,8 +403,6 @@ def _linear_kernel(
                                 # squares and rstd multiplies the sum (_row_step, _rstd_last)
     ROW_VEC: tl.constexpr = 0,  # one row: acc [BLOCK_N, BLOCK_K // ROW_VEC] of in-thread
                                 # partial sums, reduced across threads once, after the K loop
-    ROW_STAGES: tl.constexpr = None,  # one row: the K loop's loads software-pipelined this
-                                # many stages deep (ONE_ROW_PIPELINE); None: loaded as used
     EVEN_K: tl.constexpr = False,  # several rows: SPLIT_K * BLOCK_K divides K, so the K loop's
                                 # tiles need no column masks (_k_ok)
 ):
@@ -474,7 +472,7 @@ def _linear_kernel(
             acc, row_squares = _row_step(acc, row_squares, w_pre1, x_row, r_row, g_ptr, sum_ptr,
                                          k_pre1, k_hi, rstd, NORM, HAS_RESIDUAL, RSTD_LAST,
                                          first)
-        for k0 in tl.range(k_loop, k_hi, BLOCK_K, num_stages=ROW_STAGES):
+        for k0 in range(k_loop, k_hi, BLOCK_K):
             k = k0 + offs_k
             w = _w_tile(w_rows, col_ok, k, k_hi)
             acc, row_squares = _row_step(acc, row_squares, w, x_row, r_row, g_ptr, sum_ptr, k,
@@ -707,15 +705,10 @@ def rstd_last_for(fp8: bool, gated: bool, n: int) -> bool:
 # barriers where a row's columns span warps) every K step. Compiled for sm_90 (Triton 3.9) the
 # FP8 K loop drops from 525 to 461 instructions at gate/up's 128 x 256 tiles, from 351 to 298 at
 # qkv's 8 x 1024 and from 299 to 247 at down_proj's; the sum's order changes, not its terms.
+# (The one-row K loop as `tl.range(..., num_stages=3 or 4)`, its loads software-pipelined
+# through shared memory, measured slower at every 8B shape: benchmarks/RESULTS.md, seventeenth
+# session, call 3.)
 ONE_ROW_PARTIALS = True
-
-# One row: the K loop as `tl.range(..., num_stages=stages)`, so that Triton software-pipelines
-# its loads (cp.async into shared memory, `stages` tiles deep) as it does a dot's; a plain loop
-# (False) gets no pipelining at one row: each K step issues its tile's loads and waits for them.
-# Compiled for sm_90 (Triton 3.9, FP8 8 x 1024, 8 warps) the K loop takes 173 instructions with
-# 3 stages and 20 KB of shared memory. Off: not yet measured on a GPU (benchmarks/shape_lab.py's
-# word "pipe" times it).
-ONE_ROW_PIPELINE = False
 
 # One-row FP8 tiles by shape, set by a benchmark from a measurement on the GPU it runs on:
 # (weight rows, K) -> (block_n, block_k, num_warps, split_k, partials), taken before the
@@ -949,7 +942,6 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         SWAP=swap, F16_MMA=fp8_rows in ("f16", "norm pieces", "pieces"), X2_MMA=fp8_rows == "x2",
         X2_PIECES=pieces is not None, RSTD_LAST=rstd_last,
         ROW_VEC=min(16 // weight.element_size(), bk) if block_m == 1 and partials else 0,
-        ROW_STAGES=(num_stages or stages) if block_m == 1 and ONE_ROW_PIPELINE else None,
         EVEN_K=block_m > 1 and K % (splits * bk) == 0, num_warps=num_warps or warps,
         num_stages=num_stages or stages, **pdl,
     )
