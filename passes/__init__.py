@@ -19,6 +19,7 @@ from fuser.passes.gated_linear import GATED_LINEAR
 from fuser.passes.gated_mlp import GATED_ACT
 from fuser.passes.linear import LINEAR
 from fuser.passes.norm_linear import NORM_LINEAR
+from fuser.passes.norm_stats import NORM_STATS
 from fuser.passes.projections import MERGE_GATE_UP, MERGE_QKV
 from fuser.passes.rmsnorm import ADD_RMS_NORM, RMS_NORM
 from fuser.passes.rope import ROTARY
@@ -42,6 +43,7 @@ PASSES: list[GraphRewrite] = [
     # needs the GEMVs above, and gated_act's op over the merged gate/up output
     NORM_LINEAR,  # after every GEMV pass: folds a norm into the one GEMV (any of the four) that
     # reads it, so it must see the final GEMV op, gated_linear's included
+    NORM_STATS,  # after norm_linear: at several rows, its norm moves into the GEMVs around it
 ]
 
 

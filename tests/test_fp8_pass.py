@@ -38,8 +38,10 @@ def emulated_fp8(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def norm_gemv_scales(gm: GraphModule) -> list[bool]:
-    """For each norm + GEMV op (norm_linear), whether it reads FP8 weights (a weight_scale)."""
-    ops = (torch.ops.fuser.rms_norm_linear.default, torch.ops.fuser.add_rms_norm_linear.default)
+    """For each norm + GEMV op (norm_linear; norm_stats at several rows), whether it reads FP8
+    weights (a weight_scale)."""
+    ops = (torch.ops.fuser.rms_norm_linear.default, torch.ops.fuser.add_rms_norm_linear.default,
+           torch.ops.fuser.stats_rms_norm_linear.default)
     return [n.args[-2] is not None for n in gm.graph.nodes if n.target in ops]
 
 

@@ -34,9 +34,10 @@ WITHOUT_LINEAR = [p for p in PASSES if p.name != "linear"]  # as on CUDA where c
 
 
 def gated_norm_gemvs(gm: torch.fx.GraphModule) -> int:
-    """fuser::add_rms_norm_linear calls with an activation: the gated GEMV behind its norm."""
-    return sum(1 for n in gm.graph.nodes
-               if n.target is fuser_ops.add_rms_norm_linear.default and n.args[-1] is not None)
+    """fuser::add_rms_norm_linear calls with an activation: the gated GEMV behind its norm (or
+    stats_rms_norm_linear, where norm_stats moved a several-row norm into the GEMVs)."""
+    ops = (fuser_ops.add_rms_norm_linear.default, fuser_ops.stats_rms_norm_linear.default)
+    return sum(1 for n in gm.graph.nodes if n.target in ops and n.args[-1] is not None)
 
 
 class _MLP(nn.Module):

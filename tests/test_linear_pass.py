@@ -55,9 +55,17 @@ def check(model: nn.Module, batch: int, lengths: list[int], gamma: int, seed: in
                 # then every norm takes the GEMV it feeds (norm_linear): qkv and gate_up behind
                 # each layer's two norms, the LM head behind the final one; o_proj, down_proj left
                 assert graph.matches["norm_linear"] == 2 * n + 1, graph.name
-                assert ops["add_rms_norm_linear"] == 2 * n and ops["rms_norm_linear"] == 1, graph.name
+                assert ops["rms_norm_linear"] == 1, graph.name
                 assert "add_rms_norm" not in ops and "rms_norm" not in ops, graph.name
-                assert linears == 2 * n and "gated_act" not in ops, graph.name
+                assert "gated_act" not in ops, graph.name
+                if rows == 1:
+                    assert ops["add_rms_norm_linear"] == 2 * n and linears == 2 * n, graph.name
+                    assert graph.matches["norm_stats"] == 0, graph.name
+                else:  # norm_stats: each residual norm moves into o_proj / down_proj before it
+                    # (the input norms of layers 1.. and the final norm behind down_proj)
+                    assert graph.matches["norm_stats"] == 2 * n, graph.name
+                    assert ops["linear_residual"] == ops["stats_rms_norm_linear"] == 2 * n
+                    assert "add_rms_norm_linear" not in ops and linears == 0, graph.name
                 assert gemms(graph.rewritten) == 0, graph.name
             else:  # prefill (symbolic rows) and too many rows keep their GEMMs and gated_act
                 assert linears == gated == 0 and ops["gated_act"] == n, graph.name

@@ -20,6 +20,7 @@ from fuser.ops import gated_act  # noqa: F401
 from fuser.ops import attention  # noqa: F401
 from fuser.ops import rotary_attention  # noqa: F401
 from fuser.ops import linear  # noqa: F401
+from fuser.ops import norm_stats  # noqa: F401
 from fuser.ops import fp8  # noqa: F401
 from fuser.ops import fp8_quant  # noqa: F401
 
@@ -58,6 +59,17 @@ def add_rms_norm_linear_cpu(x, residual, norm_weight, eps, weight, weight_scale,
     return _inline_linear(normed, weight, weight_scale, activation), summed
 
 
+def linear_residual_cpu(x, weight, weight_scale, residual):
+    y = _inline_linear(x, weight, weight_scale, None)
+    summed = (y.reshape(residual.shape) + residual).contiguous()
+    return summed, norm_stats.group_squares_reference(summed)
+
+
+def stats_rms_norm_linear_cpu(summed, squares, norm_weight, eps, weight, weight_scale,
+                              activation):
+    return rms_norm_linear_cpu(summed, norm_weight, eps, weight, weight_scale, activation)
+
+
 CPU_INLINE = {
     torch.ops.fuser.rms_norm.default: rms_norm_cpu,
     torch.ops.fuser.add_rms_norm.default: add_rms_norm_cpu,
@@ -67,6 +79,8 @@ CPU_INLINE = {
     # the norm inlined, the linear as its own op is (the norm + GEMV kernel is CUDA's)
     torch.ops.fuser.rms_norm_linear.default: rms_norm_linear_cpu,
     torch.ops.fuser.add_rms_norm_linear.default: add_rms_norm_linear_cpu,
+    torch.ops.fuser.linear_residual.default: linear_residual_cpu,
+    torch.ops.fuser.stats_rms_norm_linear.default: stats_rms_norm_linear_cpu,
     torch.ops.fuser.cache_attention.default: attention.cache_attention_grouped,
     torch.ops.fuser.cache_attention_read.default: attention.cache_attention_grouped,
     torch.ops.fuser.prefill_attention.default: attention.prefill_attention_reference,

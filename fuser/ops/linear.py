@@ -117,6 +117,7 @@ from fuser.ops.pdl import pdl_launch, wait_for_inputs
 from fuser.ops.rmsnorm import _load_block, _normalise, add_rms_norm_reference, rms_norm_reference
 
 MAX_ROWS = 16  # M above this is not a decode shape: the op falls back to the reference
+STAT_COLS = 16  # columns per sum of squares that the residual epilogue hands the next norm
 GEMV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # x's dtypes the kernel takes
 
 
@@ -338,6 +339,50 @@ def _gated_epilogue(acc, HALF: tl.constexpr, BLOCK_M: tl.constexpr, ACTIVATION: 
 
 
 @triton.jit
+def _rstd_from_groups(sq_ptr, rows, row_ok, K, eps, STATS_BLOCK: tl.constexpr,
+                      STAT_COLS: tl.constexpr):
+    """rstd [BLOCK_M, 1] = rsqrt(sum(h^2) / K + eps) (fp32, as rmsnorm.py) from sq_ptr [M,
+    cdiv(K, STAT_COLS)]: each row's sums of h^2 over groups of STAT_COLS columns, added here in
+    one fixed order (deterministic: whatever tiles wrote them)."""
+    groups = tl.cdiv(K, STAT_COLS)
+    idx = tl.arange(0, STATS_BLOCK)
+    parts = tl.load(sq_ptr + rows[:, None] * groups + idx[None, :],
+                    mask=row_ok[:, None] & (idx < groups)[None, :], other=0.0)
+    return tl.rsqrt(tl.sum(parts, axis=1) / K + eps)[:, None]
+
+
+@triton.jit
+def _residual_epilogue(acc, r_ptr, sq_ptr, rows, row_ok, cols, col_ok, pid, N, stride_rm,
+                       out_dtype: tl.constexpr, BLOCK_N: tl.constexpr, STAT_COLS: tl.constexpr,
+                       SWAP: tl.constexpr):
+    """The several-row GEMV's tile of summed = (x @ W.T rounded to out's dtype) + residual,
+    rounded once (what fuser::add_rms_norm adds), in acc's layout; stores each row's sums of
+    summed^2 over this tile's groups of STAT_COLS columns to sq_ptr [M, cdiv(N, STAT_COLS)]
+    (padding rows and columns are zeros: masked loads of x, W and r). col_ok carries the
+    split-K writer mask."""
+    tile_groups: tl.constexpr = BLOCK_N // STAT_COLS
+    groups = pid * tile_groups + tl.arange(0, tile_groups)
+    width = tl.cdiv(N, STAT_COLS)
+    # split-K: only the summing program stores (col_ok is all false in the others)
+    width_here = tl.where(tl.max(col_ok.to(tl.int32), axis=0) > 0, width, 0)
+    if SWAP:  # acc [BLOCK_N, BLOCK_M]
+        r = tl.load(r_ptr + rows[None, :] * stride_rm + cols[:, None],
+                    mask=row_ok[None, :] & col_ok[:, None], other=0.0)
+        h = (acc.to(out_dtype).to(tl.float32) + r.to(tl.float32)).to(out_dtype).to(tl.float32)
+        sq = tl.sum(tl.reshape(h * h, [tile_groups, STAT_COLS, acc.shape[1]]), axis=1)
+        tl.store(sq_ptr + rows[None, :] * width + groups[:, None], sq,
+                 mask=row_ok[None, :] & (groups < width_here)[:, None])
+    else:  # acc [BLOCK_M, BLOCK_N]
+        r = tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :],
+                    mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        h = (acc.to(out_dtype).to(tl.float32) + r.to(tl.float32)).to(out_dtype).to(tl.float32)
+        sq = tl.sum(tl.reshape(h * h, [acc.shape[0], tile_groups, STAT_COLS]), axis=2)
+        tl.store(sq_ptr + rows[:, None] * width + groups[None, :], sq,
+                 mask=row_ok[:, None] & (groups < width_here)[None, :])
+    return h
+
+
+@triton.jit
 def _sum_splits(acc, part_ptr, count_ptr, pid, SIZE: tl.constexpr, SPLIT_K: tl.constexpr):
     """Split-K in one launch: (sum of the SPLIT_K partial accumulators of column block `pid`,
     whether this program is the one that summed them).
@@ -378,6 +423,8 @@ def _linear_kernel(
     sum_ptr,                    # summed: [M, K], contiguous, x's dtype (HAS_RESIDUAL): x + r
     lo_ptr,                     # X2_PIECES: x is hi, this lo ([M, K] e4m3fn, x's row stride)
     inv_ptr,                    # X2_PIECES: [M] fp32, each row's 2^-t (fuser/ops/e4m3_pieces.py)
+    sq_ptr,                     # [M, groups] fp32 sums of squares over groups of STAT_COLS
+                                # columns: written with EPI_RESIDUAL, read with STATS_BLOCK
     M, N, K,                    # N: output columns
     stride_xm, stride_wn, stride_om, stride_rm,
     eps,                        # the norm's epsilon (NORM)
@@ -405,6 +452,12 @@ def _linear_kernel(
                                 # partial sums, reduced across threads once, after the K loop
     EVEN_K: tl.constexpr = False,  # several rows: SPLIT_K * BLOCK_K divides K, so the K loop's
                                 # tiles need no column masks (_k_ok)
+    EPI_RESIDUAL: tl.constexpr = False,  # several rows, no activation: out = x @ W.T (rounded)
+                                # + residual (r_ptr [M, N]), rounded: add_rms_norm's summed; and
+                                # each row's sums of out^2 per STAT_COLS columns to sq_ptr
+    STATS_BLOCK: tl.constexpr = 0,  # several rows, NORM: rstd from sq_ptr's cdiv(K, STAT_COLS)
+                                # sums (a power of two >= that) instead of the prologue pass
+    STAT_COLS: tl.constexpr = 16,
 ):
     pid = tl.program_id(0)
     # Split-K: program (pid, s) sums K range [s * K / SPLIT_K, (s + 1) * K / SPLIT_K) (the
@@ -491,7 +544,9 @@ def _linear_kernel(
         x_rows = x_ptr + rows[:, None] * stride_xm              # [BLOCK_M, 1]
         r_rows = r_ptr + rows[:, None] * stride_rm
         rstd = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
-        if NORM:  # the norm prologue, per row (padding rows: h = 0, never stored)
+        if NORM and STATS_BLOCK > 0:  # the producer's sums of squares: no pass over x
+            rstd = _rstd_from_groups(sq_ptr, rows, row_ok, K, eps, STATS_BLOCK, STAT_COLS)
+        elif NORM:  # the norm prologue, per row (padding rows: h = 0, never stored)
             squares = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 k = k0 + offs_k
@@ -560,6 +615,9 @@ def _linear_kernel(
         acc = _gated_epilogue(acc, HALF, BLOCK_M, ACTIVATION, out_dtype)
     if SPLIT_K > 1:  # only the program that summed the splits writes (see _sum_splits)
         col_ok = (col_ok.to(tl.int32) * last.to(tl.int32)) != 0
+    if EPI_RESIDUAL:  # (the launcher: BLOCK_M > 1, no activation)
+        acc = _residual_epilogue(acc, r_ptr, sq_ptr, rows, row_ok, cols, col_ok, pid, N,
+                                 stride_rm, out_dtype, BLOCK_N, STAT_COLS, SWAP)
     if BLOCK_M == 1:
         tl.store(out_ptr + cols, acc.to(out_dtype), mask=col_ok)
     elif SWAP and ACTIVATION == "":  # acc [BLOCK_N, BLOCK_M]
@@ -831,9 +889,13 @@ def linear_pieces_triton(
 def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps: float,
             weight: Tensor, weight_scale: Tensor | None, activation: str | None,
             overrides: tuple, pieces: tuple[Tensor, Tensor] | None = None,
-            out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None]:
+            out_dtype: torch.dtype | None = None, epi_residual: Tensor | None = None,
+            stats: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """The one launcher of _linear_kernel: linear_triton (norm_weight None),
-    rms_norm_linear_triton and linear_pieces_triton (pieces: x is hi, pieces (lo, inv_scale)).
+    rms_norm_linear_triton, linear_pieces_triton (pieces: x is hi, pieces (lo, inv_scale)),
+    linear_residual_triton (epi_residual [M, N]: out is x @ W.T + epi_residual; the second
+    result is then the [M, cdiv(N, STAT_COLS)] sums of squares) and stats_norm_linear_triton
+    (stats: those sums for x, the norm's rstd taken from them).
     Returns (out [..., N] in out_dtype or x's, summed [..., K] or None)."""
     *lead, K = x.shape
     rows_w = weight.shape[0]
@@ -867,8 +929,30 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
             torch.add(x2, r2, out=summed)
         return out.zero_().reshape(*lead, N), _lead(summed, lead, K)
     block_n, block_k, num_warps, num_stages, split_k, prefetch = overrides
+    if (epi_residual is not None or stats is not None) and (M < 2 or residual is not None or
+                                                             pieces is not None):
+        raise ValueError("the residual epilogue and the norm from sums of squares take 2 to "
+                         f"{MAX_ROWS} rows of plain x (got {M} rows)")
+    if epi_residual is not None and (norm or activation is not None):
+        raise ValueError("the residual epilogue takes a plain linear (no norm, no activation)")
+    if stats is not None and (not norm or stats.shape != (M, triton.cdiv(K, STAT_COLS))
+                              or stats.dtype != torch.float32):
+        raise ValueError(f"stats must be [{M}, {triton.cdiv(K, STAT_COLS)}] fp32 sums of squares "
+                         f"for a norm, got {stats.dtype} {tuple(stats.shape)}")
+    epilogue_r = None
+    if epi_residual is not None:
+        if epi_residual.numel() != M * N or epi_residual.shape[-1] != N or \
+                epi_residual.dtype != x.dtype:
+            raise ValueError(f"residual {epi_residual.dtype} {tuple(epi_residual.shape)} does not "
+                             f"match the linear's output [{M}, {N}] {x.dtype}")
+        epilogue_r = epi_residual.reshape(M, N)
+        if epilogue_r.stride(-1) != 1:
+            epilogue_r = epilogue_r.contiguous()
+        r2 = epilogue_r
+    squares = torch.empty((M, triton.cdiv(N, STAT_COLS)), dtype=torch.float32, device=x.device) \
+        if epi_residual is not None else stats.contiguous() if stats is not None else out
     if x.device.type == "cuda" and (M == 1 or not norm) and pieces is None and \
-            all(o is None for o in overrides):
+            epi_residual is None and all(o is None for o in overrides):
         from fuser.ops import gemv_stream  # noqa: PLC0415  (it imports this module's helpers)
 
         config = gemv_stream.CONFIG if M == 1 else gemv_stream.ROWS_CONFIG
@@ -933,7 +1017,8 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
     _linear_kernel[(programs, splits)](
         x2, weight, weight_scale if fp8 else out, out, parts, counts,
         r2, norm_weight.contiguous() if norm else x2, summed if summed is not None else x2,
-        lo, inv, M, N, K, x2.stride(0), weight.stride(0), out.stride(0), r2.stride(0), eps,
+        lo, inv, squares, M, N, K, x2.stride(0), weight.stride(0), out.stride(0), r2.stride(0),
+        eps,
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
         NORM_K=min(ONE_ROW_NORM_K, triton.next_power_of_2(K)) if ONE_ROW_NORM_K and fp8 else bk,
         FP32_DOTS=fp32_dots, HAS_SCALE=fp8,
@@ -942,9 +1027,14 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         SWAP=swap, F16_MMA=fp8_rows in ("f16", "norm pieces", "pieces"), X2_MMA=fp8_rows == "x2",
         X2_PIECES=pieces is not None, RSTD_LAST=rstd_last,
         ROW_VEC=min(16 // weight.element_size(), bk) if block_m == 1 and partials else 0,
-        EVEN_K=block_m > 1 and K % (splits * bk) == 0, num_warps=num_warps or warps,
-        num_stages=num_stages or stages, **pdl,
+        EVEN_K=block_m > 1 and K % (splits * bk) == 0,
+        EPI_RESIDUAL=epi_residual is not None,
+        STATS_BLOCK=triton.next_power_of_2(triton.cdiv(K, STAT_COLS)) if stats is not None else 0,
+        STAT_COLS=STAT_COLS, num_warps=num_warps or warps, num_stages=num_stages or stages,
+        **pdl,
     )
+    if epi_residual is not None:
+        return out.reshape(epi_residual.shape), squares
     return out.reshape(*lead, N), _lead(summed, lead, K)
 
 

@@ -1,0 +1,131 @@
+"""norm_stats: at several rows, a norm between two GEMVs moves into them (fuser/ops/norm_stats.py).
+
+After norm_linear, a layer of a verification (or catch-up) graph reads
+
+    y = linear(a, W_o)                                     o_proj / down_proj: a GEMV
+    out, summed = add_rms_norm_linear(view(y), r, g, eps, W, w_scale, act)
+                                                           at several rows: a norm kernel, a GEMV
+
+and becomes
+
+    summed, squares = linear_residual(a, W_o, w_scale_o, r)
+    out = stats_rms_norm_linear(summed, squares, g, eps, W, w_scale, act)
+
+one kernel fewer per norm (two a layer on a Llama). linear may be fp8_linear (w_scale_o its
+scale, else None). The rewrite needs:
+  - 2..MAX_ROWS fixed rows (one row keeps add_rms_norm_linear: there the norm runs inside the
+    GEMV already);
+  - y read only by the norm op, as its x or its residual (the sum is the same either way),
+    through views that keep the last dim;
+  - r computed before the producer (the fused op runs where the producer ran) and of the
+    producer's dtype, as the norm weight is;
+  - a plain consumer weight, or FP8 with `FP8_CONSUMERS` (the FP8 verify's GEMVs take x as e4m3
+    pieces from the norm kernel: without it, they run the fp16 MMA).
+On CPU the new ops run their references: the same bits as before.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx import GraphModule, Node
+
+import fuser.ops  # noqa: F401  (registers torch.ops.fuser.*)
+from fuser.ops.linear import MAX_ROWS
+from fuser.passes.base import GraphPass, PassContext
+from fuser.passes.fx import VIEWS, fake_value, graph_fake_mode
+
+fuser_ops = torch.ops.fuser
+
+# Whether FP8 consumers (fp8 weights after the norm) take the rewrite (see the docstring).
+FP8_CONSUMERS = False
+
+_PRODUCERS = {
+    fuser_ops.linear.default: lambda a, w: (a, w, None),
+    fuser_ops.fp8_linear.default: lambda a, w, s: (a, w, s),
+}
+
+
+def _static_rows(value: torch.Tensor) -> int | None:
+    if not all(isinstance(d, int) for d in value.shape):
+        return None
+    return value.numel() // max(value.shape[-1], 1)
+
+
+def _producer(x: Node, consumer: Node) -> tuple[Node, list[Node]] | None:
+    """(the GEMV whose output x is, the views between) when that output is read only by
+    `consumer`, once; else None."""
+    views: list[Node] = []
+    node = x
+    width = x.meta["val"].shape[-1]
+    while node.op == "call_function" and node.target in VIEWS:
+        if len(node.users) != 1 or node.meta["val"].shape[-1] != width:
+            return None
+        views.append(node)
+        node = node.args[0]
+    if node.op != "call_function" or node.target not in _PRODUCERS or len(node.users) != 1:
+        return None
+    if node.meta["val"].shape[-1] != width or node.kwargs:
+        return None
+    if list(consumer.args).count(x) != 1:
+        return None
+    return node, views
+
+
+def move_norms_into_gemvs(gm: GraphModule, context: PassContext) -> int:
+    """Rewrite every several-row add_rms_norm_linear whose x a GEMV produced; returns the count."""
+    graph = gm.graph
+    fake_mode = None
+    count = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not fuser_ops.add_rms_norm_linear.default:
+            continue
+        x, r, g, eps, weight, scale, activation = node.args
+        rows = _static_rows(x.meta["val"])
+        if rows is None or not 1 < rows <= MAX_ROWS:
+            continue
+        if scale is not None and not FP8_CONSUMERS:
+            continue
+        items = {u.args[1]: u for u in node.users if u.target is operator.getitem}
+        if len(items) != len(node.users):
+            continue
+        # x + r: either may be the GEMV's output (HF's Llama adds residual + hidden_states)
+        found = _producer(x, node) if isinstance(x, Node) else None
+        if found is None and isinstance(r, Node):
+            found, (x, r) = _producer(r, node), (r, x)
+        if found is None:
+            continue
+        producer, views = found
+        a, w_p, s_p = _PRODUCERS[producer.target](*producer.args)
+        dtype = a.meta["val"].dtype
+        if not isinstance(r, Node) or r.meta["val"].dtype != dtype or \
+                g.meta["val"].dtype != dtype or x.meta["val"].dtype != dtype or \
+                tuple(r.meta["val"].shape) != tuple(x.meta["val"].shape):
+            continue
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        if order[r] > order[producer]:
+            continue
+        fake_mode = fake_mode or graph_fake_mode(gm)
+        lr_args = (a, w_p, s_p, r)
+        with graph.inserting_before(producer):
+            fused = graph.call_function(fuser_ops.linear_residual.default, lr_args)
+            fused.meta["val"] = fake_value(fake_mode, fuser_ops.linear_residual.default, lr_args)
+            summed, squares = (graph.call_function(operator.getitem, (fused, i)) for i in (0, 1))
+            summed.meta["val"], squares.meta["val"] = fused.meta["val"]
+        norm_args = (summed, squares, g, eps, weight, scale, activation)
+        with graph.inserting_before(node):
+            out = graph.call_function(fuser_ops.stats_rms_norm_linear.default, norm_args)
+            out.meta["val"] = fake_value(fake_mode, fuser_ops.stats_rms_norm_linear.default,
+                                         norm_args)
+        if 0 in items:
+            items[0].replace_all_uses_with(out)
+        if 1 in items:
+            items[1].replace_all_uses_with(summed)
+        for dead in [*items.values(), node, *views, producer]:
+            graph.erase_node(dead)
+        count += 1
+    return count
+
+
+NORM_STATS = GraphPass("norm_stats", move_norms_into_gemvs)

@@ -1,0 +1,108 @@
+"""The norm_stats pass (passes/norm_stats.py): at several rows, a GEMV -> residual add + RMSNorm
+-> GEMV chain becomes fuser::linear_residual then fuser::stats_rms_norm_linear (no norm kernel).
+
+On small exported blocks: where it fires (2..16 rows, the producer's output read only by the
+norm, on either side of the add), where it must not (one row, the GEMV output read elsewhere,
+FP8 consumers unless asked), and the same numbers as the graph without the pass, bit for bit on
+CPU (the ops run their references). Whole-model counts are in tests/test_linear_pass.py.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+from torch import nn
+
+import fuser
+from fuser.ops.linear import MAX_ROWS
+from fuser.passes import PASSES, PassContext, run_passes
+from fuser.runtime.steps import DECODE
+from tiny import export_like_capture
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+WITHOUT_NORM_STATS = [p for p in PASSES if p.name != "norm_stats"]
+
+
+class _Block(nn.Module):
+    """o = proj_in(a); s = r + o (or o + r); HF RMSNorm of s feeding proj_out (or a gated
+    MLP); `variant` says what else reads what."""
+
+    def __init__(self, variant: str, hidden: int = 24, inner: int = 32, out: int = 40) -> None:
+        super().__init__()
+        self.variant = variant
+        self.proj_in = nn.Linear(inner, hidden, bias=False)
+        self.norm_weight = nn.Parameter(1 + 0.1 * torch.randn(hidden))
+        self.proj_out = nn.Linear(hidden, out, bias=False)
+        self.gate = nn.Linear(hidden, out, bias=False)
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.norm_weight * h.to(x.dtype)
+
+    def forward(self, a: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        o = self.proj_in(a)
+        s = o + r if self.variant == "gemv_first" else r + o
+        h = self.norm(s)
+        if self.variant == "gated":
+            y = nn.functional.silu(self.gate(h)) * self.proj_out(h)
+        else:
+            y = self.proj_out(h)
+        if self.variant == "gemv_read_elsewhere":
+            return y, s * 2, o.sum(-1)
+        return y, s * 2
+
+
+def rewrite(module: nn.Module, args: tuple, passes: list, precision: str | None = None):
+    config = fuser.FuserConfig(precision=precision) if precision else fuser.FuserConfig()
+    gm = export_like_capture(module, args)
+    result = run_passes(gm, PassContext("block.verify", DECODE, config), passes)
+    assert result.errors == []
+    return gm, result.matches, result.fused_ops
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("variant", "rows", "fires"), [
+    ("residual_first", 3, True),
+    ("gemv_first", MAX_ROWS, True),
+    ("gated", 2, True),
+    ("residual_first", 1, False),            # one row: the norm runs inside the GEMV already
+    ("gemv_read_elsewhere", 3, False),       # the GEMV's output is read twice
+    ("residual_first", MAX_ROWS + 1, False),  # not a decode shape: no GEMVs at all
+])
+def test_fires_where_it_computes_the_same(variant: str, rows: int, fires: bool,
+                                          dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    module = _Block(variant).eval().to(dtype)
+    args = (torch.randn(1, rows, 32).to(dtype), torch.randn(1, rows, 24).to(dtype))
+    gm, matches, ops = rewrite(module, args, PASSES)
+    before, _, before_ops = rewrite(module, args, WITHOUT_NORM_STATS)
+    assert matches["norm_stats"] == int(fires)
+    if fires:
+        assert ops["linear_residual"] == ops["stats_rms_norm_linear"] == 1
+        assert "add_rms_norm_linear" not in ops and "linear" not in ops
+        assert before_ops["add_rms_norm_linear"] == 1
+    else:
+        assert "linear_residual" not in ops and ops == before_ops
+    with torch.no_grad():
+        for a, b in zip(gm(*args), before(*args)):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fp8_consumers", [False, True])
+def test_fp8_consumers_only_when_asked(fp8_consumers: bool) -> None:
+    from fuser.passes import norm_stats
+
+    torch.manual_seed(1)
+    module = _Block("gated").eval().to(torch.bfloat16)
+    args = (torch.randn(1, 4, 32).to(torch.bfloat16), torch.randn(1, 4, 24).to(torch.bfloat16))
+    with mock.patch.object(norm_stats, "FP8_CONSUMERS", fp8_consumers):
+        gm, matches, ops = rewrite(module, args, PASSES, precision="fp8")
+    before, _, _ = rewrite(module, args, WITHOUT_NORM_STATS, precision="fp8")
+    assert matches["norm_stats"] == int(fp8_consumers)
+    with torch.no_grad():
+        for a, b in zip(gm(*args), before(*args)):
+            assert torch.equal(a, b)

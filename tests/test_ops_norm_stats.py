@@ -1,0 +1,229 @@
+"""fuser::linear_residual and fuser::stats_rms_norm_linear (fuser/ops/norm_stats.py): the
+several-row norm moved into the GEMVs around it.
+
+Without a GPU the kernels run under TRITON_INTERPRET=1 (conftest.py); with one, for real, and
+the "gpu" tests run too (Llama-3-8B's o_proj -> gate/up and down_proj -> qkv at 5 rows).
+
+What must hold:
+- linear_residual's summed equals the GEMV (same blocks, split-K included) plus the residual as
+  fuser::add_rms_norm adds them, bit for bit; its squares are summed's group sums of squares
+  (fp32, another order: to a few ulps);
+- stats_rms_norm_linear is the GEMV of the norm's output: within the GEMV tests' float64
+  bounds around the GEMV of the reference normed rows, and in bf16/fp16 nearly every output
+  equal to the GEMV with the norm in its own prologue pass (rms_norm_linear_triton, same
+  blocks): a missing rounding of the normed tile, or rstd from the wrong sums, would break it;
+- on CPU the ops are their references: the same bits as the ops they replace.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fuser.ops import CPU_INLINE
+from fuser.ops.fp8 import dequantize, quantize_weight
+from fuser.ops.gated_act import ACTIVATIONS
+from fuser.ops.linear import MAX_ROWS, STAT_COLS, linear_triton, rms_norm_linear_triton
+from fuser.ops.norm_stats import (
+    group_squares_reference,
+    linear_residual_triton,
+    stats_rms_norm_linear_triton,
+)
+from fuser.ops.rmsnorm import rms_norm_reference
+from test_ops_gated_linear import FP8_OPCHECK_TESTS, SETTINGS, assert_gated_close, \
+    assert_mostly_equal
+from test_ops_linear import check as assert_linear_close
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+EPS = 1e-5
+
+pytestmark = [
+    pytest.mark.usefixtures("interpreter_rounds_bf16_like_gpu"),
+    pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning"),
+]
+
+
+def _weight(rows: int, K: int, dtype: torch.dtype, fp8: bool, g: torch.Generator):
+    w = (torch.randn(rows, K, generator=g) / max(K, 1) ** 0.5 * 3).to(dtype)
+    if not fp8:
+        return w, None, w
+    q, s = quantize_weight(w.float())
+    return q, s, dequantize(q, s)
+
+
+def run(M: int, K: int, H: int, N: int, dtype: torch.dtype, fp8: bool, activation: str | None,
+        seed: int, producer: dict | None = None, consumer: dict | None = None) -> None:
+    """a [1, M, K] -> summed [1, M, H] (a GEMV [H, K] plus the residual) -> the norm and a GEMV
+    [N (2N gated), H]; checked as the module docstring says."""
+    producer, consumer = producer or {}, consumer or {}
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(1, M, K, generator=g).to(dtype)
+    r = torch.randn(1, M, H, generator=g).to(dtype)
+    norm_weight = (1 + 0.2 * torch.randn(H, generator=g)).to(dtype)
+    w_p, s_p, _ = _weight(H, K, dtype, fp8, g)
+    w_c, s_c, w_c_values = _weight(2 * N if activation else N, H, dtype, fp8, g)
+    to = (lambda t: None if t is None else t.to(DEVICE))
+    a_d, r_d, g_d, w_p_d, s_p_d, w_c_d, s_c_d = map(to, (a, r, norm_weight, w_p, s_p, w_c, s_c))
+
+    summed, squares = linear_residual_triton(a_d, w_p_d, r_d, weight_scale=s_p_d, **producer)
+    y = linear_triton(a_d, w_p_d, weight_scale=s_p_d, **producer)
+    assert summed.shape == r.shape and summed.dtype == dtype
+    assert torch.equal(summed, (y.reshape(r.shape) + r_d))
+    assert squares.shape == (M, -(-H // STAT_COLS)) and squares.dtype == torch.float32
+    torch.testing.assert_close(squares.cpu(), group_squares_reference(summed.cpu()),
+                               rtol=1e-5, atol=1e-6)
+
+    out = stats_rms_norm_linear_triton(summed, squares, g_d, EPS, w_c_d, weight_scale=s_c_d,
+                                       activation=activation, **consumer)
+    assert out.shape == (1, M, N) and out.dtype == dtype
+    normed = rms_norm_reference(summed.cpu(), norm_weight, EPS)
+    if activation is None:
+        assert_linear_close(normed, w_c_values, out.cpu(), dtype)
+    else:
+        assert_gated_close(out.cpu(), normed, w_c_values, activation, dtype)
+    prologue, _ = rms_norm_linear_triton(summed, None, g_d, EPS, w_c_d, weight_scale=s_c_d,
+                                         activation=activation, **consumer)
+    assert_mostly_equal(out.cpu(), prologue.cpu(), dtype)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16w", "fp8w"])
+@pytest.mark.parametrize("activation", [None, "silu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("M", [2, 5, MAX_ROWS])
+def test_rows_dtypes_gated_fp8(M, dtype, activation, fp8) -> None:
+    # H = 200: a last column block and a last group of squares cut short (200 = 12 * 16 + 8)
+    run(M, 96, 200, 40, dtype, fp8, activation, seed=M,
+        producer=dict(block_n=64, block_k=32), consumer=dict(block_n=32, block_k=64))
+
+
+@pytest.mark.parametrize("split_k", [2, 3])
+def test_split_k_producer_stores_once(split_k: int) -> None:
+    run(5, 192, 64, 32, torch.bfloat16, False, None, seed=split_k,
+        producer=dict(block_n=32, block_k=32, split_k=split_k), consumer=dict(split_k=2,
+                                                                              block_k=16))
+
+
+@settings(max_examples=12, derandomize=True, **SETTINGS)
+@given(
+    M=st.integers(2, MAX_ROWS),
+    K=st.integers(1, 160),
+    H=st.integers(1, 160),
+    N=st.integers(1, 48),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    activation=st.sampled_from([None, *ACTIVATIONS]),
+    fp8=st.booleans(),
+    block_n=st.sampled_from([None, 16, 32]),
+    block_k=st.sampled_from([None, 32, 64]),
+    seed=st.integers(0, 2**16),
+)
+def test_random_shapes(M, K, H, N, dtype, activation, fp8, block_n, block_k, seed) -> None:
+    blocks = dict(block_n=block_n, block_k=block_k)
+    run(M, K, H, N, dtype, fp8, activation, seed, producer=blocks, consumer=blocks)
+
+
+def test_launcher_refuses_what_it_cannot_compute() -> None:
+    x, w = torch.randn(1, 32), torch.randn(16, 32)
+    with pytest.raises(ValueError, match="2 to 16 rows"):
+        linear_residual_triton(x, w, torch.randn(1, 16))
+    x = torch.randn(3, 32)
+    with pytest.raises(ValueError, match="does not match the linear's output"):
+        linear_residual_triton(x, w, torch.randn(3, 8))
+    with pytest.raises(ValueError, match="sums of squares"):
+        stats_rms_norm_linear_triton(x, torch.zeros(3, 5), torch.ones(32), EPS, w)
+    with pytest.raises(ValueError, match="norm weight"):
+        stats_rms_norm_linear_triton(x, torch.zeros(3, 2), torch.ones(16), EPS, w)
+
+
+def op_cases(dtype: torch.dtype = torch.bfloat16, rows: int = 3, device: str = "cpu"):
+    """(linear_residual args, stats_rms_norm_linear args) for plain and FP8 weights, plain and
+    gated consumers."""
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(rows, 40, generator=g).to(dtype).to(device)
+    r = torch.randn(1, rows, 48, generator=g).to(dtype).to(device)
+    norm_weight = (1 + 0.2 * torch.randn(48, generator=g)).to(dtype).to(device)
+    cases = []
+    for fp8 in (False, True):
+        w_p, s_p, _ = (t.to(device) if t is not None else None
+                       for t in _weight(48, 40, dtype, fp8, g))
+        for activation in (None, "silu"):
+            w_c, s_c, _ = (t.to(device) if t is not None else None
+                           for t in _weight(64, 48, dtype, fp8, g))
+            cases.append(((a, w_p, s_p, r), (norm_weight, EPS, w_c, s_c, activation)))
+    return cases
+
+
+def test_ops_on_cpu_are_the_ops_they_replace_and_inline_the_same() -> None:
+    for (a, w_p, s_p, r), (norm_weight, eps, w_c, s_c, activation) in op_cases():
+        y = torch.ops.fuser.linear(a, w_p) if s_p is None else \
+            torch.ops.fuser.fp8_linear(a, w_p, s_p)
+        want_out, want_summed = torch.ops.fuser.add_rms_norm_linear(
+            y.reshape(r.shape), r, norm_weight, eps, w_c, s_c, activation)
+        for lin, norm in ((torch.ops.fuser.linear_residual, torch.ops.fuser.stats_rms_norm_linear),
+                          (CPU_INLINE[torch.ops.fuser.linear_residual.default],
+                           CPU_INLINE[torch.ops.fuser.stats_rms_norm_linear.default])):
+            summed, squares = lin(a, w_p, s_p, r)
+            assert torch.equal(summed, want_summed) and summed.is_contiguous()
+            assert torch.equal(squares, group_squares_reference(summed))
+            out = norm(summed, squares, norm_weight, eps, w_c, s_c, activation)
+            assert torch.equal(out, want_out) and out.is_contiguous()
+
+
+def test_opcheck_and_fake() -> None:
+    for (a, w_p, s_p, r), tail in op_cases(torch.float32):
+        summed, squares = torch.ops.fuser.linear_residual(a, w_p, s_p, r)
+        for op, args, fp8 in ((torch.ops.fuser.linear_residual.default, (a, w_p, s_p, r),
+                               s_p is not None),
+                              (torch.ops.fuser.stats_rms_norm_linear.default,
+                               (summed, squares, *tail), tail[3] is not None)):
+            torch.library.opcheck(op, args, test_utils=FP8_OPCHECK_TESTS if fp8 else
+                                  ("test_schema", *FP8_OPCHECK_TESTS))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        a, w = torch.empty(5, 64, dtype=torch.float16), torch.empty(40, 64, dtype=torch.float16)
+        summed, squares = torch.ops.fuser.linear_residual(
+            a, w, None, torch.empty(1, 5, 40, dtype=torch.float16))
+        out = torch.ops.fuser.stats_rms_norm_linear(
+            summed, squares, torch.empty(40, dtype=torch.float16), EPS,
+            torch.empty(144, 40, dtype=torch.float16), None, "silu")
+    assert summed.shape == (1, 5, 40) and squares.shape == (5, 3)
+    assert squares.dtype == torch.float32 and out.shape == (1, 5, 72)
+
+
+# --- on a GPU: Llama-3-8B's o_proj -> gate/up and down_proj -> qkv, 5 rows --------------------
+
+
+@needs_cuda
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16w", "fp8w"])
+def test_gpu_llama3_shapes(fp8: bool) -> None:
+    run(5, 4096, 4096, 14336, torch.bfloat16, fp8, "silu", seed=1)
+    run(5, 14336, 4096, 6144, torch.bfloat16, fp8, None, seed=2)
+
+
+@needs_cuda
+@pytest.mark.parametrize("rows", [1, 5, MAX_ROWS + 1])
+def test_gpu_ops_equal_the_ops_they_replace(rows: int) -> None:
+    """The ops on CUDA: the kernels at 2..16 rows (summed bit-equal to the GEMV plus residual,
+    the norm's GEMV mostly equal to fuser::add_rms_norm_linear), the plain ops outside them."""
+    for (a, w_p, s_p, r), (norm_weight, eps, w_c, s_c, activation) in op_cases(rows=rows,
+                                                                             device="cuda"):
+        y = torch.ops.fuser.linear(a, w_p) if s_p is None else \
+            torch.ops.fuser.fp8_linear(a, w_p, s_p)
+        want_out, want_summed = torch.ops.fuser.add_rms_norm_linear(
+            y.reshape(r.shape), r, norm_weight, eps, w_c, s_c, activation)
+        summed, squares = torch.ops.fuser.linear_residual(a, w_p, s_p, r)
+        assert torch.equal(summed, want_summed)
+        out = torch.ops.fuser.stats_rms_norm_linear(summed, squares, norm_weight, eps, w_c, s_c,
+                                                    activation)
+        if s_c is None or rows > MAX_ROWS:
+            assert_mostly_equal(out.cpu(), want_out.cpu(), torch.bfloat16)
+        else:  # FP8 rows: add_rms_norm_linear runs on e4m3 pieces, this kernel on the fp16 MMA
+            normed = rms_norm_reference(summed.cpu(), norm_weight.cpu(), eps)
+            values = dequantize(w_c.cpu(), s_c.cpu())
+            if activation is None:
+                assert_linear_close(normed, values, out.cpu(), torch.bfloat16)
+            else:
+                assert_gated_close(out.cpu(), normed, values, activation, torch.bfloat16)
