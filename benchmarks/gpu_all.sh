@@ -38,6 +38,7 @@
 #   bash benchmarks/gpu_all.sh s17a     # one row's sums per thread (ONE_ROW_PARTIALS): tests, shape lab on/off, FP8 + bf16 decode
 #   bash benchmarks/gpu_all.sh s17d     # FP8 one-row GPU tests, pipelined one-row loop, whole-K tiles (short)
 #   bash benchmarks/gpu_all.sh s17c     # the sweep's tiles as defaults: FP8 one-row GPU tests, whole-K tiles, FP8 decode
+#   bash benchmarks/gpu_all.sh s18a     # norm_stats: GPU tests, 8B decode bf16 (profiled) and FP8 with/without FP8 consumers
 #   bash benchmarks/gpu_all.sh s17b     # one-row FP8 tiles swept again (shape lab), FP8 decode on the fastest, engine GPU tests
 #   bash benchmarks/gpu_all.sh s16b     # the engine's GPU tests (test_cuda.py with its FP8 speculative test, test_cuda_spec.py)
 #   bash benchmarks/gpu_all.sh pieces   # several-row FP8 with x split outside, promoted or chained, vs the engine's paths
@@ -72,14 +73,14 @@ decode_1b() {
 }
 # The 8B decode + verify of one precision without peers, if what the budget (BUDGET, else the
 # default given) leaves is more than 100 s: its tok/s, step and verify lines.
-decode_8b() {  # precision, default budget in seconds, more decode.py flags
-  local precision=$1 budget=$2
+decode_8b() {  # precision, default budget in seconds, more decode.py flags (TAG: file names)
+  local precision=$1 budget=$2 tag=${TAG:-$1}
   shift 2
   local left=$((${BUDGET:-$budget} - SECONDS))
-  echo "== decode, 8B shape, $precision (${left} s left)"
+  echo "== decode, 8B shape, $precision $* (${left} s left)"
   [ "$left" -gt 100 ] && timeout "$left" python3 benchmarks/decode.py \
-    --out "$OUT/decode_$precision.json" --skip-peers --precisions "$precision" "$@" 2>&1 \
-    | tee "$OUT/decode_$precision.log" | grep -v Warning \
+    --out "$OUT/decode_$tag.json" --skip-peers --precisions "$precision" "$@" 2>&1 \
+    | tee "$OUT/decode_$tag.log" | grep -v Warning \
     | grep -E "^\[$precision\] (fuser gen|target|prefill|per token)|tiles|verify|alike|Error" | tail -9
 }
 # The decode GEMV's GPU tests (every path of _linear_kernel against its reference).
@@ -534,6 +535,18 @@ elif [ "$what" = s17c ]; then
   timeout 60 python3 benchmarks/shape_lab.py --dtypes fp8 --shapes o,qkv \
     --variants "default;lk n8 k4096 w8;lk n4 k4096 w8;lk n16 k4096 w8" 2>&1 | grep -v Warn | tail -9
   decode_8b fp8 300
+elif [ "$what" = s18a ]; then
+  # Eighteenth session, call 1: norm_stats (passes/norm_stats.py: at several rows the residual
+  # norm moves into the GEMVs around it): its GPU tests and the CUDA engine tests, then the 8B
+  # decode in bf16 (profiled: the verify breakdown), FP8 with its consumers rewritten too
+  # (--norm-stats fp8: the fp16 MMA after the norm) and FP8 as before (this run's baseline).
+  echo "== GPU tests: norm_stats ops, CUDA engines"
+  timeout 170 python3 -m pytest -q -p no:cacheprovider -rf tests/test_ops_norm_stats.py \
+    tests/test_cuda.py 2>&1 | tee "$OUT/gpu_tests.log" \
+    | grep -E "^E  |FAILED|ERROR|passed|failed" | cut -c1-150 | tail -20
+  decode_8b bf16 590 --profile
+  TAG=fp8_stats decode_8b fp8 590 --norm-stats fp8
+  decode_8b fp8 590
 elif [ "$what" = s17b ]; then
   # Seventeenth session, call 2: with ONE_ROW_PARTIALS (call 1: FP8 419.3 tok/s), the one-row
   # FP8 tiles again at qkv, o_proj, down_proj and gate/up (shape_lab.py "lk" words: nN block_n,
