@@ -39,6 +39,7 @@
 #   bash benchmarks/gpu_all.sh s17d     # FP8 one-row GPU tests, pipelined one-row loop, whole-K tiles (short)
 #   bash benchmarks/gpu_all.sh s17c     # the sweep's tiles as defaults: FP8 one-row GPU tests, whole-K tiles, FP8 decode
 #   bash benchmarks/gpu_all.sh s18a     # norm_stats: GPU tests, 8B decode bf16 (profiled) and FP8 with/without FP8 consumers
+#   bash benchmarks/gpu_all.sh s18b     # norm_stats with g * h from the producer: GPU tests, 8B bf16 decode on/off, FP8 with its consumers
 #   bash benchmarks/gpu_all.sh s17b     # one-row FP8 tiles swept again (shape lab), FP8 decode on the fastest, engine GPU tests
 #   bash benchmarks/gpu_all.sh s16b     # the engine's GPU tests (test_cuda.py with its FP8 speculative test, test_cuda_spec.py)
 #   bash benchmarks/gpu_all.sh pieces   # several-row FP8 with x split outside, promoted or chained, vs the engine's paths
@@ -547,6 +548,18 @@ elif [ "$what" = s18a ]; then
   decode_8b bf16 590 --profile
   TAG=fp8_stats decode_8b fp8 590 --norm-stats fp8
   decode_8b fp8 590
+elif [ "$what" = s18b ]; then
+  # Eighteenth session, call 2: norm_stats' second form (s18a's consumer normalised x's tiles in
+  # its K loop: verify 1.112x in bf16, 2.845x in FP8): the producer writes g * h too, the
+  # consumer's K loop is a plain GEMV's and rstd scales its sums. GPU tests, then the 8B bf16
+  # decode with and without it (the same run's baseline), then FP8 with its consumers on it.
+  echo "== GPU tests: norm_stats ops, CUDA engines"
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -rf tests/test_ops_norm_stats.py \
+    tests/test_cuda.py -k "gpu or cuda or bf16 or fp8 or fp32 or fused or decode" 2>&1 \
+    | tee "$OUT/gpu_tests.log" | grep -E "^E  |FAILED|ERROR|passed|failed" | cut -c1-150 | tail -20
+  decode_8b bf16 590 --profile
+  TAG=bf16_off decode_8b bf16 590 --norm-stats off
+  TAG=fp8_stats decode_8b fp8 590 --norm-stats fp8
 elif [ "$what" = s17b ]; then
   # Seventeenth session, call 2: with ONE_ROW_PARTIALS (call 1: FP8 419.3 tok/s), the one-row
   # FP8 tiles again at qkv, o_proj, down_proj and gate/up (shape_lab.py "lk" words: nN block_n,

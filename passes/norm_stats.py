@@ -8,8 +8,8 @@ After norm_linear, a layer of a verification (or catch-up) graph reads
 
 and becomes
 
-    summed, squares = linear_residual(a, W_o, w_scale_o, r)
-    out = stats_rms_norm_linear(summed, squares, g, eps, W, w_scale, act)
+    summed, gh, squares = linear_residual(a, W_o, w_scale_o, r, g)
+    out = stats_rms_norm_linear(summed, gh, squares, g, eps, W, w_scale, act)
 
 one kernel fewer per norm (two a layer on a Llama). linear may be fp8_linear (w_scale_o its
 scale, else None). The rewrite needs:
@@ -17,10 +17,10 @@ scale, else None). The rewrite needs:
     GEMV already);
   - y read only by the norm op, as its x or its residual (the sum is the same either way),
     through views that keep the last dim;
-  - r computed before the producer (the fused op runs where the producer ran) and of the
-    producer's dtype, as the norm weight is;
+  - r and g available before the producer (the fused op runs where the producer ran) and of
+    the producer's dtype;
   - a plain consumer weight, or FP8 with `FP8_CONSUMERS` (the FP8 verify's GEMVs take x as e4m3
-    pieces from the norm kernel: without it, they run the fp16 MMA).
+    pieces from the norm kernel; with it, they run the fp16 MMA on gh).
 On CPU the new ops run their references: the same bits as before.
 """
 
@@ -109,13 +109,16 @@ def move_norms_into_gemvs(gm: GraphModule, context: PassContext) -> int:
         if order[r] > order[producer]:
             continue
         fake_mode = fake_mode or graph_fake_mode(gm)
-        lr_args = (a, w_p, s_p, r)
+        if not isinstance(g, Node) or order[g] > order[producer]:
+            continue
+        lr_args = (a, w_p, s_p, r, g)
         with graph.inserting_before(producer):
             fused = graph.call_function(fuser_ops.linear_residual.default, lr_args)
             fused.meta["val"] = fake_value(fake_mode, fuser_ops.linear_residual.default, lr_args)
-            summed, squares = (graph.call_function(operator.getitem, (fused, i)) for i in (0, 1))
-            summed.meta["val"], squares.meta["val"] = fused.meta["val"]
-        norm_args = (summed, squares, g, eps, weight, scale, activation)
+            summed, gh, squares = (graph.call_function(operator.getitem, (fused, i))
+                                   for i in (0, 1, 2))
+            summed.meta["val"], gh.meta["val"], squares.meta["val"] = fused.meta["val"]
+        norm_args = (summed, gh, squares, g, eps, weight, scale, activation)
         with graph.inserting_before(node):
             out = graph.call_function(fuser_ops.stats_rms_norm_linear.default, norm_args)
             out.meta["val"] = fake_value(fake_mode, fuser_ops.stats_rms_norm_linear.default,

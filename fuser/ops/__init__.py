@@ -59,13 +59,13 @@ def add_rms_norm_linear_cpu(x, residual, norm_weight, eps, weight, weight_scale,
     return _inline_linear(normed, weight, weight_scale, activation), summed
 
 
-def linear_residual_cpu(x, weight, weight_scale, residual):
+def linear_residual_cpu(x, weight, weight_scale, residual, norm_weight):
     y = _inline_linear(x, weight, weight_scale, None)
     summed = (y.reshape(residual.shape) + residual).contiguous()
-    return summed, norm_stats.group_squares_reference(summed)
+    return summed, (norm_weight * summed).contiguous(), norm_stats.group_squares_reference(summed)
 
 
-def stats_rms_norm_linear_cpu(summed, squares, norm_weight, eps, weight, weight_scale,
+def stats_rms_norm_linear_cpu(summed, gh, squares, norm_weight, eps, weight, weight_scale,
                               activation):
     return rms_norm_linear_cpu(summed, norm_weight, eps, weight, weight_scale, activation)
 

@@ -352,30 +352,36 @@ def _rstd_from_groups(sq_ptr, rows, row_ok, K, eps, STATS_BLOCK: tl.constexpr,
 
 
 @triton.jit
-def _residual_epilogue(acc, r_ptr, sq_ptr, rows, row_ok, cols, col_ok, pid, N, stride_rm,
-                       out_dtype: tl.constexpr, BLOCK_N: tl.constexpr, STAT_COLS: tl.constexpr,
-                       SWAP: tl.constexpr):
+def _residual_epilogue(acc, r_ptr, g_ptr, gx_ptr, sq_ptr, rows, row_ok, cols, col_ok, pid, N,
+                       stride_rm, stride_om, out_dtype: tl.constexpr, BLOCK_N: tl.constexpr,
+                       STAT_COLS: tl.constexpr, SWAP: tl.constexpr):
     """The several-row GEMV's tile of summed = (x @ W.T rounded to out's dtype) + residual,
-    rounded once (what fuser::add_rms_norm adds), in acc's layout; stores each row's sums of
-    summed^2 over this tile's groups of STAT_COLS columns to sq_ptr [M, cdiv(N, STAT_COLS)]
-    (padding rows and columns are zeros: masked loads of x, W and r). col_ok carries the
-    split-K writer mask."""
+    rounded once (what fuser::add_rms_norm adds), in acc's layout, for the caller to store; here
+    it stores g * summed (rounded once: a product of two bf16/fp16 values is exact in fp32) to
+    gx_ptr and each row's sums of summed^2 over this tile's groups of STAT_COLS columns to
+    sq_ptr [M, cdiv(N, STAT_COLS)] (padding rows and columns are zeros: masked loads of x, W
+    and r). col_ok carries the split-K writer mask."""
     tile_groups: tl.constexpr = BLOCK_N // STAT_COLS
     groups = pid * tile_groups + tl.arange(0, tile_groups)
     width = tl.cdiv(N, STAT_COLS)
     # split-K: only the summing program stores (col_ok is all false in the others)
     width_here = tl.where(tl.max(col_ok.to(tl.int32), axis=0) > 0, width, 0)
+    g = tl.load(g_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     if SWAP:  # acc [BLOCK_N, BLOCK_M]
-        r = tl.load(r_ptr + rows[None, :] * stride_rm + cols[:, None],
-                    mask=row_ok[None, :] & col_ok[:, None], other=0.0)
+        ok = row_ok[None, :] & col_ok[:, None]
+        r = tl.load(r_ptr + rows[None, :] * stride_rm + cols[:, None], mask=ok, other=0.0)
         h = (acc.to(out_dtype).to(tl.float32) + r.to(tl.float32)).to(out_dtype).to(tl.float32)
+        tl.store(gx_ptr + rows[None, :] * stride_om + cols[:, None],
+                 (h * g[:, None]).to(out_dtype), mask=ok)
         sq = tl.sum(tl.reshape(h * h, [tile_groups, STAT_COLS, acc.shape[1]]), axis=1)
         tl.store(sq_ptr + rows[None, :] * width + groups[:, None], sq,
                  mask=row_ok[None, :] & (groups < width_here)[:, None])
     else:  # acc [BLOCK_M, BLOCK_N]
-        r = tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :],
-                    mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        ok = row_ok[:, None] & col_ok[None, :]
+        r = tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :], mask=ok, other=0.0)
         h = (acc.to(out_dtype).to(tl.float32) + r.to(tl.float32)).to(out_dtype).to(tl.float32)
+        tl.store(gx_ptr + rows[:, None] * stride_om + cols[None, :],
+                 (h * g[None, :]).to(out_dtype), mask=ok)
         sq = tl.sum(tl.reshape(h * h, [acc.shape[0], tile_groups, STAT_COLS]), axis=2)
         tl.store(sq_ptr + rows[:, None] * width + groups[None, :], sq,
                  mask=row_ok[:, None] & (groups < width_here)[None, :])
@@ -425,6 +431,7 @@ def _linear_kernel(
     inv_ptr,                    # X2_PIECES: [M] fp32, each row's 2^-t (fuser/ops/e4m3_pieces.py)
     sq_ptr,                     # [M, groups] fp32 sums of squares over groups of STAT_COLS
                                 # columns: written with EPI_RESIDUAL, read with STATS_BLOCK
+    gx_ptr,                     # EPI_RESIDUAL: [M, N] like out, g * summed (g at g_ptr, [N])
     M, N, K,                    # N: output columns
     stride_xm, stride_wn, stride_om, stride_rm,
     eps,                        # the norm's epsilon (NORM)
@@ -453,10 +460,12 @@ def _linear_kernel(
     EVEN_K: tl.constexpr = False,  # several rows: SPLIT_K * BLOCK_K divides K, so the K loop's
                                 # tiles need no column masks (_k_ok)
     EPI_RESIDUAL: tl.constexpr = False,  # several rows, no activation: out = x @ W.T (rounded)
-                                # + residual (r_ptr [M, N]), rounded: add_rms_norm's summed; and
-                                # each row's sums of out^2 per STAT_COLS columns to sq_ptr
-    STATS_BLOCK: tl.constexpr = 0,  # several rows, NORM: rstd from sq_ptr's cdiv(K, STAT_COLS)
-                                # sums (a power of two >= that) instead of the prologue pass
+                                # + residual (r_ptr [M, N]), rounded: add_rms_norm's summed; g *
+                                # summed to gx_ptr; each row's sums of summed^2 per STAT_COLS
+                                # columns to sq_ptr (_residual_epilogue)
+    STATS_BLOCK: tl.constexpr = 0,  # several rows, no NORM: the sums over K times the row's
+                                # rstd, from sq_ptr's cdiv(K, STAT_COLS) sums (a power of two
+                                # >= that): x is g * h, the GEMV's the norm's (fuser/ops/norm_stats.py)
     STAT_COLS: tl.constexpr = 16,
 ):
     pid = tl.program_id(0)
@@ -544,9 +553,7 @@ def _linear_kernel(
         x_rows = x_ptr + rows[:, None] * stride_xm              # [BLOCK_M, 1]
         r_rows = r_ptr + rows[:, None] * stride_rm
         rstd = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
-        if NORM and STATS_BLOCK > 0:  # the producer's sums of squares: no pass over x
-            rstd = _rstd_from_groups(sq_ptr, rows, row_ok, K, eps, STATS_BLOCK, STAT_COLS)
-        elif NORM:  # the norm prologue, per row (padding rows: h = 0, never stored)
+        if NORM:  # the norm prologue, per row (padding rows: h = 0, never stored)
             squares = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 k = k0 + offs_k
@@ -597,6 +604,12 @@ def _linear_kernel(
         # in that layout), the scale and a plain store; only the gated epilogue transposes it.
         if SPLIT_K > 1:
             acc, last = _sum_splits(acc, part_ptr, count_ptr, pid, BLOCK_M * BLOCK_N, SPLIT_K)
+        if STATS_BLOCK > 0:  # x was g * h: the norm's rstd, one per row, after the sum over K
+            rstd = _rstd_from_groups(sq_ptr, rows, row_ok, K, eps, STATS_BLOCK, STAT_COLS)
+            if SWAP:
+                acc *= tl.reshape(rstd, [1, BLOCK_M])
+            else:
+                acc *= rstd
         if HAS_SCALE:  # once per output column, after the sum over K
             scale = tl.load(scale_ptr + w_row, mask=col_ok, other=0.0)
             if SWAP:
@@ -616,8 +629,9 @@ def _linear_kernel(
     if SPLIT_K > 1:  # only the program that summed the splits writes (see _sum_splits)
         col_ok = (col_ok.to(tl.int32) * last.to(tl.int32)) != 0
     if EPI_RESIDUAL:  # (the launcher: BLOCK_M > 1, no activation)
-        acc = _residual_epilogue(acc, r_ptr, sq_ptr, rows, row_ok, cols, col_ok, pid, N,
-                                 stride_rm, out_dtype, BLOCK_N, STAT_COLS, SWAP)
+        acc = _residual_epilogue(acc, r_ptr, g_ptr, gx_ptr, sq_ptr, rows, row_ok, cols, col_ok,
+                                 pid, N, stride_rm, stride_om, out_dtype, BLOCK_N, STAT_COLS,
+                                 SWAP)
     if BLOCK_M == 1:
         tl.store(out_ptr + cols, acc.to(out_dtype), mask=col_ok)
     elif SWAP and ACTIVATION == "":  # acc [BLOCK_N, BLOCK_M]
@@ -889,13 +903,15 @@ def linear_pieces_triton(
 def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps: float,
             weight: Tensor, weight_scale: Tensor | None, activation: str | None,
             overrides: tuple, pieces: tuple[Tensor, Tensor] | None = None,
-            out_dtype: torch.dtype | None = None, epi_residual: Tensor | None = None,
+            out_dtype: torch.dtype | None = None,
+            epilogue: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
             stats: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """The one launcher of _linear_kernel: linear_triton (norm_weight None),
     rms_norm_linear_triton, linear_pieces_triton (pieces: x is hi, pieces (lo, inv_scale)),
-    linear_residual_triton (epi_residual [M, N]: out is x @ W.T + epi_residual; the second
-    result is then the [M, cdiv(N, STAT_COLS)] sums of squares) and stats_norm_linear_triton
-    (stats: those sums for x, the norm's rstd taken from them).
+    linear_residual_triton (epilogue (residual [M, N], g [N], gx out [M, N], squares out
+    [M, cdiv(N, STAT_COLS)]): out is x @ W.T + residual, see EPI_RESIDUAL) and
+    norm_stats.stats_rms_norm_linear_triton (stats [M, cdiv(K, STAT_COLS)]: x is g * h and
+    these are h's sums of squares; the sums over K times rsqrt(sum / K + eps)).
     Returns (out [..., N] in out_dtype or x's, summed [..., K] or None)."""
     *lead, K = x.shape
     rows_w = weight.shape[0]
@@ -929,30 +945,22 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
             torch.add(x2, r2, out=summed)
         return out.zero_().reshape(*lead, N), _lead(summed, lead, K)
     block_n, block_k, num_warps, num_stages, split_k, prefetch = overrides
-    if (epi_residual is not None or stats is not None) and (M < 2 or residual is not None or
-                                                             pieces is not None):
-        raise ValueError("the residual epilogue and the norm from sums of squares take 2 to "
+    if (epilogue is not None or stats is not None) and (M < 2 or norm or pieces is not None):
+        raise ValueError("the residual epilogue and the rstd from sums of squares take 2 to "
                          f"{MAX_ROWS} rows of plain x (got {M} rows)")
-    if epi_residual is not None and (norm or activation is not None):
-        raise ValueError("the residual epilogue takes a plain linear (no norm, no activation)")
-    if stats is not None and (not norm or stats.shape != (M, triton.cdiv(K, STAT_COLS))
-                              or stats.dtype != torch.float32):
-        raise ValueError(f"stats must be [{M}, {triton.cdiv(K, STAT_COLS)}] fp32 sums of squares "
-                         f"for a norm, got {stats.dtype} {tuple(stats.shape)}")
-    epilogue_r = None
-    if epi_residual is not None:
-        if epi_residual.numel() != M * N or epi_residual.shape[-1] != N or \
-                epi_residual.dtype != x.dtype:
-            raise ValueError(f"residual {epi_residual.dtype} {tuple(epi_residual.shape)} does not "
-                             f"match the linear's output [{M}, {N}] {x.dtype}")
-        epilogue_r = epi_residual.reshape(M, N)
-        if epilogue_r.stride(-1) != 1:
-            epilogue_r = epilogue_r.contiguous()
-        r2 = epilogue_r
-    squares = torch.empty((M, triton.cdiv(N, STAT_COLS)), dtype=torch.float32, device=x.device) \
-        if epi_residual is not None else stats.contiguous() if stats is not None else out
+    if epilogue is not None and activation is not None:
+        raise ValueError("the residual epilogue takes a plain linear (no activation)")
+    if stats is not None and (stats.shape != (M, triton.cdiv(K, STAT_COLS))
+                              or stats.dtype != torch.float32 or not stats.is_contiguous()):
+        raise ValueError(f"stats must be [{M}, {triton.cdiv(K, STAT_COLS)}] contiguous fp32 sums "
+                         f"of squares, got {stats.dtype} {tuple(stats.shape)}")
+    squares = gx = g_epi = out
+    if epilogue is not None:
+        r2, g_epi, gx, squares = epilogue  # checked by linear_residual_triton
+    elif stats is not None:
+        squares = stats
     if x.device.type == "cuda" and (M == 1 or not norm) and pieces is None and \
-            epi_residual is None and all(o is None for o in overrides):
+            epilogue is None and stats is None and all(o is None for o in overrides):
         from fuser.ops import gemv_stream  # noqa: PLC0415  (it imports this module's helpers)
 
         config = gemv_stream.CONFIG if M == 1 else gemv_stream.ROWS_CONFIG
@@ -1016,8 +1024,8 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
     lo, inv = pieces if pieces is not None else (x2, out)
     _linear_kernel[(programs, splits)](
         x2, weight, weight_scale if fp8 else out, out, parts, counts,
-        r2, norm_weight.contiguous() if norm else x2, summed if summed is not None else x2,
-        lo, inv, squares, M, N, K, x2.stride(0), weight.stride(0), out.stride(0), r2.stride(0),
+        r2, norm_weight.contiguous() if norm else g_epi, summed if summed is not None else x2,
+        lo, inv, squares, gx, M, N, K, x2.stride(0), weight.stride(0), out.stride(0), r2.stride(0),
         eps,
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
         NORM_K=min(ONE_ROW_NORM_K, triton.next_power_of_2(K)) if ONE_ROW_NORM_K and fp8 else bk,
@@ -1028,13 +1036,11 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         X2_PIECES=pieces is not None, RSTD_LAST=rstd_last,
         ROW_VEC=min(16 // weight.element_size(), bk) if block_m == 1 and partials else 0,
         EVEN_K=block_m > 1 and K % (splits * bk) == 0,
-        EPI_RESIDUAL=epi_residual is not None,
+        EPI_RESIDUAL=epilogue is not None,
         STATS_BLOCK=triton.next_power_of_2(triton.cdiv(K, STAT_COLS)) if stats is not None else 0,
         STAT_COLS=STAT_COLS, num_warps=num_warps or warps, num_stages=num_stages or stages,
         **pdl,
     )
-    if epi_residual is not None:
-        return out.reshape(epi_residual.shape), squares
     return out.reshape(*lead, N), _lead(summed, lead, K)
 
 

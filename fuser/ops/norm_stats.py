@@ -1,5 +1,5 @@
-"""The several-row norm without a norm kernel: the GEMV before it adds the residual and sums the
-squares, the GEMV after it takes rstd from those sums.
+"""The several-row norm without a norm kernel: the GEMV before it adds the residual, multiplies
+by the norm weight and sums the squares; the GEMV after it scales its sums by rstd.
 
 At 2..16 rows (the verification step, the draft's catch-up) a layer's two residual-add +
 RMSNorms each ran as their own kernel between two GEMVs (fuser::add_rms_norm_linear at several
@@ -9,23 +9,32 @@ linear.NORM_PROLOGUE_MAX_ROWS). Here the norm's work moves into the two GEMVs ar
     y = linear(a, W_o)                                  o_proj (or down_proj): a GEMV
     out, summed = add_rms_norm_linear(y, r, g, eps, W)  norm kernel + GEMV
   becomes
-    summed, squares = linear_residual(a, W_o, s_o, r)   the GEMV; its epilogue adds r and sums
-                                                        summed^2 per 16 columns of each row
-    out = stats_rms_norm_linear(summed, squares, g, eps, W, s, act)
-                                                        the GEMV; rstd from the sums, x's tiles
-                                                        normalised as they stream
+    summed, gh, squares = linear_residual(a, W_o, s_o, r, g)
+                                                        the GEMV; its epilogue adds r, writes
+                                                        g * summed and sums summed^2 per 16
+                                                        columns of each row
+    out = stats_rms_norm_linear(summed, gh, squares, g, eps, W, s, act)
+                                                        the GEMV of gh; its fp32 sums times the
+                                                        row's rstd = rsqrt(sum / K + eps)
 
-one kernel per norm fewer (passes/norm_stats.py). summed is what add_rms_norm writes: the
-linear's output rounded to its dtype, plus r, rounded once. rstd = rsqrt(sum / K + eps) in fp32
-from the group sums added in one fixed order (deterministic; an ulp from the norm kernel's own
-order at most), and the normalised tile is rmsnorm.py's g * (h * rstd).to(dtype).
+one kernel per norm fewer (passes/norm_stats.py), and the second GEMV's K loop is a plain GEMV's:
+x's tiles go to the MMA as loaded. (A first version normalised each x tile in the K loop, as the
+norm prologue does: on the H200 the 8B verify step got slower, not faster, and the FP8 one 2.8x
+the decode step: benchmarks/RESULTS.md, eighteenth session.)
 
-On CPU both ops run their references: linear then add, and the norm from summed itself (the
-squares are not read), so a CPU graph computes the same bits with or without the pass.
+Numerics: summed is what add_rms_norm writes (the linear's output rounded to its dtype, plus r,
+rounded once). The norm's output feeding the GEMV is g * h * rstd with one rounding (g * h, to
+the dtype) where fuser::rms_norm rounds twice ((h * rstd) to the dtype, then times g): like
+linear.NORM_RSTD_LAST at one row, closer to the exact norm than the unfused kernels (tested).
+rstd comes from the group sums added in one fixed order (deterministic).
 
-Cost: linear_residual reads the residual tile and writes summed (the linear's output bytes) and
-M * N / 16 fp32 sums; stats_rms_norm_linear reads M * K / 16 fp32 sums per program (L2) and the
-norm weight's tiles; the norm kernel's read of x and r and write of normed and summed are gone.
+On CPU both ops run their references: linear then add, and the norm from summed itself (gh and
+the squares are not read), so a CPU graph computes the same bits with or without the pass.
+
+Cost: linear_residual reads the residual and norm weight tiles and writes summed and gh (twice
+the linear's output bytes) and M * N / 16 fp32 sums; stats_rms_norm_linear reads M * K / 16 fp32
+sums once per program (L2), after its loop; the norm kernel's launch, its read of x and r and
+its write of normed and summed are gone.
 """
 
 from __future__ import annotations
@@ -51,8 +60,8 @@ __all__ = [
     "group_squares_reference",
     "linear_residual_reference",
     "linear_residual_triton",
+    "normed_linear_triton",
     "stats_rms_norm_linear_reference",
-    "stats_rms_norm_linear_triton",
 ]
 
 
@@ -73,34 +82,47 @@ def _takes(rows: int, x: Tensor, weight: Tensor, weight_scale: Tensor | None) ->
             and (weight.dtype == x.dtype if weight_scale is None else weight.dtype == FP8_DTYPE))
 
 
-def linear_residual_triton(x: Tensor, weight: Tensor, residual: Tensor, *,
+def linear_residual_triton(x: Tensor, weight: Tensor, residual: Tensor, norm_weight: Tensor, *,
                            weight_scale: Tensor | None = None, block_n: int | None = None,
                            block_k: int | None = None, num_warps: int | None = None,
                            num_stages: int | None = None, split_k: int | None = None
-                           ) -> tuple[Tensor, Tensor]:
-    """(summed, squares) for 2..16 rows of x [..., K], weight [N, K] (e4m3fn with weight_scale),
-    residual [..., N] in x's dtype: summed = linear(x, weight) + residual as
-    fuser::add_rms_norm adds them, shaped as residual; squares [M, cdiv(N, STAT_COLS)] fp32
-    (group_squares_reference of summed, in the kernel's order). One _linear_kernel launch; the
-    keyword arguments override the tuned blocks (tests)."""
-    return _launch(x, None, None, 0.0, weight, weight_scale, None,
-                   (block_n, block_k, num_warps, num_stages, split_k, None),
-                   epi_residual=residual)
-
-
-def stats_rms_norm_linear_triton(summed: Tensor, squares: Tensor, norm_weight: Tensor, eps: float,
-                                 weight: Tensor, *, weight_scale: Tensor | None = None,
-                                 activation: str | None = None, block_n: int | None = None,
-                                 block_k: int | None = None, num_warps: int | None = None,
-                                 num_stages: int | None = None, split_k: int | None = None
-                                 ) -> Tensor:
-    """linear(rms_norm(summed, norm_weight, eps), weight, ...) for 2..16 rows, the norm's rstd
-    from `squares` (summed's group sums of squares, as linear_residual_triton writes them), in
-    one _linear_kernel launch with no pass over summed before the K loop."""
-    if norm_weight.shape != (summed.shape[-1],) or norm_weight.dtype != summed.dtype:
+                           ) -> tuple[Tensor, Tensor, Tensor]:
+    """(summed, gh, squares) for 2..16 rows of x [..., K], weight [N, K] (e4m3fn with
+    weight_scale), residual [..., N] and norm_weight [N] in x's dtype: summed =
+    linear(x, weight) + residual as fuser::add_rms_norm adds them, shaped as residual; gh =
+    norm_weight * summed (rounded once), shaped as residual; squares [M, cdiv(N, STAT_COLS)]
+    fp32 (group_squares_reference of summed, in the kernel's order). One _linear_kernel
+    launch; the keyword arguments override the tuned blocks (tests)."""
+    K = x.shape[-1]
+    M = x.numel() // max(K, 1)
+    N = weight.shape[0]
+    if residual.numel() != M * N or residual.shape[-1] != N or residual.dtype != x.dtype:
+        raise ValueError(f"residual {residual.dtype} {tuple(residual.shape)} does not match the "
+                         f"linear's output [{M}, {N}] {x.dtype}")
+    if norm_weight.shape != (N,) or norm_weight.dtype != x.dtype:
         raise ValueError(f"norm weight {norm_weight.dtype} {tuple(norm_weight.shape)} does not "
-                         f"match summed {summed.dtype} [..., {summed.shape[-1]}]")
-    out, _ = _launch(summed, None, norm_weight, eps, weight, weight_scale, activation,
+                         f"match the linear's output [{M}, {N}] {x.dtype}")
+    r2 = residual.reshape(M, N)
+    if r2.stride(-1) != 1:
+        r2 = r2.contiguous()
+    gh = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    squares = torch.empty((M, triton.cdiv(N, STAT_COLS)), dtype=torch.float32, device=x.device)
+    summed, _ = _launch(x, None, None, 0.0, weight, weight_scale, None,
+                        (block_n, block_k, num_warps, num_stages, split_k, None),
+                        epilogue=(r2, norm_weight.contiguous(), gh, squares))
+    return summed.reshape(residual.shape), gh.reshape(residual.shape), squares
+
+
+def normed_linear_triton(gh: Tensor, squares: Tensor, eps: float, weight: Tensor, *,
+                         weight_scale: Tensor | None = None, activation: str | None = None,
+                         block_n: int | None = None, block_k: int | None = None,
+                         num_warps: int | None = None, num_stages: int | None = None,
+                         split_k: int | None = None) -> Tensor:
+    """linear(rms_norm(h, g, eps), weight, ...) for 2..16 rows, given gh = g * h (as
+    linear_residual_triton writes it) and h's group sums of squares: the GEMV of gh, its fp32
+    sums times each row's rstd = rsqrt(sum(h^2) / K + eps) after the loop. One _linear_kernel
+    launch whose K loop is a plain GEMV's."""
+    out, _ = _launch(gh, None, None, eps, weight, weight_scale, activation,
                      (block_n, block_k, num_warps, num_stages, split_k, None), stats=squares)
     return out
 
@@ -111,70 +133,79 @@ def stats_rms_norm_linear_triton(summed: Tensor, squares: Tensor, norm_weight: T
 
 
 @torch.library.custom_op("fuser::linear_residual", mutates_args=())
-def linear_residual(x: Tensor, weight: Tensor, weight_scale: Tensor | None, residual: Tensor
-                    ) -> tuple[Tensor, Tensor]:
-    """(summed, squares): summed = fuser::linear (or fp8_linear) of x, plus residual, rounded as
-    fuser::add_rms_norm adds (shaped as residual); squares: its rows' group sums of squares."""
-    return linear_residual_reference(x, weight, weight_scale, residual)
+def linear_residual(x: Tensor, weight: Tensor, weight_scale: Tensor | None, residual: Tensor,
+                    norm_weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(summed, gh, squares): summed = fuser::linear (or fp8_linear) of x, plus residual, rounded
+    as fuser::add_rms_norm adds (shaped as residual); gh = norm_weight * summed; squares: the
+    rows' group sums of summed^2 (group_squares_reference)."""
+    return linear_residual_reference(x, weight, weight_scale, residual, norm_weight)
 
 
 @linear_residual.register_fake
 def _linear_residual_fake(x: Tensor, weight: Tensor, weight_scale: Tensor | None,
-                          residual: Tensor) -> tuple[Tensor, Tensor]:
+                          residual: Tensor, norm_weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     rows = residual.numel() // max(residual.shape[-1], 1)
     groups = triton.cdiv(residual.shape[-1], STAT_COLS)
-    return (torch.empty(residual.shape, dtype=residual.dtype, device=residual.device),
+    like = (residual.shape, residual.dtype, residual.device)
+    return (torch.empty(like[0], dtype=like[1], device=like[2]),
+            torch.empty(like[0], dtype=like[1], device=like[2]),
             torch.empty((rows, groups), dtype=torch.float32, device=residual.device))
 
 
 def _linear_residual_cuda(x: Tensor, weight: Tensor, weight_scale: Tensor | None,
-                          residual: Tensor) -> tuple[Tensor, Tensor]:
-    if _takes(_row_count(x), x, weight, weight_scale) and residual.dtype == x.dtype and \
-            residual.shape[-1] == weight.shape[0] and residual.numel() == \
-            _row_count(x) * weight.shape[0]:
-        return linear_residual_triton(x, weight, residual, weight_scale=weight_scale)
+                          residual: Tensor, norm_weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    rows = _row_count(x)
+    if _takes(rows, x, weight, weight_scale) and residual.dtype == norm_weight.dtype == x.dtype \
+            and residual.shape[-1] == weight.shape[0] == norm_weight.shape[0] and \
+            residual.numel() == rows * weight.shape[0]:
+        return linear_residual_triton(x, weight, residual, norm_weight,
+                                      weight_scale=weight_scale)
     summed = (_linear_op(x, weight, weight_scale, None).reshape(residual.shape)
               + residual).contiguous()
-    return summed, group_squares_reference(summed)
+    return summed, (norm_weight * summed).contiguous(), group_squares_reference(summed)
 
 
 linear_residual.register_kernel("cuda")(_linear_residual_cuda)
 
 
 def linear_residual_reference(x: Tensor, weight: Tensor, weight_scale: Tensor | None,
-                              residual: Tensor) -> tuple[Tensor, Tensor]:
-    """The linear's reference, then add_rms_norm's add (in the input dtype), then the sums."""
+                              residual: Tensor, norm_weight: Tensor
+                              ) -> tuple[Tensor, Tensor, Tensor]:
+    """The linear's reference, then add_rms_norm's add (in the input dtype), g * summed and
+    the sums of squares."""
     y = linear_any_reference(x, weight, weight_scale, None)
     summed = (y.reshape(residual.shape) + residual).contiguous()
-    return summed, group_squares_reference(summed)
+    return summed, (norm_weight * summed).contiguous(), group_squares_reference(summed)
 
 
 @torch.library.custom_op("fuser::stats_rms_norm_linear", mutates_args=())
-def stats_rms_norm_linear(summed: Tensor, squares: Tensor, norm_weight: Tensor, eps: float,
-                          weight: Tensor, weight_scale: Tensor | None, activation: str | None
-                          ) -> Tensor:
-    """fuser::rms_norm_linear(summed, norm_weight, eps, weight, weight_scale, activation), where
-    squares are summed's group sums of squares (fuser::linear_residual's second output)."""
-    return stats_rms_norm_linear_reference(summed, squares, norm_weight, eps, weight,
+def stats_rms_norm_linear(summed: Tensor, gh: Tensor, squares: Tensor, norm_weight: Tensor,
+                          eps: float, weight: Tensor, weight_scale: Tensor | None,
+                          activation: str | None) -> Tensor:
+    """fuser::rms_norm_linear(summed, norm_weight, eps, weight, weight_scale, activation), given
+    also gh = norm_weight * summed and summed's group sums of squares (fuser::linear_residual's
+    outputs), from which the CUDA kernel computes it."""
+    return stats_rms_norm_linear_reference(summed, gh, squares, norm_weight, eps, weight,
                                            weight_scale, activation)
 
 
 @stats_rms_norm_linear.register_fake
-def _stats_rms_norm_linear_fake(summed: Tensor, squares: Tensor, norm_weight: Tensor, eps: float,
-                                weight: Tensor, weight_scale: Tensor | None,
+def _stats_rms_norm_linear_fake(summed: Tensor, gh: Tensor, squares: Tensor, norm_weight: Tensor,
+                                eps: float, weight: Tensor, weight_scale: Tensor | None,
                                 activation: str | None) -> Tensor:
     return _norm_linear_fake_out(torch.promote_types(norm_weight.dtype, summed.dtype), summed,
                                  weight, activation)
 
 
-def _stats_rms_norm_linear_cuda(summed: Tensor, squares: Tensor, norm_weight: Tensor, eps: float,
-                                weight: Tensor, weight_scale: Tensor | None,
+def _stats_rms_norm_linear_cuda(summed: Tensor, gh: Tensor, squares: Tensor, norm_weight: Tensor,
+                                eps: float, weight: Tensor, weight_scale: Tensor | None,
                                 activation: str | None) -> Tensor:
     rows = _row_count(summed)
-    if _takes(rows, summed, weight, weight_scale) and norm_weight.dtype == summed.dtype and \
-            squares.shape == (rows, triton.cdiv(summed.shape[-1], STAT_COLS)):
-        out = stats_rms_norm_linear_triton(summed, squares, norm_weight, eps, weight,
-                                           weight_scale=weight_scale, activation=activation)
+    if _takes(rows, gh, weight, weight_scale) and gh.shape == summed.shape and \
+            squares.shape == (rows, triton.cdiv(summed.shape[-1], STAT_COLS)) and \
+            squares.is_contiguous() and norm_weight.dtype == summed.dtype == gh.dtype:
+        out = normed_linear_triton(gh, squares, eps, weight, weight_scale=weight_scale,
+                                   activation=activation)
         return out.reshape(*summed.shape[:-1], out.shape[-1])
     return torch.ops.fuser.rms_norm_linear(summed, norm_weight, eps, weight, weight_scale,
                                            activation)
@@ -183,9 +214,10 @@ def _stats_rms_norm_linear_cuda(summed: Tensor, squares: Tensor, norm_weight: Te
 stats_rms_norm_linear.register_kernel("cuda")(_stats_rms_norm_linear_cuda)
 
 
-def stats_rms_norm_linear_reference(summed: Tensor, squares: Tensor, norm_weight: Tensor,
-                                    eps: float, weight: Tensor, weight_scale: Tensor | None,
-                                    activation: str | None) -> Tensor:
-    """fuser::rms_norm_linear's reference on summed (squares unread: the same bits as the norm
-    op, then the linear, computed from summed itself)."""
+def stats_rms_norm_linear_reference(summed: Tensor, gh: Tensor, squares: Tensor,
+                                    norm_weight: Tensor, eps: float, weight: Tensor,
+                                    weight_scale: Tensor | None, activation: str | None
+                                    ) -> Tensor:
+    """fuser::rms_norm_linear's reference on summed (gh and squares unread: the same bits as
+    the norm op, then the linear)."""
     return rms_norm_linear_reference(summed, norm_weight, eps, weight, weight_scale, activation)
