@@ -554,8 +554,9 @@ elif [ "$what" = s18b ]; then
   # consumer's K loop is a plain GEMV's and rstd scales its sums. GPU tests, then the 8B bf16
   # decode with and without it (the same run's baseline), then FP8 with its consumers on it.
   echo "== GPU tests: norm_stats ops, CUDA engines"
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -rf tests/test_ops_norm_stats.py \
-    tests/test_cuda.py -k "gpu or cuda or bf16 or fp8 or fp32 or fused or decode" 2>&1 \
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -rf tests/test_cuda.py \
+    "tests/test_ops_norm_stats.py::test_gpu_llama3_shapes" \
+    "tests/test_ops_norm_stats.py::test_gpu_ops_compute_what_they_replace" 2>&1 \
     | tee "$OUT/gpu_tests.log" | grep -E "^E  |FAILED|ERROR|passed|failed" | cut -c1-150 | tail -20
   decode_8b bf16 590 --profile
   TAG=bf16_off decode_8b bf16 590 --norm-stats off
