@@ -40,6 +40,7 @@
 #   bash benchmarks/gpu_all.sh s17c     # the sweep's tiles as defaults: FP8 one-row GPU tests, whole-K tiles, FP8 decode
 #   bash benchmarks/gpu_all.sh s18a     # norm_stats: GPU tests, 8B decode bf16 (profiled) and FP8 with/without FP8 consumers
 #   bash benchmarks/gpu_all.sh s18b     # norm_stats with g * h from the producer: GPU tests, 8B bf16 decode on/off, FP8 with its consumers
+#   bash benchmarks/gpu_all.sh s18c     # norm_stats with its loads before the K loop: 8B bf16 decode on/off
 #   bash benchmarks/gpu_all.sh s17b     # one-row FP8 tiles swept again (shape lab), FP8 decode on the fastest, engine GPU tests
 #   bash benchmarks/gpu_all.sh s16b     # the engine's GPU tests (test_cuda.py with its FP8 speculative test, test_cuda_spec.py)
 #   bash benchmarks/gpu_all.sh pieces   # several-row FP8 with x split outside, promoted or chained, vs the engine's paths
@@ -561,6 +562,12 @@ elif [ "$what" = s18b ]; then
   decode_8b bf16 590 --profile
   TAG=bf16_off decode_8b bf16 590 --norm-stats off
   TAG=fp8_stats decode_8b fp8 590 --norm-stats fp8
+elif [ "$what" = s18c ]; then
+  # Eighteenth session, call 3 (the lease's last minutes): norm_stats with its loads before the
+  # K loop (rstd's sums in the consumer, the residual and norm weight tiles in the producer),
+  # the 8B bf16 decode with it and without it.
+  decode_8b bf16 400
+  TAG=bf16_off decode_8b bf16 400 --norm-stats off
 elif [ "$what" = s17b ]; then
   # Seventeenth session, call 2: with ONE_ROW_PARTIALS (call 1: FP8 419.3 tok/s), the one-row
   # FP8 tiles again at qkv, o_proj, down_proj and gate/up (shape_lab.py "lk" words: nN block_n,

@@ -352,36 +352,44 @@ def _rstd_from_groups(sq_ptr, rows, row_ok, K, eps, STATS_BLOCK: tl.constexpr,
 
 
 @triton.jit
-def _residual_epilogue(acc, r_ptr, g_ptr, gx_ptr, sq_ptr, rows, row_ok, cols, col_ok, pid, N,
-                       stride_rm, stride_om, out_dtype: tl.constexpr, BLOCK_N: tl.constexpr,
-                       STAT_COLS: tl.constexpr, SWAP: tl.constexpr):
-    """The several-row GEMV's tile of summed = (x @ W.T rounded to out's dtype) + residual,
+def _residual_tiles(r_ptr, g_ptr, rows, row_ok, cols, col_ok, stride_rm, SWAP: tl.constexpr):
+    """The residual epilogue's inputs, in acc's layout: (r [BLOCK_N, BLOCK_M] with SWAP, else
+    [BLOCK_M, BLOCK_N], in r's dtype; g [BLOCK_N] in fp32), zeros where out of bounds."""
+    g = tl.load(g_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    if SWAP:
+        r = tl.load(r_ptr + rows[None, :] * stride_rm + cols[:, None],
+                    mask=row_ok[None, :] & col_ok[:, None], other=0.0)
+    else:
+        r = tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :],
+                    mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    return r, g
+
+
+@triton.jit
+def _residual_epilogue(acc, r, g, gx_ptr, sq_ptr, rows, row_ok, cols, col_ok, pid, N, stride_om,
+                       out_dtype: tl.constexpr, BLOCK_N: tl.constexpr, STAT_COLS: tl.constexpr,
+                       SWAP: tl.constexpr):
+    """The several-row GEMV's tile of summed = (x @ W.T rounded to out's dtype) + residual r,
     rounded once (what fuser::add_rms_norm adds), in acc's layout, for the caller to store; here
     it stores g * summed (rounded once: a product of two bf16/fp16 values is exact in fp32) to
     gx_ptr and each row's sums of summed^2 over this tile's groups of STAT_COLS columns to
     sq_ptr [M, cdiv(N, STAT_COLS)] (padding rows and columns are zeros: masked loads of x, W
-    and r). col_ok carries the split-K writer mask."""
+    and r, _residual_tiles). col_ok carries the split-K writer mask."""
     tile_groups: tl.constexpr = BLOCK_N // STAT_COLS
     groups = pid * tile_groups + tl.arange(0, tile_groups)
     width = tl.cdiv(N, STAT_COLS)
     # split-K: only the summing program stores (col_ok is all false in the others)
     width_here = tl.where(tl.max(col_ok.to(tl.int32), axis=0) > 0, width, 0)
-    g = tl.load(g_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    h = (acc.to(out_dtype).to(tl.float32) + r.to(tl.float32)).to(out_dtype).to(tl.float32)
     if SWAP:  # acc [BLOCK_N, BLOCK_M]
-        ok = row_ok[None, :] & col_ok[:, None]
-        r = tl.load(r_ptr + rows[None, :] * stride_rm + cols[:, None], mask=ok, other=0.0)
-        h = (acc.to(out_dtype).to(tl.float32) + r.to(tl.float32)).to(out_dtype).to(tl.float32)
         tl.store(gx_ptr + rows[None, :] * stride_om + cols[:, None],
-                 (h * g[:, None]).to(out_dtype), mask=ok)
+                 (h * g[:, None]).to(out_dtype), mask=row_ok[None, :] & col_ok[:, None])
         sq = tl.sum(tl.reshape(h * h, [tile_groups, STAT_COLS, acc.shape[1]]), axis=1)
         tl.store(sq_ptr + rows[None, :] * width + groups[:, None], sq,
                  mask=row_ok[None, :] & (groups < width_here)[:, None])
     else:  # acc [BLOCK_M, BLOCK_N]
-        ok = row_ok[:, None] & col_ok[None, :]
-        r = tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :], mask=ok, other=0.0)
-        h = (acc.to(out_dtype).to(tl.float32) + r.to(tl.float32)).to(out_dtype).to(tl.float32)
         tl.store(gx_ptr + rows[:, None] * stride_om + cols[None, :],
-                 (h * g[None, :]).to(out_dtype), mask=ok)
+                 (h * g[None, :]).to(out_dtype), mask=row_ok[:, None] & col_ok[None, :])
         sq = tl.sum(tl.reshape(h * h, [acc.shape[0], tile_groups, STAT_COLS]), axis=2)
         tl.store(sq_ptr + rows[:, None] * width + groups[None, :], sq,
                  mask=row_ok[:, None] & (groups < width_here)[None, :])
@@ -565,6 +573,14 @@ def _linear_kernel(
                                  h.to(sum_ptr.dtype.element_ty), mask=x_ok)
                 squares += h * h
             rstd = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)[:, None]
+        # Loaded before the K loop, whose weight loads then hide their latency (after it they
+        # would add to every program's tail): the norm's sums of squares (STATS_BLOCK), the
+        # residual and norm weight tiles of the epilogue (EPI_RESIDUAL).
+        if STATS_BLOCK > 0:
+            rstd = _rstd_from_groups(sq_ptr, rows, row_ok, K, eps, STATS_BLOCK, STAT_COLS)
+        if EPI_RESIDUAL:
+            epi_r, epi_g = _residual_tiles(r_ptr, g_ptr, rows, row_ok, cols, col_ok, stride_rm,
+                                           SWAP)
         if SWAP:
             acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         else:
@@ -605,7 +621,6 @@ def _linear_kernel(
         if SPLIT_K > 1:
             acc, last = _sum_splits(acc, part_ptr, count_ptr, pid, BLOCK_M * BLOCK_N, SPLIT_K)
         if STATS_BLOCK > 0:  # x was g * h: the norm's rstd, one per row, after the sum over K
-            rstd = _rstd_from_groups(sq_ptr, rows, row_ok, K, eps, STATS_BLOCK, STAT_COLS)
             if SWAP:
                 acc *= tl.reshape(rstd, [1, BLOCK_M])
             else:
@@ -629,9 +644,8 @@ def _linear_kernel(
     if SPLIT_K > 1:  # only the program that summed the splits writes (see _sum_splits)
         col_ok = (col_ok.to(tl.int32) * last.to(tl.int32)) != 0
     if EPI_RESIDUAL:  # (the launcher: BLOCK_M > 1, no activation)
-        acc = _residual_epilogue(acc, r_ptr, g_ptr, gx_ptr, sq_ptr, rows, row_ok, cols, col_ok,
-                                 pid, N, stride_rm, stride_om, out_dtype, BLOCK_N, STAT_COLS,
-                                 SWAP)
+        acc = _residual_epilogue(acc, epi_r, epi_g, gx_ptr, sq_ptr, rows, row_ok, cols, col_ok,
+                                 pid, N, stride_om, out_dtype, BLOCK_N, STAT_COLS, SWAP)
     if BLOCK_M == 1:
         tl.store(out_ptr + cols, acc.to(out_dtype), mask=col_ok)
     elif SWAP and ACTIVATION == "":  # acc [BLOCK_N, BLOCK_M]
