@@ -566,6 +566,11 @@ elif [ "$what" = s18c ]; then
   # Eighteenth session, call 3 (the lease's last minutes): norm_stats with its loads before the
   # K loop (rstd's sums in the consumer, the residual and norm weight tiles in the producer),
   # the 8B bf16 decode with it and without it.
+  echo "== GPU tests: norm_stats ops at the 8B shapes"
+  timeout 80 python3 -m pytest -q -p no:cacheprovider -rf \
+    "tests/test_ops_norm_stats.py::test_gpu_llama3_shapes" \
+    "tests/test_ops_norm_stats.py::test_gpu_ops_compute_what_they_replace" 2>&1 \
+    | tee "$OUT/gpu_tests.log" | grep -E "^E  |FAILED|ERROR|passed|failed" | cut -c1-150 | tail -20
   decode_8b bf16 400
   TAG=bf16_off decode_8b bf16 400 --norm-stats off
 elif [ "$what" = s17b ]; then
