@@ -80,7 +80,11 @@ def kernel_breakdown(step_fn: Callable[[], object], steps: int = 20) -> dict:
         if avg.key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_mm"):
             gemms[f"{avg.key} {shapes}"] = avg.self_device_time_total / steps
         elif avg.key.startswith("fuser::"):  # fuser's ops by shape: which GEMV is slow
-            ops[f"{avg.key} {shapes}"] = avg.device_time_total / steps
+            # the first two inputs and the largest one (an op's weight, where it reads one past
+            # its first two inputs): ops whose first inputs agree but whose weights differ stay
+            # apart, and rows that still share a key add up
+            key = f"{avg.key} {shapes}{_largest_after(avg.input_shapes, 2)}"
+            ops[key] = ops.get(key, 0.0) + avg.device_time_total / steps
     return {
         "groups": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
         "kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:40]),
@@ -90,6 +94,23 @@ def kernel_breakdown(step_fn: Callable[[], object], steps: int = 20) -> dict:
         "host": host,
         "total_us": sum(kernels.values()),
     }
+
+
+def _largest_after(shapes: list, start: int) -> str:
+    """" w[N, K]" for the input shape of most elements past the first `start`, when it has more
+    elements than each of those; "" otherwise."""
+    def numel(shape) -> int:
+        n = 1
+        for d in shape or [0]:
+            n *= d
+        return n
+
+    first = max((numel(s) for s in shapes[:start]), default=0)
+    rest = [s for s in shapes[start:] if isinstance(s, list) and s]
+    if not rest:
+        return ""
+    big = max(rest, key=numel)
+    return f" w{big}" if numel(big) > first else ""
 
 
 def format_breakdown(table: dict, graph_ms: float | None = None, host: bool = False) -> str:

@@ -15,11 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-import fuser
 from fuser.ops.linear import MAX_ROWS
-from fuser.passes import PASSES, PassContext, run_passes
-from fuser.runtime.steps import DECODE
-from tiny import export_like_capture
+from fuser.passes import PASSES
+from test_norm_linear_pass import rewrite
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -54,14 +52,6 @@ class _Block(nn.Module):
         if self.variant == "gemv_read_elsewhere":
             return y, s * 2, o.sum(-1)
         return y, s * 2
-
-
-def rewrite(module: nn.Module, args: tuple, passes: list, precision: str | None = None):
-    config = fuser.FuserConfig(precision=precision) if precision else fuser.FuserConfig()
-    gm = export_like_capture(module, args)
-    result = run_passes(gm, PassContext("block.verify", DECODE, config), passes)
-    assert result.errors == []
-    return gm, result.matches, result.fused_ops
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

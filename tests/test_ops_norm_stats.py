@@ -34,15 +34,7 @@ from fuser.ops.norm_stats import (
 from fuser.ops.rmsnorm import rms_norm_reference
 from test_ops_gated_linear import FP8_OPCHECK_TESTS, SETTINGS, assert_gated_close
 from test_ops_linear import check as assert_linear_close
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-EPS = 1e-5
-
-pytestmark = [
-    pytest.mark.usefixtures("interpreter_rounds_bf16_like_gpu"),
-    pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning"),
-]
+from test_ops_norm_linear import DEVICE, EPS, needs_cuda, pytestmark  # noqa: F401
 
 
 def _weight(rows: int, K: int, dtype: torch.dtype, fp8: bool, g: torch.Generator):

@@ -80,7 +80,8 @@ def check_engine(model: nn.Module, batch: int, lengths: list[int], seed: int) ->
         # q, k, v -> one GEMM and gate, up -> one: three fewer per layer (in decode-shaped
         # graphs the linear pass then turns each GEMM into fuser::linear: tests/test_linear_pass.py)
         linears = sum(graph.fused_ops.get(op, 0) for op in (
-            "linear", "gated_linear", "rms_norm_linear", "add_rms_norm_linear"))
+            "linear", "gated_linear", "rms_norm_linear", "add_rms_norm_linear",
+            "linear_residual", "stats_rms_norm_linear"))  # the last two: norm_stats
         assert gemms(graph.rewritten) + linears == gemms_before[name] - 3 * layers, name
     assert gemms_before["target.decode"] == 7 * layers + 1  # q k v o gate up down, lm_head
 

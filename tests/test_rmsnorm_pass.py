@@ -26,9 +26,12 @@ def expected_counts(layers: int) -> dict[str, int]:
 def norm_entries(counts: dict[str, int]) -> dict[str, int]:
     """The RMSNorm entries of a passes / fused_ops dict (other passes report their own). In
     decode-shaped graphs a norm sits inside the GEMV it feeds (norm_linear: fuser::rms_norm_linear,
-    fuser::add_rms_norm_linear), counted here as its norm."""
-    return {name: counts.get(name, 0) + counts.get(f"{name}_linear", 0)
-            for name in ("add_rms_norm", "rms_norm")}
+    fuser::add_rms_norm_linear; at several rows norm_stats' fuser::stats_rms_norm_linear),
+    counted here as its norm."""
+    entries = {name: counts.get(name, 0) + counts.get(f"{name}_linear", 0)
+               for name in ("add_rms_norm", "rms_norm")}
+    entries["add_rms_norm"] += counts.get("stats_rms_norm_linear", 0)
+    return entries
 
 
 def check_engine(model: torch.nn.Module, batch: int, lengths: list[int], seed: int) -> None:

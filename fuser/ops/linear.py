@@ -1259,7 +1259,8 @@ def _norm_linear_fake_out(normed_dtype: torch.dtype, x: Tensor, weight: Tensor,
 # fused; at 5 rows (verification, the MMA path) the fused kernels made the 8B verify step 1.40x
 # the decode step in bf16 and 3.09x in FP8, against 1.09x and 1.48x with separate norm kernels
 # (benchmarks/decode.py on the H200, 2026-12-01, RESULTS.md): there the op runs the norm kernel,
-# then the GEMV.
+# then the GEMV. Where a GEMV produces the norm's input, passes/norm_stats.py moves the norm into
+# the two GEMVs instead (fuser/ops/norm_stats.py).
 NORM_PROLOGUE_MAX_ROWS = 1
 
 
