@@ -114,10 +114,10 @@ def main() -> None:
     parser.add_argument("--one-row-tiles", nargs="*", default=[], metavar="JSON",
                         help="one-row FP8 tiles by shape from benchmarks/shape_lab.py --best "
                              "files (linear.FP8_ONE_ROW_TILES; default: the module's tables)")
-    parser.add_argument("--norm-stats", choices=["on", "off", "fp8"], default="on",
+    parser.add_argument("--norm-stats", choices=["on", "off", "fp8"], default=None,
                         help="passes/norm_stats.py: several-row norms inside the GEMVs around "
-                             "them (on: plain-weight GEMVs after the norm, the default; fp8: "
-                             "FP8 ones too, on the fp16 MMA; off: the norm kernels)")
+                             "them (on: plain-weight GEMVs after the norm; fp8: FP8 ones too, on "
+                             "the fp16 MMA; off: the norm kernels; default: the module's, off)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     warnings.simplefilter("ignore")
@@ -131,8 +131,9 @@ def main() -> None:
         linear_module.FP8_ROWS_MMA = None if args.fp8_rows == "bf16" else args.fp8_rows
     from fuser.passes import norm_stats  # noqa: PLC0415
 
-    norm_stats.ENABLED = args.norm_stats != "off"
-    norm_stats.FP8_CONSUMERS = args.norm_stats == "fp8"
+    if args.norm_stats is not None:
+        norm_stats.ENABLED = args.norm_stats != "off"
+        norm_stats.FP8_CONSUMERS = args.norm_stats == "fp8"
     for path in args.one_row_tiles:
         linear_module.FP8_ONE_ROW_TILES.update(load_tiles(Path(path)))
     if linear_module.FP8_ONE_ROW_TILES:

@@ -548,7 +548,7 @@ elif [ "$what" = s18a ]; then
   timeout 170 python3 -m pytest -q -p no:cacheprovider -rf tests/test_ops_norm_stats.py \
     tests/test_cuda.py 2>&1 | tee "$OUT/gpu_tests.log" \
     | grep -E "^E  |FAILED|ERROR|passed|failed" | cut -c1-150 | tail -20
-  decode_8b bf16 590 --profile
+  decode_8b bf16 590 --profile --norm-stats on
   TAG=fp8_stats decode_8b fp8 590 --norm-stats fp8
   decode_8b fp8 590
 elif [ "$what" = s18b ]; then
@@ -561,7 +561,7 @@ elif [ "$what" = s18b ]; then
     "tests/test_ops_norm_stats.py::test_gpu_llama3_shapes" \
     "tests/test_ops_norm_stats.py::test_gpu_ops_compute_what_they_replace" 2>&1 \
     | tee "$OUT/gpu_tests.log" | grep -E "^E  |FAILED|ERROR|passed|failed" | cut -c1-150 | tail -20
-  decode_8b bf16 590 --profile
+  decode_8b bf16 590 --profile --norm-stats on
   TAG=bf16_off decode_8b bf16 590 --norm-stats off
   TAG=fp8_stats decode_8b fp8 590 --norm-stats fp8
 elif [ "$what" = s18c ]; then
@@ -573,7 +573,7 @@ elif [ "$what" = s18c ]; then
     "tests/test_ops_norm_stats.py::test_gpu_llama3_shapes" \
     "tests/test_ops_norm_stats.py::test_gpu_ops_compute_what_they_replace" 2>&1 \
     | tee "$OUT/gpu_tests.log" | grep -E "^E  |FAILED|ERROR|passed|failed" | cut -c1-150 | tail -20
-  decode_8b bf16 400
+  decode_8b bf16 400 --norm-stats on
   TAG=bf16_off decode_8b bf16 400 --norm-stats off
 elif [ "$what" = s19a ]; then
   # Written in the eighteenth session for the next: the CUDA engine tests that its calls could not

@@ -83,3 +83,13 @@ def one_intra_op_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def norm_stats_on():
+    """passes/norm_stats.py's pass switched on for the test (off by default)."""
+    from fuser.passes import norm_stats
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(norm_stats, "ENABLED", True)
+        yield

@@ -1,7 +1,8 @@
 """The norm_stats pass (passes/norm_stats.py): at several rows, a GEMV -> residual add + RMSNorm
 -> GEMV chain becomes fuser::linear_residual then fuser::stats_rms_norm_linear (no norm kernel).
 
-On small exported blocks: where it fires (2..16 rows, the producer's output read only by the
+The pass is off by default (passes/norm_stats.py says why); these tests switch it on. On small
+exported blocks: where it fires (2..16 rows, the producer's output read only by the
 norm, on either side of the add), where it must not (one row, the GEMV output read elsewhere,
 FP8 consumers unless asked), and the same numbers as the graph without the pass, bit for bit on
 CPU (the ops run their references). Whole-model counts are in tests/test_linear_pass.py.
@@ -19,7 +20,7 @@ from fuser.ops.linear import MAX_ROWS
 from fuser.passes import PASSES
 from test_norm_linear_pass import rewrite
 
-pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread", "norm_stats_on")
 
 WITHOUT_NORM_STATS = [p for p in PASSES if p.name != "norm_stats"]
 
