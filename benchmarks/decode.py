@@ -114,10 +114,12 @@ def main() -> None:
     parser.add_argument("--one-row-tiles", nargs="*", default=[], metavar="JSON",
                         help="one-row FP8 tiles by shape from benchmarks/shape_lab.py --best "
                              "files (linear.FP8_ONE_ROW_TILES; default: the module's tables)")
-    parser.add_argument("--norm-stats", choices=["on", "off", "fp8"], default=None,
+    parser.add_argument("--norm-stats", choices=["on", "aligned", "off", "fp8"], default=None,
                         help="passes/norm_stats.py: several-row norms inside the GEMVs around "
-                             "them (on: plain-weight GEMVs after the norm; fp8: FP8 ones too, on "
-                             "the fp16 MMA; off: the norm kernels; default: the module's, off)")
+                             "them (on: plain-weight GEMVs after the norm; aligned: that and the "
+                             "one-row add + norm GEMVs in the same arithmetic, "
+                             "linear.ONE_ROW_NORM_AFTER; fp8: FP8 GEMVs after the norm too, on "
+                             "the fp16 MMA; off: the norm kernels; default: the modules', off)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     warnings.simplefilter("ignore")
@@ -134,6 +136,7 @@ def main() -> None:
     if args.norm_stats is not None:
         norm_stats.ENABLED = args.norm_stats != "off"
         norm_stats.FP8_CONSUMERS = args.norm_stats == "fp8"
+        linear_module.ONE_ROW_NORM_AFTER = args.norm_stats == "aligned"
     for path in args.one_row_tiles:
         linear_module.FP8_ONE_ROW_TILES.update(load_tiles(Path(path)))
     if linear_module.FP8_ONE_ROW_TILES:

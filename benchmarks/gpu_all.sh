@@ -43,6 +43,7 @@
 #   bash benchmarks/gpu_all.sh s18c     # norm_stats with its loads before the K loop: 8B bf16 decode on/off
 #   bash benchmarks/gpu_all.sh s19a     # CUDA engine tests (norm_stats in the verify graphs), then the 1B-shape draft profiled
 #   bash benchmarks/gpu_all.sh s19b     # #11's run: 8B bf16 profiled beside the peers
+#   bash benchmarks/gpu_all.sh s19c     # norm_stats + ONE_ROW_NORM_AFTER ("aligned"): GPU tests with both on, 8B bf16 aligned vs off
 #   bash benchmarks/gpu_all.sh s17b     # one-row FP8 tiles swept again (shape lab), FP8 decode on the fastest, engine GPU tests
 #   bash benchmarks/gpu_all.sh s16b     # the engine's GPU tests (test_cuda.py with its FP8 speculative test, test_cuda_spec.py)
 #   bash benchmarks/gpu_all.sh pieces   # several-row FP8 with x split outside, promoted or chained, vs the engine's paths
@@ -589,6 +590,21 @@ elif [ "$what" = s19a ]; then
     --preset llama-3.2-1b --precisions bf16 --skip-peers --profile 2>&1 \
     | tee "$OUT/decode_1b.log" | grep -v Warning \
     | grep -E "^\[bf16\] (fuser gen|target|prefill)|kernels/step|verify|alike|Error" | tail -12
+elif [ "$what" = s19c ]; then
+  # norm_stats with the one-row add + norm GEMVs in its arithmetic (decode.py --norm-stats
+  # aligned: linear.ONE_ROW_NORM_AFTER, never yet run on a GPU): its GPU tests and the CUDA
+  # engines' with both switched on (FUSER_TEST_NORM_STATS=aligned, tests/conftest.py), then the
+  # 8B bf16 decode aligned and off.
+  echo "== GPU tests: norm_stats and the one-row GEMVs, CUDA engines, aligned"
+  FUSER_TEST_NORM_STATS=aligned timeout 120 python3 -m pytest -q -p no:cacheprovider -rf \
+    tests/test_ops_norm_stats.py tests/test_ops_norm_linear.py tests/test_ops_gemv_stream.py \
+    -k "gpu or one_row" 2>&1 | tee "$OUT/gpu_tests_ops.log" \
+    | grep -E "^E  |FAILED|ERROR|passed|failed" | cut -c1-150 | tail -10
+  FUSER_TEST_NORM_STATS=aligned timeout 360 python3 -m pytest -q -p no:cacheprovider -rf \
+    tests/test_cuda.py tests/test_cuda_spec.py 2>&1 | tee "$OUT/gpu_tests.log" \
+    | grep -E "^E  |FAILED|ERROR|passed|failed" | cut -c1-150 | tail -20
+  decode_8b bf16 590 --norm-stats aligned
+  TAG=bf16_off decode_8b bf16 590 --norm-stats off
 elif [ "$what" = s19b ]; then
   # Issue #11's one run: the 8B bf16 decode profiled (decode and verify breakdowns, kernels per
   # step) beside HF eager, HF static cache + torch.compile and the gpt-fast-style peer.

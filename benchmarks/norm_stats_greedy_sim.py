@@ -9,7 +9,9 @@ The CPU engines run the ops' references; here stats_rms_norm_linear's reference 
 inline) is replaced by that kernel arithmetic, so only the norm's rounding differs between the
 two steps. Tiny random bf16 models (tests/tiny.py): Llama, Qwen2 and Mistral, 3 seeds each, 3
 prompts each, 24 new tokens; prints each sequence that differs, then the count. With
-`--reference` the references stay (the control: nothing may differ).
+`--reference` the references stay (the control: nothing may differ); with `--one-row-after` the
+one-row add + norm GEMV computes the kernels' arithmetic too (linear.ONE_ROW_NORM_AFTER), as the
+decode step then would.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import Tensor
 import fuser
 import fuser.ops
 from fuser.ops import gated_act, norm_stats
+from fuser.ops import linear as linear_module
 from fuser.ops.fp8 import dequantize
 from fuser.passes import norm_stats as norm_stats_pass
 
@@ -46,16 +49,33 @@ def kernel_arithmetic(summed: Tensor, gh: Tensor, squares: Tensor, norm_weight: 
     return gated_act.gated_act_reference(acc.to(summed.dtype), activation).contiguous()
 
 
+def one_row_after(x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float, weight: Tensor,
+                  weight_scale: Tensor | None, activation: str | None) -> tuple[Tensor, Tensor]:
+    """fuser::add_rms_norm_linear in linear.ONE_ROW_NORM_AFTER's arithmetic (the kernels' at one
+    row with plain weights, as stats_rms_norm_linear's at several): (out, summed)."""
+    summed = (x + residual).contiguous()
+    squares = summed.float().pow(2).sum(-1, keepdim=True)
+    out = kernel_arithmetic(summed, norm_weight * summed, squares, norm_weight, eps, weight,
+                            weight_scale, activation)
+    return out, summed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reference", action="store_true",
                         help="keep the references (the control)")
+    parser.add_argument("--one-row-after", action="store_true",
+                        help="the one-row add + norm GEMV in the same arithmetic too "
+                             "(linear.ONE_ROW_NORM_AFTER)")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     norm_stats_pass.ENABLED = True  # off by default: this script is why
     if not args.reference:
         norm_stats.stats_rms_norm_linear_reference = kernel_arithmetic
         fuser.ops.CPU_INLINE[torch.ops.fuser.stats_rms_norm_linear.default] = kernel_arithmetic
+    if args.one_row_after:  # plain weights only, as the flag (the tiny models' are bf16)
+        linear_module.add_rms_norm_linear_reference = one_row_after
+        fuser.ops.CPU_INLINE[torch.ops.fuser.add_rms_norm_linear.default] = one_row_after
     differ = total = 0
     for family in ("qwen2", "llama", "mistral"):
         for seed in range(3):
@@ -74,8 +94,10 @@ def main() -> None:
                     differ += 1
                     first = (a != b).nonzero()[0, 1].item() - ids.shape[1]
                     print(f"{family} seed {seed} prompt {p}: differs from new token {first}")
-    print(f"{differ} of {total} greedy sequences differ "
-          f"({'references' if args.reference else 'the kernels arithmetic'} in verify)")
+    verify = "references" if args.reference else "the kernels' arithmetic"
+    decode = "that arithmetic" if args.one_row_after else "the norm's roundings"
+    print(f"{differ} of {total} greedy sequences differ (verify: {verify}; one-row decode: "
+          f"{decode})")
 
 
 if __name__ == "__main__":

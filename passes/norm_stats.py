@@ -48,7 +48,9 @@ fuser_ops = torch.ops.fuser
 # the kernels' arithmetic on CPU, found 2 of 27 greedy sequences differing (0 of 27 with the
 # norm's roundings). On the H200 it made the 8B bf16 verify step 4.293 ms against 4.397 with the
 # norm kernels (benchmarks/RESULTS.md, eighteenth session). Turning it on needs the one-row
-# add + norm GEMVs to compute the same norm first.
+# add + norm GEMVs to compute the same norm: fuser.ops.linear.ONE_ROW_NORM_AFTER (built, tested
+# under the interpreter, compiled for sm_90, not yet run on a GPU; with it the CPU check above
+# finds 0 of 27 differing).
 ENABLED = False
 FP8_CONSUMERS = False
 

@@ -93,3 +93,20 @@ def norm_stats_on():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(norm_stats, "ENABLED", True)
         yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _norm_stats_from_environment():
+    """FUSER_TEST_NORM_STATS=aligned runs the whole session with passes/norm_stats.py on and the
+    one-row add + norm GEMVs in its arithmetic (linear.ONE_ROW_NORM_AFTER): a GPU run checks
+    the engines with both before they become defaults (benchmarks/gpu_all.sh s19c)."""
+    if os.environ.get("FUSER_TEST_NORM_STATS") != "aligned":
+        yield
+        return
+    from fuser.ops import linear as linear_module
+    from fuser.passes import norm_stats
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(norm_stats, "ENABLED", True)
+        mp.setattr(linear_module, "ONE_ROW_NORM_AFTER", True)
+        yield

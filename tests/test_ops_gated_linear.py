@@ -358,7 +358,7 @@ for fp8, M in [(False, 1), (True, 16), (True, 1)]:
                       SWAP=_default_swap(M, 28672, 4096, fp8), F16_MMA=False, X2_MMA=False,
                       X2_PIECES=False, RSTD_LAST=norm and M == 1,
                       ROW_VEC=(16 if fp8 else 8) if M == 1 else 0, EPI_RESIDUAL=False,
-                      STATS_BLOCK=0, STAT_COLS=16)
+                      STATS_BLOCK=0, STAT_COLS=16, NORM_AFTER=False)
         aligned = [n for n in NAMES if n.endswith("_ptr") or n.startswith("stride")] + ["N", "K"]
         attrs = {(NAMES.index(n),): [["tt.divisibility", 16]] for n in aligned}
         src = ASTSource(_linear_kernel, sig, {(NAMES.index(k),): v for k, v in consts.items()},

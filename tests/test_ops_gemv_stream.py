@@ -28,7 +28,8 @@ from fuser.ops.gemv_stream import StreamConfig, stream_gemv, stream_plan
 from fuser.ops.linear import linear_triton, rms_norm_linear_triton
 from test_ops_gated_linear import SETTINGS, assert_gated_close, assert_mostly_equal
 from test_ops_linear import check as assert_linear_close
-from test_ops_norm_linear import EPS, exact_norm, inputs, reference_norm, rstd_last
+from test_ops_norm_linear import EPS, after_norm, exact_norm, inputs, norm_after, reference_norm, \
+    rstd_last
 from test_ops_norm_linear import rstd_after_the_sum  # noqa: F401  (a fixture)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -65,6 +66,8 @@ def run(K: int, N: int, dtype: torch.dtype, norm: bool, residual: bool, activati
             assert torch.equal(summed.cpu(), summed_ref)
         if rstd_last(M, fp8, activation, N):  # rstd after the sum: the exact norm's GEMV
             normed = exact_norm(x, r, norm_weight)
+        elif norm_after(M, r is not None, fp8, activation, N):  # linear.ONE_ROW_NORM_AFTER
+            normed = after_norm(x, r, norm_weight)
         # _linear_kernel's one row (explicit blocks: never the stream kernel)
         other, _ = rms_norm_linear_triton(xd, rd, gd, EPS, wd, weight_scale=sd,
                                           activation=activation, block_n=16, block_k=64)

@@ -96,6 +96,21 @@ def rstd_last(rows: int, fp8: bool, activation: str | None, n: int) -> bool:
     return rows == 1 and linear_module.rstd_last_for(fp8, activation is not None, n)
 
 
+def norm_after(rows: int, residual: bool, fp8: bool, activation: str | None, n: int) -> bool:
+    """Whether the kernel runs linear.ONE_ROW_NORM_AFTER's arithmetic (off unless switched on)."""
+    from fuser.ops import linear as linear_module
+
+    return linear_module.norm_after_for(rows, residual, fp8, rstd_last(rows, fp8, activation, n))
+
+
+def after_norm(x, r, norm_weight):
+    """ONE_ROW_NORM_AFTER's normed rows in float64: (g * h, rounded once) * rsqrt(mean(h^2) +
+    eps), h = x + r rounded to x's dtype."""
+    h = x + r
+    return (norm_weight * h).double() * torch.rsqrt(h.double().pow(2).mean(-1, keepdim=True)
+                                                    + EPS)
+
+
 def unfused_kernels(x, r, norm_weight, w, scale, activation, **blocks):
     normed = rms_norm_triton(x, norm_weight, EPS) if r is None else \
         add_rms_norm_triton(x, r, norm_weight, EPS)[0]
@@ -122,9 +137,12 @@ def run(M: int, K: int, N: int, dtype: torch.dtype, residual: bool, activation: 
         assert summed is None
     assert out.shape == (*lead, M, N) and out.dtype == dtype
     w_values = dequantize(w, scale) if fp8 else w
-    after = rstd_last(x.numel() // max(K, 1), fp8, activation, N)
+    rows = x.numel() // max(K, 1)
+    after = rstd_last(rows, fp8, activation, N)
     if after:  # the float64 GEMV of the exact normed rows (the module docstring)
         normed = exact_norm(x, r, norm_weight)
+    elif norm_after(rows, residual, fp8, activation, N):  # g * h rounded once, rstd after
+        normed, after = after_norm(x, r, norm_weight), True
     if activation is None:
         assert_linear_close(normed, w_values, out, dtype)
     else:

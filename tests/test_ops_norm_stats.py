@@ -249,3 +249,65 @@ def test_gpu_ops_compute_what_they_replace(rows: int) -> None:
             assert_linear_close(normed, values, out.cpu(), torch.bfloat16)
         else:
             assert_gated_close(out.cpu(), normed, values, activation, torch.bfloat16)
+
+
+# --- one row in the same arithmetic (linear.ONE_ROW_NORM_AFTER) ---------------------------------
+
+
+@pytest.fixture
+def one_row_norm_after():
+    """linear.ONE_ROW_NORM_AFTER on for the test (off by default, as passes/norm_stats.py)."""
+    from fuser.ops import linear as linear_module
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(linear_module, "ONE_ROW_NORM_AFTER", True)
+        yield
+
+
+@pytest.mark.usefixtures("one_row_norm_after")
+@pytest.mark.parametrize("stream", [False, True], ids=["linear_kernel", "stream_kernel"])
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_one_row_norm_after_is_the_several_row_arithmetic(stream: bool,
+                                                          activation: str | None) -> None:
+    """Each row of a verify step's norm GEMV (normed_linear_triton over 4 rows) against the same
+    row through the one-row add + norm GEMV (the decode step's), both kernels that take it:
+    the one-row result within the GEMV bounds of rstd * (g * h @ W.T) in float64, and nearly
+    every output bit-equal to the several-row one (only the summation order differs)."""
+    from fuser.ops import gemv_stream
+    from fuser.ops.linear import rms_norm_linear_triton
+
+    g = torch.Generator().manual_seed(21)
+    M, K, N = 4, 256, 48
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    r = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    norm_weight = (1 + 0.2 * torch.randn(K, generator=g)).to(torch.bfloat16)
+    w = (torch.randn(2 * N if activation else N, K, generator=g) / 16 * 3).to(torch.bfloat16)
+    h = x + r
+    to = (lambda t: t.to(DEVICE))
+    several = normed_linear_triton(to(norm_weight * h), to(group_squares_reference(h)), EPS,
+                                   to(w), activation=activation).cpu()
+    rows = []
+    for i in range(M):
+        xi, ri = to(x[i:i + 1]), to(r[i:i + 1])
+        if stream:
+            config = gemv_stream.DEFAULT
+            plan = gemv_stream.stream_plan(N * (2 if activation else 1), K, 2,
+                                           activation is not None, config, 4, 1)
+            out = torch.empty(1, N, dtype=torch.bfloat16, device=DEVICE)
+            gemv_stream.stream_gemv(xi, to(w), out, plan, config, activation=activation,
+                                    residual=ri, norm_weight=to(norm_weight), eps=EPS,
+                                    summed=torch.empty_like(xi))
+        else:
+            out, _ = rms_norm_linear_triton(xi, ri, to(norm_weight), EPS, to(w),
+                                            activation=activation, block_n=16, block_k=64)
+        rows.append(out.cpu())
+    one = torch.cat(rows)
+    normed = (norm_weight * h).double() * torch.rsqrt(h.double().pow(2).mean(-1, keepdim=True)
+                                                      + EPS)
+    if activation is None:
+        assert_linear_close(normed, w, one, torch.bfloat16)
+    else:
+        assert_gated_close(one, normed, w, activation, torch.bfloat16)
+    from test_ops_gated_linear import assert_mostly_equal
+
+    assert_mostly_equal(one, several, torch.bfloat16)

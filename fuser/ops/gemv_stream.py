@@ -266,6 +266,8 @@ def _stream_kernel(
     HAS_SCALE: tl.constexpr, ACTIVATION: tl.constexpr, NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
     RSTD_LAST: tl.constexpr = False,  # NORM: no prologue pass, rstd after the loop (_step)
+    NORM_AFTER: tl.constexpr = False,  # NORM, not RSTD_LAST: the input g * h rounded once,
+                                # rstd times the sums after the loop (linear.ONE_ROW_NORM_AFTER)
 ):
     pid = tl.program_id(0)
     tile = tl.arange(0, BLOCK_R)
@@ -314,6 +316,9 @@ def _stream_kernel(
                         tl.store(sum_ptr + k, h.to(sum_ptr.dtype.element_ty), mask=k_ok)
                 squares += h * h
             rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)  # fp32, as rmsnorm.py
+        row_rstd = rstd
+        if NORM_AFTER:  # the loop's tiles: (h * 1).to(dtype) * g = g * h, rounded once
+            rstd = rstd * 0.0 + 1.0
         acc = tl.zeros([BLOCK_R], dtype=tl.float32)
     else:  # several rows, no norm: linear.py's MMA step over the same tiles
         x_rows = x_ptr + tl.arange(0, BLOCK_M)[:, None] * stride_xm
@@ -354,6 +359,8 @@ def _stream_kernel(
                 NORM, HAS_RESIDUAL, RSTD_LAST)
     if NORM and RSTD_LAST:
         acc = _rstd_last(acc, squares, K, eps)
+    if NORM_AFTER:
+        acc *= row_rstd
     if HAS_SCALE:  # once per output, after the sum over K
         scale = tl.load(scale_ptr + w_row, mask=col_ok, other=0.0)
         acc *= scale if BLOCK_M == 1 else scale[None, :]
@@ -402,6 +409,8 @@ def stream_gemv(x: Tensor, weight: Tensor, out: Tensor, plan: StreamPlan, config
         pdl = pdl_launch(x.device, one_row=True)
     else:
         pdl = {"launch_pdl": True} if config.pdl and pdl_supported(x.device) else {}
+    rstd_last = norm and linear_module.rstd_last_for(weight_scale is not None,
+                                                    activation is not None, N)
     _stream_kernel[(plan.programs,)](
         x, weight, weight_scale if weight_scale is not None else out, out,
         residual if residual is not None else x, norm_weight if norm else x,
@@ -412,8 +421,9 @@ def stream_gemv(x: Tensor, weight: Tensor, out: Tensor, plan: StreamPlan, config
         NORM_K=min(triton.next_power_of_2(K), NORM_BLOCK), FP32_DOTS=fp32_dots,
         HAS_SCALE=weight_scale is not None, ACTIVATION=activation or "", NORM=norm,
         HAS_RESIDUAL=residual is not None, PDL=bool(pdl),
-        RSTD_LAST=norm and linear_module.rstd_last_for(weight_scale is not None,
-                                                       activation is not None, N),
+        RSTD_LAST=rstd_last,
+        NORM_AFTER=norm and linear_module.norm_after_for(M, residual is not None,
+                                                         weight_scale is not None, rstd_last),
         num_warps=config.num_warps,
         num_stages=config.num_stages, **pdl,
     )

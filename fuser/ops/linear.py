@@ -475,6 +475,9 @@ def _linear_kernel(
                                 # rstd, from sq_ptr's cdiv(K, STAT_COLS) sums (a power of two
                                 # >= that): x is g * h, the GEMV's the norm's (fuser/ops/norm_stats.py)
     STAT_COLS: tl.constexpr = 16,
+    NORM_AFTER: tl.constexpr = False,  # one row, NORM, no RSTD_LAST: the K loop's input is
+                                # g * h rounded once, the row's rstd multiplies the sums after it
+                                # (norm_stats' arithmetic; linear.ONE_ROW_NORM_AFTER)
 ):
     pid = tl.program_id(0)
     # Split-K: program (pid, s) sums K range [s * K / SPLIT_K, (s + 1) * K / SPLIT_K) (the
@@ -528,6 +531,9 @@ def _linear_kernel(
                         tl.store(sum_ptr + k, h.to(sum_ptr.dtype.element_ty), mask=k_ok)
                 squares += h * h
             rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)  # fp32, as rmsnorm.py
+        row_rstd = rstd
+        if NORM_AFTER:  # the loop's tiles: (h * 1).to(dtype) * g = g * h, rounded once
+            rstd = rstd * 0.0 + 1.0
         if ROW_VEC > 0:
             acc = tl.zeros([BLOCK_N, BLOCK_K // ROW_VEC], dtype=tl.float32)
         else:
@@ -549,6 +555,8 @@ def _linear_kernel(
                                          k_hi, rstd, NORM, HAS_RESIDUAL, RSTD_LAST, first)
         if ROW_VEC > 0:  # the partials' one reduction across threads
             acc = tl.sum(acc, axis=1)
+        if NORM_AFTER:
+            acc *= row_rstd
         if NORM and RSTD_LAST:
             acc = _rstd_last(acc, row_squares, K, eps)
         if SPLIT_K > 1:
@@ -794,6 +802,18 @@ def rstd_last_for(fp8: bool, gated: bool, n: int) -> bool:
 # (The one-row K loop as `tl.range(..., num_stages=3 or 4)`, its loads software-pipelined
 # through shared memory, measured slower at every 8B shape: benchmarks/RESULTS.md, seventeenth
 # session, call 3.)
+# One row, residual add + norm before plain (not FP8) weights: the GEMV's input g * h rounded
+# once and rstd times its fp32 sums (NORM_AFTER), the arithmetic of the several-row
+# fuser::stats_rms_norm_linear (fuser/ops/norm_stats.py), so that with passes/norm_stats.py on a
+# verify step normalises as the decode step does. Off, as that pass is: not yet run on a GPU.
+ONE_ROW_NORM_AFTER = False
+
+
+def norm_after_for(rows: int, residual: bool, fp8: bool, rstd_last: bool) -> bool:
+    """Whether a launch takes ONE_ROW_NORM_AFTER's arithmetic."""
+    return ONE_ROW_NORM_AFTER and rows == 1 and residual and not fp8 and not rstd_last
+
+
 ONE_ROW_PARTIALS = True
 
 # One-row FP8 tiles by shape, set by a benchmark from a measurement on the GPU it runs on:
@@ -1052,7 +1072,9 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         EVEN_K=block_m > 1 and K % (splits * bk) == 0,
         EPI_RESIDUAL=epilogue is not None,
         STATS_BLOCK=triton.next_power_of_2(triton.cdiv(K, STAT_COLS)) if stats is not None else 0,
-        STAT_COLS=STAT_COLS, num_warps=num_warps or warps, num_stages=num_stages or stages,
+        STAT_COLS=STAT_COLS,
+        NORM_AFTER=norm and norm_after_for(M, residual is not None, fp8, rstd_last),
+        num_warps=num_warps or warps, num_stages=num_stages or stages,
         **pdl,
     )
     return out.reshape(*lead, N), _lead(summed, lead, K)
