@@ -87,7 +87,8 @@ def _producer(x: Node, consumer: Node) -> tuple[Node, list[Node]] | None:
 
 
 def move_norms_into_gemvs(gm: GraphModule, context: PassContext) -> int:
-    """Rewrite every several-row add_rms_norm_linear whose x a GEMV produced; returns the count."""
+    """Rewrite every several-row add_rms_norm_linear whose x or residual a GEMV produced (and
+    nothing else reads); returns the count."""
     graph = gm.graph
     fake_mode = None
     count = 0
@@ -112,16 +113,17 @@ def move_norms_into_gemvs(gm: GraphModule, context: PassContext) -> int:
         producer, views = found
         a, w_p, s_p = _PRODUCERS[producer.target](*producer.args)
         dtype = a.meta["val"].dtype
-        if not isinstance(r, Node) or r.meta["val"].dtype != dtype or \
-                g.meta["val"].dtype != dtype or x.meta["val"].dtype != dtype or \
+        if not isinstance(r, Node) or not isinstance(g, Node) or \
+                r.meta["val"].dtype != dtype or g.meta["val"].dtype != dtype or \
+                x.meta["val"].dtype != dtype or \
                 tuple(r.meta["val"].shape) != tuple(x.meta["val"].shape):
             continue
+        # The fused op runs where the producer ran: r and g must exist by then. (Recomputed per
+        # match: r may be the summed of an earlier rewrite, a node inserted since.)
         order = {n: i for i, n in enumerate(graph.nodes)}
-        if order[r] > order[producer]:
+        if order[r] > order[producer] or order[g] > order[producer]:
             continue
         fake_mode = fake_mode or graph_fake_mode(gm)
-        if not isinstance(g, Node) or order[g] > order[producer]:
-            continue
         lr_args = (a, w_p, s_p, r, g)
         with graph.inserting_before(producer):
             fused = graph.call_function(fuser_ops.linear_residual.default, lr_args)

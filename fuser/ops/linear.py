@@ -802,6 +802,8 @@ def rstd_last_for(fp8: bool, gated: bool, n: int) -> bool:
 # (The one-row K loop as `tl.range(..., num_stages=3 or 4)`, its loads software-pipelined
 # through shared memory, measured slower at every 8B shape: benchmarks/RESULTS.md, seventeenth
 # session, call 3.)
+ONE_ROW_PARTIALS = True
+
 # One row, residual add + norm before plain (not FP8) weights: the GEMV's input g * h rounded
 # once and rstd times its fp32 sums (NORM_AFTER), the arithmetic of the several-row
 # fuser::stats_rms_norm_linear (fuser/ops/norm_stats.py), so that with passes/norm_stats.py on a
@@ -812,9 +814,6 @@ ONE_ROW_NORM_AFTER = False
 def norm_after_for(rows: int, residual: bool, fp8: bool, rstd_last: bool) -> bool:
     """Whether a launch takes ONE_ROW_NORM_AFTER's arithmetic."""
     return ONE_ROW_NORM_AFTER and rows == 1 and residual and not fp8 and not rstd_last
-
-
-ONE_ROW_PARTIALS = True
 
 # One-row FP8 tiles by shape, set by a benchmark from a measurement on the GPU it runs on:
 # (weight rows, K) -> (block_n, block_k, num_warps, split_k, partials), taken before the
@@ -944,7 +943,7 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
     rms_norm_linear_triton, linear_pieces_triton (pieces: x is hi, pieces (lo, inv_scale)),
     linear_residual_triton (epilogue (residual [M, N], g [N], gx out [M, N], squares out
     [M, cdiv(N, STAT_COLS)]): out is x @ W.T + residual, see EPI_RESIDUAL) and
-    norm_stats.stats_rms_norm_linear_triton (stats [M, cdiv(K, STAT_COLS)]: x is g * h and
+    norm_stats.normed_linear_triton (stats [M, cdiv(K, STAT_COLS)]: x is g * h and
     these are h's sums of squares; the sums over K times rsqrt(sum / K + eps)).
     Returns (out [..., N] in out_dtype or x's, summed [..., K] or None)."""
     *lead, K = x.shape
