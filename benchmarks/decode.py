@@ -119,7 +119,7 @@ def main() -> None:
                              "them (on: plain-weight GEMVs after the norm; aligned: that and the "
                              "one-row add + norm GEMVs in the same arithmetic, "
                              "linear.ONE_ROW_NORM_AFTER; fp8: FP8 GEMVs after the norm too, on "
-                             "the fp16 MMA; off: the norm kernels; default: the modules', off)")
+                             "the fp16 MMA; off: the norm kernels; default: the modules', aligned)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     warnings.simplefilter("ignore")

@@ -43,6 +43,9 @@
 #   bash benchmarks/gpu_all.sh s18c     # norm_stats with its loads before the K loop: 8B bf16 decode on/off
 #   bash benchmarks/gpu_all.sh s19a     # CUDA engine tests (norm_stats in the verify graphs), then the 1B-shape draft profiled
 #   bash benchmarks/gpu_all.sh s19b     # #11's run: 8B bf16 profiled beside the peers
+#   bash benchmarks/gpu_all.sh s19e     # #11's run (both on by default): 8B bf16 profiled with peers, 1B profiled
+#   bash benchmarks/gpu_all.sh s19f     # the fixed norm_stats op test, the CUDA engine tests s19d left
+#   bash benchmarks/gpu_all.sh s19d     # aligned on the GPU: ops tests, 8B bf16 decode profiled, CUDA engine tests
 #   bash benchmarks/gpu_all.sh s19c     # norm_stats + ONE_ROW_NORM_AFTER ("aligned"): GPU tests with both on, 8B bf16 aligned vs off
 #   bash benchmarks/gpu_all.sh s17b     # one-row FP8 tiles swept again (shape lab), FP8 decode on the fastest, engine GPU tests
 #   bash benchmarks/gpu_all.sh s16b     # the engine's GPU tests (test_cuda.py with its FP8 speculative test, test_cuda_spec.py)
@@ -590,6 +593,47 @@ elif [ "$what" = s19a ]; then
     --preset llama-3.2-1b --precisions bf16 --skip-peers --profile 2>&1 \
     | tee "$OUT/decode_1b.log" | grep -v Warning \
     | grep -E "^\[bf16\] (fuser gen|target|prefill)|kernels/step|verify|alike|Error" | tail -12
+elif [ "$what" = s19e ]; then
+  # Nineteenth session, call 2: issue #11's run with norm_stats and ONE_ROW_NORM_AFTER on by
+  # default: the 8B bf16 decode profiled beside the peers, then the 1B-shape draft profiled.
+  echo "== decode, 8B shape, bf16, profiled, with the peers"
+  timeout 470 python3 benchmarks/decode.py --out "$OUT/decode.json" --precisions bf16 \
+    --profile 2>&1 | tee "$OUT/decode.log" | grep -v Warning \
+    | grep -E "^\[bf16\] (fuser gen|target|prefill)|kernels/step|alike|tok/s|fallback|Error" | tail -20
+  left=$((${BUDGET:-590} - SECONDS))
+  echo "== decode, 1B shape, bf16, profiled (${left} s left)"
+  [ "$left" -gt 40 ] && timeout "$left" python3 benchmarks/decode.py --out "$OUT/decode_1b.json" \
+    --preset llama-3.2-1b --precisions bf16 --skip-peers --profile 2>&1 \
+    | tee "$OUT/decode_1b.log" | grep -v Warning \
+    | grep -E "^\[bf16\] (fuser gen|target|prefill)|kernels/step|verify|alike|Error" | tail -12
+elif [ "$what" = s19f ]; then
+  # Nineteenth session, call 3: the norm_stats op test that call 1 failed (stats_rms_norm_linear
+  # at one row now falls back to add_rms_norm_linear's bits), then the CUDA engine tests call 1
+  # left unrun, with the defaults (both on).
+  timeout 400 python3 -m pytest -v -p no:cacheprovider -rf \
+    "tests/test_ops_norm_stats.py::test_gpu_ops_compute_what_they_replace" \
+    tests/test_cuda.py::test_decode_gemv_in_every_fixed_step_and_no_fallback \
+    tests/test_cuda.py::test_fp8_speculative_on_e4m3_pieces_equals_target_only \
+    tests/test_cuda.py::test_bf16_speculative_equals_target_only_and_replays 2>&1 \
+    | tee "$OUT/gpu_tests.log" | grep -E "^E  |PASSED|FAILED|ERROR|passed|failed" | cut -c1-150 | tail -30
+elif [ "$what" = s19d ]; then
+  # Nineteenth session, call 1: norm_stats + ONE_ROW_NORM_AFTER ("aligned") on the GPU for the
+  # first time: the ops' GPU tests, the 8B bf16 decode profiled aligned, then the CUDA engines'
+  # tests aligned (speculative greedy == target-only) in the time left.
+  echo "== GPU tests: norm_stats and the one-row GEMVs, aligned"
+  FUSER_TEST_NORM_STATS=aligned timeout 120 python3 -m pytest -q -p no:cacheprovider -rf \
+    tests/test_ops_norm_stats.py tests/test_ops_norm_linear.py tests/test_ops_gemv_stream.py \
+    -k "gpu or one_row" 2>&1 | tee "$OUT/gpu_tests_ops.log" \
+    | grep -E "^E  |FAILED|ERROR|passed|failed" | cut -c1-150 | tail -10
+  echo "== decode, 8B shape, bf16, aligned, profiled"
+  timeout 260 python3 benchmarks/decode.py --out "$OUT/decode_aligned.json" --skip-peers \
+    --precisions bf16 --profile --norm-stats aligned 2>&1 | tee "$OUT/decode_aligned.log" \
+    | grep -v Warning | grep -E "^\[bf16\] (fuser gen|target|prefill|per token)|kernels|^sum|^GEMV|other|verify|alike|fallback|Error" | tail -16
+  left=$((${BUDGET:-590} - SECONDS))
+  echo "== GPU tests: CUDA engines, aligned (${left} s left)"
+  [ "$left" -gt 40 ] && FUSER_TEST_NORM_STATS=aligned timeout "$left" python3 -m pytest -v \
+    -p no:cacheprovider -rf tests/test_cuda_spec.py tests/test_cuda.py 2>&1 | tee "$OUT/gpu_tests.log" \
+    | grep -E "^E  |PASSED|FAILED|ERROR|passed|failed" | cut -c1-150 | tail -30
 elif [ "$what" = s19c ]; then
   # norm_stats with the one-row add + norm GEMVs in its arithmetic (decode.py --norm-stats
   # aligned: linear.ONE_ROW_NORM_AFTER, never yet run on a GPU): its GPU tests and the CUDA

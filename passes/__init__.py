@@ -44,7 +44,7 @@ PASSES: list[GraphRewrite] = [
     NORM_LINEAR,  # after every GEMV pass: folds a norm into the one GEMV (any of the four) that
     # reads it, so it must see the final GEMV op, gated_linear's included
     NORM_STATS,  # after norm_linear: at several rows, its norm moves into the GEMVs around it
-    # (off by default: norm_stats.ENABLED)
+    # (norm_stats.ENABLED, on by default with linear.ONE_ROW_NORM_AFTER)
 ]
 
 

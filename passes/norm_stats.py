@@ -41,17 +41,15 @@ fuser_ops = torch.ops.fuser
 # Whether the pass rewrites at all, and whether FP8 consumers (fp8 weights after the norm) take
 # the rewrite (see the docstring). Read when a graph is built.
 #
-# Off by default: the kernels' norm (g * h rounded once, rstd after the sum) is not the one-row
-# decode GEMV's (g * (h * rstd).to(dtype), the norm's own roundings), so at batch 1 the verify
+# On by default with fuser.ops.linear.ONE_ROW_NORM_AFTER, which gives the one-row add + norm
+# GEMVs the same norm arithmetic (g * h rounded once, rstd after the sum): without it the verify
 # step's logits differ from the decode step's by more than summation order, and DESIGN.md's
-# "speculative greedy == target-only greedy" can fail: benchmarks/norm_stats_greedy_sim.py, with
-# the kernels' arithmetic on CPU, found 2 of 27 greedy sequences differing (0 of 27 with the
-# norm's roundings). On the H200 it made the 8B bf16 verify step 4.293 ms against 4.397 with the
-# norm kernels (benchmarks/RESULTS.md, eighteenth session). Turning it on needs the one-row
-# add + norm GEMVs to compute the same norm: fuser.ops.linear.ONE_ROW_NORM_AFTER (built, tested
-# under the interpreter, compiled for sm_90, not yet run on a GPU; with it the CPU check above
-# finds 0 of 27 differing).
-ENABLED = False
+# "speculative greedy == target-only greedy" can fail (benchmarks/norm_stats_greedy_sim.py, the
+# kernels' arithmetic on CPU: 2 of 27 greedy sequences differ with the pass alone, 0 of 27 with
+# both). On the H200 both together: 8B bf16 verify step 1.078x the decode step replayed alike,
+# 244.4 tok/s, and the CUDA engines' speculative greedy == target-only tests pass
+# (benchmarks/RESULTS.md, nineteenth session).
+ENABLED = True
 FP8_CONSUMERS = False
 
 _PRODUCERS = {

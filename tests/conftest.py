@@ -85,28 +85,25 @@ def one_intra_op_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture
-def norm_stats_on():
-    """passes/norm_stats.py's pass switched on for the test (off by default)."""
-    from fuser.passes import norm_stats
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(norm_stats, "ENABLED", True)
-        yield
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _norm_stats_from_environment():
-    """FUSER_TEST_NORM_STATS=aligned runs the whole session with passes/norm_stats.py on and the
-    one-row add + norm GEMVs in its arithmetic (linear.ONE_ROW_NORM_AFTER): a GPU run checks
-    the engines with both before they become defaults (benchmarks/gpu_all.sh s19c)."""
-    if os.environ.get("FUSER_TEST_NORM_STATS") != "aligned":
-        yield
-        return
+def _pin_norm_stats(enabled: bool):
     from fuser.ops import linear as linear_module
     from fuser.passes import norm_stats
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(norm_stats, "ENABLED", True)
-        mp.setattr(linear_module, "ONE_ROW_NORM_AFTER", True)
+        mp.setattr(norm_stats, "ENABLED", enabled)
+        mp.setattr(linear_module, "ONE_ROW_NORM_AFTER", enabled)
         yield
+
+
+@pytest.fixture
+def norm_stats_on():
+    """passes/norm_stats.py's pass and the one-row GEMVs in its arithmetic
+    (linear.ONE_ROW_NORM_AFTER) pinned on for the test: the defaults, which it must not rely
+    on."""
+    yield from _pin_norm_stats(True)
+
+
+@pytest.fixture
+def norm_stats_off():
+    """Both switched off for the test: the norm kernels' arithmetic at every row count."""
+    yield from _pin_norm_stats(False)

@@ -1,7 +1,7 @@
 """The norm_stats pass (passes/norm_stats.py): at several rows, a GEMV -> residual add + RMSNorm
 -> GEMV chain becomes fuser::linear_residual then fuser::stats_rms_norm_linear (no norm kernel).
 
-The pass is off by default (passes/norm_stats.py says why); these tests switch it on. On small
+The pass is on by default; these tests pin it on (the norm_stats_on fixture). On small
 exported blocks: where it fires (2..16 rows, the producer's output read only by the
 norm, on either side of the add), where it must not (one row, the GEMV output read elsewhere,
 FP8 consumers unless asked), and the same numbers as the graph without the pass, bit for bit on

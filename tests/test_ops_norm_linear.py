@@ -97,7 +97,7 @@ def rstd_last(rows: int, fp8: bool, activation: str | None, n: int) -> bool:
 
 
 def norm_after(rows: int, residual: bool, fp8: bool, activation: str | None, n: int) -> bool:
-    """Whether the kernel runs linear.ONE_ROW_NORM_AFTER's arithmetic (off unless switched on)."""
+    """Whether the kernel runs linear.ONE_ROW_NORM_AFTER's arithmetic (on by default)."""
     from fuser.ops import linear as linear_module
 
     return linear_module.norm_after_for(rows, residual, fp8, rstd_last(rows, fp8, activation, n))

@@ -256,7 +256,7 @@ def test_gpu_ops_compute_what_they_replace(rows: int) -> None:
 
 @pytest.fixture
 def one_row_norm_after():
-    """linear.ONE_ROW_NORM_AFTER on for the test (off by default, as passes/norm_stats.py)."""
+    """linear.ONE_ROW_NORM_AFTER pinned on for the test (the default, as passes/norm_stats.py)."""
     from fuser.ops import linear as linear_module
 
     with pytest.MonkeyPatch.context() as mp:

@@ -807,8 +807,8 @@ ONE_ROW_PARTIALS = True
 # One row, residual add + norm before plain (not FP8) weights: the GEMV's input g * h rounded
 # once and rstd times its fp32 sums (NORM_AFTER), the arithmetic of the several-row
 # fuser::stats_rms_norm_linear (fuser/ops/norm_stats.py), so that with passes/norm_stats.py on a
-# verify step normalises as the decode step does. Off, as that pass is: not yet run on a GPU.
-ONE_ROW_NORM_AFTER = False
+# verify step normalises as the decode step does. On, as that pass is (see its comment).
+ONE_ROW_NORM_AFTER = True
 
 
 def norm_after_for(rows: int, residual: bool, fp8: bool, rstd_last: bool) -> bool:

@@ -207,8 +207,12 @@ def _stats_rms_norm_linear_cuda(summed: Tensor, gh: Tensor, squares: Tensor, nor
         out = normed_linear_triton(gh, squares, eps, weight, weight_scale=weight_scale,
                                    activation=activation)
         return out.reshape(*summed.shape[:-1], out.shape[-1])
-    return torch.ops.fuser.rms_norm_linear(summed, norm_weight, eps, weight, weight_scale,
-                                           activation)
+    # Outside the kernels' rows the op computes what it replaced, fuser::add_rms_norm_linear:
+    # summed plus zeros is summed, and at one row that op's arithmetic is not
+    # rms_norm_linear's when linear.ONE_ROW_NORM_AFTER is on.
+    out, _ = torch.ops.fuser.add_rms_norm_linear(summed, torch.zeros_like(summed), norm_weight,
+                                                 eps, weight, weight_scale, activation)
+    return out
 
 
 stats_rms_norm_linear.register_kernel("cuda")(_stats_rms_norm_linear_cuda)
