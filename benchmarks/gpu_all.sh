@@ -43,6 +43,7 @@
 #   bash benchmarks/gpu_all.sh s18c     # norm_stats with its loads before the K loop: 8B bf16 decode on/off
 #   bash benchmarks/gpu_all.sh s19a     # CUDA engine tests (norm_stats in the verify graphs), then the 1B-shape draft profiled
 #   bash benchmarks/gpu_all.sh s19b     # #11's run: 8B bf16 profiled beside the peers
+#   bash benchmarks/gpu_all.sh s19g     # megakernel lab (the bundled pair's GEMV chain: launches vs persistent vs one program), FP8 decode --norm-stats fp8
 #   bash benchmarks/gpu_all.sh s19e     # #11's run (both on by default): 8B bf16 profiled with peers, 1B profiled
 #   bash benchmarks/gpu_all.sh s19f     # the fixed norm_stats op test, the CUDA engine tests s19d left
 #   bash benchmarks/gpu_all.sh s19d     # aligned on the GPU: ops tests, 8B bf16 decode profiled, CUDA engine tests
@@ -593,6 +594,15 @@ elif [ "$what" = s19a ]; then
     --preset llama-3.2-1b --precisions bf16 --skip-peers --profile 2>&1 \
     | tee "$OUT/decode_1b.log" | grep -v Warning \
     | grep -E "^\[bf16\] (fuser gen|target|prefill)|kernels/step|verify|alike|Error" | tail -12
+elif [ "$what" = s19g ]; then
+  # Nineteenth session, call 4 (the lease's last minutes): a chain of the bundled pair's GEMVs
+  # as launches, as one persistent kernel with grid barriers, as one program
+  # (benchmarks/megakernel_lab.py: is a one-kernel decode step worth building for #12?), then
+  # the 8B FP8 decode with norm_stats on FP8 consumers (never measured on its current form).
+  echo "== megakernel lab"
+  timeout 120 python3 benchmarks/megakernel_lab.py --out "$OUT/megakernel_lab.json" 2>&1 \
+    | tee "$OUT/megakernel_lab.log" | grep -v Warn | tail -24
+  TAG=fp8_stats decode_8b fp8 290 --norm-stats fp8
 elif [ "$what" = s19e ]; then
   # Nineteenth session, call 2: issue #11's run with norm_stats and ONE_ROW_NORM_AFTER on by
   # default: the 8B bf16 decode profiled beside the peers, then the 1B-shape draft profiled.
