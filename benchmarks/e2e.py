@@ -108,9 +108,12 @@ def step_parts_ms(engine: fuser.Engine, gamma: int) -> float | None:
 
     bucket = engine.bucket(1)
     total = 0.0
-    for steps, kind, times in ((bucket.draft, CATCHUP, 1), (bucket.draft, DECODE, gamma - 1),
-                               (bucket.target, verify(gamma), 1)):
-        if times == 0:
+    parts = {}
+    for name, steps, kind, times in (("draft catch-up", bucket.draft, CATCHUP, 1),
+                                     ("draft decode", bucket.draft, DECODE, gamma - 1),
+                                     (f"target verify({gamma})", bucket.target, verify(gamma), 1),
+                                     ("target decode", bucket.target, DECODE, 0)):
+        if kind not in steps:
             continue
         T = kind.tokens
         tokens = torch.zeros(1, T, dtype=torch.long, device=engine.device)
@@ -119,8 +122,15 @@ def step_parts_ms(engine: fuser.Engine, gamma: int) -> float | None:
         cache = steps.cache
         cache.set_lengths(128)
         with torch.no_grad():
-            total += times * time_us(lambda: fn(tokens, positions, cache.seq_lens, cache.starts)).us
+            us = time_us(lambda: fn(tokens, positions, cache.seq_lens, cache.starts)).us
         cache.reset()
+        total += times * us
+        parts[name] = us
+    # each part alone (the target's decode step for scale, not a part): where a speculative
+    # step's time goes beyond the target-only iteration's
+    RESULTS.setdefault("bundled_parts_us", {})[str(gamma)] = parts
+    log(f"  gamma {gamma} parts (us each, CUDA graph): "
+        + ", ".join(f"{name} {us:.1f}" for name, us in parts.items()))
     return total / 1e3
 
 

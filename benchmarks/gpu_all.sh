@@ -43,6 +43,7 @@
 #   bash benchmarks/gpu_all.sh s18c     # norm_stats with its loads before the K loop: 8B bf16 decode on/off
 #   bash benchmarks/gpu_all.sh s19a     # CUDA engine tests (norm_stats in the verify graphs), then the 1B-shape draft profiled
 #   bash benchmarks/gpu_all.sh s19b     # #11's run: 8B bf16 profiled beside the peers
+#   bash benchmarks/gpu_all.sh s20a     # (next) the bundled pair's step parts alone (e2e.py), the 8B FP8 decode + verify profiled
 #   bash benchmarks/gpu_all.sh s19g     # megakernel lab (the bundled pair's GEMV chain: launches vs persistent vs one program), FP8 decode --norm-stats fp8
 #   bash benchmarks/gpu_all.sh s19e     # #11's run (both on by default): 8B bf16 profiled with peers, 1B profiled
 #   bash benchmarks/gpu_all.sh s19f     # the fixed norm_stats op test, the CUDA engine tests s19d left
@@ -594,6 +595,20 @@ elif [ "$what" = s19a ]; then
     --preset llama-3.2-1b --precisions bf16 --skip-peers --profile 2>&1 \
     | tee "$OUT/decode_1b.log" | grep -v Warning \
     | grep -E "^\[bf16\] (fuser gen|target|prefill)|kernels/step|verify|alike|Error" | tail -12
+elif [ "$what" = s20a ]; then
+  # Written in the nineteenth session for the next (~9 minutes): where the bundled pair's
+  # speculative step spends its time beyond the target-only iteration (e2e.py now logs each
+  # part alone: draft catch-up, draft decode, target verify, target decode; issue #12), then the
+  # 8B FP8 decode and verify profiled (issue #10: which kernels the verify step adds).
+  echo "== speculative end to end: the bundled pair, parts"
+  timeout 300 python3 benchmarks/e2e.py --out "$OUT/e2e" --skip-8b --skip-peers --skip-buckets \
+    --gammas 1,2,3,4 2>&1 | tee "$OUT/e2e.log" | grep -v Warn \
+    | grep -E "parts|iteration ms|^bundled|Error" | tail -16
+  left=$((${BUDGET:-590} - SECONDS))
+  echo "== decode, 8B shape, fp8, profiled (${left} s left)"
+  [ "$left" -gt 100 ] && timeout "$left" python3 benchmarks/decode.py --out "$OUT/decode_fp8.json" \
+    --skip-peers --precisions fp8 --profile 2>&1 | tee "$OUT/decode_fp8.log" | grep -v Warning \
+    | grep -E "^\[fp8\] (fuser gen|target|prefill)|kernels|^sum|^GEMV|^  fuser::|verify|alike|Error" | tail -40
 elif [ "$what" = s19g ]; then
   # Nineteenth session, call 4 (the lease's last minutes): a chain of the bundled pair's GEMVs
   # as launches, as one persistent kernel with grid barriers, as one program
