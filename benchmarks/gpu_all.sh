@@ -41,14 +41,11 @@
 #   bash benchmarks/gpu_all.sh s18a     # norm_stats: GPU tests, 8B decode bf16 (profiled) and FP8 with/without FP8 consumers
 #   bash benchmarks/gpu_all.sh s18b     # norm_stats with g * h from the producer: GPU tests, 8B bf16 decode on/off, FP8 with its consumers
 #   bash benchmarks/gpu_all.sh s18c     # norm_stats with its loads before the K loop: 8B bf16 decode on/off
-#   bash benchmarks/gpu_all.sh s19a     # CUDA engine tests (norm_stats in the verify graphs), then the 1B-shape draft profiled
-#   bash benchmarks/gpu_all.sh s19b     # #11's run: 8B bf16 profiled beside the peers
 #   bash benchmarks/gpu_all.sh s20a     # (next) the bundled pair's step parts alone (e2e.py), the 8B FP8 decode + verify profiled
 #   bash benchmarks/gpu_all.sh s19g     # megakernel lab (the bundled pair's GEMV chain: launches vs persistent vs one program), FP8 decode --norm-stats fp8
 #   bash benchmarks/gpu_all.sh s19e     # #11's run (both on by default): 8B bf16 profiled with peers, 1B profiled
 #   bash benchmarks/gpu_all.sh s19f     # the fixed norm_stats op test, the CUDA engine tests s19d left
 #   bash benchmarks/gpu_all.sh s19d     # aligned on the GPU: ops tests, 8B bf16 decode profiled, CUDA engine tests
-#   bash benchmarks/gpu_all.sh s19c     # norm_stats + ONE_ROW_NORM_AFTER ("aligned"): GPU tests with both on, 8B bf16 aligned vs off
 #   bash benchmarks/gpu_all.sh s17b     # one-row FP8 tiles swept again (shape lab), FP8 decode on the fastest, engine GPU tests
 #   bash benchmarks/gpu_all.sh s16b     # the engine's GPU tests (test_cuda.py with its FP8 speculative test, test_cuda_spec.py)
 #   bash benchmarks/gpu_all.sh pieces   # several-row FP8 with x split outside, promoted or chained, vs the engine's paths
@@ -581,20 +578,6 @@ elif [ "$what" = s18c ]; then
     | tee "$OUT/gpu_tests.log" | grep -E "^E  |FAILED|ERROR|passed|failed" | cut -c1-150 | tail -20
   decode_8b bf16 400 --norm-stats on
   TAG=bf16_off decode_8b bf16 400 --norm-stats off
-elif [ "$what" = s19a ]; then
-  # Written in the eighteenth session for the next: the CUDA engine tests that its calls could not
-  # finish (norm_stats in every verify graph: speculative greedy == target-only; ~1 minute of
-  # engine builds each), then the 1B-shape draft's decode and verify profiled (issue #11's
-  # "same figures").
-  echo "== GPU tests: CUDA engines"
-  timeout 400 python3 -m pytest -q -p no:cacheprovider -rf tests/test_cuda.py 2>&1 \
-    | tee "$OUT/gpu_tests.log" | grep -E "^E  |FAILED|ERROR|passed|failed" | cut -c1-150 | tail -20
-  left=$((${BUDGET:-590} - SECONDS))
-  echo "== decode, 1B shape, bf16, profiled (${left} s left)"
-  [ "$left" -gt 60 ] && timeout "$left" python3 benchmarks/decode.py --out "$OUT/decode_1b.json" \
-    --preset llama-3.2-1b --precisions bf16 --skip-peers --profile 2>&1 \
-    | tee "$OUT/decode_1b.log" | grep -v Warning \
-    | grep -E "^\[bf16\] (fuser gen|target|prefill)|kernels/step|verify|alike|Error" | tail -12
 elif [ "$what" = s20a ]; then
   # Written in the nineteenth session for the next (~9 minutes): where the bundled pair's
   # speculative step spends its time beyond the target-only iteration (e2e.py now logs each
@@ -659,28 +642,6 @@ elif [ "$what" = s19d ]; then
   [ "$left" -gt 40 ] && FUSER_TEST_NORM_STATS=aligned timeout "$left" python3 -m pytest -v \
     -p no:cacheprovider -rf tests/test_cuda_spec.py tests/test_cuda.py 2>&1 | tee "$OUT/gpu_tests.log" \
     | grep -E "^E  |PASSED|FAILED|ERROR|passed|failed" | cut -c1-150 | tail -30
-elif [ "$what" = s19c ]; then
-  # norm_stats with the one-row add + norm GEMVs in its arithmetic (decode.py --norm-stats
-  # aligned: linear.ONE_ROW_NORM_AFTER, never yet run on a GPU): its GPU tests and the CUDA
-  # engines' with both switched on (FUSER_TEST_NORM_STATS=aligned, tests/conftest.py), then the
-  # 8B bf16 decode aligned, then off where the lease leaves time (each ~180 s; the engine tests
-  # take ~1 minute each).
-  echo "== GPU tests: norm_stats and the one-row GEMVs, CUDA engines, aligned"
-  FUSER_TEST_NORM_STATS=aligned timeout 120 python3 -m pytest -q -p no:cacheprovider -rf \
-    tests/test_ops_norm_stats.py tests/test_ops_norm_linear.py tests/test_ops_gemv_stream.py \
-    -k "gpu or one_row" 2>&1 | tee "$OUT/gpu_tests_ops.log" \
-    | grep -E "^E  |FAILED|ERROR|passed|failed" | cut -c1-150 | tail -10
-  FUSER_TEST_NORM_STATS=aligned timeout 400 python3 -m pytest -q -p no:cacheprovider -rf \
-    tests/test_cuda.py tests/test_cuda_spec.py 2>&1 | tee "$OUT/gpu_tests.log" \
-    | grep -E "^E  |FAILED|ERROR|passed|failed" | cut -c1-150 | tail -20
-  decode_8b bf16 590 --norm-stats aligned
-  TAG=bf16_off decode_8b bf16 590 --norm-stats off
-elif [ "$what" = s19b ]; then
-  # Issue #11's one run: the 8B bf16 decode profiled (decode and verify breakdowns, kernels per
-  # step) beside HF eager, HF static cache + torch.compile and the gpt-fast-style peer.
-  timeout 590 python3 benchmarks/decode.py --out "$OUT/decode.json" --precisions bf16 \
-    --profile 2>&1 | tee "$OUT/decode.log" | grep -v Warning \
-    | grep -E "^\[bf16\] (fuser gen|target|prefill)|kernels/step|verify|alike|tok/s|Error" | tail -20
 elif [ "$what" = s17b ]; then
   # Seventeenth session, call 2: with ONE_ROW_PARTIALS (call 1: FP8 419.3 tok/s), the one-row
   # FP8 tiles again at qkv, o_proj, down_proj and gate/up (shape_lab.py "lk" words: nN block_n,
