@@ -357,7 +357,10 @@ def weight_view(w: torch.Tensor, WEIGHT: str) -> torch.Tensor:
 
 class EngineGemv:
     """linear_triton (the engine's several-row path) with one FP8_ROWS_MMA and a configuration
-    given (block_n, block_k, split_k, stages); called as RowsGemv is. x is the bf16 x itself
+    given (block_n, block_k, split_k, stages); called as RowsGemv is, but returns the op's own
+    output: copying it into `out` would time a copy kernel too (until the nineteenth session it
+    did, ~1-2 us that the sixteenth session read as the engine's kernel being slower than
+    _rows_kernel's "x2 pieces"). x is the bf16 x itself
     (prepare_x's "shift" triple: the kernel prepares it). "engine pieces": linear_pieces_triton
     on x split outside (fuser/ops/e4m3_pieces.py, untimed: what the norm kernel would hand it);
     "engine split pieces": split_pieces_triton then linear_pieces_triton, both timed."""
@@ -373,19 +376,16 @@ class EngineGemv:
         from fuser.ops import linear as linear_module  # noqa: PLC0415
 
         if self.mma == "split pieces":  # the split kernel timed with the GEMV
-            out.copy_(linear_pieces_triton(*split_pieces_triton(xp[0]), w, ws, **self.overrides))
-            return out
+            return linear_pieces_triton(*split_pieces_triton(xp[0]), w, ws, **self.overrides)
         if self.mma == "pieces":
             if self.pieces is None or self.pieces[0] is not xp[0]:
                 self.pieces = (xp[0], split_pieces_reference(xp[0]))
-            out.copy_(linear_pieces_triton(*self.pieces[1], w, ws, **self.overrides))
-            return out
+            return linear_pieces_triton(*self.pieces[1], w, ws, **self.overrides)
         saved, linear_module.FP8_ROWS_MMA = linear_module.FP8_ROWS_MMA, self.mma
         try:
-            out.copy_(linear_triton(xp[0], w, weight_scale=ws, **self.overrides))
+            return linear_triton(xp[0], w, weight_scale=ws, **self.overrides)
         finally:
             linear_module.FP8_ROWS_MMA = saved
-        return out
 
 
 def make_gemv(N: int, K: int, variant: str, cfg: tuple, device) -> RowsGemv | EngineGemv:
