@@ -20,7 +20,13 @@ scale, else None). The rewrite needs:
   - r and g available before the producer (the fused op runs where the producer ran) and of
     the producer's dtype;
   - a plain consumer weight, or FP8 with `FP8_CONSUMERS` (the FP8 verify's GEMVs take x as e4m3
-    pieces from the norm kernel; with it, they run the fp16 MMA on gh).
+    pieces from the norm kernel; with it, they run the fp16 MMA on gh);
+  - in the target's graphs, every target step of the graph's batch bucket within MAX_ROWS
+    rows: B (gamma + 1) <= MAX_ROWS for the largest gamma the engine may verify
+    (`_bucket_normalises_alike`). Otherwise a verify step of more rows keeps the norm kernel
+    and its roundings while the bucket's decode step would not, and speculative greedy could
+    differ from target-only greedy. The draft's graphs need no such care (the target decides
+    every token).
 On CPU the new ops run their references: the same bits as before.
 """
 
@@ -84,6 +90,17 @@ def _producer(x: Node, consumer: Node) -> tuple[Node, list[Node]] | None:
     return node, views
 
 
+def _bucket_normalises_alike(context: PassContext, rows: int) -> bool:
+    """Whether a graph of `rows` rows may take the rewrite: any draft graph; a target graph
+    whose batch bucket's decode and verify steps all have at most MAX_ROWS rows, so that each
+    of them takes it (one-row decode steps compute the same arithmetic through
+    linear.ONE_ROW_NORM_AFTER)."""
+    if context.role != "target":
+        return True
+    batch = rows // max(context.kind.tokens or 1, 1)
+    return batch * (context.config.resolved_gamma + 1) <= MAX_ROWS
+
+
 def move_norms_into_gemvs(gm: GraphModule, context: PassContext) -> int:
     """Rewrite every several-row add_rms_norm_linear whose x or residual a GEMV produced (and
     nothing else reads); returns the count."""
@@ -95,7 +112,8 @@ def move_norms_into_gemvs(gm: GraphModule, context: PassContext) -> int:
             continue
         x, r, g, eps, weight, scale, activation = node.args
         rows = _static_rows(x.meta["val"])
-        if rows is None or not 1 < rows <= MAX_ROWS:
+        if rows is None or not 1 < rows <= MAX_ROWS or \
+                not _bucket_normalises_alike(context, rows):
             continue
         if scale is not None and not FP8_CONSUMERS:
             continue

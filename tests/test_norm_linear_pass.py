@@ -53,11 +53,15 @@ class _Block(nn.Module):
         return y, extra
 
 
-def rewrite(module: nn.Module, args: tuple, passes: list, precision: str | None = None
-            ) -> tuple[torch.fx.GraphModule, dict, dict]:
-    config = fuser.FuserConfig(precision=precision) if precision else fuser.FuserConfig()
+def rewrite(module: nn.Module, args: tuple, passes: list, precision: str | None = None,
+            role: str = "target", **config_fields) -> tuple[torch.fx.GraphModule, dict, dict]:
+    """The passes on `module`'s graph as a decode graph of `role`, built with the config
+    fields given."""
+    if precision:
+        config_fields["precision"] = precision
+    config = fuser.FuserConfig(**config_fields)
     gm = export_like_capture(module, args)
-    result = run_passes(gm, PassContext("block.decode", DECODE, config), passes)
+    result = run_passes(gm, PassContext(f"{role}.decode", DECODE, config, role), passes)
     assert result.errors == []
     return gm, result.matches, result.fused_ops
 

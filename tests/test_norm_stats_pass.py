@@ -69,8 +69,9 @@ def test_fires_where_it_computes_the_same(variant: str, rows: int, fires: bool,
     torch.manual_seed(0)
     module = _Block(variant).eval().to(dtype)
     args = (torch.randn(1, rows, 32).to(dtype), torch.randn(1, rows, 24).to(dtype))
-    gm, matches, ops = rewrite(module, args, PASSES)
-    before, _, before_ops = rewrite(module, args, WITHOUT_NORM_STATS)
+    # gamma=0: a target decode graph of `rows` rows is its bucket's largest step
+    gm, matches, ops = rewrite(module, args, PASSES, gamma=0)
+    before, _, before_ops = rewrite(module, args, WITHOUT_NORM_STATS, gamma=0)
     assert matches["norm_stats"] == int(fires)
     if fires:
         assert ops["linear_residual"] == ops["stats_rms_norm_linear"] == 1
@@ -91,9 +92,25 @@ def test_fp8_consumers_only_when_asked(fp8_consumers: bool) -> None:
     module = _Block("gated").eval().to(torch.bfloat16)
     args = (torch.randn(1, 4, 32).to(torch.bfloat16), torch.randn(1, 4, 24).to(torch.bfloat16))
     with mock.patch.object(norm_stats, "FP8_CONSUMERS", fp8_consumers):
-        gm, matches, ops = rewrite(module, args, PASSES, precision="fp8")
-    before, _, _ = rewrite(module, args, WITHOUT_NORM_STATS, precision="fp8")
+        gm, matches, ops = rewrite(module, args, PASSES, precision="fp8", gamma=0)
+    before, _, _ = rewrite(module, args, WITHOUT_NORM_STATS, precision="fp8", gamma=0)
     assert matches["norm_stats"] == int(fp8_consumers)
     with torch.no_grad():
         for a, b in zip(gm(*args), before(*args)):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(("gamma", "fires"), [(0, True), (3, True), (4, False)])
+def test_target_bucket_whose_verify_steps_exceed_max_rows_keeps_its_norms(gamma: int,
+                                                                         fires: bool) -> None:
+    # A target decode graph of 4 rows (bucket 4): verify steps have 4 (gamma + 1) rows, and at
+    # gamma 4 (20 > MAX_ROWS) they keep the norm kernels, so the decode step must keep them too
+    # (the same roundings in every target step of the bucket); a draft graph is rewritten anyway.
+    torch.manual_seed(2)
+    module = _Block("residual_first").eval().to(torch.bfloat16)
+    args = (torch.randn(1, 4, 32).to(torch.bfloat16), torch.randn(1, 4, 24).to(torch.bfloat16))
+    assert 4 * (3 + 1) == MAX_ROWS
+    _, matches, _ = rewrite(module, args, PASSES, gamma=gamma)
+    assert matches["norm_stats"] == int(fires)
+    _, matches, _ = rewrite(module, args, PASSES, role="draft", gamma=gamma)
+    assert matches["norm_stats"] == 1
