@@ -60,9 +60,8 @@ def add_rms_norm_linear_cpu(x, residual, norm_weight, eps, weight, weight_scale,
 
 
 def linear_residual_cpu(x, weight, weight_scale, residual, norm_weight):
-    y = _inline_linear(x, weight, weight_scale, None)
-    summed = (y.reshape(residual.shape) + residual).contiguous()
-    return summed, (norm_weight * summed).contiguous(), norm_stats.group_squares_reference(summed)
+    return norm_stats.residual_outputs(_inline_linear(x, weight, weight_scale, None), residual,
+                                       norm_weight)
 
 
 def stats_rms_norm_linear_cpu(summed, gh, squares, norm_weight, eps, weight, weight_scale,

@@ -58,6 +58,7 @@ from fuser.ops.linear import (
 
 __all__ = [
     "group_squares_reference",
+    "residual_outputs",
     "linear_residual_reference",
     "linear_residual_triton",
     "normed_linear_triton",
@@ -72,6 +73,14 @@ def group_squares_reference(summed: Tensor) -> Tensor:
     pad = -h.shape[-1] % STAT_COLS
     h = torch.nn.functional.pad(h, (0, pad))
     return h.square().reshape(h.shape[0], -1, STAT_COLS).sum(-1)
+
+
+def residual_outputs(y: Tensor, residual: Tensor, norm_weight: Tensor
+                     ) -> tuple[Tensor, Tensor, Tensor]:
+    """fuser::linear_residual's outputs from the linear's output y: (summed = y + residual in
+    their dtype, shaped as residual; norm_weight * summed; group_squares_reference(summed))."""
+    summed = (y.reshape(residual.shape) + residual).contiguous()
+    return summed, (norm_weight * summed).contiguous(), group_squares_reference(summed)
 
 
 def _takes(rows: int, x: Tensor, weight: Tensor, weight_scale: Tensor | None) -> bool:
@@ -160,9 +169,7 @@ def _linear_residual_cuda(x: Tensor, weight: Tensor, weight_scale: Tensor | None
             residual.numel() == rows * weight.shape[0]:
         return linear_residual_triton(x, weight, residual, norm_weight,
                                       weight_scale=weight_scale)
-    summed = (_linear_op(x, weight, weight_scale, None).reshape(residual.shape)
-              + residual).contiguous()
-    return summed, (norm_weight * summed).contiguous(), group_squares_reference(summed)
+    return residual_outputs(_linear_op(x, weight, weight_scale, None), residual, norm_weight)
 
 
 linear_residual.register_kernel("cuda")(_linear_residual_cuda)
@@ -173,18 +180,18 @@ def linear_residual_reference(x: Tensor, weight: Tensor, weight_scale: Tensor | 
                               ) -> tuple[Tensor, Tensor, Tensor]:
     """The linear's reference, then add_rms_norm's add (in the input dtype), g * summed and
     the sums of squares."""
-    y = linear_any_reference(x, weight, weight_scale, None)
-    summed = (y.reshape(residual.shape) + residual).contiguous()
-    return summed, (norm_weight * summed).contiguous(), group_squares_reference(summed)
+    return residual_outputs(linear_any_reference(x, weight, weight_scale, None), residual,
+                            norm_weight)
 
 
 @torch.library.custom_op("fuser::stats_rms_norm_linear", mutates_args=())
 def stats_rms_norm_linear(summed: Tensor, gh: Tensor, squares: Tensor, norm_weight: Tensor,
                           eps: float, weight: Tensor, weight_scale: Tensor | None,
                           activation: str | None) -> Tensor:
-    """fuser::rms_norm_linear(summed, norm_weight, eps, weight, weight_scale, activation), given
-    also gh = norm_weight * summed and summed's group sums of squares (fuser::linear_residual's
-    outputs), from which the CUDA kernel computes it."""
+    """The normed output of the fuser::add_rms_norm_linear it replaces, whose x and residual
+    summed to `summed` (on CPU: fuser::rms_norm_linear(summed, ...), the same bits), given also
+    gh = norm_weight * summed and summed's group sums of squares (fuser::linear_residual's
+    outputs), from which the CUDA kernel computes it at 2..16 rows."""
     return stats_rms_norm_linear_reference(summed, gh, squares, norm_weight, eps, weight,
                                            weight_scale, activation)
 
