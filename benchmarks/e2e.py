@@ -134,6 +134,13 @@ def step_parts_ms(engine: fuser.Engine, gamma: int) -> float | None:
     return total / 1e3
 
 
+def step_parts_ms_draft_extra(engine: fuser.Engine) -> float:
+    """ms of the one more draft decode step an overlapped round at gamma runs (gamma + 1 draft
+    steps where the standard step runs gamma): `RESULTS["bundled_parts_us"]` of the last call."""
+    last = list(RESULTS.get("bundled_parts_us", {}).values())[-1:]
+    return last[0].get("draft decode", 0.0) / 1e3 if last else 0.0
+
+
 def part_bundled(args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
                  out: Path) -> None:
     """(1): the bundled pair on held-out prompts."""
@@ -160,7 +167,8 @@ def part_bundled(args: argparse.Namespace, device: torch.device, dtype: torch.dt
     start = time.perf_counter()
     engine = fuser.optimize(target, draft=draft, config=fuser.FuserConfig(
         max_seq_len=max(p.shape[1] for p in prompts) + n + 8, gamma="auto",
-        gamma_candidates=gammas))
+        gamma_candidates=gammas, overlap=args.overlap))
+    fuser_name = "fuser overlap" if args.overlap else "fuser"
     RESULTS["bundled_optimize_seconds"] = time.perf_counter() - start
     RESULTS["bundled_fallbacks"] = engine.report().fallbacks
     costs = engine.step_costs.get(1, {})
@@ -180,7 +188,7 @@ def part_bundled(args: argparse.Namespace, device: torch.device, dtype: torch.dt
                            mean_accepted_length=stats.mean_accepted_length)
         # auto: predicted at the gamma it settled on (stats.gamma), from its own acceptance.
         at = g if g is not None else stats.gamma
-        if at and costs:
+        if at and costs and not args.overlap:  # (Leviathan's formula: the standard step)
             predicted = expected_tokens(stats.acceptance_rate, at) / costs[at]
             extra["predicted_tok_s"] = predicted
             extra["pct_of_prediction"] = 100 * count / seconds / predicted
@@ -191,7 +199,14 @@ def part_bundled(args: argparse.Namespace, device: torch.device, dtype: torch.dt
             if parts is not None:
                 extra["step_ms"] = 1e3 * costs[at]
                 extra["parts_ms"] = parts
-        name = f"fuser gamma={g}" if g is not None else f"fuser gamma=auto ({engine.gamma_reason})"
+        elif at and costs:  # overlapped rounds: their measured cost, the parts summed
+            extra["step_ms"] = 1e3 * costs[at]
+            extra["mean_accepted_length"] = stats.mean_accepted_length
+            parts = step_parts_ms(engine, at)
+            if parts is not None:
+                extra["parts_ms"] = parts + step_parts_ms_draft_extra(engine)
+        name = (f"{fuser_name} gamma={g}" if g is not None
+                else f"{fuser_name} gamma=auto ({engine.gamma_reason})")
         by_gamma[g] = row("bundled", name, seconds, count, **extra)
         save(out)
     RESULTS["bundled_by_gamma"] = {str(g): r["tok_s"] for g, r in by_gamma.items()}
@@ -357,6 +372,9 @@ def main() -> None:
     parser.add_argument("--gammas", default="1,2,3,4,5,6,7,8",
                         help="fixed gammas to time on the bundled pair (each one more compiled "
                              "verify graph)")
+    parser.add_argument("--overlap", action="store_true",
+                        help="the bundled pair with FuserConfig(overlap=True): the draft drafts "
+                             "the next round while the target verifies")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)

@@ -41,7 +41,8 @@
 #   bash benchmarks/gpu_all.sh s18a     # norm_stats: GPU tests, 8B decode bf16 (profiled) and FP8 with/without FP8 consumers
 #   bash benchmarks/gpu_all.sh s18b     # norm_stats with g * h from the producer: GPU tests, 8B bf16 decode on/off, FP8 with its consumers
 #   bash benchmarks/gpu_all.sh s18c     # norm_stats with its loads before the K loop: 8B bf16 decode on/off
-#   bash benchmarks/gpu_all.sh s20a     # (next) the bundled pair's step parts alone (e2e.py), the 8B FP8 decode + verify profiled
+#   bash benchmarks/gpu_all.sh s20b     # overlapped rounds: GPU tests, the bundled pair end to end overlapped, then standard
+#   bash benchmarks/gpu_all.sh s20a     # (not yet run) the bundled pair's step parts alone (e2e.py), the 8B FP8 decode + verify profiled
 #   bash benchmarks/gpu_all.sh s19g     # megakernel lab (the bundled pair's GEMV chain: launches vs persistent vs one program), FP8 decode --norm-stats fp8
 #   bash benchmarks/gpu_all.sh s19e     # #11's run (both on by default): 8B bf16 profiled with peers, 1B profiled
 #   bash benchmarks/gpu_all.sh s19f     # the fixed norm_stats op test, the CUDA engine tests s19d left
@@ -578,6 +579,24 @@ elif [ "$what" = s18c ]; then
     | tee "$OUT/gpu_tests.log" | grep -E "^E  |FAILED|ERROR|passed|failed" | cut -c1-150 | tail -20
   decode_8b bf16 400 --norm-stats on
   TAG=bf16_off decode_8b bf16 400 --norm-stats off
+elif [ "$what" = s20b ]; then
+  # Twentieth session: FuserConfig(overlap=True) (runtime/speculative.py `overlapped_step`, the
+  # draft's branch beside the target's in one step graph; issue #12). GPU tests, then the
+  # bundled pair end to end with overlapped rounds (target-only in the same run), then the
+  # standard step at gamma 2 for a same-machine comparison.
+  echo "== GPU tests: overlapped step"
+  timeout 200 python3 -m pytest -q -p no:logging -p no:cacheprovider --tb=short -rf \
+    tests/test_overlap.py tests/test_cuda_spec.py -k "kernel or examples or step_graph or sampling_through" \
+    2>&1 | tee "$OUT/gpu_tests.log" | grep -v Warning | tail -12
+  echo "== bundled pair end to end, overlapped"
+  timeout 300 python3 benchmarks/e2e.py --out "$OUT/e2e_overlap" --skip-8b --skip-peers \
+    --skip-buckets --overlap --gammas 1,2,3 2>&1 | tee "$OUT/e2e_overlap.log" | grep -v Warn \
+    | grep -E "iteration ms|parts|^\[bundled\]|^bundled|Error|Traceback" | tail -16
+  left=$((${BUDGET:-590} - SECONDS))
+  echo "== bundled pair end to end, standard step (${left} s left)"
+  [ "$left" -gt 120 ] && timeout "$left" python3 benchmarks/e2e.py --out "$OUT/e2e_std" --skip-8b \
+    --skip-peers --skip-buckets --gammas 2,3 2>&1 | tee "$OUT/e2e_std.log" | grep -v Warn \
+    | grep -E "iteration ms|^\[bundled\]|^bundled|Error" | tail -10
 elif [ "$what" = s20a ]; then
   # Written in the nineteenth session for the next (~9 minutes): where the bundled pair's
   # speculative step spends its time beyond the target-only iteration (e2e.py now logs each

@@ -65,6 +65,13 @@ class FuserConfig:
             is the same math either way).
         fp8_lm_head: with precision="fp8", quantize the LM head too (False keeps it in the
             model's dtype).
+        overlap: greedy speculative steps as overlapped rounds (runtime/speculative.py
+            `overlapped_step`): the draft drafts the next round on a parallel branch of the
+            step's CUDA graph while the target verifies this round's guesses, so a round costs
+            about the longer of the two instead of their sum. It pays where both models are
+            launch-bound (small models at small batches); a large target that fills the GPU
+            leaves the draft nothing to overlap with. The draft's KV cache keeps gamma more
+            slots. Sampling keeps the standard step.
     """
 
     precision: Precision = "auto"
@@ -79,6 +86,7 @@ class FuserConfig:
     dump_graphs: str | None = None
     fused_attention: bool = True
     fp8_lm_head: bool = True
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -87,6 +95,8 @@ class FuserConfig:
             )
         if not isinstance(self.fp8_lm_head, bool):
             raise ValueError(f"fp8_lm_head={self.fp8_lm_head!r} must be True or False")
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"overlap={self.overlap!r} must be True or False")
         if self.gamma != "auto":
             if isinstance(self.gamma, bool) or not isinstance(self.gamma, int):
                 raise ValueError(f"gamma={self.gamma!r} must be an int in 0..{MAX_GAMMA} or 'auto'")

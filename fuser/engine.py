@@ -79,7 +79,7 @@ class Engine:
             self.generator = torch.Generator(device=device)
             for size, (t, d) in sorted(buckets.items()):
                 self.buckets[size] = Bucket(size, t, d if self.gammas else None, vocab_size,
-                                            self.generator)
+                                            self.generator, overlap=config.overlap)
         # Per bucket: seconds of one greedy iteration per gamma (0 = target-only), measured by
         # `prepare`, and the controller built from them (gamma="auto" only).
         self.step_costs: dict[int, dict[int, float]] = {}
@@ -136,7 +136,8 @@ class Engine:
 
     def _build_controllers(self, **options: float) -> None:
         self._controllers = {
-            size: GammaController({g: costs[g] for g in self.gammas}, costs[PLAIN], **options)
+            size: GammaController({g: costs[g] for g in self.gammas}, costs[PLAIN],
+                                  overlapped=self.config.overlap, **options)
             for size, costs in self.step_costs.items()}
         self.stats.gamma = self.next_gamma(self.controller(min(self.buckets)))
 
@@ -185,13 +186,21 @@ class Engine:
         return controller.reason if controller is not None else "costs not measured yet"
 
     def record_step(self, controller: GammaController | None, num_accepted: list[int],
-                    was_active: list[bool], gamma: int) -> None:
-        """One iteration's read-back: vLLM's counters, and the adaptive controller's evidence."""
-        rows = [n for n, active in zip(num_accepted, was_active) if active]
+                    was_active: list[bool], gamma: int, modes: list[int] | None = None) -> None:
+        """One iteration's read-back: vLLM's counters, and the adaptive controller's evidence.
+
+        modes: an overlapped step's mode code per row (`speculative.overlapped_step`): rows that
+        streamed into it give acceptance evidence as usual; each row that did not gives one
+        trial at draft position 1 (whether the draft's first guess was right)."""
         if gamma > 0:
             count_speculation(self.stats, num_accepted[: len(was_active)], was_active, gamma)
         if controller is not None:
-            controller.update(rows, gamma)
+            if modes is None:
+                controller.update([n for n, a in zip(num_accepted, was_active) if a], gamma)
+            else:
+                live = [(n, code) for n, code, a in zip(num_accepted, modes, was_active) if a]
+                controller.update([n for n, code in live if code >= 2], gamma,
+                                  restarts=[code == 1 for n, code in live if code < 2])
         self.stats.gamma = self.next_gamma(controller)
 
     def observe_tokens(self, count: int, seconds: float) -> None:

@@ -98,6 +98,9 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
     # Slots per row: max_seq_len plus the gamma + 1 positions a verify step may write, for the
     # largest gamma in use.
     slots = config.max_seq_len + gamma + 1
+    # The overlapped step's draft runs gamma slots ahead of the verified ones
+    # (runtime/speculative.py `overlapped_step`).
+    draft_slots = slots + (gamma if config.overlap else 0)
     sizes = config.buckets_for(device)
     fallbacks: list[str] = []
     fp8_lm_head = config.fp8_lm_head if config.precision == "fp8" else None
@@ -106,7 +109,7 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
         warnings.warn(f"fuser: {message}", stacklevel=3)
         fallbacks.append(message)
 
-    def prepare(role: str, model: nn.Module, kinds: list[StepKind]
+    def prepare(role: str, model: nn.Module, kinds: list[StepKind], slots: int
                 ) -> dict[int, ModelSteps] | None:
         """The model's steps per batch bucket, over one cache of max_batch_size rows (bucket b
         uses rows [:b]), or None when the model cannot run through the engine's cache."""
@@ -130,10 +133,10 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
         return built
 
     target_kinds = target_steps(0) + [verify(g) for g in gammas]
-    target_built = prepare("target", target, target_kinds)
+    target_built = prepare("target", target, target_kinds, slots)
     draft_built = None
     if draft is not None and gammas and target_built is not None:
-        draft_built = prepare("draft", draft, draft_steps(slots))
+        draft_built = prepare("draft", draft, draft_steps(draft_slots), draft_slots)
     for built in (target_built, draft_built):
         for steps in (built or {}).values():
             warm_up(steps)

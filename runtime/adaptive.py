@@ -33,13 +33,26 @@ speculation back on. A probe costs more than its step: the draft first re-reads 
 target emitted without it. So each probe that leaves speculation off doubles the wait before the
 next one, up to `max_probe_interval`; turning speculation on resets it. Everything here is
 deterministic and runs on the host between steps.
+
+Overlapped rounds (FuserConfig.overlap, runtime/speculative.py `overlapped_step`). A row that
+streams into a round verifies gamma guesses: it emits E_s(g) = (1) tokens on average and streams
+on with probability P_s = prod_{i<=g} alpha_i * alpha_g (the bonus token must match the draft's
+next guess; alpha_{g+1} is taken as alpha_g). A row that does not stream emits one token and
+streams on with probability P_r = alpha_1 (the draft's first guess). The rounds are a two-state
+Markov chain; its stationary share of streaming rounds is pi = P_r / (P_r + 1 - P_s), so
+
+    E[tokens per round at g] = pi E_s(g) + (1 - pi)                                     (3)
+
+and cost(g) is the measured overlapped round. Streaming rows update the counts as above;
+a row that did not stream is one trial at position 1, a success if it streams on.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-__all__ = ["GammaController", "expected_tokens_per_step", "leviathan_speedup"]
+__all__ = ["GammaController", "expected_tokens_per_round", "expected_tokens_per_step",
+           "leviathan_speedup"]
 
 
 def leviathan_speedup(alpha: float, gamma: int, c: float) -> float:
@@ -70,6 +83,22 @@ def expected_tokens_per_step(alphas: Sequence[float], gamma: int) -> float:
     return tokens
 
 
+def expected_tokens_per_round(alphas: Sequence[float], gamma: int) -> float:
+    """Equation (3): expected tokens per overlapped round at `gamma`, alphas as in (1)."""
+    streaming = expected_tokens_per_step(alphas, gamma)
+    if gamma == 0:
+        return 1.0
+    reach = 1.0
+    for alpha in alphas[:gamma]:
+        reach *= alpha
+    stay = reach * alphas[gamma - 1]  # P_s
+    restart = alphas[0]  # P_r
+    if restart == 0.0:
+        return 1.0
+    share = restart / (restart + 1.0 - stay)
+    return share * streaming + (1.0 - share)
+
+
 class GammaController:
     """Chooses the draft length per step from measured costs and per-position acceptance.
 
@@ -89,12 +118,14 @@ class GammaController:
         max_probe_interval: the most target-only steps between two probes.
         min_speedup: speculation is on only when the best gamma's expected speedup over
             target-only decoding exceeds this.
+        overlapped: the speculative steps are overlapped rounds (equation (3) instead of (1)).
     """
 
     def __init__(self, step_seconds: Mapping[int, float], decode_seconds: float, *,
                  prior: float = 0.7, prior_weight: float = 1.0, memory: float = 0.95,
                  off_memory: float = 0.99, probe_interval: int = 64,
-                 max_probe_interval: int = 1024, min_speedup: float = 1.0) -> None:
+                 max_probe_interval: int = 1024, min_speedup: float = 1.0,
+                 overlapped: bool = False) -> None:
         if not step_seconds:
             raise ValueError("step_seconds must give the cost of at least one gamma")
         for g, seconds in step_seconds.items():
@@ -119,6 +150,7 @@ class GammaController:
                 or max_probe_interval < probe_interval:
             raise ValueError(f"max_probe_interval={max_probe_interval!r} must be an int >= "
                              f"probe_interval={probe_interval}")
+        self.overlapped = bool(overlapped)
         self.step_seconds = dict(sorted(step_seconds.items()))
         self.decode_seconds = float(decode_seconds)
         self.max_gamma = max(self.step_seconds)
@@ -165,7 +197,9 @@ class GammaController:
         return self._alphas
 
     def expected_tokens(self, gamma: int) -> float:
-        """Equation (1) at the current estimates (1.0 for gamma 0)."""
+        """Equation (1) at the current estimates, (3) for overlapped rounds (1.0 for gamma 0)."""
+        if self.overlapped:
+            return expected_tokens_per_round(self._alphas, gamma)
         return expected_tokens_per_step(self._alphas, gamma)
 
     def expected_speedup(self, gamma: int) -> float:
@@ -190,7 +224,8 @@ class GammaController:
             alpha = a / n if n else alpha
             alphas.append(alpha)
         g = self._best
-        speedup = expected_tokens_per_step(alphas, g) * self.decode_seconds / self.step_seconds[g]
+        tokens = expected_tokens_per_round if self.overlapped else expected_tokens_per_step
+        speedup = tokens(alphas, g) * self.decode_seconds / self.step_seconds[g]
         return speedup > self.min_speedup
 
     # -- the choice --------------------------------------------------------------------------
@@ -238,12 +273,15 @@ class GammaController:
         return (f"speculation off: best gamma {g} expects {speedup:.2f}x target-only; "
                 f"next probe after {self._interval} target-only steps")
 
-    def update(self, num_accepted_per_row: Sequence[int], gamma_used: int) -> None:
+    def update(self, num_accepted_per_row: Sequence[int], gamma_used: int,
+               restarts: Sequence[bool] = ()) -> None:
         """Account for one finished step.
 
         num_accepted_per_row: accepted draft tokens n of each row that was generating in that
-        step (0 <= n <= gamma_used; ignored for a target-only step). gamma_used: the draft
-        length the step ran with, 0 for a target-only decode step.
+        step (0 <= n <= gamma_used; ignored for a target-only step); for an overlapped round,
+        of each row that streamed into it. gamma_used: the draft length the step ran with, 0
+        for a target-only decode step. restarts: an overlapped round's rows that did not
+        stream, one trial at position 1 each: whether the draft's first guess was right.
         """
         if isinstance(gamma_used, bool) or not isinstance(gamma_used, int) \
                 or not 0 <= gamma_used <= self.max_gamma:
@@ -267,6 +305,9 @@ class GammaController:
                     self._trials[i] += 1.0
                 for i in range(n):
                     self._accepted[i] += 1.0
+            for success in restarts:
+                self._trials[0] += 1.0
+                self._accepted[0] += float(bool(success))
         self._alphas = self._estimate()
         self._best = self._argmax()
         if gamma_used > 0:
@@ -282,6 +323,9 @@ class GammaController:
                         self._probe_trials[i] += 1
                     for i in range(n):
                         self._probe_accepted[i] += 1
+                for success in restarts:
+                    self._probe_trials[0] += 1
+                    self._probe_accepted[0] += int(bool(success))
             self._on = self.expected_speedup(self._best) > self.min_speedup
             if self._in_probe and not self._on:
                 # Speculation went off again: the probe found nothing that pays, so wait twice

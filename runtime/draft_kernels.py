@@ -89,6 +89,41 @@ def _step_inputs_kernel(
 
 
 @triton.jit
+def _overlap_catchup_kernel(
+    lens_ptr,        # [B] int64: the target cache's lengths L
+    last_ptr,        # [B] int64
+    pending_ptr,     # [B] int64
+    guesses_ptr,     # [B, >= G] int64, row stride guess_stride
+    streaming_ptr,   # [B] bool
+    seq_lens_ptr,    # [B] int64, the draft cache's lengths, set in place
+    starts_ptr,      # [B] int64
+    tokens_ptr,      # out: [B, 2] int64, contiguous
+    positions_ptr,   # out: [B, 2] int64, contiguous
+    guess_stride,
+    G: tl.constexpr,  # gamma
+):
+    # One program per row (a handful of scalars): the overlapped step's catch-up, from the
+    # guesses where the row streams, else the standard [last, pending].
+    row = tl.program_id(0).to(tl.int64)
+    streaming = tl.load(streaming_ptr + row) != 0
+    guess_row = guesses_ptr + row * guess_stride
+    pending = tl.load(pending_ptr + row)
+    if G >= 2:
+        before = tl.load(guess_row + G - 2)
+    else:
+        before = pending
+    head = tl.where(streaming, before, tl.load(last_ptr + row))
+    tail = tl.where(streaming, tl.load(guess_row + G - 1), pending)
+    length = tl.load(lens_ptr + row) + tl.where(streaming, G, 0) - 1
+    tl.store(seq_lens_ptr + row, length)
+    position = length - tl.load(starts_ptr + row)
+    tl.store(tokens_ptr + row * 2, head)
+    tl.store(tokens_ptr + row * 2 + 1, tail)
+    tl.store(positions_ptr + row * 2, position)
+    tl.store(positions_ptr + row * 2 + 1, position + 1)
+
+
+@triton.jit
 def _draft_advance_kernel(
     logits_ptr,      # [B, V] logits (float), row stride logits_stride, unit column stride
     drafted_ptr,     # out: [B, G] int64, row stride drafted_stride; column `column` written
@@ -169,6 +204,29 @@ def catchup_inputs(cache: KVCache, target_lens: torch.Tensor, last: torch.Tensor
     Returns tokens [B, 2] = [last, pending] and positions [B, 2] = seq_lens - starts + [0, 1].
     """
     return _step_inputs(last, pending[:, None], target_lens, cache, rewind=True)
+
+
+def overlap_catchup_inputs(cache: KVCache, target_lens: torch.Tensor, last: torch.Tensor,
+                           pending: torch.Tensor, guesses: torch.Tensor, streaming: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The overlapped step's draft catch-up inputs in one launch (runtime/speculative.py,
+    `overlapped_step`); sets the draft cache's lengths in place.
+
+    Per row, G = guesses.shape[1]: streaming -> tokens [X_{G-1}, X_G] (X_0 = pending) at
+    seq_lens = L + G - 1; else [last, pending] at seq_lens = L - 1 (`catchup_inputs`).
+    positions = seq_lens - starts + [0, 1].
+    """
+    B, G = guesses.shape
+    assert G >= 1 and guesses.stride(1) == 1 and guesses.dtype == torch.long
+    assert streaming.shape == (B,) and streaming.dtype == torch.bool and streaming.stride(0) == 1
+    _check_rows(B, target_lens, last, pending, cache.seq_lens, cache.starts)
+    tokens = torch.empty(B, 2, dtype=torch.long, device=last.device)
+    positions = torch.empty_like(tokens)
+    _overlap_catchup_kernel[(B,)](
+        target_lens, last, pending, guesses, streaming, cache.seq_lens, cache.starts, tokens,
+        positions, guesses.stride(0), G=G, num_warps=1,
+    )
+    return tokens, positions
 
 
 def draft_advance(logits: torch.Tensor, drafted: torch.Tensor, column: int, cache: KVCache,

@@ -112,13 +112,17 @@ def _decode_loop(engine: Engine, request: Request) -> Iterator[torch.Tensor]:
     produced = [0] * B
     done = [False] * B
 
-    def take(packed: torch.Tensor) -> list[int]:
-        """Queue what each still-generating row keeps of one step's read-back; -> n per row.
+    def take(packed: torch.Tensor, gamma_used: int) -> tuple[list[int], list[bool] | None]:
+        """Queue what each still-generating row keeps of one step's read-back; -> n per row,
+        and for an overlapped step each row's mode code (else None; see
+        `speculative.overlapped_step`).
 
         Steps are read back in the order they ran, so the rows not yet `done` here are exactly
         the rows the device still had active when it ran this step.
         """
-        tokens, n = packed[:B, :-1].tolist(), packed[:B, -1].tolist()
+        width = max(gamma_used, 0) + 1  # [tokens, (streamed,) n]
+        tokens, n = packed[:B, :width].tolist(), packed[:B, -1].tolist()
+        streamed = packed[:B, width].tolist() if packed.shape[1] == width + 2 else None
         for b in range(B):
             if done[b]:
                 continue
@@ -133,7 +137,7 @@ def _decode_loop(engine: Engine, request: Request) -> Iterator[torch.Tensor]:
             produced[b] += len(kept)
             stats.num_generated_tokens += len(kept)
             done[b] = done[b] or produced[b] >= request.max_new_tokens
-        return n
+        return n, streamed
 
     def ready_columns() -> Iterator[torch.Tensor]:
         while any(queues) and all(queues[b] or done[b] for b in range(B)):
@@ -149,12 +153,16 @@ def _decode_loop(engine: Engine, request: Request) -> Iterator[torch.Tensor]:
     # Target-only steps issued since the draft last saw the sequence: each moves a row on by at
     # most one token, so the host knows how far behind the draft is without asking the device.
     draft_behind = 0
+    last_gamma = -1  # the prefill's
 
     def issue() -> tuple[ReadBack, int]:
-        nonlocal draft_behind
+        nonlocal draft_behind, last_gamma
         gamma = engine.next_gamma(controller) if draft is not None else 0
         if gamma > 0 and draft_behind:
             bucket.resync(draft_behind)  # speculation resumes: the draft catches up first
+        if bucket.overlap and gamma != last_gamma:
+            state.streaming.zero_()  # guesses drafted for another gamma (or none) are stale
+        last_gamma = gamma
         draft_behind = draft_behind + 1 if gamma == 0 else 0  # a speculative step: caught up
         return ReadBack(bucket.run(gamma, do_sample)), gamma
 
@@ -173,9 +181,9 @@ def _decode_loop(engine: Engine, request: Request) -> Iterator[torch.Tensor]:
         packed = read_back.wait()
         rows_active = [not d for d in done]
         before = stats.num_generated_tokens
-        num_accepted = take(packed)
+        num_accepted, streamed = take(packed, gamma_used)
         if gamma_used >= 0:
-            engine.record_step(controller, num_accepted, rows_active, gamma_used)
+            engine.record_step(controller, num_accepted, rows_active, gamma_used, streamed)
         elapsed = time.perf_counter() - start
         stats.generate_seconds += elapsed
         engine.observe_tokens(stats.num_generated_tokens - before, elapsed)

@@ -33,7 +33,9 @@ from dataclasses import dataclass
 import torch
 
 from fuser.ops.argmax import argmax
-from fuser.runtime.draft_kernels import catchup_inputs, draft_advance, verify_inputs
+from fuser.runtime.branches import run_concurrently
+from fuser.runtime.draft_kernels import (catchup_inputs, draft_advance, overlap_catchup_inputs,
+                                         verify_inputs)
 from fuser.runtime.prefill_graphs import padded_length
 from fuser.runtime.steps import CATCHUP, DECODE, PREFILL, RESYNC, ModelSteps, verify as verify_step
 from fuser.runtime.prompts import Prompts
@@ -42,6 +44,7 @@ from fuser.runtime.step_kernels import finish_greedy_step, fused_by_default
 
 
 EOS_SLOTS = 8  # eos ids per request held in the state, padded with -1 (never a token id)
+GUESS_SLOTS = 16  # the overlapped step's guesses per row: room for the largest gamma (15) + 1
 
 
 @dataclass
@@ -58,6 +61,10 @@ class DecodeState:
         temperature: [B] float32; top_k: [B] int64 (>= V: off); top_p: [B] float32 (1: off).
         history: [B, S] int64, the token in each cache slot (prompt and emitted), so that the
             draft can catch up after target-only steps (`resync_draft`).
+        guesses: [B, GUESS_SLOTS] int64, the overlapped step's proposals for slots L+1..L+gamma
+            (`overlapped_step`), drafted during the round before.
+        streaming: [B] bool, the row's guesses continue what the target accepted (else they
+            are stale and the next overlapped round only restarts the draft).
     """
 
     pending: torch.Tensor
@@ -70,6 +77,8 @@ class DecodeState:
     top_k: torch.Tensor
     top_p: torch.Tensor
     history: torch.Tensor
+    guesses: torch.Tensor
+    streaming: torch.Tensor
 
     @classmethod
     def allocate(cls, batch: int, slots: int, device: torch.device) -> DecodeState:
@@ -82,7 +91,9 @@ class DecodeState:
                    generated=longs(batch), max_new_tokens=longs(batch),
                    eos=torch.full((EOS_SLOTS,), -1, dtype=torch.long, device=device),
                    temperature=torch.ones(batch, device=device), top_k=longs(batch),
-                   top_p=torch.ones(batch, device=device), history=longs(batch, slots))
+                   top_p=torch.ones(batch, device=device), history=longs(batch, slots),
+                   guesses=longs(batch, GUESS_SLOTS),
+                   streaming=torch.zeros(batch, dtype=torch.bool, device=device))
 
     def load(self, max_new_tokens: int, eos: list[int], temperature: float, top_k: int | None,
              top_p: float | None, vocab_size: int) -> None:
@@ -180,6 +191,7 @@ def prefill(target: ModelSteps, draft: ModelSteps | None, state: DecodeState, pr
     state.last.copy_(prompts.tokens[:, true_length - 1])
     state.active.copy_(torch.arange(B, device=device) < prompts.batch)  # dummy rows: never
     state.generated.fill_(1)
+    state.streaming.zero_()  # no guesses yet: an overlapped round starts by drafting
     result = StepResult(first[:, None], torch.zeros(B, dtype=torch.long, device=device))
     _finish_rows(state, result)
     return result
@@ -212,7 +224,8 @@ def decode_one_token(target: ModelSteps, state: DecodeState, vocab_size: int, do
 
 def draft(draft_model: ModelSteps, target_lens: torch.Tensor, state: DecodeState,
           gamma: int, vocab_size: int, do_sample: bool, generator: torch.Generator | None,
-          fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+          fused: bool | None = None, start: tuple[torch.Tensor, torch.Tensor] | None = None,
+          out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Propose gamma tokens: (draft_tokens [B, gamma], draft probs [B, gamma, V] or None).
 
     Draft-cache consistency. With the target at length L (pending token y for slot L), the
@@ -229,15 +242,20 @@ def draft(draft_model: ModelSteps, target_lens: torch.Tensor, state: DecodeState
     fused (greedy only): True runs the glue between the draft steps as runtime/draft_kernels.py's
     kernels (G + 1 launches instead of 3G + 6), False the eager code below (the reference: bit
     for bit the same), None the kernels on CUDA for a greedy draft (see `finish_greedy`).
+    start: the catch-up's two tokens (the slots target_lens - 1 and target_lens) when not
+    (state.last, state.pending): `overlapped_step` drafts on from its guesses.
+    out (greedy only): [B, gamma] int64 to write the drafts into (returned).
     """
     if fused is None:
         fused = not do_sample and fused_by_default(target_lens.device)
+    last, pending = start if start is not None else (state.last, state.pending)
     if fused:
         assert not do_sample, "the fused draft is greedy"
-        return _draft_greedy_fused(draft_model, target_lens, state, gamma, vocab_size), None
+        return _draft_greedy_fused(draft_model, target_lens, last, pending, gamma, vocab_size,
+                                   out), None
     cache = draft_model.cache
     cache.set_lengths(target_lens - 1)  # rewinds past whatever the last round left
-    tokens = torch.stack([state.last, state.pending], dim=1)  # [B, 2]
+    tokens = torch.stack([last, pending], dim=1)  # [B, 2]
     positions = step_positions(cache.seq_lens, cache.starts, 2)  # [B, 2]
     logits = draft_model.run(CATCHUP, tokens, positions)[:, -1, :vocab_size]  # [B, V]
     cache.advance(2)
@@ -255,17 +273,29 @@ def draft(draft_model: ModelSteps, target_lens: torch.Tensor, state: DecodeState
         else:  # in the logits' dtype: see `choose`
             drafted.append(argmax(logits))
     draft_tokens = torch.stack(drafted, dim=1)  # [B, gamma]
+    if out is not None:
+        draft_tokens = out.copy_(draft_tokens)
     return draft_tokens, (torch.stack(draft_probs, dim=1) if draft_probs else None)
 
 
-def _draft_greedy_fused(draft_model: ModelSteps, target_lens: torch.Tensor, state: DecodeState,
-                        gamma: int, vocab_size: int) -> torch.Tensor:
+def _draft_greedy_fused(draft_model: ModelSteps, target_lens: torch.Tensor, last: torch.Tensor,
+                        pending: torch.Tensor, gamma: int, vocab_size: int,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
     """`draft`'s greedy path with one kernel per seam: the same steps, tokens and lengths."""
-    cache = draft_model.cache
     # seq_lens = L - 1; tokens = [last, pending], positions: [B, 2] each
-    tokens, positions = catchup_inputs(cache, target_lens, state.last, state.pending)
-    drafted = torch.empty(cache.batch_size, gamma, dtype=torch.long,
-                          device=target_lens.device)  # [B, gamma], a column per draft step
+    tokens, positions = catchup_inputs(draft_model.cache, target_lens, last, pending)
+    return _draft_steps_fused(draft_model, tokens, positions, gamma, vocab_size, out)
+
+
+def _draft_steps_fused(draft_model: ModelSteps, tokens: torch.Tensor, positions: torch.Tensor,
+                       gamma: int, vocab_size: int, out: torch.Tensor | None = None
+                       ) -> torch.Tensor:
+    """The catch-up step over (tokens, positions) [B, 2], then gamma - 1 decode steps, each
+    followed by `draft_advance`: the drafts [B, gamma] (into `out` when given)."""
+    cache = draft_model.cache
+    drafted = out if out is not None else torch.empty(
+        cache.batch_size, gamma, dtype=torch.long,
+        device=tokens.device)  # [B, gamma], a column per draft step
     kind = CATCHUP
     for i in range(gamma):
         logits = draft_model.run(kind, tokens, positions)[:, -1, :vocab_size]  # [B, V]
@@ -345,6 +375,94 @@ def finish_greedy(target: ModelSteps, state: DecodeState, draft_tokens: torch.Te
     result = _emit(draft_tokens, n, next_token)
     _advance(target, state, result, _new_last(state, draft_tokens, n))
     return result
+
+
+def overlapped_step(target: ModelSteps, draft_model: ModelSteps, state: DecodeState, gamma: int,
+                    vocab_size: int, fused: bool | None = None) -> torch.Tensor:
+    """A greedy speculative round whose drafting runs beside the target's verification.
+
+    The standard step (`speculative_step`) drafts, then verifies: its time is the draft's gamma
+    steps plus the target's one. Here the target verifies the guesses drafted during the round
+    before while the draft, at the same time, drafts the next round's (runtime/branches.py: a
+    side branch of the captured graph), so a round costs about the longer of the two.
+
+    Per row, with the target at length L (pending y for slot L) and guesses X_1..X_gamma for
+    slots L+1..L+gamma (`state.guesses`):
+      target:  verify [y, X_1..X_gamma] -> t_0..t_gamma; n = the accepted prefix, forced to 0
+               when the row is not `streaming` (its guesses are stale); emit X_1..X_n, t_n.
+      draft:   streaming: feed [X_{gamma-1}, X_gamma] at slots L+gamma-1, L+gamma (X_0 = y),
+                          then gamma decode steps: Z_1..Z_{gamma+1} for slots L+gamma+1.. ;
+               not:       feed [last, y] at slots L-1, L (the standard catch-up), then gamma
+                          decode steps: Z_1..Z_{gamma+1} for slots L+1.. .
+      after:   the row streams on iff Z_1 guessed the slot of the new pending token and got it
+               right (streaming: n == gamma and Z_1 == t_gamma; not: Z_1 == t_0); its guesses
+               become Z_2..Z_{gamma+1}, for the slots after the new pending one.
+    Every emitted token is the target's greedy choice after a prefix the target verified, so the
+    output equals target-only greedy decoding whatever the guesses are (stale ones only cost
+    tokens). The draft cache stays valid up to slot L-2, `draft`'s invariant, so plain and
+    standard steps may follow an overlapped one; what breaks a stream is a gamma change (the
+    engine clears `streaming`) or the prefill.
+
+    The draft cache needs 2 gamma + 1 slots past max_seq_len - 1 (streaming rows draft ahead of
+    the verified slots): fuser/pipeline.py allocates them. Greedy only: sampling keeps the
+    standard step. Returns packed [B, gamma + 3]: the tokens row [gamma + 1], the row's mode
+    code, num_accepted. The code is 2 * (the row streamed into this round) + (it streams on
+    into the next): for a row that did not stream, the second bit says whether the draft's
+    first guess was right, which the adaptive controller counts as a trial at position 1.
+    """
+    device = target.cache.seq_lens.device
+    if fused is None:
+        fused = fused_by_default(device)
+    L = target.cache.seq_lens
+    guesses = state.guesses[:, :gamma]  # [B, gamma]
+    ahead = torch.empty(L.shape[0], gamma + 1, dtype=torch.long, device=device)  # Z, [B, g + 1]
+
+    def draft_branch() -> torch.Tensor:
+        if fused:  # the catch-up's inputs per row's mode in one launch
+            tokens, positions = overlap_catchup_inputs(draft_model.cache, L, state.last,
+                                                       state.pending, guesses, state.streaming)
+            return _draft_steps_fused(draft_model, tokens, positions, gamma + 1, vocab_size,
+                                      ahead)
+        streaming = state.streaming
+        before = guesses[:, gamma - 2] if gamma >= 2 else state.pending
+        head = torch.where(streaming, before, state.last)
+        tail = torch.where(streaming, guesses[:, gamma - 1], state.pending)
+        lens = L + streaming.long() * gamma
+        return draft(draft_model, lens, state, gamma + 1, vocab_size, False, None, False,
+                     start=(head, tail), out=ahead)[0]
+
+    def target_branch() -> torch.Tensor:
+        return argmax(verify(target, state, guesses, vocab_size, fused))  # [B, gamma + 1]
+
+    _, target_tokens = run_concurrently(draft_branch, target_branch, device)
+    return finish_overlapped(target, state, guesses, target_tokens, ahead, fused)
+
+
+def finish_overlapped(target: ModelSteps, state: DecodeState, guesses: torch.Tensor,
+                      target_tokens: torch.Tensor, ahead: torch.Tensor,
+                      fused: bool | None = None) -> torch.Tensor:
+    """`finish_greedy` for `overlapped_step`: acceptance with n forced to 0 where the row was
+    not streaming, then the next round's `streaming` and `guesses` from the draft's Z (ahead,
+    [B, gamma + 1]). Returns packed [B, gamma + 3] (see `overlapped_step`).
+    fused: runtime/step_kernels.py's kernel (True), the eager code below (False, the
+    reference: bit for bit the same), None as `finish_greedy`."""
+    if fused is None:
+        fused = fused_by_default(target_tokens.device)
+    if fused:
+        return finish_greedy_step(state, target.cache.seq_lens, guesses, target_tokens,
+                                  ahead=ahead)
+    gamma = guesses.shape[1]
+    streaming = state.streaming
+    n, _ = accept_greedy(guesses, target_tokens)
+    n = torch.where(streaming, n, 0)
+    next_token = target_tokens.gather(1, n[:, None])[:, 0]  # [B]
+    result = _emit(guesses, n, next_token)
+    keep = (n == streaming.long() * gamma) & (ahead[:, 0] == next_token)
+    _advance(target, state, result, _new_last(state, guesses, n))
+    code = 2 * streaming.long() + keep.long()  # (streaming is this round's mode until here)
+    state.streaming.copy_(keep)
+    state.guesses[:, :gamma].copy_(ahead[:, 1:])
+    return torch.cat([result.tokens, code[:, None], n[:, None]], dim=1)
 
 
 def _emit(draft_tokens: torch.Tensor, n: torch.Tensor, next_token: torch.Tensor) -> StepResult:

@@ -93,8 +93,10 @@ class Bucket:
     """
 
     def __init__(self, batch: int, target: ModelSteps, draft: ModelSteps | None,
-                 vocab_size: int, generator: torch.Generator) -> None:
+                 vocab_size: int, generator: torch.Generator, overlap: bool = False) -> None:
         self.batch = batch
+        # Greedy speculative iterations as `speculative.overlapped_step` (FuserConfig.overlap).
+        self.overlap = overlap and draft is not None
         self.target, self.draft = target, draft
         self.vocab_size = vocab_size
         self.generator = generator
@@ -135,6 +137,9 @@ class Bucket:
                                                   do_sample, generator)
         if self.draft is None:
             raise ValueError(f"gamma={gamma} needs a draft; this engine has none")
+        if self.overlap and not do_sample:
+            return lambda: speculative.overlapped_step(self.target, self.draft, self.state, gamma,
+                                                       self.vocab_size)
         return lambda: speculative.speculative_step(self.target, self.draft, self.state, gamma,
                                                     self.vocab_size, do_sample, generator)
 
@@ -168,6 +173,7 @@ class Bucket:
         state.generated.fill_(1)
         state.pending.zero_()
         state.last.zero_()
+        state.streaming.zero_()
 
     def capture(self, gammas: list[int], pool: object, timing_length: int) -> list[str]:
         """Capture every (gamma, do_sample) iteration and the draft's resync chunk; -> failures

@@ -67,12 +67,18 @@ def _finish_greedy_kernel(
     eos_ptr,          # [EOS] int64 stop ids, padded with -1
     history_ptr,      # [B, S] int64, row stride history_stride, in place
     seq_lens_ptr,     # [B] int64, the target cache's lengths L, in place
-    packed_ptr,       # out: [B, G + 2] int64, contiguous
+    packed_ptr,       # out: [B, G + 2] int64 (AHEAD: [B, G + 3]), contiguous
+    streaming_ptr,    # AHEAD: [B] bool, in place
+    ahead_ptr,        # AHEAD: [B, G + 1] int64, row stride ahead_stride: the draft's Z
+    guesses_ptr,      # AHEAD: [B, >= G] int64, row stride guess_stride, in place (the drafts)
     draft_stride,
     target_stride,
     history_stride,
+    ahead_stride,
+    guess_stride,
     S,
     G: tl.constexpr,          # gamma: draft tokens per row (0: plain decode)
+    AHEAD: tl.constexpr,      # the overlapped step (runtime/speculative.py `finish_overlapped`)
     BLOCK: tl.constexpr,      # power of two >= G + 1
     EOS: tl.constexpr,        # eos slots
     EOS_BLOCK: tl.constexpr,  # power of two >= EOS
@@ -86,6 +92,9 @@ def _finish_greedy_kernel(
 
     # Acceptance: n is the first i that stops the prefix; i == G always stops (no draft there).
     stops = (i >= G) | (draft != target)
+    if AHEAD:  # a row not streaming has stale guesses: nothing accepted (every i stops)
+        streamed = (tl.load(streaming_ptr + row) != 0).to(tl.int32)
+        stops = stops | (i < BLOCK * (1 - streamed))
     n = tl.min(tl.where(stops, i, BLOCK), axis=0)
     next_token = tl.sum(tl.where(i == n, target, 0), axis=0)
     # [d_1..d_G, 0] with next at n: the stale entries are the eager row's, bit for bit.
@@ -126,9 +135,22 @@ def _finish_greedy_kernel(
     still = active & no_eos & (generated < max_new)
     tl.store(active_ptr + row, still)
 
-    packed_row = packed_ptr + row * (G + 2)
-    tl.store(packed_row + i, tokens, mask=in_step)
-    tl.store(packed_row + G + 1, n64)
+    if AHEAD:
+        # The next round: streaming on iff Z_1 guessed the new pending slot (n == G when this
+        # round streamed, n == 0 when not) and got it right; the guesses become Z_2..Z_{G+1}.
+        ahead_row = ahead_ptr + row * ahead_stride
+        keep = (n == G * streamed) & (tl.load(ahead_row) == next_token)
+        tl.store(streaming_ptr + row, keep)
+        nxt = tl.load(ahead_row + 1 + i, mask=i < G, other=0)
+        tl.store(guesses_ptr + row * guess_stride + i, nxt, mask=i < G)
+        packed_row = packed_ptr + row * (G + 3)
+        tl.store(packed_row + i, tokens, mask=in_step)
+        tl.store(packed_row + G + 1, (2 * streamed + keep.to(tl.int32)).to(tl.int64))
+        tl.store(packed_row + G + 2, n64)
+    else:
+        packed_row = packed_ptr + row * (G + 2)
+        tl.store(packed_row + i, tokens, mask=in_step)
+        tl.store(packed_row + G + 1, n64)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,15 +159,19 @@ def _finish_greedy_kernel(
 
 
 def finish_greedy_step(state: DecodeState, seq_lens: torch.Tensor,
-                       draft_tokens: torch.Tensor | None, target_tokens: torch.Tensor
-                       ) -> torch.Tensor:
+                       draft_tokens: torch.Tensor | None, target_tokens: torch.Tensor,
+                       ahead: torch.Tensor | None = None) -> torch.Tensor:
     """Accept, advance and finish a greedy step in one launch (see the module docstring).
 
     state: the iteration's DecodeState, updated in place (history, last, pending, generated,
         active). seq_lens: [B] int64, the target cache's lengths, advanced in place.
     draft_tokens: [B, gamma] int64, or None for a plain decode step (gamma 0).
     target_tokens: [B, gamma + 1] int64, the target's argmax at each verified position.
-    Returns packed [B, gamma + 2] int64: the tokens row, then num_accepted.
+    ahead: the overlapped step's (runtime/speculative.py `finish_overlapped`): [B, gamma + 1]
+        int64, the draft's Z; draft_tokens are then state.guesses[:, :gamma], acceptance
+        honours state.streaming, and both move to the next round in place.
+    Returns packed [B, gamma + 2] int64: the tokens row, then num_accepted (with ahead:
+    [B, gamma + 3], the tokens row, the row's mode code, num_accepted: see `overlapped_step`).
     """
     B, G1 = target_tokens.shape
     G = G1 - 1
@@ -162,7 +188,12 @@ def finish_greedy_step(state: DecodeState, seq_lens: torch.Tensor,
         assert t.shape == (B,) and t.stride(0) == 1, "per-row state must be contiguous [B]"
     history = state.history
     assert history.shape[0] == B and history.stride(1) == 1 and state.eos.is_contiguous()
-    packed = torch.empty(B, G + 2, dtype=torch.long, device=target_tokens.device)
+    if ahead is not None:
+        assert G >= 1 and ahead.shape == (B, G + 1) and ahead.dtype == torch.long
+        assert ahead.stride(1) == 1 and state.streaming.stride(0) == 1
+        assert draft_tokens.data_ptr() == state.guesses.data_ptr(), "drafts: state.guesses"
+    packed = torch.empty(B, G + 2 + (ahead is not None), dtype=torch.long,
+                         device=target_tokens.device)
     # BLOCK >= 2 even for the plain step: one spare lane costs nothing, and every block stays a
     # vector rather than the one-element corner case of arange and the reductions.
     block = max(2, triton.next_power_of_2(G + 1))
@@ -170,8 +201,10 @@ def finish_greedy_step(state: DecodeState, seq_lens: torch.Tensor,
     _finish_greedy_kernel[(B,)](
         draft_tokens, target_tokens, state.pending, state.last, state.active, state.generated,
         state.max_new_tokens, state.eos, history, seq_lens, packed,
-        draft_tokens.stride(0), target_tokens.stride(0), history.stride(0), history.shape[1],
-        G=G, BLOCK=block, EOS=eos_slots, EOS_BLOCK=max(2, triton.next_power_of_2(eos_slots)),
+        state.streaming, ahead if ahead is not None else target_tokens, state.guesses,
+        draft_tokens.stride(0), target_tokens.stride(0), history.stride(0),
+        ahead.stride(0) if ahead is not None else 0, state.guesses.stride(0), history.shape[1],
+        G=G, AHEAD=ahead is not None, BLOCK=block, EOS=eos_slots, EOS_BLOCK=max(2, triton.next_power_of_2(eos_slots)),
         num_warps=1,  # a few dozen elements per row: one warp has lanes to spare
     )
     return packed

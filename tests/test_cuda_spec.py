@@ -55,3 +55,33 @@ def test_seeded_sampling_through_step_graphs_is_reproducible() -> None:
     b = engine.generate(ids.cuda(), 30, **kwargs)
     assert torch.equal(a, b)
     assert engine.report().graph_replays["step.b1.gamma2.sample"] > 0
+
+
+def test_overlapped_step_graph_greedy_equals_target_only() -> None:
+    """FuserConfig(overlap=True): the draft's branch runs beside the target's in the step graph;
+    greedy output equals fuser's target-only greedy output, one replay per step, and rows
+    stream (a draft equal to the target accepts nearly everything)."""
+    target = tiny_model("llama", layers=2, dtype=torch.bfloat16).to("cuda")
+    import copy
+
+    for draft, gamma in ((tiny_model("llama", layers=1, seed=1, dtype=torch.bfloat16).to("cuda"), 2),
+                         (copy.deepcopy(target), 3)):
+        config = fuser.FuserConfig(max_seq_len=96, max_batch_size=4, gamma=gamma, compile="fx",
+                                   overlap=True)
+        engine = fuser.optimize(target, draft=draft, config=config)
+        assert engine.report().fallbacks == []
+        ids, mask = random_prompts(3, [9, 5, 7], target.config.vocab_size, seed=3)
+        ids, mask = ids.cuda(), mask.cuda()
+        engine.fix_gamma(0)
+        plain = engine.generate(ids, 40, attention_mask=mask, eos_token_id=[])
+        engine.fix_gamma(gamma)
+        name = f"step.b4.gamma{gamma}.greedy"
+        before = engine.report().graph_replays.get(name, 0)
+        engine.stats.reset()
+        out = engine.generate(ids, 40, attention_mask=mask, eos_token_id=[])
+        assert torch.equal(out, plain)
+        replays = engine.report().graph_replays[name] - before
+        assert replays > 0 and engine.stats.num_drafts <= 3 * replays
+        assert engine.bucket(3).uncaptured_runs.get((gamma, False), 0) == 0
+        if gamma == 3:
+            assert engine.stats.num_accepted_tokens >= 0.6 * engine.stats.num_draft_tokens
