@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+import warnings
 from pathlib import Path
 
 import torch
@@ -73,13 +74,21 @@ class Engine:
         except ImportError:
             pass
         self.buckets: dict[int, Bucket] = {}
+        # Overlapped rounds gave greedy output unlike target-only's in their CUDA step graph
+        # (tests/test_cuda_spec.py, twentieth session; not yet found): on CUDA they stay off.
+        overlap = config.overlap and draft is not None and device.type != "cuda"
+        if config.overlap and draft is not None and device.type == "cuda":
+            message = ("overlap=True: overlapped rounds are not yet correct on CUDA (their GPU "
+                       "test fails); greedy speculative steps run the standard step")
+            warnings.warn(f"fuser: {message}", stacklevel=2)
+            self._fallbacks.append(message)
         if target is not None:
             if buckets is None:
                 buckets = {config.max_batch_size: (target, draft)}
             self.generator = torch.Generator(device=device)
             for size, (t, d) in sorted(buckets.items()):
                 self.buckets[size] = Bucket(size, t, d if self.gammas else None, vocab_size,
-                                            self.generator, overlap=config.overlap)
+                                            self.generator, overlap=overlap)
         # Per bucket: seconds of one greedy iteration per gamma (0 = target-only), measured by
         # `prepare`, and the controller built from them (gamma="auto" only).
         self.step_costs: dict[int, dict[int, float]] = {}

@@ -57,6 +57,10 @@ def test_seeded_sampling_through_step_graphs_is_reproducible() -> None:
     assert engine.report().graph_replays["step.b1.gamma2.sample"] > 0
 
 
+@pytest.mark.xfail(strict=True, reason="twentieth session: on the H200 the overlapped step graph's "
+                   "greedy output differed from target-only (a race between the branches is "
+                   "suspected, not found); the engine keeps overlap off on CUDA, so this runs "
+                   "the buckets with overlap forced on")
 def test_overlapped_step_graph_greedy_equals_target_only() -> None:
     """FuserConfig(overlap=True): the draft's branch runs beside the target's in the step graph;
     greedy output equals fuser's target-only greedy output, one replay per step, and rows
@@ -69,7 +73,10 @@ def test_overlapped_step_graph_greedy_equals_target_only() -> None:
         config = fuser.FuserConfig(max_seq_len=96, max_batch_size=4, gamma=gamma, compile="fx",
                                    overlap=True)
         engine = fuser.optimize(target, draft=draft, config=config)
-        assert engine.report().fallbacks == []
+        for bucket in engine.buckets.values():  # the engine's CUDA guard, bypassed
+            bucket.overlap = True
+            bucket.graphs.clear()
+        engine.prepare()
         ids, mask = random_prompts(3, [9, 5, 7], target.config.vocab_size, seed=3)
         ids, mask = ids.cuda(), mask.cuda()
         engine.fix_gamma(0)
