@@ -99,9 +99,11 @@ def fuser_runs(engine: fuser.Engine, prompts: list[torch.Tensor], n: int, gamma:
     return seconds, count, stats
 
 
-def step_parts_ms(engine: fuser.Engine, gamma: int) -> float | None:
+def step_parts_ms(engine: fuser.Engine, gamma: int, draft_decodes: int | None = None
+                  ) -> float | None:
     """Sum of the parts of a speculative iteration at gamma, each a CUDA graph of its own:
-    draft catch-up + (gamma - 1) draft decodes + verify(gamma)."""
+    draft catch-up + draft_decodes (default gamma - 1; an overlapped round runs gamma) draft
+    decodes + verify(gamma)."""
     if engine.device.type != "cuda":
         return None
     from timing import time_us
@@ -110,7 +112,8 @@ def step_parts_ms(engine: fuser.Engine, gamma: int) -> float | None:
     total = 0.0
     parts = {}
     for name, steps, kind, times in (("draft catch-up", bucket.draft, CATCHUP, 1),
-                                     ("draft decode", bucket.draft, DECODE, gamma - 1),
+                                     ("draft decode", bucket.draft, DECODE,
+                                      gamma - 1 if draft_decodes is None else draft_decodes),
                                      (f"target verify({gamma})", bucket.target, verify(gamma), 1),
                                      ("target decode", bucket.target, DECODE, 0)):
         if kind not in steps:
@@ -132,13 +135,6 @@ def step_parts_ms(engine: fuser.Engine, gamma: int) -> float | None:
     log(f"  gamma {gamma} parts (us each, CUDA graph): "
         + ", ".join(f"{name} {us:.1f}" for name, us in parts.items()))
     return total / 1e3
-
-
-def step_parts_ms_draft_extra(engine: fuser.Engine) -> float:
-    """ms of the one more draft decode step an overlapped round at gamma runs (gamma + 1 draft
-    steps where the standard step runs gamma): `RESULTS["bundled_parts_us"]` of the last call."""
-    last = list(RESULTS.get("bundled_parts_us", {}).values())[-1:]
-    return last[0].get("draft decode", 0.0) / 1e3 if last else 0.0
 
 
 def part_bundled(args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
@@ -168,7 +164,8 @@ def part_bundled(args: argparse.Namespace, device: torch.device, dtype: torch.dt
     engine = fuser.optimize(target, draft=draft, config=fuser.FuserConfig(
         max_seq_len=max(p.shape[1] for p in prompts) + n + 8, gamma="auto",
         gamma_candidates=gammas, overlap=args.overlap))
-    fuser_name = "fuser overlap" if args.overlap else "fuser"
+    overlapped = any(b.overlap for b in engine.buckets.values())  # (kept off on CUDA for now)
+    fuser_name = "fuser overlap" if overlapped else "fuser"
     RESULTS["bundled_optimize_seconds"] = time.perf_counter() - start
     RESULTS["bundled_fallbacks"] = engine.report().fallbacks
     costs = engine.step_costs.get(1, {})
@@ -188,7 +185,7 @@ def part_bundled(args: argparse.Namespace, device: torch.device, dtype: torch.dt
                            mean_accepted_length=stats.mean_accepted_length)
         # auto: predicted at the gamma it settled on (stats.gamma), from its own acceptance.
         at = g if g is not None else stats.gamma
-        if at and costs and not args.overlap:  # (Leviathan's formula: the standard step)
+        if at and costs and not overlapped:  # (Leviathan's formula: the standard step)
             predicted = expected_tokens(stats.acceptance_rate, at) / costs[at]
             extra["predicted_tok_s"] = predicted
             extra["pct_of_prediction"] = 100 * count / seconds / predicted
@@ -201,10 +198,9 @@ def part_bundled(args: argparse.Namespace, device: torch.device, dtype: torch.dt
                 extra["parts_ms"] = parts
         elif at and costs:  # overlapped rounds: their measured cost, the parts summed
             extra["step_ms"] = 1e3 * costs[at]
-            extra["mean_accepted_length"] = stats.mean_accepted_length
-            parts = step_parts_ms(engine, at)
+            parts = step_parts_ms(engine, at, draft_decodes=at)
             if parts is not None:
-                extra["parts_ms"] = parts + step_parts_ms_draft_extra(engine)
+                extra["parts_ms"] = parts
         name = (f"{fuser_name} gamma={g}" if g is not None
                 else f"{fuser_name} gamma=auto ({engine.gamma_reason})")
         by_gamma[g] = row("bundled", name, seconds, count, **extra)

@@ -428,8 +428,8 @@ def overlapped_step(target: ModelSteps, draft_model: ModelSteps, state: DecodeSt
         head = torch.where(streaming, before, state.last)
         tail = torch.where(streaming, guesses[:, gamma - 1], state.pending)
         lens = L + streaming.long() * gamma
-        return draft(draft_model, lens, state, gamma + 1, vocab_size, False, None, False,
-                     start=(head, tail), out=ahead)[0]
+        return draft(draft_model, lens, state, gamma + 1, vocab_size, do_sample=False,
+                     generator=None, fused=False, start=(head, tail), out=ahead)[0]
 
     def target_branch() -> torch.Tensor:
         return argmax(verify(target, state, guesses, vocab_size, fused))  # [B, gamma + 1]
