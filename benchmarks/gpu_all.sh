@@ -42,6 +42,7 @@
 #   bash benchmarks/gpu_all.sh s18b     # norm_stats with g * h from the producer: GPU tests, 8B bf16 decode on/off, FP8 with its consumers
 #   bash benchmarks/gpu_all.sh s18c     # norm_stats with its loads before the K loop: 8B bf16 decode on/off
 #   bash benchmarks/gpu_all.sh s20b     # overlapped rounds: GPU tests, the bundled pair end to end overlapped, then standard
+#   bash benchmarks/gpu_all.sh s21a     # overlap race: serial branches / PDL off; the bundled step parts kernel by kernel (step_lab.py)
 #   bash benchmarks/gpu_all.sh s20a     # (not yet run) the bundled pair's step parts alone (e2e.py), the 8B FP8 decode + verify profiled
 #   bash benchmarks/gpu_all.sh s19g     # megakernel lab (the bundled pair's GEMV chain: launches vs persistent vs one program), FP8 decode --norm-stats fp8
 #   bash benchmarks/gpu_all.sh s19e     # #11's run (both on by default): 8B bf16 profiled with peers, 1B profiled
@@ -579,6 +580,20 @@ elif [ "$what" = s18c ]; then
     | tee "$OUT/gpu_tests.log" | grep -E "^E  |FAILED|ERROR|passed|failed" | cut -c1-150 | tail -20
   decode_8b bf16 400 --norm-stats on
   TAG=bf16_off decode_8b bf16 400 --norm-stats off
+elif [ "$what" = s21a ]; then
+  # Twenty-first session (issue #12): is the overlapped step graph's wrong output a race between
+  # its branches (FUSER_BRANCHES=serial) or PDL across them (FUSER_PDL=0)? Then the bundled
+  # pair's step parts kernel by kernel, with tile / split / PDL variants (benchmarks/step_lab.py).
+  for env in FUSER_BRANCHES=serial FUSER_PDL=0; do
+    echo "== overlapped step graph test with $env (XPASS(strict) = it passed)"
+    env "$env" timeout 150 python3 -m pytest -q -p no:cacheprovider --tb=line -rfxX \
+      tests/test_cuda_spec.py -k overlapped 2>&1 | tee "$OUT/overlap_$env.log" | grep -v Warn | tail -4
+  done
+  left=$((${BUDGET:-590} - SECONDS))
+  echo "== step lab (${left} s left)"
+  timeout "$left" python3 benchmarks/step_lab.py --out "$OUT/step_lab.json" --gammas 1,2,3 \
+    --variants "base;split1;bn32;split1 bn32;pdl;split1 pdl" 2>&1 | tee "$OUT/step_lab.log" \
+    | grep -v Warn | tail -120
 elif [ "$what" = s20b ]; then
   # Twentieth session: FuserConfig(overlap=True) (runtime/speculative.py `overlapped_step`, the
   # draft's branch beside the target's in one step graph; issue #12). GPU tests, then the

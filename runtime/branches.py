@@ -18,6 +18,7 @@ returns must be written into tensors the caller allocated on the current stream 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -47,8 +48,9 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
 def run_concurrently(side: Callable[[], A], main: Callable[[], B], device: torch.device
                      ) -> tuple[A, B]:
     """(side(), main()): on CUDA `side` on the side stream, forked from and joined back into the
-    current stream; elsewhere one after the other."""
-    if device.type != "cuda":
+    current stream; elsewhere one after the other. FUSER_BRANCHES=serial runs them one after
+    the other on CUDA too (a diagnostic: the same work without the concurrency)."""
+    if device.type != "cuda" or os.environ.get("FUSER_BRANCHES") == "serial":
         with counter_lane(SIDE_LANE):
             a = side()
         return a, main()
