@@ -16,6 +16,9 @@ Variants (words, ";" between variants):
   pdl         several-row launches with PDL too (fuser/ops/pdl.py keeps them ordinary: a race
               was seen at the 8B shape's five rows; this lab checks the logits)
   bnN         several-row _linear_kernel tiles N columns wide where K <= 2048
+  rows:BN/BK/W/S/X
+              several-row _linear_kernel launches where K <= 2048: block_n BN, block_k BK,
+              W warps, S stages, split_k X (1 where X * BK does not divide K)
 """
 
 from __future__ import annotations
@@ -91,6 +94,20 @@ def apply(words: list[str]) -> Callable[[], None]:
                 return (_width, bk, warps, stages) if M > 1 and K <= SMALL_K else \
                     (bn, bk, warps, stages)
             linear_module._default_config = config
+        elif word.startswith("rows:"):
+            bn, bk, warps, stages, split = (int(v) for v in word[5:].split("/"))
+
+            def config(M: int, N: int, K: int, _base=linear_module._default_config,
+                       _tile=(bn, bk, warps, stages)) -> tuple[int, int, int, int]:
+                return _tile if M > 1 and K <= SMALL_K else _base(M, N, K)
+
+            def split_k(M: int, N: int, K: int, fp8: bool, _base=linear_module._default_split_k,
+                        _split=split, _bk=bk) -> int:
+                if M > 1 and K <= SMALL_K:
+                    return _split if K % (_split * _bk) == 0 else 1
+                return _base(M, N, K, fp8)
+            linear_module._default_config = config
+            linear_module._default_split_k = split_k
         elif word != "base":
             raise SystemExit(f"unknown variant word {word!r}")
 
@@ -160,13 +177,15 @@ def main() -> None:
                         equal = bool(torch.equal(logits, reference[name]))
                     else:
                         reference[name] = logits
-                    listed = None if cpu else launches(call) if variant == args.variants.split(";")[0] or \
-                        "detail" in words else None
+                    listed = None if cpu else launches(call)
                 cache.reset()
                 row[name] = {"us": us, "equal_to_base": equal}
                 log(f"[{variant}] {name:<20} {us:7.1f} us"
                     + ("" if equal is None else f"  logits {'equal' if equal else 'DIFFER'}"))
-                if listed:
+                if listed and variant != args.variants.split(";")[0]:
+                    row[name]["kernels"] = listed
+                    log("    " + " ".join(f"{k_us:.2f}" for _, k_us in listed))
+                elif listed:
                     row[name]["kernels"] = listed
                     total = sum(us for _, us in listed)
                     log(f"    {len(listed)} kernels, {total:.1f} us of kernel time:")

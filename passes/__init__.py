@@ -20,6 +20,7 @@ from fuser.passes.gated_mlp import GATED_ACT
 from fuser.passes.linear import LINEAR
 from fuser.passes.norm_linear import NORM_LINEAR
 from fuser.passes.norm_stats import NORM_STATS
+from fuser.passes.outer_product import OUTER_PRODUCT
 from fuser.passes.projections import MERGE_GATE_UP, MERGE_QKV
 from fuser.passes.rmsnorm import ADD_RMS_NORM, RMS_NORM
 from fuser.passes.rope import ROTARY
@@ -27,6 +28,7 @@ from fuser.passes.rotary_attention import ROTARY_ATTENTION
 from fuser.passes.rotary_cache import ROTARY_CACHE
 
 PASSES: list[GraphRewrite] = [
+    OUTER_PRODUCT,  # the rotary angles' K = 1 bmm (older transformers) as a multiply
     ADD_RMS_NORM,  # before rms_norm: a plain RMSNorm is a subset of add + RMSNorm
     RMS_NORM,
     ROTARY,
