@@ -42,6 +42,7 @@
 #   bash benchmarks/gpu_all.sh s18b     # norm_stats with g * h from the producer: GPU tests, 8B bf16 decode on/off, FP8 with its consumers
 #   bash benchmarks/gpu_all.sh s18c     # norm_stats with its loads before the K loop: 8B bf16 decode on/off
 #   bash benchmarks/gpu_all.sh s20b     # overlapped rounds: GPU tests, the bundled pair end to end overlapped, then standard
+#   bash benchmarks/gpu_all.sh s21b     # several-row tiles for the small weights of the bundled pair swept (step_lab.py)
 #   bash benchmarks/gpu_all.sh s21a     # overlap race: serial branches / PDL off; the bundled step parts kernel by kernel (step_lab.py)
 #   bash benchmarks/gpu_all.sh s20a     # (not yet run) the bundled pair's step parts alone (e2e.py), the 8B FP8 decode + verify profiled
 #   bash benchmarks/gpu_all.sh s19g     # megakernel lab (the bundled pair's GEMV chain: launches vs persistent vs one program), FP8 decode --norm-stats fp8
@@ -580,6 +581,12 @@ elif [ "$what" = s18c ]; then
     | tee "$OUT/gpu_tests.log" | grep -E "^E  |FAILED|ERROR|passed|failed" | cut -c1-150 | tail -20
   decode_8b bf16 400 --norm-stats on
   TAG=bf16_off decode_8b bf16 400 --norm-stats off
+elif [ "$what" = s21b ]; then
+  # Twenty-first session (issue #12): several-row tiles for the bundled pair's small weights
+  # (K <= 2048), swept over the verify and catch-up steps; the outer_product pass in base.
+  timeout "${BUDGET:-590}" python3 benchmarks/step_lab.py --out "$OUT/step_lab.json" --gammas 2,3 \
+    --variants "base;rows:32/128/4/3/1;rows:16/128/4/3/1;rows:32/64/4/3/1;rows:16/64/4/3/1;rows:16/64/2/3/1;rows:64/64/4/3/1;rows:32/64/4/3/3;rows:16/64/4/2/3;rows:16/32/4/2/3;rows:16/32/2/2/3" \
+    2>&1 | tee "$OUT/step_lab.log" | grep -v Warn | grep -v "^      " | tail -90
 elif [ "$what" = s21a ]; then
   # Twenty-first session (issue #12): is the overlapped step graph's wrong output a race between
   # its branches (FUSER_BRANCHES=serial) or PDL across them (FUSER_PDL=0)? Then the bundled

@@ -142,6 +142,7 @@ def main() -> None:
         max_seq_len=512, gamma="auto", gamma_candidates=gammas,
         **(dict(compile="fx", cuda_graphs=False) if cpu else {})))
     costs = engine.step_costs.get(1, {})
+    log(f"pass matches: {engine.report().passes}")
     log("speculative iteration (the engine's step graphs), ms: "
         + ", ".join(f"g{g} {1e3 * s:.3f}" for g, s in costs.items()))
     bucket = engine.bucket(1)
