@@ -42,6 +42,7 @@
 #   bash benchmarks/gpu_all.sh s18b     # norm_stats with g * h from the producer: GPU tests, 8B bf16 decode on/off, FP8 with its consumers
 #   bash benchmarks/gpu_all.sh s18c     # norm_stats with its loads before the K loop: 8B bf16 decode on/off
 #   bash benchmarks/gpu_all.sh s20b     # overlapped rounds: GPU tests, the bundled pair end to end overlapped, then standard
+#   bash benchmarks/gpu_all.sh s21c     # GPU tests + the bundled pair end to end with the small-weight tile
 #   bash benchmarks/gpu_all.sh s21b     # several-row tiles for the small weights of the bundled pair swept (step_lab.py)
 #   bash benchmarks/gpu_all.sh s21a     # overlap race: serial branches / PDL off; the bundled step parts kernel by kernel (step_lab.py)
 #   bash benchmarks/gpu_all.sh s20a     # (not yet run) the bundled pair's step parts alone (e2e.py), the 8B FP8 decode + verify profiled
@@ -581,6 +582,19 @@ elif [ "$what" = s18c ]; then
     | tee "$OUT/gpu_tests.log" | grep -E "^E  |FAILED|ERROR|passed|failed" | cut -c1-150 | tail -20
   decode_8b bf16 400 --norm-stats on
   TAG=bf16_off decode_8b bf16 400 --norm-stats off
+elif [ "$what" = s21c ]; then
+  # Twenty-first session (issue #12): the outer_product pass and the small-weight several-row
+  # tile (linear.SMALL_ROWS_TILE) by default. GPU tests (step graphs, speculative == target-only,
+  # the linear op), then the bundled pair end to end.
+  echo "== GPU tests"
+  timeout 220 python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/test_cuda_spec.py \
+    tests/test_ops_linear.py tests/test_cuda.py -k "not overlapped and (gpu or step_graph or sampling_through or bf16_speculative)" \
+    2>&1 | tee "$OUT/gpu_tests.log" | grep -v Warn | tail -6
+  left=$((${BUDGET:-590} - SECONDS))
+  echo "== bundled pair end to end (${left} s left)"
+  timeout "$left" python3 benchmarks/e2e.py --out "$OUT/e2e" --skip-8b --skip-peers --skip-buckets \
+    --gammas 1,2,3 2>&1 | tee "$OUT/e2e.log" | grep -v Warn \
+    | grep -E "iteration ms|parts|^\[bundled\]|^bundled|Error|Traceback" | tail -16
 elif [ "$what" = s21b ]; then
   # Twenty-first session (issue #12): several-row tiles for the bundled pair's small weights
   # (K <= 2048), swept over the verify and catch-up steps; the outer_product pass in base.

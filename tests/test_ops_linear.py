@@ -299,6 +299,45 @@ def test_default_split_k_is_where_it_measured_faster():
     assert _default_split_k(5, 28672, 4096, True) == 1       # gate_up
 
 
+def test_small_weights_take_the_small_tile_at_several_rows():
+    """The bundled pair's weights (at most SMALL_WEIGHT elements) at several rows: 16-column
+    tiles, unsplit (benchmarks/step_lab.py, twenty-first session); one row and the 8B shapes keep
+    their tables."""
+    from fuser.ops.linear import (SMALL_ROWS_TILE, _default_config, _default_split_k,
+                                  small_weight)
+
+    bundled = [(640, 384), (384, 384), (1920, 384), (384, 960), (4096, 384),  # target
+               (320, 192), (192, 192), (1024, 192), (192, 512), (4096, 192)]  # draft
+    for N, K in bundled:
+        assert small_weight(N, K)
+        for M in (2, 3, 5, 16):
+            assert _default_config(M, N, K) == SMALL_ROWS_TILE
+            assert _default_split_k(M, N, K, False) == 1
+        assert _default_config(1, N, K) != SMALL_ROWS_TILE
+    for N, K in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (3072, 2048)):
+        assert not small_weight(N, K)
+        assert _default_config(5, N, K) != SMALL_ROWS_TILE
+    assert _default_split_k(5, 4096, 4096, False) == 2       # o_proj (8B) as before
+
+
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_small_tile_sums_the_same_products(activation):
+    """At several rows the small tile's outputs equal the 8B-shape tile's: the same K order,
+    only the columns per program differ (bit-equal on the H200 in the step lab)."""
+    from fuser.ops.linear import SMALL_ROWS_TILE
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 384, generator=g).to(torch.bfloat16).to(DEVICE)
+    w = (torch.randn(192 if activation else 96, 384, generator=g) * 0.1).to(torch.bfloat16
+                                                                              ).to(DEVICE)
+    bn, bk, warps, stages = SMALL_ROWS_TILE
+    small = linear_triton(x, w, activation=activation, block_n=bn, block_k=bk, split_k=1)
+    wide = linear_triton(x, w, activation=activation, block_n=64, block_k=bk, split_k=1)
+    assert torch.equal(small, wide)
+    if activation is None:
+        check(x.cpu(), w.cpu(), small.cpu())
+
+
 def test_default_swap_is_where_it_measured_faster():
     from fuser.ops.linear import _default_swap
 

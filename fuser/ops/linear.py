@@ -664,6 +664,21 @@ def _linear_kernel(
         tl.store(out, acc.to(out_dtype), mask=row_ok[:, None] & col_ok[None, :])
 
 
+# Several rows over a small weight (at most SMALL_WEIGHT elements: the bundled pair's, where a
+# GEMV streams its weight in well under a microsecond and the launch's latency is the cost):
+# more programs of 16 columns each, unsplit. benchmarks/step_lab.py on an H200 (twenty-first
+# session, benchmarks/RESULTS.md): the bundled target's verify step (T = 3) took 110.9 us against
+# 127.9 with the 8B-shape tables, the draft's catch-up 37.8 against 41.6, logits bit-equal;
+# 16 x 64 tiles took 120.0, 32 x 128 113.2, and splitting K (3 ways) was slower every time.
+SMALL_WEIGHT = 1 << 21
+SMALL_ROWS_TILE = (16, 128, 4, 3)  # (block_n, block_k, num_warps, num_stages)
+
+
+def small_weight(N: int, K: int) -> bool:
+    """Whether an N x K weight takes the small-weight several-row tile (SMALL_ROWS_TILE)."""
+    return N * K <= SMALL_WEIGHT
+
+
 def _default_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
     """(block_n, block_k, num_warps, num_stages): the fastest of benchmarks/linear_sweep.py's
     configurations on an H200 at Llama-3-8B shapes (benchmarks/RESULTS.md)."""
@@ -675,6 +690,8 @@ def _default_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
         return 16, 512, 4, 4        # gate_up, lm_head
     # Several rows: benchmarks/fp8_mma_lab.py at M = 5 (tenth session), where _default_swap
     # says so; the others as benchmarks/linear_sweep.py measured them
+    if small_weight(N, K):
+        return SMALL_ROWS_TILE
     if K >= 8192:                   # down_proj (swapped, split in 4)
         return 64, 128, 4, 3
     if N <= 4096:                   # o_proj (swapped, split in 2)
@@ -719,6 +736,8 @@ def _default_split_k(M: int, N: int, K: int, fp8: bool) -> int:
     Several rows (the swapped MMA's 64-row tiles: few programs on a narrow weight): the fastest
     of benchmarks/fp8_mma_lab.py's at M = 5 (tenth session)."""
     if M != 1:
+        if small_weight(N, K) and not fp8:
+            return 1                        # SMALL_ROWS_TILE
         if fp8:
             return 4 if N <= 8192 else 1    # qkv, o_proj, down_proj
         if K >= 8192:
