@@ -304,6 +304,42 @@ def test_deterministic() -> None:
     assert runs[0] == runs[1]
 
 
+# The bundled pair's step costs on the H200 (benchmarks/RESULTS.md, twenty-first session), ms.
+BUNDLED_COSTS = {1: 0.151, 2: 0.185, 3: 0.219}
+BUNDLED_DECODE = 0.113
+
+
+def steps_until_longer_gamma_is_tried(**options: float) -> int:
+    """A long run where position 2 is right, then one where it is wrong until gamma drops to 1:
+    how many steps at gamma 1 (position 1 right) pass before gamma 2 is tried again."""
+    ctl = GammaController(BUNDLED_COSTS, BUNDLED_DECODE, **options)
+    for _ in range(40):
+        ctl.update([2], 2)
+    for _ in range(200):
+        if ctl.gamma == 1:
+            break
+        ctl.update([1], ctl.gamma)
+    assert ctl.gamma == 1
+    for steps in range(1, 500):
+        ctl.update([1], 1)
+        if ctl.gamma >= 2:
+            return steps
+    return 500
+
+
+def test_positions_a_shorter_gamma_does_not_reach_go_stale_fast() -> None:
+    """A step at gamma 1 says nothing about position 2: its low estimate must not keep gamma at
+    1 for long (untried_memory), where decaying it at `memory` took 11 steps."""
+    assert steps_until_longer_gamma_is_tried() <= 3
+    assert steps_until_longer_gamma_is_tried(untried_memory=0.95) > 3  # memory's rate: slower
+
+
+def test_invalid_untried_memory() -> None:
+    for bad in (0.0, 0.96, 1.5):
+        with pytest.raises(ValueError, match="untried_memory"):
+            GammaController(BUNDLED_COSTS, BUNDLED_DECODE, untried_memory=bad)
+
+
 def test_invalid_arguments() -> None:
     with pytest.raises(ValueError, match="step_seconds"):
         GammaController({}, 1.0)
