@@ -58,9 +58,10 @@ def test_seeded_sampling_through_step_graphs_is_reproducible() -> None:
 
 
 @pytest.mark.xfail(strict=True, reason="twentieth session: on the H200 the overlapped step graph's "
-                   "greedy output differed from target-only (cause not found; twenty-first session: "
-                   "also with FUSER_BRANCHES=serial and with FUSER_PDL=0, so not a race); the engine keeps overlap off on CUDA, so this runs "
-                   "the buckets with overlap forced on")
+                   "greedy output differed from target-only (cause not found; twenty-first "
+                   "session: also with FUSER_BRANCHES=serial and with FUSER_PDL=0, so not a "
+                   "race); the engine keeps overlap off on CUDA, so this runs the buckets with "
+                   "overlap forced on")
 def test_overlapped_step_graph_greedy_equals_target_only() -> None:
     """FuserConfig(overlap=True): the draft's branch runs beside the target's in the step graph;
     greedy output equals fuser's target-only greedy output, one replay per step, and rows
