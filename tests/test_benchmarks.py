@@ -202,3 +202,26 @@ def test_shape_lab_best_tiles_round_trip(tmp_path) -> None:
     path = tmp_path / "tiles.json"
     path.write_text(json.dumps(best))
     assert load_tiles(path) == {(rows, K): (16, lk[1], 8, 2, False)}
+
+
+def test_step_lab_variant_words_set_and_restore_the_switches() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from step_lab import apply
+
+    from fuser.ops import linear, pdl
+
+    before = (linear._default_config, linear._default_split_k, linear.pdl_launch, pdl.pdl_launch)
+    restore = apply(["rows:32/64/2/3/3", "pdl"])
+    try:
+        assert linear._default_config(3, 640, 384) == (32, 64, 2, 3)
+        assert linear._default_split_k(3, 640, 384, False) == 3      # 3 * 64 divides 384
+        assert linear._default_split_k(3, 384, 960, False) == 3      # 960 = 5 * 192
+        assert linear._default_split_k(3, 384, 1000, False) == 1     # does not divide
+        assert linear._default_config(1, 640, 384) == before[0](1, 640, 384)  # one row kept
+        assert linear._default_config(3, 6144, 4096) == before[0](3, 6144, 4096)  # large K kept
+    finally:
+        restore()
+    assert (linear._default_config, linear._default_split_k, linear.pdl_launch,
+            pdl.pdl_launch) == before
+    with pytest.raises(SystemExit, match="unknown variant word"):
+        apply(["rows16"])
