@@ -29,6 +29,7 @@ import json
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -99,11 +100,41 @@ def fuser_runs(engine: fuser.Engine, prompts: list[torch.Tensor], n: int, gamma:
     return seconds, count, stats
 
 
+def glue_step(engine: fuser.Engine, gamma: int) -> Callable[[], object]:
+    """The greedy speculative step's kernels between its model graphs, on bucket 1, as the
+    step graph runs them (runtime/speculative.py `speculative_step`, fused): the catch-up's
+    inputs, argmax + advance after each draft step, the verify step's inputs, the target's
+    argmax, and `finish_greedy_step`. On fixed random logits, with the row inactive so
+    that each call leaves the state as it found it (finish then moves and writes nothing: the
+    same loads and arithmetic, masked stores)."""
+    from fuser.ops.argmax import argmax
+    from fuser.runtime.draft_kernels import catchup_inputs, draft_advance, verify_inputs
+    from fuser.runtime.step_kernels import finish_greedy_step
+
+    bucket = engine.bucket(1)
+    state, device, V = bucket.state, engine.device, engine.vocab_size
+    state.active.zero_()
+    target_cache, draft_cache = bucket.target.cache, bucket.draft.cache
+    target_cache.set_lengths(128)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    draft_logits = torch.randn(1, V, generator=gen).to(device, torch.bfloat16)
+    target_logits = torch.randn(1, gamma + 1, V, generator=gen).to(device, torch.bfloat16)
+    drafted = torch.zeros(1, gamma, dtype=torch.long, device=device)
+
+    def glue() -> torch.Tensor:
+        catchup_inputs(draft_cache, target_cache.seq_lens, state.last, state.pending)
+        for i in range(gamma):
+            draft_advance(draft_logits, drafted, i, draft_cache, CATCHUP.tokens if i == 0 else 1)
+        verify_inputs(target_cache, state.pending, drafted)
+        return finish_greedy_step(state, target_cache.seq_lens, drafted, argmax(target_logits))
+    return glue
+
+
 def step_parts_ms(engine: fuser.Engine, gamma: int, draft_decodes: int | None = None
                   ) -> float | None:
     """Sum of the parts of a speculative iteration at gamma, each a CUDA graph of its own:
     draft catch-up + draft_decodes (default gamma - 1; an overlapped round runs gamma) draft
-    decodes + verify(gamma)."""
+    decodes + verify(gamma), and for the standard step its glue kernels (`glue_step`)."""
     if engine.device.type != "cuda":
         return None
     from timing import time_us
@@ -129,6 +160,13 @@ def step_parts_ms(engine: fuser.Engine, gamma: int, draft_decodes: int | None = 
         cache.reset()
         total += times * us
         parts[name] = us
+    if draft_decodes is None:  # the standard step's glue kernels, timed together
+        with torch.no_grad():
+            us = time_us(glue_step(engine, gamma)).us
+        bucket.draft.cache.reset()
+        bucket.target.cache.reset()
+        total += us
+        parts["glue (inputs, argmax, finish)"] = us
     # each part alone (the target's decode step for scale, not a part): where a speculative
     # step's time goes beyond the target-only iteration's
     RESULTS.setdefault("bundled_parts_us", {})[str(gamma)] = parts
