@@ -38,3 +38,32 @@ def test_e2e_dry_run_writes_json_plot_and_table(tmp_path: Path) -> None:
     assert "8b_auto_over_target_only" in results
     assert sum(r["part"] == "buckets" for r in results["rows"]) == 2
     assert proc.stdout.strip().splitlines()[-1].startswith("buckets")  # the table comes last
+
+
+def test_glue_step_leaves_the_state_as_it_found_it() -> None:
+    """benchmarks/e2e.py times the step's glue kernels by calling `glue_step` over and over:
+    each call must leave the caches' lengths and the (inactive) row's state unchanged."""
+    import torch
+
+    import fuser
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from e2e import glue_step
+    from tiny_models import tiny_pair
+
+    target, draft, _ = tiny_pair(torch.device("cpu"))
+    engine = fuser.optimize(target, draft=draft, config=fuser.FuserConfig(
+        gamma=2, compile="fx", max_seq_len=256, cuda_graphs=False))
+    glue = glue_step(engine, 2)
+    bucket = engine.bucket(1)
+    first = glue().clone()
+    state = {name: getattr(bucket.state, name).clone()
+             for name in ("pending", "last", "active", "generated", "history")}
+    lens = (bucket.target.cache.seq_lens.clone(), bucket.draft.cache.seq_lens.clone())
+    again = glue()
+    assert torch.equal(first, again)
+    for name, value in state.items():
+        assert torch.equal(getattr(bucket.state, name), value), name
+    assert torch.equal(bucket.target.cache.seq_lens, lens[0])
+    assert torch.equal(bucket.draft.cache.seq_lens, lens[1])
+    assert lens[0].tolist() == [128] and lens[1].tolist() == [127 + 2 + 1]  # catch-up, 1 decode
