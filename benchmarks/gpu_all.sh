@@ -42,6 +42,7 @@
 #   bash benchmarks/gpu_all.sh s18b     # norm_stats with g * h from the producer: GPU tests, 8B bf16 decode on/off, FP8 with its consumers
 #   bash benchmarks/gpu_all.sh s18c     # norm_stats with its loads before the K loop: 8B bf16 decode on/off
 #   bash benchmarks/gpu_all.sh s20b     # overlapped rounds: GPU tests, the bundled pair end to end overlapped, then standard
+#   bash benchmarks/gpu_all.sh s22a     # (not yet run) overlap lab (captured/uncaptured x fused/eager), then e2e.py in full at gammas 1..8
 #   bash benchmarks/gpu_all.sh s21c     # GPU tests + the bundled pair end to end with the small-weight tile
 #   bash benchmarks/gpu_all.sh s21b     # several-row tiles for the small weights of the bundled pair swept (step_lab.py)
 #   bash benchmarks/gpu_all.sh s21a     # overlap race: serial branches / PDL off; the bundled step parts kernel by kernel (step_lab.py)
@@ -582,6 +583,16 @@ elif [ "$what" = s18c ]; then
     | tee "$OUT/gpu_tests.log" | grep -E "^E  |FAILED|ERROR|passed|failed" | cut -c1-150 | tail -20
   decode_8b bf16 400 --norm-stats on
   TAG=bf16_off decode_8b bf16 400 --norm-stats off
+elif [ "$what" = s22a ]; then
+  # Written in the twenty-first session for the next: the overlapped step on CUDA taken apart
+  # (benchmarks/overlap_lab.py: captured or not, fused glue or eager), then the whole
+  # end-to-end benchmark (issue #12: gammas 1..8 and auto with the peers, the 8B part, buckets).
+  echo "== overlap lab"
+  timeout 200 python3 benchmarks/overlap_lab.py 2>&1 | tee "$OUT/overlap_lab.log" | grep -v Warn | tail -8
+  left=$((${BUDGET:-590} - SECONDS))
+  echo "== e2e (${left} s left)"
+  timeout "$left" python3 benchmarks/e2e.py --out "$OUT/e2e" --gammas 1,2,3,4,5,6,7,8 2>&1 \
+    | tee "$OUT/e2e.log" | grep -v Warn | tail -30
 elif [ "$what" = s21c ]; then
   # Twenty-first session (issue #12): the outer_product pass and the small-weight several-row
   # tile (linear.SMALL_ROWS_TILE) by default. GPU tests (step graphs, speculative == target-only,

@@ -225,3 +225,11 @@ def test_step_lab_variant_words_set_and_restore_the_switches() -> None:
             pdl.pdl_launch) == before
     with pytest.raises(SystemExit, match="unknown variant word"):
         apply(["rows16"])
+
+
+@pytest.mark.skipif(torch_cuda_available(), reason="checks the message a CPU machine gets")
+@pytest.mark.parametrize("script", ["step_lab.py", "overlap_lab.py"])
+def test_step_labs_say_they_need_a_gpu(script: str) -> None:
+    proc = subprocess.run([sys.executable, f"benchmarks/{script}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "no CUDA device" in proc.stderr, proc.stderr[-2000:]
