@@ -1,6 +1,6 @@
 """Where the bundled pair's speculative step spends its time, kernel by kernel (issue #12).
 
-    python3 benchmarks/step_lab.py [--gammas 1,2,3] [--variants "base;split1;pdl rows"]
+    python3 benchmarks/step_lab.py [--gammas 1,2,3] [--variants "base;split1;rows:16/128/4/3/1"]
                                    [--out lab.json]
 
 Builds the bundled pair (bf16) as benchmarks/e2e.py does, then for each part of a speculative
@@ -154,7 +154,8 @@ def main() -> None:
     reference: dict[str, torch.Tensor] = {}
     inputs = {name: torch.randint(0, steps.vocab_size, (1, kind.tokens), generator=generator
                                   ).to(device) for name, steps, kind in parts}
-    for variant in args.variants.split(";"):
+    variants = args.variants.split(";")
+    for variant in variants:
         words = variant.split()
         restore = apply(words)
         try:
@@ -183,11 +184,11 @@ def main() -> None:
                 row[name] = {"us": us, "equal_to_base": equal}
                 log(f"[{variant}] {name:<20} {us:7.1f} us"
                     + ("" if equal is None else f"  logits {'equal' if equal else 'DIFFER'}"))
-                if listed and variant != args.variants.split(";")[0]:
+                if listed:
                     row[name]["kernels"] = listed
+                if listed and variant != variants[0]:  # the durations only
                     log("    " + " ".join(f"{k_us:.2f}" for _, k_us in listed))
-                elif listed:
-                    row[name]["kernels"] = listed
+                elif listed:  # the first variant: every kernel by name
                     total = sum(us for _, us in listed)
                     log(f"    {len(listed)} kernels, {total:.1f} us of kernel time:")
                     for kernel, k_us in listed:
@@ -195,10 +196,9 @@ def main() -> None:
             results[variant] = row
         finally:
             restore()
-    log("part                  " + "".join(f"{v[:14]:>15}" for v in args.variants.split(";")))
+    log("part                  " + "".join(f"{v[:14]:>15}" for v in variants))
     for name, _, _ in parts:
-        log(f"{name:<22}" + "".join(f"{results[v][name]['us']:>15.1f}"
-                                    for v in args.variants.split(";")))
+        log(f"{name:<22}" + "".join(f"{results[v][name]['us']:>15.1f}" for v in variants))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1, default=str))

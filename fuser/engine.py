@@ -5,9 +5,9 @@ It builds nothing: `fuser.optimize` (fuser/optimize.py) builds the steps and han
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-import warnings
 from pathlib import Path
 
 import torch
