@@ -42,6 +42,8 @@
 #   bash benchmarks/gpu_all.sh s18b     # norm_stats with g * h from the producer: GPU tests, 8B bf16 decode on/off, FP8 with its consumers
 #   bash benchmarks/gpu_all.sh s18c     # norm_stats with its loads before the K loop: 8B bf16 decode on/off
 #   bash benchmarks/gpu_all.sh s20b     # overlapped rounds: GPU tests, the bundled pair end to end overlapped, then standard
+#   bash benchmarks/gpu_all.sh s22b     # #12 part 1: the bundled pair, gammas 1..8 + auto, peers (one e2e.py run)
+#   bash benchmarks/gpu_all.sh s22c     # #12 parts 2, 3: the 8B shape + random 1B draft, buckets; overlap lab after
 #   bash benchmarks/gpu_all.sh s22a     # (not yet run) overlap lab (captured/uncaptured x fused/eager), then e2e.py in full at gammas 1..8
 #   bash benchmarks/gpu_all.sh s21c     # GPU tests + the bundled pair end to end with the small-weight tile
 #   bash benchmarks/gpu_all.sh s21b     # several-row tiles for the small weights of the bundled pair swept (step_lab.py)
@@ -583,6 +585,23 @@ elif [ "$what" = s18c ]; then
     | tee "$OUT/gpu_tests.log" | grep -E "^E  |FAILED|ERROR|passed|failed" | cut -c1-150 | tail -20
   decode_8b bf16 400 --norm-stats on
   TAG=bf16_off decode_8b bf16 400 --norm-stats off
+elif [ "$what" = s22b ]; then
+  # Twenty-second session (issue #12's run, part 1): the bundled pair at gammas 1..8 and auto,
+  # with the Hugging Face peers, in one e2e.py run.
+  echo "== e2e bundled, gammas 1..8 + auto, peers"
+  timeout $((${BUDGET:-580} - SECONDS)) python3 benchmarks/e2e.py --out "$OUT/e2e_bundled" \
+    --skip-8b --skip-buckets --gammas 1,2,3,4,5,6,7,8 2>&1 | tee "$OUT/e2e_bundled.log" \
+    | grep -v Warn | tail -40
+elif [ "$what" = s22c ]; then
+  # Twenty-second session (issue #12's run, parts 2 and 3): the 8B shape with the 1B-shape
+  # random draft (costs per gamma, auto against target-only, the projected curve), the buckets;
+  # then the overlap lab if time is left.
+  echo "== e2e 8B part + buckets"
+  timeout $((${BUDGET:-580} - SECONDS - 60)) python3 benchmarks/e2e.py --out "$OUT/e2e_8b" \
+    --skip-bundled 2>&1 | tee "$OUT/e2e_8b.log" | grep -v Warn | tail -40
+  left=$((${BUDGET:-580} - SECONDS))
+  echo "== overlap lab (${left} s left)"
+  timeout "$left" python3 benchmarks/overlap_lab.py 2>&1 | tee "$OUT/overlap_lab.log" | grep -v Warn | tail -8
 elif [ "$what" = s22a ]; then
   # Written in the twenty-first session for the next: the overlapped step on CUDA taken apart
   # (benchmarks/overlap_lab.py: captured or not, fused glue or eager), then the whole
