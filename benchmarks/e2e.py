@@ -83,9 +83,10 @@ def save(out: Path) -> None:
 
 
 def fuser_runs(engine: fuser.Engine, prompts: list[torch.Tensor], n: int, gamma: int | None,
-               runs: int) -> tuple[float, int, fuser.SpecStats]:
+               runs: int, trace: dict | None = None) -> tuple[float, int, fuser.SpecStats]:
     """Seconds and tokens of greedy generation over every prompt (median of runs), with gamma
-    forced (None: the engine's own choice)."""
+    forced (None: the engine's own choice). trace: filled with the timed runs' steps per gamma
+    and their tokens per row-step (`step_trace`)."""
     engine.fix_gamma(gamma)
     no_eos: dict = dict(eos_token_id=[])
 
@@ -94,10 +95,30 @@ def fuser_runs(engine: fuser.Engine, prompts: list[torch.Tensor], n: int, gamma:
 
     engine.generate(prompts[0], 4, **no_eos)  # warm
     engine.stats.reset()
-    seconds, count = timed(go, runs, engine.device)
+    if trace is not None:
+        engine.record_step = step_trace(engine.record_step, trace)  # (an instance attribute: undone below)
+    try:
+        seconds, count = timed(go, runs, engine.device)
+    finally:
+        if trace is not None:
+            del engine.record_step
     stats = engine.stats
     engine.fix_gamma(None)
     return seconds, count, stats
+
+
+def step_trace(record: Callable, trace: dict) -> Callable:
+    """engine.record_step, counting each step's gamma ("steps") and the tokens its active rows
+    emitted ("tokens": accepted + 1 per row) per gamma into `trace`."""
+    steps, tokens = trace.setdefault("steps", {}), trace.setdefault("tokens", {})
+
+    def counted(controller, num_accepted, was_active, gamma, modes=None):
+        live = [a + 1 for a, on in zip(num_accepted, was_active) if on]
+        if live:
+            steps[gamma] = steps.get(gamma, 0) + 1
+            tokens[gamma] = tokens.get(gamma, 0) + sum(live)
+        return record(controller, num_accepted, was_active, gamma, modes)
+    return counted
 
 
 def glue_step(engine: fuser.Engine, gamma: int) -> Callable[[], object]:
@@ -220,18 +241,27 @@ def part_bundled(args: argparse.Namespace, device: torch.device, dtype: torch.dt
     extra = {"pct_of_graph_bound": 100 * count / seconds * costs[PLAIN]} if costs else {}
     plain = row("bundled", "fuser target-only", seconds, count, **extra)
     by_gamma = {}
+    trace: dict = {}  # auto's steps: how often each gamma ran, what it emitted
     for g in (*gammas, None):
-        seconds, count, stats = fuser_runs(engine, prompts, n, g, fuser_repeats)
+        seconds, count, stats = fuser_runs(engine, prompts, n, g, fuser_repeats,
+                                           trace=trace if g is None else None)
         extra: dict = dict(acceptance=stats.acceptance_rate,
                            mean_accepted_length=stats.mean_accepted_length)
-        # auto: predicted at the gamma it settled on (stats.gamma), from its own acceptance.
         at = g if g is not None else stats.gamma
-        if at and costs and not overlapped:  # (Leviathan's formula: the standard step)
-            predicted = expected_tokens(stats.acceptance_rate, at) / costs[at]
+        # The steps each gamma ran: a fixed gamma's all, auto's from its trace (it mixes them;
+        # target-only steps as gamma 0). Leviathan's prediction is then the expected tokens of
+        # those steps at the run's own acceptance over their measured graph costs.
+        mix = {g: 1} if g is not None else trace.get("steps", {})
+        if at and costs and mix and all(k in costs for k in mix) and not overlapped:
+            step_seconds = sum(k * costs[gm] for gm, k in mix.items())
+            predicted = sum(k * expected_tokens(stats.acceptance_rate, gm)
+                            for gm, k in mix.items()) / step_seconds
             extra["predicted_tok_s"] = predicted
             extra["pct_of_prediction"] = 100 * count / seconds / predicted
             if stats.mean_accepted_length:  # tokens per step, the bonus token included
-                bound = stats.mean_accepted_length / costs[at]
+                steps = sum(mix.values())
+                bound = stats.mean_accepted_length * steps / step_seconds if g is not None \
+                    else sum(trace["tokens"].values()) / step_seconds
                 extra["pct_of_graph_bound"] = 100 * count / seconds / bound
             parts = step_parts_ms(engine, at)
             if parts is not None:
@@ -246,6 +276,10 @@ def part_bundled(args: argparse.Namespace, device: torch.device, dtype: torch.dt
                 else f"{fuser_name} gamma=auto ({engine.gamma_reason})")
         by_gamma[g] = row("bundled", name, seconds, count, **extra)
         save(out)
+    if trace:
+        RESULTS["bundled_auto_steps"] = trace
+        log("  auto's steps by gamma (tokens per step): " + ", ".join(
+            f"g{g} {k} ({trace['tokens'][g] / k:.2f})" for g, k in sorted(trace["steps"].items())))
     RESULTS["bundled_by_gamma"] = {str(g): r["tok_s"] for g, r in by_gamma.items()}
     RESULTS["bundled_auto_over_target_only"] = by_gamma[None]["tok_s"] / plain["tok_s"]
     del engine

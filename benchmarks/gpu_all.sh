@@ -596,6 +596,11 @@ elif [ "$what" = s22c ]; then
   # Twenty-second session (issue #12's run, parts 2 and 3): the 8B shape with the 1B-shape
   # random draft (costs per gamma, auto against target-only, the projected curve), the buckets;
   # then the overlap lab if time is left.
+  echo "== controller replay over the GPU's bf16 agreement (candidates 1..8, then 1,2,4,6)"
+  for cands in 1,2,3,4,5,6,7,8 1,2,4,6; do
+    timeout 100 python3 benchmarks/controller_replay.py --device cuda --dtype bfloat16 \
+      --auto-gammas $cands 2>&1 | tee -a "$OUT/controller_replay.log" | grep -v Warn | tail -11
+  done
   echo "== e2e 8B part + buckets"
   timeout $((${BUDGET:-580} - SECONDS - 60)) python3 benchmarks/e2e.py --out "$OUT/e2e_8b" \
     --skip-bundled 2>&1 | tee "$OUT/e2e_8b.log" | grep -v Warn | tail -40
