@@ -240,49 +240,73 @@ def part_bundled(args: argparse.Namespace, device: torch.device, dtype: torch.dt
     seconds, count, _ = fuser_runs(engine, prompts, n, PLAIN, fuser_repeats)
     extra = {"pct_of_graph_bound": 100 * count / seconds * costs[PLAIN]} if costs else {}
     plain = row("bundled", "fuser target-only", seconds, count, **extra)
-    by_gamma = {}
-    trace: dict = {}  # auto's steps: how often each gamma ran, what it emitted
-    for g in (*gammas, None):
-        seconds, count, stats = fuser_runs(engine, prompts, n, g, fuser_repeats,
-                                           trace=trace if g is None else None)
-        extra: dict = dict(acceptance=stats.acceptance_rate,
-                           mean_accepted_length=stats.mean_accepted_length)
-        at = g if g is not None else stats.gamma
-        # The steps each gamma ran: a fixed gamma's all, auto's from its trace (it mixes them;
-        # target-only steps as gamma 0). Leviathan's prediction is then the expected tokens of
-        # those steps at the run's own acceptance over their measured graph costs.
-        mix = {g: 1} if g is not None else trace.get("steps", {})
-        if at and costs and mix and all(k in costs for k in mix) and not overlapped:
-            step_seconds = sum(k * costs[gm] for gm, k in mix.items())
-            predicted = sum(k * expected_tokens(stats.acceptance_rate, gm)
-                            for gm, k in mix.items()) / step_seconds
-            extra["predicted_tok_s"] = predicted
-            extra["pct_of_prediction"] = 100 * count / seconds / predicted
-            if stats.mean_accepted_length:  # tokens per step, the bonus token included
-                steps = sum(mix.values())
-                bound = stats.mean_accepted_length * steps / step_seconds if g is not None \
-                    else sum(trace["tokens"].values()) / step_seconds
-                extra["pct_of_graph_bound"] = 100 * count / seconds / bound
-            parts = step_parts_ms(engine, at)
-            if parts is not None:
-                extra["step_ms"] = 1e3 * costs[at]
-                extra["parts_ms"] = parts
-        elif at and costs:  # overlapped rounds: their measured cost, the parts summed
-            extra["step_ms"] = 1e3 * costs[at]
-            parts = step_parts_ms(engine, at, draft_decodes=at)
-            if parts is not None:
-                extra["parts_ms"] = parts
-        name = (f"{fuser_name} gamma={g}" if g is not None
-                else f"{fuser_name} gamma=auto ({engine.gamma_reason})")
-        by_gamma[g] = row("bundled", name, seconds, count, **extra)
-        save(out)
-    if trace:
-        RESULTS["bundled_auto_steps"] = trace
-        log("  auto's steps by gamma (tokens per step): " + ", ".join(
-            f"g{g} {k} ({trace['tokens'][g] / k:.2f})" for g, k in sorted(trace["steps"].items())))
+    by_gamma = {g: speculative_row(engine, prompts, n, g, fuser_repeats, costs, fuser_name,
+                                   out) for g in (*gammas, None)}
     RESULTS["bundled_by_gamma"] = {str(g): r["tok_s"] for g, r in by_gamma.items()}
     RESULTS["bundled_auto_over_target_only"] = by_gamma[None]["tok_s"] / plain["tok_s"]
     del engine
+    # gamma="auto" as a user gets it: an engine of FuserConfig's default candidates (the one
+    # above chose among --gammas, built for the fixed rows).
+    defaults = fuser.FuserConfig().gamma_candidates
+    if args.overlap or defaults == gammas:
+        return
+    engine = fuser.optimize(target, draft=draft, config=fuser.FuserConfig(
+        max_seq_len=max(p.shape[1] for p in prompts) + n + 8, gamma="auto"))
+    costs = engine.step_costs.get(1, {})
+    log(f"bundled pair, default candidates {defaults}: iteration ms "
+        + ", ".join(f"g{g} {1e3 * s:.3f}" for g, s in costs.items()))
+    auto = speculative_row(engine, prompts, n, None, fuser_repeats, costs, fuser_name, out,
+                           label=f" of {','.join(map(str, defaults))} (default)")
+    RESULTS["bundled_default_auto_over_target_only"] = auto["tok_s"] / plain["tok_s"]
+    del engine
+
+
+def speculative_row(engine: fuser.Engine, prompts: list[torch.Tensor], n: int,
+                    g: int | None, repeats: int, costs: dict, fuser_name: str, out: Path,
+                    label: str = "") -> dict:
+    """One speculative row of the bundled part: gamma g forced, or None: the engine's auto
+    (its steps per gamma traced); tok/s, acceptance, Leviathan's prediction, the graph bound,
+    the step against its parts."""
+    overlapped = any(b.overlap for b in engine.buckets.values())
+    trace: dict = {}  # auto's steps: how often each gamma ran, what it emitted
+    seconds, count, stats = fuser_runs(engine, prompts, n, g, repeats,
+                                       trace=trace if g is None else None)
+    extra: dict = dict(acceptance=stats.acceptance_rate,
+                       mean_accepted_length=stats.mean_accepted_length)
+    at = g if g is not None else stats.gamma
+    # The steps each gamma ran: a fixed gamma's all, auto's from its trace (it mixes them;
+    # target-only steps as gamma 0). Leviathan's prediction is then the expected tokens of
+    # those steps at the run's own acceptance over their measured graph costs.
+    mix = {g: 1} if g is not None else trace.get("steps", {})
+    if at and costs and mix and all(k in costs for k in mix) and not overlapped:
+        step_seconds = sum(k * costs[gm] for gm, k in mix.items())
+        predicted = sum(k * expected_tokens(stats.acceptance_rate, gm)
+                        for gm, k in mix.items()) / step_seconds
+        extra["predicted_tok_s"] = predicted
+        extra["pct_of_prediction"] = 100 * count / seconds / predicted
+        if stats.mean_accepted_length:  # tokens per step, the bonus token included
+            bound = stats.mean_accepted_length / costs[g] if g is not None \
+                else sum(trace["tokens"].values()) / step_seconds
+            extra["pct_of_graph_bound"] = 100 * count / seconds / bound
+        parts = step_parts_ms(engine, at)
+        if parts is not None:
+            extra["step_ms"] = 1e3 * costs[at]
+            extra["parts_ms"] = parts
+    elif at and costs:  # overlapped rounds: their measured cost, the parts summed
+        extra["step_ms"] = 1e3 * costs[at]
+        parts = step_parts_ms(engine, at, draft_decodes=at)
+        if parts is not None:
+            extra["parts_ms"] = parts
+    name = (f"{fuser_name} gamma={g}" if g is not None
+            else f"{fuser_name} gamma=auto{label} ({engine.gamma_reason})")
+    entry = row("bundled", name, seconds, count, **extra)
+    if trace:
+        entry["steps_by_gamma"] = trace
+        log("  auto's steps by gamma (tokens per step): " + ", ".join(
+            f"g{gm} {k} ({trace['tokens'][gm] / k:.2f})"
+            for gm, k in sorted(trace["steps"].items())))
+    save(out)
+    return entry
 
 
 def peers(target, draft, prompts: list[torch.Tensor], n: int, device: torch.device,
