@@ -80,6 +80,8 @@ def replay(agree: list[bool], choose: Callable[[], int], update: Callable[[int, 
         steps += 1
         seconds += costs[gamma]
         pending = (n, gamma)
+    if pending is not None:  # the engine reads the last step back too
+        update(*pending)
     return tokens, steps, seconds
 
 

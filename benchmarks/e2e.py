@@ -55,6 +55,14 @@ def expected_tokens(alpha: float, gamma: int) -> float:
     return gamma + 1.0 if alpha >= 1.0 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
 
 
+def predicted_tok_s(steps: dict[int, int], alpha: float, costs: dict[int, float]) -> float:
+    """Leviathan's prediction for a run whose steps ran at these gammas ({gamma: steps}; 0 =
+    target-only): the steps' expected tokens at acceptance alpha over their measured costs
+    (seconds per step). One gamma: E(alpha, g) / cost(g)."""
+    seconds = sum(k * costs[g] for g, k in steps.items())
+    return sum(k * expected_tokens(alpha, g) for g, k in steps.items()) / seconds
+
+
 def timed(fn, runs: int, device: torch.device) -> tuple[float, int]:
     """(median seconds, new tokens) over `runs` calls of fn() -> new-token count."""
     times, count = [], 0
@@ -240,8 +248,9 @@ def part_bundled(args: argparse.Namespace, device: torch.device, dtype: torch.dt
     seconds, count, _ = fuser_runs(engine, prompts, n, PLAIN, fuser_repeats)
     extra = {"pct_of_graph_bound": 100 * count / seconds * costs[PLAIN]} if costs else {}
     plain = row("bundled", "fuser target-only", seconds, count, **extra)
-    by_gamma = {g: speculative_row(engine, prompts, n, g, fuser_repeats, costs, fuser_name,
-                                   out) for g in (*gammas, None)}
+    by_gamma = {g: speculative_row(engine, prompts, n, g, fuser_repeats, costs, fuser_name, out,
+                                   label=f" of {','.join(map(str, gammas))}")
+                for g in (*gammas, None)}
     RESULTS["bundled_by_gamma"] = {str(g): r["tok_s"] for g, r in by_gamma.items()}
     RESULTS["bundled_auto_over_target_only"] = by_gamma[None]["tok_s"] / plain["tok_s"]
     del engine
@@ -279,14 +288,13 @@ def speculative_row(engine: fuser.Engine, prompts: list[torch.Tensor], n: int,
     # those steps at the run's own acceptance over their measured graph costs.
     mix = {g: 1} if g is not None else trace.get("steps", {})
     if at and costs and mix and all(k in costs for k in mix) and not overlapped:
-        step_seconds = sum(k * costs[gm] for gm, k in mix.items())
-        predicted = sum(k * expected_tokens(stats.acceptance_rate, gm)
-                        for gm, k in mix.items()) / step_seconds
+        predicted = predicted_tok_s(mix, stats.acceptance_rate, costs)
         extra["predicted_tok_s"] = predicted
         extra["pct_of_prediction"] = 100 * count / seconds / predicted
         if stats.mean_accepted_length:  # tokens per step, the bonus token included
-            bound = stats.mean_accepted_length / costs[g] if g is not None \
-                else sum(trace["tokens"].values()) / step_seconds
+            tokens = stats.mean_accepted_length if g is not None else \
+                sum(trace["tokens"].values())
+            bound = tokens / sum(k * costs[gm] for gm, k in mix.items())
             extra["pct_of_graph_bound"] = 100 * count / seconds / bound
         parts = step_parts_ms(engine, at)
         if parts is not None:
@@ -424,6 +432,16 @@ def part_buckets(args: argparse.Namespace, device: torch.device, dtype: torch.dt
     save(out)
 
 
+def merge(paths: list[Path]) -> None:
+    """RESULTS from several runs' e2e.json: rows concatenated in order, other keys of a later
+    run over an earlier one's ("env" kept per run under "runs")."""
+    for path in paths:
+        run = json.loads(path.read_text())
+        RESULTS["rows"].extend(run.pop("rows", []))
+        RESULTS.setdefault("runs", []).append({"file": str(path), **run.pop("env", {})})
+        RESULTS.update(run)
+
+
 def plot(out: Path) -> None:
     try:
         import matplotlib
@@ -434,24 +452,40 @@ def plot(out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    by_gamma = RESULTS.get("bundled_by_gamma", {})
-    gs = [g for g in by_gamma if g != "None"]
-    if gs:
-        left.plot([int(g) for g in gs], [by_gamma[g] for g in gs], "o-", label="fixed gamma")
-        if "None" in by_gamma:
-            left.axhline(by_gamma["None"], color="g", ls="--", label="gamma=auto")
-        plain = [r["tok_s"] for r in RESULTS["rows"]
-                 if r["part"] == "bundled" and r["system"] == "fuser target-only"]
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(16, 4.2))
+    bundled = [r for r in RESULTS["rows"] if r["part"] == "bundled"]
+    fixed = sorted((int(r["system"].rsplit("=", 1)[1]), r) for r in bundled
+                   if r["system"].split(" gamma=")[-1].isdigit())
+    plain = [r["tok_s"] for r in bundled if r["system"] == "fuser target-only"]
+    autos = [r for r in bundled if "gamma=auto" in r["system"]]
+    if fixed:
+        left.plot([g for g, _ in fixed], [r["tok_s"] for _, r in fixed], "o-",
+                  label="fixed gamma")
+        middle.plot([r["acceptance"] for _, r in fixed], [r["tok_s"] for _, r in fixed], "o-",
+                    label="fixed gamma (label: gamma)")
+        for g, r in fixed:
+            middle.annotate(str(g), (r["acceptance"], r["tok_s"]), textcoords="offset points",
+                            xytext=(4, 4))
+    for r, style in zip(autos, ("g--", "m-.")):
+        label = r["system"].split(" (")[0].replace("fuser ", "")
+        if label == "gamma=auto":  # (rows of the twenty-second session's first runs)
+            label += " of --gammas"
+        left.axhline(r["tok_s"], color=style[0], ls=style[1:], label=label)
+        middle.plot([r["acceptance"]], [r["tok_s"]], style[0] + "s", label=label)
+    for axis in (left, middle):
         if plain:
-            left.axhline(plain[0], color="k", ls=":", label="target-only")
-        left.set(xlabel="gamma", ylabel="tok/s", title="bundled pair (measured)")
-        left.legend()
+            axis.axhline(plain[0], color="k", ls=":", label="target-only")
+    if bundled:
+        left.set(xlabel="gamma", ylabel="tok/s", title="bundled pair: tok/s against gamma")
+        middle.set(xlabel="acceptance rate (accepted / drafted)", ylabel="tok/s",
+                   title="bundled pair: tok/s against acceptance")
+        left.legend(fontsize=8)
+        middle.legend(fontsize=8)
     curve = RESULTS.get("8b_projected_curve")
     if curve:
         right.plot([c["alpha"] for c in curve], [c["projected_tok_s"] for c in curve], "o-")
         right.set(xlabel="acceptance rate", ylabel="tok/s",
-                  title="8B-shape + 1B-shape draft: PROJECTED from measured costs")
+                  title="8B + 1B-shape draft: PROJECTED (measured costs)")
     fig.tight_layout()
     fig.savefig(out / "e2e.png", dpi=100)
 
@@ -460,6 +494,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="e2e-out")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny random models")
+    parser.add_argument("--plot-from", nargs="+", type=Path, metavar="E2E_JSON",
+                        help="measure nothing: merge these runs' e2e.json (rows in order) and "
+                             "write the plot and the merged JSON to --out")
     parser.add_argument("--skip-bundled", action="store_true")
     parser.add_argument("--skip-8b", action="store_true")
     parser.add_argument("--skip-peers", action="store_true")
@@ -478,6 +515,12 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(Path(__file__).parent))
+    if args.plot_from:
+        merge(args.plot_from)
+        save(out)
+        plot(out)
+        log(f"merged {len(args.plot_from)} runs into {out / 'e2e.json'}, plot {out / 'e2e.png'}")
+        return
     if args.dry_run:
         device, dtype = torch.device("cpu"), torch.float32
         args.prompts, args.prompt_tokens, args.new_tokens = 2, 8, 12

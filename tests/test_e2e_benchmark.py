@@ -67,3 +67,63 @@ def test_glue_step_leaves_the_state_as_it_found_it() -> None:
     assert torch.equal(bucket.target.cache.seq_lens, lens[0])
     assert torch.equal(bucket.draft.cache.seq_lens, lens[1])
     assert lens[0].tolist() == [128] and lens[1].tolist() == [127 + 2 + 1]  # catch-up, 1 decode
+
+
+def _bench(name: str):
+    """A module of benchmarks/ by file name (they are scripts, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_prediction_over_the_gammas_a_run_used() -> None:
+    e2e = _bench("e2e")
+    costs = {0: 1.0, 1: 1.5, 2: 2.0, 4: 3.0}
+    # one gamma: Leviathan's E(alpha, g) / cost(g)
+    assert e2e.predicted_tok_s({2: 7}, 0.5, costs) == pytest.approx(1.75 / 2.0)
+    assert e2e.predicted_tok_s({4: 1}, 1.0, costs) == pytest.approx(5 / 3.0)
+    # a mix: expected tokens of all steps over all their seconds (not a mean of the ratios)
+    mixed = e2e.predicted_tok_s({0: 2, 1: 1, 4: 1}, 0.5, costs)
+    assert mixed == pytest.approx((2 * 1 + 1.5 + 1.9375) / (2 * 1.0 + 1.5 + 3.0))
+
+
+def test_step_trace_counts_active_rows_per_gamma() -> None:
+    e2e = _bench("e2e")
+    calls, trace = [], {}
+    counted = e2e.step_trace(lambda *args: calls.append(args), trace)
+    counted(None, [2, 0], [True, True], 2)
+    counted(None, [1, 2], [False, True], 2)   # an inactive row emits nothing
+    counted(None, [0], [False], 1)            # no active row: not a step
+    counted(None, [0], [True], 0)             # target-only
+    assert trace == {"steps": {2: 2, 0: 1}, "tokens": {2: 3 + 1 + 3, 0: 1}}
+    assert len(calls) == 4  # every call still reaches the engine
+
+
+def test_merge_concatenates_rows_and_keeps_each_runs_env(tmp_path: Path) -> None:
+    e2e = _bench("e2e")
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    first.write_text(json.dumps({"rows": [{"system": "x"}], "env": {"command": "a"}, "k": 1}))
+    second.write_text(json.dumps({"rows": [{"system": "y"}], "env": {"command": "b"}, "j": 2}))
+    e2e.merge([first, second])
+    assert [r["system"] for r in e2e.RESULTS["rows"]] == ["x", "y"]
+    assert [r["command"] for r in e2e.RESULTS["runs"]] == ["a", "b"]
+    assert e2e.RESULTS["k"] == 1 and e2e.RESULTS["j"] == 2
+
+
+def test_controller_replay_runs_the_agreement_exactly() -> None:
+    replay = _bench("controller_replay").replay
+    agree = [True, True, False, True, True, True, False]  # new tokens 1..7 (token 0: prefill)
+    costs = [1.0, 2.0, 3.0]
+    # gamma 2 from token 1: accepts 1, 2 (+ token 3 from the target); from 4: accepts 4, 5
+    # (+ 6); from 7: rejects 7 (+ 7). 8 tokens, 3 steps.
+    assert replay(agree, lambda: 2, lambda n, g: None, costs) == (8, 3, 9.0)
+    # target-only: one token a step
+    assert replay(agree, lambda: 0, lambda n, g: None, costs) == (8, 7, 7.0)
+    seen = []
+    replay(agree, lambda: 1, lambda n, g: seen.append((n, g)), costs)
+    # (tokens 1, 2), (3), (4, 5), (6, 7): each step's update arrives after the next step was
+    # chosen, as in the engine's loop; the last one after the loop
+    assert seen == [(1, 1), (0, 1), (1, 1), (1, 1)]
