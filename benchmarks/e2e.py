@@ -6,10 +6,12 @@
 (1) The bundled pair (fuser.models TARGET_PATH / DRAFT_PATH, bf16) on held-out prompts (one
     per held-out file, as models/evaluate.py draws them): HF eager, HF static cache +
     torch.compile, HF assisted generation with the same draft, fuser target-only, fuser at
-    each gamma of --gammas and at gamma="auto": tok/s, acceptance, mean accepted length, and
-    Leviathan's prediction from the measured iteration costs and the measured acceptance
-    (E(alpha, g) / cost(g), alpha the same at every draft position; reported as % of
-    prediction), the graph bound (the tokens each step emitted in the run, over the step graph's
+    each gamma of --gammas and at gamma="auto" (choosing among --gammas, then on a second
+    engine of FuserConfig's default candidates: what a user gets; auto's steps per gamma are
+    traced): tok/s, acceptance, mean accepted length, and Leviathan's prediction from the
+    measured iteration costs and the measured acceptance (E(alpha, g) / cost(g), alpha the same
+    at every draft position, over the steps each gamma ran; reported as % of prediction),
+    the graph bound (the tokens each step emitted in the run, over the step graph's
     measured cost: what the step graphs alone would give, without the host loop and the
     prefills; reported as % of it), plus the measured speculative step
     against the sum of its parts (draft catch-up + (g - 1) draft decodes + verify, each timed
@@ -19,7 +21,9 @@
     (must be >= 95%); a PROJECTED tok/s-vs-acceptance curve from the measured costs.
 (3) Batch buckets: one prompt on a target-only engine built for max_batch_size=16 against one
     built for 1.
-Writes e2e.json and e2e.png to --out; prints a short table last.
+Writes e2e.json and e2e.png to --out; prints a short table last. `--plot-from A.json B.json`
+merges runs made in parts (e.g. --skip-8b --skip-buckets, then --skip-bundled) into one JSON
+and plot, measuring nothing.
 """
 
 from __future__ import annotations
