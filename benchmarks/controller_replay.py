@@ -53,7 +53,8 @@ def agreement(prompts: Sequence[torch.Tensor], new_tokens: int, dtype: torch.dty
         for ids in prompts:
             ids = ids.to(device)
             T = ids.shape[1]
-            full = target.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+            full = target.generate(ids, attention_mask=torch.ones_like(ids),  # (<|bos|> is 0)
+                                   max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                    do_sample=False, pad_token_id=0)
             guesses = draft(full).logits[0, T:-1].argmax(-1)   # guess for new token 1..n-1
             out.append((guesses == full[0, T + 1:]).tolist())

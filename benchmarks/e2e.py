@@ -330,7 +330,8 @@ def peers(target, draft, prompts: list[torch.Tensor], n: int, device: torch.devi
     def assisted(model, prompt, count):
         def run() -> torch.Tensor:
             with torch.no_grad():
-                out = model.generate(prompt, assistant_model=draft, max_new_tokens=count,
+                out = model.generate(prompt, attention_mask=torch.ones_like(prompt),
+                                     assistant_model=draft, max_new_tokens=count,
                                      min_new_tokens=count, do_sample=False, pad_token_id=0)
             return out[:, prompt.shape[1]:]
         return run

@@ -1,7 +1,10 @@
 """The systems fuser is measured against, as greedy generate-n-tokens callables.
 
 Each `make_*` returns `run() -> LongTensor[1, n]` (the new tokens) over a Hugging Face causal LM
-and one prompt; the caller times `run`. Compilation happens inside the first call(s), so callers
+and one prompt; the caller times `run`. Every prompt token is attended: `generate` gets an
+all-ones attention mask, since without one it masks every token equal to pad_token_id (0 here),
+and the bundled pair's <|bos|> is 0 (before the twenty-second session the peers ran with it
+masked: other tokens than the models' own greedy output). Compilation happens inside the first call(s), so callers
 warm up before timing.
 
 - Hugging Face eager: `model.generate` with its dynamic cache.
@@ -23,7 +26,8 @@ from torch import nn
 def make_hf_eager(model: nn.Module, prompt: torch.Tensor, n: int) -> Callable[[], torch.Tensor]:
     def run() -> torch.Tensor:
         with torch.no_grad():
-            out = model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+            out = model.generate(prompt, attention_mask=torch.ones_like(prompt),
+                                 max_new_tokens=n, min_new_tokens=n, do_sample=False,
                                  pad_token_id=0, cache_implementation=None)
         return out[:, prompt.shape[1]:]
     return run
@@ -40,7 +44,8 @@ def make_hf_static_compile(model: nn.Module, prompt: torch.Tensor, n: int
 
     def run() -> torch.Tensor:
         with torch.no_grad():
-            out = model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+            out = model.generate(prompt, attention_mask=torch.ones_like(prompt),
+                                 max_new_tokens=n, min_new_tokens=n, do_sample=False,
                                  pad_token_id=0, cache_implementation="static",
                                  compile_config=CompileConfig(fullgraph=True,
                                                               mode="reduce-overhead"))

@@ -127,3 +127,20 @@ def test_controller_replay_runs_the_agreement_exactly() -> None:
     # (tokens 1, 2), (3), (4, 5), (6, 7): each step's update arrives after the next step was
     # chosen, as in the engine's loop; the last one after the loop
     assert seen == [(1, 1), (0, 1), (1, 1), (1, 1)]
+
+
+def test_hf_peers_attend_to_a_prompt_token_equal_to_the_pad_id() -> None:
+    """The peers pass pad_token_id=0, and the bundled pair's <|bos|> is 0: without an explicit
+    mask `generate` would mask it out and decode other tokens than the model's greedy ones."""
+    import torch
+
+    peers = _bench("peers")
+    tiny = _bench("tiny_models")
+    target, _, prompts = tiny.tiny_pair(torch.device("cpu"))
+    prompt = torch.cat([torch.zeros(1, 1, dtype=torch.long), prompts[0]], dim=1)  # 0 first
+    n = 6
+    ids = prompt
+    with torch.no_grad():
+        for _ in range(n):  # the model's greedy continuation, one full forward a token
+            ids = torch.cat([ids, target(ids).logits[:, -1:].argmax(-1)], dim=1)
+    assert torch.equal(peers.make_hf_eager(target, prompt, n)(), ids[:, prompt.shape[1]:])
