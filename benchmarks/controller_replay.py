@@ -98,6 +98,9 @@ def main() -> None:
                         help="passes over the prompts (e2e.py: a warm-up call, then 5 runs)")
     parser.add_argument("--auto-gammas", default="",
                         help="the candidates of auto (default: every gamma of --costs)")
+    parser.add_argument("--controller", action="append", default=[],
+                        help="also replay auto with these GammaController arguments, e.g. "
+                             "memory=0.9,prior_weight=2 (repeatable)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
@@ -150,7 +153,11 @@ def main() -> None:
             return choose, (lambda n, g: c.update([n], g))
         return make
 
-    for name, kwargs in (("auto", {}),):
+    variants = [("auto", {})]
+    for text in args.controller:  # "memory=0.9,prior=0.8": GammaController keyword arguments
+        kwargs = {k: float(v) for k, v in (item.split("=") for item in text.split(","))}
+        variants.append((f"auto {text}", kwargs))
+    for name, kwargs in variants:
         run(name, controller(name, **kwargs))
         print(f"{'':34s} steps at gamma 0..{len(costs) - 1}: {used[name]}")
 
