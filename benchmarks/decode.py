@@ -120,6 +120,10 @@ def main() -> None:
                              "one-row add + norm GEMVs in the same arithmetic, "
                              "linear.ONE_ROW_NORM_AFTER; fp8: FP8 GEMVs after the norm too, on "
                              "the fp16 MMA; off: the norm kernels; default: the modules', aligned)")
+    parser.add_argument("--stats-fp8-mma", choices=["f16", "x2"], default=None,
+                        help="with --norm-stats fp8: the FP8 GEMVs after a moved norm on the fp16 "
+                             "MMA or the FP8 MMA with x in two pieces split in the GEMV "
+                             "(linear.STATS_FP8_MMA; default: the module's)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     warnings.simplefilter("ignore")
@@ -137,6 +141,8 @@ def main() -> None:
         norm_stats.ENABLED = args.norm_stats != "off"
         norm_stats.FP8_CONSUMERS = args.norm_stats == "fp8"
         linear_module.ONE_ROW_NORM_AFTER = args.norm_stats == "aligned"
+    if args.stats_fp8_mma is not None:
+        linear_module.STATS_FP8_MMA = args.stats_fp8_mma
     for path in args.one_row_tiles:
         linear_module.FP8_ONE_ROW_TILES.update(load_tiles(Path(path)))
     if linear_module.FP8_ONE_ROW_TILES:

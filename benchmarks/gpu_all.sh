@@ -42,6 +42,7 @@
 #   bash benchmarks/gpu_all.sh s18b     # norm_stats with g * h from the producer: GPU tests, 8B bf16 decode on/off, FP8 with its consumers
 #   bash benchmarks/gpu_all.sh s18c     # norm_stats with its loads before the K loop: 8B bf16 decode on/off
 #   bash benchmarks/gpu_all.sh s20b     # overlapped rounds: GPU tests, the bundled pair end to end overlapped, then standard
+#   bash benchmarks/gpu_all.sh s23a     # (not yet run) #10: norm_stats GPU tests, FP8 verify profiled, FP8 consumers on x2 pieces
 #   bash benchmarks/gpu_all.sh s22b     # #12 part 1: the bundled pair, gammas 1..8 + auto, peers (one e2e.py run)
 #   bash benchmarks/gpu_all.sh s22c     # #12 parts 2, 3: the 8B shape + random 1B draft, buckets; overlap lab after
 #   bash benchmarks/gpu_all.sh s22a     # (not yet run) overlap lab (captured/uncaptured x fused/eager), then e2e.py in full at gammas 1..8
@@ -585,6 +586,20 @@ elif [ "$what" = s18c ]; then
     | tee "$OUT/gpu_tests.log" | grep -E "^E  |FAILED|ERROR|passed|failed" | cut -c1-150 | tail -20
   decode_8b bf16 400 --norm-stats on
   TAG=bf16_off decode_8b bf16 400 --norm-stats off
+elif [ "$what" = s23a ]; then
+  # Written in the twenty-second session for the next (issue #10, the FP8 verify step at
+  # 1.290x the decode step against 1.1x): the norm_stats ops' GPU tests (the x2 consumer too),
+  # the FP8 verify kernel by kernel (8 layers: per-layer rows), then the full 8B FP8 decode
+  # with norm_stats' FP8 consumers on the FP8 MMA over x2 pieces (no norm kernel before qkv
+  # and gate/up at several rows; linear.STATS_FP8_MMA).
+  echo "== GPU tests: norm_stats ops"
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_ops_norm_stats.py 2>&1 \
+    | tee "$OUT/norm_stats_tests.log" | tail -3
+  echo "== FP8 decode + verify profiled, 8 layers"
+  timeout 200 python3 benchmarks/decode.py --out "$OUT/decode_fp8_prof.json" --skip-peers \
+    --precisions fp8 --layers 8 --profile 2>&1 | tee "$OUT/decode_fp8_prof.log" | grep -v Warn \
+    | grep -E "breakdown|^GEMV|^attention|^rms|^rotary|^rope|^gated|^other|^sum|^graph|verify|alike" | tail -30
+  TAG=fp8_stats_x2 decode_8b fp8 570 --norm-stats fp8 --stats-fp8-mma x2
 elif [ "$what" = s22b ]; then
   # Twenty-second session (issue #12's run, part 1): the bundled pair at gammas 1..8 and auto,
   # with the Hugging Face peers, in one e2e.py run.

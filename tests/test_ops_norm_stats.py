@@ -97,6 +97,22 @@ def test_rows_dtypes_gated_fp8(M, dtype, activation, fp8) -> None:
         producer=dict(block_n=64, block_k=32), consumer=dict(block_n=32, block_k=64))
 
 
+@pytest.mark.parametrize("activation", [None, "silu"])
+@pytest.mark.parametrize("M", [2, 5])
+def test_fp8_consumer_on_x2_pieces(M, activation, monkeypatch) -> None:
+    """linear.STATS_FP8_MMA = "x2": the FP8 consumer splits g * h into e4m3 pieces per K step
+    (bf16 x only; K = 200 over 64-column steps, the last one cut short) and stays within the
+    GEMV bounds of the fp16 path's values."""
+    import fuser.ops.linear as linear
+
+    monkeypatch.setattr(linear, "STATS_FP8_MMA", "x2")
+    run(M, 96, 200, 40, torch.bfloat16, True, activation, seed=10 + M,
+        producer=dict(block_n=64, block_k=32), consumer=dict(block_n=32, block_k=64))
+    monkeypatch.setattr(linear, "STATS_FP8_MMA", "x3")
+    with pytest.raises(ValueError, match="STATS_FP8_MMA"):
+        run(M, 96, 200, 40, torch.bfloat16, True, activation, seed=10 + M)
+
+
 @pytest.mark.parametrize("split_k", [2, 3])
 def test_split_k_producer_stores_once(split_k: int) -> None:
     run(5, 192, 64, 32, torch.bfloat16, False, None, seed=split_k,

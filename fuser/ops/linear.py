@@ -777,6 +777,14 @@ FP8_ROWS_MMA: str | None = "pieces"
 # the 8B FP8 verify step (T = 5) took 1.442x the decode step on "f16", 1.267x on "norm pieces",
 # 1.248x on "pieces" splitting o_proj's rows too (two machines of one kind).
 FP8_ROWS_CHOICES = ("f16", "x2", "norm pieces", "pieces", None)
+# Several rows, FP8 weights, the GEMV after a norm that passes/norm_stats.py moved into the GEMVs
+# (its FP8_CONSUMERS; x = g * h, rstd after the sum): "f16" (FP8_ROWS_MMA's fp16 path, which
+# the 8B FP8 verify step took at 1.479x the decode step against 1.290x with the norm kernel's
+# pieces: RESULTS.md, nineteenth session) or "x2": the FP8 MMA with x split into two e4m3
+# pieces per row and K step in the GEMV (_x2_step), no norm kernel and no pieces written. Not
+# yet measured on a GPU: benchmarks/decode.py --norm-stats fp8 --stats-fp8-mma x2.
+STATS_FP8_MMA = "f16"
+STATS_FP8_CHOICES = ("f16", "x2")
 
 # FP8 weights, one row: the norm prologue reads x (and r) this many columns a step (None:
 # BLOCK_K). Every program makes the pass, one L2 round trip a step: at BLOCK_K a step FP8's qkv
@@ -1071,6 +1079,11 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         raise ValueError(f"linear.FP8_ROWS_MMA={FP8_ROWS_MMA!r} is not one of {FP8_ROWS_CHOICES}")
     # bf16 x's mode; x given as pieces (e4m3) has none: the kernel multiplies them (X2_PIECES)
     fp8_rows = FP8_ROWS_MMA if swap and fp8 and x.dtype == torch.bfloat16 else None
+    if fp8_rows is not None and stats is not None:  # a norm_stats consumer (x = g * h)
+        if STATS_FP8_MMA not in STATS_FP8_CHOICES:
+            raise ValueError(f"linear.STATS_FP8_MMA={STATS_FP8_MMA!r} is not one of "
+                             f"{STATS_FP8_CHOICES}")
+        fp8_rows = STATS_FP8_MMA
     if pieces is not None and not (swap and fp8 and not norm):
         raise ValueError("x as e4m3 pieces takes FP8 weights at 2 to 16 rows, no norm")
     lo, inv = pieces if pieces is not None else (x2, out)
