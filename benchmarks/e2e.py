@@ -107,8 +107,8 @@ def fuser_runs(engine: fuser.Engine, prompts: list[torch.Tensor], n: int, gamma:
 
     engine.generate(prompts[0], 4, **no_eos)  # warm
     engine.stats.reset()
-    if trace is not None:
-        engine.record_step = step_trace(engine.record_step, trace)  # (an instance attribute: undone below)
+    if trace is not None:  # an instance attribute over the method, deleted below
+        engine.record_step = step_trace(engine.record_step, trace)
     try:
         seconds, count = timed(go, runs, engine.device)
     finally:
