@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from fuser.ops.fp8 import quantize_weight
 from fuser.ops.linear import linear_triton, rms_norm_linear_triton
@@ -30,10 +32,14 @@ def test_pdl_is_on_by_default_for_one_row_launches_only(monkeypatch: pytest.Monk
     monkeypatch.setattr(pdl_module, "pdl_supported", lambda device: True)
     monkeypatch.delenv("FUSER_PDL", raising=False)
     cuda = torch.device("cuda")
+    monkeypatch.delenv("FUSER_PDL_ROWS", raising=False)
     assert pdl_launch(cuda, one_row=True) == {"launch_pdl": True}
     assert pdl_launch(cuda, one_row=False) == {}
-    monkeypatch.setenv("FUSER_PDL", "0")
+    monkeypatch.setenv("FUSER_PDL_ROWS", "1")  # several rows too (measurement)
+    assert pdl_launch(cuda, one_row=False) == {"launch_pdl": True}
+    monkeypatch.setenv("FUSER_PDL", "0")  # ... never with PDL off
     assert pdl_launch(cuda, one_row=True) == {}
+    assert pdl_launch(cuda, one_row=False) == {}
 
 
 def _cases() -> list[tuple]:
@@ -84,15 +90,17 @@ def test_gpu_pdl_launch_gives_the_ordinary_launchs_bits(case: tuple, prefetch: i
 
 
 @needs_hopper
+@pytest.mark.parametrize("pdl_rows", [False, True], ids=["rows-ordinary", "rows-pdl"])
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("rows", [1, 5])
 def test_gpu_dependent_pdl_launches_give_the_ordinary_launchs_bits(
-        rows: int, fp8: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+        rows: int, fp8: bool, pdl_rows: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A chain in which every GEMV reads the one before's output (as a decode step runs them,
     norm prologue and gated epilogue at one row), captured in one CUDA graph: the same bits with
     PDL on as off. The test above never makes a PDL kernel wait for data; this one does. At 5
-    rows no launch takes PDL (with it, the thirteenth session's GPU run saw FP8's chain differ
-    here, fuser/ops/pdl.py): the case holds the verify step's launches to that."""
+    rows the launches take PDL only with FUSER_PDL_ROWS=1 ("rows-pdl"; the thirteenth
+    session's GPU run saw FP8's chain differ there: the prefetched tile's step, fixed in the
+    twenty-second, fuser/ops/pdl.py)."""
     H, I = 4096, 2048
     gen = torch.Generator(device="cuda").manual_seed(rows + 10 * fp8)
 
@@ -129,9 +137,54 @@ def test_gpu_dependent_pdl_launches_give_the_ordinary_launchs_bits(
         h0.mul_(-1)
         return out.clone()
 
+    if rows == 1 and pdl_rows:
+        pytest.skip("FUSER_PDL_ROWS concerns several-row launches")
+    monkeypatch.setenv("FUSER_PDL_ROWS", "1" if pdl_rows else "0")
     monkeypatch.setenv("FUSER_PDL", "0")
     expected = captured()
     monkeypatch.setenv("FUSER_PDL", "1")
     got = captured()
     assert torch.isfinite(expected).all()
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@triton.jit
+def _no_wait(PDL: tl.constexpr):
+    pass
+
+
+@pytest.mark.parametrize("mode", ["f16", "x2", "pieces", "bf16 weight"])
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_pdl_variant_sums_the_prefetched_tiles_as_the_loop_does(
+        mode: str, prefetch: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A PDL-launched program sums its first weight tiles (loaded before its wait) outside the
+    K loop: it must sum them exactly as a loop step of its own path would, so that PDL changes
+    no bit. Several rows on every path of the MMA (FP8 weights on the fp16 MMA, on the FP8 MMA
+    with x split in the GEMV or given as pieces; bf16 weights), on the interpreter: the PDL
+    variant of the kernel with its wait taken out against the ordinary variant."""
+    from fuser.ops import linear as linear_module
+    from fuser.ops.e4m3_pieces import split_pieces_triton
+    from fuser.ops.linear import linear_pieces_triton
+
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter's check (tests on the GPU launch the variants for real)")
+    monkeypatch.setattr(linear_module, "wait_for_inputs", _no_wait)
+    if mode != "pieces":
+        monkeypatch.setattr(linear_module, "FP8_ROWS_MMA", "x2" if mode == "x2" else "f16")
+    gen = torch.Generator().manual_seed(prefetch)
+    M, N, K = 5, 96, 256
+    x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
+    w = torch.randn(N, K, generator=gen) * 0.05
+    w, scale = (w.to(torch.bfloat16), None) if mode == "bf16 weight" else quantize_weight(w)
+    blocks = dict(block_n=32, block_k=64, num_stages=2)
+
+    def run() -> torch.Tensor:
+        if mode == "pieces":
+            hi, lo, inv = split_pieces_triton(x)
+            return linear_pieces_triton(hi, lo, inv, w, scale, out_dtype=x.dtype,
+                                        prefetch=prefetch, **blocks)
+        return linear_triton(x, w, weight_scale=scale, prefetch=prefetch, **blocks)
+
+    expected = run()
+    monkeypatch.setattr(linear_module, "PDL_VARIANT", True)
+    torch.testing.assert_close(run(), expected, rtol=0, atol=0)

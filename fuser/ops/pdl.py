@@ -26,7 +26,7 @@ correct either way.
 
 On by default for one-row launches only: the decode step's kernels (T = 1: attention, the
 one-row GEMVs, the LM head); FUSER_PDL=0 switches it off. Several-row launches (verification,
-catch-up, prefill) never take it (below).
+catch-up, prefill) take it only with FUSER_PDL_ROWS=1 (below).
 Measured on the H200:
   - eighth session (benchmarks/pdl_lab.py, 16 layers of 8B-shape GEMVs): at one row +1.1-1.3% in
     FP8, nothing in bf16; at five rows (the verify step's MMA path) a chain of PDL launches was
@@ -43,6 +43,13 @@ Measured on the H200:
     FP8 chain differed on half its elements (by up to 1.1e-6), a race not found; and it was
     slower: verify (T = 5) bf16 4.545 against 4.349 ms, FP8 4.055 against 3.458. The switch is
     gone; several-row launches stay ordinary.
+  - twenty-second session: not a race. The several-row kernel summed the tiles it prefetched
+    before its wait with the bf16 MMA's step whatever its path; on the fp16 path (FP8 rows then)
+    the running power of two then scaled that first tile away, so every FP8 output of the chain
+    differed (20480 of 40960 values: all of h, none of r). Fixed in fuser/ops/linear.py (the
+    prefetched tiles take the loop's own step, `_rows_k_step`; tests/test_pdl.py holds the PDL
+    variant to the ordinary one's bits on every path, on the interpreter). FUSER_PDL_ROWS=1
+    brings several-row PDL back for measurement; not yet measured on a GPU since.
 """
 
 from __future__ import annotations
@@ -68,7 +75,8 @@ except ImportError:  # pragma: no cover - older Triton: PDL stays off, the kerne
     def gdc_launch_dependents():  # type: ignore[no-redef]
         pass
 
-__all__ = ["HAVE_GDC", "pdl_enabled", "pdl_launch", "pdl_supported", "wait_for_inputs"]
+__all__ = ["HAVE_GDC", "pdl_enabled", "pdl_launch", "pdl_rows_enabled", "pdl_supported",
+           "wait_for_inputs"]
 
 
 def pdl_supported(device: torch.device) -> bool:
@@ -89,11 +97,18 @@ def pdl_enabled(device: torch.device) -> bool:
     return pdl_supported(device)
 
 
+def pdl_rows_enabled() -> bool:
+    """Whether several-row launches take PDL too: FUSER_PDL_ROWS=1 (off by default; read at
+    each launch like FUSER_PDL)."""
+    return os.environ.get("FUSER_PDL_ROWS", "0") == "1"
+
+
 def pdl_launch(device: torch.device, one_row: bool) -> dict[str, bool]:
     """Launch options for a kernel that keeps the contract above: `launch_pdl=True` where PDL is
-    on and the launch is a one-row (decode) launch, nothing otherwise (so the interpreter never
-    sees the option)."""
-    return {"launch_pdl": True} if one_row and pdl_enabled(device) else {}
+    on and the launch is a one-row (decode) launch, or a several-row one with
+    `pdl_rows_enabled()`; nothing otherwise (so the interpreter never sees the option)."""
+    wanted = one_row or pdl_rows_enabled()
+    return {"launch_pdl": True} if wanted and pdl_enabled(device) else {}
 
 
 @triton.jit
