@@ -604,7 +604,7 @@ elif [ "$what" = s23a ]; then
   # with norm_stats' FP8 consumers on the FP8 MMA over x2 pieces (no norm kernel before qkv
   # and gate/up at several rows; linear.STATS_FP8_MMA).
   echo "== GPU tests: norm_stats ops"
-  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_ops_norm_stats.py 2>&1 \
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_ops_norm_stats.py tests/test_pdl.py 2>&1 \
     | tee "$OUT/norm_stats_tests.log" | tail -3
   echo "== FP8 decode + verify profiled, 8 layers"
   timeout 200 python3 benchmarks/decode.py --out "$OUT/decode_fp8_prof.json" --skip-peers \

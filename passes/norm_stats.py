@@ -20,7 +20,9 @@ scale, else None). The rewrite needs:
   - r and g available before the producer (the fused op runs where the producer ran) and of
     the producer's dtype;
   - a plain consumer weight, or FP8 with `FP8_CONSUMERS` (the FP8 verify's GEMVs take x as e4m3
-    pieces from the norm kernel; with it, they run the fp16 MMA on gh);
+    pieces from the norm kernel; with it, they run the fp16 MMA on gh, or with
+    linear.STATS_FP8_MMA = "x2" the FP8 MMA over pieces of gh split in the GEMV; down_proj,
+    the producer before the second norm, keeps its pieces either way);
   - in the target's graphs, every target step of the graph's batch bucket within MAX_ROWS
     rows: B (gamma + 1) <= MAX_ROWS for the largest gamma the engine may verify
     (`_bucket_normalises_alike`). Otherwise a verify step of more rows keeps the norm kernel

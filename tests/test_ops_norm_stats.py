@@ -327,3 +327,42 @@ def test_one_row_norm_after_is_the_several_row_arithmetic(stream: bool,
     from test_ops_gated_linear import assert_mostly_equal
 
     assert_mostly_equal(one, several, torch.bfloat16)
+
+
+@pytest.mark.parametrize("M", [2, 5])
+def test_fp8_producer_on_pieces(M: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """linear_residual over x's e4m3 pieces (down_proj's long rows, as fuser::fp8_linear splits
+    them): summed is the pieces GEMV (linear_pieces_triton, same blocks) plus the residual, bit
+    for bit; gh and the squares as on the other paths; and the op takes that path on its own
+    for rows longer than SPLIT_PIECES_MIN_K."""
+    import fuser.ops.linear as linear
+    from fuser.ops.e4m3_pieces import split_pieces_triton
+    from fuser.ops.linear import linear_pieces_triton
+
+    g = torch.Generator().manual_seed(M)
+    K, H = 256, 80
+    a = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    r = torch.randn(M, H, generator=g).to(torch.bfloat16)
+    norm_weight = (1 + 0.2 * torch.randn(H, generator=g)).to(torch.bfloat16)
+    w, s, _ = _weight(H, K, torch.bfloat16, True, g)
+    a, r, norm_weight, w, s = (t.to(DEVICE) for t in (a, r, norm_weight, w, s))
+    blocks = dict(block_n=32, block_k=64)
+    pieces = split_pieces_triton(a)
+    summed, gh, squares = linear_residual_triton(a, w, r, norm_weight, weight_scale=s,
+                                                 pieces=pieces, **blocks)
+    y = linear_pieces_triton(*pieces, w, s, out_dtype=a.dtype, **blocks)
+    assert torch.equal(summed, y + r)
+    assert torch.equal(gh, norm_weight * summed)
+    torch.testing.assert_close(squares.cpu(), group_squares_reference(summed.cpu()), rtol=1e-5,
+                               atol=1e-6)
+    # the op splits rows longer than SPLIT_PIECES_MIN_K by itself (here: all of them)
+    monkeypatch.setattr(linear, "SPLIT_PIECES_MIN_K", K - 1)
+    monkeypatch.setattr(linear, "FP8_ROWS_MMA", "pieces")
+    from fuser.ops import norm_stats
+
+    taken = []
+    monkeypatch.setattr(norm_stats, "split_pieces_triton",
+                        lambda x: taken.append(x.shape) or split_pieces_triton(x))
+    monkeypatch.setattr(norm_stats, "_takes", lambda *args: True)
+    norm_stats._linear_residual_cuda(a, w, s, r, norm_weight)
+    assert taken == [a.shape]

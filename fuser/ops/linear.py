@@ -1030,9 +1030,11 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
             torch.add(x2, r2, out=summed)
         return out.zero_().reshape(*lead, N), _lead(summed, lead, K)
     block_n, block_k, num_warps, num_stages, split_k, prefetch = overrides
-    if (epilogue is not None or stats is not None) and (M < 2 or norm or pieces is not None):
+    if (epilogue is not None or stats is not None) and (M < 2 or norm) or \
+            stats is not None and pieces is not None:
         raise ValueError("the residual epilogue and the rstd from sums of squares take 2 to "
-                         f"{MAX_ROWS} rows of plain x (got {M} rows)")
+                         f"{MAX_ROWS} rows of x without a norm, the latter not as pieces (got "
+                         f"{M} rows)")
     if epilogue is not None and activation is not None:
         raise ValueError("the residual epilogue takes a plain linear (no activation)")
     if stats is not None and (stats.shape != (M, triton.cdiv(K, STAT_COLS))

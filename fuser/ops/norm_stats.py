@@ -43,6 +43,7 @@ import torch
 import triton
 from torch import Tensor
 
+from fuser.ops.e4m3_pieces import split_pieces_triton
 from fuser.ops.fp8 import FP8_DTYPE
 from fuser.ops.linear import (
     GEMV_DTYPES,
@@ -52,6 +53,7 @@ from fuser.ops.linear import (
     _linear_op,
     _norm_linear_fake_out,
     _row_count,
+    _split_pieces_take,
     linear_any_reference,
     rms_norm_linear_reference,
 )
@@ -94,14 +96,17 @@ def _takes(rows: int, x: Tensor, weight: Tensor, weight_scale: Tensor | None) ->
 def linear_residual_triton(x: Tensor, weight: Tensor, residual: Tensor, norm_weight: Tensor, *,
                            weight_scale: Tensor | None = None, block_n: int | None = None,
                            block_k: int | None = None, num_warps: int | None = None,
-                           num_stages: int | None = None, split_k: int | None = None
+                           num_stages: int | None = None, split_k: int | None = None,
+                           pieces: tuple[Tensor, Tensor, Tensor] | None = None
                            ) -> tuple[Tensor, Tensor, Tensor]:
     """(summed, gh, squares) for 2..16 rows of x [..., K], weight [N, K] (e4m3fn with
     weight_scale), residual [..., N] and norm_weight [N] in x's dtype: summed =
     linear(x, weight) + residual as fuser::add_rms_norm adds them, shaped as residual; gh =
     norm_weight * summed (rounded once), shaped as residual; squares [M, cdiv(N, STAT_COLS)]
     fp32 (group_squares_reference of summed, in the kernel's order). One _linear_kernel
-    launch; the keyword arguments override the tuned blocks (tests)."""
+    launch; the keyword arguments override the tuned blocks (tests). pieces: x's e4m3 pieces
+    (hi, lo, inv_scale: split_pieces_triton of x) for FP8 weights, multiplied on the FP8 MMA
+    as fuser::fp8_linear multiplies down_proj's (X2_PIECES) instead of x on the fp16 path."""
     K = x.shape[-1]
     M = x.numel() // max(K, 1)
     N = weight.shape[0]
@@ -116,8 +121,10 @@ def linear_residual_triton(x: Tensor, weight: Tensor, residual: Tensor, norm_wei
         r2 = r2.contiguous()
     gh = torch.empty((M, N), dtype=x.dtype, device=x.device)
     squares = torch.empty((M, triton.cdiv(N, STAT_COLS)), dtype=torch.float32, device=x.device)
-    summed, _ = _launch(x, None, None, 0.0, weight, weight_scale, None,
+    source, split = (x, None) if pieces is None else (pieces[0], (pieces[1], pieces[2]))
+    summed, _ = _launch(source, None, None, 0.0, weight, weight_scale, None,
                         (block_n, block_k, num_warps, num_stages, split_k, None),
+                        pieces=split, out_dtype=x.dtype,
                         epilogue=(r2, norm_weight.contiguous(), gh, squares))
     return summed.reshape(residual.shape), gh.reshape(residual.shape), squares
 
@@ -167,8 +174,11 @@ def _linear_residual_cuda(x: Tensor, weight: Tensor, weight_scale: Tensor | None
     if _takes(rows, x, weight, weight_scale) and residual.dtype == norm_weight.dtype == x.dtype \
             and residual.shape[-1] == weight.shape[0] == norm_weight.shape[0] and \
             residual.numel() == rows * weight.shape[0]:
+        # down_proj's long FP8 rows: split into e4m3 pieces first, as fuser::fp8_linear does
+        pieces = split_pieces_triton(x) if weight_scale is not None and _split_pieces_take(x) \
+            else None
         return linear_residual_triton(x, weight, residual, norm_weight,
-                                      weight_scale=weight_scale)
+                                      weight_scale=weight_scale, pieces=pieces)
     return residual_outputs(_linear_op(x, weight, weight_scale, None), residual, norm_weight)
 
 
