@@ -42,7 +42,8 @@
 #   bash benchmarks/gpu_all.sh s18b     # norm_stats with g * h from the producer: GPU tests, 8B bf16 decode on/off, FP8 with its consumers
 #   bash benchmarks/gpu_all.sh s18c     # norm_stats with its loads before the K loop: 8B bf16 decode on/off
 #   bash benchmarks/gpu_all.sh s20b     # overlapped rounds: GPU tests, the bundled pair end to end overlapped, then standard
-#   bash benchmarks/gpu_all.sh s23b     # (not yet run) #10: several-row PDL (fixed prefetch step): PDL GPU tests, FP8 verify with FUSER_PDL_ROWS=1
+#   bash benchmarks/gpu_all.sh s23c     # (not yet run) #10: FUSER_PDL_ROWS=1 FUSER_PDL_LATE=1 FP8 decode, then with s23a's x2 consumers
+#   bash benchmarks/gpu_all.sh s23b     # (not yet run) #10: several-row PDL (fixed prefetch step): FP8 decode + verify with FUSER_PDL_ROWS=1
 #   bash benchmarks/gpu_all.sh s23a     # (not yet run) #10: norm_stats GPU tests, FP8 verify profiled, FP8 consumers on x2 pieces
 #   bash benchmarks/gpu_all.sh s22b     # #12 part 1: the bundled pair, gammas 1..8 + auto, peers (one e2e.py run)
 #   bash benchmarks/gpu_all.sh s22c     # #12 parts 2, 3: the 8B shape + random 1B draft, buckets; overlap lab after
@@ -589,14 +590,17 @@ elif [ "$what" = s18c ]; then
   TAG=bf16_off decode_8b bf16 400 --norm-stats off
 elif [ "$what" = s23b ]; then
   # Written in the twenty-second session for the next (issue #10): several-row PDL again, now
-  # that the prefetched tiles take their path's own step (fuser/ops/pdl.py). The PDL GPU tests
-  # (the 5-row FP8 chain with FUSER_PDL_ROWS=1 must give the ordinary bits), then the 8B FP8
-  # decode + verify with every several-row launch on PDL (the verify step's ~0.9 us gaps).
-  echo "== GPU tests: PDL"
-  timeout 150 python3 -m pytest -q -p no:cacheprovider -rf tests/test_pdl.py 2>&1 \
-    | tee "$OUT/pdl_tests.log" | tail -4
+  # that the prefetched tiles take their path's own step (fuser/ops/pdl.py; s23a runs
+  # tests/test_pdl.py, whose 5-row FP8 chain with FUSER_PDL_ROWS=1 must give the ordinary bits).
+  # The 8B FP8 decode + verify with every several-row launch on PDL (the verify step's gaps).
   export FUSER_PDL_ROWS=1
   TAG=fp8_pdl_rows decode_8b fp8 570
+elif [ "$what" = s23c ]; then
+  # (for the next session, issue #10) several-row PDL with the GEMVs letting the next kernel
+  # launch after their K loop (FUSER_PDL_LATE=1), then that with s23a's x2 consumers.
+  export FUSER_PDL_ROWS=1 FUSER_PDL_LATE=1
+  TAG=fp8_pdl_late decode_8b fp8 290
+  TAG=fp8_pdl_late_x2 decode_8b fp8 580 --norm-stats fp8 --stats-fp8-mma x2
 elif [ "$what" = s23a ]; then
   # Written in the twenty-second session for the next (issue #10, the FP8 verify step at
   # 1.290x the decode step against 1.1x): the norm_stats ops' GPU tests (the x2 consumer too),

@@ -149,7 +149,7 @@ def test_gpu_dependent_pdl_launches_give_the_ordinary_launchs_bits(
 
 
 @triton.jit
-def _no_wait(PDL: tl.constexpr):
+def _no_wait(PDL: tl.constexpr, LAUNCH_NEXT: tl.constexpr = True):
     pass
 
 

@@ -113,7 +113,7 @@ from fuser.ops.e4m3_pieces import (_e4m3_rounded, _pow2, _scale_exponent, _split
                                    split_pieces_triton)
 from fuser.ops.fp8 import FP8_DTYPE, fp8_linear_reference
 from fuser.ops.gated_act import ACTIVATIONS, act_times_up, gated_act_reference
-from fuser.ops.pdl import pdl_launch, wait_for_inputs
+from fuser.ops.pdl import late_launch_enabled, launch_next, pdl_launch, wait_for_inputs
 from fuser.ops.rmsnorm import _load_block, _normalise, add_rms_norm_reference, rms_norm_reference
 
 MAX_ROWS = 16  # M above this is not a decode shape: the op falls back to the reference
@@ -502,6 +502,8 @@ def _linear_kernel(
                                 # rstd, from sq_ptr's cdiv(K, STAT_COLS) sums (a power of two
                                 # >= that): x is g * h, the GEMV's the norm's (fuser/ops/norm_stats.py)
     STAT_COLS: tl.constexpr = 16,
+    LATE_LAUNCH: tl.constexpr = False,  # PDL: the next kernel launches after the K loop, not
+                                # right after the wait (fuser/ops/pdl.py late_launch_enabled)
     NORM_AFTER: tl.constexpr = False,  # one row, NORM, no RSTD_LAST: the K loop's input is
                                 # g * h rounded once, the row's rstd multiplies the sums after it
                                 # (norm_stats' arithmetic; linear.ONE_ROW_NORM_AFTER)
@@ -541,7 +543,7 @@ def _linear_kernel(
         k_pre1 = k_lo + BLOCK_K + offs_k
         w_pre1 = _w_tile(w_rows, col_ok, k_pre1, k_hi)
         k_loop += BLOCK_K
-    wait_for_inputs(PDL)
+    wait_for_inputs(PDL, not LATE_LAUNCH)
     if BLOCK_M == 1:
         x_row, r_row = x_ptr, r_ptr
         rstd = 0.0
@@ -662,6 +664,8 @@ def _linear_kernel(
                 acc *= scale[None, :]
         if SWAP and ACTIVATION != "":
             acc = tl.trans(acc)
+    if LATE_LAUNCH:  # the K loop is done: the next kernel may take this one's SMs now
+        launch_next(PDL)
     out_dtype = out_ptr.dtype.element_ty
     if ACTIVATION != "":
         # Split the tile's columns into gate [.., HALF] and up [.., HALF] (once, after the K
@@ -1124,7 +1128,8 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         NORM_K=min(ONE_ROW_NORM_K, triton.next_power_of_2(K)) if ONE_ROW_NORM_K and fp8 else bk,
         FP32_DOTS=fp32_dots, HAS_SCALE=fp8,
         ACTIVATION=activation or "", NORM=norm, HAS_RESIDUAL=residual is not None,
-        SPLIT_K=splits, PDL=bool(pdl) or PDL_VARIANT, PREFETCH=PDL_PREFETCH if prefetch is None else prefetch,
+        SPLIT_K=splits, PDL=bool(pdl) or PDL_VARIANT,
+        LATE_LAUNCH=bool(pdl) and late_launch_enabled(), PREFETCH=PDL_PREFETCH if prefetch is None else prefetch,
         SWAP=swap, F16_MMA=fp8_rows in ("f16", "norm pieces", "pieces"), X2_MMA=fp8_rows == "x2",
         X2_PIECES=pieces is not None, RSTD_LAST=rstd_last,
         ROW_VEC=min(16 // weight.element_size(), bk) if block_m == 1 and partials else 0,

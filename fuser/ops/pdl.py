@@ -75,8 +75,8 @@ except ImportError:  # pragma: no cover - older Triton: PDL stays off, the kerne
     def gdc_launch_dependents():  # type: ignore[no-redef]
         pass
 
-__all__ = ["HAVE_GDC", "pdl_enabled", "pdl_launch", "pdl_rows_enabled", "pdl_supported",
-           "wait_for_inputs"]
+__all__ = ["HAVE_GDC", "late_launch_enabled", "launch_next", "pdl_enabled", "pdl_launch",
+           "pdl_rows_enabled", "pdl_supported", "wait_for_inputs"]
 
 
 def pdl_supported(device: torch.device) -> bool:
@@ -112,9 +112,25 @@ def pdl_launch(device: torch.device, one_row: bool) -> dict[str, bool]:
 
 
 @triton.jit
-def wait_for_inputs(PDL: tl.constexpr):
+def wait_for_inputs(PDL: tl.constexpr, LAUNCH_NEXT: tl.constexpr = True):
     """Wait until the previous kernel has completed (its writes visible), then let the next
-    kernel launch. With PDL False (CPU, interpreter) nothing: the launch was ordinary."""
+    kernel launch (LAUNCH_NEXT False: the kernel calls `launch_next` itself later). With PDL
+    False (CPU, interpreter) nothing: the launch was ordinary."""
     if PDL:
         gdc_wait()
+        if LAUNCH_NEXT:
+            gdc_launch_dependents()
+
+
+@triton.jit
+def launch_next(PDL: tl.constexpr):
+    """Let the next kernel launch (after `wait_for_inputs(PDL, LAUNCH_NEXT=False)`)."""
+    if PDL:
         gdc_launch_dependents()
+
+
+def late_launch_enabled() -> bool:
+    """FUSER_PDL_LATE=1: the GEMVs let the next kernel launch after their K loop rather than
+    right after their wait, so that the next kernel's programs (waiting, holding registers and
+    shared memory) do not take SMs from this one's last programs. For measurement; off."""
+    return os.environ.get("FUSER_PDL_LATE", "0") == "1"
