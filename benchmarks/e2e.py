@@ -238,8 +238,6 @@ def part_bundled(args: argparse.Namespace, device: torch.device, dtype: torch.dt
     engine = fuser.optimize(target, draft=draft, config=fuser.FuserConfig(
         max_seq_len=max(p.shape[1] for p in prompts) + n + 8, gamma="auto",
         gamma_candidates=gammas, overlap=args.overlap))
-    overlapped = any(b.overlap for b in engine.buckets.values())  # (kept off on CUDA for now)
-    fuser_name = "fuser overlap" if overlapped else "fuser"
     RESULTS["bundled_optimize_seconds"] = time.perf_counter() - start
     RESULTS["bundled_fallbacks"] = engine.report().fallbacks
     costs = engine.step_costs.get(1, {})
@@ -252,7 +250,7 @@ def part_bundled(args: argparse.Namespace, device: torch.device, dtype: torch.dt
     seconds, count, _ = fuser_runs(engine, prompts, n, PLAIN, fuser_repeats)
     extra = {"pct_of_graph_bound": 100 * count / seconds * costs[PLAIN]} if costs else {}
     plain = row("bundled", "fuser target-only", seconds, count, **extra)
-    by_gamma = {g: speculative_row(engine, prompts, n, g, fuser_repeats, costs, fuser_name, out,
+    by_gamma = {g: speculative_row(engine, prompts, n, g, fuser_repeats, costs, out,
                                    label=f" of {','.join(map(str, gammas))}")
                 for g in (*gammas, None)}
     RESULTS["bundled_by_gamma"] = {str(g): r["tok_s"] for g, r in by_gamma.items()}
@@ -268,19 +266,20 @@ def part_bundled(args: argparse.Namespace, device: torch.device, dtype: torch.dt
     costs = engine.step_costs.get(1, {})
     log(f"bundled pair, default candidates {defaults}: iteration ms "
         + ", ".join(f"g{g} {1e3 * s:.3f}" for g, s in costs.items()))
-    auto = speculative_row(engine, prompts, n, None, fuser_repeats, costs, fuser_name, out,
+    auto = speculative_row(engine, prompts, n, None, fuser_repeats, costs, out,
                            label=f" of {','.join(map(str, defaults))} (default)")
     RESULTS["bundled_default_auto_over_target_only"] = auto["tok_s"] / plain["tok_s"]
     del engine
 
 
 def speculative_row(engine: fuser.Engine, prompts: list[torch.Tensor], n: int,
-                    g: int | None, repeats: int, costs: dict, fuser_name: str, out: Path,
+                    g: int | None, repeats: int, costs: dict, out: Path,
                     label: str = "") -> dict:
     """One speculative row of the bundled part: gamma g forced, or None: the engine's auto
     (its steps per gamma traced); tok/s, acceptance, Leviathan's prediction, the graph bound,
     the step against its parts."""
-    overlapped = any(b.overlap for b in engine.buckets.values())
+    overlapped = any(b.overlap for b in engine.buckets.values())  # (kept off on CUDA for now)
+    fuser_name = "fuser overlap" if overlapped else "fuser"
     trace: dict = {}  # auto's steps: how often each gamma ran, what it emitted
     seconds, count, stats = fuser_runs(engine, prompts, n, g, repeats,
                                        trace=trace if g is None else None)

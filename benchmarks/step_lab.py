@@ -13,8 +13,8 @@ each part's time, and whether its logits equal the base run's bit for bit.
 Variants (words, ";" between variants):
   base        the engine as built
   split1      several-row and one-row _linear_kernel launches unsplit (split_k 1) where K <= 2048
-  pdl         several-row launches with PDL too (fuser/ops/pdl.py keeps them ordinary: a race
-              was seen at the 8B shape's five rows; this lab checks the logits)
+  pdl         several-row launches with PDL too (FUSER_PDL_ROWS=1, fuser/ops/pdl.py; this lab
+              checks the logits)
   bnN         several-row _linear_kernel tiles N columns wide where K <= 2048
   rows:BN/BK/W/S/X
               several-row _linear_kernel launches where K <= 2048: block_n BN, block_k BK,
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -38,7 +39,6 @@ from timing import log, missing_gpu, time_us  # noqa: E402
 
 import fuser  # noqa: E402
 from fuser.ops import linear as linear_module  # noqa: E402
-from fuser.ops import pdl as pdl_module  # noqa: E402
 from fuser.runtime.steps import CATCHUP, DECODE, verify  # noqa: E402
 
 SMALL_K = 2048
@@ -72,8 +72,7 @@ def apply(words: list[str]) -> Callable[[], None]:
     """Set the variant's switches; returns what restores them."""
     saved_split = linear_module._default_split_k
     saved_config = linear_module._default_config
-    saved_pdl = pdl_module.pdl_launch
-    saved_linear_pdl = linear_module.pdl_launch
+    saved_rows_pdl = os.environ.get("FUSER_PDL_ROWS")
     for word in words:
         if word == "split1":
             def split(M: int, N: int, K: int, fp8: bool, _base=linear_module._default_split_k
@@ -81,10 +80,7 @@ def apply(words: list[str]) -> Callable[[], None]:
                 return 1 if K <= SMALL_K else _base(M, N, K, fp8)
             linear_module._default_split_k = split
         elif word == "pdl":
-            def launch(device: torch.device, one_row: bool) -> dict[str, bool]:
-                return {"launch_pdl": True} if pdl_module.pdl_enabled(device) else {}
-            linear_module.pdl_launch = launch
-            pdl_module.pdl_launch = launch
+            os.environ["FUSER_PDL_ROWS"] = "1"
         elif word.startswith("bn"):
             width = int(word[2:])
 
@@ -114,8 +110,10 @@ def apply(words: list[str]) -> Callable[[], None]:
     def restore() -> None:
         linear_module._default_split_k = saved_split
         linear_module._default_config = saved_config
-        linear_module.pdl_launch = saved_linear_pdl
-        pdl_module.pdl_launch = saved_pdl
+        if saved_rows_pdl is None:
+            os.environ.pop("FUSER_PDL_ROWS", None)
+        else:
+            os.environ["FUSER_PDL_ROWS"] = saved_rows_pdl
     return restore
 
 

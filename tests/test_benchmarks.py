@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -211,8 +212,10 @@ def test_step_lab_variant_words_set_and_restore_the_switches() -> None:
     from fuser.ops import linear, pdl
 
     before = (linear._default_config, linear._default_split_k, linear.pdl_launch, pdl.pdl_launch)
+    rows_pdl = os.environ.get("FUSER_PDL_ROWS")
     restore = apply(["rows:32/64/2/3/3", "pdl"])
     try:
+        assert pdl.pdl_rows_enabled()
         assert linear._default_config(3, 640, 384) == (32, 64, 2, 3)
         assert linear._default_split_k(3, 640, 384, False) == 3      # 3 * 64 divides 384
         assert linear._default_split_k(3, 384, 960, False) == 3      # 960 = 5 * 192
@@ -223,6 +226,7 @@ def test_step_lab_variant_words_set_and_restore_the_switches() -> None:
         restore()
     assert (linear._default_config, linear._default_split_k, linear.pdl_launch,
             pdl.pdl_launch) == before
+    assert os.environ.get("FUSER_PDL_ROWS") == rows_pdl
     with pytest.raises(SystemExit, match="unknown variant word"):
         apply(["rows16"])
 

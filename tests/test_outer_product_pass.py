@@ -46,7 +46,8 @@ def test_rotary_angles_bmm_becomes_a_bit_equal_multiply(batch: int, tokens: int,
                                                         dtype: torch.dtype, start: int) -> None:
     module = OldRotaryAngles(2 * half)
     x = torch.zeros(batch, tokens, 2 * half, dtype=dtype)
-    positions = start + torch.arange(tokens)[None].repeat(batch, 1) * (1 + torch.arange(batch))[:, None]
+    rows = torch.arange(tokens)[None].repeat(batch, 1)
+    positions = start + rows * (1 + torch.arange(batch))[:, None]
     gm = export_like_capture(module, (x, positions))
     assert count_targets(gm, aten.bmm.default) == 1
     expected = gm(x, positions)
