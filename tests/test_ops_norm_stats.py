@@ -366,3 +366,54 @@ def test_fp8_producer_on_pieces(M: int, monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(norm_stats, "_takes", lambda *args: True)
     norm_stats._linear_residual_cuda(a, w, s, r, norm_weight)
     assert taken == [a.shape]
+
+
+_PTX_CHECK = """
+import sys
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from fuser.ops.linear import _scale_product
+
+@triton.jit
+def product_then_add(a_ptr, s_ptr, r_ptr, o_ptr, MUL_RN: tl.constexpr):
+    i = tl.arange(0, 64)[:, None] * 16 + tl.arange(0, 16)[None, :]
+    y = _scale_product(tl.load(a_ptr + i), tl.load(s_ptr + tl.arange(0, 64))[:, None], MUL_RN)
+    tl.store(o_ptr + i, y + tl.load(r_ptr + i))
+
+for mul_rn in (False, True):
+    source = triton.compiler.ASTSource(
+        fn=product_then_add, constexprs={"MUL_RN": mul_rn},
+        signature={"a_ptr": "*fp32", "s_ptr": "*fp32", "r_ptr": "*fp32", "o_ptr": "*fp32",
+                   "MUL_RN": "constexpr"})
+    try:
+        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    except Exception as error:  # a Triton without its CUDA backend tools
+        print("SKIP", type(error).__name__, error)
+        sys.exit(0)
+    print(mul_rn, ptx.count("fma.rn.f32"), ptx.count("mul.rn.f32"))
+"""
+
+
+def test_fp32_scale_product_is_not_fused_with_the_residual_add(tmp_path) -> None:
+    """fp32 x, FP8 weights, the residual epilogue: y = acc * scale must be rounded before
+    y + r (as the plain GEMV stores y and fuser::add_rms_norm adds r). Compiled for sm_90 (PTX,
+    no GPU needed; in a process without TRITON_INTERPRET), the plain product contracts with the
+    add into an FMA, which made summed differ from the GEMV plus r in the last bit on the H200
+    (twenty-third session); MUL_RN's explicitly rounded multiply must not."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = tmp_path / "ptx_check.py"  # a file: triton.jit reads its kernel's source
+    script.write_text(_PTX_CHECK)
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.split("\n")
+    if lines[0].startswith("SKIP"):
+        pytest.skip(f"cannot compile for sm_90 here: {lines[0]}")
+    (plain_fma, _), (fixed_fma, fixed_mul) = (map(int, line.split()[1:]) for line in lines[:2])
+    assert plain_fma > 0  # what the fix is for: the compiler does contract them
+    assert fixed_fma == 0 and fixed_mul > 0

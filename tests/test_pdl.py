@@ -37,6 +37,13 @@ def test_pdl_is_on_by_default_for_one_row_launches_only(monkeypatch: pytest.Monk
     assert pdl_launch(cuda, one_row=False) == {}
     monkeypatch.setenv("FUSER_PDL_ROWS", "1")  # several rows too (measurement)
     assert pdl_launch(cuda, one_row=False) == {"launch_pdl": True}
+    monkeypatch.setenv("FUSER_PDL_ROWS", "gemv")  # the GEMVs' several-row launches only
+    assert pdl_launch(cuda, one_row=False, gemv=True) == {"launch_pdl": True}
+    assert pdl_launch(cuda, one_row=False) == {}
+    monkeypatch.setenv("FUSER_PDL_ROWS", "yes")  # a typo must not measure the default
+    with pytest.raises(ValueError, match="FUSER_PDL_ROWS"):
+        pdl_launch(cuda, one_row=False)
+    monkeypatch.setenv("FUSER_PDL_ROWS", "1")
     monkeypatch.setenv("FUSER_PDL", "0")  # ... never with PDL off
     assert pdl_launch(cuda, one_row=True) == {}
     assert pdl_launch(cuda, one_row=False) == {}
@@ -46,7 +53,7 @@ def _cases() -> list[tuple]:
     # (rows, N, K, fp8, norm, activation, split_k): qkv and down_proj shapes at 8B width, the
     # norm prologue and the gated epilogue, split-K, several rows on the MMA path
     return [(1, 6144, 4096, False, True, None, None), (1, 6144, 4096, True, True, None, None),
-            (1, 4096, 14336, True, False, None, 2), (1, 4096, 14336, False, False, None, 2),
+            (1, 4096, 14336, True, False, None, 7), (1, 4096, 14336, False, False, None, 2),
             (1, 2 * 1024, 4096, True, True, "silu", None), (5, 6144, 4096, False, False, None, None),
             (5, 6144, 4096, True, False, None, None), (9, 2 * 1024, 4096, True, False, "silu", None)]
 

@@ -379,6 +379,21 @@ def _rstd_from_groups(sq_ptr, rows, row_ok, K, eps, STATS_BLOCK: tl.constexpr,
 
 
 @triton.jit
+def _scale_product(acc, scale, MUL_RN: tl.constexpr):
+    """acc * scale (broadcast to acc's shape). MUL_RN (CUDA, fp32 output, the residual
+    epilogue): an explicitly rounded PTX multiply, which neither LLVM nor ptxas may contract with
+    the residual's add that follows into one FMA. Unfused, fp32's y = acc * scale is rounded
+    before y + r, as the plain GEMV's output and fuser::add_rms_norm's add are; fused, summed
+    differed from them in the last bit (the GPU run of tests/test_ops_norm_stats.py, twenty-third
+    session). bf16 and fp16 outputs round y to their dtype first, so nothing fuses there."""
+    if MUL_RN:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f",
+                                         [acc, tl.broadcast_to(scale, acc.shape)],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    return acc * scale
+
+
+@triton.jit
 def _residual_tiles(r_ptr, g_ptr, rows, row_ok, cols, col_ok, stride_rm, SWAP: tl.constexpr):
     """The residual epilogue's inputs, in acc's layout: (r [BLOCK_N, BLOCK_M] with SWAP, else
     [BLOCK_M, BLOCK_N], in r's dtype; g [BLOCK_N] in fp32), zeros where out of bounds."""
@@ -502,6 +517,7 @@ def _linear_kernel(
                                 # rstd, from sq_ptr's cdiv(K, STAT_COLS) sums (a power of two
                                 # >= that): x is g * h, the GEMV's the norm's (fuser/ops/norm_stats.py)
     STAT_COLS: tl.constexpr = 16,
+    MUL_RN: tl.constexpr = False,  # the scale's product rounded on its own (see _scale_product)
     LATE_LAUNCH: tl.constexpr = False,  # PDL: the next kernel launches after the K loop, not
                                 # right after the wait (fuser/ops/pdl.py late_launch_enabled)
     NORM_AFTER: tl.constexpr = False,  # one row, NORM, no RSTD_LAST: the K loop's input is
@@ -659,9 +675,9 @@ def _linear_kernel(
         if HAS_SCALE:  # once per output column, after the sum over K
             scale = tl.load(scale_ptr + w_row, mask=col_ok, other=0.0)
             if SWAP:
-                acc *= scale[:, None]
+                acc = _scale_product(acc, scale[:, None], MUL_RN)
             else:
-                acc *= scale[None, :]
+                acc = _scale_product(acc, scale[None, :], MUL_RN)
         if SWAP and ACTIVATION != "":
             acc = tl.trans(acc)
     if LATE_LAUNCH:  # the K loop is done: the next kernel may take this one's SMs now
@@ -1105,7 +1121,7 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         counts = split_counters(x.device, programs)
     # PDL at one row; at several rows with FUSER_PDL_ROWS=1 (measured slower in the thirteenth
     # session, when its prefetched tile was also summed wrongly: fuser/ops/pdl.py).
-    pdl = pdl_launch(x.device, one_row=block_m == 1)
+    pdl = pdl_launch(x.device, one_row=block_m == 1, gemv=True)
     swap = block_m > 1 and _default_swap(M, rows_w, K, fp8)
     if FP8_ROWS_MMA not in FP8_ROWS_CHOICES:
         raise ValueError(f"linear.FP8_ROWS_MMA={FP8_ROWS_MMA!r} is not one of {FP8_ROWS_CHOICES}")
@@ -1136,6 +1152,8 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         ROW_VEC=min(16 // weight.element_size(), bk) if block_m == 1 and partials else 0,
         EVEN_K=block_m > 1 and K % (splits * bk) == 0,
         EPI_RESIDUAL=epilogue is not None,
+        MUL_RN=epilogue is not None and fp8 and out.dtype == torch.float32 and
+        x.device.type == "cuda",
         STATS_BLOCK=triton.next_power_of_2(triton.cdiv(K, STAT_COLS)) if stats is not None else 0,
         STAT_COLS=STAT_COLS,
         NORM_AFTER=norm and norm_after_for(M, residual is not None, fp8, rstd_last),

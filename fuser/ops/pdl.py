@@ -97,17 +97,24 @@ def pdl_enabled(device: torch.device) -> bool:
     return pdl_supported(device)
 
 
-def pdl_rows_enabled() -> bool:
-    """Whether several-row launches take PDL too: FUSER_PDL_ROWS=1 (off by default; read at
-    each launch like FUSER_PDL)."""
-    return os.environ.get("FUSER_PDL_ROWS", "0") == "1"
+PDL_ROWS_CHOICES = ("0", "1", "gemv")
 
 
-def pdl_launch(device: torch.device, one_row: bool) -> dict[str, bool]:
+def pdl_rows_enabled(gemv: bool = False) -> bool:
+    """Whether several-row launches take PDL too (read at each launch like FUSER_PDL):
+    FUSER_PDL_ROWS=1 every several-row launch, =gemv the GEMVs' only (gemv: the launch is one),
+    0 (the default) none. Another value raises: a typo must not measure the default."""
+    value = os.environ.get("FUSER_PDL_ROWS", "0")
+    if value not in PDL_ROWS_CHOICES:
+        raise ValueError(f"FUSER_PDL_ROWS={value!r} is not one of {PDL_ROWS_CHOICES}")
+    return value == "1" or (value == "gemv" and gemv)
+
+
+def pdl_launch(device: torch.device, one_row: bool, gemv: bool = False) -> dict[str, bool]:
     """Launch options for a kernel that keeps the contract above: `launch_pdl=True` where PDL is
     on and the launch is a one-row (decode) launch, or a several-row one with
-    `pdl_rows_enabled()`; nothing otherwise (so the interpreter never sees the option)."""
-    wanted = one_row or pdl_rows_enabled()
+    `pdl_rows_enabled(gemv)`; nothing otherwise (so the interpreter never sees the option)."""
+    wanted = one_row or pdl_rows_enabled(gemv)
     return {"launch_pdl": True} if wanted and pdl_enabled(device) else {}
 
 
