@@ -124,10 +124,18 @@ def main() -> None:
                         help="with --norm-stats fp8: the FP8 GEMVs after a moved norm on the fp16 "
                              "MMA or the FP8 MMA with x in two pieces split in the GEMV "
                              "(linear.STATS_FP8_MMA; default: the module's)")
+    parser.add_argument("--smem-carveout", type=int, default=None, metavar="PERCENT",
+                        help="every Triton kernel prefers this percent of the maximum shared "
+                             "memory (fuser/ops/carveout.py; default: the driver's choice per "
+                             "kernel, or FUSER_SMEM_CARVEOUT)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     warnings.simplefilter("ignore")
+    from fuser.ops import carveout  # noqa: PLC0415
     from fuser.ops import linear as linear_module  # noqa: PLC0415
+
+    if args.smem_carveout is not None:  # before the first kernel loads
+        carveout.install(args.smem_carveout)
 
     if args.rstd_last:
         linear_module.NORM_RSTD_LAST = True
@@ -150,7 +158,10 @@ def main() -> None:
     RESULTS["env"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "triton": triton.__version__, "transformers": transformers.__version__,
                       "preset": args.preset, "prompt_tokens": args.prompt_tokens,
-                      "new_tokens": args.new_tokens, "layers": args.layers, "command": " ".join(sys.argv)}
+                      "new_tokens": args.new_tokens, "layers": args.layers, "command": " ".join(sys.argv),
+                      "smem_carveout": carveout.installed_percent()}
+    if carveout.installed_percent() is not None:
+        log(f"shared-memory carveout: {carveout.installed_percent()}% on every Triton kernel")
     bandwidth = measure_read_bandwidth()
     log(f"HBM read bandwidth: {bandwidth / 1e12:.2f} TB/s")
 

@@ -42,6 +42,8 @@
 #   bash benchmarks/gpu_all.sh s18b     # norm_stats with g * h from the producer: GPU tests, 8B bf16 decode on/off, FP8 with its consumers
 #   bash benchmarks/gpu_all.sh s18c     # norm_stats with its loads before the K loop: 8B bf16 decode on/off
 #   bash benchmarks/gpu_all.sh s20b     # overlapped rounds: GPU tests, the bundled pair end to end overlapped, then standard
+#   bash benchmarks/gpu_all.sh s24a     # (not yet run) #10: one shared-memory carveout for every kernel: 8-layer FP8 verify profiled, 8B FP8 decode
+#   bash benchmarks/gpu_all.sh s23e     # GPU tests: norm_stats ops (fp32 fix), test_pdl, CUDA engines (FP8 with a bf16 LM head too)
 #   bash benchmarks/gpu_all.sh s23d     # #10: 8-layer FP8 verify profiled with several-row PDL on the GEMVs (early, late), all late
 #   bash benchmarks/gpu_all.sh s23c     # (not yet run) #10: FUSER_PDL_ROWS=1 FUSER_PDL_LATE=1 FP8 decode, then with s23a's x2 consumers
 #   bash benchmarks/gpu_all.sh s23b     # (not yet run) #10: several-row PDL (fixed prefetch step): FP8 decode + verify with FUSER_PDL_ROWS=1
@@ -602,6 +604,31 @@ elif [ "$what" = s23c ]; then
   export FUSER_PDL_ROWS=1 FUSER_PDL_LATE=1
   TAG=fp8_pdl_late decode_8b fp8 290
   TAG=fp8_pdl_late_x2 decode_8b fp8 580 --norm-stats fp8 --stats-fp8-mma x2
+elif [ "$what" = s24a ]; then
+  # Written in the twenty-third session for the next (issue #10): one shared-memory carveout for
+  # every Triton kernel (fuser/ops/carveout.py): does the 5-row verify step lose its 1.67 us
+  # between kernels (and PDL at several rows start to pay) when no SM has to change its L1 /
+  # shared split between kernels? The 8-layer FP8 verify profiled: as is (this machine's
+  # baseline), carveout 100%, carveout 100% with PDL on the several-row GEMVs; then the full 8B
+  # FP8 decode + verify with the carveout.
+  for variant in base:0 c100:0 c100:gemv; do
+    name=${variant%:*}; rows=${variant#*:}
+    flags=""; [ "$name" = c100 ] && flags="--smem-carveout 100"
+    echo "== FP8 verify profiled, 8 layers, $name, FUSER_PDL_ROWS=$rows"
+    FUSER_PDL_ROWS=$rows timeout 150 python3 benchmarks/decode.py --out "$OUT/prof_${name}_${rows}.json" \
+      --skip-peers --precisions fp8 --layers 8 --profile $flags 2>&1 | tee "$OUT/prof_${name}_${rows}.log" \
+      | grep -A8 "verify breakdown" | grep -E "GEMV|attention|other|graph|sum"
+    grep -E "^\[fp8\] [0-9.]+ tok/s" "$OUT/prof_${name}_${rows}.log"
+  done
+  TAG=fp8_c100 decode_8b fp8 580 --smem-carveout 100
+elif [ "$what" = s23e ]; then
+  # Twenty-third session, call 4: the fixes on the GPU: the norm_stats ops (the fp32 residual
+  # epilogue's scale product kept out of an FMA), tests/test_pdl.py (its split-K case), the
+  # CUDA engines (the FP8 speculative test now with fp8_lm_head=False too).
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -rf tests/test_ops_norm_stats.py \
+    tests/test_pdl.py 2>&1 | tee "$OUT/ops_tests.log" | grep -E "^FAILED|passed|failed" | cut -c1-200
+  timeout $((${BUDGET:-580} - SECONDS)) python3 -m pytest -q -p no:cacheprovider -rf \
+    tests/test_cuda.py 2>&1 | tee "$OUT/cuda_tests.log" | grep -E "^FAILED|passed|failed" | cut -c1-200
 elif [ "$what" = s23d ]; then
   # Twenty-third session, call 3 (issue #10): s23b's several-row PDL made the FP8 verify step
   # slower (3.178 ms, 1.396x); which launches cost it. The 8-layer FP8 verify profiled with PDL

@@ -97,19 +97,22 @@ def test_decode_gemv_in_every_fixed_step_and_no_fallback() -> None:
     assert out.shape == (2, ids.shape[1] + 12)
 
 
-def test_fp8_speculative_on_e4m3_pieces_equals_target_only() -> None:
+@pytest.mark.parametrize("fp8_lm_head", [True, False])
+def test_fp8_speculative_on_e4m3_pieces_equals_target_only(fp8_lm_head: bool) -> None:
     # precision="fp8": the verify graph's FP8 GEMVs take x as e4m3 pieces (linear.FP8_ROWS_MMA,
     # "pieces" by default: the norm kernel splits before qkv, gate/up and the LM head, the split
     # kernel before down_proj, here before o_proj too), captured into the graph (the spies see the calls at
     # capture); greedy speculative output equals FP8 target-only greedy, and the engine's
-    # self-check passes (no fallback).
+    # self-check passes (no fallback). fp8_lm_head=False: a bf16 LM head, whose norm then moves
+    # into the last down_proj (norm_stats' producer, on that row's e4m3 pieces).
     from unittest import mock
 
     from fuser.ops import linear as linear_module
 
     target = tiny_model("llama", layers=2, dtype=torch.bfloat16).to("cuda")
     draft = tiny_model("llama", layers=1, seed=1, dtype=torch.bfloat16).to("cuda")
-    config = fuser.FuserConfig(max_seq_len=64, max_batch_size=2, gamma=4, precision="fp8")
+    config = fuser.FuserConfig(max_seq_len=64, max_batch_size=2, gamma=4, precision="fp8",
+                               fp8_lm_head=fp8_lm_head)
     plain = fuser.optimize(target, config=config)
     norm_spy = mock.Mock(wraps=linear_module.add_rms_norm_pieces_triton)
     split_spy = mock.Mock(wraps=linear_module.split_pieces_triton)
