@@ -20,8 +20,29 @@ def assert_same_greedy(plain: fuser.Engine, spec: fuser.Engine, lengths: list[in
     ids, mask = ids.cuda(), mask.cuda()
     a = plain.generate(ids, new_tokens, attention_mask=mask, eos_token_id=[vocab - 1])
     b = spec.generate(ids, new_tokens, attention_mask=mask, eos_token_id=[vocab - 1])
-    assert torch.equal(a, b)
+    assert torch.equal(a, b), divergence(plain, a, b, mask)
     assert spec.report().graph_replays["target.verify"] > 0
+
+
+def divergence(plain: fuser.Engine, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> str:
+    """Where target-only output a and speculative output b first differ, per row, with the
+    target's top-2 logits there (from `plain.logits` over a): tells a flip between (near-)tied
+    logits from a wrong value."""
+    if a.shape != b.shape:
+        return f"shapes differ: {tuple(a.shape)} against {tuple(b.shape)}"
+    T = mask.shape[1]
+    full = torch.cat([mask, torch.ones_like(a[:, T:])], dim=1)
+    logits = plain.logits(a, attention_mask=full).float()
+    lines = []
+    for row in range(a.shape[0]):
+        differ = (a[row] != b[row]).nonzero()
+        if len(differ):
+            i = int(differ[0])
+            top = logits[row, i - 1].topk(2)
+            lines.append(f"row {row}: new token {i - T} is {int(a[row, i])} target-only, "
+                         f"{int(b[row, i])} speculative; target's top-2 there "
+                         f"{top.indices.tolist()} = {top.values.tolist()}")
+    return "; ".join(lines)
 
 
 def test_fp32_greedy_equals_hugging_face_and_decode_replays() -> None:
