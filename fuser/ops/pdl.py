@@ -49,7 +49,15 @@ Measured on the H200:
     differed (20480 of 40960 values: all of h, none of r). Fixed in fuser/ops/linear.py (the
     prefetched tiles take the loop's own step, `_rows_k_step`; tests/test_pdl.py holds the PDL
     variant to the ordinary one's bits on every path, on the interpreter). FUSER_PDL_ROWS=1
-    brings several-row PDL back for measurement; not yet measured on a GPU since.
+    brings several-row PDL back for measurement.
+  - twenty-third session (benchmarks/RESULTS.md): bit-equal on the GPU now (the 5-row chains of
+    tests/test_pdl.py under FUSER_PDL_ROWS=1), and still slower. 8B FP8 verify (T = 5) 3.178 ms
+    with every several-row launch on PDL against 2.94 before; at 8 layers, replayed alike,
+    0.910-0.917 ms with PDL on the GEMVs only (FUSER_PDL_ROWS=gemv), late or not, or on all,
+    against 0.856 without: the gaps between kernels shrink by 15-29 us, the GEMVs take 47 us
+    more. FUSER_PDL_LATE=1 also slows the one-row decode step. Several-row launches stay
+    ordinary; fuser/ops/carveout.py holds the next guess at why (an SM changing its L1/shared
+    split between kernels).
 """
 
 from __future__ import annotations
