@@ -610,7 +610,11 @@ elif [ "$what" = s24a ]; then
   # between kernels (and PDL at several rows start to pay) when no SM has to change its L1 /
   # shared split between kernels? The 8-layer FP8 verify profiled: as is (this machine's
   # baseline), carveout 100%, carveout 100% with PDL on the several-row GEMVs; then the full 8B
-  # FP8 decode + verify with the carveout.
+  # FP8 decode + verify with the carveout. First benchmarks/gap_lab.py (a kernel boundary's
+  # cost between small kernels and the 5-row GEMV), without and with the carveout.
+  for flags in "" "--smem-carveout 100"; do
+    timeout 60 python3 benchmarks/gap_lab.py $flags 2>&1 | grep -v Warn | tail -11
+  done
   for variant in base:0 c100:0 c100:gemv; do
     name=${variant%:*}; rows=${variant#*:}
     flags=""; [ "$name" = c100 ] && flags="--smem-carveout 100"

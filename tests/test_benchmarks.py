@@ -237,3 +237,10 @@ def test_step_labs_say_they_need_a_gpu(script: str) -> None:
     proc = subprocess.run([sys.executable, f"benchmarks/{script}"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "no CUDA device" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_gap_lab_dry_run(tmp_path: Path) -> None:
+    """benchmarks/gap_lab.py's three kernels run once on CPU (the interpreter)."""
+    proc = run("gap_lab.py", tmp_path / "gap.json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("dry run")
