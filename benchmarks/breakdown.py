@@ -22,6 +22,8 @@ from torch.profiler import ProfilerActivity, profile
 KERNEL_GROUPS: list[tuple[str, tuple[str, ...]]] = [
     # (_stream_kernel: fuser/ops/gemv_stream.py, bf16 one-row GEMVs on CUDA)
     ("GEMV: fuser::linear", ("_linear_kernel", "_stream_kernel")),
+    # fuser/ops/e4m3_pieces.py: the several-row FP8 GEMVs' x as e4m3 pieces (FP8 verify)
+    ("e4m3 pieces (norm, row split)", ("_norm_pieces_kernel", "_split_pieces_kernel")),
     # (_rotary_split_kernel: fuser::rotary_cache_attention, rotary and the KV-cache write inside)
     ("attention: fuser split-K", ("_split_kernel", "_rotary_split_kernel", "_combine_kernel")),
     ("rms_norm / add_rms_norm", ("_rms_norm_kernel",)),

@@ -621,7 +621,7 @@ elif [ "$what" = s24a ]; then
     echo "== FP8 verify profiled, 8 layers, $name, FUSER_PDL_ROWS=$rows"
     FUSER_PDL_ROWS=$rows timeout 150 python3 benchmarks/decode.py --out "$OUT/prof_${name}_${rows}.json" \
       --skip-peers --precisions fp8 --layers 8 --profile $flags 2>&1 | tee "$OUT/prof_${name}_${rows}.log" \
-      | grep -A8 "verify breakdown" | grep -E "GEMV|attention|other|graph|sum"
+      | grep -A9 "verify breakdown" | grep -E "GEMV|attention|pieces|other|graph|sum"
     grep -E "^\[fp8\] [0-9.]+ tok/s" "$OUT/prof_${name}_${rows}.log"
   done
   TAG=fp8_c100 decode_8b fp8 580 --smem-carveout 100

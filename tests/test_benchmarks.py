@@ -114,6 +114,10 @@ def test_breakdown_groups_kernels_by_name() -> None:
     assert group_of("_linear_kernel") == group_of("_stream_kernel") == "GEMV: fuser::linear"
     assert group_of("nvjet_sm90_tst_128x8_64x12_2x1_v_bz_splitK_TNT") == "GEMM (cuBLAS / CUTLASS)"
     assert group_of("_split_kernel") == group_of("_combine_kernel") == "attention: fuser split-K"
+    # e4m3_pieces' kernels are not attention's (the twenty-third session's table counted the row
+    # split there by its old name, _split_kernel)
+    assert group_of("_split_pieces_kernel") == group_of("_norm_pieces_kernel") == \
+        "e4m3 pieces (norm, row split)"
     assert group_of("_rotary_split_kernel") == "attention: fuser split-K"  # rotary folded in
     assert group_of("triton_poi_fused_add_arange_index_put_permute_unsqueeze_3") == "KV cache write"
     assert group_of("_rms_norm_kernel") == "rms_norm / add_rms_norm"

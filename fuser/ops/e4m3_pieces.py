@@ -117,7 +117,7 @@ def _norm_pieces_kernel(
 
 
 @triton.jit
-def _split_kernel(
+def _split_pieces_kernel(
     x_ptr,                 # [rows, N] bf16, row stride x_row_stride
     hi_ptr, lo_ptr,        # [rows, N] e4m3fn, contiguous
     inv_ptr,               # [rows] fp32: 2^-t
@@ -143,7 +143,7 @@ def _split_kernel(
     tl.store(inv_ptr + row, _pow2(-t))
 
 
-SPLIT_BLOCK = 4096  # columns a step of _split_kernel: 16 warps, 8 values a thread
+SPLIT_BLOCK = 4096  # columns a step of _split_pieces_kernel: 16 warps, 8 values a thread
 
 
 def split_pieces_triton(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -159,7 +159,7 @@ def split_pieces_triton(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     inv = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows and n:
         block = min(SPLIT_BLOCK, triton.next_power_of_2(n))
-        _split_kernel[(rows,)](x2, hi, lo, inv, x2.stride(0), n, BLOCK=block,
+        _split_pieces_kernel[(rows,)](x2, hi, lo, inv, x2.stride(0), n, BLOCK=block,
                                EMULATE_CAST=x.device.type != "cuda",
                                num_warps=_num_warps(block))
     elif rows:
