@@ -261,3 +261,86 @@ def test_gpu_split_pieces_at_llama3_shapes(N, K):
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.float(), bf16.float(), rtol=2.0**-7,
                                atol=2.0**-7 * bf16.float().abs().max().item())
+
+
+@settings(max_examples=12, **SETTINGS)
+@given(M=st.integers(1, 6), K=st.integers(1, 200), block=st.sampled_from([16, 32, 64]),
+       exponent=st.integers(-100, 100), span=st.integers(0, 30), seed=st.integers(0, 2**16))
+def test_block_split_is_exact_near_each_blocks_max(M, K, block, exponent, span, seed):
+    """split_pieces_blocks_reference: each block of columns is its own row of the split, so hi +
+    lo is x exactly within 2^9 of the *block's* max (finer than the row's), within 2^-9 of its
+    block's 2^-t below that; pieces stay e4m3 values under 2^8."""
+    from fuser.ops.e4m3_pieces import join_pieces_blocks, split_pieces_blocks_reference
+
+    x = spread_rows(M, K, exponent, span, seed)
+    hi, lo, inv = split_pieces_blocks_reference(x, block)
+    assert hi.shape == lo.shape == (M, K) and inv.shape == (M, -(-K // block))
+    back = join_pieces_blocks(hi, lo, inv, block)
+    x64 = x.double()
+    block_max = torch.zeros(M, inv.shape[1] * block, dtype=torch.float64)
+    block_max[:, :K] = x64.abs()
+    block_max = block_max.reshape(M, -1, block).amax(-1).repeat_interleave(block, 1)[:, :K]
+    near = x64.abs() >= block_max * 2.0**-9
+    assert torch.equal(back[near], x64[near])
+    scales = inv.double().repeat_interleave(block, 1)[:, :K]
+    assert ((back - x64).abs() <= 2.0**-9 * scales).all()
+    assert (hi.float().abs() < 256).all() and (lo.float().abs() < 16).all()
+
+
+@settings(max_examples=10, **SETTINGS)
+@given(M=st.integers(2, MAX_ROWS), N=st.integers(1, 70), blocks=st.integers(1, 4),
+       block=st.sampled_from([32, 64]), split_k=st.sampled_from([1, 2]),
+       activation=st.sampled_from([None, "silu"]), seed=st.integers(0, 2**16))
+def test_gemv_on_block_scaled_pieces(M, N, blocks, block, split_k, activation, seed):
+    """BLOCK_SCALES: the GEMV over block-scaled pieces (a power of two per row and K step)
+    (1) gives the row-scaled GEMV's bits when every block carries its row's scale (the per-step
+    scaling by a power of two is exact), and (2) on pieces split per block (rows whose blocks
+    differ by up to 2^40 in magnitude) stays within the bf16 MMA's bound of the float64 GEMV of
+    the values the pieces hold."""
+    from fuser.ops.e4m3_pieces import join_pieces_blocks, split_pieces_blocks_reference
+
+    K = block * blocks * split_k
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g)
+    x = (x * torch.exp2(torch.randint(-20, 21, (M, K // block), generator=g).double()
+                        .repeat_interleave(block, 1))).to(torch.bfloat16)
+    w, scale = quantize_weight(torch.randn(2 * N if activation else N, K, generator=g))
+    w, scale = w.to(DEVICE), scale.to(DEVICE)
+    config = dict(activation=activation, block_n=16, split_k=split_k)
+    # (1) row scales repeated per block: the row-scaled GEMV's bits
+    hi, lo, inv = (t.to(DEVICE) for t in split_pieces_reference(x))
+    row = linear_pieces_triton(hi, lo, inv, w, scale, block_k=block, **config)
+    repeated = inv[:, None].expand(M, K // block).contiguous()
+    same = linear_pieces_triton(hi, lo, repeated, w, scale, scale_block=block, **config)
+    assert torch.equal(same, row)
+    # (2) pieces per block
+    bhi, blo, binv = (t.to(DEVICE) for t in split_pieces_blocks_reference(x, block))
+    out = linear_pieces_triton(bhi, blo, binv, w, scale, scale_block=block, **config)
+    held = join_pieces_blocks(bhi.cpu(), blo.cpu(), binv.cpu(), block)
+    wd = w.cpu().double() * scale.cpu().double()[:, None]
+    y = held @ wd.T
+    if activation is not None:
+        n = y.shape[1] // 2
+        gate = y[:, :n].to(torch.bfloat16).double()
+        up = y[:, n:].to(torch.bfloat16).double()
+        y = torch.nn.functional.silu(gate) * up
+    tol = 2.0**-7
+    torch.testing.assert_close(out.cpu().double(), y, rtol=tol,
+                               atol=tol * y.abs().max().item() + 1e-30)
+
+
+def test_block_scaled_pieces_are_checked():
+    w, scale = quantize_weight(torch.randn(16, 96))
+    x = torch.randn(3, 96).to(torch.bfloat16)
+    from fuser.ops.e4m3_pieces import split_pieces_blocks_reference
+
+    hi, lo, inv = split_pieces_blocks_reference(x, 32)
+    with pytest.raises(ValueError, match="scale_block"):
+        linear_pieces_triton(hi, lo, inv, w, scale)                       # no scale_block
+    with pytest.raises(ValueError, match="scale_block"):
+        linear_pieces_triton(hi, lo, inv, w, scale, scale_block=64)       # 2 blocks, not 3
+    with pytest.raises(ValueError, match="scale_block"):
+        linear_pieces_triton(hi, lo, inv, w, scale, scale_block=32, block_k=64)
+    row_hi, row_lo, row_inv = split_pieces_reference(x)
+    with pytest.raises(ValueError, match="scale_block is for"):
+        linear_pieces_triton(row_hi, row_lo, row_inv, w, scale, scale_block=32)

@@ -215,3 +215,24 @@ def split_pieces_reference(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 def join_pieces(hi: Tensor, lo: Tensor, inv_scale: Tensor) -> Tensor:
     """(hi + lo) * inv_scale in float64: the values an MMA over the pieces multiplies."""
     return (hi.double() + lo.double()) * inv_scale.double()[..., None]
+
+
+def split_pieces_blocks_reference(x: Tensor, block: int) -> tuple[Tensor, Tensor, Tensor]:
+    """split_pieces_reference's split per block of `block` columns instead of per row: hi, lo
+    [M, K] e4m3fn and inv_scale [M, cdiv(K, block)] fp32, each block scaled by the power of two
+    that puts its own max |x| in [2^7, 2^8) (the last block may be short). What a kernel that
+    makes x a block at a time can write; linear_pieces_triton(..., scale_block=block) takes it."""
+    if block < 1:
+        raise ValueError(f"block={block}: columns per scale, 1 or more")
+    M, K = x.shape
+    blocks = -(-K // block)
+    padded = torch.zeros(M, blocks * block, dtype=x.dtype, device=x.device)
+    padded[:, :K] = x
+    hi, lo, inv = split_pieces_reference(padded.reshape(M, blocks, block))
+    return hi.reshape(M, -1)[:, :K].contiguous(), lo.reshape(M, -1)[:, :K].contiguous(), inv
+
+
+def join_pieces_blocks(hi: Tensor, lo: Tensor, inv_scale: Tensor, block: int) -> Tensor:
+    """(hi + lo) * each block's inv_scale in float64 (split_pieces_blocks_reference's values)."""
+    scales = inv_scale.double().repeat_interleave(block, dim=-1)[..., :hi.shape[-1]]
+    return (hi.double() + lo.double()) * scales

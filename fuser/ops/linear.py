@@ -271,20 +271,36 @@ def _f16_step(acc, shift, w, x, FP32_DOTS: tl.constexpr):
 
 
 @triton.jit
+def _block_inv(inv_ptr, rows, row_ok, k0, K, BLOCK_K: tl.constexpr, BLOCK_SCALES: tl.constexpr):
+    """BLOCK_SCALES: the rows' 2^-t of the pieces' K block starting at k0 ([BLOCK_M] fp32, from
+    inv_ptr [M, cdiv(K, BLOCK_K)]); else a placeholder nothing reads."""
+    if BLOCK_SCALES:
+        return tl.load(inv_ptr + rows * tl.cdiv(K, BLOCK_K) + k0 // BLOCK_K, mask=row_ok,
+                       other=0.0)
+    return 0.0
+
+
+@triton.jit
 def _rows_k_step(acc, shift, w, k, k_hi, x_rows, r_rows, g_ptr, lo_rows, row_ok, rstd,
                  FP32_DOTS: tl.constexpr, HAS_SCALE: tl.constexpr, NORM: tl.constexpr,
                  HAS_RESIDUAL: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr,
-                 X2_PIECES: tl.constexpr, X2_MMA: tl.constexpr, F16_MMA: tl.constexpr):
+                 X2_PIECES: tl.constexpr, X2_MMA: tl.constexpr, F16_MMA: tl.constexpr,
+                 blk_inv=0.0, BLOCK_SCALES: tl.constexpr = False):
     """One K step of the several-row GEMV on its path, for the loop's tiles and the tiles a
     PDL launch loaded before its wait alike: (acc, shift) after adding weight tile w (columns
-    k) times x's columns k. X2_PIECES: x given as e4m3 pieces (hi at x_rows, lo at lo_rows);
-    X2_MMA: x split into pieces here (_x2_step); F16_MMA: the fp16 MMA (_f16_step, shift its
-    running power of two per row); else the MMA in x's dtype (_rows_step)."""
+    k) times x's columns k. X2_PIECES: x given as e4m3 pieces (hi at x_rows, lo at lo_rows),
+    with BLOCK_SCALES a power of two per row and K block (blk_inv [BLOCK_M]: the step's sums
+    are scaled by it, exactly, before they join acc); X2_MMA: x split into pieces here
+    (_x2_step); F16_MMA: the fp16 MMA (_f16_step, shift its running power of two per row);
+    else the MMA in x's dtype (_rows_step)."""
     if X2_PIECES:
         x_ok = row_ok[:, None] & _k_ok(k, k_hi, EVEN_K)[None, :]
         hi = tl.load(x_rows + k[None, :], mask=x_ok, other=0.0)
         lo = tl.load(lo_rows + k[None, :], mask=x_ok, other=0.0)
-        acc += _pieces_dot(w, hi, lo, FP32_DOTS)
+        if BLOCK_SCALES:  # acc [BLOCK_N, BLOCK_M] (SWAP)
+            acc += _pieces_dot(w, hi, lo, FP32_DOTS) * blk_inv[None, :]
+        else:
+            acc += _pieces_dot(w, hi, lo, FP32_DOTS)
     elif X2_MMA:
         x = _rows_x(x_rows, r_rows, g_ptr, k, k_hi, row_ok, rstd, NORM, HAS_RESIDUAL, EVEN_K)
         acc = _x2_step(acc, w, x, FP32_DOTS)
@@ -503,6 +519,8 @@ def _linear_kernel(
     F16_MMA: tl.constexpr = False,  # SWAP, FP8 weights: the MMA in fp16 (_f16_step)
     X2_MMA: tl.constexpr = False,  # SWAP, FP8 weights: the FP8 MMA, x in two pieces (_x2_step)
     X2_PIECES: tl.constexpr = False,  # SWAP, FP8 weights: x given as pieces (hi, lo, inv_ptr)
+    BLOCK_SCALES: tl.constexpr = False,  # X2_PIECES: inv_ptr [M, cdiv(K, BLOCK_K)], a power of
+                                # two per row and K block of the pieces (_block_inv)
     RSTD_LAST: tl.constexpr = False,  # one row, NORM: no prologue pass; the K loop gathers the
                                 # squares and rstd multiplies the sum (_row_step, _rstd_last)
     ROW_VEC: tl.constexpr = 0,  # one row: acc [BLOCK_N, BLOCK_K // ROW_VEC] of in-thread
@@ -648,20 +666,26 @@ def _linear_kernel(
         if PDL and PREFETCH >= 1:
             acc, shift = _rows_k_step(acc, shift, w_pre0, k_pre0, k_hi, x_rows, r_rows, g_ptr,
                                       lo_rows, row_ok, rstd, FP32_DOTS, HAS_SCALE, NORM,
-                                      HAS_RESIDUAL, SWAP, False, X2_PIECES, X2_MMA, F16_MMA)
+                                      HAS_RESIDUAL, SWAP, False, X2_PIECES, X2_MMA, F16_MMA,
+                                      _block_inv(inv_ptr, rows, row_ok, k_lo, K, BLOCK_K,
+                                                 BLOCK_SCALES), BLOCK_SCALES)
         if PDL and PREFETCH >= 2:
             acc, shift = _rows_k_step(acc, shift, w_pre1, k_pre1, k_hi, x_rows, r_rows, g_ptr,
                                       lo_rows, row_ok, rstd, FP32_DOTS, HAS_SCALE, NORM,
-                                      HAS_RESIDUAL, SWAP, False, X2_PIECES, X2_MMA, F16_MMA)
+                                      HAS_RESIDUAL, SWAP, False, X2_PIECES, X2_MMA, F16_MMA,
+                                      _block_inv(inv_ptr, rows, row_ok, k_lo + BLOCK_K, K,
+                                                 BLOCK_K, BLOCK_SCALES), BLOCK_SCALES)
         for k0 in range(k_loop, k_hi, BLOCK_K):
             k = k0 + offs_k
             w = _w_tile(w_rows, col_ok, k, k_hi, EVEN_K)
             acc, shift = _rows_k_step(acc, shift, w, k, k_hi, x_rows, r_rows, g_ptr, lo_rows,
                                       row_ok, rstd, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL,
-                                      SWAP, EVEN_K, X2_PIECES, X2_MMA, F16_MMA)
+                                      SWAP, EVEN_K, X2_PIECES, X2_MMA, F16_MMA,
+                                      _block_inv(inv_ptr, rows, row_ok, k0, K, BLOCK_K,
+                                                 BLOCK_SCALES), BLOCK_SCALES)
         if F16_MMA:  # back to the sums themselves (each split had its own shifts)
             acc *= _pow2(-shift)[None, :]
-        if X2_PIECES:  # the rows' 2^-t (acc [BLOCK_N, BLOCK_M]: SWAP)
+        if X2_PIECES and not BLOCK_SCALES:  # the rows' 2^-t (acc [BLOCK_N, BLOCK_M]: SWAP)
             acc *= tl.load(inv_ptr + rows, mask=row_ok, other=0.0)[None, :]
         # SWAP keeps acc [BLOCK_N, BLOCK_M] through the split sum (every split stores its partial
         # in that layout), the scale and a plain store; only the gated epilogue transposes it.
@@ -987,18 +1011,40 @@ def linear_pieces_triton(
     activation: str | None = None, out_dtype: torch.dtype = torch.bfloat16,
     block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
     num_stages: int | None = None, split_k: int | None = None, prefetch: int | None = None,
+    scale_block: int | None = None,
 ) -> Tensor:
     """linear_triton(x, weight, weight_scale=..., activation=...) for 2..16 rows of x given as
     e4m3 pieces, x = (hi + lo) * inv_scale[:, None] (fuser/ops/e4m3_pieces.py): hi, lo
     [M, K] e4m3fn (one row stride), inv_scale [M] fp32; FP8 weights. The FP8 MMA multiplies
-    the weight by both pieces (X2_PIECES); out [M, N] in out_dtype."""
+    the weight by both pieces (X2_PIECES); out [M, N] in out_dtype.
+
+    Block-scaled pieces (split_pieces_blocks_reference): inv_scale [M, cdiv(K, scale_block)],
+    a power of two per row and block of scale_block columns (a power of two, 16 or more; the
+    GEMV's K step). Each K step's sums are scaled by their block's 2^-t, exactly, where the
+    row-scaled pieces' sums are scaled once after the loop: the same values when every block
+    of a row has the row's scale. A kernel that makes x a block of columns at a time (an
+    epilogue) can write such pieces without knowing the whole row's max."""
+    blocks = inv_scale.dim() == 2
     if hi.shape != lo.shape or hi.dtype != FP8_DTYPE or lo.dtype != FP8_DTYPE or \
             hi.stride() != lo.stride() or hi.stride(-1) != 1 or hi.dim() != 2 or \
-            inv_scale.shape != hi.shape[:1] or \
+            inv_scale.shape[:1] != hi.shape[:1] or inv_scale.dim() not in (1, 2) or \
             inv_scale.dtype != torch.float32:
         raise ValueError(f"pieces must be hi, lo [M, K] {FP8_DTYPE} of one layout and "
-                         f"inv_scale [M] fp32, got {hi.dtype} {tuple(hi.shape)}, {lo.dtype} "
-                         f"{tuple(lo.shape)}, {inv_scale.dtype} {tuple(inv_scale.shape)}")
+                         f"inv_scale [M] (or [M, blocks]) fp32, got {hi.dtype} "
+                         f"{tuple(hi.shape)}, {lo.dtype} {tuple(lo.shape)}, {inv_scale.dtype} "
+                         f"{tuple(inv_scale.shape)}")
+    if blocks:
+        K = hi.shape[1]
+        if scale_block is None or scale_block < 16 or scale_block & (scale_block - 1) or \
+                inv_scale.shape[1] != triton.cdiv(K, scale_block) or \
+                block_k not in (None, scale_block):
+            raise ValueError(f"block-scaled pieces need scale_block, a power of two >= 16 with "
+                             f"cdiv(K, scale_block) = {inv_scale.shape[1]} scales a row (K = "
+                             f"{K}), as the K step (block_k {block_k}); got scale_block "
+                             f"{scale_block}")
+        block_k = scale_block
+    elif scale_block is not None:
+        raise ValueError("scale_block is for block-scaled pieces (inv_scale [M, blocks])")
     out, _ = _launch(hi, None, None, 0.0, weight, weight_scale, activation,
                      (block_n, block_k, num_warps, num_stages, split_k, prefetch),
                      pieces=(lo, inv_scale.contiguous()), out_dtype=out_dtype)
@@ -1149,6 +1195,7 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         PREFETCH=PDL_PREFETCH if prefetch is None else prefetch,
         SWAP=swap, F16_MMA=fp8_rows in ("f16", "norm pieces", "pieces"), X2_MMA=fp8_rows == "x2",
         X2_PIECES=pieces is not None, RSTD_LAST=rstd_last,
+        BLOCK_SCALES=pieces is not None and pieces[1].dim() == 2,
         ROW_VEC=min(16 // weight.element_size(), bk) if block_m == 1 and partials else 0,
         EVEN_K=block_m > 1 and K % (splits * bk) == 0,
         EPI_RESIDUAL=epilogue is not None,
