@@ -248,3 +248,10 @@ def test_gap_lab_dry_run(tmp_path: Path) -> None:
     proc = run("gap_lab.py", tmp_path / "gap.json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1].startswith("dry run")
+
+
+def test_pieces_lab_dry_run(tmp_path: Path) -> None:
+    """benchmarks/pieces_lab.py's three GEMV variants run once on CPU (a small shape)."""
+    proc = run("pieces_lab.py", tmp_path / "pieces.json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("dry run")

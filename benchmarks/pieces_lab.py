@@ -1,0 +1,87 @@
+"""Does a power of two per K step cost the 5-row FP8 GEMV anything? (issue #10)
+
+The FP8 verify step's GEMVs take x as e4m3 pieces with a power of two per row, which a kernel
+of its own has to make (the norm kernel, a row split): a launch and a gap per GEMV that decode
+does not pay (benchmarks/RESULTS.md, twenty-third session). Pieces scaled per block of columns
+(linear_pieces_triton(..., scale_block=G)) could come out of the kernel before instead, a block
+at a time: attention's combine (one head, 128 columns), a GEMV's epilogue. Their GEMV scales
+each K step's sums by its block's power of two. Here, per 8B shape at 5 rows, each as a CUDA
+graph of rotated weight copies (benchmarks/timing.py):
+
+    rows     the GEMV on row-scaled pieces (today's default path)
+    blocks   the same GEMV on block-scaled pieces, K step = scale block (the same tiles)
+    f16      bf16 x on the fp16 MMA (o_proj's path today)
+
+    python3 benchmarks/pieces_lab.py [--rows 5] [--out pieces.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import copies_for, log, missing_gpu, time_us  # noqa: E402
+
+# name: (N, K, gated)
+SHAPES = {"qkv": (6144, 4096, False), "o_proj": (4096, 4096, False),
+          "gate_up": (28672, 4096, True), "down": (4096, 14336, False)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=5)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--dry-run", action="store_true", help="CPU, small shapes: plumbing only")
+    args = parser.parse_args()
+    if missing_gpu("pieces_lab.py", args.dry_run):
+        sys.exit(2)
+    from fuser.ops import linear as linear_module  # noqa: PLC0415
+    from fuser.ops.e4m3_pieces import (split_pieces_blocks_reference,  # noqa: PLC0415
+                                       split_pieces_reference)
+    from fuser.ops.fp8 import quantize_weight  # noqa: PLC0415
+    from fuser.ops.linear import linear_pieces_triton, linear_triton  # noqa: PLC0415
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shapes = {"tiny": (64, 256, False)} if args.dry_run else SHAPES
+    gen = torch.Generator().manual_seed(0)
+    results: dict[str, dict[str, float]] = {}
+    for name, (N, K, gated) in shapes.items():
+        rows_w = 2 * N if gated else N
+        bn, bk, _, _ = linear_module._default_fp8_config(args.rows, rows_w, K, pieces=True)
+        x = torch.randn(args.rows, K, generator=gen).to(torch.bfloat16)
+        w, s = quantize_weight(torch.randn(rows_w, K, generator=gen) * 0.02)
+        copies = 1 if args.dry_run else copies_for(w.numel())
+        weights = [(w.to(device), s.to(device)) for _ in range(copies)]
+        hi, lo, inv = (t.to(device) for t in split_pieces_reference(x))
+        bhi, blo, binv = (t.to(device) for t in split_pieces_blocks_reference(x, bk))
+        act = "silu" if gated else None
+        variants = {
+            "rows": [functools.partial(linear_pieces_triton, hi, lo, inv, wc, sc, activation=act)
+                     for wc, sc in weights],
+            "blocks": [functools.partial(linear_pieces_triton, bhi, blo, binv, wc, sc,
+                                         activation=act, scale_block=bk) for wc, sc in weights],
+            "f16": [functools.partial(linear_triton, x.to(device), wc, weight_scale=sc,
+                                      activation=act) for wc, sc in weights],
+        }
+        if args.dry_run:
+            for fns in variants.values():
+                fns[0]()
+            continue
+        results[name] = {v: time_us(fns).us for v, fns in variants.items()}
+        log(f"{name:8s} {N}x{K} tiles {bn}x{bk}: " + ", ".join(
+            f"{v} {us:.2f} us" for v, us in results[name].items()))
+    if args.dry_run:
+        log("dry run: every variant ran once on CPU")
+        return
+    if args.out:
+        Path(args.out).write_text(json.dumps({"rows": args.rows, "us": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
