@@ -11,6 +11,7 @@ graph of rotated weight copies (benchmarks/timing.py):
     rows     the GEMV on row-scaled pieces (today's default path)
     blocks   the same GEMV on block-scaled pieces, K step = scale block (the same tiles)
     f16      bf16 x on the fp16 MMA (o_proj's path today)
+    blocks64 block-scaled pieces of 64 columns (a GEMV epilogue's tile width), K step 64
 
     python3 benchmarks/pieces_lab.py [--rows 5] [--out pieces.json]
 """
@@ -69,6 +70,11 @@ def main() -> None:
             "f16": [functools.partial(linear_triton, x.to(device), wc, weight_scale=sc,
                                       activation=act) for wc, sc in weights],
         }
+        if bk > 64:  # a GEMV epilogue's 64-column tiles as the blocks (norm_stats' producers)
+            h64, l64, i64 = (t.to(device) for t in split_pieces_blocks_reference(x, 64))
+            variants["blocks64"] = [
+                functools.partial(linear_pieces_triton, h64, l64, i64, wc, sc, activation=act,
+                                  scale_block=64) for wc, sc in weights]
         if args.dry_run:
             for fns in variants.values():
                 fns[0]()
