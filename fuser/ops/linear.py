@@ -109,7 +109,7 @@ from torch import Tensor
 
 from fuser.ops.counters import split_counters
 from fuser.ops.e4m3_pieces import (_e4m3_rounded, _pow2, _scale_exponent, _split,
-                                   add_rms_norm_pieces_triton, pieces_supported,
+                                   _store_pieces, add_rms_norm_pieces_triton, pieces_supported,
                                    split_pieces_triton)
 from fuser.ops.fp8 import FP8_DTYPE, fp8_linear_reference
 from fuser.ops.gated_act import ACTIVATIONS, act_times_up, gated_act_reference
@@ -426,7 +426,8 @@ def _residual_tiles(r_ptr, g_ptr, rows, row_ok, cols, col_ok, stride_rm, SWAP: t
 @triton.jit
 def _residual_epilogue(acc, r, g, gx_ptr, sq_ptr, rows, row_ok, cols, col_ok, pid, N, stride_om,
                        out_dtype: tl.constexpr, BLOCK_N: tl.constexpr, STAT_COLS: tl.constexpr,
-                       SWAP: tl.constexpr):
+                       SWAP: tl.constexpr, plo_ptr=None, pinv_ptr=None,
+                       PIECES_OUT: tl.constexpr = False, EMULATE_CAST: tl.constexpr = False):
     """The several-row GEMV's tile of summed = (x @ W.T rounded to out's dtype) + residual r,
     rounded once (what fuser::add_rms_norm adds), in acc's layout, for the caller to store; here
     it stores g * summed (rounded once: a product of two bf16/fp16 values is exact in fp32) to
@@ -439,9 +440,18 @@ def _residual_epilogue(acc, r, g, gx_ptr, sq_ptr, rows, row_ok, cols, col_ok, pi
     # split-K: only the summing program stores (col_ok is all false in the others)
     width_here = tl.where(tl.max(col_ok.to(tl.int32), axis=0) > 0, width, 0)
     h = (acc.to(out_dtype).to(tl.float32) + r.to(tl.float32)).to(out_dtype).to(tl.float32)
-    if SWAP:  # acc [BLOCK_N, BLOCK_M]
+    if PIECES_OUT:  # g * summed as e4m3 pieces, a power of two per row and this tile (SWAP)
+        gh = (h * g[:, None]).to(out_dtype).to(tl.float32)
+        t = _scale_exponent(tl.max(tl.abs(gh), axis=0))                    # [BLOCK_M]
+        _store_pieces(gx_ptr, plo_ptr, rows[None, :] * N + cols[:, None], gh * _pow2(t)[None, :],
+                      row_ok[None, :] & col_ok[:, None], EMULATE_CAST)
+        writer = rows * 0 + tl.max(col_ok.to(tl.int32), axis=0)  # split-K: the summing one
+        tl.store(pinv_ptr + rows * tl.cdiv(N, BLOCK_N) + pid, _pow2(-t),
+                 mask=row_ok & (writer > 0))
+    elif SWAP:
         tl.store(gx_ptr + rows[None, :] * stride_om + cols[:, None],
                  (h * g[:, None]).to(out_dtype), mask=row_ok[None, :] & col_ok[:, None])
+    if SWAP:  # acc [BLOCK_N, BLOCK_M]
         sq = tl.sum(tl.reshape(h * h, [tile_groups, STAT_COLS, acc.shape[1]]), axis=1)
         tl.store(sq_ptr + rows[None, :] * width + groups[:, None], sq,
                  mask=row_ok[None, :] & (groups < width_here)[:, None])
@@ -497,7 +507,10 @@ def _linear_kernel(
     inv_ptr,                    # X2_PIECES: [M] fp32, each row's 2^-t (fuser/ops/e4m3_pieces.py)
     sq_ptr,                     # [M, groups] fp32 sums of squares over groups of STAT_COLS
                                 # columns: written with EPI_RESIDUAL, read with STATS_BLOCK
-    gx_ptr,                     # EPI_RESIDUAL: [M, N] like out, g * summed (g at g_ptr, [N])
+    gx_ptr,                     # EPI_RESIDUAL: [M, N] like out, g * summed (g at g_ptr, [N]);
+                                # PIECES_OUT: its hi piece, [M, N] e4m3fn contiguous
+    plo_ptr,                    # PIECES_OUT: g * summed's lo piece, [M, N] e4m3fn contiguous
+    pinv_ptr,                   # PIECES_OUT: [M, cdiv(N, BLOCK_N)] fp32, each tile's 2^-t
     M, N, K,                    # N: output columns
     stride_xm, stride_wn, stride_om, stride_rm,
     eps,                        # the norm's epsilon (NORM)
@@ -536,6 +549,9 @@ def _linear_kernel(
                                 # >= that): x is g * h, the GEMV's the norm's (fuser/ops/norm_stats.py)
     STAT_COLS: tl.constexpr = 16,
     MUL_RN: tl.constexpr = False,  # the scale's product rounded on its own (see _scale_product)
+    PIECES_OUT: tl.constexpr = False,  # EPI_RESIDUAL, SWAP: g * summed written as e4m3 pieces
+                                # scaled per row and BLOCK_N columns (gx_ptr, plo_ptr, pinv_ptr)
+    EMULATE_CAST: tl.constexpr = False,  # PIECES_OUT on the interpreter (e4m3_pieces.py)
     LATE_LAUNCH: tl.constexpr = False,  # PDL: the next kernel launches after the K loop, not
                                 # right after the wait (fuser/ops/pdl.py late_launch_enabled)
     NORM_AFTER: tl.constexpr = False,  # one row, NORM, no RSTD_LAST: the K loop's input is
@@ -718,7 +734,8 @@ def _linear_kernel(
         col_ok = (col_ok.to(tl.int32) * last.to(tl.int32)) != 0
     if EPI_RESIDUAL:  # (the launcher: BLOCK_M > 1, no activation)
         acc = _residual_epilogue(acc, epi_r, epi_g, gx_ptr, sq_ptr, rows, row_ok, cols, col_ok,
-                                 pid, N, stride_om, out_dtype, BLOCK_N, STAT_COLS, SWAP)
+                                 pid, N, stride_om, out_dtype, BLOCK_N, STAT_COLS, SWAP,
+                                 plo_ptr, pinv_ptr, PIECES_OUT, EMULATE_CAST)
     if BLOCK_M == 1:
         tl.store(out_ptr + cols, acc.to(out_dtype), mask=col_ok)
     elif SWAP and ACTIVATION == "":  # acc [BLOCK_N, BLOCK_M]
@@ -1056,7 +1073,8 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
             overrides: tuple, pieces: tuple[Tensor, Tensor] | None = None,
             out_dtype: torch.dtype | None = None,
             epilogue: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
-            stats: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+            stats: Tensor | None = None,
+            pieces_out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
     """The one launcher of _linear_kernel: linear_triton (norm_weight None),
     rms_norm_linear_triton, linear_pieces_triton (pieces: x is hi, pieces (lo, inv_scale)),
     linear_residual_triton (epilogue (residual [M, N], g [N], gx out [M, N], squares out
@@ -1097,7 +1115,7 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         return out.zero_().reshape(*lead, N), _lead(summed, lead, K)
     block_n, block_k, num_warps, num_stages, split_k, prefetch = overrides
     if (epilogue is not None or stats is not None) and (M < 2 or norm) or \
-            stats is not None and pieces is not None:
+            stats is not None and pieces is not None and pieces[1].dim() != 2:
         raise ValueError("the residual epilogue and the rstd from sums of squares take 2 to "
                          f"{MAX_ROWS} rows of x without a norm, the latter not as pieces (got "
                          f"{M} rows)")
@@ -1181,10 +1199,16 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
     if pieces is not None and not (swap and fp8 and not norm):
         raise ValueError("x as e4m3 pieces takes FP8 weights at 2 to 16 rows, no norm")
     lo, inv = pieces if pieces is not None else (x2, out)
+    if pieces_out is not None and (epilogue is None or not swap or out.dtype != torch.bfloat16 or
+                                   pieces_out[1].shape != (M, triton.cdiv(N, bn))):
+        raise ValueError(f"pieces out take the residual epilogue of 2 to {MAX_ROWS} bf16 rows on "
+                         f"the swapped MMA, a scale per row and block_n ({bn}) columns: "
+                         f"[{M}, {triton.cdiv(N, bn)}], got {tuple(pieces_out[1].shape)}")
     _linear_kernel[(programs, splits)](
         x2, weight, weight_scale if fp8 else out, out, parts, counts,
         r2, norm_weight.contiguous() if norm else g_epi, summed if summed is not None else x2,
-        lo, inv, squares, gx, M, N, K, x2.stride(0), weight.stride(0), out.stride(0), r2.stride(0),
+        lo, inv, squares, gx, *(pieces_out or (out, out)),
+        M, N, K, x2.stride(0), weight.stride(0), out.stride(0), r2.stride(0),
         eps,
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
         NORM_K=min(ONE_ROW_NORM_K, triton.next_power_of_2(K)) if ONE_ROW_NORM_K and fp8 else bk,
@@ -1201,6 +1225,7 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         EPI_RESIDUAL=epilogue is not None,
         MUL_RN=epilogue is not None and fp8 and out.dtype == torch.float32 and
         x.device.type == "cuda",
+        PIECES_OUT=pieces_out is not None, EMULATE_CAST=x.device.type != "cuda",
         STATS_BLOCK=triton.next_power_of_2(triton.cdiv(K, STAT_COLS)) if stats is not None else 0,
         STAT_COLS=STAT_COLS,
         NORM_AFTER=norm and norm_after_for(M, residual is not None, fp8, rstd_last),

@@ -129,6 +129,53 @@ def linear_residual_triton(x: Tensor, weight: Tensor, residual: Tensor, norm_wei
     return summed.reshape(residual.shape), gh.reshape(residual.shape), squares
 
 
+def linear_residual_pieces_triton(x: Tensor, weight: Tensor, residual: Tensor,
+                                  norm_weight: Tensor, block: int, *, weight_scale: Tensor,
+                                  pieces: tuple[Tensor, Tensor, Tensor] | None = None,
+                                  block_k: int | None = None, split_k: int | None = None,
+                                  ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor], Tensor]:
+    """linear_residual_triton with g * summed written as block-scaled e4m3 pieces instead of
+    bf16: (summed, (hi, lo, inv), squares), hi and lo [M, N] e4m3fn, inv [M, cdiv(N, block)]
+    fp32 (split_pieces_blocks_reference(g * summed, block), bit for bit). The GEMV's program
+    makes block = its block_n columns, so it knows each block's max. For an FP8 GEMV after the
+    norm (normed_pieces_linear_triton): no norm kernel, no split kernel between them."""
+    K = x.shape[-1]
+    M = x.numel() // max(K, 1)
+    N = weight.shape[0]
+    if residual.numel() != M * N or residual.shape[-1] != N or residual.dtype != x.dtype or \
+            norm_weight.shape != (N,) or norm_weight.dtype != x.dtype:
+        raise ValueError(f"residual {residual.dtype} {tuple(residual.shape)} and norm weight "
+                         f"{norm_weight.dtype} {tuple(norm_weight.shape)} must match the "
+                         f"linear's output [{M}, {N}] {x.dtype}")
+    r2 = residual.reshape(M, N)
+    if r2.stride(-1) != 1:
+        r2 = r2.contiguous()
+    hi = torch.empty((M, N), dtype=FP8_DTYPE, device=x.device)
+    lo = torch.empty_like(hi)
+    inv = torch.empty((M, triton.cdiv(N, block)), dtype=torch.float32, device=x.device)
+    squares = torch.empty((M, triton.cdiv(N, STAT_COLS)), dtype=torch.float32, device=x.device)
+    source, split = (x, None) if pieces is None else (pieces[0], (pieces[1], pieces[2]))
+    summed, _ = _launch(source, None, None, 0.0, weight, weight_scale, None,
+                        (block, block_k, None, None, split_k, None),
+                        pieces=split, out_dtype=x.dtype,
+                        epilogue=(r2, norm_weight.contiguous(), hi, squares),
+                        pieces_out=(lo, inv))
+    return summed.reshape(residual.shape), (hi, lo, inv), squares
+
+
+def normed_pieces_linear_triton(hi: Tensor, lo: Tensor, inv: Tensor, squares: Tensor, eps: float,
+                                weight: Tensor, weight_scale: Tensor, block: int, *,
+                                activation: str | None = None, out_dtype: torch.dtype =
+                                torch.bfloat16, split_k: int | None = None) -> Tensor:
+    """normed_linear_triton over g * h given as block-scaled pieces (linear_residual_pieces_
+    triton's): the FP8 MMA over the pieces, each K step (= block columns) scaled by its power
+    of two, the row's rstd (from h's sums of squares) and the weight's scale after the sum."""
+    out, _ = _launch(hi, None, None, eps, weight, weight_scale, activation,
+                     (None, block, None, None, split_k, None), pieces=(lo, inv),
+                     out_dtype=out_dtype, stats=squares)
+    return out
+
+
 def normed_linear_triton(gh: Tensor, squares: Tensor, eps: float, weight: Tensor, *,
                          weight_scale: Tensor | None = None, activation: str | None = None,
                          block_n: int | None = None, block_k: int | None = None,
