@@ -22,7 +22,9 @@ scale, else None). The rewrite needs:
   - a plain consumer weight, or FP8 with `FP8_CONSUMERS` (the FP8 verify's GEMVs take x as e4m3
     pieces from the norm kernel; with it, they run the fp16 MMA on gh, or with
     linear.STATS_FP8_MMA = "x2" the FP8 MMA over pieces of gh split in the GEMV; down_proj,
-    the producer before the second norm, keeps its pieces either way);
+    the producer before the second norm, keeps its pieces either way; with "block", FP8 on
+    both sides, the producer writes g * summed as block-scaled e4m3 pieces and the consumer
+    multiplies them: fuser::linear_residual_pieces, fuser::stats_pieces_rms_norm_linear);
   - in the target's graphs, every target step of the graph's batch bucket within MAX_ROWS
     rows: B (gamma + 1) <= MAX_ROWS for the largest gamma the engine may verify
     (`_bucket_normalises_alike`). Otherwise a verify step of more rows keeps the norm kernel
@@ -103,6 +105,18 @@ def _bucket_normalises_alike(context: PassContext, rows: int) -> bool:
     return batch * (context.config.resolved_gamma + 1) <= MAX_ROWS
 
 
+def _pieces_block(consumer_scale: Node | None, producer_scale: Node | None,
+                  dtype: torch.dtype) -> int:
+    """The pieces' block when the rewrite takes linear.STATS_FP8_MMA = "block"'s ops (FP8
+    weights on both sides, bf16), else 0."""
+    from fuser.ops import linear  # noqa: PLC0415  (read when the graph is built)
+
+    if linear.STATS_FP8_MMA != "block" or consumer_scale is None or producer_scale is None or \
+            dtype != torch.bfloat16:
+        return 0
+    return linear.STATS_PIECES_BLOCK
+
+
 def move_norms_into_gemvs(gm: GraphModule, context: PassContext) -> int:
     """Rewrite every several-row add_rms_norm_linear whose x or residual a GEMV produced (and
     nothing else reads); returns the count."""
@@ -142,18 +156,29 @@ def move_norms_into_gemvs(gm: GraphModule, context: PassContext) -> int:
         if order[r] > order[producer] or order[g] > order[producer]:
             continue
         fake_mode = fake_mode or graph_fake_mode(gm)
-        lr_args = (a, w_p, s_p, r, g)
+        block = _pieces_block(scale, s_p, dtype)
+        if block:  # FP8 on both sides: g * summed travels as block-scaled e4m3 pieces
+            producer_op, lr_args = fuser_ops.linear_residual_pieces.default, (a, w_p, s_p, r, g,
+                                                                              block)
+        else:
+            producer_op, lr_args = fuser_ops.linear_residual.default, (a, w_p, s_p, r, g)
         with graph.inserting_before(producer):
-            fused = graph.call_function(fuser_ops.linear_residual.default, lr_args)
-            fused.meta["val"] = fake_value(fake_mode, fuser_ops.linear_residual.default, lr_args)
-            summed, gh, squares = (graph.call_function(operator.getitem, (fused, i))
-                                   for i in (0, 1, 2))
-            summed.meta["val"], gh.meta["val"], squares.meta["val"] = fused.meta["val"]
-        norm_args = (summed, gh, squares, g, eps, weight, scale, activation)
+            fused = graph.call_function(producer_op, lr_args)
+            fused.meta["val"] = fake_value(fake_mode, producer_op, lr_args)
+            outputs = [graph.call_function(operator.getitem, (fused, i))
+                       for i in range(len(fused.meta["val"]))]
+            for item, value in zip(outputs, fused.meta["val"]):
+                item.meta["val"] = value
+        summed = outputs[0]
+        if block:
+            consumer_op = fuser_ops.stats_pieces_rms_norm_linear.default
+            norm_args = (summed, *outputs[1:], g, eps, weight, scale, activation, block)
+        else:
+            consumer_op = fuser_ops.stats_rms_norm_linear.default
+            norm_args = (summed, *outputs[1:], g, eps, weight, scale, activation)
         with graph.inserting_before(node):
-            out = graph.call_function(fuser_ops.stats_rms_norm_linear.default, norm_args)
-            out.meta["val"] = fake_value(fake_mode, fuser_ops.stats_rms_norm_linear.default,
-                                         norm_args)
+            out = graph.call_function(consumer_op, norm_args)
+            out.meta["val"] = fake_value(fake_mode, consumer_op, norm_args)
         if 0 in items:
             items[0].replace_all_uses_with(out)
         if 1 in items:

@@ -100,6 +100,31 @@ def test_fp8_consumers_only_when_asked(fp8_consumers: bool) -> None:
             assert torch.equal(a, b)
 
 
+def test_fp8_consumers_on_block_pieces_when_asked() -> None:
+    """linear.STATS_FP8_MMA = "block": FP8 on both sides, the rewrite takes the pieces ops
+    (fuser::linear_residual_pieces, fuser::stats_pieces_rms_norm_linear, block
+    STATS_PIECES_BLOCK); on CPU the same numbers as without the pass."""
+    from fuser.ops import linear
+    from fuser.passes import norm_stats
+
+    torch.manual_seed(1)
+    module = _Block("gated").eval().to(torch.bfloat16)
+    args = (torch.randn(1, 4, 32).to(torch.bfloat16), torch.randn(1, 4, 24).to(torch.bfloat16))
+    with mock.patch.object(norm_stats, "FP8_CONSUMERS", True), \
+            mock.patch.object(linear, "STATS_FP8_MMA", "block"):
+        gm, matches, ops = rewrite(module, args, PASSES, precision="fp8", gamma=0)
+    before, _, _ = rewrite(module, args, WITHOUT_NORM_STATS, precision="fp8", gamma=0)
+    assert matches["norm_stats"] == 1
+    assert ops["linear_residual_pieces"] == ops["stats_pieces_rms_norm_linear"] == 1
+    assert "linear_residual" not in ops and "stats_rms_norm_linear" not in ops
+    blocks = [n.args[-1] for n in gm.graph.nodes
+              if n.target is torch.ops.fuser.stats_pieces_rms_norm_linear.default]
+    assert blocks == [linear.STATS_PIECES_BLOCK]
+    with torch.no_grad():
+        for a, b in zip(gm(*args), before(*args)):
+            assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize(("gamma", "fires"), [(0, True), (3, True), (4, False)])
 def test_target_bucket_whose_verify_steps_exceed_max_rows_keeps_its_norms(gamma: int,
                                                                          fires: bool) -> None:

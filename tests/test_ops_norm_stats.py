@@ -417,3 +417,59 @@ def test_fp32_scale_product_is_not_fused_with_the_residual_add(tmp_path) -> None
     (plain_fma, _), (fixed_fma, fixed_mul) = (map(int, line.split()[1:]) for line in lines[:2])
     assert plain_fma > 0  # what the fix is for: the compiler does contract them
     assert fixed_fma == 0 and fixed_mul > 0
+
+
+@pytest.mark.parametrize("pieces_in", [False, True], ids=["bf16_x", "pieces_x"])
+@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_block_pieces_producer_and_consumer(pieces_in: bool, split_k: int,
+                                            activation: str | None) -> None:
+    """linear.STATS_FP8_MMA = "block" (FP8 on both sides): the producer's epilogue writes
+    g * summed as e4m3 pieces per row and block_n tile, bit for bit the block split of what
+    linear_residual_triton writes as gh (summed and squares unchanged); the consumer over those
+    pieces with the rstd stays within the GEMV bounds of the float64 GEMV of the normed rows,
+    as the gh consumer does."""
+    from fuser.ops.e4m3_pieces import split_pieces_blocks_reference, split_pieces_triton
+    from fuser.ops.norm_stats import linear_residual_pieces_triton, normed_pieces_linear_triton
+
+    g = torch.Generator().manual_seed(split_k + 2 * pieces_in)
+    M, K, H, N, block = 5, 256, 192, 40, 64
+    a = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    r = (torch.randn(M, H, generator=g) * 3).to(torch.bfloat16)
+    nw = (1 + 0.2 * torch.randn(H, generator=g)).to(torch.bfloat16)
+    w_p, s_p, _ = _weight(H, K, torch.bfloat16, True, g)
+    w_c, s_c, w_c_values = _weight(2 * N if activation else N, H, torch.bfloat16, True, g)
+    a_d, r_d, nw_d, w_p_d, s_p_d, w_c_d, s_c_d = (t.to(DEVICE) for t in
+                                                  (a, r, nw, w_p, s_p, w_c, s_c))
+    pieces = split_pieces_triton(a_d) if pieces_in else None
+    summed0, gh0, squares0 = linear_residual_triton(a_d, w_p_d, r_d, nw_d, weight_scale=s_p_d,
+                                                    pieces=pieces, block_n=block, block_k=32,
+                                                    split_k=split_k)
+    summed, (hi, lo, inv), squares = linear_residual_pieces_triton(
+        a_d, w_p_d, r_d, nw_d, block, weight_scale=s_p_d, pieces=pieces, block_k=32,
+        split_k=split_k)
+    assert torch.equal(summed, summed0) and torch.equal(squares, squares0)
+    want = split_pieces_blocks_reference(gh0.cpu(), block)
+    for got, ref in zip((hi, lo), want[:2]):
+        assert torch.equal(got.cpu().view(torch.uint8), ref.view(torch.uint8))
+    assert torch.equal(inv.cpu(), want[2]) and inv.shape == (M, H // block)
+    out = normed_pieces_linear_triton(hi, lo, inv, squares, EPS, w_c_d, s_c_d, block,
+                                      activation=activation)
+    h = summed.cpu().double()
+    normed = gh0.cpu().double() * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)
+    if activation is None:
+        assert_linear_close(normed, w_c_values, out.cpu(), torch.bfloat16)
+    else:
+        assert_gated_close(out.cpu(), normed, w_c_values, activation, torch.bfloat16)
+
+
+def test_block_pieces_out_are_checked() -> None:
+    from fuser.ops.norm_stats import linear_residual_pieces_triton
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(3, 64, generator=g).to(torch.bfloat16)
+    r = torch.randn(3, 32, generator=g).to(torch.bfloat16)
+    nw = torch.ones(32, dtype=torch.bfloat16)
+    w, s, _ = _weight(32, 64, torch.bfloat16, True, g)
+    with pytest.raises(ValueError, match="pieces out"):  # fp32 rows: no pieces
+        linear_residual_pieces_triton(a.float(), w, r.float(), nw.float(), 16, weight_scale=s)

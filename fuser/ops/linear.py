@@ -865,8 +865,13 @@ FP8_ROWS_CHOICES = ("f16", "x2", "norm pieces", "pieces", None)
 # pieces: RESULTS.md, nineteenth session) or "x2": the FP8 MMA with x split into two e4m3
 # pieces per row and K step in the GEMV (_x2_step), no norm kernel and no pieces written. Not
 # yet measured on a GPU: benchmarks/decode.py --norm-stats fp8 --stats-fp8-mma x2.
+# "block": the producer's epilogue writes g * h as e4m3 pieces, a power of two per row and
+# STATS_PIECES_BLOCK columns (its tile), and the consumer multiplies them on the FP8 MMA
+# (fuser::linear_residual_pieces, fuser::stats_pieces_rms_norm_linear; passes/norm_stats.py):
+# no norm kernel and no split kernel. Not yet measured on a GPU (benchmarks/gpu_all.sh s24b).
 STATS_FP8_MMA = "f16"
-STATS_FP8_CHOICES = ("f16", "x2")
+STATS_FP8_CHOICES = ("f16", "x2", "block")
+STATS_PIECES_BLOCK = 128  # the producer's block_n and the consumer's K step
 
 # FP8 weights, one row: the norm prologue reads x (and r) this many columns a step (None:
 # BLOCK_K). Every program makes the pass, one L2 round trip a step: at BLOCK_K a step FP8's qkv
@@ -1195,7 +1200,7 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         if STATS_FP8_MMA not in STATS_FP8_CHOICES:
             raise ValueError(f"linear.STATS_FP8_MMA={STATS_FP8_MMA!r} is not one of "
                              f"{STATS_FP8_CHOICES}")
-        fp8_rows = STATS_FP8_MMA
+        fp8_rows = "f16" if STATS_FP8_MMA == "block" else STATS_FP8_MMA  # (block: its own op)
     if pieces is not None and not (swap and fp8 and not norm):
         raise ValueError("x as e4m3 pieces takes FP8 weights at 2 to 16 rows, no norm")
     lo, inv = pieces if pieces is not None else (x2, out)

@@ -43,7 +43,7 @@ import torch
 import triton
 from torch import Tensor
 
-from fuser.ops.e4m3_pieces import split_pieces_triton
+from fuser.ops.e4m3_pieces import split_pieces_blocks_reference, split_pieces_triton
 from fuser.ops.fp8 import FP8_DTYPE
 from fuser.ops.linear import (
     GEMV_DTYPES,
@@ -289,3 +289,101 @@ def stats_rms_norm_linear_reference(summed: Tensor, gh: Tensor, squares: Tensor,
     """fuser::rms_norm_linear's reference on summed (gh and squares unread: the same bits as
     the norm op, then the linear)."""
     return rms_norm_linear_reference(summed, norm_weight, eps, weight, weight_scale, activation)
+
+
+# ---------------------------------------------------------------------------------------------
+# The FP8 consumers' form (linear.STATS_FP8_MMA = "block"): g * summed travels as block-scaled
+# e4m3 pieces from the producer's epilogue to the consumer's FP8 MMA.
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fuser::linear_residual_pieces", mutates_args=())
+def linear_residual_pieces(x: Tensor, weight: Tensor, weight_scale: Tensor, residual: Tensor,
+                           norm_weight: Tensor, block: int
+                           ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(summed, hi, lo, inv, squares): fuser::linear_residual's summed and squares, with
+    gh = norm_weight * summed given as split_pieces_blocks_reference(gh [rows, N], block)."""
+    return linear_residual_pieces_reference(x, weight, weight_scale, residual, norm_weight, block)
+
+
+def linear_residual_pieces_reference(x: Tensor, weight: Tensor, weight_scale: Tensor,
+                                     residual: Tensor, norm_weight: Tensor, block: int
+                                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    summed, gh, squares = linear_residual_reference(x, weight, weight_scale, residual,
+                                                    norm_weight)
+    hi, lo, inv = split_pieces_blocks_reference(gh.reshape(-1, gh.shape[-1]), block)
+    return summed, hi, lo, inv, squares
+
+
+@linear_residual_pieces.register_fake
+def _linear_residual_pieces_fake(x: Tensor, weight: Tensor, weight_scale: Tensor,
+                                 residual: Tensor, norm_weight: Tensor, block: int
+                                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    N = residual.shape[-1]
+    rows = residual.numel() // max(N, 1)
+    pieces = torch.empty((rows, N), dtype=FP8_DTYPE, device=residual.device)
+    return (torch.empty_like(residual), pieces, torch.empty_like(pieces),
+            torch.empty((rows, triton.cdiv(N, block)), dtype=torch.float32,
+                        device=residual.device),
+            torch.empty((rows, triton.cdiv(N, STAT_COLS)), dtype=torch.float32,
+                        device=residual.device))
+
+
+def _linear_residual_pieces_cuda(x: Tensor, weight: Tensor, weight_scale: Tensor,
+                                 residual: Tensor, norm_weight: Tensor, block: int
+                                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    rows = _row_count(x)
+    if _takes(rows, x, weight, weight_scale) and weight_scale is not None and \
+            x.dtype == residual.dtype == norm_weight.dtype == torch.bfloat16 and \
+            residual.shape[-1] == weight.shape[0] == norm_weight.shape[0] and \
+            residual.numel() == rows * weight.shape[0]:
+        pieces = split_pieces_triton(x) if _split_pieces_take(x) else None
+        summed, (hi, lo, inv), squares = linear_residual_pieces_triton(
+            x, weight, residual, norm_weight, block, weight_scale=weight_scale, pieces=pieces)
+        return summed, hi, lo, inv, squares
+    summed, gh, squares = torch.ops.fuser.linear_residual(x, weight, weight_scale, residual,
+                                                          norm_weight)
+    hi, lo, inv = split_pieces_blocks_reference(gh.reshape(-1, gh.shape[-1]), block)
+    return summed, hi, lo, inv, squares
+
+
+linear_residual_pieces.register_kernel("cuda")(_linear_residual_pieces_cuda)
+
+
+@torch.library.custom_op("fuser::stats_pieces_rms_norm_linear", mutates_args=())
+def stats_pieces_rms_norm_linear(summed: Tensor, hi: Tensor, lo: Tensor, inv: Tensor,
+                                 squares: Tensor, norm_weight: Tensor, eps: float, weight: Tensor,
+                                 weight_scale: Tensor, activation: str | None, block: int
+                                 ) -> Tensor:
+    """fuser::stats_rms_norm_linear with gh given as fuser::linear_residual_pieces' pieces: the
+    normed output of the add_rms_norm_linear it replaces (on CPU: rms_norm_linear's reference on
+    summed, as the stats op); the CUDA kernel computes it from the pieces at 2..16 rows."""
+    return rms_norm_linear_reference(summed, norm_weight, eps, weight, weight_scale, activation)
+
+
+@stats_pieces_rms_norm_linear.register_fake
+def _stats_pieces_fake(summed: Tensor, hi: Tensor, lo: Tensor, inv: Tensor, squares: Tensor,
+                       norm_weight: Tensor, eps: float, weight: Tensor, weight_scale: Tensor,
+                       activation: str | None, block: int) -> Tensor:
+    return _norm_linear_fake_out(torch.promote_types(norm_weight.dtype, summed.dtype), summed,
+                                 weight, activation)
+
+
+def _stats_pieces_cuda(summed: Tensor, hi: Tensor, lo: Tensor, inv: Tensor, squares: Tensor,
+                       norm_weight: Tensor, eps: float, weight: Tensor, weight_scale: Tensor,
+                       activation: str | None, block: int) -> Tensor:
+    rows = _row_count(summed)
+    K = summed.shape[-1]
+    if 1 < rows <= MAX_ROWS and weight_scale is not None and weight.dtype == FP8_DTYPE and \
+            hi.shape == lo.shape == (rows, K) and inv.shape == (rows, triton.cdiv(K, block)) \
+            and squares.shape == (rows, triton.cdiv(K, STAT_COLS)) and \
+            summed.dtype == norm_weight.dtype == torch.bfloat16:
+        out = normed_pieces_linear_triton(hi, lo, inv, squares, eps, weight, weight_scale, block,
+                                          activation=activation, out_dtype=summed.dtype)
+        return out.reshape(*summed.shape[:-1], out.shape[-1])
+    out, _ = torch.ops.fuser.add_rms_norm_linear(summed, torch.zeros_like(summed), norm_weight,
+                                                 eps, weight, weight_scale, activation)
+    return out
+
+
+stats_pieces_rms_norm_linear.register_kernel("cuda")(_stats_pieces_cuda)
