@@ -120,9 +120,10 @@ def main() -> None:
                              "one-row add + norm GEMVs in the same arithmetic, "
                              "linear.ONE_ROW_NORM_AFTER; fp8: FP8 GEMVs after the norm too, on "
                              "the fp16 MMA; off: the norm kernels; default: the modules', aligned)")
-    parser.add_argument("--stats-fp8-mma", choices=["f16", "x2"], default=None,
+    parser.add_argument("--stats-fp8-mma", choices=["f16", "x2", "block"], default=None,
                         help="with --norm-stats fp8: the FP8 GEMVs after a moved norm on the fp16 "
-                             "MMA or the FP8 MMA with x in two pieces split in the GEMV "
+                             "MMA, the FP8 MMA with x in two pieces split in the GEMV, or "
+                             "(block) pieces the GEMV before writes a tile at a time "
                              "(linear.STATS_FP8_MMA; default: the module's)")
     parser.add_argument("--smem-carveout", type=int, default=None, metavar="PERCENT",
                         help="every Triton kernel prefers this percent of the maximum shared "

@@ -42,7 +42,7 @@
 #   bash benchmarks/gpu_all.sh s18b     # norm_stats with g * h from the producer: GPU tests, 8B bf16 decode on/off, FP8 with its consumers
 #   bash benchmarks/gpu_all.sh s18c     # norm_stats with its loads before the K loop: 8B bf16 decode on/off
 #   bash benchmarks/gpu_all.sh s20b     # overlapped rounds: GPU tests, the bundled pair end to end overlapped, then standard
-#   bash benchmarks/gpu_all.sh s24b     # (not yet run) #10: 5-row FP8 GEMV on block-scaled pieces vs row pieces vs fp16 (pieces_lab.py)
+#   bash benchmarks/gpu_all.sh s24b     # (not yet run) #10: block-scaled pieces: pieces_lab.py, GPU tests, 8B FP8 decode with norm_stats on block pieces
 #   bash benchmarks/gpu_all.sh s24a     # (not yet run) #10: one shared-memory carveout for every kernel: 8-layer FP8 verify profiled, 8B FP8 decode
 #   bash benchmarks/gpu_all.sh s23e     # GPU tests: norm_stats ops (fp32 fix), test_pdl, CUDA engines (FP8 with a bf16 LM head too)
 #   bash benchmarks/gpu_all.sh s23d     # #10: 8-layer FP8 verify profiled with several-row PDL on the GEMVs (early, late), all late
@@ -613,6 +613,12 @@ elif [ "$what" = s24b ]; then
   # pieces themselves (no norm-pieces or split kernel, no launch, no gap).
   timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_e4m3_pieces.py -k block 2>&1 | tail -1
   timeout 150 python3 benchmarks/pieces_lab.py --out "$OUT/pieces_lab.json" 2>&1 | grep -v Warn | tail -5
+  # norm_stats' FP8 consumers on block pieces (no norm kernel, no split kernel at 5 rows): the
+  # ops at the test shapes, the engine's greedy against target-only, then the 8B FP8 decode.
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -rf tests/test_ops_norm_stats.py \
+    -k block_pieces tests/test_cuda.py::test_fp8_speculative_with_norms_on_block_pieces_equals_target_only \
+    2>&1 | grep -E "^E  |FAILED|passed|failed" | cut -c1-200 | tail -6
+  TAG=fp8_block decode_8b fp8 590 --norm-stats fp8 --stats-fp8-mma block
 elif [ "$what" = s24a ]; then
   # Written in the twenty-third session for the next (issue #10): one shared-memory carveout for
   # every Triton kernel (fuser/ops/carveout.py): does the 5-row verify step lose its 1.67 us

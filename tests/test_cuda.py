@@ -145,3 +145,24 @@ def test_fp8_speculative_on_e4m3_pieces_equals_target_only(fp8_lm_head: bool) ->
         assert norm_spy.call_count > 0 and split_spy.call_count > 0
     assert plain.report().fallbacks == [] and spec.report().fallbacks == []
     assert_same_greedy(plain, spec, [7, 4], seed=2, new_tokens=24)
+
+
+def test_fp8_speculative_with_norms_on_block_pieces_equals_target_only() -> None:
+    # norm_stats' FP8 consumers on block-scaled pieces (linear.STATS_FP8_MMA = "block"): the
+    # verify graph's o_proj and down_proj write g * summed as e4m3 pieces, qkv, gate/up and the
+    # LM head multiply them; greedy speculative output equals FP8 target-only greedy.
+    from unittest import mock
+
+    from fuser.ops import linear as linear_module
+    from fuser.passes import norm_stats
+
+    target = tiny_model("llama", layers=2, dtype=torch.bfloat16).to("cuda")
+    draft = tiny_model("llama", layers=1, seed=1, dtype=torch.bfloat16).to("cuda")
+    config = fuser.FuserConfig(max_seq_len=64, max_batch_size=2, gamma=4, precision="fp8")
+    plain = fuser.optimize(target, config=config)
+    with mock.patch.object(norm_stats, "FP8_CONSUMERS", True), \
+            mock.patch.object(linear_module, "STATS_FP8_MMA", "block"):
+        spec = fuser.optimize(target, draft=draft, config=config)
+    assert spec.report().passes["norm_stats"] > 0
+    assert plain.report().fallbacks == [] and spec.report().fallbacks == []
+    assert_same_greedy(plain, spec, [7, 4], seed=2, new_tokens=24)
