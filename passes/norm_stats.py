@@ -189,4 +189,70 @@ def move_norms_into_gemvs(gm: GraphModule, context: PassContext) -> int:
     return count
 
 
-NORM_STATS = GraphPass("norm_stats", move_norms_into_gemvs)
+def _pieces_reader(value: Node) -> Node | None:
+    """The fuser::linear_residual_pieces reading `value` (through views that keep the last dim)
+    as its x, when that is value's only reader; else None."""
+    node = value
+    width = value.meta["val"].shape[-1]
+    while len(node.users) == 1:
+        (user,) = node.users
+        if user.op != "call_function":
+            return None
+        if user.target is fuser_ops.linear_residual_pieces.default:
+            return user if user.args[0] is node and list(user.args).count(node) == 1 else None
+        if user.target not in VIEWS or user.meta["val"].shape[-1] != width:
+            return None
+        node = user
+    return None
+
+
+def chain_gated_pieces(gm: GraphModule) -> int:
+    """After move_norms_into_gemvs with block pieces: a gated consumer (gate/up) whose output
+    only the next producer (down_proj) reads writes that output as block pieces too, and the
+    producer multiplies them (no split kernel between them); returns the count."""
+    from fuser.ops import linear  # noqa: PLC0415
+
+    graph = gm.graph
+    fake_mode = None
+    count = 0
+    out_block = linear.STATS_GATED_PIECES_BLOCK
+    for node in list(graph.nodes):
+        if node.op != "call_function" or \
+                node.target is not fuser_ops.stats_pieces_rms_norm_linear.default or \
+                node.args[9] is None:
+            continue
+        reader = _pieces_reader(node)
+        if reader is None:
+            continue
+        fake_mode = fake_mode or graph_fake_mode(gm)
+        gated_args = (*node.args, out_block)
+        with graph.inserting_before(node):
+            gated = graph.call_function(fuser_ops.stats_pieces_gated_pieces.default, gated_args)
+            gated.meta["val"] = fake_value(fake_mode, fuser_ops.stats_pieces_gated_pieces.default,
+                                           gated_args)
+            y, *pieces = (graph.call_function(operator.getitem, (gated, i)) for i in range(4))
+            for item, value in zip((y, *pieces), gated.meta["val"]):
+                item.meta["val"] = value
+        node.replace_all_uses_with(y)
+        x, w, s, r, g, block = reader.args
+        reader_args = (x, *pieces, out_block, w, s, r, g, block)
+        with graph.inserting_before(reader):
+            fused = graph.call_function(fuser_ops.pieces_linear_residual_pieces.default,
+                                        reader_args)
+            fused.meta["val"] = fake_value(
+                fake_mode, fuser_ops.pieces_linear_residual_pieces.default, reader_args)
+        reader.replace_all_uses_with(fused)
+        graph.erase_node(reader)
+        graph.erase_node(node)
+        count += 1
+    return count
+
+
+def _norm_stats(gm: GraphModule, context: PassContext) -> int:
+    count = move_norms_into_gemvs(gm, context)
+    if count:
+        chain_gated_pieces(gm)
+    return count
+
+
+NORM_STATS = GraphPass("norm_stats", _norm_stats)

@@ -139,3 +139,37 @@ def test_target_bucket_whose_verify_steps_exceed_max_rows_keeps_its_norms(gamma:
     assert matches["norm_stats"] == int(fires)
     _, matches, _ = rewrite(module, args, PASSES, role="draft", gamma=gamma)
     assert matches["norm_stats"] == 1
+
+
+def test_block_pieces_chain_through_a_whole_fp8_model() -> None:
+    """linear.STATS_FP8_MMA = "block" on a 2-layer FP8 Llama: in the target's verify graph
+    every norm after a GEMV moves into block pieces (o_proj and down_proj write them, qkv,
+    gate/up and the LM head read them) and gate/up hands its output to down_proj as block
+    pieces too (stats_pieces_gated_pieces -> pieces_linear_residual_pieces): per layer no norm
+    or split kernel. On CPU the ops run their references: the same greedy output as the engine
+    without the switch."""
+    import fuser
+    from fuser.ops import linear
+    from fuser.passes import norm_stats
+    from tiny import random_prompts, tiny_model
+
+    target = tiny_model("llama", layers=2, dtype=torch.bfloat16)
+    draft = tiny_model("llama", layers=1, seed=1, dtype=torch.bfloat16)
+    config = fuser.FuserConfig(max_seq_len=64, max_batch_size=2, gamma=4, precision="fp8")
+    with mock.patch.object(norm_stats, "FP8_CONSUMERS", True), \
+            mock.patch.object(linear, "STATS_FP8_MMA", "block"):
+        spec = fuser.optimize(target, draft=draft, config=config)
+    plain = fuser.optimize(target, draft=draft, config=config)
+    graphs = spec.report().graphs
+    verify = [ops for name, ops in graphs.items() if name.startswith("target.verify")]
+    assert verify, graphs
+    for ops in verify:
+        assert ops.get("stats_pieces_gated_pieces") == 2, ops  # both layers' gate/up
+        assert ops.get("pieces_linear_residual_pieces") == 2, ops  # both layers' down_proj
+        assert ops.get("linear_residual_pieces") == 2, ops  # both layers' o_proj
+        assert ops.get("stats_pieces_rms_norm_linear") == 2, ops  # layer 1's qkv, the LM head
+        assert "add_rms_norm_linear" not in ops, ops
+    ids, mask = random_prompts(2, [7, 4], plain.vocab_size, seed=2)
+    eos = [plain.vocab_size - 1]
+    assert torch.equal(spec.generate(ids, 16, attention_mask=mask, eos_token_id=eos),
+                       plain.generate(ids, 16, attention_mask=mask, eos_token_id=eos))

@@ -473,3 +473,48 @@ def test_block_pieces_out_are_checked() -> None:
     w, s, _ = _weight(32, 64, torch.bfloat16, True, g)
     with pytest.raises(ValueError, match="pieces out"):  # fp32 rows: no pieces
         linear_residual_pieces_triton(a.float(), w, r.float(), nw.float(), 16, weight_scale=s)
+
+
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_gated_block_pieces_feed_the_next_producer(split_k: int) -> None:
+    """The gated consumer (gate/up) also writes its output as block pieces (out_block columns
+    a scale, bit for bit the block split of its bf16 output, which is the plain pieces
+    consumer's), and the next producer (down_proj with the residual epilogue) takes them:
+    its summed the GEMV over those pieces (within the GEMV bounds of y's) plus r, its own pieces
+    the block split of its g * summed."""
+    from fuser.ops.e4m3_pieces import split_pieces_blocks_reference
+    from fuser.ops.norm_stats import (linear_residual_pieces_triton,
+                                      normed_pieces_gated_pieces_triton,
+                                      normed_pieces_linear_triton)
+
+    g = torch.Generator().manual_seed(40 + split_k)
+    M, H, I, block, out_block = 5, 128, 192, 64, 32
+    summed_in = (torch.randn(M, H, generator=g) * 2).to(torch.bfloat16)
+    nw = (1 + 0.2 * torch.randn(H, generator=g)).to(torch.bfloat16)
+    gh = (nw * summed_in)
+    hi, lo, inv = (t.to(DEVICE) for t in split_pieces_blocks_reference(gh, block))
+    squares = group_squares_reference(summed_in).to(DEVICE)
+    w_gu, s_gu, _ = _weight(2 * I, H, torch.bfloat16, True, g)
+    w_d, s_d, w_d_values = _weight(H, I, torch.bfloat16, True, g)
+    r = torch.randn(M, H, generator=g).to(torch.bfloat16)
+    w_gu, s_gu, w_d, s_d, r_d, nw_d = (t.to(DEVICE) for t in (w_gu, s_gu, w_d, s_d, r, nw))
+    y, (y_hi, y_lo, y_inv) = normed_pieces_gated_pieces_triton(
+        hi, lo, inv, squares, EPS, w_gu, s_gu, block, out_block, "silu", split_k=split_k)
+    plain = normed_pieces_linear_triton(hi, lo, inv, squares, EPS, w_gu, s_gu, block,
+                                        activation="silu", split_k=split_k)
+    assert torch.equal(y, plain)
+    want = split_pieces_blocks_reference(y.cpu(), out_block)
+    for got, ref in zip((y_hi, y_lo), want[:2]):
+        assert torch.equal(got.cpu().view(torch.uint8), ref.view(torch.uint8))
+    assert torch.equal(y_inv.cpu(), want[2])
+    summed, (o_hi, o_lo, o_inv), _ = linear_residual_pieces_triton(
+        y, w_d, r_d, nw_d, 64, weight_scale=s_d, pieces=(y_hi, y_lo, y_inv), block_k=out_block)
+    want_out = split_pieces_blocks_reference((nw * summed.cpu()), 64)
+    assert torch.equal(o_hi.cpu().view(torch.uint8), want_out[0].view(torch.uint8))
+    assert torch.equal(o_inv.cpu(), want_out[2])
+    # summed is the plain GEMV over the same pieces plus r, and that GEMV is y's
+    from fuser.ops.linear import linear_pieces_triton
+
+    y_lin = linear_pieces_triton(y_hi, y_lo, y_inv, w_d, s_d, block_n=64, scale_block=out_block)
+    assert torch.equal(summed, y_lin + r_d)
+    assert_linear_close(y.cpu().double(), w_d_values, y_lin.cpu(), torch.bfloat16)

@@ -549,8 +549,10 @@ def _linear_kernel(
                                 # >= that): x is g * h, the GEMV's the norm's (fuser/ops/norm_stats.py)
     STAT_COLS: tl.constexpr = 16,
     MUL_RN: tl.constexpr = False,  # the scale's product rounded on its own (see _scale_product)
-    PIECES_OUT: tl.constexpr = False,  # EPI_RESIDUAL, SWAP: g * summed written as e4m3 pieces
-                                # scaled per row and BLOCK_N columns (gx_ptr, plo_ptr, pinv_ptr)
+    PIECES_OUT: tl.constexpr = False,  # several rows, SWAP: EPI_RESIDUAL's g * summed written
+                                # as e4m3 pieces scaled per row and tile (BLOCK_N columns), or
+                                # the gated output as pieces too (BLOCK_N / 2 columns a tile):
+                                # gx_ptr (hi), plo_ptr, pinv_ptr
     EMULATE_CAST: tl.constexpr = False,  # PIECES_OUT on the interpreter (e4m3_pieces.py)
     LATE_LAUNCH: tl.constexpr = False,  # PDL: the next kernel launches after the K loop, not
                                 # right after the wait (fuser/ops/pdl.py late_launch_enabled)
@@ -736,6 +738,14 @@ def _linear_kernel(
         acc = _residual_epilogue(acc, epi_r, epi_g, gx_ptr, sq_ptr, rows, row_ok, cols, col_ok,
                                  pid, N, stride_om, out_dtype, BLOCK_N, STAT_COLS, SWAP,
                                  plo_ptr, pinv_ptr, PIECES_OUT, EMULATE_CAST)
+    if PIECES_OUT and ACTIVATION != "":  # act(gate) * up also as e4m3 pieces per row and tile
+        y = acc.to(out_dtype).to(tl.float32)                                # [BLOCK_M, HALF]
+        t = _scale_exponent(tl.max(tl.abs(y), axis=1))
+        _store_pieces(gx_ptr, plo_ptr, rows[:, None] * N + cols[None, :], y * _pow2(t)[:, None],
+                      row_ok[:, None] & col_ok[None, :], EMULATE_CAST)
+        writer = rows * 0 + tl.max(col_ok.to(tl.int32), axis=0)  # split-K: the summing one
+        tl.store(pinv_ptr + rows * tl.cdiv(N, BLOCK_N // 2) + pid, _pow2(-t),
+                 mask=row_ok & (writer > 0))
     if BLOCK_M == 1:
         tl.store(out_ptr + cols, acc.to(out_dtype), mask=col_ok)
     elif SWAP and ACTIVATION == "":  # acc [BLOCK_N, BLOCK_M]
@@ -872,6 +882,7 @@ FP8_ROWS_CHOICES = ("f16", "x2", "norm pieces", "pieces", None)
 STATS_FP8_MMA = "f16"
 STATS_FP8_CHOICES = ("f16", "x2", "block")
 STATS_PIECES_BLOCK = 128  # the producer's block_n and the consumer's K step
+STATS_GATED_PIECES_BLOCK = 64  # gate/up's output pieces: its tiles' columns, down_proj's K step
 
 # FP8 weights, one row: the norm prologue reads x (and r) this many columns a step (None:
 # BLOCK_K). Every program makes the pass, one L2 round trip a step: at BLOCK_K a step FP8's qkv
@@ -1079,7 +1090,8 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
             out_dtype: torch.dtype | None = None,
             epilogue: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
             stats: Tensor | None = None,
-            pieces_out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
+            pieces_out: tuple[Tensor, Tensor, Tensor] | None = None
+            ) -> tuple[Tensor, Tensor | None]:
     """The one launcher of _linear_kernel: linear_triton (norm_weight None),
     rms_norm_linear_triton, linear_pieces_triton (pieces: x is hi, pieces (lo, inv_scale)),
     linear_residual_triton (epilogue (residual [M, N], g [N], gx out [M, N], squares out
@@ -1204,15 +1216,23 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
     if pieces is not None and not (swap and fp8 and not norm):
         raise ValueError("x as e4m3 pieces takes FP8 weights at 2 to 16 rows, no norm")
     lo, inv = pieces if pieces is not None else (x2, out)
-    if pieces_out is not None and (epilogue is None or not swap or out.dtype != torch.bfloat16 or
-                                   pieces_out[1].shape != (M, triton.cdiv(N, bn))):
-        raise ValueError(f"pieces out take the residual epilogue of 2 to {MAX_ROWS} bf16 rows on "
-                         f"the swapped MMA, a scale per row and block_n ({bn}) columns: "
-                         f"[{M}, {triton.cdiv(N, bn)}], got {tuple(pieces_out[1].shape)}")
+    if pieces is not None and pieces[1].dim() == 2 and pieces[1].shape != (M, triton.cdiv(K, bk)):
+        raise ValueError(f"block-scaled pieces need one scale per row and K step ({bk} columns): "
+                         f"[{M}, {triton.cdiv(K, bk)}], got {tuple(pieces[1].shape)}")
+    tile_cols = bn // 2 if activation is not None else bn
+    if pieces_out is not None and ((epilogue is None) == (activation is None) or not swap or
+                                   out.dtype != torch.bfloat16 or
+                                   pieces_out[2].shape != (M, triton.cdiv(N, tile_cols))):
+        raise ValueError(f"pieces out take the residual epilogue or the gated output of 2 to "
+                         f"{MAX_ROWS} bf16 rows on the swapped MMA, a scale per row and tile "
+                         f"({tile_cols} columns): [{M}, {triton.cdiv(N, tile_cols)}], got "
+                         f"{tuple(pieces_out[2].shape)}")
+    if pieces_out is not None:
+        gx = pieces_out[0]
     _linear_kernel[(programs, splits)](
         x2, weight, weight_scale if fp8 else out, out, parts, counts,
         r2, norm_weight.contiguous() if norm else g_epi, summed if summed is not None else x2,
-        lo, inv, squares, gx, *(pieces_out or (out, out)),
+        lo, inv, squares, gx, *(pieces_out[1:] if pieces_out is not None else (out, out)),
         M, N, K, x2.stride(0), weight.stride(0), out.stride(0), r2.stride(0),
         eps,
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,

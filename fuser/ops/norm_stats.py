@@ -159,7 +159,7 @@ def linear_residual_pieces_triton(x: Tensor, weight: Tensor, residual: Tensor,
                         (block, block_k, None, None, split_k, None),
                         pieces=split, out_dtype=x.dtype,
                         epilogue=(r2, norm_weight.contiguous(), hi, squares),
-                        pieces_out=(lo, inv))
+                        pieces_out=(hi, lo, inv))
     return summed.reshape(residual.shape), (hi, lo, inv), squares
 
 
@@ -387,3 +387,115 @@ def _stats_pieces_cuda(summed: Tensor, hi: Tensor, lo: Tensor, inv: Tensor, squa
 
 
 stats_pieces_rms_norm_linear.register_kernel("cuda")(_stats_pieces_cuda)
+
+
+# The gated GEMV after the norm (gate/up) can write its output as block pieces too, for the
+# GEMV after it (down_proj, itself a residual producer): no split kernel between them.
+
+
+def normed_pieces_gated_pieces_triton(hi: Tensor, lo: Tensor, inv: Tensor, squares: Tensor,
+                                      eps: float, weight: Tensor, weight_scale: Tensor,
+                                      block: int, out_block: int, activation: str, *,
+                                      split_k: int | None = None
+                                      ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
+    """normed_pieces_linear_triton with an activation, whose output y [M, I] (bf16) also comes
+    as block-scaled pieces, out_block columns a scale (its programs' tiles: block_n =
+    2 out_block): (y, (hi, lo, inv)), the pieces split_pieces_blocks_reference(y, out_block)."""
+    M, K = hi.shape
+    I = weight.shape[0] // 2
+    out_hi = torch.empty((M, I), dtype=FP8_DTYPE, device=hi.device)
+    out_lo = torch.empty_like(out_hi)
+    out_inv = torch.empty((M, triton.cdiv(I, out_block)), dtype=torch.float32, device=hi.device)
+    y, _ = _launch(hi, None, None, eps, weight, weight_scale, activation,
+                   (2 * out_block, block, None, None, split_k, None), pieces=(lo, inv),
+                   out_dtype=torch.bfloat16, stats=squares, pieces_out=(out_hi, out_lo, out_inv))
+    return y, (out_hi, out_lo, out_inv)
+
+
+@torch.library.custom_op("fuser::stats_pieces_gated_pieces", mutates_args=())
+def stats_pieces_gated_pieces(summed: Tensor, hi: Tensor, lo: Tensor, inv: Tensor,
+                              squares: Tensor, norm_weight: Tensor, eps: float, weight: Tensor,
+                              weight_scale: Tensor, activation: str, block: int, out_block: int
+                              ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(y, y's block pieces): fuser::stats_pieces_rms_norm_linear's gated output y, and
+    split_pieces_blocks_reference(y [rows, I], out_block) for the GEMV after it."""
+    y = rms_norm_linear_reference(summed, norm_weight, eps, weight, weight_scale, activation)
+    return (y, *split_pieces_blocks_reference(y.reshape(-1, y.shape[-1]), out_block))
+
+
+@stats_pieces_gated_pieces.register_fake
+def _stats_pieces_gated_pieces_fake(summed: Tensor, hi: Tensor, lo: Tensor, inv: Tensor,
+                                    squares: Tensor, norm_weight: Tensor, eps: float,
+                                    weight: Tensor, weight_scale: Tensor, activation: str,
+                                    block: int, out_block: int
+                                    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    y = _norm_linear_fake_out(torch.promote_types(norm_weight.dtype, summed.dtype), summed,
+                              weight, activation)
+    I = y.shape[-1]
+    rows = y.numel() // max(I, 1)
+    pieces = torch.empty((rows, I), dtype=FP8_DTYPE, device=y.device)
+    return y, pieces, torch.empty_like(pieces), torch.empty(
+        (rows, triton.cdiv(I, out_block)), dtype=torch.float32, device=y.device)
+
+
+def _stats_pieces_gated_pieces_cuda(summed: Tensor, hi: Tensor, lo: Tensor, inv: Tensor,
+                                    squares: Tensor, norm_weight: Tensor, eps: float,
+                                    weight: Tensor, weight_scale: Tensor, activation: str,
+                                    block: int, out_block: int
+                                    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    rows = _row_count(summed)
+    K = summed.shape[-1]
+    if 1 < rows <= MAX_ROWS and weight_scale is not None and weight.dtype == FP8_DTYPE and \
+            hi.shape == lo.shape == (rows, K) and inv.shape == (rows, triton.cdiv(K, block)) \
+            and squares.shape == (rows, triton.cdiv(K, STAT_COLS)) and \
+            summed.dtype == norm_weight.dtype == torch.bfloat16:
+        y, pieces = normed_pieces_gated_pieces_triton(hi, lo, inv, squares, eps, weight,
+                                                      weight_scale, block, out_block, activation)
+        return (y.reshape(*summed.shape[:-1], y.shape[-1]), *pieces)
+    y = torch.ops.fuser.stats_pieces_rms_norm_linear(summed, hi, lo, inv, squares, norm_weight,
+                                                     eps, weight, weight_scale, activation, block)
+    return (y, *split_pieces_blocks_reference(y.reshape(-1, y.shape[-1]), out_block))
+
+
+stats_pieces_gated_pieces.register_kernel("cuda")(_stats_pieces_gated_pieces_cuda)
+
+
+@torch.library.custom_op("fuser::pieces_linear_residual_pieces", mutates_args=())
+def pieces_linear_residual_pieces(x: Tensor, hi: Tensor, lo: Tensor, inv: Tensor, in_block: int,
+                                  weight: Tensor, weight_scale: Tensor, residual: Tensor,
+                                  norm_weight: Tensor, block: int
+                                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """fuser::linear_residual_pieces of x given also as its block pieces (hi, lo, inv, in_block
+    columns a scale: fuser::stats_pieces_gated_pieces'), which the CUDA kernel multiplies; on
+    CPU the reference on x (the same bits as without the pieces)."""
+    return linear_residual_pieces_reference(x, weight, weight_scale, residual, norm_weight, block)
+
+
+@pieces_linear_residual_pieces.register_fake
+def _pieces_linear_residual_pieces_fake(x: Tensor, hi: Tensor, lo: Tensor, inv: Tensor,
+                                        in_block: int, weight: Tensor, weight_scale: Tensor,
+                                        residual: Tensor, norm_weight: Tensor, block: int
+                                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _linear_residual_pieces_fake(x, weight, weight_scale, residual, norm_weight, block)
+
+
+def _pieces_linear_residual_pieces_cuda(x: Tensor, hi: Tensor, lo: Tensor, inv: Tensor,
+                                        in_block: int, weight: Tensor, weight_scale: Tensor,
+                                        residual: Tensor, norm_weight: Tensor, block: int
+                                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    rows = _row_count(x)
+    K = x.shape[-1]
+    if _takes(rows, x, weight, weight_scale) and weight_scale is not None and \
+            x.dtype == residual.dtype == norm_weight.dtype == torch.bfloat16 and \
+            hi.shape == lo.shape == (rows, K) and inv.shape == (rows, triton.cdiv(K, in_block)) \
+            and residual.shape[-1] == weight.shape[0] == norm_weight.shape[0] and \
+            residual.numel() == rows * weight.shape[0]:
+        summed, (o_hi, o_lo, o_inv), squares = linear_residual_pieces_triton(
+            x, weight, residual, norm_weight, block, weight_scale=weight_scale,
+            pieces=(hi, lo, inv), block_k=in_block)
+        return summed, o_hi, o_lo, o_inv, squares
+    return torch.ops.fuser.linear_residual_pieces(x, weight, weight_scale, residual, norm_weight,
+                                                  block)
+
+
+pieces_linear_residual_pieces.register_kernel("cuda")(_pieces_linear_residual_pieces_cuda)
