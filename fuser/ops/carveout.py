@@ -2,9 +2,9 @@
 
 An H200 SM splits 256 KB between L1 and shared memory, per kernel: by default the driver picks
 each kernel's split from the shared memory it asks for. The verify step (T = 5) alternates
-kernels that ask very different amounts: the several-row GEMV (64 x 128 FP8 tiles, 4 stages,
-~49 KB a program, several programs an SM), the norm kernel that writes e4m3 pieces (none),
-attention's split kernel and its combine. An SM changes its split only when idle, so at every
+kernels that ask different amounts: the several-row GEMV (its MMA operands staged in shared
+memory, pipelined), the norm kernel that writes e4m3 pieces (little), attention's split kernel
+and its combine. An SM changes its split only when idle, so at every
 such boundary the next kernel cannot start on an SM the previous one still holds. That would
 explain what the twenty-third session measured (benchmarks/RESULTS.md): 1.67 us between
 kernels at 5 rows against -0.18 at one row, and PDL at 5 rows gaining nothing (the next

@@ -273,11 +273,13 @@ def _f16_step(acc, shift, w, x, FP32_DOTS: tl.constexpr):
 @triton.jit
 def _block_inv(inv_ptr, rows, row_ok, k0, K, BLOCK_K: tl.constexpr, BLOCK_SCALES: tl.constexpr):
     """BLOCK_SCALES: the rows' 2^-t of the pieces' K block starting at k0 ([BLOCK_M] fp32, from
-    inv_ptr [M, cdiv(K, BLOCK_K)]); else a placeholder nothing reads."""
+    inv_ptr [M, cdiv(K, BLOCK_K)]); else zeros nothing reads. (One return: the compiler wants
+    every return of a function to have one type, constexpr branches or not.)"""
+    inv = rows.to(tl.float32) * 0.0
     if BLOCK_SCALES:
-        return tl.load(inv_ptr + rows * tl.cdiv(K, BLOCK_K) + k0 // BLOCK_K, mask=row_ok,
-                       other=0.0)
-    return 0.0
+        inv = tl.load(inv_ptr + rows * tl.cdiv(K, BLOCK_K) + k0 // BLOCK_K, mask=row_ok,
+                      other=0.0)
+    return inv
 
 
 @triton.jit

@@ -1,0 +1,80 @@
+"""Compile recorded _linear_kernel launches for sm_90 without a GPU (tests/test_sm90_compile.py).
+
+The interpreter runs a kernel's Python, not Triton's compiler: a kernel can pass every CPU test
+and still fail to compile for the GPU (the twenty-third session's first block-scaled pieces
+did: a helper returning a tensor in one constexpr branch and a float in the other). Run as a
+script on a JSON of launches (argument kinds and constexprs, recorded under the interpreter),
+without TRITON_INTERPRET: each launch is compiled with the GPU's constexprs (FP32_DOTS and
+EMULATE_CAST off) and reported as "ok" or "FAILED <error>"; "SKIP <why>" when this Triton cannot
+compile for CUDA here at all.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+DTYPES = {"torch.bfloat16": "*bf16", "torch.float32": "*fp32", "torch.float8_e4m3fn": "*fp8e4nv",
+          "torch.int32": "*i32", "torch.float16": "*fp16"}
+GPU_CONSTEXPRS = {"FP32_DOTS": False, "EMULATE_CAST": False}
+
+
+def record_launches(kernel_owner, name: str, run) -> list[dict]:
+    """Run `run()` with `kernel_owner.<name>` wrapped so that each launch's argument kinds and
+    keyword arguments are recorded (the launch itself still runs)."""
+    import torch
+
+    real = getattr(kernel_owner, name)
+    records: list[dict] = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                kinds = [["ptr", str(a.dtype)] if isinstance(a, torch.Tensor) else
+                         ["fp32", a] if isinstance(a, float) else ["int", int(a)] for a in args]
+                records.append({"args": kinds, "kwargs": dict(kwargs)})
+                return real[grid](*args, **kwargs)
+            return launch
+
+    setattr(kernel_owner, name, Spy())
+    try:
+        run()
+    finally:
+        setattr(kernel_owner, name, real)
+    return records
+
+
+def main(path: str) -> None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from fuser.ops.linear import _linear_kernel as kernel
+
+    params = {p.name: p for p in kernel.params}
+    for i, record in enumerate(json.load(open(path))):
+        signature, constexprs, options = {}, {}, {}
+        for arg, (kind, value) in zip(kernel.arg_names, record["args"]):
+            signature[arg] = DTYPES[value] if kind == "ptr" else "fp32" if kind == "fp32" else "i32"
+        for key, value in record["kwargs"].items():
+            if key in ("num_warps", "num_stages"):
+                options[key] = value
+            elif key != "launch_pdl":
+                signature[key], constexprs[key] = "constexpr", value
+        for arg in kernel.arg_names:
+            if arg not in signature:
+                signature[arg], constexprs[arg] = "constexpr", params[arg].default
+        constexprs.update(GPU_CONSTEXPRS)
+        source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+        try:
+            triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+        except triton.compiler.errors.CompilationError as error:
+            print(f"{i} FAILED {str(error)[-800:]}".replace("\n", " | "))
+            continue
+        except Exception as error:  # noqa: BLE001  (no CUDA backend tools here)
+            print(f"SKIP {type(error).__name__}: {error}".replace("\n", " "))
+            return
+        print(f"{i} ok")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

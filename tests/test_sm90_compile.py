@@ -1,0 +1,64 @@
+"""The several-row GEMV's newer paths compile for sm_90 (no GPU needed; tests/sm90_compile.py).
+
+Recorded under the interpreter here, compiled in a process without TRITON_INTERPRET: the
+block-scaled e4m3 pieces (linear_pieces_triton scale_block), norm_stats' pieces producer and
+consumer, the gated output as pieces, down_proj's producer on them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import sm90_compile
+from fuser.ops import linear
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _block_pieces_chain() -> None:
+    from fuser.ops.e4m3_pieces import split_pieces_triton
+    from fuser.ops.fp8 import quantize_weight
+    from fuser.ops.linear import linear_pieces_triton
+    from fuser.ops.norm_stats import (linear_residual_pieces_triton,
+                                      normed_pieces_gated_pieces_triton,
+                                      normed_pieces_linear_triton)
+
+    g = torch.Generator().manual_seed(0)
+    M, K, H, I = 5, 256, 256, 256
+    a = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    r = torch.randn(M, H, generator=g).to(torch.bfloat16)
+    nw = torch.ones(H, dtype=torch.bfloat16)
+    wp, sp = quantize_weight(torch.randn(H, K, generator=g))
+    wgu, sgu = quantize_weight(torch.randn(2 * I, H, generator=g))
+    wd, sd = quantize_weight(torch.randn(H, I, generator=g))
+    summed, (hi, lo, inv), sq = linear_residual_pieces_triton(a, wp, r, nw, 128, weight_scale=sp)
+    linear_residual_pieces_triton(a, wp, r, nw, 128, weight_scale=sp,
+                                  pieces=split_pieces_triton(a))
+    normed_pieces_linear_triton(hi, lo, inv, sq, 1e-5, wp, sp, 128)
+    y, (yh, yl, yi) = normed_pieces_gated_pieces_triton(hi, lo, inv, sq, 1e-5, wgu, sgu, 128, 64,
+                                                        "silu")
+    linear_residual_pieces_triton(y, wd, r, nw, 128, weight_scale=sd, pieces=(yh, yl, yi),
+                                  block_k=64, split_k=2)
+    linear_pieces_triton(yh, yl, yi, wd, sd, scale_block=64)
+
+
+def test_block_pieces_kernels_compile_for_sm90(tmp_path: Path) -> None:
+    records = sm90_compile.record_launches(linear, "_linear_kernel", _block_pieces_chain)
+    assert len(records) == 6
+    path = tmp_path / "launches.json"
+    path.write_text(json.dumps(records))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "sm90_compile.py"), str(path)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line]
+    if lines and lines[0].startswith("SKIP"):
+        pytest.skip(lines[0])
+    assert lines == [f"{i} ok" for i in range(len(records))], lines
