@@ -369,15 +369,24 @@ def _stats_pieces_fake(summed: Tensor, hi: Tensor, lo: Tensor, inv: Tensor, squa
                                  weight, activation)
 
 
+def _pieces_consumer_takes(summed: Tensor, hi: Tensor, lo: Tensor, inv: Tensor, squares: Tensor,
+                           norm_weight: Tensor, weight: Tensor, weight_scale: Tensor | None,
+                           block: int) -> bool:
+    """Whether the pieces consumer's kernel computes this: 2..MAX_ROWS bf16 rows, FP8 weights,
+    pieces and squares of summed's shape."""
+    rows = _row_count(summed)
+    K = summed.shape[-1]
+    return (1 < rows <= MAX_ROWS and weight_scale is not None and weight.dtype == FP8_DTYPE and
+            hi.shape == lo.shape == (rows, K) and inv.shape == (rows, triton.cdiv(K, block))
+            and squares.shape == (rows, triton.cdiv(K, STAT_COLS)) and
+            summed.dtype == norm_weight.dtype == torch.bfloat16)
+
+
 def _stats_pieces_cuda(summed: Tensor, hi: Tensor, lo: Tensor, inv: Tensor, squares: Tensor,
                        norm_weight: Tensor, eps: float, weight: Tensor, weight_scale: Tensor,
                        activation: str | None, block: int) -> Tensor:
-    rows = _row_count(summed)
-    K = summed.shape[-1]
-    if 1 < rows <= MAX_ROWS and weight_scale is not None and weight.dtype == FP8_DTYPE and \
-            hi.shape == lo.shape == (rows, K) and inv.shape == (rows, triton.cdiv(K, block)) \
-            and squares.shape == (rows, triton.cdiv(K, STAT_COLS)) and \
-            summed.dtype == norm_weight.dtype == torch.bfloat16:
+    if _pieces_consumer_takes(summed, hi, lo, inv, squares, norm_weight, weight, weight_scale,
+                              block):
         out = normed_pieces_linear_triton(hi, lo, inv, squares, eps, weight, weight_scale, block,
                                           activation=activation, out_dtype=summed.dtype)
         return out.reshape(*summed.shape[:-1], out.shape[-1])
@@ -443,12 +452,8 @@ def _stats_pieces_gated_pieces_cuda(summed: Tensor, hi: Tensor, lo: Tensor, inv:
                                     weight: Tensor, weight_scale: Tensor, activation: str,
                                     block: int, out_block: int
                                     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    rows = _row_count(summed)
-    K = summed.shape[-1]
-    if 1 < rows <= MAX_ROWS and weight_scale is not None and weight.dtype == FP8_DTYPE and \
-            hi.shape == lo.shape == (rows, K) and inv.shape == (rows, triton.cdiv(K, block)) \
-            and squares.shape == (rows, triton.cdiv(K, STAT_COLS)) and \
-            summed.dtype == norm_weight.dtype == torch.bfloat16:
+    if _pieces_consumer_takes(summed, hi, lo, inv, squares, norm_weight, weight, weight_scale,
+                              block):
         y, pieces = normed_pieces_gated_pieces_triton(hi, lo, inv, squares, eps, weight,
                                                       weight_scale, block, out_block, activation)
         return (y.reshape(*summed.shape[:-1], y.shape[-1]), *pieces)
