@@ -46,7 +46,8 @@ def main() -> None:
 
     if args.smem_carveout is not None:
         carveout.install(args.smem_carveout)
-    from fuser.ops.e4m3_pieces import add_rms_norm_pieces_triton, split_pieces_triton  # noqa: PLC0415
+    from fuser.ops.e4m3_pieces import (  # noqa: PLC0415
+        add_rms_norm_pieces_triton, split_pieces_triton)
     from fuser.ops.fp8 import quantize_weight  # noqa: PLC0415
     from fuser.ops.linear import linear_pieces_triton  # noqa: PLC0415
 

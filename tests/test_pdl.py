@@ -54,7 +54,8 @@ def _cases() -> list[tuple]:
     # norm prologue and the gated epilogue, split-K, several rows on the MMA path
     return [(1, 6144, 4096, False, True, None, None), (1, 6144, 4096, True, True, None, None),
             (1, 4096, 14336, True, False, None, 7), (1, 4096, 14336, False, False, None, 2),
-            (1, 2 * 1024, 4096, True, True, "silu", None), (5, 6144, 4096, False, False, None, None),
+            (1, 2 * 1024, 4096, True, True, "silu", None),
+            (5, 6144, 4096, False, False, None, None),
             (5, 6144, 4096, True, False, None, None), (9, 2 * 1024, 4096, True, False, "silu", None)]
 
 
