@@ -56,7 +56,8 @@ def _cases() -> list[tuple]:
             (1, 4096, 14336, True, False, None, 7), (1, 4096, 14336, False, False, None, 2),
             (1, 2 * 1024, 4096, True, True, "silu", None),
             (5, 6144, 4096, False, False, None, None),
-            (5, 6144, 4096, True, False, None, None), (9, 2 * 1024, 4096, True, False, "silu", None)]
+            (5, 6144, 4096, True, False, None, None),
+            (9, 2 * 1024, 4096, True, False, "silu", None)]
 
 
 @needs_hopper
