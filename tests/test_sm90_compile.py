@@ -2,7 +2,8 @@
 
 Recorded under the interpreter here, compiled in a process without TRITON_INTERPRET: the
 block-scaled e4m3 pieces (linear_pieces_triton scale_block), norm_stats' pieces producer and
-consumer, the gated output as pieces, down_proj's producer on them."""
+consumer, the gated output as pieces, down_proj's producer on them; and the default several-
+and one-row paths, which share the K-step helpers."""
 
 from __future__ import annotations
 
@@ -46,11 +47,19 @@ def _block_pieces_chain() -> None:
     linear_residual_pieces_triton(y, wd, r, nw, 128, weight_scale=sd, pieces=(yh, yl, yi),
                                   block_k=64, split_k=2)
     linear_pieces_triton(yh, yl, yi, wd, sd, scale_block=64)
+    # the default paths through the same K-step helper: bf16 and FP8 (fp16 MMA) rows, row
+    # pieces, one row
+    from fuser.ops.linear import linear_triton
+
+    linear_triton(a, wp.to(torch.bfloat16))
+    linear_triton(a, wp, weight_scale=sp)
+    linear_pieces_triton(*split_pieces_triton(a), wp, sp)
+    linear_triton(a[:1], wp, weight_scale=sp)
 
 
 def test_block_pieces_kernels_compile_for_sm90(tmp_path: Path) -> None:
     records = sm90_compile.record_launches(linear, "_linear_kernel", _block_pieces_chain)
-    assert len(records) == 6
+    assert len(records) == 10
     path = tmp_path / "launches.json"
     path.write_text(json.dumps(records))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
