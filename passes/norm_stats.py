@@ -248,10 +248,69 @@ def chain_gated_pieces(gm: GraphModule) -> int:
     return count
 
 
+def _attention_source(x: Node) -> Node | None:
+    """The fuser::rotary_cache_attention whose output x is, through views that only flatten
+    [B, T, H, D] to rows of H * D values, each read once; else None."""
+    node = x
+    while node.op == "call_function" and node.target in VIEWS:
+        if len(node.users) != 1:
+            return None
+        node = node.args[0]
+    if node.op != "call_function" or node.target is not fuser_ops.rotary_cache_attention.default \
+            or len(node.users) != 1 or node is x:
+        return None
+    out, value = node.meta["val"], x.meta["val"]
+    B, T, H, D = out.shape
+    if out.dtype != torch.bfloat16 or D < 32 or D & (D - 1) or value.shape[-1] != H * D or \
+            value.numel() != out.numel():
+        return None
+    return node
+
+
+def chain_attention_pieces(gm: GraphModule) -> int:
+    """After move_norms_into_gemvs with block pieces: an o_proj producer
+    (fuser::linear_residual_pieces) reading attention's output takes it as block pieces that
+    attention's combine kernel writes, one head a scale (fuser::rotary_cache_attention_pieces ->
+    fuser::pieces_linear_residual_pieces): o_proj on the FP8 MMA, no split kernel; returns the
+    count."""
+    graph = gm.graph
+    fake_mode = None
+    count = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or \
+                node.target is not fuser_ops.linear_residual_pieces.default:
+            continue
+        x, w, s, r, g, block = node.args
+        attention = _attention_source(x)
+        if attention is None:
+            continue
+        fake_mode = fake_mode or graph_fake_mode(gm)
+        head = attention.meta["val"].shape[-1]
+        op = fuser_ops.rotary_cache_attention_pieces.default
+        with graph.inserting_before(attention):
+            fused = graph.call_function(op, attention.args)
+            fused.meta["val"] = fake_value(fake_mode, op, attention.args)
+            out, *pieces = (graph.call_function(operator.getitem, (fused, i)) for i in range(4))
+            for item, value in zip((out, *pieces), fused.meta["val"]):
+                item.meta["val"] = value
+        attention.replace_all_uses_with(out)
+        graph.erase_node(attention)
+        reader_args = (x, *pieces, head, w, s, r, g, block)
+        op = fuser_ops.pieces_linear_residual_pieces.default
+        with graph.inserting_before(node):
+            reader = graph.call_function(op, reader_args)
+            reader.meta["val"] = fake_value(fake_mode, op, reader_args)
+        node.replace_all_uses_with(reader)
+        graph.erase_node(node)
+        count += 1
+    return count
+
+
 def _norm_stats(gm: GraphModule, context: PassContext) -> int:
     count = move_norms_into_gemvs(gm, context)
     if count:
         chain_gated_pieces(gm)
+        chain_attention_pieces(gm)
     return count
 
 

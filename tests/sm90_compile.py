@@ -19,9 +19,10 @@ DTYPES = {"torch.bfloat16": "*bf16", "torch.float32": "*fp32", "torch.float8_e4m
 GPU_CONSTEXPRS = {"FP32_DOTS": False, "EMULATE_CAST": False}
 
 
-def record_launches(kernel_owner, name: str, run) -> list[dict]:
+def record_launches(kernel_owner, name: str, run, kernel_id: str | None = None) -> list[dict]:
     """Run `run()` with `kernel_owner.<name>` wrapped so that each launch's argument kinds and
-    keyword arguments are recorded (the launch itself still runs)."""
+    keyword arguments are recorded (the launch itself still runs). kernel_id: "module:name" of
+    the kernel's definition (default: kernel_owner's module and name)."""
     import torch
 
     real = getattr(kernel_owner, name)
@@ -32,7 +33,10 @@ def record_launches(kernel_owner, name: str, run) -> list[dict]:
             def launch(*args, **kwargs):
                 kinds = [["ptr", str(a.dtype)] if isinstance(a, torch.Tensor) else
                          ["fp32", a] if isinstance(a, float) else ["int", int(a)] for a in args]
-                records.append({"args": kinds, "kwargs": dict(kwargs)})
+                keywords = {k: ["ptr", str(v.dtype)] if isinstance(v, torch.Tensor) else v
+                            for k, v in kwargs.items()}
+                records.append({"kernel": kernel_id or f"{kernel_owner.__name__}:{name}",
+                                "args": kinds, "kwargs": keywords})
                 return real[grid](*args, **kwargs)
             return launch
 
@@ -48,22 +52,26 @@ def main(path: str) -> None:
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from fuser.ops.linear import _linear_kernel as kernel
+    import importlib
 
-    params = {p.name: p for p in kernel.params}
     for i, record in enumerate(json.load(open(path))):
+        module, name = record["kernel"].split(":")
+        kernel = getattr(importlib.import_module(module), name)
+        params = {p.name: p for p in kernel.params}
         signature, constexprs, options = {}, {}, {}
         for arg, (kind, value) in zip(kernel.arg_names, record["args"]):
             signature[arg] = DTYPES[value] if kind == "ptr" else "fp32" if kind == "fp32" else "i32"
         for key, value in record["kwargs"].items():
             if key in ("num_warps", "num_stages"):
                 options[key] = value
+            elif isinstance(value, list) and value and value[0] == "ptr":
+                signature[key] = DTYPES[value[1]]
             elif key != "launch_pdl":
                 signature[key], constexprs[key] = "constexpr", value
         for arg in kernel.arg_names:
             if arg not in signature:
                 signature[arg], constexprs[arg] = "constexpr", params[arg].default
-        constexprs.update(GPU_CONSTEXPRS)
+        constexprs.update({k: v for k, v in GPU_CONSTEXPRS.items() if k in signature})
         source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
         try:
             triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)

@@ -144,17 +144,19 @@ def test_target_bucket_whose_verify_steps_exceed_max_rows_keeps_its_norms(gamma:
 def test_block_pieces_chain_through_a_whole_fp8_model() -> None:
     """linear.STATS_FP8_MMA = "block" on a 2-layer FP8 Llama: in the target's verify graph
     every norm after a GEMV moves into block pieces (o_proj and down_proj write them, qkv,
-    gate/up and the LM head read them) and gate/up hands its output to down_proj as block
-    pieces too (stats_pieces_gated_pieces -> pieces_linear_residual_pieces): per layer no norm
-    or split kernel. On CPU the ops run their references: the same greedy output as the engine
+    gate/up and the LM head read them), gate/up hands its output to down_proj as block pieces
+    (stats_pieces_gated_pieces -> pieces_linear_residual_pieces) and attention its output to
+    o_proj (rotary_cache_attention_pieces): per layer no norm or split kernel, o_proj on the
+    FP8 MMA. On CPU the ops run their references: the same greedy output as the engine
     without the switch."""
     import fuser
     from fuser.ops import linear
     from fuser.passes import norm_stats
     from tiny import random_prompts, tiny_model
 
-    target = tiny_model("llama", layers=2, dtype=torch.bfloat16)
-    draft = tiny_model("llama", layers=1, seed=1, dtype=torch.bfloat16)
+    # head_dim 32: attention's combine writes o_proj's pieces (one head a block, 32 or more)
+    target = tiny_model("llama", layers=2, dtype=torch.bfloat16, head_dim=32)
+    draft = tiny_model("llama", layers=1, seed=1, dtype=torch.bfloat16, head_dim=32)
     config = fuser.FuserConfig(max_seq_len=64, max_batch_size=2, gamma=4, precision="fp8")
     with mock.patch.object(norm_stats, "FP8_CONSUMERS", True), \
             mock.patch.object(linear, "STATS_FP8_MMA", "block"):
@@ -165,8 +167,10 @@ def test_block_pieces_chain_through_a_whole_fp8_model() -> None:
     assert verify, graphs
     for ops in verify:
         assert ops.get("stats_pieces_gated_pieces") == 2, ops  # both layers' gate/up
-        assert ops.get("pieces_linear_residual_pieces") == 2, ops  # both layers' down_proj
-        assert ops.get("linear_residual_pieces") == 2, ops  # both layers' o_proj
+        # both layers' o_proj (on attention's pieces) and down_proj (on gate/up's)
+        assert ops.get("pieces_linear_residual_pieces") == 4, ops
+        assert ops.get("rotary_cache_attention_pieces") == 2, ops
+        assert "linear_residual_pieces" not in ops and "rotary_cache_attention" not in ops, ops
         assert ops.get("stats_pieces_rms_norm_linear") == 2, ops  # layer 1's qkv, the LM head
         assert "add_rms_norm_linear" not in ops, ops
     ids, mask = random_prompts(2, [7, 4], plain.vocab_size, seed=2)

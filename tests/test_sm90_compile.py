@@ -60,6 +60,10 @@ def _block_pieces_chain() -> None:
 def test_block_pieces_kernels_compile_for_sm90(tmp_path: Path) -> None:
     records = sm90_compile.record_launches(linear, "_linear_kernel", _block_pieces_chain)
     assert len(records) == 10
+    _compile(records, tmp_path)
+
+
+def _compile(records: list[dict], tmp_path: Path) -> None:
     path = tmp_path / "launches.json"
     path.write_text(json.dumps(records))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -71,3 +75,28 @@ def test_block_pieces_kernels_compile_for_sm90(tmp_path: Path) -> None:
     if lines and lines[0].startswith("SKIP"):
         pytest.skip(lines[0])
     assert lines == [f"{i} ok" for i in range(len(records))], lines
+
+
+def _attention_pieces() -> None:
+    from fuser.ops.rotary_attention import _rotary_cache_attention_pieces_cuda
+    from test_rotary_cache import make_case
+
+    case = make_case(2, 8, 2, 5, 64, 64, 48, torch.bfloat16, seed=3, seq_lens=[10, 30])
+    q, k, v, cos, sin, k_cache, v_cache, lens = case
+    starts = torch.zeros(2, dtype=torch.int64)
+    _rotary_cache_attention_pieces_cuda(q, k, v, cos, sin, k_cache, v_cache, lens, starts,
+                                        0.125, 0, 0.0)
+    from fuser.ops.rotary_attention import rotary_cache_attention_triton
+
+    rotary_cache_attention_triton(q, k, v, cos, sin, k_cache, v_cache, lens, starts, 0.125, 0,
+                                  0.0)
+
+
+def test_attention_pieces_combine_compiles_for_sm90(tmp_path: Path) -> None:
+    """The combine kernel writing the output as block pieces (PIECES), and the plain one."""
+    from fuser.ops import rotary_attention
+
+    records = sm90_compile.record_launches(rotary_attention, "_combine_kernel", _attention_pieces,
+                                           kernel_id="fuser.ops.attention:_combine_kernel")
+    assert [r["kwargs"]["PIECES"] for r in records] == [True, False]
+    _compile(records, tmp_path)
