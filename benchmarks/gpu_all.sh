@@ -608,15 +608,16 @@ elif [ "$what" = s23c ]; then
 elif [ "$what" = s24b ]; then
   # Written in the twenty-third session for the next (issue #10): the 5-row FP8 GEMV on
   # block-scaled pieces (a power of two per K step, linear_pieces_triton scale_block) against
-  # row-scaled pieces and the fp16 path, per 8B shape (benchmarks/pieces_lab.py). If blocks cost
-  # nothing, attention's combine and the GEMV epilogues can write o_proj's, qkv's and gate/up's
-  # pieces themselves (no norm-pieces or split kernel, no launch, no gap).
+  # row-scaled pieces and the fp16 path, per 8B shape (benchmarks/pieces_lab.py): with block
+  # pieces attention's combine and the GEMV epilogues write every FP8 GEMV's pieces themselves
+  # (no norm-pieces or split kernel, no launch, no gap; passes/norm_stats.py, "block").
   timeout 120 python3 benchmarks/pieces_lab.py --out "$OUT/pieces_lab.json" 2>&1 | grep -v Warn | tail -5
   # norm_stats' FP8 consumers on block pieces (no norm kernel, no split kernel at 5 rows): the
   # ops' GPU tests, the 8B FP8 decode + verify on them, then the engine's greedy against
   # target-only with the time left.
   timeout 100 python3 -m pytest -q -p no:cacheprovider -rf tests/test_e4m3_pieces.py \
-    tests/test_ops_norm_stats.py -k "block" 2>&1 | grep -E "^E  |FAILED|passed|failed" | cut -c1-200 | tail -6
+    tests/test_ops_norm_stats.py tests/test_rotary_attention.py -k "block" 2>&1 \
+    | grep -E "^E  |FAILED|passed|failed" | cut -c1-200 | tail -6
   TAG=fp8_block decode_8b fp8 400 --norm-stats fp8 --stats-fp8-mma block
   timeout $((${BUDGET:-590} - SECONDS)) python3 -m pytest -q -p no:cacheprovider -rf \
     tests/test_cuda.py::test_fp8_speculative_with_norms_on_block_pieces_equals_target_only \
