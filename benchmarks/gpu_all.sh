@@ -42,6 +42,7 @@
 #   bash benchmarks/gpu_all.sh s18b     # norm_stats with g * h from the producer: GPU tests, 8B bf16 decode on/off, FP8 with its consumers
 #   bash benchmarks/gpu_all.sh s18c     # norm_stats with its loads before the K loop: 8B bf16 decode on/off
 #   bash benchmarks/gpu_all.sh s20b     # overlapped rounds: GPU tests, the bundled pair end to end overlapped, then standard
+#   bash benchmarks/gpu_all.sh s24c     # (not yet run) #10: 8-layer FP8 verify profiled with block pieces, then + carveout + PDL rows
 #   bash benchmarks/gpu_all.sh s24b     # (not yet run) #10: block-scaled pieces: pieces_lab.py, GPU tests, 8B FP8 decode with norm_stats on block pieces
 #   bash benchmarks/gpu_all.sh s24a     # (not yet run) #10: one shared-memory carveout for every kernel: 8-layer FP8 verify profiled, 8B FP8 decode
 #   bash benchmarks/gpu_all.sh s23e     # GPU tests: norm_stats ops (fp32 fix), test_pdl, CUDA engines (FP8 with a bf16 LM head too)
@@ -605,6 +606,20 @@ elif [ "$what" = s23c ]; then
   export FUSER_PDL_ROWS=1 FUSER_PDL_LATE=1
   TAG=fp8_pdl_late decode_8b fp8 290
   TAG=fp8_pdl_late_x2 decode_8b fp8 580 --norm-stats fp8 --stats-fp8-mma x2
+elif [ "$what" = s24c ]; then
+  # Written in the twenty-third session for the next (issue #10): the 8-layer FP8 verify kernel
+  # by kernel with block pieces (s24b's switch), then with the carveout and several-row PDL on
+  # top (s24a's), to see what is left of the 256 us over decode and whether the gaps go once
+  # the step has decode's kernels only.
+  for variant in block:0: block:gemv:100; do
+    IFS=: read -r name rows carve <<< "$variant"
+    flags="--norm-stats fp8 --stats-fp8-mma block"; [ -n "$carve" ] && flags="$flags --smem-carveout $carve"
+    echo "== FP8 verify profiled, 8 layers, block pieces, FUSER_PDL_ROWS=$rows carveout=${carve:-none}"
+    FUSER_PDL_ROWS=$rows timeout 170 python3 benchmarks/decode.py --out "$OUT/prof_${name}_${rows}.json" \
+      --skip-peers --precisions fp8 --layers 8 --profile $flags 2>&1 | tee "$OUT/prof_${name}_${rows}.log" \
+      | grep -A9 "verify breakdown" | grep -E "GEMV|attention|pieces|other|graph|sum"
+    grep -E "^\[fp8\] [0-9.]+ tok/s|replayed alike" "$OUT/prof_${name}_${rows}.log" | tail -2
+  done
 elif [ "$what" = s24b ]; then
   # Written in the twenty-third session for the next (issue #10): the 5-row FP8 GEMV on
   # block-scaled pieces (a power of two per K step, linear_pieces_triton scale_block) against
