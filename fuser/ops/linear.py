@@ -1100,6 +1100,9 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
     [M, cdiv(N, STAT_COLS)]): out is x @ W.T + residual, see EPI_RESIDUAL) and
     norm_stats.normed_linear_triton (stats [M, cdiv(K, STAT_COLS)]: x is g * h and
     these are h's sums of squares; the sums over K times rsqrt(sum / K + eps)).
+    pieces' inv may be [M, cdiv(K, block_k)] (block-scaled pieces, BLOCK_SCALES); pieces_out
+    (hi, lo [M, N] e4m3fn, inv [M, tiles]): the epilogue's g * summed, or the gated output,
+    written as block pieces, one scale per row and program tile (PIECES_OUT).
     Returns (out [..., N] in out_dtype or x's, summed [..., K] or None)."""
     *lead, K = x.shape
     rows_w = weight.shape[0]

@@ -22,6 +22,12 @@ x's tiles go to the MMA as loaded. (A first version normalised each x tile in th
 norm prologue does: on the H200 the 8B verify step got slower, not faster, and the FP8 one 2.8x
 the decode step: benchmarks/RESULTS.md, eighteenth session.)
 
+FP8 on both sides (linear.STATS_FP8_MMA = "block", passes/norm_stats.py): gh travels as e4m3
+pieces with a power of two per row and producer tile (fuser::linear_residual_pieces ->
+fuser::stats_pieces_rms_norm_linear), which the consumer multiplies on the FP8 MMA; gate/up
+hands its output to down_proj the same way, and attention's combine its output to o_proj (one
+head a scale). At several rows a layer then runs decode's kernels only. Not yet measured.
+
 Numerics: summed is what add_rms_norm writes (the linear's output rounded to its dtype, plus r,
 rounded once). The norm's output feeding the GEMV is g * h * rstd with one rounding (g * h, to
 the dtype) where fuser::rms_norm rounds twice ((h * rstd) to the dtype, then times g): like
