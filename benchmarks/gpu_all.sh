@@ -648,6 +648,9 @@ elif [ "$what" = s24a ]; then
   for flags in "" "--smem-carveout 100"; do
     timeout 60 python3 benchmarks/gap_lab.py $flags 2>&1 | grep -v Warn | tail -11
   done
+  echo "== gap_lab with the GEMV on several-row PDL (FUSER_PDL_ROWS=gemv), carveout 100"
+  FUSER_PDL_ROWS=gemv timeout 60 python3 benchmarks/gap_lab.py --smem-carveout 100 2>&1 \
+    | grep -v Warn | tail -11
   for variant in base:0 c100:0 c100:gemv; do
     name=${variant%:*}; rows=${variant#*:}
     flags=""; [ "$name" = c100 ] && flags="--smem-carveout 100"
