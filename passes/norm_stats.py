@@ -105,6 +105,22 @@ def _bucket_normalises_alike(context: PassContext, rows: int) -> bool:
     return batch * (context.config.resolved_gamma + 1) <= MAX_ROWS
 
 
+def _insert_call(graph, fake_mode, op, args: tuple, before: Node,
+                 items: bool = True) -> tuple[Node, list[Node]]:
+    """op(*args) inserted before `before`, its fake value set; and, for an op of several
+    outputs (unless items is False: the caller moves existing getitems over), a getitem node
+    per output, each with its value."""
+    with graph.inserting_before(before):
+        call = graph.call_function(op, args)
+        call.meta["val"] = fake_value(fake_mode, op, args)
+        outputs = []
+        if items and isinstance(call.meta["val"], (tuple, list)):
+            for i, value in enumerate(call.meta["val"]):
+                outputs.append(graph.call_function(operator.getitem, (call, i)))
+                outputs[-1].meta["val"] = value
+    return call, outputs
+
+
 def _pieces_block(consumer_scale: Node | None, producer_scale: Node | None,
                   dtype: torch.dtype) -> int:
     """The pieces' block when the rewrite takes linear.STATS_FP8_MMA = "block"'s ops (FP8
@@ -162,13 +178,7 @@ def move_norms_into_gemvs(gm: GraphModule, context: PassContext) -> int:
                                                                               block)
         else:
             producer_op, lr_args = fuser_ops.linear_residual.default, (a, w_p, s_p, r, g)
-        with graph.inserting_before(producer):
-            fused = graph.call_function(producer_op, lr_args)
-            fused.meta["val"] = fake_value(fake_mode, producer_op, lr_args)
-            outputs = [graph.call_function(operator.getitem, (fused, i))
-                       for i in range(len(fused.meta["val"]))]
-            for item, value in zip(outputs, fused.meta["val"]):
-                item.meta["val"] = value
+        _, outputs = _insert_call(graph, fake_mode, producer_op, lr_args, producer)
         summed = outputs[0]
         if block:
             consumer_op = fuser_ops.stats_pieces_rms_norm_linear.default
@@ -176,9 +186,7 @@ def move_norms_into_gemvs(gm: GraphModule, context: PassContext) -> int:
         else:
             consumer_op = fuser_ops.stats_rms_norm_linear.default
             norm_args = (summed, *outputs[1:], g, eps, weight, scale, activation)
-        with graph.inserting_before(node):
-            out = graph.call_function(consumer_op, norm_args)
-            out.meta["val"] = fake_value(fake_mode, consumer_op, norm_args)
+        out, _ = _insert_call(graph, fake_mode, consumer_op, norm_args, node)
         if 0 in items:
             items[0].replace_all_uses_with(out)
         if 1 in items:
@@ -225,22 +233,13 @@ def chain_gated_pieces(gm: GraphModule) -> int:
         if reader is None:
             continue
         fake_mode = fake_mode or graph_fake_mode(gm)
-        gated_args = (*node.args, out_block)
-        with graph.inserting_before(node):
-            gated = graph.call_function(fuser_ops.stats_pieces_gated_pieces.default, gated_args)
-            gated.meta["val"] = fake_value(fake_mode, fuser_ops.stats_pieces_gated_pieces.default,
-                                           gated_args)
-            y, *pieces = (graph.call_function(operator.getitem, (gated, i)) for i in range(4))
-            for item, value in zip((y, *pieces), gated.meta["val"]):
-                item.meta["val"] = value
+        _, (y, *pieces) = _insert_call(graph, fake_mode,
+                                       fuser_ops.stats_pieces_gated_pieces.default,
+                                       (*node.args, out_block), node)
         node.replace_all_uses_with(y)
         x, w, s, r, g, block = reader.args
-        reader_args = (x, *pieces, out_block, w, s, r, g, block)
-        with graph.inserting_before(reader):
-            fused = graph.call_function(fuser_ops.pieces_linear_residual_pieces.default,
-                                        reader_args)
-            fused.meta["val"] = fake_value(
-                fake_mode, fuser_ops.pieces_linear_residual_pieces.default, reader_args)
+        fused, _ = _insert_call(graph, fake_mode, fuser_ops.pieces_linear_residual_pieces.default,
+                                (x, *pieces, out_block, w, s, r, g, block), reader, items=False)
         reader.replace_all_uses_with(fused)
         graph.erase_node(reader)
         graph.erase_node(node)
@@ -286,20 +285,13 @@ def chain_attention_pieces(gm: GraphModule) -> int:
             continue
         fake_mode = fake_mode or graph_fake_mode(gm)
         head = attention.meta["val"].shape[-1]
-        op = fuser_ops.rotary_cache_attention_pieces.default
-        with graph.inserting_before(attention):
-            fused = graph.call_function(op, attention.args)
-            fused.meta["val"] = fake_value(fake_mode, op, attention.args)
-            out, *pieces = (graph.call_function(operator.getitem, (fused, i)) for i in range(4))
-            for item, value in zip((out, *pieces), fused.meta["val"]):
-                item.meta["val"] = value
+        _, (out, *pieces) = _insert_call(graph, fake_mode,
+                                         fuser_ops.rotary_cache_attention_pieces.default,
+                                         attention.args, attention)
         attention.replace_all_uses_with(out)
         graph.erase_node(attention)
-        reader_args = (x, *pieces, head, w, s, r, g, block)
-        op = fuser_ops.pieces_linear_residual_pieces.default
-        with graph.inserting_before(node):
-            reader = graph.call_function(op, reader_args)
-            reader.meta["val"] = fake_value(fake_mode, op, reader_args)
+        reader, _ = _insert_call(graph, fake_mode, fuser_ops.pieces_linear_residual_pieces.default,
+                                 (x, *pieces, head, w, s, r, g, block), node, items=False)
         node.replace_all_uses_with(reader)
         graph.erase_node(node)
         count += 1

@@ -113,6 +113,18 @@ def linear_residual_triton(x: Tensor, weight: Tensor, residual: Tensor, norm_wei
     launch; the keyword arguments override the tuned blocks (tests). pieces: x's e4m3 pieces
     (hi, lo, inv_scale: split_pieces_triton of x) for FP8 weights, multiplied on the FP8 MMA
     as fuser::fp8_linear multiplies down_proj's (X2_PIECES) instead of x on the fp16 path."""
+    summed, gh, squares = _residual_launch(
+        x, weight, residual, norm_weight, weight_scale, pieces, None,
+        (block_n, block_k, num_warps, num_stages, split_k, None))
+    return summed, gh.reshape(residual.shape), squares
+
+
+def _residual_launch(x: Tensor, weight: Tensor, residual: Tensor, norm_weight: Tensor,
+                     weight_scale: Tensor | None, pieces: tuple[Tensor, Tensor, Tensor] | None,
+                     pieces_block: int | None, overrides: tuple):
+    """The residual epilogue's launch for linear_residual_triton (g * summed as gh [M, N] in x's
+    dtype) and linear_residual_pieces_triton (pieces_block: as (hi, lo, inv) block pieces):
+    (summed shaped as residual, gh or the pieces, squares)."""
     K = x.shape[-1]
     M = x.numel() // max(K, 1)
     N = weight.shape[0]
@@ -125,14 +137,21 @@ def linear_residual_triton(x: Tensor, weight: Tensor, residual: Tensor, norm_wei
     r2 = residual.reshape(M, N)
     if r2.stride(-1) != 1:
         r2 = r2.contiguous()
-    gh = torch.empty((M, N), dtype=x.dtype, device=x.device)
     squares = torch.empty((M, triton.cdiv(N, STAT_COLS)), dtype=torch.float32, device=x.device)
+    if pieces_block is None:
+        written = torch.empty((M, N), dtype=x.dtype, device=x.device)
+        gx, pieces_out = written, None
+    else:
+        hi = torch.empty((M, N), dtype=FP8_DTYPE, device=x.device)
+        pieces_out = written = (hi, torch.empty_like(hi), torch.empty(
+            (M, triton.cdiv(N, pieces_block)), dtype=torch.float32, device=x.device))
+        gx = hi
     source, split = (x, None) if pieces is None else (pieces[0], (pieces[1], pieces[2]))
-    summed, _ = _launch(source, None, None, 0.0, weight, weight_scale, None,
-                        (block_n, block_k, num_warps, num_stages, split_k, None),
+    summed, _ = _launch(source, None, None, 0.0, weight, weight_scale, None, overrides,
                         pieces=split, out_dtype=x.dtype,
-                        epilogue=(r2, norm_weight.contiguous(), gh, squares))
-    return summed.reshape(residual.shape), gh.reshape(residual.shape), squares
+                        epilogue=(r2, norm_weight.contiguous(), gx, squares),
+                        pieces_out=pieces_out)
+    return summed.reshape(residual.shape), written, squares
 
 
 def linear_residual_pieces_triton(x: Tensor, weight: Tensor, residual: Tensor,
@@ -145,28 +164,8 @@ def linear_residual_pieces_triton(x: Tensor, weight: Tensor, residual: Tensor,
     fp32 (split_pieces_blocks_reference(g * summed, block), bit for bit). The GEMV's program
     makes block = its block_n columns, so it knows each block's max. For an FP8 GEMV after the
     norm (normed_pieces_linear_triton): no norm kernel, no split kernel between them."""
-    K = x.shape[-1]
-    M = x.numel() // max(K, 1)
-    N = weight.shape[0]
-    if residual.numel() != M * N or residual.shape[-1] != N or residual.dtype != x.dtype or \
-            norm_weight.shape != (N,) or norm_weight.dtype != x.dtype:
-        raise ValueError(f"residual {residual.dtype} {tuple(residual.shape)} and norm weight "
-                         f"{norm_weight.dtype} {tuple(norm_weight.shape)} must match the "
-                         f"linear's output [{M}, {N}] {x.dtype}")
-    r2 = residual.reshape(M, N)
-    if r2.stride(-1) != 1:
-        r2 = r2.contiguous()
-    hi = torch.empty((M, N), dtype=FP8_DTYPE, device=x.device)
-    lo = torch.empty_like(hi)
-    inv = torch.empty((M, triton.cdiv(N, block)), dtype=torch.float32, device=x.device)
-    squares = torch.empty((M, triton.cdiv(N, STAT_COLS)), dtype=torch.float32, device=x.device)
-    source, split = (x, None) if pieces is None else (pieces[0], (pieces[1], pieces[2]))
-    summed, _ = _launch(source, None, None, 0.0, weight, weight_scale, None,
-                        (block, block_k, None, None, split_k, None),
-                        pieces=split, out_dtype=x.dtype,
-                        epilogue=(r2, norm_weight.contiguous(), hi, squares),
-                        pieces_out=(hi, lo, inv))
-    return summed.reshape(residual.shape), (hi, lo, inv), squares
+    return _residual_launch(x, weight, residual, norm_weight, weight_scale, pieces, block,
+                            (block, block_k, None, None, split_k, None))
 
 
 def normed_pieces_linear_triton(hi: Tensor, lo: Tensor, inv: Tensor, squares: Tensor, eps: float,
@@ -221,12 +220,20 @@ def _linear_residual_fake(x: Tensor, weight: Tensor, weight_scale: Tensor | None
             torch.empty((rows, groups), dtype=torch.float32, device=residual.device))
 
 
+def _producer_takes(x: Tensor, weight: Tensor, weight_scale: Tensor | None, residual: Tensor,
+                    norm_weight: Tensor) -> bool:
+    """Whether the residual epilogue's kernel computes this (_takes, and a residual and norm
+    weight of the linear's output shape and x's dtype)."""
+    rows = _row_count(x)
+    return (_takes(rows, x, weight, weight_scale) and
+            residual.dtype == norm_weight.dtype == x.dtype and
+            residual.shape[-1] == weight.shape[0] == norm_weight.shape[0] and
+            residual.numel() == rows * weight.shape[0])
+
+
 def _linear_residual_cuda(x: Tensor, weight: Tensor, weight_scale: Tensor | None,
                           residual: Tensor, norm_weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    rows = _row_count(x)
-    if _takes(rows, x, weight, weight_scale) and residual.dtype == norm_weight.dtype == x.dtype \
-            and residual.shape[-1] == weight.shape[0] == norm_weight.shape[0] and \
-            residual.numel() == rows * weight.shape[0]:
+    if _producer_takes(x, weight, weight_scale, residual, norm_weight):
         # down_proj's long FP8 rows: split into e4m3 pieces first, as fuser::fp8_linear does
         pieces = split_pieces_triton(x) if weight_scale is not None and _split_pieces_take(x) \
             else None
@@ -338,11 +345,8 @@ def _linear_residual_pieces_fake(x: Tensor, weight: Tensor, weight_scale: Tensor
 def _linear_residual_pieces_cuda(x: Tensor, weight: Tensor, weight_scale: Tensor,
                                  residual: Tensor, norm_weight: Tensor, block: int
                                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    rows = _row_count(x)
-    if _takes(rows, x, weight, weight_scale) and weight_scale is not None and \
-            x.dtype == residual.dtype == norm_weight.dtype == torch.bfloat16 and \
-            residual.shape[-1] == weight.shape[0] == norm_weight.shape[0] and \
-            residual.numel() == rows * weight.shape[0]:
+    if _producer_takes(x, weight, weight_scale, residual, norm_weight) and \
+            weight_scale is not None and x.dtype == torch.bfloat16:
         pieces = split_pieces_triton(x) if _split_pieces_take(x) else None
         summed, (hi, lo, inv), squares = linear_residual_pieces_triton(
             x, weight, residual, norm_weight, block, weight_scale=weight_scale, pieces=pieces)
@@ -494,13 +498,10 @@ def _pieces_linear_residual_pieces_cuda(x: Tensor, hi: Tensor, lo: Tensor, inv: 
                                         in_block: int, weight: Tensor, weight_scale: Tensor,
                                         residual: Tensor, norm_weight: Tensor, block: int
                                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    rows = _row_count(x)
-    K = x.shape[-1]
-    if _takes(rows, x, weight, weight_scale) and weight_scale is not None and \
-            x.dtype == residual.dtype == norm_weight.dtype == torch.bfloat16 and \
-            hi.shape == lo.shape == (rows, K) and inv.shape == (rows, triton.cdiv(K, in_block)) \
-            and residual.shape[-1] == weight.shape[0] == norm_weight.shape[0] and \
-            residual.numel() == rows * weight.shape[0]:
+    rows, K = _row_count(x), x.shape[-1]
+    if _producer_takes(x, weight, weight_scale, residual, norm_weight) and \
+            weight_scale is not None and x.dtype == torch.bfloat16 and \
+            hi.shape == lo.shape == (rows, K) and inv.shape == (rows, triton.cdiv(K, in_block)):
         summed, (o_hi, o_lo, o_inv), squares = linear_residual_pieces_triton(
             x, weight, residual, norm_weight, block, weight_scale=weight_scale,
             pieces=(hi, lo, inv), block_k=in_block)
