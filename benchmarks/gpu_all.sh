@@ -42,6 +42,7 @@
 #   bash benchmarks/gpu_all.sh s18b     # norm_stats with g * h from the producer: GPU tests, 8B bf16 decode on/off, FP8 with its consumers
 #   bash benchmarks/gpu_all.sh s18c     # norm_stats with its loads before the K loop: 8B bf16 decode on/off
 #   bash benchmarks/gpu_all.sh s20b     # overlapped rounds: GPU tests, the bundled pair end to end overlapped, then standard
+#   bash benchmarks/gpu_all.sh s24d     # #10: block pieces with deeper stages: pieces_lab sweep, 8B FP8 decode as is and on block pieces, 8-layer block verify profiled
 #   bash benchmarks/gpu_all.sh s24c     # (not yet run) #10: 8-layer FP8 verify profiled with block pieces, then + carveout + PDL rows
 #   bash benchmarks/gpu_all.sh s24b     # (not yet run) #10: block-scaled pieces: pieces_lab.py, GPU tests, 8B FP8 decode with norm_stats on block pieces
 #   bash benchmarks/gpu_all.sh s24a     # (not yet run) #10: one shared-memory carveout for every kernel: 8-layer FP8 verify profiled, 8B FP8 decode
@@ -606,6 +607,21 @@ elif [ "$what" = s23c ]; then
   export FUSER_PDL_ROWS=1 FUSER_PDL_LATE=1
   TAG=fp8_pdl_late decode_8b fp8 290
   TAG=fp8_pdl_late_x2 decode_8b fp8 580 --norm-stats fp8 --stats-fp8-mma x2
+elif [ "$what" = s24d ]; then
+  # Twenty-fourth session (issue #10): s24b's block pieces took the 8B FP8 verify to 1.517x,
+  # down_proj's 64-column K steps at 3 stages costing twice the row-piece GEMV (pieces_lab).
+  # The launcher now keeps the table's bytes in flight for a shorter K step (_deeper_stages):
+  # the lab with a stage sweep, the 8B FP8 decode as is and on block pieces, then the 8-layer
+  # block verify kernel by kernel.
+  timeout 150 python3 benchmarks/pieces_lab.py --out "$OUT/pieces_lab.json" 2>&1 | grep -v Warn | tail -5
+  TAG=fp8 decode_8b fp8 330
+  TAG=fp8_block decode_8b fp8 520 --norm-stats fp8 --stats-fp8-mma block
+  echo "== FP8 verify profiled, 8 layers, block pieces"
+  timeout $((${BUDGET:-590} - SECONDS)) python3 benchmarks/decode.py --out "$OUT/prof_block.json" \
+    --skip-peers --precisions fp8 --layers 8 --profile --norm-stats fp8 --stats-fp8-mma block \
+    2>&1 | tee "$OUT/prof_block.log" | grep -A9 "verify breakdown" \
+    | grep -E "GEMV|attention|pieces|other|graph|sum"
+  grep -E "^\[fp8\] [0-9.]+ tok/s|replayed alike" "$OUT/prof_block.log" | tail -2
 elif [ "$what" = s24c ]; then
   # Written in the twenty-third session for the next (issue #10): the 8-layer FP8 verify kernel
   # by kernel with block pieces (s24b's switch), then with the carveout and several-row PDL on

@@ -11,7 +11,9 @@ graph of rotated weight copies (benchmarks/timing.py):
     rows     the GEMV on row-scaled pieces (today's default path)
     blocks   the same GEMV on block-scaled pieces, K step = scale block (the same tiles)
     f16      bf16 x on the fp16 MMA (o_proj's path today)
-    blocks64 block-scaled pieces of 64 columns (a GEMV epilogue's tile width), K step 64
+    blocksB  block-scaled pieces of B = 64 or 128 columns (a GEMV epilogue's tile width),
+             K step B, the launcher's stages (_deeper_stages); blocksB_sS: S stages
+    rows_bn256  gate/up on row pieces at 256-row tiles (128 gated columns a program)
 
     python3 benchmarks/pieces_lab.py [--rows 5] [--out pieces.json]
 """
@@ -70,11 +72,23 @@ def main() -> None:
             "f16": [functools.partial(linear_triton, x.to(device), wc, weight_scale=sc,
                                       activation=act) for wc, sc in weights],
         }
-        if bk > 64:  # a GEMV epilogue's 64-column tiles as the blocks (norm_stats' producers)
-            h64, l64, i64 = (t.to(device) for t in split_pieces_blocks_reference(x, 64))
-            variants["blocks64"] = [
-                functools.partial(linear_pieces_triton, h64, l64, i64, wc, sc, activation=act,
-                                  scale_block=64) for wc, sc in weights]
+        # Shorter blocks than the K step (a GEMV epilogue's tile width: gate/up's 64 gated
+        # columns): the launcher's default stages (as many bytes in flight as the table's
+        # step) and a sweep of them.
+        for block in (64, 128):
+            if bk <= block:
+                continue
+            bh, bl, bi = (t.to(device) for t in split_pieces_blocks_reference(x, block))
+            for stages in (None, 3, 6, 16):
+                name_v = f"blocks{block}" + (f"_s{stages}" if stages else "")
+                variants[name_v] = [
+                    functools.partial(linear_pieces_triton, bh, bl, bi, wc, sc, activation=act,
+                                      scale_block=block, num_stages=stages)
+                    for wc, sc in weights]
+        if gated:  # 128 gated columns a program (block_n 256): what 128-column pieces cost
+            variants["rows_bn256"] = [
+                functools.partial(linear_pieces_triton, hi, lo, inv, wc, sc, activation=act,
+                                  block_n=256) for wc, sc in weights]
         if args.dry_run:
             for fns in variants.values():
                 fns[0]()

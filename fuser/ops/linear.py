@@ -976,6 +976,17 @@ def _fit_shared_memory(block_m: int, block_n: int, block_k: int, stages: int, w_
     return stages, block_k
 
 
+def _deeper_stages(block_m: int, block_n: int, block_k: int, stages: int, w_size: int,
+                   x_size: int) -> int:
+    """Several rows, a K step shorter than the tuned table's (block-scaled pieces take their
+    scale block as the step): the table's bytes in flight kept, as stages * (table step / step)
+    tiles, down to what fits SHARED_MEMORY_BUDGET. At the table's 3 stages down_proj's 64-column
+    steps kept a quarter of its bytes in flight and took 36.09 against 18.72 us
+    (benchmarks/pieces_lab.py, RESULTS.md, twenty-fourth session)."""
+    per_stage = block_k * (block_n * w_size + block_m * x_size)
+    return max(2, min(stages, SHARED_MEMORY_BUDGET // per_stage))
+
+
 def prefers_cublas(M: int, N: int, K: int) -> bool:
     """Shapes where cuBLAS measured faster than every configuration of this kernel on an H200
     (benchmarks/RESULTS.md): several rows against a wide, 4096-deep weight (gate_up: 57.6 vs
@@ -1173,6 +1184,7 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
     tuned = FP8_ONE_ROW_TILES.get((rows_w, K)) if fp8 and M == 1 else None
     if tuned is not None and all(o is None for o in overrides):
         bn, bk, warps, split_k, partials = tuned
+    table_bk = bk
     bn, bk = block_n or bn, block_k or bk
     if activation is not None and bn < 2:
         raise ValueError(f"block_n={bn}: a gated program takes block_n / 2 gate rows and as "
@@ -1181,6 +1193,10 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
     if num_stages is None and block_k is None:  # pieces: two 1-byte tiles of x a step
         stages, bk = _fit_shared_memory(block_m, bn, bk, stages, weight.element_size(),
                                         2 if pieces is not None else x.element_size())
+    elif num_stages is None and block_m > 1 and bk < table_bk:
+        stages = _deeper_stages(block_m, bn, bk, stages * (table_bk // bk),
+                                weight.element_size(),
+                                2 if pieces is not None else x.element_size())
     if block_m > 1 and bn < 16:
         raise ValueError(f"block_n={bn}: the MMA path (more than one row) needs block_n >= 16")
     dot_dtype = x.dtype if fp8 else weight.dtype  # fp8: the MMA runs in x's dtype
