@@ -6,33 +6,73 @@ import pytest
 import torch
 
 import fuser
+from engines import assert_greedy_matches
+from fuser.numerics import NEAR_TIE
 from tiny import random_prompts, tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def assert_same_greedy(plain: fuser.Engine, spec: fuser.Engine, lengths: list[int], seed: int,
-                       new_tokens: int) -> None:
+                       new_tokens: int, fp8_model: torch.nn.Module | None = None,
+                       fp8_lm_head: bool = True) -> None:
     """Greedy output of `spec` (with its draft) equals `plain`'s (target only) on random ragged
-    prompts, and the verify graph was replayed."""
+    prompts, and the verify graph was replayed.
+
+    Same kernels (bf16, fp16): token for token. FP8 (fp8_model, the target): verify (pieces on
+    the FP8 MMA) and decode (one row) sum in other orders, so, as DESIGN.md's numerics contract
+    says, tokens are compared up to each row's first near-tie of the reference, here the target
+    with FP8 emulated (fp8_near_ties); after it the two may legitimately differ."""
     vocab = plain.vocab_size
     ids, mask = random_prompts(len(lengths), lengths, vocab, seed=seed)
     ids, mask = ids.cuda(), mask.cuda()
     a = plain.generate(ids, new_tokens, attention_mask=mask, eos_token_id=[vocab - 1])
     b = spec.generate(ids, new_tokens, attention_mask=mask, eos_token_id=[vocab - 1])
-    assert torch.equal(a, b), divergence(plain, a, b, mask)
+    if fp8_model is None:
+        assert torch.equal(a, b), divergence(plain.logits(a, attention_mask=extended(mask, a)),
+                                             a, b, mask)
+    else:
+        logits = fp8_reference_logits(fp8_model, a, mask, fp8_lm_head)
+        try:
+            assert_greedy_matches(b.cpu(), a.cpu(), near_ties(logits, mask.shape[1]).cpu(),
+                                  ids.cpu(), [vocab - 1])
+        except AssertionError:
+            raise AssertionError(divergence(logits, a, b, mask)) from None
     assert spec.report().graph_replays["target.verify"] > 0
 
 
-def divergence(plain: fuser.Engine, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> str:
+def extended(mask: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """The prompt's attention mask extended over a's generated tokens."""
+    return torch.cat([mask, torch.ones_like(a[:, mask.shape[1]:])], dim=1)
+
+
+def fp8_reference_logits(model: torch.nn.Module, a: torch.Tensor, mask: torch.Tensor,
+                         fp8_lm_head: bool) -> torch.Tensor:
+    """The logits [B, S, V] that an FP8 engine approximates over sequences a (left-padded
+    prompts of mask's width, then generated tokens): `model` with FP8 emulated, the prompt's
+    positions as prefill (per-token activation round trip), the rest as decode."""
+    from fuser.ops.fp8 import emulated_fp8
+
+    full = extended(mask, a)
+    positions = (full.long().cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad(), emulated_fp8(model, lm_head=fp8_lm_head, prefill_tokens=mask.shape[1]):
+        return model(input_ids=a, attention_mask=full, position_ids=positions).logits.float()
+
+
+def near_ties(logits: torch.Tensor, T: int) -> torch.Tensor:
+    """[B, n] bool: where the logits that chose each of the n new tokens (positions T - 1 ..
+    S - 2) have top-2 within NEAR_TIE (DESIGN.md, numerics contract)."""
+    top2 = logits[:, T - 1:-1].topk(2, dim=-1).values
+    return (top2[..., 0] - top2[..., 1]) < NEAR_TIE
+
+
+def divergence(logits: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> str:
     """Where target-only output a and speculative output b first differ, per row, with the
-    target's top-2 logits there (from `plain.logits` over a): tells a flip between (near-)tied
-    logits from a wrong value."""
+    top-2 of the reference logits over a there: tells a flip between (near-)tied logits from a
+    wrong value."""
     if a.shape != b.shape:
         return f"shapes differ: {tuple(a.shape)} against {tuple(b.shape)}"
     T = mask.shape[1]
-    full = torch.cat([mask, torch.ones_like(a[:, T:])], dim=1)
-    logits = plain.logits(a, attention_mask=full).float()
     lines = []
     for row in range(a.shape[0]):
         differ = (a[row] != b[row]).nonzero()
@@ -40,7 +80,7 @@ def divergence(plain: fuser.Engine, a: torch.Tensor, b: torch.Tensor, mask: torc
             i = int(differ[0])
             top = logits[row, i - 1].topk(2)
             lines.append(f"row {row}: new token {i - T} is {int(a[row, i])} target-only, "
-                         f"{int(b[row, i])} speculative; target's top-2 there "
+                         f"{int(b[row, i])} speculative; reference top-2 there "
                          f"{top.indices.tolist()} = {top.values.tolist()}")
     return "; ".join(lines)
 
@@ -130,8 +170,11 @@ def test_fp8_speculative_on_e4m3_pieces_equals_target_only(fp8_lm_head: bool) ->
 
     from fuser.ops import linear as linear_module
 
-    target = tiny_model("llama", layers=2, dtype=torch.bfloat16).to("cuda")
-    draft = tiny_model("llama", layers=1, seed=1, dtype=torch.bfloat16).to("cuda")
+    # init_range 0.3: logits that rarely nearly tie (tests/tiny.py). At 0.02 the bf16 LM head's
+    # run diverged on the H200 at new token 19 of row 1, where the FP8-emulated target's top-2
+    # tie exactly (margin 0.0, twenty-fourth session): compared up to near-ties since then.
+    target = tiny_model("llama", layers=2, dtype=torch.bfloat16, init_range=0.3).to("cuda")
+    draft = tiny_model("llama", layers=1, seed=1, dtype=torch.bfloat16, init_range=0.3).to("cuda")
     config = fuser.FuserConfig(max_seq_len=64, max_batch_size=2, gamma=4, precision="fp8",
                                fp8_lm_head=fp8_lm_head)
     plain = fuser.optimize(target, config=config)
@@ -144,7 +187,8 @@ def test_fp8_speculative_on_e4m3_pieces_equals_target_only(fp8_lm_head: bool) ->
     if linear_module.FP8_ROWS_MMA == "pieces":
         assert norm_spy.call_count > 0 and split_spy.call_count > 0
     assert plain.report().fallbacks == [] and spec.report().fallbacks == []
-    assert_same_greedy(plain, spec, [7, 4], seed=2, new_tokens=24)
+    assert_same_greedy(plain, spec, [7, 4], seed=2, new_tokens=24, fp8_model=target,
+                       fp8_lm_head=fp8_lm_head)
 
 
 def test_fp8_speculative_with_norms_on_block_pieces_equals_target_only() -> None:
@@ -169,4 +213,4 @@ def test_fp8_speculative_with_norms_on_block_pieces_equals_target_only() -> None
         spec = fuser.optimize(target, draft=draft, config=config)
     assert spec.report().passes["norm_stats"] > 0
     assert plain.report().fallbacks == [] and spec.report().fallbacks == []
-    assert_same_greedy(plain, spec, [7, 4], seed=2, new_tokens=24)
+    assert_same_greedy(plain, spec, [7, 4], seed=2, new_tokens=24, fp8_model=target)
