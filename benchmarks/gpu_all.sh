@@ -43,9 +43,9 @@
 #   bash benchmarks/gpu_all.sh s18c     # norm_stats with its loads before the K loop: 8B bf16 decode on/off
 #   bash benchmarks/gpu_all.sh s20b     # overlapped rounds: GPU tests, the bundled pair end to end overlapped, then standard
 #   bash benchmarks/gpu_all.sh s24d     # #10: block pieces with deeper stages: pieces_lab sweep, 8B FP8 decode as is and on block pieces, 8-layer block verify profiled
-#   bash benchmarks/gpu_all.sh s24c     # (not yet run) #10: 8-layer FP8 verify profiled with block pieces, then + carveout + PDL rows
-#   bash benchmarks/gpu_all.sh s24b     # (not yet run) #10: block-scaled pieces: pieces_lab.py, GPU tests, 8B FP8 decode with norm_stats on block pieces
-#   bash benchmarks/gpu_all.sh s24a     # (not yet run) #10: one shared-memory carveout for every kernel: 8-layer FP8 verify profiled, 8B FP8 decode
+#   bash benchmarks/gpu_all.sh s24c     # (not run: s24a, s24d answered it) #10: 8-layer FP8 verify profiled with block pieces, then + carveout + PDL rows
+#   bash benchmarks/gpu_all.sh s24b     # #10: block-scaled pieces: pieces_lab.py, GPU tests, 8B FP8 decode with norm_stats on block pieces
+#   bash benchmarks/gpu_all.sh s24a     # #10: one shared-memory carveout for every kernel: 8-layer FP8 verify profiled, 8B FP8 decode
 #   bash benchmarks/gpu_all.sh s23e     # GPU tests: norm_stats ops (fp32 fix), test_pdl, CUDA engines (FP8 with a bf16 LM head too)
 #   bash benchmarks/gpu_all.sh s23d     # #10: 8-layer FP8 verify profiled with several-row PDL on the GEMVs (early, late), all late
 #   bash benchmarks/gpu_all.sh s23c     # (not yet run) #10: FUSER_PDL_ROWS=1 FUSER_PDL_LATE=1 FP8 decode, then with s23a's x2 consumers

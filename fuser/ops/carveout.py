@@ -14,6 +14,10 @@ FUSER_SMEM_CARVEOUT=<0..100> (or `install(percent)`) sets CU_FUNC_ATTRIBUTE_PREF
 MEMORY_CARVEOUT to that percent of the maximum on every Triton kernel loaded afterwards (fuser's
 and Inductor's: a Triton kernel-load hook), so that they all keep one split. Unset: nothing
 changes. The attribute is a preference the driver may override; it changes no result.
+
+Measured on the H200 (benchmarks/RESULTS.md, twenty-fourth session): the guess does not hold.
+A kernel boundary at 5 rows costs ~0.2 us with or without it (benchmarks/gap_lab.py), and at
+100% the 8B FP8 decode step took 2.493 against 2.290 ms, the verify step no faster. Off.
 """
 
 from __future__ import annotations

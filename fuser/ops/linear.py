@@ -875,12 +875,13 @@ FP8_ROWS_CHOICES = ("f16", "x2", "norm pieces", "pieces", None)
 # (its FP8_CONSUMERS; x = g * h, rstd after the sum): "f16" (FP8_ROWS_MMA's fp16 path, which
 # the 8B FP8 verify step took at 1.479x the decode step against 1.290x with the norm kernel's
 # pieces: RESULTS.md, nineteenth session) or "x2": the FP8 MMA with x split into two e4m3
-# pieces per row and K step in the GEMV (_x2_step), no norm kernel and no pieces written. Not
-# yet measured on a GPU: benchmarks/decode.py --norm-stats fp8 --stats-fp8-mma x2.
+# pieces per row and K step in the GEMV (_x2_step), no norm kernel and no pieces written: 1.473x
+# (RESULTS.md, twenty-third session).
 # "block": the producer's epilogue writes g * h as e4m3 pieces, a power of two per row and
 # STATS_PIECES_BLOCK columns (its tile), and the consumer multiplies them on the FP8 MMA
 # (fuser::linear_residual_pieces, fuser::stats_pieces_rms_norm_linear; passes/norm_stats.py):
-# no norm kernel and no split kernel. Not yet measured on a GPU (benchmarks/gpu_all.sh s24b).
+# no norm kernel and no split kernel: 1.417x against 1.293x for "f16" with the norm kernel's
+# pieces on the same H200 (RESULTS.md, twenty-fourth session; down_proj's 64-column K steps).
 STATS_FP8_MMA = "f16"
 STATS_FP8_CHOICES = ("f16", "x2", "block")
 STATS_PIECES_BLOCK = 128  # the producer's block_n and the consumer's K step
@@ -981,8 +982,9 @@ def _deeper_stages(block_m: int, block_n: int, block_k: int, stages: int, w_size
     """Several rows, a K step shorter than the tuned table's (block-scaled pieces take their
     scale block as the step): the table's bytes in flight kept, as stages * (table step / step)
     tiles, down to what fits SHARED_MEMORY_BUDGET. At the table's 3 stages down_proj's 64-column
-    steps kept a quarter of its bytes in flight and took 36.09 against 18.72 us
-    (benchmarks/pieces_lab.py, RESULTS.md, twenty-fourth session)."""
+    steps took 36.21 us, at the 12 stages this gives 32.34 (6: 32.06, 16: 32.79; 18.80 at its
+    256-column step): benchmarks/pieces_lab.py, RESULTS.md, twenty-fourth session. The rest of
+    the cost is per step, not bytes in flight."""
     per_stage = block_k * (block_n * w_size + block_m * x_size)
     return max(2, min(stages, SHARED_MEMORY_BUDGET // per_stage))
 
