@@ -31,9 +31,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import copies_for, log, missing_gpu, time_us  # noqa: E402
 
-# name: (N, K, gated)
+# name: (N, K, gated): N output columns (gated: the merged weight has 2N rows)
 SHAPES = {"qkv": (6144, 4096, False), "o_proj": (4096, 4096, False),
-          "gate_up": (28672, 4096, True), "down": (4096, 14336, False)}
+          "gate_up": (14336, 4096, True), "down": (4096, 14336, False)}
 
 
 def main() -> None:
