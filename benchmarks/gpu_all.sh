@@ -42,6 +42,7 @@
 #   bash benchmarks/gpu_all.sh s18b     # norm_stats with g * h from the producer: GPU tests, 8B bf16 decode on/off, FP8 with its consumers
 #   bash benchmarks/gpu_all.sh s18c     # norm_stats with its loads before the K loop: 8B bf16 decode on/off
 #   bash benchmarks/gpu_all.sh s20b     # overlapped rounds: GPU tests, the bundled pair end to end overlapped, then standard
+#   bash benchmarks/gpu_all.sh s25a     # (not yet run) #10: block_lab.py (the row and block forms of each 8B op at 5 rows, and their parts), pieces_lab.py
 #   bash benchmarks/gpu_all.sh s24d     # #10: block pieces with deeper stages: pieces_lab sweep, 8B FP8 decode as is and on block pieces, 8-layer block verify profiled
 #   bash benchmarks/gpu_all.sh s24c     # (not run: s24a, s24d answered it) #10: 8-layer FP8 verify profiled with block pieces, then + carveout + PDL rows
 #   bash benchmarks/gpu_all.sh s24b     # #10: block-scaled pieces: pieces_lab.py, GPU tests, 8B FP8 decode with norm_stats on block pieces
@@ -607,6 +608,13 @@ elif [ "$what" = s23c ]; then
   export FUSER_PDL_ROWS=1 FUSER_PDL_LATE=1
   TAG=fp8_pdl_late decode_8b fp8 290
   TAG=fp8_pdl_late_x2 decode_8b fp8 580 --norm-stats fp8 --stats-fp8-mma x2
+elif [ "$what" = s25a ]; then
+  # Written in the twenty-fourth session for the next (issue #10): where block pieces' GEMVs
+  # lose what they save (benchmarks/block_lab.py: each 8B layer op at 5 rows in its row and
+  # block forms and the parts between), then pieces_lab.py at gate/up's real shape (its first
+  # runs doubled it).
+  timeout 200 python3 benchmarks/block_lab.py --out "$OUT/block_lab.json" 2>&1 | grep -v Warn | tail -5
+  timeout 200 python3 benchmarks/pieces_lab.py --out "$OUT/pieces_lab.json" 2>&1 | grep -v Warn | tail -5
 elif [ "$what" = s24d ]; then
   # Twenty-fourth session (issue #10): s24b's block pieces took the 8B FP8 verify to 1.517x,
   # down_proj's 64-column K steps at 3 stages costing twice the row-piece GEMV (pieces_lab).

@@ -250,8 +250,10 @@ def test_gap_lab_dry_run(tmp_path: Path) -> None:
     assert proc.stdout.strip().splitlines()[-1].startswith("dry run")
 
 
-def test_pieces_lab_dry_run(tmp_path: Path) -> None:
-    """benchmarks/pieces_lab.py's three GEMV variants run once on CPU (a small shape)."""
-    proc = run("pieces_lab.py", tmp_path / "pieces.json")
+@pytest.mark.parametrize("script", ["pieces_lab.py", "block_lab.py"])
+def test_pieces_labs_dry_run(tmp_path: Path, script: str) -> None:
+    """benchmarks/pieces_lab.py's GEMV variants and block_lab.py's op forms run once on CPU
+    (small shapes, the interpreter)."""
+    proc = run(script, tmp_path / "pieces.json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1].startswith("dry run")
