@@ -29,8 +29,6 @@ weight copies (benchmarks/timing.py):
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Callable
@@ -38,7 +36,8 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import copies_for, log, missing_gpu, time_us  # noqa: E402
+from timing import (copies_for, lab_arguments, log, time_variants,  # noqa: E402
+                    write_lab_results)
 
 # name: (weight rows, K, activation)
 SHAPES = {"qkv": (6144, 4096, None), "gate_up": (28672, 4096, "silu"),
@@ -126,13 +125,7 @@ def variants(name: str, rows: int, K: int, activation: str | None, weights: list
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=5)
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--dry-run", action="store_true", help="CPU, small shapes: plumbing only")
-    args = parser.parse_args()
-    if missing_gpu("block_lab.py", args.dry_run):
-        sys.exit(2)
+    args = lab_arguments("block_lab.py", __doc__)
     from fuser.ops.fp8 import quantize_weight  # noqa: PLC0415
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -143,18 +136,11 @@ def main() -> None:
         copies = 1 if args.dry_run else copies_for(w.numel())
         weights = [(w.to(device), s.to(device)) for _ in range(copies)]
         fns = variants(name, args.rows, K, activation, weights, gen, device)
-        if args.dry_run:
-            for calls in fns.values():
-                calls[0]()
-            continue
-        results[name] = {v: time_us(calls).us for v, calls in fns.items()}
-        log(f"{name:8s} {rows_w}x{K}: " + ", ".join(
-            f"{v} {us:.2f}" for v, us in results[name].items()) + " us")
-    if args.dry_run:
-        log("dry run: every variant ran once on CPU")
-        return
-    if args.out:
-        Path(args.out).write_text(json.dumps({"rows": args.rows, "us": results}, indent=1))
+        results[name] = time_variants(fns, args.dry_run)
+        if results[name]:
+            log(f"{name:8s} {rows_w}x{K}: " + ", ".join(
+                f"{v} {us:.2f}" for v, us in results[name].items()) + " us")
+    write_lab_results(results, args.rows, args.out, args.dry_run)
 
 
 if __name__ == "__main__":

@@ -20,16 +20,15 @@ graph of rotated weight copies (benchmarks/timing.py):
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import copies_for, log, missing_gpu, time_us  # noqa: E402
+from timing import (copies_for, lab_arguments, log, time_variants,  # noqa: E402
+                    write_lab_results)
 
 # name: (N, K, gated): N output columns (gated: the merged weight has 2N rows)
 SHAPES = {"qkv": (6144, 4096, False), "o_proj": (4096, 4096, False),
@@ -37,13 +36,7 @@ SHAPES = {"qkv": (6144, 4096, False), "o_proj": (4096, 4096, False),
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=5)
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--dry-run", action="store_true", help="CPU, small shapes: plumbing only")
-    args = parser.parse_args()
-    if missing_gpu("pieces_lab.py", args.dry_run):
-        sys.exit(2)
+    args = lab_arguments("pieces_lab.py", __doc__)
     from fuser.ops import linear as linear_module  # noqa: PLC0415
     from fuser.ops.e4m3_pieces import (split_pieces_blocks_reference,  # noqa: PLC0415
                                        split_pieces_reference)
@@ -89,18 +82,11 @@ def main() -> None:
             variants["rows_bn256"] = [
                 functools.partial(linear_pieces_triton, hi, lo, inv, wc, sc, activation=act,
                                   block_n=256) for wc, sc in weights]
-        if args.dry_run:
-            for fns in variants.values():
-                fns[0]()
-            continue
-        results[name] = {v: time_us(fns).us for v, fns in variants.items()}
-        log(f"{name:8s} {N}x{K} tiles {bn}x{bk}: " + ", ".join(
-            f"{v} {us:.2f} us" for v, us in results[name].items()))
-    if args.dry_run:
-        log("dry run: every variant ran once on CPU")
-        return
-    if args.out:
-        Path(args.out).write_text(json.dumps({"rows": args.rows, "us": results}, indent=1))
+        results[name] = time_variants(variants, args.dry_run)
+        if results[name]:
+            log(f"{name:8s} {N}x{K} tiles {bn}x{bk}: " + ", ".join(
+                f"{v} {us:.2f} us" for v, us in results[name].items()))
+    write_lab_results(results, args.rows, args.out, args.dry_run)
 
 
 if __name__ == "__main__":
