@@ -42,7 +42,7 @@
 #   bash benchmarks/gpu_all.sh s18b     # norm_stats with g * h from the producer: GPU tests, 8B bf16 decode on/off, FP8 with its consumers
 #   bash benchmarks/gpu_all.sh s18c     # norm_stats with its loads before the K loop: 8B bf16 decode on/off
 #   bash benchmarks/gpu_all.sh s20b     # overlapped rounds: GPU tests, the bundled pair end to end overlapped, then standard
-#   bash benchmarks/gpu_all.sh s25a     # (not yet run) #10: block_lab.py (the row and block forms of each 8B op at 5 rows, and their parts), pieces_lab.py
+#   bash benchmarks/gpu_all.sh s25a     # (not yet run) #10: block_lab.py (the row and block forms of each 8B op at 5 rows, and their parts), pieces_lab.py, the FP8 speculative tests
 #   bash benchmarks/gpu_all.sh s24d     # #10: block pieces with deeper stages: pieces_lab sweep, 8B FP8 decode as is and on block pieces, 8-layer block verify profiled
 #   bash benchmarks/gpu_all.sh s24c     # (not run: s24a, s24d answered it) #10: 8-layer FP8 verify profiled with block pieces, then + carveout + PDL rows
 #   bash benchmarks/gpu_all.sh s24b     # #10: block-scaled pieces: pieces_lab.py, GPU tests, 8B FP8 decode with norm_stats on block pieces
@@ -615,6 +615,11 @@ elif [ "$what" = s25a ]; then
   # runs doubled it).
   timeout 200 python3 benchmarks/block_lab.py --out "$OUT/block_lab.json" 2>&1 | grep -v Warn | tail -5
   timeout 200 python3 benchmarks/pieces_lab.py --out "$OUT/pieces_lab.json" 2>&1 | grep -v Warn | tail -5
+  # The FP8 speculative tests, now compared up to the FP8-emulated target's near-ties (the
+  # numerics contract): does fp8_lm_head=False still differ away from a tie?
+  timeout $((${BUDGET:-590} - SECONDS)) python3 -m pytest -q -p no:cacheprovider -rf \
+    tests/test_cuda.py -k "fp8_speculative" 2>&1 | tee "$OUT/cuda_fp8.log" \
+    | grep -E "^E  |FAILED|passed|failed" | cut -c1-400 | tail -6
 elif [ "$what" = s24d ]; then
   # Twenty-fourth session (issue #10): s24b's block pieces took the 8B FP8 verify to 1.517x,
   # down_proj's 64-column K steps at 3 stages costing twice the row-piece GEMV (pieces_lab).
