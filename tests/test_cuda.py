@@ -22,7 +22,8 @@ def assert_same_greedy(plain: fuser.Engine, spec: fuser.Engine, lengths: list[in
     Same kernels (bf16, fp16): token for token. FP8 (fp8_model, the target): verify (pieces on
     the FP8 MMA) and decode (one row) sum in other orders, so, as DESIGN.md's numerics contract
     says, tokens are compared up to each row's first near-tie of the reference, here the target
-    with FP8 emulated (fp8_near_ties); after it the two may legitimately differ."""
+    with FP8 emulated (fp8_reference_logits, near_ties); after it the two may legitimately
+    differ."""
     vocab = plain.vocab_size
     ids, mask = random_prompts(len(lengths), lengths, vocab, seed=seed)
     ids, mask = ids.cuda(), mask.cuda()
