@@ -125,6 +125,9 @@ def main() -> None:
                              "MMA, the FP8 MMA with x in two pieces split in the GEMV, or "
                              "(block) pieces the GEMV before writes a tile at a time "
                              "(linear.STATS_FP8_MMA; default: the module's)")
+    parser.add_argument("--rows-warps", type=int, choices=[4, 8], default=None,
+                        help="warps per program of the several-row FP8 GEMVs "
+                             "(linear.FP8_ROWS_WARPS; default: the module's)")
     parser.add_argument("--smem-carveout", type=int, default=None, metavar="PERCENT",
                         help="every Triton kernel prefers this percent of the maximum shared "
                              "memory (fuser/ops/carveout.py; default: the driver's choice per "
@@ -152,6 +155,8 @@ def main() -> None:
         linear_module.ONE_ROW_NORM_AFTER = args.norm_stats == "aligned"
     if args.stats_fp8_mma is not None:
         linear_module.STATS_FP8_MMA = args.stats_fp8_mma
+    if args.rows_warps is not None:
+        linear_module.FP8_ROWS_WARPS = args.rows_warps
     for path in args.one_row_tiles:
         linear_module.FP8_ONE_ROW_TILES.update(load_tiles(Path(path)))
     if linear_module.FP8_ONE_ROW_TILES:

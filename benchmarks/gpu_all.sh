@@ -42,7 +42,8 @@
 #   bash benchmarks/gpu_all.sh s18b     # norm_stats with g * h from the producer: GPU tests, 8B bf16 decode on/off, FP8 with its consumers
 #   bash benchmarks/gpu_all.sh s18c     # norm_stats with its loads before the K loop: 8B bf16 decode on/off
 #   bash benchmarks/gpu_all.sh s20b     # overlapped rounds: GPU tests, the bundled pair end to end overlapped, then standard
-#   bash benchmarks/gpu_all.sh s25a     # (not yet run) #10: block_lab.py (the row and block forms of each 8B op at 5 rows, and their parts), pieces_lab.py, the FP8 speculative tests
+#   bash benchmarks/gpu_all.sh s25a     # (not yet run) #10: the several-row FP8 GEMVs at 8 warps (no register spills): pieces_lab *_w8, 8B FP8 decode --rows-warps 8 and as is
+#   bash benchmarks/gpu_all.sh s25b     # (not yet run) #10: block_lab.py (each 8B op's row and block forms, and their parts), the FP8 speculative tests
 #   bash benchmarks/gpu_all.sh s24d     # #10: block pieces with deeper stages: pieces_lab sweep, 8B FP8 decode as is and on block pieces, 8-layer block verify profiled
 #   bash benchmarks/gpu_all.sh s24c     # (not run: s24a, s24d answered it) #10: 8-layer FP8 verify profiled with block pieces, then + carveout + PDL rows
 #   bash benchmarks/gpu_all.sh s24b     # #10: block-scaled pieces: pieces_lab.py, GPU tests, 8B FP8 decode with norm_stats on block pieces
@@ -609,14 +610,22 @@ elif [ "$what" = s23c ]; then
   TAG=fp8_pdl_late decode_8b fp8 290
   TAG=fp8_pdl_late_x2 decode_8b fp8 580 --norm-stats fp8 --stats-fp8-mma x2
 elif [ "$what" = s25a ]; then
+  # Written in the twenty-fourth session for the next (issue #10): the several-row FP8 GEMVs at
+  # 8 warps. Compiled for sm_90 with Triton 3.6 on the CPU (benchmarks/sass_lab.py), the 4-warp
+  # programs use 255 registers and spill (down_proj's 64 x 256 tile reloads 116 values a K
+  # step); at 8 warps the 64 x 128 tiles spill nothing. Every several-row sweep so far tried 4
+  # warps only. pieces_lab's *_w8 variants per 8B shape, then the 8B FP8 decode + verify at 8
+  # warps and as is (same machine).
+  timeout 200 python3 benchmarks/pieces_lab.py --out "$OUT/pieces_lab.json" 2>&1 | grep -v Warn | tail -5
+  TAG=fp8_w8 decode_8b fp8 390 --rows-warps 8
+  TAG=fp8 decode_8b fp8 580
+elif [ "$what" = s25b ]; then
   # Written in the twenty-fourth session for the next (issue #10): where block pieces' GEMVs
   # lose what they save (benchmarks/block_lab.py: each 8B layer op at 5 rows in its row and
-  # block forms and the parts between), then pieces_lab.py at gate/up's real shape (its first
-  # runs doubled it).
+  # block forms and the parts between), then the FP8 speculative tests, now compared up to the
+  # FP8-emulated target's near-ties (the numerics contract): does fp8_lm_head=False still
+  # differ away from a tie?
   timeout 200 python3 benchmarks/block_lab.py --out "$OUT/block_lab.json" 2>&1 | grep -v Warn | tail -5
-  timeout 200 python3 benchmarks/pieces_lab.py --out "$OUT/pieces_lab.json" 2>&1 | grep -v Warn | tail -5
-  # The FP8 speculative tests, now compared up to the FP8-emulated target's near-ties (the
-  # numerics contract): does fp8_lm_head=False still differ away from a tie?
   timeout $((${BUDGET:-590} - SECONDS)) python3 -m pytest -q -p no:cacheprovider -rf \
     tests/test_cuda.py -k "fp8_speculative" 2>&1 | tee "$OUT/cuda_fp8.log" \
     | grep -E "^E  |FAILED|passed|failed" | cut -c1-400 | tail -6

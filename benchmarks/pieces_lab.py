@@ -14,6 +14,8 @@ graph of rotated weight copies (benchmarks/timing.py):
     blocksB  block-scaled pieces of B = 64 or 128 columns (a GEMV epilogue's tile width),
              K step B, the launcher's stages (_deeper_stages); blocksB_sS: S stages
     rows_bn256  gate/up on row pieces at 256-row tiles (128 gated columns a program)
+    *_w8     rows, blocks, f16 at 8 warps (the 4-warp programs spill: benchmarks/sass_lab.py);
+             rows_k128_w8: down_proj at 64 x 128 tiles, 8 warps (no spill at all)
 
     python3 benchmarks/pieces_lab.py [--rows 5] [--out pieces.json]
 """
@@ -78,6 +80,20 @@ def main() -> None:
                     functools.partial(linear_pieces_triton, bh, bl, bi, wc, sc, activation=act,
                                       scale_block=block, num_stages=stages)
                     for wc, sc in weights]
+        # 8 warps: the 4-warp programs spill registers (benchmarks/sass_lab.py)
+        variants["rows_w8"] = [functools.partial(linear_pieces_triton, hi, lo, inv, wc, sc,
+                                                 activation=act, num_warps=8)
+                               for wc, sc in weights]
+        variants["blocks_w8"] = [functools.partial(linear_pieces_triton, bhi, blo, binv, wc, sc,
+                                                   activation=act, scale_block=bk, num_warps=8)
+                                 for wc, sc in weights]
+        variants["f16_w8"] = [functools.partial(linear_triton, x.to(device), wc, weight_scale=sc,
+                                                activation=act, num_warps=8)
+                              for wc, sc in weights]
+        if bk > 128:  # down_proj: the 64 x 128 tile that spills nothing at 8 warps
+            variants["rows_k128_w8"] = [
+                functools.partial(linear_pieces_triton, hi, lo, inv, wc, sc, activation=act,
+                                  block_k=128, num_stages=4, num_warps=8) for wc, sc in weights]
         if gated:  # 128 gated columns a program (block_n 256): what 128-column pieces cost
             variants["rows_bn256"] = [
                 functools.partial(linear_pieces_triton, hi, lo, inv, wc, sc, activation=act,

@@ -48,33 +48,42 @@ def record_launches(kernel_owner, name: str, run, kernel_id: str | None = None) 
     return records
 
 
-def main(path: str) -> None:
+def compile_sm90(record: dict):
+    """Triton's compiled kernel (asm: ptx, cubin) of one recorded launch for sm_90, with the
+    GPU's constexprs (GPU_CONSTEXPRS). Raises triton's CompilationError where the compiler
+    refuses it, another error where this Triton has no CUDA backend tools."""
+    import importlib
+
     import triton
     from triton.backends.compiler import GPUTarget
 
-    import importlib
+    module, name = record["kernel"].split(":")
+    kernel = getattr(importlib.import_module(module), name)
+    params = {p.name: p for p in kernel.params}
+    signature, constexprs, options = {}, {}, {}
+    for arg, (kind, value) in zip(kernel.arg_names, record["args"]):
+        signature[arg] = DTYPES[value] if kind == "ptr" else "fp32" if kind == "fp32" else "i32"
+    for key, value in record["kwargs"].items():
+        if key in ("num_warps", "num_stages"):
+            options[key] = value
+        elif isinstance(value, list) and value and value[0] == "ptr":
+            signature[key] = DTYPES[value[1]]
+        elif key != "launch_pdl":
+            signature[key], constexprs[key] = "constexpr", value
+    for arg in kernel.arg_names:
+        if arg not in signature:
+            signature[arg], constexprs[arg] = "constexpr", params[arg].default
+    constexprs.update({k: v for k, v in GPU_CONSTEXPRS.items() if k in signature})
+    source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def main(path: str) -> None:
+    import triton
 
     for i, record in enumerate(json.load(open(path))):
-        module, name = record["kernel"].split(":")
-        kernel = getattr(importlib.import_module(module), name)
-        params = {p.name: p for p in kernel.params}
-        signature, constexprs, options = {}, {}, {}
-        for arg, (kind, value) in zip(kernel.arg_names, record["args"]):
-            signature[arg] = DTYPES[value] if kind == "ptr" else "fp32" if kind == "fp32" else "i32"
-        for key, value in record["kwargs"].items():
-            if key in ("num_warps", "num_stages"):
-                options[key] = value
-            elif isinstance(value, list) and value and value[0] == "ptr":
-                signature[key] = DTYPES[value[1]]
-            elif key != "launch_pdl":
-                signature[key], constexprs[key] = "constexpr", value
-        for arg in kernel.arg_names:
-            if arg not in signature:
-                signature[arg], constexprs[arg] = "constexpr", params[arg].default
-        constexprs.update({k: v for k, v in GPU_CONSTEXPRS.items() if k in signature})
-        source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
         try:
-            triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+            compile_sm90(record)
         except triton.compiler.errors.CompilationError as error:
             print(f"{i} FAILED {str(error)[-800:]}".replace("\n", " | "))
             continue

@@ -257,3 +257,37 @@ def test_pieces_labs_dry_run(tmp_path: Path, script: str) -> None:
     proc = run(script, tmp_path / "pieces.json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1].startswith("dry run")
+
+
+def test_sass_lab_finds_spills_in_loops() -> None:
+    """benchmarks/sass_lab.py's SASS reading: spill loads between a backward branch's target
+    and the branch count as in a loop; forward branches make no loop."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from sass_lab import sass_counts
+
+    sass = "\n".join([
+        "        /*0000*/                   MOV R1, c[0x0][0x28] ;      /* 0x00000a0000017a02 */",
+        "        /*0010*/               @P0 BRA 0x0060 ;                /* 0x0000004000000947 */",
+        "        /*0020*/                   LDL R2, [R1] ;              /* 0x0000000001027983 */",
+        "        /*0030*/                   STL [R1+0x4], R3 ;          /* 0x0000040301007387 */",
+        "        /*0040*/                   LDL.64 R4, [R1+0x8] ;       /* 0x0000080001047983 */",
+        "        /*0050*/              @!P1 BRA 0x0020 ;                /* 0xfffffffc00f09947 */",
+        "        /*0060*/                   LDL R6, [R1+0x10] ;         /* 0x0000100001067983 */",
+        "        /*0070*/                   EXIT ;                      /* 0x000000000000794d */",
+    ])
+    assert sass_counts(sass) == {"instructions": 8, "STL": 1, "STL_in_loops": 1, "LDL": 3,
+                                 "LDL_in_loops": 2}
+
+
+def test_sass_lab_compiles_for_sm90() -> None:
+    """benchmarks/sass_lab.py on one case: the launch recorded through the launcher, compiled for
+    sm_90 and its registers read (or SKIP where this Triton has no CUDA tools)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "benchmarks/sass_lab.py", "--cases", "qkv_row",
+                           "--warps", "8"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    if last.startswith("SKIP"):
+        pytest.skip(last)
+    assert last.startswith("qkv_row w8") and " registers, stack " in last, proc.stdout

@@ -232,6 +232,31 @@ def test_tiles_fit_shared_memory_and_tuned_configs_stay():
             assert fit_stages >= 2 and fit_k >= 32
 
 
+def test_several_row_fp8_warps_follow_the_switch(monkeypatch):
+    """linear.FP8_ROWS_WARPS (decode.py --rows-warps) sets the several-row FP8 programs' warps,
+    every shape and form; one row keeps its tuned table."""
+    from fuser.ops import linear
+
+    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
+    for warps in (4, 8):
+        monkeypatch.setattr(linear, "FP8_ROWS_WARPS", warps)
+        for N, K in shapes:
+            for pieces in (False, True):
+                assert linear._default_fp8_config(5, N, K, pieces)[2] == warps
+        assert linear._default_fp8_config(1, 4096, 14336)[2] == 8
+
+
+def test_shorter_k_step_keeps_the_tables_bytes_in_flight():
+    """A several-row K step shorter than the table's gets stages * (table step / step) stages,
+    capped by the shared-memory budget (block pieces' 64-column steps: twenty-fourth session)."""
+    from fuser.ops.linear import SHARED_MEMORY_BUDGET, _deeper_stages
+
+    assert _deeper_stages(16, 64, 64, 3 * 4, 1, 2) == 12
+    capped = _deeper_stages(16, 256, 128, 64, 1, 2)
+    assert capped * 128 * (256 + 16 * 2) <= SHARED_MEMORY_BUDGET < (capped + 1) * 128 * (256 + 32)
+    assert _deeper_stages(16, 64, 64, 1, 1, 2) == 2
+
+
 # --- split-K: SPLIT_K programs per column block, summed by the last one in the same launch ------
 
 

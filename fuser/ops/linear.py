@@ -797,6 +797,16 @@ def _default_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
     return 64, 128, 4, 4            # lm_head
 
 
+# Several rows, FP8 weights: warps per program. Every several-row sweep so far (fp8_mma_lab.py,
+# fp8_rows_lab.py) tried 4 warps only. Compiled for sm_90 with Triton 3.6 (the GPU machine's) on
+# the CPU, the 4-warp programs use all 255 registers and spill: down_proj's 64 x 256 tile on
+# pieces reloads 116 spilled values a K step (LDL in the loop), the block pieces' o_proj and
+# gate/up over 220; at 8 warps the 64 x 128 tiles spill nothing (benchmarks/sass_lab.py,
+# twenty-fourth session's closing note). Not yet measured on a GPU: benchmarks/decode.py
+# --rows-warps 8, gpu_all.sh s25a.
+FP8_ROWS_WARPS = 4
+
+
 def _default_fp8_config(M: int, N: int, K: int,
                         pieces: bool = False) -> tuple[int, int, int, int]:
     """(block_n, block_k, num_warps, num_stages) for e4m3fn weights: the fastest of
@@ -816,8 +826,8 @@ def _default_fp8_config(M: int, N: int, K: int,
             return 128, 256, 8, 4
         return 16, 512, 4, 4            # lm_head
     if pieces and K > 8192:  # down_proj on x's pieces: benchmarks/fp8_rows_lab.py at M = 5
-        return 64, 256, 4, 3  # (sixteenth session): 20.48 against 21.11 us at 64 x 128, 4 stages
-    return 64, 128, 4, 4  # swapped, every shape (benchmarks/fp8_mma_lab.py at M = 5, tenth session)
+        return 64, 256, FP8_ROWS_WARPS, 3  # (16th session): 20.48 against 21.11 us at 64 x 128
+    return 64, 128, FP8_ROWS_WARPS, 4  # swapped, every shape (fp8_mma_lab.py at M = 5, tenth)
 
 
 def _default_split_k(M: int, N: int, K: int, fp8: bool) -> int:
