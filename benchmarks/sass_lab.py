@@ -4,11 +4,12 @@ No GPU needed: each 8B layer op at `--rows` rows is launched through fuser's own
 the kernel replaced by a recorder (nothing runs), compiled for sm_90 with the GPU's constexprs
 (tests/sm90_compile.py) and its SASS read with Triton's cuobjdump: registers per thread, the
 stack frame (spills), and the spill loads and stores (LDL, STL) inside loops (backward
-branches: the K loop). A spill load in the K loop costs every step. The Triton installed here
+branches: the K loop). A spill load in the K loop costs every step. A * marks the launcher's
+own number of warps. The Triton installed here
 decides the code: use the GPU machine's version (Triton 3.6.0 for the twenty-fourth session's
 figures) to read what the GPU runs.
 
-    python3 benchmarks/sass_lab.py [--rows 5] [--warps 4,8] [--cases qkv_row,down_row] [--out f.json]
+    python3 benchmarks/sass_lab.py [--rows 5] [--warps 4,8] [--cases qkv_row,down_one] [--out f.json]
 """
 
 from __future__ import annotations
@@ -47,7 +48,19 @@ def cases(rows: int) -> dict[str, Callable[[], object]]:
     squares = ns.group_squares_reference(x)
     r, g = torch.randn(rows, 4096).bfloat16(), torch.ones(4096).bfloat16()
     eps, pb, gb = 1e-5, linear.STATS_PIECES_BLOCK, linear.STATS_GATED_PIECES_BLOCK
+    x1, r1, xd1 = x[:1], r[:1], xd[:1]
     return {
+        # one row (decode; "_one": PDL compiled in, as the GPU launches them)
+        "qkv_one": lambda: linear.rms_norm_linear_triton(x1, r1, g, eps, *fp8(6144, 4096)[:1],
+                                                         weight_scale=torch.ones(6144)),
+        "o_proj_one": lambda: linear.linear_triton(x1, fp8(4096, 4096)[0],
+                                                   weight_scale=torch.ones(4096)),
+        "gate_up_one": lambda: linear.rms_norm_linear_triton(
+            x1, r1, g, eps, fp8(28672, 4096)[0], weight_scale=torch.ones(28672),
+            activation="silu"),
+        "down_one": lambda: linear.linear_triton(xd1, fp8(4096, 14336)[0],
+                                                 weight_scale=torch.ones(4096)),
+        # several rows (verify)
         "qkv_row": lambda: linear.linear_pieces_triton(*row, *fp8(6144, 4096)),
         "gate_up_row": lambda: linear.linear_pieces_triton(*row, *fp8(28672, 4096),
                                                            activation="silu"),
@@ -69,8 +82,10 @@ def cases(rows: int) -> dict[str, Callable[[], object]]:
     }
 
 
-def record(fn: Callable[[], object]) -> dict:
-    """The one _linear_kernel launch fn makes, as tests/sm90_compile.py records it (not run)."""
+def record(fn: Callable[[], object], pdl: bool) -> dict:
+    """The one _linear_kernel launch fn makes, as tests/sm90_compile.py records it (not run).
+    pdl: compile the PDL launch's code (linear.PDL_VARIANT), as the GPU launches one row (and
+    several rows only with FUSER_PDL_ROWS)."""
     from fuser.ops import linear
 
     real, seen = linear._linear_kernel, []
@@ -87,11 +102,12 @@ def record(fn: Callable[[], object]) -> dict:
                                for k, v in kwargs.items()}})
             return launch
 
-    linear._linear_kernel = Recorder()
+    linear._linear_kernel, pdl_variant = Recorder(), linear.PDL_VARIANT
+    linear.PDL_VARIANT = pdl
     try:
         fn()
     finally:
-        linear._linear_kernel = real
+        linear._linear_kernel, linear.PDL_VARIANT = real, pdl_variant
     assert len(seen) == 1, f"expected one launch, got {len(seen)}"
     return seen[0]
 
@@ -157,10 +173,11 @@ def main() -> None:
     print(f"Triton {triton.__version__}, sm_90, {args.rows} rows")
     results = {}
     for name in names:
-        launch = record(table[name])
+        launch = record(table[name], pdl=name.endswith("_one"))
+        default = launch["kwargs"]["num_warps"]
         for warps in (int(w) for w in args.warps.split(",")):
             launch["kwargs"]["num_warps"] = warps
-            key = f"{name} w{warps}"
+            key = f"{name} w{warps}" + ("*" if warps == default else "")
             try:
                 results[key] = found = inspect(launch)
             except Exception as error:  # noqa: BLE001  (no CUDA backend tools here)
