@@ -45,7 +45,6 @@
 #   bash benchmarks/gpu_all.sh s25a     # (not yet run) #10: the several-row FP8 GEMVs at 8 warps (no register spills): pieces_lab *_w8, spill-free one-row gate/up tiles (shape_lab), 8B FP8 decode --rows-warps 8 and as is
 #   bash benchmarks/gpu_all.sh s25b     # (not yet run) #10: block_lab.py (each 8B op's row and block forms, and their parts), the FP8 speculative tests
 #   bash benchmarks/gpu_all.sh s24d     # #10: block pieces with deeper stages: pieces_lab sweep, 8B FP8 decode as is and on block pieces, 8-layer block verify profiled
-#   bash benchmarks/gpu_all.sh s24c     # (not run: s24a, s24d answered it) #10: 8-layer FP8 verify profiled with block pieces, then + carveout + PDL rows
 #   bash benchmarks/gpu_all.sh s24b     # #10: block-scaled pieces: pieces_lab.py, GPU tests, 8B FP8 decode with norm_stats on block pieces
 #   bash benchmarks/gpu_all.sh s24a     # #10: one shared-memory carveout for every kernel: 8-layer FP8 verify profiled, 8B FP8 decode
 #   bash benchmarks/gpu_all.sh s23e     # GPU tests: norm_stats ops (fp32 fix), test_pdl, CUDA engines (FP8 with a bf16 LM head too)
@@ -649,20 +648,6 @@ elif [ "$what" = s24d ]; then
     2>&1 | tee "$OUT/prof_block.log" | grep -A9 "verify breakdown" \
     | grep -E "GEMV|attention|pieces|other|graph|sum"
   grep -E "^\[fp8\] [0-9.]+ tok/s|replayed alike" "$OUT/prof_block.log" | tail -2
-elif [ "$what" = s24c ]; then
-  # Written in the twenty-third session for the next (issue #10): the 8-layer FP8 verify kernel
-  # by kernel with block pieces (s24b's switch), then with the carveout and several-row PDL on
-  # top (s24a's), to see what is left of the 256 us over decode and whether the gaps go once
-  # the step has decode's kernels only.
-  for variant in block:0: block:gemv:100; do
-    IFS=: read -r name rows carve <<< "$variant"
-    flags="--norm-stats fp8 --stats-fp8-mma block"; [ -n "$carve" ] && flags="$flags --smem-carveout $carve"
-    echo "== FP8 verify profiled, 8 layers, block pieces, FUSER_PDL_ROWS=$rows carveout=${carve:-none}"
-    FUSER_PDL_ROWS=$rows timeout 170 python3 benchmarks/decode.py --out "$OUT/prof_${name}_${rows}.json" \
-      --skip-peers --precisions fp8 --layers 8 --profile $flags 2>&1 | tee "$OUT/prof_${name}_${rows}.log" \
-      | grep -A9 "verify breakdown" | grep -E "GEMV|attention|pieces|other|graph|sum"
-    grep -E "^\[fp8\] [0-9.]+ tok/s|replayed alike" "$OUT/prof_${name}_${rows}.log" | tail -2
-  done
 elif [ "$what" = s24b ]; then
   # Written in the twenty-third session for the next (issue #10): the 5-row FP8 GEMV on
   # block-scaled pieces (a power of two per K step, linear_pieces_triton scale_block) against

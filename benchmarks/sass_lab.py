@@ -87,27 +87,13 @@ def record(fn: Callable[[], object], pdl: bool) -> dict:
     pdl: compile the PDL launch's code (linear.PDL_VARIANT), as the GPU launches one row (and
     several rows only with FUSER_PDL_ROWS)."""
     from fuser.ops import linear
+    from sm90_compile import record_launches
 
-    real, seen = linear._linear_kernel, []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                seen.append({
-                    "kernel": "fuser.ops.linear:_linear_kernel",
-                    "args": [["ptr", str(a.dtype)] if isinstance(a, torch.Tensor) else
-                             ["fp32", a] if isinstance(a, float) else ["int", int(a)]
-                             for a in args],
-                    "kwargs": {k: ["ptr", str(v.dtype)] if isinstance(v, torch.Tensor) else v
-                               for k, v in kwargs.items()}})
-            return launch
-
-    linear._linear_kernel, pdl_variant = Recorder(), linear.PDL_VARIANT
-    linear.PDL_VARIANT = pdl
+    pdl_variant, linear.PDL_VARIANT = linear.PDL_VARIANT, pdl
     try:
-        fn()
+        seen = record_launches(linear, "_linear_kernel", fn, run_kernels=False)
     finally:
-        linear._linear_kernel, linear.PDL_VARIANT = real, pdl_variant
+        linear.PDL_VARIANT = pdl_variant
     assert len(seen) == 1, f"expected one launch, got {len(seen)}"
     return seen[0]
 

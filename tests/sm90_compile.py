@@ -19,10 +19,12 @@ DTYPES = {"torch.bfloat16": "*bf16", "torch.float32": "*fp32", "torch.float8_e4m
 GPU_CONSTEXPRS = {"FP32_DOTS": False, "EMULATE_CAST": False}
 
 
-def record_launches(kernel_owner, name: str, run, kernel_id: str | None = None) -> list[dict]:
+def record_launches(kernel_owner, name: str, run, kernel_id: str | None = None,
+                    run_kernels: bool = True) -> list[dict]:
     """Run `run()` with `kernel_owner.<name>` wrapped so that each launch's argument kinds and
-    keyword arguments are recorded (the launch itself still runs). kernel_id: "module:name" of
-    the kernel's definition (default: kernel_owner's module and name)."""
+    keyword arguments are recorded (the launch itself still runs, unless run_kernels is False).
+    kernel_id: "module:name" of the kernel's definition (default: kernel_owner's module and
+    name)."""
     import torch
 
     real = getattr(kernel_owner, name)
@@ -37,7 +39,7 @@ def record_launches(kernel_owner, name: str, run, kernel_id: str | None = None) 
                             for k, v in kwargs.items()}
                 records.append({"kernel": kernel_id or f"{kernel_owner.__name__}:{name}",
                                 "args": kinds, "kwargs": keywords})
-                return real[grid](*args, **kwargs)
+                return real[grid](*args, **kwargs) if run_kernels else None
             return launch
 
     setattr(kernel_owner, name, Spy())
