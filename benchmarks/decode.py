@@ -31,6 +31,7 @@ from fuser.models import PRESETS
 from fuser.runtime.step_graphs import PLAIN
 from fuser.runtime.steps import DECODE, PREFILL, verify
 from peers import make_gpt_fast_style, make_hf_eager, make_hf_static_compile
+from pieces_lab import load_pieces_tiles
 from shape_lab import load_tiles
 from timing import log, measure_read_bandwidth, replay_median_ms
 
@@ -114,6 +115,14 @@ def main() -> None:
     parser.add_argument("--one-row-tiles", nargs="*", default=[], metavar="JSON",
                         help="one-row FP8 tiles by shape from benchmarks/shape_lab.py --best "
                              "files (linear.FP8_ONE_ROW_TILES; default: the module's tables)")
+    parser.add_argument("--pieces-tiles", nargs="*", default=[], metavar="JSON",
+                        help="several-row FP8 tiles on e4m3 pieces by shape from "
+                             "benchmarks/pieces_lab.py --sweep --best files "
+                             "(linear.FP8_PIECES_TILES; default: the module's tables)")
+    parser.add_argument("--split-pieces-min-k", type=int, default=None, metavar="K",
+                        help="fuser::fp8_linear splits several bf16 rows longer than K into "
+                             "e4m3 pieces before its GEMV (linear.SPLIT_PIECES_MIN_K; 2048 "
+                             "takes o_proj too; default: the module's)")
     parser.add_argument("--norm-stats", choices=["on", "aligned", "off", "fp8"], default=None,
                         help="passes/norm_stats.py: several-row norms inside the GEMVs around "
                              "them (on: plain-weight GEMVs after the norm; aligned: that and the "
@@ -161,6 +170,12 @@ def main() -> None:
         linear_module.FP8_ONE_ROW_TILES.update(load_tiles(Path(path)))
     if linear_module.FP8_ONE_ROW_TILES:
         log(f"one-row FP8 tiles: {linear_module.FP8_ONE_ROW_TILES}")
+    if args.split_pieces_min_k is not None:
+        linear_module.SPLIT_PIECES_MIN_K = args.split_pieces_min_k
+    for path in args.pieces_tiles:
+        linear_module.FP8_PIECES_TILES.update(load_pieces_tiles(Path(path)))
+    if linear_module.FP8_PIECES_TILES:
+        log(f"several-row FP8 tiles on pieces: {linear_module.FP8_PIECES_TILES}")
     RESULTS["env"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "triton": triton.__version__, "transformers": transformers.__version__,
                       "preset": args.preset, "prompt_tokens": args.prompt_tokens,

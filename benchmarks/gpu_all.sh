@@ -42,8 +42,9 @@
 #   bash benchmarks/gpu_all.sh s18b     # norm_stats with g * h from the producer: GPU tests, 8B bf16 decode on/off, FP8 with its consumers
 #   bash benchmarks/gpu_all.sh s18c     # norm_stats with its loads before the K loop: 8B bf16 decode on/off
 #   bash benchmarks/gpu_all.sh s20b     # overlapped rounds: GPU tests, the bundled pair end to end overlapped, then standard
-#   bash benchmarks/gpu_all.sh s25a     # (not yet run) #10: the several-row FP8 GEMVs at 8 warps (no register spills): pieces_lab *_w8, spill-free one-row gate/up tiles (shape_lab), 8B FP8 decode --rows-warps 8 and as is
-#   bash benchmarks/gpu_all.sh s25b     # (not yet run) #10: block_lab.py (each 8B op's row and block forms, and their parts), the FP8 speculative tests
+#   bash benchmarks/gpu_all.sh s25c     # #10: the 5-row FP8 GEMVs' launch shapes on pieces swept (pieces_lab --sweep), 8B FP8 decode on the fastest and as is
+#   bash benchmarks/gpu_all.sh s25a     # #10: the several-row FP8 GEMVs at 8 warps (no register spills): pieces_lab *_w8, spill-free one-row gate/up tiles (shape_lab), 8B FP8 decode --rows-warps 8 and as is
+#   bash benchmarks/gpu_all.sh s25b     # #10: block_lab.py (each 8B op's row and block forms, and their parts), the FP8 speculative tests
 #   bash benchmarks/gpu_all.sh s24d     # #10: block pieces with deeper stages: pieces_lab sweep, 8B FP8 decode as is and on block pieces, 8-layer block verify profiled
 #   bash benchmarks/gpu_all.sh s24b     # #10: block-scaled pieces: pieces_lab.py, GPU tests, 8B FP8 decode with norm_stats on block pieces
 #   bash benchmarks/gpu_all.sh s24a     # #10: one shared-memory carveout for every kernel: 8-layer FP8 verify profiled, 8B FP8 decode
@@ -608,6 +609,20 @@ elif [ "$what" = s23c ]; then
   export FUSER_PDL_ROWS=1 FUSER_PDL_LATE=1
   TAG=fp8_pdl_late decode_8b fp8 290
   TAG=fp8_pdl_late_x2 decode_8b fp8 580 --norm-stats fp8 --stats-fp8-mma x2
+elif [ "$what" = s25c ]; then
+  # Twenty-fifth session (issue #10): s25a put 8 warps and the spill-free tiles behind the
+  # defaults everywhere, so the spills are not what the 5-row GEMVs lose. Their launch shapes on
+  # the pieces (split-K, stages, K step) were never swept: qkv and o_proj stream at ~45-55% of
+  # the bandwidth at 5 rows. pieces_lab --sweep, then the 8B FP8 decode + verify on the fastest
+  # tiles (--pieces-tiles) and as is on the same machine; o_proj on pieces if time is left.
+  timeout 240 python3 benchmarks/pieces_lab.py --sweep --best "$OUT/pieces_tiles.json" \
+    --out "$OUT/pieces_sweep.json" 2>&1 | grep -v Warn | tail -6
+  if [ -s "$OUT/pieces_tiles.json" ] && [ "$(cat "$OUT/pieces_tiles.json")" != "{}" ]; then
+    TAG=fp8_tiles decode_8b fp8 590 --pieces-tiles "$OUT/pieces_tiles.json"
+    TAG=fp8 decode_8b fp8 590
+    [ $((${BUDGET:-590} - SECONDS)) -gt 170 ] && TAG=fp8_tiles_o decode_8b fp8 590 --pieces-tiles "$OUT/pieces_tiles.json" \
+      --split-pieces-min-k 2048
+  fi
 elif [ "$what" = s25a ]; then
   # Written in the twenty-fourth session for the next (issue #10): the several-row FP8 GEMVs at
   # 8 warps. Compiled for sm_90 with Triton 3.6 on the CPU (benchmarks/sass_lab.py), the 4-warp

@@ -17,12 +17,23 @@ graph of rotated weight copies (benchmarks/timing.py):
     *_w8     rows, blocks, f16 at 8 warps (the 4-warp programs spill: benchmarks/sass_lab.py);
              rows_k128_w8: down_proj at 64 x 128 tiles, 8 warps (no spill at all)
 
-    python3 benchmarks/pieces_lab.py [--rows 5] [--out pieces.json]
+--sweep times the row-pieces GEMV alone over its launch shape instead (SWEEP: block_n x block_k
+x split-K x stages, 4 warps; named nN kK sS pP), the engine's own choice first as "default":
+the several-row FP8 tiles were last swept on the bf16 MMA (fp8_mma_lab.py, tenth session) and
+for down_proj's K step (sixteenth), never split-K and stages on the pieces.
+
+    python3 benchmarks/pieces_lab.py [--rows 5] [--sweep [--best tiles.json]] [--out pieces.json]
+
+--best writes, per shape whose fastest launch shape beat the default by BEST_MARGIN or more,
+that shape as linear.FP8_PIECES_TILES takes it ({"ROWSxK": [block_n, block_k, split_k,
+stages]}; `load_pieces_tiles` reads it back), for `benchmarks/decode.py --pieces-tiles`.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
+import json
 import sys
 from pathlib import Path
 
@@ -35,10 +46,70 @@ from timing import (copies_for, lab_arguments, log, time_variants,  # noqa: E402
 # name: (N, K, gated): N output columns (gated: the merged weight has 2N rows)
 SHAPES = {"qkv": (6144, 4096, False), "o_proj": (4096, 4096, False),
           "gate_up": (14336, 4096, True), "down": (4096, 14336, False)}
+# --sweep, per shape: (block_n, block_k, split-K, stages) grids; a configuration whose split-K
+# does not divide K into whole K steps, or whose tiles overflow the shared memory, is skipped
+SWEEP = {
+    "qkv": [(n, k, s, p) for n in (64,) for k in (128, 256) for s in (1, 2, 4, 8)
+            for p in (3, 4, 6)] + [(128, 128, s, 4) for s in (2, 4, 8)],
+    "o_proj": [(n, k, s, p) for n in (64,) for k in (128, 256) for s in (1, 2, 4, 8)
+               for p in (3, 4, 6)] + [(128, 128, s, 4) for s in (2, 4, 8)],
+    "down": [(64, k, s, p) for k in (128, 256, 512) for s in (1, 2, 4, 7, 8, 14)
+             for p in (3, 4)],
+    "gate_up": [(n, k, s, p) for n in (64, 128) for k in (128, 256) for s in (1, 2)
+                for p in (3, 4, 6)],
+}
+
+
+BEST_MARGIN = 0.02  # --best takes a launch shape 2% or more faster than the default
+
+
+def best_pieces_tiles(results: dict[str, dict[str, float]], shapes: dict) -> dict[str, list]:
+    """--best: {"ROWSxK": [block_n, block_k, split_k, stages]} for each swept shape whose
+    fastest launch shape beat "default" by BEST_MARGIN or more."""
+    best: dict[str, list] = {}
+    for name, timed in results.items():
+        variant, us = min(timed.items(), key=lambda item: item[1])
+        if variant == "default" or us > timed["default"] * (1 - BEST_MARGIN):
+            continue
+        N, K, gated = shapes[name]
+        best[f"{2 * N if gated else N}x{K}"] = [int(word[1:]) for word in variant.split()]
+    return best
+
+
+def load_pieces_tiles(path: Path) -> dict[tuple[int, int], tuple[int, int, int, int]]:
+    """A --best file as linear.FP8_PIECES_TILES takes it."""
+    tiles = {}
+    for key, (bn, bk, split, stages) in json.loads(path.read_text()).items():
+        rows, K = (int(v) for v in key.split("x"))
+        tiles[(rows, K)] = (int(bn), int(bk), int(split), int(stages))
+    return tiles
+
+
+def sweep_variants(name: str, K: int, hi, lo, inv, weights, act: str | None) -> dict:
+    """--sweep's variants for one shape: the engine's default, then SWEEP's launch shapes."""
+    from fuser.ops.linear import linear_pieces_triton  # noqa: PLC0415
+    out = {"default": [functools.partial(linear_pieces_triton, hi, lo, inv, wc, sc,
+                                         activation=act) for wc, sc in weights]}
+    from fuser.ops.linear import SHARED_MEMORY_BUDGET  # noqa: PLC0415
+    for bn, bk, split, stages in SWEEP[name]:
+        # whole K steps per split; the pipelined weight and pieces tiles (16 rows of two 1-byte
+        # pieces a step) within the launcher's shared-memory budget
+        if K % (split * bk) or stages * bk * (bn + 2 * 16) > SHARED_MEMORY_BUDGET:
+            continue
+        out[f"n{bn} k{bk} s{split} p{stages}"] = [
+            functools.partial(linear_pieces_triton, hi, lo, inv, wc, sc, activation=act,
+                              block_n=bn, block_k=bk, split_k=split, num_stages=stages,
+                              num_warps=4) for wc, sc in weights]
+    return out
 
 
 def main() -> None:
-    args = lab_arguments("pieces_lab.py", __doc__)
+    def extra(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--sweep", action="store_true",
+                            help="the row-pieces GEMV over SWEEP's launch shapes")
+        parser.add_argument("--best", type=Path, help="with --sweep: write the fastest tiles")
+
+    args = lab_arguments("pieces_lab.py", __doc__, extra)
     from fuser.ops import linear as linear_module  # noqa: PLC0415
     from fuser.ops.e4m3_pieces import (split_pieces_blocks_reference,  # noqa: PLC0415
                                        split_pieces_reference)
@@ -59,6 +130,15 @@ def main() -> None:
         hi, lo, inv = (t.to(device) for t in split_pieces_reference(x))
         bhi, blo, binv = (t.to(device) for t in split_pieces_blocks_reference(x, bk))
         act = "silu" if gated else None
+        if args.sweep:
+            timed = time_variants(sweep_variants(name if not args.dry_run else "qkv", K, hi, lo,
+                                                 inv, weights, act), args.dry_run)
+            results[name] = timed
+            if timed:
+                best = sorted(timed.items(), key=lambda item: item[1])[:4]
+                log(f"{name:8s} {N}x{K}: default {timed['default']:.2f} us; fastest " +
+                    ", ".join(f"{v} {us:.2f}" for v, us in best))
+            continue
         variants = {
             "rows": [functools.partial(linear_pieces_triton, hi, lo, inv, wc, sc, activation=act)
                      for wc, sc in weights],
@@ -103,6 +183,10 @@ def main() -> None:
             log(f"{name:8s} {N}x{K} tiles {bn}x{bk}: " + ", ".join(
                 f"{v} {us:.2f} us" for v, us in results[name].items()))
     write_lab_results(results, args.rows, args.out, args.dry_run)
+    if args.sweep and args.best:
+        best = best_pieces_tiles(results, shapes)
+        args.best.write_text(json.dumps(best))
+        log(f"fastest pieces tiles: {best}")
 
 
 if __name__ == "__main__":

@@ -116,13 +116,17 @@ def time_us(fn: Fn | Sequence[Fn], calls: int = CALLS, *, warmup: int = 25,
     return Timing(ms * 1e3, EAGER_LAUNCH, 1, note)
 
 
-def lab_arguments(script: str, doc: str) -> argparse.Namespace:
-    """A rows lab's command line (--rows, --out, --dry-run); exits 2 where it needs a GPU and
-    has none (missing_gpu)."""
+def lab_arguments(script: str, doc: str,
+                  extra: Callable[[argparse.ArgumentParser], None] | None = None
+                  ) -> argparse.Namespace:
+    """A rows lab's command line (--rows, --out, --dry-run, and what `extra` adds); exits 2
+    where it needs a GPU and has none (missing_gpu)."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--rows", type=int, default=5)
     parser.add_argument("--out", default=None)
     parser.add_argument("--dry-run", action="store_true", help="CPU, small shapes: plumbing only")
+    if extra is not None:
+        extra(parser)
     args = parser.parse_args()
     if missing_gpu(script, args.dry_run):
         sys.exit(2)

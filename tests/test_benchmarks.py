@@ -22,9 +22,9 @@ def torch_cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def run(script: str, out: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, f"benchmarks/{script}", "--dry-run", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=180)
+def run(script: str, out: Path, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, f"benchmarks/{script}", "--dry-run", "--out", str(out),
+                           *flags], cwd=ROOT, capture_output=True, text=True, timeout=180)
 
 
 def test_ops_benchmark_dry_run(tmp_path: Path) -> None:
@@ -250,13 +250,32 @@ def test_gap_lab_dry_run(tmp_path: Path) -> None:
     assert proc.stdout.strip().splitlines()[-1].startswith("dry run")
 
 
-@pytest.mark.parametrize("script", ["pieces_lab.py", "block_lab.py"])
+@pytest.mark.parametrize("script", ["pieces_lab.py", "pieces_lab.py --sweep", "block_lab.py"])
 def test_pieces_labs_dry_run(tmp_path: Path, script: str) -> None:
-    """benchmarks/pieces_lab.py's GEMV variants and block_lab.py's op forms run once on CPU
-    (small shapes, the interpreter)."""
-    proc = run(script, tmp_path / "pieces.json")
+    """benchmarks/pieces_lab.py's GEMV variants (and its --sweep of launch shapes) and
+    block_lab.py's op forms run once on CPU (small shapes, the interpreter)."""
+    proc = run(*script.split()[:1], tmp_path / "pieces.json", *script.split()[1:])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1].startswith("dry run")
+
+
+def test_pieces_lab_best_tiles_round_trip(tmp_path: Path) -> None:
+    """pieces_lab.py --sweep --best keeps a shape's fastest launch shape only where it beats
+    the default by BEST_MARGIN, keyed by the weight's rows (gated: both halves), and
+    load_pieces_tiles reads it back as linear.FP8_PIECES_TILES takes it."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from pieces_lab import SHAPES, best_pieces_tiles, load_pieces_tiles
+
+    results = {"qkv": {"default": 10.0, "n64 k256 s2 p4": 9.5, "n64 k128 s4 p3": 9.9},
+               "o_proj": {"default": 8.0, "n64 k128 s8 p6": 7.9},        # within the margin
+               "gate_up": {"default": 31.6, "n128 k128 s1 p3": 30.0},
+               "down": {"default": 18.0, "n64 k256 s7 p4": 18.5}}
+    best = best_pieces_tiles(results, SHAPES)
+    assert best == {"6144x4096": [64, 256, 2, 4], "28672x4096": [128, 128, 1, 3]}
+    path = tmp_path / "tiles.json"
+    path.write_text(json.dumps(best))
+    assert load_pieces_tiles(path) == {(6144, 4096): (64, 256, 2, 4),
+                                       (28672, 4096): (128, 128, 1, 3)}
 
 
 def test_sass_lab_finds_spills_in_loops() -> None:

@@ -246,6 +246,36 @@ def test_several_row_fp8_warps_follow_the_switch(monkeypatch):
         assert linear._default_fp8_config(1, 4096, 14336)[2] == 8
 
 
+def test_pieces_tiles_table_reaches_the_launch(monkeypatch):
+    """linear.FP8_PIECES_TILES (decode.py --pieces-tiles) gives a row-pieces GEMV of its
+    (weight rows, K) its block_n, block_k, split_k and stages; explicit arguments, other shapes
+    and block-scaled pieces keep theirs."""
+    from fuser.ops import linear
+    from fuser.ops.e4m3_pieces import split_pieces_blocks_reference, split_pieces_reference
+    from fuser.ops.fp8 import quantize_weight
+
+    launched = []
+
+    def record(x, residual, norm_weight, eps, weight, weight_scale, activation, overrides,
+               **kwargs):
+        launched.append(overrides)
+        return torch.zeros(x.shape[0], weight.shape[0]), None
+
+    monkeypatch.setattr(linear, "_launch", record)
+    monkeypatch.setattr(linear, "FP8_PIECES_TILES", {(96, 512): (32, 128, 2, 5)})
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 512, generator=gen).to(torch.bfloat16)
+    w, s = quantize_weight(torch.randn(96, 512, generator=gen))
+    other_w, other_s = quantize_weight(torch.randn(64, 512, generator=gen))
+    pieces = split_pieces_reference(x)
+    linear.linear_pieces_triton(*pieces, w, s)
+    linear.linear_pieces_triton(*pieces, w, s, block_k=256)
+    linear.linear_pieces_triton(*pieces, other_w, other_s)
+    linear.linear_pieces_triton(*split_pieces_blocks_reference(x, 64), w, s, scale_block=64)
+    assert launched == [(32, 128, None, 5, 2, None), (None, 256, None, None, None, None),
+                        (None, None, None, None, None, None), (None, 64, None, None, None, None)]
+
+
 def test_shorter_k_step_keeps_the_tables_bytes_in_flight():
     """A several-row K step shorter than the table's gets stages * (table step / step) stages,
     capped by the shared-memory budget (block pieces' 64-column steps: twenty-fourth session)."""

@@ -958,6 +958,11 @@ def norm_after_for(rows: int, residual: bool, fp8: bool, rstd_last: bool) -> boo
 # tables of _default_fp8_config and _default_split_k (and ONE_ROW_PARTIALS). Empty in the
 # library; benchmarks/decode.py --one-row-tiles fills it from benchmarks/shape_lab.py --best.
 FP8_ONE_ROW_TILES: dict[tuple[int, int], tuple[int, int, int, int, bool]] = {}
+# Several rows on row-scaled e4m3 pieces (linear_pieces_triton without overrides): (weight
+# rows, K) -> (block_n, block_k, split_k, num_stages), taken before _default_fp8_config and
+# _default_split_k. Empty in the library; benchmarks/decode.py --pieces-tiles fills it from
+# benchmarks/pieces_lab.py --sweep --best.
+FP8_PIECES_TILES: dict[tuple[int, int], tuple[int, int, int, int]] = {}
 
 PDL_PREFETCH = 1  # weight tiles a PDL-launched program loads before its wait (fuser/ops/pdl.py)
 # Tests only: compile every launch's PDL variant (PDL=True: the prefetched weight tiles, the
@@ -1103,6 +1108,10 @@ def linear_pieces_triton(
         block_k = scale_block
     elif scale_block is not None:
         raise ValueError("scale_block is for block-scaled pieces (inv_scale [M, blocks])")
+    elif all(o is None for o in (block_n, block_k, num_warps, num_stages, split_k, prefetch)):
+        tuned = FP8_PIECES_TILES.get((weight.shape[0], hi.shape[1]))
+        if tuned is not None:
+            block_n, block_k, split_k, num_stages = tuned
     out, _ = _launch(hi, None, None, 0.0, weight, weight_scale, activation,
                      (block_n, block_k, num_warps, num_stages, split_k, prefetch),
                      pieces=(lo, inv_scale.contiguous()), out_dtype=out_dtype)
