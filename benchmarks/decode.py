@@ -137,6 +137,9 @@ def main() -> None:
     parser.add_argument("--rows-warps", type=int, choices=[4, 8], default=None,
                         help="warps per program of the several-row FP8 GEMVs "
                              "(linear.FP8_ROWS_WARPS; default: the module's)")
+    parser.add_argument("--rows-maxnreg", type=int, default=None, metavar="REGS",
+                        help="a register cap per thread for the several-row FP8 GEMVs "
+                             "(linear.FP8_ROWS_MAXNREG; default: the compiler's choice)")
     parser.add_argument("--smem-carveout", type=int, default=None, metavar="PERCENT",
                         help="every Triton kernel prefers this percent of the maximum shared "
                              "memory (fuser/ops/carveout.py; default: the driver's choice per "
@@ -166,6 +169,8 @@ def main() -> None:
         linear_module.STATS_FP8_MMA = args.stats_fp8_mma
     if args.rows_warps is not None:
         linear_module.FP8_ROWS_WARPS = args.rows_warps
+    if args.rows_maxnreg is not None:
+        linear_module.FP8_ROWS_MAXNREG = args.rows_maxnreg
     for path in args.one_row_tiles:
         linear_module.FP8_ONE_ROW_TILES.update(load_tiles(Path(path)))
     if linear_module.FP8_ONE_ROW_TILES:

@@ -42,6 +42,7 @@
 #   bash benchmarks/gpu_all.sh s18b     # norm_stats with g * h from the producer: GPU tests, 8B bf16 decode on/off, FP8 with its consumers
 #   bash benchmarks/gpu_all.sh s18c     # norm_stats with its loads before the K loop: 8B bf16 decode on/off
 #   bash benchmarks/gpu_all.sh s20b     # overlapped rounds: GPU tests, the bundled pair end to end overlapped, then standard
+#   bash benchmarks/gpu_all.sh s25d     # #10: the 5-row FP8 GEMVs capped at 128 registers (four programs an SM): pieces_lab rows_r*, 8B FP8 decode capped with several-row PDL and without
 #   bash benchmarks/gpu_all.sh s25c     # #10: the 5-row FP8 GEMVs' launch shapes on pieces swept (pieces_lab --sweep), 8B FP8 decode on the fastest and as is
 #   bash benchmarks/gpu_all.sh s25a     # #10: the several-row FP8 GEMVs at 8 warps (no register spills): pieces_lab *_w8, spill-free one-row gate/up tiles (shape_lab), 8B FP8 decode --rows-warps 8 and as is
 #   bash benchmarks/gpu_all.sh s25b     # #10: block_lab.py (each 8B op's row and block forms, and their parts), the FP8 speculative tests
@@ -609,6 +610,17 @@ elif [ "$what" = s23c ]; then
   export FUSER_PDL_ROWS=1 FUSER_PDL_LATE=1
   TAG=fp8_pdl_late decode_8b fp8 290
   TAG=fp8_pdl_late_x2 decode_8b fp8 580 --norm-stats fp8 --stats-fp8-mma x2
+elif [ "$what" = s25d ]; then
+  # Twenty-fifth session (issue #10): the 5-row FP8 programs take all 255 registers, so two
+  # share an SM; at 8 warps (one an SM) every GEMV was slower (s25a), so programs per SM may be
+  # what they lack, and several-row PDL lost (twenty-third session) perhaps because the next
+  # kernel's programs had no room beside the running ones. A register cap of 128 (four an SM,
+  # more spills): pieces_lab's rows_r128/r168, then the 8B FP8 decode + verify capped with
+  # several-row PDL on the GEMVs, then capped alone.
+  timeout 200 python3 benchmarks/pieces_lab.py --out "$OUT/pieces_lab.json" 2>&1 | grep -v Warn \
+    | sed -E 's/, (blocks64|blocks128|blocks_w8|f16_w8)[^,]*//g' | tail -5
+  FUSER_PDL_ROWS=gemv TAG=fp8_r128_pdl decode_8b fp8 590 --rows-maxnreg 128
+  [ $((${BUDGET:-590} - SECONDS)) -gt 170 ] && TAG=fp8_r128 decode_8b fp8 590 --rows-maxnreg 128
 elif [ "$what" = s25c ]; then
   # Twenty-fifth session (issue #10): s25a put 8 warps and the spill-free tiles behind the
   # defaults everywhere, so the spills are not what the 5-row GEMVs lose. Their launch shapes on

@@ -16,6 +16,8 @@ graph of rotated weight copies (benchmarks/timing.py):
     rows_bn256  gate/up on row pieces at 256-row tiles (128 gated columns a program)
     *_w8     rows, blocks, f16 at 8 warps (the 4-warp programs spill: benchmarks/sass_lab.py);
              rows_k128_w8: down_proj at 64 x 128 tiles, 8 warps (no spill at all)
+    rows_rR  rows with at most R registers a thread (linear.FP8_ROWS_MAXNREG): 128 lets four
+             programs share an SM where 255 let two
 
 --sweep times the row-pieces GEMV alone over its launch shape instead (SWEEP: block_n x block_k
 x split-K x stages, 4 warps; named nN kK sS pP), the engine's own choice first as "default":
@@ -36,6 +38,7 @@ import functools
 import json
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -58,6 +61,19 @@ SWEEP = {
     "gate_up": [(n, k, s, p) for n in (64, 128) for k in (128, 256) for s in (1, 2)
                 for p in (3, 4, 6)],
 }
+
+
+def capped(cap: int, fn: Callable[[], object]) -> Callable[[], object]:
+    """fn launched with linear.FP8_ROWS_MAXNREG = cap (restored after)."""
+    from fuser.ops import linear  # noqa: PLC0415
+
+    def call() -> object:
+        before, linear.FP8_ROWS_MAXNREG = linear.FP8_ROWS_MAXNREG, cap
+        try:
+            return fn()
+        finally:
+            linear.FP8_ROWS_MAXNREG = before
+    return call
 
 
 BEST_MARGIN = 0.02  # --best takes a launch shape 2% or more faster than the default
@@ -170,6 +186,11 @@ def main() -> None:
         variants["f16_w8"] = [functools.partial(linear_triton, x.to(device), wc, weight_scale=sc,
                                                 activation=act, num_warps=8)
                               for wc, sc in weights]
+        # a register cap: four 4-warp programs an SM instead of two (linear.FP8_ROWS_MAXNREG)
+        for cap in (128, 168):
+            variants[f"rows_r{cap}"] = [capped(cap, functools.partial(
+                linear_pieces_triton, hi, lo, inv, wc, sc, activation=act))
+                for wc, sc in weights]
         if bk > 128:  # down_proj: the 64 x 128 tile that spills nothing at 8 warps
             variants["rows_k128_w8"] = [
                 functools.partial(linear_pieces_triton, hi, lo, inv, wc, sc, activation=act,

@@ -797,14 +797,21 @@ def _default_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
     return 64, 128, 4, 4            # lm_head
 
 
-# Several rows, FP8 weights: warps per program. Every several-row sweep so far (fp8_mma_lab.py,
-# fp8_rows_lab.py) tried 4 warps only. Compiled for sm_90 with Triton 3.6 (the GPU machine's) on
-# the CPU, the 4-warp programs use all 255 registers and spill: down_proj's 64 x 256 tile on
-# pieces reloads 116 spilled values a K step (LDL in the loop), the block pieces' o_proj and
-# gate/up over 220; at 8 warps the 64 x 128 tiles spill nothing (benchmarks/sass_lab.py,
-# twenty-fourth session's closing note). Not yet measured on a GPU: benchmarks/decode.py
-# --rows-warps 8, gpu_all.sh s25a.
+# Several rows, FP8 weights: warps per program. Compiled for sm_90 with Triton 3.6 (the GPU
+# machine's) on the CPU, the 4-warp programs use all 255 registers and spill: down_proj's
+# 64 x 256 tile on pieces reloads 116 spilled values a K step (LDL in the loop); at 8 warps the
+# 64 x 128 tiles spill nothing (benchmarks/sass_lab.py). On the H200 8 warps are slower in every
+# form (benchmarks/pieces_lab.py, twenty-fifth session: qkv 14.24 against 10.56 us on row
+# pieces, gate/up 52.28 against 31.61, down 23.20 against 18.59; the 8B FP8 verify step 1.751x
+# the decode step against 1.284x, RESULTS.md), so the spills are not what the 5-row GEMVs lose.
 FP8_ROWS_WARPS = 4
+# Several rows, FP8 weights: a register cap per thread (Triton's maxnreg), None for the
+# compiler's choice. The 4-warp programs take all 255 registers, so two fit an SM (128 threads
+# x 255 of its 64K registers); at 8 warps one does, and every 8-warp form measured slower on the
+# H200 (twenty-fifth session: qkv 14.24 against 10.56 us). 128 lets four programs share an SM,
+# at the cost of spills (sass_lab.py: qkv 51 -> 174 spill loads a K step). decode.py
+# --rows-maxnreg; measured in gpu_all.sh s25d.
+FP8_ROWS_MAXNREG: int | None = None
 
 
 def _default_fp8_config(M: int, N: int, K: int,
@@ -1297,7 +1304,8 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         STAT_COLS=STAT_COLS,
         NORM_AFTER=norm and norm_after_for(M, residual is not None, fp8, rstd_last),
         num_warps=num_warps or warps, num_stages=num_stages or stages,
-        **pdl,
+        **pdl, **({"maxnreg": FP8_ROWS_MAXNREG} if fp8 and block_m > 1 and FP8_ROWS_MAXNREG
+                  else {}),
     )
     return out.reshape(*lead, N), _lead(summed, lead, K)
 
