@@ -809,8 +809,10 @@ FP8_ROWS_WARPS = 4
 # compiler's choice. The 4-warp programs take all 255 registers, so two fit an SM (128 threads
 # x 255 of its 64K registers); at 8 warps one does, and every 8-warp form measured slower on the
 # H200 (twenty-fifth session: qkv 14.24 against 10.56 us). 128 lets four programs share an SM,
-# at the cost of spills (sass_lab.py: qkv 51 -> 174 spill loads a K step). decode.py
-# --rows-maxnreg; measured in gpu_all.sh s25d.
+# at the cost of spills (sass_lab.py: qkv 51 -> 174 spill loads a K step). On the H200
+# (RESULTS.md, twenty-fifth session) the cap moves each 5-row GEMV by at most 2% and the 8B FP8
+# verify step not at all (1.287x the decode step), 1.365x with several-row PDL: off.
+# decode.py --rows-maxnreg.
 FP8_ROWS_MAXNREG: int | None = None
 
 
@@ -968,7 +970,8 @@ FP8_ONE_ROW_TILES: dict[tuple[int, int], tuple[int, int, int, int, bool]] = {}
 # Several rows on row-scaled e4m3 pieces (linear_pieces_triton without overrides): (weight
 # rows, K) -> (block_n, block_k, split_k, num_stages), taken before _default_fp8_config and
 # _default_split_k. Empty in the library; benchmarks/decode.py --pieces-tiles fills it from
-# benchmarks/pieces_lab.py --sweep --best.
+# benchmarks/pieces_lab.py --sweep --best. Swept on the H200 (110 launch shapes, twenty-fifth
+# session) the tables' own were within 2.6% of the fastest at every 8B shape.
 FP8_PIECES_TILES: dict[tuple[int, int], tuple[int, int, int, int]] = {}
 
 PDL_PREFETCH = 1  # weight tiles a PDL-launched program loads before its wait (fuser/ops/pdl.py)

@@ -58,6 +58,11 @@ Measured on the H200:
     more. FUSER_PDL_LATE=1 also slows the one-row decode step. Several-row launches stay
     ordinary; fuser/ops/carveout.py holds the next guess at why (an SM changing its L1/shared
     split between kernels).
+  - twenty-fourth and twenty-fifth sessions: neither the carveout (gap_lab: a 5-row kernel
+    boundary costs ~0.2 us with or without it) nor room for the next kernel's programs beside
+    the running ones explains it: with the 5-row GEMVs capped at 128 registers (four programs
+    an SM instead of two, linear.FP8_ROWS_MAXNREG) the 8B FP8 verify step took 1.365x the
+    decode step with PDL on the GEMVs against 1.287x without.
 """
 
 from __future__ import annotations
