@@ -146,6 +146,9 @@ def main() -> None:
                              "kernel, or FUSER_SMEM_CARVEOUT)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit(f"benchmarks/decode.py: no CUDA device (torch {torch.__version__}); it times "
+                 "the engines on a GPU: run it on the GPU machine")
     warnings.simplefilter("ignore")
     from fuser.ops import carveout  # noqa: PLC0415
     from fuser.ops import linear as linear_module  # noqa: PLC0415
@@ -165,22 +168,19 @@ def main() -> None:
         norm_stats.ENABLED = args.norm_stats != "off"
         norm_stats.FP8_CONSUMERS = args.norm_stats == "fp8"
         linear_module.ONE_ROW_NORM_AFTER = args.norm_stats == "aligned"
-    if args.stats_fp8_mma is not None:
-        linear_module.STATS_FP8_MMA = args.stats_fp8_mma
-    if args.rows_warps is not None:
-        linear_module.FP8_ROWS_WARPS = args.rows_warps
-    if args.rows_maxnreg is not None:
-        linear_module.FP8_ROWS_MAXNREG = args.rows_maxnreg
-    for path in args.one_row_tiles:
-        linear_module.FP8_ONE_ROW_TILES.update(load_tiles(Path(path)))
-    if linear_module.FP8_ONE_ROW_TILES:
-        log(f"one-row FP8 tiles: {linear_module.FP8_ONE_ROW_TILES}")
-    if args.split_pieces_min_k is not None:
-        linear_module.SPLIT_PIECES_MIN_K = args.split_pieces_min_k
-    for path in args.pieces_tiles:
-        linear_module.FP8_PIECES_TILES.update(load_pieces_tiles(Path(path)))
-    if linear_module.FP8_PIECES_TILES:
-        log(f"several-row FP8 tiles on pieces: {linear_module.FP8_PIECES_TILES}")
+    for flag, name in (("stats_fp8_mma", "STATS_FP8_MMA"), ("rows_warps", "FP8_ROWS_WARPS"),
+                       ("rows_maxnreg", "FP8_ROWS_MAXNREG"),
+                       ("split_pieces_min_k", "SPLIT_PIECES_MIN_K")):
+        if getattr(args, flag) is not None:  # the module's own value unless asked
+            setattr(linear_module, name, getattr(args, flag))
+    for paths, load, table, what in (
+            (args.one_row_tiles, load_tiles, linear_module.FP8_ONE_ROW_TILES, "one-row FP8"),
+            (args.pieces_tiles, load_pieces_tiles, linear_module.FP8_PIECES_TILES,
+             "several-row FP8 on pieces")):
+        for path in paths:
+            table.update(load(Path(path)))
+        if table:
+            log(f"{what} tiles: {table}")
     RESULTS["env"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "triton": triton.__version__, "transformers": transformers.__version__,
                       "preset": args.preset, "prompt_tokens": args.prompt_tokens,

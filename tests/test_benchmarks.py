@@ -259,6 +259,16 @@ def test_pieces_labs_dry_run(tmp_path: Path, script: str) -> None:
     assert proc.stdout.strip().splitlines()[-1].startswith("dry run")
 
 
+@pytest.mark.skipif(torch_cuda_available(), reason="the message is for machines without CUDA")
+def test_decode_says_it_needs_a_gpu() -> None:
+    """benchmarks/decode.py on a machine without CUDA: one line naming the problem, no
+    traceback."""
+    proc = subprocess.run([sys.executable, "benchmarks/decode.py", "--layers", "2"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "no CUDA device" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_pieces_lab_best_tiles_round_trip(tmp_path: Path) -> None:
     """pieces_lab.py --sweep --best keeps a shape's fastest launch shape only where it beats
     the default by BEST_MARGIN, keyed by the weight's rows (gated: both halves), and
