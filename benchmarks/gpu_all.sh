@@ -42,6 +42,7 @@
 #   bash benchmarks/gpu_all.sh s18b     # norm_stats with g * h from the producer: GPU tests, 8B bf16 decode on/off, FP8 with its consumers
 #   bash benchmarks/gpu_all.sh s18c     # norm_stats with its loads before the K loop: 8B bf16 decode on/off
 #   bash benchmarks/gpu_all.sh s20b     # overlapped rounds: GPU tests, the bundled pair end to end overlapped, then standard
+#   bash benchmarks/gpu_all.sh s26a     # (not yet run) #10: the pieces sweep with 16- and 32-row tiles (mma.sync), 8B FP8 decode on the fastest and as is
 #   bash benchmarks/gpu_all.sh s25d     # #10: the 5-row FP8 GEMVs capped at 128 registers (four programs an SM): pieces_lab rows_r*, 8B FP8 decode capped with several-row PDL and without
 #   bash benchmarks/gpu_all.sh s25c     # #10: the 5-row FP8 GEMVs' launch shapes on pieces swept (pieces_lab --sweep), 8B FP8 decode on the fastest and as is
 #   bash benchmarks/gpu_all.sh s25a     # #10: the several-row FP8 GEMVs at 8 warps (no register spills): pieces_lab *_w8, spill-free one-row gate/up tiles (shape_lab), 8B FP8 decode --rows-warps 8 and as is
@@ -610,6 +611,20 @@ elif [ "$what" = s23c ]; then
   export FUSER_PDL_ROWS=1 FUSER_PDL_LATE=1
   TAG=fp8_pdl_late decode_8b fp8 290
   TAG=fp8_pdl_late_x2 decode_8b fp8 580 --norm-stats fp8 --stats-fp8-mma x2
+elif [ "$what" = s26a ]; then
+  # Written in the twenty-fifth session for the next (issue #10): s25c's sweep found the 5-row
+  # tiles at their optimum among 64- and 128-row tiles on the wgmma. Below 64 rows Triton
+  # compiles mma.sync on fp16-widened pieces (pieces_lab.SMALL_TILES): more, smaller programs.
+  # Their values first (the bf16 MMA's), then the sweep with them, then the 8B FP8 decode +
+  # verify on whatever wins.
+  timeout 60 python3 -m pytest -q -p no:cacheprovider -rf tests/test_e4m3_pieces.py \
+    -k small_tiles 2>&1 | grep -E "^E  |FAILED|passed|failed" | cut -c1-200 | tail -4
+  timeout 240 python3 benchmarks/pieces_lab.py --sweep --best "$OUT/pieces_tiles.json" \
+    --out "$OUT/pieces_sweep.json" 2>&1 | grep -v Warn | tail -6
+  if [ -s "$OUT/pieces_tiles.json" ] && [ "$(cat "$OUT/pieces_tiles.json")" != "{}" ]; then
+    TAG=fp8_tiles decode_8b fp8 590 --pieces-tiles "$OUT/pieces_tiles.json"
+    TAG=fp8 decode_8b fp8 590
+  fi
 elif [ "$what" = s25d ]; then
   # Twenty-fifth session (issue #10): the 5-row FP8 programs take all 255 registers, so two
   # share an SM; at 8 warps (one an SM) every GEMV was slower (s25a), so programs per SM may be

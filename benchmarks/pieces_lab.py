@@ -51,13 +51,18 @@ SHAPES = {"qkv": (6144, 4096, False), "o_proj": (4096, 4096, False),
           "gate_up": (14336, 4096, True), "down": (4096, 14336, False)}
 # --sweep, per shape: (block_n, block_k, split-K, stages) grids; a configuration whose split-K
 # does not divide K into whole K steps, or whose tiles overflow the shared memory, is skipped
+# Below 64 weight rows a tile leaves the wgmma: Triton 3.6 compiles block_n 16 and 32 on sm_90
+# to mma.sync with both pieces widened to fp16 (HMMA.16816.F32, exact products, fp32 sums),
+# 16 x 256 without a spill (benchmarks/sass_lab.py-style compile, twenty-fifth session): more,
+# smaller programs, as the one-row tiles have. SMALL_TILES times them (not yet on a GPU).
+SMALL_TILES = [(n, 256, s, 4) for n in (16, 32) for s in (1, 2, 4)]
 SWEEP = {
     "qkv": [(n, k, s, p) for n in (64,) for k in (128, 256) for s in (1, 2, 4, 8)
-            for p in (3, 4, 6)] + [(128, 128, s, 4) for s in (2, 4, 8)],
+            for p in (3, 4, 6)] + [(128, 128, s, 4) for s in (2, 4, 8)] + SMALL_TILES,
     "o_proj": [(n, k, s, p) for n in (64,) for k in (128, 256) for s in (1, 2, 4, 8)
-               for p in (3, 4, 6)] + [(128, 128, s, 4) for s in (2, 4, 8)],
+               for p in (3, 4, 6)] + [(128, 128, s, 4) for s in (2, 4, 8)] + SMALL_TILES,
     "down": [(64, k, s, p) for k in (128, 256, 512) for s in (1, 2, 4, 7, 8, 14)
-             for p in (3, 4)],
+             for p in (3, 4)] + SMALL_TILES,
     "gate_up": [(n, k, s, p) for n in (64, 128) for k in (128, 256) for s in (1, 2)
                 for p in (3, 4, 6)],
 }

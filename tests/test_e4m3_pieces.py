@@ -263,6 +263,23 @@ def test_gpu_split_pieces_at_llama3_shapes(N, K):
                                atol=2.0**-7 * bf16.float().abs().max().item())
 
 
+@needs_cuda
+@pytest.mark.parametrize("block_n", [16, 32])
+@pytest.mark.parametrize("N,K", [(6144, 4096), (4096, 14336)])
+def test_gpu_small_tiles_on_pieces(N, K, block_n):
+    """Tiles below 64 weight rows (benchmarks/pieces_lab.py SMALL_TILES: mma.sync on the pieces
+    widened to fp16) at 8B shapes, five rows: the bf16 MMA's values."""
+    g = torch.Generator(device="cuda").manual_seed(N + block_n)
+    x = torch.randn(5, K, device="cuda", generator=g).to(torch.bfloat16)
+    w, scale = quantize_weight(torch.randn(N, K, device="cuda", generator=g) * 0.02)
+    out = linear_pieces_triton(*split_pieces_triton(x), w, scale, block_n=block_n,
+                               block_k=256, split_k=2, num_stages=4, num_warps=4)
+    bf16 = _run_bf16_mma(x, w, scale)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), bf16.float(), rtol=2.0**-7,
+                               atol=2.0**-7 * bf16.float().abs().max().item())
+
+
 @settings(max_examples=12, **SETTINGS)
 @given(M=st.integers(1, 6), K=st.integers(1, 200), block=st.sampled_from([16, 32, 64]),
        exponent=st.integers(-100, 100), span=st.integers(0, 30), seed=st.integers(0, 2**16))
