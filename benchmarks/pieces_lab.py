@@ -54,7 +54,9 @@ SHAPES = {"qkv": (6144, 4096, False), "o_proj": (4096, 4096, False),
 # Below 64 weight rows a tile leaves the wgmma: Triton 3.6 compiles block_n 16 and 32 on sm_90
 # to mma.sync with both pieces widened to fp16 (HMMA.16816.F32, exact products, fp32 sums),
 # 16 x 256 without a spill (benchmarks/sass_lab.py-style compile, twenty-fifth session): more,
-# smaller programs, as the one-row tiles have. SMALL_TILES times them (not yet on a GPU).
+# smaller programs, as the one-row tiles have. Their K loops issue 2.4-4x the default's SASS
+# instructions per weight by the same compile, so they will likely lose. SMALL_TILES times
+# them (not yet on a GPU: gpu_all.sh s26a).
 SMALL_TILES = [(n, 256, s, 4) for n in (16, 32) for s in (1, 2, 4)]
 SWEEP = {
     "qkv": [(n, k, s, p) for n in (64,) for k in (128, 256) for s in (1, 2, 4, 8)
