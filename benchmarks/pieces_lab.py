@@ -110,10 +110,9 @@ def load_pieces_tiles(path: Path) -> dict[tuple[int, int], tuple[int, int, int, 
 
 def sweep_variants(name: str, K: int, hi, lo, inv, weights, act: str | None) -> dict:
     """--sweep's variants for one shape: the engine's default, then SWEEP's launch shapes."""
-    from fuser.ops.linear import linear_pieces_triton  # noqa: PLC0415
+    from fuser.ops.linear import SHARED_MEMORY_BUDGET, linear_pieces_triton  # noqa: PLC0415
     out = {"default": [functools.partial(linear_pieces_triton, hi, lo, inv, wc, sc,
                                          activation=act) for wc, sc in weights]}
-    from fuser.ops.linear import SHARED_MEMORY_BUDGET  # noqa: PLC0415
     for bn, bk, split, stages in SWEEP[name]:
         # whole K steps per split; the pipelined weight and pieces tiles (16 rows of two 1-byte
         # pieces a step) within the launcher's shared-memory budget

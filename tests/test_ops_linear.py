@@ -250,30 +250,33 @@ def test_pieces_tiles_table_reaches_the_launch(monkeypatch):
     """linear.FP8_PIECES_TILES (decode.py --pieces-tiles) gives a row-pieces GEMV of its
     (weight rows, K) its block_n, block_k, split_k and stages; explicit arguments, other shapes
     and block-scaled pieces keep theirs."""
+    from sm90_compile import record_launches
+
     from fuser.ops import linear
     from fuser.ops.e4m3_pieces import split_pieces_blocks_reference, split_pieces_reference
     from fuser.ops.fp8 import quantize_weight
 
-    launched = []
-
-    def record(x, residual, norm_weight, eps, weight, weight_scale, activation, overrides,
-               **kwargs):
-        launched.append(overrides)
-        return torch.zeros(x.shape[0], weight.shape[0]), None
-
-    monkeypatch.setattr(linear, "_launch", record)
     monkeypatch.setattr(linear, "FP8_PIECES_TILES", {(96, 512): (32, 128, 2, 5)})
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(5, 512, generator=gen).to(torch.bfloat16)
     w, s = quantize_weight(torch.randn(96, 512, generator=gen))
     other_w, other_s = quantize_weight(torch.randn(64, 512, generator=gen))
     pieces = split_pieces_reference(x)
-    linear.linear_pieces_triton(*pieces, w, s)
-    linear.linear_pieces_triton(*pieces, w, s, block_k=256)
-    linear.linear_pieces_triton(*pieces, other_w, other_s)
-    linear.linear_pieces_triton(*split_pieces_blocks_reference(x, 64), w, s, scale_block=64)
-    assert launched == [(32, 128, None, 5, 2, None), (None, 256, None, None, None, None),
-                        (None, None, None, None, None, None), (None, 64, None, None, None, None)]
+
+    def run() -> None:
+        linear.linear_pieces_triton(*pieces, w, s)
+        linear.linear_pieces_triton(*pieces, w, s, block_k=256)
+        linear.linear_pieces_triton(*pieces, other_w, other_s)
+        linear.linear_pieces_triton(*split_pieces_blocks_reference(x, 64), w, s, scale_block=64)
+
+    launched = [(r["kwargs"]["BLOCK_N"], r["kwargs"]["BLOCK_K"], r["kwargs"]["SPLIT_K"],
+                 r["kwargs"]["num_stages"])
+                for r in record_launches(linear, "_linear_kernel", run, run_kernels=False)]
+    table_n = linear._default_fp8_config(5, 96, 512, pieces=True)[0]
+    assert launched[0] == (32, 128, 2, 5)
+    assert launched[1][:2] == (table_n, 256)
+    assert launched[2][:2] == (linear._default_fp8_config(5, 64, 512, pieces=True)[:2])
+    assert launched[3][:2] == (table_n, 64)
 
 
 def test_shorter_k_step_keeps_the_tables_bytes_in_flight():

@@ -807,9 +807,7 @@ def _default_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
 FP8_ROWS_WARPS = 4
 # Several rows, FP8 weights: a register cap per thread (Triton's maxnreg), None for the
 # compiler's choice. The 4-warp programs take all 255 registers, so two fit an SM (128 threads
-# x 255 of its 64K registers); at 8 warps one does, and every 8-warp form measured slower on the
-# H200 (twenty-fifth session: qkv 14.24 against 10.56 us). 128 lets four programs share an SM,
-# at the cost of spills (sass_lab.py: qkv 51 -> 174 spill loads a K step). On the H200
+# x 255 of its 64K registers); 128 lets four programs share an SM, at the cost of spills (sass_lab.py: qkv 51 -> 174 spill loads a K step). On the H200
 # (RESULTS.md, twenty-fifth session) the cap moves each 5-row GEMV by at most 2% and the 8B FP8
 # verify step not at all (1.287x the decode step), 1.365x with several-row PDL: off.
 # decode.py --rows-maxnreg.
@@ -969,7 +967,7 @@ def norm_after_for(rows: int, residual: bool, fp8: bool, rstd_last: bool) -> boo
 FP8_ONE_ROW_TILES: dict[tuple[int, int], tuple[int, int, int, int, bool]] = {}
 # Several rows on row-scaled e4m3 pieces (linear_pieces_triton without overrides): (weight
 # rows, K) -> (block_n, block_k, split_k, num_stages), taken before _default_fp8_config and
-# _default_split_k. Empty in the library; benchmarks/decode.py --pieces-tiles fills it from
+# _default_split_k, as FP8_ONE_ROW_TILES at one row. Empty in the library; benchmarks/decode.py --pieces-tiles fills it from
 # benchmarks/pieces_lab.py --sweep --best. Swept on the H200 (110 launch shapes, twenty-fifth
 # session) the tables' own were within 2.6% of the fastest at every 8B shape.
 FP8_PIECES_TILES: dict[tuple[int, int], tuple[int, int, int, int]] = {}
@@ -1118,10 +1116,6 @@ def linear_pieces_triton(
         block_k = scale_block
     elif scale_block is not None:
         raise ValueError("scale_block is for block-scaled pieces (inv_scale [M, blocks])")
-    elif all(o is None for o in (block_n, block_k, num_warps, num_stages, split_k, prefetch)):
-        tuned = FP8_PIECES_TILES.get((weight.shape[0], hi.shape[1]))
-        if tuned is not None:
-            block_n, block_k, split_k, num_stages = tuned
     out, _ = _launch(hi, None, None, 0.0, weight, weight_scale, activation,
                      (block_n, block_k, num_warps, num_stages, split_k, prefetch),
                      pieces=(lo, inv_scale.contiguous()), out_dtype=out_dtype)
@@ -1215,6 +1209,9 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
     tuned = FP8_ONE_ROW_TILES.get((rows_w, K)) if fp8 and M == 1 else None
     if tuned is not None and all(o is None for o in overrides):
         bn, bk, warps, split_k, partials = tuned
+    tuned_pieces = FP8_PIECES_TILES.get((rows_w, K)) if pieces is not None else None
+    if tuned_pieces is not None and all(o is None for o in overrides):  # row pieces only:
+        bn, bk, split_k, stages = tuned_pieces  # block pieces' step is their scale block
     table_bk = bk
     bn, bk = block_n or bn, block_k or bk
     if activation is not None and bn < 2:
