@@ -376,45 +376,95 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def version_text() -> str:
+    """`fuser --version`: fuser's version, then the versions of what it compiles with."""
+    import importlib.metadata as metadata
+
+    import fuser
+
+    lines = [f"fuser {fuser.__version__}", f"torch {torch.__version__}"]
+    for name in ("triton", "transformers"):
+        try:
+            lines.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            lines.append(f"{name} (not installed)")
+    return "\n".join(lines)
+
+
+class _VersionAction(argparse.Action):
+    """Print version_text() and exit, importing fuser only when asked."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS,
+                 default: str = argparse.SUPPRESS, help: str | None = None) -> None:
+        super().__init__(option_strings=option_strings, dest=dest, default=default, nargs=0,
+                         help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        say(version_text())
+        parser.exit()
+
+
+DRAFT_HELP = "a draft model directory for speculative decoding (default: none)"
+MAX_NEW_TOKENS_HELP = "tokens to generate per prompt (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fuser", description="A compiler for LLM decoding.")
+    parser.add_argument("--version", action=_VersionAction,
+                        help="print the versions of fuser, torch, triton and transformers")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="the bundled default model pair, end to end")
     demo.add_argument("--model", default=None, help="a model directory instead of the bundled target")
-    demo.add_argument("--draft", default=None)
-    demo.add_argument("--max-new-tokens", type=int, default=48)
-    demo.add_argument("--runs", type=int, default=3, help="timed runs per system (median)")
+    demo.add_argument("--draft", default=None, help=DRAFT_HELP + "; with --model only")
+    demo.add_argument("--max-new-tokens", type=int, default=48, help=MAX_NEW_TOKENS_HELP)
+    demo.add_argument("--runs", type=int, default=3,
+                      help="timed runs per system, the median reported (default: %(default)s)")
     demo.add_argument("--no-cache", action="store_true", help="build, do not use the cached engine")
     demo.set_defaults(fn=cmd_demo)
     build = sub.add_parser("build", help="build an engine directory from model directories")
-    build.add_argument("model")
-    build.add_argument("--draft", default=None)
-    build.add_argument("--precision", default="auto")
-    build.add_argument("--gamma", default="auto")
-    build.add_argument("--max-batch-size", type=int, default=1)
-    build.add_argument("--max-seq-len", type=int, default=2048)
-    build.add_argument("--out", required=True)
-    build.add_argument("--overwrite", action="store_true")
+    build.add_argument("model", help="the target model directory (Hugging Face format)")
+    build.add_argument("--draft", default=None, help=DRAFT_HELP)
+    build.add_argument("--precision", default="auto",
+                       help="auto (the model's dtype), fp32, bf16, fp16 or fp8 (FP8 weights, "
+                            "per-channel scales) (default: %(default)s)")
+    build.add_argument("--gamma", default="auto",
+                       help="draft tokens per speculative step, 0 to 15, or auto (chosen from "
+                            "measured step costs and acceptance) (default: %(default)s)")
+    build.add_argument("--max-batch-size", type=int, default=1,
+                       help="most sequences per call (default: %(default)s)")
+    build.add_argument("--max-seq-len", type=int, default=2048,
+                       help="most tokens per sequence, prompt plus generated "
+                            "(default: %(default)s)")
+    build.add_argument("--out", required=True, help="the engine directory to write")
+    build.add_argument("--overwrite", action="store_true",
+                       help="replace --out if it exists")
     build.set_defaults(fn=cmd_build)
     inspect = sub.add_parser("inspect", help="manifest, passes fired, fused ops, shapes, files")
-    inspect.add_argument("engine")
+    inspect.add_argument("engine", help="an engine directory (written by fuser build)")
     inspect.set_defaults(fn=cmd_inspect)
     gen = sub.add_parser("generate", help="generate text from a prompt")
     gen.add_argument("model", help="a model directory or an engine directory")
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--max-seq-len", type=int, default=1024)
-    gen.add_argument("--draft", default=None)
-    gen.add_argument("--sample", action="store_true")
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--prompt", required=True, help="the text to continue")
+    gen.add_argument("--max-new-tokens", type=int, default=64, help=MAX_NEW_TOKENS_HELP)
+    gen.add_argument("--max-seq-len", type=int, default=1024,
+                     help="most tokens per sequence when building from a model directory "
+                          "(default: %(default)s)")
+    gen.add_argument("--draft", default=None, help=DRAFT_HELP + "; model directories only")
+    gen.add_argument("--sample", action="store_true",
+                     help="sample from the model's distribution (default: greedy)")
+    gen.add_argument("--seed", type=int, default=0,
+                     help="random seed for --sample (default: %(default)s)")
     gen.set_defaults(fn=cmd_generate)
     bench = sub.add_parser("bench", help="time fuser (speculative, target-only) and HF generate")
     bench.add_argument("model", help="a model directory or an engine directory")
-    bench.add_argument("--draft", default=None)
-    bench.add_argument("--max-new-tokens", type=int, default=128)
-    bench.add_argument("--runs", type=int, default=3)
+    bench.add_argument("--draft", default=None, help=DRAFT_HELP + "; model directories only")
+    bench.add_argument("--max-new-tokens", type=int, default=128, help=MAX_NEW_TOKENS_HELP)
+    bench.add_argument("--runs", type=int, default=3,
+                       help="timed runs per system, the median reported (default: %(default)s)")
     bench.add_argument("--no-hf", action="store_true", help="skip the Hugging Face column")
-    bench.add_argument("--json", default=None)
+    bench.add_argument("--json", default=None, metavar="FILE",
+                       help="also write the table and notes to FILE as JSON")
     bench.set_defaults(fn=cmd_bench)
     for command in (demo, build, gen, bench):
         command.add_argument("--threads", type=int, default=None,
@@ -429,7 +479,7 @@ def set_threads(threads: int | None) -> None:
 
     The bundled models are small enough that splitting each op between threads costs more than
     it saves, and when other processes share the cores, threads waiting on each other at every
-    op slow decoding down many times over (benchmarks/RESULTS.md, 2026-11-30 third session).
+    op slow decoding down many times over (measured on a shared CPU, 2026-11-30).
     Every system a command times runs under the same setting."""
     if threads is not None and threads < 1:
         raise ValueError(f"--threads {threads} must be at least 1")

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
+import argparse
 
-from fuser.cli import main
+import pytest
+import torch
+
+from fuser.cli import build_parser, main
 
 
 @pytest.mark.parametrize("argv", [
@@ -25,3 +28,42 @@ def test_unknown_command_exits_with_usage(capsys: pytest.CaptureFixture) -> None
         main(["frobnicate"])
     assert exc.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def test_every_option_of_every_subcommand_has_help() -> None:
+    commands = _subcommands()
+    assert {"build", "generate", "bench", "inspect", "demo"} <= set(commands)
+    for name, sub in commands.items():
+        for action in sub._actions:
+            assert action.help and action.help is not argparse.SUPPRESS, (
+                f"fuser {name}: {action.option_strings or action.dest} has no help line")
+
+
+@pytest.mark.parametrize("command", ["build", "generate", "bench", "inspect", "demo"])
+def test_help_lists_each_option_with_its_help(command: str,
+                                              capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for action in _subcommands()[command]._actions:
+        assert action.help.split("%(")[0].split()[0] in text
+
+
+def test_version_prints_the_package_version(capsys: pytest.CaptureFixture) -> None:
+    import fuser
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"fuser {fuser.__version__}"
+    assert lines[1] == f"torch {torch.__version__}"
+    assert any(line.startswith("triton ") for line in lines)
+    assert any(line.startswith("transformers ") for line in lines)
