@@ -31,8 +31,6 @@ from fuser.models import PRESETS
 from fuser.runtime.step_graphs import PLAIN
 from fuser.runtime.steps import DECODE, PREFILL, verify
 from peers import make_gpt_fast_style, make_hf_eager, make_hf_static_compile
-from pieces_lab import load_pieces_tiles
-from shape_lab import load_tiles
 from timing import log, measure_read_bandwidth, replay_median_ms
 
 RESULTS: dict = {}
@@ -112,13 +110,6 @@ def main() -> None:
                              "MMA with x split in two pieces in the GEMV, by the norm kernel "
                              "before it, or by the norm kernel and a split kernel, or the bf16 "
                              "MMA (linear.FP8_ROWS_MMA; default: the module's)")
-    parser.add_argument("--one-row-tiles", nargs="*", default=[], metavar="JSON",
-                        help="one-row FP8 tiles by shape from benchmarks/shape_lab.py --best "
-                             "files (linear.FP8_ONE_ROW_TILES; default: the module's tables)")
-    parser.add_argument("--pieces-tiles", nargs="*", default=[], metavar="JSON",
-                        help="several-row FP8 tiles on e4m3 pieces by shape from "
-                             "benchmarks/pieces_lab.py --sweep --best files "
-                             "(linear.FP8_PIECES_TILES; default: the module's tables)")
     parser.add_argument("--split-pieces-min-k", type=int, default=None, metavar="K",
                         help="fuser::fp8_linear splits several bf16 rows longer than K into "
                              "e4m3 pieces before its GEMV (linear.SPLIT_PIECES_MIN_K; 2048 "
@@ -173,14 +164,6 @@ def main() -> None:
                        ("split_pieces_min_k", "SPLIT_PIECES_MIN_K")):
         if getattr(args, flag) is not None:  # the module's own value unless asked
             setattr(linear_module, name, getattr(args, flag))
-    for paths, load, table, what in (
-            (args.one_row_tiles, load_tiles, linear_module.FP8_ONE_ROW_TILES, "one-row FP8"),
-            (args.pieces_tiles, load_pieces_tiles, linear_module.FP8_PIECES_TILES,
-             "several-row FP8 on pieces")):
-        for path in paths:
-            table.update(load(Path(path)))
-        if table:
-            log(f"{what} tiles: {table}")
     RESULTS["env"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "triton": triton.__version__, "transformers": transformers.__version__,
                       "preset": args.preset, "prompt_tokens": args.prompt_tokens,

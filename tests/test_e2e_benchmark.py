@@ -113,22 +113,6 @@ def test_merge_concatenates_rows_and_keeps_each_runs_env(tmp_path: Path) -> None
     assert e2e.RESULTS["k"] == 1 and e2e.RESULTS["j"] == 2
 
 
-def test_controller_replay_runs_the_agreement_exactly() -> None:
-    replay = _bench("controller_replay").replay
-    agree = [True, True, False, True, True, True, False]  # new tokens 1..7 (token 0: prefill)
-    costs = [1.0, 2.0, 3.0]
-    # gamma 2 from token 1: accepts 1, 2 (+ token 3 from the target); from 4: accepts 4, 5
-    # (+ 6); from 7: rejects 7 (+ 7). 8 tokens, 3 steps.
-    assert replay(agree, lambda: 2, lambda n, g: None, costs) == (8, 3, 9.0)
-    # target-only: one token a step
-    assert replay(agree, lambda: 0, lambda n, g: None, costs) == (8, 7, 7.0)
-    seen = []
-    replay(agree, lambda: 1, lambda n, g: seen.append((n, g)), costs)
-    # (tokens 1, 2), (3), (4, 5), (6, 7): each step's update arrives after the next step was
-    # chosen, as in the engine's loop; the last one after the loop
-    assert seen == [(1, 1), (0, 1), (1, 1), (1, 1)]
-
-
 def test_hf_peers_attend_to_a_prompt_token_equal_to_the_pad_id() -> None:
     """The peers pass pad_token_id=0, and the bundled pair's <|bos|> is 0: without an explicit
     mask `generate` would mask it out and decode other tokens than the model's greedy ones."""
