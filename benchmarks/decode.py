@@ -18,7 +18,6 @@ import json
 import sys
 import time
 import warnings
-from pathlib import Path
 
 import torch
 import triton
