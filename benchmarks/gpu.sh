@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# The GPU benchmarks and tests, in named suites (benchmarks/README.md says what each measures):
+#
+#   bash benchmarks/gpu.sh SUITE [SUITE ...]
+#
+#   decode    8B shape, bf16 + FP8: fuser against the real gpt-fast, Hugging Face static cache +
+#             torch.compile and Hugging Face eager (decode.py, gpt_fast_peer.py)      ~9 min
+#   verify    8B shape, bf16 + FP8, fuser only: decode step, 5-token verify step replayed alike,
+#             2048-token prefill (decode.py --skip-peers; PROFILE=1 adds the per-op breakdown)
+#   spec      the bundled pair end to end: target-only, gammas 1,2,4,6, auto, HF peers (e2e.py)
+#   fallback  the 8B shape with a never-agreeing 1B-shape draft, and batch buckets (e2e.py)
+#   files     engine files: build, save and load of the 8B + 1B engine (engine_files.py)
+#   ops       per-op tables: bf16 ops (ops.py), FP8 GEMVs and prefill GEMMs (fp8_ops.py)
+#   accuracy  FP8 against bf16 on the bundled pair, on the GPU (fp8_accuracy.py)
+#   serve     the OpenAI-compatible server under load (serve.py; SERVE_ARGS adds flags)
+#   tests     the GPU tests: pytest -k "gpu or cuda" over TESTS (default: tests)
+#
+# Each suite writes its full logs and JSON under $OUT/<suite>/ and ends with a short table; the
+# tables of every suite come again at the end. Environment: OUT (default /tmp/fuser-out),
+# BUDGET (seconds for the whole command, default 580: one device call is 600 s), INSTALL=0 to
+# skip `pip install -e .`. The real gpt-fast runs from a checkout in the git-ignored
+# benchmarks/.gpt-fast (carry it to the GPU machine); without one its row says so.
+set -o pipefail
+export PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/fuser-out}
+BUDGET=${BUDGET:-580}
+SUITES="decode verify spec fallback files ops accuracy serve tests"
+if [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ]; then
+  sed -n '2,/^set -o/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
+  exit 0
+fi
+for suite in "$@"; do
+  case " $SUITES " in *" $suite "*) ;; *) echo "gpu.sh: unknown suite '$suite' (one of: $SUITES)" >&2; exit 2 ;; esac
+done
+mkdir -p "$OUT"
+if [ "${INSTALL:-1}" != 0 ]; then
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
+fi
+python3 -c "import torch, triton, transformers; print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" \
+  | tee "$OUT/versions.txt"
+git log -1 --format='commit %h %s' 2>/dev/null | tee -a "$OUT/versions.txt"
+TABLES=()
+
+# step NAME SECONDS CMD...: run CMD with its output in $DIR/NAME.log, for at most SECONDS and
+# never past the BUDGET; prints the log's warnings-free tail as it goes.
+step() {
+  local name=$1 limit=$2 left=$((BUDGET - SECONDS))
+  shift 2
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -lt 30 ]; then
+    echo "== $name: skipped (${left} s of the budget left)" | tee "$DIR/$name.log"
+    return 124
+  fi
+  echo "== $name (at most ${limit} s): $*"
+  timeout "$limit" "$@" > "$DIR/$name.log" 2>&1
+  local rc=$?
+  [ "$rc" = 124 ] && echo "(stopped by its ${limit} s limit)" >> "$DIR/$name.log"
+  grep -v -i warn "$DIR/$name.log" | tail -n 3
+  return "$rc"
+}
+
+# table TITLE LINES...: one suite's short table, printed now and again at the end.
+table() {
+  local text
+  text=$(printf '%s\n' "--- $1" "${@:2}")
+  echo "$text"
+  TABLES+=("$text")
+}
+
+for suite in "$@"; do
+  DIR="$OUT/$suite"
+  mkdir -p "$DIR"
+  echo "==== $suite"
+  case $suite in
+    decode)
+      # The real gpt-fast replaces the gpt-fast-style peer where its checkout is here.
+      real=; [ -f benchmarks/.gpt-fast/model.py ] && real=1
+      step decode 560 python3 benchmarks/decode.py ${real:+--skip-gpt-fast} --out "$DIR/decode.json"
+      gpt="gpt-fast: no checkout in benchmarks/.gpt-fast (not run)"
+      if [ -n "$real" ]; then
+        step gpt_fast 220 python3 benchmarks/gpt_fast_peer.py --out "$DIR/gpt_fast.json"
+        gpt=$(grep -E '^gpt-fast' "$DIR/gpt_fast.log" | tail -1)
+      fi
+      table "decode: 8B shape, batch 1, 128-token prompt, 256 new tokens" \
+        "$(sed -n '/^system /,$p' "$DIR/decode.log")" "${gpt:-gpt-fast: see $DIR/gpt_fast.log}" ;;
+    verify)
+      step verify 560 python3 benchmarks/decode.py --skip-peers ${PROFILE:+--profile} \
+        --out "$DIR/decode.json"
+      table "verify: 8B shape, fuser only" \
+        "$(grep -E '^\[(bf16|fp8)\] [0-9.]+ tok/s =|^steps replayed alike|^fp8 vs bf16' "$DIR/verify.log")" ;;
+    spec)
+      step e2e_pair 560 python3 benchmarks/e2e.py --out "$DIR" --skip-8b --skip-buckets --gammas 1,2,4,6
+      table "spec: the bundled pair, 4 held-out prompts x 128 tokens, 128 new tokens" \
+        "$(sed -n '/^part /,$p' "$DIR/e2e_pair.log")" ;;
+    fallback)
+      step e2e_8b 560 python3 benchmarks/e2e.py --out "$DIR" --skip-bundled
+      table "fallback: 8B shape with a never-agreeing 1B-shape draft; batch buckets" \
+        "$(grep -E '^\[(8b|buckets)\]|^8B-shape iteration' "$DIR/e2e_8b.log")" ;;
+    files)
+      step engine_files 560 python3 benchmarks/engine_files.py --out "$DIR/engine_files.json"
+      table "files: 8B + 1B-draft engine directory" \
+        "$(grep -v -i warn "$DIR/engine_files.log" | grep -v '^\[engine_files\]' | tail -n 8)" ;;
+    ops)
+      step ops 300 python3 benchmarks/ops.py --out "$DIR/ops.json"
+      step fp8_ops 240 python3 benchmarks/fp8_ops.py --out "$DIR/fp8_ops.json"
+      table "ops: per call, CUDA-graph replay (full tables in the logs)" \
+        "$(grep -E 'cases|failed' "$DIR/ops.log" "$DIR/fp8_ops.log" | tail -n 4)" ;;
+    accuracy)
+      step fp8_accuracy 560 python3 benchmarks/fp8_accuracy.py --device cuda --prompts 128 \
+        --out "$DIR/fp8_accuracy.json"
+      table "accuracy: FP8 against bf16, the bundled pair" \
+        "$(grep -E 'perplexity|acceptance' "$DIR/fp8_accuracy.log" | tail -n 8)" ;;
+    serve)
+      if [ -f benchmarks/serve.py ]; then
+        # shellcheck disable=SC2086  # SERVE_ARGS: extra flags, word-split on purpose
+        step serve 560 python3 benchmarks/serve.py --out "$DIR" ${SERVE_ARGS:-}
+        table "serve: benchmarks/serve.py" "$(grep -v -i warn "$DIR/serve.log" | tail -n 15)"
+      else
+        table "serve" "benchmarks/serve.py is missing: nothing to run"
+      fi ;;
+    tests)
+      # shellcheck disable=SC2086  # TESTS: paths, word-split on purpose
+      step gpu_tests 560 python3 -m pytest -q -p no:cacheprovider -rf ${TESTS:-tests} \
+        -k "gpu or cuda or GPU or CUDA" --ignore=tests/test_benchmarks.py
+      table "tests: GPU tests (${TESTS:-tests})" \
+        "$(grep -E '^(FAILED|ERROR)|passed|failed' "$DIR/gpu_tests.log" | tail -n 12)" ;;
+  esac
+done
+
+echo
+echo "==== summary ($(head -1 "$OUT/versions.txt"); logs under $OUT)"
+for text in "${TABLES[@]}"; do echo "$text"; done
