@@ -1,0 +1,922 @@
+"""Serving: fuser's OpenAI-compatible server under concurrent streaming clients, in one run.
+
+    # H200, the 8B shape with random bf16 weights, engine built for 64 rows (issue #40):
+    python benchmarks/serve.py --preset llama-3-8b --max-batch-size 64 --max-seq-len 512 \\
+        --json $OUT/serve.json --plot $OUT/serve.png
+    # the bundled pair with speculation against the same server without the draft:
+    python benchmarks/serve.py --draft --concurrency 1,4 --json $OUT/serve_pair.json
+    # cold start of an engine directory: `fuser serve DIR` launched to /health 200
+    python benchmarks/serve.py --cold-start DIR
+    # a server that is already running
+    python benchmarks/serve.py --url http://127.0.0.1:8000 --preset llama-3-8b
+    # CPU: the plumbing on a tiny random model
+    python benchmarks/serve.py --preset tiny-random-llama --compile fx --max-batch-size 2 \\
+        --concurrency 1,2 --prompt-len 8 --output-len 6
+
+The engine is built (or loaded) once, in this process; the server (fuser.server's app under
+uvicorn, on 127.0.0.1) runs in a thread over it, and the load generator runs in a separate
+process (asyncio + httpx), so that its parsing does not compete with the scheduler for this
+process's interpreter lock. Each concurrency level c sends --num-requests requests (default
+max(2c, 8)), at most c at a time, after a warm-up of c short requests: POST /v1/completions,
+stream=true, the prompt as token ids (held-out text cut into --prompt-len-token windows, or
+random ids for a preset's random weights), max_tokens=--output-len, temperature 0,
+ignore_eos, stream_options.include_usage.
+
+Per level, as vLLM's serving benchmark defines them: successful requests, errors, duration
+(first request sent to last one finished), request throughput, output and total token
+throughput; TTFT (request sent to the first chunk carrying a token), TPOT per request
+((e2e - TTFT) / (output tokens - 1)), ITL (the gaps between successive token-carrying chunks:
+a chunk that carries several tokens counts once) and end-to-end latency, each mean, p50, p99.
+
+In the same run, on the same engine (before its server starts, so nothing else drives it):
+its decode and first-token times (generate of one row, 1 and --output-len new tokens; on CUDA
+also the target-only iteration graph, as benchmarks/decode.py times it), `generate` on a static
+[c, prompt-len] batch for every level c <= the engine's max_batch_size (what continuous
+batching costs), and Hugging Face eager `generate`, one request after another (--no-hf skips
+it). With --draft, a second engine of the target alone serves the same levels (the speedup of
+speculation through the server). The summary table comes last; --json writes everything,
+--plot a PNG of output tok/s against TPOT p50.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+# torch and fuser are imported inside the functions that need them: the load generator runs
+# in a spawned process that imports this module again and must start quickly.
+
+RESULTS: dict = {}
+PERCENTILES = (50, 99)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+def save(path: str | None) -> None:
+    """Write RESULTS so far (each stage saves: a run cut short keeps what it measured)."""
+    if path:
+        Path(path).write_text(json.dumps(RESULTS, indent=2))
+
+
+# -- the load generator (runs in its own process) ---------------------------------------------
+
+
+@dataclass
+class RequestResult:
+    """One streamed completion, as the client saw it (seconds from the request's start)."""
+
+    ok: bool = False
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    start: float = 0.0  # since the level began
+    itl: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str = ""
+
+
+async def stream_completion(client: object, url: str, body: dict, headers: dict,
+                            started: float) -> RequestResult:
+    """POST body to {url}/v1/completions with stream=true and time its server-sent events.
+
+    A chunk carries a token when it has a choice whose text is not empty, or whose
+    finish_reason is still None (a token that decodes to no text yet); the usage chunk and
+    `data: [DONE]` carry none. Output tokens are usage.completion_tokens when the server sends
+    usage, else the token-carrying chunks."""
+    import httpx
+
+    result = RequestResult(prompt_tokens=len(body["prompt"]))
+    start = time.perf_counter()
+    result.start = start - started
+    chunks, last, usage, done = 0, start, None, False
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body,
+                                 headers=headers) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                result.error = f"HTTP {response.status_code}: {text[:300]}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = f"error event: {json.dumps(chunk['error'])[:300]}"
+                    return result
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                for choice in chunk.get("choices") or []:
+                    if choice.get("finish_reason") is not None:
+                        result.finish_reason = choice["finish_reason"]
+                    if choice.get("text") or choice.get("finish_reason") is None:
+                        now = time.perf_counter()
+                        if chunks == 0:
+                            result.ttft = now - start
+                        else:
+                            result.itl.append(now - last)
+                        last, chunks = now, chunks + 1
+    except (httpx.HTTPError, json.JSONDecodeError, OSError) as error:
+        result.error = f"{type(error).__name__}: {error}"[:300]
+        return result
+    result.e2e = time.perf_counter() - start
+    if not done:
+        result.error = "the stream ended without data: [DONE]"
+        return result
+    if chunks == 0:
+        result.error = "no token in the stream"
+        return result
+    result.output_tokens = int(usage["completion_tokens"]) if usage else chunks
+    if usage and "prompt_tokens" in usage:
+        result.prompt_tokens = int(usage["prompt_tokens"])
+    result.ok = True
+    return result
+
+
+async def _drive(url: str, model: str, prompts: list[list[int]], concurrency: int,
+                 num_requests: int, output_len: int, ignore_eos: bool, warmup_tokens: int,
+                 api_key: str | None, timeout: float) -> dict:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    timeouts = httpx.Timeout(connect=30.0, read=timeout, write=30.0, pool=None)
+    gate = asyncio.Semaphore(concurrency)
+
+    def body(i: int, tokens: int) -> dict:
+        return {"model": model, "prompt": prompts[i % len(prompts)], "max_tokens": tokens,
+                "temperature": 0.0, "stream": True, "ignore_eos": ignore_eos,
+                "stream_options": {"include_usage": True}}
+
+    async with httpx.AsyncClient(limits=limits, timeout=timeouts) as client:
+        async def one(i: int, tokens: int, started: float) -> RequestResult:
+            async with gate:
+                return await stream_completion(client, url, body(i, tokens), headers, started)
+
+        warm = []
+        if warmup_tokens > 0:  # connections opened, the level's batch bucket run once
+            began = time.perf_counter()
+            warm = await asyncio.gather(*(one(num_requests + i, warmup_tokens, began)
+                                          for i in range(concurrency)))
+        began = time.perf_counter()
+        records = await asyncio.gather(*(one(i, output_len, began) for i in range(num_requests)))
+        duration = time.perf_counter() - began
+    return {"duration": duration, "records": [asdict(r) for r in records],
+            "warmup_errors": [r.error for r in warm if not r.ok]}
+
+
+def drive_level(url: str, model: str, prompts: list[list[int]], concurrency: int,
+                num_requests: int, output_len: int, ignore_eos: bool = True,
+                warmup_tokens: int = 8, api_key: str | None = None,
+                timeout: float = 600.0) -> dict:
+    """Send num_requests streamed completions (prompt i = prompts[i % len]), at most
+    `concurrency` at a time, after a warm-up of `concurrency` requests of warmup_tokens.
+    -> {"duration": seconds of the timed requests, "records": [RequestResult as dict],
+    "warmup_errors": [...]}"""
+    return asyncio.run(_drive(url, model, prompts, concurrency, num_requests, output_len,
+                              ignore_eos, warmup_tokens, api_key, timeout))
+
+
+# -- metrics ----------------------------------------------------------------------------------
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile with linear interpolation between closest ranks (numpy's default)."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def summarize(records: list[dict], duration: float, concurrency: int) -> dict:
+    """vLLM's serving metrics of one level from its request records (times in ms)."""
+    ok = [r for r in records if r["ok"]]
+    output = sum(r["output_tokens"] for r in ok)
+    prompt = sum(r["prompt_tokens"] for r in ok)
+    metrics: dict = {
+        "concurrency": concurrency, "num_requests": len(records), "completed": len(ok),
+        "errors": len(records) - len(ok), "duration_s": duration,
+        "total_input_tokens": prompt, "total_output_tokens": output,
+        "request_throughput": len(ok) / duration if duration > 0 else float("nan"),
+        "output_throughput": output / duration if duration > 0 else float("nan"),
+        "total_token_throughput": (prompt + output) / duration if duration > 0 else float("nan"),
+        "finish_reasons": {},
+    }
+    for r in ok:
+        reason = str(r["finish_reason"])
+        metrics["finish_reasons"][reason] = metrics["finish_reasons"].get(reason, 0) + 1
+    samples = {
+        "ttft": [r["ttft"] for r in ok],
+        "tpot": [(r["e2e"] - r["ttft"]) / (r["output_tokens"] - 1)
+                 for r in ok if r["output_tokens"] > 1],
+        "itl": [gap for r in ok for gap in r["itl"]],
+        "e2el": [r["e2e"] for r in ok],
+    }
+    for name, values in samples.items():
+        ms = [1e3 * v for v in values]
+        metrics[f"mean_{name}_ms"] = sum(ms) / len(ms) if ms else float("nan")
+        metrics[f"median_{name}_ms"] = percentile(ms, 50)
+        for q in PERCENTILES[1:]:
+            metrics[f"p{q}_{name}_ms"] = percentile(ms, q)
+    metrics["error_messages"] = sorted({r["error"] for r in records if not r["ok"]})[:5]
+    return metrics
+
+
+def format_level(m: dict, label: str) -> str:
+    lines = [f"[{label}] concurrency {m['concurrency']}: {m['completed']} of {m['num_requests']} "
+             f"requests succeeded, {m['errors']} errors, in {m['duration_s']:.2f} s",
+             f"  request throughput      {m['request_throughput']:10.2f} req/s",
+             f"  output token throughput {m['output_throughput']:10.1f} tok/s",
+             f"  total token throughput  {m['total_token_throughput']:10.1f} tok/s",
+             f"  {'(ms)':<22}{'mean':>10}{'p50':>10}{'p99':>10}"]
+    for name, title in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E latency")):
+        lines.append(f"  {title:<22}{m[f'mean_{name}_ms']:10.2f}{m[f'median_{name}_ms']:10.2f}"
+                     f"{m[f'p99_{name}_ms']:10.2f}")
+    if m["errors"]:
+        lines.append(f"  errors: {m['error_messages']}")
+    return "\n".join(lines)
+
+
+# -- the server -------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, timeout: float, process: subprocess.Popen | None = None) -> float:
+    """Poll GET {url}/health until it answers 200; -> the seconds it took. Raises
+    RuntimeError on timeout or when `process` exits first."""
+    import httpx
+
+    start = time.perf_counter()
+    while time.perf_counter() - start < timeout:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"the server exited with status {process.returncode} before "
+                               "/health answered 200")
+        try:
+            if httpx.get(f"{url}/health", timeout=5.0).status_code == 200:
+                return time.perf_counter() - start
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.02)
+    raise RuntimeError(f"{url}/health did not answer 200 within {timeout:.0f} s")
+
+
+def served_model(url: str, api_key: str | None) -> str:
+    """The first model id of GET /v1/models."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    response = httpx.get(f"{url}/v1/models", headers=headers, timeout=30.0)
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+def scrape_gauges(url: str, names: tuple[str, ...] = ("fuser_num_requests_running",
+                                                        "fuser_num_requests_waiting",
+                                                        "fuser_kv_slots_used")) -> dict:
+    """The named gauges of GET /metrics (after a level they must be back at 0); {} if none."""
+    import httpx
+
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10.0).text
+    except httpx.HTTPError:
+        return {}
+    values = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in names:
+            values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return values
+
+
+class InProcessServer:
+    """fuser.server's app over a Scheduler of `engine`, under uvicorn in a thread, on
+    127.0.0.1 at a free port. Use as a context manager; leaving it stops both."""
+
+    def __init__(self, engine: object, tokenizer: object | None, model_name: str,
+                 max_waiting: int) -> None:
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.max_waiting = max_waiting
+        self.server = self.thread = self.scheduler = None
+        self.url = ""
+
+    def __enter__(self) -> InProcessServer:
+        import uvicorn
+
+        from fuser.runtime.scheduler import Scheduler
+        from fuser.server import create_app
+
+        self.scheduler = Scheduler(self.engine, max_waiting=self.max_waiting)
+        self.scheduler.start()
+        try:
+            app = create_app(self.scheduler, self.tokenizer, self.model_name)
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+            config = uvicorn.Config(app, log_level="warning", access_log=False)
+            self.server = uvicorn.Server(config)
+            self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
+                                           name="uvicorn", daemon=True)
+            self.thread.start()
+            wait_healthy(self.url, timeout=600.0)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.server is not None:
+            self.server.should_exit = True
+        if self.thread is not None:
+            self.thread.join(timeout=60.0)
+        if self.scheduler is not None:
+            self.scheduler.close()
+
+
+def cold_start(engine_dir: str, timeout: float) -> dict:
+    """Launch `fuser serve ENGINE_DIR` on 127.0.0.1 and time launch -> /health 200; then one
+    short streamed request, then SIGTERM (the server drains and exits: its status is kept)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "fuser.cli", "serve", engine_dir, "--host", "127.0.0.1",
+               "--port", str(port)]
+    result: dict = {"engine_dir": engine_dir, "command": " ".join(command)}
+    with tempfile.TemporaryFile("w+") as output:
+        start = time.perf_counter()
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, cwd=ROOT)
+        try:
+            wait_healthy(url, timeout, process)
+            result["seconds_to_health_200"] = time.perf_counter() - start
+            log(f"cold start: `fuser serve {engine_dir}` answered /health 200 "
+                f"{result['seconds_to_health_200']:.2f} s after launch")
+            model = served_model(url, None)
+            level = drive_level(url, model, [list(range(3, 19))], 1, 1, 16, warmup_tokens=0)
+            first = level["records"][0]
+            result["first_request"] = {k: first[k] for k in ("ok", "ttft", "e2e",
+                                                              "output_tokens", "error")}
+            log(f"cold start: first request {'ok' if first['ok'] else first['error']}, TTFT "
+                f"{1e3 * first['ttft']:.1f} ms, {first['output_tokens']} tokens in "
+                f"{1e3 * first['e2e']:.1f} ms")
+            stop = time.perf_counter()
+            process.send_signal(signal.SIGTERM)
+            result["exit_status"] = process.wait(timeout=120)
+            result["seconds_sigterm_to_exit"] = time.perf_counter() - stop
+            log(f"cold start: SIGTERM -> exit status {result['exit_status']} in "
+                f"{result['seconds_sigterm_to_exit']:.2f} s")
+        except (RuntimeError, subprocess.TimeoutExpired, OSError) as error:
+            result["error"] = str(error)
+            output.seek(0)
+            result["server_output_tail"] = output.read()[-3000:]
+            log(f"cold start failed: {error}\n{result['server_output_tail']}")
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return result
+
+
+# -- engines and prompts ----------------------------------------------------------------------
+
+
+@dataclass
+class Source:
+    """What the run serves: the engine (or None with --url), the Hugging Face model behind it
+    (None when loaded from an engine directory), tokenizer, a name, and the vocabulary."""
+
+    engine: object | None
+    model: object | None
+    draft: object | None
+    tokenizer: object | None
+    name: str
+    vocab_size: int
+
+
+def device_and_dtype() -> tuple[object, object]:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.device("cuda"), torch.bfloat16
+    return torch.device("cpu"), torch.float32
+
+
+def load_models(args: argparse.Namespace) -> tuple[object, object | None, object | None, str]:
+    """(HF target, HF draft or None, tokenizer or None, name) from --preset or --model
+    (default: the bundled pair's target; --draft alone: the bundled draft)."""
+    from fuser.cli import _load_pair
+    from fuser.models import DRAFT_PATH, PRESETS, TARGET_PATH
+
+    if args.preset:
+        from engine_files import random_llama
+
+        if args.draft:
+            raise SystemExit("--draft with --preset: a random target's draft never agrees; "
+                             "benchmarks/e2e.py measures that case")
+        device, dtype = device_and_dtype()
+        model = random_llama(dict(PRESETS[args.preset]), dtype, device, seed=0)
+        return model, None, None, f"{args.preset} (random weights, {str(dtype)[6:]})"
+    model = args.model or str(TARGET_PATH)
+    draft = args.draft if args.draft != "bundled" else str(DRAFT_PATH)
+    target, draft_model, tokenizer, name = _load_pair(model, draft)
+    return target, draft_model, tokenizer, name
+
+
+def build(args: argparse.Namespace, target: object, draft: object | None,
+          tokenizer: object | None, max_seq_len: int, what: str) -> object:
+    """fuser's engine of target (+ draft), timed (RESULTS["build"][what])."""
+    import warnings
+
+    import fuser
+    from fuser.pipeline import build_engine
+
+    config = fuser.FuserConfig(max_batch_size=args.max_batch_size, max_seq_len=max_seq_len,
+                               compile=args.compile)
+    log(f"building the {what} engine: max_batch_size {args.max_batch_size}, max_seq_len "
+        f"{max_seq_len}, compile {args.compile} ...")
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        engine = build_engine(target, draft, config, tokenizer)
+    seconds = time.perf_counter() - start
+    RESULTS.setdefault("build", {})[what] = {"seconds": seconds,
+                                             "max_batch_size": args.max_batch_size,
+                                             "max_seq_len": max_seq_len,
+                                             "fallbacks": engine.report().fallbacks}
+    log(f"built the {what} engine for {args.max_batch_size} rows in {seconds:.1f} s")
+    return engine
+
+
+def make_source(args: argparse.Namespace) -> Source:
+    """Build or load the engine to serve (none with --url)."""
+    from fuser.cli import is_engine_dir
+
+    max_seq_len = args.max_seq_len or max(512, args.prompt_len + args.output_len)
+    if args.url:
+        if args.preset:
+            from fuser.models import PRESETS
+
+            return Source(None, None, None, None, args.preset, PRESETS[args.preset]["vocab_size"])
+        tokenizer = tokenizer_of(args.model)
+        return Source(None, None, None, tokenizer, "server", len(tokenizer))
+    if is_engine_dir(args.model):
+        import fuser
+
+        log(f"loading the engine directory {args.model} ...")
+        start = time.perf_counter()
+        engine = fuser.load(args.model)
+        seconds = time.perf_counter() - start
+        RESULTS["load"] = {"seconds": seconds, "engine_dir": args.model,
+                           "max_batch_size": engine.config.max_batch_size}
+        log(f"loaded in {seconds:.1f} s (max_batch_size {engine.config.max_batch_size})")
+        model = None
+        if args.preset:  # the same random shape for Hugging Face (the engine's own weights
+            # are not a transformers model once loaded)
+            model = load_models(argparse.Namespace(**{**vars(args), "model": None}))[0]
+        vocab = engine.vocab_size
+        return Source(engine, model, None, engine.tokenizer, Path(args.model).name, vocab)
+    target, draft, tokenizer, name = load_models(args)
+    engine = build(args, target, draft, tokenizer, max_seq_len,
+                   "speculative" if draft is not None else "target")
+    if args.save_engine:
+        start = time.perf_counter()
+        engine.save(args.save_engine, overwrite=True)
+        RESULTS["save_seconds"] = time.perf_counter() - start
+        log(f"saved to {args.save_engine} in {RESULTS['save_seconds']:.1f} s")
+    return Source(engine, target, draft, tokenizer, name, engine.vocab_size)
+
+
+def tokenizer_of(path: str | None) -> object:
+    from transformers import AutoTokenizer
+
+    from fuser.models import TARGET_PATH
+
+    return AutoTokenizer.from_pretrained(path or TARGET_PATH)
+
+
+def make_prompts(tokenizer: object | None, vocab_size: int, length: int, count: int
+                 ) -> list[list[int]]:
+    """`count` prompts of exactly `length` token ids: windows of the held-out sample's files
+    (each file's first window, then each file's second, ...) when there is a tokenizer, else
+    random ids in [3, vocab_size) (seeded)."""
+    import torch
+
+    if tokenizer is None:
+        g = torch.Generator().manual_seed(0)
+        return torch.randint(3, vocab_size, (count, length), generator=g).tolist()
+    from fuser.models.evaluate import heldout_files
+
+    files = [tokenizer(text, verbose=False)["input_ids"] for text in heldout_files()]
+    prompts: list[list[int]] = []
+    window = 0
+    while len(prompts) < count:
+        row = [ids[window * length:(window + 1) * length] for ids in files
+               if len(ids) >= (window + 1) * length]
+        if not row:
+            raise ValueError(f"the held-out sample has too few {length}-token windows for "
+                             f"{count} prompts")
+        prompts += row
+        window += 1
+    return prompts[:count]
+
+
+# -- the engine's own figures, static batches, Hugging Face ----------------------------------
+
+
+def timed(fn: object, runs: int) -> float:
+    """Median seconds of fn() over `runs` calls (synchronized on CUDA)."""
+    import torch
+
+    samples = []
+    for _ in range(runs):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        samples.append(time.perf_counter() - start)
+    return sorted(samples)[len(samples) // 2]
+
+
+def engine_figures(engine: object, prompt: list[int], output_len: int, runs: int) -> dict:
+    """One row through `generate`: the first token (prefill + set-up) and each further one
+    ((t(n) - t(1)) / (n - 1)); on CUDA also the target-only iteration graph at the run's mid
+    length (CUDA events; decode.py's "iteration_ms")."""
+    import torch
+
+    ids = torch.tensor([prompt], device=engine.device)
+    no_eos = dict(eos_token_id=[])
+    engine.generate(ids, 2, **no_eos)  # warm
+    first = timed(lambda: engine.generate(ids, 1, **no_eos), runs)
+    whole = timed(lambda: engine.generate(ids, output_len, **no_eos), runs)
+    figures = {"first_token_ms": 1e3 * first,
+               "per_token_ms": 1e3 * (whole - first) / max(output_len - 1, 1),
+               "generate_tok_s": output_len / whole}
+    if engine.device.type == "cuda" and engine.target is not None:
+        from fuser.runtime.step_graphs import PLAIN
+
+        bucket = engine.bucket(1)
+        figures["iteration_ms"] = 1e3 * bucket.measure(PLAIN, len(prompt) + output_len // 2, 20)
+        bucket.reset_for_timing(0)
+    log(f"engine, one row: first token (prefill of {len(prompt)} + set-up) "
+        f"{figures['first_token_ms']:.2f} ms, then {figures['per_token_ms']:.3f} ms per token "
+        f"({figures['generate_tok_s']:.1f} tok/s)"
+        + (f"; target-only iteration graph {figures['iteration_ms']:.3f} ms"
+           if "iteration_ms" in figures else ""))
+    return figures
+
+
+def static_batches(engine: object, prompts: list[list[int]], levels: list[int], output_len: int,
+                   runs: int) -> dict[int, dict]:
+    """`generate` on a static [c, prompt_len] batch, eos ignored, for each level c the engine
+    holds: output tok/s (c * new tokens / seconds, median of runs)."""
+    import torch
+
+    out = {}
+    for c in levels:
+        if c > engine.config.max_batch_size:
+            log(f"static batch {c}: above the engine's max_batch_size "
+                f"{engine.config.max_batch_size}, skipped")
+            continue
+        ids = torch.tensor([prompts[i % len(prompts)] for i in range(c)], device=engine.device)
+        engine.generate(ids, 2, eos_token_id=[])  # warm this bucket
+        new = []
+        seconds = timed(lambda: new.append(
+            engine.generate(ids, output_len, eos_token_id=[]).shape[1] - ids.shape[1]), runs)
+        tokens = c * new[-1]
+        out[c] = {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds}
+        log(f"static batch {c} x {ids.shape[1]} tokens, {new[-1]} new: generate "
+            f"{tokens / seconds:.1f} output tok/s ({seconds:.3f} s)")
+    return out
+
+
+def hf_sequential(model: object, prompts: list[list[int]], output_len: int, requests: int
+                  ) -> dict:
+    """Hugging Face eager `generate`, `requests` prompts one after another, eos ignored."""
+    import torch
+    from peers import make_hf_eager
+
+    device = next(model.parameters()).device
+    make_hf_eager(model, torch.tensor([prompts[0]], device=device), 2)()  # warm
+    tokens, seconds = 0, 0.0
+    for i in range(requests):
+        run = make_hf_eager(model, torch.tensor([prompts[i % len(prompts)]], device=device),
+                            output_len)
+        new = []
+        seconds += timed(lambda: new.append(run().shape[1]), 1)
+        tokens += new[-1]
+    result = {"requests": requests, "output_tokens": tokens, "seconds": seconds,
+              "output_tok_s": tokens / seconds}
+    log(f"Hugging Face eager generate, {requests} requests one after another: "
+        f"{result['output_tok_s']:.1f} tok/s")
+    return result
+
+
+# -- the run ----------------------------------------------------------------------------------
+
+
+def run_levels(pool: ProcessPoolExecutor, url: str, model: str, prompts: list[list[int]],
+               args: argparse.Namespace, label: str) -> list[dict]:
+    levels = []
+    for c in args.levels:
+        n = args.num_requests or max(2 * c, 8)
+        raw = pool.submit(drive_level, url, model, prompts, c, n, args.output_len,
+                          args.ignore_eos, min(8, args.output_len), args.api_key,
+                          args.timeout).result()
+        metrics = summarize(raw["records"], raw["duration"], c)
+        metrics["warmup_errors"] = raw["warmup_errors"]
+        metrics["requests"] = [{k: r[k] for k in ("ok", "start", "ttft", "e2e", "output_tokens",
+                                                  "prompt_tokens", "error")}
+                               for r in raw["records"]]
+        metrics["gauges_after"] = scrape_gauges(url)
+        short = sum(r["ok"] and r["output_tokens"] != args.output_len for r in raw["records"])
+        metrics["short_requests"] = short
+        log(format_level(metrics, label))
+        if short and args.ignore_eos:
+            log(f"  {short} requests returned fewer than --output-len tokens with ignore_eos")
+        if any(metrics["gauges_after"].values()):
+            log(f"  gauges after the level (should be 0): {metrics['gauges_after']}")
+        levels.append(metrics)
+        save(args.json)
+    return levels
+
+
+def serve_engine(pool: ProcessPoolExecutor, source: Source, engine: object, label: str,
+                 prompts: list[list[int]], args: argparse.Namespace) -> dict:
+    """Engine figures and static batches, then the levels through an in-process server."""
+    result: dict = {"label": label}
+    RESULTS.setdefault("systems", {})[label] = result
+    runs = args.runs or (3 if engine.device.type == "cuda" else 1)
+    result["engine"] = engine_figures(engine, prompts[0], args.output_len, runs)
+    if not args.no_static:
+        result["static"] = static_batches(engine, prompts, args.levels, args.output_len, runs)
+    save(args.json)
+    max_waiting = max(args.levels) * 4 + (args.num_requests or 0)
+    with InProcessServer(engine, source.tokenizer, source.name, max_waiting) as server:
+        log(f"[{label}] serving {source.name} at {server.url}")
+        result["levels"] = run_levels(pool, server.url, served_model(server.url, None), prompts,
+                                      args, label)
+    return result
+
+
+def criteria(args: argparse.Namespace) -> list[str]:
+    """Issue #40's serving figures, where this run measured them."""
+    lines = []
+    systems = RESULTS.get("systems", {})
+    for label, s in systems.items():
+        levels = {m["concurrency"]: m for m in s.get("levels", [])}
+        engine = s.get("engine", {})
+        if 1 in levels and engine:
+            tpot = levels[1]["median_tpot_ms"]
+            step = engine.get("iteration_ms", engine["per_token_ms"])
+            lines.append(f"[{label}] c=1 TPOT p50 {tpot:.3f} ms = {tpot / step:.3f}x the "
+                         f"decode {'iteration graph' if 'iteration_ms' in engine else 'step'} "
+                         f"({step:.3f} ms; {tpot / engine['per_token_ms']:.3f}x generate's "
+                         f"{engine['per_token_ms']:.3f} ms per token) [limit 1.1x]")
+            ttft = levels[1]["median_ttft_ms"]
+            lines.append(f"[{label}] c=1 TTFT p50 {ttft:.2f} ms vs first token of generate "
+                         f"{engine['first_token_ms']:.2f} ms + 10 ms [limit: TTFT <= that]")
+        for c, m in levels.items():
+            static = s.get("static", {}).get(c)
+            if static:
+                m["pct_of_static"] = 100 * m["output_throughput"] / static["output_tok_s"]
+                lines.append(f"[{label}] c={c} output {m['output_throughput']:.1f} tok/s = "
+                             f"{m['pct_of_static']:.1f}% of static generate "
+                             f"{static['output_tok_s']:.1f} tok/s [limit 90% at 16 and 64]")
+    if "speedup" in RESULTS:
+        for c, x in RESULTS["speedup"].items():
+            lines.append(f"speculation through the server, c={c}: {x:.2f}x target-only output "
+                         "tok/s [limit 1.3x at c=1]")
+    errors = sum(m["errors"] for s in systems.values() for m in s.get("levels", []))
+    errors += sum(m["errors"] for m in RESULTS.get("url_levels", []))
+    lines.append(f"errors: {errors} [limit 0]")
+    if "cold_start" in RESULTS and "seconds_to_health_200" in RESULTS["cold_start"]:
+        lines.append(f"cold start (launch -> /health 200): "
+                     f"{RESULTS['cold_start']['seconds_to_health_200']:.2f} s [limit 15 s]")
+    for what, b in RESULTS.get("build", {}).items():
+        lines.append(f"build ({what}, {b['max_batch_size']} rows, max_seq_len "
+                     f"{b['max_seq_len']}): {b['seconds']:.1f} s [limit 300 s for 8B x 64]")
+    if "load" in RESULTS:
+        lines.append(f"load of {RESULTS['load']['engine_dir']}: {RESULTS['load']['seconds']:.1f} s")
+    return lines
+
+
+def summary_table() -> str:
+    rows = []
+    header = (f"{'system':<24}{'c':>4}{'ok':>6}{'err':>5}{'req/s':>8}{'out tok/s':>11}"
+              f"{'TTFT p50':>10}{'TPOT p50':>10}{'ITL p50':>9}{'E2E p50':>10}{'static':>10}"
+              f"{'% st':>7}")
+    rows.append(header)
+    levels = [(label, m, s.get("static", {})) for label, s in RESULTS.get("systems", {}).items()
+              for m in s.get("levels", [])]
+    levels += [("server at --url", m, {}) for m in RESULTS.get("url_levels", [])]
+    for label, m, static in levels:
+        st = static.get(m["concurrency"])
+        rows.append(f"{label[:23]:<24}{m['concurrency']:>4}{m['completed']:>6}{m['errors']:>5}"
+                    f"{m['request_throughput']:>8.2f}{m['output_throughput']:>11.1f}"
+                    f"{m['median_ttft_ms']:>10.2f}{m['median_tpot_ms']:>10.3f}"
+                    f"{m['median_itl_ms']:>9.3f}{m['median_e2el_ms']:>10.1f}"
+                    + (f"{st['output_tok_s']:>10.1f}{m.get('pct_of_static', 0):>6.1f}%" if st
+                       else f"{'-':>10}{'-':>7}"))
+    if "hf" in RESULTS:
+        rows.append(f"Hugging Face eager generate, one request after another: "
+                    f"{RESULTS['hf']['output_tok_s']:.1f} tok/s")
+    return "\n".join(rows)
+
+
+def plot(path: str) -> None:
+    """Output tok/s against TPOT p50, one point per concurrency level, per system (static
+    batches: their tok/s against their time per step)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    series = [(label, s.get("levels", []), s.get("static", {}))
+              for label, s in RESULTS.get("systems", {}).items()]
+    series += [("server at --url", RESULTS.get("url_levels", []), {})]
+    for label, levels, static in series:
+        if not levels:
+            continue
+        xs = [m["median_tpot_ms"] for m in levels]
+        ys = [m["output_throughput"] for m in levels]
+        ax.plot(xs, ys, "o-", label=f"{label}: server" if static else label)
+        for m, x, y in zip(levels, xs, ys):
+            ax.annotate(f"c={m['concurrency']}", (x, y), textcoords="offset points", xytext=(5, 5))
+        if static:
+            cs = sorted(static)
+            per_step = [1e3 * static[c]["seconds"] / (static[c]["output_tokens"] / c) for c in cs]
+            ax.plot(per_step, [static[c]["output_tok_s"] for c in cs], "s--",
+                    label=f"{label}: static-batch generate")
+    if "hf" in RESULTS:
+        ax.axhline(RESULTS["hf"]["output_tok_s"], color="gray", linestyle=":",
+                   label="Hugging Face eager, sequential")
+    ax.set_xlabel("TPOT p50 (ms)  [static batch: ms per step]")
+    ax.set_ylabel("output tok/s")
+    ax.set_title(f"fuser serve: {RESULTS.get('env', {}).get('source', '')}")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    log(f"plot: {path}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    source = parser.add_argument_group("what to serve")
+    source.add_argument("--model", "--engine", dest="model", default=None, metavar="PATH",
+                        help="a model directory (built here) or an engine directory (loaded); "
+                             "default: the bundled pair's target")
+    source.add_argument("--preset", default=None,
+                        help="a fuser.models preset shape with random weights (bf16 on CUDA), "
+                             "e.g. llama-3-8b; with an engine directory as --model, only the "
+                             "Hugging Face peer and the prompts' vocabulary come from it")
+    source.add_argument("--draft", nargs="?", const="bundled", default=None, metavar="PATH",
+                        help="a draft model directory (alone: the bundled draft); the same "
+                             "levels are then also served by the target alone")
+    source.add_argument("--max-batch-size", type=int, default=64, help="the engine's rows")
+    source.add_argument("--max-seq-len", type=int, default=None,
+                        help="the engine's; default max(512, prompt + output)")
+    source.add_argument("--compile", default="auto", choices=["auto", "inductor", "fx"],
+                        help="FuserConfig.compile")
+    source.add_argument("--save-engine", default=None, metavar="DIR",
+                        help="save the built engine there (a later run can load it)")
+    source.add_argument("--url", default=None,
+                        help="drive a running server instead (no engine, static batch or "
+                             "Hugging Face here); prompts from --preset's vocabulary or "
+                             "--model's tokenizer")
+    source.add_argument("--api-key", default=None, help="with --url: the server's key")
+    source.add_argument("--cold-start", default=None, metavar="ENGINE_DIR",
+                        help="first launch `fuser serve ENGINE_DIR` and time launch -> /health "
+                             "200, a first request and the SIGTERM exit; alone, nothing else "
+                             "runs")
+    load = parser.add_argument_group("the load")
+    load.add_argument("--prompt-len", type=int, default=128)
+    load.add_argument("--output-len", type=int, default=256)
+    load.add_argument("--concurrency", default="1,4,16,64",
+                      help="comma-separated levels")
+    load.add_argument("--num-requests", type=int, default=None,
+                      help="requests per level (default max(2c, 8))")
+    load.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                      help="vLLM's ignore_eos: every request runs --output-len tokens")
+    load.add_argument("--timeout", type=float, default=600.0,
+                      help="seconds a request may wait for its next chunk")
+    comparisons = parser.add_argument_group("comparisons and output")
+    comparisons.add_argument("--no-static", action="store_true",
+                             help="skip the static-batch generate")
+    comparisons.add_argument("--no-hf", action="store_true",
+                             help="skip Hugging Face generate")
+    comparisons.add_argument("--hf-requests", type=int, default=3,
+                             help="Hugging Face requests, one after another")
+    comparisons.add_argument("--runs", type=int, default=None,
+                             help="timed runs of each engine figure and static batch, median "
+                                  "(default 3 on CUDA, 1 on CPU)")
+    comparisons.add_argument("--json", default=None, metavar="FILE", help="write every result")
+    comparisons.add_argument("--out", default=None, metavar="DIR",
+                             help="write DIR/serve.json and DIR/serve.png (benchmarks/gpu.sh)")
+    comparisons.add_argument("--plot", default=None, metavar="PNG",
+                             help="output tok/s against TPOT p50 (needs matplotlib)")
+    args = parser.parse_args(argv)
+    args.levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    if any(c < 1 for c in args.levels) or args.prompt_len < 1 or args.output_len < 2:
+        parser.error("levels and --prompt-len must be >= 1, --output-len >= 2")
+    if args.url:
+        args.url = args.url.rstrip("/")
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        args.json = args.json or str(Path(args.out) / "serve.json")
+        args.plot = args.plot or str(Path(args.out) / "serve.png")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # engine_files, peers
+    import torch
+    import transformers
+
+    import fuser
+
+    RESULTS.clear()
+    RESULTS["env"] = {"device": torch.cuda.get_device_name() if torch.cuda.is_available()
+                      else "cpu", "torch": torch.__version__, "fuser": fuser.__version__,
+                      "transformers": transformers.__version__, "command": " ".join(sys.argv),
+                      "prompt_len": args.prompt_len, "output_len": args.output_len,
+                      "levels": args.levels, "ignore_eos": args.ignore_eos}
+    if args.cold_start:
+        RESULTS["cold_start"] = cold_start(args.cold_start, args.timeout)
+        save(args.json)
+    serve_here = not args.cold_start or args.model or args.preset or args.draft or args.url
+    if serve_here:
+        source = make_source(args)
+        RESULTS["env"]["source"] = source.name
+        most = max(args.num_requests or max(2 * c, 8) for c in args.levels) + max(args.levels)
+        prompts = make_prompts(source.tokenizer, source.vocab_size, args.prompt_len, most)
+        # Spawned, not forked: a fork of a process holding CUDA and threads is unsafe.
+        import multiprocessing
+
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            if args.url:
+                RESULTS["url_levels"] = run_levels(pool, args.url,
+                                                   served_model(args.url, args.api_key),
+                                                   prompts, args, "server at --url")
+            else:
+                label = "fuser + draft" if source.draft is not None else "fuser"
+                first = serve_engine(pool, source, source.engine, label, prompts, args)
+                if source.draft is not None:
+                    source.engine = None  # free it before the second engine
+                    target_only = build(args, source.model, None, source.tokenizer,
+                                        RESULTS["build"]["speculative"]["max_seq_len"], "target")
+                    second = serve_engine(pool, source, target_only, "fuser target-only",
+                                          prompts, args)
+                    RESULTS["speedup"] = {
+                        m["concurrency"]: m["output_throughput"] / n["output_throughput"]
+                        for m, n in zip(first["levels"], second["levels"])}
+        if not args.url and not args.no_hf:
+            if source.model is None:
+                log("Hugging Face generate skipped: a loaded engine directory has no "
+                    "transformers model (give --preset for a random one of its shape)")
+            else:
+                RESULTS["hf"] = hf_sequential(source.model, prompts, args.output_len,
+                                              args.hf_requests)
+    save(args.json)
+    log("\n" + "\n".join(criteria(args)))
+    save(args.json)
+    if args.plot and serve_here:
+        try:
+            plot(args.plot)
+        except ImportError:
+            log("plot skipped: matplotlib is not installed (pip install 'fuser[plots]')")
+    if serve_here:
+        log("\n" + summary_table())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,243 @@
+"""benchmarks/serve.py on CPU: its metrics, its streaming client against a scripted server, and
+a dry run end to end (tiny random model, two levels, a few requests)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import serve  # noqa: E402
+
+PRINTED = ("request throughput", "output token throughput", "total token throughput", "TTFT",
+           "TPOT", "ITL", "E2E latency")
+LEVEL_KEYS = ("completed", "errors", "duration_s", "request_throughput", "output_throughput",
+              "total_token_throughput", *(f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el")
+                                          for s in ("mean", "median", "p99")))
+
+
+def record(ttft: float, e2e: float, tokens: int, itl: list[float], ok: bool = True,
+           prompt: int = 4) -> dict:
+    return {"ok": ok, "prompt_tokens": prompt, "output_tokens": tokens, "ttft": ttft, "e2e": e2e,
+            "start": 0.0, "itl": itl, "finish_reason": "length", "error": "" if ok else "boom"}
+
+
+def test_summarize_follows_vllm_definitions() -> None:
+    records = [record(0.1, 1.1, 11, [0.1] * 10), record(0.3, 2.3, 5, [0.5] * 4),
+               record(0, 0, 0, [], ok=False)]
+    m = serve.summarize(records, duration=4.0, concurrency=2)
+    assert (m["completed"], m["errors"], m["num_requests"]) == (2, 1, 3)
+    assert m["request_throughput"] == pytest.approx(0.5)
+    assert m["output_throughput"] == pytest.approx(16 / 4)
+    assert m["total_token_throughput"] == pytest.approx((16 + 8) / 4)
+    # TPOT per request: (e2e - ttft) / (tokens - 1) = 100 ms and 500 ms
+    assert m["mean_tpot_ms"] == pytest.approx(300.0)
+    assert m["median_tpot_ms"] == pytest.approx(300.0)
+    assert m["p99_tpot_ms"] == pytest.approx(100 + 0.99 * 400)
+    assert m["mean_ttft_ms"] == pytest.approx(200.0)
+    # ITL pools every gap of every request: ten of 100 ms, four of 500 ms
+    assert m["mean_itl_ms"] == pytest.approx((10 * 100 + 4 * 500) / 14)
+    assert m["median_itl_ms"] == pytest.approx(100.0)
+    assert m["median_e2el_ms"] == pytest.approx(1700.0)
+    assert m["error_messages"] == ["boom"]
+    assert serve.percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert serve.percentile([], 50) != serve.percentile([], 50)  # nan
+
+
+# -- a scripted server: the HTTP contract of API.md, without an engine -------------------------
+
+
+def scripted_app(chunk_delay: float, reject_after: int | None = None):
+    """/v1/completions streams max_tokens chunks of one token each, chunk_delay apart, then the
+    finish chunk, the usage chunk and [DONE]; after `reject_after` requests it answers 429."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.routing import Route
+
+    seen = {"requests": 0, "bodies": []}
+
+    async def completions(request):
+        body = await request.json()
+        seen["requests"] += 1
+        seen["bodies"].append(body)
+        if reject_after is not None and seen["requests"] > reject_after:
+            return JSONResponse({"error": {"message": "queue full", "type": "rate_limit",
+                                           "param": None, "code": None}}, status_code=429)
+        n = body["max_tokens"]
+
+        async def events():
+            def event(data: dict) -> str:
+                return f"data: {json.dumps(data)}\n\n"
+
+            for i in range(n):
+                await asyncio.sleep(chunk_delay)
+                yield event({"object": "text_completion",
+                             "choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}]})
+            yield event({"object": "text_completion",
+                         "choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
+            yield event({"object": "text_completion", "choices": [],
+                         "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n,
+                                   "total_tokens": len(body["prompt"]) + n}})
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def models(request):
+        return JSONResponse({"object": "list", "data": [{"id": "scripted", "object": "model"}]})
+
+    async def health(request):
+        return PlainTextResponse("ok")
+
+    async def metrics(request):
+        return PlainTextResponse("fuser_num_requests_running 0.0\nfuser_kv_slots_used 0.0\n")
+
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
+                            Route("/v1/models", models), Route("/health", health),
+                            Route("/metrics", metrics)])
+    return app, seen
+
+
+@pytest.fixture
+def scripted_server(request):
+    """(url, what the server saw) of a scripted server on 127.0.0.1, stopped afterwards."""
+    uvicorn = pytest.importorskip("uvicorn")
+    pytest.importorskip("starlette")
+    app, seen = scripted_app(**getattr(request, "param", {"chunk_delay": 0.01}))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        serve.wait_healthy(url, timeout=30)
+        yield url, seen
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
+def test_client_times_a_stream_and_reads_usage(scripted_server) -> None:
+    url, seen = scripted_server
+    raw = serve.drive_level(url, "scripted", [[5, 6, 7], [8, 9]], concurrency=2, num_requests=3,
+                            output_len=6, warmup_tokens=2)
+    assert raw["warmup_errors"] == []
+    assert seen["requests"] == 2 + 3  # a warm-up request per concurrent client, then the level
+    timed = seen["bodies"][2:]
+    assert [b["prompt"] for b in timed] == [[5, 6, 7], [8, 9], [5, 6, 7]]
+    for body in timed:
+        assert body["stream"] is True and body["ignore_eos"] is True
+        assert body["max_tokens"] == 6 and body["temperature"] == 0
+        assert body["stream_options"] == {"include_usage": True}
+    for r in raw["records"]:
+        assert r["ok"], r["error"]
+        assert r["output_tokens"] == 6 and r["finish_reason"] == "length"
+        assert len(r["itl"]) == 5  # a gap between each pair of token chunks
+        assert r["ttft"] >= 0.01 and all(gap >= 0.005 for gap in r["itl"])
+        assert r["e2e"] >= r["ttft"] + sum(r["itl"]) - 1e-6
+    assert raw["records"][0]["prompt_tokens"] == 3
+    m = serve.summarize(raw["records"], raw["duration"], 2)
+    assert m["completed"] == 3 and m["total_output_tokens"] == 18
+    assert 8 <= m["median_tpot_ms"] < 200  # chunks 10 ms apart
+
+
+@pytest.mark.parametrize("scripted_server", [{"chunk_delay": 0.0, "reject_after": 1}],
+                         indirect=True)
+def test_client_counts_rejected_requests_as_errors(scripted_server) -> None:
+    url, _ = scripted_server
+    raw = serve.drive_level(url, "scripted", [[1, 2]], 1, 3, 4, warmup_tokens=0)
+    m = serve.summarize(raw["records"], raw["duration"], 1)
+    assert (m["completed"], m["errors"]) == (1, 2)
+    assert m["error_messages"][0].startswith("HTTP 429")
+
+
+def run_benchmark(*argv: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve.py"), *argv],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def check_levels(levels: list[dict], concurrency: list[int], requests: int, tokens: int) -> None:
+    assert [m["concurrency"] for m in levels] == concurrency
+    for m in levels:
+        for key in LEVEL_KEYS:
+            assert key in m and m[key] == m[key], key  # present, not nan
+        assert (m["completed"], m["errors"]) == (requests, 0), m["error_messages"]
+        assert m["total_output_tokens"] == requests * tokens
+        assert m["short_requests"] == 0
+
+
+@pytest.mark.parametrize("scripted_server", [{"chunk_delay": 0.002}], indirect=True)
+def test_url_mode_prints_every_metric_and_writes_json_and_plot(scripted_server,
+                                                                tmp_path: Path) -> None:
+    url, seen = scripted_server
+    proc = run_benchmark("--url", url, "--preset", "tiny-random-llama", "--concurrency", "1,2",
+                         "--num-requests", "3", "--prompt-len", "5", "--output-len", "4",
+                         "--out", str(tmp_path))
+    results = json.loads((tmp_path / "serve.json").read_text())
+    check_levels(results["url_levels"], [1, 2], 3, 4)
+    assert all(len(b["prompt"]) == 5 for b in seen["bodies"])
+    assert (tmp_path / "serve.png").stat().st_size > 0
+    for field in PRINTED:
+        assert proc.stdout.count(field) >= 2, field  # once per level
+    assert "errors: 0" in proc.stdout
+    assert proc.stdout.strip().splitlines()[-1].startswith("server at --url")  # the table last
+
+
+def serving_available() -> str | None:
+    """Why the in-process server cannot run here, or None."""
+    try:
+        import uvicorn  # noqa: F401
+
+        from fuser.runtime.scheduler import Scheduler  # noqa: F401
+        from fuser.server import create_app  # noqa: F401
+    except ImportError as error:
+        return f"the server or scheduler is not importable yet ({error})"
+    return None
+
+
+@pytest.mark.skipif(serving_available() is not None, reason=str(serving_available()))
+def test_dry_run_serves_a_tiny_engine_and_compares(tmp_path: Path) -> None:
+    """The whole benchmark on a tiny random Llama: build, engine figures, static batches, the
+    in-process server at two levels, Hugging Face; then a cold start of the saved engine."""
+    engine_dir = tmp_path / "engine"
+    start = time.perf_counter()
+    proc = run_benchmark("--preset", "tiny-random-llama", "--compile", "fx",
+                         "--max-batch-size", "2", "--concurrency", "1,2", "--num-requests", "3",
+                         "--prompt-len", "8", "--output-len", "6", "--hf-requests", "1",
+                         "--save-engine", str(engine_dir), "--out", str(tmp_path))
+    results = json.loads((tmp_path / "serve.json").read_text())
+    system = results["systems"]["fuser"]
+    check_levels(system["levels"], [1, 2], 3, 6)
+    assert set(system["static"]) == {"1", "2"}
+    assert all(s["output_tok_s"] > 0 for s in system["static"].values())
+    for key in ("first_token_ms", "per_token_ms"):
+        assert system["engine"][key] > 0
+    assert results["build"]["target"]["max_batch_size"] == 2
+    assert results["hf"]["output_tokens"] == 6
+    for m in system["levels"]:
+        assert not any(m["gauges_after"].values()), m["gauges_after"]  # no slot left behind
+    for field in PRINTED:
+        assert field in proc.stdout, field
+    assert "built the target engine for 2 rows in" in proc.stdout
+    assert "TPOT p50" in proc.stdout and "% of static generate" in proc.stdout
+    assert proc.stdout.strip().splitlines()[-1].startswith("Hugging Face eager generate")
+    assert (tmp_path / "serve.png").stat().st_size > 0
+    assert time.perf_counter() - start < 120
+
+    cold = run_benchmark("--cold-start", str(engine_dir), "--json", str(tmp_path / "cold.json"))
+    result = json.loads((tmp_path / "cold.json").read_text())["cold_start"]
+    assert result["seconds_to_health_200"] > 0, result
+    assert result["first_request"]["ok"] and result["exit_status"] == 0, result
+    assert "cold start (launch -> /health 200)" in cold.stdout
