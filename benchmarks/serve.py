@@ -454,8 +454,12 @@ def build(args: argparse.Namespace, target: object, draft: object | None,
     import fuser
     from fuser.pipeline import build_engine
 
+    device, _ = device_and_dtype()
+    # The scheduler prefills through a bucket of 1: CUDA builds every bucket, the CPU only the
+    # largest unless asked.
+    buckets = "auto" if device.type == "cuda" else (1,)
     config = fuser.FuserConfig(max_batch_size=args.max_batch_size, max_seq_len=max_seq_len,
-                               compile=args.compile)
+                               compile=args.compile, batch_buckets=buckets)
     log(f"building the {what} engine: max_batch_size {args.max_batch_size}, max_seq_len "
         f"{max_seq_len}, compile {args.compile} ...")
     start = time.perf_counter()
@@ -569,20 +573,21 @@ def engine_figures(engine: object, prompt: list[int], output_len: int, runs: int
     length (CUDA events; decode.py's "iteration_ms")."""
     import torch
 
-    ids = torch.tensor([prompt], device=engine.device)
-    no_eos = dict(eos_token_id=[])
-    engine.generate(ids, 2, **no_eos)  # warm
-    first = timed(lambda: engine.generate(ids, 1, **no_eos), runs)
-    whole = timed(lambda: engine.generate(ids, output_len, **no_eos), runs)
-    figures = {"first_token_ms": 1e3 * first,
-               "per_token_ms": 1e3 * (whole - first) / max(output_len - 1, 1),
-               "generate_tok_s": output_len / whole}
+    figures = {}
     if engine.device.type == "cuda" and engine.target is not None:
         from fuser.runtime.step_graphs import PLAIN
 
         bucket = engine.bucket(1)
         figures["iteration_ms"] = 1e3 * bucket.measure(PLAIN, len(prompt) + output_len // 2, 20)
-        bucket.reset_for_timing(0)
+        bucket.reset_for_timing(0)  # generate below loads the state afresh
+    ids = torch.tensor([prompt], device=engine.device)
+    no_eos = dict(eos_token_id=[])
+    engine.generate(ids, 2, **no_eos)  # warm
+    first = timed(lambda: engine.generate(ids, 1, **no_eos), runs)
+    whole = timed(lambda: engine.generate(ids, output_len, **no_eos), runs)
+    figures.update(first_token_ms=1e3 * first,
+                   per_token_ms=1e3 * (whole - first) / max(output_len - 1, 1),
+                   generate_tok_s=output_len / whole)
     log(f"engine, one row: first token (prefill of {len(prompt)} + set-up) "
         f"{figures['first_token_ms']:.2f} ms, then {figures['per_token_ms']:.3f} ms per token "
         f"({figures['generate_tok_s']:.1f} tok/s)"
