@@ -472,7 +472,8 @@ def plot(out: Path) -> None:
                             xytext=(4, 4))
     for r, style in zip(autos, ("g--", "m-.")):
         label = r["system"].split(" (")[0].replace("fuser ", "")
-        if label == "gamma=auto":  # (rows of the twenty-second session's first runs)
+        if label == "gamma=auto":  # (rows of e2e.json files written before the
+            # default-candidates engine was added)
             label += " of --gammas"
         left.axhline(r["tok_s"], color=style[0], ls=style[1:], label=label)
         middle.plot([r["acceptance"]], [r["tok_s"]], style[0] + "s", label=label)

@@ -3,8 +3,8 @@
 Each `make_*` returns `run() -> LongTensor[1, n]` (the new tokens) over a Hugging Face causal LM
 and one prompt; the caller times `run`. Every prompt token is attended: `generate` gets an
 all-ones attention mask, since without one it masks every token equal to pad_token_id (0 here),
-and the bundled pair's <|bos|> is 0 (before the twenty-second session the peers ran with it
-masked: other tokens than the models' own greedy output). Compilation happens inside the
+and the bundled pair's <|bos|> is 0 (with it masked the peers would decode other tokens than
+the models' own greedy output). Compilation happens inside the
 first call(s), so callers warm up before timing.
 
 - Hugging Face eager: `model.generate` with its dynamic cache.

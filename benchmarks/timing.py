@@ -25,13 +25,10 @@ method EAGER_LAUNCH, host overhead included.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import statistics
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -116,47 +113,12 @@ def time_us(fn: Fn | Sequence[Fn], calls: int = CALLS, *, warmup: int = 25,
     return Timing(ms * 1e3, EAGER_LAUNCH, 1, note)
 
 
-def lab_arguments(script: str, doc: str,
-                  extra: Callable[[argparse.ArgumentParser], None] | None = None
-                  ) -> argparse.Namespace:
-    """A rows lab's command line (--rows, --out, --dry-run, and what `extra` adds); exits 2
-    where it needs a GPU and has none (missing_gpu)."""
-    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=5)
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--dry-run", action="store_true", help="CPU, small shapes: plumbing only")
-    if extra is not None:
-        extra(parser)
-    args = parser.parse_args()
-    if missing_gpu(script, args.dry_run):
-        sys.exit(2)
-    return args
-
-
-def time_variants(variants: dict[str, Sequence[Fn]], dry_run: bool) -> dict[str, float]:
-    """time_us(...).us per variant (callables over rotated copies); dry_run: each variant's
-    first callable runs once instead (the plumbing on CPU) and nothing is timed ({})."""
-    if dry_run:
-        for fns in variants.values():
-            fns[0]()
-        return {}
-    return {name: time_us(fns).us for name, fns in variants.items()}
-
-
-def write_lab_results(results: dict, rows: int, out: str | None, dry_run: bool) -> None:
-    """A lab's end: the dry run's last line, or {"rows", "us": results} as JSON to out."""
-    if dry_run:
-        log("dry run: every variant ran once on CPU")
-    elif out:
-        Path(out).write_text(json.dumps({"rows": rows, "us": results}, indent=1))
-
-
 def replay_median_ms(fn: Callable[[], torch.Tensor], replays: int = 30
                      ) -> tuple[float, torch.Tensor]:
     """(median ms per replay of fn captured in one CUDA graph, a copy of its output): warmed up
     twice on a side stream, captured, replayed 3 times, then timed by CUDA events per replay
-    (no L2 flush: fn itself streams more than the L2 holds, as benchmarks/pdl_lab.py's layer
-    chains and benchmarks/fp8_mma_lab.py's weight copies do)."""
+    (no L2 flush: fn itself streams more than the L2 holds, as a whole decode or verify step
+    does)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
