@@ -12,7 +12,8 @@
 #   files     engine files: build, save and load of the 8B + 1B engine (engine_files.py)
 #   ops       per-op tables: bf16 ops (ops.py), FP8 GEMVs and prefill GEMMs (fp8_ops.py)
 #   accuracy  FP8 against bf16 on the bundled pair, on the GPU (fp8_accuracy.py)
-#   serve     the OpenAI-compatible server under load (serve.py; SERVE_ARGS adds flags)
+#   serve     the OpenAI-compatible server under load (serve.py --preset llama-3-8b;
+#             SERVE_ARGS replaces that)
 #   tests     the GPU tests: pytest -k "gpu or cuda" over TESTS (default: tests)
 #
 # Each suite writes its full logs and JSON under $OUT/<suite>/ and ends with a short table; the
@@ -113,8 +114,11 @@ for suite in "$@"; do
         "$(grep -E 'perplexity|acceptance' "$DIR/fp8_accuracy.log" | tail -n 8)" ;;
     serve)
       if [ -f benchmarks/serve.py ]; then
-        # shellcheck disable=SC2086  # SERVE_ARGS: extra flags, word-split on purpose
-        step serve 560 python3 benchmarks/serve.py --out "$DIR" ${SERVE_ARGS:-}
+        # SERVE_ARGS (default: the 8B shape) is word-split on purpose; SERVE_ARGS= for the
+        # script's own defaults.
+        # shellcheck disable=SC2086
+        step serve 560 python3 benchmarks/serve.py --out "$DIR" --json "$DIR/serve.json" \
+          ${SERVE_ARGS---preset llama-3-8b}
         table "serve: benchmarks/serve.py" "$(grep -v -i warn "$DIR/serve.log" | tail -n 15)"
       else
         table "serve" "benchmarks/serve.py is missing: nothing to run"
