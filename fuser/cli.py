@@ -470,6 +470,9 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("--threads", type=int, default=None,
                              help="intra-op CPU threads (default without CUDA: 1, or "
                                   "OMP_NUM_THREADS when set)")
+    from fuser.server.cli import add_serve_parser  # imports no server dependency
+
+    add_serve_parser(sub)
     return parser
 
 

@@ -1,0 +1,248 @@
+"""`fuser serve PATH [...]`: the OpenAI-compatible server (API.md, Serving).
+
+The order of a launch: bind the port (a port in use is one line, before any loading), answer
+/health 503 while the engine loads (an engine directory: `fuser.load`, no compiling) or builds
+(a model directory, with progress), start the scheduler, warm it up with one greedy and one
+sampled request, then serve: /health 200 and `fuser serve: ready at URL (model NAME)` on
+stdout. SIGTERM (or Ctrl-C) drains: /health and new requests answer 503, the running and
+waiting requests finish within --drain-timeout seconds (those still running then are aborted),
+and the process exits 0. A second signal aborts what still runs at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+DEFAULT_MODEL_BATCH = 8  # --max-batch-size for a model directory
+WARM_UP_SECONDS = 600.0
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `serve` on the `fuser` command's subparsers."""
+    serve = subparsers.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server with continuous batching",
+        description="Serve PATH over HTTP: POST /v1/completions and /v1/chat/completions "
+                    "(OpenAI's shapes, streaming by server-sent events), GET /v1/models, "
+                    "/health and /metrics (Prometheus). Needs the serve extra: "
+                    "pip install 'fuser[serve]'.")
+    serve.add_argument("path", help="an engine directory (loaded, no compiling: the fast start) "
+                                    "or a model directory (built first, with progress)")
+    serve.add_argument("--draft", default=None,
+                       help="a draft model directory for speculative decoding; with a model "
+                            "directory only (an engine directory has its draft built in)")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="the address to listen on (default: %(default)s, this machine only; "
+                            "0.0.0.0 listens on every interface)")
+    serve.add_argument("--port", type=int, default=8000,
+                       help="the TCP port (default: %(default)s; 0 picks a free one, printed)")
+    serve.add_argument("--max-batch-size", type=int, default=None,
+                       help="requests decoded together (the engine's KV-cache rows) when building "
+                            f"from a model directory (default: {DEFAULT_MODEL_BATCH}); an engine "
+                            "directory keeps the size it was built for")
+    serve.add_argument("--max-seq-len", type=int, default=2048,
+                       help="most tokens per request, prompt plus completion, when building from "
+                            "a model directory (default: %(default)s)")
+    serve.add_argument("--max-waiting", type=int, default=256,
+                       help="requests that may wait for a free row; beyond it requests answer "
+                            "429 (default: %(default)s)")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1 (401 without it); "
+                            "/health and /metrics stay open (default: no key)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model name clients send (default: PATH's directory name)")
+    serve.add_argument("--drain-timeout", type=float, default=30.0,
+                       help="on SIGTERM, seconds the running requests get to finish before they "
+                            "are aborted (default: %(default)s)")
+    serve.add_argument("--no-adapt-draft", action="store_true",
+                       help="keep the draft as built (the online draft adaptation is a later "
+                            "issue: accepted and recorded, a no-op for now)")
+    serve.add_argument("--tokenizer", default=None,
+                       help="a tokenizer directory for an engine saved without one")
+    serve.add_argument("--log-level", default="warning",
+                       choices=["critical", "error", "warning", "info", "debug"],
+                       help="uvicorn's log level (default: %(default)s)")
+    serve.add_argument("--threads", type=int, default=None,
+                       help="intra-op CPU threads (default without CUDA: 1, or OMP_NUM_THREADS "
+                            "when set)")
+    serve.set_defaults(fn=run_serve)
+    return serve
+
+
+def say(message: str) -> None:
+    print(message, flush=True)
+
+
+def progress(message: str) -> None:
+    print(f"fuser serve: {message}", file=sys.stderr, flush=True)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    for module in ("fastapi", "uvicorn", "prometheus_client"):
+        try:
+            __import__(module)
+        except ImportError:
+            raise ValueError(f"fuser serve needs {module}: pip install 'fuser[serve]'") from None
+    if not Path(args.path).is_dir():
+        raise ValueError(f"{args.path}: no such directory (expected an engine directory or a "
+                         "model directory)")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port} must be in 0..65535")
+    if args.max_batch_size is not None and args.max_batch_size < 1:
+        raise ValueError(f"--max-batch-size {args.max_batch_size} must be at least 1")
+    if args.max_seq_len < 2:
+        raise ValueError(f"--max-seq-len {args.max_seq_len} must be at least 2")
+    if args.max_waiting < 0:
+        raise ValueError(f"--max-waiting {args.max_waiting} must be at least 0")
+    if not args.drain_timeout >= 0:
+        raise ValueError(f"--drain-timeout {args.drain_timeout} must be at least 0")
+    if args.api_key is not None and not args.api_key:
+        raise ValueError("--api-key must not be empty")
+
+
+def open_engine(args: argparse.Namespace) -> Any:
+    """The engine of PATH: loaded from an engine directory, or built from a model directory."""
+    import torch
+
+    import fuser
+    from fuser.cli import build_engine_from_args, is_engine_dir
+
+    if is_engine_dir(args.path):
+        if args.draft is not None:
+            raise ValueError(f"{args.path} is an engine directory: its draft is built in "
+                             "(--draft applies to model directories)")
+        progress(f"loading the engine {args.path} ...")
+        engine = fuser.load(args.path, log=progress)
+        rows = engine.config.max_batch_size
+        if args.max_batch_size is not None and args.max_batch_size != rows:
+            raise ValueError(f"--max-batch-size {args.max_batch_size}: the engine {args.path} was "
+                             f"built for {rows} rows (rebuild it with fuser build "
+                             f"--max-batch-size {args.max_batch_size})")
+        return engine
+    if not (Path(args.path) / "config.json").is_file():
+        raise ValueError(f"{args.path} is neither an engine directory (manifest.json) nor a "
+                         "model directory (config.json + safetensors)")
+    rows = args.max_batch_size or DEFAULT_MODEL_BATCH
+    # The scheduler prefills through a batch bucket of 1; CUDA builds every power of two.
+    buckets = "auto" if torch.cuda.is_available() else (1,)
+    config = fuser.FuserConfig(max_batch_size=rows, max_seq_len=args.max_seq_len,
+                               batch_buckets=buckets)
+    engine, _, _ = build_engine_from_args(args.path, args.draft, config)
+    return engine
+
+
+def load_tokenizer(args: argparse.Namespace, engine: Any) -> Any:
+    if args.tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(args.tokenizer)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--tokenizer {args.tokenizer}: cannot load a tokenizer ({e})") \
+                from None
+    if engine.tokenizer is None:
+        raise ValueError(f"{args.path} has no tokenizer files: pass --tokenizer DIR (the model "
+                         "directory it was built from)")
+    return engine.tokenizer
+
+
+def warm_up(scheduler: Any, tokenizer: Any) -> None:
+    """One greedy and one sampled request through every path a first request takes (prefill,
+    the step, detokenization), so the first client does not pay for it."""
+    from fuser.runtime.scheduler import SamplingParams
+
+    ids = list(tokenizer("def")["input_ids"]) or [0]
+    for params in (SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+                   SamplingParams(max_tokens=2, temperature=1.0, seed=0, ignore_eos=True)):
+        out = scheduler.submit(ids, params).result(WARM_UP_SECONDS)
+        tokenizer.decode(out)
+
+
+class _Stop(Exception):
+    """A signal before the server was ready: stop loading and exit."""
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    _check_args(args)
+    from fuser.runtime.scheduler import Scheduler
+    from fuser.server.app import create_app
+    from fuser.server.runner import ServerThread, bind
+
+    name = args.served_model_name or Path(args.path).resolve().name
+    sock = bind(args.host, args.port)
+    app = create_app(None, None, name, api_key=args.api_key)
+    serving = app.state.serving
+    serving.adapt_draft = not args.no_adapt_draft  # recorded; the adaptive draft is a later issue
+    server = ServerThread(app, sock=sock, log_level=args.log_level,
+                          graceful_seconds=min(5.0, args.drain_timeout + 1.0))
+    signals = {"count": 0}
+    stop = threading.Event()
+    scheduler = None
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        signals["count"] += 1
+        stop.set()
+        if scheduler is None:
+            raise _Stop  # still loading: give up at once
+        if signals["count"] > 1:  # a second signal while draining: abort what runs
+            threading.Thread(target=scheduler.close, daemon=True).start()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.start()
+        progress(f"listening on {server.url}; /health answers 503 until the model is ready")
+        engine = open_engine(args)
+        tokenizer = load_tokenizer(args, engine)
+        started = Scheduler(engine, max_waiting=args.max_waiting)
+        started.start()
+        scheduler = started
+        progress("warming up ...")
+        warm_up(scheduler, tokenizer)
+        serving.attach(scheduler, tokenizer, engine)
+        say(f"fuser serve: ready at {server.url} (model {name})")
+        while not stop.wait(0.5):
+            if not server.alive:
+                raise RuntimeError(f"the HTTP server stopped ({server.error!r})")
+        return drain(serving, scheduler, server, args.drain_timeout)
+    except _Stop:
+        progress("stopped before the model was ready")
+        return 0
+    finally:
+        server.stop(timeout=10.0)
+        if scheduler is not None:
+            scheduler.close()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def drain(serving: Any, scheduler: Any, server: Any, timeout: float) -> int:
+    """Answer 503 to new requests and /health, let the running ones finish (at most `timeout`
+    seconds, then abort them), stop the HTTP server. Exit status 0."""
+    serving.drain()
+    progress(f"draining: {scheduler.num_running} running, {scheduler.num_waiting} waiting "
+             f"(at most {timeout:g} s)")
+    start = time.perf_counter()
+    result: dict[str, bool] = {}
+    worker = threading.Thread(target=lambda: result.update(done=scheduler.drain(timeout)),
+                              name="fuser-serve-drain", daemon=True)
+    worker.start()
+    worker.join(timeout + 30.0)
+    finished = result.get("done", False)
+    server.stop(timeout=10.0)  # the finished streams have sent their last events
+    progress(f"drained in {time.perf_counter() - start:.1f} s"
+             + ("" if finished else ": requests still running at the timeout were aborted"))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m fuser.server ...` = `fuser serve ...`."""
+    from fuser.cli import main as fuser_main
+
+    return fuser_main(["serve", *(sys.argv[1:] if argv is None else argv)])
