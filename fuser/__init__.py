@@ -11,7 +11,8 @@ from fuser.engine_file import EngineFileError
 from fuser.engine_io import load
 from fuser.pipeline import optimize
 from fuser.report import Report, SpecStats
+from fuser.runtime.scheduler import SamplingParams, Scheduler
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "EngineFileError", "FuserConfig", "Report", "SpecStats", "load", "optimize",
-           "__version__"]
+__all__ = ["Engine", "EngineFileError", "FuserConfig", "Report", "SamplingParams", "Scheduler",
+           "SpecStats", "load", "optimize", "__version__"]

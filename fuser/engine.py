@@ -18,6 +18,7 @@ from fuser.report import Report, SpecStats
 from fuser.runtime.adaptive import GammaController
 from fuser.runtime.metrics import count_speculation
 from fuser.runtime.prompts import check_prompts, pad_batch
+from fuser.runtime.speculative import DecodeState
 from fuser.runtime.step_graphs import PLAIN, Bucket, bucket_for
 from fuser.runtime.steps import DECODE, PREFILL, ModelSteps
 
@@ -85,10 +86,13 @@ class Engine:
         if target is not None:
             if buckets is None:
                 buckets = {config.max_batch_size: (target, draft)}
-            self.generator = torch.Generator(device=device)
+            # One decode state for every bucket (each runs over rows [:size] of it, as over the
+            # KV caches): a request keeps its row whichever bucket steps it.
+            top = max(buckets)
+            self.state = DecodeState.allocate(top, buckets[top][0].cache.slots, device)
             for size, (t, d) in sorted(buckets.items()):
                 self.buckets[size] = Bucket(size, t, d if self.gammas else None, vocab_size,
-                                            self.generator, overlap=overlap)
+                                            overlap=overlap, state=self.state.rows(size))
         # Per bucket: seconds of one greedy iteration per gamma (0 = target-only), measured by
         # `prepare`, and the controller built from them (gamma="auto" only).
         self.step_costs: dict[int, dict[int, float]] = {}

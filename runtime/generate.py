@@ -95,15 +95,14 @@ def _decode_loop(engine: Engine, request: Request) -> Iterator[torch.Tensor]:
     pad = request.pad_token_id if request.pad_token_id is not None else 0  # unused when None:
     # without eos every row stops at max_new_tokens, all in the same column
     bucket = engine.bucket(B)
-    # One engine-owned generator per device, registered with every captured graph: seeding it
-    # here makes the whole run (captured or not) reproducible.
+    # Sampling draws from per-row seeds (row b: seed + b) and output indices, so the seed makes
+    # the whole run (captured or not) reproducible.
     seed = request.seed if request.seed is not None else \
         int(torch.randint(0, 2**62, (1,)).item())  # follows torch.manual_seed
-    engine.generator.manual_seed(seed)
     do_sample = request.do_sample
     state = bucket.state
     state.load(request.max_new_tokens, request.eos_token_id, request.temperature, request.top_k,
-               request.top_p, engine.vocab_size)
+               request.top_p, engine.vocab_size, seed)
     target, draft, V = bucket.target, bucket.draft, engine.vocab_size
     controller = engine.controller(bucket.batch)
     stats = engine.stats
@@ -172,7 +171,7 @@ def _decode_loop(engine: Engine, request: Request) -> Iterator[torch.Tensor]:
     # finished is frozen on the device, so a step issued "too early" emits nothing anyone keeps.
     start = time.perf_counter()
     padded = pad_batch(prompts, bucket.batch, min_length=bucket.prefill_length(T))
-    result = speculative.prefill(target, draft, state, padded, T, V, do_sample, engine.generator)
+    result = speculative.prefill(target, draft, state, padded, T, V, do_sample)
     in_flight = deque([(ReadBack(result.packed()), -1)])  # -1: the prefill's first token
     while in_flight:
         if may_need(len(in_flight)):

@@ -71,14 +71,59 @@ def process_logits_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: 
     return scores.softmax(dim=-1)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+# -- per-row random numbers -------------------------------------------------------------------
+#
+# Sampling draws its randomness from counters, not from a generator's stream: row b's draw for
+# the token at output index j (and a purpose: draft, accept, residual, target) is a hash of
+# (seed[b], j, purpose). A row's tokens then depend on its own seed and history only, whatever
+# else shares the batch, which continuous batching needs ("a seeded request returns the same
+# tokens alone or with others"), and a captured CUDA graph replays them from device tensors.
+
+PURPOSE_TARGET, PURPOSE_DRAFT, PURPOSE_ACCEPT, PURPOSE_RESIDUAL = 1, 2, 3, 4
+_M32 = 0xFFFFFFFF
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xor-shift-multiply, a bijection on [0, 2^32)) of int64 values in
+    [0, 2^32); the constant is below 2^31, so no product leaves int64."""
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
+    return (x >> 16) ^ x
+
+
+def draw_keys(seed: torch.Tensor, counter: torch.Tensor, purpose: int) -> torch.Tensor:
+    """Per-draw keys: int64 in [0, 2^32) of the broadcast shape of seed and counter ([B] or
+    [B, k]); seed: any int64, counter: the output index of the token being decided."""
+    h = _mix(seed & _M32)
+    h = _mix(h ^ ((seed >> 32) & _M32))
+    h = _mix(h ^ ((purpose * 0x1000193) & _M32))
+    return _mix(h ^ (counter & _M32))
+
+
+def keyed_uniform(keys: torch.Tensor, n: int | None = None) -> torch.Tensor:
+    """float32 uniforms in [0, 1) (24 random bits): one per key, or with n, [..., n] per key
+    (index v of the last dimension hashed in)."""
+    if n is not None:
+        index = torch.arange(n, device=keys.device)
+        keys = _mix(_mix(keys[..., None] ^ index) ^ keys[..., None])  # [..., n]
+    return (keys >> 8).float() * (1.0 / (1 << 24))
+
+
+def sample(probs: torch.Tensor, rng: torch.Tensor | torch.Generator | None = None
+           ) -> torch.Tensor:
     """One token per row of `probs` [..., V] (need not be normalised): LongTensor [...].
 
+    rng: per-row keys (`draw_keys`, shape probs.shape[:-1]), or a torch.Generator (or None:
+    the global one).
     Exponential race (the Gumbel-max trick in another form): with E_v ~ Exp(1) independent,
     argmax_v probs_v / E_v is distributed as probs / sum(probs). Unlike torch.multinomial it
     needs no normalisation and no validity check, so it never syncs with the host.
     """
-    race = torch.empty_like(probs, dtype=torch.float32).exponential_(generator=generator)
+    if isinstance(rng, torch.Tensor):
+        u = keyed_uniform(rng, probs.shape[-1])  # [..., V] in [0, 1)
+        race = -torch.log1p(-u)  # Exp(1)
+    else:
+        race = torch.empty_like(probs, dtype=torch.float32).exponential_(generator=rng)
     # E == 0 would make 0 / 0 = NaN for a zero-probability token; argmax treats NaN as the max.
     race = race.clamp_(min=torch.finfo(torch.float32).tiny)
     return torch.argmax(probs.float() / race, dim=-1)
@@ -106,7 +151,8 @@ def accept_greedy(draft_tokens: torch.Tensor, target_tokens: torch.Tensor
 
 
 def accept_sampling(draft_tokens: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
-                    generator: torch.Generator | None = None
+                    generator: torch.Generator | None = None,
+                    keys: tuple[torch.Tensor, torch.Tensor] | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative sampling (Leviathan / Chen): (num_accepted [B], next_token [B]).
 
@@ -119,12 +165,20 @@ def accept_sampling(draft_tokens: torch.Tensor, p: torch.Tensor, q: torch.Tensor
         r(v) = max(0, q_n(v) - p_n(v)) / sum_w max(0, q_n(w) - p_n(w)),
     and when all gamma are accepted, from q_gamma (the bonus token). Each emitted token then
     has distribution q exactly: P(v) = min(p(v), q(v)) + (1 - sum_w min(p(w), q(w))) r(v) = q(v).
+
+    keys: per-row random numbers instead of `generator`: (seed [B], counter [B]), the output
+    index of x_1; the test of x_i and the draw at position n use `draw_keys` at counter + i.
     """
     B, gamma = draft_tokens.shape
     p, q = p.float(), q.float()
     p_x = p.gather(2, draft_tokens[:, :, None])[:, :, 0]  # [B, gamma] p_i(x_i)
     q_x = q[:, :gamma].gather(2, draft_tokens[:, :, None])[:, :, 0]  # [B, gamma] q_i(x_i)
-    u = torch.rand(B, gamma, device=q.device, generator=generator)  # U[0, 1)
+    if keys is not None:
+        seed, counter = keys
+        offsets = torch.arange(gamma, device=q.device)  # [gamma]
+        u = keyed_uniform(draw_keys(seed[:, None], counter[:, None] + offsets, PURPOSE_ACCEPT))
+    else:
+        u = torch.rand(B, gamma, device=q.device, generator=generator)  # U[0, 1)
     # u < q/p, written without the division: p_x > 0 because x_i was drawn from p_i.
     accept = u * p_x < q_x  # [B, gamma]
     n = accepted_prefix(accept)  # [B]
@@ -139,5 +193,6 @@ def accept_sampling(draft_tokens: torch.Tensor, p: torch.Tensor, q: torch.Tensor
     # rounding can still leave it all zero when q == p: then q itself is the right answer.
     has_mass = residual.sum(dim=-1, keepdim=True) > 0
     residual = torch.where(has_mass, residual, q_n)
-    next_token = sample(residual, generator)  # `sample` normalises implicitly
+    rng = generator if keys is None else draw_keys(keys[0], keys[1] + n, PURPOSE_RESIDUAL)
+    next_token = sample(residual, rng)  # `sample` normalises implicitly
     return n, next_token

@@ -39,7 +39,8 @@ from fuser.runtime.draft_kernels import (catchup_inputs, draft_advance, overlap_
 from fuser.runtime.prefill_graphs import padded_length
 from fuser.runtime.steps import CATCHUP, DECODE, PREFILL, RESYNC, ModelSteps, verify as verify_step
 from fuser.runtime.prompts import Prompts
-from fuser.runtime.sampling import accept_greedy, accept_sampling, process_logits_rows, sample
+from fuser.runtime.sampling import (PURPOSE_DRAFT, PURPOSE_TARGET, accept_greedy, accept_sampling,
+                                    draw_keys, process_logits_rows, sample)
 from fuser.runtime.step_kernels import finish_greedy_step, fused_by_default
 
 
@@ -57,8 +58,10 @@ class DecodeState:
         active: [B] bool, the row still generates (dummy rows never do).
         generated: [B] int64, tokens emitted so far (pending included).
         max_new_tokens: [B] int64, the per-row budget.
-        eos: [EOS_SLOTS] int64 stop ids, padded with -1.
+        eos: [B, EOS_SLOTS] int64 stop ids per row, padded with -1.
         temperature: [B] float32; top_k: [B] int64 (>= V: off); top_p: [B] float32 (1: off).
+        seed: [B] int64, the row's sampling seed: its random draws are `sampling.draw_keys` of
+            (seed, output index), so a row samples the same tokens whatever shares its batch.
         history: [B, S] int64, the token in each cache slot (prompt and emitted), so that the
             draft can catch up after target-only steps (`resync_draft`).
         guesses: [B, GUESS_SLOTS] int64, the overlapped step's proposals for slots L+1..L+gamma
@@ -79,6 +82,7 @@ class DecodeState:
     history: torch.Tensor
     guesses: torch.Tensor
     streaming: torch.Tensor
+    seed: torch.Tensor
 
     @classmethod
     def allocate(cls, batch: int, slots: int, device: torch.device) -> DecodeState:
@@ -89,25 +93,57 @@ class DecodeState:
         return cls(pending=longs(batch), last=longs(batch),
                    active=torch.zeros(batch, dtype=torch.bool, device=device),
                    generated=longs(batch), max_new_tokens=longs(batch),
-                   eos=torch.full((EOS_SLOTS,), -1, dtype=torch.long, device=device),
+                   eos=torch.full((batch, EOS_SLOTS), -1, dtype=torch.long, device=device),
                    temperature=torch.ones(batch, device=device), top_k=longs(batch),
                    top_p=torch.ones(batch, device=device), history=longs(batch, slots),
                    guesses=longs(batch, GUESS_SLOTS),
-                   streaming=torch.zeros(batch, dtype=torch.bool, device=device))
+                   streaming=torch.zeros(batch, dtype=torch.bool, device=device),
+                   seed=longs(batch))
+
+    @property
+    def batch(self) -> int:
+        return self.pending.shape[0]
+
+    def rows(self, batch: int) -> DecodeState:
+        """The first `batch` rows as a state of their own: views, so the same memory (every
+        batch bucket runs over rows [:bucket] of one state, as over one KV cache)."""
+        return DecodeState(**{name: value[:batch] for name, value in vars(self).items()})
+
+    def copy_row(self, dst: int, src: int) -> None:
+        """Row dst becomes a copy of row src (every per-row tensor; a request moving slots)."""
+        for value in vars(self).values():
+            value[dst].copy_(value[src])
 
     def load(self, max_new_tokens: int, eos: list[int], temperature: float, top_k: int | None,
-             top_p: float | None, vocab_size: int) -> None:
-        """Set one request's values (in place). eos: at most EOS_SLOTS ids."""
-        if len(eos) > self.eos.shape[0]:
-            raise ValueError(f"eos_token_id has {len(eos)} ids; at most {self.eos.shape[0]} "
+             top_p: float | None, vocab_size: int, seed: int = 0) -> None:
+        """Set one request's values in every row (in place). eos: at most EOS_SLOTS ids.
+        seed: row b samples with seed + b (`sampling.draw_keys`)."""
+        self.load_row(slice(None), max_new_tokens, eos, temperature, top_k, top_p, vocab_size,
+                      seed)
+        self.seed.add_(torch.arange(self.batch, device=self.seed.device))
+
+    def load_row(self, row: int | slice, max_new_tokens: int, eos: list[int],
+                 temperature: float, top_k: int | None, top_p: float | None, vocab_size: int,
+                 seed: int) -> None:
+        """Set one request's values in `row` (an index or a slice of rows), in place."""
+        if len(eos) > self.eos.shape[1]:
+            raise ValueError(f"eos_token_id has {len(eos)} ids; at most {self.eos.shape[1]} "
                              "are supported")
-        self.max_new_tokens.fill_(max_new_tokens)
-        self.eos.fill_(-1)
+        self.max_new_tokens[row] = max_new_tokens
+        self.eos[row] = -1
         if eos:
-            self.eos[: len(eos)].copy_(torch.tensor(eos, dtype=torch.long))
-        self.temperature.fill_(temperature)
-        self.top_k.fill_(vocab_size if top_k is None else min(top_k, vocab_size))
-        self.top_p.fill_(1.0 if top_p is None else top_p)
+            self.eos[row, : len(eos)] = torch.tensor(eos, dtype=torch.long)
+        self.temperature[row] = temperature
+        self.top_k[row] = vocab_size if top_k is None else min(top_k, vocab_size)
+        self.top_p[row] = 1.0 if top_p is None else top_p
+        self.seed[row] = seed
+
+    def keys(self, purpose: int, offset: torch.Tensor | int = 0,
+             counter: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-row random keys for the token at output index counter + offset (counter:
+        default `generated`, the index of the token after `pending`)."""
+        base = self.generated if counter is None else counter
+        return draw_keys(self.seed, base + offset, purpose)
 
 
 @dataclass
@@ -138,7 +174,7 @@ def probs(state: DecodeState, logits: torch.Tensor) -> torch.Tensor:
 
 
 def choose(state: DecodeState, logits: torch.Tensor, do_sample: bool,
-           generator: torch.Generator | None) -> torch.Tensor:
+           counter: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row of `logits` [B, V]: the argmax, or a draw from `probs`.
 
     The argmax is taken in the logits' own dtype: upcasting bf16 to float32 is exact and keeps
@@ -148,7 +184,7 @@ def choose(state: DecodeState, logits: torch.Tensor, do_sample: bool,
     """
     if not do_sample:
         return argmax(logits)
-    return sample(probs(state, logits.float()), generator)
+    return sample(probs(state, logits.float()), state.keys(PURPOSE_TARGET, counter=counter))
 
 
 def step_positions(cache_lens: torch.Tensor, starts: torch.Tensor, T: int) -> torch.Tensor:
@@ -160,8 +196,7 @@ def step_positions(cache_lens: torch.Tensor, starts: torch.Tensor, T: int) -> to
 
 
 def prefill(target: ModelSteps, draft: ModelSteps | None, state: DecodeState, prompts: Prompts,
-            true_length: int, vocab_size: int, do_sample: bool,
-            generator: torch.Generator | None) -> StepResult:
+            true_length: int, vocab_size: int, do_sample: bool) -> StepResult:
     """Run the prompts through both models; choose the first new token (into `state`, which
     `load` has filled with the request's values).
 
@@ -181,7 +216,8 @@ def prefill(target: ModelSteps, draft: ModelSteps | None, state: DecodeState, pr
         # The draft's logits here are not needed: its first proposal comes from `draft`'s
         # catch-up step, which re-feeds the prompt's last token (and sets its seq_lens).
         draft.run(PREFILL, prompts.tokens, positions)
-    first = choose(state, logits[:, true_length - 1, :vocab_size].float(), do_sample, generator)
+    first = choose(state, logits[:, true_length - 1, :vocab_size].float(), do_sample,
+                   counter=torch.zeros_like(state.generated))  # output index 0
 
     device = first.device
     state.history.zero_()
@@ -197,24 +233,24 @@ def prefill(target: ModelSteps, draft: ModelSteps | None, state: DecodeState, pr
     return result
 
 
-def plain_step(target: ModelSteps, state: DecodeState, vocab_size: int, do_sample: bool,
-               generator: torch.Generator | None) -> torch.Tensor:
+def plain_step(target: ModelSteps, state: DecodeState, vocab_size: int, do_sample: bool
+               ) -> torch.Tensor:
     """The target-only iteration: feed `pending` at slot L, choose the next token, advance.
 
     Returns the packed result [B, 2] (token, num_accepted = 0).
     """
-    result = decode_one_token(target, state, vocab_size, do_sample, generator)
+    result = decode_one_token(target, state, vocab_size, do_sample)
     return result.packed()
 
 
-def decode_one_token(target: ModelSteps, state: DecodeState, vocab_size: int, do_sample: bool,
-                     generator: torch.Generator | None) -> StepResult:
+def decode_one_token(target: ModelSteps, state: DecodeState, vocab_size: int, do_sample: bool
+                     ) -> StepResult:
     """Without a draft: feed `pending` at slot L, choose the next token from the target (greedy:
     the rest of the step is `finish_greedy`'s)."""
     cache = target.cache
     positions = step_positions(cache.seq_lens, cache.starts, 1)  # [B, 1]
     logits = target.run(DECODE, state.pending[:, None], positions)  # [B, 1, V_target]
-    token = choose(state, logits[:, 0, :vocab_size], do_sample, generator)  # [B]
+    token = choose(state, logits[:, 0, :vocab_size], do_sample)  # [B]
     if not do_sample:
         return finish_greedy(target, state, None, token[:, None])
     result = StepResult(token[:, None], torch.zeros_like(token))
@@ -223,8 +259,7 @@ def decode_one_token(target: ModelSteps, state: DecodeState, vocab_size: int, do
 
 
 def draft(draft_model: ModelSteps, target_lens: torch.Tensor, state: DecodeState,
-          gamma: int, vocab_size: int, do_sample: bool, generator: torch.Generator | None,
-          fused: bool | None = None, start: tuple[torch.Tensor, torch.Tensor] | None = None,
+          gamma: int, vocab_size: int, do_sample: bool, fused: bool | None = None, start: tuple[torch.Tensor, torch.Tensor] | None = None,
           out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Propose gamma tokens: (draft_tokens [B, gamma], draft probs [B, gamma, V] or None).
 
@@ -269,7 +304,7 @@ def draft(draft_model: ModelSteps, target_lens: torch.Tensor, state: DecodeState
         if do_sample:
             p = probs(state, logits.float())  # [B, V]
             draft_probs.append(p)
-            drafted.append(sample(p, generator))
+            drafted.append(sample(p, state.keys(PURPOSE_DRAFT, i)))
         else:  # in the logits' dtype: see `choose`
             drafted.append(argmax(logits))
     draft_tokens = torch.stack(drafted, dim=1)  # [B, gamma]
@@ -328,8 +363,7 @@ def verify(target: ModelSteps, state: DecodeState, draft_tokens: torch.Tensor,
 
 
 def speculative_step(target: ModelSteps, draft_model: ModelSteps, state: DecodeState,
-                     gamma: int, vocab_size: int, do_sample: bool,
-                     generator: torch.Generator | None) -> torch.Tensor:
+                     gamma: int, vocab_size: int, do_sample: bool) -> torch.Tensor:
     """Draft gamma tokens, verify them in one target forward, accept on the device, advance.
 
     Emits n + 1 tokens per row: the n accepted drafts, then the target's correction (or the
@@ -339,13 +373,13 @@ def speculative_step(target: ModelSteps, draft_model: ModelSteps, state: DecodeS
     # sampling keeps the eager code.
     fused = not do_sample and fused_by_default(target.cache.seq_lens.device)
     draft_tokens, p = draft(draft_model, target.cache.seq_lens, state, gamma, vocab_size,
-                            do_sample, generator, fused)
+                            do_sample, fused)
     target_logits = verify(target, state, draft_tokens, vocab_size, fused)  # [B, gamma + 1, V]
     if not do_sample:  # the argmax in the logits' dtype: see `choose`
         target_tokens = argmax(target_logits)  # [B, gamma + 1]
         return finish_greedy(target, state, draft_tokens, target_tokens).packed()
     q = probs(state, target_logits.float())  # [B, gamma + 1, V]
-    n, next_token = accept_sampling(draft_tokens, p, q, generator)
+    n, next_token = accept_sampling(draft_tokens, p, q, keys=(state.seed, state.generated))
     result = _emit(draft_tokens, n, next_token)
     _advance(target, state, result, _new_last(state, draft_tokens, n))
     return result.packed()
@@ -429,7 +463,7 @@ def overlapped_step(target: ModelSteps, draft_model: ModelSteps, state: DecodeSt
         tail = torch.where(streaming, guesses[:, gamma - 1], state.pending)
         lens = L + streaming.long() * gamma
         return draft(draft_model, lens, state, gamma + 1, vocab_size, do_sample=False,
-                     generator=None, fused=False, start=(head, tail), out=ahead)[0]
+                     fused=False, start=(head, tail), out=ahead)[0]
 
     def target_branch() -> torch.Tensor:
         return argmax(verify(target, state, guesses, vocab_size, fused))  # [B, gamma + 1]
@@ -602,6 +636,6 @@ def _finish_rows(state: DecodeState, result: StepResult) -> None:
     """Mark rows done that emitted an eos token or reached max_new_tokens (on the device)."""
     g1 = result.tokens.shape[1]
     kept = torch.arange(g1, device=result.tokens.device)[None] <= result.num_accepted[:, None]
-    is_eos = (result.tokens[:, :, None] == state.eos[None, None]).any(dim=2)  # [B, g + 1]
+    is_eos = (result.tokens[:, :, None] == state.eos[:, None, :]).any(dim=2)  # [B, g + 1]
     hit_eos = (is_eos & kept).any(dim=1)  # [B]
     state.active &= ~hit_eos & (state.generated < state.max_new_tokens)

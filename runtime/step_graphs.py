@@ -14,8 +14,9 @@ runtime/speculative.py can be captured:
 Each is the same Python function whether it runs uncaptured (CPU; a shape whose capture failed)
 or captured once under `torch.cuda.graph` and replayed. Inside a captured iteration the model
 steps run their compiled (Inductor) callables, never CUDA graphs of their own (graphs do not
-nest). All graphs of an engine share one memory pool. The sampling generator is registered with
-every graph, so a seeded run replays the same random stream.
+nest). All graphs of an engine share one memory pool. Sampling draws its random numbers from
+per-row seeds and counters in the state (runtime/sampling.py `draw_keys`), so a replay needs no
+generator state.
 """
 
 from __future__ import annotations
@@ -59,8 +60,7 @@ class IterationGraph:
     """One iteration function captured as a CUDA graph; calling it replays the graph and
     returns its static packed output (overwritten by the next replay)."""
 
-    def __init__(self, fn: Callable[[], torch.Tensor], generator: torch.Generator | None,
-                 pool: object, warmup: int = 2,
+    def __init__(self, fn: Callable[[], torch.Tensor], pool: object, warmup: int = 2,
                  reset: Callable[[], None] | None = None) -> None:
         device = torch.device("cuda", torch.cuda.current_device())
         side = torch.cuda.Stream(device)
@@ -72,8 +72,6 @@ class IterationGraph:
                 fn()
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        if generator is not None and generator.device.type == "cuda":
-            self.graph.register_generator_state(generator)
         with torch.cuda.graph(self.graph, pool=pool), torch.no_grad():
             self.output = fn()
         self.replays = 0
@@ -93,15 +91,19 @@ class Bucket:
     """
 
     def __init__(self, batch: int, target: ModelSteps, draft: ModelSteps | None,
-                 vocab_size: int, generator: torch.Generator, overlap: bool = False) -> None:
+                 vocab_size: int, overlap: bool = False,
+                 state: DecodeState | None = None) -> None:
+        """state: rows [:batch] of the engine's one DecodeState (every bucket's are views of
+        it, as its caches are of one KV cache, so a request keeps its row across buckets);
+        default: a state of its own."""
         self.batch = batch
         # Greedy speculative iterations as `speculative.overlapped_step` (FuserConfig.overlap).
         self.overlap = overlap and draft is not None
         self.target, self.draft = target, draft
         self.vocab_size = vocab_size
-        self.generator = generator
         device = target.cache.seq_lens.device
-        self.state = DecodeState.allocate(batch, target.cache.slots, device)
+        self.state = state if state is not None else \
+            DecodeState.allocate(batch, target.cache.slots, device)
         self.graphs: dict[tuple[int, bool], IterationGraph] = {}
         self.resync_graph: IterationGraph | None = None  # one `resync_chunk`, when captured
         self.uncaptured_runs: dict[tuple[int, bool], int] = {}
@@ -131,17 +133,16 @@ class Bucket:
 
     def function(self, gamma: int, do_sample: bool) -> Callable[[], torch.Tensor]:
         """The iteration as a closure over this bucket's static state: () -> packed."""
-        generator = self.generator if do_sample else None
         if gamma == PLAIN:
             return lambda: speculative.plain_step(self.target, self.state, self.vocab_size,
-                                                  do_sample, generator)
+                                                  do_sample)
         if self.draft is None:
             raise ValueError(f"gamma={gamma} needs a draft; this engine has none")
         if self.overlap and not do_sample:
             return lambda: speculative.overlapped_step(self.target, self.draft, self.state, gamma,
                                                        self.vocab_size)
         return lambda: speculative.speculative_step(self.target, self.draft, self.state, gamma,
-                                                    self.vocab_size, do_sample, generator)
+                                                    self.vocab_size, do_sample)
 
     @torch.no_grad()
     def run(self, gamma: int, do_sample: bool) -> torch.Tensor:
@@ -186,7 +187,7 @@ class Bucket:
                     # Warm-up steps advance the lengths by up to gamma + 1 each: without the
                     # reset, two of them from timing_length could write past a small cache.
                     self.graphs[(gamma, do_sample)] = IterationGraph(
-                        self.function(gamma, do_sample), self.generator, pool,
+                        self.function(gamma, do_sample), pool,
                         reset=lambda: self.reset_for_timing(timing_length))
                 except Exception as e:  # noqa: BLE001 -- a shape that cannot be captured
                     failures.append(f"bucket {self.batch}, {_name(gamma, do_sample)}: "
@@ -204,7 +205,7 @@ class Bucket:
 
         self.reset_for_timing(timing_length)
         try:
-            self.resync_graph = IterationGraph(chunk, None, pool,
+            self.resync_graph = IterationGraph(chunk, pool,
                                                reset=lambda: self.reset_for_timing(timing_length))
         except Exception as e:  # noqa: BLE001 -- then the chunks run uncaptured
             return [f"bucket {self.batch}, resync: {capture_failed(e)}; it runs uncaptured"]

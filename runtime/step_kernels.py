@@ -20,7 +20,7 @@ t_0..t_G over [pending, d_1..d_G]:
     packed   = [tokens, n]                                      ([G + 2] int64)
 
 Cost per row: (2G + 1) token loads, G + 1 history stores and G + 2 packed stores of 8 bytes,
-plus 8 scalars and the EOS_SLOTS eos ids; no FLOPs to speak of. It is launch-bound: the point is
+plus 8 scalars and the row's EOS_SLOTS eos ids; no FLOPs to speak of. It is launch-bound: the point is
 one launch instead of thirty.
 
 No host sync: every value stays on the device, so the kernel is captured with the rest of the
@@ -64,7 +64,7 @@ def _finish_greedy_kernel(
     active_ptr,       # [B] bool, in place
     generated_ptr,    # [B] int64, in place
     max_new_ptr,      # [B] int64
-    eos_ptr,          # [EOS] int64 stop ids, padded with -1
+    eos_ptr,          # [B, EOS] int64 stop ids per row, padded with -1, contiguous
     history_ptr,      # [B, S] int64, row stride history_stride, in place
     seq_lens_ptr,     # [B] int64, the target cache's lengths L, in place
     packed_ptr,       # out: [B, G + 2] int64 (AHEAD: [B, G + 3]), contiguous
@@ -129,7 +129,7 @@ def _finish_greedy_kernel(
 
     # Finish: an eos among the n + 1 kept tokens, or the budget spent.
     e = tl.arange(0, EOS_BLOCK)
-    eos = tl.load(eos_ptr + e, mask=e < EOS, other=-1)  # -1 is never a token
+    eos = tl.load(eos_ptr + row * EOS + e, mask=e < EOS, other=-1)  # -1 is never a token
     is_eos = (tokens[:, None] == eos[None, :]) & (i <= n)[:, None]  # [BLOCK, EOS_BLOCK]
     no_eos = tl.max(tl.max(is_eos.to(tl.int32), axis=1), axis=0) == 0
     still = active & no_eos & (generated < max_new)
@@ -197,7 +197,7 @@ def finish_greedy_step(state: DecodeState, seq_lens: torch.Tensor,
     # BLOCK >= 2 even for the plain step: one spare lane costs nothing, and every block stays a
     # vector rather than the one-element corner case of arange and the reductions.
     block = max(2, triton.next_power_of_2(G + 1))
-    eos_slots = state.eos.shape[0]
+    eos_slots = state.eos.shape[1]
     _finish_greedy_kernel[(B,)](
         draft_tokens, target_tokens, state.pending, state.last, state.active, state.generated,
         state.max_new_tokens, state.eos, history, seq_lens, packed,

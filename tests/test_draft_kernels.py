@@ -104,7 +104,7 @@ def run(case: Case, fused: bool) -> Run:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(draft_kernels, "MAX_BLOCK_V", case.block_v)
         draft_tokens, probs = speculative.draft(draft_model, target_cache.seq_lens, state, G,
-                                                case.vocab_size, False, None, fused)
+                                                case.vocab_size, False, fused)
     assert probs is None
     speculative.verify(target, state, draft_tokens, case.vocab_size, fused)
     assert torch.equal(state.last, case.last) and torch.equal(state.pending, case.pending)
@@ -288,9 +288,9 @@ def test_sampling_keeps_the_eager_glue(monkeypatch: pytest.MonkeyPatch) -> None:
     state = DecodeState.allocate(B, 4, torch.device("cpu"))
     state.load(5, [], 1.0, None, None, W)
     lens = torch.tensor([3, 4])
-    _, probs = speculative.draft(model, lens, state, 2, W, True, torch.Generator().manual_seed(0))
+    _, probs = speculative.draft(model, lens, state, 2, W, True)
     assert probs is not None and calls == []
-    speculative.draft(model, lens, state, 2, W, False, None)
+    speculative.draft(model, lens, state, 2, W, False)
     assert calls == ["catchup_inputs", "draft_advance", "draft_advance"]
 
 
@@ -344,7 +344,7 @@ def test_speculative_steps_are_unchanged_with_the_kernels(engines,
     bucket.state.load(30, [], 1.0, None, None, engine.vocab_size)
     speculative.prefill(bucket.target, bucket.draft, bucket.state,
                         pad_batch(checked, bucket.batch, 2), checked.length, engine.vocab_size,
-                        False, None)
+                        False)
     start = snapshot(bucket)
 
     def steps() -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
@@ -354,7 +354,7 @@ def test_speculative_steps_are_unchanged_with_the_kernels(engines,
         out = []
         for _ in range(3):
             packed = speculative.speculative_step(bucket.target, bucket.draft, bucket.state,
-                                                  engine.gamma, engine.vocab_size, False, None)
+                                                  engine.gamma, engine.vocab_size, False)
             out.append((packed.clone(), snapshot(bucket)))
         return out
 

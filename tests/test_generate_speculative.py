@@ -114,18 +114,16 @@ def test_a_speculative_step_never_syncs_with_the_host(do_sample: bool) -> None:
     checked = check_prompts(ids, mask, vocab_size=engine.vocab_size, max_batch_size=4,
                             max_tokens=MAX_SEQ_LEN, device=engine.device)
     bucket = engine.bucket(checked.batch)
-    state, generator = bucket.state, engine.generator
-    generator.manual_seed(0)
-    state.load(30, [3], 0.8, 20, 0.9, engine.vocab_size)
+    state = bucket.state
+    state.load(30, [3], 0.8, 20, 0.9, engine.vocab_size, seed=0)
     speculative.prefill(bucket.target, bucket.draft, state, pad_batch(checked, bucket.batch, 2),
-                        checked.length, engine.vocab_size, do_sample, generator)
+                        checked.length, engine.vocab_size, do_sample)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(3):  # uncaptured: what the step graph was captured from
             packed = speculative.speculative_step(bucket.target, bucket.draft, state,
-                                                  engine.gamma, engine.vocab_size, do_sample,
-                                                  generator)
+                                                  engine.gamma, engine.vocab_size, do_sample)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert packed.cpu().shape == (bucket.batch, engine.gamma + 2)

@@ -69,7 +69,7 @@ def finish_cases(draw: st.DrawFn) -> tuple[DecodeState, torch.Tensor, torch.Tens
     state.max_new_tokens.copy_(state.generated + ints(0, 12, B))
     eos = draw(st.lists(st.integers(0, VOCAB - 1), max_size=2))
     if eos:
-        state.eos[: len(eos)].copy_(torch.tensor(eos))
+        state.eos[:, : len(eos)] = torch.tensor(eos)
     seq_lens = ints(0, S - 2 - gamma, B)
     return state, seq_lens, target, ahead
 

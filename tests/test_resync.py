@@ -116,11 +116,11 @@ def test_chunks_leave_the_cache_a_reprefill_leaves(behind: int,
     state.load(MAX_SEQ_LEN - checked.length, [], 1.0, None, None, VOCAB)
     state.max_new_tokens[1] = 6  # row 1 finishes early: frozen while the others go on
     speculative.prefill(target, draft, state, pad_batch(checked, bucket.batch, 2),
-                        checked.length, VOCAB, False, None)
+                        checked.length, VOCAB, False)
     for _ in range(3):
-        speculative.speculative_step(target, draft, state, 3, VOCAB, False, None)
+        speculative.speculative_step(target, draft, state, 3, VOCAB, False)
     for _ in range(behind):
-        speculative.plain_step(target, state, VOCAB, False, None)
+        speculative.plain_step(target, state, VOCAB, False)
     before = [t.clone() for t in draft_cache(draft)]
 
     speculative.resync_draft(without_resync(draft), target, state, behind)
@@ -311,7 +311,7 @@ def test_catching_up_never_syncs_with_the_host_on_cuda() -> None:
     assert bucket.resync_graph is not None
     bucket.state.load(40, [], 1.0, None, None, VOCAB)
     speculative.prefill(bucket.target, bucket.draft, bucket.state,
-                        pad_batch(checked, bucket.batch, 2), checked.length, VOCAB, False, None)
+                        pad_batch(checked, bucket.batch, 2), checked.length, VOCAB, False)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -18,9 +18,13 @@ from transformers.generation.logits_process import (
 )
 
 from fuser.runtime.sampling import (
+    PURPOSE_ACCEPT,
+    PURPOSE_TARGET,
     accept_greedy,
     accept_sampling,
     accepted_prefix,
+    draw_keys,
+    keyed_uniform,
     process_logits,
     sample,
 )
@@ -100,6 +104,32 @@ def test_sample_follows_probs_and_never_picks_a_zero() -> None:
     assert sample(torch.tensor([0.0, 0.0, 1.0]), generator).shape == ()
 
 
+def test_keyed_sample_follows_probs_and_depends_only_on_the_key() -> None:
+    probs = torch.tensor([0.0, 0.5, 0.1, 0.0, 0.25, 0.15])
+    n = 200_000
+    keys = draw_keys(torch.full((n,), 12345), torch.arange(n), PURPOSE_TARGET)
+    tokens = sample(probs.expand(n, 6) * 3.0, keys)
+    freq = empirical(tokens, 6)
+    assert freq[0] == 0 and freq[3] == 0
+    assert total_variation(freq, probs.double()) < 0.005  # expected ~0.0015 at n = 200k
+    # A row's draw is a function of its key alone: the same rows in another batch order agree.
+    order = torch.randperm(1000, generator=torch.Generator().manual_seed(0))
+    wide = torch.softmax(torch.randn(1000, 50, generator=torch.Generator().manual_seed(1)), -1)
+    assert torch.equal(sample(wide, keys[:1000])[order], sample(wide[order], keys[:1000][order]))
+    # purposes, counters and seeds give different keys
+    assert len({int(draw_keys(torch.tensor(s), torch.tensor(c), u))
+                for s in (0, 1, -1) for c in (0, 1, 2) for u in (1, 2, 3, 4)}) == 36
+
+
+def test_keyed_uniform_is_uniform() -> None:
+    u = keyed_uniform(draw_keys(torch.tensor(7), torch.arange(100_000), PURPOSE_ACCEPT))
+    assert float(u.min()) >= 0 and float(u.max()) < 1
+    histogram = torch.histc(u, bins=10, min=0, max=1) / u.numel()
+    assert float((histogram - 0.1).abs().max()) < 0.005
+    lag = torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1]
+    assert abs(float(lag)) < 0.01  # consecutive counters are not correlated
+
+
 def test_accepted_prefix() -> None:
     accept = torch.tensor([[True, True, False, True], [False, True, True, True],
                            [True, True, True, True]])
@@ -159,20 +189,27 @@ BUGGY_RULES = ["forgets the residual", "residual of the wrong sign", "inverted r
                "always accepts", "residual not clamped"]
 
 
-def run_acceptance(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ROWS independent speculative steps over (P, Q): (draft tokens, num_accepted, next)."""
+def run_acceptance(seed: int, keyed: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ROWS independent speculative steps over (P, Q): (draft tokens, num_accepted, next).
+    keyed: the per-row counter-based draws (row r: seed r, counter seed) instead of a generator."""
     generator = torch.Generator().manual_seed(seed)
     gamma = P.shape[0]
     draft = torch.stack([torch.multinomial(P[i].float(), ROWS, replacement=True,
                                            generator=generator) for i in range(gamma)], dim=1)
     p = P.float().expand(ROWS, *P.shape)  # [ROWS, gamma, V]
     q = Q.float().expand(ROWS, *Q.shape)  # [ROWS, gamma + 1, V]
-    n, nxt = accept_sampling(draft, p, q, generator)
+    if keyed:
+        keys = (torch.arange(ROWS), torch.full((ROWS,), seed))
+        n, nxt = accept_sampling(draft, p, q, keys=keys)
+    else:
+        n, nxt = accept_sampling(draft, p, q, generator)
     return draft, n, nxt
 
 
-def test_accept_sampling_preserves_the_target_distribution() -> None:
-    draft, n, nxt = run_acceptance(seed=0)
+@pytest.mark.parametrize("keyed", [False, True], ids=["generator", "keyed"])
+def test_accept_sampling_preserves_the_target_distribution(keyed: bool) -> None:
+    draft, n, nxt = run_acceptance(seed=0, keyed=keyed)
     V = P.shape[1]
     # Emitted token at position i (it exists when n >= i): the accepted draft if n > i, else
     # the one `accept_sampling` drew. Conditioned on reaching i, it must follow Q[i].

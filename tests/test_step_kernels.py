@@ -105,7 +105,7 @@ def cases(draw: st.DrawFn, clamp: bool = True) -> Case:
     state.generated.copy_(torch.tensor(generated))
     state.max_new_tokens.copy_(torch.tensor([g + b for g, b in zip(generated, budget)]))
     if eos:
-        state.eos[: len(eos)].copy_(torch.tensor(eos))
+        state.eos[:, : len(eos)] = torch.tensor(eos)
     draft_tokens = torch.tensor(drafts, dtype=torch.long).view(B, gamma) if gamma else None
     return Case(state, torch.tensor(seq_lens), draft_tokens,
                 torch.tensor(targets, dtype=torch.long).view(B, gamma + 1))
@@ -162,7 +162,7 @@ def test_plain_and_speculative_examples() -> None:
     state.active.copy_(torch.tensor([True, True, False, True, True]))
     state.generated.fill_(2)
     state.max_new_tokens.copy_(torch.tensor([20, 20, 20, 3, 20]))
-    state.eos[0] = 9
+    state.eos[:, 0] = 9
     draft = torch.tensor([[1, 2, 3], [1, 2, 3], [1, 2, 3], [1, 2, 3], [1, 5, 9]])
     target = torch.tensor([[1, 2, 3, 4], [1, 9, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4],
                            [1, 2, 3, 4]])

@@ -1,0 +1,539 @@
+"""Continuous batching: requests join and leave the running batch between steps.
+
+The engine's KV caches and its `DecodeState` have max_batch_size rows; every batch bucket runs
+over rows [:bucket] of them (runtime/step_graphs.py). The scheduler treats the rows as slots:
+
+    rows [0, n)   the n running requests, always packed at the front, so that a step runs in
+                  the smallest bucket >= n (`Engine.bucket`);
+    rows [n, ..)  free: inactive in the state (a step computes them and keeps nothing).
+
+Between two steps, on the host:
+    retire  a finished or cancelled request leaves; the last running row moves into its slot
+            (`_move_row`: its KV rows in both caches, its lengths and its state row), so the rows
+            stay packed;
+    admit   a waiting request joins: the request in row 0 moves to row n, and the prompt is
+            prefilled into row 0 through the batch-1 bucket's prefill (its captured graphs on
+            CUDA), which writes row 0 only; its first token is chosen there (time to first
+            token). Admissions per step are bounded by `prefill_tokens` so that running rows
+            wait at most about one prefill of that size;
+    step    one iteration of the bucket (target-only, or draft + verify with the adaptive
+            gamma), then one read-back of the packed tokens: each row keeps n + 1 tokens up to
+            its eos and budget, exactly as `generate` does.
+
+A request's tokens do not depend on what else runs: its row's arithmetic is the same in any
+bucket (up to the rounding of batched kernels; exactly so in fp32 on the CPU), and sampling
+draws from the row's own seed and output index (runtime/sampling.py `draw_keys`). A batch in
+which some rows sample runs the sampling iteration; its greedy rows then have top_k = 1, which
+picks the argmax (and accepts a draft exactly when it is the target's argmax).
+
+The stepping runs on one background thread; `submit` and `RequestStream.cancel` are safe from
+any thread, and a `RequestStream` is read with a blocking iterator or `async for`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from fuser.runtime import speculative
+from fuser.runtime.prompts import Prompts, pad_batch
+from fuser.runtime.speculative import EOS_SLOTS
+from fuser.runtime.step_graphs import PLAIN
+
+if TYPE_CHECKING:
+    from fuser.engine import Engine
+    from fuser.runtime.kv_cache import KVCache
+
+__all__ = ["QueueFull", "RequestStream", "SamplingParams", "Scheduler", "SchedulerClosed"]
+
+log = logging.getLogger("fuser")
+
+
+class QueueFull(Exception):
+    """The waiting queue is at its bound (`Scheduler(max_waiting=...)`): try again later."""
+
+
+class SchedulerClosed(Exception):
+    """The scheduler is draining or closed: it takes no new requests."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's decoding parameters (OpenAI's names).
+
+    temperature 0 is greedy; top_p None or 1.0 and top_k None, 0 or -1 are off. A seeded
+    request returns the same tokens whatever else runs beside it. eos_token_id None: the
+    engine's generation config; ignore_eos: generate max_tokens tokens whatever comes.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    eos_token_id: tuple[int, ...] | list[int] | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class RequestStream:
+    """One submitted request: its tokens as they come (iterate, or `async for`), its timing,
+    and `cancel` / `finish` to stop it early (from any thread)."""
+
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 eos: list[int], seed: int) -> None:
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.eos = eos
+        self.seed = seed
+        self.output_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.token_times: list[float] = []
+        self._items: deque[list[int]] = deque()
+        self._cond = threading.Condition()
+        self._stop_reason: str | None = None  # asked for by cancel/finish, acted on by the loop
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        self._on_stop: Callable[[], None] | None = None  # the scheduler's wake-up
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def stop_requested(self) -> str | None:
+        return self._stop_reason
+
+    def cancel(self) -> None:
+        """Stop generating (finish_reason "abort"); the slot is free at the next step."""
+        self.finish("abort")
+
+    def finish(self, reason: str) -> None:
+        """Stop generating with `reason` (e.g. "stop" when the caller found a stop string)."""
+        if self.done or self._stop_reason is not None:
+            return
+        self._stop_reason = reason
+        if self._on_stop is not None:
+            self._on_stop()
+
+    # -- the scheduler's side --------------------------------------------------------------------
+
+    def _deliver(self, tokens: list[int], finish_reason: str | None = None) -> None:
+        now = time.perf_counter()
+        with self._cond:
+            if self.done:
+                return
+            if tokens:
+                if self.first_token_time is None:
+                    self.first_token_time = now
+                self.output_ids.extend(tokens)
+                self.token_times.append(now)
+                self._items.append(tokens)
+            if finish_reason is not None:
+                self.finish_reason = finish_reason
+                self.finish_time = now
+            self._cond.notify_all()
+            for loop, event in self._waiters:
+                try:
+                    loop.call_soon_threadsafe(event.set)
+                except RuntimeError:  # the loop is closed: its reader is gone
+                    pass
+
+    # -- the reader's side -----------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[list[int]]:
+        """Blocking: the new token ids of each step, until the request finishes."""
+        while True:
+            with self._cond:
+                while not self._items and not self.done:
+                    self._cond.wait()
+                if self._items:
+                    item = self._items.popleft()
+                else:
+                    return
+            yield item
+
+    async def __aiter__(self) -> AsyncIterator[list[int]]:
+        """`async for tokens in stream`: the new token ids of each step."""
+        event = asyncio.Event()
+        entry = (asyncio.get_running_loop(), event)
+        with self._cond:
+            self._waiters.append(entry)
+        try:
+            while True:
+                with self._cond:
+                    if self._items:
+                        item = self._items.popleft()
+                    elif self.done:
+                        return
+                    else:
+                        item = None
+                        event.clear()  # set again (on this loop) by the next delivery
+                if item is None:
+                    await event.wait()
+                else:
+                    yield item
+        finally:
+            with self._cond:
+                self._waiters.remove(entry)
+
+    def result(self, timeout: float | None = None) -> list[int]:
+        """Block until the request finishes; its output ids (TimeoutError past `timeout`)."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.done, timeout):
+                raise TimeoutError(f"request {self.request_id} did not finish in {timeout} s")
+        return list(self.output_ids)
+
+
+class Scheduler:
+    """Continuous batching over an engine (see the module docstring).
+
+        scheduler = Scheduler(engine, max_waiting=256)
+        scheduler.start()
+        stream = scheduler.submit(prompt_ids, SamplingParams(max_tokens=64, temperature=0))
+        async for tokens in stream: ...          # or: for tokens in stream, stream.result()
+        scheduler.drain(timeout=30); scheduler.close()
+
+    The engine needs a batch bucket of 1 (prefill goes through it; CUDA engines have one, CPU
+    engines are built with FuserConfig(batch_buckets=(1,)) for it). While requests run, the
+    scheduler holds the engine: `engine.generate` from another thread raises until it is idle.
+    """
+
+    def __init__(self, engine: Engine, *, max_waiting: int = 256,
+                 prefill_tokens: int = 2048) -> None:
+        if engine.target is None:
+            raise ValueError("the scheduler needs an engine whose target was captured; this one "
+                             "runs the model in eager Hugging Face (see engine.report().fallbacks)")
+        if 1 not in engine.buckets:
+            raise ValueError(
+                f"the engine has batch buckets {sorted(engine.buckets)} but the scheduler "
+                "prefills through a bucket of 1: build it with FuserConfig(batch_buckets=(1,)) "
+                "(CUDA engines have it by default)")
+        if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 0:
+            raise ValueError(f"max_waiting={max_waiting!r} must be an int >= 0")
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.prefill_tokens = prefill_tokens
+        self.max_slots = max(engine.buckets)
+        self.max_seq_len = engine.config.max_seq_len
+        top = engine.buckets[self.max_slots]
+        self._caches: list[KVCache] = [m.cache for m in (top.target, top.draft) if m is not None]
+        self._state = engine.state
+        self._running: list[RequestStream] = []  # row i holds _running[i]
+        self._waiting: deque[RequestStream] = deque()
+        self._lock = threading.Condition()
+        self._closed = False
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._busy = False  # the loop holds the engine (`Engine.generating`)
+        self._ids = itertools.count()
+        self._draft_behind = 0  # target-only steps since the draft last ran (`generate`'s)
+        self._rng = random.Random()
+        generation_config = getattr(engine.user_target, "generation_config", None)
+        eos = getattr(generation_config, "eos_token_id", None)
+        self._default_eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        self.steps = 0
+
+    # -- public ----------------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return sum(not s.done for s in self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def slots_used(self) -> int:
+        return len(self._running)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def start(self) -> None:
+        """Start the stepping thread (once)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="fuser-scheduler",
+                                            daemon=True)
+            self._thread.start()
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams | None = None
+               ) -> RequestStream:
+        """Queue a request; returns at once. Raises ValueError (a bad prompt or parameter, named),
+        QueueFull, or SchedulerClosed."""
+        params = params if params is not None else SamplingParams()
+        prompt = self._check(prompt_ids, params)
+        if params.ignore_eos:
+            eos: list[int] = []
+        elif params.eos_token_id is not None:
+            eos = [int(t) for t in params.eos_token_id]
+        else:
+            eos = list(self._default_eos)
+        if len(eos) > EOS_SLOTS:
+            raise ValueError(f"eos_token_id has {len(eos)} ids; at most {EOS_SLOTS} are supported")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        with self._lock:
+            if self._closed:
+                raise SchedulerClosed("the server is shutting down: it takes no new requests")
+            if len(self._waiting) >= self.max_waiting:
+                raise QueueFull(f"{len(self._waiting)} requests are waiting, the bound "
+                                f"(max_waiting={self.max_waiting}): try again later")
+            stream = RequestStream(f"req-{next(self._ids)}", prompt, params, eos, seed)
+            stream._on_stop = self._wake
+            self._waiting.append(stream)
+            self._lock.notify_all()
+        return stream
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until nothing runs or waits (every slot free); False after `timeout` s."""
+        with self._lock:
+            return self._lock.wait_for(
+                lambda: not self._running and not self._waiting and not self._busy, timeout)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Take no new requests; let the running and waiting ones finish (aborting what still
+        runs after `timeout` seconds). True when everything finished on its own."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+            finished = self._lock.wait_for(lambda: not self._running and not self._waiting,
+                                           timeout)
+        if not finished:
+            for stream in list(self._running) + list(self._waiting):
+                stream.cancel()
+            with self._lock:
+                self._lock.wait_for(lambda: not self._running and not self._waiting, 10.0)
+        return finished
+
+    def close(self) -> None:
+        """Abort everything and stop the thread (idempotent)."""
+        with self._lock:
+            self._closed = True
+            for stream in list(self._running) + list(self._waiting):
+                stream._stop_reason = stream._stop_reason or "abort"
+            self._stop = True
+            self._lock.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
+        # Whatever the thread did not get to (or when it never ran) ends here.
+        for stream in list(self._running) + list(self._waiting):
+            stream._deliver([], stream._stop_reason or "abort")
+        self._running.clear()
+        self._waiting.clear()
+
+    # -- checks ----------------------------------------------------------------------------------
+
+    def _check(self, prompt_ids: object, params: SamplingParams) -> list[int]:
+        if isinstance(prompt_ids, torch.Tensor):
+            prompt_ids = prompt_ids.flatten().tolist()
+        if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        vocab = self.engine.vocab_size
+        prompt = []
+        for token in prompt_ids:
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+                raise ValueError(f"the prompt holds {token!r}, not a token id in [0, {vocab})")
+            prompt.append(int(token))
+        p = params
+        if isinstance(p.max_tokens, bool) or not isinstance(p.max_tokens, int) or p.max_tokens < 1:
+            raise ValueError(f"max_tokens={p.max_tokens!r} must be an int >= 1")
+        if len(prompt) + p.max_tokens > self.max_seq_len:
+            raise ValueError(f"the prompt ({len(prompt)} tokens) plus max_tokens={p.max_tokens} "
+                             f"is {len(prompt) + p.max_tokens} tokens, above this engine's "
+                             f"max_seq_len={self.max_seq_len}")
+        if isinstance(p.temperature, bool) or not isinstance(p.temperature, (int, float)) \
+                or not p.temperature >= 0:
+            raise ValueError(f"temperature={p.temperature!r} must be a number >= 0")
+        if p.top_p is not None and (isinstance(p.top_p, bool) or not isinstance(
+                p.top_p, (int, float)) or not 0 < p.top_p <= 1):
+            raise ValueError(f"top_p={p.top_p!r} must be a number in (0, 1]")
+        if p.top_k is not None and (isinstance(p.top_k, bool) or not isinstance(p.top_k, int)
+                                    or p.top_k < -1):
+            raise ValueError(f"top_k={p.top_k!r} must be an int >= 1 (or 0 / -1: off)")
+        if p.seed is not None and (isinstance(p.seed, bool) or not isinstance(p.seed, int)):
+            raise ValueError(f"seed={p.seed!r} must be an int")
+        for token in p.eos_token_id or ():
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+                raise ValueError(f"eos_token_id holds {token!r}, not a token id in [0, {vocab})")
+        return prompt
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        with self._lock:
+            self._lock.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                self._lock.wait_for(lambda: self._stop or self._running or self._waiting)
+                if self._stop:
+                    return
+                self._busy = True
+            try:
+                with self.engine.generating():
+                    while not self._stop and (self._running or self._waiting):
+                        self._iteration()
+            except Exception as e:  # noqa: BLE001 -- a failed step ends its requests, not the server
+                log.exception("fuser: a scheduler step failed; its requests end with 'error'")
+                self._fail_all(f"error: {type(e).__name__}: {e}")
+            with self._lock:
+                self._busy = False
+                self._lock.notify_all()  # wait_idle() and drain() wait for this
+
+    def _iteration(self) -> None:
+        self._retire()
+        self._admit()
+        if self._running:
+            self._step()
+            self.steps += 1
+            self._retire()  # the slots of what this step finished are free at once
+
+    def _fail_all(self, reason: str) -> None:
+        with self._lock:
+            streams = list(self._running)
+            self._running.clear()
+            self._state.active.zero_()
+        for stream in streams:
+            stream._deliver([], "error")
+        log.error("fuser: %s", reason)
+
+    def _retire(self) -> None:
+        """Free the slots of finished and cancelled requests, keeping the rows packed; end the
+        cancelled waiting ones."""
+        with self._lock:
+            for stream in [s for s in self._waiting if s.stop_requested is not None]:
+                self._waiting.remove(stream)
+                stream._deliver([], stream.stop_requested)
+            running = self._running
+            row = 0
+            while row < len(running):
+                stream = running[row]
+                if stream.stop_requested is not None and not stream.done:
+                    stream._deliver([], stream.stop_requested)
+                if not stream.done:
+                    row += 1
+                    continue
+                last = len(running) - 1
+                if row != last:
+                    self._move_row(last, row)
+                    running[row] = running[last]
+                self._state.active[last] = False
+                running.pop()
+            self._lock.notify_all()
+
+    def _admit(self) -> None:
+        """Prefill waiting requests into free rows (at least one when a slot is free, then while
+        the prompts fit `prefill_tokens`)."""
+        budget = self.prefill_tokens
+        while len(self._running) < self.max_slots:
+            with self._lock:
+                if not self._waiting or (budget < len(self._waiting[0].prompt_ids)
+                                         and budget != self.prefill_tokens):
+                    return
+                stream = self._waiting.popleft()
+                row = len(self._running)
+                if row > 0:  # row 0 takes the new prompt: its request moves to the free row
+                    self._move_row(0, row)
+                    self._running.append(self._running[0])
+                    self._running[0] = stream
+                else:
+                    self._running.append(stream)
+            budget -= len(stream.prompt_ids)
+            self._prefill(stream)
+
+    def _prefill(self, stream: RequestStream) -> None:
+        """Prefill `stream`'s prompt into row 0 through the batch-1 bucket; deliver its first
+        token (and finish it when that is all it gets)."""
+        engine = self.engine
+        bucket = engine.buckets[1]
+        params = stream.params
+        greedy = params.greedy
+        top_k = 1 if greedy else (None if params.top_k in (None, 0, -1) else params.top_k)
+        top_p = None if greedy else params.top_p
+        self._state.load_row(0, params.max_tokens, stream.eos,
+                             1.0 if greedy else float(params.temperature), top_k, top_p,
+                             engine.vocab_size, stream.seed)
+        T = len(stream.prompt_ids)
+        device = self._state.pending.device
+        tokens = torch.tensor([stream.prompt_ids], dtype=torch.long, device=device)  # [1, T]
+        prompts = Prompts(tokens=tokens, starts=torch.zeros(1, dtype=torch.long, device=device),
+                          batch=1)
+        padded = pad_batch(prompts, 1, min_length=bucket.prefill_length(T))
+        result = speculative.prefill(bucket.target, bucket.draft, bucket.state, padded, T,
+                                     engine.vocab_size, not greedy)
+        first = int(result.tokens[0, 0])
+        stats = engine.stats
+        stats.num_generated_tokens += 1
+        self._deliver(stream, [first], params.max_tokens)
+
+    def _deliver(self, stream: RequestStream, kept: list[int], budget: int) -> None:
+        """Hand `kept` to the stream, cut at its first eos; finish it on eos or budget."""
+        reason = None
+        for i, token in enumerate(kept):
+            if token in stream.eos:
+                kept, reason = kept[: i + 1], "stop"
+                break
+        if reason is None and len(stream.output_ids) + len(kept) >= budget:
+            reason = "length"
+        stream._deliver(kept, reason)
+
+    def _step(self) -> None:
+        """One iteration of the bucket holding the running rows, and its read-back."""
+        engine = self.engine
+        running = list(self._running)
+        n = len(running)
+        bucket = engine.bucket(n)
+        controller = engine.controller(bucket.batch)
+        gamma = engine.next_gamma(controller) if bucket.draft is not None else PLAIN
+        if gamma > 0 and self._draft_behind:
+            bucket.resync(self._draft_behind)
+        self._draft_behind = self._draft_behind + 1 if gamma == PLAIN else 0
+        do_sample = any(not s.params.greedy for s in running)
+        start = time.perf_counter()
+        packed = bucket.run(gamma, do_sample)
+        host = packed.to("cpu")  # the step's one sync: [bucket, gamma + 2] (tokens, n)
+        width = gamma + 1
+        tokens, accepted = host[:n, :width].tolist(), host[:n, -1].tolist()
+        was_active = [not s.done for s in running]
+        before = engine.stats.num_generated_tokens
+        for row, stream in enumerate(running):
+            if stream.done:
+                continue
+            left = stream.params.max_tokens - len(stream.output_ids)
+            kept = tokens[row][: min(accepted[row] + 1, left)]
+            engine.stats.num_generated_tokens += len(kept)
+            self._deliver(stream, kept, stream.params.max_tokens)
+        engine.record_step(controller, accepted, was_active, gamma)
+        elapsed = time.perf_counter() - start
+        engine.stats.generate_seconds += elapsed
+        engine.observe_tokens(engine.stats.num_generated_tokens - before, elapsed)
+
+    # -- moving a request between rows -----------------------------------------------------------
+
+    def _move_row(self, src: int, dst: int) -> None:
+        """Row dst takes row src's request: its KV rows (both models), lengths and state."""
+        for cache in self._caches:
+            for layer in (*cache.k, *cache.v):  # [B, S, kv_heads, D] each
+                layer[dst].copy_(layer[src])
+            cache.seq_lens[dst] = cache.seq_lens[src]
+            cache.starts[dst] = cache.starts[src]
+        self._state.copy_row(dst, src)
