@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fuser.runtime import speculative
+from fuser.runtime.generate import ReadBack
 from fuser.runtime.prompts import Prompts, pad_batch
 from fuser.runtime.speculative import EOS_SLOTS
 from fuser.runtime.step_graphs import PLAIN
@@ -199,6 +200,18 @@ class RequestStream:
             if not self._cond.wait_for(lambda: self.done, timeout):
                 raise TimeoutError(f"request {self.request_id} did not finish in {timeout} s")
         return list(self.output_ids)
+
+
+@dataclass
+class _Step:
+    """An issued iteration: the rows it ran (row i: rows[i]), its gamma and controller, its
+    packed result on the way to the host, and when it was issued."""
+
+    rows: list[RequestStream]
+    gamma: int
+    controller: object
+    read_back: ReadBack
+    start: float
 
 
 class Scheduler:
@@ -400,12 +413,34 @@ class Scheduler:
                 self._lock.notify_all()  # wait_idle() and drain() wait for this
 
     def _iteration(self) -> None:
+        """Retire and admit (no step in flight), then step; while nothing is to retire or admit,
+        the next step is queued on the device before the host reads the last one back, as
+        `generate` does, so the GPU does not wait for Python between steps."""
         self._retire()
         self._admit()
-        if self._running:
-            self._step()
+        if not self._running:
+            return
+        in_flight = self._issue()
+        while True:
+            ahead = self._issue() if self._may_run_ahead(in_flight) else None
+            self._collect(in_flight)
             self.steps += 1
-            self._retire()  # the slots of what this step finished are free at once
+            if ahead is None:
+                break
+            in_flight = ahead
+        self._retire()  # the slots of what these steps finished are free at once
+
+    def _may_run_ahead(self, in_flight: _Step) -> bool:
+        """Whether to queue another step before `in_flight` is read back: only while the rows
+        stay as they are (nothing to admit or cancel) and some row still needs tokens after
+        the step in flight (each gives every active row at least one)."""
+        if self._stop or len(self._running) != len(in_flight.rows):
+            return False
+        if self._waiting and len(self._running) < self.max_slots:
+            return False
+        return all(s.stop_requested is None for s in self._running) and any(
+            not s.done and s.params.max_tokens - len(s.output_ids) > 1
+            for s in self._running)
 
     def _fail_all(self, reason: str) -> None:
         with self._lock:
@@ -496,34 +531,38 @@ class Scheduler:
             reason = "length"
         stream._deliver(kept, reason)
 
-    def _step(self) -> None:
-        """One iteration of the bucket holding the running rows, and its read-back."""
+    def _issue(self) -> _Step:
+        """Queue one iteration of the bucket holding the running rows (and its read-back)."""
         engine = self.engine
-        running = list(self._running)
-        n = len(running)
-        bucket = engine.bucket(n)
+        rows = list(self._running)
+        bucket = engine.bucket(len(rows))
         controller = engine.controller(bucket.batch)
         gamma = engine.next_gamma(controller) if bucket.draft is not None else PLAIN
         if gamma > 0 and self._draft_behind:
             bucket.resync(self._draft_behind)
         self._draft_behind = self._draft_behind + 1 if gamma == PLAIN else 0
-        do_sample = any(not s.params.greedy for s in running)
+        do_sample = any(not s.params.greedy for s in rows)
         start = time.perf_counter()
-        packed = bucket.run(gamma, do_sample)
-        host = packed.to("cpu")  # the step's one sync: [bucket, gamma + 2] (tokens, n)
-        width = gamma + 1
-        tokens, accepted = host[:n, :width].tolist(), host[:n, -1].tolist()
-        was_active = [not s.done for s in running]
+        read_back = ReadBack(bucket.run(gamma, do_sample))  # [bucket, gamma + 2]
+        return _Step(rows, gamma, controller, read_back, start)
+
+    def _collect(self, step: _Step) -> None:
+        """Read one step back: each row keeps n + 1 tokens, cut at its eos and budget."""
+        engine = self.engine
+        host = step.read_back.wait()  # the step's one sync
+        n = len(step.rows)
+        tokens, accepted = host[:n, : step.gamma + 1].tolist(), host[:n, -1].tolist()
+        was_active = [not s.done for s in step.rows]
         before = engine.stats.num_generated_tokens
-        for row, stream in enumerate(running):
+        for row, stream in enumerate(step.rows):
             if stream.done:
                 continue
             left = stream.params.max_tokens - len(stream.output_ids)
             kept = tokens[row][: min(accepted[row] + 1, left)]
             engine.stats.num_generated_tokens += len(kept)
             self._deliver(stream, kept, stream.params.max_tokens)
-        engine.record_step(controller, accepted, was_active, gamma)
-        elapsed = time.perf_counter() - start
+        engine.record_step(step.controller, accepted, was_active, step.gamma)
+        elapsed = time.perf_counter() - step.start
         engine.stats.generate_seconds += elapsed
         engine.observe_tokens(engine.stats.num_generated_tokens - before, elapsed)
 
