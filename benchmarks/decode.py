@@ -80,96 +80,39 @@ def save(path: str | None) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--preset", default="llama-3-8b")
-    parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--skip-hf-compile", action="store_true")
-    parser.add_argument("--skip-gpt-fast", action="store_true")
+    parser.add_argument("--preset", default="llama-3-8b",
+                        help="a model shape of fuser.models.PRESETS, random bf16 weights")
+    parser.add_argument("--prompt-tokens", type=int, default=128, help="prompt length")
+    parser.add_argument("--new-tokens", type=int, default=256, help="tokens generated per run")
+    parser.add_argument("--skip-hf-compile", action="store_true",
+                        help="skip Hugging Face static cache + torch.compile")
+    parser.add_argument("--skip-gpt-fast", action="store_true",
+                        help="skip the gpt-fast-style peer (benchmarks/peers.py)")
     parser.add_argument("--skip-peers", action="store_true", help="fuser only")
     parser.add_argument("--profile", action="store_true",
                         help="break the decode step's kernel time down by op")
-    parser.add_argument("--skip-verify", action="store_true")
+    parser.add_argument("--skip-verify", action="store_true",
+                        help="skip timing the verification step (T = 5)")
     parser.add_argument("--fused-attention", choices=["default", "on", "off"], default="default",
                         help="FuserConfig.fused_attention: the split-K Triton op for decode/verify")
     parser.add_argument("--precisions", default="bf16,fp8",
                         help="fuser engines to time, comma-separated: bf16 (the model's own) and fp8")
-    parser.add_argument("--prefill-tokens", type=int, default=2048)
+    parser.add_argument("--prefill-tokens", type=int, default=2048,
+                        help="prompt length of the prefill timing")
     parser.add_argument("--layers", type=int, default=None,
                         help="decoder layers (default: the preset's); fewer for a quick per-op "
                              "profile, whose per-layer rows do not depend on the layer count")
-    parser.add_argument("--rstd-last", action="store_true",
-                        help="one row's norm inside the GEMVs with rstd after the sum "
-                             "(linear.NORM_RSTD_LAST) instead of the prologue pass")
-    parser.add_argument("--norm-pass", action="store_true",
-                        help="one row's norm by the prologue pass at every shape (no "
-                             "linear.FP8_PLAIN_RSTD_LAST)")
-    parser.add_argument("--fp8-rows", choices=["f16", "x2", "norm pieces", "pieces", "bf16"],
-                        default=None,
-                        help="several-row FP8 GEMVs (the verify step) on the fp16 MMA, the FP8 "
-                             "MMA with x split in two pieces in the GEMV, by the norm kernel "
-                             "before it, or by the norm kernel and a split kernel, or the bf16 "
-                             "MMA (linear.FP8_ROWS_MMA; default: the module's)")
-    parser.add_argument("--split-pieces-min-k", type=int, default=None, metavar="K",
-                        help="fuser::fp8_linear splits several bf16 rows longer than K into "
-                             "e4m3 pieces before its GEMV (linear.SPLIT_PIECES_MIN_K; 2048 "
-                             "takes o_proj too; default: the module's)")
-    parser.add_argument("--norm-stats", choices=["on", "aligned", "off", "fp8"], default=None,
-                        help="passes/norm_stats.py: several-row norms inside the GEMVs around "
-                             "them (on: plain-weight GEMVs after the norm; aligned: that and the "
-                             "one-row add + norm GEMVs in the same arithmetic, "
-                             "linear.ONE_ROW_NORM_AFTER; fp8: FP8 GEMVs after the norm too, on "
-                             "the fp16 MMA; off: the norm kernels; default: the modules', aligned)")
-    parser.add_argument("--stats-fp8-mma", choices=["f16", "x2", "block"], default=None,
-                        help="with --norm-stats fp8: the FP8 GEMVs after a moved norm on the fp16 "
-                             "MMA, the FP8 MMA with x in two pieces split in the GEMV, or "
-                             "(block) pieces the GEMV before writes a tile at a time "
-                             "(linear.STATS_FP8_MMA; default: the module's)")
-    parser.add_argument("--rows-warps", type=int, choices=[4, 8], default=None,
-                        help="warps per program of the several-row FP8 GEMVs "
-                             "(linear.FP8_ROWS_WARPS; default: the module's)")
-    parser.add_argument("--rows-maxnreg", type=int, default=None, metavar="REGS",
-                        help="a register cap per thread for the several-row FP8 GEMVs "
-                             "(linear.FP8_ROWS_MAXNREG; default: the compiler's choice)")
-    parser.add_argument("--smem-carveout", type=int, default=None, metavar="PERCENT",
-                        help="every Triton kernel prefers this percent of the maximum shared "
-                             "memory (fuser/ops/carveout.py; default: the driver's choice per "
-                             "kernel, or FUSER_SMEM_CARVEOUT)")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="write the results as JSON")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit(f"benchmarks/decode.py: no CUDA device (torch {torch.__version__}); it times "
                  "the engines on a GPU: run it on the GPU machine")
     warnings.simplefilter("ignore")
-    from fuser.ops import carveout  # noqa: PLC0415
-    from fuser.ops import linear as linear_module  # noqa: PLC0415
-
-    if args.smem_carveout is not None:  # before the first kernel loads
-        carveout.install(args.smem_carveout)
-
-    if args.rstd_last:
-        linear_module.NORM_RSTD_LAST = True
-    if args.norm_pass:
-        linear_module.NORM_RSTD_LAST = linear_module.FP8_PLAIN_RSTD_LAST = False
-    if args.fp8_rows is not None:
-        linear_module.FP8_ROWS_MMA = None if args.fp8_rows == "bf16" else args.fp8_rows
-    from fuser.passes import norm_stats  # noqa: PLC0415
-
-    if args.norm_stats is not None:
-        norm_stats.ENABLED = args.norm_stats != "off"
-        norm_stats.FP8_CONSUMERS = args.norm_stats == "fp8"
-        linear_module.ONE_ROW_NORM_AFTER = args.norm_stats == "aligned"
-    for flag, name in (("stats_fp8_mma", "STATS_FP8_MMA"), ("rows_warps", "FP8_ROWS_WARPS"),
-                       ("rows_maxnreg", "FP8_ROWS_MAXNREG"),
-                       ("split_pieces_min_k", "SPLIT_PIECES_MIN_K")):
-        if getattr(args, flag) is not None:  # the module's own value unless asked
-            setattr(linear_module, name, getattr(args, flag))
     RESULTS["env"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "triton": triton.__version__, "transformers": transformers.__version__,
                       "preset": args.preset, "prompt_tokens": args.prompt_tokens,
-                      "new_tokens": args.new_tokens, "layers": args.layers, "command": " ".join(sys.argv),
-                      "smem_carveout": carveout.installed_percent()}
-    if carveout.installed_percent() is not None:
-        log(f"shared-memory carveout: {carveout.installed_percent()}% on every Triton kernel")
+                      "new_tokens": args.new_tokens, "layers": args.layers,
+                      "command": " ".join(sys.argv)}
     bandwidth = measure_read_bandwidth()
     log(f"HBM read bandwidth: {bandwidth / 1e12:.2f} TB/s")
 

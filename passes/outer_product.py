@@ -5,7 +5,7 @@
 Hugging Face's rotary modules (transformers up to about 5.20) build the rotary angles as
 `inv_freq[None, :, None].expand(B, -1, 1) @ positions[:, None, :].float()`: an outer product,
 which export records as a bmm with K = 1. On CUDA that bmm is a cuBLAS SGEMM launch of its own
-(2.3-2.9 us on an H200, benchmarks/step_lab.py, twenty-first session) between two pointwise
+(2.3-2.9 us on an H200: docs/performance-notes.md) between two pointwise
 kernels, in every step of both models. As a multiply, Inductor folds it into the cos/sin kernel
 that follows.
 

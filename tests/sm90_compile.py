@@ -1,8 +1,8 @@
 """Compile recorded _linear_kernel launches for sm_90 without a GPU (tests/test_sm90_compile.py).
 
 The interpreter runs a kernel's Python, not Triton's compiler: a kernel can pass every CPU test
-and still fail to compile for the GPU (the twenty-third session's first block-scaled pieces
-did: a helper returning a tensor in one constexpr branch and a float in the other). Run as a
+and still fail to compile for the GPU (for example a helper returning a tensor in one constexpr
+branch and a float in the other, which the interpreter accepts). Run as a
 script on a JSON of launches (argument kinds and constexprs, recorded under the interpreter),
 without TRITON_INTERPRET: each launch is compiled with the GPU's constexprs (FP32_DOTS and
 EMULATE_CAST off) and reported as "ok" or "FAILED <error>"; "SKIP <why>" when this Triton cannot

@@ -161,10 +161,10 @@ def test_decode_gemv_in_every_fixed_step_and_no_fallback() -> None:
 
 @pytest.mark.parametrize("fp8_lm_head", [True, False])
 def test_fp8_speculative_on_e4m3_pieces_equals_target_only(fp8_lm_head: bool) -> None:
-    # precision="fp8": the verify graph's FP8 GEMVs take x as e4m3 pieces (linear.FP8_ROWS_MMA,
-    # "pieces" by default: the norm kernel splits before qkv, gate/up and the LM head, the split
-    # kernel before down_proj, here before o_proj too), captured into the graph (the spies see the calls at
-    # capture); greedy speculative output equals FP8 target-only greedy, and the engine's
+    # precision="fp8": the verify graph's FP8 GEMVs take x as e4m3 pieces (the norm kernel
+    # splits before qkv, gate/up and the LM head, the split kernel before down_proj, here before
+    # o_proj too), captured into the graph (the spies see the calls at capture); greedy
+    # speculative output equals FP8 target-only greedy, and the engine's
     # self-check passes (no fallback). fp8_lm_head=False: a bf16 LM head, whose norm then moves
     # into the last down_proj (norm_stats' producer, on that row's e4m3 pieces).
     from unittest import mock
@@ -173,7 +173,7 @@ def test_fp8_speculative_on_e4m3_pieces_equals_target_only(fp8_lm_head: bool) ->
 
     # init_range 0.3: logits that rarely nearly tie (tests/tiny.py). At 0.02 the bf16 LM head's
     # run diverged on the H200 at new token 19 of row 1, where the FP8-emulated target's top-2
-    # tie exactly (margin 0.0, twenty-fourth session): compared up to near-ties since then.
+    # tie exactly (margin 0.0): compared up to near-ties since then.
     target = tiny_model("llama", layers=2, dtype=torch.bfloat16, init_range=0.3).to("cuda")
     draft = tiny_model("llama", layers=1, seed=1, dtype=torch.bfloat16, init_range=0.3).to("cuda")
     config = fuser.FuserConfig(max_seq_len=64, max_batch_size=2, gamma=4, precision="fp8",
@@ -185,33 +185,7 @@ def test_fp8_speculative_on_e4m3_pieces_equals_target_only(fp8_lm_head: bool) ->
             mock.patch.object(linear_module, "split_pieces_triton", split_spy), \
             mock.patch.object(linear_module, "SPLIT_PIECES_MIN_K", 0):  # tiny rows split too
         spec = fuser.optimize(target, draft=draft, config=config)
-    if linear_module.FP8_ROWS_MMA == "pieces":
-        assert norm_spy.call_count > 0 and split_spy.call_count > 0
+    assert norm_spy.call_count > 0 and split_spy.call_count > 0
     assert plain.report().fallbacks == [] and spec.report().fallbacks == []
     assert_same_greedy(plain, spec, [7, 4], seed=2, new_tokens=24, fp8_model=target,
                        fp8_lm_head=fp8_lm_head)
-
-
-def test_fp8_speculative_with_norms_on_block_pieces_equals_target_only() -> None:
-    # norm_stats' FP8 consumers on block-scaled pieces (linear.STATS_FP8_MMA = "block"): the
-    # verify graph's o_proj and down_proj write g * summed as e4m3 pieces, qkv, gate/up and the
-    # LM head multiply them, gate/up and attention write down_proj's and o_proj's; greedy
-    # speculative output equals FP8 target-only greedy.
-    from unittest import mock
-
-    from fuser.ops import linear as linear_module
-    from fuser.passes import norm_stats
-
-    # head_dim 32: attention's combine writes o_proj's pieces too; init_range 0.3: logits that
-    # rarely nearly tie (tests/tiny.py), since verify and decode differ in summation order
-    shape = dict(head_dim=32, init_range=0.3)
-    target = tiny_model("llama", layers=2, dtype=torch.bfloat16, **shape).to("cuda")
-    draft = tiny_model("llama", layers=1, seed=1, dtype=torch.bfloat16, **shape).to("cuda")
-    config = fuser.FuserConfig(max_seq_len=64, max_batch_size=2, gamma=4, precision="fp8")
-    plain = fuser.optimize(target, config=config)
-    with mock.patch.object(norm_stats, "FP8_CONSUMERS", True), \
-            mock.patch.object(linear_module, "STATS_FP8_MMA", "block"):
-        spec = fuser.optimize(target, draft=draft, config=config)
-    assert spec.report().passes["norm_stats"] > 0
-    assert plain.report().fallbacks == [] and spec.report().fallbacks == []
-    assert_same_greedy(plain, spec, [7, 4], seed=2, new_tokens=24, fp8_model=target)

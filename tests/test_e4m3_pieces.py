@@ -1,6 +1,7 @@
 """fuser/ops/e4m3_pieces.py and linear.py's X2_PIECES: bf16 rows as two e4m3 pieces, made by the
-several-row norm kernel and multiplied by FP8 weights on the FP8 MMA (linear.FP8_ROWS_MMA =
-"norm pieces"). Without a GPU the kernels run under TRITON_INTERPRET=1 (conftest.py)."""
+several-row norm kernel (or split by a kernel of their own, for down_proj's long rows) and
+multiplied by FP8 weights on the FP8 MMA. Without a GPU the kernels run under TRITON_INTERPRET=1
+(conftest.py)."""
 
 import math
 from unittest import mock
@@ -15,7 +16,7 @@ from fuser.ops import linear as linear_module
 from fuser.ops.e4m3_pieces import (add_rms_norm_pieces_triton, join_pieces, pieces_supported,
                                    split_pieces_reference, split_pieces_triton)
 from fuser.ops.fp8 import fp8_linear_reference, quantize_weight
-from fuser.ops.linear import MAX_ROWS, linear_pieces_triton, linear_triton
+from fuser.ops.linear import MAX_ROWS, linear_pieces_triton
 from fuser.ops.rmsnorm import add_rms_norm_reference, add_rms_norm_triton, rms_norm_triton
 
 pytestmark = pytest.mark.usefixtures("interpreter_rounds_bf16_like_gpu")
@@ -99,23 +100,19 @@ def test_split_kernel_refuses_other_dtypes_and_takes_empty_rows():
 
 @pytest.mark.parametrize("M", [1, 5])
 def test_fp8_linear_splits_its_rows_under_pieces(M):
-    """FP8_ROWS_MMA = "pieces": fuser::fp8_linear's CUDA implementation at 2..16 bf16 rows longer
-    than SPLIT_PIECES_MIN_K (down_proj) splits x and runs the GEMV on the pieces (spied), with
-    the reference's values; one row, a short row and "norm pieces" never split."""
+    """fuser::fp8_linear's CUDA implementation at 2..16 bf16 rows longer than
+    SPLIT_PIECES_MIN_K (down_proj) splits x and runs the GEMV on the pieces (spied), with the
+    reference's values; one row and a short row never split."""
     g = torch.Generator().manual_seed(M)
     x = torch.randn(1, M, 96, generator=g).to(torch.bfloat16).to(DEVICE)
     w, scale = (t.to(DEVICE) for t in quantize_weight(torch.randn(40, 96, generator=g)))
     spy = mock.Mock(wraps=split_pieces_triton)
     with mock.patch.object(linear_module, "split_pieces_triton", spy):
-        with mock.patch.object(linear_module, "FP8_ROWS_MMA", "pieces"):
-            with mock.patch.object(linear_module, "SPLIT_PIECES_MIN_K", 96):
-                linear_module._fp8_linear_cuda(x, w, scale)  # rows of 96: too short to split
-            assert spy.call_count == 0
-            with mock.patch.object(linear_module, "SPLIT_PIECES_MIN_K", 64):
-                got = linear_module._fp8_linear_cuda(x, w, scale)
-        assert spy.call_count == (1 if M > 1 else 0)
-        with mock.patch.object(linear_module, "FP8_ROWS_MMA", "norm pieces"):
-            linear_module._fp8_linear_cuda(x, w, scale)
+        with mock.patch.object(linear_module, "SPLIT_PIECES_MIN_K", 96):
+            linear_module._fp8_linear_cuda(x, w, scale)  # rows of 96: too short to split
+        assert spy.call_count == 0
+        with mock.patch.object(linear_module, "SPLIT_PIECES_MIN_K", 64):
+            got = linear_module._fp8_linear_cuda(x, w, scale)
         assert spy.call_count == (1 if M > 1 else 0)
     ref = fp8_linear_reference(x.cpu(), w.cpu(), scale.cpu())
     assert got.shape == ref.shape == (1, M, 40)
@@ -124,21 +121,22 @@ def test_fp8_linear_splits_its_rows_under_pieces(M):
                                atol=tol * ref.float().abs().max().item())
 
 
-def _run_bf16_mma(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, **config):
-    """The several-row FP8 GEMV on the bf16 MMA: the exact products of bf16's x."""
-    with mock.patch.object(linear_module, "_default_swap", lambda *_: True), \
-            mock.patch.object(linear_module, "FP8_ROWS_MMA", None):
-        return linear_triton(x, w, weight_scale=scale, **config)
+def _reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
+               activation: str | None = None) -> torch.Tensor:
+    """The FP8 GEMV's reference on x: the exact products of bf16's x, summed in fp32."""
+    if activation is None:
+        return fp8_linear_reference(x, w, scale)
+    return linear_module.fp8_gated_linear_reference(x, w, scale, activation)
 
 
 @settings(max_examples=12, **SETTINGS)
 @given(M=st.integers(2, MAX_ROWS), N=st.integers(1, 70), blocks=st.integers(1, 3),
        split_k=st.sampled_from([1, 2]), activation=st.sampled_from([None, "silu"]),
        magnitude=st.sampled_from([2.0**-40, 1.0, 2.0**40]), seed=st.integers(0, 2**16))
-def test_gemv_on_pieces_keeps_the_bf16_mma_values(M, N, blocks, split_k, activation,
-                                                   magnitude, seed):
-    """X2_PIECES: the FP8 MMA over x's pieces gives the bf16 MMA's outputs (the same exact
-    products, summed in another order, one rounding) and the reference's, at any magnitude."""
+def test_gemv_on_pieces_keeps_the_reference_values(M, N, blocks, split_k, activation,
+                                                    magnitude, seed):
+    """X2_PIECES: the FP8 MMA over x's pieces gives the reference's outputs (the same exact
+    products, summed in another order, one rounding), at any magnitude."""
     K = 32 * blocks * split_k
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(M, K, generator=g) * magnitude).to(torch.bfloat16)
@@ -147,15 +145,11 @@ def test_gemv_on_pieces_keeps_the_bf16_mma_values(M, N, blocks, split_k, activat
     hi, lo, inv = (t.to(DEVICE) for t in split_pieces_reference(x))
     config = dict(activation=activation, block_n=16, block_k=32, split_k=split_k)
     out = linear_pieces_triton(hi, lo, inv, w, scale, **config)
-    bf16 = _run_bf16_mma(x.to(DEVICE), w, scale, **config)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     tol = 2.0**-7
-    torch.testing.assert_close(out.float(), bf16.float(), rtol=tol,
-                               atol=tol * bf16.float().abs().max().item() + 1e-37)
-    if activation is None:
-        ref = fp8_linear_reference(x.to(DEVICE), w, scale).float()
-        torch.testing.assert_close(out.float(), ref, rtol=tol,
-                                   atol=tol * ref.abs().max().item() + 1e-37)
+    ref = _reference(x.to(DEVICE), w, scale, activation).float()
+    torch.testing.assert_close(out.float(), ref, rtol=tol,
+                               atol=tol * ref.abs().max().item() + 1e-37)
 
 
 def test_pieces_carry_every_bit_through_an_identity_weight():
@@ -172,9 +166,9 @@ def test_pieces_carry_every_bit_through_an_identity_weight():
 @pytest.mark.parametrize("residual", [False, True], ids=["norm", "add_norm"])
 @pytest.mark.parametrize("activation", [None, "silu"])
 def test_norm_linear_ops_take_the_pieces_path(residual, activation):
-    """FP8_ROWS_MMA = "norm pieces": the CUDA implementations of fuser::rms_norm_linear and
-    fuser::add_rms_norm_linear at several rows run the norm kernel with pieces, then the GEMV on
-    them: their references' values, summed bit for bit; under "f16" the pieces kernel never runs."""
+    """The CUDA implementations of fuser::rms_norm_linear and fuser::add_rms_norm_linear at
+    several bf16 rows and FP8 weights run the norm kernel with pieces, then the GEMV on them:
+    their references' values, summed bit for bit; at one row the pieces kernel never runs."""
     g = torch.Generator().manual_seed(7)
     M, K, N = 5, 96, 40
     x, r = (torch.randn(1, M, K, generator=g).to(torch.bfloat16).to(DEVICE) for _ in range(2))
@@ -189,12 +183,10 @@ def test_norm_linear_ops_take_the_pieces_path(residual, activation):
         linear_module.rms_norm_linear_reference
     spy = mock.Mock(wraps=add_rms_norm_pieces_triton)
     with mock.patch.object(linear_module, "add_rms_norm_pieces_triton", spy):
-        with mock.patch.object(linear_module, "FP8_ROWS_MMA", "norm pieces"):
-            got = fn(*args)
+        got = fn(*args)
         assert spy.call_count == 1
-        with mock.patch.object(linear_module, "FP8_ROWS_MMA", "f16"):
-            fn(*args)  # the norm kernel, then the GEMV on the fp16 MMA
-        assert spy.call_count == 1
+        fn(*(a[:, :1] if isinstance(a, torch.Tensor) and a.dim() == 3 else a for a in args))
+        assert spy.call_count == 1  # one row: the norm inside the GEMV
     ref = ref_fn(*(a.cpu() if isinstance(a, torch.Tensor) else a for a in args))
     if residual:
         (got, summed), (ref, summed_ref) = got, ref
@@ -224,19 +216,17 @@ def test_bad_pieces_are_refused_with_a_message():
 @needs_cuda
 @pytest.mark.parametrize("N,activation", [(6144, None), (28672, "silu")])
 def test_gpu_norm_pieces_at_llama3_shapes(N, activation):
-    """The 8B qkv and gate/up GEMVs at five rows through the pieces path: finite, and the bf16
-    MMA's values on the same normed rows."""
+    """The 8B qkv and gate/up GEMVs at five rows through the pieces path: finite, and the
+    reference's values on the same normed rows."""
     K = 4096
     g = torch.Generator(device="cuda").manual_seed(N)
     x, r = (torch.randn(5, K, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
     nw = (1 + 0.1 * torch.randn(K, device="cuda", generator=g)).to(torch.bfloat16)
     w, scale = quantize_weight(torch.randn(N, K, device="cuda", generator=g) * 0.02)
-    with mock.patch.object(linear_module, "FP8_ROWS_MMA", "norm pieces"):
-        out, summed = linear_module._add_rms_norm_linear_cuda(x, r, nw, EPS, w, scale,
-                                                               activation)
+    out, summed = linear_module._add_rms_norm_linear_cuda(x, r, nw, EPS, w, scale, activation)
     normed, summed_ref = add_rms_norm_reference(x, r, nw, EPS)
     assert torch.equal(summed, summed_ref)
-    bf16 = _run_bf16_mma(normed, w, scale, activation=activation)
+    bf16 = _reference(normed, w, scale, activation)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.float(), bf16.float(), rtol=2.0**-7,
                                atol=2.0**-7 * bf16.float().abs().max().item())
@@ -246,7 +236,7 @@ def test_gpu_norm_pieces_at_llama3_shapes(N, activation):
 @pytest.mark.parametrize("N,K", [(4096, 4096), (4096, 14336)])
 def test_gpu_split_pieces_at_llama3_shapes(N, K):
     """The 8B o_proj and down_proj GEMVs at five rows split by split_pieces_triton: the split is
-    the reference's bit for bit, the GEMV the bf16 MMA's values on the same rows."""
+    the reference's bit for bit, the GEMV the reference's values on the same rows."""
     g = torch.Generator(device="cuda").manual_seed(K)
     x = torch.randn(5, K, device="cuda", generator=g).to(torch.bfloat16)
     w, scale = quantize_weight(torch.randn(N, K, device="cuda", generator=g) * 0.02)
@@ -254,10 +244,9 @@ def test_gpu_split_pieces_at_llama3_shapes(N, K):
     for a, b in zip(pieces, split_pieces_reference(x)):
         assert torch.equal(a.view(torch.uint8) if a.dtype != torch.float32 else a,
                            b.view(torch.uint8) if b.dtype != torch.float32 else b)
-    with mock.patch.object(linear_module, "FP8_ROWS_MMA", "pieces"), \
-            mock.patch.object(linear_module, "SPLIT_PIECES_MIN_K", 0):
+    with mock.patch.object(linear_module, "SPLIT_PIECES_MIN_K", 0):  # o_proj's rows too
         out = linear_module._fp8_linear_cuda(x, w, scale)
-    bf16 = _run_bf16_mma(x, w, scale)
+    bf16 = _reference(x, w, scale)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.float(), bf16.float(), rtol=2.0**-7,
                                atol=2.0**-7 * bf16.float().abs().max().item())
@@ -267,97 +256,14 @@ def test_gpu_split_pieces_at_llama3_shapes(N, K):
 @pytest.mark.parametrize("block_n", [16, 32])
 @pytest.mark.parametrize("N,K", [(6144, 4096), (4096, 14336)])
 def test_gpu_small_tiles_on_pieces(N, K, block_n):
-    """Tiles below 64 weight rows (benchmarks/pieces_lab.py SMALL_TILES: mma.sync on the pieces
-    widened to fp16) at 8B shapes, five rows: the bf16 MMA's values."""
+    """Tiles below 64 weight rows (mma.sync on the pieces widened to fp16) at 8B shapes, five
+    rows: the reference's values."""
     g = torch.Generator(device="cuda").manual_seed(N + block_n)
     x = torch.randn(5, K, device="cuda", generator=g).to(torch.bfloat16)
     w, scale = quantize_weight(torch.randn(N, K, device="cuda", generator=g) * 0.02)
     out = linear_pieces_triton(*split_pieces_triton(x), w, scale, block_n=block_n,
                                block_k=256, split_k=2, num_stages=4, num_warps=4)
-    bf16 = _run_bf16_mma(x, w, scale)
+    bf16 = _reference(x, w, scale)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.float(), bf16.float(), rtol=2.0**-7,
                                atol=2.0**-7 * bf16.float().abs().max().item())
-
-
-@settings(max_examples=12, **SETTINGS)
-@given(M=st.integers(1, 6), K=st.integers(1, 200), block=st.sampled_from([16, 32, 64]),
-       exponent=st.integers(-100, 100), span=st.integers(0, 30), seed=st.integers(0, 2**16))
-def test_block_split_is_exact_near_each_blocks_max(M, K, block, exponent, span, seed):
-    """split_pieces_blocks_reference: each block of columns is its own row of the split, so hi +
-    lo is x exactly within 2^9 of the *block's* max (finer than the row's), within 2^-9 of its
-    block's 2^-t below that; pieces stay e4m3 values under 2^8."""
-    from fuser.ops.e4m3_pieces import join_pieces_blocks, split_pieces_blocks_reference
-
-    x = spread_rows(M, K, exponent, span, seed)
-    hi, lo, inv = split_pieces_blocks_reference(x, block)
-    assert hi.shape == lo.shape == (M, K) and inv.shape == (M, -(-K // block))
-    back = join_pieces_blocks(hi, lo, inv, block)
-    x64 = x.double()
-    block_max = torch.zeros(M, inv.shape[1] * block, dtype=torch.float64)
-    block_max[:, :K] = x64.abs()
-    block_max = block_max.reshape(M, -1, block).amax(-1).repeat_interleave(block, 1)[:, :K]
-    near = x64.abs() >= block_max * 2.0**-9
-    assert torch.equal(back[near], x64[near])
-    scales = inv.double().repeat_interleave(block, 1)[:, :K]
-    assert ((back - x64).abs() <= 2.0**-9 * scales).all()
-    assert (hi.float().abs() < 256).all() and (lo.float().abs() < 16).all()
-
-
-@settings(max_examples=10, **SETTINGS)
-@given(M=st.integers(2, MAX_ROWS), N=st.integers(1, 70), blocks=st.integers(1, 4),
-       block=st.sampled_from([32, 64]), split_k=st.sampled_from([1, 2]),
-       activation=st.sampled_from([None, "silu"]), seed=st.integers(0, 2**16))
-def test_gemv_on_block_scaled_pieces(M, N, blocks, block, split_k, activation, seed):
-    """BLOCK_SCALES: the GEMV over block-scaled pieces (a power of two per row and K step)
-    (1) gives the row-scaled GEMV's bits when every block carries its row's scale (the per-step
-    scaling by a power of two is exact), and (2) on pieces split per block (rows whose blocks
-    differ by up to 2^40 in magnitude) stays within the bf16 MMA's bound of the float64 GEMV of
-    the values the pieces hold."""
-    from fuser.ops.e4m3_pieces import join_pieces_blocks, split_pieces_blocks_reference
-
-    K = block * blocks * split_k
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(M, K, generator=g)
-    x = (x * torch.exp2(torch.randint(-20, 21, (M, K // block), generator=g).double()
-                        .repeat_interleave(block, 1))).to(torch.bfloat16)
-    w, scale = quantize_weight(torch.randn(2 * N if activation else N, K, generator=g))
-    w, scale = w.to(DEVICE), scale.to(DEVICE)
-    config = dict(activation=activation, block_n=16, split_k=split_k)
-    # (1) row scales repeated per block: the row-scaled GEMV's bits
-    hi, lo, inv = (t.to(DEVICE) for t in split_pieces_reference(x))
-    row = linear_pieces_triton(hi, lo, inv, w, scale, block_k=block, **config)
-    repeated = inv[:, None].expand(M, K // block).contiguous()
-    same = linear_pieces_triton(hi, lo, repeated, w, scale, scale_block=block, **config)
-    assert torch.equal(same, row)
-    # (2) pieces per block
-    bhi, blo, binv = (t.to(DEVICE) for t in split_pieces_blocks_reference(x, block))
-    out = linear_pieces_triton(bhi, blo, binv, w, scale, scale_block=block, **config)
-    held = join_pieces_blocks(bhi.cpu(), blo.cpu(), binv.cpu(), block)
-    wd = w.cpu().double() * scale.cpu().double()[:, None]
-    y = held @ wd.T
-    if activation is not None:
-        n = y.shape[1] // 2
-        gate = y[:, :n].to(torch.bfloat16).double()
-        up = y[:, n:].to(torch.bfloat16).double()
-        y = torch.nn.functional.silu(gate) * up
-    tol = 2.0**-7
-    torch.testing.assert_close(out.cpu().double(), y, rtol=tol,
-                               atol=tol * y.abs().max().item() + 1e-30)
-
-
-def test_block_scaled_pieces_are_checked():
-    w, scale = quantize_weight(torch.randn(16, 96))
-    x = torch.randn(3, 96).to(torch.bfloat16)
-    from fuser.ops.e4m3_pieces import split_pieces_blocks_reference
-
-    hi, lo, inv = split_pieces_blocks_reference(x, 32)
-    with pytest.raises(ValueError, match="scale_block"):
-        linear_pieces_triton(hi, lo, inv, w, scale)                       # no scale_block
-    with pytest.raises(ValueError, match="scale_block"):
-        linear_pieces_triton(hi, lo, inv, w, scale, scale_block=64)       # 2 blocks, not 3
-    with pytest.raises(ValueError, match="scale_block"):
-        linear_pieces_triton(hi, lo, inv, w, scale, scale_block=32, block_k=64)
-    row_hi, row_lo, row_inv = split_pieces_reference(x)
-    with pytest.raises(ValueError, match="scale_block is for"):
-        linear_pieces_triton(row_hi, row_lo, row_inv, w, scale, scale_block=32)

@@ -4,13 +4,11 @@
 The pass is on by default; these tests pin it on (the norm_stats_on fixture). On small
 exported blocks: where it fires (2..16 rows, the producer's output read only by the
 norm, on either side of the add), where it must not (one row, the GEMV output read elsewhere,
-FP8 consumers unless asked), and the same numbers as the graph without the pass, bit for bit on
+FP8 consumers), and the same numbers as the graph without the pass, bit for bit on
 CPU (the ops run their references). Whole-model counts are in tests/test_linear_pass.py.
 """
 
 from __future__ import annotations
-
-from unittest import mock
 
 import pytest
 import torch
@@ -84,42 +82,15 @@ def test_fires_where_it_computes_the_same(variant: str, rows: int, fires: bool,
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("fp8_consumers", [False, True])
-def test_fp8_consumers_only_when_asked(fp8_consumers: bool) -> None:
-    from fuser.passes import norm_stats
-
+def test_fp8_consumers_keep_the_norm_kernel() -> None:
+    """An FP8 GEMV after the norm keeps add_rms_norm_linear (its norm kernel hands it x as e4m3
+    pieces): no rewrite, the same numbers as without the pass."""
     torch.manual_seed(1)
     module = _Block("gated").eval().to(torch.bfloat16)
     args = (torch.randn(1, 4, 32).to(torch.bfloat16), torch.randn(1, 4, 24).to(torch.bfloat16))
-    with mock.patch.object(norm_stats, "FP8_CONSUMERS", fp8_consumers):
-        gm, matches, ops = rewrite(module, args, PASSES, precision="fp8", gamma=0)
-    before, _, _ = rewrite(module, args, WITHOUT_NORM_STATS, precision="fp8", gamma=0)
-    assert matches["norm_stats"] == int(fp8_consumers)
-    with torch.no_grad():
-        for a, b in zip(gm(*args), before(*args)):
-            assert torch.equal(a, b)
-
-
-def test_fp8_consumers_on_block_pieces_when_asked() -> None:
-    """linear.STATS_FP8_MMA = "block": FP8 on both sides, the rewrite takes the pieces ops
-    (fuser::linear_residual_pieces, fuser::stats_pieces_rms_norm_linear, block
-    STATS_PIECES_BLOCK); on CPU the same numbers as without the pass."""
-    from fuser.ops import linear
-    from fuser.passes import norm_stats
-
-    torch.manual_seed(1)
-    module = _Block("gated").eval().to(torch.bfloat16)
-    args = (torch.randn(1, 4, 32).to(torch.bfloat16), torch.randn(1, 4, 24).to(torch.bfloat16))
-    with mock.patch.object(norm_stats, "FP8_CONSUMERS", True), \
-            mock.patch.object(linear, "STATS_FP8_MMA", "block"):
-        gm, matches, ops = rewrite(module, args, PASSES, precision="fp8", gamma=0)
-    before, _, _ = rewrite(module, args, WITHOUT_NORM_STATS, precision="fp8", gamma=0)
-    assert matches["norm_stats"] == 1
-    assert ops["linear_residual_pieces"] == ops["stats_pieces_rms_norm_linear"] == 1
-    assert "linear_residual" not in ops and "stats_rms_norm_linear" not in ops
-    blocks = [n.args[-1] for n in gm.graph.nodes
-              if n.target is torch.ops.fuser.stats_pieces_rms_norm_linear.default]
-    assert blocks == [linear.STATS_PIECES_BLOCK]
+    gm, matches, ops = rewrite(module, args, PASSES, precision="fp8", gamma=0)
+    before, _, before_ops = rewrite(module, args, WITHOUT_NORM_STATS, precision="fp8", gamma=0)
+    assert matches["norm_stats"] == 0 and ops == before_ops
     with torch.no_grad():
         for a, b in zip(gm(*args), before(*args)):
             assert torch.equal(a, b)
@@ -139,41 +110,3 @@ def test_target_bucket_whose_verify_steps_exceed_max_rows_keeps_its_norms(gamma:
     assert matches["norm_stats"] == int(fires)
     _, matches, _ = rewrite(module, args, PASSES, role="draft", gamma=gamma)
     assert matches["norm_stats"] == 1
-
-
-def test_block_pieces_chain_through_a_whole_fp8_model() -> None:
-    """linear.STATS_FP8_MMA = "block" on a 2-layer FP8 Llama: in the target's verify graph
-    every norm after a GEMV moves into block pieces (o_proj and down_proj write them, qkv,
-    gate/up and the LM head read them), gate/up hands its output to down_proj as block pieces
-    (stats_pieces_gated_pieces -> pieces_linear_residual_pieces) and attention its output to
-    o_proj (rotary_cache_attention_pieces): per layer no norm or split kernel, o_proj on the
-    FP8 MMA. On CPU the ops run their references: the same greedy output as the engine
-    without the switch."""
-    import fuser
-    from fuser.ops import linear
-    from fuser.passes import norm_stats
-    from tiny import random_prompts, tiny_model
-
-    # head_dim 32: attention's combine writes o_proj's pieces (one head a block, 32 or more)
-    target = tiny_model("llama", layers=2, dtype=torch.bfloat16, head_dim=32)
-    draft = tiny_model("llama", layers=1, seed=1, dtype=torch.bfloat16, head_dim=32)
-    config = fuser.FuserConfig(max_seq_len=64, max_batch_size=2, gamma=4, precision="fp8")
-    with mock.patch.object(norm_stats, "FP8_CONSUMERS", True), \
-            mock.patch.object(linear, "STATS_FP8_MMA", "block"):
-        spec = fuser.optimize(target, draft=draft, config=config)
-    plain = fuser.optimize(target, draft=draft, config=config)
-    graphs = spec.report().graphs
-    verify = [ops for name, ops in graphs.items() if name.startswith("target.verify")]
-    assert verify, graphs
-    for ops in verify:
-        assert ops.get("stats_pieces_gated_pieces") == 2, ops  # both layers' gate/up
-        # both layers' o_proj (on attention's pieces) and down_proj (on gate/up's)
-        assert ops.get("pieces_linear_residual_pieces") == 4, ops
-        assert ops.get("rotary_cache_attention_pieces") == 2, ops
-        assert "linear_residual_pieces" not in ops and "rotary_cache_attention" not in ops, ops
-        assert ops.get("stats_pieces_rms_norm_linear") == 2, ops  # layer 1's qkv, the LM head
-        assert "add_rms_norm_linear" not in ops, ops
-    ids, mask = random_prompts(2, [7, 4], plain.vocab_size, seed=2)
-    eos = [plain.vocab_size - 1]
-    assert torch.equal(spec.generate(ids, 16, attention_mask=mask, eos_token_id=eos),
-                       plain.generate(ids, 16, attention_mask=mask, eos_token_id=eos))

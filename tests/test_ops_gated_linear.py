@@ -355,7 +355,7 @@ for fp8, M in [(False, 1), (True, 16), (True, 1)]:
         consts = dict(BLOCK_M=1 if M == 1 else 16, BLOCK_N=bn, BLOCK_K=bk, NORM_K=bk,
                       FP32_DOTS=False, HAS_SCALE=fp8, ACTIVATION=act, NORM=norm,
                       HAS_RESIDUAL=norm, SPLIT_K=1, PDL=bool(pdl), PREFETCH=pdl,
-                      SWAP=_default_swap(M, 28672, 4096, fp8), F16_MMA=False, X2_MMA=False,
+                      SWAP=_default_swap(M, 28672, 4096, fp8), F16_MMA=False,
                       X2_PIECES=False, RSTD_LAST=norm and M == 1,
                       ROW_VEC=(16 if fp8 else 8) if M == 1 else 0, EPI_RESIDUAL=False,
                       STATS_BLOCK=0, STAT_COLS=16, NORM_AFTER=False)

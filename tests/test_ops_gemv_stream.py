@@ -7,8 +7,7 @@ Without a GPU the kernel runs under TRITON_INTERPRET=1 (conftest.py) with a stan
 What must hold, for every plan (rows per program, tile, prefetched tiles):
 - summed (x + residual, program 0) equals add_rms_norm's sum bit for bit;
 - out is within the GEMV tests' float64 bounds (test_ops_linear.check, or
-  test_ops_gated_linear.assert_gated_close) around the reference's normed rows and weights
-  (with linear.NORM_RSTD_LAST, around the exact norm's: tests/test_ops_norm_linear.py);
+  test_ops_gated_linear.assert_gated_close) around the reference's normed rows and weights;
 - in bf16/fp16 nearly every output equals _linear_kernel's bit for bit (only the summation
   order differs), so a dropped or doubled K step or row cannot hide inside the bound.
 """
@@ -23,14 +22,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fuser.ops import gemv_stream
-from fuser.ops.fp8 import dequantize, quantize_weight
+from fuser.ops.fp8 import quantize_weight
 from fuser.ops.gemv_stream import StreamConfig, stream_gemv, stream_plan
 from fuser.ops.linear import linear_triton, rms_norm_linear_triton
 from test_ops_gated_linear import SETTINGS, assert_gated_close, assert_mostly_equal
 from test_ops_linear import check as assert_linear_close
-from test_ops_norm_linear import EPS, after_norm, exact_norm, inputs, norm_after, reference_norm, \
-    rstd_last
-from test_ops_norm_linear import rstd_after_the_sum  # noqa: F401  (a fixture)
+from test_ops_norm_linear import EPS, after_norm, inputs, norm_after, reference_norm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -42,62 +39,53 @@ pytestmark = [
 
 
 def run(K: int, N: int, dtype: torch.dtype, norm: bool, residual: bool, activation: str | None,
-        fp8: bool, seed: int, config: StreamConfig, sms: int, M: int = 1) -> None:
+        seed: int, config: StreamConfig, sms: int) -> None:
     rows_w = 2 * N if activation else N
-    x, r, norm_weight, w = inputs(M, K, rows_w, dtype, seed, residual)
+    x, r, norm_weight, w = inputs(1, K, rows_w, dtype, seed, residual)
     r = r if norm else None
-    scale = None
-    if fp8:
-        w, scale = quantize_weight(w.float())
-    plan = stream_plan(N, K, w.element_size(), activation is not None, config, sms, M)
+    plan = stream_plan(N, K, w.element_size(), activation is not None, config, sms)
     assert plan is not None
     assert plan.programs <= sms * config.programs_per_sm  # one wave
     to = (lambda t: None if t is None else t.to(DEVICE))
-    xd, rd, gd, wd, sd = (to(t) for t in (x, r, norm_weight, w, scale))
-    out = torch.full((M, N), float("nan"), dtype=dtype, device=DEVICE)  # poisoned: all written?
+    xd, rd, gd, wd = (to(t) for t in (x, r, norm_weight, w))
+    out = torch.full((1, N), float("nan"), dtype=dtype, device=DEVICE)  # poisoned: all written?
     summed = torch.full_like(xd, float("nan")) if r is not None else None
-    stream_gemv(xd, wd, out, plan, config, weight_scale=sd, activation=activation, residual=rd,
+    stream_gemv(xd, wd, out, plan, config, activation=activation, residual=rd,
                 norm_weight=gd if norm else None, eps=EPS, summed=summed)
     out = out.cpu()
-    w_values = dequantize(w, scale) if fp8 else w
     if norm:
         normed, summed_ref = reference_norm(x, r, norm_weight)
         if r is not None:
             assert torch.equal(summed.cpu(), summed_ref)
-        if rstd_last(M, fp8, activation, N):  # rstd after the sum: the exact norm's GEMV
-            normed = exact_norm(x, r, norm_weight)
-        elif norm_after(M, r is not None, fp8, activation, N):  # linear.ONE_ROW_NORM_AFTER
+        if norm_after(1, r is not None, False, activation, N):  # linear.ONE_ROW_NORM_AFTER
             normed = after_norm(x, r, norm_weight)
         # _linear_kernel's one row (explicit blocks: never the stream kernel)
-        other, _ = rms_norm_linear_triton(xd, rd, gd, EPS, wd, weight_scale=sd,
-                                          activation=activation, block_n=16, block_k=64)
+        other, _ = rms_norm_linear_triton(xd, rd, gd, EPS, wd, activation=activation,
+                                          block_n=16, block_k=64)
     else:
         normed = x
-        other = linear_triton(xd, wd, weight_scale=sd, activation=activation, block_n=16,
-                              block_k=64)
+        other = linear_triton(xd, wd, activation=activation, block_n=16, block_k=64)
     if activation is None:
-        assert_linear_close(normed, w_values, out, dtype)
+        assert_linear_close(normed, w, out, dtype)
     else:
-        assert_gated_close(out, normed, w_values, activation, dtype)
+        assert_gated_close(out, normed, w, activation, dtype)
     assert_mostly_equal(out, other.cpu(), dtype)
 
 
 CONFIGS = [StreamConfig(tile_bytes=2048, depth=1), StreamConfig(tile_bytes=4096, depth=3),
-           StreamConfig(programs_per_sm=2, tile_bytes=1024, depth=2, num_stages=2),
-           StreamConfig(tile_bytes=4096, depth=4),
-           dataclasses.replace(gemv_stream.DEFAULT.wide, fp8=True)]
+           StreamConfig(programs_per_sm=2, tile_bytes=1024, depth=2),
+           StreamConfig(tile_bytes=4096, depth=4), gemv_stream.DEFAULT.wide]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"p{c.programs_per_sm}t{c.tile_bytes}"
                          f"d{c.depth}")
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16w", "fp8w"])
 @pytest.mark.parametrize("activation", [None, "silu"])
 @pytest.mark.parametrize("norm, residual", [(False, False), (True, False), (True, True)],
                          ids=["plain", "norm", "add_norm"])
-def test_plans_norms_gated_fp8(norm, residual, activation, fp8, config) -> None:
+def test_plans_norms_gated(norm, residual, activation, config) -> None:
     # N, K off every block size: a short last program, a masked last K step and rows past N
     # inside the last program's tile.
-    run(200, 37, torch.bfloat16, norm, residual, activation, fp8, seed=7, config=config, sms=4)
+    run(200, 37, torch.bfloat16, norm, residual, activation, seed=7, config=config, sms=4)
 
 
 @settings(max_examples=12, derandomize=True, **SETTINGS)
@@ -107,59 +95,39 @@ def test_plans_norms_gated_fp8(norm, residual, activation, fp8, config) -> None:
     dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
     norm_residual=st.sampled_from([(False, False), (True, False), (True, True)]),
     activation=st.sampled_from([None, "silu", "gelu_tanh"]),
-    fp8=st.booleans(),
     sms=st.integers(1, 8),
     config=st.sampled_from(CONFIGS),
     seed=st.integers(0, 2**16),
 )
-def test_any_shape(K, N, dtype, norm_residual, activation, fp8, sms, config, seed) -> None:
+def test_any_shape(K, N, dtype, norm_residual, activation, sms, config, seed) -> None:
     norm, residual = norm_residual
-    if stream_plan(N, K, 1 if fp8 else dtype.itemsize, activation is not None, config,
-                   sms) is None:
+    if stream_plan(N, K, dtype.itemsize, activation is not None, config, sms) is None:
         return  # too many rows a program for the tile: linear.py keeps _linear_kernel
-    run(K, N, dtype, norm, residual, activation, fp8, seed, config, sms)
+    run(K, N, dtype, norm, residual, activation, seed, config, sms)
 
 
-@pytest.mark.usefixtures("rstd_after_the_sum")
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16w", "fp8w"])
-@pytest.mark.parametrize("activation", [None, "silu"])
-@pytest.mark.parametrize("residual", [False, True], ids=["norm", "add_norm"])
-def test_rstd_after_the_sum(residual, activation, fp8) -> None:
-    """linear.NORM_RSTD_LAST in the stream kernel: the exact norm's bounds, summed bit for bit,
-    and _linear_kernel's values (which then computes the norm the same way)."""
-    run(200, 37, torch.bfloat16, True, residual, activation, fp8, seed=9, config=CONFIGS[1],
-        sms=4)
-
-
-@pytest.mark.parametrize("M", [2, 5, 16])
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16w", "fp8w"])
-@pytest.mark.parametrize("activation", [None, "silu"])
-def test_several_rows_on_the_mma(M, activation, fp8) -> None:
-    # the verification step's rows (no norm prologue there: the engine runs the norm kernel)
-    run(200, 37, torch.bfloat16, False, False, activation, fp8, seed=M, config=CONFIGS[1],
-        sms=4, M=M)
-
-
-@settings(max_examples=8, derandomize=True, **SETTINGS)
-@given(K=st.integers(8, 300), N=st.integers(1, 70), M=st.integers(2, 16),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
-       activation=st.sampled_from([None, "silu"]), fp8=st.booleans(), sms=st.integers(1, 6),
-       seed=st.integers(0, 2**16))
-def test_several_rows_any_shape(K, N, M, dtype, activation, fp8, sms, seed) -> None:
-    config = StreamConfig(tile_bytes=8192, depth=2)
-    if stream_plan(N, K, 1 if fp8 else dtype.itemsize, activation is not None, config, sms,
-                   M) is None:
-        return
-    run(K, N, dtype, False, False, activation, fp8, seed, config, sms, M)
+def test_fp8_weights_and_several_rows_are_refused() -> None:
+    """FP8 weights and 2..16 rows stay on _linear_kernel (every stream configuration measured
+    slower there): no plan for FP8, and the launcher refuses both."""
+    config = StreamConfig()
+    assert stream_plan(37, 200, 1, False, config, 4) is None
+    plan = stream_plan(37, 200, 2, False, config, 4)
+    w = torch.randn(37, 200).to(torch.bfloat16)
+    out = torch.empty(2, 37, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="one row"):
+        stream_gemv(torch.randn(2, 200).to(torch.bfloat16), w, out, plan, config)
+    with pytest.raises(ValueError, match="one row"):
+        stream_gemv(torch.randn(1, 200).to(torch.bfloat16), quantize_weight(w.float())[0],
+                    out[:1], plan, config)
 
 
 def test_plan_is_one_wave_of_equal_runs() -> None:
     config = StreamConfig()
     # Llama-3-8B at one row on an H200 (132 SMs): qkv, o_proj, gate/up (merged), down_proj
-    for N, K, gated, w_bytes, rows, block_r in [(6144, 4096, False, 1, 47, 64),
+    for N, K, gated, w_bytes, rows, block_r in [(6144, 4096, False, 2, 47, 64),
                                                 (4096, 4096, False, 2, 32, 32),
-                                                (14336, 4096, True, 1, 109, 256),
-                                                (4096, 14336, False, 1, 32, 32)]:
+                                                (14336, 4096, True, 2, 109, 256),
+                                                (4096, 14336, False, 4, 32, 32)]:
         plan = stream_plan(N, K, w_bytes, gated, config, 132)
         assert plan is not None and (plan.rows, plan.block_r) == (rows, block_r)
         assert plan.programs <= 132 and plan.block_r * plan.block_k * w_bytes <= config.tile_bytes
@@ -174,8 +142,7 @@ def test_plan_is_one_wave_of_equal_runs() -> None:
 def test_default_takes_its_wide_tile_where_rows_are_read_64_bytes_a_step(gpu, shapes) -> None:
     """gemv_stream.choose: the 8B gate/up (110 rows of a 128-row 8 KB tile, 64 bytes of each a
     step) on DEFAULT.wide's 16 KB tiles, the 8B down_proj (K = 14336) on DEFAULT.long_k's 16
-    warps, every other Llama-3 shape on DEFAULT; a configuration without them (the labs') keeps
-    its own."""
+    warps, every other Llama-3 shape on DEFAULT; a configuration without them keeps its own."""
     default = gemv_stream.DEFAULT
     for N, K, gated in shapes:
         config, plan = gemv_stream.choose(N, K, 2, gated, default, 132)
@@ -199,51 +166,31 @@ def test_bad_configs_are_refused() -> None:
 @needs_cuda
 @pytest.mark.parametrize("config", [StreamConfig(), gemv_stream.DEFAULT],
                          ids=["d3", "default"])
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16w", "fp8w"])
 @pytest.mark.parametrize("shape", ["qkv", "o_proj", "gate_up", "down"])
-def test_gpu_8b_shapes_through_linear(shape, fp8, config,
-                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gpu_8b_shapes_through_linear(shape, config, monkeypatch: pytest.MonkeyPatch) -> None:
     """linear.py dispatches one row to the stream kernel when CONFIG is set: the 8B shapes."""
     K, N, norm, activation = {"qkv": (4096, 6144, True, None), "o_proj": (4096, 4096, False, None),
                               "gate_up": (4096, 14336, True, "silu"),
                               "down": (14336, 4096, False, None)}[shape]
-    if fp8 and not config.fp8:
-        config = StreamConfig(programs_per_sm=2, tile_bytes=8192, depth=4, pdl=True)
     monkeypatch.setattr(gemv_stream, "CONFIG", config)
-    run(K, N, torch.bfloat16, norm, norm, activation, fp8, seed=3, config=config,
+    run(K, N, torch.bfloat16, norm, norm, activation, seed=3, config=config,
         sms=gemv_stream.num_sms(torch.device("cuda")))
     x, r, g, w = (t.cuda() if t is not None else None
                   for t in inputs(1, K, 2 * N if activation else N, torch.bfloat16, 5, True))
-    w, scale = quantize_weight(w.float()) if fp8 else (w, None)
     if norm:
-        out, _ = rms_norm_linear_triton(x, r, g, EPS, w, weight_scale=scale, activation=activation)
-        ref, _ = rms_norm_linear_triton(x, r, g, EPS, w, weight_scale=scale,
-                                        activation=activation, block_n=16, block_k=512)
+        out, _ = rms_norm_linear_triton(x, r, g, EPS, w, activation=activation)
+        ref, _ = rms_norm_linear_triton(x, r, g, EPS, w, activation=activation, block_n=16,
+                                        block_k=512)
     else:
-        out = linear_triton(x, w, weight_scale=scale, activation=activation)
-        ref = linear_triton(x, w, weight_scale=scale, activation=activation, block_n=16,
-                            block_k=512)
+        out = linear_triton(x, w, activation=activation)
+        ref = linear_triton(x, w, activation=activation, block_n=16, block_k=512)
     assert_mostly_equal(out, ref, torch.bfloat16)
-
-
-@needs_cuda
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16w", "fp8w"])
-@pytest.mark.parametrize("shape", ["qkv", "gate_up", "down"])
-@pytest.mark.parametrize("config", [StreamConfig(), StreamConfig(depth=1, num_stages=3)],
-                         ids=["d3", "d1st3"])
-def test_gpu_8b_shapes_five_rows(shape, fp8, config) -> None:
-    """The verify step's five rows at the 8B shapes, on the MMA."""
-    K, N, activation = {"qkv": (4096, 6144, None), "gate_up": (4096, 14336, "silu"),
-                        "down": (14336, 4096, None)}[shape]
-    run(K, N, torch.bfloat16, False, False, activation, fp8, seed=11, config=config,
-        sms=gemv_stream.num_sms(torch.device("cuda")), M=5)
 
 
 def test_default_config_leaves_fp8_weights_to_linear_kernel() -> None:
     default = gemv_stream.DEFAULT
     assert stream_plan(6144, 4096, 2, False, default, 132) is not None  # bf16 qkv
     assert stream_plan(6144, 4096, 1, False, default, 132) is None      # FP8: measured slower
-    assert stream_plan(6144, 4096, 1, False, StreamConfig(), 132) is not None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,

@@ -105,10 +105,9 @@ class _LaunchSpy:
        dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
        fp8=st.booleans(), seed=st.integers(0, 2**16))
 def test_one_row_partials_sum_the_same_products(N, K, block, dtype, fp8, seed, monkeypatch):
-    """One row with ONE_ROW_PARTIALS (each thread's partial per 16-byte run of columns, added
-    across threads after the K loop) and without (a reduction every K step): both the GEMV's
-    sum within its bound, FP8 weights too, at tiles narrower than a 16-byte run (fp32: 4
-    columns; block_k 16 of FP8: the whole step one run)."""
+    """One row: each thread's partial per 16-byte run of columns, added across threads after
+    the K loop (ROW_VEC): the GEMV's sum within its bound, FP8 weights too, at tiles narrower
+    than a 16-byte run (fp32: 4 columns; block_k 16 of FP8: the whole step one run)."""
     from fuser.ops import linear
     from fuser.ops.fp8 import dequantize, quantize_weight
 
@@ -120,37 +119,10 @@ def test_one_row_partials_sum_the_same_products(N, K, block, dtype, fp8, seed, m
         w, scale = quantize_weight(w)
     spy = _LaunchSpy(linear._linear_kernel)
     monkeypatch.setattr(linear, "_linear_kernel", spy)
-    for partials in (True, False):
-        monkeypatch.setattr(linear, "ONE_ROW_PARTIALS", partials)
-        out = linear_triton(x.to(DEVICE), w.to(DEVICE), weight_scale=None if scale is None else
-                            scale.to(DEVICE), block_n=block[0], block_k=block[1]).cpu()
-        check(x, w if scale is None else dequantize(w, scale), out)
-        vec = spy.launches[-1]["ROW_VEC"]
-        assert vec == (min(16 // w.element_size(), block[1]) if partials else 0)
-
-
-def test_tuned_one_row_fp8_tiles_are_taken_where_set(monkeypatch):
-    """linear.FP8_ONE_ROW_TILES (a benchmark's measured tiles) decides an FP8 one-row launch
-    of its shape, split and partials included; other shapes and explicit tiles keep theirs."""
-    from fuser.ops import linear
-    from fuser.ops.fp8 import dequantize, quantize_weight
-
-    g = torch.Generator().manual_seed(7)
-    x = torch.randn(1, 256, generator=g).to(torch.bfloat16)
-    w, scale = quantize_weight(torch.randn(24, 256, generator=g).to(torch.bfloat16))
-    spy = _LaunchSpy(linear._linear_kernel)
-    monkeypatch.setattr(linear, "_linear_kernel", spy)
-    monkeypatch.setattr(linear, "FP8_ONE_ROW_TILES", {(24, 256): (4, 64, 2, 2, False)})
-    run_w = w.to(DEVICE), scale.to(DEVICE)
-    out = linear_triton(x.to(DEVICE), run_w[0], weight_scale=run_w[1]).cpu()
-    check(x, dequantize(w, scale), out)
-    taken = spy.launches[-1]
-    assert (taken["BLOCK_N"], taken["BLOCK_K"], taken["num_warps"], taken["SPLIT_K"],
-            taken["ROW_VEC"]) == (4, 64, 2, 2, 0)
-    linear_triton(x.to(DEVICE), run_w[0], weight_scale=run_w[1], block_n=8, block_k=32)
-    assert (spy.launches[-1]["BLOCK_N"], spy.launches[-1]["BLOCK_K"]) == (8, 32)
-    linear_triton(torch.cat([x, x]).to(DEVICE), run_w[0], weight_scale=run_w[1])  # two rows
-    assert spy.launches[-1]["BLOCK_M"] == 16
+    out = linear_triton(x.to(DEVICE), w.to(DEVICE), weight_scale=None if scale is None else
+                        scale.to(DEVICE), block_n=block[0], block_k=block[1]).cpu()
+    check(x, w if scale is None else dequantize(w, scale), out)
+    assert spy.launches[-1]["ROW_VEC"] == min(16 // w.element_size(), block[1])
 
 
 def _norm_linear_case(M: int, N: int, K: int, dtype: torch.dtype, fp8: bool,
@@ -232,64 +204,6 @@ def test_tiles_fit_shared_memory_and_tuned_configs_stay():
             assert fit_stages >= 2 and fit_k >= 32
 
 
-def test_several_row_fp8_warps_follow_the_switch(monkeypatch):
-    """linear.FP8_ROWS_WARPS (decode.py --rows-warps) sets the several-row FP8 programs' warps,
-    every shape and form; one row keeps its tuned table."""
-    from fuser.ops import linear
-
-    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
-    for warps in (4, 8):
-        monkeypatch.setattr(linear, "FP8_ROWS_WARPS", warps)
-        for N, K in shapes:
-            for pieces in (False, True):
-                assert linear._default_fp8_config(5, N, K, pieces)[2] == warps
-        assert linear._default_fp8_config(1, 4096, 14336)[2] == 8
-
-
-def test_pieces_tiles_table_reaches_the_launch(monkeypatch):
-    """linear.FP8_PIECES_TILES (decode.py --pieces-tiles) gives a row-pieces GEMV of its
-    (weight rows, K) its block_n, block_k, split_k and stages; explicit arguments, other shapes
-    and block-scaled pieces keep theirs."""
-    from sm90_compile import record_launches
-
-    from fuser.ops import linear
-    from fuser.ops.e4m3_pieces import split_pieces_blocks_reference, split_pieces_reference
-    from fuser.ops.fp8 import quantize_weight
-
-    monkeypatch.setattr(linear, "FP8_PIECES_TILES", {(96, 512): (32, 128, 2, 5)})
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(5, 512, generator=gen).to(torch.bfloat16)
-    w, s = quantize_weight(torch.randn(96, 512, generator=gen))
-    other_w, other_s = quantize_weight(torch.randn(64, 512, generator=gen))
-    pieces = split_pieces_reference(x)
-
-    def run() -> None:
-        linear.linear_pieces_triton(*pieces, w, s)
-        linear.linear_pieces_triton(*pieces, w, s, block_k=256)
-        linear.linear_pieces_triton(*pieces, other_w, other_s)
-        linear.linear_pieces_triton(*split_pieces_blocks_reference(x, 64), w, s, scale_block=64)
-
-    launched = [(r["kwargs"]["BLOCK_N"], r["kwargs"]["BLOCK_K"], r["kwargs"]["SPLIT_K"],
-                 r["kwargs"]["num_stages"])
-                for r in record_launches(linear, "_linear_kernel", run, run_kernels=False)]
-    table_n = linear._default_fp8_config(5, 96, 512, pieces=True)[0]
-    assert launched[0] == (32, 128, 2, 5)
-    assert launched[1][:2] == (table_n, 256)
-    assert launched[2][:2] == (linear._default_fp8_config(5, 64, 512, pieces=True)[:2])
-    assert launched[3][:2] == (table_n, 64)
-
-
-def test_shorter_k_step_keeps_the_tables_bytes_in_flight():
-    """A several-row K step shorter than the table's gets stages * (table step / step) stages,
-    capped by the shared-memory budget (block pieces' 64-column steps: twenty-fourth session)."""
-    from fuser.ops.linear import SHARED_MEMORY_BUDGET, _deeper_stages
-
-    assert _deeper_stages(16, 64, 64, 3 * 4, 1, 2) == 12
-    capped = _deeper_stages(16, 256, 128, 64, 1, 2)
-    assert capped * 128 * (256 + 16 * 2) <= SHARED_MEMORY_BUDGET < (capped + 1) * 128 * (256 + 32)
-    assert _deeper_stages(16, 64, 64, 1, 1, 2) == 2
-
-
 # --- split-K: SPLIT_K programs per column block, summed by the last one in the same launch ------
 
 
@@ -349,7 +263,7 @@ def test_default_split_k_is_where_it_measured_faster():
     assert _default_split_k(1, 4096, 4096, False) == 2       # o_proj, bf16
     assert _default_split_k(1, 4096, 4096, True) == 1
     assert _default_split_k(1, 6144, 4096, False) == 1       # qkv
-    # several rows, the swapped MMA's 64-row tiles (fp8_mma_lab.py at M = 5)
+    # several rows, the swapped MMA's 64-row tiles (measured at M = 5)
     assert _default_split_k(5, 4096, 14336, False) == 4      # down_proj
     assert _default_split_k(5, 4096, 4096, False) == 2       # o_proj
     assert _default_split_k(5, 6144, 4096, False) == 1       # qkv
@@ -359,8 +273,7 @@ def test_default_split_k_is_where_it_measured_faster():
 
 def test_small_weights_take_the_small_tile_at_several_rows():
     """The bundled pair's weights (at most SMALL_WEIGHT elements) at several rows: 16-column
-    tiles, unsplit (benchmarks/step_lab.py, twenty-first session); one row and the 8B shapes keep
-    their tables."""
+    tiles, unsplit (measured faster on an H200); one row and the 8B shapes keep their tables."""
     from fuser.ops.linear import (SMALL_ROWS_TILE, _default_config, _default_split_k,
                                   small_weight)
 
@@ -381,7 +294,7 @@ def test_small_weights_take_the_small_tile_at_several_rows():
 @pytest.mark.parametrize("activation", [None, "silu"])
 def test_small_tile_sums_the_same_products(activation):
     """At several rows the small tile's outputs equal the 8B-shape tile's: the same K order,
-    only the columns per program differ (bit-equal on the H200 in the step lab)."""
+    only the columns per program differ (bit-equal on the H200 too)."""
     from fuser.ops.linear import SMALL_ROWS_TILE
 
     g = torch.Generator().manual_seed(5)
@@ -466,107 +379,75 @@ def test_swapped_mma_sums_the_same_products(M, N, blocks, split_k, dtype, fp8, a
         check(x.cpu(), w.cpu(), swapped.reshape(M, -1).cpu())
 
 
-def _run_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, mma: str | None,
-             **config) -> torch.Tensor:
-    """linear_triton over FP8 weights on the swapped MMA: fp16 ("f16"), the FP8 MMA with x in
-    two pieces ("x2") or bf16 (None): linear.FP8_ROWS_MMA."""
+def _run_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, **config) -> torch.Tensor:
+    """linear_triton over FP8 weights on the swapped MMA: for bf16 x the fp16 MMA (_f16_step)."""
     from unittest import mock
 
     from fuser.ops import linear as linear_module
 
-    with mock.patch.object(linear_module, "_default_swap", lambda *_: True), \
-            mock.patch.object(linear_module, "FP8_ROWS_MMA", mma):
+    with mock.patch.object(linear_module, "_default_swap", lambda *_: True):
         return linear_triton(x, w, weight_scale=scale, **config)
+
+
+def _fp8_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
+                   activation: str | None) -> torch.Tensor:
+    from fuser.ops.linear import fp8_gated_linear_reference
+    from fuser.ops.fp8 import fp8_linear_reference
+
+    if activation is None:
+        return fp8_linear_reference(x, w, scale).float()
+    return fp8_gated_linear_reference(x, w, scale, activation).float()
 
 
 @settings(max_examples=12, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(
     **SEVERAL_ROWS,
-    mma=st.sampled_from(["f16", "x2"]),
     activation=st.sampled_from([None, "silu"]),
     magnitude=st.sampled_from([2.0**-40, 2.0**-8, 1.0, 2.0**40]),
     seed=st.integers(0, 2**16),
 )
-def test_fp8_weights_on_an_fp16_or_fp8_mma_keep_the_bf16_mma_values(M, N, blocks, split_k, mma,
-                                                                  activation, magnitude, seed):
-    """linear.FP8_ROWS_MMA: "f16" (_f16_step) puts x into the fp16 MMA scaled per row by a power
-    of two that follows its running max |x|; "x2" (_x2_step) splits each K step's x tile into
-    two e4m3 pieces under a power of two per row. Either way bf16's x is exact there at any
-    magnitude and the products are the bf16 MMA's: the outputs agree up to the fp32 order of
-    the sum and one rounding, and match the reference."""
-    from fuser.ops.fp8 import fp8_linear_reference, quantize_weight
+def test_fp8_weights_on_the_fp16_mma_keep_the_reference_values(M, N, blocks, split_k,
+                                                                activation, magnitude, seed):
+    """Several bf16 rows against FP8 weights: _f16_step puts x into the fp16 MMA scaled per row
+    by a power of two that follows its running max |x|, so bf16's x is exact there at any
+    magnitude and the products are exact in fp32: the outputs match the reference up to the
+    fp32 order of the sum and one rounding, far outside fp16's range too."""
+    from fuser.ops.fp8 import quantize_weight
 
     K = 32 * blocks * split_k
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(M, K, generator=g) * magnitude).to(torch.bfloat16).to(DEVICE)
     w, scale = quantize_weight((torch.randn(2 * N if activation else N, K, generator=g)))
     w, scale = w.to(DEVICE), scale.to(DEVICE)
-    config = dict(activation=activation, block_n=16, block_k=32, split_k=split_k)
-    out, bf16 = (_run_fp8(x, w, scale, kind, **config) for kind in (mma, None))
+    out = _run_fp8(x, w, scale, activation=activation, block_n=16, block_k=32, split_k=split_k)
     assert torch.isfinite(out).all()
-    torch.testing.assert_close(out.float(), bf16.float(), rtol=2.0**-7,
-                               atol=2.0**-7 * bf16.float().abs().max().item() + 1e-37)
-    if activation is None:
-        ref = fp8_linear_reference(x, w, scale).float()
-        torch.testing.assert_close(out.float(), ref, rtol=2.0**-7,
-                                   atol=2.0**-7 * ref.abs().max().item() + 1e-37)
-
-
-@pytest.mark.parametrize("exponent", [-100, -3, 0, 50])
-def test_fp8_mma_pieces_carry_every_bit_of_bf16_x(exponent):
-    """"x2": hi + lo is x exactly (bf16's 8 significant bits in two e4m3 pieces of 4) when x
-    stays within 2^9 of its tile's max |x|. Through an identity weight (1.0 is exact in e4m3,
-    scale 1) every output is one x value times 1: the kernel must return x bit for bit, which
-    fails if lo is dropped (4 bits kept), rounded, or scaled by the wrong power."""
-    g = torch.Generator().manual_seed(exponent + 1000)
-    M, K = 5, 64
-    mantissa = 1 + torch.randint(0, 128, (M, K), generator=g) / 128   # 8 significant bits
-    sign = torch.where(torch.rand(M, K, generator=g) < 0.5, -1.0, 1.0)
-    spread = torch.randint(-9, 1, (M, K), generator=g).double()        # within 2^9 of the max
-    x = (sign * mantissa * torch.exp2(spread + exponent)).to(torch.bfloat16)
-    assert torch.equal(x.double(), sign * mantissa * torch.exp2(spread + exponent))
-    w = torch.eye(K).to(torch.float8_e4m3fn)
-    scale = torch.ones(K)
-    out = _run_fp8(x.to(DEVICE), w.to(DEVICE), scale.to(DEVICE), "x2", block_n=16, block_k=32)
-    assert torch.equal(out.cpu(), x)
-
-
-def test_fp8_mma_rejects_an_unknown_choice():
-    from unittest import mock
-
-    from fuser.ops import linear as linear_module
-    from fuser.ops.fp8 import quantize_weight
-
-    w, scale = quantize_weight(torch.randn(16, 32))
-    with mock.patch.object(linear_module, "FP8_ROWS_MMA", "fp4"), \
-            pytest.raises(ValueError, match="FP8_ROWS_MMA='fp4'"):
-        _run_fp8(torch.randn(3, 32).to(torch.bfloat16).to(DEVICE), w.to(DEVICE),
-                 scale.to(DEVICE), "fp4")
+    ref = _fp8_reference(x, w, scale, activation)
+    torch.testing.assert_close(out.float(), ref, rtol=2.0**-7,
+                               atol=2.0**-7 * ref.abs().max().item() + 1e-37)
 
 
 @needs_cuda
-@pytest.mark.parametrize("mma", ["f16", "x2"])
 @pytest.mark.parametrize("magnitude", [1.0, 2.0**37])
 @pytest.mark.parametrize("N,K,activation", [(6144, 4096, None), (4096, 4096, None),
                                              (28672, 4096, "silu"), (4096, 14336, None)])
-def test_gpu_fp16_mma_at_llama3_shapes(N, K, activation, magnitude, mma):
-    """FP8_ROWS_MMA ("f16", "x2") at the 8B shapes, five rows, the default tiles and split-K, x a
-    strided view as the qkv output's slice is, at ordinary and large magnitudes: finite, and the
-    bf16 MMA's values."""
+def test_gpu_fp16_mma_at_llama3_shapes(N, K, activation, magnitude):
+    """The fp16 MMA at the 8B shapes, five rows, the default tiles and split-K, x a strided view
+    as the qkv output's slice is, at ordinary and large magnitudes: finite, and the reference's
+    values."""
     from fuser.ops.fp8 import quantize_weight
 
     g = torch.Generator(device="cuda").manual_seed(N + K)
     wide = torch.randn(5, K + 64, device="cuda", generator=g) * magnitude
     x = wide.to(torch.bfloat16)[:, :K]
     w, scale = quantize_weight(torch.randn(N, K, device="cuda", generator=g) * 0.02)
-    f16, bf16 = (_run_fp8(x, w, scale, kind, activation=activation) for kind in (mma, None))
+    f16 = _run_fp8(x, w, scale, activation=activation)
     bad = ~torch.isfinite(f16)
     assert not bad.any(), (f"{int(bad.sum())} of {f16.numel()} outputs non-finite, rows "
                            f"{bad.any(1).nonzero().flatten().tolist()}, first columns "
                            f"{bad.any(0).nonzero().flatten()[:8].tolist()}")
-    torch.testing.assert_close(f16.float(), bf16.float(), rtol=2.0**-7,
-                               atol=2.0**-7 * bf16.float().abs().max().item())
+    ref = _fp8_reference(x, w, scale, activation)
+    torch.testing.assert_close(f16.float(), ref, rtol=2.0**-7, atol=2.0**-7 * ref.abs().max().item())
 
 
 def test_fp16_mma_rescales_when_a_row_grows_by_far_more_than_fp16_holds():
@@ -582,7 +463,7 @@ def test_fp16_mma_rescales_when_a_row_grows_by_far_more_than_fp16_holds():
     x = x.to(torch.bfloat16).to(DEVICE)
     w, scale = quantize_weight(torch.randn(24, 128, generator=g))
     w, scale = w.to(DEVICE), scale.to(DEVICE)
-    out = _run_fp8(x, w, scale, "f16", block_n=16, block_k=32)
+    out = _run_fp8(x, w, scale, block_n=16, block_k=32)
     ref = fp8_linear_reference(x, w, scale).float()
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.float(), ref, rtol=2.0**-7, atol=2.0**-7 * ref.abs().max())

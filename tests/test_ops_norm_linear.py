@@ -13,9 +13,11 @@ What must hold:
 - in bf16/fp16, nearly every output equals the unfused kernels' (the norm kernel, then the GEMV
   with the same blocking) bit for bit: a missing rounding of the normed tile would break that.
 
-One row with linear.NORM_RSTD_LAST (the decode step's launches) computes the norm differently:
-rstd multiplies the GEMV's fp32 sums of w * (g * h) after the loop, with none of the norm's own
-roundings (g * (h * rstd).to(dtype), rounded again). There out is held to the float64 GEMV of the
+One row with rstd after the sum (linear.rstd_last_for: the decode step's FP8 qkv launch)
+computes the norm differently: rstd multiplies the GEMV's fp32 sums of w * (g * h) after the
+loop, with none of the norm's own roundings (g * (h * rstd).to(dtype), rounded again). The
+rstd_after_the_sum fixture takes that form for every one-row shape, so that the tests cover it
+in bf16, gated and fp32 too. There out is held to the float64 GEMV of the
 *exact* normed rows g * h * rstd (h = x (+ r) rounded to x's dtype, as summed is) by the same
 bounds, and, at a size where the roundings add up, its error against that must be smaller than
 the unfused kernels' (test_rstd_last_is_closer_to_the_exact_norm_than_the_unfused_kernels).
@@ -80,12 +82,13 @@ def exact_norm(x, r, norm_weight):
 
 @pytest.fixture
 def rstd_after_the_sum():
-    """linear.NORM_RSTD_LAST on for the test (off by default: measured slower on the H200)."""
+    """Every one-row GEMV with the norm multiplies by rstd after its K loop for the test (by
+    default only FP8 qkv does: linear.rstd_last_for)."""
     from unittest import mock
 
     from fuser.ops import linear as linear_module
 
-    with mock.patch.object(linear_module, "NORM_RSTD_LAST", True):
+    with mock.patch.object(linear_module, "rstd_last_for", lambda fp8, gated, n: True):
         yield
 
 
@@ -203,7 +206,7 @@ def test_one_row_prologue_at_other_widths(norm_k: int, residual: bool) -> None:
 @pytest.mark.parametrize("residual", [False, True], ids=["norm", "add_norm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_one_row_with_rstd_after_the_sum(dtype, residual, activation, fp8) -> None:
-    """linear.NORM_RSTD_LAST: summed bit for bit, out within the GEMV bounds around the exact
+    """rstd after the sum: summed bit for bit, out within the GEMV bounds around the exact
     norm (run() switches to those when the flag is on), at a masked last block and K step."""
     run(1, 200, 40, dtype, residual, activation, fp8, seed=12, block_n=8, block_k=64)
 
@@ -218,7 +221,7 @@ def test_rstd_last_is_closer_to_the_exact_norm_than_the_unfused_kernels(residual
     x, r, g, w = inputs(1, 1024, 256, torch.bfloat16, seed=11, residual=residual)
     exact = exact_norm(x, r, g) @ w.double().T
     to = (lambda t: None if t is None else t.to(DEVICE))
-    fused, _ = rms_norm_linear_triton(to(x), to(r), to(g), EPS, to(w))
+    fused, _ = rms_norm_linear_triton(to(x), to(r), to(g), EPS, to(w), block_n=16, block_k=512)
     unfused = unfused_kernels(to(x), to(r), to(g), to(w), None, None)
 
     def err(out):

@@ -97,22 +97,6 @@ def test_rows_dtypes_gated_fp8(M, dtype, activation, fp8) -> None:
         producer=dict(block_n=64, block_k=32), consumer=dict(block_n=32, block_k=64))
 
 
-@pytest.mark.parametrize("activation", [None, "silu"])
-@pytest.mark.parametrize("M", [2, 5])
-def test_fp8_consumer_on_x2_pieces(M, activation, monkeypatch) -> None:
-    """linear.STATS_FP8_MMA = "x2": the FP8 consumer splits g * h into e4m3 pieces per K step
-    (bf16 x only; K = 200 over 64-column steps, the last one cut short) and stays within the
-    GEMV bounds of the fp16 path's values."""
-    import fuser.ops.linear as linear
-
-    monkeypatch.setattr(linear, "STATS_FP8_MMA", "x2")
-    run(M, 96, 200, 40, torch.bfloat16, True, activation, seed=10 + M,
-        producer=dict(block_n=64, block_k=32), consumer=dict(block_n=32, block_k=64))
-    monkeypatch.setattr(linear, "STATS_FP8_MMA", "x3")
-    with pytest.raises(ValueError, match="STATS_FP8_MMA"):
-        run(M, 96, 200, 40, torch.bfloat16, True, activation, seed=10 + M)
-
-
 @pytest.mark.parametrize("split_k", [2, 3])
 def test_split_k_producer_stores_once(split_k: int) -> None:
     run(5, 192, 64, 32, torch.bfloat16, False, None, seed=split_k,
@@ -308,7 +292,7 @@ def test_one_row_norm_after_is_the_several_row_arithmetic(stream: bool,
         if stream:
             config = gemv_stream.DEFAULT
             plan = gemv_stream.stream_plan(N * (2 if activation else 1), K, 2,
-                                           activation is not None, config, 4, 1)
+                                           activation is not None, config, 4)
             out = torch.empty(1, N, dtype=torch.bfloat16, device=DEVICE)
             gemv_stream.stream_gemv(xi, to(w), out, plan, config, activation=activation,
                                     residual=ri, norm_weight=to(norm_weight), eps=EPS,
@@ -357,7 +341,6 @@ def test_fp8_producer_on_pieces(M: int, monkeypatch: pytest.MonkeyPatch) -> None
                                atol=1e-6)
     # the op splits rows longer than SPLIT_PIECES_MIN_K by itself (here: all of them)
     monkeypatch.setattr(linear, "SPLIT_PIECES_MIN_K", K - 1)
-    monkeypatch.setattr(linear, "FP8_ROWS_MMA", "pieces")
     from fuser.ops import norm_stats
 
     taken = []
@@ -399,8 +382,8 @@ def test_fp32_scale_product_is_not_fused_with_the_residual_add(tmp_path) -> None
     """fp32 x, FP8 weights, the residual epilogue: y = acc * scale must be rounded before
     y + r (as the plain GEMV stores y and fuser::add_rms_norm adds r). Compiled for sm_90 (PTX,
     no GPU needed; in a process without TRITON_INTERPRET), the plain product contracts with the
-    add into an FMA, which made summed differ from the GEMV plus r in the last bit on the H200
-    (twenty-third session); MUL_RN's explicitly rounded multiply must not."""
+    add into an FMA, which made summed differ from the GEMV plus r in the last bit on the H200;
+    MUL_RN's explicitly rounded multiply must not."""
     import os
     import subprocess
     import sys
@@ -417,104 +400,3 @@ def test_fp32_scale_product_is_not_fused_with_the_residual_add(tmp_path) -> None
     (plain_fma, _), (fixed_fma, fixed_mul) = (map(int, line.split()[1:]) for line in lines[:2])
     assert plain_fma > 0  # what the fix is for: the compiler does contract them
     assert fixed_fma == 0 and fixed_mul > 0
-
-
-@pytest.mark.parametrize("pieces_in", [False, True], ids=["bf16_x", "pieces_x"])
-@pytest.mark.parametrize("split_k", [1, 2])
-@pytest.mark.parametrize("activation", [None, "silu"])
-def test_block_pieces_producer_and_consumer(pieces_in: bool, split_k: int,
-                                            activation: str | None) -> None:
-    """linear.STATS_FP8_MMA = "block" (FP8 on both sides): the producer's epilogue writes
-    g * summed as e4m3 pieces per row and block_n tile, bit for bit the block split of what
-    linear_residual_triton writes as gh (summed and squares unchanged); the consumer over those
-    pieces with the rstd stays within the GEMV bounds of the float64 GEMV of the normed rows,
-    as the gh consumer does."""
-    from fuser.ops.e4m3_pieces import split_pieces_blocks_reference, split_pieces_triton
-    from fuser.ops.norm_stats import linear_residual_pieces_triton, normed_pieces_linear_triton
-
-    g = torch.Generator().manual_seed(split_k + 2 * pieces_in)
-    M, K, H, N, block = 5, 256, 192, 40, 64
-    a = torch.randn(M, K, generator=g).to(torch.bfloat16)
-    r = (torch.randn(M, H, generator=g) * 3).to(torch.bfloat16)
-    nw = (1 + 0.2 * torch.randn(H, generator=g)).to(torch.bfloat16)
-    w_p, s_p, _ = _weight(H, K, torch.bfloat16, True, g)
-    w_c, s_c, w_c_values = _weight(2 * N if activation else N, H, torch.bfloat16, True, g)
-    a_d, r_d, nw_d, w_p_d, s_p_d, w_c_d, s_c_d = (t.to(DEVICE) for t in
-                                                  (a, r, nw, w_p, s_p, w_c, s_c))
-    pieces = split_pieces_triton(a_d) if pieces_in else None
-    summed0, gh0, squares0 = linear_residual_triton(a_d, w_p_d, r_d, nw_d, weight_scale=s_p_d,
-                                                    pieces=pieces, block_n=block, block_k=32,
-                                                    split_k=split_k)
-    summed, (hi, lo, inv), squares = linear_residual_pieces_triton(
-        a_d, w_p_d, r_d, nw_d, block, weight_scale=s_p_d, pieces=pieces, block_k=32,
-        split_k=split_k)
-    assert torch.equal(summed, summed0) and torch.equal(squares, squares0)
-    want = split_pieces_blocks_reference(gh0.cpu(), block)
-    for got, ref in zip((hi, lo), want[:2]):
-        assert torch.equal(got.cpu().view(torch.uint8), ref.view(torch.uint8))
-    assert torch.equal(inv.cpu(), want[2]) and inv.shape == (M, H // block)
-    out = normed_pieces_linear_triton(hi, lo, inv, squares, EPS, w_c_d, s_c_d, block,
-                                      activation=activation)
-    h = summed.cpu().double()
-    normed = gh0.cpu().double() * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)
-    if activation is None:
-        assert_linear_close(normed, w_c_values, out.cpu(), torch.bfloat16)
-    else:
-        assert_gated_close(out.cpu(), normed, w_c_values, activation, torch.bfloat16)
-
-
-def test_block_pieces_out_are_checked() -> None:
-    from fuser.ops.norm_stats import linear_residual_pieces_triton
-
-    g = torch.Generator().manual_seed(0)
-    a = torch.randn(3, 64, generator=g).to(torch.bfloat16)
-    r = torch.randn(3, 32, generator=g).to(torch.bfloat16)
-    nw = torch.ones(32, dtype=torch.bfloat16)
-    w, s, _ = _weight(32, 64, torch.bfloat16, True, g)
-    with pytest.raises(ValueError, match="pieces out"):  # fp32 rows: no pieces
-        linear_residual_pieces_triton(a.float(), w, r.float(), nw.float(), 16, weight_scale=s)
-
-
-@pytest.mark.parametrize("split_k", [1, 2])
-def test_gated_block_pieces_feed_the_next_producer(split_k: int) -> None:
-    """The gated consumer (gate/up) also writes its output as block pieces (out_block columns
-    a scale, bit for bit the block split of its bf16 output, which is the plain pieces
-    consumer's), and the next producer (down_proj with the residual epilogue) takes them:
-    its summed the GEMV over those pieces (within the GEMV bounds of y's) plus r, its own pieces
-    the block split of its g * summed."""
-    from fuser.ops.e4m3_pieces import split_pieces_blocks_reference
-    from fuser.ops.norm_stats import (linear_residual_pieces_triton,
-                                      normed_pieces_gated_pieces_triton,
-                                      normed_pieces_linear_triton)
-
-    g = torch.Generator().manual_seed(40 + split_k)
-    M, H, I, block, out_block = 5, 128, 192, 64, 32
-    summed_in = (torch.randn(M, H, generator=g) * 2).to(torch.bfloat16)
-    nw = (1 + 0.2 * torch.randn(H, generator=g)).to(torch.bfloat16)
-    gh = (nw * summed_in)
-    hi, lo, inv = (t.to(DEVICE) for t in split_pieces_blocks_reference(gh, block))
-    squares = group_squares_reference(summed_in).to(DEVICE)
-    w_gu, s_gu, _ = _weight(2 * I, H, torch.bfloat16, True, g)
-    w_d, s_d, w_d_values = _weight(H, I, torch.bfloat16, True, g)
-    r = torch.randn(M, H, generator=g).to(torch.bfloat16)
-    w_gu, s_gu, w_d, s_d, r_d, nw_d = (t.to(DEVICE) for t in (w_gu, s_gu, w_d, s_d, r, nw))
-    y, (y_hi, y_lo, y_inv) = normed_pieces_gated_pieces_triton(
-        hi, lo, inv, squares, EPS, w_gu, s_gu, block, out_block, "silu", split_k=split_k)
-    plain = normed_pieces_linear_triton(hi, lo, inv, squares, EPS, w_gu, s_gu, block,
-                                        activation="silu", split_k=split_k)
-    assert torch.equal(y, plain)
-    want = split_pieces_blocks_reference(y.cpu(), out_block)
-    for got, ref in zip((y_hi, y_lo), want[:2]):
-        assert torch.equal(got.cpu().view(torch.uint8), ref.view(torch.uint8))
-    assert torch.equal(y_inv.cpu(), want[2])
-    summed, (o_hi, o_lo, o_inv), _ = linear_residual_pieces_triton(
-        y, w_d, r_d, nw_d, 64, weight_scale=s_d, pieces=(y_hi, y_lo, y_inv), block_k=out_block)
-    want_out = split_pieces_blocks_reference((nw * summed.cpu()), 64)
-    assert torch.equal(o_hi.cpu().view(torch.uint8), want_out[0].view(torch.uint8))
-    assert torch.equal(o_inv.cpu(), want_out[2])
-    # summed is the plain GEMV over the same pieces plus r, and that GEMV is y's
-    from fuser.ops.linear import linear_pieces_triton
-
-    y_lin = linear_pieces_triton(y_hi, y_lo, y_inv, w_d, s_d, block_n=64, scale_block=out_block)
-    assert torch.equal(summed, y_lin + r_d)
-    assert_linear_close(y.cpu().double(), w_d_values, y_lin.cpu(), torch.bfloat16)

@@ -32,18 +32,8 @@ def test_pdl_is_on_by_default_for_one_row_launches_only(monkeypatch: pytest.Monk
     monkeypatch.setattr(pdl_module, "pdl_supported", lambda device: True)
     monkeypatch.delenv("FUSER_PDL", raising=False)
     cuda = torch.device("cuda")
-    monkeypatch.delenv("FUSER_PDL_ROWS", raising=False)
     assert pdl_launch(cuda, one_row=True) == {"launch_pdl": True}
     assert pdl_launch(cuda, one_row=False) == {}
-    monkeypatch.setenv("FUSER_PDL_ROWS", "1")  # several rows too (measurement)
-    assert pdl_launch(cuda, one_row=False) == {"launch_pdl": True}
-    monkeypatch.setenv("FUSER_PDL_ROWS", "gemv")  # the GEMVs' several-row launches only
-    assert pdl_launch(cuda, one_row=False, gemv=True) == {"launch_pdl": True}
-    assert pdl_launch(cuda, one_row=False) == {}
-    monkeypatch.setenv("FUSER_PDL_ROWS", "yes")  # a typo must not measure the default
-    with pytest.raises(ValueError, match="FUSER_PDL_ROWS"):
-        pdl_launch(cuda, one_row=False)
-    monkeypatch.setenv("FUSER_PDL_ROWS", "1")
     monkeypatch.setenv("FUSER_PDL", "0")  # ... never with PDL off
     assert pdl_launch(cuda, one_row=True) == {}
     assert pdl_launch(cuda, one_row=False) == {}
@@ -99,17 +89,14 @@ def test_gpu_pdl_launch_gives_the_ordinary_launchs_bits(case: tuple, prefetch: i
 
 
 @needs_hopper
-@pytest.mark.parametrize("pdl_rows", [False, True], ids=["rows-ordinary", "rows-pdl"])
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("rows", [1, 5])
 def test_gpu_dependent_pdl_launches_give_the_ordinary_launchs_bits(
-        rows: int, fp8: bool, pdl_rows: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+        rows: int, fp8: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A chain in which every GEMV reads the one before's output (as a decode step runs them,
     norm prologue and gated epilogue at one row), captured in one CUDA graph: the same bits with
     PDL on as off. The test above never makes a PDL kernel wait for data; this one does. At 5
-    rows the launches take PDL only with FUSER_PDL_ROWS=1 ("rows-pdl"; the thirteenth
-    session's GPU run saw FP8's chain differ there: the prefetched tile's step, fixed in the
-    twenty-second, fuser/ops/pdl.py)."""
+    rows the launches are ordinary either way (several rows never take PDL)."""
     H, I = 4096, 2048
     gen = torch.Generator(device="cuda").manual_seed(rows + 10 * fp8)
 
@@ -146,9 +133,6 @@ def test_gpu_dependent_pdl_launches_give_the_ordinary_launchs_bits(
         h0.mul_(-1)
         return out.clone()
 
-    if rows == 1 and pdl_rows:
-        pytest.skip("FUSER_PDL_ROWS concerns several-row launches")
-    monkeypatch.setenv("FUSER_PDL_ROWS", "1" if pdl_rows else "0")
     monkeypatch.setenv("FUSER_PDL", "0")
     expected = captured()
     monkeypatch.setenv("FUSER_PDL", "1")
@@ -158,42 +142,49 @@ def test_gpu_dependent_pdl_launches_give_the_ordinary_launchs_bits(
 
 
 @triton.jit
-def _no_wait(PDL: tl.constexpr, LAUNCH_NEXT: tl.constexpr = True):
+def _no_wait(PDL: tl.constexpr):
     pass
 
 
-@pytest.mark.parametrize("mode", ["f16", "x2", "pieces", "bf16 weight"])
+class _LaunchAsPdl(dict):
+    """Launch options that ask for the kernel's PDL variant (truthy) and pass no option to the
+    launch (empty): what the interpreter can run."""
+
+    def __bool__(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("fp8, norm, activation", [(False, False, None), (True, False, None),
+                                                   (True, True, None), (False, True, "silu")])
 @pytest.mark.parametrize("prefetch", [1, 2])
 def test_pdl_variant_sums_the_prefetched_tiles_as_the_loop_does(
-        mode: str, prefetch: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A PDL-launched program sums its first weight tiles (loaded before its wait) outside the
-    K loop: it must sum them exactly as a loop step of its own path would, so that PDL changes
-    no bit. Several rows on every path of the MMA (FP8 weights on the fp16 MMA, on the FP8 MMA
-    with x split in the GEMV or given as pieces; bf16 weights), on the interpreter: the PDL
-    variant of the kernel with its wait taken out against the ordinary variant."""
+        fp8: bool, norm: bool, activation: str | None, prefetch: int,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A PDL-launched one-row program sums its first weight tiles (loaded before its wait)
+    outside the K loop: it must sum them exactly as a loop step would, so that PDL changes no
+    bit. On the interpreter: the kernel's PDL variant, its wait taken out, against the ordinary
+    variant, through the norm prologue and the gated epilogue."""
     from fuser.ops import linear as linear_module
-    from fuser.ops.e4m3_pieces import split_pieces_triton
-    from fuser.ops.linear import linear_pieces_triton
 
     if torch.cuda.is_available():
         pytest.skip("the interpreter's check (tests on the GPU launch the variants for real)")
-    monkeypatch.setattr(linear_module, "wait_for_inputs", _no_wait)
-    if mode != "pieces":
-        monkeypatch.setattr(linear_module, "FP8_ROWS_MMA", "x2" if mode == "x2" else "f16")
+
     gen = torch.Generator().manual_seed(prefetch)
-    M, N, K = 5, 96, 256
-    x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
-    w = torch.randn(N, K, generator=gen) * 0.05
-    w, scale = (w.to(torch.bfloat16), None) if mode == "bf16 weight" else quantize_weight(w)
-    blocks = dict(block_n=32, block_k=64, num_stages=2)
+    N, K = 48, 256
+    x, r = (torch.randn(1, K, generator=gen).to(torch.bfloat16) for _ in range(2))
+    g = (1 + 0.1 * torch.randn(K, generator=gen)).to(torch.bfloat16)
+    w = torch.randn(2 * N if activation else N, K, generator=gen) * 0.05
+    w, scale = quantize_weight(w) if fp8 else (w.to(torch.bfloat16), None)
+    kw = dict(weight_scale=scale, activation=activation, block_n=16, block_k=32,
+              prefetch=prefetch)
 
     def run() -> torch.Tensor:
-        if mode == "pieces":
-            hi, lo, inv = split_pieces_triton(x)
-            return linear_pieces_triton(hi, lo, inv, w, scale, out_dtype=x.dtype,
-                                        prefetch=prefetch, **blocks)
-        return linear_triton(x, w, weight_scale=scale, prefetch=prefetch, **blocks)
+        if norm:
+            out, summed = rms_norm_linear_triton(x, r, g, 1e-5, w, **kw)
+            return torch.cat([out.flatten(), summed.flatten()])
+        return linear_triton(x, w, **kw).flatten()
 
     expected = run()
-    monkeypatch.setattr(linear_module, "PDL_VARIANT", True)
+    monkeypatch.setattr(linear_module, "wait_for_inputs", _no_wait)
+    monkeypatch.setattr(linear_module, "pdl_launch", lambda device, one_row: _LaunchAsPdl())
     torch.testing.assert_close(run(), expected, rtol=0, atol=0)

@@ -259,33 +259,3 @@ def test_gpu_window_softcap_and_cuda_graph_replay() -> None:
     assert torch.equal(k_cache, k_want) and torch.equal(v_cache, v_want)
     seen = visible_queries(seq_lens.cpu(), starts.cpu(), 5, 512, 64)
     check(out.cpu(), ref.cpu(), v.cpu(), seen, torch.bfloat16)
-
-
-@pytest.mark.parametrize("B,H,KV,T,D,lens,pad", [(2, 8, 2, 5, 64, [10, 43], [3, 0]),
-                                                 (1, 4, 4, 3, 32, [7], [0])])
-def test_combine_writes_the_output_as_block_pieces(B, H, KV, T, D, lens, pad) -> None:
-    """fuser::rotary_cache_attention_pieces' kernel path: the output bit for bit the plain
-    launch's, the caches written alike, and the pieces the block split of the output, one head
-    (D columns) a scale (what an FP8 o_proj multiplies with linear_pieces_triton scale_block=D);
-    on CPU the op is the reference and that split."""
-    from fuser.ops.e4m3_pieces import split_pieces_blocks_reference
-    from fuser.ops.rotary_attention import _rotary_cache_attention_pieces_cuda
-
-    S = 48
-    case = make_case(B, H, KV, T, D, D, S, torch.bfloat16, seed=5 + T, seq_lens=lens)
-    q, k, v, cos, sin, k_cache, v_cache, seq_lens = case
-    starts = starts_for(pad)
-    k2, v2 = k_cache.clone(), v_cache.clone()
-    plain = rotary_cache_attention_triton(q, k, v, cos, sin, k2, v2, seq_lens, starts, D**-0.5,
-                                          0, 0.0)
-    out, hi, lo, inv = _rotary_cache_attention_pieces_cuda(q, k, v, cos, sin, k_cache, v_cache,
-                                                           seq_lens, starts, D**-0.5, 0, 0.0)
-    assert torch.equal(out, plain) and torch.equal(k_cache, k2) and torch.equal(v_cache, v2)
-    want = split_pieces_blocks_reference(out.reshape(B * T, H * D).cpu(), D)
-    assert hi.shape == lo.shape == (B * T, H * D) and inv.shape == (B * T, H)
-    for got, ref in zip((hi, lo), want[:2]):
-        assert torch.equal(got.cpu().view(torch.uint8), ref.view(torch.uint8))
-    assert torch.equal(inv.cpu(), want[2])
-    cpu = [t.cpu() for t in (q, k, v, cos, sin, k_cache, v_cache, seq_lens, starts)]
-    ref_out, *ref_pieces = torch.ops.fuser.rotary_cache_attention_pieces(*cpu, D**-0.5, 0, 0.0)
-    assert ref_out.shape == out.shape and ref_pieces[2].shape == inv.shape

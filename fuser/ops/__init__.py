@@ -14,7 +14,6 @@ write stays an opaque op (a mutation is not inlined), and the attention after it
 
 import torch
 
-from fuser.ops import carveout  # noqa: F401  (FUSER_SMEM_CARVEOUT: before any kernel loads)
 from fuser.ops import rmsnorm  # noqa: F401
 from fuser.ops import rope  # noqa: F401
 from fuser.ops import gated_act  # noqa: F401

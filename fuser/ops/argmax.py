@@ -4,7 +4,7 @@
 
 torch.argmax reduces a row in one block of threads: over a Llama-3 vocabulary (V = 128256, one
 row) it took 37.6 us of the 8B decode iteration on an H200 (benchmarks/decode.py --profile,
-benchmarks/RESULTS.md, twelfth session), some 1% of a bf16 token and 1.5% of an FP8 one. Here
+docs/performance-notes.md), some 1% of a bf16 token and 1.5% of an FP8 one. Here
 the row is cut into CHUNK-wide chunks, one program each (`_chunk_kernel`: the chunk's maximum,
 the first index holding it, the first NaN), and one program per row combines the chunks in
 order (`_combine_kernel`). A vocabulary of at most SINGLE_MAX tokens takes one program a row

@@ -43,7 +43,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fuser.ops.e4m3_pieces import _pow2, _scale_exponent, _store_pieces
 from fuser.ops.flash_prefill import flash_prefill, flash_prefill_supported
 from fuser.ops.pdl import pdl_launch, wait_for_inputs
 
@@ -236,10 +235,6 @@ def _combine_kernel(
     SPLITS_P2: tl.constexpr,      # next power of two >= NUM_SPLITS
     BLOCK_D: tl.constexpr,
     PDL: tl.constexpr = False,
-    hi_ptr=None, lo_ptr=None,  # PIECES: out's e4m3 pieces, [B, T, H, D] like out
-    inv_ptr=None,              # PIECES: [B * T, H] fp32, each (row, head) block's 2^-t
-    PIECES: tl.constexpr = False,  # also write out as block pieces, D columns a scale (one head)
-    EMULATE_CAST: tl.constexpr = False,  # PIECES on the interpreter (e4m3_pieces.py)
 ):
     wait_for_inputs(PDL)
     # One program per output row (b, h, t): out = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s.
@@ -267,13 +262,6 @@ def _combine_kernel(
     o = tl.sum(acc * w[:, None], axis=0) / denom
     out_row = out_ptr + ((b * T + t) * H + h) * D
     tl.store(out_row + cols, o.to(out_ptr.dtype.element_ty), mask=col_ok)
-    if PIECES:  # the head's D values of the output row, rounded as stored, as one block
-        y = o.to(out_ptr.dtype.element_ty).to(tl.float32)
-        y = tl.where(col_ok, y, 0.0)
-        scale = _scale_exponent(tl.max(tl.abs(y), axis=0))
-        _store_pieces(hi_ptr, lo_ptr, ((b * T + t) * H + h) * D + cols, y * _pow2(scale), col_ok,
-                      EMULATE_CAST)
-        tl.store(inv_ptr + (b * T + t) * H + h, _pow2(-scale))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -317,8 +305,8 @@ def cache_attention_read_triton(
     *, num_splits: int | None = None, block_n: int = BLOCK_N,
     target_programs: int = TARGET_PROGRAMS, num_warps: int | None = None, num_stages: int = 2,
 ) -> Tensor:
-    """See the module docstring. The keyword-only arguments are tuning overrides (tests and
-    benchmarks/attention_sweep.py); the defaults are what the engine runs."""
+    """See the module docstring. The keyword-only arguments are tuning overrides (tests); the
+    defaults are what the engine runs."""
     B, H, T, D = q.shape
     _, S, KV, _ = k_cache.shape
     assert k_cache.shape == v_cache.shape == (B, S, KV, D), (q.shape, k_cache.shape, v_cache.shape)
@@ -343,7 +331,7 @@ def cache_attention_read_triton(
         NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_WINDOW=bool(window), HAS_SOFTCAP=bool(softcap), FP32_DOTS=fp32_dots,
         # 4 warps: measured as fast or faster than 8 at every Llama-3-8B case on an H200, up to
-        # 2x at T = 9, ctx 8192 (benchmarks/attention_sweep.py, RESULTS.md).
+        # 2x at T = 9, ctx 8192 (docs/performance-notes.md).
         num_warps=num_warps or 4, num_stages=num_stages, PDL=bool(pdl), **pdl,
     )
     _combine_kernel[(B * H * T,)](

@@ -18,9 +18,10 @@ rounding, so no carry) and lo = x 2^t - hi holds the (at most) 4 bits left of bf
 hi's last place, so |lo| < 2^4. Both are e4m3 values, unless they fall below e4m3's normal range
 (2^-6), where its subnormal step 2^-9 rounds them: values more than ~2^9 below the row's max
 lose bits, at most 2^-9 2^-t in all (2^-16 of the row's max). An FP8 x FP8 MMA over (hi, lo)
-then multiplies the weight by x's exact value: linear.py's X2 paths (`_x2_step` splits each K
-step's tile inside the GEMV; X2_PIECES takes pieces made here, once per row, by the kernel that
-made the row).
+then multiplies the weight by x's exact value: linear.py's X2_PIECES path takes pieces made
+here, once per row, by the kernel that made the row (splitting each K step's tile inside the
+GEMV instead, or scaling the pieces per block of columns so that a GEMV's epilogue could write
+them, measured slower: docs/performance-notes.md).
 
 Cost of the norm kernel with pieces: it writes 2 bytes per value (hi, lo) instead of bf16's 2,
 plus 4 bytes a row; the GEMV then reads 2 bytes of x per value, as before.
@@ -215,24 +216,3 @@ def split_pieces_reference(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 def join_pieces(hi: Tensor, lo: Tensor, inv_scale: Tensor) -> Tensor:
     """(hi + lo) * inv_scale in float64: the values an MMA over the pieces multiplies."""
     return (hi.double() + lo.double()) * inv_scale.double()[..., None]
-
-
-def split_pieces_blocks_reference(x: Tensor, block: int) -> tuple[Tensor, Tensor, Tensor]:
-    """split_pieces_reference's split per block of `block` columns instead of per row: hi, lo
-    [M, K] e4m3fn and inv_scale [M, cdiv(K, block)] fp32, each block scaled by the power of two
-    that puts its own max |x| in [2^7, 2^8) (the last block may be short). What a kernel that
-    makes x a block at a time can write; linear_pieces_triton(..., scale_block=block) takes it."""
-    if block < 1:
-        raise ValueError(f"block={block}: columns per scale, 1 or more")
-    M, K = x.shape
-    blocks = -(-K // block)
-    padded = torch.zeros(M, blocks * block, dtype=x.dtype, device=x.device)
-    padded[:, :K] = x
-    hi, lo, inv = split_pieces_reference(padded.reshape(M, blocks, block))
-    return hi.reshape(M, -1)[:, :K].contiguous(), lo.reshape(M, -1)[:, :K].contiguous(), inv
-
-
-def join_pieces_blocks(hi: Tensor, lo: Tensor, inv_scale: Tensor, block: int) -> Tensor:
-    """(hi + lo) * each block's inv_scale in float64 (split_pieces_blocks_reference's values)."""
-    scales = inv_scale.double().repeat_interleave(block, dim=-1)[..., :hi.shape[-1]]
-    return (hi.double() + lo.double()) * scales

@@ -18,7 +18,7 @@ one), and both are finite.
 
 Why not torch SDPA: its flash kernel takes no mask, and with the boolean mask a padded batch
 needs it picks the memory-efficient kernel: 363 us per layer at the 8B shape's 2048-token
-prefill on the H200 (benchmarks/RESULTS.md, sixth session), ~4x the causal FLOPs' time.
+prefill on the H200 (docs/performance-notes.md), ~4x the causal FLOPs' time.
 
 Cost per (batch row, head), causal: FLOPs ~ 2 T^2 D (half of the 4 T^2 D of full attention);
 bytes ~ T D (q, out) + (T / BLOCK_M) T D / 2 (k and v re-read per query block) in q's dtype.
@@ -188,8 +188,7 @@ def flash_prefill(q: Tensor, k: Tensor, v: Tensor, query_slots: Tensor, starts: 
 
     mask_all=False masks only the key blocks that straddle a row's start, window edge or
     diagonal (the Triton fused-attention tutorial's split): the same result, less work per
-    fully visible block. Not yet timed on a GPU, so not the default (benchmarks/prefill_lab.py
-    times both)."""
+    fully visible block. Not yet timed on a GPU, so not the default."""
     B, H, T, D = q.shape
     KV = k.shape[1]
     assert H % KV == 0, f"{H} query heads do not group over {KV} kv heads"

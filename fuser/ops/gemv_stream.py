@@ -4,22 +4,20 @@ in registers.
 
     stream_gemv(x, weight, ...) = x @ weight.T     x: [1, K], weight: [N, K] -> [1, N]
 
-with the same options and the same math as fuser/ops/linear.py's one-row path (FP8 weights with
-per-row scales, the gated activation over a merged gate/up weight, the RMSNorm with or without
-the residual add, rstd after the sum under linear.NORM_RSTD_LAST); it computes what
-`_linear_kernel` computes at BLOCK_M = 1, only the summation order differs (K steps of another
-width). It also takes 2..16 rows on the MMA (`ROWS_CONFIG`), off: slower than `_linear_kernel`
-there when measured.
+with the same options and the same math as fuser/ops/linear.py's one-row path for weights in
+x's dtype (the gated activation over a merged gate/up weight, the RMSNorm with or without the
+residual add); it computes what `_linear_kernel` computes at BLOCK_M = 1, only the summation
+order differs (K steps of another width). FP8 weights and several rows stay on
+`_linear_kernel`: every stream configuration measured slower there (below).
 
-Why another kernel. A decode step at batch 1 is a chain of short weight-streaming kernels (an FP8
-qkv GEMV at the 8B shape reads 25 MB: 5.9 us at the H200's 4.25 TB/s). `_linear_kernel` gives
-each program BLOCK_N = 8-32 weight rows and launches hundreds of programs, 1.2-6 waves of them:
-each program fills its pipeline from nothing, and at a kernel's end the last wave's programs
-leave SMs idle. Measured in a 16-layer chain of 8B GEMVs (benchmarks/pdl_lab.py, RESULTS.md,
-eighth session) a layer took 70.2 us in FP8 against 51.3 us of weight bytes (73%) and 118.9 us
-in bf16 against 102.6 (86%): some 3-5 us per kernel that do not shrink with the bytes.
-Here every SM gets the same share of the rows, ROWS = cdiv(N, programs), so there is one wave
-and every SM streams the same bytes.
+Why another kernel. A decode step at batch 1 is a chain of short weight-streaming kernels (a
+bf16 qkv GEMV at the 8B shape reads 50 MB: 11.8 us at the H200's 4.25 TB/s). `_linear_kernel`
+gives each program BLOCK_N = 8-32 weight rows and launches hundreds of programs, 1.2-6 waves of
+them: each program fills its pipeline from nothing, and at a kernel's end the last wave's
+programs leave SMs idle. In a 16-layer chain of 8B GEMVs a layer took 70.2 us in FP8 against
+51.3 us of weight bytes (73%) and 118.9 us in bf16 against 102.6 (86%): some 3-5 us per kernel
+that do not shrink with the bytes. Here every SM gets the same share of the rows,
+ROWS = cdiv(N, programs), so there is one wave and every SM streams the same bytes.
 
 The pipeline. Triton software-pipelines (cp.async) only loads that feed a dot, so at one row a
 program's loads are plain register loads. The K loop therefore keeps `depth` weight tiles in
@@ -33,20 +31,18 @@ they load before the program lets the next kernel launch (`griddepcontrol.launch
 and waits for the previous one (`griddepcontrol.wait`); x is read after the wait. With two
 programs per SM and 8 KB tiles the next GEMV's programs fit on the SMs beside the running ones,
 so they are resident with their first tiles in flight while the running kernel streams its last
-bytes. `StreamConfig.pdl` switches it for this kernel alone, apart from FUSER_PDL (whose
-several-row race, fuser/ops/pdl.py, concerns `_linear_kernel`'s MMA path; this kernel takes PDL
-at one row only, and a GPU test holds a dependent chain of its launches, replayed in a CUDA
-graph, to the ordinary launch's bits). Completion stays transitive: a program completes only
-after its wait returned.
+bytes. `StreamConfig.pdl` switches it for this kernel alone, apart from FUSER_PDL (a GPU test
+holds a dependent chain of its launches, replayed in a CUDA graph, to the ordinary launch's
+bits). Completion stays transitive: a program completes only after its wait returned.
 
-Measured on the H200 (benchmarks/RESULTS.md, ninth session; 16 layers of 8B GEMVs in one CUDA
-graph): `DEFAULT` (2 programs per SM, 8 KB tiles, depth 4, PDL) 117.1 us a layer in bf16 against
-120.0 for `_linear_kernel` (89.0% of the read bandwidth against 86.8%); without PDL ~5% slower
-than with it. With FP8 weights every configuration was slower than `_linear_kernel` (at best
-89 us against 71): the per-step x broadcast (two barriers of the whole program each K step in
-the sm_90 code) and cross-thread reductions weigh twice as much per byte there. Loading x in the
-weight tile's shape (no barrier) with a 2-D accumulator (one reduction per program) measured
-slower still, in FP8 and bf16 (tenth session), and was removed.
+Measured on an H200 (16 layers of 8B GEMVs in one CUDA graph): `DEFAULT` (2 programs per SM,
+8 KB tiles, depth 4, PDL) 117.1 us a layer in bf16 against 120.0 for `_linear_kernel` (89.0% of
+the read bandwidth against 86.8%); without PDL ~5% slower than with it. With FP8 weights every
+configuration was slower than `_linear_kernel` (at best 89 us against 71): the per-step x
+broadcast (two barriers of the whole program each K step in the sm_90 code) and cross-thread
+reductions weigh twice as much per byte there. At 2..16 rows on the MMA every configuration was
+slower too (bf16 66% of the bandwidth at best against 80%, FP8 37% against 41%;
+docs/performance-notes.md).
 
 Tile: [BLOCK_R, BLOCK_K] with BLOCK_R = next_pow2(ROWS) weight rows (gated: twice that, gate
 rows then the matching up rows, as in _linear_kernel) and BLOCK_K = tile_bytes / (BLOCK_R * the
@@ -67,8 +63,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fuser.ops import linear as linear_module
-from fuser.ops.linear import _gated_epilogue, _mma, _rstd_last
+from fuser.ops.linear import _gated_epilogue, norm_after_for
 from fuser.ops.pdl import gdc_launch_dependents, gdc_wait, pdl_launch, pdl_supported
 from fuser.ops.rmsnorm import _load_block, _normalise
 
@@ -82,55 +77,45 @@ class StreamConfig:
 
     programs_per_sm: programs per SM (one wave); tile_bytes: weight bytes per K step and
     program; num_warps; depth: weight tiles in flight per program (1-4: a pipeline in
-    registers, all loaded before the PDL wait); num_stages: Triton's own pipelining, which only
-    the several-row path (the MMA) gets; pdl: launch with PDL where the GPU supports it,
-    whatever FUSER_PDL says (pdl=None: as FUSER_PDL says); fp8: FP8 weights take this kernel too;
-    wide: the configuration for shapes whose tile under this one reads each row only
-    MIN_RUN_BYTES a K step; long_k: the configuration for K > LONG_K (both taken by `choose`).
+    registers, all loaded before the PDL wait); pdl: launch with PDL where the GPU supports it,
+    whatever FUSER_PDL says (pdl=None: as FUSER_PDL says); wide: the configuration for shapes
+    whose tile under this one reads each row only MIN_RUN_BYTES a K step; long_k: the
+    configuration for K > LONG_K (both taken by `choose`).
     """
 
     programs_per_sm: int = 1
     tile_bytes: int = 16384
     num_warps: int = 8
     depth: int = 3
-    num_stages: int = 1
     pdl: bool | None = None
-    fp8: bool = True
     wide: StreamConfig | None = None
     long_k: StreamConfig | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.depth <= 4:
             raise ValueError(f"depth={self.depth}: 1 to 4 tiles in flight")
-        if self.programs_per_sm < 1 or self.tile_bytes < 256 or self.num_stages < 1:
+        if self.programs_per_sm < 1 or self.tile_bytes < 256:
             raise ValueError(f"not a stream configuration: {self}")
 
 
-# The one-row configuration: the fastest in benchmarks/pdl_lab.py's 16-layer chain of 8B-shape
-# GEMVs on an H200 (benchmarks/RESULTS.md, ninth session): bf16 117.1 us a layer against
-# _linear_kernel's 120.0 (89.0% of the read bandwidth against 86.8%). With FP8 weights every
-# stream configuration measured slower than _linear_kernel (at best 89 us against 71), so FP8
-# stays there. Its `wide` configuration takes the shapes whose 8 KB tile holds so many rows that
-# each is read 64 bytes a step: the 8B gate/up (110 rows of a 128-row tile). Timed alone, 16
-# launches back to back (benchmarks/shape_lab.py, RESULTS.md, twelfth session): 57.15 us against
-# 62.73 (98.0% of the read bandwidth against 89.3%; cuBLAS's plain GEMV, without the norm or the
-# activation, 57.69); at qkv, o_proj and down_proj 16 KB tiles were no faster or slower.
-# Its `long_k` configuration, 16 warps, takes K > LONG_K (the 8B down_proj, K = 14336): 28.08
-# us against 29.36 (98.5% of the read bandwidth against 94.2%; shape_lab.py, twelfth session,
-# call 2), where qkv ran slower with 16 warps (22.5 against 15.9 us).
-DEFAULT = StreamConfig(programs_per_sm=2, tile_bytes=8192, depth=4, pdl=True, fp8=False,
-                       wide=StreamConfig(programs_per_sm=2, tile_bytes=16384, depth=2, pdl=True,
-                                         fp8=False),
+# The one-row configuration: the fastest in a 16-layer chain of 8B-shape GEMVs on an H200:
+# bf16 117.1 us a layer against _linear_kernel's 120.0 (89.0% of the read bandwidth against
+# 86.8%). Its `wide` configuration takes the shapes whose 8 KB tile holds so many rows that each
+# is read 64 bytes a step: the 8B gate/up (110 rows of a 128-row tile). Timed alone, 16 launches
+# back to back: 57.15 us against 62.73 (98.0% of the read bandwidth against 89.3%; cuBLAS's
+# plain GEMV, without the norm or the activation, 57.69); at qkv, o_proj and down_proj 16 KB
+# tiles were no faster or slower. Its `long_k` configuration, 16 warps, takes K > LONG_K (the 8B
+# down_proj, K = 14336): 28.08 us against 29.36 (98.5% of the read bandwidth against 94.2%),
+# where qkv ran slower with 16 warps (22.5 against 15.9 us).
+DEFAULT = StreamConfig(programs_per_sm=2, tile_bytes=8192, depth=4, pdl=True,
+                       wide=StreamConfig(programs_per_sm=2, tile_bytes=16384, depth=2, pdl=True),
                        long_k=StreamConfig(programs_per_sm=2, tile_bytes=8192, depth=4,
-                                           num_warps=16, pdl=True, fp8=False))
+                                           num_warps=16, pdl=True))
 LONG_K = 8192
 
 # The configuration linear.py uses at one row on CUDA; None leaves every one-row GEMV to
-# _linear_kernel. Benchmarks set it to compare (a CUDA graph keeps what it was captured with).
+# _linear_kernel (tests compare the two; a CUDA graph keeps what it was captured with).
 CONFIG: StreamConfig | None = DEFAULT
-# Likewise for 2..16 rows (the MMA path): off, every configuration measured slower there
-# (bf16 66% of the bandwidth at best against 80%, FP8 37% against 41%).
-ROWS_CONFIG: StreamConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -144,16 +129,14 @@ class StreamPlan:
 
 
 def stream_plan(N: int, K: int, weight_bytes: int, gated: bool, config: StreamConfig,
-                num_sms: int, x_rows: int = 1) -> StreamPlan | None:
-    """The launch for N output columns (gated: over a [2N, K] merged weight) and x_rows rows of
-    x, or None where a program's rows are too many for a K step of MIN_RUN_BYTES per row.
-    Several rows run on the MMA, whose tile needs at least 16 weight rows."""
-    if weight_bytes == 1 and not config.fp8:
+                num_sms: int) -> StreamPlan | None:
+    """The launch for N output columns (gated: over a [2N, K] merged weight), or None where the
+    stream kernel does not take the shape: FP8 weights (weight_bytes 1: measured slower), or a
+    program's rows too many for a K step of MIN_RUN_BYTES per row."""
+    if weight_bytes == 1:
         return None
     rows = triton.cdiv(N, num_sms * config.programs_per_sm)
     block_r = triton.next_power_of_2(rows) * (2 if gated else 1)
-    if x_rows > 1:
-        block_r = max(block_r, 16 * (2 if gated else 1))
     block_k = config.tile_bytes // (block_r * weight_bytes)
     if block_k * weight_bytes < MIN_RUN_BYTES:
         return None
@@ -161,18 +144,18 @@ def stream_plan(N: int, K: int, weight_bytes: int, gated: bool, config: StreamCo
     return StreamPlan(rows, block_r, block_k, triton.cdiv(N, rows))
 
 
-def choose(N: int, K: int, weight_bytes: int, gated: bool, config: StreamConfig, num_sms: int,
-           x_rows: int = 1) -> tuple[StreamConfig, StreamPlan] | None:
+def choose(N: int, K: int, weight_bytes: int, gated: bool, config: StreamConfig,
+           num_sms: int) -> tuple[StreamConfig, StreamPlan] | None:
     """(the configuration, its plan) for a shape: `config`'s plan, or `config.wide`'s where
     config's tile would read each weight row only MIN_RUN_BYTES a K step, or `config.long_k`'s
     where K > LONG_K; None where the stream kernel does not take the shape (stream_plan)."""
-    plan = stream_plan(N, K, weight_bytes, gated, config, num_sms, x_rows)
+    plan = stream_plan(N, K, weight_bytes, gated, config, num_sms)
     if plan is None:
         return None
     for other, wanted in ((config.wide, plan.block_k * weight_bytes <= MIN_RUN_BYTES),
                           (config.long_k, K > LONG_K)):
         if other is not None and wanted:
-            other_plan = stream_plan(N, K, weight_bytes, gated, other, num_sms, x_rows)
+            other_plan = stream_plan(N, K, weight_bytes, gated, other, num_sms)
             if other_plan is not None:
                 return other, other_plan
     return config, plan
@@ -185,19 +168,15 @@ def _load_tile(w_rows, col_ok, k, K):
 
 
 @triton.jit
-def _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M: tl.constexpr, NORM: tl.constexpr,
-            HAS_RESIDUAL: tl.constexpr):
+def _load_x(x_ptr, r_ptr, g_ptr, k, K, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
     """The raw input tiles at columns k: (x, residual, norm weight); without NORM the last two
     are x again (never used). Loaded a pipeline stage ahead, like the weight tile: a K step
     waits on no load from L2."""
     k_ok = k < K
-    if BLOCK_M == 1:
-        x = tl.load(x_rows + k, mask=k_ok, other=0.0)
-    else:
-        x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+    x = tl.load(x_ptr + k, mask=k_ok, other=0.0)
     r = x
     g = x
-    if NORM:  # one row only
+    if NORM:
         g = tl.load(g_ptr + k, mask=k_ok, other=0.0)
         if HAS_RESIDUAL:
             r = tl.load(r_ptr + k, mask=k_ok, other=0.0)
@@ -205,69 +184,44 @@ def _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M: tl.constexpr, NORM: tl.
 
 
 @triton.jit
-def _step(acc, squares, w, x, r, g, rstd, k, K, sum_ptr, store_sum, BLOCK_M: tl.constexpr,
-          FP32_DOTS: tl.constexpr, HAS_SCALE: tl.constexpr, NORM: tl.constexpr,
-          HAS_RESIDUAL: tl.constexpr, RSTD_LAST: tl.constexpr):
-    """One K step over loaded tiles (columns k): linear.py's one-row step (CUDA cores) or its
-    several-row step (the MMA). Returns (acc, squares). With NORM, h = x (+ r) rounded to x's
-    dtype; the input is g * (h * rstd).to(dtype) rounded once (what linear.py's _norm_x_tile
-    forms, bit for bit) or, with RSTD_LAST, g * h in fp32 with h * h added to squares for the
-    rstd that multiplies acc after the loop (linear.py's _row_step and _rstd_last), program 0
-    (store_sum) writing h to summed."""
+def _step(acc, w, x, r, g, rstd, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """One K step over loaded tiles: acc + w . x in fp32 on the CUDA cores (linear.py's one-row
+    step). With NORM, h = x (+ r) rounded to x's dtype and the input is g * (h * rstd).to(dtype)
+    rounded once (what linear.py's _norm_x_tile forms, bit for bit)."""
     if NORM:
         h = x.to(tl.float32)
         if HAS_RESIDUAL:
             h = (h + r.to(tl.float32)).to(x.dtype).to(tl.float32)
-        if RSTD_LAST:
-            if HAS_RESIDUAL:  # one writer (a predicated store: no branch in the loop)
-                tl.store(sum_ptr + k, h.to(sum_ptr.dtype.element_ty),
-                         mask=k < tl.where(store_sum, K, 0))
-            squares += h * h
-            x = h * g.to(tl.float32)
-        else:
-            x = _normalise(h, rstd, g, x.dtype).to(x.dtype)
-    if BLOCK_M == 1:
-        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-    else:
-        acc = _mma(acc, x, w, FP32_DOTS, HAS_SCALE)
-    return acc, squares
+        x = _normalise(h, rstd, g, x.dtype).to(x.dtype)
+    return acc + tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
 
 
 @triton.jit
-def _slot(acc, squares, w, x, r, g, k, rstd, w_rows, col_ok, x_rows, r_ptr, g_ptr, sum_ptr,
-          store_sum, row_ok, K, STEP: tl.constexpr, BLOCK_M: tl.constexpr,
-          FP32_DOTS: tl.constexpr, HAS_SCALE: tl.constexpr, NORM: tl.constexpr,
-          HAS_RESIDUAL: tl.constexpr, RSTD_LAST: tl.constexpr):
-    """One pipeline slot's K step: sum its tiles (columns k - STEP), then reload the slot in
-    place with the tiles at columns k (the step DEPTH ahead). Returns (acc, squares, w, x, r,
-    g)."""
-    acc, squares = _step(acc, squares, w, x, r, g, rstd, k - STEP, K, sum_ptr, store_sum,
-                         BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL, RSTD_LAST)
+def _slot(acc, w, x, r, g, k, rstd, w_rows, col_ok, x_ptr, r_ptr, g_ptr, K,
+          NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """One pipeline slot's K step: sum its tiles, then reload the slot in place with the tiles
+    at columns k (the step DEPTH ahead). Returns (acc, w, x, r, g)."""
+    acc = _step(acc, w, x, r, g, rstd, NORM, HAS_RESIDUAL)
     w = _load_tile(w_rows, col_ok, k, K)
-    x, r, g = _load_x(x_rows, r_ptr, g_ptr, k, K, row_ok, BLOCK_M, NORM, HAS_RESIDUAL)
-    return acc, squares, w, x, r, g
+    x, r, g = _load_x(x_ptr, r_ptr, g_ptr, k, K, NORM, HAS_RESIDUAL)
+    return acc, w, x, r, g
 
 
 @triton.jit
 def _stream_kernel(
-    x_ptr,                      # x: [M, K], row stride stride_xm, x's dtype
+    x_ptr,                      # x: [1, K], x's dtype
     w_ptr,                      # weight: [N, K] ([2N, K] gated), row stride stride_wn
-    scale_ptr,                  # one fp32 per weight row (HAS_SCALE)
-    out_ptr,                    # out: [M, N], contiguous, x's dtype
-    r_ptr, g_ptr, sum_ptr,      # residual [K], norm weight [K], summed [K] (NORM: one row only)
-    M, N, K, ROWS, stride_xm, stride_wn, eps,
-    BLOCK_M: tl.constexpr,      # 1 (CUDA cores), or a power of two >= 16 (the MMA, as linear.py)
+    out_ptr,                    # out: [1, N], x's dtype
+    r_ptr, g_ptr, sum_ptr,      # residual [K], norm weight [K], summed [K] (NORM)
+    N, K, ROWS, stride_wn, eps,
     BLOCK_R: tl.constexpr,      # weight rows per tile: next_pow2(ROWS), twice that if gated
     BLOCK_K: tl.constexpr,
     DEPTH: tl.constexpr,        # weight tiles in flight per program (1-4), all loaded
                                 # before the PDL wait
     NORM_K: tl.constexpr,       # the norm prologue's chunk
-    FP32_DOTS: tl.constexpr,    # the MMA in fp32 (fp32 models; bf16 under TRITON_INTERPRET)
-    HAS_SCALE: tl.constexpr, ACTIVATION: tl.constexpr, NORM: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
-    RSTD_LAST: tl.constexpr = False,  # NORM: no prologue pass, rstd after the loop (_step)
-    NORM_AFTER: tl.constexpr = False,  # NORM, not RSTD_LAST: the input g * h rounded once,
-                                # rstd times the sums after the loop (linear.ONE_ROW_NORM_AFTER)
+    ACTIVATION: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+    NORM_AFTER: tl.constexpr = False,  # NORM: the input g * h rounded once, rstd times the sums
+                                # after the loop (linear.ONE_ROW_NORM_AFTER)
 ):
     pid = tl.program_id(0)
     tile = tl.arange(0, BLOCK_R)
@@ -301,80 +255,51 @@ def _stream_kernel(
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
-    row_ok = tl.arange(0, BLOCK_M) < M
-    if BLOCK_M == 1:
-        x_rows = x_ptr
-        rstd = 0.0
-        if NORM and not RSTD_LAST:  # a walk over the row for its squares; program 0 writes h
-            squares = tl.zeros([NORM_K], dtype=tl.float32)
-            for k0 in range(0, K, NORM_K):
-                k = k0 + tl.arange(0, NORM_K)
-                k_ok = k < K
-                h = _load_block(x_ptr, r_ptr, sum_ptr, k, k_ok, HAS_RESIDUAL, False)
-                if HAS_RESIDUAL:
-                    if pid == 0:  # one writer, never in place: the other programs read x and r
-                        tl.store(sum_ptr + k, h.to(sum_ptr.dtype.element_ty), mask=k_ok)
-                squares += h * h
-            rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)  # fp32, as rmsnorm.py
-        row_rstd = rstd
-        if NORM_AFTER:  # the loop's tiles: (h * 1).to(dtype) * g = g * h, rounded once
-            rstd = rstd * 0.0 + 1.0
-        acc = tl.zeros([BLOCK_R], dtype=tl.float32)
-    else:  # several rows, no norm: linear.py's MMA step over the same tiles
-        x_rows = x_ptr + tl.arange(0, BLOCK_M)[:, None] * stride_xm
-        rstd = 0.0
-        acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    xa, ra, ga = _load_x(x_rows, r_ptr, g_ptr, k0s, K, row_ok, BLOCK_M, NORM, HAS_RESIDUAL)
+    rstd = 0.0
+    if NORM:  # a walk over the row for its squares; program 0 writes h
+        squares = tl.zeros([NORM_K], dtype=tl.float32)
+        for k0 in range(0, K, NORM_K):
+            k = k0 + tl.arange(0, NORM_K)
+            k_ok = k < K
+            h = _load_block(x_ptr, r_ptr, sum_ptr, k, k_ok, HAS_RESIDUAL, False)
+            if HAS_RESIDUAL:
+                if pid == 0:  # one writer, never in place: the other programs read x and r
+                    tl.store(sum_ptr + k, h.to(sum_ptr.dtype.element_ty), mask=k_ok)
+            squares += h * h
+        rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)  # fp32, as rmsnorm.py
+    row_rstd = rstd
+    if NORM_AFTER:  # the loop's tiles: (h * 1).to(dtype) * g = g * h, rounded once
+        rstd = rstd * 0.0 + 1.0
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    xa, ra, ga = _load_x(x_ptr, r_ptr, g_ptr, k0s, K, NORM, HAS_RESIDUAL)
     if DEPTH >= 2:
-        xb, rb, gb = _load_x(x_rows, r_ptr, g_ptr, BLOCK_K + k0s, K, row_ok, BLOCK_M, NORM,
-                             HAS_RESIDUAL)
+        xb, rb, gb = _load_x(x_ptr, r_ptr, g_ptr, BLOCK_K + k0s, K, NORM, HAS_RESIDUAL)
     if DEPTH >= 3:
-        xc, rc, gc = _load_x(x_rows, r_ptr, g_ptr, 2 * BLOCK_K + k0s, K, row_ok, BLOCK_M,
-                             NORM, HAS_RESIDUAL)
+        xc, rc, gc = _load_x(x_ptr, r_ptr, g_ptr, 2 * BLOCK_K + k0s, K, NORM, HAS_RESIDUAL)
     if DEPTH >= 4:
-        xd, rd, gd = _load_x(x_rows, r_ptr, g_ptr, 3 * BLOCK_K + k0s, K, row_ok, BLOCK_M,
-                             NORM, HAS_RESIDUAL)
-    squares = tl.zeros([BLOCK_K], dtype=tl.float32)  # NORM and RSTD_LAST
-    first = pid == 0
+        xd, rd, gd = _load_x(x_ptr, r_ptr, g_ptr, 3 * BLOCK_K + k0s, K, NORM, HAS_RESIDUAL)
     for k0 in range(0, K, STEP):
         k = k0 + STEP + k0s  # slot a's next step
-        acc, squares, wa, xa, ra, ga = _slot(
-            acc, squares, wa, xa, ra, ga, k, rstd, w_rows, col_ok, x_rows, r_ptr, g_ptr,
-            sum_ptr, first, row_ok, K, STEP, BLOCK_M, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL,
-            RSTD_LAST)
+        acc, wa, xa, ra, ga = _slot(acc, wa, xa, ra, ga, k, rstd, w_rows, col_ok, x_ptr, r_ptr,
+                                    g_ptr, K, NORM, HAS_RESIDUAL)
         if DEPTH >= 2:
-            acc, squares, wb, xb, rb, gb = _slot(
-                acc, squares, wb, xb, rb, gb, k + BLOCK_K, rstd, w_rows, col_ok, x_rows, r_ptr,
-                g_ptr, sum_ptr, first, row_ok, K, STEP, BLOCK_M, FP32_DOTS, HAS_SCALE, NORM,
-                HAS_RESIDUAL, RSTD_LAST)
+            acc, wb, xb, rb, gb = _slot(acc, wb, xb, rb, gb, k + BLOCK_K, rstd, w_rows, col_ok,
+                                        x_ptr, r_ptr, g_ptr, K, NORM, HAS_RESIDUAL)
         if DEPTH >= 3:
-            acc, squares, wc, xc, rc, gc = _slot(
-                acc, squares, wc, xc, rc, gc, k + 2 * BLOCK_K, rstd, w_rows, col_ok, x_rows,
-                r_ptr, g_ptr, sum_ptr, first, row_ok, K, STEP, BLOCK_M, FP32_DOTS, HAS_SCALE,
-                NORM, HAS_RESIDUAL, RSTD_LAST)
+            acc, wc, xc, rc, gc = _slot(acc, wc, xc, rc, gc, k + 2 * BLOCK_K, rstd, w_rows,
+                                        col_ok, x_ptr, r_ptr, g_ptr, K, NORM, HAS_RESIDUAL)
         if DEPTH >= 4:
-            acc, squares, wd, xd, rd, gd = _slot(
-                acc, squares, wd, xd, rd, gd, k + 3 * BLOCK_K, rstd, w_rows, col_ok, x_rows,
-                r_ptr, g_ptr, sum_ptr, first, row_ok, K, STEP, BLOCK_M, FP32_DOTS, HAS_SCALE,
-                NORM, HAS_RESIDUAL, RSTD_LAST)
-    if NORM and RSTD_LAST:
-        acc = _rstd_last(acc, squares, K, eps)
+            acc, wd, xd, rd, gd = _slot(acc, wd, xd, rd, gd, k + 3 * BLOCK_K, rstd, w_rows,
+                                        col_ok, x_ptr, r_ptr, g_ptr, K, NORM, HAS_RESIDUAL)
     if NORM_AFTER:
         acc *= row_rstd
-    if HAS_SCALE:  # once per output, after the sum over K
-        scale = tl.load(scale_ptr + w_row, mask=col_ok, other=0.0)
-        acc *= scale if BLOCK_M == 1 else scale[None, :]
     out_dtype = out_ptr.dtype.element_ty
     if ACTIVATION != "":
-        acc = _gated_epilogue(acc, HALF, BLOCK_M, ACTIVATION, out_dtype)
+        acc = _gated_epilogue(acc, HALF, 1, ACTIVATION, out_dtype)
         local = tl.arange(0, HALF)
         cols = pid * ROWS + local
         col_ok = (local < ROWS) & (cols < N)
-    if BLOCK_M == 1:
-        tl.store(out_ptr + cols, acc.to(out_dtype), mask=col_ok)
-    else:
-        out = out_ptr + tl.arange(0, BLOCK_M)[:, None] * N + cols[None, :]
-        tl.store(out, acc.to(out_dtype), mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(out_ptr + cols, acc.to(out_dtype), mask=col_ok)
 
 
 def num_sms(device: torch.device) -> int:
@@ -385,45 +310,32 @@ def num_sms(device: torch.device) -> int:
 
 
 def stream_gemv(x: Tensor, weight: Tensor, out: Tensor, plan: StreamPlan, config: StreamConfig,
-                *, weight_scale: Tensor | None = None, activation: str | None = None,
-                residual: Tensor | None = None, norm_weight: Tensor | None = None,
-                eps: float = 0.0, summed: Tensor | None = None) -> None:
-    """Launch the stream kernel: out [M, N] (contiguous) = the GEMV of x [M, K] (M <= 16, unit
-    column stride) as fuser/ops/linear.py's _launch defines it, by `plan` (stream_plan). With
-    norm_weight (one row only) the input is rms_norm(x (+ residual)) and summed [1, K] receives
-    x + residual. PDL at one row only, as _linear_kernel (fuser/ops/pdl.py)."""
+                *, activation: str | None = None, residual: Tensor | None = None,
+                norm_weight: Tensor | None = None, eps: float = 0.0,
+                summed: Tensor | None = None) -> None:
+    """Launch the stream kernel: out [1, N] (contiguous) = the GEMV of x [1, K] (unit column
+    stride) and a bf16/fp16/fp32 weight [N, K] as fuser/ops/linear.py's _launch defines it, by
+    `plan` (stream_plan). With norm_weight the input is rms_norm(x (+ residual)) and summed
+    [1, K] receives x + residual."""
     M, K = x.shape
     N = out.shape[-1]
+    if M != 1 or weight.element_size() == 1:
+        raise ValueError(f"the stream GEMV takes one row and a weight of 2 or 4 bytes a value "
+                         f"(FP8 weights and several rows run _linear_kernel), got {M} rows and "
+                         f"a {weight.dtype} weight")
     norm = norm_weight is not None
-    if norm and M != 1:
-        raise ValueError(f"the stream GEMV's norm prologue is one row's, got {M} rows")
-    block_m = 1 if M == 1 else max(16, triton.next_power_of_2(M))
-    if block_m > 1 and plan.block_r < 16:
-        raise ValueError(f"{plan}: several rows (the MMA) need block_r >= 16")
-    dot_dtype = x.dtype if weight_scale is not None else weight.dtype
-    fp32_dots = dot_dtype == torch.float32 or (
-        x.device.type != "cuda" and dot_dtype == torch.bfloat16)
-    if M != 1:
-        pdl = {}
-    elif config.pdl is None:
+    if config.pdl is None:
         pdl = pdl_launch(x.device, one_row=True)
     else:
         pdl = {"launch_pdl": True} if config.pdl and pdl_supported(x.device) else {}
-    rstd_last = norm and linear_module.rstd_last_for(weight_scale is not None,
-                                                    activation is not None, N)
     _stream_kernel[(plan.programs,)](
-        x, weight, weight_scale if weight_scale is not None else out, out,
+        x, weight, out,
         residual if residual is not None else x, norm_weight if norm else x,
         summed if summed is not None else x,
-        M, N, K, plan.rows, x.stride(0), weight.stride(0), eps,
-        BLOCK_M=block_m, BLOCK_R=plan.block_r, BLOCK_K=plan.block_k,
-        DEPTH=config.depth,
-        NORM_K=min(triton.next_power_of_2(K), NORM_BLOCK), FP32_DOTS=fp32_dots,
-        HAS_SCALE=weight_scale is not None, ACTIVATION=activation or "", NORM=norm,
-        HAS_RESIDUAL=residual is not None, PDL=bool(pdl),
-        RSTD_LAST=rstd_last,
-        NORM_AFTER=norm and linear_module.norm_after_for(M, residual is not None,
-                                                         weight_scale is not None, rstd_last),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages, **pdl,
+        N, K, plan.rows, weight.stride(0), eps,
+        BLOCK_R=plan.block_r, BLOCK_K=plan.block_k, DEPTH=config.depth,
+        NORM_K=min(triton.next_power_of_2(K), NORM_BLOCK),
+        ACTIVATION=activation or "", NORM=norm, HAS_RESIDUAL=residual is not None, PDL=bool(pdl),
+        NORM_AFTER=norm and norm_after_for(M, residual is not None, False, False),
+        num_warps=config.num_warps, num_stages=1, **pdl,
     )

@@ -108,12 +108,11 @@ import triton.language as tl
 from torch import Tensor
 
 from fuser.ops.counters import split_counters
-from fuser.ops.e4m3_pieces import (_e4m3_rounded, _pow2, _scale_exponent, _split,
-                                   _store_pieces, add_rms_norm_pieces_triton, pieces_supported,
+from fuser.ops.e4m3_pieces import (_pow2, add_rms_norm_pieces_triton, pieces_supported,
                                    split_pieces_triton)
 from fuser.ops.fp8 import FP8_DTYPE, fp8_linear_reference
 from fuser.ops.gated_act import ACTIVATIONS, act_times_up, gated_act_reference
-from fuser.ops.pdl import late_launch_enabled, launch_next, pdl_launch, wait_for_inputs
+from fuser.ops.pdl import pdl_launch, wait_for_inputs
 from fuser.ops.rmsnorm import _load_block, _normalise, add_rms_norm_reference, rms_norm_reference
 
 MAX_ROWS = 16  # M above this is not a decode shape: the op falls back to the reference
@@ -186,11 +185,8 @@ def _row_step(acc, squares, w, x_row, r_row, g_ptr, sum_ptr, k, k_hi, rstd, NORM
     else:
         x = _norm_x_tile(x_row, r_row, g_ptr, k, k_ok, k_ok, rstd, NORM, HAS_RESIDUAL)
     prod = w.to(tl.float32) * x.to(tl.float32)[None, :]
-    if len(acc.shape) == 2:  # ROW_VEC: acc [BLOCK_N, BLOCK_K // ROW_VEC], one partial per run
-        runs: tl.constexpr = acc.shape[1]
-        acc += tl.sum(tl.reshape(prod, [acc.shape[0], runs, prod.shape[1] // runs]), axis=2)
-    else:
-        acc += tl.sum(prod, axis=1)
+    runs: tl.constexpr = acc.shape[1]  # acc [BLOCK_N, BLOCK_K // ROW_VEC]: one partial per run
+    acc += tl.sum(tl.reshape(prod, [acc.shape[0], runs, prod.shape[1] // runs]), axis=2)
     return acc, squares
 
 
@@ -271,41 +267,19 @@ def _f16_step(acc, shift, w, x, FP32_DOTS: tl.constexpr):
 
 
 @triton.jit
-def _block_inv(inv_ptr, rows, row_ok, k0, K, BLOCK_K: tl.constexpr, BLOCK_SCALES: tl.constexpr):
-    """BLOCK_SCALES: the rows' 2^-t of the pieces' K block starting at k0 ([BLOCK_M] fp32, from
-    inv_ptr [M, cdiv(K, BLOCK_K)]); else zeros nothing reads. (One return: the compiler wants
-    every return of a function to have one type, constexpr branches or not.)"""
-    inv = rows.to(tl.float32) * 0.0
-    if BLOCK_SCALES:
-        inv = tl.load(inv_ptr + rows * tl.cdiv(K, BLOCK_K) + k0 // BLOCK_K, mask=row_ok,
-                      other=0.0)
-    return inv
-
-
-@triton.jit
 def _rows_k_step(acc, shift, w, k, k_hi, x_rows, r_rows, g_ptr, lo_rows, row_ok, rstd,
                  FP32_DOTS: tl.constexpr, HAS_SCALE: tl.constexpr, NORM: tl.constexpr,
                  HAS_RESIDUAL: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr,
-                 X2_PIECES: tl.constexpr, X2_MMA: tl.constexpr, F16_MMA: tl.constexpr,
-                 blk_inv=0.0, BLOCK_SCALES: tl.constexpr = False):
-    """One K step of the several-row GEMV on its path, for the loop's tiles and the tiles a
-    PDL launch loaded before its wait alike: (acc, shift) after adding weight tile w (columns
-    k) times x's columns k. X2_PIECES: x given as e4m3 pieces (hi at x_rows, lo at lo_rows),
-    with BLOCK_SCALES a power of two per row and K block (blk_inv [BLOCK_M]: the step's sums
-    are scaled by it, exactly, before they join acc); X2_MMA: x split into pieces here
-    (_x2_step); F16_MMA: the fp16 MMA (_f16_step, shift its running power of two per row);
-    else the MMA in x's dtype (_rows_step)."""
+                 X2_PIECES: tl.constexpr, F16_MMA: tl.constexpr):
+    """One K step of the several-row GEMV on its path: (acc, shift) after adding weight tile
+    w (columns k) times x's columns k. X2_PIECES: x given as e4m3 pieces (hi at x_rows, lo at
+    lo_rows) on the FP8 MMA; F16_MMA: the fp16 MMA (_f16_step, shift its running power of two
+    per row); else the MMA in x's dtype (_rows_step)."""
     if X2_PIECES:
         x_ok = row_ok[:, None] & _k_ok(k, k_hi, EVEN_K)[None, :]
         hi = tl.load(x_rows + k[None, :], mask=x_ok, other=0.0)
         lo = tl.load(lo_rows + k[None, :], mask=x_ok, other=0.0)
-        if BLOCK_SCALES:  # acc [BLOCK_N, BLOCK_M] (SWAP)
-            acc += _pieces_dot(w, hi, lo, FP32_DOTS) * blk_inv[None, :]
-        else:
-            acc += _pieces_dot(w, hi, lo, FP32_DOTS)
-    elif X2_MMA:
-        x = _rows_x(x_rows, r_rows, g_ptr, k, k_hi, row_ok, rstd, NORM, HAS_RESIDUAL, EVEN_K)
-        acc = _x2_step(acc, w, x, FP32_DOTS)
+        acc += _pieces_dot(w, hi, lo, FP32_DOTS)
     elif F16_MMA:
         x = _rows_x(x_rows, r_rows, g_ptr, k, k_hi, row_ok, rstd, NORM, HAS_RESIDUAL, EVEN_K)
         acc, shift = _f16_step(acc, shift, w, x, FP32_DOTS)
@@ -313,33 +287,6 @@ def _rows_k_step(acc, shift, w, k, k_hi, x_rows, r_rows, g_ptr, lo_rows, row_ok,
         acc = _rows_step(acc, w, x_rows, r_rows, g_ptr, k, k_hi, row_ok, rstd, FP32_DOTS,
                          HAS_SCALE, NORM, HAS_RESIDUAL, SWAP, EVEN_K)
     return acc, shift
-
-
-@triton.jit
-def _x2_step(acc, w, x, FP32_DOTS: tl.constexpr):
-    """One K step of X2_MMA (FP8 weights, swapped): acc [BLOCK_N, BLOCK_M] + w . x.T on the FP8
-    MMA, the e4m3 weight tile going to it as loaded (no conversion), x split into two e4m3
-    pieces per row of the tile.
-
-    Each row's tile is scaled by a power of two 2^t chosen from its max |x| so that every
-    |x 2^t| < 2^8 (below e4m3's 448); hi is x 2^t cut to its top 4 significant bits (the fp32
-    bits masked: no rounding, so no carry) and lo = x 2^t - hi, the 4 bits left of bf16's 8,
-    below hi's last place (|lo| < 2^4). Both are e4m3 values and hi + lo is x 2^t exactly
-    unless x is below the tile's max |x| by more than ~2^9 (the pieces then on e4m3's
-    subnormal grid of 2^-9: an error of at most 2^-16 of the max; fuser/ops/e4m3_pieces.py,
-    whose helpers split it here). The products are exact in fp32; each step's two dots (lo's,
-    then hi's onto it) start from zero and are added to acc in fp32 here (the H100's FP8 MMA
-    keeps fewer bits when it accumulates: DeepSeek-V3's promotion every 128 columns), so acc
-    holds the bf16 MMA's sums up to their order and that step-local accumulation. Under
-    FP32_DOTS the same pieces in fp32 dots."""
-    x32 = x.to(tl.float32)
-    t = _scale_exponent(tl.max(tl.abs(x32), axis=1))               # [BLOCK_M]: amax 2^t < 2^8
-    hi, lo = _split(x32 * _pow2(t)[:, None])                        # fuser/ops/e4m3_pieces.py
-    if FP32_DOTS:  # the interpreter, whose fp32 -> e4m3 cast mishandles a carry (31.4 -> 16)
-        hi, lo = _e4m3_rounded(hi), _e4m3_rounded(lo)
-    else:
-        hi, lo = hi.to(tl.float8e4nv), lo.to(tl.float8e4nv)
-    return acc + _pieces_dot(w, hi, lo, FP32_DOTS) * _pow2(-t)[None, :]
 
 
 @triton.jit
@@ -428,8 +375,7 @@ def _residual_tiles(r_ptr, g_ptr, rows, row_ok, cols, col_ok, stride_rm, SWAP: t
 @triton.jit
 def _residual_epilogue(acc, r, g, gx_ptr, sq_ptr, rows, row_ok, cols, col_ok, pid, N, stride_om,
                        out_dtype: tl.constexpr, BLOCK_N: tl.constexpr, STAT_COLS: tl.constexpr,
-                       SWAP: tl.constexpr, plo_ptr=None, pinv_ptr=None,
-                       PIECES_OUT: tl.constexpr = False, EMULATE_CAST: tl.constexpr = False):
+                       SWAP: tl.constexpr):
     """The several-row GEMV's tile of summed = (x @ W.T rounded to out's dtype) + residual r,
     rounded once (what fuser::add_rms_norm adds), in acc's layout, for the caller to store; here
     it stores g * summed (rounded once: a product of two bf16/fp16 values is exact in fp32) to
@@ -442,18 +388,9 @@ def _residual_epilogue(acc, r, g, gx_ptr, sq_ptr, rows, row_ok, cols, col_ok, pi
     # split-K: only the summing program stores (col_ok is all false in the others)
     width_here = tl.where(tl.max(col_ok.to(tl.int32), axis=0) > 0, width, 0)
     h = (acc.to(out_dtype).to(tl.float32) + r.to(tl.float32)).to(out_dtype).to(tl.float32)
-    if PIECES_OUT:  # g * summed as e4m3 pieces, a power of two per row and this tile (SWAP)
-        gh = (h * g[:, None]).to(out_dtype).to(tl.float32)
-        t = _scale_exponent(tl.max(tl.abs(gh), axis=0))                    # [BLOCK_M]
-        _store_pieces(gx_ptr, plo_ptr, rows[None, :] * N + cols[:, None], gh * _pow2(t)[None, :],
-                      row_ok[None, :] & col_ok[:, None], EMULATE_CAST)
-        writer = rows * 0 + tl.max(col_ok.to(tl.int32), axis=0)  # split-K: the summing one
-        tl.store(pinv_ptr + rows * tl.cdiv(N, BLOCK_N) + pid, _pow2(-t),
-                 mask=row_ok & (writer > 0))
-    elif SWAP:
+    if SWAP:  # acc [BLOCK_N, BLOCK_M]
         tl.store(gx_ptr + rows[None, :] * stride_om + cols[:, None],
                  (h * g[:, None]).to(out_dtype), mask=row_ok[None, :] & col_ok[:, None])
-    if SWAP:  # acc [BLOCK_N, BLOCK_M]
         sq = tl.sum(tl.reshape(h * h, [tile_groups, STAT_COLS, acc.shape[1]]), axis=1)
         tl.store(sq_ptr + rows[None, :] * width + groups[:, None], sq,
                  mask=row_ok[None, :] & (groups < width_here)[:, None])
@@ -509,10 +446,7 @@ def _linear_kernel(
     inv_ptr,                    # X2_PIECES: [M] fp32, each row's 2^-t (fuser/ops/e4m3_pieces.py)
     sq_ptr,                     # [M, groups] fp32 sums of squares over groups of STAT_COLS
                                 # columns: written with EPI_RESIDUAL, read with STATS_BLOCK
-    gx_ptr,                     # EPI_RESIDUAL: [M, N] like out, g * summed (g at g_ptr, [N]);
-                                # PIECES_OUT: its hi piece, [M, N] e4m3fn contiguous
-    plo_ptr,                    # PIECES_OUT: g * summed's lo piece, [M, N] e4m3fn contiguous
-    pinv_ptr,                   # PIECES_OUT: [M, cdiv(N, BLOCK_N)] fp32, each tile's 2^-t
+    gx_ptr,                     # EPI_RESIDUAL: [M, N] like out, g * summed (g at g_ptr, [N])
     M, N, K,                    # N: output columns
     stride_xm, stride_wn, stride_om, stride_rm,
     eps,                        # the norm's epsilon (NORM)
@@ -528,17 +462,15 @@ def _linear_kernel(
     HAS_RESIDUAL: tl.constexpr,  # h = x + r (rounded to x's dtype); program 0 writes h to summed
                                 # (with SPLIT_K > 1 every split of column block 0: same values)
     SPLIT_K: tl.constexpr = 1,  # programs per column block, each over K / SPLIT_K (see below)
-    PDL: tl.constexpr = False,  # launched with PDL (fuser/ops/pdl.py): PREFETCH weight tiles
-    PREFETCH: tl.constexpr = 0,  # (0, 1 or 2) load before waiting for the previous kernel
+    PDL: tl.constexpr = False,  # one row, launched with PDL (fuser/ops/pdl.py): PREFETCH
+    PREFETCH: tl.constexpr = 0,  # weight tiles (0, 1 or 2) load before waiting for the
+                                # previous kernel
     SWAP: tl.constexpr = False,  # MMA path: the weight tile as the MMA's A operand (_mma_swapped)
     F16_MMA: tl.constexpr = False,  # SWAP, FP8 weights: the MMA in fp16 (_f16_step)
-    X2_MMA: tl.constexpr = False,  # SWAP, FP8 weights: the FP8 MMA, x in two pieces (_x2_step)
     X2_PIECES: tl.constexpr = False,  # SWAP, FP8 weights: x given as pieces (hi, lo, inv_ptr)
-    BLOCK_SCALES: tl.constexpr = False,  # X2_PIECES: inv_ptr [M, cdiv(K, BLOCK_K)], a power of
-                                # two per row and K block of the pieces (_block_inv)
     RSTD_LAST: tl.constexpr = False,  # one row, NORM: no prologue pass; the K loop gathers the
                                 # squares and rstd multiplies the sum (_row_step, _rstd_last)
-    ROW_VEC: tl.constexpr = 0,  # one row: acc [BLOCK_N, BLOCK_K // ROW_VEC] of in-thread
+    ROW_VEC: tl.constexpr = 1,  # one row: acc [BLOCK_N, BLOCK_K // ROW_VEC] of in-thread
                                 # partial sums, reduced across threads once, after the K loop
     EVEN_K: tl.constexpr = False,  # several rows: SPLIT_K * BLOCK_K divides K, so the K loop's
                                 # tiles need no column masks (_k_ok)
@@ -551,13 +483,6 @@ def _linear_kernel(
                                 # >= that): x is g * h, the GEMV's the norm's (fuser/ops/norm_stats.py)
     STAT_COLS: tl.constexpr = 16,
     MUL_RN: tl.constexpr = False,  # the scale's product rounded on its own (see _scale_product)
-    PIECES_OUT: tl.constexpr = False,  # several rows, SWAP: EPI_RESIDUAL's g * summed written
-                                # as e4m3 pieces scaled per row and tile (BLOCK_N columns), or
-                                # the gated output as pieces too (BLOCK_N / 2 columns a tile):
-                                # gx_ptr (hi), plo_ptr, pinv_ptr
-    EMULATE_CAST: tl.constexpr = False,  # PIECES_OUT on the interpreter (e4m3_pieces.py)
-    LATE_LAUNCH: tl.constexpr = False,  # PDL: the next kernel launches after the K loop, not
-                                # right after the wait (fuser/ops/pdl.py late_launch_enabled)
     NORM_AFTER: tl.constexpr = False,  # one row, NORM, no RSTD_LAST: the K loop's input is
                                 # g * h rounded once, the row's rstd multiplies the sums after it
                                 # (norm_stats' arithmetic; linear.ONE_ROW_NORM_AFTER)
@@ -585,19 +510,19 @@ def _linear_kernel(
     col_ok = cols < N
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + w_row[:, None].to(tl.int64) * stride_wn
-    # PDL: the program's first PREFETCH weight tiles load while the previous kernel finishes
-    # (weights never depend on it); everything else waits. The K loop then starts after them and
-    # each prefetched tile is summed exactly as a loop step would, in the same order.
+    # PDL (one row): the program's first PREFETCH weight tiles load while the previous kernel
+    # finishes (weights never depend on it); everything else waits. The K loop then starts after
+    # them and each prefetched tile is summed exactly as a loop step would, in the same order.
     k_loop = k_lo
-    if PDL and PREFETCH >= 1:
+    if PDL and BLOCK_M == 1 and PREFETCH >= 1:
         k_pre0 = k_lo + offs_k
         w_pre0 = _w_tile(w_rows, col_ok, k_pre0, k_hi)
         k_loop += BLOCK_K
-    if PDL and PREFETCH >= 2:
+    if PDL and BLOCK_M == 1 and PREFETCH >= 2:
         k_pre1 = k_lo + BLOCK_K + offs_k
         w_pre1 = _w_tile(w_rows, col_ok, k_pre1, k_hi)
         k_loop += BLOCK_K
-    wait_for_inputs(PDL, not LATE_LAUNCH)
+    wait_for_inputs(PDL)
     if BLOCK_M == 1:
         x_row, r_row = x_ptr, r_ptr
         rstd = 0.0
@@ -617,10 +542,7 @@ def _linear_kernel(
         row_rstd = rstd
         if NORM_AFTER:  # the loop's tiles: (h * 1).to(dtype) * g = g * h, rounded once
             rstd = rstd * 0.0 + 1.0
-        if ROW_VEC > 0:
-            acc = tl.zeros([BLOCK_N, BLOCK_K // ROW_VEC], dtype=tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_N, BLOCK_K // ROW_VEC], dtype=tl.float32)
         row_squares = tl.zeros([BLOCK_K], dtype=tl.float32)  # NORM and RSTD_LAST (SPLIT_K 1)
         first = pid == 0
         if PDL and PREFETCH >= 1:
@@ -636,8 +558,7 @@ def _linear_kernel(
             w = _w_tile(w_rows, col_ok, k, k_hi)
             acc, row_squares = _row_step(acc, row_squares, w, x_row, r_row, g_ptr, sum_ptr, k,
                                          k_hi, rstd, NORM, HAS_RESIDUAL, RSTD_LAST, first)
-        if ROW_VEC > 0:  # the partials' one reduction across threads
-            acc = tl.sum(acc, axis=1)
+        acc = tl.sum(acc, axis=1)  # the partials' one reduction across threads
         if NORM_AFTER:
             acc *= row_rstd
         if NORM and RSTD_LAST:
@@ -678,34 +599,15 @@ def _linear_kernel(
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         shift = tl.full([BLOCK_M], 100, dtype=tl.int32)  # F16_MMA: acc holds sums * 2^shift
         lo_rows = lo_ptr + rows[:, None] * stride_xm             # X2_PIECES
-        # The PDL-prefetched tiles first, each summed as a loop step of the same path: before
-        # the twenty-second session they took the bf16 MMA's step whatever the path, and FP8's
-        # several-row PDL launches gave other values than ordinary ones (the fp16 path's running
-        # power of two then scaled that first tile away; tests/test_pdl.py). Their columns stay
-        # masked (EVEN_K False): with SPLIT_K, a prefetched tile may lie past its split's end.
-        if PDL and PREFETCH >= 1:
-            acc, shift = _rows_k_step(acc, shift, w_pre0, k_pre0, k_hi, x_rows, r_rows, g_ptr,
-                                      lo_rows, row_ok, rstd, FP32_DOTS, HAS_SCALE, NORM,
-                                      HAS_RESIDUAL, SWAP, False, X2_PIECES, X2_MMA, F16_MMA,
-                                      _block_inv(inv_ptr, rows, row_ok, k_lo, K, BLOCK_K,
-                                                 BLOCK_SCALES), BLOCK_SCALES)
-        if PDL and PREFETCH >= 2:
-            acc, shift = _rows_k_step(acc, shift, w_pre1, k_pre1, k_hi, x_rows, r_rows, g_ptr,
-                                      lo_rows, row_ok, rstd, FP32_DOTS, HAS_SCALE, NORM,
-                                      HAS_RESIDUAL, SWAP, False, X2_PIECES, X2_MMA, F16_MMA,
-                                      _block_inv(inv_ptr, rows, row_ok, k_lo + BLOCK_K, K,
-                                                 BLOCK_K, BLOCK_SCALES), BLOCK_SCALES)
         for k0 in range(k_loop, k_hi, BLOCK_K):
             k = k0 + offs_k
             w = _w_tile(w_rows, col_ok, k, k_hi, EVEN_K)
             acc, shift = _rows_k_step(acc, shift, w, k, k_hi, x_rows, r_rows, g_ptr, lo_rows,
                                       row_ok, rstd, FP32_DOTS, HAS_SCALE, NORM, HAS_RESIDUAL,
-                                      SWAP, EVEN_K, X2_PIECES, X2_MMA, F16_MMA,
-                                      _block_inv(inv_ptr, rows, row_ok, k0, K, BLOCK_K,
-                                                 BLOCK_SCALES), BLOCK_SCALES)
+                                      SWAP, EVEN_K, X2_PIECES, F16_MMA)
         if F16_MMA:  # back to the sums themselves (each split had its own shifts)
             acc *= _pow2(-shift)[None, :]
-        if X2_PIECES and not BLOCK_SCALES:  # the rows' 2^-t (acc [BLOCK_N, BLOCK_M]: SWAP)
+        if X2_PIECES:  # the rows' 2^-t (acc [BLOCK_N, BLOCK_M]: SWAP)
             acc *= tl.load(inv_ptr + rows, mask=row_ok, other=0.0)[None, :]
         # SWAP keeps acc [BLOCK_N, BLOCK_M] through the split sum (every split stores its partial
         # in that layout), the scale and a plain store; only the gated epilogue transposes it.
@@ -724,8 +626,6 @@ def _linear_kernel(
                 acc = _scale_product(acc, scale[None, :], MUL_RN)
         if SWAP and ACTIVATION != "":
             acc = tl.trans(acc)
-    if LATE_LAUNCH:  # the K loop is done: the next kernel may take this one's SMs now
-        launch_next(PDL)
     out_dtype = out_ptr.dtype.element_ty
     if ACTIVATION != "":
         # Split the tile's columns into gate [.., HALF] and up [.., HALF] (once, after the K
@@ -738,16 +638,7 @@ def _linear_kernel(
         col_ok = (col_ok.to(tl.int32) * last.to(tl.int32)) != 0
     if EPI_RESIDUAL:  # (the launcher: BLOCK_M > 1, no activation)
         acc = _residual_epilogue(acc, epi_r, epi_g, gx_ptr, sq_ptr, rows, row_ok, cols, col_ok,
-                                 pid, N, stride_om, out_dtype, BLOCK_N, STAT_COLS, SWAP,
-                                 plo_ptr, pinv_ptr, PIECES_OUT, EMULATE_CAST)
-    if PIECES_OUT and ACTIVATION != "":  # act(gate) * up also as e4m3 pieces per row and tile
-        y = acc.to(out_dtype).to(tl.float32)                                # [BLOCK_M, HALF]
-        t = _scale_exponent(tl.max(tl.abs(y), axis=1))
-        _store_pieces(gx_ptr, plo_ptr, rows[:, None] * N + cols[None, :], y * _pow2(t)[:, None],
-                      row_ok[:, None] & col_ok[None, :], EMULATE_CAST)
-        writer = rows * 0 + tl.max(col_ok.to(tl.int32), axis=0)  # split-K: the summing one
-        tl.store(pinv_ptr + rows * tl.cdiv(N, BLOCK_N // 2) + pid, _pow2(-t),
-                 mask=row_ok & (writer > 0))
+                                 pid, N, stride_om, out_dtype, BLOCK_N, STAT_COLS, SWAP)
     if BLOCK_M == 1:
         tl.store(out_ptr + cols, acc.to(out_dtype), mask=col_ok)
     elif SWAP and ACTIVATION == "":  # acc [BLOCK_N, BLOCK_M]
@@ -760,10 +651,10 @@ def _linear_kernel(
 
 # Several rows over a small weight (at most SMALL_WEIGHT elements: the bundled pair's, where a
 # GEMV streams its weight in well under a microsecond and the launch's latency is the cost):
-# more programs of 16 columns each, unsplit. benchmarks/step_lab.py on an H200 (twenty-first
-# session, benchmarks/RESULTS.md): the bundled target's verify step (T = 3) took 110.9 us against
-# 127.9 with the 8B-shape tables, the draft's catch-up 37.8 against 41.6, logits bit-equal;
-# 16 x 64 tiles took 120.0, 32 x 128 113.2, and splitting K (3 ways) was slower every time.
+# more programs of 16 columns each, unsplit. On an H200 the bundled target's verify step (T = 3)
+# took 110.9 us against 127.9 with the 8B-shape tables, the draft's catch-up 37.8 against 41.6,
+# logits bit-equal; 16 x 64 tiles took 120.0, 32 x 128 113.2, and splitting K (3 ways) was
+# slower every time (docs/performance-notes.md).
 SMALL_WEIGHT = 1 << 21
 SMALL_ROWS_TILE = (16, 128, 4, 3)  # (block_n, block_k, num_warps, num_stages)
 
@@ -774,16 +665,15 @@ def small_weight(N: int, K: int) -> bool:
 
 
 def _default_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
-    """(block_n, block_k, num_warps, num_stages): the fastest of benchmarks/linear_sweep.py's
-    configurations on an H200 at Llama-3-8B shapes (benchmarks/RESULTS.md)."""
+    """(block_n, block_k, num_warps, num_stages): the fastest configurations of a sweep on an
+    H200 at Llama-3-8B shapes (docs/performance-notes.md)."""
     if M == 1:
-        if K > 8192:                # down_proj, split in 2 (_default_split_k): gemv_lab.py
+        if K > 8192:                # down_proj, split in 2 (_default_split_k)
             return 8, 512, 4, 4
         if N * K <= 2**25:          # qkv (6144 x 4096), o_proj (4096 x 4096): more programs
             return (8, 512, 4, 4) if N <= 4096 else (8, 512, 8, 4)   # o_proj: split in 2
         return 16, 512, 4, 4        # gate_up, lm_head
-    # Several rows: benchmarks/fp8_mma_lab.py at M = 5 (tenth session), where _default_swap
-    # says so; the others as benchmarks/linear_sweep.py measured them
+    # Several rows: measured at M = 5, swapped where _default_swap says so
     if small_weight(N, K):
         return SMALL_ROWS_TILE
     if K >= 8192:                   # down_proj (swapped, split in 4)
@@ -797,34 +687,18 @@ def _default_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
     return 64, 128, 4, 4            # lm_head
 
 
-# Several rows, FP8 weights: warps per program. Compiled for sm_90 with Triton 3.6 (the GPU
-# machine's) on the CPU, the 4-warp programs use all 255 registers and spill: down_proj's
-# 64 x 256 tile on pieces reloads 116 spilled values a K step (LDL in the loop); at 8 warps the
-# 64 x 128 tiles spill nothing (benchmarks/sass_lab.py). On the H200 8 warps are slower in every
-# form (benchmarks/pieces_lab.py, twenty-fifth session: qkv 14.24 against 10.56 us on row
-# pieces, gate/up 52.28 against 31.61, down 23.20 against 18.59; the 8B FP8 verify step 1.751x
-# the decode step against 1.284x, RESULTS.md), so the spills are not what the 5-row GEMVs lose.
-FP8_ROWS_WARPS = 4
-# Several rows, FP8 weights: a register cap per thread (Triton's maxnreg), None for the
-# compiler's choice. The 4-warp programs take all 255 registers, so two fit an SM (128 threads
-# x 255 of its 64K registers); 128 lets four programs share an SM, at the cost of spills (sass_lab.py: qkv 51 -> 174 spill loads a K step). On the H200
-# (RESULTS.md, twenty-fifth session) the cap moves each 5-row GEMV by at most 2% and the 8B FP8
-# verify step not at all (1.287x the decode step), 1.365x with several-row PDL: off.
-# decode.py --rows-maxnreg.
-FP8_ROWS_MAXNREG: int | None = None
-
-
 def _default_fp8_config(M: int, N: int, K: int,
                         pieces: bool = False) -> tuple[int, int, int, int]:
-    """(block_n, block_k, num_warps, num_stages) for e4m3fn weights: the fastest of
-    benchmarks/fp8_ops.py's sweep on an H200 at Llama-3-8B shapes (benchmarks/RESULTS.md,
-    2026-11-30). One 16-byte load carries 16 weights, so BLOCK_K is twice the bf16 table's.
-    gate/up at one row: benchmarks/shape_lab.py as the engine runs it (norm prologue, gated,
-    PDL), twelfth session: 128 x 256 tiles 32.93 us against 34.20 for 32 x 512 (a quarter of
-    the programs, each making the norm prologue's pass over x)."""
-    if M == 1:  # with ONE_ROW_PARTIALS: benchmarks/shape_lab.py, seventeenth session
+    """(block_n, block_k, num_warps, num_stages) for e4m3fn weights: the fastest of a sweep on
+    an H200 at Llama-3-8B shapes (benchmarks/fp8_ops.py sweeps it). One 16-byte load carries 16
+    weights, so BLOCK_K is twice the bf16 table's. One row, timed as the engine runs each GEMV
+    (norm prologue, gated epilogue, PDL) with the in-thread partial sums (_row_step): gate/up
+    32.93 us at 128 x 256 tiles against 34.20 at 32 x 512 (a quarter of the programs, each
+    making the norm prologue's pass over x). Several rows (4 warps: the 8-warp programs, which
+    spill no registers, were slower at every shape; docs/performance-notes.md)."""
+    if M == 1:
         if K > 8192:                    # down_proj, unsplit: 15.72 against 17.14 us at 8 x 1024
-            return 8, 2048, 8, 4        # (split in 2, 8 x 1024, before)
+            return 8, 2048, 8, 4        # split in 2
         if N <= 4096:                   # o_proj: 6.05 against 7.01 us at 8 x 1024, 4 warps
             return 8, 2048, 8, 4
         if N * K <= 2**25:              # qkv: 9.57 against 9.60 us at 8 x 1024, 4 warps
@@ -832,20 +706,18 @@ def _default_fp8_config(M: int, N: int, K: int,
         if N < 2**16:                   # gate_up
             return 128, 256, 8, 4
         return 16, 512, 4, 4            # lm_head
-    if pieces and K > 8192:  # down_proj on x's pieces: benchmarks/fp8_rows_lab.py at M = 5
-        return 64, 256, FP8_ROWS_WARPS, 3  # (16th session): 20.48 against 21.11 us at 64 x 128
-    return 64, 128, FP8_ROWS_WARPS, 4  # swapped, every shape (fp8_mma_lab.py at M = 5, tenth)
+    if pieces and K > 8192:  # down_proj on x's pieces at M = 5: 20.48 against 21.11 us at
+        return 64, 256, 4, 3            # 64 x 128
+    return 64, 128, 4, 4  # swapped, every shape (measured at M = 5)
 
 
 def _default_split_k(M: int, N: int, K: int, fp8: bool) -> int:
-    """Programs per column block (split-K, summed in the same launch): 2 where
-    benchmarks/gemv_lab.py measured it faster on an H200 (2026-12-01, RESULTS.md): one row
-    against down_proj's long K in bf16 (30.1 vs 38.7 us unsplit and 31.8 for cuBLAS; FP8 took
-    18.7 vs 20.7 then, and since ONE_ROW_PARTIALS 15.72 unsplit at 8 x 2048 tiles against 17.14
-    split at 8 x 1024: benchmarks/shape_lab.py, seventeenth session) and, in bf16, o_proj's
-    4096 x 4096 (11.2 vs 12.2). Everything else measured no gain.
-    Several rows (the swapped MMA's 64-row tiles: few programs on a narrow weight): the fastest
-    of benchmarks/fp8_mma_lab.py's at M = 5 (tenth session)."""
+    """Programs per column block (split-K, summed in the same launch), measured on an H200: 2
+    at one row against down_proj's long K in bf16 (30.1 vs 38.7 us unsplit and 31.8 for
+    cuBLAS; FP8 down_proj takes 15.72 us unsplit at 8 x 2048 tiles against 17.14 split at
+    8 x 1024) and, in bf16, o_proj's 4096 x 4096 (11.2 vs 12.2). Everything else measured no
+    gain. Several rows (the swapped MMA's 64-row tiles: few programs on a narrow weight): the
+    fastest at M = 5."""
     if M != 1:
         if small_weight(N, K) and not fp8:
             return 1                        # SMALL_ROWS_TILE
@@ -860,99 +732,50 @@ def _default_split_k(M: int, N: int, K: int, fp8: bool) -> int:
 
 
 def _default_swap(M: int, N: int, K: int, fp8: bool) -> bool:
-    """Several rows: the weight tile as the MMA's A operand (_mma_swapped) where
-    benchmarks/fp8_mma_lab.py measured it faster on an H200 at M = 5 (tenth session,
-    benchmarks/RESULTS.md): bf16 down_proj 31.9 vs 35.6 us, o_proj 11.6 vs 13.3, gate_up 59.2
-    vs 69.6 (qkv 16.0 vs 15.5 and the LM head 235.2 vs 236.7: not taken); FP8 every shape (qkv
-    14.8 vs 17.0, o_proj 11.3 vs 13.3, down_proj 29.4 vs 37.5, gate_up 54.1 vs 56.1, the LM
-    head 183.4 vs 184.7)."""
+    """Several rows: the weight tile as the MMA's A operand (_mma_swapped) where it measured
+    faster on an H200 at M = 5: bf16 down_proj 31.9 vs 35.6 us, o_proj 11.6 vs 13.3, gate_up
+    59.2 vs 69.6 (qkv 16.0 vs 15.5 and the LM head 235.2 vs 236.7: not taken); FP8 every shape
+    (qkv 14.8 vs 17.0, o_proj 11.3 vs 13.3, down_proj 29.4 vs 37.5, gate_up 54.1 vs 56.1, the
+    LM head 183.4 vs 184.7)."""
     if M == 1:
         return False
     return fp8 or K >= 8192 or N <= 4096 or 8192 < N < 2**16
 
 
-# Several rows, FP8 weights, bf16 x (swapped): which MMA. "f16": the weight widened to fp16 in
-# registers, x in fp16 times a running power of two per row (_f16_step); "x2": the FP8 MMA on
-# the weight tile as loaded, x in two e4m3 pieces per row and K step (_x2_step); None: the bf16
-# MMA. On the H200 (benchmarks/pdl_lab.py --rows 5 --dtypes fp8, eleventh session) the 16-layer
-# chain of 5-row FP8 GEMVs took 89.9 us a layer in fp16 against 109.5 on the bf16 MMA (1.22x);
-# benchmarks/fp8_rows_lab.py's "a8 x2" (x split outside the kernel) read gate/up in 31.99 us
-# against the fp16 path's 42.17 (fourteenth session). GPU tests hold each to the bf16 MMA's
-# values at the 8B shapes.
-FP8_ROWS_MMA: str | None = "pieces"
-# "norm pieces": the GEMVs after a norm (qkv, gate/up: rms_norm_linear, add_rms_norm_linear)
-# take x from the norm kernel as e4m3 pieces (fuser/ops/e4m3_pieces.py) on the FP8 MMA
-# (X2_PIECES); the others (o_proj, down_proj) run "f16". "pieces": the same, and fuser::
-# fp8_linear's long bf16 rows (down_proj; SPLIT_PIECES_MIN_K) split by a kernel of their own
-# (split_pieces_triton) before the GEMV. On the H200 (benchmarks/RESULTS.md, sixteenth session)
-# the 8B FP8 verify step (T = 5) took 1.442x the decode step on "f16", 1.267x on "norm pieces",
-# 1.248x on "pieces" splitting o_proj's rows too (two machines of one kind).
-FP8_ROWS_CHOICES = ("f16", "x2", "norm pieces", "pieces", None)
-# Several rows, FP8 weights, the GEMV after a norm that passes/norm_stats.py moved into the GEMVs
-# (its FP8_CONSUMERS; x = g * h, rstd after the sum): "f16" (FP8_ROWS_MMA's fp16 path, which
-# the 8B FP8 verify step took at 1.479x the decode step against 1.290x with the norm kernel's
-# pieces: RESULTS.md, nineteenth session) or "x2": the FP8 MMA with x split into two e4m3
-# pieces per row and K step in the GEMV (_x2_step), no norm kernel and no pieces written: 1.473x
-# (RESULTS.md, twenty-third session).
-# "block": the producer's epilogue writes g * h as e4m3 pieces, a power of two per row and
-# STATS_PIECES_BLOCK columns (its tile), and the consumer multiplies them on the FP8 MMA
-# (fuser::linear_residual_pieces, fuser::stats_pieces_rms_norm_linear; passes/norm_stats.py):
-# no norm kernel and no split kernel: 1.417x against 1.293x for "f16" with the norm kernel's
-# pieces on the same H200 (RESULTS.md, twenty-fourth session; down_proj's 64-column K steps).
-STATS_FP8_MMA = "f16"
-STATS_FP8_CHOICES = ("f16", "x2", "block")
-STATS_PIECES_BLOCK = 128  # the producer's block_n and the consumer's K step
-STATS_GATED_PIECES_BLOCK = 64  # gate/up's output pieces: its tiles' columns, down_proj's K step
+# Several rows, FP8 weights, bf16 x (swapped): the MMA runs in fp16, the weight widened to fp16
+# in registers and x scaled by a running power of two per row (_f16_step): a 16-layer chain of
+# 5-row FP8 GEMVs took 89.9 us a layer against 109.5 on the bf16 MMA. The GEMVs after a norm
+# take x from the norm kernel as e4m3 pieces instead (_norm_pieces_take), and fuser::fp8_linear
+# splits rows longer than SPLIT_PIECES_MIN_K (down_proj) into pieces first: both on the FP8 MMA
+# (X2_PIECES). The 8B FP8 verify step (T = 5) took 1.442x the decode step with every GEMV on
+# the fp16 MMA, 1.248x with the pieces (docs/performance-notes.md: the other forms measured).
 
-# FP8 weights, one row: the norm prologue reads x (and r) this many columns a step (None:
-# BLOCK_K). Every program makes the pass, one L2 round trip a step: at BLOCK_K a step FP8's qkv
-# and gate/up GEMVs (768 and 224 programs) took 1.7 and 3.9 us longer with the prologue than
-# without (benchmarks/shape_lab.py, RESULTS.md, twelfth session); 2048 columns a step took qkv
-# 10.28 against 10.77 us and gate/up 32.02 against 33.23 (1024: 10.79 and 32.76; thirteenth
-# session), the whole row (4096) 12.56 for qkv (twelfth); in the engine the 8B FP8 decode step
-# took 2.431 ms against 2.523 before (two machines of one kind; RESULTS.md, thirteenth session).
-# shape_lab.py's "nkN" word times other widths.
-ONE_ROW_NORM_K: int | None = 2048
-
-# One row with the norm (NORM): no prologue pass over x. The K loop gathers the row's sum of
-# squares from the tiles it loads anyway and multiplies its fp32 sums by rstd after the loop
-# (_rstd_last): out = rstd * sum_k w[n, k] (g[k] h[k]), rstd being one number per row. One
-# rounding fewer than the norm kernel's (normed = g * (h * rstd).to(dtype), rounded again), so the
-# values are not the unfused kernels' bits: tests/test_ops_norm_linear.py holds both to the
-# float64 norm-then-GEMV. False: the prologue pass and the norm's own roundings (ONE_ROW_NORM_K).
-# Off: on the H200 (benchmarks/RESULTS.md, fourteenth session) it made FP8's qkv faster alone
-# (9.60 against 10.17 us) but FP8's gate/up slower (34.93 against 31.67) and bf16's qkv slower
-# (17.17 against 15.91); the 16-layer FP8 chain took 67.9 us a layer against 64.6 with the pass.
-NORM_RSTD_LAST = False
-
-# NORM_RSTD_LAST for FP8 weights without the gated activation and fewer than 2^16 outputs
-# alone (qkv): on the H200 FP8's qkv took 9.60 against 10.17 us, 9.78 against 10.14 and 9.56
-# against 10.18 with it (benchmarks/shape_lab.py, RESULTS.md, fourteenth and fifteenth
-# sessions), where gate/up and bf16 lost, and so did FP8's LM head (130.64 against 124.19 us,
-# fifteenth: the pass already streams it at the read bandwidth).
-FP8_PLAIN_RSTD_LAST = True
+# FP8 weights, one row: the norm prologue reads x (and r) this many columns a step. Every
+# program makes the pass, one L2 round trip a step: at BLOCK_K a step FP8's qkv and gate/up
+# GEMVs (768 and 224 programs) took 1.7 and 3.9 us longer with the prologue than without; 2048
+# columns a step took qkv 10.28 against 10.77 us and gate/up 32.02 against 33.23 (1024: 10.79
+# and 32.76; the whole row, 4096: 12.56 for qkv). The 8B FP8 decode step took 2.431 ms
+# against 2.523. bf16 weights step BLOCK_K columns.
+ONE_ROW_NORM_K = 2048
 
 
 def rstd_last_for(fp8: bool, gated: bool, n: int) -> bool:
     """Whether a one-row GEMV with the norm and n outputs multiplies by rstd after its K loop
-    rather than making the prologue pass (NORM_RSTD_LAST, FP8_PLAIN_RSTD_LAST)."""
-    return NORM_RSTD_LAST or (fp8 and not gated and n < 2**16 and FP8_PLAIN_RSTD_LAST)
+    (_rstd_last) rather than making the prologue pass: FP8 weights without the gated
+    activation and fewer than 2^16 outputs (qkv). The K loop gathers the row's sum of squares
+    from the tiles it loads anyway: out = rstd * sum_k w[n, k] (g[k] h[k]), rstd one number per
+    row, one rounding fewer than the norm kernel's (tests/test_ops_norm_linear.py holds both
+    forms to the float64 norm-then-GEMV). On an H200 FP8's qkv took 9.60 against 10.17 us with
+    it; FP8's gate/up (34.93 against 31.67), bf16's qkv (17.17 against 15.91) and FP8's LM
+    head (130.64 against 124.19) were slower, so they make the pass."""
+    return fp8 and not gated and n < 2**16
 
-# One row: each thread keeps a partial sum per 16-byte run of weight columns it loads
-# (_row_step's acc [BLOCK_N, BLOCK_K // ROW_VEC]) and the runs are added across threads once,
-# after the K loop, instead of a reduction across threads (shuffles, and shared memory with two
-# barriers where a row's columns span warps) every K step. Compiled for sm_90 (Triton 3.9) the
-# FP8 K loop drops from 525 to 461 instructions at gate/up's 128 x 256 tiles, from 351 to 298 at
-# qkv's 8 x 1024 and from 299 to 247 at down_proj's; the sum's order changes, not its terms.
-# (The one-row K loop as `tl.range(..., num_stages=3 or 4)`, its loads software-pipelined
-# through shared memory, measured slower at every 8B shape: benchmarks/RESULTS.md, seventeenth
-# session, call 3.)
-ONE_ROW_PARTIALS = True
 
 # One row, residual add + norm before plain (not FP8) weights: the GEMV's input g * h rounded
 # once and rstd times its fp32 sums (NORM_AFTER), the arithmetic of the several-row
 # fuser::stats_rms_norm_linear (fuser/ops/norm_stats.py), so that with passes/norm_stats.py on a
-# verify step normalises as the decode step does. On, as that pass is (see its comment).
+# verify step normalises as the decode step does. On, as that pass is (norm_stats.ENABLED);
+# tests switch both off together (tests/conftest.py norm_stats_off).
 ONE_ROW_NORM_AFTER = True
 
 
@@ -960,23 +783,8 @@ def norm_after_for(rows: int, residual: bool, fp8: bool, rstd_last: bool) -> boo
     """Whether a launch takes ONE_ROW_NORM_AFTER's arithmetic."""
     return ONE_ROW_NORM_AFTER and rows == 1 and residual and not fp8 and not rstd_last
 
-# One-row FP8 tiles by shape, set by a benchmark from a measurement on the GPU it runs on:
-# (weight rows, K) -> (block_n, block_k, num_warps, split_k, partials), taken before the
-# tables of _default_fp8_config and _default_split_k (and ONE_ROW_PARTIALS). Empty in the
-# library; benchmarks/decode.py --one-row-tiles fills it from benchmarks/shape_lab.py --best.
-FP8_ONE_ROW_TILES: dict[tuple[int, int], tuple[int, int, int, int, bool]] = {}
-# Several rows on row-scaled e4m3 pieces (linear_pieces_triton without overrides): (weight
-# rows, K) -> (block_n, block_k, split_k, num_stages), taken before _default_fp8_config and
-# _default_split_k, as FP8_ONE_ROW_TILES at one row. Empty in the library; benchmarks/decode.py --pieces-tiles fills it from
-# benchmarks/pieces_lab.py --sweep --best. Swept on the H200 (110 launch shapes, twenty-fifth
-# session) the tables' own were within 2.6% of the fastest at every 8B shape.
-FP8_PIECES_TILES: dict[tuple[int, int], tuple[int, int, int, int]] = {}
 
 PDL_PREFETCH = 1  # weight tiles a PDL-launched program loads before its wait (fuser/ops/pdl.py)
-# Tests only: compile every launch's PDL variant (PDL=True: the prefetched weight tiles, the
-# wait) without launching it with PDL, so that the interpreter can hold its arithmetic to the
-# ordinary variant's (tests/test_pdl.py patches fuser.ops.linear.wait_for_inputs to nothing).
-PDL_VARIANT = False
 
 SHARED_MEMORY_BUDGET = 200 * 1024  # bytes of pipelined tiles (an H200 SM has 227 KiB); every tuned
 # bf16 and FP8 configuration fits it unchanged
@@ -1000,23 +808,11 @@ def _fit_shared_memory(block_m: int, block_n: int, block_k: int, stages: int, w_
     return stages, block_k
 
 
-def _deeper_stages(block_m: int, block_n: int, block_k: int, stages: int, w_size: int,
-                   x_size: int) -> int:
-    """Several rows, a K step shorter than the tuned table's (block-scaled pieces take their
-    scale block as the step): the table's bytes in flight kept, as stages * (table step / step)
-    tiles, down to what fits SHARED_MEMORY_BUDGET. At the table's 3 stages down_proj's 64-column
-    steps took 36.21 us, at the 12 stages this gives 32.34 (6: 32.06, 16: 32.79; 18.80 at its
-    256-column step): benchmarks/pieces_lab.py, RESULTS.md, twenty-fourth session. The rest of
-    the cost is per step, not bytes in flight."""
-    per_stage = block_k * (block_n * w_size + block_m * x_size)
-    return max(2, min(stages, SHARED_MEMORY_BUDGET // per_stage))
-
-
 def prefers_cublas(M: int, N: int, K: int) -> bool:
-    """Shapes where cuBLAS measured faster than every configuration of this kernel on an H200
-    (benchmarks/RESULTS.md): several rows against a wide, 4096-deep weight (gate_up: 57.6 vs
-    57.5-58.2 us, a tie at best). passes/linear.py leaves these GEMMs to cuBLAS. (One row
-    against down_proj's long K was cuBLAS's too, 32.4 vs 34.7 us, until split-K: 30.1 vs 31.8.)"""
+    """Shapes where cuBLAS measured faster than every configuration of this kernel on an H200:
+    several rows against a wide, 4096-deep weight (gate_up: 57.6 vs 57.5-58.2 us, a tie at
+    best). passes/linear.py leaves these GEMMs to cuBLAS. (One row against down_proj's long K
+    was cuBLAS's too, 32.4 vs 34.7 us, until split-K: 30.1 vs 31.8.)"""
     if M == 1:
         return False
     return N * K > 2**26 and N < 2**16
@@ -1082,40 +878,17 @@ def linear_pieces_triton(
     activation: str | None = None, out_dtype: torch.dtype = torch.bfloat16,
     block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
     num_stages: int | None = None, split_k: int | None = None, prefetch: int | None = None,
-    scale_block: int | None = None,
 ) -> Tensor:
     """linear_triton(x, weight, weight_scale=..., activation=...) for 2..16 rows of x given as
     e4m3 pieces, x = (hi + lo) * inv_scale[:, None] (fuser/ops/e4m3_pieces.py): hi, lo
     [M, K] e4m3fn (one row stride), inv_scale [M] fp32; FP8 weights. The FP8 MMA multiplies
-    the weight by both pieces (X2_PIECES); out [M, N] in out_dtype.
-
-    Block-scaled pieces (split_pieces_blocks_reference): inv_scale [M, cdiv(K, scale_block)],
-    a power of two per row and block of scale_block columns (a power of two, 16 or more; the
-    GEMV's K step). Each K step's sums are scaled by their block's 2^-t, exactly, where the
-    row-scaled pieces' sums are scaled once after the loop: the same values when every block
-    of a row has the row's scale. A kernel that makes x a block of columns at a time (an
-    epilogue) can write such pieces without knowing the whole row's max."""
-    blocks = inv_scale.dim() == 2
+    the weight by both pieces (X2_PIECES); out [M, N] in out_dtype."""
     if hi.shape != lo.shape or hi.dtype != FP8_DTYPE or lo.dtype != FP8_DTYPE or \
             hi.stride() != lo.stride() or hi.stride(-1) != 1 or hi.dim() != 2 or \
-            inv_scale.shape[:1] != hi.shape[:1] or inv_scale.dim() not in (1, 2) or \
-            inv_scale.dtype != torch.float32:
+            inv_scale.shape != hi.shape[:1] or inv_scale.dtype != torch.float32:
         raise ValueError(f"pieces must be hi, lo [M, K] {FP8_DTYPE} of one layout and "
-                         f"inv_scale [M] (or [M, blocks]) fp32, got {hi.dtype} "
-                         f"{tuple(hi.shape)}, {lo.dtype} {tuple(lo.shape)}, {inv_scale.dtype} "
-                         f"{tuple(inv_scale.shape)}")
-    if blocks:
-        K = hi.shape[1]
-        if scale_block is None or scale_block < 16 or scale_block & (scale_block - 1) or \
-                inv_scale.shape[1] != triton.cdiv(K, scale_block) or \
-                block_k not in (None, scale_block):
-            raise ValueError(f"block-scaled pieces need scale_block, a power of two >= 16 with "
-                             f"cdiv(K, scale_block) = {inv_scale.shape[1]} scales a row (K = "
-                             f"{K}), as the K step (block_k {block_k}); got scale_block "
-                             f"{scale_block}")
-        block_k = scale_block
-    elif scale_block is not None:
-        raise ValueError("scale_block is for block-scaled pieces (inv_scale [M, blocks])")
+                         f"inv_scale [M] fp32, got {hi.dtype} {tuple(hi.shape)}, {lo.dtype} "
+                         f"{tuple(lo.shape)}, {inv_scale.dtype} {tuple(inv_scale.shape)}")
     out, _ = _launch(hi, None, None, 0.0, weight, weight_scale, activation,
                      (block_n, block_k, num_warps, num_stages, split_k, prefetch),
                      pieces=(lo, inv_scale.contiguous()), out_dtype=out_dtype)
@@ -1127,18 +900,13 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
             overrides: tuple, pieces: tuple[Tensor, Tensor] | None = None,
             out_dtype: torch.dtype | None = None,
             epilogue: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
-            stats: Tensor | None = None,
-            pieces_out: tuple[Tensor, Tensor, Tensor] | None = None
-            ) -> tuple[Tensor, Tensor | None]:
+            stats: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """The one launcher of _linear_kernel: linear_triton (norm_weight None),
     rms_norm_linear_triton, linear_pieces_triton (pieces: x is hi, pieces (lo, inv_scale)),
     linear_residual_triton (epilogue (residual [M, N], g [N], gx out [M, N], squares out
     [M, cdiv(N, STAT_COLS)]): out is x @ W.T + residual, see EPI_RESIDUAL) and
     norm_stats.normed_linear_triton (stats [M, cdiv(K, STAT_COLS)]: x is g * h and
     these are h's sums of squares; the sums over K times rsqrt(sum / K + eps)).
-    pieces' inv may be [M, cdiv(K, block_k)] (block-scaled pieces, BLOCK_SCALES); pieces_out
-    (hi, lo [M, N] e4m3fn, inv [M, tiles]): the epilogue's g * summed, or the gated output,
-    written as block pieces, one scale per row and program tile (PIECES_OUT).
     Returns (out [..., N] in out_dtype or x's, summed [..., K] or None)."""
     *lead, K = x.shape
     rows_w = weight.shape[0]
@@ -1173,7 +941,7 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         return out.zero_().reshape(*lead, N), _lead(summed, lead, K)
     block_n, block_k, num_warps, num_stages, split_k, prefetch = overrides
     if (epilogue is not None or stats is not None) and (M < 2 or norm) or \
-            stats is not None and pieces is not None and pieces[1].dim() != 2:
+            stats is not None and pieces is not None:
         raise ValueError("the residual epilogue and the rstd from sums of squares take 2 to "
                          f"{MAX_ROWS} rows of x without a norm, the latter not as pieces (got "
                          f"{M} rows)")
@@ -1188,31 +956,22 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         r2, g_epi, gx, squares = epilogue  # checked by linear_residual_triton
     elif stats is not None:
         squares = stats
-    if x.device.type == "cuda" and (M == 1 or not norm) and pieces is None and \
-            epilogue is None and stats is None and all(o is None for o in overrides):
+    if x.device.type == "cuda" and M == 1 and pieces is None and epilogue is None and \
+            stats is None and all(o is None for o in overrides):
         from fuser.ops import gemv_stream  # noqa: PLC0415  (it imports this module's helpers)
 
-        config = gemv_stream.CONFIG if M == 1 else gemv_stream.ROWS_CONFIG
-        chosen = None if config is None else gemv_stream.choose(
-            N, K, weight.element_size(), activation is not None, config,
-            gemv_stream.num_sms(x.device), M)
+        chosen = None if gemv_stream.CONFIG is None else gemv_stream.choose(
+            N, K, weight.element_size(), activation is not None, gemv_stream.CONFIG,
+            gemv_stream.num_sms(x.device))
         if chosen is not None:
             config, plan = chosen
             gemv_stream.stream_gemv(
-                x2, weight, out, plan, config, weight_scale=weight_scale, activation=activation,
+                x2, weight, out, plan, config, activation=activation,
                 residual=r2 if residual is not None else None, eps=eps, summed=summed,
                 norm_weight=norm_weight.contiguous() if norm_weight is not None else None)
             return out.reshape(*lead, N), _lead(summed, lead, K)
     bn, bk, warps, stages = _default_fp8_config(M, rows_w, K, pieces is not None) if fp8 else \
         _default_config(M, rows_w, K)
-    partials = ONE_ROW_PARTIALS
-    tuned = FP8_ONE_ROW_TILES.get((rows_w, K)) if fp8 and M == 1 else None
-    if tuned is not None and all(o is None for o in overrides):
-        bn, bk, warps, split_k, partials = tuned
-    tuned_pieces = FP8_PIECES_TILES.get((rows_w, K)) if pieces is not None else None
-    if tuned_pieces is not None and all(o is None for o in overrides):  # row pieces only:
-        bn, bk, split_k, stages = tuned_pieces  # block pieces' step is their scale block
-    table_bk = bk
     bn, bk = block_n or bn, block_k or bk
     if activation is not None and bn < 2:
         raise ValueError(f"block_n={bn}: a gated program takes block_n / 2 gate rows and as "
@@ -1221,10 +980,6 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
     if num_stages is None and block_k is None:  # pieces: two 1-byte tiles of x a step
         stages, bk = _fit_shared_memory(block_m, bn, bk, stages, weight.element_size(),
                                         2 if pieces is not None else x.element_size())
-    elif num_stages is None and block_m > 1 and bk < table_bk:
-        stages = _deeper_stages(block_m, bn, bk, stages * (table_bk // bk),
-                                weight.element_size(),
-                                2 if pieces is not None else x.element_size())
     if block_m > 1 and bn < 16:
         raise ValueError(f"block_n={bn}: the MMA path (more than one row) needs block_n >= 16")
     dot_dtype = x.dtype if fp8 else weight.dtype  # fp8: the MMA runs in x's dtype
@@ -1236,8 +991,8 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
     rstd_last = norm and M == 1 and rstd_last_for(fp8, activation is not None, N)
     if rstd_last and splits > 1:  # every program needs its row's squares over all of K
         if split_k is not None:
-            raise ValueError(f"split_k={split_k}: one row's norm (NORM_RSTD_LAST) needs the "
-                             "whole of K in each program")
+            raise ValueError(f"split_k={split_k}: one row's norm with rstd after the sum "
+                             "(rstd_last_for) needs the whole of K in each program")
         splits = 1
     if splits > 1 and K % (splits * bk):
         if split_k is not None:
@@ -1249,63 +1004,37 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
         parts = torch.empty((programs, splits, block_m * bn), dtype=torch.float32,
                             device=x.device)
         counts = split_counters(x.device, programs)
-    # PDL at one row; at several rows with FUSER_PDL_ROWS=1 (measured slower in the thirteenth
-    # session, when its prefetched tile was also summed wrongly: fuser/ops/pdl.py).
-    pdl = pdl_launch(x.device, one_row=block_m == 1, gemv=True)
+    # PDL at one row only: several-row launches measured slower with it (fuser/ops/pdl.py).
+    pdl = pdl_launch(x.device, one_row=block_m == 1)
     swap = block_m > 1 and _default_swap(M, rows_w, K, fp8)
-    if FP8_ROWS_MMA not in FP8_ROWS_CHOICES:
-        raise ValueError(f"linear.FP8_ROWS_MMA={FP8_ROWS_MMA!r} is not one of {FP8_ROWS_CHOICES}")
-    # bf16 x's mode; x given as pieces (e4m3) has none: the kernel multiplies them (X2_PIECES)
-    fp8_rows = FP8_ROWS_MMA if swap and fp8 and x.dtype == torch.bfloat16 else None
-    if fp8_rows is not None and stats is not None:  # a norm_stats consumer (x = g * h)
-        if STATS_FP8_MMA not in STATS_FP8_CHOICES:
-            raise ValueError(f"linear.STATS_FP8_MMA={STATS_FP8_MMA!r} is not one of "
-                             f"{STATS_FP8_CHOICES}")
-        fp8_rows = "f16" if STATS_FP8_MMA == "block" else STATS_FP8_MMA  # (block: its own op)
     if pieces is not None and not (swap and fp8 and not norm):
         raise ValueError("x as e4m3 pieces takes FP8 weights at 2 to 16 rows, no norm")
     lo, inv = pieces if pieces is not None else (x2, out)
-    if pieces is not None and pieces[1].dim() == 2 and pieces[1].shape != (M, triton.cdiv(K, bk)):
-        raise ValueError(f"block-scaled pieces need one scale per row and K step ({bk} columns): "
-                         f"[{M}, {triton.cdiv(K, bk)}], got {tuple(pieces[1].shape)}")
-    tile_cols = bn // 2 if activation is not None else bn
-    if pieces_out is not None and ((epilogue is None) == (activation is None) or not swap or
-                                   out.dtype != torch.bfloat16 or
-                                   pieces_out[2].shape != (M, triton.cdiv(N, tile_cols))):
-        raise ValueError(f"pieces out take the residual epilogue or the gated output of 2 to "
-                         f"{MAX_ROWS} bf16 rows on the swapped MMA, a scale per row and tile "
-                         f"({tile_cols} columns): [{M}, {triton.cdiv(N, tile_cols)}], got "
-                         f"{tuple(pieces_out[2].shape)}")
-    if pieces_out is not None:
-        gx = pieces_out[0]
     _linear_kernel[(programs, splits)](
         x2, weight, weight_scale if fp8 else out, out, parts, counts,
         r2, norm_weight.contiguous() if norm else g_epi, summed if summed is not None else x2,
-        lo, inv, squares, gx, *(pieces_out[1:] if pieces_out is not None else (out, out)),
+        lo, inv, squares, gx,
         M, N, K, x2.stride(0), weight.stride(0), out.stride(0), r2.stride(0),
         eps,
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
-        NORM_K=min(ONE_ROW_NORM_K, triton.next_power_of_2(K)) if ONE_ROW_NORM_K and fp8 else bk,
+        NORM_K=min(ONE_ROW_NORM_K, triton.next_power_of_2(K)) if fp8 else bk,
         FP32_DOTS=fp32_dots, HAS_SCALE=fp8,
         ACTIVATION=activation or "", NORM=norm, HAS_RESIDUAL=residual is not None,
-        SPLIT_K=splits, PDL=bool(pdl) or PDL_VARIANT,
-        LATE_LAUNCH=bool(pdl) and late_launch_enabled(),
+        SPLIT_K=splits, PDL=bool(pdl),
         PREFETCH=PDL_PREFETCH if prefetch is None else prefetch,
-        SWAP=swap, F16_MMA=fp8_rows in ("f16", "norm pieces", "pieces"), X2_MMA=fp8_rows == "x2",
+        # several bf16 rows against FP8 weights (swapped): the fp16 MMA (_f16_step)
+        SWAP=swap, F16_MMA=swap and fp8 and x.dtype == torch.bfloat16,
         X2_PIECES=pieces is not None, RSTD_LAST=rstd_last,
-        BLOCK_SCALES=pieces is not None and pieces[1].dim() == 2,
-        ROW_VEC=min(16 // weight.element_size(), bk) if block_m == 1 and partials else 0,
+        ROW_VEC=min(16 // weight.element_size(), bk) if block_m == 1 else 0,
         EVEN_K=block_m > 1 and K % (splits * bk) == 0,
         EPI_RESIDUAL=epilogue is not None,
         MUL_RN=epilogue is not None and fp8 and out.dtype == torch.float32 and
         x.device.type == "cuda",
-        PIECES_OUT=pieces_out is not None, EMULATE_CAST=x.device.type != "cuda",
         STATS_BLOCK=triton.next_power_of_2(triton.cdiv(K, STAT_COLS)) if stats is not None else 0,
         STAT_COLS=STAT_COLS,
         NORM_AFTER=norm and norm_after_for(M, residual is not None, fp8, rstd_last),
         num_warps=num_warps or warps, num_stages=num_stages or stages,
-        **pdl, **({"maxnreg": FP8_ROWS_MAXNREG} if fp8 and block_m > 1 and FP8_ROWS_MAXNREG
-                  else {}),
+        **pdl,
     )
     return out.reshape(*lead, N), _lead(summed, lead, K)
 
@@ -1381,20 +1110,18 @@ def _fp8_linear_cuda(x: Tensor, w_fp8: Tensor, w_scale: Tensor) -> Tensor:
     return linear_triton(x, w_fp8, weight_scale=w_scale)
 
 
-# FP8_ROWS_MMA "pieces": fuser::fp8_linear splits rows longer than this (down_proj's 14336 at
-# the 8B shape) into pieces before its GEMV. On the H200 (benchmarks/fp8_rows_lab.py, 5 rows,
-# sixteenth session) the split kernel and the pieces GEMV took down_proj 23.96 us against 25.42
-# on the fp16 path, o_proj (K = 4096) 11.51 against 11.45: the split kernel's ~2 us launch eats
-# a short row's gain.
+# fuser::fp8_linear splits several bf16 rows longer than this (down_proj's 14336 at the 8B
+# shape) into e4m3 pieces before its GEMV. On an H200 at 5 rows the split kernel and the pieces
+# GEMV took down_proj 23.96 us against 25.42 on the fp16 MMA, o_proj (K = 4096) 11.51 against
+# 11.45: the split kernel's ~2 us launch eats a short row's gain.
 SPLIT_PIECES_MIN_K = 8192
 
 
 def _split_pieces_take(x: Tensor) -> bool:
-    """Whether fuser::fp8_linear splits its rows into e4m3 pieces before the GEMV
-    (FP8_ROWS_MMA "pieces"): 2..16 bf16 rows of more than SPLIT_PIECES_MIN_K values."""
+    """Whether fuser::fp8_linear splits its rows into e4m3 pieces before the GEMV: 2..16
+    bf16 rows of more than SPLIT_PIECES_MIN_K values."""
     rows = _row_count(x)
-    return (FP8_ROWS_MMA == "pieces" and x.dtype == torch.bfloat16 and 1 < rows <= MAX_ROWS
-            and x.shape[-1] > SPLIT_PIECES_MIN_K)
+    return x.dtype == torch.bfloat16 and 1 < rows <= MAX_ROWS and x.shape[-1] > SPLIT_PIECES_MIN_K
 
 
 fp8_linear.register_kernel("cuda")(_fp8_linear_cuda)
@@ -1544,11 +1271,11 @@ def _rms_norm_linear_fake(x: Tensor, norm_weight: Tensor, eps: float, weight: Te
 
 def _norm_pieces_take(x: Tensor, residual: Tensor | None, norm_weight: Tensor,
                       weight_scale: Tensor | None) -> bool:
-    """Whether the several-row norm hands the FP8 GEMV its rows as e4m3 pieces
-    (FP8_ROWS_MMA "norm pieces" or "pieces"): 2..16 bf16 rows, FP8 weights."""
+    """Whether the several-row norm hands the FP8 GEMV its rows as e4m3 pieces: 2..16 bf16
+    rows, FP8 weights."""
     rows = _row_count(x)
-    return (FP8_ROWS_MMA in ("norm pieces", "pieces") and weight_scale is not None
-            and 1 < rows <= MAX_ROWS and pieces_supported(x, norm_weight, residual))
+    return (weight_scale is not None and 1 < rows <= MAX_ROWS
+            and pieces_supported(x, norm_weight, residual))
 
 
 def _norm_pieces_linear(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float,

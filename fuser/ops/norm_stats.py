@@ -18,23 +18,17 @@ linear.NORM_PROLOGUE_MAX_ROWS). Here the norm's work moves into the two GEMVs ar
                                                         row's rstd = rsqrt(sum / K + eps)
 
 one kernel per norm fewer (passes/norm_stats.py), and the second GEMV's K loop is a plain GEMV's:
-x's tiles go to the MMA as loaded. (A first version normalised each x tile in the K loop, as the
-norm prologue does: on the H200 the 8B verify step got slower, not faster, and the FP8 one 2.8x
-the decode step: benchmarks/RESULTS.md, eighteenth session.)
-
-FP8 on both sides (linear.STATS_FP8_MMA = "block", passes/norm_stats.py): gh travels as e4m3
-pieces with a power of two per row and producer tile (fuser::linear_residual_pieces ->
-fuser::stats_pieces_rms_norm_linear), which the consumer multiplies on the FP8 MMA; gate/up
-hands its output to down_proj the same way, and attention's combine its output to o_proj (one
-head a scale). At several rows a layer then runs decode's kernels only. Measured on the H200
-(RESULTS.md, twenty-fourth session): the 8B FP8 verify step 1.417x the decode step against 1.293x
-on the norm kernel's pieces; the pieces kernels go, but the GEMVs grow, down_proj most (its
-64-column K steps: 32.3 against 18.8 us). Off by default.
+x's tiles go to the MMA as loaded. (Normalising each x tile in the K loop instead, as the norm
+prologue does, made the 8B verify step slower on an H200, and the FP8 one 2.8x the decode step.)
+The GEMVs after the norm take plain weights: an FP8 GEMV there keeps fuser::add_rms_norm_linear,
+whose norm kernel hands it x as e4m3 pieces for the FP8 MMA (measured faster than every form of
+FP8 consumer tried here: docs/performance-notes.md). The GEMV before it may be FP8 (the 8B
+down_proj before the final norm and a bf16 LM head).
 
 Numerics: summed is what add_rms_norm writes (the linear's output rounded to its dtype, plus r,
 rounded once). The norm's output feeding the GEMV is g * h * rstd with one rounding (g * h, to
-the dtype) where fuser::rms_norm rounds twice ((h * rstd) to the dtype, then times g): like
-linear.NORM_RSTD_LAST at one row, closer to the exact norm than the unfused kernels (tested).
+the dtype) where fuser::rms_norm rounds twice ((h * rstd) to the dtype, then times g): closer
+to the exact norm than the unfused kernels (tested).
 rstd comes from the group sums added in one fixed order (deterministic).
 
 On CPU both ops run their references: linear then add, and the norm from summed itself (gh and
@@ -52,7 +46,7 @@ import torch
 import triton
 from torch import Tensor
 
-from fuser.ops.e4m3_pieces import split_pieces_blocks_reference, split_pieces_triton
+from fuser.ops.e4m3_pieces import split_pieces_triton
 from fuser.ops.fp8 import FP8_DTYPE
 from fuser.ops.linear import (
     GEMV_DTYPES,
@@ -116,18 +110,6 @@ def linear_residual_triton(x: Tensor, weight: Tensor, residual: Tensor, norm_wei
     launch; the keyword arguments override the tuned blocks (tests). pieces: x's e4m3 pieces
     (hi, lo, inv_scale: split_pieces_triton of x) for FP8 weights, multiplied on the FP8 MMA
     as fuser::fp8_linear multiplies down_proj's (X2_PIECES) instead of x on the fp16 path."""
-    summed, gh, squares = _residual_launch(
-        x, weight, residual, norm_weight, weight_scale, pieces, None,
-        (block_n, block_k, num_warps, num_stages, split_k, None))
-    return summed, gh.reshape(residual.shape), squares
-
-
-def _residual_launch(x: Tensor, weight: Tensor, residual: Tensor, norm_weight: Tensor,
-                     weight_scale: Tensor | None, pieces: tuple[Tensor, Tensor, Tensor] | None,
-                     pieces_block: int | None, overrides: tuple):
-    """The residual epilogue's launch for linear_residual_triton (g * summed as gh [M, N] in x's
-    dtype) and linear_residual_pieces_triton (pieces_block: as (hi, lo, inv) block pieces):
-    (summed shaped as residual, gh or the pieces, squares)."""
     K = x.shape[-1]
     M = x.numel() // max(K, 1)
     N = weight.shape[0]
@@ -141,47 +123,13 @@ def _residual_launch(x: Tensor, weight: Tensor, residual: Tensor, norm_weight: T
     if r2.stride(-1) != 1:
         r2 = r2.contiguous()
     squares = torch.empty((M, triton.cdiv(N, STAT_COLS)), dtype=torch.float32, device=x.device)
-    if pieces_block is None:
-        written = torch.empty((M, N), dtype=x.dtype, device=x.device)
-        gx, pieces_out = written, None
-    else:
-        hi = torch.empty((M, N), dtype=FP8_DTYPE, device=x.device)
-        pieces_out = written = (hi, torch.empty_like(hi), torch.empty(
-            (M, triton.cdiv(N, pieces_block)), dtype=torch.float32, device=x.device))
-        gx = hi
+    gh = torch.empty((M, N), dtype=x.dtype, device=x.device)
     source, split = (x, None) if pieces is None else (pieces[0], (pieces[1], pieces[2]))
-    summed, _ = _launch(source, None, None, 0.0, weight, weight_scale, None, overrides,
+    summed, _ = _launch(source, None, None, 0.0, weight, weight_scale, None,
+                        (block_n, block_k, num_warps, num_stages, split_k, None),
                         pieces=split, out_dtype=x.dtype,
-                        epilogue=(r2, norm_weight.contiguous(), gx, squares),
-                        pieces_out=pieces_out)
-    return summed.reshape(residual.shape), written, squares
-
-
-def linear_residual_pieces_triton(x: Tensor, weight: Tensor, residual: Tensor,
-                                  norm_weight: Tensor, block: int, *, weight_scale: Tensor,
-                                  pieces: tuple[Tensor, Tensor, Tensor] | None = None,
-                                  block_k: int | None = None, split_k: int | None = None,
-                                  ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor], Tensor]:
-    """linear_residual_triton with g * summed written as block-scaled e4m3 pieces instead of
-    bf16: (summed, (hi, lo, inv), squares), hi and lo [M, N] e4m3fn, inv [M, cdiv(N, block)]
-    fp32 (split_pieces_blocks_reference(g * summed, block), bit for bit). The GEMV's program
-    makes block = its block_n columns, so it knows each block's max. For an FP8 GEMV after the
-    norm (normed_pieces_linear_triton): no norm kernel, no split kernel between them."""
-    return _residual_launch(x, weight, residual, norm_weight, weight_scale, pieces, block,
-                            (block, block_k, None, None, split_k, None))
-
-
-def normed_pieces_linear_triton(hi: Tensor, lo: Tensor, inv: Tensor, squares: Tensor, eps: float,
-                                weight: Tensor, weight_scale: Tensor, block: int, *,
-                                activation: str | None = None, out_dtype: torch.dtype =
-                                torch.bfloat16, split_k: int | None = None) -> Tensor:
-    """normed_linear_triton over g * h given as block-scaled pieces (linear_residual_pieces_
-    triton's): the FP8 MMA over the pieces, each K step (= block columns) scaled by its power
-    of two, the row's rstd (from h's sums of squares) and the weight's scale after the sum."""
-    out, _ = _launch(hi, None, None, eps, weight, weight_scale, activation,
-                     (None, block, None, None, split_k, None), pieces=(lo, inv),
-                     out_dtype=out_dtype, stats=squares)
-    return out
+                        epilogue=(r2, norm_weight.contiguous(), gh, squares))
+    return summed.reshape(residual.shape), gh.reshape(residual.shape), squares
 
 
 def normed_linear_triton(gh: Tensor, squares: Tensor, eps: float, weight: Tensor, *,
@@ -305,212 +253,3 @@ def stats_rms_norm_linear_reference(summed: Tensor, gh: Tensor, squares: Tensor,
     """fuser::rms_norm_linear's reference on summed (gh and squares unread: the same bits as
     the norm op, then the linear)."""
     return rms_norm_linear_reference(summed, norm_weight, eps, weight, weight_scale, activation)
-
-
-# ---------------------------------------------------------------------------------------------
-# The FP8 consumers' form (linear.STATS_FP8_MMA = "block"): g * summed travels as block-scaled
-# e4m3 pieces from the producer's epilogue to the consumer's FP8 MMA.
-# ---------------------------------------------------------------------------------------------
-
-
-@torch.library.custom_op("fuser::linear_residual_pieces", mutates_args=())
-def linear_residual_pieces(x: Tensor, weight: Tensor, weight_scale: Tensor, residual: Tensor,
-                           norm_weight: Tensor, block: int
-                           ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(summed, hi, lo, inv, squares): fuser::linear_residual's summed and squares, with
-    gh = norm_weight * summed given as split_pieces_blocks_reference(gh [rows, N], block)."""
-    return linear_residual_pieces_reference(x, weight, weight_scale, residual, norm_weight, block)
-
-
-def linear_residual_pieces_reference(x: Tensor, weight: Tensor, weight_scale: Tensor,
-                                     residual: Tensor, norm_weight: Tensor, block: int
-                                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    summed, gh, squares = linear_residual_reference(x, weight, weight_scale, residual,
-                                                    norm_weight)
-    hi, lo, inv = split_pieces_blocks_reference(gh.reshape(-1, gh.shape[-1]), block)
-    return summed, hi, lo, inv, squares
-
-
-@linear_residual_pieces.register_fake
-def _linear_residual_pieces_fake(x: Tensor, weight: Tensor, weight_scale: Tensor,
-                                 residual: Tensor, norm_weight: Tensor, block: int
-                                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    N = residual.shape[-1]
-    rows = residual.numel() // max(N, 1)
-    pieces = torch.empty((rows, N), dtype=FP8_DTYPE, device=residual.device)
-    return (torch.empty_like(residual), pieces, torch.empty_like(pieces),
-            torch.empty((rows, triton.cdiv(N, block)), dtype=torch.float32,
-                        device=residual.device),
-            torch.empty((rows, triton.cdiv(N, STAT_COLS)), dtype=torch.float32,
-                        device=residual.device))
-
-
-def _linear_residual_pieces_cuda(x: Tensor, weight: Tensor, weight_scale: Tensor,
-                                 residual: Tensor, norm_weight: Tensor, block: int
-                                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    if _producer_takes(x, weight, weight_scale, residual, norm_weight) and \
-            weight_scale is not None and x.dtype == torch.bfloat16:
-        pieces = split_pieces_triton(x) if _split_pieces_take(x) else None
-        summed, (hi, lo, inv), squares = linear_residual_pieces_triton(
-            x, weight, residual, norm_weight, block, weight_scale=weight_scale, pieces=pieces)
-        return summed, hi, lo, inv, squares
-    summed, gh, squares = torch.ops.fuser.linear_residual(x, weight, weight_scale, residual,
-                                                          norm_weight)
-    hi, lo, inv = split_pieces_blocks_reference(gh.reshape(-1, gh.shape[-1]), block)
-    return summed, hi, lo, inv, squares
-
-
-linear_residual_pieces.register_kernel("cuda")(_linear_residual_pieces_cuda)
-
-
-@torch.library.custom_op("fuser::stats_pieces_rms_norm_linear", mutates_args=())
-def stats_pieces_rms_norm_linear(summed: Tensor, hi: Tensor, lo: Tensor, inv: Tensor,
-                                 squares: Tensor, norm_weight: Tensor, eps: float, weight: Tensor,
-                                 weight_scale: Tensor, activation: str | None, block: int
-                                 ) -> Tensor:
-    """fuser::stats_rms_norm_linear with gh given as fuser::linear_residual_pieces' pieces: the
-    normed output of the add_rms_norm_linear it replaces (on CPU: rms_norm_linear's reference on
-    summed, as the stats op); the CUDA kernel computes it from the pieces at 2..16 rows."""
-    return rms_norm_linear_reference(summed, norm_weight, eps, weight, weight_scale, activation)
-
-
-@stats_pieces_rms_norm_linear.register_fake
-def _stats_pieces_fake(summed: Tensor, hi: Tensor, lo: Tensor, inv: Tensor, squares: Tensor,
-                       norm_weight: Tensor, eps: float, weight: Tensor, weight_scale: Tensor,
-                       activation: str | None, block: int) -> Tensor:
-    return _norm_linear_fake_out(torch.promote_types(norm_weight.dtype, summed.dtype), summed,
-                                 weight, activation)
-
-
-def _pieces_consumer_takes(summed: Tensor, hi: Tensor, lo: Tensor, inv: Tensor, squares: Tensor,
-                           norm_weight: Tensor, weight: Tensor, weight_scale: Tensor | None,
-                           block: int) -> bool:
-    """Whether the pieces consumer's kernel computes this: 2..MAX_ROWS bf16 rows, FP8 weights,
-    pieces and squares of summed's shape."""
-    rows = _row_count(summed)
-    K = summed.shape[-1]
-    return (1 < rows <= MAX_ROWS and weight_scale is not None and weight.dtype == FP8_DTYPE and
-            hi.shape == lo.shape == (rows, K) and inv.shape == (rows, triton.cdiv(K, block))
-            and squares.shape == (rows, triton.cdiv(K, STAT_COLS)) and
-            summed.dtype == norm_weight.dtype == torch.bfloat16)
-
-
-def _stats_pieces_cuda(summed: Tensor, hi: Tensor, lo: Tensor, inv: Tensor, squares: Tensor,
-                       norm_weight: Tensor, eps: float, weight: Tensor, weight_scale: Tensor,
-                       activation: str | None, block: int) -> Tensor:
-    if _pieces_consumer_takes(summed, hi, lo, inv, squares, norm_weight, weight, weight_scale,
-                              block):
-        out = normed_pieces_linear_triton(hi, lo, inv, squares, eps, weight, weight_scale, block,
-                                          activation=activation, out_dtype=summed.dtype)
-        return out.reshape(*summed.shape[:-1], out.shape[-1])
-    out, _ = torch.ops.fuser.add_rms_norm_linear(summed, torch.zeros_like(summed), norm_weight,
-                                                 eps, weight, weight_scale, activation)
-    return out
-
-
-stats_pieces_rms_norm_linear.register_kernel("cuda")(_stats_pieces_cuda)
-
-
-# The gated GEMV after the norm (gate/up) can write its output as block pieces too, for the
-# GEMV after it (down_proj, itself a residual producer): no split kernel between them.
-
-
-def normed_pieces_gated_pieces_triton(hi: Tensor, lo: Tensor, inv: Tensor, squares: Tensor,
-                                      eps: float, weight: Tensor, weight_scale: Tensor,
-                                      block: int, out_block: int, activation: str, *,
-                                      split_k: int | None = None
-                                      ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
-    """normed_pieces_linear_triton with an activation, whose output y [M, I] (bf16) also comes
-    as block-scaled pieces, out_block columns a scale (its programs' tiles: block_n =
-    2 out_block): (y, (hi, lo, inv)), the pieces split_pieces_blocks_reference(y, out_block)."""
-    M, K = hi.shape
-    I = weight.shape[0] // 2
-    out_hi = torch.empty((M, I), dtype=FP8_DTYPE, device=hi.device)
-    out_lo = torch.empty_like(out_hi)
-    out_inv = torch.empty((M, triton.cdiv(I, out_block)), dtype=torch.float32, device=hi.device)
-    y, _ = _launch(hi, None, None, eps, weight, weight_scale, activation,
-                   (2 * out_block, block, None, None, split_k, None), pieces=(lo, inv),
-                   out_dtype=torch.bfloat16, stats=squares, pieces_out=(out_hi, out_lo, out_inv))
-    return y, (out_hi, out_lo, out_inv)
-
-
-@torch.library.custom_op("fuser::stats_pieces_gated_pieces", mutates_args=())
-def stats_pieces_gated_pieces(summed: Tensor, hi: Tensor, lo: Tensor, inv: Tensor,
-                              squares: Tensor, norm_weight: Tensor, eps: float, weight: Tensor,
-                              weight_scale: Tensor, activation: str, block: int, out_block: int
-                              ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(y, y's block pieces): fuser::stats_pieces_rms_norm_linear's gated output y, and
-    split_pieces_blocks_reference(y [rows, I], out_block) for the GEMV after it."""
-    y = rms_norm_linear_reference(summed, norm_weight, eps, weight, weight_scale, activation)
-    return (y, *split_pieces_blocks_reference(y.reshape(-1, y.shape[-1]), out_block))
-
-
-@stats_pieces_gated_pieces.register_fake
-def _stats_pieces_gated_pieces_fake(summed: Tensor, hi: Tensor, lo: Tensor, inv: Tensor,
-                                    squares: Tensor, norm_weight: Tensor, eps: float,
-                                    weight: Tensor, weight_scale: Tensor, activation: str,
-                                    block: int, out_block: int
-                                    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    y = _norm_linear_fake_out(torch.promote_types(norm_weight.dtype, summed.dtype), summed,
-                              weight, activation)
-    I = y.shape[-1]
-    rows = y.numel() // max(I, 1)
-    pieces = torch.empty((rows, I), dtype=FP8_DTYPE, device=y.device)
-    return y, pieces, torch.empty_like(pieces), torch.empty(
-        (rows, triton.cdiv(I, out_block)), dtype=torch.float32, device=y.device)
-
-
-def _stats_pieces_gated_pieces_cuda(summed: Tensor, hi: Tensor, lo: Tensor, inv: Tensor,
-                                    squares: Tensor, norm_weight: Tensor, eps: float,
-                                    weight: Tensor, weight_scale: Tensor, activation: str,
-                                    block: int, out_block: int
-                                    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    if _pieces_consumer_takes(summed, hi, lo, inv, squares, norm_weight, weight, weight_scale,
-                              block):
-        y, pieces = normed_pieces_gated_pieces_triton(hi, lo, inv, squares, eps, weight,
-                                                      weight_scale, block, out_block, activation)
-        return (y.reshape(*summed.shape[:-1], y.shape[-1]), *pieces)
-    y = torch.ops.fuser.stats_pieces_rms_norm_linear(summed, hi, lo, inv, squares, norm_weight,
-                                                     eps, weight, weight_scale, activation, block)
-    return (y, *split_pieces_blocks_reference(y.reshape(-1, y.shape[-1]), out_block))
-
-
-stats_pieces_gated_pieces.register_kernel("cuda")(_stats_pieces_gated_pieces_cuda)
-
-
-@torch.library.custom_op("fuser::pieces_linear_residual_pieces", mutates_args=())
-def pieces_linear_residual_pieces(x: Tensor, hi: Tensor, lo: Tensor, inv: Tensor, in_block: int,
-                                  weight: Tensor, weight_scale: Tensor, residual: Tensor,
-                                  norm_weight: Tensor, block: int
-                                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """fuser::linear_residual_pieces of x given also as its block pieces (hi, lo, inv, in_block
-    columns a scale: fuser::stats_pieces_gated_pieces'), which the CUDA kernel multiplies; on
-    CPU the reference on x (the same bits as without the pieces)."""
-    return linear_residual_pieces_reference(x, weight, weight_scale, residual, norm_weight, block)
-
-
-@pieces_linear_residual_pieces.register_fake
-def _pieces_linear_residual_pieces_fake(x: Tensor, hi: Tensor, lo: Tensor, inv: Tensor,
-                                        in_block: int, weight: Tensor, weight_scale: Tensor,
-                                        residual: Tensor, norm_weight: Tensor, block: int
-                                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return _linear_residual_pieces_fake(x, weight, weight_scale, residual, norm_weight, block)
-
-
-def _pieces_linear_residual_pieces_cuda(x: Tensor, hi: Tensor, lo: Tensor, inv: Tensor,
-                                        in_block: int, weight: Tensor, weight_scale: Tensor,
-                                        residual: Tensor, norm_weight: Tensor, block: int
-                                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    rows, K = _row_count(x), x.shape[-1]
-    if _producer_takes(x, weight, weight_scale, residual, norm_weight) and \
-            weight_scale is not None and x.dtype == torch.bfloat16 and \
-            hi.shape == lo.shape == (rows, K) and inv.shape == (rows, triton.cdiv(K, in_block)):
-        summed, (o_hi, o_lo, o_inv), squares = linear_residual_pieces_triton(
-            x, weight, residual, norm_weight, block, weight_scale=weight_scale,
-            pieces=(hi, lo, inv), block_k=in_block)
-        return summed, o_hi, o_lo, o_inv, squares
-    return torch.ops.fuser.linear_residual_pieces(x, weight, weight_scale, residual, norm_weight,
-                                                  block)
-
-
-pieces_linear_residual_pieces.register_kernel("cuda")(_pieces_linear_residual_pieces_cuda)

@@ -46,7 +46,6 @@ from torch import Tensor
 from fuser.ops.attention import (BLOCK_N, TARGET_PROGRAMS, _attend_block, _attend_cache,
                                  _combine_kernel, _store_partial, cache_attention_read_triton,
                                  cache_attention_reference, split_scratch)
-from fuser.ops.e4m3_pieces import split_pieces_blocks_reference
 from fuser.ops.pdl import pdl_launch, wait_for_inputs
 from fuser.ops.rope import (_check, _check_cache, rotary_cache_write_reference,
                             rotary_cache_write_triton)
@@ -201,18 +200,12 @@ def rotary_cache_attention_triton(
     seq_lens: Tensor, starts: Tensor, scale: float, window: int, softcap: float,
     *, num_splits: int | None = None, block_n: int = BLOCK_N,
     target_programs: int = TARGET_PROGRAMS, num_warps: int | None = None, num_stages: int = 2,
-    pieces: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> Tensor:
-    """See the module docstring. Keyword-only arguments: attention's tuning overrides; pieces:
-    (hi, lo [B, T, H, D] e4m3fn, inv [B * T, H] fp32) the combine also writes the output to as
-    block pieces, one head (D columns) a scale (rotary_cache_attention_pieces_triton)."""
+    """See the module docstring. Keyword-only arguments: attention's tuning overrides."""
     _check(q, k, cos, sin)
     _check_cache(q, k, v, k_cache, v_cache, seq_lens)
     _check_attention(q, k, seq_lens, starts)
     if not fused_supported(q):
-        if pieces is not None:
-            raise ValueError("pieces are written by the fused launch only (T <= "
-                             f"{MAX_FUSED_TOKENS})")
         q_rot = rotary_cache_write_triton(q, k, v, cos, sin, k_cache, v_cache, seq_lens)
         return cache_attention_read_triton(q_rot, k_cache, v_cache, seq_lens, starts, scale,
                                            window, softcap)
@@ -240,13 +233,10 @@ def rotary_cache_attention_triton(
         # mul, mul, add as three roundings: the rotation stays bit-equal to the rotary kernel's.
         enable_fp_fusion=False, PDL=bool(pdl), **pdl,
     )
-    hi, lo, inv = pieces if pieces is not None else (out, out, out)
     _combine_kernel[(B * H * T,)](
         acc, ml, out, H, KV, T, D, M,
         NUM_SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), BLOCK_D=block_d,
-        num_warps=1 if block_d <= 64 else 2, PDL=bool(pdl),
-        hi_ptr=hi, lo_ptr=lo, inv_ptr=inv, PIECES=pieces is not None,
-        EMULATE_CAST=q.device.type != "cuda", **pdl,
+        num_warps=1 if block_d <= 64 else 2, PDL=bool(pdl), **pdl,
     )
     return out
 
@@ -284,70 +274,6 @@ def _rotary_cache_attention_fake(
 
 
 rotary_cache_attention.register_kernel("cuda")(rotary_cache_attention_triton)
-
-
-# fuser::rotary_cache_attention_pieces: the same, with the output also as block-scaled e4m3
-# pieces, one head (D columns) a scale, for an FP8 o_proj at several rows (passes/norm_stats.py
-# with linear.STATS_FP8_MMA = "block"): the combine kernel writes them, no split kernel.
-
-
-def _pieces_outputs(out: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    B, T, H, D = out.shape
-    return split_pieces_blocks_reference(out.reshape(B * T, H * D), D)
-
-
-@torch.library.custom_op("fuser::rotary_cache_attention_pieces",
-                         mutates_args=("k_cache", "v_cache"))
-def rotary_cache_attention_pieces(
-    q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
-    seq_lens: Tensor, starts: Tensor, scale: float, window: int, softcap: float,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(out, hi, lo, inv): fuser::rotary_cache_attention's out [B, T, H, D], and
-    split_pieces_blocks_reference(out as [B * T, H * D], D): hi, lo [B * T, H * D] e4m3fn, inv
-    [B * T, H] fp32."""
-    out = rotary_cache_attention_reference(q, k, v, cos, sin, k_cache, v_cache, seq_lens, starts,
-                                           scale, window, softcap)
-    return (out, *_pieces_outputs(out))
-
-
-@rotary_cache_attention_pieces.register_fake
-def _rotary_cache_attention_pieces_fake(
-    q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
-    seq_lens: Tensor, starts: Tensor, scale: float, window: int, softcap: float,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    out = _rotary_cache_attention_fake(q, k, v, cos, sin, k_cache, v_cache, seq_lens, starts,
-                                       scale, window, softcap)
-    B, T, H, D = out.shape
-    pieces = torch.empty((B * T, H * D), dtype=torch.float8_e4m3fn, device=q.device)
-    return out, pieces, torch.empty_like(pieces), torch.empty((B * T, H), dtype=torch.float32,
-                                                              device=q.device)
-
-
-def pieces_attention_supported(q: Tensor) -> bool:
-    """Whether the combine kernel writes the pieces: bf16, the fused launch (T small), a head
-    of D = 2^n >= 32 columns (the FP8 MMA's K step over one head's block)."""
-    D = q.shape[-1]
-    return q.dtype == torch.bfloat16 and fused_supported(q) and D >= 32 and not D & (D - 1)
-
-
-def _rotary_cache_attention_pieces_cuda(
-    q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
-    seq_lens: Tensor, starts: Tensor, scale: float, window: int, softcap: float,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    if not pieces_attention_supported(q):
-        out = rotary_cache_attention_triton(q, k, v, cos, sin, k_cache, v_cache, seq_lens,
-                                            starts, scale, window, softcap)
-        return (out, *_pieces_outputs(out))
-    B, H, T, D = q.shape
-    hi = torch.empty((B * T, H * D), dtype=torch.float8_e4m3fn, device=q.device)
-    lo = torch.empty_like(hi)
-    inv = torch.empty((B * T, H), dtype=torch.float32, device=q.device)
-    out = rotary_cache_attention_triton(q, k, v, cos, sin, k_cache, v_cache, seq_lens, starts,
-                                        scale, window, softcap, pieces=(hi, lo, inv))
-    return out, hi, lo, inv
-
-
-rotary_cache_attention_pieces.register_kernel("cuda")(_rotary_cache_attention_pieces_cuda)
 
 
 def rotary_cache_attention_split(
