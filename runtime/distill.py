@@ -1,0 +1,767 @@
+"""Online distillation of the draft on served traffic (Liu et al., "Online Speculative Decoding").
+
+Three pieces, used in this order by whatever serves requests (runtime/scheduler.py):
+
+1. `Distiller.add`: a finished request's tokens go into a bounded buffer, with the target's
+   choice at every generated position as its label. Under greedy decoding the emitted tokens are
+   the target's argmax after a verified prefix, so they are exact labels that cost nothing to
+   collect; with sampling they are draws from the target's distribution q (cross-entropy on
+   draws is an unbiased estimate of the forward KL's gradient). Where a step can read back the
+   target's top-k probabilities (`topk_targets` on a verification step's logits), a record
+   carries them instead: soft labels, more information per token.
+2. `Distiller.update(time_budget_s)`: fine-tunes a trainable fp32 copy of the draft (full
+   fine-tuning) on the buffer with the forward KL against the target's distribution,
+       loss = sum_x q(x) (log q(x) - log p(x))     over the top-k of q (renormalised), or
+            = -log p(y)                            for a hard label y (q = e_y),
+   within a time budget, then evaluates the candidate on a held-out slice of the most recent
+   records (never trained on in that update) and accepts it only if its agreement with the
+   target (greedy top-1 agreement: the acceptance rate of greedy speculation per position)
+   is strictly higher than the current draft's. A rejected candidate is dropped and the
+   accepted weights stay bit for bit.
+3. `Distiller.swap_into(swap)`: the accepted weights go into the tensors the engine's compiled
+   draft graphs read, in place (`WeightSwap`): the captured graphs stay valid because they are
+   the same tensors. The new values are staged first, outside the lock (casts, merged
+   projections concatenated, FP8 weights re-quantized), then copied under `WeightSwap.lock`,
+   which a step holds while it runs (CPU) or is issued (CUDA: the copies then queue on the same
+   stream as the steps, so the device runs them between two steps). A step therefore sees all
+   old or all new weights, never a mix.
+
+Which tensors the draft's graphs read (`draft_weight_targets`). The engine's copy of the draft
+(fuser/capture.py `engine_view`) shares the user's parameters when dtype and device match, and
+export keeps them by object, so most get_attr tensors of a draft graph are the module's
+parameters themselves. passes/projections.py concatenates q/k/v and gate/up into new tensors
+and makes the parameters views into them, so writing the parameters writes the merged weights
+too. passes/fp8.py's codes and scales are new tensors computed from a weight: they are
+recomputed (`fuser.ops.fp8.quantize_weight`, as at build time) and written as well. Every other
+get_attr tensor must be the KV cache or a module buffer (rotary frequencies), else
+`draft_weight_targets` raises: a swap never leaves a tensor stale silently.
+
+Full fine-tuning rather than low-rank adapters merged at swap time: a merged adapter changes
+every element of the matrices it touches, so the swap costs the same either way (every merged
+and quantized tensor is rewritten); the draft is the small model of the pair, so an fp32 copy
+with Adam's moments (16 bytes a parameter: 8 GB for a 0.5B draft) fits beside it on the GPU;
+and no adapter has to be threaded through the captured graphs. The held-out check guards
+against the extra capacity overfitting a small buffer.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from fuser.capture import ATTENTION
+from fuser.ops.fp8 import quantize_weight
+from fuser.passes.fp8 import CODES_PREFIX, SCALE_PREFIX
+from fuser.passes.projections import MERGED_PREFIX
+
+__all__ = ["DistillConfig", "Distiller", "Evaluation", "Record", "UpdateResult", "WeightSwap",
+           "WeightTarget", "draft_weight_targets", "topk_targets"]
+
+
+# -- the tensors the compiled draft reads -------------------------------------------------------
+
+
+StateDict = Mapping[str, torch.Tensor]
+
+
+@dataclass
+class WeightTarget:
+    """Live tensors that compiled graphs read, and how to compute them from a draft state dict.
+
+    live: the tensors written in place (one parameter, or an FP8 weight's codes and scale).
+    compute: state dict (the draft module's parameter names) -> their new values, in order.
+    """
+
+    name: str
+    live: tuple[torch.Tensor, ...]
+    compute: Callable[[StateDict], tuple[torch.Tensor, ...]]
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) element offsets of `t` in its storage."""
+    if t.numel() == 0:
+        return t.storage_offset(), t.storage_offset()
+    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return t.storage_offset(), last + 1
+
+
+def _attr(root: nn.Module, target: str) -> torch.Tensor:
+    value = root
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+class _Parameters:
+    """The live module's parameters, indexed by storage, and recipes for tensors made of them."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.named = dict(module.named_parameters())  # (tied parameters once)
+        self.by_storage: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        for name, p in self.named.items():
+            self.by_storage.setdefault(_storage(p), []).append((name, p))
+        self.buffers = {_storage(b) for b in module.buffers()}
+        self.buffer_names = {name for name, _ in module.named_buffers()}
+        self.merged = _merged_names(self.named)
+        # A graph's attribute name -> the module's parameter name, plain and flattened
+        # (passes/fp8.py names a quantized weight by its attribute with "." -> "__").
+        self.by_attr = {GRAPH_PREFIX + n: n for n in self.named}
+        self.by_flat = {(GRAPH_PREFIX + n).replace(".", "__"): n for n in self.named}
+
+    def by_name(self, attr: str) -> Callable[[StateDict], torch.Tensor] | str | None:
+        """A graph tensor's value by its attribute name: a parameter, a merged projection
+        (named as passes/projections.py names them), "constant" for a module buffer, None
+        when the name says nothing. What resolves a loaded engine's tensors, which share no
+        memory with any module."""
+        name = self.by_attr.get(attr) or self.by_flat.get(attr)
+        if name is not None:
+            return lambda sd: sd[name]
+        if attr.removeprefix(GRAPH_PREFIX) in self.buffer_names:
+            return "constant"
+        names = self.merged.get(attr)
+        if names is not None:
+            return lambda sd: torch.cat([sd[n] for n in names], dim=0)
+        return None
+
+    def members(self, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """Parameters inside t's storage span, by offset."""
+        first, end = _span(t)
+        inside = [(n, p) for n, p in self.by_storage.get(_storage(t), [])
+                  if first <= _span(p)[0] and _span(p)[1] <= end]
+        return sorted(inside, key=lambda item: item[1].storage_offset())
+
+    def covered(self, t: torch.Tensor) -> bool:
+        """Whether every element of t lies in some parameter (writing those writes t)."""
+        first, end = _span(t)
+        spans = sorted(_span(p) for _, p in self.by_storage.get(_storage(t), []))
+        for a, b in spans:
+            if a <= first < b:
+                first = b
+            if first >= end:
+                return True
+        return first >= end
+
+    def recipe(self, t: torch.Tensor) -> Callable[[StateDict], torch.Tensor] | None:
+        """t's value from a state dict: a parameter itself, or parameters concatenated along
+        rows (a merged projection); None when t is neither."""
+        members = self.members(t)
+        if len(members) == 1:
+            name, p = members[0]
+            if p.shape == t.shape and p.stride() == t.stride() \
+                    and p.storage_offset() == t.storage_offset():
+                return lambda sd: sd[name]
+        if not members or not t.is_contiguous():
+            return None
+        offset = t.storage_offset()
+        for _, p in members:  # consecutive row blocks that tile t exactly
+            if not p.is_contiguous() or p.storage_offset() != offset or p.shape[1:] != t.shape[1:]:
+                return None
+            offset += p.numel()
+        if offset != t.storage_offset() + t.numel():
+            return None
+        names = [n for n, _ in members]
+        return lambda sd: torch.cat([sd[n] for n in names], dim=0)
+
+
+# The step module (fuser/capture.py StepModule) holds the model as `.model`: a graph's
+# attribute for the module's parameter "model.norm.weight" is "model.model.norm.weight".
+GRAPH_PREFIX = "model."
+
+
+def _merged_names(named: Mapping[str, torch.Tensor]) -> dict[str, list[str]]:
+    """Every name passes/projections.py would give a merged projection of this module's
+    parameters -> the parameters, in row order: each run of two or more sibling linears'
+    weights (or biases), the children of one module in their order (q, k, v; gate, up)."""
+    groups: dict[tuple[str, str], list[tuple[str, str]]] = {}
+    for name in named:
+        parent, _, rest = name.rpartition(".")  # "...self_attn.q_proj", "weight"
+        grand, _, child = parent.rpartition(".")
+        if grand:
+            groups.setdefault((grand, rest), []).append((child, name))
+    merged = {}
+    for (grand, leaf), children in groups.items():
+        for i in range(len(children)):
+            for j in range(i + 2, len(children) + 1):
+                run = children[i:j]
+                # projections._register: MERGED_PREFIX, the attributes' common path with "."
+                # as "_", "__", the leaves' own paths joined by "_", "__", the last part.
+                head = (GRAPH_PREFIX + grand).replace(".", "_")
+                leaves = "_".join(child for child, _ in run)
+                merged[f"{MERGED_PREFIX}{head}__{leaves}__{leaf}"] = [n for _, n in run]
+    return merged
+
+
+def _draft_steps(source: object) -> list[object]:
+    """The draft ModelSteps of an Engine (every batch bucket's), or the given ones."""
+    if hasattr(source, "buckets"):
+        found = [b.draft for b in source.buckets.values() if b.draft is not None]
+        if getattr(source, "draft", None) is not None:
+            found.append(source.draft)
+    elif hasattr(source, "steps") and hasattr(source, "cache"):
+        found = [source]
+    else:
+        found = list(source)
+    unique = {id(s): s for s in found}
+    if not unique:
+        raise ValueError("no draft steps: the engine has no compiled draft to adapt")
+    return list(unique.values())
+
+
+def draft_module(source: object) -> nn.Module:
+    """The engine's own copy of the draft (the module its step graphs were exported from)."""
+    for steps in _draft_steps(source):
+        for graph in steps.steps.values():
+            model = getattr(graph.eager, "model", None)
+            if isinstance(model, nn.Module):
+                return model
+    raise ValueError("the draft's steps keep no module (a loaded engine): give the module "
+                     "whose parameters the graphs were built from")
+
+
+def draft_weight_targets(source: object, module: nn.Module | None = None) -> list[WeightTarget]:
+    """Every tensor the compiled draft graphs read that depends on the draft's weights, with
+    how to compute it from a state dict of the draft (see the module docstring).
+
+    source: an Engine (every batch bucket's draft steps), one ModelSteps, or a list of them.
+    module: the module the graphs were built from (default: the engine's copy of the draft,
+    which `engine_view` gives parameters shared with the user's draft when dtype and device
+    match). Raises ValueError for a tensor that is neither the KV cache, a module buffer, a
+    (view of a) parameter, a merged projection of parameters nor an FP8 weight of one.
+    """
+    all_steps = _draft_steps(source)
+    module = module if module is not None else draft_module(all_steps)
+    params = _Parameters(module)
+    targets, shared = [], False
+    seen: set[int] = set()
+    for steps in all_steps:
+        cache = {_storage(t) for t in (*steps.cache.k, *steps.cache.v)}
+        dtype = steps.cache.k[0].dtype  # the engine's dtype: what quantized weights were in
+        for graph in steps.steps.values():
+            gm = graph.rewritten
+            if gm is None:
+                continue
+            for node in gm.graph.find_nodes(op="get_attr"):
+                t = _attr(gm, node.target)
+                if id(t) in seen or not isinstance(t, torch.Tensor):
+                    continue
+                seen.add(id(t))
+                name = str(node.target)
+                where = f"{graph.name}: {name}"
+                if name.startswith(CODES_PREFIX) or name.startswith(SCALE_PREFIX):
+                    targets += _fp8_target(gm, name, params, dtype, where, seen)
+                    continue
+                if _storage(t) in cache or _storage(t) in params.buffers:
+                    continue  # the KV cache; rotary frequencies and other constants
+                if params.covered(t):
+                    shared = True  # the module's parameters themselves (written below)
+                    continue
+                recipe = params.by_name(name)
+                if recipe is None:
+                    raise ValueError(f"{where} is not made of the draft's parameters: a swap "
+                                     "could not update it")
+                if recipe != "constant":
+                    targets.append(WeightTarget(where, (t,), lambda sd, r=recipe: (r(sd),)))
+    if shared:  # graphs read the module's parameters (a built engine): write them all
+        targets = [WeightTarget(name, (p,), lambda sd, name=name: (sd[name],))
+                   for name, p in params.named.items()] + targets
+    return targets
+
+
+def _fp8_target(gm: torch.fx.GraphModule, name: str, params: _Parameters,
+                dtype: torch.dtype, where: str, seen: set[int]) -> list[WeightTarget]:
+    """The (codes, scale) pair of one FP8 weight, recomputed from its source weight (found by
+    memory in a built engine, by name in a loaded one, which keeps only the codes)."""
+    suffix = name.removeprefix(CODES_PREFIX).removeprefix(SCALE_PREFIX)
+    codes, scale = getattr(gm, CODES_PREFIX + suffix), getattr(gm, SCALE_PREFIX + suffix)
+    seen.update((id(codes), id(scale)))
+    attrs = {n.replace(".", "__"): t for n, t in (*gm.named_parameters(), *gm.named_buffers())}
+    weight = attrs.get(suffix)
+    recipe = params.recipe(weight) if weight is not None else None
+    if recipe is None:
+        recipe = params.by_name(suffix)
+    if recipe is None or recipe == "constant":
+        raise ValueError(f"{where}: the weight it quantizes is not made of the draft's "
+                         "parameters: a swap could not update it")
+    device = codes.device
+
+    def compute(sd: StateDict) -> tuple[torch.Tensor, ...]:
+        # As at build time: the weight in the engine's dtype, then quantized.
+        return quantize_weight(recipe(sd).to(device=device, dtype=dtype))
+
+    return [WeightTarget(where, (codes, scale), compute)]
+
+
+class WeightSwap:
+    """Swaps new draft weights into the live tensors, atomically with respect to steps.
+
+    `lock`: whoever runs (on CUDA: issues) a step that reads the draft holds it for the step;
+    `apply` takes it for its copies, so they land between two steps. On CUDA the copies queue
+    on the calling thread's current stream: it must be the stream the steps run on (the
+    default stream is one for every thread).
+    """
+
+    def __init__(self, targets: Sequence[WeightTarget]) -> None:
+        self.targets = list(targets)
+        self.lock = threading.Lock()
+        self.swaps = 0
+
+    @classmethod
+    def for_engine(cls, engine: object, module: nn.Module | None = None) -> WeightSwap:
+        return cls(draft_weight_targets(engine, module))
+
+    @property
+    def live(self) -> list[torch.Tensor]:
+        return [t for target in self.targets for t in target.live]
+
+    @torch.no_grad()
+    def stage(self, state_dict: StateDict) -> list[torch.Tensor]:
+        """Every live tensor's new value (own memory, the live dtype and device), computed
+        without the lock. On CUDA the staging stream is synchronised: the values are complete
+        before `apply` copies them from another stream."""
+        staged = []
+        for target in self.targets:
+            values = target.compute(state_dict)
+            for live, value in zip(target.live, values, strict=True):
+                if value.shape != live.shape:
+                    raise ValueError(f"{target.name}: new value of shape {tuple(value.shape)} "
+                                     f"for a live tensor of shape {tuple(live.shape)}")
+                value = value.detach().to(device=live.device, dtype=live.dtype, copy=True)
+                staged.append(value)
+        for device in {t.device for t in staged if t.device.type == "cuda"}:
+            torch.cuda.current_stream(device).synchronize()
+        return staged
+
+    @torch.no_grad()
+    def apply(self, staged: Sequence[torch.Tensor]) -> None:
+        """Copy staged values into the live tensors, under the lock (waits for a running step)."""
+        live = self.live
+        if len(staged) != len(live):
+            raise ValueError(f"{len(staged)} staged values for {len(live)} live tensors")
+        with self.lock:
+            torch._foreach_copy_(live, list(staged))
+            self.swaps += 1
+
+    def swap(self, state_dict: StateDict) -> None:
+        """stage, then apply."""
+        self.apply(self.stage(state_dict))
+
+
+# -- labels from verification steps -------------------------------------------------------------
+
+
+def topk_targets(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's top-k at each verified position: (ids [..., k] int64, probs [..., k] fp32),
+    from logits [..., V] (a verification step's, after the same temperature the request samples
+    with, if any). Device code, no host sync: a collecting step reads these back with its
+    tokens."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    top = torch.topk(probs, k, dim=-1)
+    return top.indices, top.values
+
+
+# -- the buffer and the update ------------------------------------------------------------------
+
+
+@dataclass
+class Record:
+    """One served sequence: tokens [L] (prompt then output) and labels for positions
+    start..L-1: the token there (hard), or the target's top-k there (ids and probs, [L - start,
+    k], soft)."""
+
+    tokens: torch.Tensor
+    start: int
+    topk_ids: torch.Tensor | None = None
+    topk_probs: torch.Tensor | None = None
+
+    @property
+    def labeled(self) -> int:
+        return self.tokens.shape[0] - self.start
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """Settings of a `Distiller`.
+
+    Attributes:
+        lr: AdamW's learning rate.
+        weight_decay: AdamW's decoupled weight decay.
+        batch_tokens: tokens per training batch (at least one record a batch).
+        max_context: a record longer than this trains and evaluates on its last max_context
+            tokens.
+        max_records, max_tokens: the buffer keeps the newest records within both bounds.
+        holdout_fraction: the newest share of the buffer held out of training and used to
+            decide (at least min_holdout records).
+        min_holdout: the fewest held-out records; an update needs min_holdout + 1 records.
+        min_gain: a candidate is accepted when its held-out agreement exceeds the current
+            draft's by more than this.
+        criterion: "agreement" (greedy top-1 agreement with the target: the acceptance rate
+            of greedy speculation) or "acceptance" (sum_x min(p, q) over the labels' top-k:
+            speculative sampling's acceptance; needs soft labels to mean that).
+        topk: label width kept per position (soft labels are cut to it).
+        seed: minibatch order.
+    """
+
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    batch_tokens: int = 4096
+    max_context: int = 512
+    max_records: int = 4096
+    max_tokens: int = 1 << 21
+    holdout_fraction: float = 0.2
+    min_holdout: int = 1
+    min_gain: float = 0.0
+    criterion: str = "agreement"
+    topk: int = 8
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("batch_tokens", "max_context", "max_records", "max_tokens", "min_holdout",
+                     "topk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        if not self.lr > 0:
+            raise ValueError(f"lr={self.lr!r} must be > 0")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"weight_decay={self.weight_decay!r} must be >= 0")
+        if not 0.0 < self.holdout_fraction < 1.0:
+            raise ValueError(f"holdout_fraction={self.holdout_fraction!r} must be in (0, 1)")
+        if not self.min_gain >= 0:
+            raise ValueError(f"min_gain={self.min_gain!r} must be >= 0")
+        if self.criterion not in ("agreement", "acceptance"):
+            raise ValueError(f"criterion={self.criterion!r} must be 'agreement' or 'acceptance'")
+
+
+@dataclass
+class Evaluation:
+    """A draft against the labels of some records: mean loss (forward KL; cross-entropy for
+    hard labels), top-1 agreement and expected acceptance sum_x min(p, q), per position."""
+
+    loss: float
+    agreement: float
+    acceptance: float
+    positions: int
+
+    def metric(self, criterion: str) -> float:
+        return self.agreement if criterion == "agreement" else self.acceptance
+
+
+@dataclass
+class UpdateResult:
+    """What one `Distiller.update` did. accepted: the candidate replaced the draft's weights
+    (swap_into will copy them into the engine). before/after: the held-out evaluation of the
+    current draft and of the candidate (None when the update did not run)."""
+
+    accepted: bool
+    reason: str
+    steps: int = 0
+    seconds: float = 0.0
+    train_records: int = 0
+    holdout_records: int = 0
+    first_loss: float | None = None
+    last_loss: float | None = None
+    before: Evaluation | None = None
+    after: Evaluation | None = None
+    losses: list[float] = field(default_factory=list)
+
+
+def _trainable_copy(module: nn.Module, device: torch.device | None) -> nn.Module:
+    """An fp32 copy of `module` with parameters in memory of their own (the engine's may be
+    views into merged projections), gradients on; ties between parameters are kept."""
+    student = copy.deepcopy(module)
+    for p in student.parameters():  # (tied parameters are one object: done once each)
+        p.data = p.data.to(device=device, dtype=torch.float32, copy=True).contiguous()
+        p.requires_grad_(True)
+    for b in student.buffers():
+        b.data = b.data.to(device=device)
+    # The engine's copy attends through the engine's cache ("fuser"): train with PyTorch's.
+    for sub in student.modules():
+        config = getattr(sub, "config", None)
+        if getattr(config, "_attn_implementation", None) == ATTENTION:
+            config._attn_implementation = "sdpa"
+    return student.eval()  # no dropout; gradients flow in eval mode
+
+
+class Distiller:
+    """Keeps served records and distils the draft on them; see the module docstring.
+
+    Thread use: `add` from the serving thread; `update` and `swap_into` from one background
+    thread (or between steps). `add` and `update` share the buffer under a lock of their own.
+
+    Args:
+        draft: the draft module (the user's, or the engine's copy: `draft_module(engine)`); it
+            is copied, never trained in place.
+        vocab_size: the vocabulary the labels index (the pair's common one; default: the
+            draft's).
+        config: DistillConfig.
+        device: where training runs (default: the draft's device).
+    """
+
+    def __init__(self, draft: nn.Module, vocab_size: int | None = None,
+                 config: DistillConfig | None = None, device: torch.device | str | None = None
+                 ) -> None:
+        self.config = config or DistillConfig()
+        first = next(draft.parameters())
+        self.device = torch.device(device) if device is not None else first.device
+        self.student = _trainable_copy(draft, self.device)
+        draft_vocab = getattr(getattr(draft, "config", None), "vocab_size", None)
+        self.vocab_size = vocab_size or draft_vocab
+        if self.vocab_size is None:
+            raise ValueError("vocab_size: the draft has no config.vocab_size; give it")
+        self._params = dict(self.student.named_parameters())
+        self._accepted = {n: p.detach().clone() for n, p in self._params.items()}
+        self._optimizer = self._new_optimizer()
+        self._records: deque[Record] = deque()
+        self._tokens = 0
+        self._buffer_lock = threading.Lock()
+        self._update_lock = threading.Lock()
+        self._rng = random.Random(self.config.seed)
+        self.requests_seen = 0
+        self._requests_at_update = 0
+        self.version = 0  # accepted updates so far
+        self.swapped_version = 0  # the version the engine's live weights hold
+        self.updates = {"accepted": 0, "rejected": 0}
+        self.update_seconds = 0.0
+        self.last_result: UpdateResult | None = None
+
+    def _new_optimizer(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self._params.values(), lr=self.config.lr,
+                                 weight_decay=self.config.weight_decay)
+
+    # -- the buffer ------------------------------------------------------------------------------
+
+    def add(self, tokens: Sequence[int] | torch.Tensor, start: int = 1,
+            topk_ids: torch.Tensor | None = None, topk_probs: torch.Tensor | None = None
+            ) -> None:
+        """Buffer one served sequence: tokens (prompt then output) with labels from `start`
+        (the prompt's length: the output's positions) on; hard labels (the tokens) unless the
+        target's top-k [len(tokens) - start, k] ids and probs are given."""
+        tokens = torch.as_tensor(tokens, dtype=torch.long).flatten().cpu()
+        length = tokens.shape[0]
+        if not 1 <= start <= length:
+            raise ValueError(f"start={start} must be in 1..len(tokens)={length}")
+        if int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size:
+            raise ValueError(f"tokens must be ids in [0, {self.vocab_size})")
+        if (topk_ids is None) != (topk_probs is None):
+            raise ValueError("topk_ids and topk_probs come together")
+        if topk_ids is not None:
+            shape = (length - start, topk_ids.shape[-1])
+            if tuple(topk_ids.shape) != shape or tuple(topk_probs.shape) != shape:
+                raise ValueError(f"topk_ids and topk_probs must be [len(tokens) - start, k] = "
+                                 f"{list(shape)}")
+            k = min(shape[1], self.config.topk)
+            topk_ids = topk_ids[:, :k].long().cpu()
+            topk_probs = topk_probs[:, :k].float().cpu()
+        self.requests_seen += 1
+        if length == start:
+            return  # nothing generated: no label
+        record = Record(tokens, start, topk_ids, topk_probs)
+        with self._buffer_lock:
+            self._records.append(record)
+            self._tokens += length
+            while self._records and (len(self._records) > self.config.max_records
+                                     or self._tokens > self.config.max_tokens):
+                self._tokens -= self._records.popleft().tokens.shape[0]
+
+    @property
+    def records(self) -> int:
+        return len(self._records)
+
+    @property
+    def buffered_tokens(self) -> int:
+        return self._tokens
+
+    # -- batches ---------------------------------------------------------------------------------
+
+    def _window(self, record: Record) -> Record:
+        """The record cut to its last max_context tokens (labels before the cut dropped)."""
+        cut = record.tokens.shape[0] - self.config.max_context
+        if cut <= 0:
+            return record
+        start = max(record.start, cut + 1)  # position p is predicted from p - 1 >= cut
+        drop = start - record.start
+        soft = record.topk_ids is not None
+        return Record(record.tokens[cut:], start - cut,
+                      record.topk_ids[drop:] if soft else None,
+                      record.topk_probs[drop:] if soft else None)
+
+    def _batch(self, records: Sequence[Record]) -> tuple[torch.Tensor, ...]:
+        """(ids [b, T], mask [b, T], label ids [b, T, k], label probs [b, T, k], labeled [b, T])
+        with row i's logits at t scored against the labels of position t + 1."""
+        windows = [self._window(r) for r in records]
+        b, T, k = len(windows), max(r.tokens.shape[0] for r in windows), self.config.topk
+        ids = torch.zeros(b, T, dtype=torch.long)
+        mask = torch.zeros(b, T, dtype=torch.long)
+        label_ids = torch.zeros(b, T, k, dtype=torch.long)
+        label_probs = torch.zeros(b, T, k)
+        labeled = torch.zeros(b, T, dtype=torch.bool)
+        for i, r in enumerate(windows):
+            L = r.tokens.shape[0]
+            ids[i, :L] = r.tokens
+            mask[i, :L] = 1
+            rows = slice(r.start - 1, L - 1)  # logits at p - 1 predict position p
+            labeled[i, rows] = True
+            if r.topk_ids is None:  # a hard label: q = e_y
+                label_ids[i, rows, 0] = r.tokens[r.start:]
+                label_probs[i, rows, 0] = 1.0
+            else:
+                w = r.topk_ids.shape[1]
+                label_ids[i, rows, :w] = r.topk_ids
+                label_probs[i, rows, :w] = r.topk_probs
+        return tuple(t.to(self.device) for t in (ids, mask, label_ids, label_probs, labeled))
+
+    def _batches(self, records: Sequence[Record]) -> Iterable[list[Record]]:
+        """Consecutive groups of at most batch_tokens (windowed) tokens, one record at least."""
+        group, tokens = [], 0
+        for r in records:
+            length = min(r.tokens.shape[0], self.config.max_context)
+            if group and tokens + length > self.config.batch_tokens:
+                yield group
+                group, tokens = [], 0
+            group.append(r)
+            tokens += length
+        if group:
+            yield group
+
+    def _scores(self, records: Sequence[Record]) -> tuple[torch.Tensor, ...]:
+        """Forward the student over a batch: (per-position loss, agreement, acceptance, labeled
+        mask), each [b, T]."""
+        ids, mask, label_ids, label_probs, labeled = self._batch(records)
+        logits = self.student(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        logp = torch.log_softmax(logits[..., : self.vocab_size].float(), dim=-1)  # [b, T, V]
+        q = label_probs / label_probs.sum(-1, keepdim=True).clamp_min(1e-30)  # top-k renormalised
+        logp_labels = logp.gather(-1, label_ids)  # [b, T, k]
+        # forward KL over the top-k: sum q (log q - log p) (q = 0 terms contribute 0)
+        loss = (q * (torch.log(q.clamp_min(1e-30)) - logp_labels)).sum(-1)  # [b, T]
+        top_label = label_ids.gather(-1, q.argmax(-1, keepdim=True))[..., 0]  # [b, T]
+        agreement = (logp.argmax(-1) == top_label).float()
+        acceptance = torch.minimum(logp_labels.exp(), label_probs).sum(-1)
+        return loss, agreement, acceptance, labeled
+
+    @torch.no_grad()
+    def evaluate(self, records: Sequence[Record]) -> Evaluation:
+        """The student's current weights against the records' labels."""
+        totals, positions = torch.zeros(3, dtype=torch.float64), 0
+        for group in self._batches(records):
+            loss, agreement, acceptance, labeled = self._scores(group)
+            for i, values in enumerate((loss, agreement, acceptance)):
+                totals[i] += values[labeled].double().sum().cpu()
+            positions += int(labeled.sum())
+        means = (totals / max(positions, 1)).tolist()
+        return Evaluation(means[0], means[1], means[2], positions)
+
+    # -- the update ------------------------------------------------------------------------------
+
+    def update(self, time_budget_s: float, max_steps: int | None = None,
+               stream: object | None = None) -> UpdateResult:
+        """Fine-tune a candidate on the buffer for at most time_budget_s seconds (and at most
+        max_steps optimizer steps), then accept it only if it agrees better with the target on
+        the held-out newest records (see the module docstring). stream: a CUDA stream to
+        train on (default: the current one)."""
+        if not time_budget_s > 0:
+            raise ValueError(f"time_budget_s={time_budget_s!r} must be > 0")
+        with self._update_lock:
+            start = time.perf_counter()
+            self._requests_at_update = self.requests_seen
+            context = torch.cuda.stream(stream) if stream is not None else nullcontext()
+            with context:
+                result = self._update(time_budget_s, max_steps, start)
+            result.seconds = time.perf_counter() - start
+            self.update_seconds += result.seconds
+            if result.before is not None:
+                self.updates["accepted" if result.accepted else "rejected"] += 1
+            self.last_result = result
+            return result
+
+    def _update(self, budget: float, max_steps: int | None, start: float) -> UpdateResult:
+        cfg = self.config
+        with self._buffer_lock:
+            records = list(self._records)
+        held = max(cfg.min_holdout, int(len(records) * cfg.holdout_fraction))
+        if len(records) <= held:
+            return UpdateResult(False, f"too few records ({len(records)}) to hold "
+                                f"{held} out and train on the rest")
+        train, holdout = records[:-held], records[-held:]
+        before = self.evaluate(holdout)
+        result = UpdateResult(False, "", train_records=len(train), holdout_records=len(holdout),
+                              before=before)
+        order: list[Record] = []
+        while time.perf_counter() - start < budget and (max_steps is None
+                                                        or result.steps < max_steps):
+            if not order:
+                order = list(train)
+                self._rng.shuffle(order)
+            group = next(iter(self._batches(order)))
+            del order[: len(group)]
+            loss, _, _, labeled = self._scores(group)
+            mean = loss[labeled].mean()
+            self._optimizer.zero_grad(set_to_none=True)
+            mean.backward()
+            self._optimizer.step()
+            result.losses.append(float(mean.detach()))
+            result.steps += 1
+        if result.losses:
+            result.first_loss, result.last_loss = result.losses[0], result.losses[-1]
+        after = self.evaluate(holdout)
+        result.after = after
+        gain = after.metric(cfg.criterion) - before.metric(cfg.criterion)
+        finite = all(bool(torch.isfinite(p).all()) for p in self._params.values())
+        if finite and gain > cfg.min_gain:
+            with torch.no_grad():
+                for name, p in self._params.items():
+                    self._accepted[name].copy_(p)
+            self.version += 1
+            result.accepted = True
+            result.reason = (f"accepted: held-out {cfg.criterion} {before.metric(cfg.criterion):.4f}"
+                             f" -> {after.metric(cfg.criterion):.4f} after {result.steps} steps")
+        else:
+            self._restore()
+            result.reason = (f"rejected: held-out {cfg.criterion} "
+                             f"{before.metric(cfg.criterion):.4f} -> "
+                             f"{after.metric(cfg.criterion):.4f} after {result.steps} steps"
+                             + ("" if finite else " (non-finite weights)"))
+        return result
+
+    @torch.no_grad()
+    def _restore(self) -> None:
+        """The student back to the accepted weights, with a fresh optimizer (its moments
+        followed the rejected candidate)."""
+        for name, p in self._params.items():
+            p.copy_(self._accepted[name])
+        self._optimizer = self._new_optimizer()
+
+    # -- the accepted weights --------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The accepted weights (fp32), by the draft module's parameter names."""
+        return dict(self._accepted)
+
+    def due(self, every: int) -> bool:
+        """Whether `every` requests have been added since the last update began
+        (FuserConfig.distill_every)."""
+        return self.requests_seen - self._requests_at_update >= every
+
+    def swap_into(self, swap: WeightSwap) -> bool:
+        """Copy the accepted weights into the engine's live draft tensors (stage, then apply
+        under the swap's lock); False when they are there already."""
+        with self._update_lock:
+            if self.version == self.swapped_version:
+                return False
+            staged = swap.stage(self._accepted)
+            version = self.version
+        swap.apply(staged)
+        self.swapped_version = version
+        return True
