@@ -11,11 +11,12 @@ Between two steps, on the host:
     retire  a finished or cancelled request leaves; the last running row moves into its slot
             (`_move_row`: its KV rows in both caches, its lengths and its state row), so the rows
             stay packed;
-    admit   a waiting request joins: the request in row 0 moves to row n, and the prompt is
-            prefilled into row 0 through the batch-1 bucket's prefill (its captured graphs on
-            CUDA), which writes row 0 only; its first token is chosen there (time to first
-            token). Admissions per step are bounded by `prefill_tokens` so that running rows
-            wait at most about one prefill of that size;
+    admit   waiting requests join, k at a time (k a batch bucket; prompts of one length): the
+            requests in rows [0, k) move to free rows, and the prompts are prefilled into rows
+            [0, k) through the bucket of k's prefill (its captured graphs on CUDA), which writes
+            those rows only; their first tokens are chosen there (time to first token).
+            Admissions per step are bounded by `prefill_tokens` so that running rows wait at
+            most about one prefill of that size;
     step    one iteration of the bucket (target-only, or draft + verify with the adaptive
             gamma), then one read-back of the packed tokens: each row keeps n + 1 tokens up to
             its eos and budget, exactly as `generate` does.
@@ -223,8 +224,8 @@ class Scheduler:
         async for tokens in stream: ...          # or: for tokens in stream, stream.result()
         scheduler.drain(timeout=30); scheduler.close()
 
-    The engine needs a batch bucket of 1 (prefill goes through it; CUDA engines have one, CPU
-    engines are built with FuserConfig(batch_buckets=(1,)) for it). While requests run, the
+    The engine needs a batch bucket of 1 (a prompt alone is prefilled through it; CUDA engines
+    have one, CPU engines are built with FuserConfig(batch_buckets=(1,)) for it). While requests run, the
     scheduler holds the engine: `engine.generate` from another thread raises until it is idle.
     """
 
@@ -476,49 +477,71 @@ class Scheduler:
             self._lock.notify_all()
 
     def _admit(self) -> None:
-        """Prefill waiting requests into free rows (at least one when a slot is free, then while
-        the prompts fit `prefill_tokens`)."""
+        """Prefill waiting requests into free rows, a group at a time (at least one request when
+        a slot is free, then while the prompts fit `prefill_tokens`)."""
         budget = self.prefill_tokens
         while len(self._running) < self.max_slots:
             with self._lock:
-                if not self._waiting or (budget < len(self._waiting[0].prompt_ids)
-                                         and budget != self.prefill_tokens):
+                group = self._take_group(budget)
+                if not group:
                     return
-                stream = self._waiting.popleft()
-                row = len(self._running)
-                if row > 0:  # row 0 takes the new prompt: its request moves to the free row
-                    self._move_row(0, row)
-                    self._running.append(self._running[0])
-                    self._running[0] = stream
-                else:
-                    self._running.append(stream)
-            budget -= len(stream.prompt_ids)
-            self._prefill(stream)
+                # Rows [0, k) take the new prompts (the bucket of k prefills exactly those);
+                # the requests there move to free rows past both.
+                running, k = self._running, len(group)
+                n, base = len(running), max(len(running), len(group))
+                rows: list[RequestStream] = list(group) + running[k:n] + [None] * min(n, k)
+                for i in range(min(n, k)):
+                    self._move_row(i, base + i)
+                    rows[base + i] = running[i]
+                self._running = rows
+            budget -= k * len(group[0].prompt_ids)
+            self._prefill(group)
 
-    def _prefill(self, stream: RequestStream) -> None:
-        """Prefill `stream`'s prompt into row 0 through the batch-1 bucket; deliver its first
-        token (and finish it when that is all it gets)."""
+    def _take_group(self, budget: int) -> list[RequestStream]:
+        """Take from the queue the first waiting request and, behind it, more of the same
+        prompt length: as many as a batch bucket holds within the free rows and the token
+        budget (prompts of one length need no padding, so each row's prefill is the one it
+        would get alone). Call with the lock held."""
+        if not self._waiting:
+            return []
+        T = len(self._waiting[0].prompt_ids)
+        if budget < T and budget != self.prefill_tokens:
+            return []
+        limit = min(self.max_slots - len(self._running), max(1, budget // T))
+        same = [s for s in itertools.islice(self._waiting, 4 * self.max_slots)
+                if len(s.prompt_ids) == T][:limit]
+        k = max(b for b in self.engine.buckets if b <= len(same))
+        for stream in same[:k]:
+            self._waiting.remove(stream)
+        return same[:k]
+
+    def _prefill(self, group: list[RequestStream]) -> None:
+        """Prefill the group's prompts (one length) into rows [0, k) through the bucket of k;
+        deliver each first token (and finish those that get no more)."""
         engine = self.engine
-        bucket = engine.buckets[1]
-        params = stream.params
-        greedy = params.greedy
-        top_k = 1 if greedy else (None if params.top_k in (None, 0, -1) else params.top_k)
-        top_p = None if greedy else params.top_p
-        self._state.load_row(0, params.max_tokens, stream.eos,
-                             1.0 if greedy else float(params.temperature), top_k, top_p,
-                             engine.vocab_size, stream.seed)
-        T = len(stream.prompt_ids)
+        k, T = len(group), len(group[0].prompt_ids)
+        bucket = engine.buckets[k]
+        for row, stream in enumerate(group):
+            params = stream.params
+            greedy = params.greedy
+            top_k = 1 if greedy else (None if params.top_k in (None, 0, -1) else params.top_k)
+            self._state.load_row(row, params.max_tokens, stream.eos,
+                                 1.0 if greedy else float(params.temperature), top_k,
+                                 None if greedy else params.top_p, engine.vocab_size,
+                                 stream.seed)
         device = self._state.pending.device
-        tokens = torch.tensor([stream.prompt_ids], dtype=torch.long, device=device)  # [1, T]
-        prompts = Prompts(tokens=tokens, starts=torch.zeros(1, dtype=torch.long, device=device),
-                          batch=1)
-        padded = pad_batch(prompts, 1, min_length=bucket.prefill_length(T))
+        tokens = torch.tensor([s.prompt_ids for s in group], dtype=torch.long,
+                              device=device)  # [k, T]
+        prompts = Prompts(tokens=tokens, starts=torch.zeros(k, dtype=torch.long, device=device),
+                          batch=k)
+        padded = pad_batch(prompts, k, min_length=bucket.prefill_length(T))
+        do_sample = any(not s.params.greedy for s in group)
         result = speculative.prefill(bucket.target, bucket.draft, bucket.state, padded, T,
-                                     engine.vocab_size, not greedy)
-        first = int(result.tokens[0, 0])
-        stats = engine.stats
-        stats.num_generated_tokens += 1
-        self._deliver(stream, [first], params.max_tokens)
+                                     engine.vocab_size, do_sample)
+        firsts = result.tokens[:, 0].tolist()  # the prefill's read-back
+        engine.stats.num_generated_tokens += k
+        for stream, first in zip(group, firsts):
+            self._deliver(stream, [first], stream.params.max_tokens)
 
     def _deliver(self, stream: RequestStream, kept: list[int], budget: int) -> None:
         """Hand `kept` to the stream, cut at its first eos; finish it on eos or budget."""
