@@ -76,7 +76,7 @@ class Engine:
             pass
         self.buckets: dict[int, Bucket] = {}
         # Overlapped rounds gave greedy output unlike target-only's in their CUDA step graph
-        # (tests/test_cuda_spec.py, twentieth session; not yet found): on CUDA they stay off.
+        # (tests/test_cuda_spec.py; cause not yet found): on CUDA they stay off.
         overlap = config.overlap and draft is not None and device.type != "cuda"
         if config.overlap and draft is not None and device.type == "cuda":
             message = ("overlap=True: overlapped rounds are not yet correct on CUDA (their GPU "

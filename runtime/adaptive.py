@@ -32,8 +32,8 @@ than `memory`) each such step, so an estimate that made the controller shorten g
 within a few steps, drifts to its prior (the position before it), and the longer gamma is tried
 again. Decayed at `memory` instead, a low estimate at position g + 1, never re-measured at
 gamma g, kept gamma short for ten steps and more (tests/test_adaptive.py); on the bundled pair's
-held-out prompts, where the draft's agreement comes in runs, auto emitted 2.23 tokens per step
-against fixed gamma 2's 2.42 on the H200 (benchmarks/RESULTS.md, twenty-first session). While
+held-out prompts, where the draft's agreement comes in runs, auto emitted fewer tokens per step
+than fixed gamma 2 on the H200 (2.23 against 2.42). While
 speculation is off the counts keep decaying, so the estimates drift back to the optimistic prior
 and the next probe (one speculative step after `probe_interval` target-only steps) can turn
 speculation back on. A probe costs more than its step: the draft first re-reads every token the

@@ -304,7 +304,7 @@ def test_deterministic() -> None:
     assert runs[0] == runs[1]
 
 
-# The bundled pair's step costs on the H200 (benchmarks/RESULTS.md, twenty-first session), ms.
+# The bundled pair's step costs on the H200 (measured by benchmarks/e2e.py), ms.
 BUNDLED_COSTS = {1: 0.151, 2: 0.185, 3: 0.219}
 BUNDLED_DECODE = 0.113
 

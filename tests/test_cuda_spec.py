@@ -57,10 +57,9 @@ def test_seeded_sampling_through_step_graphs_is_reproducible() -> None:
     assert engine.report().graph_replays["step.b1.gamma2.sample"] > 0
 
 
-@pytest.mark.xfail(strict=True, reason="twentieth session: on the H200 the overlapped step graph's "
-                   "greedy output differed from target-only (cause not found; twenty-first "
-                   "session: also with FUSER_BRANCHES=serial and with FUSER_PDL=0, so not a "
-                   "race); the engine keeps overlap off on CUDA, so this runs the buckets with "
+@pytest.mark.xfail(strict=True, reason="on the H200 the overlapped step graph's "
+                   "greedy output differed from target-only (cause not found; also with "
+                   "FUSER_BRANCHES=serial and with FUSER_PDL=0, so not a race); the engine keeps overlap off on CUDA, so this runs the buckets with "
                    "overlap forced on")
 def test_overlapped_step_graph_greedy_equals_target_only() -> None:
     """FuserConfig(overlap=True): the draft's branch runs beside the target's in the step graph;

@@ -191,3 +191,32 @@ def test_needs_a_bucket_of_one() -> None:
         pytest.skip("this device builds a bucket of 1 by default")
     with pytest.raises(ValueError, match="batch_buckets"):
         Scheduler(two_rows)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_scheduler_replays_step_graphs_and_matches_alone() -> None:
+    """On CUDA: requests joining and leaving run through the captured iteration graphs (one
+    replay per step, none uncaptured), and each returns what it returns alone (fp32)."""
+    target = llama_target()
+    config = fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=4, gamma=3,
+                               compile="fx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eng = fuser.optimize(target.cuda(), draft=perturbed(target, 0.05, seed=3).cuda(),
+                             config=config)
+    try:
+        assert sorted(eng.buckets) == [1, 2, 4]
+        sched = Scheduler(eng)
+        sched.start()
+        try:
+            alone = [run_alone(sched, p, params) for p, params in REQUESTS]
+            streams = [sched.submit(p, params) for p, params in REQUESTS]
+            assert [s.result(TIMEOUT) for s in streams] == alone
+            assert sched.wait_idle(TIMEOUT)
+        finally:
+            sched.close()
+        replays = eng.report().graph_replays
+        assert sum(v for k, v in replays.items() if k.startswith("step.b")) >= sched.steps
+        assert all(n == 0 for b in eng.buckets.values() for n in b.uncaptured_runs.values())
+    finally:
+        target.cpu()
