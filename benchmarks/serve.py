@@ -316,35 +316,31 @@ def scrape_gauges(url: str, names: tuple[str, ...] = ("fuser_num_requests_runnin
 
 
 class InProcessServer:
-    """fuser.server's app over a Scheduler of `engine`, under uvicorn in a thread, on
-    127.0.0.1 at a free port. Use as a context manager; leaving it stops both."""
+    """fuser.server's app over a Scheduler of `engine`, warmed up as `fuser serve` does, served
+    by uvicorn in a thread on 127.0.0.1 at a free port. A context manager: leaving it stops
+    both."""
 
-    def __init__(self, engine: object, tokenizer: object | None, model_name: str,
+    def __init__(self, engine: object, tokenizer: object, model_name: str,
                  max_waiting: int) -> None:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.max_waiting = max_waiting
-        self.server = self.thread = self.scheduler = None
+        self.server = self.scheduler = None
         self.url = ""
 
     def __enter__(self) -> InProcessServer:
-        import uvicorn
-
         from fuser.runtime.scheduler import Scheduler
         from fuser.server import create_app
+        from fuser.server.cli import warm_up
+        from fuser.server.runner import ServerThread
 
-        self.scheduler = Scheduler(self.engine, max_waiting=self.max_waiting)
-        self.scheduler.start()
         try:
-            app = create_app(self.scheduler, self.tokenizer, self.model_name)
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-            config = uvicorn.Config(app, log_level="warning", access_log=False)
-            self.server = uvicorn.Server(config)
-            self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
-                                           name="uvicorn", daemon=True)
-            self.thread.start()
-            wait_healthy(self.url, timeout=600.0)
+            self.scheduler = Scheduler(self.engine, max_waiting=self.max_waiting)
+            self.scheduler.start()
+            warm_up(self.scheduler, self.tokenizer)
+            app = create_app(self.scheduler, self.tokenizer, self.model_name, engine=self.engine)
+            self.server = ServerThread(app, "127.0.0.1", 0).start()
+            self.url = self.server.url
+            wait_healthy(self.url, timeout=60.0)
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -352,11 +348,28 @@ class InProcessServer:
 
     def __exit__(self, *exc: object) -> None:
         if self.server is not None:
-            self.server.should_exit = True
-        if self.thread is not None:
-            self.thread.join(timeout=60.0)
+            self.server.stop()
         if self.scheduler is not None:
             self.scheduler.close()
+
+
+class IdTokenizer:
+    """Token ids as text, for a preset's random weights (no tokenizer makes sense of them):
+    decode gives " <id>" per token, so every token streams as a chunk of its own text; the
+    prompts go to the server as ids. Its decoding costs less than a real tokenizer's."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.chat_template = None
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def __call__(self, text: str, **kwargs: object) -> dict:
+        return {"input_ids": [int(word) for word in text.split() if word.isdigit()]}
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True, **kwargs: object) -> str:
+        return "".join(f" {int(i)}" for i in ids)
 
 
 def cold_start(engine_dir: str, timeout: float) -> dict:
@@ -366,6 +379,10 @@ def cold_start(engine_dir: str, timeout: float) -> dict:
     url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "fuser.cli", "serve", engine_dir, "--host", "127.0.0.1",
                "--port", str(port)]
+    if not (Path(engine_dir) / "tokenizer").is_dir():  # random weights (engine_files.py):
+        from fuser.models import TARGET_PATH  # the bundled pair's; ids past it decode to ""
+
+        command += ["--tokenizer", str(TARGET_PATH)]
     result: dict = {"engine_dir": engine_dir, "command": " ".join(command)}
     with tempfile.TemporaryFile("w+") as output:
         start = time.perf_counter()
@@ -682,7 +699,8 @@ def serve_engine(pool: ProcessPoolExecutor, source: Source, engine: object, labe
         result["static"] = static_batches(engine, prompts, args.levels, args.output_len, runs)
     save(args.json)
     max_waiting = max(args.levels) * 4 + (args.num_requests or 0)
-    with InProcessServer(engine, source.tokenizer, source.name, max_waiting) as server:
+    tokenizer = source.tokenizer or IdTokenizer(source.vocab_size)
+    with InProcessServer(engine, tokenizer, source.name, max_waiting) as server:
         log(f"[{label}] serving {source.name} at {server.url}")
         result["levels"] = run_levels(pool, server.url, served_model(server.url, None), prompts,
                                       args, label)
@@ -746,7 +764,7 @@ def summary_table() -> str:
                     f"{m['request_throughput']:>8.2f}{m['output_throughput']:>11.1f}"
                     f"{m['median_ttft_ms']:>10.2f}{m['median_tpot_ms']:>10.3f}"
                     f"{m['median_itl_ms']:>9.3f}{m['median_e2el_ms']:>10.1f}"
-                    + (f"{st['output_tok_s']:>10.1f}{m.get('pct_of_static', 0):>6.1f}%" if st
+                    + (f"{st['output_tok_s']:>10.1f} {m.get('pct_of_static', 0):>5.0f}%" if st
                        else f"{'-':>10}{'-':>7}"))
     if "hf" in RESULTS:
         rows.append(f"Hugging Face eager generate, one request after another: "

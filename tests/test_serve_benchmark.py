@@ -210,13 +210,12 @@ def serving_available() -> str | None:
 @pytest.mark.skipif(serving_available() is not None, reason=str(serving_available()))
 def test_dry_run_serves_a_tiny_engine_and_compares(tmp_path: Path) -> None:
     """The whole benchmark on a tiny random Llama: build, engine figures, static batches, the
-    in-process server at two levels, Hugging Face; then a cold start of the saved engine."""
-    engine_dir = tmp_path / "engine"
+    in-process server at two levels, Hugging Face."""
     start = time.perf_counter()
     proc = run_benchmark("--preset", "tiny-random-llama", "--compile", "fx",
                          "--max-batch-size", "2", "--concurrency", "1,2", "--num-requests", "3",
                          "--prompt-len", "8", "--output-len", "6", "--hf-requests", "1",
-                         "--save-engine", str(engine_dir), "--out", str(tmp_path))
+                         "--out", str(tmp_path))
     results = json.loads((tmp_path / "serve.json").read_text())
     system = results["systems"]["fuser"]
     check_levels(system["levels"], [1, 2], 3, 6)
@@ -236,8 +235,30 @@ def test_dry_run_serves_a_tiny_engine_and_compares(tmp_path: Path) -> None:
     assert (tmp_path / "serve.png").stat().st_size > 0
     assert time.perf_counter() - start < 120
 
-    cold = run_benchmark("--cold-start", str(engine_dir), "--json", str(tmp_path / "cold.json"))
+
+@pytest.mark.skipif(serving_available() is not None, reason=str(serving_available()))
+def test_cold_start_times_fuser_serve_of_an_engine_directory(tmp_path: Path) -> None:
+    """--cold-start alone: `fuser serve DIR` launched, /health 200, one request, SIGTERM ->
+    exit 0. The engine has one row: a loaded engine keeps only its max_batch_size bucket, and
+    the scheduler prefills through a bucket of 1."""
+    import torch
+    import transformers
+
+    import fuser
+    from fuser.models import PRESETS
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**PRESETS["tiny-random-llama"])).eval()
+    engine = fuser.optimize(model, config=fuser.FuserConfig(max_batch_size=1, max_seq_len=64,
+                                                            compile="fx"))
+    engine.save(tmp_path / "engine")
+    proc = run_benchmark("--cold-start", str(tmp_path / "engine"), "--json",
+                         str(tmp_path / "cold.json"))
     result = json.loads((tmp_path / "cold.json").read_text())["cold_start"]
-    assert result["seconds_to_health_200"] > 0, result
-    assert result["first_request"]["ok"] and result["exit_status"] == 0, result
-    assert "cold start (launch -> /health 200)" in cold.stdout
+    assert "error" not in result, result
+    assert result["seconds_to_health_200"] > 0
+    assert result["first_request"]["ok"] and result["first_request"]["output_tokens"] == 16
+    assert result["exit_status"] == 0
+    assert "cold start (launch -> /health 200)" in proc.stdout
+    assert "systems" not in json.loads((tmp_path / "cold.json").read_text())  # nothing else ran
