@@ -1,0 +1,364 @@
+"""Suffix speculation: proposals copied from what came before, verified by the target.
+
+Traffic that repeats itself (code edits that rewrite a file, templated answers, agent loops)
+continues spans it has already seen. `SuffixIndex` finds the longest suffix of a request's
+tokens (prompt and output) that occurred before, in the request itself or in recent outputs of
+other requests, and proposes the tokens that followed it (prompt-lookup decoding; suffix-tree
+decoding, Oliaro et al., "SuffixDecoding", with a hash table per n-gram length in place of the
+tree). No model runs: a proposal costs a few dictionary lookups on the host.
+
+The index. For every position i of a sequence and every n = min_ngram..max_ngram, the n-gram
+ending at i is hashed (a polynomial hash, built backwards from i one token at a time) into the
+table of length n, which maps it to the latest position where it ended. A request's own n-grams
+are indexed once the token after them exists, so a match always has a continuation, and the
+suffix being matched never finds itself. Per new token that is max_ngram - min_ngram + 1
+dictionary writes; per proposal one hash per length, a lookup per length (longest first), and a
+token-by-token check of the hit (hashes may collide; a proposal is always a real continuation).
+
+    own context:   a match ending at p continues with tokens[p + 1], tokens[p + 2], ...; past
+                   the end it copies its own output (the span repeats with period len - 1 - p,
+                   as LZ77 copies overlap), so a repeating pattern proposes max_tokens tokens;
+    recent outputs: finished requests' outputs (their prompts too with keep_prompts), in one
+                   pool of tables whose entries point to (sequence, position); the oldest
+                   sequence is evicted (and its entries with it) beyond max_recent sequences or
+                   max_recent_tokens tokens.
+The longer match wins; on a tie the request's own context (what this request is doing now).
+
+Verification (`suffix_step`) is the target's verify step over host-given proposals instead of
+the draft's: greedy acceptance is unchanged (finish_greedy); for sampling, a proposal is a
+draft whose distribution is a point mass, p = e_x, so Leviathan's rule accepts x with
+probability min(1, q(x) / 1) = q(x) and at a rejection samples the residual
+max(0, q - e_x) / (1 - q(x)): q with x removed, renormalised (`accept_proposals`). The output
+follows q whatever is proposed, and rows with fewer proposals than gamma are padded with any
+token: the target simply accepts or rejects them like any other.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from fuser.ops.argmax import argmax
+from fuser.runtime import speculative
+from fuser.runtime.sampling import PURPOSE_ACCEPT, PURPOSE_RESIDUAL, accepted_prefix, draw_keys, \
+    keyed_uniform, sample
+from fuser.runtime.step_kernels import fused_by_default
+from fuser.runtime.steps import DECODE, ModelSteps, verify as verify_kind
+
+__all__ = ["Proposal", "SuffixIndex", "SuffixProposals", "accept_proposals", "add_verify_steps",
+           "proposals_tensor", "suffix_step"]
+
+_MOD = (1 << 61) - 1  # a Mersenne prime: hash values stay small ints
+_BASE = 1_000_003
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """What `SuffixIndex.lookup` found: the proposed tokens, where ("own", "recent" or "" for
+    nothing) and the matched suffix's length."""
+
+    tokens: list[int]
+    source: str
+    match: int
+
+
+class _Tables:
+    """One hash table per n-gram length n = lo..hi: hash -> value (the latest written)."""
+
+    def __init__(self, lo: int, hi: int) -> None:
+        self.lo, self.hi = lo, hi
+        self.by_length: list[dict[int, object]] = [{} for _ in range(hi + 1)]
+
+    def hashes(self, tokens: Sequence[int], end: int) -> list[int]:
+        """hashes[n] of the n-gram ending at `end` (inclusive), for n = 1..min(hi, end + 1):
+        h_n = h_{n-1} * BASE + (token + 1), walking back from end (index 0 unused)."""
+        out, h = [0], 0
+        for n in range(1, min(self.hi, end + 1) + 1):
+            h = (h * _BASE + tokens[end - n + 1] + 1) % _MOD
+            out.append(h)
+        return out
+
+    def insert(self, tokens: Sequence[int], end: int, value: object) -> None:
+        hashes = self.hashes(tokens, end)
+        for n in range(self.lo, len(hashes)):
+            self.by_length[n][hashes[n]] = value
+
+    def remove(self, tokens: Sequence[int], end: int, value: object) -> None:
+        """Delete the n-grams ending at `end` whose entry is still `value`."""
+        hashes = self.hashes(tokens, end)
+        for n in range(self.lo, len(hashes)):
+            table = self.by_length[n]
+            if table.get(hashes[n]) == value:
+                del table[hashes[n]]
+
+    def entries(self) -> int:
+        return sum(len(t) for t in self.by_length)
+
+
+@dataclass
+class _Request:
+    tokens: list[int]
+    prompt_length: int
+    tables: _Tables
+    indexed: int = 0  # n-grams ending at positions < indexed are in the tables
+
+
+class SuffixIndex:
+    """Proposals from the longest earlier occurrence of a request's suffix (module docstring).
+
+    Args:
+        max_ngram: the longest suffix matched (and indexed): memory and time per token grow
+            with max_ngram - min_ngram + 1.
+        min_ngram: the shortest match that proposes anything (1-token matches are mostly
+            noise).
+        max_recent: finished sequences kept in the recent pool.
+        max_recent_tokens: tokens kept in the recent pool, all sequences together.
+        keep_prompts: pool a finished request's prompt with its output (default: the output).
+    """
+
+    def __init__(self, max_ngram: int = 8, min_ngram: int = 2, max_recent: int = 256,
+                 max_recent_tokens: int = 1 << 18, keep_prompts: bool = False) -> None:
+        for name, value in (("max_ngram", max_ngram), ("min_ngram", min_ngram),
+                            ("max_recent", max_recent), ("max_recent_tokens", max_recent_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        if min_ngram > max_ngram:
+            raise ValueError(f"min_ngram={min_ngram} must be <= max_ngram={max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.max_recent, self.max_recent_tokens = max_recent, max_recent_tokens
+        self.keep_prompts = keep_prompts
+        self._requests: dict[Hashable, _Request] = {}
+        self._recent: OrderedDict[int, list[int]] = OrderedDict()  # sequence id -> tokens
+        self._recent_tokens = 0
+        self._next_id = 0
+        self._pool = _Tables(min_ngram, max_ngram)  # values: (sequence id, end position)
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def add_request(self, request_id: Hashable, prompt_ids: Sequence[int]) -> None:
+        """Start indexing a request from its prompt."""
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} is already indexed")
+        request = _Request([], len(prompt_ids), _Tables(self.min_ngram, self.max_ngram))
+        self._requests[request_id] = request
+        self.extend(request_id, prompt_ids)
+
+    def extend(self, request_id: Hashable, new_ids: Sequence[int]) -> None:
+        """Append tokens the request emitted."""
+        request = self._requests[request_id]
+        request.tokens.extend(int(t) for t in new_ids)
+        tokens = request.tokens
+        # Index the n-grams that now have a next token: ending at positions < len - 1.
+        for end in range(request.indexed, len(tokens) - 1):
+            request.tables.insert(tokens, end, end)
+        request.indexed = max(request.indexed, len(tokens) - 1)
+
+    def finish(self, request_id: Hashable) -> None:
+        """The request is done: its output (with its prompt, keep_prompts) joins the recent
+        pool, and its own tables are dropped."""
+        request = self._requests.pop(request_id)
+        tokens = request.tokens if self.keep_prompts else request.tokens[request.prompt_length:]
+        tokens = tokens[-self.max_recent_tokens:]
+        if len(tokens) < 2:
+            return
+        sequence = self._next_id
+        self._next_id += 1
+        self._recent[sequence] = tokens
+        self._recent_tokens += len(tokens)
+        for end in range(len(tokens) - 1):  # (the last token has no continuation)
+            self._pool.insert(tokens, end, (sequence, end))
+        while len(self._recent) > self.max_recent or self._recent_tokens > self.max_recent_tokens:
+            self._evict()
+
+    def drop(self, request_id: Hashable) -> None:
+        """Forget a request without pooling it (cancelled, failed)."""
+        self._requests.pop(request_id, None)
+
+    def _evict(self) -> None:
+        sequence, tokens = self._recent.popitem(last=False)
+        self._recent_tokens -= len(tokens)
+        for end in range(len(tokens) - 1):
+            self._pool.remove(tokens, end, (sequence, end))
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._requests
+
+    def tokens(self, request_id: Hashable) -> list[int]:
+        """The request's tokens so far (prompt, then output); a copy."""
+        return list(self._requests[request_id].tokens)
+
+    @property
+    def recent_tokens(self) -> int:
+        return self._recent_tokens
+
+    @property
+    def recent_sequences(self) -> int:
+        return len(self._recent)
+
+    @property
+    def pool_entries(self) -> int:
+        return self._pool.entries()
+
+    # -- proposals -------------------------------------------------------------------------------
+
+    def propose(self, request_id: Hashable, max_tokens: int) -> list[int]:
+        """Up to max_tokens tokens that followed the longest earlier occurrence of the
+        request's suffix; empty when no suffix of min_ngram tokens or more occurred."""
+        return self.lookup(request_id, max_tokens).tokens
+
+    def lookup(self, request_id: Hashable, max_tokens: int) -> Proposal:
+        """`propose`, saying where the proposal comes from and how long the match was."""
+        request = self._requests[request_id]
+        tokens = request.tokens
+        if max_tokens < 1 or len(tokens) < self.min_ngram:
+            return Proposal([], "", 0)
+        hashes = request.tables.hashes(tokens, len(tokens) - 1)
+        own, own_end = 0, -1
+        for n in range(len(hashes) - 1, self.min_ngram - 1, -1):  # longest first
+            end = request.tables.by_length[n].get(hashes[n])
+            if end is not None and tokens[end - n + 1:end + 1] == tokens[len(tokens) - n:]:
+                own, own_end = n, end
+                break
+        for n in range(len(hashes) - 1, max(own, self.min_ngram - 1), -1):  # longer than own
+            hit = self._pool.by_length[n].get(hashes[n])
+            if hit is None:
+                continue
+            sequence, end = hit
+            recent = self._recent[sequence]
+            if recent[end - n + 1:end + 1] == tokens[len(tokens) - n:]:
+                return Proposal(recent[end + 1:end + 1 + max_tokens], "recent", n)
+        if not own:
+            return Proposal([], "", 0)
+        # Copy on from own_end + 1; past the end, from what is being copied (overlapping).
+        out: list[int] = []
+        length = len(tokens)
+        for j in range(max_tokens):
+            i = own_end + 1 + j
+            out.append(tokens[i] if i < length else out[i - length])
+        return Proposal(out, "own", own)
+
+
+def proposals_tensor(proposals: Sequence[Sequence[int]], gamma: int, batch: int | None = None,
+                     device: torch.device | str | None = None, fill: int = 0
+                     ) -> torch.Tensor:
+    """Row b's proposals, cut to gamma and padded with `fill` (the target rejects what does
+    not match, padding included): LongTensor [batch, gamma]; rows past len(proposals) (a
+    bucket's dummy rows) are all padding."""
+    batch = len(proposals) if batch is None else batch
+    out = torch.full((batch, gamma), fill, dtype=torch.long)
+    for b, row in enumerate(proposals):
+        row = list(row)[:gamma]
+        if row:
+            out[b, :len(row)] = torch.tensor(row, dtype=torch.long)
+    return out if device is None else out.to(device)
+
+
+# -- verification on the device -----------------------------------------------------------------
+
+
+def accept_proposals(proposals: torch.Tensor, q: torch.Tensor,
+                     generator: torch.Generator | None = None,
+                     keys: tuple[torch.Tensor, torch.Tensor] | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling of point-mass drafts (p_i = e_{x_i}): (num_accepted [B],
+    next_token [B]).
+
+    proposals: [B, gamma], x_1..x_gamma. q: [B, gamma + 1, V], the target's distributions
+    there and one past. x_i is accepted with probability q_i(x_i) (min(1, q/p) at p = 1),
+    in order; at the first rejection (n < gamma) the next token is drawn from
+        r(v) = max(0, q_n(v) - e_{x_n}(v)) / sum_w (...) = q_n(v) [v != x_n] / (1 - q_n(x_n)),
+    after gamma acceptances from q_gamma. Each emitted token then follows q:
+    P(v) = q(x) [v = x] + (1 - q(x)) r(v) = q(v). The same draws, in the same order, as
+    `sampling.accept_sampling` with one-hot p: the same tokens, without the [B, gamma, V] p.
+    keys: per-row random numbers instead of `generator`, as accept_sampling takes them.
+    """
+    B, gamma = proposals.shape
+    q = q.float()
+    q_x = q[:, :gamma].gather(2, proposals[:, :, None])[:, :, 0]  # [B, gamma] q_i(x_i)
+    if keys is not None:
+        seed, counter = keys
+        offsets = torch.arange(gamma, device=q.device)  # [gamma]
+        u = keyed_uniform(draw_keys(seed[:, None], counter[:, None] + offsets, PURPOSE_ACCEPT))
+    else:
+        u = torch.rand(B, gamma, device=q.device, generator=generator)  # U[0, 1)
+    n = accepted_prefix(u < q_x)  # [B]
+    index = n[:, None, None].expand(B, 1, q.shape[2])  # [B, 1, V]
+    q_n = q.gather(1, index)[:, 0]  # [B, V]
+    # x_n's mass removed where a proposal was rejected (n < gamma); the bonus keeps q_gamma.
+    padded = torch.cat([proposals, proposals.new_zeros(B, 1)], dim=1)  # [B, gamma + 1]
+    rejected = padded.gather(1, n[:, None])  # [B, 1]
+    residual = torch.where(n[:, None] < gamma, q_n.scatter(1, rejected, 0.0), q_n)
+    # All of q on the rejected token (q(x) = 1 can still be rejected by rounding): q itself.
+    has_mass = residual.sum(dim=-1, keepdim=True) > 0
+    residual = torch.where(has_mass, residual, q_n)
+    rng = generator if keys is None else draw_keys(keys[0], keys[1] + n, PURPOSE_RESIDUAL)
+    return n, sample(residual, rng)
+
+
+def suffix_step(target: ModelSteps, state: speculative.DecodeState, proposals: torch.Tensor,
+                vocab_size: int, do_sample: bool, generator: torch.Generator | None = None
+                ) -> torch.Tensor:
+    """The target verifies host-given proposals [B, gamma] (on the device) in one forward,
+    accepts on the device and advances: the speculative step with the suffix index as the
+    draft. Returns the packed result [B, gamma + 2], as `speculative.speculative_step`.
+
+    Needs the target's verify step for gamma (`add_verify_steps` for an engine without a
+    draft). The draft model is not run: its cache falls behind by up to gamma + 1 tokens a
+    row, which the next draft step must catch up (`speculative.resync_draft`).
+    Sampling draws from `generator`, or (None) the state's per-row keys, as speculative_step.
+    """
+    fused = not do_sample and fused_by_default(target.cache.seq_lens.device)
+    logits = speculative.verify(target, state, proposals, vocab_size, fused)  # [B, g + 1, V]
+    if not do_sample:  # the argmax in the logits' dtype: see speculative.choose
+        return speculative.finish_greedy(target, state, proposals, argmax(logits)).packed()
+    q = speculative.probs(state, logits.float())  # [B, gamma + 1, V]
+    keys = None if generator is not None else (state.seed, state.generated)
+    n, next_token = accept_proposals(proposals, q, generator, keys)
+    result = speculative._emit(proposals, n, next_token)
+    speculative._advance(target, state, result, speculative._new_last(state, proposals, n))
+    return result.packed()
+
+
+class SuffixProposals:
+    """The static device buffer a captured suffix iteration reads its proposals from:
+    `load` copies the host's proposals in (one copy), `iteration` is the step to run or
+    capture (runtime/step_graphs.py IterationGraph) once per gamma."""
+
+    def __init__(self, batch: int, max_gamma: int, device: torch.device) -> None:
+        self.buffer = torch.zeros(batch, max_gamma, dtype=torch.long, device=device)
+        self.host = torch.zeros(batch, max_gamma, dtype=torch.long,
+                                pin_memory=torch.device(device).type == "cuda")
+
+    def load(self, proposals: Sequence[Sequence[int]], gamma: int, fill: int = 0) -> None:
+        """Row b proposes proposals[b] (cut to gamma, padded with fill)."""
+        rows = proposals_tensor(proposals, gamma, self.buffer.shape[0], fill=fill)
+        self.host[:, :gamma].copy_(rows)
+        self.buffer[:, :gamma].copy_(self.host[:, :gamma], non_blocking=True)
+
+    def iteration(self, target: ModelSteps, state: speculative.DecodeState, gamma: int,
+                  vocab_size: int, do_sample: bool) -> Callable[[], torch.Tensor]:
+        proposals = self.buffer[:, :gamma]
+        return lambda: suffix_step(target, state, proposals, vocab_size, do_sample)
+
+
+def add_verify_steps(target: ModelSteps, gammas: Sequence[int], config: object,
+                     device: torch.device) -> list[int]:
+    """Build the target's verify step for each gamma it lacks (an engine built without a
+    draft has none), over the same model and cache; -> the gammas added. Where the model's
+    steps were not exported (eager fallback), nothing can be added."""
+    from fuser.build import add_step
+
+    view = getattr(target[DECODE].eager, "model", None)
+    if view is None:
+        raise ValueError("the target's steps keep no module (a loaded engine): its verify "
+                         "steps must be built with the engine")
+    added = []
+    for gamma in sorted(set(gammas)):
+        kind = verify_kind(gamma)
+        if kind not in target:
+            add_step(target, view, kind, config, device)
+            added.append(gamma)
+    return added
