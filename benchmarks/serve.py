@@ -449,13 +449,21 @@ def load_models(args: argparse.Namespace) -> tuple[object, object | None, object
     from fuser.models import DRAFT_PATH, PRESETS, TARGET_PATH
 
     if args.preset:
-        from engine_files import random_llama
-
         if args.draft:
             raise SystemExit("--draft with --preset: a random target's draft never agrees; "
                              "benchmarks/e2e.py measures that case")
+        import torch
+        import transformers
+
         device, dtype = device_and_dtype()
-        model = random_llama(dict(PRESETS[args.preset]), dtype, device, seed=0)
+        torch.manual_seed(0)
+        torch.set_default_dtype(dtype)  # built directly in dtype on device
+        try:
+            with torch.device(device):
+                model = transformers.LlamaForCausalLM(
+                    transformers.LlamaConfig(**PRESETS[args.preset])).eval()
+        finally:
+            torch.set_default_dtype(torch.float32)
         return model, None, None, f"{args.preset} (random weights, {str(dtype)[6:]})"
     model = args.model or str(TARGET_PATH)
     draft = args.draft if args.draft != "bundled" else str(DRAFT_PATH)
@@ -693,7 +701,7 @@ def serve_engine(pool: ProcessPoolExecutor, source: Source, engine: object, labe
     """Engine figures and static batches, then the levels through an in-process server."""
     result: dict = {"label": label}
     RESULTS.setdefault("systems", {})[label] = result
-    runs = args.runs or (3 if engine.device.type == "cuda" else 1)
+    runs = args.runs
     result["engine"] = engine_figures(engine, prompts[0], args.output_len, runs)
     if not args.no_static:
         result["static"] = static_batches(engine, prompts, args.levels, args.output_len, runs)
@@ -702,8 +710,15 @@ def serve_engine(pool: ProcessPoolExecutor, source: Source, engine: object, labe
     tokenizer = source.tokenizer or IdTokenizer(source.vocab_size)
     with InProcessServer(engine, tokenizer, source.name, max_waiting) as server:
         log(f"[{label}] serving {source.name} at {server.url}")
+        engine.stats.reset()
         result["levels"] = run_levels(pool, server.url, served_model(server.url, None), prompts,
                                       args, label)
+    if engine.draft is not None:  # what speculation did over every level's requests
+        stats = engine.stats
+        result["speculation"] = {"drafts": stats.num_drafts,
+                                 "mean_accepted_length": stats.mean_accepted_length}
+        log(f"[{label}] speculation over the levels: {stats.num_drafts} drafts, mean accepted "
+            f"length {stats.mean_accepted_length:.2f}")
     return result
 
 
@@ -858,9 +873,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              help="skip Hugging Face generate")
     comparisons.add_argument("--hf-requests", type=int, default=3,
                              help="Hugging Face requests, one after another")
-    comparisons.add_argument("--runs", type=int, default=None,
-                             help="timed runs of each engine figure and static batch, median "
-                                  "(default 3 on CUDA, 1 on CPU)")
+    comparisons.add_argument("--runs", type=int, default=3,
+                             help="timed runs of each engine figure and static batch (median)")
     comparisons.add_argument("--json", default=None, metavar="FILE", help="write every result")
     comparisons.add_argument("--out", default=None, metavar="DIR",
                              help="write DIR/serve.json and DIR/serve.png (benchmarks/gpu.sh)")
@@ -881,7 +895,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # engine_files, peers
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # peers
     import torch
     import transformers
 

@@ -236,6 +236,7 @@ def test_dry_run_serves_a_tiny_engine_and_compares(tmp_path: Path) -> None:
     assert time.perf_counter() - start < 120
 
 
+@pytest.mark.slow  # about 25 s on a 2-core CPU: a build, then a fresh process loads and serves
 @pytest.mark.skipif(serving_available() is not None, reason=str(serving_available()))
 def test_cold_start_times_fuser_serve_of_an_engine_directory(tmp_path: Path) -> None:
     """--cold-start alone: `fuser serve DIR` launched, /health 200, one request, SIGTERM ->
