@@ -72,6 +72,16 @@ class FuserConfig:
             launch-bound (small models at small batches); a large target that fills the GPU
             leaves the draft nothing to overlap with. The draft's KV cache keeps gamma more
             slots. Sampling keeps the standard step.
+        adapt_draft: distil the draft online on the traffic the scheduler serves
+            (runtime/distill.py): every distill_every finished requests, fine-tune a copy for at
+            most distill_budget_s seconds on the target's outputs, and swap it into the
+            engine's draft tensors only if it agrees better with the target on held-out recent
+            requests. The target's outputs never change. Needs a draft.
+        suffix_speculation: also propose tokens from the request's own context and recent
+            outputs (runtime/suffix.py); the scheduler's controller picks target-only, draft or
+            suffix per step (runtime/sources.py).
+        distill_every: finished requests between two draft updates.
+        distill_budget_s: seconds of fine-tuning per draft update.
     """
 
     precision: Precision = "auto"
@@ -87,6 +97,10 @@ class FuserConfig:
     fused_attention: bool = True
     fp8_lm_head: bool = True
     overlap: bool = False
+    adapt_draft: bool = False
+    suffix_speculation: bool = False
+    distill_every: int = 1000
+    distill_budget_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -97,6 +111,14 @@ class FuserConfig:
             raise ValueError(f"fp8_lm_head={self.fp8_lm_head!r} must be True or False")
         if not isinstance(self.overlap, bool):
             raise ValueError(f"overlap={self.overlap!r} must be True or False")
+        for name in ("adapt_draft", "suffix_speculation"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+        _check_positive_int("distill_every", self.distill_every)
+        if isinstance(self.distill_budget_s, bool) or not isinstance(
+                self.distill_budget_s, (int, float)) or not self.distill_budget_s > 0:
+            raise ValueError(f"distill_budget_s={self.distill_budget_s!r} must be a number of "
+                             "seconds > 0")
         if self.gamma != "auto":
             if isinstance(self.gamma, bool) or not isinstance(self.gamma, int):
                 raise ValueError(f"gamma={self.gamma!r} must be an int in 0..{MAX_GAMMA} or 'auto'")
