@@ -18,7 +18,7 @@ import threading
 import time
 from collections import deque
 
-from fuser.server.app import QueueFull, SamplingParams, SchedulerClosed
+from fuser.runtime.scheduler import QueueFull, SamplingParams, SchedulerClosed
 
 EOS = 1
 FIRST_ORDINARY = 3  # ids 0, 1, 2 are the bundled tokenizer's bos, eos, pad
@@ -133,15 +133,18 @@ class FakeScheduler:
     """The Scheduler API over FakeStream: `max_slots` rows, a waiting queue bounded by
     `max_waiting`, a step every `step_seconds`. `pause()` holds the stepping (requests then
     wait), `resume()` lets it go. submit raises RuntimeError for a prompt ending in
-    `fail_token` (an internal error, for the 500 test)."""
+    `fail_token` (an internal error, for the 500 test); a prompt ending in `error_token` ends
+    with finish_reason "error" after its first step (as when the real scheduler's step fails)."""
 
     def __init__(self, *, max_slots: int = 4, max_waiting: int = 64, max_seq_len: int = 256,
-                 step_seconds: float = 0.002, fail_token: int | None = None) -> None:
+                 step_seconds: float = 0.002, fail_token: int | None = None,
+                 error_token: int | None = None) -> None:
         self.max_slots = max_slots
         self.max_waiting = max_waiting
         self.max_seq_len = max_seq_len
         self.step_seconds = step_seconds
         self.fail_token = fail_token
+        self.error_token = error_token
         self.closed = False
         self._waiting: deque[FakeStream] = deque()
         self._running: list[FakeStream] = []
@@ -216,6 +219,9 @@ class FakeScheduler:
                 elif len(stream.output_ids) >= stream.params.max_tokens:
                     end = "length"
             del stream.output_ids[len(stream.output_ids) - len(tokens):]
+            if end is None and self.error_token is not None and tokens \
+                    and stream.prompt_ids[-1] == self.error_token and stream.output_ids:
+                tokens, end = [], "error"
             stream._deliver(tokens, end)
             if end is not None:
                 with self._lock:

@@ -18,10 +18,10 @@ from fuser.server.app import create_app
 from serve_fake import EOS, FakeScheduler, expected_ids
 from serve_util import TIMEOUT, metric, scrape, serving, sse_events, wait_for
 
-pytest.importorskip("fastapi")
 
 MODEL = "fake-model"
 FAIL_TOKEN = 7
+ERROR_TOKEN = 8
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def tokenizer():
 def server(tokenizer):
     """(url, scheduler): one fake-backed server for the module."""
     scheduler = FakeScheduler(max_slots=4, max_waiting=64, max_seq_len=128,
-                              fail_token=FAIL_TOKEN)
+                              fail_token=FAIL_TOKEN, error_token=ERROR_TOKEN)
     scheduler.start()
     try:
         with serving(create_app(scheduler, tokenizer, MODEL)) as running:
@@ -247,6 +247,20 @@ def test_internal_error_is_500_without_traceback_and_serving_goes_on(server, tok
     error = r.json()["error"]
     assert error["type"] == "internal_error" and "deliberate failure" in error["message"]
     assert "Traceback" not in r.text and "File " not in r.text
+    assert httpx.post(f"{url}/v1/completions", json=GOOD, timeout=TIMEOUT).status_code == 200
+
+
+def test_a_failed_step_is_500_or_an_error_event(server):
+    url, scheduler = server
+    body = {**GOOD, "prompt": [5, 6, ERROR_TOKEN], "max_tokens": 20}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT)
+    assert r.status_code == 500 and "failed while generating" in r.json()["error"]["message"]
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True},
+                      timeout=TIMEOUT) as r:
+        events = sse_events(r)
+    assert r.status_code == 200 and events[-1] == "[DONE]"
+    assert events[-2]["error"]["type"] == "internal_error"
+    wait_for(lambda: scheduler.slots_used == 0, 10, "the slots to be free")
     assert httpx.post(f"{url}/v1/completions", json=GOOD, timeout=TIMEOUT).status_code == 200
 
 

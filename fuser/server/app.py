@@ -34,10 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-try:
-    from fuser.runtime.scheduler import QueueFull, SamplingParams, SchedulerClosed
-except ImportError:  # TEMPORARY, until runtime/scheduler.py lands
-    from fuser.server._pending import QueueFull, SamplingParams, SchedulerClosed
+from fuser.runtime.scheduler import QueueFull, SamplingParams, SchedulerClosed
 from fuser.server.metrics import CONTENT_TYPE, ServingMetrics
 from fuser.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                    bad_request, parse, validation_error)
@@ -144,14 +141,23 @@ class Generation:
                     sent = n
             if not self.stops.stopped:
                 self.stops.feed(self.detok.flush())
+            if self.stream.finish_reason == "error":  # the scheduler's step failed
+                self.finish_reason = "error"
+                raise RuntimeError("the engine failed while generating this request (the "
+                                   "server's log has the cause)")
             if len(self.stops.text) > sent:
                 yield self.stops.text[sent:]
             self.finish_reason = "stop" if self.stops.stopped else (self.stream.finish_reason
                                                                     or "abort")
         finally:
-            if self.finish_reason is None and not self.stream.done:
-                self.stream.cancel()  # the client left (or an error): free the slot
-            self.record()
+            self.close()
+
+    def close(self) -> None:
+        """The response is over (complete, or its client left): free the slot if the request
+        still runs, and record it once."""
+        if self.finish_reason is None and not self.stream.done:
+            self.stream.cancel()
+        self.record()
 
     async def collect(self) -> str:
         async for _ in self.pieces():
@@ -237,6 +243,23 @@ async def _until_done_or_gone(request: Request, work: asyncio.Future) -> None:
         raise asyncio.CancelledError("the client disconnected")
 
 
+class EventStream(StreamingResponse):
+    """Server-sent events of one generation. However the response ends (its last event sent,
+    the client gone before or after the first event), the generation is closed: a request
+    nobody reads does not keep its slot."""
+
+    def __init__(self, events: AsyncIterator[str], generation: Generation) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self.generation = generation
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.generation.close()
+
+
 def _sse(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
@@ -309,10 +332,8 @@ def create_app(scheduler: Any = None, tokenizer: Any = None, model_name: str = "
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         if body.stream:
-            return StreamingResponse(_events(generation, rid, created, chat, echo,
-                                             body.include_usage),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return EventStream(_events(generation, rid, created, chat, echo, body.include_usage),
+                               generation)
         work = asyncio.ensure_future(generation.collect())
         try:
             await _until_done_or_gone(request, work)

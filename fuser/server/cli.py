@@ -122,8 +122,9 @@ def open_engine(args: argparse.Namespace) -> Any:
         engine = fuser.load(args.path, log=progress)
         rows = engine.config.max_batch_size
         if args.max_batch_size is not None and args.max_batch_size != rows:
+            plural = "" if rows == 1 else "s"
             raise ValueError(f"--max-batch-size {args.max_batch_size}: the engine {args.path} was "
-                             f"built for {rows} rows (rebuild it with fuser build "
+                             f"built for {rows} row{plural} (rebuild it with fuser build "
                              f"--max-batch-size {args.max_batch_size})")
         return engine
     if not (Path(args.path) / "config.json").is_file():

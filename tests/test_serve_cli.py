@@ -1,0 +1,203 @@
+"""The `fuser serve` command: SIGTERM drains and exits 0 (a subprocess serving an engine
+directory), a model directory is built with the batch bucket the scheduler needs, the drain
+timeout aborts what still runs, and user mistakes are one line and exit status 2.
+
+A tiny random Llama (vocabulary of the bundled tokenizer, so the server has a tokenizer) keeps
+the build and the subprocess's start to seconds."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import warnings
+
+import httpx
+import pytest
+import torch
+
+import fuser
+from fuser.cli import build_parser, main
+from fuser.models import TARGET_PATH
+from serve_util import TIMEOUT, wait_for
+
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """A random 2-layer Llama over the bundled tokenizer's 4096 ids, as a model directory."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    if not (TARGET_PATH / "tokenizer.json").is_file():
+        pytest.skip("the bundled tokenizer is not installed")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=2048, tie_word_embeddings=True,
+                         bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    path = tmp_path_factory.mktemp("serve_cli") / "tiny-llama"
+    LlamaForCausalLM(config).eval().save_pretrained(path)
+    AutoTokenizer.from_pretrained(str(TARGET_PATH)).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_engine_dir(tiny_model_dir):
+    """The tiny model's engine directory: one row (engine files keep the max_batch_size bucket
+    only, and the scheduler prefills through a bucket of 1)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = fuser.optimize(str(tiny_model_dir), config=fuser.FuserConfig(
+            max_batch_size=1, max_seq_len=1024, compile="fx"))
+    path = tiny_model_dir.parent / "engine"
+    engine.save(path)
+    return path
+
+
+def _ready_url(process: subprocess.Popen, seconds: float) -> str:
+    """The URL in `fuser serve: ready at URL (model NAME)`, read from stdout within `seconds`."""
+    deadline = time.monotonic() + seconds
+    selector = selectors.DefaultSelector()
+    selector.register(process.stdout, selectors.EVENT_READ)
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"fuser serve exited with {process.returncode} before ready")
+        if selector.select(timeout=1.0):
+            line = process.stdout.readline()
+            if line.startswith("fuser serve: ready at "):
+                assert line.rstrip().endswith(f"(model {MODEL})"), line
+                return line.split()[4]
+    raise AssertionError(f"fuser serve was not ready within {seconds} s")
+
+
+def test_sigterm_drains_and_exits_0(tiny_engine_dir, tmp_path):
+    """A streaming request runs; SIGTERM: /health and a new request answer 503 while the running
+    one finishes whole; then the process exits 0."""
+    stderr = open(tmp_path / "stderr.txt", "w+")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "fuser.server", str(tiny_engine_dir), "--port", "0",
+         "--served-model-name", MODEL, "--drain-timeout", "120", "--threads", "1"],
+        stdout=subprocess.PIPE, stderr=stderr, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        url = _ready_url(process, 240)
+        assert httpx.get(f"{url}/health", timeout=TIMEOUT).status_code == 200
+        body = {"model": MODEL, "prompt": "def f(x):", "max_tokens": 1000, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=TIMEOUT) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            process.send_signal(signal.SIGTERM)
+            wait_for(lambda: httpx.get(f"{url}/health", timeout=TIMEOUT).status_code == 503, 30,
+                     "/health to answer 503")
+            refused = httpx.post(f"{url}/v1/completions", timeout=TIMEOUT,
+                                 json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+            assert refused.status_code == 503
+            assert refused.json()["error"]["code"] == "draining"
+            events = [line[6:] for line in [first, *lines] if line.startswith("data: ")]
+        assert process.poll() is None or process.returncode == 0
+        assert events[-1] == "[DONE]"
+        last = json.loads(events[-2])["choices"][0]
+        assert last["finish_reason"] == "length"  # it ran to the end, not aborted
+        assert process.wait(timeout=120) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+        stderr.seek(0)
+        log = stderr.read()
+        stderr.close()
+    assert "drained in" in log, log[-2000:]
+
+
+def test_a_model_directory_is_built_with_a_bucket_of_1(tiny_model_dir):
+    from fuser.server.cli import open_engine
+
+    args = argparse.Namespace(path=str(tiny_model_dir), draft=None, max_batch_size=2,
+                              max_seq_len=128)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = open_engine(args)
+    assert engine.config.max_batch_size == 2 and 1 in engine.buckets
+    assert engine.tokenizer is not None
+
+
+def test_the_drain_timeout_aborts_what_still_runs(tmp_path):
+    from serve_fake import FakeScheduler
+    from transformers import AutoTokenizer
+
+    from fuser.server.app import create_app
+    from fuser.server.cli import drain
+    from serve_util import serving
+
+    scheduler = FakeScheduler(step_seconds=0.05)
+    scheduler.start()
+    tokenizer = AutoTokenizer.from_pretrained(str(TARGET_PATH))
+    try:
+        app = create_app(scheduler, tokenizer, MODEL)
+        with serving(app) as running:
+            result = {}
+
+            def client() -> None:
+                r = httpx.post(f"{running.url}/v1/completions", timeout=TIMEOUT, json={
+                    "model": MODEL, "prompt": "x", "max_tokens": 200, "ignore_eos": True})
+                result["response"] = r
+
+            thread = threading.Thread(target=client)
+            thread.start()
+            wait_for(lambda: scheduler.num_running == 1, 10, "the request to run")
+            start = time.perf_counter()
+            assert drain(app.state.serving, scheduler, running, timeout=0.5) == 0
+            assert time.perf_counter() - start < 10
+            thread.join(30)
+            r = result["response"]
+            assert r.status_code == 200
+            assert r.json()["choices"][0]["finish_reason"] == "abort"
+    finally:
+        scheduler.close()
+
+
+def _run(argv: list[str], capsys) -> tuple[int, str]:
+    code = main(argv)
+    err = capsys.readouterr().err
+    return code, err
+
+
+def test_user_mistakes_are_one_line(tiny_model_dir, tiny_engine_dir, capsys):
+    code, err = _run(["serve", str(tiny_model_dir / "missing")], capsys)
+    assert code == 2 and err.count("\n") == 1 and "no such directory" in err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        code, err = _run(["serve", str(tiny_model_dir), "--port", str(port)], capsys)
+    assert code == 2 and err.count("\n") == 1 and "already in use" in err
+    code, err = _run(["serve", str(tiny_engine_dir), "--port", "0", "--draft",
+                      str(tiny_model_dir)], capsys)
+    assert code == 2 and "its draft is built in" in err.splitlines()[-1]
+    code, err = _run(["serve", str(tiny_engine_dir), "--port", "0", "--max-batch-size", "4"],
+                     capsys)
+    assert code == 2 and "built for 1 row " in err.splitlines()[-1]
+    code, err = _run(["serve", str(tiny_model_dir), "--drain-timeout", "-1"], capsys)
+    assert code == 2 and "--drain-timeout" in err
+
+
+def test_every_serve_option_has_help():
+    parser = build_parser()
+    serve = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)
+                 ).choices["serve"]
+    for action in serve._actions:
+        assert action.help, action.option_strings or action.dest
+    args = parser.parse_args(["serve", "somewhere"])
+    assert (args.host, args.port, args.drain_timeout, args.max_waiting) == \
+        ("127.0.0.1", 8000, 30.0, 256)
