@@ -44,7 +44,6 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import signal
 import socket
 import subprocess
@@ -722,7 +721,7 @@ def serve_engine(pool: ProcessPoolExecutor, source: Source, engine: object, labe
     return result
 
 
-def criteria(args: argparse.Namespace) -> list[str]:
+def criteria() -> list[str]:
     """Issue #40's serving figures, where this run measured them."""
     lines = []
     systems = RESULTS.get("systems", {})
@@ -944,7 +943,7 @@ def main(argv: list[str] | None = None) -> None:
                 RESULTS["hf"] = hf_sequential(source.model, prompts, args.output_len,
                                               args.hf_requests)
     save(args.json)
-    log("\n" + "\n".join(criteria(args)))
+    log("\n" + "\n".join(criteria()))
     save(args.json)
     if args.plot and serve_here:
         try:

