@@ -285,6 +285,7 @@ def test_load_300_requests_32_at_a_time_10_percent_leave(server, references):
             await asyncio.wait_for(asyncio.gather(*(one(c, gate, i)
                                                     for i in range(LOAD_REQUESTS))), 600)
 
+    aborted = metric(scrape(url), "fuser_request_success_total", 'finished_reason="abort"')
     start = time.perf_counter()
     asyncio.run(run())
     seconds = time.perf_counter() - start
@@ -294,5 +295,9 @@ def test_load_300_requests_32_at_a_time_10_percent_leave(server, references):
         assert got == references.greedy(prompt, max_tokens), (i, prompt, max_tokens)
     wait_for(lambda: scheduler.slots_used == 0 and scheduler.num_waiting == 0, 30,
              "no slot leak")
-    assert metric(scrape(url), "fuser_num_requests_running") == 0
+    after = scrape(url)
+    assert metric(after, "fuser_num_requests_running") == 0
+    # every client that left was cancelled (60 tokens take many steps; leaving takes one)
+    assert metric(after, "fuser_request_success_total", 'finished_reason="abort"') - aborted \
+        == len(leaving)
     print(f"load test: {LOAD_REQUESTS} requests in {seconds:.1f} s")

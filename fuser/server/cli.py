@@ -126,6 +126,12 @@ def open_engine(args: argparse.Namespace) -> Any:
             raise ValueError(f"--max-batch-size {args.max_batch_size}: the engine {args.path} was "
                              f"built for {rows} row{plural} (rebuild it with fuser build "
                              f"--max-batch-size {args.max_batch_size})")
+        if 1 not in engine.buckets:
+            raise ValueError(f"the engine {args.path} holds batch bucket(s) "
+                             f"{sorted(engine.buckets)} but the scheduler prefills through a "
+                             "bucket of 1: serve the model directory it was built from (fuser "
+                             f"serve MODEL_DIR --max-batch-size {rows}), or an engine built with "
+                             "--max-batch-size 1")
         return engine
     if not (Path(args.path) / "config.json").is_file():
         raise ValueError(f"{args.path} is neither an engine directory (manifest.json) nor a "
@@ -180,7 +186,7 @@ def run_serve(args: argparse.Namespace) -> int:
     sock = bind(args.host, args.port)
     app = create_app(None, None, name, api_key=args.api_key)
     serving = app.state.serving
-    serving.adapt_draft = not args.no_adapt_draft  # recorded; the adaptive draft is a later issue
+    serving.adapt_draft = not args.no_adapt_draft  # a no-op until the adaptive speculator
     server = ServerThread(app, sock=sock, log_level=args.log_level,
                           graceful_seconds=min(5.0, args.drain_timeout + 1.0))
     signals = {"count": 0}
