@@ -8,8 +8,7 @@
 from fuser.config import FuserConfig
 from fuser.engine import Engine
 from fuser.engine_file import EngineFileError
-from fuser.engine_io import load
-from fuser.pipeline import optimize
+from fuser.pipeline import load, optimize
 from fuser.report import Report, SpecStats
 from fuser.runtime.scheduler import SamplingParams, Scheduler
 

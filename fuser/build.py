@@ -15,9 +15,8 @@ import torch
 from torch import nn
 
 from fuser.capture import StepModule, export_step
-from fuser.compile_cpu import CpuStep
+from fuser.compile import CompiledStep
 from fuser.config import FuserConfig
-from fuser.engine_file import EngineFileError, portable_module
 from fuser.numerics import FP8_SELF_CHECK_TOLERANCE, SELF_CHECK_TOLERANCE, relative_error
 from fuser.ops.fp8 import emulated_fp8
 from fuser.passes import PassContext, run_passes
@@ -100,26 +99,14 @@ def add_step(steps: ModelSteps, view: nn.Module, kind: StepKind, config: FuserCo
     # Prefill (dynamic T) runs once per request: on the GPU its ATen kernels are long enough;
     # Inductor is kept for the fixed-T steps that run once per token.
     if compile_mode(config, device, view) == "inductor" and kind.fixed:
-        graph.compiled = compile_step(compilable(graph.rewritten), device)
+        graph.compiled = compile_step(graph.rewritten, device)
     return graph
 
 
 def compile_step(gm: torch.fx.GraphModule, device: torch.device) -> StepFn:
-    """Inductor over a rewritten fixed-T step: `torch.compile` on CUDA; on CPU the C++ backend
-    with the fused ops' references inlined, without Dynamo (fuser/compile_cpu.py). Compiles
-    on the first call."""
-    if device.type == "cpu":
-        return CpuStep(gm)
-    return torch.compile(gm, fullgraph=True, dynamic=False)
-
-
-def compilable(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """What Inductor compiles for `gm`: the module a loaded engine rebuilds (so compile-cache
-    artifacts saved with the engine hit on load), or `gm` itself if it cannot be saved."""
-    try:
-        return portable_module(gm)
-    except EngineFileError:
-        return gm
+    """Inductor over a rewritten fixed-T step, without Dynamo (fuser/compile.py; on CPU the C++
+    backend with the fused ops' references inlined). Compiles on the first call."""
+    return CompiledStep(gm, device)
 
 
 @torch.no_grad()

@@ -7,7 +7,7 @@ Layout of an engine directory (every file is listed in the manifest with its siz
     <model>/weights.safetensors        every tensor the model's graphs read, each storage once
     <model>/graphs/<graph>.json        the FX graph, node by node (what load rebuilds)
     <model>/graphs/<graph>.py          the same graph as Python, for reading only (never executed)
-    <extra files>                      tokenizer, generation config, compile-cache artifacts ...
+    <extra files>                      tokenizer, generation config, compiled code ...
 
 A graph is stored as data, not as code: loading builds an `fx.Graph` node by node and resolves
 call targets only among `torch.ops.*` overloads and a few pure Python modules (`operator`,
@@ -44,7 +44,7 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 FORMAT = "fuser-engine"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: every batch bucket's graphs, compiled code per graph
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
 # Python modules whose functions a stored graph may call (besides torch.ops overloads).
@@ -193,25 +193,6 @@ def graph_from_json(data: Mapping[str, Any], device: torch.device) -> fx.Graph:
     return graph
 
 
-def portable_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """`gm` exactly as `load_engine` will rebuild it: its graph through the JSON form, over the
-    same tensors as plain (non-Parameter) tensors, in a "LoadedStep" module.
-
-    Compile this, not `gm`, at build time: Inductor's cache keys then match the loaded
-    engine's, so the saved compile-cache artifacts hit instead of generating code again
-    (measured on CPU: the export module misses, this one hits in a fresh process).
-    """
-    tensors = {}
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            t = _attr(gm, node.target)
-            tensors[node.target] = t if type(t) is torch.Tensor else t.detach()
-    # device arguments are decoded as load decodes them: the device the tensors live on
-    device = next((t.device for t in tensors.values()), torch.device("cpu"))
-    graph = graph_from_json(json.loads(json.dumps(graph_to_json(gm.graph))), device)
-    return fx.GraphModule(tensors, graph, class_name="LoadedStep")
-
-
 # ---------------------------------------------------------------------------------------------
 # Weights: every storage once, each named tensor a view into one of them
 # ---------------------------------------------------------------------------------------------
@@ -317,10 +298,8 @@ def _version(module: str) -> str | None:
 
 def environment(device: torch.device) -> dict[str, Any]:
     """What an engine built on `device` depends on: versions, device type, GPU and its cc."""
-    import fuser
-
     env: dict[str, Any] = {
-        "fuser": fuser.__version__, "torch": torch.__version__, "triton": _version("triton"),
+        "fuser": _version("fuser"),  # (imported: this module is part of it) "torch": torch.__version__, "triton": _version("triton"),
         "transformers": _version("transformers"), "python": platform.python_version(),
         "device_type": device.type, "gpu_name": None, "compute_capability": None,
     }
@@ -489,7 +468,7 @@ def save_engine(path: str | Path, models: Mapping[str, Mapping[str, fx.GraphModu
     one model may share tensors; each storage is written once.
     runtime_buffers: get_attr targets not to save (the KV cache); load re-attaches them.
     extra: more files to store (relative name -> bytes, or a file to copy): tokenizer,
-    generation config, compile-cache artifacts. info: free-form JSON (shapes compiled, ...).
+    generation config, compiled code. info: free-form JSON (shapes compiled, ...).
     """
     path = Path(path)
     if path.exists() and not overwrite:
@@ -620,33 +599,9 @@ def _runtime_buffers(specs: Mapping[str, Mapping[str, Any]], given: Mapping[str,
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# Inductor's portable compile cache ("mega-cache")
-# ---------------------------------------------------------------------------------------------
-
-
-def compile_cache_bytes() -> bytes | None:
-    """Inductor/AOTAutograd/Triton cache entries made by this process's compiles, as one blob."""
-    saved = torch.compiler.save_cache_artifacts()
-    return None if saved is None else saved[0]
-
-
-def install_compile_cache(blob: bytes) -> None:
-    """Make the entries of `compile_cache_bytes` available to this process's torch.compile."""
-    torch.compiler.load_cache_artifacts(blob)
-
-
-def compile_cache_counts() -> dict[str, int]:
-    """Inductor FX-graph cache hits and misses so far: a miss after load means a recompile."""
-    from torch._dynamo.utils import counters
-
-    inductor = counters["inductor"]
-    return {"hit": int(inductor["fxgraph_cache_hit"]), "miss": int(inductor["fxgraph_cache_miss"])}
-
-
 __all__ = [
     "EngineFileError", "LoadedEngine", "check_environment", "check_files", "check_sources",
-    "compile_cache_bytes", "compile_cache_counts", "environment", "file_digest", "graph_from_json",
-    "graph_to_json", "install_compile_cache", "load_engine", "pack_tensors", "portable_module", "read_manifest",
+    "environment", "file_digest", "graph_from_json", "graph_to_json", "load_engine",
+    "pack_tensors", "read_manifest",
     "save_engine", "source_hash", "unpack_tensors",
 ]

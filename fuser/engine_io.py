@@ -4,42 +4,52 @@ The directory format (manifest, weights, JSON graphs, atomic writes, refusals) i
 `fuser/engine_file.py`'s; this module decides what of an Engine goes in it and how a loaded one
 is put back together:
 
-- every rewritten step graph of the target and the draft (each model's tensors once: merged
-  weights, and whatever a pass registered on the graph, e.g. FP8 weights and their scales);
+- every rewritten step graph of the target and the draft, in every batch bucket (each model's
+  tensors once: merged weights, and whatever a pass registered on the graph, e.g. FP8 weights
+  and their scales); a graph of the largest bucket is stored under its step's name
+  ("decode1"), one of a smaller bucket b under "decode1.b<b>";
 - the KV cache is not saved: its shapes are in the manifest (`info.models`), and load allocates
-  a fresh cache and attaches it to every graph of its model;
-- the tokenizer (`tokenizer/`), the generation config (eos/pad ids used by `generate`), and, when
-  steps were compiled by Inductor, the compile-cache artifacts (`compile_cache.bin`).
+  a fresh cache and attaches it (rows [:b] of it to bucket b's graphs);
+- the compiled code of every step Inductor compiled (`<model>/compiled/<graph>.bin`, a
+  `torch._inductor.CompiledArtifact`, fuser/compile.py);
+- the tokenizer (`tokenizer/`), the generation config (eos/pad ids used by `generate`), and
+  the iteration costs measured at build time (gamma="auto").
 
 A loaded engine has no Hugging Face model: `Engine.user_target` is a `DetachedModel` that carries
 the generation config and raises a clear error if anything tries to run it. Loading runs
-neither `torch.export` nor the passes; with Inductor steps it installs the saved compile cache
-before `torch.compile` so Inductor finds its code instead of generating it again.
+neither `torch.export` nor the passes nor Dynamo or Inductor: compiled steps come back from
+their artifacts (`fuser.compile.compile_count()` does not move). `open_engine` reads the parts;
+`fuser.pipeline.load` puts the Engine together from them (this module does not import
+`fuser.engine`, which imports it for `Engine.save`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fuser import engine_file as ef
-from fuser.build import compile_step, warm_up
+from fuser.build import warm_up
+from fuser.compile import CompiledStep
 from fuser.config import FuserConfig
-from fuser.engine import Engine
 from fuser.engine_file import EngineFileError
 from fuser.runtime.kv_cache import KVCache
 from fuser.runtime.steps import ModelSteps, StepGraph, StepKind
 
+if TYPE_CHECKING:
+    from fuser.engine import Engine
+
 TOKENIZER_DIR = "tokenizer"
 GENERATION_CONFIG = "generation_config.json"
-COMPILE_CACHE = "compile_cache.bin"
+COMPILED_DIR = "compiled"
 Log = Callable[[str], None]
 
 
@@ -55,9 +65,11 @@ def pass_names() -> list[str]:
     return [p.name for p in PASSES]
 
 
-def cache_buffer_names(num_layers: int) -> list[str]:
-    """get_attr targets of the KV cache in a step graph (`fuser.capture.StepModule`'s buffers)."""
-    return [f"{kv}_cache_{i}" for i in range(num_layers) for kv in "kv"]
+def cache_buffer_names(num_layers: int, bucket: int | None = None) -> list[str]:
+    """get_attr targets of the KV cache in a step graph (`fuser.capture.StepModule`'s buffers),
+    as built; with `bucket`, as stored for a bucket below the largest ("k_cache_0__b4")."""
+    suffix = "" if bucket is None else f"__b{bucket}"
+    return [f"{kv}_cache_{i}{suffix}" for i in range(num_layers) for kv in "kv"]
 
 
 class DetachedModel:
@@ -87,63 +99,136 @@ def config_dict(config: FuserConfig) -> dict[str, Any]:
     return out
 
 
-def graph_key(kind: StepKind) -> str:
+def graph_key(kind: StepKind, bucket: int | None = None) -> str:
     """A step's file name in the engine directory: its kind's name and T (a model may have
-    several verify steps, one per gamma)."""
-    return kind.name if kind.tokens is None else f"{kind.name}{kind.tokens}"
+    several verify steps, one per gamma), and the bucket unless it is the largest."""
+    key = kind.name if kind.tokens is None else f"{kind.name}{kind.tokens}"
+    return key if bucket is None else f"{key}.b{bucket}"
 
 
-def model_info(steps: ModelSteps) -> dict[str, Any]:
-    """What load needs to rebuild `steps` around loaded graphs: cache shape and step kinds."""
+def model_buckets(engine: Engine, role: str) -> dict[int, ModelSteps]:
+    """Batch size -> the steps of `role` ("target", "draft") in that bucket."""
+    out = {}
+    for size, bucket in sorted(engine.buckets.items()):
+        steps = getattr(bucket, role)
+        if steps is not None:
+            out[size] = steps
+    if not out:  # no buckets (an engine built without them): the top steps alone
+        steps = getattr(engine, role)
+        if steps is not None:
+            out[steps.cache.batch_size] = steps
+    return out
+
+
+def model_info(buckets: dict[int, ModelSteps]) -> dict[str, Any]:
+    """What load needs to rebuild a model's steps in every bucket around loaded graphs: cache
+    shape, step kinds, and per stored graph its bucket, kind and whether it was compiled."""
+    top = max(buckets)
+    steps = buckets[top]
     cache = steps.cache
     _, slots, kv_heads, head_dim = cache.k[0].shape  # [B, S, kv_heads, D]
+    graphs = {}
+    for size, bucket_steps in buckets.items():
+        for kind, g in bucket_steps.steps.items():
+            graphs[graph_key(kind, None if size == top else size)] = {
+                "name": g.name, "bucket": size, "matches": g.matches, "fused_ops": g.fused_ops,
+                "compiled": g.compiled is not None}
     return {
         "kinds": [[k.name, k.tokens] for k in steps.steps],
         "batch": cache.batch_size, "slots": slots, "layers": len(cache.k),
         "kv_heads": kv_heads, "head_dim": head_dim,
         "cache_dtype": str(cache.k[0].dtype).removeprefix("torch."),
         "vocab_size": steps.vocab_size,
-        "graphs": {g.name: {"matches": g.matches, "fused_ops": g.fused_ops,
-                            "compiled": g.compiled is not None} for g in steps.steps.values()},
+        "buckets": sorted(buckets),
+        "graphs": graphs,
         "fallbacks": list(steps.fallbacks),
     }
 
 
-def savable_models(engine: Engine) -> dict[str, ModelSteps]:
-    """role -> steps, refusing an engine with nothing compiled to save."""
+def savable_models(engine: Engine) -> dict[str, dict[int, ModelSteps]]:
+    """role -> batch size -> steps, refusing an engine with nothing compiled to save."""
     if engine.target is None:
         raise EngineFileError("this engine runs its target in eager Hugging Face PyTorch "
                               f"(fallbacks: {engine.report().fallbacks}); there is no compiled "
                               "graph to save")
-    models = {"target": engine.target}
-    if engine.draft is not None:
-        models["draft"] = engine.draft
-    for steps in models.values():
-        for graph in steps.steps.values():
-            if graph.rewritten is None:
-                raise EngineFileError(f"{graph.name} has no rewritten graph (it runs eagerly): "
-                                      "cannot save it")
+    models = {role: model_buckets(engine, role) for role in ("target", "draft")}
+    models = {role: buckets for role, buckets in models.items() if buckets}
+    for buckets in models.values():
+        for steps in buckets.values():
+            for graph in steps.steps.values():
+                if graph.rewritten is None:
+                    raise EngineFileError(f"{graph.name} has no rewritten graph (it runs "
+                                          "eagerly): cannot save it")
     return models
 
 
-def extra_files(engine: Engine, scratch: Path) -> dict[str, bytes | Path]:
-    """Tokenizer, generation config and compile cache, as save_engine's `extra`."""
+def renamed_buffers(gm: torch.fx.GraphModule, names: dict[str, str]) -> torch.fx.GraphModule:
+    """A copy of `gm` whose get_attr targets in `names` read under their new names (the same
+    tensors; the original module is left as it is)."""
+    graph = torch.fx.Graph()
+    graph._codegen = gm.graph._codegen
+    output = graph.graph_copy(gm.graph, {})
+    graph.output(output)
+    attributes: dict[str, Any] = {}
+    for node in graph.nodes:
+        if node.op in ("get_attr", "call_module"):  # (call_module: export's input guard)
+            value = functools.reduce(getattr, node.target.split("."), gm)
+            node.target = names.get(node.target, node.target)
+            attributes[node.target] = value
+    return torch.fx.GraphModule(attributes, graph, class_name="StoredStep")
+
+
+def stored_graphs(role_buckets: dict[int, ModelSteps]) -> dict[str, torch.fx.GraphModule]:
+    """Graph key -> the module to store: bucket b's graphs below the largest read their cache
+    rows under the names of `cache_buffer_names(layers, b)`."""
+    top = max(role_buckets)
+    out = {}
+    for size, steps in role_buckets.items():
+        layers = len(steps.cache.k)
+        names = dict(zip(cache_buffer_names(layers), cache_buffer_names(layers, size)))
+        for kind, g in steps.steps.items():
+            if size == top:
+                out[graph_key(kind)] = g.rewritten
+            else:
+                out[graph_key(kind, size)] = renamed_buffers(g.rewritten, names)
+    return out
+
+
+def compiled_files(models: dict[str, dict[int, ModelSteps]], scratch: Path
+                   ) -> dict[str, Path]:
+    """`<role>/compiled/<graph key>.bin` -> the artifact written under `scratch`, for every
+    step Inductor compiled."""
+    files = {}
+    for role, role_buckets in models.items():
+        top = max(role_buckets)
+        for size, steps in role_buckets.items():
+            for kind, g in steps.steps.items():
+                if g.compiled is None:
+                    continue
+                if not isinstance(g.compiled, CompiledStep) or g.compiled.artifact is None:
+                    raise EngineFileError(f"{g.name} (bucket {size}) was compiled but has no "
+                                          "compiled code to save (it never ran)")
+                rel = f"{role}/{COMPILED_DIR}/{graph_key(kind, None if size == top else size)}.bin"
+                path = scratch / rel
+                path.parent.mkdir(parents=True, exist_ok=True)
+                g.compiled.save_artifact(path)
+                files[rel] = path
+    return files
+
+
+def extra_files(engine: Engine, models: dict[str, dict[int, ModelSteps]], scratch: Path
+                ) -> dict[str, bytes | Path]:
+    """Tokenizer, generation config and compiled code, as save_engine's `extra`."""
     extra: dict[str, bytes | Path] = {}
     if engine.tokenizer is not None:
-        engine.tokenizer.save_pretrained(str(scratch))
-        for path in sorted(p for p in scratch.rglob("*") if p.is_file()):
-            extra[f"{TOKENIZER_DIR}/{path.relative_to(scratch).as_posix()}"] = path
+        tokenizer_dir = scratch / TOKENIZER_DIR
+        engine.tokenizer.save_pretrained(str(tokenizer_dir))
+        for path in sorted(p for p in tokenizer_dir.rglob("*") if p.is_file()):
+            extra[f"{TOKENIZER_DIR}/{path.relative_to(tokenizer_dir).as_posix()}"] = path
     generation_config = getattr(engine.user_target, "generation_config", None)
     if generation_config is not None:
         extra[GENERATION_CONFIG] = generation_config.to_json_string().encode()
-    compiled = any(g.compiled is not None for m in (engine.target, engine.draft) if m is not None
-                   for g in m.steps.values())
-    if compiled:
-        blob = ef.compile_cache_bytes()
-        if blob is None:
-            raise EngineFileError("the engine's steps were compiled by Inductor but this process "
-                                  "has no compile-cache artifacts to save")
-        extra[COMPILE_CACHE] = blob
+    extra.update(compiled_files(models, scratch))
     return extra
 
 
@@ -155,29 +240,30 @@ def save(engine: Engine, path: str | Path, overwrite: bool = False,
     (its Hugging Face column) and `fuser inspect`.
     """
     models = savable_models(engine)
-    graphs = {role: {graph_key(kind): g.rewritten for kind, g in steps.steps.items()}
-              for role, steps in models.items()}
-    runtime = {name for steps in models.values() for name in cache_buffer_names(len(steps.cache.k))}
+    graphs = {role: stored_graphs(role_buckets) for role, role_buckets in models.items()}
+    runtime = {name for role_buckets in models.values() for size, steps in role_buckets.items()
+               for name in cache_buffer_names(len(steps.cache.k),
+                                              None if size == max(role_buckets) else size)}
+    infos = {role: model_info(role_buckets) for role, role_buckets in models.items()}
     info = {
         "engine": {"dtype": str(engine.dtype).removeprefix("torch."), "gamma": engine.gamma,
                    "vocab_size": engine.vocab_size,
                    "build_seconds": engine.compile_seconds,
-                   "compile": "inductor" if any(i["compiled"] for m in models.values()
-                                                for i in model_info(m)["graphs"].values())
-                   else "fx",
+                   "compile": "inductor" if any(g["compiled"] for i in infos.values()
+                                                for g in i["graphs"].values()) else "fx",
                    "fallbacks": list(engine._fallbacks),
-                   # gamma="auto": the iteration costs measured at build time, per gamma, of the
-                   # bucket the file keeps (max_batch_size); a load reuses them (same device
-                   # kind, the manifest checks) instead of timing every gamma again.
-                   "step_costs": {str(g): s for g, s in
-                                  engine.step_costs.get(engine.config.max_batch_size, {}).items()}},
-        "models": {role: model_info(steps) for role, steps in models.items()},
+                   # gamma="auto": the iteration costs measured at build time, per bucket and
+                   # gamma; a load reuses them (same device kind, the manifest checks)
+                   # instead of timing every gamma again.
+                   "step_costs": {str(b): {str(g): s for g, s in costs.items()}
+                                  for b, costs in engine.step_costs.items()}},
+        "models": infos,
         "source": dict(source or {}),
     }
     with tempfile.TemporaryDirectory() as scratch:
         return ef.save_engine(path, graphs, config=config_dict(engine.config),
                               device=engine.device, passes=pass_names(), runtime_buffers=runtime,
-                              extra=extra_files(engine, Path(scratch)), info=info,
+                              extra=extra_files(engine, models, Path(scratch)), info=info,
                               overwrite=overwrite)
 
 
@@ -206,6 +292,21 @@ def allocate_caches(info: dict[str, Any], device: torch.device) -> dict[str, KVC
     return caches
 
 
+def cache_buffers(info: dict[str, Any], caches: dict[str, KVCache]
+                  ) -> dict[str, dict[str, torch.Tensor]]:
+    """role -> stored buffer name -> tensor: the whole cache for the largest bucket's graphs,
+    rows [:b] of it for bucket b's."""
+    out = {}
+    for role, cache in caches.items():
+        buckets = info["models"][role].get("buckets", [cache.batch_size])
+        out[role] = {}
+        for size in buckets:
+            rows = cache.rows(size)
+            names = cache_buffer_names(len(cache.k), None if size == max(buckets) else size)
+            out[role].update(zip(names, [t for pair in zip(rows.k, rows.v) for t in pair]))
+    return out
+
+
 def no_eager(name: str, source: str) -> Callable[..., torch.Tensor]:
     """`StepGraph.eager` of a loaded step: there is no eager module to fall back to."""
     def step(*args: object) -> torch.Tensor:
@@ -214,26 +315,37 @@ def no_eager(name: str, source: str) -> Callable[..., torch.Tensor]:
 
 
 def model_steps(role: str, info: dict[str, Any], cache: KVCache,
-                graphs: dict[str, torch.fx.GraphModule], source: str) -> ModelSteps:
-    """ModelSteps over loaded rewritten graphs (not compiled yet)."""
-    steps = ModelSteps(role, cache, info["vocab_size"], fallbacks=info.get("fallbacks", []))
-    for name, tokens in info["kinds"]:
-        kind = StepKind(name, tokens)
-        full = f"{role}.{name}"
-        recorded = info["graphs"].get(full, {})
-        steps.steps[kind] = StepGraph(full, kind, eager=no_eager(full, source),
-                                      rewritten=graphs[graph_key(kind)],
-                                      matches=dict(recorded.get("matches", {})),
-                                      fused_ops=dict(recorded.get("fused_ops", {})))
-    return steps
-
-
-def compile_steps(steps: ModelSteps, info: dict[str, Any], device: torch.device) -> None:
-    """Compile the steps that were compiled at build time (fixed T, Inductor) as the build did
-    (`fuser.build.compile_step`)."""
-    for graph in steps.steps.values():
-        if info["graphs"].get(graph.name, {}).get("compiled"):
-            graph.compiled = compile_step(graph.rewritten, device)
+                graphs: dict[str, torch.fx.GraphModule], directory: Path,
+                device: torch.device) -> dict[int, ModelSteps]:
+    """Batch size -> the model's steps in that bucket, over the loaded rewritten graphs; each
+    step compiled at build time comes back from its saved artifact (nothing is compiled)."""
+    source = str(directory)
+    buckets = info.get("buckets", [cache.batch_size])
+    top = max(buckets)
+    out = {}
+    for size in buckets:
+        steps = ModelSteps(role, cache.rows(size), info["vocab_size"],
+                           fallbacks=info.get("fallbacks", []))
+        for name, tokens in info["kinds"]:
+            kind = StepKind(name, tokens)
+            key = graph_key(kind, None if size == top else size)
+            recorded = info["graphs"].get(key)
+            if recorded is None or key not in graphs:
+                raise EngineFileError(f"{directory}: {role} graph {key} is missing from the "
+                                      "manifest")
+            full = f"{role}.{name}"
+            graph = StepGraph(full, kind, eager=no_eager(full, source), rewritten=graphs[key],
+                              matches=dict(recorded["matches"]),
+                              fused_ops=dict(recorded["fused_ops"]))
+            if recorded["compiled"]:
+                artifact = directory / role / COMPILED_DIR / f"{key}.bin"
+                if not artifact.is_file():
+                    raise EngineFileError(f"{directory}: the compiled code of {role} {key} "
+                                          f"({artifact.relative_to(directory)}) is missing")
+                graph.compiled = CompiledStep.from_artifact(graph.rewritten, artifact, device)
+            steps.steps[kind] = graph
+        out[size] = steps
+    return out
 
 
 def load_extras(directory: Path) -> tuple[object | None, object | None]:
@@ -250,60 +362,64 @@ def load_extras(directory: Path) -> tuple[object | None, object | None]:
     return tokenizer, generation_config
 
 
-def load(path: str | Path, device: str | torch.device | None = None, *,
-         log: Log | None = None) -> Engine:
-    """The Engine saved at `path`, without capture, passes or code generation.
+@dataclasses.dataclass
+class EngineParts:
+    """What `open_engine` read: everything an Engine over the saved steps is made of."""
+
+    manifest: dict[str, Any]
+    device: torch.device
+    config: FuserConfig
+    models: dict[str, dict[int, ModelSteps]]  # role -> batch size -> steps
+    user_target: DetachedModel
+    tokenizer: object | None
+    step_costs: dict[int, dict[int, float]]  # bucket -> gamma -> seconds, measured at build
+
+    @property
+    def gammas(self) -> tuple[int, ...]:
+        """The draft lengths with stored verify steps (none without a draft)."""
+        if "draft" not in self.models:
+            return ()
+        target = self.models["target"][max(self.models["target"])]
+        return tuple(sorted(k.tokens - 1 for k in target.steps if k.name == "verify"))
+
+
+def open_engine(path: str | Path, device: str | torch.device | None = None, *,
+                log: Log | None = None) -> EngineParts:
+    """Read the engine directory at `path` onto `device`: its steps in every bucket (compiled
+    ones from their artifacts), config, tokenizer and measured costs. Runs no capture, pass,
+    Dynamo or Inductor compilation.
 
     Refuses (EngineFileError, a ValueError) an engine built elsewhere (versions, device, GPU,
     passes or kernel sources) or a missing, truncated, altered or half-written file, naming
     what differs. `log` receives a line per long step.
     """
     say = log or (lambda message: None)
-    start = time.perf_counter()
     directory = Path(path)
     manifest = ef.read_manifest(directory)
     device = resolve_device(manifest, device)
     ef.check_environment(manifest["environment"], ef.environment(device))
     info = manifest["info"]
     caches = allocate_caches(info, device)
-    buffers = {role: dict(zip(cache_buffer_names(len(c.k)), [t for pair in zip(c.k, c.v) for t in pair]))
-               for role, c in caches.items()}
     say(f"checking and reading {directory} ...")
-    loaded = ef.load_engine(directory, device, passes=pass_names(), buffers=buffers)
-    source = str(directory)
-    models = {role: model_steps(role, info["models"][role], caches[role], loaded.graphs[role], source)
+    loaded = ef.load_engine(directory, device, passes=pass_names(),
+                            buffers=cache_buffers(info, caches))
+    say("loading the compiled steps ...")
+    models = {role: model_steps(role, info["models"][role], caches[role], loaded.graphs[role],
+                                directory, device)
               for role in loaded.graphs}
-    if info["engine"]["compile"] == "inductor":
-        cache_file = directory / COMPILE_CACHE
-        ef.install_compile_cache(cache_file.read_bytes())
-        say("compiling the fixed-T steps from the saved compile cache ...")
-        for role, steps in models.items():
-            compile_steps(steps, info["models"][role], device)
-    if info["engine"]["compile"] == "inductor" or device.type == "cuda":
-        for steps in models.values():  # compile now (from the cache), not in the first request
-            warm_up(steps)
+    if device.type == "cuda":
+        # The fused ops' Triton kernels load (from Triton's cache) on their first launch: now,
+        # not in the first request. Smaller buckets launch the same kernels.
+        for role_buckets in models.values():
+            warm_up(role_buckets[max(role_buckets)])
     # JSON gave lists where the config holds tuples (gamma_candidates, batch_buckets).
     saved = {k: tuple(v) if isinstance(v, list) else v for k, v in manifest["config"].items()}
     config = FuserConfig(**{**saved, "device": str(device)})
     tokenizer, generation_config = load_extras(directory)
-    engine_info = info["engine"]
-    engine = Engine(models["target"], models.get("draft"), config=config,
-                    user_target=DetachedModel(generation_config, source),
-                    tokenizer=tokenizer, device=device, dtype=getattr(torch, engine_info["dtype"]),
-                    vocab_size=engine_info["vocab_size"], gamma=engine_info["gamma"],
-                    fallbacks=engine_info.get("fallbacks", []),
-                    compile_seconds=time.perf_counter() - start,  # no build: the load
-                    gammas=tuple(sorted(k.tokens - 1 for k in models["target"].steps
-                                        if k.name == "verify")) if "draft" in models else ())
-    # One bucket (the saved max_batch_size); its whole-step CUDA graphs and, with
-    # gamma="auto", its measured costs, as at build time.
-    costs = {int(g): float(s) for g, s in engine_info.get("step_costs", {}).items()}
-    engine.prepare(progress=say, known_costs={config.max_batch_size: costs} if costs else None)
-    engine.compile_seconds = time.perf_counter() - start
-    engine.load_seconds = engine.compile_seconds
-    engine.manifest = manifest
-    say(f"loaded in {engine.load_seconds:.1f} s")
-    return engine
+    costs = {int(b): {int(g): float(s) for g, s in by_gamma.items()}
+             for b, by_gamma in info["engine"].get("step_costs", {}).items()}
+    return EngineParts(manifest, device, config, models,
+                       DetachedModel(generation_config, str(directory)), tokenizer, costs)
 
 
-__all__ = ["DetachedModel", "EngineFileError", "load", "save"]
+__all__ = ["DetachedModel", "EngineFileError", "EngineParts", "open_engine", "save"]

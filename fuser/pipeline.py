@@ -1,4 +1,5 @@
-"""The build pipeline behind `fuser.optimize`: an Engine from Hugging Face models.
+"""Where Engines come from: `fuser.optimize` builds one from Hugging Face models, `fuser.load`
+puts one together from an engine directory (read by fuser/engine_io.py).
 
 The build, in order: load and check the models; choose device, dtype and draft length; per
 model, check it can be captured, allocate its KV cache and build its steps (export, passes,
@@ -20,6 +21,7 @@ from fuser.build import allocate_cache, build_steps, check_against_eager, warm_u
 from fuser.capture import SUPPORTED_MODEL_TYPES, engine_view, supports_cache_attention
 from fuser.config import FuserConfig
 from fuser.engine import Engine
+from fuser.engine_io import Log, open_engine
 from fuser.runtime.steps import ModelSteps, StepKind, draft_steps, target_steps, verify
 
 ModelLike = nn.Module | str | Path
@@ -169,6 +171,38 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
     # inside run their compiled callables) and, with gamma="auto", their measured costs.
     engine.prepare(progress=_progress)
     engine.compile_seconds = time.perf_counter() - start
+    return engine
+
+
+def load(path: str | Path, device: str | torch.device | None = None, *,
+         log: Log | None = None) -> Engine:
+    """The Engine saved at `path` (`engine.save`), without capture, passes or compilation:
+    every batch bucket's steps, compiled ones from their saved code, and, with
+    gamma="auto", the iteration costs measured at build time.
+
+    Refuses (fuser.EngineFileError, a ValueError) an engine built elsewhere (versions, device,
+    GPU, passes or kernel sources) or a missing, truncated, altered or half-written file,
+    naming what differs. `log` receives a line per long step.
+    """
+    say = log or (lambda message: None)
+    start = time.perf_counter()
+    parts = open_engine(path, device, log=say)
+    info = parts.manifest["info"]["engine"]
+    target, draft = parts.models["target"], parts.models.get("draft", {})
+    top = max(target)
+    engine = Engine(target[top], draft.get(top), config=parts.config,
+                    user_target=parts.user_target, tokenizer=parts.tokenizer,
+                    device=parts.device, dtype=getattr(torch, info["dtype"]),
+                    vocab_size=info["vocab_size"], gamma=info["gamma"],
+                    fallbacks=info.get("fallbacks", []),
+                    buckets={size: (steps, draft.get(size)) for size, steps in target.items()},
+                    gammas=parts.gammas)
+    # The whole-step CUDA graphs of every bucket, as at build time; with gamma="auto" the
+    # costs measured then.
+    engine.prepare(progress=say, known_costs=parts.step_costs or None)
+    engine.compile_seconds = engine.load_seconds = time.perf_counter() - start
+    engine.manifest = parts.manifest
+    say(f"loaded in {engine.load_seconds:.1f} s")
     return engine
 
 

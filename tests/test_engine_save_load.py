@@ -55,8 +55,11 @@ def test_loaded_engine_has_the_built_graphs_and_no_hf_model(bundled_engine: Buil
     assert engine.user_target.generation_config.eos_token_id is not None
     # gamma="auto": the build's iteration costs come with the file; the load does not re-time
     saved = engine.manifest["info"]["engine"]["step_costs"]
-    assert {int(g) for g in saved} == {0, *engine.gammas}
-    assert engine.step_costs == {engine.config.max_batch_size: {int(g): s for g, s in saved.items()}}
+    assert {int(b) for b in saved} == set(engine.buckets)
+    for costs in saved.values():
+        assert {int(g) for g in costs} == {0, *engine.gammas}
+    assert engine.step_costs == {int(b): {int(g): s for g, s in costs.items()}
+                                 for b, costs in saved.items()}
     logits = engine.logits(bundled_engine.ids[:1, -5:])
     assert logits.shape == (1, 5, engine.vocab_size) and torch.isfinite(logits).all()
     with pytest.raises(RuntimeError, match="no Hugging Face model"):

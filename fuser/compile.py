@@ -1,0 +1,112 @@
+"""Fixed-T steps compiled by Inductor without Dynamo, each into an artifact an engine file keeps.
+
+A rewritten step graph is already ATen (torch.export captured it, the passes rewrote it), so it
+goes to Inductor directly (`torch._inductor.standalone_compile`), every tensor it reads (weights
+and KV cache alike) lifted to an input (`fuser.compile_cpu.lift_tensors`); the cache writes
+become input mutations, done in place. Dynamo never traces it: `torch.compile` would trace the
+whole graph again, at build and at every load (on the H200, most of a 56-80 s load of the 8B +
+1B engine directory was Dynamo tracing the saved graphs before their compile-cache entries
+could hit).
+
+Each compile yields a `torch._inductor.CompiledArtifact`: the generated code (and on CUDA the
+compiled Triton kernels) under its cache key. `fuser.engine_io` saves it beside the graph, and
+`fuser.load` rebuilds the step from it with `CompiledStep.from_artifact`: no tracing, no code
+generation, no cache-key computation over the graph; `compile_count()` stays 0.
+
+Device differences:
+- CPU: the fused ops' references are inlined (fuser/compile_cpu.py: `INLINE_REFERENCES`, a
+  post-grad pass) so that the C++ backend fuses them, and fused cache-write + attention ops
+  are split back (`fuser.ops.CPU_SPLIT`).
+- CUDA: the fused ops stay opaque calls of their Triton kernels; Inductor fuses what lies
+  between them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from fuser.compile_cpu import CONFIG as CPU_CONFIG
+from fuser.compile_cpu import lift_tensors, read_tensors
+
+if TYPE_CHECKING:
+    from torch._inductor import CompiledArtifact
+
+Args = list[torch.Tensor]
+
+
+def options(device: torch.device) -> dict:
+    """Inductor options of a step compiled for `device` (`standalone_compile`'s `options`)."""
+    return {"config_patches": dict(CPU_CONFIG)} if device.type == "cpu" else {}
+
+
+def compile_graph(gm: torch.fx.GraphModule, args: Args, device: torch.device
+                  ) -> CompiledArtifact:
+    """Inductor over an ATen graph whose inputs are `args`, specialized to their shapes."""
+    import torch._inductor
+
+    return torch._inductor.standalone_compile(
+        gm, args, dynamic_shapes="from_example_inputs", options=options(device),
+        donate_graph_module=True)
+
+
+class CompiledStep:
+    """A rewritten fixed-T step compiled by Inductor on its first call:
+    (tokens, positions, seq_lens, starts) -> logits [B, T, V], writing the KV cache in place.
+
+    Shapes, dtypes and strides are those of the first call (Inductor checks them on every
+    call); the tensors `gm` reads are bound now and must keep their addresses.
+    `artifact` holds the compiled code once compiled (None before): what an engine file
+    saves, and what `from_artifact` rebuilds the step from.
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule, device: torch.device) -> None:
+        self.module, self.tensors = lift_tensors(gm, split=device.type == "cpu")
+        self.device = device
+        self.compiled: Callable | None = None
+        self.artifact: CompiledArtifact | None = None
+
+    @classmethod
+    def from_artifact(cls, gm: torch.fx.GraphModule, path: str | Path,
+                      device: torch.device) -> CompiledStep:
+        """The step `gm` compiled before, from the artifact saved at `path`
+        (`save_artifact`): nothing is traced or generated."""
+        import torch._inductor
+
+        step = cls.__new__(cls)
+        step.module, step.tensors = None, read_tensors(gm)
+        step.device = device
+        step.artifact = torch._inductor.CompiledArtifact.load(path=str(path), format="binary")
+        step.compiled = step.artifact
+        return step
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
+                 starts: torch.Tensor) -> torch.Tensor:
+        args = [*self.tensors, tokens, positions, seq_lens, starts]
+        if self.compiled is None:
+            module, self.module = self.module, None  # standalone_compile owns it now
+            self.artifact = compile_graph(module, args, self.device)
+            self.compiled = self.artifact
+        return self.compiled(*args)[0]
+
+    def save_artifact(self, path: str | Path) -> None:
+        """Write the compiled code to `path` (one file); the step must have run once."""
+        if self.artifact is None:
+            raise RuntimeError("this step has not been compiled yet (it compiles on its first "
+                               "call): nothing to save")
+        self.artifact.save(path=str(path), format="binary")
+
+
+def compile_count() -> int:
+    """Graphs Dynamo traced plus graphs Inductor compiled or looked up by hashing them, so far
+    in this process: a load from an engine file leaves it unchanged."""
+    from torch._dynamo.utils import counters
+
+    return (int(counters["stats"]["unique_graphs"]) + int(counters["aot_autograd"]["total"])
+            + int(counters["inductor"]["fxgraph_cache_miss"]))
+
+
+__all__ = ["CompiledStep", "compile_count", "compile_graph", "options"]
