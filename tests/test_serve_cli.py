@@ -29,6 +29,9 @@ from fuser.models import TARGET_PATH
 from serve_util import TIMEOUT, wait_for
 
 
+pytestmark = [pytest.mark.xdist_group("serve_cli"),  # one tiny build per run, not per worker
+              pytest.mark.usefixtures("one_intra_op_thread")]
+
 MODEL = "tiny"
 
 
