@@ -188,6 +188,7 @@ BAD = [  # (path, body: dict or raw bytes, status, param)
     ("completions", {**GOOD, "top_p": 1.5}, 400, "top_p"),
     ("completions", {**GOOD, "top_k": -2}, 400, "top_k"),
     ("completions", {**GOOD, "n": 2}, 400, "n"),
+    ("completions", {**GOOD, "seed": 2 ** 63}, 400, "seed"),
     ("completions", {**GOOD, "stop": [""]}, 400, "stop"),
     ("completions", {**GOOD, "stop": 3}, 400, "stop"),
     ("completions", {**GOOD, "logprobs": 2}, 400, "logprobs"),

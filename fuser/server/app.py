@@ -180,9 +180,13 @@ class Generation:
                 "total_tokens": prompt + self.completion_tokens}
 
 
+GREEDY_BELOW = 1e-5  # a temperature this small is greedy (vLLM's rule): logits / 1e-30 overflow
+
+
 def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int
                     ) -> SamplingParams:
     temperature = 1.0 if body.temperature is None else body.temperature
+    temperature = 0.0 if temperature < GREEDY_BELOW else temperature
     top_k = body.top_k if body.top_k not in (None, 0, -1) else None
     top_p = body.top_p if body.top_p not in (None, 1.0) else None
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,

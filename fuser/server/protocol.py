@@ -51,7 +51,7 @@ class _Common(BaseModel):
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: int | None = None  # vLLM's extension: -1 or 0 = off, else >= 1
-    seed: Annotated[int, Field(ge=-(2 ** 63), lt=2 ** 64)] | None = None
+    seed: Annotated[int, Field(ge=-(2 ** 63), lt=2 ** 63)] | None = None  # the engine's int64
     stop: Stop = None
     stream: bool = False
     stream_options: StreamOptions | None = None
