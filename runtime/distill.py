@@ -309,18 +309,23 @@ class WeightSwap:
 
     `lock`: whoever runs (on CUDA: issues) a step that reads the draft holds it for the step;
     `apply` takes it for its copies, so they land between two steps. On CUDA the copies queue
-    on the calling thread's current stream: it must be the stream the steps run on (the
-    default stream is one for every thread).
+    on `stream`, which must be the stream the steps run on (default: the device's default
+    stream, where the scheduler's thread issues them), whatever thread applies.
     """
 
-    def __init__(self, targets: Sequence[WeightTarget]) -> None:
+    def __init__(self, targets: Sequence[WeightTarget], stream: object | None = None) -> None:
         self.targets = list(targets)
         self.lock = threading.Lock()
         self.swaps = 0
+        self.stream = stream
+        devices = {t.device for t in self.live if t.device.type == "cuda"}
+        if stream is None and devices:
+            self.stream = torch.cuda.default_stream(next(iter(devices)))
 
     @classmethod
-    def for_engine(cls, engine: object, module: nn.Module | None = None) -> WeightSwap:
-        return cls(draft_weight_targets(engine, module))
+    def for_engine(cls, engine: object, module: nn.Module | None = None,
+                   stream: object | None = None) -> WeightSwap:
+        return cls(draft_weight_targets(engine, module), stream)
 
     @property
     def live(self) -> list[torch.Tensor]:
@@ -350,7 +355,8 @@ class WeightSwap:
         live = self.live
         if len(staged) != len(live):
             raise ValueError(f"{len(staged)} staged values for {len(live)} live tensors")
-        with self.lock:
+        on_stream = torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
+        with self.lock, on_stream:
             torch._foreach_copy_(live, list(staged))
             self.swaps += 1
 
@@ -411,6 +417,7 @@ class DistillConfig:
             of greedy speculation) or "acceptance" (sum_x min(p, q) over the labels' top-k:
             speculative sampling's acceptance; needs soft labels to mean that).
         topk: label width kept per position (soft labels are cut to it).
+        max_steps: at most this many optimizer steps per update (None: the time budget only).
         seed: minibatch order.
     """
 
@@ -425,6 +432,7 @@ class DistillConfig:
     min_gain: float = 0.0
     criterion: str = "agreement"
     topk: int = 8
+    max_steps: int | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -433,6 +441,9 @@ class DistillConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int")
+        if self.max_steps is not None and (isinstance(self.max_steps, bool) or not isinstance(
+                self.max_steps, int) or self.max_steps < 1):
+            raise ValueError(f"max_steps={self.max_steps!r} must be None or a positive int")
         if not self.lr > 0:
             raise ValueError(f"lr={self.lr!r} must be > 0")
         if not self.weight_decay >= 0:
@@ -668,11 +679,13 @@ class Distiller:
     def update(self, time_budget_s: float, max_steps: int | None = None,
                stream: object | None = None) -> UpdateResult:
         """Fine-tune a candidate on the buffer for at most time_budget_s seconds (and at most
-        max_steps optimizer steps), then accept it only if it agrees better with the target on
-        the held-out newest records (see the module docstring). stream: a CUDA stream to
-        train on (default: the current one)."""
+        max_steps optimizer steps; default: the config's), then accept it only if it agrees
+        better with the target on the held-out newest records (see the module docstring).
+        stream: a CUDA stream to train on (default: the current one)."""
         if not time_budget_s > 0:
             raise ValueError(f"time_budget_s={time_budget_s!r} must be > 0")
+        if max_steps is None:
+            max_steps = self.config.max_steps
         with self._update_lock:
             start = time.perf_counter()
             self._requests_at_update = self.requests_seen

@@ -355,6 +355,11 @@ class SourceController:
         """Whether the source is on (its own evidence says it pays) rather than probed."""
         return self._on[source]
 
+    def may_choose(self, source: str) -> bool:
+        """Whether the next step could use `source`: it is on, or its probe is due."""
+        return source in self.step_seconds and (
+            self._on[source] or self._since[source] >= self._interval[source])
+
     def snapshot(self) -> dict[str, Any]:
         """What engine.stats shows: the last choice, why, steps and windowed acceptance per
         source, draft updates."""
@@ -373,8 +378,12 @@ class SourceCollector:
     updates summed, windows pooled); register it in the engine's registry
     (runtime/metrics.py SpecMetrics.registry). Needs prometheus_client when collected."""
 
-    def __init__(self, controllers: Callable[[], Iterable[SourceController]]) -> None:
+    def __init__(self, controllers: Callable[[], Iterable[SourceController]],
+                 updates: Callable[[], Mapping[str, int]] | None = None) -> None:
+        """updates: the draft updates' counts ({"accepted": n, "rejected": m}) where they are
+        kept once (a Distiller's); default: the controllers' own, summed."""
         self.controllers = controllers
+        self.updates = updates
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -395,6 +404,9 @@ class SourceCollector:
         yield window
         updates = CounterMetricFamily("fuser_draft_updates_total", "Online draft updates, by "
                                       "whether the candidate was swapped in.", labels=["result"])
+        counts = self.updates() if self.updates is not None else {
+            result: sum(c.updates[result] for c in controllers)
+            for result in ("accepted", "rejected")}
         for result in ("accepted", "rejected"):
-            updates.add_metric([result], sum(c.updates[result] for c in controllers))
+            updates.add_metric([result], counts.get(result, 0))
         yield updates

@@ -17,7 +17,7 @@ import fuser
 from engines import MAX_SEQ_LEN, NO_SPECIAL, VOCAB, assert_greedy_matches, hf_greedy, \
     llama_target, prompts
 from fuser.ops.fp8 import emulated_fp8
-from fuser.ops.linear import MAX_ROWS
+from fuser.passes.fp8 import MAX_ROWS  # the rows up to which the FP8 pass keeps a GEMV
 from fuser.runtime.distill import DistillConfig, Distiller, WeightSwap, draft_module, \
     draft_weight_targets, topk_targets
 from fuser.runtime.steps import CATCHUP, DECODE, PREFILL, RESYNC

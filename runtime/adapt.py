@@ -1,0 +1,359 @@
+"""Speculation that adapts to the traffic it serves: the scheduler with the suffix index, the
+controller over sources and online draft distillation plugged in (`AdaptiveScheduler`).
+
+What it adds to runtime/scheduler.py's loop, on the scheduler's thread:
+    admit    each request's prompt goes into the suffix index (runtime/suffix.py), and every
+             token it is given afterwards (`_deliver`);
+    issue    per batch bucket, a SourceController (runtime/sources.py) picks target-only, the
+             draft at some gamma, or the index's proposals at some gamma, from the measured
+             step costs and the acceptance seen per source. A suffix step loads the rows'
+             proposals into a static buffer and runs `suffix_step` (its CUDA graph where
+             captured). The draft falls behind by one token a target-only step and by gamma + 1
+             a suffix step; it catches up (resync) before its next step. A step is issued
+             holding the weight swap's lock;
+    collect  the step's acceptance per row goes to the controller, tokens to the index;
+    retire   a finished request's output leaves the index for its pool of recent outputs and
+             joins the distiller's buffer (the emitted tokens are the target's own choices).
+             Every FuserConfig.distill_every finished requests a background thread fine-tunes
+             a copy of the draft for distill_budget_s seconds (a side CUDA stream) and, if the
+             copy agrees better with the target on held-out recent requests, swaps it into the
+             engine's draft tensors between two steps (runtime/distill.py); the controllers
+             then forget what they measured of the old draft and probe the new one.
+The target verifies every proposal, whatever its source: a request's tokens are what target-
+only decoding gives (greedy: exactly; sampling: in distribution).
+
+The next step is queued before the last one is read back (runtime/scheduler.py) only while
+suffix proposals cannot be chosen (the suffix source is off and not due a probe): a proposal
+continues the tokens the host has seen, so a suffix step waits for the step before it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from fuser.runtime.distill import DistillConfig, Distiller, UpdateResult, WeightSwap, \
+    draft_module
+from fuser.runtime.generate import ReadBack
+from fuser.runtime.scheduler import RequestStream, Scheduler, _Step
+from fuser.runtime.sources import DRAFT, SUFFIX, TARGET, Choice, SourceCollector, \
+    SourceController
+from fuser.runtime.step_graphs import PLAIN, IterationGraph
+from fuser.runtime.suffix import SuffixIndex, SuffixProposals, add_verify_steps
+
+__all__ = ["AdaptiveScheduler"]
+
+log = logging.getLogger("fuser")
+
+
+@dataclass
+class _SourceStep(_Step):
+    """An issued step with its source: the choice, and the real proposals per row."""
+
+    choice: Choice = field(default_factory=lambda: Choice(TARGET, 0))
+    proposed: list[int] = field(default_factory=list)
+
+
+class AdaptiveScheduler(Scheduler):
+    """runtime/scheduler.py's Scheduler with the suffix index, the controller over sources and
+    online draft distillation (see the module docstring).
+
+    Args (beyond Scheduler's):
+        suffix: propose from the suffix index (default: FuserConfig.suffix_speculation).
+        adapt_draft: distil the draft online (default: FuserConfig.adapt_draft; needs a draft
+            and the module it was built from, the engine's own unless `module` is given).
+        costs: {"decode": seconds, "draft": {gamma: seconds}, "suffix": {gamma: seconds}} for
+            every bucket, instead of measuring them (tests; costs measured elsewhere).
+        index: the SuffixIndex to use (default: a new one).
+        distill: DistillConfig of the distiller.
+        module: the draft module to distil (a loaded engine has none of its own).
+        background: run draft updates on a thread of their own (False: inline, between two
+            steps, which tests use to be deterministic).
+        controller_options: keyword arguments of every SourceController.
+    """
+
+    def __init__(self, engine: object, *, max_waiting: int = 256, prefill_tokens: int = 2048,
+                 suffix: bool | None = None, adapt_draft: bool | None = None,
+                 costs: Mapping[str, object] | None = None, index: SuffixIndex | None = None,
+                 distill: DistillConfig | None = None, module: nn.Module | None = None,
+                 background: bool = True, controller_options: Mapping[str, object] | None = None
+                 ) -> None:
+        super().__init__(engine, max_waiting=max_waiting, prefill_tokens=prefill_tokens)
+        config = engine.config
+        has_draft = any(b.draft is not None for b in engine.buckets.values())
+        self.suffix = config.suffix_speculation if suffix is None else suffix
+        adapt = config.adapt_draft if adapt_draft is None else adapt_draft
+        if adapt and not has_draft:
+            raise ValueError("adapt_draft=True needs an engine with a draft")
+        self.draft_gammas = tuple(engine.gammas) if has_draft else ()
+        self.suffix_gammas: tuple[int, ...] = ()
+        if self.suffix:
+            given = (costs or {}).get(SUFFIX)
+            self.suffix_gammas = tuple(sorted(given)) if given else \
+                self.draft_gammas or tuple(config.gammas or config.gamma_candidates)
+            for bucket in engine.buckets.values():
+                add_verify_steps(bucket.target, self.suffix_gammas, config, engine.device)
+        self.index = (index or SuffixIndex()) if self.suffix else None
+        self._buffers = {size: SuffixProposals(size, max(self.suffix_gammas), engine.device)
+                         for size in engine.buckets} if self.suffix else {}
+        self._graphs: dict[tuple[int, int, bool], IterationGraph] = {}
+        if self.suffix and engine.device.type == "cuda" and config.cuda_graphs:
+            self._capture_suffix()
+        options = dict(controller_options or {})
+        self.controllers = {size: self._controller(size, costs, options)
+                            for size in engine.buckets}
+        self.distiller: Distiller | None = None
+        self.swap: WeightSwap | None = None
+        if adapt:
+            module = module if module is not None else draft_module(engine)
+            self.distiller = Distiller(module, vocab_size=engine.vocab_size, config=distill)
+            self.swap = WeightSwap.for_engine(engine, module)
+        self.background = background
+        self._updating = threading.Event()
+        self._new_draft = threading.Event()  # set by an accepted update, read by the loop
+        self.update_results: list[UpdateResult] = []
+        self._collector = SourceCollector(lambda: self.controllers.values(),
+                                          (lambda: self.distiller.updates)
+                                          if self.distiller is not None else None)
+        self._registry = None
+        try:  # into the engine's Prometheus registry (one adaptive scheduler at a time)
+            engine.metrics().registry.register(self._collector)
+            self._registry = engine.metrics().registry
+        except ImportError:  # no prometheus_client: no metrics
+            pass
+        except ValueError as e:  # another scheduler's collector is registered
+            log.warning("fuser: adaptive speculation's metrics not registered: %s", e)
+
+    def close(self) -> None:
+        super().close()
+        self.wait_update()
+        if self._registry is not None:
+            self._registry.unregister(self._collector)
+            self._registry = None
+
+    # -- costs and controllers -------------------------------------------------------------------
+
+    def _controller(self, size: int, costs: Mapping[str, object] | None,
+                    options: dict) -> SourceController:
+        bucket = self.engine.buckets[size]
+        if costs is not None:
+            decode = float(costs["decode"])
+            sources = {s: dict(costs[s]) for s in (DRAFT, SUFFIX)
+                       if s in costs and (s == SUFFIX and self.suffix
+                                          or s == DRAFT and self.draft_gammas)}
+        else:
+            length = min(128, self.engine.config.max_seq_len // 2)
+            reps = 10 if self.engine.device.type == "cuda" else 2
+            known = self.engine.step_costs.get(size, {})
+            decode = known.get(PLAIN) or bucket.measure(PLAIN, length, reps)
+            sources = {}
+            if self.draft_gammas and bucket.draft is not None:
+                sources[DRAFT] = {g: known.get(g) or bucket.measure(g, length, reps)
+                                  for g in self.draft_gammas}
+            if self.suffix:
+                sources[SUFFIX] = {g: self._measure_suffix(bucket, g, length, reps)
+                                   for g in self.suffix_gammas}
+        return SourceController(decode, sources, **options)
+
+    @torch.no_grad()
+    def _measure_suffix(self, bucket: object, gamma: int, length: int, reps: int) -> float:
+        """Median seconds of one greedy suffix step at `gamma`, every row at `length` slots."""
+        cuda = self.engine.device.type == "cuda"
+        samples = []
+        for i in range(reps + 1):
+            bucket.reset_for_timing(length)
+            self._buffers[bucket.batch].load([], gamma)
+            start = time.perf_counter()
+            self._run_suffix(bucket, gamma, False)
+            if cuda:
+                torch.cuda.synchronize()
+            if i > 0:  # the first run warms up
+                samples.append(time.perf_counter() - start)
+        bucket.reset_for_timing(0)
+        samples.sort()
+        return samples[len(samples) // 2]
+
+    def _capture_suffix(self) -> None:
+        """Each bucket's suffix step per gamma and greedy/sampling as one CUDA graph (a shape
+        that fails runs uncaptured, with a warning)."""
+        pool = torch.cuda.graph_pool_handle()
+        length = min(128, self.engine.config.max_seq_len // 2)
+        for size, bucket in self.engine.buckets.items():
+            for gamma in self.suffix_gammas:
+                for do_sample in (False, True):
+                    fn = self._buffers[size].iteration(bucket.target, bucket.state, gamma,
+                                                       self.engine.vocab_size, do_sample)
+                    bucket.reset_for_timing(length)
+                    try:
+                        self._graphs[(size, gamma, do_sample)] = IterationGraph(
+                            fn, pool, reset=lambda b=bucket: b.reset_for_timing(length))
+                    except Exception as e:  # noqa: BLE001 -- that shape runs uncaptured
+                        log.warning("fuser: suffix step bucket %d gamma %d %s not captured: "
+                                    "%s", size, gamma, "sample" if do_sample else "greedy", e)
+            bucket.reset_for_timing(0)
+
+    def _run_suffix(self, bucket: object, gamma: int, do_sample: bool) -> torch.Tensor:
+        graph = self._graphs.get((bucket.batch, gamma, do_sample))
+        if graph is not None:
+            return graph()
+        return self._buffers[bucket.batch].iteration(bucket.target, bucket.state, gamma,
+                                                     self.engine.vocab_size, do_sample)()
+
+    # -- the scheduler's hooks -------------------------------------------------------------------
+
+    def _prefill(self, group: list[RequestStream]) -> None:
+        if self.index is not None:
+            for stream in group:
+                self.index.add_request(stream.request_id, stream.prompt_ids)
+        super()._prefill(group)
+
+    def _deliver(self, stream: RequestStream, kept: list[int], budget: int) -> None:
+        before = len(stream.output_ids)
+        super()._deliver(stream, kept, budget)
+        if self.index is not None and stream.request_id in self.index:
+            self.index.extend(stream.request_id, stream.output_ids[before:])
+
+    def _retire(self) -> None:
+        leaving = [s for s in self._running if s.done or s.stop_requested is not None]
+        super()._retire()
+        for stream in leaving:
+            self._finished(stream)
+        if self.distiller is not None and not self._updating.is_set() \
+                and self.distiller.due(self.engine.config.distill_every):
+            self._updating.set()
+            if self.background:
+                threading.Thread(target=self._update_draft, name="fuser-distill",
+                                 daemon=True).start()
+            else:
+                self._update_draft()
+
+    def _fail_all(self, reason: str) -> None:
+        leaving = list(self._running)
+        super()._fail_all(reason)
+        for stream in leaving:
+            if self.index is not None:
+                self.index.drop(stream.request_id)
+
+    def _finished(self, stream: RequestStream) -> None:
+        """A request left: its output to the pool of recent outputs and to the distiller."""
+        if self.index is not None and stream.request_id in self.index:
+            self.index.finish(stream.request_id)
+        if self.distiller is not None and stream.output_ids:
+            self.distiller.add(stream.prompt_ids + stream.output_ids,
+                               start=len(stream.prompt_ids))
+
+    def _may_run_ahead(self, in_flight: _Step) -> bool:
+        controller = self.controllers[self.engine.bucket(len(self._running)).batch] \
+            if self._running else None
+        if controller is not None and self.index is not None and controller.may_choose(SUFFIX):
+            return False  # a suffix step continues what the host has seen: no step ahead
+        return super()._may_run_ahead(in_flight)
+
+    def _issue(self) -> _SourceStep:
+        engine = self.engine
+        if self._new_draft.is_set():  # a new draft was swapped in: measure it afresh
+            self._new_draft.clear()
+            for controller in self.controllers.values():
+                if DRAFT in controller.step_seconds:
+                    controller.forget(DRAFT)
+        rows = list(self._running)
+        bucket = engine.bucket(len(rows))
+        controller = self.controllers[bucket.batch]
+        proposals: list[list[int]] = []
+        lengths = None
+        if self.index is not None:
+            longest = max(self.suffix_gammas)
+            proposals = [self.index.propose(s.request_id, longest)
+                         if not s.done and s.request_id in self.index else [] for s in rows]
+            lengths = [len(p) for p, s in zip(proposals, rows) if not s.done]
+        choice = controller.choose(lengths)
+        do_sample = any(not s.params.greedy for s in rows)
+        gamma = choice.gamma
+        start = time.perf_counter()
+        with self.swap.lock if self.swap is not None else contextlib.nullcontext():
+            if choice.source == DRAFT:
+                if self._draft_behind:
+                    bucket.resync(self._draft_behind)
+                self._draft_behind = 0
+                packed = bucket.run(gamma, do_sample)
+                proposed = [gamma] * len(rows)
+            elif choice.source == SUFFIX:
+                self._draft_behind += gamma + 1
+                self._buffers[bucket.batch].load(proposals, gamma)
+                packed = self._run_suffix(bucket, gamma, do_sample)
+                proposed = [min(gamma, len(p)) for p in proposals]
+            else:
+                self._draft_behind += 1
+                packed = bucket.run(PLAIN, do_sample)
+                proposed = [0] * len(rows)
+            read_back = ReadBack(packed)  # [bucket, gamma + 2]
+        return _SourceStep(rows, gamma, None, read_back, start, choice, proposed)
+
+    def _collect(self, step: _SourceStep) -> None:
+        was_active = [not s.done for s in step.rows]
+        host = step.read_back.wait()
+        accepted = host[:len(step.rows), -1].tolist()
+        super()._collect(step)
+        live = [i for i, active in enumerate(was_active) if active]
+        controller = self.controllers[self.engine.bucket(len(step.rows)).batch]
+        controller.update(step.choice, [min(accepted[i], step.gamma) for i in live],
+                          [step.proposed[i] for i in live] if step.choice.source != TARGET
+                          else None)
+        self.engine.stats.gamma = step.gamma
+
+    # -- the draft's updates ---------------------------------------------------------------------
+
+    def _update_draft(self) -> None:
+        """One distillation update (a side CUDA stream on CUDA); an accepted candidate is
+        staged there and swapped in between two steps."""
+        try:
+            cuda = self.engine.device.type == "cuda"
+            side = torch.cuda.Stream(self.engine.device) if cuda else None
+            result = self.distiller.update(self.engine.config.distill_budget_s, stream=side)
+            if result.accepted:
+                with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                    self.distiller.swap_into(self.swap)
+                self._new_draft.set()
+            self.update_results.append(result)
+            log.info("fuser: draft update: %s", result.reason)
+        except Exception:  # noqa: BLE001 -- a failed update leaves the draft as it was
+            log.exception("fuser: a draft update failed; the draft is unchanged")
+        finally:
+            self._updating.clear()
+
+    def wait_update(self, timeout: float | None = None) -> bool:
+        """Block until no draft update runs; False after `timeout` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._updating.is_set():
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    # -- what it did -----------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, object]:
+        """The controllers' choices and reasons per bucket, the draft's updates and the
+        index's pool: what engine.stats shows of adaptive speculation."""
+        out: dict[str, object] = {
+            "buckets": {size: c.snapshot() for size, c in self.controllers.items()},
+            "steps": {s: sum(c.steps[s] for c in self.controllers.values())
+                      for s in (TARGET, DRAFT, SUFFIX)},
+        }
+        if self.distiller is not None:
+            d = self.distiller
+            out["draft_updates"] = dict(d.updates)
+            out["update_seconds"] = d.update_seconds
+            out["distill_records"] = d.records
+            out["draft_version"] = d.swapped_version
+        if self.index is not None:
+            out["recent_outputs"] = self.index.recent_sequences
+        return out
+

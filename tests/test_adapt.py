@@ -1,0 +1,141 @@
+"""The scheduler with adaptive speculation (runtime/adapt.py) on tiny fp32 models: templated
+traffic (prompts that come back) makes it verify suffix proposals from recent outputs and the
+draft, distil the draft on what it served and swap it in, and every request still returns the
+target's greedy output."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import pytest
+import torch
+
+import fuser
+from fuser import SamplingParams
+from fuser.runtime.adapt import AdaptiveScheduler
+from fuser.runtime.distill import DistillConfig
+from fuser.runtime.sources import DRAFT, SUFFIX, TARGET
+from engines import NO_SPECIAL, llama_target
+from tiny import tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+MAX_SEQ_LEN = 64
+VOCAB = 160
+TIMEOUT = 120.0
+COSTS = {"decode": 1.0, DRAFT: {2: 1.3, 4: 1.6}, SUFFIX: {2: 1.04, 4: 1.08}}
+
+
+@functools.cache
+def engine() -> fuser.Engine:
+    """Rows 4, buckets 1 and 4; a random draft (it agrees with the target rarely: distilling
+    it has something to gain), gamma auto over 2 and 4, adaptation on."""
+    draft = tiny_model("mistral", seed=2, vocab=VOCAB, heads=2, kv_heads=1, head_dim=16,
+                       intermediate=64, layers=1, init_range=0.3, **NO_SPECIAL)
+    config = fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=4, batch_buckets=(1, 4),
+                               gamma="auto", gamma_candidates=(2, 4), compile="fx",
+                               suffix_speculation=True, adapt_draft=True, distill_every=8,
+                               distill_budget_s=60.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fuser.optimize(llama_target(), draft=draft, config=config)
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (length,), generator=generator).tolist()
+
+
+PROMPTS = [prompt(6 + 3 * i, seed=50 + i) for i in range(4)]
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
+
+
+@functools.cache
+def references() -> list[list[int]]:
+    """Each prompt's greedy output through engine.generate (the target's)."""
+    eng = engine()
+    return [eng.generate(torch.tensor([p]), max_new_tokens=24)[0, len(p):].tolist()
+            for p in PROMPTS]
+
+
+def run_rounds(scheduler: AdaptiveScheduler, rounds: int) -> None:
+    """Every prompt, `rounds` times (a round at a time: later ones find the earlier outputs in
+    the pool of recent outputs); each output must be the target's greedy one."""
+    for _ in range(rounds):
+        streams = [scheduler.submit(p, GREEDY) for p in PROMPTS]
+        for stream, expected in zip(streams, references()):
+            assert stream.result(TIMEOUT) == expected
+        assert scheduler.wait_idle(TIMEOUT)  # (finished requests retired)
+
+
+def test_templated_traffic_uses_every_source_and_distils_the_draft():
+    references()
+    eng = engine()
+    scheduler = AdaptiveScheduler(
+        eng, costs=COSTS, background=False,
+        distill=DistillConfig(lr=3e-3, batch_tokens=256, holdout_fraction=0.25, max_steps=30),
+        controller_options=dict(probe_interval=8))
+    scheduler.start()
+    try:
+        run_rounds(scheduler, 3)
+        snap = scheduler.snapshot()
+        # Repeated prompts: proposals from recent outputs; the draft probed or used.
+        assert snap["steps"][SUFFIX] > 0 and snap["steps"][DRAFT] > 0, snap
+        assert snap["recent_outputs"] == 4 * 3
+        # 12 finished requests, distill_every 8: one update, on requests it then sees again.
+        assert sum(snap["draft_updates"].values()) == 1, snap
+        result = scheduler.update_results[0]
+        assert result.accepted, result.reason  # memorised: the prompts come back
+        assert scheduler.swap.swaps == 1 and snap["draft_version"] == 1
+        run_rounds(scheduler, 2)  # with the distilled draft: still the target's outputs
+        reason = scheduler.controllers[4].reason  # (four requests at a time: bucket 4)
+        assert reason.split()[0] in ("draft", "suffix", "probing", "target-only:"), reason
+        prometheus_client = pytest.importorskip("prometheus_client")
+        del prometheus_client
+        text = eng.metrics_text()
+        assert f'fuser_spec_steps_total{{source="suffix"}} ' \
+               f'{float(scheduler.snapshot()["steps"][SUFFIX])}' in text
+        assert 'fuser_draft_updates_total{result="accepted"}' in text
+        assert 'fuser_spec_acceptance_window{source="suffix"}' in text
+    finally:
+        scheduler.close()
+
+
+def test_updates_in_the_background_leave_outputs_alone():
+    eng = engine()
+    scheduler = AdaptiveScheduler(
+        eng, costs=COSTS, background=True,
+        distill=DistillConfig(lr=3e-3, batch_tokens=256, holdout_fraction=0.25, max_steps=10))
+    scheduler.start()
+    try:
+        run_rounds(scheduler, 2)  # the update starts at the 8th finished request...
+        run_rounds(scheduler, 1)  # ...and these may run during it, or with its result
+        assert scheduler.wait_update(TIMEOUT)
+        assert sum(scheduler.distiller.updates.values()) >= 1
+        run_rounds(scheduler, 1)
+    finally:
+        scheduler.close()
+
+
+def test_without_a_draft_suffix_proposals_alone():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = fuser.optimize(llama_target(), config=fuser.FuserConfig(
+            max_seq_len=MAX_SEQ_LEN, max_batch_size=2, batch_buckets=(1, 2), compile="fx"))
+    expected = [plain.generate(torch.tensor([p]), max_new_tokens=24)[0, len(p):].tolist()
+                for p in PROMPTS]
+    with pytest.raises(ValueError, match="draft"):
+        AdaptiveScheduler(plain, suffix=True, adapt_draft=True)
+    scheduler = AdaptiveScheduler(plain, suffix=True, costs={"decode": 1.0, SUFFIX: {1: 1.02,
+                                                                                    2: 1.04}})
+    scheduler.start()
+    try:
+        for _ in range(2):
+            streams = [scheduler.submit(p, GREEDY) for p in PROMPTS]
+            assert [s.result(TIMEOUT) for s in streams] == expected
+            assert scheduler.wait_idle(TIMEOUT)
+        steps = scheduler.snapshot()["steps"]
+        assert steps[SUFFIX] > 0 and steps[DRAFT] == 0 and steps[TARGET] > 0, steps
+    finally:
+        scheduler.close()
