@@ -329,14 +329,14 @@ class SuffixProposals:
 
     def __init__(self, batch: int, max_gamma: int, device: torch.device) -> None:
         self.buffer = torch.zeros(batch, max_gamma, dtype=torch.long, device=device)
-        self.host = torch.zeros(batch, max_gamma, dtype=torch.long,
-                                pin_memory=torch.device(device).type == "cuda")
 
     def load(self, proposals: Sequence[Sequence[int]], gamma: int, fill: int = 0) -> None:
-        """Row b proposes proposals[b] (cut to gamma, padded with fill)."""
+        """Row b proposes proposals[b] (cut to gamma, padded with fill). On CUDA the copy is
+        queued from pinned memory of its own (PyTorch's host allocator keeps it until the copy
+        has run), so the host does not wait."""
         rows = proposals_tensor(proposals, gamma, self.buffer.shape[0], fill=fill)
-        self.host[:, :gamma].copy_(rows)
-        self.buffer[:, :gamma].copy_(self.host[:, :gamma], non_blocking=True)
+        cuda = self.buffer.device.type == "cuda"
+        self.buffer[:, :gamma].copy_(rows.pin_memory() if cuda else rows, non_blocking=cuda)
 
     def iteration(self, target: ModelSteps, state: speculative.DecodeState, gamma: int,
                   vocab_size: int, do_sample: bool) -> Callable[[], torch.Tensor]:

@@ -137,5 +137,12 @@ def test_without_a_draft_suffix_proposals_alone():
             assert scheduler.wait_idle(TIMEOUT)
         steps = scheduler.snapshot()["steps"]
         assert steps[SUFFIX] > 0 and steps[DRAFT] == 0 and steps[TARGET] > 0, steps
+        # Sampled requests beside greedy ones: the greedy ones keep their outputs.
+        sampled = SamplingParams(max_tokens=24, temperature=0.9, seed=5)
+        streams = [scheduler.submit(p, GREEDY if i % 2 else sampled)
+                   for i, p in enumerate(PROMPTS)]
+        outputs = [s.result(TIMEOUT) for s in streams]
+        assert outputs[1::2] == expected[1::2]
+        assert all(len(out) == 24 and max(out) < VOCAB for out in outputs[::2])
     finally:
         scheduler.close()
