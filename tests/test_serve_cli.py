@@ -55,12 +55,12 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_engine_dir(tiny_model_dir):
-    """The tiny model's engine directory: one row (engine files keep the max_batch_size bucket
-    only, and the scheduler prefills through a bucket of 1)."""
+    """The tiny model's engine directory: 2 rows, batch buckets 1 (the scheduler prefills
+    through it) and 2."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         engine = fuser.optimize(str(tiny_model_dir), config=fuser.FuserConfig(
-            max_batch_size=1, max_seq_len=1024, compile="fx"))
+            max_batch_size=2, batch_buckets=(1, 2), max_seq_len=1024, compile="fx"))
     path = tiny_model_dir.parent / "engine"
     engine.save(path)
     return path
@@ -190,7 +190,7 @@ def test_user_mistakes_are_one_line(tiny_model_dir, tiny_engine_dir, capsys):
     assert code == 2 and "its draft is built in" in err.splitlines()[-1]
     code, err = _run(["serve", str(tiny_engine_dir), "--port", "0", "--max-batch-size", "4"],
                      capsys)
-    assert code == 2 and "built for 1 row " in err.splitlines()[-1]
+    assert code == 2 and "built for 2 rows" in err.splitlines()[-1]
     code, err = _run(["serve", str(tiny_model_dir), "--drain-timeout", "-1"], capsys)
     assert code == 2 and "--drain-timeout" in err
 
