@@ -382,8 +382,9 @@ class Scheduler:
         if p.top_k is not None and (isinstance(p.top_k, bool) or not isinstance(p.top_k, int)
                                     or p.top_k < -1):
             raise ValueError(f"top_k={p.top_k!r} must be an int >= 1 (or 0 / -1: off)")
-        if p.seed is not None and (isinstance(p.seed, bool) or not isinstance(p.seed, int)):
-            raise ValueError(f"seed={p.seed!r} must be an int")
+        if p.seed is not None and (isinstance(p.seed, bool) or not isinstance(p.seed, int)
+                                   or not -2**63 <= p.seed < 2**63):
+            raise ValueError(f"seed={p.seed!r} must be an int in [-2**63, 2**63) (int64)")
         for token in p.eos_token_id or ():
             if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
                 raise ValueError(f"eos_token_id holds {token!r}, not a token id in [0, {vocab})")

@@ -138,6 +138,7 @@ def test_bad_requests_raise_value_errors_that_name_the_problem(scheduler: Schedu
         ([1], SamplingParams(top_p=0.0), "top_p"),
         ([1], SamplingParams(top_k=-5), "top_k"),
         ([1], SamplingParams(seed=1.5), "seed"),
+        ([1], SamplingParams(seed=2**63), "seed"),
     ]
     for ids, params, word in cases:
         with pytest.raises(ValueError, match=word):
