@@ -738,8 +738,9 @@ class Distiller:
                     self._accepted[name].copy_(p)
             self.version += 1
             result.accepted = True
-            result.reason = (f"accepted: held-out {cfg.criterion} {before.metric(cfg.criterion):.4f}"
-                             f" -> {after.metric(cfg.criterion):.4f} after {result.steps} steps")
+            result.reason = (f"accepted: held-out {cfg.criterion} "
+                             f"{before.metric(cfg.criterion):.4f} -> "
+                             f"{after.metric(cfg.criterion):.4f} after {result.steps} steps")
         else:
             self._restore()
             result.reason = (f"rejected: held-out {cfg.criterion} "

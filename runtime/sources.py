@@ -32,9 +32,10 @@ gamma (the suffix only when some row has a match), and decides on its own measur
 the prior: the tokens it emitted per row over its cost. It is on if that beats target-only; its
 wait restarts if it also beats the best source that is on, else doubles, up to
 `max_probe_interval`. When the source in use turns off, or its expected speedup falls below
-half the best it had while in use, the others' waits go back to `probe_interval`. After a draft update, `forget(DRAFT)` drops the old draft's figures and
-probes the new one at once. The draft's first step after others also re-reads what it missed
-(speculative.resync_draft): a probe costs a little more than it measures.
+half the best it had while in use, the others' waits go back to `probe_interval`. After a
+draft update, `forget(DRAFT)` drops the old draft's figures and probes the new one at once.
+The draft's first step after others also re-reads what it missed (speculative.resync_draft):
+a probe of it costs a little more than it measures.
 
 What it did stays readable: `reason` (one line), `steps` (per source), `acceptance_window`
 (accepted over proposed tokens over the last `window` steps of a source), `updates` (draft

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fuser
-from engines import MAX_SEQ_LEN, VOCAB, assert_greedy_matches, hf_greedy, llama_target, prompts
+from engines import MAX_SEQ_LEN, assert_greedy_matches, hf_greedy, llama_target, prompts
 from fuser.runtime import speculative
 from fuser.runtime.prompts import check_prompts, pad_batch
 from fuser.runtime.sampling import accept_sampling
