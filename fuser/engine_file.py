@@ -33,7 +33,8 @@ import platform
 import shutil
 import sys
 import tempfile
-from collections.abc import Collection, Iterable, Mapping
+import time
+from collections.abc import Callable, Collection, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -299,7 +300,8 @@ def _version(module: str) -> str | None:
 def environment(device: torch.device) -> dict[str, Any]:
     """What an engine built on `device` depends on: versions, device type, GPU and its cc."""
     env: dict[str, Any] = {
-        "fuser": _version("fuser"),  # (imported: this module is part of it) "torch": torch.__version__, "triton": _version("triton"),
+        # fuser's own version: read from the imported package (this module is part of it)
+        "fuser": _version("fuser"), "torch": torch.__version__, "triton": _version("triton"),
         "transformers": _version("transformers"), "python": platform.python_version(),
         "device_type": device.type, "gpu_name": None, "compute_capability": None,
     }
@@ -390,10 +392,15 @@ def check_files(directory: Path, records: Mapping[str, Mapping[str, Any]], verif
             raise EngineFileError(f"engine file {rel} has {size} bytes, the manifest says "
                                   f"{record['size']} (truncated or replaced)")
     if verify_hash:
-        for rel, record in records.items():
-            if file_digest(directory / rel) != record["sha256"]:
-                raise EngineFileError(f"engine file {rel} is corrupted: its sha256 differs "
-                                      "from the manifest's")
+        check_hashes(directory, records)
+
+
+def check_hashes(directory: Path, records: Mapping[str, Mapping[str, Any]]) -> None:
+    """Refuse a file whose sha256 is not the manifest's."""
+    for rel, record in records.items():
+        if file_digest(directory / rel) != record["sha256"]:
+            raise EngineFileError(f"engine file {rel} is corrupted: its sha256 differs "
+                                  "from the manifest's")
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:
@@ -521,23 +528,44 @@ def _replace(staging: Path, path: Path) -> None:
 
 def load_engine(path: str | Path, device: torch.device | str | None = None, *, passes: list[str],
                 buffers: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
-                verify_hash: bool = True) -> LoadedEngine:
+                verify_hash: bool = True, log: Callable[[str], None] | None = None
+                ) -> LoadedEngine:
     """Open engine `path` on `device` (default: the device type it was built for).
 
-    Checks the manifest against this environment and the files against the manifest before
-    reading anything else; raises EngineFileError naming what differs. buffers: model -> runtime
-    buffer name -> tensor to attach (default: zeros of the recorded shape on `device`).
+    Checks the manifest against this environment and the files' sizes against the manifest
+    before reading anything else; raises EngineFileError naming what differs. The files'
+    hashes are checked while the weights load (hashing and reading overlap; both are mostly
+    I/O and GIL-free), and before anything is returned. buffers: model -> runtime buffer name
+    -> tensor to attach (default: zeros of the recorded shape on `device`). `log` receives
+    how long each part took.
     """
+    say = log or (lambda message: None)
+    start = time.perf_counter()
     directory = Path(path)
     manifest = read_manifest(directory)
     device = _load_device(manifest, device)
     check_environment(manifest["environment"], environment(device))
     check_sources(manifest["sources"], passes, source_hash(source_dirs()))
-    check_files(directory, manifest["files"], verify_hash)
+    check_files(directory, manifest["files"], verify_hash=False)
+    hashing = ThreadPoolExecutor(1)
+    hashed = hashing.submit(check_hashes, directory, manifest["files"]) if verify_hash else None
     graphs, runtime = {}, {}
-    for name, entry in manifest["models"].items():
-        given = (buffers or {}).get(name)
-        graphs[name], runtime[name] = _load_model(directory / name, entry, device, given)
+    try:
+        for name, entry in manifest["models"].items():
+            given = (buffers or {}).get(name)
+            graphs[name], runtime[name] = _load_model(directory / name, entry, device, given)
+    except Exception:
+        if hashed is not None:
+            hashed.result()  # a corrupted file explains the failure better: raise that
+        raise
+    finally:
+        hashing.shutdown(wait=False)
+    loaded = time.perf_counter()
+    if hashed is not None:
+        hashed.result()
+    size = sum(r["size"] for r in manifest["files"].values())
+    say(f"read {size / 2**30:.2f} GiB of weights and graphs in {loaded - start:.1f} s, hashes "
+        f"checked {time.perf_counter() - loaded:.1f} s later")
     extra = {rel: directory / rel for rel in manifest["extra"]}
     return LoadedEngine(manifest, graphs, runtime, extra)
 
@@ -600,7 +628,8 @@ def _runtime_buffers(specs: Mapping[str, Mapping[str, Any]], given: Mapping[str,
 
 
 __all__ = [
-    "EngineFileError", "LoadedEngine", "check_environment", "check_files", "check_sources",
+    "EngineFileError", "LoadedEngine", "check_environment", "check_files", "check_hashes",
+    "check_sources",
     "environment", "file_digest", "graph_from_json", "graph_to_json", "load_engine",
     "pack_tensors", "read_manifest",
     "save_engine", "source_hash", "unpack_tensors",

@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -399,23 +400,32 @@ def open_engine(path: str | Path, device: str | torch.device | None = None, *,
     device = resolve_device(manifest, device)
     ef.check_environment(manifest["environment"], ef.environment(device))
     info = manifest["info"]
+    # The tokenizer (transformers' import: seconds) loads on a thread meanwhile.
+    extras = ThreadPoolExecutor(1)
+    extras_loaded = extras.submit(load_extras, directory)
+    extras.shutdown(wait=False)
     caches = allocate_caches(info, device)
     say(f"checking and reading {directory} ...")
     loaded = ef.load_engine(directory, device, passes=pass_names(),
-                            buffers=cache_buffers(info, caches))
-    say("loading the compiled steps ...")
+                            buffers=cache_buffers(info, caches), log=say)
+    start = time.perf_counter()
     models = {role: model_steps(role, info["models"][role], caches[role], loaded.graphs[role],
                                 directory, device)
               for role in loaded.graphs}
+    compiled = sum(g.compiled is not None for buckets in models.values()
+                   for steps in buckets.values() for g in steps.steps.values())
+    say(f"loaded the compiled code of {compiled} steps in {time.perf_counter() - start:.1f} s")
     if device.type == "cuda":
         # The fused ops' Triton kernels load (from Triton's cache) on their first launch: now,
         # not in the first request. Smaller buckets launch the same kernels.
+        start = time.perf_counter()
         for role_buckets in models.values():
             warm_up(role_buckets[max(role_buckets)])
+        say(f"ran every step once in {time.perf_counter() - start:.1f} s")
     # JSON gave lists where the config holds tuples (gamma_candidates, batch_buckets).
     saved = {k: tuple(v) if isinstance(v, list) else v for k, v in manifest["config"].items()}
     config = FuserConfig(**{**saved, "device": str(device)})
-    tokenizer, generation_config = load_extras(directory)
+    tokenizer, generation_config = extras_loaded.result()
     costs = {int(b): {int(g): float(s) for g, s in by_gamma.items()}
              for b, by_gamma in info["engine"].get("step_costs", {}).items()}
     return EngineParts(manifest, device, config, models,

@@ -199,7 +199,11 @@ def load(path: str | Path, device: str | torch.device | None = None, *,
                     gammas=parts.gammas)
     # The whole-step CUDA graphs of every bucket, as at build time; with gamma="auto" the
     # costs measured then.
+    prepared = time.perf_counter()
     engine.prepare(progress=say, known_costs=parts.step_costs or None)
+    if parts.device.type == "cuda":
+        say(f"captured the step graphs of {len(engine.buckets)} batch buckets in "
+            f"{time.perf_counter() - prepared:.1f} s")
     engine.compile_seconds = engine.load_seconds = time.perf_counter() - start
     engine.manifest = parts.manifest
     say(f"loaded in {engine.load_seconds:.1f} s")
