@@ -35,13 +35,14 @@ def mistral(seed: int) -> torch.nn.Module:
 
 
 @functools.cache
-def built(precision: str = "auto") -> tuple[fuser.Engine, torch.nn.Module]:
+def built(precision: str = "auto", compile: str = "auto") -> tuple[fuser.Engine, torch.nn.Module]:
     """(engine of llama_target with a mistral draft at gamma 2, the draft given to it)."""
     draft = mistral(seed=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         engine = fuser.optimize(llama_target(), draft=draft, config=fuser.FuserConfig(
-            max_seq_len=MAX_SEQ_LEN, max_batch_size=2, gamma=2, precision=precision))
+            max_seq_len=MAX_SEQ_LEN, max_batch_size=2, gamma=2, precision=precision,
+            compile=compile))
     assert engine.draft is not None and engine.report().fallbacks == []
     return engine, draft
 
@@ -86,9 +87,12 @@ def eager_logits(model: torch.nn.Module, ids: torch.Tensor, quantized: int | Non
 SEQUENCE = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(5))
 
 
-@pytest.mark.parametrize("precision", ["auto", "fp8"])
-def test_swap_reaches_every_tensor_the_draft_graphs_read(precision):
-    engine, draft = built(precision)
+@pytest.mark.parametrize("precision,compile", [
+    ("auto", "auto"), ("fp8", "auto"),
+    # Inductor's compiled steps read the same tensors, lifted to inputs (about 50 s to build)
+    pytest.param("auto", "inductor", marks=pytest.mark.slow)])
+def test_swap_reaches_every_tensor_the_draft_graphs_read(precision, compile):
+    engine, draft = built(precision, compile)
     fp8 = precision == "fp8"
     every_steps = {id(b.draft): b.draft for b in engine.buckets.values()}
     swap = WeightSwap.for_engine(engine)
