@@ -87,12 +87,13 @@ def time_engine(engine: fuser.Engine, ids: torch.Tensor, mask: torch.Tensor, new
 
 def child(args: argparse.Namespace) -> None:
     """The fresh process: load the engine, time it, print one JSON line."""
-    engine = fuser.load(args.load, log=log)
+    lines: list[str] = []
+    engine = fuser.load(args.load, log=lines.append)
     compiles = compile_count()
     ids, mask = prompt(engine.vocab_size, args.prompt_tokens, engine.device)
     result = {"load_seconds": engine.load_seconds,
               "import_and_load_seconds": time.perf_counter() - args.started,
-              "compiles": compiles, "buckets": sorted(engine.buckets),
+              "compiles": compiles, "buckets": sorted(engine.buckets), "load_log": lines,
               "timing": time_engine(engine, ids, mask, args.new_tokens, args.runs)}
     print(json.dumps(result))
 
@@ -167,6 +168,7 @@ def main() -> None:
         "import_and_load_seconds": loaded["import_and_load_seconds"],
         "max_batch_size": args.max_batch_size, "draft": draft is not None,
         "compiles_in_loaded_process": loaded["compiles"], "loaded_buckets": loaded["buckets"],
+        "load_log": loaded["load_log"],
         "in_process": in_process, "loaded": loaded["timing"],
     }
     for mode in in_process:
@@ -185,6 +187,7 @@ def report(r: dict[str, object]) -> str:
              f"(with imports {r['import_and_load_seconds']:.1f} s)",
              f"{r['max_batch_size']} rows, buckets {r['loaded_buckets']}; graphs traced or "
              f"compiled by the load: {r['compiles_in_loaded_process']}"]
+    lines += [f"  load: {line}" for line in r["load_log"]]
     for mode, timing in r["in_process"].items():
         lines.append(f"{mode}: in-process {timing['tokens_per_second']:.1f} tok/s, loaded "
                      f"{r['loaded'][mode]['tokens_per_second']:.1f} tok/s, tokens identical: "
