@@ -62,8 +62,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                        help="on SIGTERM, seconds the running requests get to finish before they "
                             "are aborted (default: %(default)s)")
     serve.add_argument("--no-adapt-draft", action="store_true",
-                       help="keep the draft as built (the online draft adaptation is a later "
-                            "issue: accepted and recorded, a no-op for now)")
+                       help="turn adaptive speculation off: no suffix proposals, no online "
+                            "distillation of the draft (plain continuous batching)")
     serve.add_argument("--tokenizer", default=None,
                        help="a tokenizer directory for an engine saved without one")
     serve.add_argument("--log-level", default="warning",
@@ -172,13 +172,29 @@ def warm_up(scheduler: Any, tokenizer: Any) -> None:
         tokenizer.decode(out)
 
 
+def make_scheduler(engine: Any, args: argparse.Namespace) -> Any:
+    """The scheduler `fuser serve` runs: with adaptive speculation (suffix proposals, and the
+    draft distilled online where the engine has one and its module), unless --no-adapt-draft
+    or the engine cannot take it (then plain continuous batching, said on stderr)."""
+    from fuser.runtime.scheduler import Scheduler
+
+    if not args.no_adapt_draft:
+        from fuser.runtime.adapt import AdaptiveScheduler
+
+        try:
+            return AdaptiveScheduler(engine, max_waiting=args.max_waiting, suffix=True,
+                                     adapt_draft=bool(engine.gammas))
+        except (ValueError, RuntimeError, NotImplementedError) as e:
+            progress(f"adaptive speculation off ({e}); continuous batching without it")
+    return Scheduler(engine, max_waiting=args.max_waiting)
+
+
 class _Stop(Exception):
     """A signal before the server was ready: stop loading and exit."""
 
 
 def run_serve(args: argparse.Namespace) -> int:
     _check_args(args)
-    from fuser.runtime.scheduler import Scheduler
     from fuser.server.app import create_app
     from fuser.server.runner import ServerThread, bind
 
@@ -186,7 +202,7 @@ def run_serve(args: argparse.Namespace) -> int:
     sock = bind(args.host, args.port)
     app = create_app(None, None, name, api_key=args.api_key)
     serving = app.state.serving
-    serving.adapt_draft = not args.no_adapt_draft  # a no-op until the adaptive speculator
+    serving.adapt_draft = not args.no_adapt_draft
     server = ServerThread(app, sock=sock, log_level=args.log_level,
                           graceful_seconds=min(5.0, args.drain_timeout + 1.0))
     signals = {"count": 0}
@@ -207,7 +223,7 @@ def run_serve(args: argparse.Namespace) -> int:
         progress(f"listening on {server.url}; /health answers 503 until the model is ready")
         engine = open_engine(args)
         tokenizer = load_tokenizer(args, engine)
-        started = Scheduler(engine, max_waiting=args.max_waiting)
+        started = make_scheduler(engine, args)
         started.start()
         scheduler = started
         progress("warming up ...")
