@@ -14,7 +14,7 @@ Decode (M = 1, 5, 9 rows of bf16 activations), per shape and M:
   sweep       linear_triton(x, w_fp8, weight_scale=scale, block_n, block_k, num_warps,
               num_stages) over SWEEP configs, each timed by a short scan; the CONFIRM best are
               timed again in full and the best of those is printed, to update
-              fuser/ops/linear.py's _default_fp8_config. The sweep stops (and says so) when the
+              fuser/ops/gemv_tables.py's _default_fp8_config. The sweep stops (and says so) when the
               run passes SWEEP_BUDGET_S, so the script ends within about 3 minutes.
   Timing (benchmarks/timing.py): CUDA-graph replay of 20 back-to-back calls, do_bench median per
   call, weights rotated over copies_for(their bytes) copies so no call reads them from L2.

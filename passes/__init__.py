@@ -46,7 +46,7 @@ PASSES: list[GraphRewrite] = [
     NORM_LINEAR,  # after every GEMV pass: folds a norm into the one GEMV (any of the four) that
     # reads it, so it must see the final GEMV op, gated_linear's included
     NORM_STATS,  # after norm_linear: at several rows, its norm moves into the GEMVs around it
-    # (norm_stats.ENABLED, on by default with linear.ONE_ROW_NORM_AFTER)
+    # (norm_stats.ENABLED, on by default with gemv_tables.ONE_ROW_NORM_AFTER)
 ]
 
 

@@ -33,7 +33,7 @@ from torch.fx import GraphModule, Node
 
 import fuser.ops  # noqa: F401  (registers torch.ops.fuser.*)
 from fuser.ops.fp8 import FP8_DTYPE, quantize_weight
-from fuser.ops.linear import MAX_ROWS
+from fuser.ops.gemv_tables import MAX_ROWS
 from fuser.passes.base import GraphPass, PassContext
 from fuser.passes.fx import VIEWS, Linear, as_linear, fake_value, graph_fake_mode
 

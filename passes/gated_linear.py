@@ -33,7 +33,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 import fuser.ops  # noqa: F401  (registers torch.ops.fuser.*)
-from fuser.ops.linear import MAX_ROWS
+from fuser.ops.gemv_tables import MAX_ROWS
 from fuser.passes.base import GraphPass, PassContext
 from fuser.passes.fx import as_linear, fake_value, graph_fake_mode, strip_views
 

@@ -2,9 +2,9 @@
 
 Matches every `mm(x, permute(W, [1, 0]))` / `addmm(b, x, permute(W, [1, 0]))` whose weight W is
 a parameter of the graph (after merge_qkv / merge_gate_up: the merged weights too) and whose
-activation x has a fixed row count M <= fuser.ops.linear.MAX_ROWS of W's dtype: the T = 1 decode
+activation x has a fixed row count M <= fuser.ops.gemv_tables.MAX_ROWS of W's dtype: the T = 1 decode
 and small-T verification graphs at small batch. On CUDA, shapes where cuBLAS measured faster
-(`fuser.ops.linear.prefers_cublas`) keep their GEMM. Prefill graphs (symbolic M) keep cuBLAS, as do
+(`fuser.ops.gemv_tables.prefers_cublas`) keep their GEMM. Prefill graphs (symbolic M) keep cuBLAS, as do
 larger batches. A bias stays a separate add, which Inductor fuses with what follows.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule
 
-from fuser.ops.linear import MAX_ROWS, prefers_cublas
+from fuser.ops.gemv_tables import MAX_ROWS, prefers_cublas
 from fuser.passes.base import GraphPass, PassContext
 from fuser.passes.fx import as_linear, fake_value, graph_fake_mode
 

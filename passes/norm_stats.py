@@ -39,14 +39,14 @@ import torch
 from torch.fx import GraphModule, Node
 
 import fuser.ops  # noqa: F401  (registers torch.ops.fuser.*)
-from fuser.ops.linear import MAX_ROWS
+from fuser.ops.gemv_tables import MAX_ROWS
 from fuser.passes.base import GraphPass, PassContext
 from fuser.passes.fx import VIEWS, fake_value, graph_fake_mode
 
 fuser_ops = torch.ops.fuser
 
 # Whether the pass rewrites at all (read when a graph is built). On, together with
-# fuser.ops.linear.ONE_ROW_NORM_AFTER, which gives the one-row add + norm GEMVs the same norm
+# fuser.ops.gemv_tables.ONE_ROW_NORM_AFTER, which gives the one-row add + norm GEMVs the same norm
 # arithmetic (g * h rounded once, rstd after the sum): without it the verify step's logits
 # differ from the decode step's by more than summation order, and DESIGN.md's "speculative
 # greedy == target-only greedy" can fail (simulated on CPU with the kernels' arithmetic: 2 of
@@ -91,7 +91,7 @@ def _bucket_normalises_alike(context: PassContext, rows: int) -> bool:
     """Whether a graph of `rows` rows may take the rewrite: any draft graph; a target graph
     whose batch bucket's decode and verify steps all have at most MAX_ROWS rows, so that each
     of them takes it (one-row decode steps compute the same arithmetic through
-    linear.ONE_ROW_NORM_AFTER)."""
+    gemv_tables.ONE_ROW_NORM_AFTER)."""
     if context.role != "target":
         return True
     batch = rows // max(context.kind.tokens or 1, 1)

@@ -86,19 +86,19 @@ def one_intra_op_thread():
 
 
 def _pin_norm_stats(enabled: bool):
-    from fuser.ops import linear as linear_module
+    from fuser.ops import gemv_tables
     from fuser.passes import norm_stats
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(norm_stats, "ENABLED", enabled)
-        mp.setattr(linear_module, "ONE_ROW_NORM_AFTER", enabled)
+        mp.setattr(gemv_tables, "ONE_ROW_NORM_AFTER", enabled)
         yield
 
 
 @pytest.fixture
 def norm_stats_on():
     """passes/norm_stats.py's pass and the one-row GEMVs in its arithmetic
-    (linear.ONE_ROW_NORM_AFTER) pinned on for the test: the defaults, which it must not rely
+    (gemv_tables.ONE_ROW_NORM_AFTER) pinned on for the test: the defaults, which it must not rely
     on."""
     yield from _pin_norm_stats(True)
 

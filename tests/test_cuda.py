@@ -169,7 +169,7 @@ def test_fp8_speculative_on_e4m3_pieces_equals_target_only(fp8_lm_head: bool) ->
     # into the last down_proj (norm_stats' producer, on that row's e4m3 pieces).
     from unittest import mock
 
-    from fuser.ops import linear as linear_module
+    from fuser.ops import fp8_linear, norm_linear
 
     # init_range 0.3: logits that rarely nearly tie (tests/tiny.py). At 0.02 the bf16 LM head's
     # run diverged on the H200 at new token 19 of row 1, where the FP8-emulated target's top-2
@@ -179,11 +179,11 @@ def test_fp8_speculative_on_e4m3_pieces_equals_target_only(fp8_lm_head: bool) ->
     config = fuser.FuserConfig(max_seq_len=64, max_batch_size=2, gamma=4, precision="fp8",
                                fp8_lm_head=fp8_lm_head)
     plain = fuser.optimize(target, config=config)
-    norm_spy = mock.Mock(wraps=linear_module.add_rms_norm_pieces_triton)
-    split_spy = mock.Mock(wraps=linear_module.split_pieces_triton)
-    with mock.patch.object(linear_module, "add_rms_norm_pieces_triton", norm_spy), \
-            mock.patch.object(linear_module, "split_pieces_triton", split_spy), \
-            mock.patch.object(linear_module, "SPLIT_PIECES_MIN_K", 0):  # tiny rows split too
+    norm_spy = mock.Mock(wraps=norm_linear.add_rms_norm_pieces_triton)
+    split_spy = mock.Mock(wraps=fp8_linear.split_pieces_triton)
+    with mock.patch.object(norm_linear, "add_rms_norm_pieces_triton", norm_spy), \
+            mock.patch.object(fp8_linear, "split_pieces_triton", split_spy), \
+            mock.patch.object(fp8_linear, "SPLIT_PIECES_MIN_K", 0):  # tiny rows split too
         spec = fuser.optimize(target, draft=draft, config=config)
     assert norm_spy.call_count > 0 and split_spy.call_count > 0
     assert plain.report().fallbacks == [] and spec.report().fallbacks == []

@@ -12,11 +12,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fuser.ops import e4m3_pieces
-from fuser.ops import linear as linear_module
+from fuser.ops import fp8_linear, norm_linear
 from fuser.ops.e4m3_pieces import (add_rms_norm_pieces_triton, join_pieces, pieces_supported,
                                    split_pieces_reference, split_pieces_triton)
 from fuser.ops.fp8 import fp8_linear_reference, quantize_weight
-from fuser.ops.linear import MAX_ROWS, linear_pieces_triton
+from fuser.ops.gemv_tables import MAX_ROWS
+from fuser.ops.linear import linear_pieces_triton
 from fuser.ops.rmsnorm import add_rms_norm_reference, add_rms_norm_triton, rms_norm_triton
 
 pytestmark = pytest.mark.usefixtures("interpreter_rounds_bf16_like_gpu")
@@ -107,12 +108,12 @@ def test_fp8_linear_splits_its_rows_under_pieces(M):
     x = torch.randn(1, M, 96, generator=g).to(torch.bfloat16).to(DEVICE)
     w, scale = (t.to(DEVICE) for t in quantize_weight(torch.randn(40, 96, generator=g)))
     spy = mock.Mock(wraps=split_pieces_triton)
-    with mock.patch.object(linear_module, "split_pieces_triton", spy):
-        with mock.patch.object(linear_module, "SPLIT_PIECES_MIN_K", 96):
-            linear_module._fp8_linear_cuda(x, w, scale)  # rows of 96: too short to split
+    with mock.patch.object(fp8_linear, "split_pieces_triton", spy):
+        with mock.patch.object(fp8_linear, "SPLIT_PIECES_MIN_K", 96):
+            fp8_linear._fp8_linear_cuda(x, w, scale)  # rows of 96: too short to split
         assert spy.call_count == 0
-        with mock.patch.object(linear_module, "SPLIT_PIECES_MIN_K", 64):
-            got = linear_module._fp8_linear_cuda(x, w, scale)
+        with mock.patch.object(fp8_linear, "SPLIT_PIECES_MIN_K", 64):
+            got = fp8_linear._fp8_linear_cuda(x, w, scale)
         assert spy.call_count == (1 if M > 1 else 0)
     ref = fp8_linear_reference(x.cpu(), w.cpu(), scale.cpu())
     assert got.shape == ref.shape == (1, M, 40)
@@ -126,7 +127,7 @@ def _reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     """The FP8 GEMV's reference on x: the exact products of bf16's x, summed in fp32."""
     if activation is None:
         return fp8_linear_reference(x, w, scale)
-    return linear_module.fp8_gated_linear_reference(x, w, scale, activation)
+    return fp8_linear.fp8_gated_linear_reference(x, w, scale, activation)
 
 
 @settings(max_examples=12, **SETTINGS)
@@ -177,12 +178,12 @@ def test_norm_linear_ops_take_the_pieces_path(residual, activation):
     w, scale = w.to(DEVICE), scale.to(DEVICE)
     args = (x, r, nw, EPS, w, scale, activation) if residual else \
         (x, nw, EPS, w, scale, activation)
-    fn = linear_module._add_rms_norm_linear_cuda if residual else \
-        linear_module._rms_norm_linear_cuda
-    ref_fn = linear_module.add_rms_norm_linear_reference if residual else \
-        linear_module.rms_norm_linear_reference
+    fn = norm_linear._add_rms_norm_linear_cuda if residual else \
+        norm_linear._rms_norm_linear_cuda
+    ref_fn = norm_linear.add_rms_norm_linear_reference if residual else \
+        norm_linear.rms_norm_linear_reference
     spy = mock.Mock(wraps=add_rms_norm_pieces_triton)
-    with mock.patch.object(linear_module, "add_rms_norm_pieces_triton", spy):
+    with mock.patch.object(norm_linear, "add_rms_norm_pieces_triton", spy):
         got = fn(*args)
         assert spy.call_count == 1
         fn(*(a[:, :1] if isinstance(a, torch.Tensor) and a.dim() == 3 else a for a in args))
@@ -223,7 +224,7 @@ def test_gpu_norm_pieces_at_llama3_shapes(N, activation):
     x, r = (torch.randn(5, K, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
     nw = (1 + 0.1 * torch.randn(K, device="cuda", generator=g)).to(torch.bfloat16)
     w, scale = quantize_weight(torch.randn(N, K, device="cuda", generator=g) * 0.02)
-    out, summed = linear_module._add_rms_norm_linear_cuda(x, r, nw, EPS, w, scale, activation)
+    out, summed = norm_linear._add_rms_norm_linear_cuda(x, r, nw, EPS, w, scale, activation)
     normed, summed_ref = add_rms_norm_reference(x, r, nw, EPS)
     assert torch.equal(summed, summed_ref)
     bf16 = _reference(normed, w, scale, activation)
@@ -244,8 +245,8 @@ def test_gpu_split_pieces_at_llama3_shapes(N, K):
     for a, b in zip(pieces, split_pieces_reference(x)):
         assert torch.equal(a.view(torch.uint8) if a.dtype != torch.float32 else a,
                            b.view(torch.uint8) if b.dtype != torch.float32 else b)
-    with mock.patch.object(linear_module, "SPLIT_PIECES_MIN_K", 0):  # o_proj's rows too
-        out = linear_module._fp8_linear_cuda(x, w, scale)
+    with mock.patch.object(fp8_linear, "SPLIT_PIECES_MIN_K", 0):  # o_proj's rows too
+        out = fp8_linear._fp8_linear_cuda(x, w, scale)
     bf16 = _reference(x, w, scale)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.float(), bf16.float(), rtol=2.0**-7,

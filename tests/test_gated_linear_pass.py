@@ -18,7 +18,7 @@ from torch import nn
 
 import fuser
 from engines import assert_greedy_matches, hf_greedy, prompts
-from fuser.ops.linear import MAX_ROWS
+from fuser.ops.gemv_tables import MAX_ROWS
 from fuser.passes import PASSES, PassContext, run_passes
 from fuser.passes.fx import count_targets
 from fuser.runtime.steps import DECODE

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fuser
-from fuser.ops.linear import MAX_ROWS
+from fuser.ops.gemv_tables import MAX_ROWS
 from fuser.passes import norm_stats
 from fuser.passes.linear import rewrite_linears
 from fuser.numerics import LOGITS_TOLERANCE

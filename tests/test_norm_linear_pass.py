@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import fuser
-from fuser.ops.linear import MAX_ROWS
+from fuser.ops.gemv_tables import MAX_ROWS
 from fuser.passes import PASSES, PassContext, run_passes
 from fuser.runtime.steps import DECODE
 from tiny import export_like_capture

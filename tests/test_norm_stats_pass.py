@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from fuser.ops.linear import MAX_ROWS
+from fuser.ops.gemv_tables import MAX_ROWS
 from fuser.passes import PASSES
 from test_norm_linear_pass import rewrite
 

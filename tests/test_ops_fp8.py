@@ -45,7 +45,8 @@ from fuser.ops.fp8_quant import (
     scaled_mm_rowwise,
 )
 from fuser.ops.gated_act import gated_act_reference, gated_act_triton
-from fuser.ops.linear import MAX_ROWS, linear_triton
+from fuser.ops.gemv_tables import MAX_ROWS
+from fuser.ops.linear import linear_triton
 from fuser.ops.rmsnorm import add_rms_norm_reference, add_rms_norm_triton, rms_norm_reference, rms_norm_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -24,16 +24,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fuser.ops import linear as _  # noqa: F401  (registers torch.ops.fuser.*gated_linear)
+import fuser.ops  # noqa: F401  (registers torch.ops.fuser.*gated_linear)
 from fuser.ops.fp8 import dequantize, fp8_linear_reference, quantize_weight
+from fuser.ops.fp8_linear import fp8_gated_linear_reference
 from fuser.ops.gated_act import ACTIVATIONS, gated_act_reference, gated_act_triton
-from fuser.ops.linear import (
-    MAX_ROWS,
-    fp8_gated_linear_reference,
-    gated_linear_reference,
-    linear_reference,
-    linear_triton,
-)
+from fuser.ops.gemv_tables import MAX_ROWS
+from fuser.ops.linear import gated_linear_reference, linear_reference, linear_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -339,7 +335,8 @@ os.environ.pop("TRITON_INTERPRET", None)
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from fuser.ops.linear import _default_config, _default_fp8_config, _default_swap, _linear_kernel
+from fuser.ops.gemv_tables import _default_config, _default_fp8_config, _default_swap
+from fuser.ops.linear import _linear_kernel
 
 NAMES = [param.name for param in _linear_kernel.params]
 out = {}

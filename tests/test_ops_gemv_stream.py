@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 from fuser.ops import gemv_stream
 from fuser.ops.fp8 import quantize_weight
 from fuser.ops.gemv_stream import StreamConfig, stream_gemv, stream_plan
-from fuser.ops.linear import linear_triton, rms_norm_linear_triton
+from fuser.ops.linear import linear_triton
+from fuser.ops.norm_linear import rms_norm_linear_triton
 from test_ops_gated_linear import SETTINGS, assert_gated_close, assert_mostly_equal
 from test_ops_linear import check as assert_linear_close
 from test_ops_norm_linear import EPS, after_norm, inputs, norm_after, reference_norm

@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fuser.ops import linear as _  # noqa: F401  (registers torch.ops.fuser.linear)
-from fuser.ops.linear import MAX_ROWS, linear_reference, linear_triton
+from fuser.ops.gemv_tables import MAX_ROWS
+from fuser.ops.linear import linear_reference, linear_triton
 
 pytestmark = pytest.mark.usefixtures("interpreter_rounds_bf16_like_gpu")
 
@@ -145,7 +146,7 @@ def _run_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, gain: torch
                      w: torch.Tensor, **config) -> torch.Tensor:
     """linear_triton(x, w), or with a residual rms_norm_linear_triton's output and summed
     residual, flattened into one tensor."""
-    from fuser.ops.linear import rms_norm_linear_triton
+    from fuser.ops.norm_linear import rms_norm_linear_triton
 
     if residual is None:
         return linear_triton(x, w, **config).flatten()
@@ -175,7 +176,7 @@ def test_gpu_op_falls_back_above_max_rows():
 
 
 def test_cublas_keeps_the_shapes_it_measured_faster_on():
-    from fuser.ops.linear import prefers_cublas
+    from fuser.ops.gemv_tables import prefers_cublas
 
     assert prefers_cublas(5, 28672, 4096)  # gate_up, verification rows
     for M, N, K in [(1, 6144, 4096), (1, 4096, 4096), (1, 28672, 4096), (1, 128256, 4096),
@@ -188,8 +189,8 @@ def test_tiles_fit_shared_memory_and_tuned_configs_stay():
     """fp32 weights at the MMA path's tuned tiles asked an H200 for 288 KB of shared memory
     (OutOfResources in every fp32 CUDA engine); the launcher trims stages, then block_k. The
     tuned bf16 and FP8 tables stay as measured."""
-    from fuser.ops.linear import (SHARED_MEMORY_BUDGET, _default_config, _default_fp8_config,
-                                  _fit_shared_memory)
+    from fuser.ops.gemv_tables import (SHARED_MEMORY_BUDGET, _default_config,
+                                       _default_fp8_config, _fit_shared_memory)
 
     shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (96, 64)]
     for M in (1, 2, 5, 9, 16):
@@ -256,7 +257,7 @@ def test_split_k_refuses_a_split_that_does_not_divide_k():
 
 
 def test_default_split_k_is_where_it_measured_faster():
-    from fuser.ops.linear import _default_split_k
+    from fuser.ops.gemv_tables import _default_split_k
 
     assert _default_split_k(1, 4096, 14336, False) == 2      # down_proj, bf16
     assert _default_split_k(1, 4096, 14336, True) == 1       # down_proj, fp8 (wide tiles)
@@ -274,8 +275,8 @@ def test_default_split_k_is_where_it_measured_faster():
 def test_small_weights_take_the_small_tile_at_several_rows():
     """The bundled pair's weights (at most SMALL_WEIGHT elements) at several rows: 16-column
     tiles, unsplit (measured faster on an H200); one row and the 8B shapes keep their tables."""
-    from fuser.ops.linear import (SMALL_ROWS_TILE, _default_config, _default_split_k,
-                                  small_weight)
+    from fuser.ops.gemv_tables import (SMALL_ROWS_TILE, _default_config, _default_split_k,
+                                       small_weight)
 
     bundled = [(640, 384), (384, 384), (1920, 384), (384, 960), (4096, 384),  # target
                (320, 192), (192, 192), (1024, 192), (192, 512), (4096, 192)]  # draft
@@ -295,7 +296,7 @@ def test_small_weights_take_the_small_tile_at_several_rows():
 def test_small_tile_sums_the_same_products(activation):
     """At several rows the small tile's outputs equal the 8B-shape tile's: the same K order,
     only the columns per program differ (bit-equal on the H200 too)."""
-    from fuser.ops.linear import SMALL_ROWS_TILE
+    from fuser.ops.gemv_tables import SMALL_ROWS_TILE
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(3, 384, generator=g).to(torch.bfloat16).to(DEVICE)
@@ -310,7 +311,7 @@ def test_small_tile_sums_the_same_products(activation):
 
 
 def test_default_swap_is_where_it_measured_faster():
-    from fuser.ops.linear import _default_swap
+    from fuser.ops.gemv_tables import _default_swap
 
     assert not _default_swap(1, 28672, 4096, True)           # one row: the CUDA cores
     for N, K in ((4096, 14336), (4096, 4096), (28672, 4096)):  # down, o_proj, gate_up
@@ -391,8 +392,8 @@ def _run_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, **config) ->
 
 def _fp8_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
                    activation: str | None) -> torch.Tensor:
-    from fuser.ops.linear import fp8_gated_linear_reference
     from fuser.ops.fp8 import fp8_linear_reference
+    from fuser.ops.fp8_linear import fp8_gated_linear_reference
 
     if activation is None:
         return fp8_linear_reference(x, w, scale).float()

@@ -33,13 +33,10 @@ from hypothesis import strategies as st
 from fuser.ops import CPU_INLINE
 from fuser.ops.fp8 import dequantize, quantize_weight
 from fuser.ops.gated_act import ACTIVATIONS
-from fuser.ops.linear import (
-    MAX_ROWS,
-    add_rms_norm_linear_reference,
-    linear_triton,
-    rms_norm_linear_reference,
-    rms_norm_linear_triton,
-)
+from fuser.ops.gemv_tables import MAX_ROWS
+from fuser.ops.linear import linear_triton
+from fuser.ops.norm_linear import (add_rms_norm_linear_reference, rms_norm_linear_reference,
+                                   rms_norm_linear_triton)
 from fuser.ops.rmsnorm import add_rms_norm_reference, add_rms_norm_triton, rms_norm_reference, \
     rms_norm_triton
 from test_ops_gated_linear import FP8_OPCHECK_TESTS, SETTINGS, assert_gated_close, \
@@ -83,7 +80,7 @@ def exact_norm(x, r, norm_weight):
 @pytest.fixture
 def rstd_after_the_sum():
     """Every one-row GEMV with the norm multiplies by rstd after its K loop for the test (by
-    default only FP8 qkv does: linear.rstd_last_for)."""
+    default only FP8 qkv does: gemv_tables.rstd_last_for, as linear.py's launcher reads it)."""
     from unittest import mock
 
     from fuser.ops import linear as linear_module
@@ -100,10 +97,10 @@ def rstd_last(rows: int, fp8: bool, activation: str | None, n: int) -> bool:
 
 
 def norm_after(rows: int, residual: bool, fp8: bool, activation: str | None, n: int) -> bool:
-    """Whether the kernel runs linear.ONE_ROW_NORM_AFTER's arithmetic (on by default)."""
-    from fuser.ops import linear as linear_module
+    """Whether the kernel runs gemv_tables.ONE_ROW_NORM_AFTER's arithmetic (on by default)."""
+    from fuser.ops import gemv_tables
 
-    return linear_module.norm_after_for(rows, residual, fp8, rstd_last(rows, fp8, activation, n))
+    return gemv_tables.norm_after_for(rows, residual, fp8, rstd_last(rows, fp8, activation, n))
 
 
 def after_norm(x, r, norm_weight):
@@ -187,8 +184,8 @@ def test_random_shapes(M, K, N, dtype, residual, activation, fp8, block_n, block
 @pytest.mark.parametrize("norm_k", [16, 64, 4096])
 @pytest.mark.parametrize("residual", [False, True], ids=["norm", "add_norm"])
 def test_one_row_prologue_at_other_widths(norm_k: int, residual: bool) -> None:
-    """linear.ONE_ROW_NORM_K: one row's norm prologue stepping 16, 64 or all of K's columns
-    (against BLOCK_K = 32) still gives the norm's value, summed and the GEMV (K off every
+    """gemv_tables.ONE_ROW_NORM_K (as linear.py's launcher reads it): one row's norm prologue
+    stepping 16, 64 or all of K's columns (against BLOCK_K = 32) still gives the norm's value, summed and the GEMV (K off every
     width: a masked last step)."""
     from unittest import mock
 
@@ -342,7 +339,7 @@ def test_gpu_llama3_qkv_and_gate_up(M: int, residual: bool, fp8: bool) -> None:
 @needs_cuda
 @pytest.mark.parametrize("rows", [5, MAX_ROWS + 1])
 def test_gpu_ops_run_the_kernel_and_fall_back_above_max_rows(rows: int) -> None:
-    from fuser.ops import linear as linear_module
+    from fuser.ops import norm_linear
 
     for op, args, unfused in op_cases(rows=rows, device="cuda"):
         got = _outputs(op(*args))
@@ -351,8 +348,8 @@ def test_gpu_ops_run_the_kernel_and_fall_back_above_max_rows(rows: int) -> None:
         else:
             x, r, g = (args[0], None, args[1]) if len(args) == 6 else args[:3]
             weight, scale, activation = args[-3:]
-            if linear_module._norm_pieces_take(x, r, g, scale):  # FP8 rows on e4m3 pieces
-                out, summed = linear_module._norm_pieces_linear(x, r, g, EPS, weight, scale,
+            if norm_linear._norm_pieces_take(x, r, g, scale):  # FP8 rows on e4m3 pieces
+                out, summed = norm_linear._norm_pieces_linear(x, r, g, EPS, weight, scale,
                                                                 activation)
             else:
                 out, summed = rms_norm_linear_triton(x, r, g, EPS, weight, weight_scale=scale,
@@ -364,9 +361,9 @@ def test_gpu_ops_run_the_kernel_and_fall_back_above_max_rows(rows: int) -> None:
 def test_rstd_after_the_sum_is_chosen_for_fp8_qkv_only() -> None:
     """The defaults: rstd after the sum for one-row FP8 GEMVs without the gated activation and
     under 2^16 outputs (qkv), the prologue pass for the LM head, gate/up and bf16 weights."""
-    from fuser.ops import linear as linear_module
+    from fuser.ops.gemv_tables import rstd_last_for
 
-    assert linear_module.rstd_last_for(True, False, 6144)
-    assert not linear_module.rstd_last_for(True, False, 128256)   # the LM head
-    assert not linear_module.rstd_last_for(True, True, 14336)     # gate/up
-    assert not linear_module.rstd_last_for(False, False, 6144)    # bf16
+    assert rstd_last_for(True, False, 6144)
+    assert not rstd_last_for(True, False, 128256)   # the LM head
+    assert not rstd_last_for(True, True, 14336)     # gate/up
+    assert not rstd_last_for(False, False, 6144)    # bf16

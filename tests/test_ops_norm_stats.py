@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 from fuser.ops import CPU_INLINE
 from fuser.ops.fp8 import dequantize, quantize_weight
 from fuser.ops.gated_act import ACTIVATIONS
-from fuser.ops.linear import MAX_ROWS, STAT_COLS, linear_triton
+from fuser.ops.gemv_tables import MAX_ROWS, STAT_COLS
+from fuser.ops.linear import linear_triton
 from fuser.ops.norm_stats import (
     group_squares_reference,
     linear_residual_triton,
@@ -251,16 +252,16 @@ def test_gpu_ops_compute_what_they_replace(rows: int) -> None:
             assert_gated_close(out.cpu(), normed, values, activation, torch.bfloat16)
 
 
-# --- one row in the same arithmetic (linear.ONE_ROW_NORM_AFTER) ---------------------------------
+# --- one row in the same arithmetic (gemv_tables.ONE_ROW_NORM_AFTER) ----------------------------
 
 
 @pytest.fixture
 def one_row_norm_after():
-    """linear.ONE_ROW_NORM_AFTER pinned on for the test (the default, as passes/norm_stats.py)."""
-    from fuser.ops import linear as linear_module
+    """gemv_tables.ONE_ROW_NORM_AFTER pinned on for the test (the default, as passes/norm_stats.py)."""
+    from fuser.ops import gemv_tables
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(linear_module, "ONE_ROW_NORM_AFTER", True)
+        mp.setattr(gemv_tables, "ONE_ROW_NORM_AFTER", True)
         yield
 
 
@@ -274,7 +275,7 @@ def test_one_row_norm_after_is_the_several_row_arithmetic(stream: bool,
     the one-row result within the GEMV bounds of rstd * (g * h @ W.T) in float64, and nearly
     every output bit-equal to the several-row one (only the summation order differs)."""
     from fuser.ops import gemv_stream
-    from fuser.ops.linear import rms_norm_linear_triton
+    from fuser.ops.norm_linear import rms_norm_linear_triton
 
     g = torch.Generator().manual_seed(21)
     M, K, N = 4, 256, 48
@@ -319,7 +320,7 @@ def test_fp8_producer_on_pieces(M: int, monkeypatch: pytest.MonkeyPatch) -> None
     them): summed is the pieces GEMV (linear_pieces_triton, same blocks) plus the residual, bit
     for bit; gh and the squares as on the other paths; and the op takes that path on its own
     for rows longer than SPLIT_PIECES_MIN_K."""
-    import fuser.ops.linear as linear
+    from fuser.ops import fp8_linear
     from fuser.ops.e4m3_pieces import split_pieces_triton
     from fuser.ops.linear import linear_pieces_triton
 
@@ -340,7 +341,7 @@ def test_fp8_producer_on_pieces(M: int, monkeypatch: pytest.MonkeyPatch) -> None
     torch.testing.assert_close(squares.cpu(), group_squares_reference(summed.cpu()), rtol=1e-5,
                                atol=1e-6)
     # the op splits rows longer than SPLIT_PIECES_MIN_K by itself (here: all of them)
-    monkeypatch.setattr(linear, "SPLIT_PIECES_MIN_K", K - 1)
+    monkeypatch.setattr(fp8_linear, "SPLIT_PIECES_MIN_K", K - 1)
     from fuser.ops import norm_stats
 
     taken = []
@@ -356,7 +357,7 @@ import sys
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
-from fuser.ops.linear import _scale_product
+from fuser.ops.gemv_rows import _scale_product
 
 @triton.jit
 def product_then_add(a_ptr, s_ptr, r_ptr, o_ptr, MUL_RN: tl.constexpr):

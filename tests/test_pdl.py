@@ -9,7 +9,8 @@ import triton
 import triton.language as tl
 
 from fuser.ops.fp8 import quantize_weight
-from fuser.ops.linear import linear_triton, rms_norm_linear_triton
+from fuser.ops.linear import linear_triton
+from fuser.ops.norm_linear import rms_norm_linear_triton
 from fuser.ops.pdl import pdl_enabled, pdl_launch
 
 needs_hopper = pytest.mark.skipif(

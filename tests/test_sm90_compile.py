@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def _default_paths() -> None:
     from fuser.ops.e4m3_pieces import split_pieces_triton
     from fuser.ops.fp8 import quantize_weight
-    from fuser.ops.linear import linear_pieces_triton, linear_triton, rms_norm_linear_triton
+    from fuser.ops.linear import linear_pieces_triton, linear_triton
+    from fuser.ops.norm_linear import rms_norm_linear_triton
     from fuser.ops.norm_stats import linear_residual_triton, normed_linear_triton
 
     g = torch.Generator().manual_seed(0)

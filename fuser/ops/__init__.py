@@ -20,6 +20,8 @@ from fuser.ops import gated_act  # noqa: F401
 from fuser.ops import attention  # noqa: F401
 from fuser.ops import rotary_attention  # noqa: F401
 from fuser.ops import linear  # noqa: F401
+from fuser.ops import fp8_linear  # noqa: F401
+from fuser.ops import norm_linear  # noqa: F401
 from fuser.ops import norm_stats  # noqa: F401
 from fuser.ops import fp8  # noqa: F401
 from fuser.ops import fp8_quant  # noqa: F401
@@ -47,7 +49,7 @@ def _inline_linear(normed, weight, weight_scale, activation):
     # As the unfused graph compiled: fuser::linear inlined, the gated and FP8 GEMVs opaque.
     if weight_scale is None and activation is None:
         return linear.linear_reference(normed, weight)
-    return linear._linear_op(normed, weight, weight_scale, activation)
+    return norm_linear._linear_op(normed, weight, weight_scale, activation)
 
 
 def rms_norm_linear_cpu(x, norm_weight, eps, weight, weight_scale, activation):

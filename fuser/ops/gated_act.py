@@ -62,6 +62,21 @@ def act_times_up(g, u, ACTIVATION: tl.constexpr, out_dtype: tl.constexpr):
 
 
 @triton.jit
+def _gated_epilogue(acc, HALF: tl.constexpr, BLOCK_M: tl.constexpr, ACTIVATION: tl.constexpr,
+                    out_dtype: tl.constexpr):
+    """The gated GEMVs' epilogue (fuser/ops/linear.py, fuser/ops/gemv_stream.py): act(gate) * up
+    from an accumulator whose tile columns are HALF gate columns, then the HALF matching up
+    columns ([BLOCK_N] at one row, [BLOCK_M, BLOCK_N] else): each half rounded to the output
+    dtype as the GEMV's output would be, then exactly as fuser::gated_act."""
+    if BLOCK_M == 1:
+        gate, up = tl.split(tl.permute(tl.reshape(acc, [2, HALF]), [1, 0]))
+    else:
+        gate, up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, HALF]), [0, 2, 1]))
+    return act_times_up(gate.to(out_dtype).to(tl.float32), up.to(out_dtype).to(tl.float32),
+                        ACTIVATION, out_dtype)
+
+
+@triton.jit
 def _gated_act_kernel(
     gate_up_ptr,      # gate_up: [rows, 2I], row stride row_stride, column stride 1
     out_ptr,          # out: [rows, I], contiguous, gate_up's dtype

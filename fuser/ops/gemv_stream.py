@@ -63,7 +63,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fuser.ops.linear import _gated_epilogue, norm_after_for
+from fuser.ops.gated_act import _gated_epilogue
+from fuser.ops.gemv_tables import norm_after_for
 from fuser.ops.pdl import gdc_launch_dependents, gdc_wait, pdl_launch, pdl_supported
 from fuser.ops.rmsnorm import _load_block, _normalise
 
@@ -221,7 +222,7 @@ def _stream_kernel(
     NORM_K: tl.constexpr,       # the norm prologue's chunk
     ACTIVATION: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
     NORM_AFTER: tl.constexpr = False,  # NORM: the input g * h rounded once, rstd times the sums
-                                # after the loop (linear.ONE_ROW_NORM_AFTER)
+                                # after the loop (gemv_tables.ONE_ROW_NORM_AFTER)
 ):
     pid = tl.program_id(0)
     tile = tl.arange(0, BLOCK_R)

@@ -4,7 +4,7 @@ by the norm weight and sums the squares; the GEMV after it scales its sums by rs
 At 2..16 rows (the verification step, the draft's catch-up) a layer's two residual-add +
 RMSNorms each ran as their own kernel between two GEMVs (fuser::add_rms_norm_linear at several
 rows: the norm kernel, then the GEMV; the norm inside every GEMV program measured slower, see
-linear.NORM_PROLOGUE_MAX_ROWS). Here the norm's work moves into the two GEMVs around it:
+norm_linear.NORM_PROLOGUE_MAX_ROWS). Here the norm's work moves into the two GEMVs around it:
 
     y = linear(a, W_o)                                  o_proj (or down_proj): a GEMV
     out, summed = add_rms_norm_linear(y, r, g, eps, W)  norm kernel + GEMV
@@ -48,18 +48,11 @@ from torch import Tensor
 
 from fuser.ops.e4m3_pieces import split_pieces_triton
 from fuser.ops.fp8 import FP8_DTYPE
-from fuser.ops.linear import (
-    GEMV_DTYPES,
-    MAX_ROWS,
-    STAT_COLS,
-    _launch,
-    _linear_op,
-    _norm_linear_fake_out,
-    _row_count,
-    _split_pieces_take,
-    linear_any_reference,
-    rms_norm_linear_reference,
-)
+from fuser.ops.fp8_linear import _split_pieces_take
+from fuser.ops.gemv_tables import GEMV_DTYPES, MAX_ROWS, STAT_COLS, _row_count
+from fuser.ops.linear import _launch
+from fuser.ops.norm_linear import (_linear_op, _norm_linear_fake_out, linear_any_reference,
+                                   rms_norm_linear_reference)
 
 __all__ = [
     "group_squares_reference",
@@ -237,7 +230,7 @@ def _stats_rms_norm_linear_cuda(summed: Tensor, gh: Tensor, squares: Tensor, nor
         return out.reshape(*summed.shape[:-1], out.shape[-1])
     # Outside the kernels' rows the op computes what it replaced, fuser::add_rms_norm_linear:
     # summed plus zeros is summed, and at one row that op's arithmetic is not
-    # rms_norm_linear's when linear.ONE_ROW_NORM_AFTER is on.
+    # rms_norm_linear's when gemv_tables.ONE_ROW_NORM_AFTER is on.
     out, _ = torch.ops.fuser.add_rms_norm_linear(summed, torch.zeros_like(summed), norm_weight,
                                                  eps, weight, weight_scale, activation)
     return out
