@@ -179,7 +179,7 @@ def test_gpu_long_cache_bf16():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_gpu_llama3_shapes_and_tuning_overrides(T, dtype):
     # Llama-3-8B's attention (32 heads over 8 kv heads, D 128) at contexts 1024 and 8192, with
-    # every tuning override benchmarks/attention_sweep.py tries: the result must not move.
+    # tuning overrides of every kind (splits, block, warps, stages): the result must not move.
     for S, seq_len in [(1040, 1024), (8208, 8192), (8208, 333)]:
         q, k, v, _, _ = make_case(1, 8, 4, T, 128, S, dtype, seed=S + T)
         seq_lens, starts = torch.tensor([seq_len]), torch.tensor([0])

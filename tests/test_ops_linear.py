@@ -448,7 +448,8 @@ def test_gpu_fp16_mma_at_llama3_shapes(N, K, activation, magnitude):
                            f"{bad.any(1).nonzero().flatten().tolist()}, first columns "
                            f"{bad.any(0).nonzero().flatten()[:8].tolist()}")
     ref = _fp8_reference(x, w, scale, activation)
-    torch.testing.assert_close(f16.float(), ref, rtol=2.0**-7, atol=2.0**-7 * ref.abs().max().item())
+    torch.testing.assert_close(f16.float(), ref, rtol=2.0**-7,
+                               atol=2.0**-7 * ref.abs().max().item())
 
 
 def test_fp16_mma_rescales_when_a_row_grows_by_far_more_than_fp16_holds():

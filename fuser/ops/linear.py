@@ -380,8 +380,8 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor | None, eps:
             stats: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """The one launcher of _linear_kernel: linear_triton (norm_weight None),
     norm_linear.rms_norm_linear_triton, linear_pieces_triton (pieces: x is hi, pieces (lo,
-    inv_scale)), norm_stats.linear_residual_triton (epilogue (residual [M, N], g [N], gx out [M, N], squares out
-    [M, cdiv(N, STAT_COLS)]): out is x @ W.T + residual, see EPI_RESIDUAL) and
+    inv_scale)), norm_stats.linear_residual_triton (epilogue (residual [M, N], g [N], gx out
+    [M, N], squares out [M, cdiv(N, STAT_COLS)]): out is x @ W.T + residual, see EPI_RESIDUAL) and
     norm_stats.normed_linear_triton (stats [M, cdiv(K, STAT_COLS)]: x is g * h and
     these are h's sums of squares; the sums over K times rsqrt(sum / K + eps)).
     Returns (out [..., N] in out_dtype or x's, summed [..., K] or None)."""

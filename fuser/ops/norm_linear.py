@@ -34,13 +34,13 @@ e4m3 pieces for the FP8 MMA (fuser/ops/e4m3_pieces.py), measured faster than the
 normed rows.
 
 Cost: the GEMV's (fuser/ops/linear.py), and from HBM + M * K * (s_r + s_sum) + K * s_g (the
-residual, summed written once, the norm weight) and no normed tensor written and read back; from L2, every
-program reads its rows of x (and r) twice (the sum-of-squares pass, then the K loop) and g
-once: grid * M * K * (2 (s_x + s_r) + s_g) bytes, e.g. 768 programs x 4096 x 10 B ~ 31 MB for
-qkv at M = 1 against its 50 MB weight from HBM; the first pass also delays each program's
-first weight load by one walk over x. FLOPs + ~5 * M * K per program (the recomputed norm).
-With rstd after the sum (one row) x and r are read once per program, in the K loop:
-grid * K * (s_x + s_r + s_g) from L2.
+residual, summed written once, the norm weight) and no normed tensor written and read back; from
+L2, every program reads its rows of x (and r) twice (the sum-of-squares pass, then the K loop)
+and g once: grid * M * K * (2 (s_x + s_r) + s_g) bytes, e.g. 768 programs x 4096 x 10 B ~ 31 MB
+for qkv at M = 1 against its 50 MB weight from HBM; the first pass also delays each program's
+first weight load by one walk over x. FLOPs + ~5 * M * K per program (the recomputed norm). With
+rstd after the sum (one row) x and r are read once per program, in the K loop: grid * K * (s_x +
+s_r + s_g) from L2.
 """
 
 import torch
