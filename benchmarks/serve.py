@@ -444,7 +444,7 @@ def device_and_dtype() -> tuple[object, object]:
 def load_models(args: argparse.Namespace) -> tuple[object, object | None, object | None, str]:
     """(HF target, HF draft or None, tokenizer or None, name) from --preset or --model
     (default: the bundled pair's target; --draft alone: the bundled draft)."""
-    from fuser.cli import _load_pair
+    from fuser.launch import load_pair
     from fuser.models import DRAFT_PATH, PRESETS, TARGET_PATH
 
     if args.preset:
@@ -466,7 +466,7 @@ def load_models(args: argparse.Namespace) -> tuple[object, object | None, object
         return model, None, None, f"{args.preset} (random weights, {str(dtype)[6:]})"
     model = args.model or str(TARGET_PATH)
     draft = args.draft if args.draft != "bundled" else str(DRAFT_PATH)
-    target, draft_model, tokenizer, name = _load_pair(model, draft)
+    target, draft_model, tokenizer, name = load_pair(model, draft)
     return target, draft_model, tokenizer, name
 
 

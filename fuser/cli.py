@@ -15,7 +15,6 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
-import warnings  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -29,37 +28,12 @@ DEMO_PROMPTS = [
 ]
 
 
+from fuser.launch import build_engine_from_args, is_engine_dir, progress  # noqa: E402
+
+
 def say(message: str) -> None:
     """Progress on stderr-free stdout, flushed (long steps must show progress)."""
     print(message, flush=True)
-
-
-def _load_pair(model: str | None, draft: str | None) -> tuple[torch.nn.Module, torch.nn.Module | None, object | None, str]:
-    """(target, draft, tokenizer, description); the bundled pair or a random Llama by default."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from fuser.pipeline import load_model
-    from fuser.models import PRESETS, bundled_pair
-
-    if model is None:
-        pair = bundled_pair()
-        if pair is None:
-            torch.manual_seed(0)
-            target = LlamaForCausalLM(LlamaConfig(**PRESETS["tiny-random-llama"])).eval()
-            return target, None, None, ("a small RANDOM Llama (the bundled trained pair is not "
-                                        "installed yet): its text is noise, its numbers are real")
-        model, draft = str(pair[0]), str(pair[1])
-    target, tokenizer = load_model(model, "MODEL")
-    draft_model = load_model(draft, "--draft")[0] if draft else None
-    name = Path(model).name + (f" + draft {Path(draft).name}" if draft else "")
-    if not torch.cuda.is_available():  # CPU: fp32 (bf16 matmuls are slow there, and fp32 is
-        target = target.float()        # where the engine must match Hugging Face exactly)
-        draft_model = draft_model.float() if draft_model is not None else None
-        name += " (fp32 on CPU)"
-    elif target.device.type != "cuda":
-        target = target.cuda()
-        draft_model = draft_model.cuda() if draft_model is not None else None
-    return target.eval(), draft_model, tokenizer, name
 
 
 def _encode(tokenizer: object | None, prompts: list[str], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,18 +62,6 @@ def _hf_generate_seconds(model: torch.nn.Module, ids: torch.Tensor, mask: torch.
     return out, time.perf_counter() - start
 
 
-def progress(message: str) -> None:
-    """A step line on stderr for long steps (build, save, load, timing)."""
-    print(f"fuser: {message}", file=sys.stderr, flush=True)
-
-
-def is_engine_dir(path: str | None) -> bool:
-    """Whether `path` is an engine directory (has a manifest) rather than a model directory."""
-    from fuser.engine_file import MANIFEST
-
-    return path is not None and (Path(path) / MANIFEST).is_file()
-
-
 def demo_cache_dir() -> Path:
     """Where `fuser demo` keeps its engine: $XDG_CACHE_HOME/fuser, else ~/.cache/fuser."""
     root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -114,31 +76,6 @@ def _generation_ids(engine: object) -> tuple[object, int]:
     if pad is None:
         pad = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
     return eos, int(pad)
-
-
-def build_engine_from_args(model: str | None, draft: str | None, config: object) -> tuple[object, dict[str, str], str]:
-    """(engine, source paths, description) built from model directories (or the bundled pair)."""
-    from fuser.models import bundled_pair
-    from fuser.pipeline import build_engine
-
-    if model is None and bundled_pair() is not None:
-        model, draft = (str(p) for p in bundled_pair())
-    for path, argument in ((model, "MODEL"), (draft, "--draft")):
-        if path is not None and not (Path(path) / "config.json").is_file():
-            raise ValueError(f"{argument}={path!r} is neither a model directory (config.json + "
-                             "safetensors) nor an engine directory (manifest.json)")
-    progress("loading the Hugging Face models ...")
-    target, draft_model, tokenizer, name = _load_pair(model, draft)
-    progress(f"capturing (torch.export), rewriting (passes) and compiling {name} ...")
-    start = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        engine = build_engine(target, draft_model, config, tokenizer)
-    progress(f"built in {time.perf_counter() - start:.1f} s")
-    source = {"target": str(Path(model).resolve())} if model else {}
-    if draft:
-        source["draft"] = str(Path(draft).resolve())
-    return engine, source, name
 
 
 def cmd_build(args: argparse.Namespace) -> int:

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import fuser
-from fuser.cli import DEMO_PROMPTS, _encode, _load_pair
+from fuser.cli import DEMO_PROMPTS, _encode
+from fuser.launch import load_pair
 from fuser.models import bundled_pair
 from fuser.pipeline import build_engine
 
@@ -51,7 +52,7 @@ def build_bundled_engine(path: Path) -> BuiltEngine:
     if bundled_pair() is None:
         pytest.skip("the bundled model pair is not installed")
     target_dir, draft_dir = bundled_pair()
-    target, draft, tokenizer, _ = _load_pair(str(target_dir), str(draft_dir))
+    target, draft, tokenizer, _ = load_pair(str(target_dir), str(draft_dir))
     start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -56,11 +56,11 @@ def pair():
     an adaptive gamma would make seeded sampling depend on the other requests' timing)."""
     if bundled_pair() is None:
         pytest.skip("the bundled model pair is not installed")
-    from fuser.cli import _load_pair
+    from fuser.launch import load_pair
     from fuser.pipeline import build_engine
 
     target_dir, draft_dir = bundled_pair()
-    target, draft, tokenizer, _ = _load_pair(str(target_dir), str(draft_dir))
+    target, draft, tokenizer, _ = load_pair(str(target_dir), str(draft_dir))
     config = fuser.FuserConfig(max_batch_size=ROWS, batch_buckets=(1, ROWS), gamma=3,
                                max_seq_len=MAX_SEQ_LEN, compile="fx")
     with warnings.catch_warnings():

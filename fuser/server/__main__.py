@@ -1,5 +1,7 @@
 """`python -m fuser.server PATH [...]`: the same as `fuser serve PATH [...]`."""
 
-from fuser.server.cli import main
+import sys
 
-raise SystemExit(main())
+from fuser.cli import main
+
+raise SystemExit(main(["serve", *sys.argv[1:]]))

@@ -16,7 +16,6 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -112,7 +111,7 @@ def open_engine(args: argparse.Namespace) -> Any:
     import torch
 
     import fuser
-    from fuser.cli import build_engine_from_args, is_engine_dir
+    from fuser.launch import build_engine_from_args, is_engine_dir
 
     if is_engine_dir(args.path):
         if args.draft is not None:
@@ -262,10 +261,3 @@ def drain(serving: Any, scheduler: Any, server: Any, timeout: float) -> int:
     progress(f"drained in {time.perf_counter() - start:.1f} s"
              + ("" if finished else ": requests still running at the timeout were aborted"))
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m fuser.server ...` = `fuser serve ...`."""
-    from fuser.cli import main as fuser_main
-
-    return fuser_main(["serve", *(sys.argv[1:] if argv is None else argv)])

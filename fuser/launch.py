@@ -1,0 +1,77 @@
+"""Opening an engine from the command line's paths: model directories (or the bundled pair)
+built into an engine, and engine directories told apart from model directories. Shared by
+`fuser` (fuser/cli.py) and `fuser serve` (fuser/server/cli.py)."""
+
+from __future__ import annotations
+
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+
+def progress(message: str) -> None:
+    """A step line on stderr for long steps (build, save, load, timing)."""
+    print(f"fuser: {message}", file=sys.stderr, flush=True)
+
+
+def is_engine_dir(path: str | None) -> bool:
+    """Whether `path` is an engine directory (has a manifest) rather than a model directory."""
+    from fuser.engine_file import MANIFEST
+
+    return path is not None and (Path(path) / MANIFEST).is_file()
+
+
+def load_pair(model: str | None, draft: str | None) -> tuple[torch.nn.Module, torch.nn.Module | None, object | None, str]:
+    """(target, draft, tokenizer, description); the bundled pair or a random Llama by default."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fuser.pipeline import load_model
+    from fuser.models import PRESETS, bundled_pair
+
+    if model is None:
+        pair = bundled_pair()
+        if pair is None:
+            torch.manual_seed(0)
+            target = LlamaForCausalLM(LlamaConfig(**PRESETS["tiny-random-llama"])).eval()
+            return target, None, None, ("a small RANDOM Llama (the bundled trained pair is not "
+                                        "installed yet): its text is noise, its numbers are real")
+        model, draft = str(pair[0]), str(pair[1])
+    target, tokenizer = load_model(model, "MODEL")
+    draft_model = load_model(draft, "--draft")[0] if draft else None
+    name = Path(model).name + (f" + draft {Path(draft).name}" if draft else "")
+    if not torch.cuda.is_available():  # CPU: fp32 (bf16 matmuls are slow there, and fp32 is
+        target = target.float()        # where the engine must match Hugging Face exactly)
+        draft_model = draft_model.float() if draft_model is not None else None
+        name += " (fp32 on CPU)"
+    elif target.device.type != "cuda":
+        target = target.cuda()
+        draft_model = draft_model.cuda() if draft_model is not None else None
+    return target.eval(), draft_model, tokenizer, name
+
+
+def build_engine_from_args(model: str | None, draft: str | None, config: object) -> tuple[object, dict[str, str], str]:
+    """(engine, source paths, description) built from model directories (or the bundled pair)."""
+    from fuser.models import bundled_pair
+    from fuser.pipeline import build_engine
+
+    if model is None and bundled_pair() is not None:
+        model, draft = (str(p) for p in bundled_pair())
+    for path, argument in ((model, "MODEL"), (draft, "--draft")):
+        if path is not None and not (Path(path) / "config.json").is_file():
+            raise ValueError(f"{argument}={path!r} is neither a model directory (config.json + "
+                             "safetensors) nor an engine directory (manifest.json)")
+    progress("loading the Hugging Face models ...")
+    target, draft_model, tokenizer, name = load_pair(model, draft)
+    progress(f"capturing (torch.export), rewriting (passes) and compiling {name} ...")
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        engine = build_engine(target, draft_model, config, tokenizer)
+    progress(f"built in {time.perf_counter() - start:.1f} s")
+    source = {"target": str(Path(model).resolve())} if model else {}
+    if draft:
+        source["draft"] = str(Path(draft).resolve())
+    return engine, source, name
