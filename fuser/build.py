@@ -1,8 +1,9 @@
 """Building one model's steps: export, passes, compilation, warm-up, the eager self-check and
 CUDA-graph capture, each an explicit step that `fuser.optimize` calls in order.
 
-Each step graph is exported once (`fuser.capture`), rewritten by `fuser.passes.PASSES`, and then
-run either as the rewritten FX graph ("fx") or compiled by Inductor ("inductor"). Whatever cannot
+Each step graph is exported (`fuser.capture`), rewritten by `fuser.passes.PASSES`, and then
+run either as the rewritten FX graph ("fx") or compiled by Inductor ("inductor"). The batch
+buckets of an engine share one export per step kind (`build_bucket_steps`). Whatever cannot
 be exported or compiled runs in eager PyTorch with an entry in the model's fallbacks; building
 never fails for a model the capture cannot handle.
 """
@@ -10,11 +11,14 @@ never fails for a model the capture cannot handle.
 from __future__ import annotations
 
 import contextlib
+import functools
+import time
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
-from fuser.capture import StepModule, export_step
+from fuser.capture import StepModule, cache_names, export_step, specialize_batch
 from fuser.compile import CompiledStep
 from fuser.config import FuserConfig
 from fuser.numerics import FP8_SELF_CHECK_TOLERANCE, SELF_CHECK_TOLERANCE, relative_error
@@ -23,6 +27,9 @@ from fuser.passes import PassContext, run_passes
 from fuser.runtime.cuda_graphs import CudaGraphStep
 from fuser.runtime.kv_cache import KVCache, free_memory_bytes
 from fuser.runtime.steps import DECODE, PREFILL, ModelSteps, StepFn, StepGraph, StepKind
+
+
+Progress = Callable[[str], None]
 
 
 def model_geometry(config: object) -> tuple[int, int, int]:
@@ -74,23 +81,132 @@ def build_steps(role: str, view: nn.Module, cache: KVCache, kinds: list[StepKind
     return steps
 
 
+def build_bucket_steps(role: str, view: nn.Module, cache: KVCache, sizes: Sequence[int],
+                       kinds: list[StepKind], config: FuserConfig, device: torch.device,
+                       progress: Progress | None = None) -> dict[int, ModelSteps]:
+    """The steps of `kinds` in every batch bucket of `sizes`, bucket b over rows [:b] of
+    `cache` (which has max(sizes) rows): batch size -> steps.
+
+    The buckets share what does not depend on the batch: each kind is exported once with a
+    dynamic batch dimension (`export_step(dynamic_batch=True)`); prefill (dynamic T, never
+    compiled) is rewritten once and that one graph serves every bucket; a fixed-T step is
+    retraced at each bucket's batch (`specialize_batch`, a fraction of an export), then
+    rewritten and compiled per bucket, since the passes choose kernels by row count. The
+    passes' per-model state (weights quantized once) is shared too. A model whose export
+    cannot keep the batch dynamic is exported per bucket, as with one bucket.
+    """
+    say = progress or (lambda message: None)
+    state: dict = {}
+    buckets = {}
+    for size in sorted(sizes):
+        buckets[size] = ModelSteps(role, cache.rows(size), view.config.vocab_size)
+        buckets[size].build_state = state
+    for kind in kinds:
+        start = time.perf_counter()
+        add_bucket_step(buckets, view, kind, config, device, say)
+        say(f"{role}.{_kind_name(kind)}: {len(buckets)} batch bucket(s) built in "
+            f"{time.perf_counter() - start:.1f} s")
+    return buckets
+
+
+def add_bucket_step(buckets: dict[int, ModelSteps], view: nn.Module, kind: StepKind,
+                    config: FuserConfig, device: torch.device, say: Progress) -> None:
+    """Build the step `kind` in every bucket of `buckets` (see `build_bucket_steps`)."""
+    if len(buckets) == 1 or any(g.rewritten is None for steps in buckets.values()
+                                for g in steps.steps.values()):
+        for steps in buckets.values():  # one bucket, or a model that already fell back
+            add_step(steps, view, kind, config, device)
+        return
+    top = buckets[max(buckets)]
+    module = StepModule(view, top.cache.k, top.cache.v, prefill=not kind.fixed)
+    start = time.perf_counter()
+    try:
+        exported, symbolic = export_step(module, top.cache.batch_size, kind.tokens,
+                                         max_tokens=top.cache.slots, dynamic_batch=True)
+    except Exception as e:  # noqa: BLE001 -- the batch cannot stay dynamic: one export a bucket
+        say(f"{top.role}.{_kind_name(kind)}: no export with a dynamic batch "
+            f"({first_line(e)}); exporting each bucket")
+        for steps in buckets.values():
+            add_step(steps, view, kind, config, device)
+        return
+    say(f"{top.role}.{_kind_name(kind)}: exported once for {len(buckets)} buckets in "
+        f"{time.perf_counter() - start:.1f} s")
+    if not kind.fixed:
+        # Prefill: rewritten once (its row count is symbolic either way), one graph a bucket
+        # over that bucket's cache rows.
+        context = PassContext(f"{top.role}.{kind.name}", kind, config, top.role,
+                              model_state=top.build_state)
+        result = run_passes(symbolic, context)
+        for size, steps in buckets.items():
+            graph = _new_graph(steps, view, kind)
+            graph.exported = exported
+            graph.rewritten = symbolic if steps is top else with_cache(symbolic, steps.cache)
+            graph.matches, graph.fused_ops = dict(result.matches), dict(result.fused_ops)
+            for error in result.errors:
+                steps.fallback(error)
+        return
+    for size, steps in buckets.items():
+        try:
+            rewritten = specialize_batch(symbolic, steps.cache.k, steps.cache.v)
+        except Exception as e:  # noqa: BLE001 -- this bucket exports on its own
+            say(f"{steps.role}.{_kind_name(kind)}: bucket {size} not retraced "
+                f"({first_line(e)}); exporting it")
+            add_step(steps, view, kind, config, device)
+            continue
+        graph = _new_graph(steps, view, kind)
+        graph.exported, graph.rewritten = exported, rewritten
+        _rewrite_and_compile(steps, graph, view, config, device)
+
+
+def _kind_name(kind: StepKind) -> str:
+    return kind.name if kind.tokens is None else f"{kind.name}{kind.tokens}"
+
+
+def _new_graph(steps: ModelSteps, view: nn.Module, kind: StepKind) -> StepGraph:
+    """An empty StepGraph of `kind` in `steps`, its eager module over the steps' cache."""
+    module = StepModule(view, steps.cache.k, steps.cache.v, prefill=not kind.fixed)
+    graph = StepGraph(f"{steps.role}.{kind.name}", kind, eager=module)
+    steps.steps[kind] = graph
+    return graph
+
+
+def with_cache(gm: torch.fx.GraphModule, cache: KVCache) -> torch.fx.GraphModule:
+    """A module over a copy of `gm`'s graph, reading `cache` as its KV cache (the same other
+    tensors): one rewritten graph run over another bucket's cache rows."""
+    graph = torch.fx.Graph()
+    graph._codegen = gm.graph._codegen
+    graph.output(graph.graph_copy(gm.graph, {}))
+    own = dict(zip(cache_names(len(cache.k)), [*cache.k, *cache.v]))
+    attributes = {}
+    for node in graph.find_nodes(op="get_attr"):
+        attributes[node.target] = own.get(node.target) if node.target in own else \
+            functools.reduce(getattr, node.target.split("."), gm)
+    return torch.fx.GraphModule(attributes, graph)
+
+
 def add_step(steps: ModelSteps, view: nn.Module, kind: StepKind, config: FuserConfig,
              device: torch.device) -> StepGraph:
     """Build the step `kind` of `steps` (export, passes, compile) and add it; once export has
     failed for a model, its later steps run eagerly without trying again."""
-    module = StepModule(view, steps.cache.k, steps.cache.v, prefill=not kind.fixed)
-    graph = StepGraph(f"{steps.role}.{kind.name}", kind, eager=module)
     export_failed = any(g.rewritten is None for g in steps.steps.values())
-    steps.steps[kind] = graph
+    graph = _new_graph(steps, view, kind)
     if export_failed:
         return graph
     try:
-        graph.exported, graph.rewritten = export_step(module, steps.cache.batch_size, kind.tokens,
-                                                      max_tokens=steps.cache.slots)
+        graph.exported, graph.rewritten = export_step(graph.eager, steps.cache.batch_size,
+                                                      kind.tokens, max_tokens=steps.cache.slots)
     except Exception as e:  # unsupported model code: run eagerly, say so once
         steps.fallback(f"{steps.role}: torch.export failed ({first_line(e)}); its steps run "
                        "in eager PyTorch with the engine's KV cache")
         return graph
+    _rewrite_and_compile(steps, graph, view, config, device)
+    return graph
+
+
+def _rewrite_and_compile(steps: ModelSteps, graph: StepGraph, view: nn.Module,
+                         config: FuserConfig, device: torch.device) -> None:
+    """Run the passes over `graph.rewritten` in place, then set up its compilation."""
+    kind = graph.kind
     context = PassContext(graph.name, kind, config, steps.role, model_state=steps.build_state)
     result = run_passes(graph.rewritten, context)
     for error in result.errors:
@@ -100,7 +216,6 @@ def add_step(steps: ModelSteps, view: nn.Module, kind: StepKind, config: FuserCo
     # Inductor is kept for the fixed-T steps that run once per token.
     if compile_mode(config, device, view) == "inductor" and kind.fixed:
         graph.compiled = compile_step(graph.rewritten, device)
-    return graph
 
 
 def compile_step(gm: torch.fx.GraphModule, device: torch.device) -> StepFn:

@@ -151,23 +151,52 @@ class StepModule(nn.Module):
         return out.logits  # [B, T, V]
 
 
+class CacheInputs(nn.Module):
+    """`StepModule` with the KV cache as inputs instead of buffers (one list, k then v per
+    layer): what `export_step` exports when the batch dimension is dynamic (export keeps a
+    buffer's shape static; an input's may vary)."""
+
+    def __init__(self, step: StepModule) -> None:
+        super().__init__()
+        self.model = step.model
+        self.num_layers = step.num_layers
+        self.prefill = step.prefill
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
+                starts: torch.Tensor, kv: list[torch.Tensor]) -> torch.Tensor:
+        n = self.num_layers
+        step = StepContext(k=list(kv[:n]), v=list(kv[n:]), seq_lens=seq_lens, starts=starts,
+                           prefill=self.prefill)
+        return self.model(input_ids=tokens, position_ids=positions, use_cache=False,
+                          fuser_step=step).logits
+
+
+def cache_names(num_layers: int) -> list[str]:
+    """The KV cache's buffer names in a step graph, k then v per layer (`StepModule`'s)."""
+    return [f"k_cache_{i}" for i in range(num_layers)] + [f"v_cache_{i}" for i in range(num_layers)]
+
+
 def export_step(module: StepModule, batch: int, tokens_per_step: int | None,
-                max_tokens: int) -> tuple[torch.export.ExportedProgram, torch.fx.GraphModule]:
+                max_tokens: int, dynamic_batch: bool = False
+                ) -> tuple[torch.export.ExportedProgram, torch.fx.GraphModule]:
     """Export `module` to an ATen graph (decomposed to core ATen): (the exported program, a
     GraphModule of it that runs and that the passes rewrite).
 
     tokens_per_step: a fixed T, or None for a graph dynamic in T (2..max_tokens) used for prefill.
-    The returned module reads and writes the very cache tensors `module` holds.
+    dynamic_batch: the batch dimension dynamic too (1..batch, the rows of `module`'s cache),
+    so that one export serves every batch bucket (`specialize_batch`). The returned module
+    reads and writes the very cache tensors `module` holds (through get_attr, as buffers),
+    and runs at `batch` rows.
     """
     T = tokens_per_step or 4
     device = module.get_buffer("k_cache_0").device
     tokens = torch.zeros(batch, T, dtype=torch.long, device=device)
     positions = torch.arange(T, device=device)[None].expand(batch, T).contiguous()
     lens = torch.zeros(batch, dtype=torch.long, device=device)
-    dynamic_shapes = None
-    if tokens_per_step is None:
-        t_dim = torch.export.Dim.DYNAMIC(min=2, max=max_tokens)
-        dynamic_shapes = ({1: t_dim}, {1: t_dim}, None, None)
+    t_dim = {1: torch.export.Dim.DYNAMIC(min=2, max=max_tokens)} if tokens_per_step is None else {}
+    if dynamic_batch:
+        return _export_dynamic_batch(module, (tokens, positions, lens, lens.clone()), t_dim)
+    dynamic_shapes = (t_dim, t_dim, None, None) if t_dim else None
     with torch.no_grad():
         ep = torch.export.export(module, (tokens, positions, lens, lens.clone()),
                                  dynamic_shapes=dynamic_shapes, strict=False)
@@ -179,3 +208,105 @@ def export_step(module: StepModule, batch: int, tokens_per_step: int | None,
             if gm.get_buffer(name) is not module.get_buffer(name):
                 setattr(gm, name, module.get_buffer(name))
     return ep, gm
+
+
+def _export_dynamic_batch(module: StepModule, args: tuple[torch.Tensor, ...],
+                          t_dim: dict[int, object]
+                          ) -> tuple[torch.export.ExportedProgram, torch.fx.GraphModule]:
+    """`export_step(dynamic_batch=True)`: the cache goes in as inputs (`CacheInputs`), whose
+    batch dimension export may keep symbolic; the graph then reads it through get_attr again."""
+    names = cache_names(module.num_layers)
+    kv = [module.get_buffer(name) for name in names]
+    batch = torch.export.Dim("batch", min=1, max=args[0].shape[0])
+    dynamic_shapes = ({0: batch, **t_dim}, {0: batch, **t_dim}, {0: batch}, {0: batch},
+                      [{0: batch} for _ in kv])
+    with torch.no_grad():
+        ep = torch.export.export(CacheInputs(module), (*args, kv),
+                                 dynamic_shapes=dynamic_shapes, strict=False)
+        ep = ep.run_decompositions()
+    gm = ep.module()
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node in list(gm.graph.nodes):  # export's input check: it would read the cache inputs
+        if node.op == "call_module" and not node.users:
+            gm.graph.erase_node(node)
+    return ep, _inputs_to_buffers(gm, inputs[4:], dict(zip(names, kv)))
+
+
+def _inputs_to_buffers(gm: torch.fx.GraphModule, placeholders: list[torch.fx.Node],
+                       tensors: dict[str, torch.Tensor]) -> torch.fx.GraphModule:
+    """A module over `gm`'s graph whose `placeholders` became get_attr nodes of `tensors`
+    (name -> tensor, in order); the other placeholders stay, under a plain calling convention
+    (a single output returned as is). Every other get_attr keeps `gm`'s tensor."""
+    graph = gm.graph
+    first = next(n for n in graph.nodes if n.op != "placeholder")
+    for node, name in zip(placeholders, tensors):
+        with graph.inserting_before(first):
+            attr = graph.get_attr(name)
+        attr.meta = dict(node.meta)
+        node.replace_all_uses_with(attr)
+        graph.erase_node(node)
+    output = graph.output_node()
+    values = output.args[0]
+    if isinstance(values, (tuple, list)) and len(values) == 1:
+        output.args = (values[0],)
+    graph._codegen = torch.fx.graph.CodeGen()
+    attributes = {node.target: tensors[node.target] if node.target in tensors
+                  else _attr(gm, node.target) for node in graph.find_nodes(op="get_attr")}
+    return torch.fx.GraphModule(attributes, graph)
+
+
+def specialize_batch(gm: torch.fx.GraphModule, k: list[torch.Tensor], v: list[torch.Tensor]
+                     ) -> torch.fx.GraphModule:
+    """A graph of `export_step(dynamic_batch=True)` at the batch of the cache `k`, `v` (rows
+    [:b] of the exported cache), the cache bound under its usual names: what exporting at
+    that batch would give, for the passes to rewrite at concrete shapes.
+
+    Retraces the ATen graph on fake tensors (`make_fx`): no model code runs again, a fraction
+    of an export's time. The batch is read off the cache.
+    """
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    names = cache_names(len(k))
+    cache = dict(zip(names, [*k, *v]))
+    attrs = list(gm.graph.find_nodes(op="get_attr"))
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    # Every tensor the graph reads becomes an input (the cache at the new batch), then the
+    # retraced graph reads them through get_attr again, under the same names.
+    lifted = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    for node in attrs:
+        env[node] = lifted.placeholder(f"attr_{len(tensors)}")
+        tensors[node.target] = cache[node.target] if node.target in cache else \
+            _attr(gm, node.target)
+    for node in inputs:
+        env[node] = lifted.placeholder(node.name)
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            continue
+        if node.op == "output":
+            lifted.output(torch.fx.map_arg(node.args[0], env.__getitem__))
+        else:
+            env[node] = lifted.node_copy(node, env.__getitem__)
+    batch = k[0].shape[0]
+    device = k[0].device
+    example = [t.detach() for t in tensors.values()]
+    tokens_per_step = [n.meta["val"].shape[1] for n in inputs[:1]][0]
+    T = tokens_per_step if isinstance(tokens_per_step, int) else 4
+    example += [torch.zeros(batch, T, dtype=torch.long, device=device) for _ in range(2)]
+    example += [torch.zeros(batch, dtype=torch.long, device=device) for _ in range(2)]
+    with torch.no_grad():
+        traced = make_fx(torch.fx.GraphModule({}, lifted), tracing_mode="fake")(*example)
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    for node, name in zip(placeholders[len(tensors):], ("tokens", "positions", "seq_lens",
+                                                        "starts")):
+        node.target = name
+        node._rename(name)
+    return _inputs_to_buffers(traced, placeholders[:len(tensors)], tensors)
+
+
+def _attr(root: nn.Module, target: str) -> torch.Tensor:
+    value = root
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value

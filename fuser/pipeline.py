@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fuser.build import allocate_cache, build_steps, check_against_eager, warm_up
+from fuser.build import allocate_cache, build_bucket_steps, check_against_eager, warm_up
 from fuser.capture import SUPPORTED_MODEL_TYPES, engine_view, supports_cache_attention
 from fuser.config import FuserConfig
 from fuser.engine import Engine
@@ -127,12 +127,10 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
         cache = allocate_cache(role, model.config, config.max_batch_size, slots, dtype, device,
                                config.max_seq_len)
         view = engine_view(model, dtype, device)
-        built = {}
-        for size in sizes:
-            _progress(f"building {role} steps for batch bucket {size} "
-                      f"({', '.join(k.name + ('' if k.tokens is None else str(k.tokens)) for k in kinds)})")
-            built[size] = build_steps(role, view, cache.rows(size), kinds, config, device)
-        return built
+        names = ", ".join(k.name + ("" if k.tokens is None else str(k.tokens)) for k in kinds)
+        _progress(f"building {role} steps ({names}) for batch buckets {list(sizes)}")
+        return build_bucket_steps(role, view, cache, sizes, kinds, config, device,
+                                  progress=_progress)
 
     target_kinds = target_steps(0) + [verify(g) for g in gammas]
     target_built = prepare("target", target, target_kinds, slots)
@@ -140,8 +138,11 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
     if draft is not None and gammas and target_built is not None:
         draft_built = prepare("draft", draft, draft_steps(draft_slots), draft_slots)
     for built in (target_built, draft_built):
-        for steps in (built or {}).values():
-            warm_up(steps)
+        for size, steps in (built or {}).items():
+            began = time.perf_counter()
+            warm_up(steps)  # compiles the fixed-T steps (Inductor) on their first call
+            _progress(f"{steps.role} bucket {size}: every step run once (compiled where "
+                      f"compiled) in {time.perf_counter() - began:.1f} s")
     top = config.max_batch_size
     if target_built is not None:
         problem = check_against_eager(target_built[top], target, config.max_seq_len,
