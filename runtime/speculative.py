@@ -117,10 +117,12 @@ class DecodeState:
     def load(self, max_new_tokens: int, eos: list[int], temperature: float, top_k: int | None,
              top_p: float | None, vocab_size: int, seed: int = 0) -> None:
         """Set one request's values in every row (in place). eos: at most EOS_SLOTS ids.
-        seed: row b samples with seed + b (`sampling.draw_keys`)."""
+        seed: each row samples with its own seed derived from (seed, row), so that rows, and
+        calls with nearby seeds, draw independent streams (`sampling.draw_keys`)."""
         self.load_row(slice(None), max_new_tokens, eos, temperature, top_k, top_p, vocab_size,
                       seed)
-        self.seed.add_(torch.arange(self.batch, device=self.seed.device))
+        rows = [row_seed(seed, b) for b in range(self.batch)]
+        self.seed.copy_(torch.tensor(rows, dtype=torch.long))
 
     def load_row(self, row: int | slice, max_new_tokens: int, eos: list[int],
                  temperature: float, top_k: int | None, top_p: float | None, vocab_size: int,
@@ -144,6 +146,16 @@ class DecodeState:
         default `generated`, the index of the token after `pending`)."""
         base = self.generated if counter is None else counter
         return draw_keys(self.seed, base + offset, purpose)
+
+
+def row_seed(seed: int, row: int) -> int:
+    """The sampling seed of row `row` of a batch seeded with `seed`: a 64-bit mix of the two
+    (splitmix64's finaliser), as a signed int64."""
+    x = (seed * 0x9E3779B97F4A7C15 + row + 1) & (2**64 - 1)
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    x ^= x >> 31
+    return x - 2**64 if x >= 2**63 else x
 
 
 @dataclass
