@@ -46,11 +46,17 @@ def options(device: torch.device) -> dict:
 def compile_graph(gm: torch.fx.GraphModule, args: Args, device: torch.device
                   ) -> CompiledArtifact:
     """Inductor over an ATen graph whose inputs are `args`, specialized to their shapes."""
+    import inspect
+
     import torch._inductor
 
+    extra = {}
+    # torch >= 2.12 may take over the graph module instead of copying it (2.11 has no such
+    # argument).
+    if "donate_graph_module" in inspect.signature(torch._inductor.standalone_compile).parameters:
+        extra["donate_graph_module"] = True
     return torch._inductor.standalone_compile(
-        gm, args, dynamic_shapes="from_example_inputs", options=options(device),
-        donate_graph_module=True)
+        gm, args, dynamic_shapes="from_example_inputs", options=options(device), **extra)
 
 
 class CompiledStep:

@@ -203,8 +203,8 @@ def test_gpu_scheduler_replays_step_graphs_and_matches_alone() -> None:
                                compile="fx")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        eng = fuser.optimize(target.cuda(), draft=perturbed(target, 0.05, seed=3).cuda(),
-                             config=config)
+        draft = perturbed(target, 0.05, seed=3).cuda()
+        eng = fuser.optimize(target.cuda(), draft=draft, config=config)
     try:
         assert sorted(eng.buckets) == [1, 2, 4]
         sched = Scheduler(eng)
