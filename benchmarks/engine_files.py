@@ -104,7 +104,8 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the results as JSON")
     parser.add_argument("--engine-dir", default=None, help="where to save (default: a temp dir)")
     parser.add_argument("--compile", default="auto", choices=["auto", "inductor", "fx"])
-    parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--gamma", type=lambda v: v if v == "auto" else int(v), default=4,
+                        help="draft length, or auto (a verify graph per candidate)")
     parser.add_argument("--no-draft", action="store_true", help="the target alone")
     parser.add_argument("--max-batch-size", type=int, default=1,
                         help="rows of the engine (batch buckets 1, 2, 4, ... up to it on CUDA)")
