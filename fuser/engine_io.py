@@ -343,7 +343,13 @@ def model_steps(role: str, info: dict[str, Any], cache: KVCache,
                 if not artifact.is_file():
                     raise EngineFileError(f"{directory}: the compiled code of {role} {key} "
                                           f"({artifact.relative_to(directory)}) is missing")
-                graph.compiled = CompiledStep.from_artifact(graph.rewritten, artifact, device)
+                try:
+                    graph.compiled = CompiledStep.from_artifact(graph.rewritten, artifact, device)
+                except Exception as e:  # noqa: BLE001 -- never compile instead: refuse
+                    raise EngineFileError(
+                        f"{directory}: the compiled code of {role} {key} cannot be loaded by "
+                        f"this torch ({type(e).__name__}: {str(e)[:200]}); rebuild the engine "
+                        "here (fuser build)") from e
             steps.steps[kind] = graph
         out[size] = steps
     return out

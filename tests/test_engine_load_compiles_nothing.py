@@ -91,3 +91,38 @@ def test_compile_count_sees_a_compile(built) -> None:
     fresh(tokens, tokens.clone(), cache.seq_lens, cache.starts)
     cache.reset()
     assert compile_count() > before
+
+
+def _without_hash_check(path: Path, rel: str, content: bytes | None) -> None:
+    """Replace (None: delete) engine file `rel` and make the manifest agree, so that only the
+    compiled code's own check can refuse it."""
+    import json
+
+    from fuser import engine_file as ef
+
+    manifest = json.loads((path / ef.MANIFEST).read_text())
+    if content is None:
+        (path / rel).unlink()
+        del manifest["files"][rel]
+    else:
+        (path / rel).write_bytes(content)
+        manifest["files"][rel] = {"size": len(content), "sha256": ef.file_digest(path / rel)}
+    (path / ef.MANIFEST).write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("damage, message", [
+    (None, r"compiled code of target decode1\.b1 .* is missing"),
+    (b"not an artifact", r"compiled code of target decode1\.b1 cannot be loaded"),
+])
+def test_unloadable_compiled_code_is_refused_not_recompiled(built, tmp_path: Path, damage,
+                                                             message: str) -> None:
+    import shutil
+
+    _, path = built
+    copy = tmp_path / "engine"
+    shutil.copytree(path, copy)
+    _without_hash_check(copy, "target/compiled/decode1.b1.bin", damage)
+    before = compile_count()
+    with pytest.raises(fuser.EngineFileError, match=message):
+        fuser.load(copy)
+    assert compile_count() == before
