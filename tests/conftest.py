@@ -1,8 +1,17 @@
+import importlib.util
 import os
 import pytest
 import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The server's tests need the `serve` and `test` extras (FastAPI, uvicorn, the openai client):
+# where they are missing (a GPU machine with only torch, say) those modules are not collected.
+_SERVER_TESTS = {"test_serve.py": ("fastapi", "uvicorn", "openai"),
+                 "test_serve_cli.py": ("fastapi", "uvicorn"),
+                 "test_serve_engine.py": ("fastapi", "uvicorn", "openai")}
+collect_ignore = [name for name, needs in _SERVER_TESTS.items()
+                  if any(importlib.util.find_spec(module) is None for module in needs)]
 
 
 @pytest.fixture(scope="module")
