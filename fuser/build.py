@@ -3,7 +3,7 @@ CUDA-graph capture, each an explicit step that `fuser.optimize` calls in order.
 
 Each step graph is exported (`fuser.capture`), rewritten by `fuser.passes.PASSES`, and then
 run either as the rewritten FX graph ("fx") or compiled by Inductor ("inductor"). The batch
-buckets of an engine share one export per step kind (`build_bucket_steps`). Whatever cannot
+buckets and the fixed-T steps of a model share one export (`build_bucket_steps`). Whatever cannot
 be exported or compiled runs in eager PyTorch with an entry in the model's fallbacks; building
 never fails for a model the capture cannot handle.
 """
@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from fuser.capture import StepModule, cache_names, export_step, specialize_batch
+from fuser.capture import StepModule, cache_names, export_step, specialize
 from fuser.compile import CompiledStep
 from fuser.config import FuserConfig
 from fuser.numerics import FP8_SELF_CHECK_TOLERANCE, SELF_CHECK_TOLERANCE, relative_error
@@ -87,13 +87,13 @@ def build_bucket_steps(role: str, view: nn.Module, cache: KVCache, sizes: Sequen
     """The steps of `kinds` in every batch bucket of `sizes`, bucket b over rows [:b] of
     `cache` (which has max(sizes) rows): batch size -> steps.
 
-    The buckets share what does not depend on the batch: each kind is exported once with a
-    dynamic batch dimension (`export_step(dynamic_batch=True)`); prefill (dynamic T, never
-    compiled) is rewritten once and that one graph serves every bucket; a fixed-T step is
-    retraced at each bucket's batch (`specialize_batch`, a fraction of an export), then
-    rewritten and compiled per bucket, since the passes choose kernels by row count. The
-    passes' per-model state (weights quantized once) is shared too. A model whose export
-    cannot keep the batch dynamic is exported per bucket, as with one bucket.
+    What does not depend on the shapes is done once: one export for every fixed-T step of
+    every bucket (batch and T dynamic: `export_step(dynamic_batch=..., token_range=...)`),
+    retraced at each step's shapes (`specialize`, a fraction of an export), then rewritten
+    and compiled per step and bucket, since the passes choose kernels by row count; prefill
+    (dynamic T, never compiled) is exported and rewritten once and that one graph serves every
+    bucket. The passes' per-model state (weights quantized once) is shared. Where model code
+    keeps a dimension from being dynamic, each step is exported on its own (as `add_step`).
     """
     say = progress or (lambda message: None)
     state: dict = {}
@@ -101,54 +101,58 @@ def build_bucket_steps(role: str, view: nn.Module, cache: KVCache, sizes: Sequen
     for size in sorted(sizes):
         buckets[size] = ModelSteps(role, cache.rows(size), view.config.vocab_size)
         buckets[size].build_state = state
+    fixed = [k.tokens for k in kinds if k.fixed]
+    shared: list = []  # the fixed-T steps' shared export, once made (or None: it failed)
     for kind in kinds:
         start = time.perf_counter()
-        add_bucket_step(buckets, view, kind, config, device, say)
-        say(f"{role}.{_kind_name(kind)}: {len(buckets)} batch bucket(s) built in "
+        if any(g.rewritten is None for steps in buckets.values() for g in steps.steps.values()):
+            for steps in buckets.values():  # the model already fell back to eager PyTorch
+                add_step(steps, view, kind, config, device)
+        elif not kind.fixed:
+            add_prefill(buckets, view, kind, config, device, say)
+        elif len(fixed) * len(buckets) == 1:
+            add_step(buckets[max(buckets)], view, kind, config, device)
+        else:
+            if not shared:
+                shared.append(export_fixed(buckets, view, max(2, *fixed), say))
+            add_fixed(buckets, view, kind, shared[0], config, device, say)
+        say(f"{role}.{_kind_name(kind)}: built for batch buckets {list(buckets)} in "
             f"{time.perf_counter() - start:.1f} s")
     return buckets
 
 
-def add_bucket_step(buckets: dict[int, ModelSteps], view: nn.Module, kind: StepKind,
-                    config: FuserConfig, device: torch.device, say: Progress) -> None:
-    """Build the step `kind` in every bucket of `buckets` (see `build_bucket_steps`)."""
-    if len(buckets) == 1 or any(g.rewritten is None for steps in buckets.values()
-                                for g in steps.steps.values()):
-        for steps in buckets.values():  # one bucket, or a model that already fell back
-            add_step(steps, view, kind, config, device)
-        return
+def export_fixed(buckets: dict[int, ModelSteps], view: nn.Module, max_tokens: int,
+                 say: Progress) -> tuple[torch.export.ExportedProgram, torch.fx.GraphModule] | None:
+    """One export for every fixed-T step of `buckets`: T dynamic in 1..max_tokens, the batch
+    dynamic where there are several buckets; None when the model's code keeps them fixed."""
     top = buckets[max(buckets)]
-    module = StepModule(view, top.cache.k, top.cache.v, prefill=not kind.fixed)
+    module = StepModule(view, top.cache.k, top.cache.v, prefill=False)
     start = time.perf_counter()
     try:
-        exported, symbolic = export_step(module, top.cache.batch_size, kind.tokens,
-                                         max_tokens=top.cache.slots, dynamic_batch=True)
-    except Exception as e:  # noqa: BLE001 -- the batch cannot stay dynamic: one export a bucket
-        say(f"{top.role}.{_kind_name(kind)}: no export with a dynamic batch "
-            f"({first_line(e)}); exporting each bucket")
-        for steps in buckets.values():
-            add_step(steps, view, kind, config, device)
-        return
-    say(f"{top.role}.{_kind_name(kind)}: exported once for {len(buckets)} buckets in "
-        f"{time.perf_counter() - start:.1f} s")
-    if not kind.fixed:
-        # Prefill: rewritten once (its row count is symbolic either way), one graph a bucket
-        # over that bucket's cache rows.
-        context = PassContext(f"{top.role}.{kind.name}", kind, config, top.role,
-                              model_state=top.build_state)
-        result = run_passes(symbolic, context)
-        for size, steps in buckets.items():
-            graph = _new_graph(steps, view, kind)
-            graph.exported = exported
-            graph.rewritten = symbolic if steps is top else with_cache(symbolic, steps.cache)
-            graph.matches, graph.fused_ops = dict(result.matches), dict(result.fused_ops)
-            for error in result.errors:
-                steps.fallback(error)
-        return
+        shared = export_step(module, top.cache.batch_size, max_tokens,
+                             max_tokens=top.cache.slots, dynamic_batch=len(buckets) > 1,
+                             token_range=(1, max_tokens))
+    except Exception as e:  # noqa: BLE001 -- then each step is exported on its own
+        say(f"{top.role}: no export shared by the fixed-T steps ({first_line(e)}); exporting "
+            "each")
+        return None
+    say(f"{top.role}: exported once for every fixed-T step in {time.perf_counter() - start:.1f} s")
+    return shared
+
+
+def add_fixed(buckets: dict[int, ModelSteps], view: nn.Module, kind: StepKind,
+              shared: tuple[torch.export.ExportedProgram, torch.fx.GraphModule] | None,
+              config: FuserConfig, device: torch.device, say: Progress) -> None:
+    """The fixed-T step `kind` in every bucket: the shared export retraced at the bucket's
+    batch and `kind`'s T, rewritten and compiled (exported on its own where that fails)."""
     for size, steps in buckets.items():
+        if shared is None:
+            add_step(steps, view, kind, config, device)
+            continue
+        exported, symbolic = shared
         try:
-            rewritten = specialize_batch(symbolic, steps.cache.k, steps.cache.v)
-        except Exception as e:  # noqa: BLE001 -- this bucket exports on its own
+            rewritten = specialize(symbolic, steps.cache.k, steps.cache.v, kind.tokens)
+        except Exception as e:  # noqa: BLE001 -- this one exports on its own
             say(f"{steps.role}.{_kind_name(kind)}: bucket {size} not retraced "
                 f"({first_line(e)}); exporting it")
             add_step(steps, view, kind, config, device)
@@ -156,6 +160,36 @@ def add_bucket_step(buckets: dict[int, ModelSteps], view: nn.Module, kind: StepK
         graph = _new_graph(steps, view, kind)
         graph.exported, graph.rewritten = exported, rewritten
         _rewrite_and_compile(steps, graph, view, config, device)
+
+
+def add_prefill(buckets: dict[int, ModelSteps], view: nn.Module, kind: StepKind,
+                config: FuserConfig, device: torch.device, say: Progress) -> None:
+    """Prefill in every bucket: exported with a dynamic batch and rewritten once (its row
+    count is symbolic either way), one graph a bucket over that bucket's cache rows."""
+    top = buckets[max(buckets)]
+    if len(buckets) == 1:
+        add_step(top, view, kind, config, device)
+        return
+    module = StepModule(view, top.cache.k, top.cache.v, prefill=True)
+    try:
+        exported, symbolic = export_step(module, top.cache.batch_size, None,
+                                         max_tokens=top.cache.slots, dynamic_batch=True)
+    except Exception as e:  # noqa: BLE001 -- the batch cannot stay dynamic: one export a bucket
+        say(f"{top.role}.prefill: no export with a dynamic batch ({first_line(e)}); exporting "
+            "each bucket")
+        for steps in buckets.values():
+            add_step(steps, view, kind, config, device)
+        return
+    context = PassContext(f"{top.role}.{kind.name}", kind, config, top.role,
+                          model_state=top.build_state)
+    result = run_passes(symbolic, context)
+    for steps in buckets.values():
+        graph = _new_graph(steps, view, kind)
+        graph.exported = exported
+        graph.rewritten = symbolic if steps is top else with_cache(symbolic, steps.cache)
+        graph.matches, graph.fused_ops = dict(result.matches), dict(result.fused_ops)
+        for error in result.errors:
+            steps.fallback(error)
 
 
 def _kind_name(kind: StepKind) -> str:

@@ -177,25 +177,34 @@ def cache_names(num_layers: int) -> list[str]:
 
 
 def export_step(module: StepModule, batch: int, tokens_per_step: int | None,
-                max_tokens: int, dynamic_batch: bool = False
+                max_tokens: int, dynamic_batch: bool = False,
+                token_range: tuple[int, int] | None = None
                 ) -> tuple[torch.export.ExportedProgram, torch.fx.GraphModule]:
     """Export `module` to an ATen graph (decomposed to core ATen): (the exported program, a
     GraphModule of it that runs and that the passes rewrite).
 
     tokens_per_step: a fixed T, or None for a graph dynamic in T (2..max_tokens) used for prefill.
+    Shared exports, each to be specialized (`specialize`) to the shapes of a step:
     dynamic_batch: the batch dimension dynamic too (1..batch, the rows of `module`'s cache),
-    so that one export serves every batch bucket (`specialize_batch`). The returned module
-    reads and writes the very cache tensors `module` holds (through get_attr, as buffers),
-    and runs at `batch` rows.
+        so that one export serves every batch bucket;
+    token_range: (lo, hi): T dynamic in lo..hi, traced at `tokens_per_step` (at least 2), so
+        that one export serves every fixed-T step (decode, verify, ...) of a model.
+    The returned module reads and writes the very cache tensors `module` holds (through
+    get_attr, as buffers) and runs at `batch` rows.
     """
     T = tokens_per_step or 4
     device = module.get_buffer("k_cache_0").device
     tokens = torch.zeros(batch, T, dtype=torch.long, device=device)
     positions = torch.arange(T, device=device)[None].expand(batch, T).contiguous()
     lens = torch.zeros(batch, dtype=torch.long, device=device)
-    t_dim = {1: torch.export.Dim.DYNAMIC(min=2, max=max_tokens)} if tokens_per_step is None else {}
-    if dynamic_batch:
-        return _export_dynamic_batch(module, (tokens, positions, lens, lens.clone()), t_dim)
+    t_dim = {}
+    if tokens_per_step is None:
+        t_dim = {1: torch.export.Dim.DYNAMIC(min=2, max=max_tokens)}
+    elif token_range is not None:
+        t_dim = {1: torch.export.Dim("tokens", min=token_range[0], max=token_range[1])}
+    if dynamic_batch or t_dim and tokens_per_step is not None:
+        return _export_shared(module, (tokens, positions, lens, lens.clone()), t_dim,
+                              dynamic_batch)
     dynamic_shapes = (t_dim, t_dim, None, None) if t_dim else None
     with torch.no_grad():
         ep = torch.export.export(module, (tokens, positions, lens, lens.clone()),
@@ -210,16 +219,17 @@ def export_step(module: StepModule, batch: int, tokens_per_step: int | None,
     return ep, gm
 
 
-def _export_dynamic_batch(module: StepModule, args: tuple[torch.Tensor, ...],
-                          t_dim: dict[int, object]
-                          ) -> tuple[torch.export.ExportedProgram, torch.fx.GraphModule]:
-    """`export_step(dynamic_batch=True)`: the cache goes in as inputs (`CacheInputs`), whose
-    batch dimension export may keep symbolic; the graph then reads it through get_attr again."""
+def _export_shared(module: StepModule, args: tuple[torch.Tensor, ...],
+                   t_dim: dict[int, object], dynamic_batch: bool
+                   ) -> tuple[torch.export.ExportedProgram, torch.fx.GraphModule]:
+    """`export_step` of a graph shared by several steps: the cache goes in as inputs
+    (`CacheInputs`), whose batch dimension export may keep symbolic; the graph then reads it
+    through get_attr again."""
     names = cache_names(module.num_layers)
     kv = [module.get_buffer(name) for name in names]
-    batch = torch.export.Dim("batch", min=1, max=args[0].shape[0])
-    dynamic_shapes = ({0: batch, **t_dim}, {0: batch, **t_dim}, {0: batch}, {0: batch},
-                      [{0: batch} for _ in kv])
+    rows = {0: torch.export.Dim("batch", min=1, max=args[0].shape[0])} if dynamic_batch else {}
+    dynamic_shapes = ({**rows, **t_dim}, {**rows, **t_dim}, dict(rows) or None,
+                      dict(rows) or None, [dict(rows) or None for _ in kv])
     with torch.no_grad():
         ep = torch.export.export(CacheInputs(module), (*args, kv),
                                  dynamic_shapes=dynamic_shapes, strict=False)
@@ -255,14 +265,15 @@ def _inputs_to_buffers(gm: torch.fx.GraphModule, placeholders: list[torch.fx.Nod
     return torch.fx.GraphModule(attributes, graph)
 
 
-def specialize_batch(gm: torch.fx.GraphModule, k: list[torch.Tensor], v: list[torch.Tensor]
-                     ) -> torch.fx.GraphModule:
-    """A graph of `export_step(dynamic_batch=True)` at the batch of the cache `k`, `v` (rows
-    [:b] of the exported cache), the cache bound under its usual names: what exporting at
-    that batch would give, for the passes to rewrite at concrete shapes.
+def specialize(gm: torch.fx.GraphModule, k: list[torch.Tensor], v: list[torch.Tensor],
+               tokens_per_step: int) -> torch.fx.GraphModule:
+    """A shared graph of `export_step` (dynamic batch or T) at the batch of the cache `k`, `v`
+    (rows [:b] of the exported cache) and T = tokens_per_step, the cache bound under its usual
+    names: what exporting at those shapes would give, for the passes to rewrite at concrete
+    shapes (they choose kernels by row count).
 
     Retraces the ATen graph on fake tensors (`make_fx`): no model code runs again, a fraction
-    of an export's time. The batch is read off the cache.
+    of an export's time.
     """
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -291,8 +302,7 @@ def specialize_batch(gm: torch.fx.GraphModule, k: list[torch.Tensor], v: list[to
     batch = k[0].shape[0]
     device = k[0].device
     example = [t.detach() for t in tensors.values()]
-    tokens_per_step = [n.meta["val"].shape[1] for n in inputs[:1]][0]
-    T = tokens_per_step if isinstance(tokens_per_step, int) else 4
+    T = tokens_per_step
     example += [torch.zeros(batch, T, dtype=torch.long, device=device) for _ in range(2)]
     example += [torch.zeros(batch, dtype=torch.long, device=device) for _ in range(2)]
     with torch.no_grad():

@@ -343,7 +343,7 @@ def drop_resync(path: Path) -> None:
     key = f"{RESYNC.name}{RESYNC.tokens}"
     draft = manifest["info"]["models"]["draft"]
     draft["kinds"] = [k for k in draft["kinds"] if k != [RESYNC.name, RESYNC.tokens]]
-    del draft["graphs"][f"draft.{RESYNC.name}"]
+    del draft["graphs"][key]
     del manifest["models"]["draft"]["graphs"][key]
     for suffix in ("json", "py"):
         (path / "draft" / "graphs" / f"{key}.{suffix}").unlink()
