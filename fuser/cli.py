@@ -125,8 +125,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         for name, g in m["graphs"].items():
             fired = ", ".join(f"{p} {n}" for p, n in g["matches"].items() if n) or "(none)"
             ops = ", ".join(f"{op} x{n}" for op, n in sorted(g["fused_ops"].items())) or "(none)"
-            say(f"  {name:<16} passes fired: {fired}")
-            say(f"  {'':<16} fused ops: {ops}")
+            say(f"  {role + '.' + name:<24} passes fired: {fired}")
+            say(f"  {'':<24} fused ops: {ops}")
     say("files:")
     for rel, record in manifest["files"].items():
         say(f"  {rel:<48} {_size(record['size']):>10}")
