@@ -102,7 +102,8 @@ def build_bucket_steps(role: str, view: nn.Module, cache: KVCache, sizes: Sequen
         buckets[size] = ModelSteps(role, cache.rows(size), view.config.vocab_size)
         buckets[size].build_state = state
     fixed = [k.tokens for k in kinds if k.fixed]
-    shared: list = []  # the fixed-T steps' shared export, once made (or None: it failed)
+    exported = False
+    shared = None  # the fixed-T steps' shared export, once made (None: it failed)
     for kind in kinds:
         start = time.perf_counter()
         if any(g.rewritten is None for steps in buckets.values() for g in steps.steps.values()):
@@ -113,9 +114,9 @@ def build_bucket_steps(role: str, view: nn.Module, cache: KVCache, sizes: Sequen
         elif len(fixed) * len(buckets) == 1:
             add_step(buckets[max(buckets)], view, kind, config, device)
         else:
-            if not shared:
-                shared.append(export_fixed(buckets, view, max(2, *fixed), say))
-            add_fixed(buckets, view, kind, shared[0], config, device, say)
+            if not exported:
+                shared, exported = export_fixed(buckets, view, max(2, *fixed), say), True
+            add_fixed(buckets, view, kind, shared, config, device, say)
         say(f"{role}.{_kind_name(kind)}: built for batch buckets {list(buckets)} in "
             f"{time.perf_counter() - start:.1f} s")
     return buckets
