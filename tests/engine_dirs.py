@@ -41,8 +41,9 @@ def demo_config() -> fuser.FuserConfig:
 
     The demo compiles the fixed-T steps with Inductor's C++ backend (compile="auto" on CPU, for
     models this size): about two minutes per build on a 2-core CI machine, paid by every pytest
-    worker. What compiling adds to an engine file (the compile cache, hits in a fresh process)
-    is tested on tiny models in test_compile_cpu.py; these tests are about the files.
+    worker. What compiling adds to an engine file (each compiled step's code, loaded without
+    compiling in a fresh process) is tested on tiny models in test_compile_cpu.py and
+    test_engine_load_compiles_nothing.py; these tests are about the files.
     """
     return fuser.FuserConfig(max_batch_size=len(DEMO_PROMPTS), max_seq_len=256, compile="fx")
 
