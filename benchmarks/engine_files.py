@@ -2,7 +2,8 @@
 
     python benchmarks/engine_files.py --out engine_files.json        # H200: 8B + 1B
     python benchmarks/engine_files.py --no-draft --max-batch-size 64 --max-seq-len 512 \
-        --runs 1 --out rows64.json                                   # H200: the 64-row build
+        --build-only                                                 # H200: the 64-row build
+    python benchmarks/engine_files.py --load ENGINE_DIR              # one load, as JSON
     python benchmarks/engine_files.py --dry-run --out dry.json       # CPU, tiny random models
 
 Builds a random Llama-3-8B-shape target (bf16) with a random Llama-3.2-1B-shape draft
@@ -114,7 +115,11 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--load", default=None, help=argparse.SUPPRESS)  # child mode
+    parser.add_argument("--build-only", action="store_true",
+                        help="print the build time and stop (no save, load or timing)")
+    parser.add_argument("--load", default=None,
+                        help="load this engine directory in this process and print one JSON "
+                             "line (what the fresh process of a full run does)")
     parser.add_argument("--started", type=float, default=0.0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.load:
@@ -144,6 +149,11 @@ def main() -> None:
         warnings.simplefilter("ignore")
         engine = fuser.optimize(target, draft=draft, config=config)
     build_seconds = time.perf_counter() - start
+    if args.build_only:
+        print(f"build {build_seconds:.1f} s: {args.max_batch_size} rows, batch buckets "
+              f"{sorted(engine.buckets)}, {'with' if draft is not None else 'no'} draft, "
+              f"max_seq_len {config.max_seq_len}")
+        return
     log(f"built in {build_seconds:.1f} s; timing the in-process engine ...")
     ids, mask = prompt(engine.vocab_size, args.prompt_tokens, device)
     in_process = time_engine(engine, ids, mask, args.new_tokens, args.runs)
