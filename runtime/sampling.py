@@ -150,6 +150,18 @@ def accept_greedy(draft_tokens: torch.Tensor, target_tokens: torch.Tensor
     return n, next_token
 
 
+def acceptance_uniforms(B: int, gamma: int, device: torch.device,
+                        generator: torch.Generator | None = None,
+                        keys: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The uniforms [B, gamma] that test drafts x_1..x_gamma: from `generator`, or with keys =
+    (seed [B], counter [B], the output index of x_1) per row, `draw_keys` at counter + i."""
+    if keys is None:
+        return torch.rand(B, gamma, device=device, generator=generator)
+    seed, counter = keys
+    offsets = torch.arange(gamma, device=device)  # [gamma]
+    return keyed_uniform(draw_keys(seed[:, None], counter[:, None] + offsets, PURPOSE_ACCEPT))
+
+
 def accept_sampling(draft_tokens: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
                     generator: torch.Generator | None = None,
                     keys: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -173,12 +185,7 @@ def accept_sampling(draft_tokens: torch.Tensor, p: torch.Tensor, q: torch.Tensor
     p, q = p.float(), q.float()
     p_x = p.gather(2, draft_tokens[:, :, None])[:, :, 0]  # [B, gamma] p_i(x_i)
     q_x = q[:, :gamma].gather(2, draft_tokens[:, :, None])[:, :, 0]  # [B, gamma] q_i(x_i)
-    if keys is not None:
-        seed, counter = keys
-        offsets = torch.arange(gamma, device=q.device)  # [gamma]
-        u = keyed_uniform(draw_keys(seed[:, None], counter[:, None] + offsets, PURPOSE_ACCEPT))
-    else:
-        u = torch.rand(B, gamma, device=q.device, generator=generator)  # U[0, 1)
+    u = acceptance_uniforms(B, gamma, q.device, generator, keys)  # [B, gamma] U[0, 1)
     # u < q/p, written without the division: p_x > 0 because x_i was drawn from p_i.
     accept = u * p_x < q_x  # [B, gamma]
     n = accepted_prefix(accept)  # [B]

@@ -43,8 +43,8 @@ import torch
 
 from fuser.ops.argmax import argmax
 from fuser.runtime import speculative
-from fuser.runtime.sampling import PURPOSE_ACCEPT, PURPOSE_RESIDUAL, accepted_prefix, draw_keys, \
-    keyed_uniform, sample
+from fuser.runtime.sampling import PURPOSE_RESIDUAL, acceptance_uniforms, accepted_prefix, \
+    draw_keys, sample
 from fuser.runtime.step_kernels import fused_by_default
 from fuser.runtime.steps import DECODE, ModelSteps, verify as verify_kind
 
@@ -278,12 +278,7 @@ def accept_proposals(proposals: torch.Tensor, q: torch.Tensor,
     B, gamma = proposals.shape
     q = q.float()
     q_x = q[:, :gamma].gather(2, proposals[:, :, None])[:, :, 0]  # [B, gamma] q_i(x_i)
-    if keys is not None:
-        seed, counter = keys
-        offsets = torch.arange(gamma, device=q.device)  # [gamma]
-        u = keyed_uniform(draw_keys(seed[:, None], counter[:, None] + offsets, PURPOSE_ACCEPT))
-    else:
-        u = torch.rand(B, gamma, device=q.device, generator=generator)  # U[0, 1)
+    u = acceptance_uniforms(B, gamma, q.device, generator, keys)  # [B, gamma] U[0, 1)
     n = accepted_prefix(u < q_x)  # [B]
     index = n[:, None, None].expand(B, 1, q.shape[2])  # [B, 1, V]
     q_n = q.gather(1, index)[:, 0]  # [B, V]
