@@ -14,7 +14,7 @@
 #   accuracy  FP8 against bf16 on the bundled pair, on the GPU (fp8_accuracy.py)
 #   serve     the OpenAI-compatible server under load (serve.py --preset llama-3-8b;
 #             SERVE_ARGS replaces that)
-#   tests     the GPU tests: pytest -k "gpu or cuda" over TESTS (default: tests)
+#   tests     the GPU tests: pytest -k "gpu or cuda" over TESTS (default: tests), JOBS workers
 #
 # Each suite writes its full logs and JSON under $OUT/<suite>/ and ends with a short table; the
 # tables of every suite come again at the end. Environment: OUT (default /tmp/fuser-out),
@@ -125,7 +125,10 @@ for suite in "$@"; do
       fi ;;
     tests)
       # shellcheck disable=SC2086  # TESTS: paths, word-split on purpose
+      # JOBS pytest-xdist workers share the one GPU (default 8 of the machine's 16 cores: the
+      # tests are compile-bound; no GPU test times anything).
       step gpu_tests 560 python3 -m pytest -q -p no:cacheprovider -rf ${TESTS:-tests} \
+        -n "${JOBS:-8}" --dist loadgroup \
         -k "gpu or cuda or GPU or CUDA" --ignore=tests/test_benchmarks.py
       table "tests: GPU tests (${TESTS:-tests})" \
         "$(grep -E '^(FAILED|ERROR)|passed|failed' "$DIR/gpu_tests.log" | tail -n 12)" ;;
