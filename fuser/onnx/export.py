@@ -1,0 +1,219 @@
+"""Export a model's prefill and decode steps as ONNX models for onnxruntime.
+
+Each step is captured as the engine captures it (`fuser.capture.export_step`: the same
+attention function, the same KV-cache writes), rewritten by the passes whose fused ops
+onnxruntime has operators for (`ONNX_PASSES`), and translated node by node
+(`fuser.onnx.translate`). Prefill is dynamic in the batch and T; "decode" is the step over a
+filled cache, dynamic in the batch and in T too, so one graph serves decode, verify (gamma + 1
+tokens) and the draft's catch-up and resync steps.
+
+An export directory:
+
+    manifest.json                      format, dtype, max_seq_len, per role its geometry, the
+                                       passes' matches and the ONNX op counts of each graph
+    target/prefill.onnx, decode.onnx   the graphs; their weights in target/weights.bin,
+    target/weights.bin                 one file both graphs read (ONNX external data)
+    draft/...                          the same for the draft, where there is one
+    generation_config.json, tokenizer/ when the source has them
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import onnx
+import torch
+from torch import nn
+
+from fuser.build import model_geometry
+from fuser.capture import StepModule, engine_view, export_step, supports_cache_attention
+from fuser.config import FuserConfig
+from fuser.onnx.translate import OnnxExportError, Translated, onnx_dtype, translate
+from fuser.passes import PassContext, run_passes
+from fuser.passes.outer_product import OUTER_PRODUCT
+from fuser.passes.rmsnorm import ADD_RMS_NORM, RMS_NORM
+from fuser.passes.rope import ROTARY
+from fuser.runtime.kv_cache import KVCache
+from fuser.runtime.steps import DECODE, PREFILL, StepKind
+
+FORMAT = "fuser-onnx/1"
+MANIFEST = "manifest.json"
+WEIGHTS = "weights.bin"
+GRAPHS = {"prefill": PREFILL, "decode": DECODE}
+
+# The passes whose fused ops map to onnxruntime operators, in PASSES' order. The others choose
+# fuser's own kernels (GEMV, split-K attention, merged projections, FP8) and stay unrun: their
+# ops would only be translated back into the ATen they replaced.
+ONNX_PASSES = [OUTER_PRODUCT, ADD_RMS_NORM, RMS_NORM, ROTARY]
+
+# The rows the export traces at: the graphs keep the batch symbolic, so any batch runs.
+_TRACE_ROWS = 2
+
+FP8_REFUSAL = (
+    "an FP8 engine is not exported to ONNX: its numerics (e4m3 weights with per-channel scales, "
+    "W8A16 at decode, per-token FP8 activations at prefill) have no onnxruntime CPU kernels, and "
+    "a QuantizeLinear/DequantizeLinear graph would run a different model than the engine does, "
+    "one that no test here checks; export the bf16/fp16/fp32 model and quantize it with "
+    "onnxruntime's own tools")
+
+
+def export_model(role: str, model: nn.Module, out: Path, *, dtype: torch.dtype,
+                 max_seq_len: int) -> dict:
+    """Write `role`'s prefill and decode graphs and their weights under out/role; -> the role's
+    manifest entry."""
+    if not supports_cache_attention(model):
+        raise OnnxExportError(f"{role}: {type(model).__name__} does not dispatch attention "
+                              "through transformers' attention interface; the export cannot "
+                              "capture its KV cache")
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise OnnxExportError(f"{role}: dtype {dtype} is not exported (fp32, fp16 or bf16)")
+    device = torch.device("cpu")
+    view = engine_view(model, dtype, device)
+    layers, kv_heads, head_dim = model_geometry(view.config)
+    cache = KVCache.allocate(layers, _TRACE_ROWS, max_seq_len, kv_heads, head_dim, dtype, device)
+    directory = out / role
+    directory.mkdir(parents=True, exist_ok=True)
+    graphs: dict[str, dict] = {}
+    translated: dict[str, Translated] = {}
+    for file, kind in GRAPHS.items():
+        gm, matches = _captured(role, view, cache, kind, max_seq_len)
+        result = translate(gm, f"{role}.{file}", layers, max_seq_len)
+        translated[file] = result
+        graphs[file] = {"matches": matches, "ops": result.op_counts}
+    _write(directory, translated)
+    return {
+        "layers": layers, "kv_heads": kv_heads, "head_dim": head_dim,
+        "vocab_size": view.config.vocab_size, "model_type": view.config.model_type,
+        "graphs": graphs,
+    }
+
+
+def _captured(role: str, view: nn.Module, cache: KVCache, kind: StepKind, max_seq_len: int
+              ) -> tuple[torch.fx.GraphModule, dict[str, int]]:
+    """The step `kind` of `view` exported as the engine exports it (batch and T symbolic) and
+    rewritten by ONNX_PASSES; -> (graph, matches per pass)."""
+    module = StepModule(view, cache.k, cache.v, prefill=not kind.fixed)
+    try:
+        if kind.fixed:
+            _, gm = export_step(module, _TRACE_ROWS, 2, max_tokens=max_seq_len,
+                                dynamic_batch=True, token_range=(1, max_seq_len))
+        else:
+            _, gm = export_step(module, _TRACE_ROWS, None, max_tokens=max_seq_len,
+                                dynamic_batch=True)
+    except Exception as e:  # noqa: BLE001 -- named in the refusal
+        raise OnnxExportError(f"{role}.{kind.name}: torch.export failed ({type(e).__name__}: "
+                              f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); "
+                              "there is no graph to translate") from e
+    context = PassContext(f"{role}.{kind.name}", kind, FuserConfig(), role)
+    result = run_passes(gm, context, passes=ONNX_PASSES)
+    if result.errors:
+        raise OnnxExportError(f"{role}.{kind.name}: {result.errors[0]}")
+    return gm, {p.name: result.matches.get(p.name, 0) for p in ONNX_PASSES}
+
+
+def _write(directory: Path, graphs: dict[str, Translated]) -> None:
+    """Save the graphs with every weight in one shared external-data file."""
+    offsets: dict[str, tuple[int, int]] = {}
+    with open(directory / WEIGHTS, "wb") as f:
+        for result in graphs.values():
+            for name, tensor in result.weights.items():
+                if name in offsets:
+                    continue
+                data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+                pad = -f.tell() % 64  # aligned, so that onnxruntime may map it
+                f.write(b"\0" * pad)
+                offsets[name] = (f.tell(), data.numel())
+                f.write(data.numpy().tobytes())
+    for file, result in graphs.items():
+        model = result.model
+        for name, tensor in result.weights.items():
+            proto = onnx.TensorProto()
+            proto.name = name
+            proto.data_type = onnx_dtype(tensor.dtype)
+            proto.dims.extend(tensor.shape)
+            offset, length = offsets[name]
+            proto.data_location = onnx.TensorProto.EXTERNAL
+            for key, value in (("location", WEIGHTS), ("offset", offset), ("length", length)):
+                entry = proto.external_data.add()
+                entry.key, entry.value = key, str(value)
+            model.graph.initializer.append(proto)
+        onnx.save_model(model, str(directory / f"{file}.onnx"))
+
+
+def export_models(target: nn.Module, draft: nn.Module | None, out: str | Path, *,
+                  dtype: torch.dtype | None = None, max_seq_len: int = 2048,
+                  precision: str | None = None, gamma: int | str = "auto",
+                  tokenizer: object | None = None, overwrite: bool = False) -> dict:
+    """Export `target` (and `draft`) to the directory `out` (module docstring); -> manifest.
+
+    dtype: the graphs' (default: the target's own). max_seq_len: the cache length the runtime
+    allocates and the positions the rotary tables cover. precision "fp8" is refused
+    (FP8_REFUSAL). gamma: recorded for the runtime (a fixed draft length or "auto").
+    """
+    if precision == "fp8":
+        raise OnnxExportError(FP8_REFUSAL)
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise OnnxExportError(f"{out} exists and is not empty (pass overwrite=True)")
+        shutil.rmtree(out)
+    dtype = dtype or next(target.parameters()).dtype
+    out.mkdir(parents=True, exist_ok=True)
+    roles = {"target": export_model("target", target, out, dtype=dtype,
+                                    max_seq_len=max_seq_len)}
+    if draft is not None:
+        roles["draft"] = export_model("draft", draft, out, dtype=dtype, max_seq_len=max_seq_len)
+    generation_config = getattr(target, "generation_config", None)
+    if generation_config is not None:
+        (out / "generation_config.json").write_text(generation_config.to_json_string())
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out / "tokenizer"))
+    manifest = {
+        "format": FORMAT, "dtype": str(dtype).removeprefix("torch."),
+        "max_seq_len": max_seq_len, "gamma": gamma, "roles": roles,
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+def engine_models(engine: object) -> tuple[nn.Module, nn.Module | None]:
+    """The Hugging Face models an engine was built from: its steps' own modules, or for a
+    loaded engine the model directories its manifest records."""
+    from fuser.pipeline import load_model
+
+    def own(steps: object) -> nn.Module | None:
+        if steps is None:
+            return None
+        for graph in steps.steps.values():
+            if isinstance(graph.eager, StepModule):
+                return graph.eager.model
+        return None
+
+    target, draft = own(engine.target), own(engine.draft)
+    if engine.target is None and isinstance(engine.user_target, nn.Module):
+        target = engine.user_target
+    source = (engine.manifest or {}).get("source", {}) if engine.manifest else {}
+    if target is None:
+        if "target" not in source:
+            raise OnnxExportError("this engine holds no model to export (a loaded engine "
+                                  "directory that records no source model): export the model "
+                                  "directory instead")
+        target = load_model(source["target"], "target")[0]
+    if draft is None and engine.draft is not None:
+        if "draft" not in source:
+            raise OnnxExportError("this engine's draft has no model to export (a loaded engine "
+                                  "directory that records no source draft)")
+        draft = load_model(source["draft"], "draft")[0]
+    return target, draft
+
+
+def export_engine(engine: object, path: str | Path, overwrite: bool = False) -> dict:
+    """`engine.export_onnx(path)`: the engine's target (and draft) at its dtype and max_seq_len."""
+    config = engine.config
+    if config.precision == "fp8":
+        raise OnnxExportError(FP8_REFUSAL)
+    target, draft = engine_models(engine)
+    return export_models(target, draft, path, dtype=engine.dtype, max_seq_len=config.max_seq_len,
+                         gamma=config.gamma, tokenizer=engine.tokenizer, overwrite=overwrite)
