@@ -29,7 +29,7 @@ from torch import nn
 
 from fuser.build import model_geometry
 from fuser.capture import StepModule, engine_view, export_step, supports_cache_attention
-from fuser.config import FuserConfig
+from fuser.config import MAX_GAMMA, FuserConfig
 from fuser.onnx.translate import OnnxExportError, Translated, onnx_dtype, translate
 from fuser.passes import PassContext, run_passes
 from fuser.passes.outer_product import OUTER_PRODUCT
@@ -50,6 +50,12 @@ ONNX_PASSES = [OUTER_PRODUCT, ADD_RMS_NORM, RMS_NORM, ROTARY]
 
 # The rows the export traces at: the graphs keep the batch symbolic, so any batch runs.
 _TRACE_ROWS = 2
+
+def slots_for(max_seq_len: int) -> int:
+    """Cache slots per row (and positions the rotary tables cover) for `max_seq_len`: as an
+    engine's, max_seq_len plus the most a verify step writes past it (MAX_GAMMA + 1)."""
+    return max_seq_len + MAX_GAMMA + 1
+
 
 FP8_REFUSAL = (
     "an FP8 engine is not exported to ONNX: its numerics (e4m3 weights with per-channel scales, "
@@ -79,7 +85,7 @@ def export_model(role: str, model: nn.Module, out: Path, *, dtype: torch.dtype,
     translated: dict[str, Translated] = {}
     for file, kind in GRAPHS.items():
         gm, matches = _captured(role, view, cache, kind, max_seq_len)
-        result = translate(gm, f"{role}.{file}", layers, max_seq_len)
+        result = translate(gm, f"{role}.{file}", layers, slots_for(max_seq_len))
         translated[file] = result
         graphs[file] = {"matches": matches, "ops": result.op_counts}
     _write(directory, translated)
