@@ -9,7 +9,7 @@ tokens) and the draft's catch-up and resync steps.
 
 An export directory:
 
-    manifest.json                      format, dtype, max_seq_len, per role its geometry, the
+    onnx_manifest.json                 format, dtype, max_seq_len, per role its geometry, the
                                        passes' matches and the ONNX op counts of each graph
     target/prefill.onnx, decode.onnx   the graphs; their weights in target/weights.bin,
     target/weights.bin                 one file both graphs read (ONNX external data)
@@ -39,7 +39,7 @@ from fuser.runtime.kv_cache import KVCache
 from fuser.runtime.steps import DECODE, PREFILL, StepKind
 
 FORMAT = "fuser-onnx/1"
-MANIFEST = "manifest.json"
+MANIFEST = "onnx_manifest.json"
 WEIGHTS = "weights.bin"
 GRAPHS = {"prefill": PREFILL, "decode": DECODE}
 
@@ -167,10 +167,15 @@ def export_models(target: nn.Module, draft: nn.Module | None, out: str | Path, *
         shutil.rmtree(out)
     dtype = dtype or next(target.parameters()).dtype
     out.mkdir(parents=True, exist_ok=True)
-    roles = {"target": export_model("target", target, out, dtype=dtype,
-                                    max_seq_len=max_seq_len)}
-    if draft is not None:
-        roles["draft"] = export_model("draft", draft, out, dtype=dtype, max_seq_len=max_seq_len)
+    try:
+        roles = {"target": export_model("target", target, out, dtype=dtype,
+                                        max_seq_len=max_seq_len)}
+        if draft is not None:
+            roles["draft"] = export_model("draft", draft, out, dtype=dtype,
+                                          max_seq_len=max_seq_len)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)  # no half-written export is left behind
+        raise
     generation_config = getattr(target, "generation_config", None)
     if generation_config is not None:
         (out / "generation_config.json").write_text(generation_config.to_json_string())
@@ -187,8 +192,6 @@ def export_models(target: nn.Module, draft: nn.Module | None, out: str | Path, *
 def engine_models(engine: object) -> tuple[nn.Module, nn.Module | None]:
     """The Hugging Face models an engine was built from: its steps' own modules, or for a
     loaded engine the model directories its manifest records."""
-    from fuser.pipeline import load_model
-
     def own(steps: object) -> nn.Module | None:
         if steps is None:
             return None
@@ -200,19 +203,24 @@ def engine_models(engine: object) -> tuple[nn.Module, nn.Module | None]:
     target, draft = own(engine.target), own(engine.draft)
     if engine.target is None and isinstance(engine.user_target, nn.Module):
         target = engine.user_target
-    source = (engine.manifest or {}).get("source", {}) if engine.manifest else {}
+    source = ((engine.manifest or {}).get("info") or {}).get("source", {})
     if target is None:
-        if "target" not in source:
-            raise OnnxExportError("this engine holds no model to export (a loaded engine "
-                                  "directory that records no source model): export the model "
-                                  "directory instead")
-        target = load_model(source["target"], "target")[0]
+        target = _source_model(source, "target")
     if draft is None and engine.draft is not None:
-        if "draft" not in source:
-            raise OnnxExportError("this engine's draft has no model to export (a loaded engine "
-                                  "directory that records no source draft)")
-        draft = load_model(source["draft"], "draft")[0]
+        draft = _source_model(source, "draft")
     return target, draft
+
+
+def _source_model(source: dict[str, str], role: str) -> nn.Module:
+    """The model directory an engine directory records for `role`, loaded."""
+    from fuser.pipeline import load_model
+
+    path = source.get(role)
+    if not path or not Path(path).is_dir():
+        raise OnnxExportError(f"the engine holds no {role} model to export and its manifest "
+                              f"records no {role} model directory that exists "
+                              f"({path or 'none recorded'}): export the model directory instead")
+    return load_model(path, role)[0]
 
 
 def export_engine(engine: object, path: str | Path, overwrite: bool = False) -> dict:
@@ -223,3 +231,30 @@ def export_engine(engine: object, path: str | Path, overwrite: bool = False) -> 
     target, draft = engine_models(engine)
     return export_models(target, draft, path, dtype=engine.dtype, max_seq_len=config.max_seq_len,
                          gamma=config.gamma, tokenizer=engine.tokenizer, overwrite=overwrite)
+
+
+def export_engine_dir(directory: str | Path, path: str | Path, overwrite: bool = False,
+                      precision: str | None = None) -> dict:
+    """An engine directory's models (the source directories its manifest records), exported
+    at the engine's dtype (or `precision`'s), max_seq_len and gamma, without loading the
+    engine (it may have been built for another device)."""
+    from fuser.engine_file import MANIFEST as ENGINE_MANIFEST
+    from fuser.engine_io import load_extras
+
+    directory = Path(directory)
+    manifest = json.loads((directory / ENGINE_MANIFEST).read_text())
+    config = manifest.get("config", {})
+    if config.get("precision") == "fp8":
+        raise OnnxExportError(FP8_REFUSAL)
+    info = manifest.get("info", {})
+    source = info.get("source", {})
+    target = _source_model(source, "target")
+    draft = _source_model(source, "draft") if "draft" in manifest.get("models", {}) else None
+    tokenizer, _ = load_extras(directory)
+    dtype = getattr(torch, info["engine"]["dtype"])
+    if precision is not None:
+        dtype = FuserConfig(precision=precision).dtype_for(dtype)
+    return export_models(target, draft, path, dtype=dtype,
+                         max_seq_len=config.get("max_seq_len", 2048),
+                         gamma=config.get("gamma", "auto"), tokenizer=tokenizer,
+                         overwrite=overwrite)

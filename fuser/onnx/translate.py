@@ -134,6 +134,18 @@ class _Builder:
         return self._const_cache[key]
 
 
+    def const_bf16(self, value: float) -> str:
+        """A bfloat16 scalar initializer (numpy has no bfloat16)."""
+        key = ("bf16", value)
+        if key not in self._const_cache:
+            name = self.name("const")
+            bits = torch.tensor(value, dtype=torch.bfloat16).view(torch.int16).item() & 0xFFFF
+            self.constants.append(helper.make_tensor(name, TensorProto.BFLOAT16, [], [bits],
+                                                     raw=False))
+            self._const_cache[key] = name
+        return self._const_cache[key]
+
+
 def _np_dtype(dtype: torch.dtype) -> np.dtype:
     if dtype == torch.bfloat16:
         raise OnnxExportError("a bfloat16 scalar constant in the graph (export in fp32 or fp16)")
@@ -191,6 +203,8 @@ class GraphTranslator:
                 name = self.b.op1("Cast", [name], to=onnx_dtype(dtype))
             return name
         if isinstance(arg, (bool, int, float)):
+            if dtype == torch.bfloat16:
+                return self.b.const_bf16(float(arg))
             return self.b.const(arg, _np_dtype(dtype or torch.float32))
         raise OnnxExportError(f"{self.name}: argument {arg!r} is not a tensor or a number")
 
