@@ -15,6 +15,14 @@ An export directory:
     target/weights.bin                 one file both graphs read (ONNX external data)
     draft/...                          the same for the draft, where there is one
     generation_config.json, tokenizer/ when the source has them
+
+FP8 engines are refused (`FP8_REFUSAL`) rather than exported as QuantizeLinear /
+DequantizeLinear pairs: an FP8 engine's numerics are its own (e4m3 weights with per-output-channel
+scales, bf16 activations at decode, per-token FP8 activations on the tensor cores at prefill);
+a QDQ graph would either dequantize every weight back to full precision on onnxruntime's CPU
+(the FP8 model's rounding without its speed) or quantize activations where the engine does not,
+and neither would be checked against the engine by a test here. The model's bf16/fp16/fp32
+export, quantized by onnxruntime's own tools where wanted, is the honest artifact.
 """
 
 from __future__ import annotations

@@ -170,7 +170,6 @@ class GraphTranslator:
         self._shared: dict[str, str] = {}
         self._rotary_tables: dict[tuple[torch.fx.Node, torch.fx.Node], tuple[str, str]] = {}
         self.dtype: torch.dtype | None = None
-        self.heads: dict[int, int] = {}
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -566,12 +565,8 @@ def _silu(t: GraphTranslator, node: torch.fx.Node) -> str:
 
 @_handles(aten.gelu)
 def _gelu(t: GraphTranslator, node: torch.fx.Node) -> str:
+    """GELU by its formula (ONNX's Gelu op arrives in opset 20)."""
     approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
-    return t.b.op1("Gelu", [t.value(node.args[0])], approximate=approximate) if OPSET >= 20 \
-        else _gelu_formula(t, node, approximate)
-
-
-def _gelu_formula(t: GraphTranslator, node: torch.fx.Node, approximate: str) -> str:
     b, dtype = t.b, _out_dtype(t, node)
     x = t.value(node.args[0])
     c = lambda v: b.const(np.array(v, _np_dtype(dtype)))  # noqa: E731
@@ -887,7 +882,6 @@ def _gqa(t: GraphTranslator, node: torch.fx.Node, query: torch.fx.Node,
          local_window_size=int(window) if window > 0 else -1)
     t.presents[("key", layer)] = f"present_key_{layer}"
     t.presents[("value", layer)] = f"present_value_{layer}"
-    t.heads[layer] = int(H)
     return b.op1("Reshape", [out, b.const([0, 0, int(H), int(D)], np.int64)])
 
 
