@@ -220,15 +220,16 @@ def engine_models(engine: object) -> tuple[nn.Module, nn.Module | None]:
 
 
 def _source_model(source: dict[str, str], role: str) -> nn.Module:
-    """The model directory an engine directory records for `role`, loaded."""
-    from fuser.pipeline import load_model
+    """The model directory an engine directory records for `role`, loaded (by transformers
+    directly: fuser.pipeline imports the engine, which exports through this module)."""
+    from transformers import AutoModelForCausalLM
 
     path = source.get(role)
-    if not path or not Path(path).is_dir():
+    if not path or not (Path(path) / "config.json").is_file():
         raise OnnxExportError(f"the engine holds no {role} model to export and its manifest "
                               f"records no {role} model directory that exists "
                               f"({path or 'none recorded'}): export the model directory instead")
-    return load_model(path, role)[0]
+    return AutoModelForCausalLM.from_pretrained(path, dtype="auto").eval()
 
 
 def export_engine(engine: object, path: str | Path, overwrite: bool = False) -> dict:
