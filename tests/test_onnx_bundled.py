@@ -91,3 +91,19 @@ def test_cli_export_refuses_fp8(tmp_path, capsys):
     assert main(["export", str(target), "--format", "onnx", "--precision", "fp8",
                  "--out", str(tmp_path / "out")]) == 2
     assert "FP8 engine is not exported" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_cli_export_of_an_engine_directory(bundled_engine, tmp_path):
+    """`fuser export ENGINE` exports the models the engine directory records, at its dtype and
+    max_seq_len; onnxruntime's greedy tokens equal the engine's."""
+    out = tmp_path / "from_engine"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main(["export", str(bundled_engine.path), "--format", "onnx",
+                     "--out", str(out)]) == 0
+    engine = load(out, max_batch_size=bundled_engine.ids.shape[0])
+    assert engine.manifest["dtype"] == "float32" and engine.draft is not None
+    tokens = engine.generate(bundled_engine.ids, bundled_engine.tokens.shape[1] -
+                             bundled_engine.ids.shape[1], attention_mask=bundled_engine.mask)
+    assert torch.equal(tokens, bundled_engine.tokens)
