@@ -29,7 +29,9 @@ from fuser.runtime.steps import DECODE, PREFILL  # noqa: E402
 from tiny import engine_examples, hf_logits, model_configs, random_prompts, relative_error  # noqa: E402
 from tiny import tiny_model  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+# One worker exports each family once for the whole module (the exports are its cost).
+pytestmark = [pytest.mark.xdist_group("onnx_export"),
+              pytest.mark.usefixtures("one_intra_op_thread")]
 
 MAX_SEQ_LEN = 48
 TOLERANCE = 1e-4  # fp32, relative (the bound)
