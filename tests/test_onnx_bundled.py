@@ -107,3 +107,26 @@ def test_cli_export_of_an_engine_directory(bundled_engine, tmp_path):
     tokens = engine.generate(bundled_engine.ids, bundled_engine.tokens.shape[1] -
                              bundled_engine.ids.shape[1], attention_mask=bundled_engine.mask)
     assert torch.equal(tokens, bundled_engine.tokens)
+
+
+@pytest.mark.slow
+def test_benchmark_script(tmp_path):
+    """benchmarks/onnx_cpu.py end to end, short: its JSON and its tables."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "onnx_cpu.json"
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "onnx_cpu.py"),
+                          "--skip-fuser-engine", "--new-tokens", "6", "--runs", "1",
+                          "--out", str(out)], capture_output=True, text=True, cwd=root,
+                         timeout=900)
+    assert run.returncode == 0, run.stderr[-2000:]
+    results = json.loads(out.read_text())
+    assert results["fuser_graphs"]["decode"]["com.microsoft.GroupQueryAttention"] == 6
+    assert [r["system"] for r in results["rows"]] == [
+        "onnxruntime speculative, gamma=auto", "onnxruntime target-only", "HF generate"]
+    assert all(r["note"] == "tokens = HF's" for r in results["rows"][:2])
+    assert "GroupQueryAttention" in run.stdout and "HF generate" in run.stdout.splitlines()[-1]
