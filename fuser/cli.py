@@ -1,4 +1,5 @@
-"""The `fuser` command line: build, inspect, generate, bench, demo (API.md, command line).
+"""The `fuser` command line: build, inspect, generate, bench, demo, export (API.md, command
+line).
 
 MODEL_OR_ENGINE arguments take a model directory or an engine directory (one with a
 manifest.json). Results go to stdout, progress lines to stderr; a user error is one line on
@@ -160,10 +161,43 @@ def open_engine(model: str | None, draft: str | None, config: object) -> tuple[o
     return engine, source
 
 
+def _onnx() -> object:
+    """fuser.onnx.commands, or a user error saying what to install."""
+    try:
+        from fuser.onnx import commands
+    except ImportError as e:
+        raise ValueError(f"ONNX export and the onnxruntime runtime need onnx and onnxruntime "
+                         f"({e}): pip install 'fuser[onnx]'") from None
+    return commands
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    commands = _onnx()
+    gamma = args.gamma if args.gamma == "auto" else int(args.gamma)
+    progress(f"exporting {args.model} to ONNX ...")
+    start = time.perf_counter()
+    manifest = commands.export(args.model, args.draft, args.out, precision=args.precision,
+                               gamma=gamma, max_seq_len=args.max_seq_len,
+                               overwrite=args.overwrite)
+    progress(f"exported in {time.perf_counter() - start:.1f} s")
+    for line in commands.summary(manifest):
+        say(line)
+    say(str(args.out))
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     import fuser
 
+    if args.runtime == "onnxruntime":
+        with _onnx().onnx_engine(args.model, args.draft, args.max_seq_len,
+                                 args.threads) as engine:
+            return _generate(engine, args)
     engine, _ = open_engine(args.model, args.draft, fuser.FuserConfig(max_seq_len=args.max_seq_len))
+    return _generate(engine, args)
+
+
+def _generate(engine: object, args: argparse.Namespace) -> int:
     tokenizer = engine.tokenizer
     if tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer files: cannot encode --prompt")
@@ -381,7 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("engine", help="an engine directory (written by fuser build)")
     inspect.set_defaults(fn=cmd_inspect)
     gen = sub.add_parser("generate", help="generate text from a prompt")
-    gen.add_argument("model", help="a model directory or an engine directory")
+    gen.add_argument("model", help="a model directory, an engine directory, or (with --runtime "
+                                   "onnxruntime) an ONNX export directory")
     gen.add_argument("--prompt", required=True, help="the text to continue")
     gen.add_argument("--max-new-tokens", type=int, default=64, help=MAX_NEW_TOKENS_HELP)
     gen.add_argument("--max-seq-len", type=int, default=1024,
@@ -392,7 +427,29 @@ def build_parser() -> argparse.ArgumentParser:
                      help="sample from the model's distribution (default: greedy)")
     gen.add_argument("--seed", type=int, default=0,
                      help="random seed for --sample (default: %(default)s)")
+    gen.add_argument("--runtime", choices=("fuser", "onnxruntime"), default="fuser",
+                     help="run fuser's own steps, or the ONNX export of the model run by "
+                          "onnxruntime on the CPU through the same decoding loop "
+                          "(default: %(default)s)")
     gen.set_defaults(fn=cmd_generate)
+    export = sub.add_parser("export", help="export a model's steps for another runtime (ONNX)")
+    export.add_argument("model", help="a model directory or an engine directory")
+    export.add_argument("--format", choices=("onnx",), required=True,
+                        help="onnx: prefill and decode graphs with onnxruntime's fused operators, "
+                             "the KV cache as inputs and outputs")
+    export.add_argument("--out", required=True, help="the directory to write")
+    export.add_argument("--draft", default=None, help=DRAFT_HELP + "; model directories only")
+    export.add_argument("--precision", default="auto",
+                        help="auto (the model's dtype), fp32, bf16 or fp16; fp8 is refused "
+                             "(default: %(default)s)")
+    export.add_argument("--gamma", default="auto",
+                        help="the draft length the onnxruntime runtime uses, 0 to 15 or auto "
+                             "(default: %(default)s)")
+    export.add_argument("--max-seq-len", type=int, default=2048,
+                        help="most tokens per sequence: the cache the runtime allocates and the "
+                             "positions the rotary tables cover (default: %(default)s)")
+    export.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    export.set_defaults(fn=cmd_export)
     bench = sub.add_parser("bench", help="time fuser (speculative, target-only) and HF generate")
     bench.add_argument("model", help="a model directory or an engine directory")
     bench.add_argument("--draft", default=None, help=DRAFT_HELP + "; model directories only")

@@ -303,6 +303,16 @@ class Engine:
 
         return save(self, path, overwrite=overwrite)
 
+    def export_onnx(self, path: str | Path, overwrite: bool = False) -> dict:
+        """Write the target's (and draft's) prefill and decode steps as ONNX models for
+        onnxruntime, with its fused operators, weights as external data and the KV cache as
+        explicit inputs and outputs (fuser/onnx/export.py); `fuser.onnx.load(path)` runs them.
+        Returns the export's manifest. Needs `pip install 'fuser[onnx]'`; an FP8 engine, or a
+        model piece with no exact ONNX form, is refused (`fuser.onnx.OnnxExportError`)."""
+        from fuser.onnx.export import export_engine
+
+        return export_engine(self, path, overwrite=overwrite)
+
     def report(self) -> Report:
         """What optimize() did: passes, fused ops per graph, fallbacks, compile time."""
         report = Report(compile_seconds=self.compile_seconds, fallbacks=list(self._fallbacks))

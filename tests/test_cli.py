@@ -38,14 +38,14 @@ def _subcommands() -> dict[str, argparse.ArgumentParser]:
 
 def test_every_option_of_every_subcommand_has_help() -> None:
     commands = _subcommands()
-    assert {"build", "generate", "bench", "inspect", "demo"} <= set(commands)
+    assert {"build", "generate", "bench", "inspect", "demo", "export"} <= set(commands)
     for name, sub in commands.items():
         for action in sub._actions:
             assert action.help and action.help is not argparse.SUPPRESS, (
                 f"fuser {name}: {action.option_strings or action.dest} has no help line")
 
 
-@pytest.mark.parametrize("command", ["build", "generate", "bench", "inspect", "demo"])
+@pytest.mark.parametrize("command", ["build", "generate", "bench", "inspect", "demo", "export"])
 def test_help_lists_each_option_with_its_help(command: str,
                                               capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exc:
