@@ -204,3 +204,63 @@ def test_every_serve_option_has_help():
     args = parser.parse_args(["serve", "somewhere"])
     assert (args.host, args.port, args.drain_timeout, args.max_waiting) == \
         ("127.0.0.1", 8000, 30.0, 256)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair_engine():
+    """A tiny Llama target with a random Mistral draft (gamma 2), buckets 1 and 2."""
+    from engines import llama_target, mistral_draft
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fuser.optimize(llama_target(), draft=mistral_draft(), config=fuser.FuserConfig(
+            max_batch_size=2, batch_buckets=(1, 2), max_seq_len=64, gamma=2, compile="fx"))
+
+
+def _serve_args(*flags: str) -> argparse.Namespace:
+    return build_parser().parse_args(["serve", "somewhere", *flags])
+
+
+def test_adaptation_is_off_by_default_and_its_flags_reach_the_scheduler(tiny_pair_engine):
+    from fuser.runtime.adapt import AdaptiveScheduler
+    from fuser.runtime.scheduler import Scheduler
+    from fuser.server.cli import make_scheduler
+
+    default = _serve_args()
+    assert default.adapt_draft is False
+    assert _serve_args("--no-adapt-draft").adapt_draft is False  # the default, still accepted
+    assert _serve_args("--adapt-draft").adapt_draft is True
+    engine = tiny_pair_engine
+    config = engine.config
+    plain = make_scheduler(engine, default)
+    try:
+        assert type(plain) is Scheduler  # plain continuous batching
+        assert engine.config is config  # nothing changed in the engine
+    finally:
+        plain.close()
+    on = make_scheduler(engine, _serve_args("--adapt-draft", "--distill-every", "7",
+                                            "--distill-budget-s", "0.25"))
+    try:
+        assert isinstance(on, AdaptiveScheduler)
+        assert on.suffix and on.distiller is not None
+        # AdaptiveScheduler reads both from the engine's config when it updates the draft.
+        assert (on.engine.config.distill_every, on.engine.config.distill_budget_s) == (7, 0.25)
+        assert on.engine.config.gamma == config.gamma  # the rest as built
+    finally:
+        on.close()
+        engine.config = config
+    defaults = make_scheduler(engine, _serve_args("--adapt-draft"))
+    try:  # the flags' defaults are FuserConfig's
+        assert (engine.config.distill_every, engine.config.distill_budget_s) == \
+            (fuser.FuserConfig().distill_every, fuser.FuserConfig().distill_budget_s)
+    finally:
+        defaults.close()
+        engine.config = config
+
+
+def test_distill_flags_need_adaptation_and_positive_values(tiny_model_dir, capsys):
+    code, err = _run(["serve", str(tiny_model_dir), "--distill-every", "10"], capsys)
+    assert code == 2 and "--distill-every applies with --adapt-draft only" in err
+    code, err = _run(["serve", str(tiny_model_dir), "--adapt-draft", "--distill-budget-s", "0"],
+                     capsys)
+    assert code == 2 and "--distill-budget-s 0 must be greater than 0" in err
