@@ -65,7 +65,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from statistics import NormalDist
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -76,8 +76,8 @@ from fuser.passes.fp8 import CODES_PREFIX, SCALE_PREFIX
 from fuser.passes.projections import MERGED_PREFIX
 
 __all__ = ["DistillConfig", "Distiller", "Evaluation", "Gate", "Record", "UpdateResult",
-           "WeightSwap", "WeightTarget", "draft_weight_targets", "gate", "target_module",
-           "topk_targets"]
+           "WeightSwap", "WeightTarget", "draft_weight_targets", "gate", "rebuild_draft",
+           "target_module", "topk_targets"]
 
 log = logging.getLogger("fuser")
 
@@ -252,6 +252,68 @@ def draft_module(source: object) -> nn.Module:
         raise ValueError("the draft's steps keep no module (a loaded engine): give the module "
                          "whose parameters the graphs were built from")
     return model
+
+
+def rebuild_draft(engine: object, directory: str | Path) -> nn.Module:
+    """The draft as a Hugging Face module, rebuilt for an engine loaded from `directory` (its
+    steps keep no module): the architecture from the directory's draft config
+    (engine_io.DRAFT_CONFIG), every parameter from the tensors the loaded draft graphs read,
+    found by name: a parameter itself, the rows of a merged projection, or an FP8 weight
+    dequantized (codes x scale: the distillation starts from what the engine computes). The
+    config is kept on the engine (`engine.draft_config`) so that saving it again keeps it.
+    Raises ValueError when the directory has no draft config or a parameter is not found."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fuser.engine_io import DRAFT_CONFIG
+
+    path = Path(directory) / DRAFT_CONFIG
+    if not path.is_file():
+        raise ValueError(f"{directory} keeps no {DRAFT_CONFIG} (an engine saved without its "
+                         "draft's config): rebuild it with fuser build to adapt its draft")
+    fields = json.loads(path.read_text(encoding="utf-8"))
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    all_steps = _draft_steps(engine)
+    dtype, device = all_steps[0].cache.k[0].dtype, all_steps[0].cache.k[0].device
+    with torch.device(device):
+        module = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    params = _Parameters(module)
+    found: dict[str, torch.Tensor] = {}
+    for steps in all_steps:
+        for graph in steps.steps.values():
+            gm = graph.rewritten
+            if gm is None:
+                continue
+            for node in gm.graph.find_nodes(op="get_attr"):
+                name = str(node.target)
+                if name.startswith(SCALE_PREFIX):
+                    continue  # read with its codes
+                value = _attr(gm, name)
+                if name.startswith(CODES_PREFIX):
+                    suffix = name.removeprefix(CODES_PREFIX)
+                    scale = getattr(gm, SCALE_PREFIX + suffix)
+                    name, value = suffix, value.float() * scale.float()[:, None]
+                names = [params.by_attr.get(name) or params.by_flat.get(name)]
+                if names[0] is None:
+                    names = params.merged.get(name, [])
+                rows = [params.named[n].shape[0] for n in names]
+                if not names or sum(rows) != value.shape[0]:
+                    continue  # the KV cache, a buffer, or nothing of the module's
+                for n, part in zip(names, value.split(rows, dim=0)):
+                    found.setdefault(n, part)
+    missing = sorted(set(params.named) - set(found))
+    if missing:
+        raise ValueError(f"the loaded draft's graphs hold no tensor for {missing[:4]}"
+                         f"{' ...' if len(missing) > 4 else ''}: its module cannot be rebuilt")
+    with torch.no_grad():
+        for n, p in params.named.items():
+            if tuple(found[n].shape) != tuple(p.shape):
+                raise ValueError(f"{n}: the loaded draft holds shape {tuple(found[n].shape)} "
+                                 f"for a parameter of shape {tuple(p.shape)}")
+            p.copy_(found[n])
+    engine.draft_config = config
+    return module
 
 
 def target_module(engine: object) -> nn.Module | None:

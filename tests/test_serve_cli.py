@@ -264,3 +264,51 @@ def test_distill_flags_need_adaptation_and_positive_values(tiny_model_dir, capsy
     code, err = _run(["serve", str(tiny_model_dir), "--adapt-draft", "--distill-budget-s", "0"],
                      capsys)
     assert code == 2 and "--distill-budget-s 0 must be greater than 0" in err
+
+
+def test_an_engine_directory_adapts_and_keeps_its_distilled_draft(tiny_pair_engine, tmp_path):
+    """`fuser serve ENGINE_DIR --adapt-draft`: the loaded engine's draft module is rebuilt
+    from the directory's draft config and the loaded tensors (bit for bit the built draft's),
+    the scheduler adapts (suffix proposals and a distiller) and serves the target's greedy
+    tokens; after the drain, draft weights swapped in are saved into the directory, and a new
+    load computes them."""
+    from fuser.runtime.adapt import AdaptiveScheduler
+    from fuser.runtime.distill import draft_module, rebuild_draft
+    from fuser.runtime.scheduler import SamplingParams
+    from fuser.server.cli import make_scheduler, save_adapted
+
+    path = tmp_path / "engine"
+    tiny_pair_engine.save(path)
+    built = {n: p.detach().clone() for n, p in draft_module(tiny_pair_engine).named_parameters()}
+    loaded = fuser.load(path)
+    with pytest.raises(ValueError, match="no module"):
+        draft_module(loaded)
+    rebuilt = dict(rebuild_draft(loaded, path).named_parameters())
+    assert rebuilt.keys() == built.keys()
+    for name, value in built.items():
+        assert torch.equal(rebuilt[name], value), name
+    prompts = [[5, 9, 14, 3, 7, 11], [8, 8, 2, 30, 41]]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    expected = [loaded.generate(torch.tensor([p]), max_new_tokens=12)[0, len(p):].tolist()
+                for p in prompts]
+    args = _serve_args("--adapt-draft")
+    args.path = str(path)
+    scheduler = make_scheduler(loaded, args)
+    assert isinstance(scheduler, AdaptiveScheduler)
+    assert scheduler.suffix and scheduler.distiller is not None and scheduler.swap is not None
+    scheduler.start()
+    try:
+        for _ in range(2):  # the second round finds the first's outputs in the suffix index
+            got = [s.result(120.0) for s in [scheduler.submit(p, greedy) for p in prompts]]
+            assert got == expected
+        assert not save_adapted(loaded, scheduler, str(path))  # nothing swapped in yet
+        torch.manual_seed(3)
+        distilled = {n: p + 0.05 * torch.randn_like(p) for n, p in built.items()}
+        scheduler.swap.swap(distilled)  # what an accepted update does
+        assert scheduler.drain(120.0)
+        assert save_adapted(loaded, scheduler, str(path))
+    finally:
+        scheduler.close()
+    again = dict(rebuild_draft(fuser.load(path), path).named_parameters())
+    for name, value in distilled.items():
+        assert torch.equal(again[name], value.to(again[name].dtype)), name

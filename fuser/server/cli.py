@@ -221,8 +221,9 @@ def make_scheduler(engine: Any, args: argparse.Namespace) -> Any:
             distill_every=engine.config.distill_every if every is None else every,
             distill_budget_s=engine.config.distill_budget_s if budget is None else budget)
         try:
+            module = adapted_draft_module(engine, args.path) if engine.gammas else None
             scheduler = AdaptiveScheduler(engine, max_waiting=args.max_waiting, suffix=True,
-                                          adapt_draft=bool(engine.gammas))
+                                          adapt_draft=bool(engine.gammas), module=module)
         except (ValueError, RuntimeError, NotImplementedError) as e:
             progress(f"adaptive speculation off ({e}); continuous batching without it")
         else:
@@ -232,6 +233,38 @@ def make_scheduler(engine: Any, args: argparse.Namespace) -> Any:
                         if scheduler.distiller is not None else "") + ")")
             return scheduler
     return Scheduler(engine, max_waiting=args.max_waiting)
+
+
+def adapted_draft_module(engine: Any, path: str) -> Any:
+    """The draft module to distil: the engine's own copy (a model directory's build), or,
+    for an engine loaded from the directory `path`, one rebuilt from its draft config and
+    the loaded draft's tensors."""
+    from fuser.runtime.distill import draft_module, rebuild_draft
+
+    try:
+        return draft_module(engine)
+    except ValueError:  # a loaded engine: its steps keep no module
+        return rebuild_draft(engine, path)
+
+
+def save_adapted(engine: Any, scheduler: Any, path: str) -> bool:
+    """After the drain: an engine directory whose draft took distilled weights is written back
+    in place (atomically: engine.save writes the live draft tensors), so that the next
+    `fuser serve` starts from them. A model directory is left alone (said on stderr). True
+    when saved."""
+    from fuser.launch import is_engine_dir
+
+    swap = getattr(scheduler, "swap", None)
+    if swap is None or swap.swaps == 0:
+        return False
+    if not is_engine_dir(path):
+        progress("the distilled draft is not saved (a model directory: fuser build an engine "
+                 "directory to keep it)")
+        return False
+    start = time.perf_counter()
+    engine.save(path, overwrite=True)
+    progress(f"saved the distilled draft into {path} in {time.perf_counter() - start:.1f} s")
+    return True
 
 
 class _Stop(Exception):
@@ -278,7 +311,11 @@ def run_serve(args: argparse.Namespace) -> int:
         while not stop.wait(0.5):
             if not server.alive:
                 raise RuntimeError(f"the HTTP server stopped ({server.error!r})")
-        return drain(serving, scheduler, server, args.drain_timeout)
+        code = drain(serving, scheduler, server, args.drain_timeout)
+        if getattr(scheduler, "wait_update", None) is not None:
+            scheduler.wait_update(max(args.drain_timeout, 1.0))  # an update still running
+        save_adapted(engine, scheduler, args.path)
+        return code
     except _Stop:
         progress("stopped before the model was ready")
         return 0
