@@ -14,6 +14,10 @@
 #   accuracy  FP8 against bf16 on the bundled pair, on the GPU (fp8_accuracy.py)
 #   serve     the OpenAI-compatible server under load (serve.py --preset llama-3-8b;
 #             SERVE_ARGS replaces that)
+#   adapt     adaptive speculation on and off over the same requests, the bundled pair: a
+#             2,000-request shifted-domain stream with Python before and after, and a
+#             repetitive stream (adapt.py; ADAPT_ARGS adds flags)                      ~6 min
+#   adapt8b   the same, the 8B shape with a random 1B-shape draft (adapt.py --workloads 8b)
 #   tests     the GPU tests: pytest -k "gpu or cuda" over TESTS (default: tests), JOBS workers
 #
 # Each suite writes its full logs and JSON under $OUT/<suite>/ and ends with a short table; the
@@ -26,7 +30,7 @@ export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fuser-out}
 BUDGET=${BUDGET:-580}
-SUITES="decode verify spec fallback files ops accuracy serve tests"
+SUITES="decode verify spec fallback files ops accuracy serve adapt adapt8b tests"
 if [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ]; then
   sed -n '2,/^set -o/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
   exit 0
@@ -123,6 +127,14 @@ for suite in "$@"; do
       else
         table "serve" "benchmarks/serve.py is missing: nothing to run"
       fi ;;
+    adapt|adapt8b)
+      workloads=shifted,repetitive; [ "$suite" = adapt8b ] && workloads=8b
+      # shellcheck disable=SC2086  # ADAPT_ARGS: flags, word-split on purpose
+      step "$suite" 560 python3 benchmarks/adapt.py --workloads "$workloads" --out "$DIR" \
+        ${ADAPT_ARGS-}
+      table "$suite: benchmarks/adapt.py --workloads $workloads (on / off; criteria of issue 44)" \
+        "$(grep -E '^(python_|stream:)' "$DIR/$suite.log" | sort -u)" \
+        "$(sed -n '/^--- criteria/,$p' "$DIR/$suite.log" | grep -E '^ *(PASS|FAIL|n/a) ')" ;;
     tests)
       # shellcheck disable=SC2086  # TESTS: paths, word-split on purpose
       # JOBS pytest-xdist workers share the one GPU (default 8 of the machine's 16 cores: the

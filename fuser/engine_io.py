@@ -50,6 +50,9 @@ if TYPE_CHECKING:
 
 TOKENIZER_DIR = "tokenizer"
 GENERATION_CONFIG = "generation_config.json"
+# The draft's Hugging Face config: what rebuilds the draft's module for a loaded engine, so that
+# `fuser serve ENGINE_DIR --adapt-draft` can distil it (runtime/distill.py `rebuild_draft`).
+DRAFT_CONFIG = "draft_config.json"
 COMPILED_DIR = "compiled"
 Log = Callable[[str], None]
 
@@ -229,8 +232,25 @@ def extra_files(engine: Engine, models: dict[str, dict[int, ModelSteps]], scratc
     generation_config = getattr(engine.user_target, "generation_config", None)
     if generation_config is not None:
         extra[GENERATION_CONFIG] = generation_config.to_json_string().encode()
+    draft_config = draft_hf_config(engine)
+    if draft_config is not None:
+        extra[DRAFT_CONFIG] = draft_config.to_json_string().encode()
     extra.update(compiled_files(models, scratch))
     return extra
+
+
+def draft_hf_config(engine: Engine) -> object | None:
+    """The draft's Hugging Face config: its module's (a built engine), else the one a loaded
+    engine was given back (`engine.draft_config`, set by `rebuild_draft`); None without."""
+    kept = getattr(engine, "draft_config", None)
+    if kept is not None:
+        return kept
+    for bucket in engine.buckets.values():
+        for graph in (bucket.draft.steps.values() if bucket.draft is not None else ()):
+            config = getattr(getattr(graph.eager, "model", None), "config", None)
+            if config is not None:
+                return config
+    return None
 
 
 def save(engine: Engine, path: str | Path, overwrite: bool = False,

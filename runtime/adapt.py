@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from fuser.runtime.distill import DistillConfig, Distiller, UpdateResult, WeightSwap, \
-    draft_module
+    draft_module, target_module
 from fuser.runtime.generate import ReadBack
 from fuser.runtime.scheduler import RequestStream, Scheduler, _Step
 from fuser.runtime.sources import DRAFT, SUFFIX, TARGET, Choice, SourceCollector, \
@@ -113,7 +113,8 @@ class AdaptiveScheduler(Scheduler):
         self.swap: WeightSwap | None = None
         if adapt:
             module = module if module is not None else draft_module(engine)
-            self.distiller = Distiller(module, vocab_size=engine.vocab_size, config=distill)
+            self.distiller = Distiller(module, vocab_size=engine.vocab_size, config=distill,
+                                       target=target_module(engine))
             self.swap = WeightSwap.for_engine(engine, module)
         self.background = background
         self._updating = threading.Event()

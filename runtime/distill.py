@@ -14,10 +14,18 @@ Three pieces, used in this order by whatever serves requests (runtime/scheduler.
        loss = sum_x q(x) (log q(x) - log p(x))     over the top-k of q (renormalised), or
             = -log p(y)                            for a hard label y (q = e_y),
    within a time budget, then evaluates the candidate on a held-out slice of the most recent
-   records (never trained on in that update) and accepts it only if its agreement with the
-   target (greedy top-1 agreement: the acceptance rate of greedy speculation per position)
-   is strictly higher than the current draft's. A rejected candidate is dropped and the
-   accepted weights stay bit for bit.
+   records (never trained on in that update) and accepts it only on a gain that noise cannot
+   explain (`gate`): the lower confidence bound of the paired difference in agreement with
+   the target (greedy top-1 agreement: the acceptance rate of greedy speculation per
+   position), candidate minus current draft over the same held-out positions, with the
+   records as clusters (positions of one sequence are not independent), must exceed
+   min_gain, AND the held-out forward KL to the target must be no worse. A rejected candidate
+   is dropped and the accepted weights stay bit for bit. Each update is logged on the "fuser"
+   logger: steps, loss, agreement and KL before and after, and the decision with its reason.
+   Where a target module is given (`target=`), the update first labels the buffered records
+   that carry only tokens with the target's top-k distribution at each generated position
+   (one forward of the target over each record, in the update's own background pass):
+   what the target's verify steps computed, without reading it back from the steps.
 3. `Distiller.swap_into(swap)`: the accepted weights go into the tensors the engine's compiled
    draft graphs read, in place (`WeightSwap`): the captured graphs stay valid because they are
    the same tensors. The new values are staged first, outside the lock (casts, merged
@@ -47,6 +55,9 @@ against the extra capacity overfitting a small buffer.
 from __future__ import annotations
 
 import copy
+import functools
+import logging
+import math
 import random
 import threading
 import time
@@ -54,6 +65,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -63,8 +75,11 @@ from fuser.ops.fp8 import quantize_weight
 from fuser.passes.fp8 import CODES_PREFIX, SCALE_PREFIX
 from fuser.passes.projections import MERGED_PREFIX
 
-__all__ = ["DistillConfig", "Distiller", "Evaluation", "Record", "UpdateResult", "WeightSwap",
-           "WeightTarget", "draft_weight_targets", "topk_targets"]
+__all__ = ["DistillConfig", "Distiller", "Evaluation", "Gate", "Record", "UpdateResult",
+           "WeightSwap", "WeightTarget", "draft_weight_targets", "gate", "rebuild_draft",
+           "target_module", "topk_targets"]
+
+log = logging.getLogger("fuser")
 
 
 # -- the tensors the compiled draft reads -------------------------------------------------------
@@ -220,15 +235,92 @@ def _draft_steps(source: object) -> list[object]:
     return list(unique.values())
 
 
-def draft_module(source: object) -> nn.Module:
-    """The engine's own copy of the draft (the module its step graphs were exported from)."""
-    for steps in _draft_steps(source):
+def _module_of(all_steps: Iterable[object]) -> nn.Module | None:
+    """The module some ModelSteps' graphs were exported from (None: a loaded engine's)."""
+    for steps in all_steps:
         for graph in steps.steps.values():
             model = getattr(graph.eager, "model", None)
             if isinstance(model, nn.Module):
                 return model
-    raise ValueError("the draft's steps keep no module (a loaded engine): give the module "
-                     "whose parameters the graphs were built from")
+    return None
+
+
+def draft_module(source: object) -> nn.Module:
+    """The engine's own copy of the draft (the module its step graphs were exported from)."""
+    model = _module_of(_draft_steps(source))
+    if model is None:
+        raise ValueError("the draft's steps keep no module (a loaded engine): give the module "
+                         "whose parameters the graphs were built from")
+    return model
+
+
+def rebuild_draft(engine: object, directory: str | Path) -> nn.Module:
+    """The draft as a Hugging Face module, rebuilt for an engine loaded from `directory` (its
+    steps keep no module): the architecture from the directory's draft config
+    (engine_io.DRAFT_CONFIG), every parameter from the tensors the loaded draft graphs read,
+    found by name: a parameter itself, the rows of a merged projection, or an FP8 weight
+    dequantized (codes x scale: the distillation starts from what the engine computes). The
+    config is kept on the engine (`engine.draft_config`) so that saving it again keeps it.
+    Raises ValueError when the directory has no draft config or a parameter is not found."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fuser.engine_io import DRAFT_CONFIG
+
+    path = Path(directory) / DRAFT_CONFIG
+    if not path.is_file():
+        raise ValueError(f"{directory} keeps no {DRAFT_CONFIG} (an engine saved without its "
+                         "draft's config): rebuild it with fuser build to adapt its draft")
+    fields = json.loads(path.read_text(encoding="utf-8"))
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    all_steps = _draft_steps(engine)
+    dtype, device = all_steps[0].cache.k[0].dtype, all_steps[0].cache.k[0].device
+    with torch.device(device):
+        module = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    params = _Parameters(module)
+    found: dict[str, torch.Tensor] = {}
+    for steps in all_steps:
+        for graph in steps.steps.values():
+            gm = graph.rewritten
+            if gm is None:
+                continue
+            for node in gm.graph.find_nodes(op="get_attr"):
+                name = str(node.target)
+                if name.startswith(SCALE_PREFIX):
+                    continue  # read with its codes
+                value = _attr(gm, name)
+                if name.startswith(CODES_PREFIX):
+                    suffix = name.removeprefix(CODES_PREFIX)
+                    scale = getattr(gm, SCALE_PREFIX + suffix)
+                    name, value = suffix, value.float() * scale.float()[:, None]
+                names = [params.by_attr.get(name) or params.by_flat.get(name)]
+                if names[0] is None:
+                    names = params.merged.get(name, [])
+                rows = [params.named[n].shape[0] for n in names]
+                if not names or sum(rows) != value.shape[0]:
+                    continue  # the KV cache, a buffer, or nothing of the module's
+                for n, part in zip(names, value.split(rows, dim=0)):
+                    found.setdefault(n, part)
+    missing = sorted(set(params.named) - set(found))
+    if missing:
+        raise ValueError(f"the loaded draft's graphs hold no tensor for {missing[:4]}"
+                         f"{' ...' if len(missing) > 4 else ''}: its module cannot be rebuilt")
+    with torch.no_grad():
+        for n, p in params.named.items():
+            if tuple(found[n].shape) != tuple(p.shape):
+                raise ValueError(f"{n}: the loaded draft holds shape {tuple(found[n].shape)} "
+                                 f"for a parameter of shape {tuple(p.shape)}")
+            p.copy_(found[n])
+    engine.draft_config = config
+    return module
+
+
+def target_module(engine: object) -> nn.Module | None:
+    """The engine's own copy of the target (what labels records with the target's top-k in
+    `Distiller.update`), or None where its steps keep no module (a loaded engine)."""
+    steps = [b.target for b in getattr(engine, "buckets", {}).values()]
+    return _module_of(steps)
 
 
 def draft_weight_targets(source: object, module: nn.Module | None = None) -> list[WeightTarget]:
@@ -410,9 +502,17 @@ class DistillConfig:
         max_records, max_tokens: the buffer keeps the newest records within both bounds.
         holdout_fraction: the newest share of the buffer held out of training and used to
             decide (at least min_holdout records).
-        min_holdout: the fewest held-out records; an update needs min_holdout + 1 records.
-        min_gain: a candidate is accepted when its held-out agreement exceeds the current
-            draft's by more than this.
+        min_holdout: the fewest held-out records (at least 2: the gate's bound needs two
+            clusters); an update needs min_holdout + 1 records.
+        min_gain: a candidate is accepted only when the lower confidence bound of its gain in
+            the held-out criterion over the current draft's exceeds this (`gate`).
+        confidence: the one-sided confidence of that bound (Student's t over the held-out
+            records as clusters).
+        max_kl_increase: a candidate whose held-out KL to the target exceeds the current
+            draft's by more than this is rejected, whatever its agreement (0: no worse).
+        soft_labels: with a target module given to the Distiller, label records that carry
+            only tokens with the target's top-k distribution (a target forward per record,
+            once, inside the update's time budget).
         criterion: "agreement" (greedy top-1 agreement with the target: the acceptance rate
             of greedy speculation) or "acceptance" (sum_x min(p, q) over the labels' top-k:
             speculative sampling's acceptance; needs soft labels to mean that).
@@ -428,8 +528,11 @@ class DistillConfig:
     max_records: int = 4096
     max_tokens: int = 1 << 21
     holdout_fraction: float = 0.2
-    min_holdout: int = 1
+    min_holdout: int = 2
     min_gain: float = 0.0
+    confidence: float = 0.99
+    max_kl_increase: float = 0.0
+    soft_labels: bool = True
     criterion: str = "agreement"
     topk: int = 8
     max_steps: int | None = None
@@ -452,6 +555,13 @@ class DistillConfig:
             raise ValueError(f"holdout_fraction={self.holdout_fraction!r} must be in (0, 1)")
         if not self.min_gain >= 0:
             raise ValueError(f"min_gain={self.min_gain!r} must be >= 0")
+        if self.min_holdout < 2:
+            raise ValueError(f"min_holdout={self.min_holdout!r} must be at least 2 (the gate's "
+                             "confidence bound needs two held-out records)")
+        if not 0.5 <= self.confidence < 1.0:
+            raise ValueError(f"confidence={self.confidence!r} must be in [0.5, 1)")
+        if not self.max_kl_increase >= 0:
+            raise ValueError(f"max_kl_increase={self.max_kl_increase!r} must be >= 0")
         if self.criterion not in ("agreement", "acceptance"):
             raise ValueError(f"criterion={self.criterion!r} must be 'agreement' or 'acceptance'")
 
@@ -459,15 +569,103 @@ class DistillConfig:
 @dataclass
 class Evaluation:
     """A draft against the labels of some records: mean loss (forward KL; cross-entropy for
-    hard labels), top-1 agreement and expected acceptance sum_x min(p, q), per position."""
+    hard labels), top-1 agreement and expected acceptance sum_x min(p, q), per position.
+    per_record: [records, 4] float64 (labelled positions, and the sums of loss, agreement and
+    acceptance over them), in the records' order: what `gate` pairs two evaluations by."""
 
     loss: float
     agreement: float
     acceptance: float
     positions: int
+    per_record: torch.Tensor | None = None
 
     def metric(self, criterion: str) -> float:
         return self.agreement if criterion == "agreement" else self.acceptance
+
+
+_COLUMN = {"loss": 1, "agreement": 2, "acceptance": 3}  # Evaluation.per_record's columns
+
+
+@functools.lru_cache(maxsize=256)
+def t_quantile(p: float, dof: int) -> float:
+    """Student's t quantile: the x with P(T <= x) = p for dof degrees of freedom (p >= 0.5),
+    by bisection on the CDF integrated with Simpson's rule (no scipy at run time)."""
+    if not 0.5 <= p < 1.0 or dof < 1:
+        raise ValueError(f"t_quantile needs 0.5 <= p < 1 and dof >= 1 (got {p}, {dof})")
+    c = math.exp(math.lgamma((dof + 1) / 2) - math.lgamma(dof / 2)) / math.sqrt(dof * math.pi)
+
+    def cdf(x: float, n: int = 2000) -> float:
+        h = x / n
+        f = [c * (1 + (i * h) ** 2 / dof) ** (-(dof + 1) / 2) for i in range(n + 1)]
+        return 0.5 + h / 3 * (f[0] + f[-1] + 4 * sum(f[1:-1:2]) + 2 * sum(f[2:-1:2]))
+
+    lo, hi = 0.0, 1.0
+    while cdf(hi) < p:
+        lo, hi = hi, hi * 2
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+@dataclass(frozen=True)
+class Gate:
+    """The decision on a candidate (`gate`): gain, the mean paired difference of the criterion
+    per held-out position (candidate minus current), and its lower confidence bound; the
+    held-out KL of both; accepted and why."""
+
+    gain: float
+    lower: float
+    kl_before: float
+    kl_after: float
+    accepted: bool
+    reason: str
+
+
+def gate(before: Evaluation, after: Evaluation, criterion: str = "agreement",
+         confidence: float = 0.99, min_gain: float = 0.0, max_kl_increase: float = 0.0,
+         finite: bool = True) -> Gate:
+    """Accept a candidate only on a gain that noise cannot explain and a KL no worse.
+
+    The two evaluations are of the same held-out records (`per_record`, in one order). Per
+    record r with n_r positions, d_r = the sum over its positions of (candidate's criterion -
+    current's): the gain is sum d_r / N (N = sum n_r), and its standard error treats records as
+    clusters (positions of one sequence are correlated): se^2 = R / (R - 1) * sum_r (d_r - n_r
+    gain)^2 / N^2. The lower bound is gain - t(confidence, R - 1) se. Accepted when the bound
+    exceeds min_gain, the held-out KL (mean loss) rose by at most max_kl_increase, and the
+    candidate's weights are finite.
+    """
+    if before.per_record is None or after.per_record is None:
+        raise ValueError("gate needs evaluations with per_record sums (Distiller.evaluate)")
+    if before.per_record.shape != after.per_record.shape or not torch.equal(
+            before.per_record[:, 0], after.per_record[:, 0]):
+        raise ValueError("gate pairs two evaluations of the same records")
+    col = _COLUMN[criterion]
+    counts = before.per_record[:, 0]
+    total = float(counts.sum())
+    records = counts.shape[0]
+    d = (after.per_record[:, col] - before.per_record[:, col]).double()
+    gain = float(d.sum()) / max(total, 1.0)
+    if records >= 2 and total > 0:
+        spread = float(((d - counts * gain) ** 2).sum()) * records / (records - 1)
+        lower = gain - t_quantile(confidence, records - 1) * math.sqrt(spread) / total
+    else:
+        lower = -math.inf
+    kl_before, kl_after = before.loss, after.loss
+    words = (f"held-out {criterion} {before.metric(criterion):.4f} -> "
+             f"{after.metric(criterion):.4f} (gain {gain:+.4f}, {confidence:.0%} lower bound "
+             f"{lower:+.4f} over {records} records), KL {kl_before:.4f} -> {kl_after:.4f}")
+    if not finite:
+        return Gate(gain, lower, kl_before, kl_after, False,
+                    f"rejected (non-finite weights): {words}")
+    if not lower > min_gain:
+        why = "one held-out record bounds nothing" if records < 2 else \
+            f"the gain's lower bound is not above {min_gain:g}"
+        return Gate(gain, lower, kl_before, kl_after, False, f"rejected ({why}): {words}")
+    if not kl_after <= kl_before + max_kl_increase:
+        return Gate(gain, lower, kl_before, kl_after, False,
+                    f"rejected (the KL to the target rose): {words}")
+    return Gate(gain, lower, kl_before, kl_after, True, f"accepted: {words}")
 
 
 @dataclass
@@ -487,6 +685,8 @@ class UpdateResult:
     before: Evaluation | None = None
     after: Evaluation | None = None
     losses: list[float] = field(default_factory=list)
+    gate: Gate | None = None
+    labelled: int = 0  # records given the target's top-k by this update
 
 
 def _trainable_copy(module: nn.Module, device: torch.device | None) -> nn.Module:
@@ -506,6 +706,18 @@ def _trainable_copy(module: nn.Module, device: torch.device | None) -> nn.Module
     return student.eval()  # no dropout; gradients flow in eval mode
 
 
+def _labelling_view(module: nn.Module) -> nn.Module:
+    """A copy of `module` that shares its parameters and buffers (no extra memory) but attends
+    with PyTorch's SDPA (the engine's copy attends through the engine's cache)."""
+    shared = {id(t): t for t in [*module.parameters(), *module.buffers()]}
+    view = copy.deepcopy(module, memo=shared)
+    for sub in view.modules():
+        config = getattr(sub, "config", None)
+        if getattr(config, "_attn_implementation", None) == ATTENTION:
+            config._attn_implementation = "sdpa"
+    return view.eval()
+
+
 class Distiller:
     """Keeps served records and distils the draft on them; see the module docstring.
 
@@ -519,12 +731,16 @@ class Distiller:
             draft's).
         config: DistillConfig.
         device: where training runs (default: the draft's device).
+        target: the target module (the engine's copy: `target_module(engine)`), never trained;
+            with config.soft_labels, records that carry only tokens get its top-k as labels.
     """
 
     def __init__(self, draft: nn.Module, vocab_size: int | None = None,
-                 config: DistillConfig | None = None, device: torch.device | str | None = None
-                 ) -> None:
+                 config: DistillConfig | None = None, device: torch.device | str | None = None,
+                 target: nn.Module | None = None) -> None:
         self.config = config or DistillConfig()
+        self._target = _labelling_view(target) if target is not None \
+            and self.config.soft_labels else None
         first = next(draft.parameters())
         self.device = torch.device(device) if device is not None else first.device
         self.student = _trainable_copy(draft, self.device)
@@ -664,15 +880,47 @@ class Distiller:
 
     @torch.no_grad()
     def evaluate(self, records: Sequence[Record]) -> Evaluation:
-        """The student's current weights against the records' labels."""
-        totals, positions = torch.zeros(3, dtype=torch.float64), 0
+        """The student's current weights against the records' labels (with per-record sums,
+        in the records' order)."""
+        rows = []
         for group in self._batches(records):
             loss, agreement, acceptance, labeled = self._scores(group)
-            for i, values in enumerate((loss, agreement, acceptance)):
-                totals[i] += values[labeled].double().sum().cpu()
-            positions += int(labeled.sum())
-        means = (totals / max(positions, 1)).tolist()
-        return Evaluation(means[0], means[1], means[2], positions)
+            keep = labeled.double()
+            rows.append(torch.stack([keep.sum(1)] + [(v.double() * keep).sum(1) for v in
+                                                      (loss, agreement, acceptance)], dim=1))
+        per_record = torch.cat(rows).cpu() if rows else torch.zeros(0, 4, dtype=torch.float64)
+        positions = int(per_record[:, 0].sum())
+        means = (per_record[:, 1:].sum(0) / max(positions, 1)).tolist()
+        return Evaluation(means[0], means[1], means[2], positions, per_record)
+
+    @torch.no_grad()
+    def _label(self, records: Sequence[Record], deadline: float) -> int:
+        """Give records that carry only tokens the target's top-k at each labelled position
+        (one target forward per batch of records), until `deadline` (perf_counter); how many
+        were labelled."""
+        todo = [r for r in records if r.topk_ids is None]
+        if self._target is None or not todo:
+            return 0
+        device = next(self._target.parameters()).device
+        done = 0
+        for group in self._batches(todo):
+            if time.perf_counter() >= deadline:
+                break
+            length = max(r.tokens.shape[0] for r in group)
+            ids = torch.zeros(len(group), length, dtype=torch.long)
+            mask = torch.zeros(len(group), length, dtype=torch.long)
+            for i, r in enumerate(group):
+                ids[i, :r.tokens.shape[0]] = r.tokens
+                mask[i, :r.tokens.shape[0]] = 1
+            logits = self._target(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                  use_cache=False).logits[..., : self.vocab_size]
+            top_ids, top_probs = topk_targets(logits, self.config.topk)  # [b, T, k]
+            top_ids, top_probs = top_ids.cpu(), top_probs.cpu()
+            for i, r in enumerate(group):  # logits at p - 1 predict position p
+                rows = slice(r.start - 1, r.tokens.shape[0] - 1)
+                r.topk_ids, r.topk_probs = top_ids[i, rows].clone(), top_probs[i, rows].clone()
+            done += len(group)
+        return done
 
     # -- the update ------------------------------------------------------------------------------
 
@@ -697,6 +945,8 @@ class Distiller:
             if result.before is not None:
                 self.updates["accepted" if result.accepted else "rejected"] += 1
             self.last_result = result
+            log.info("fuser: draft update %d (%.1f s, %d records labelled by the target): %s",
+                     sum(self.updates.values()), result.seconds, result.labelled, result.reason)
             return result
 
     def _update(self, budget: float, max_steps: int | None, start: float) -> UpdateResult:
@@ -707,10 +957,16 @@ class Distiller:
         if len(records) <= held:
             return UpdateResult(False, f"too few records ({len(records)}) to hold "
                                 f"{held} out and train on the rest")
+        labelled = self._label(records, start + budget / 2)  # at most half the budget
+        if self._target is not None:  # train and decide on labels of one kind
+            records = [r for r in records if r.topk_ids is not None]
+            if len(records) <= held:
+                return UpdateResult(False, f"too few records labelled by the target "
+                                    f"({len(records)}) to hold {held} out", labelled=labelled)
         train, holdout = records[:-held], records[-held:]
         before = self.evaluate(holdout)
         result = UpdateResult(False, "", train_records=len(train), holdout_records=len(holdout),
-                              before=before)
+                              before=before, labelled=labelled)
         order: list[Record] = []
         while time.perf_counter() - start < budget and (max_steps is None
                                                         or result.steps < max_steps):
@@ -730,23 +986,22 @@ class Distiller:
             result.first_loss, result.last_loss = result.losses[0], result.losses[-1]
         after = self.evaluate(holdout)
         result.after = after
-        gain = after.metric(cfg.criterion) - before.metric(cfg.criterion)
         finite = all(bool(torch.isfinite(p).all()) for p in self._params.values())
-        if finite and gain > cfg.min_gain:
+        decision = gate(before, after, cfg.criterion, cfg.confidence, cfg.min_gain,
+                        cfg.max_kl_increase, finite)
+        result.gate = decision
+        result.accepted = decision.accepted
+        losses = (f"loss {result.first_loss:.4f} -> {result.last_loss:.4f}"
+                  if result.losses else "no training step")
+        result.reason = (f"{decision.reason}; {result.steps} steps ({losses}) on "
+                         f"{len(train)} records")
+        if decision.accepted:
             with torch.no_grad():
                 for name, p in self._params.items():
                     self._accepted[name].copy_(p)
             self.version += 1
-            result.accepted = True
-            result.reason = (f"accepted: held-out {cfg.criterion} "
-                             f"{before.metric(cfg.criterion):.4f} -> "
-                             f"{after.metric(cfg.criterion):.4f} after {result.steps} steps")
         else:
             self._restore()
-            result.reason = (f"rejected: held-out {cfg.criterion} "
-                             f"{before.metric(cfg.criterion):.4f} -> "
-                             f"{after.metric(cfg.criterion):.4f} after {result.steps} steps"
-                             + ("" if finite else " (non-finite weights)"))
         return result
 
     @torch.no_grad()

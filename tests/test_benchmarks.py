@@ -126,3 +126,60 @@ def test_decode_says_it_needs_a_gpu() -> None:
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert "no CUDA device" in proc.stderr and "Traceback" not in proc.stderr
+
+def _adapt_module():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import adapt
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return adapt
+
+
+def test_adapt_benchmark_streams_and_windows(tmp_path: Path) -> None:
+    """benchmarks/adapt.py's prompts: the shifted stream takes the kinds in turn, in sorted
+    order, and its last window only files never sent before; the repetitive prompts hold the
+    text their answer repeats; windows count tokens and per-source steps between completions."""
+    adapt = _adapt_module()
+    files: dict[str, list[Path]] = {}
+    for kind in adapt.KINDS:
+        files[kind] = []
+        for i in range(3):
+            path = tmp_path / f"{kind}{i}.{kind}"
+            path.write_text(" ".join(f"{kind}{i}w{j}" for j in range(400)))
+            files[kind].append(path)
+    prompts, origins = adapt.shifted_prompts(20, 6, files)
+    assert (prompts, origins) == adapt.shifted_prompts(20, 6, files)  # deterministic
+    assert len(prompts) == len(set(prompts)) == 20
+    assert all(len(p) == adapt.CHARS for p in prompts)
+    assert not set(origins[-6:]) & set(origins[:-6])  # the last window: new files only
+    assert [Path(o).suffix for o in origins[:5]] == [".h"] * 4 + [".js"]  # whole files in turn
+    with pytest.raises(SystemExit, match="only"):
+        adapt.shifted_prompts(100, 6, files)
+    for prompt in adapt.repetitive_prompts(3):
+        function, rest = prompt.split("\n\n\n# Rewrite this function with a docstring.\n")
+        assert rest == function.splitlines()[0] + "\n" and function.startswith("def ")
+    records = [{"index": i, "time": 1.0 + i, "tokens": 10,
+                "tally": {"draft": [2 * (i + 1), i + 1, 4 * (i + 1)]},
+                "updates": {"accepted": 0, "rejected": 0}} for i in range(4)]
+    w = adapt.windows(records, 2)
+    assert [x["requests"] for x in w] == [2, 4]
+    assert w[0]["tok_s"] == 20 / 2.0 and w[1]["tok_s"] == 20 / 2.0
+    assert w[1]["sources"]["draft"] == {"steps": 4, "accepted": 2, "proposed": 8,
+                                        "acceptance": 0.25}
+
+
+@pytest.mark.slow  # builds two tiny engines and serves each workload on and off (~90 s)
+def test_adapt_benchmark_dry_run(tmp_path: Path) -> None:
+    proc = run("adapt.py", tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "adapt.json").read_text())
+    assert set(result["workloads"]) == {"shifted", "repetitive", "8b"}
+    shifted = result["workloads"]["shifted"]
+    assert shifted["last_window_files_new"]
+    assert len(shifted["on"]["windows"]) == len(shifted["off"]["windows"]) == 3
+    assert len(result["criteria"]) == 7
+    assert (tmp_path / "adapt.png").is_file()
+    lines = proc.stdout.splitlines()
+    assert lines[-1].startswith("dry run on CPU")
+    assert sum(line.lstrip().startswith(("PASS", "FAIL", "n/a")) for line in lines) == 7

@@ -204,3 +204,111 @@ def test_every_serve_option_has_help():
     args = parser.parse_args(["serve", "somewhere"])
     assert (args.host, args.port, args.drain_timeout, args.max_waiting) == \
         ("127.0.0.1", 8000, 30.0, 256)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair_engine():
+    """A tiny Llama target with a random Mistral draft (gamma 2), buckets 1 and 2."""
+    from engines import llama_target, mistral_draft
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fuser.optimize(llama_target(), draft=mistral_draft(), config=fuser.FuserConfig(
+            max_batch_size=2, batch_buckets=(1, 2), max_seq_len=64, gamma=2, compile="fx"))
+
+
+def _serve_args(*flags: str) -> argparse.Namespace:
+    return build_parser().parse_args(["serve", "somewhere", *flags])
+
+
+def test_adaptation_is_off_by_default_and_its_flags_reach_the_scheduler(tiny_pair_engine):
+    from fuser.runtime.adapt import AdaptiveScheduler
+    from fuser.runtime.scheduler import Scheduler
+    from fuser.server.cli import make_scheduler
+
+    default = _serve_args()
+    assert default.adapt_draft is False
+    assert _serve_args("--no-adapt-draft").adapt_draft is False  # the default, still accepted
+    assert _serve_args("--adapt-draft").adapt_draft is True
+    engine = tiny_pair_engine
+    config = engine.config
+    plain = make_scheduler(engine, default)
+    try:
+        assert type(plain) is Scheduler  # plain continuous batching
+        assert engine.config is config  # nothing changed in the engine
+    finally:
+        plain.close()
+    on = make_scheduler(engine, _serve_args("--adapt-draft", "--distill-every", "7",
+                                            "--distill-budget-s", "0.25"))
+    try:
+        assert isinstance(on, AdaptiveScheduler)
+        assert on.suffix and on.distiller is not None
+        # AdaptiveScheduler reads both from the engine's config when it updates the draft.
+        assert (on.engine.config.distill_every, on.engine.config.distill_budget_s) == (7, 0.25)
+        assert on.engine.config.gamma == config.gamma  # the rest as built
+    finally:
+        on.close()
+        engine.config = config
+    defaults = make_scheduler(engine, _serve_args("--adapt-draft"))
+    try:  # the flags' defaults are FuserConfig's
+        assert (engine.config.distill_every, engine.config.distill_budget_s) == \
+            (fuser.FuserConfig().distill_every, fuser.FuserConfig().distill_budget_s)
+    finally:
+        defaults.close()
+        engine.config = config
+
+
+def test_distill_flags_need_adaptation_and_positive_values(tiny_model_dir, capsys):
+    code, err = _run(["serve", str(tiny_model_dir), "--distill-every", "10"], capsys)
+    assert code == 2 and "--distill-every applies with --adapt-draft only" in err
+    code, err = _run(["serve", str(tiny_model_dir), "--adapt-draft", "--distill-budget-s", "0"],
+                     capsys)
+    assert code == 2 and "--distill-budget-s 0 must be greater than 0" in err
+
+
+def test_an_engine_directory_adapts_and_keeps_its_distilled_draft(tiny_pair_engine, tmp_path):
+    """`fuser serve ENGINE_DIR --adapt-draft`: the loaded engine's draft module is rebuilt
+    from the directory's draft config and the loaded tensors (bit for bit the built draft's),
+    the scheduler adapts (suffix proposals and a distiller) and serves the target's greedy
+    tokens; after the drain, draft weights swapped in are saved into the directory, and a new
+    load computes them."""
+    from fuser.runtime.adapt import AdaptiveScheduler
+    from fuser.runtime.distill import draft_module, rebuild_draft
+    from fuser.runtime.scheduler import SamplingParams
+    from fuser.server.cli import make_scheduler, save_adapted
+
+    path = tmp_path / "engine"
+    tiny_pair_engine.save(path)
+    built = {n: p.detach().clone() for n, p in draft_module(tiny_pair_engine).named_parameters()}
+    loaded = fuser.load(path)
+    with pytest.raises(ValueError, match="no module"):
+        draft_module(loaded)
+    rebuilt = dict(rebuild_draft(loaded, path).named_parameters())
+    assert rebuilt.keys() == built.keys()
+    for name, value in built.items():
+        assert torch.equal(rebuilt[name], value), name
+    prompts = [[5, 9, 14, 3, 7, 11], [8, 8, 2, 30, 41]]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    expected = [loaded.generate(torch.tensor([p]), max_new_tokens=12)[0, len(p):].tolist()
+                for p in prompts]
+    args = _serve_args("--adapt-draft")
+    args.path = str(path)
+    scheduler = make_scheduler(loaded, args)
+    assert isinstance(scheduler, AdaptiveScheduler)
+    assert scheduler.suffix and scheduler.distiller is not None and scheduler.swap is not None
+    scheduler.start()
+    try:
+        for _ in range(2):  # the second round finds the first's outputs in the suffix index
+            got = [s.result(120.0) for s in [scheduler.submit(p, greedy) for p in prompts]]
+            assert got == expected
+        assert not save_adapted(loaded, scheduler, str(path))  # nothing swapped in yet
+        torch.manual_seed(3)
+        distilled = {n: p + 0.05 * torch.randn_like(p) for n, p in built.items()}
+        scheduler.swap.swap(distilled)  # what an accepted update does
+        assert scheduler.drain(120.0)
+        assert save_adapted(loaded, scheduler, str(path))
+    finally:
+        scheduler.close()
+    again = dict(rebuild_draft(fuser.load(path), path).named_parameters())
+    for name, value in distilled.items():
+        assert torch.equal(again[name], value.to(again[name].dtype)), name

@@ -58,7 +58,7 @@ class ServingState:
     tokenizer: Any = None
     engine: Any = None
     draining: bool = False
-    adapt_draft: bool = True  # `--no-adapt-draft`, recorded for the adaptive speculator (later)
+    adapt_draft: bool = False  # `fuser serve --adapt-draft`
     created: int = field(default_factory=lambda: int(time.time()))
     metrics: ServingMetrics = field(init=False)
 

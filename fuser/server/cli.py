@@ -60,9 +60,20 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     serve.add_argument("--drain-timeout", type=float, default=30.0,
                        help="on SIGTERM, seconds the running requests get to finish before they "
                             "are aborted (default: %(default)s)")
-    serve.add_argument("--no-adapt-draft", action="store_true",
-                       help="turn adaptive speculation off: no suffix proposals, no online "
-                            "distillation of the draft (plain continuous batching)")
+    serve.add_argument("--adapt-draft", dest="adapt_draft", action="store_true", default=False,
+                       help="turn adaptive speculation on: suffix proposals from the requests' "
+                            "own context and recent outputs, and online distillation of the "
+                            "draft on the served traffic (default: off, plain continuous "
+                            "batching with the engine's speculation)")
+    serve.add_argument("--no-adapt-draft", dest="adapt_draft", action="store_false",
+                       help="adaptive speculation off: the default (kept so that older "
+                            "command lines still work)")
+    serve.add_argument("--distill-every", type=int, default=None,
+                       help="with --adapt-draft: finished requests between two draft updates "
+                            f"(default: {_config_default('distill_every')})")
+    serve.add_argument("--distill-budget-s", type=float, default=None,
+                       help="with --adapt-draft: seconds of fine-tuning per draft update "
+                            f"(default: {_config_default('distill_budget_s')})")
     serve.add_argument("--tokenizer", default=None,
                        help="a tokenizer directory for an engine saved without one")
     serve.add_argument("--log-level", default="warning",
@@ -73,6 +84,15 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                             "when set)")
     serve.set_defaults(fn=run_serve)
     return serve
+
+
+def _config_default(name: str) -> object:
+    """FuserConfig's default of one field (the flags' defaults are the config's)."""
+    import dataclasses
+
+    from fuser.config import FuserConfig
+
+    return next(f.default for f in dataclasses.fields(FuserConfig) if f.name == name)
 
 
 def say(message: str) -> None:
@@ -104,6 +124,15 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--drain-timeout {args.drain_timeout} must be at least 0")
     if args.api_key is not None and not args.api_key:
         raise ValueError("--api-key must not be empty")
+    for flag, value in (("--distill-every", args.distill_every),
+                        ("--distill-budget-s", args.distill_budget_s)):
+        if value is None:
+            continue
+        if not args.adapt_draft:
+            raise ValueError(f"{flag} applies with --adapt-draft only (adaptation is off by "
+                             "default)")
+        if not value > 0:
+            raise ValueError(f"{flag} {value:g} must be greater than 0")
 
 
 def open_engine(args: argparse.Namespace) -> Any:
@@ -172,20 +201,70 @@ def warm_up(scheduler: Any, tokenizer: Any) -> None:
 
 
 def make_scheduler(engine: Any, args: argparse.Namespace) -> Any:
-    """The scheduler `fuser serve` runs: with adaptive speculation (suffix proposals, and the
-    draft distilled online where the engine has one and its module), unless --no-adapt-draft
-    or the engine cannot take it (then plain continuous batching, said on stderr)."""
+    """The scheduler `fuser serve` runs: plain continuous batching (with the engine's own
+    speculation) by default; with --adapt-draft, adaptive speculation (suffix proposals, and the
+    draft distilled online every --distill-every finished requests for --distill-budget-s
+    seconds, where the engine has a draft), unless the engine cannot take it (then plain
+    continuous batching, said on stderr)."""
+    import dataclasses
+
     from fuser.runtime.scheduler import Scheduler
 
-    if not args.no_adapt_draft:
+    if getattr(args, "adapt_draft", False):
         from fuser.runtime.adapt import AdaptiveScheduler
 
+        every = getattr(args, "distill_every", None)
+        budget = getattr(args, "distill_budget_s", None)
+        # AdaptiveScheduler reads both from the engine's config.
+        engine.config = dataclasses.replace(
+            engine.config,
+            distill_every=engine.config.distill_every if every is None else every,
+            distill_budget_s=engine.config.distill_budget_s if budget is None else budget)
         try:
-            return AdaptiveScheduler(engine, max_waiting=args.max_waiting, suffix=True,
-                                     adapt_draft=bool(engine.gammas))
+            module = adapted_draft_module(engine, args.path) if engine.gammas else None
+            scheduler = AdaptiveScheduler(engine, max_waiting=args.max_waiting, suffix=True,
+                                          adapt_draft=bool(engine.gammas), module=module)
         except (ValueError, RuntimeError, NotImplementedError) as e:
             progress(f"adaptive speculation off ({e}); continuous batching without it")
+        else:
+            progress("adaptive speculation on (suffix proposals"
+                     + (f"; the draft distilled every {engine.config.distill_every} requests "
+                        f"for {engine.config.distill_budget_s:g} s"
+                        if scheduler.distiller is not None else "") + ")")
+            return scheduler
     return Scheduler(engine, max_waiting=args.max_waiting)
+
+
+def adapted_draft_module(engine: Any, path: str) -> Any:
+    """The draft module to distil: the engine's own copy (a model directory's build), or,
+    for an engine loaded from the directory `path`, one rebuilt from its draft config and
+    the loaded draft's tensors."""
+    from fuser.runtime.distill import draft_module, rebuild_draft
+
+    try:
+        return draft_module(engine)
+    except ValueError:  # a loaded engine: its steps keep no module
+        return rebuild_draft(engine, path)
+
+
+def save_adapted(engine: Any, scheduler: Any, path: str) -> bool:
+    """After the drain: an engine directory whose draft took distilled weights is written back
+    in place (atomically: engine.save writes the live draft tensors), so that the next
+    `fuser serve` starts from them. A model directory is left alone (said on stderr). True
+    when saved."""
+    from fuser.launch import is_engine_dir
+
+    swap = getattr(scheduler, "swap", None)
+    if swap is None or swap.swaps == 0:
+        return False
+    if not is_engine_dir(path):
+        progress("the distilled draft is not saved (a model directory: fuser build an engine "
+                 "directory to keep it)")
+        return False
+    start = time.perf_counter()
+    engine.save(path, overwrite=True)
+    progress(f"saved the distilled draft into {path} in {time.perf_counter() - start:.1f} s")
+    return True
 
 
 class _Stop(Exception):
@@ -201,7 +280,7 @@ def run_serve(args: argparse.Namespace) -> int:
     sock = bind(args.host, args.port)
     app = create_app(None, None, name, api_key=args.api_key)
     serving = app.state.serving
-    serving.adapt_draft = not args.no_adapt_draft
+    serving.adapt_draft = args.adapt_draft
     server = ServerThread(app, sock=sock, log_level=args.log_level,
                           graceful_seconds=min(5.0, args.drain_timeout + 1.0))
     signals = {"count": 0}
@@ -232,7 +311,11 @@ def run_serve(args: argparse.Namespace) -> int:
         while not stop.wait(0.5):
             if not server.alive:
                 raise RuntimeError(f"the HTTP server stopped ({server.error!r})")
-        return drain(serving, scheduler, server, args.drain_timeout)
+        code = drain(serving, scheduler, server, args.drain_timeout)
+        if getattr(scheduler, "wait_update", None) is not None:
+            scheduler.wait_update(max(args.drain_timeout, 1.0))  # an update still running
+        save_adapted(engine, scheduler, args.path)
+        return code
     except _Stop:
         progress("stopped before the model was ready")
         return 0

@@ -1,0 +1,766 @@
+"""Adaptive speculation on a stream of requests: the same requests served with adaptation ON
+(runtime/adapt.py AdaptiveScheduler: suffix proposals, the draft distilled online) and OFF (the
+plain Scheduler: the engine's own speculation), in this process, through the scheduler's API.
+
+    python benchmarks/adapt.py --out $OUT/adapt                     # H200: about 5 minutes
+    python benchmarks/adapt.py --workloads 8b --out $OUT/adapt8b     # the 8B shape alone
+    python benchmarks/adapt.py --dry-run --out /tmp/adapt            # CPU, tiny: the plumbing
+
+Workloads (--workloads, comma-separated):
+  shifted     the bundled pair on text it never saw, found on this machine: C headers under
+              /usr/include, .js/.rst/.yaml files under the Python installation, in sorted order,
+              the kinds taken in turn, each file cut into 240-character prompts. --requests
+              requests in windows of --window; the last window holds only files never sent
+              before. Before and after the stream, --python-prompts held-out Python prompts
+              (models/heldout_sample.txt, --python-tokens new tokens each).
+  repetitive  the bundled pair on prompts whose answer repeats text they contain: a held-out
+              Python function, "rewrite this function with a docstring", and its first line.
+  8b          a Llama-3-8B-shape target with a random Llama-3.2-1B-shape draft (random bf16
+              weights: nothing to learn, and nothing may be lost), the shifted stream's prompts.
+Each workload is served OFF, then ON, --concurrency requests at a time, greedy, ignore_eos,
+--max-tokens new tokens; between the two the engine's draft gets its built weights back.
+
+Per window of --window requests (in order of completion) it prints output tok/s on and off,
+acceptance per source (accepted / proposed tokens) and steps per source, and the draft updates
+(accepted / rejected) so far; then the acceptance criteria of issue 44 with PASS / FAIL. It
+writes adapt.json and adapt.png (tok/s and acceptance against requests served, on and off) to
+--out. Per-source counts come from wrapping the controllers' `update` (ON) and the engine's
+`record_step` (OFF) for the run: what the scheduler itself accounts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+RESULTS: dict = {"workloads": {}, "criteria": []}
+CHARS = 240  # characters per shifted-domain prompt
+KINDS = ("h", "js", "rst", "yaml")  # the shifted domain's file kinds, taken in turn
+MAX_CHUNKS_PER_FILE = 4  # a long file gives at most this many prompts (more files, more variety)
+
+
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+# -- the prompts ----------------------------------------------------------------------------------
+
+
+def _walk(root: Path, suffixes: tuple[str, ...]) -> Iterator[Path]:
+    """Files under root with one of these suffixes, in sorted order (directories too)."""
+    if not root.is_dir():
+        return
+    for directory, subdirs, files in os.walk(root):
+        subdirs.sort()
+        for name in sorted(files):
+            if name.endswith(suffixes):
+                yield Path(directory) / name
+
+
+def shifted_files() -> dict[str, list[Path]]:
+    """This machine's files of each kind: C headers under /usr/include; .js, .rst and .yaml
+    (.yml) under the Python installation (its prefixes, the standard library and the
+    site-packages directories; a file found twice counts once)."""
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    roots = sorted({Path(p) for p in (sys.prefix, sys.base_prefix, paths["stdlib"],
+                                       paths["purelib"], paths["platlib"])})
+    found: dict[str, list[Path]] = {"h": list(_walk(Path("/usr/include"), (".h",)))}
+    for kind, suffixes in (("js", (".js",)), ("rst", (".rst",)), ("yaml", (".yaml", ".yml"))):
+        paths: dict[str, Path] = {}
+        for root in roots:
+            for path in _walk(root, suffixes):
+                paths.setdefault(str(path.resolve()), path)
+        found[kind] = [paths[k] for k in sorted(paths)]
+    return found
+
+
+def _chunks(path: Path) -> list[str]:
+    """A file's text cut into CHARS-character prompts (at most MAX_CHUNKS_PER_FILE; chunks of
+    mostly whitespace dropped)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return []
+    out = []
+    for start in range(0, len(text) - CHARS + 1, CHARS):
+        chunk = text[start:start + CHARS]
+        if len(chunk.split()) >= 8:
+            out.append(chunk)
+        if len(out) == MAX_CHUNKS_PER_FILE:
+            break
+    return out
+
+
+def shifted_prompts(count: int, last_window: int, files: dict[str, list[Path]] | None = None
+                    ) -> tuple[list[str], list[str]]:
+    """(prompts, the source file of each): `count` distinct prompts, the kinds' files taken in
+    turn; the last `last_window` prompts come only from files none of the earlier ones came
+    from. files: {kind: paths} (default: `shifted_files()`)."""
+    files = shifted_files() if files is None else files
+    queues = {k: iter(files.get(k, [])) for k in KINDS}
+
+    def next_file() -> Iterator[tuple[Path, list[str]]]:
+        while queues:
+            for kind in list(queues):
+                for path in queues[kind]:
+                    chunks = _chunks(path)
+                    if chunks:
+                        yield path, chunks
+                        break
+                else:
+                    del queues[kind]
+
+    sent: set[str] = set()
+
+    def fresh(chunks: list[str]) -> list[str]:  # a text sent before (licence headers) once
+        out = [c for c in chunks if c not in sent]
+        sent.update(out)
+        return out
+
+    source = next_file()
+    prompts: list[str] = []
+    origins: list[str] = []
+    for path, chunks in source:  # the stream before its last window: whole files
+        take = fresh(chunks)[:count - last_window - len(prompts)]
+        prompts += take
+        origins += [str(path)] * len(take)
+        if len(prompts) >= count - last_window:
+            break
+    seen = set(origins)
+    for path, chunks in source:  # the last window: files never sent
+        if str(path) in seen:
+            continue
+        take = fresh(chunks)[:count - len(prompts)]
+        prompts += take
+        origins += [str(path)] * len(take)
+        if len(prompts) >= count:
+            break
+    if len(prompts) < count:
+        raise SystemExit(f"only {len(prompts)} shifted-domain prompts found on this machine "
+                         f"(/usr/include and the Python installation); --requests {count}")
+    return prompts, origins
+
+
+def python_prompts(count: int) -> list[str]:
+    """Held-out Python (models/heldout_sample.txt): each file's first CHARS characters, then
+    each file's second, ..."""
+    from fuser.models.evaluate import heldout_files
+
+    files = heldout_files()
+    prompts: list[str] = []
+    window = 0
+    while len(prompts) < count:
+        row = [t[window * CHARS:(window + 1) * CHARS] for t in files
+               if len(t) >= (window + 1) * CHARS]
+        if not row:
+            raise SystemExit(f"the held-out sample has fewer than {count} Python prompts")
+        prompts += row
+        window += 1
+    return prompts[:count]
+
+
+def repetitive_prompts(count: int) -> list[str]:
+    """Prompts whose answer repeats text they contain: a held-out function (at most 600
+    characters), then "rewrite this function with a docstring" and its first line."""
+    from fuser.models.evaluate import heldout_files
+
+    functions = []
+    for text in heldout_files():
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        lines = text.splitlines()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and node.end_lineno is not None:
+                source = "\n".join(lines[node.lineno - 1:node.end_lineno])
+                if 120 <= len(source) <= 600 and source.startswith("def "):
+                    functions.append(source)
+    if not functions:
+        raise SystemExit("no held-out Python function for the repetitive stream")
+    prompts = []
+    for i in range(count):
+        source = functions[i % len(functions)]
+        first = source.splitlines()[0]
+        prompts.append(f"{source}\n\n\n# Rewrite this function with a docstring.\n{first}\n")
+    return prompts
+
+
+class CharTokenizer:
+    """Characters as ids in [3, vocab) (the dry run's tiny models have no tokenizer)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def __call__(self, text: str, **kwargs: object) -> dict:
+        return {"input_ids": [3 + ord(c) % (self.vocab_size - 3) for c in text]}
+
+
+def tokenize(tokenizer: Callable, texts: Sequence[str], max_len: int) -> list[list[int]]:
+    """Token ids of each text (its last max_len, at least one)."""
+    out = []
+    for text in texts:
+        ids = list(tokenizer(text, verbose=False)["input_ids"]) if not isinstance(
+            tokenizer, CharTokenizer) else tokenizer(text)["input_ids"]
+        out.append(ids[-max_len:] or [3])
+    return out
+
+
+# -- serving a stream -----------------------------------------------------------------------------
+
+
+@dataclass
+class Tally:
+    """Steps, accepted and proposed tokens per source, as the scheduler accounts them."""
+
+    counts: dict[str, list[int]] = field(default_factory=dict)  # source -> [steps, acc, prop]
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, source: str, accepted: int, proposed: int) -> None:
+        with self.lock:
+            row = self.counts.setdefault(source, [0, 0, 0])
+            row[0] += 1
+            row[1] += accepted
+            row[2] += proposed
+
+    def copy(self) -> dict[str, list[int]]:
+        with self.lock:
+            return {s: list(v) for s, v in self.counts.items()}
+
+
+def attach_tally(scheduler: object, engine: object) -> Callable[[], None]:
+    """Count every step's source, accepted and proposed tokens into scheduler.tally; returns
+    what undoes it. ON: each controller's `update(choice, num_accepted, proposed)`; OFF (no
+    controllers): the engine's `record_step` (gamma 0: target-only, else the draft)."""
+    tally = Tally()
+    scheduler.tally = tally
+    controllers = getattr(scheduler, "controllers", None)
+    undo: list[Callable[[], None]] = []
+    if controllers:
+        for controller in controllers.values():
+            original = controller.update
+
+            def update(choice: object, num_accepted: Sequence[int],
+                       proposed: Sequence[int] | None = None, *args: object,
+                       _original: Callable = original, **kwargs: object) -> object:
+                gamma = getattr(choice, "gamma", 0)
+                props = list(proposed) if proposed is not None else [gamma] * len(num_accepted)
+                tally.add(str(getattr(choice, "source", "?")),
+                          sum(min(n, g) for n, g in zip(num_accepted, props)), sum(props))
+                return _original(choice, num_accepted, proposed, *args, **kwargs)
+
+            controller.update = update
+            undo.append(lambda c=controller: c.__dict__.pop("update", None))
+    else:
+        original = engine.record_step
+
+        def record_step(controller: object, num_accepted: list[int], was_active: list[bool],
+                        gamma: int, *args: object, **kwargs: object) -> object:
+            live = [n for n, a in zip(num_accepted, was_active) if a]
+            tally.add("draft" if gamma else "target",
+                      sum(min(n, gamma) for n in live), gamma * len(live))
+            return original(controller, num_accepted, was_active, gamma, *args, **kwargs)
+
+        engine.record_step = record_step
+        undo.append(lambda: engine.__dict__.pop("record_step", None))
+    return lambda: [u() for u in undo]
+
+
+def serve(scheduler: object, prompts: Sequence[list[int]], max_tokens: int, concurrency: int
+          ) -> list[dict]:
+    """Serve every prompt, `concurrency` at a time (one client thread each, in order): per
+    request, in order of completion, its index, finish time, output tokens, the tally then and
+    the draft updates then."""
+    from fuser.runtime.scheduler import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    lock = threading.Lock()
+    state = {"next": 0}
+    done: list[dict] = []
+    errors: list[BaseException] = []
+
+    def client() -> None:
+        while True:
+            with lock:
+                i = state["next"]
+                state["next"] += 1
+            if i >= len(prompts) or errors:
+                return
+            try:
+                out = scheduler.submit(prompts[i], params).result(600.0)
+            except BaseException as e:  # noqa: BLE001 -- reported after the run
+                errors.append(e)
+                return
+            with lock:
+                done.append({"index": i, "time": time.perf_counter(), "tokens": len(out),
+                             "tally": scheduler.tally.copy(), "updates": updates_of(scheduler)})
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError(f"a request failed: {errors[0]!r}") from errors[0]
+    for record in done:
+        record["time"] -= start
+    return done
+
+
+def updates_of(scheduler: object) -> dict[str, int]:
+    distiller = getattr(scheduler, "distiller", None)
+    return dict(distiller.updates) if distiller is not None else {"accepted": 0, "rejected": 0}
+
+
+def windows(records: list[dict], size: int) -> list[dict]:
+    """Per window of `size` completions: output tok/s (tokens over the time since the previous
+    window's last completion), per source acceptance and steps within the window, updates."""
+    out = []
+    previous_time, previous_tally = 0.0, {}
+    for w in range(0, len(records), size):
+        chunk = records[w:w + size]
+        seconds = chunk[-1]["time"] - previous_time
+        tally = chunk[-1]["tally"]
+        sources = {}
+        for source, (steps, accepted, proposed) in tally.items():
+            s0, a0, p0 = previous_tally.get(source, (0, 0, 0))
+            sources[source] = {"steps": steps - s0, "accepted": accepted - a0,
+                               "proposed": proposed - p0,
+                               "acceptance": (accepted - a0) / (proposed - p0)
+                               if proposed > p0 else None}
+        out.append({"requests": w + len(chunk), "seconds": seconds,
+                    "tok_s": sum(r["tokens"] for r in chunk) / max(seconds, 1e-9),
+                    "sources": sources, "updates": chunk[-1]["updates"]})
+        previous_time, previous_tally = chunk[-1]["time"], tally
+    return out
+
+
+def tok_s(records: list[dict]) -> float:
+    return sum(r["tokens"] for r in records) / max(records[-1]["time"], 1e-9)
+
+
+# -- the engines ----------------------------------------------------------------------------------
+
+
+def device_and_dtype() -> tuple[torch.device, torch.dtype]:
+    if torch.cuda.is_available():
+        return torch.device("cuda"), torch.bfloat16
+    return torch.device("cpu"), torch.float32
+
+
+def build(target: torch.nn.Module, draft: torch.nn.Module, tokenizer: object | None,
+          args: argparse.Namespace, what: str) -> object:
+    import fuser
+    from fuser.pipeline import build_engine
+
+    device, _ = device_and_dtype()
+    buckets = "auto" if device.type == "cuda" else (1, args.concurrency)
+    config = fuser.FuserConfig(max_batch_size=args.concurrency, max_seq_len=args.max_seq_len,
+                               batch_buckets=buckets, compile=args.compile,
+                               **({"gamma_candidates": (1, 2)} if args.dry_run else {}))
+    log(f"building the {what} engine ({args.concurrency} rows, max_seq_len {args.max_seq_len}, "
+        f"compile {args.compile}) ...")
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = build_engine(target, draft, config, tokenizer)
+    RESULTS.setdefault("build_seconds", {})[what] = time.perf_counter() - start
+    log(f"built in {time.perf_counter() - start:.1f} s")
+    return engine
+
+
+def bundled(args: argparse.Namespace) -> tuple[object, object]:
+    """(engine of the bundled pair, tokenizer); the dry run: a tiny random pair, characters."""
+    if args.dry_run:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from tiny_models import tiny_pair
+
+        target, draft, _ = tiny_pair(torch.device("cpu"))
+        return build(target, draft, None, args, "tiny pair"), CharTokenizer(160)
+    from fuser.launch import load_pair
+    from fuser.models import bundled_pair
+
+    pair = bundled_pair()
+    if pair is None:
+        raise SystemExit("the bundled pair is not installed (fuser.models TARGET_PATH)")
+    target, draft, tokenizer, name = load_pair(str(pair[0]), str(pair[1]))
+    return build(target, draft, tokenizer, args, name), tokenizer
+
+
+def shape_8b(args: argparse.Namespace) -> object:
+    """The 8B-shape target with a random 1B-shape draft (the dry run: two tiny random Llamas)."""
+    import transformers
+
+    from fuser.models import PRESETS
+
+    device, dtype = device_and_dtype()
+    names = ("tiny-random-llama", "tiny-random-llama") if args.dry_run else \
+        ("llama-3-8b", "llama-3.2-1b")
+    models = []
+    for seed, name in enumerate(names):
+        torch.manual_seed(seed)
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                models.append(transformers.LlamaForCausalLM(
+                    transformers.LlamaConfig(**PRESETS[name])).eval())
+        finally:
+            torch.set_default_dtype(torch.float32)
+    return build(models[0], models[1], None, args, " + ".join(names))
+
+
+def warm_up(engine: object, prompts: Sequence[list[int]], concurrency: int) -> None:
+    """Serve one short request per distinct prompt length through a plain scheduler, so that
+    neither mode pays the first capture of a prefill length inside its timing."""
+    from fuser.runtime.scheduler import Scheduler
+
+    lengths = {}
+    for p in prompts:
+        lengths.setdefault(len(p), p)
+    scheduler = Scheduler(engine)
+    scheduler.start()
+    try:
+        scheduler.tally = Tally()
+        serve(scheduler, list(lengths.values()), 2, concurrency)
+    finally:
+        scheduler.close()
+
+
+def make_scheduler(engine: object, on: bool, args: argparse.Namespace) -> object:
+    import dataclasses
+
+    from fuser.runtime.scheduler import Scheduler
+
+    if not on:
+        return Scheduler(engine, max_waiting=max(256, args.concurrency))
+    from fuser.runtime.adapt import AdaptiveScheduler
+    from fuser.runtime.distill import DistillConfig
+
+    engine.config = dataclasses.replace(engine.config, distill_every=args.distill_every,
+                                        distill_budget_s=args.distill_budget_s)
+    distill = DistillConfig(lr=args.lr, **({"batch_tokens": 256, "max_steps": 4}
+                                           if args.dry_run else {}))
+    return AdaptiveScheduler(engine, max_waiting=max(256, args.concurrency), suffix=True,
+                             adapt_draft=True, distill=distill)
+
+
+def run_mode(engine: object, on: bool, phases: list[tuple[str, list[list[int]], int]],
+             args: argparse.Namespace) -> dict:
+    """Serve each phase (name, prompts, max_tokens) in turn on one scheduler (ON or OFF):
+    per phase its records; ON ends with the draft's built weights back in the engine."""
+    from fuser.runtime.distill import WeightSwap, draft_module
+
+    mode = "on" if on else "off"
+    original = {n: p.detach().clone() for n, p in draft_module(engine).named_parameters()} \
+        if on else None
+    start = time.perf_counter()
+    scheduler = make_scheduler(engine, on, args)
+    setup = time.perf_counter() - start
+    undo = attach_tally(scheduler, engine)
+    scheduler.start()
+    out: dict = {"setup_seconds": setup}
+    try:
+        for name, prompts, max_tokens in phases:
+            records = serve(scheduler, prompts, max_tokens, args.concurrency)
+            out[name] = records
+            log(f"  {mode:>3} {name}: {len(records)} requests, {tok_s(records):,.0f} tok/s, "
+                f"updates {updates_of(scheduler)}")
+        if on and getattr(scheduler, "snapshot", None) is not None:
+            out["snapshot"] = json.loads(json.dumps(scheduler.snapshot(), default=str))
+            out["update_reasons"] = [r.reason for r in getattr(scheduler, "update_results", [])]
+    finally:
+        undo()
+        scheduler.close()
+        if original is not None:  # the next run starts from the built draft
+            WeightSwap.for_engine(engine).swap(original)
+    return out
+
+
+# -- the workloads --------------------------------------------------------------------------------
+
+
+def on_off(engine: object, phases: list[tuple[str, list[list[int]], int]],
+           args: argparse.Namespace) -> dict:
+    warm_up(engine, [p for _, prompts, _ in phases for p in prompts], args.concurrency)
+    return {"off": run_mode(engine, False, phases, args),
+            "on": run_mode(engine, True, phases, args)}
+
+
+def window_table(name: str, off: list[dict], on: list[dict]) -> list[str]:
+    lines = [f"--- {name}: per window (requests served; output tok/s; acceptance accepted/"
+             "proposed and steps per source; draft updates accepted/rejected)",
+             f"{'requests':>8} {'off tok/s':>10} {'on tok/s':>10} {'on/off':>7}  "
+             f"{'off draft':>15}  {'on draft':>15}  {'on suffix':>15}  {'on target':>9}  "
+             "updates"]
+
+    def cell(w: dict, source: str) -> str:
+        s = w["sources"].get(source)
+        if not s:
+            return "-"
+        acc = "-" if s["acceptance"] is None else f"{s['acceptance']:.3f}"
+        return f"{acc} ({s['steps']})"
+
+    for a, b in zip(off, on):
+        lines.append(f"{b['requests']:>8} {a['tok_s']:>10,.0f} {b['tok_s']:>10,.0f} "
+                     f"{b['tok_s'] / a['tok_s']:>7.2f}  {cell(a, 'draft'):>15}  "
+                     f"{cell(b, 'draft'):>15}  {cell(b, 'suffix'):>15}  "
+                     f"{b['sources'].get('target', {}).get('steps', 0):>9}  "
+                     f"{b['updates']['accepted']}/{b['updates']['rejected']}")
+    return lines
+
+
+def criterion(text: str, ok: bool | None, value: str) -> None:
+    mark = "PASS" if ok else ("n/a" if ok is None else "FAIL")
+    RESULTS["criteria"].append({"criterion": text, "pass": ok, "value": value})
+    log(f"{mark:>4}  {text}: {value}")
+
+
+def shifted(args: argparse.Namespace, engine: object, tokenizer: object) -> None:
+    last = min(args.window, args.requests)
+    texts, origins = shifted_prompts(args.requests, last)
+    stream = tokenize(tokenizer, texts, args.max_seq_len - args.max_tokens)
+    python = tokenize(tokenizer, python_prompts(args.python_prompts),
+                      args.max_seq_len - args.python_tokens)
+    kinds = {k: sum(o.endswith(f".{k}") or (k == "yaml" and o.endswith(".yml"))
+                    for o in origins) for k in KINDS}
+    log(f"shifted domain: {len(stream)} prompts ({kinds}), {len(python)} Python prompts")
+    phases = [("python_before", python, args.python_tokens), ("stream", stream, args.max_tokens),
+              ("python_after", python, args.python_tokens)]
+    runs = on_off(engine, phases, args)
+    result = {"kinds": kinds, "last_window_files_new": len(set(origins[-last:]) & set(
+        origins[:-last])) == 0}
+    for mode in ("off", "on"):
+        result[mode] = {"windows": windows(runs[mode]["stream"], args.window),
+                        "tok_s": {p: tok_s(runs[mode][p]) for p, _, _ in phases},
+                        "setup_seconds": runs[mode]["setup_seconds"]}
+    result["on"]["snapshot"] = runs["on"].get("snapshot")
+    result["on"]["update_reasons"] = runs["on"].get("update_reasons")
+    RESULTS["workloads"]["shifted"] = result
+    off_w, on_w = result["off"]["windows"], result["on"]["windows"]
+    table = window_table("shifted domain", off_w, on_w)
+    for p, _, _ in phases:
+        a, b = result["off"]["tok_s"][p], result["on"]["tok_s"][p]
+        table.append(f"{p}: off {a:,.0f} tok/s, on {b:,.0f} tok/s ({b / a:.2f}x)")
+    RESULTS.setdefault("tables", []).append(table)
+    log("\n".join(table))
+
+
+def shifted_criteria() -> None:
+    result = RESULTS["workloads"].get("shifted")
+    if result is None:
+        return
+    off_w, on_w = result["off"]["windows"], result["on"]["windows"]
+    ratios = [b["tok_s"] / a["tok_s"] for a, b in zip(off_w, on_w)]
+    criterion("shifted: every window on >= 0.95x off", min(ratios) >= 0.95,
+              "lowest " + f"{min(ratios):.2f}x (window {ratios.index(min(ratios)) + 1})")
+    criterion("shifted: last window (files never sent) on >= 1.25x off", ratios[-1] >= 1.25,
+              f"{ratios[-1]:.2f}x")
+
+    def draft_acceptance(w: dict) -> float | None:
+        return (w["sources"].get("draft") or {}).get("acceptance")
+
+    first, last = draft_acceptance(on_w[0]), draft_acceptance(on_w[-1])
+    ok = None if first is None or last is None else last >= first + 0.15
+    criterion("shifted: draft acceptance, last window >= first + 0.15", ok,
+              f"{first if first is None else round(first, 3)} -> "
+              f"{last if last is None else round(last, 3)}")
+    for phase in ("python_before", "python_after"):
+        a, b = result["off"]["tok_s"][phase], result["on"]["tok_s"][phase]
+        criterion(f"shifted: {phase.replace('_', ' ')} on >= 0.98x off", b >= 0.98 * a,
+                  f"{b / a:.2f}x ({b:,.0f} / {a:,.0f} tok/s)")
+
+
+def repetitive(args: argparse.Namespace, engine: object, tokenizer: object) -> None:
+    prompts = tokenize(tokenizer, repetitive_prompts(args.repetitive_requests),
+                       args.max_seq_len - args.repetitive_tokens)
+    log(f"repetitive: {len(prompts)} prompts")
+    runs = on_off(engine, [("stream", prompts, args.repetitive_tokens)], args)
+    result = {m: {"windows": windows(runs[m]["stream"], args.window),
+                  "tok_s": tok_s(runs[m]["stream"])} for m in ("off", "on")}
+    RESULTS["workloads"]["repetitive"] = result
+    table = window_table("repetitive", result["off"]["windows"], result["on"]["windows"])
+    RESULTS.setdefault("tables", []).append(table)
+    log("\n".join(table))
+    a, b = result["off"]["tok_s"], result["on"]["tok_s"]
+    RESULTS["workloads"]["repetitive"]["ratio"] = b / a
+
+
+def repetitive_criteria() -> None:
+    result = RESULTS["workloads"].get("repetitive")
+    if result is not None:
+        a, b = result["off"]["tok_s"], result["on"]["tok_s"]
+        criterion("repetitive: on >= 2x off", b >= 2 * a, f"{b / a:.2f}x ({b:,.0f} / {a:,.0f})")
+
+
+def eight_b(args: argparse.Namespace) -> None:
+    from transformers import AutoTokenizer
+
+    from fuser.models import TARGET_PATH
+
+    engine = shape_8b(args)
+    tokenizer = CharTokenizer(engine.vocab_size) if args.dry_run else \
+        AutoTokenizer.from_pretrained(str(TARGET_PATH))  # its ids are < the 8B vocabulary
+    texts, _ = shifted_prompts(args.requests_8b, min(args.window, args.requests_8b))
+    prompts = tokenize(tokenizer, texts, args.max_seq_len - args.max_tokens)
+    log(f"8b: {len(prompts)} prompts")
+    runs = on_off(engine, [("stream", prompts, args.max_tokens)], args)
+    result = {m: {"windows": windows(runs[m]["stream"], args.window),
+                  "tok_s": tok_s(runs[m]["stream"])} for m in ("off", "on")}
+    result["on"]["update_reasons"] = runs["on"].get("update_reasons")
+    RESULTS["workloads"]["8b"] = result
+    table = window_table("8B shape, random 1B-shape draft", result["off"]["windows"],
+                         result["on"]["windows"])
+    RESULTS.setdefault("tables", []).append(table)
+    log("\n".join(table))
+    del engine
+
+
+def eight_b_criteria() -> None:
+    result = RESULTS["workloads"].get("8b")
+    if result is not None:
+        a, b = result["off"]["tok_s"], result["on"]["tok_s"]
+        criterion("8b: on >= 0.95x off", b >= 0.95 * a, f"{b / a:.2f}x ({b:,.0f} / {a:,.0f})")
+
+
+# -- output ---------------------------------------------------------------------------------------
+
+
+def save(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "adapt.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+
+
+def plot(out: Path) -> None:
+    """adapt.png: per workload, output tok/s against requests served (on, off), and for the
+    shifted stream the acceptance per source (on: draft, suffix; off: draft)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib is not installed: no adapt.png")
+        return
+    workloads = RESULTS["workloads"]
+    panels = [(n, "tok_s") for n in workloads] + \
+        ([("shifted", "acceptance")] if "shifted" in workloads else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (name, what) in zip(axes[0], panels):
+        result = workloads[name]
+        for mode, style in (("off", "--"), ("on", "-")):
+            w = result[mode]["windows"]
+            x = [v["requests"] for v in w]
+            if what == "tok_s":
+                ax.plot(x, [v["tok_s"] for v in w], style, marker="o", label=mode)
+            else:
+                for source in ("draft", "suffix"):
+                    y = [(v["sources"].get(source) or {}).get("acceptance") for v in w]
+                    if any(a is not None for a in y):
+                        ax.plot(x, [float("nan") if a is None else a for a in y], style,
+                                marker="o", label=f"{mode} {source}")
+        ax.set_xlabel("requests served")
+        ax.set_ylabel("output tok/s" if what == "tok_s" else "acceptance (accepted / proposed)")
+        ax.set_title(f"{name}: {'throughput' if what == 'tok_s' else 'acceptance'}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "adapt.png", dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="/tmp/fuser-out/adapt", help="where adapt.json and "
+                   "adapt.png go (default: %(default)s)")
+    p.add_argument("--workloads", default="shifted,repetitive,8b",
+                   help="comma-separated: shifted, repetitive, 8b (default: %(default)s)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="tiny random models on CPU, tiny sizes: the plumbing, not the numbers")
+    p.add_argument("--concurrency", type=int, default=16,
+                   help="requests at a time, and the engine's rows (default: %(default)s)")
+    p.add_argument("--requests", type=int, default=2000,
+                   help="shifted-domain requests (default: %(default)s)")
+    p.add_argument("--window", type=int, default=200, help="requests per window")
+    p.add_argument("--max-tokens", type=int, default=64, help="new tokens per stream request")
+    p.add_argument("--python-prompts", type=int, default=64,
+                   help="held-out Python prompts before and after the shifted stream")
+    p.add_argument("--python-tokens", type=int, default=128,
+                   help="new tokens per Python prompt (default: %(default)s)")
+    p.add_argument("--repetitive-requests", type=int, default=400)
+    p.add_argument("--repetitive-tokens", type=int, default=128)
+    p.add_argument("--requests-8b", type=int, default=400)
+    p.add_argument("--max-seq-len", type=int, default=1024)
+    p.add_argument("--compile", default="auto", help="FuserConfig.compile (default: auto)")
+    p.add_argument("--distill-every", type=int, default=200,
+                   help="ON: finished requests between draft updates (default: %(default)s, "
+                        "one a window)")
+    p.add_argument("--distill-budget-s", type=float, default=5.0,
+                   help="ON: seconds of fine-tuning per draft update (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=1e-4, help="ON: the distiller's learning rate")
+    args = p.parse_args(argv)
+    if args.dry_run:
+        args.concurrency, args.requests, args.window, args.max_tokens = 2, 12, 4, 4
+        args.python_prompts, args.python_tokens = 2, 4
+        args.repetitive_requests, args.repetitive_tokens = 4, 4
+        args.requests_8b, args.max_seq_len, args.compile = 4, 160, "fx"
+        args.distill_every, args.distill_budget_s = 4, 30.0
+    args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = set(args.workloads) - {"shifted", "repetitive", "8b"}
+    if unknown:
+        p.error(f"--workloads: unknown {sorted(unknown)} (shifted, repetitive, 8b)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    out = Path(args.out)
+    torch.manual_seed(0)
+    if not torch.cuda.is_available():
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    RESULTS["args"] = {k: v for k, v in vars(args).items()}
+    RESULTS["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    if {"shifted", "repetitive"} & set(args.workloads):
+        engine, tokenizer = bundled(args)
+        if "shifted" in args.workloads:
+            shifted(args, engine, tokenizer)
+            save(out)
+        if "repetitive" in args.workloads:
+            repetitive(args, engine, tokenizer)
+            save(out)
+        del engine
+    if "8b" in args.workloads:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        eight_b(args)
+        save(out)
+    log("")
+    for table in RESULTS.get("tables", []):
+        log("\n".join(table))
+    log("--- criteria (issue 44)")
+    shifted_criteria()
+    repetitive_criteria()
+    eight_b_criteria()
+    save(out)
+    plot(out)
+    log(f"wrote {out / 'adapt.json'} and {out / 'adapt.png'}")
+    if args.dry_run:
+        log("dry run on CPU: tiny random models; the numbers mean nothing")
+
+
+if __name__ == "__main__":
+    main()
