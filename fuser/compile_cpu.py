@@ -111,4 +111,8 @@ def _attr(root: torch.nn.Module, target: str) -> torch.Tensor:
 # attention over decode-sized rows) are too small to share between threads, and the code then
 # does not depend on the building process's torch.get_num_threads() (left at its default,
 # Inductor specializes on it). GEMMs stay ATen calls with ATen's intra-op threads.
-CONFIG = {"post_grad_custom_pre_pass": INLINE_REFERENCES, "cpp.threads": 1}
+# No precompiled header: the option is part of each kernel's compiler command line, hence of
+# the key its library is cached under, and a load (fuser/kernel_store.py: `loading`) must ask
+# for the same key without precompiling a header (a compiler run) first.
+CONFIG = {"post_grad_custom_pre_pass": INLINE_REFERENCES, "cpp.threads": 1,
+          "cpp_cache_precompile_headers": False}

@@ -11,7 +11,11 @@ is put back together:
 - the KV cache is not saved: its shapes are in the manifest (`info.models`), and load allocates
   a fresh cache and attaches it (rows [:b] of it to bucket b's graphs);
 - the compiled code of every step Inductor compiled (`<model>/compiled/<graph>.bin`, a
-  `torch._inductor.CompiledArtifact`, fuser/compile.py);
+  `torch._inductor.CompiledArtifact`, fuser/compile.py), with its first run's autotuning
+  choices where Inductor tuned anything (`<graph>.tuning.bin`);
+- the machine code of the kernels the steps run (`kernels/`, fuser/kernel_store.py): the C++
+  kernels' shared libraries (CPU) and fuser's Triton kernels' binaries (CUDA), put back in
+  Inductor's and Triton's caches before the steps load, so that the load compiles nothing;
 - the tokenizer (`tokenizer/`), the generation config (eos/pad ids used by `generate`), and
   the iteration costs measured at build time (gamma="auto").
 
@@ -38,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fuser import engine_file as ef
+from fuser import kernel_store
 from fuser.build import warm_up
 from fuser.compile import CompiledStep
 from fuser.config import FuserConfig
@@ -51,6 +56,7 @@ if TYPE_CHECKING:
 TOKENIZER_DIR = "tokenizer"
 GENERATION_CONFIG = "generation_config.json"
 COMPILED_DIR = "compiled"
+TUNING_SUFFIX = ".tuning.bin"
 Log = Callable[[str], None]
 
 
@@ -214,7 +220,16 @@ def compiled_files(models: dict[str, dict[int, ModelSteps]], scratch: Path
                 path.parent.mkdir(parents=True, exist_ok=True)
                 g.compiled.save_artifact(path)
                 files[rel] = path
+                tuning = path.with_suffix(TUNING_SUFFIX)
+                if g.compiled.save_tuning(tuning):
+                    files[rel.removesuffix(".bin") + TUNING_SUFFIX] = tuning
     return files
+
+
+def compiled_steps(models: dict[str, dict[int, ModelSteps]]) -> list[CompiledStep]:
+    """Every compiled step of `models`, in every bucket."""
+    return [g.compiled for buckets in models.values() for steps in buckets.values()
+            for g in steps.steps.values() if isinstance(g.compiled, CompiledStep)]
 
 
 def extra_files(engine: Engine, models: dict[str, dict[int, ModelSteps]], scratch: Path
@@ -230,6 +245,8 @@ def extra_files(engine: Engine, models: dict[str, dict[int, ModelSteps]], scratc
     if generation_config is not None:
         extra[GENERATION_CONFIG] = generation_config.to_json_string().encode()
     extra.update(compiled_files(models, scratch))
+    extra.update(kernel_store.kernel_files([s.artifact for s in compiled_steps(models)],
+                                           engine.device))
     return extra
 
 
@@ -253,6 +270,10 @@ def save(engine: Engine, path: str | Path, overwrite: bool = False,
                    "compile": "inductor" if any(g["compiled"] for i in infos.values()
                                                 for g in i["graphs"].values()) else "fx",
                    "fallbacks": list(engine._fallbacks),
+                   # the vector ISA the C++ kernels in kernels/ were built for (CPU)
+                   "vector_isa": (kernel_store.vector_isa()
+                                  if engine.device.type == "cpu" and compiled_steps(models)
+                                  else None),
                    # gamma="auto": the iteration costs measured at build time, per bucket and
                    # gamma; a load reuses them (same device kind, the manifest checks)
                    # instead of timing every gamma again.
@@ -343,8 +364,11 @@ def model_steps(role: str, info: dict[str, Any], cache: KVCache,
                 if not artifact.is_file():
                     raise EngineFileError(f"{directory}: the compiled code of {role} {key} "
                                           f"({artifact.relative_to(directory)}) is missing")
+                tuning = artifact.with_suffix(TUNING_SUFFIX)
                 try:
-                    graph.compiled = CompiledStep.from_artifact(graph.rewritten, artifact, device)
+                    graph.compiled = CompiledStep.from_artifact(
+                        graph.rewritten, artifact, device,
+                        tuning=tuning if tuning.is_file() else None)
                 except Exception as e:  # noqa: BLE001 -- never compile instead: refuse
                     raise EngineFileError(
                         f"{directory}: the compiled code of {role} {key} cannot be loaded by "
@@ -415,19 +439,25 @@ def open_engine(path: str | Path, device: str | torch.device | None = None, *,
     loaded = ef.load_engine(directory, device, passes=pass_names(),
                             buffers=cache_buffers(info, caches), log=say)
     start = time.perf_counter()
-    models = {role: model_steps(role, info["models"][role], caches[role], loaded.graphs[role],
-                                directory, device)
-              for role in loaded.graphs}
-    compiled = sum(g.compiled is not None for buckets in models.values()
-                   for steps in buckets.values() for g in steps.steps.values())
-    say(f"loaded the compiled code of {compiled} steps in {time.perf_counter() - start:.1f} s")
-    if device.type == "cuda":
-        # The fused ops' Triton kernels load (from Triton's cache) on their first launch: now,
-        # not in the first request. Smaller buckets launch the same kernels.
-        start = time.perf_counter()
-        for role_buckets in models.values():
-            warm_up(role_buckets[max(role_buckets)])
-        say(f"ran every step once in {time.perf_counter() - start:.1f} s")
+    seeded = kernel_store.seed(directory, manifest["extra"], device)
+    with kernel_store.loading(device):
+        if device.type == "cpu":
+            kernel_store.check_isa(info["engine"].get("vector_isa"), directory)
+        models = {role: model_steps(role, info["models"][role], caches[role],
+                                    loaded.graphs[role], directory, device)
+                  for role in loaded.graphs}
+        compiled = sum(g.compiled is not None for buckets in models.values()
+                       for steps in buckets.values() for g in steps.steps.values())
+        say(f"loaded the compiled code of {compiled} steps in {time.perf_counter() - start:.1f} s"
+            f" ({seeded} kernel binaries put in the caches)")
+        if device.type == "cuda":
+            # The fused ops' Triton kernels load (from Triton's cache, seeded above) on their
+            # first launch: now, not in the first request. Smaller buckets launch the same
+            # kernels.
+            start = time.perf_counter()
+            for role_buckets in models.values():
+                warm_up(role_buckets[max(role_buckets)])
+            say(f"ran every step once in {time.perf_counter() - start:.1f} s")
     # JSON gave lists where the config holds tuples (gamma_candidates, batch_buckets).
     saved = {k: tuple(v) if isinstance(v, list) else v for k, v in manifest["config"].items()}
     config = FuserConfig(**{**saved, "device": str(device)})
