@@ -214,15 +214,17 @@ def seed(directory: Path, names: Iterable[str], device: torch.device) -> int:
 
 @contextlib.contextmanager
 def loading(device: torch.device) -> Iterator[None]:
-    """While compiled steps load on `device`: on CPU, Inductor precompiles no header (a
-    compiler run; the kernels are built already), as at build time (fuser.compile_cpu.CONFIG),
-    so that each kernel is looked up under the key it was built under."""
-    if device.type != "cpu":
-        yield
-        return
+    """While compiled steps load on `device`: Inductor loads its kernels in this process (its
+    pool of compile workers would only start, at a cost of seconds, to find every binary in the
+    cache), and on CPU precompiles no header (a compiler run), as at build time
+    (fuser.compile_cpu.CONFIG), so that each kernel is looked up under the key it was built
+    under."""
     from torch._inductor import config
 
-    with config.patch({"cpp_cache_precompile_headers": False}):
+    patches: dict[str, object] = {"compile_threads": 1}
+    if device.type == "cpu":
+        patches["cpp_cache_precompile_headers"] = False
+    with config.patch(patches):
         yield
 
 
