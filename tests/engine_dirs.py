@@ -133,7 +133,7 @@ else:
     triton.compile = triton.compiler.compiler.compile = forbidden("triton.compile")
 
 engine = fuser.load(sys.argv[1])
-ids, mask = torch.load(sys.argv[2])
+ids, mask = (t.to(engine.device) for t in torch.load(sys.argv[2]))
 out = engine.generate(ids, int(sys.argv[3]), attention_mask=mask)
 assert not misses, f"Triton compiled {misses} during the load"
 print(json.dumps({"tokens": out.tolist(), "compile_count": fuser.compile.compile_count()}))
@@ -144,8 +144,9 @@ def load_compiling_nothing(path: Path, ids: torch.Tensor, mask: torch.Tensor, ne
                            scratch: Path) -> dict[str, object]:
     """Load engine `path` in a new process whose Inductor and Triton caches start empty and
     whose every compiler entry point raises, then generate `new_tokens` greedily."""
+    scratch.mkdir(parents=True, exist_ok=True)
     inputs = scratch / "inputs.pt"
-    torch.save((ids, mask), inputs)
+    torch.save((ids.cpu(), mask.cpu()), inputs)
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(scratch / "inductor"),
            "TRITON_CACHE_DIR": str(scratch / "triton")}
     done = subprocess.run([sys.executable, "-c", LOAD_COMPILING_NOTHING, str(path), str(inputs),

@@ -186,3 +186,30 @@ def test_bundled_pair_loads_compiling_nothing(tmp_path: Path) -> None:
     got = load_compiling_nothing(built.path, built.ids, built.mask, 16, tmp_path)
     assert got["tokens"] == built.tokens.tolist()
     assert got["compile_count"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_engine_loads_compiling_nothing(tmp_path: Path) -> None:
+    """CUDA: fuser's Triton kernels and Inductor's, with Inductor's autotuning choices, come
+    from the engine directory: a new process with empty Inductor and Triton caches loads the
+    engine with every Triton compile a cache hit, no autotuning benchmark and no Inductor
+    compile, and generates the built engine's tokens."""
+    from engine_dirs import load_compiling_nothing
+
+    config = fuser.FuserConfig(max_batch_size=2, batch_buckets=(1, 2), max_seq_len=64,
+                               compile="inductor")
+    model = tiny_model("llama", seed=0, **SHAPE).to(torch.bfloat16).cuda()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = fuser.optimize(model, config=config)
+    engine.save(tmp_path / "engine")
+    manifest = json.loads((tmp_path / "engine" / "manifest.json").read_text())
+    assert any(name.startswith("kernels/triton/") for name in manifest["extra"])
+    ids, mask = prompts([5, 3], seed=7)
+    ids, mask = ids.cuda(), mask.cuda()
+    want = engine.generate(ids, 12, attention_mask=mask)
+    got = load_compiling_nothing(tmp_path / "engine", ids.cpu(), mask.cpu(), 12,
+                                 tmp_path / "fresh")
+    assert got["tokens"] == want.tolist()
+    assert got["compile_count"] == 0
