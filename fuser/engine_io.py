@@ -23,8 +23,9 @@ A loaded engine has no Hugging Face model: `Engine.user_target` is a `DetachedMo
 the generation config and raises a clear error if anything tries to run it. Loading runs
 neither `torch.export` nor the passes nor Dynamo or Inductor: compiled steps come back from
 their artifacts (`fuser.compile.compile_count()` does not move). `open_engine` reads the parts;
-`fuser.pipeline.load` puts the Engine together from them (this module does not import
-`fuser.engine`, which imports it for `Engine.save`).
+`fuser.pipeline.load` puts the Engine together from them. This module does not import
+`fuser.engine` (which imports it for `Engine.save`), not even for types: `save` takes any
+`SavableEngine`.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -49,9 +50,6 @@ from fuser.config import FuserConfig
 from fuser.engine_file import EngineFileError
 from fuser.runtime.kv_cache import KVCache
 from fuser.runtime.steps import ModelSteps, StepGraph, StepKind
-
-if TYPE_CHECKING:
-    from fuser.engine import Engine
 
 TOKENIZER_DIR = "tokenizer"
 GENERATION_CONFIG = "generation_config.json"
@@ -77,6 +75,26 @@ def cache_buffer_names(num_layers: int, bucket: int | None = None) -> list[str]:
     as built; with `bucket`, as stored for a bucket below the largest ("k_cache_0__b4")."""
     suffix = "" if bucket is None else f"__b{bucket}"
     return [f"{kv}_cache_{i}{suffix}" for i in range(num_layers) for kv in "kv"]
+
+
+class SavableEngine(Protocol):
+    """What `save` reads of an Engine (fuser.engine.Engine is one)."""
+
+    target: ModelSteps | None
+    draft: ModelSteps | None
+    buckets: dict[int, Any]  # batch size -> Bucket (its .target and .draft steps)
+    tokenizer: Any
+    user_target: Any
+    config: FuserConfig
+    device: torch.device
+    dtype: torch.dtype
+    gamma: int | str
+    vocab_size: int
+    compile_seconds: float
+    step_costs: dict[int, dict[int, float]]
+    _fallbacks: list[str]
+
+    def report(self) -> Any: ...
 
 
 class DetachedModel:
@@ -113,7 +131,7 @@ def graph_key(kind: StepKind, bucket: int | None = None) -> str:
     return key if bucket is None else f"{key}.b{bucket}"
 
 
-def model_buckets(engine: Engine, role: str) -> dict[int, ModelSteps]:
+def model_buckets(engine: SavableEngine, role: str) -> dict[int, ModelSteps]:
     """Batch size -> the steps of `role` ("target", "draft") in that bucket."""
     out = {}
     for size, bucket in sorted(engine.buckets.items()):
@@ -152,7 +170,7 @@ def model_info(buckets: dict[int, ModelSteps]) -> dict[str, Any]:
     }
 
 
-def savable_models(engine: Engine) -> dict[str, dict[int, ModelSteps]]:
+def savable_models(engine: SavableEngine) -> dict[str, dict[int, ModelSteps]]:
     """role -> batch size -> steps, refusing an engine with nothing compiled to save."""
     if engine.target is None:
         raise EngineFileError("this engine runs its target in eager Hugging Face PyTorch "
@@ -232,7 +250,7 @@ def compiled_steps(models: dict[str, dict[int, ModelSteps]]) -> list[CompiledSte
             for g in steps.steps.values() if isinstance(g.compiled, CompiledStep)]
 
 
-def extra_files(engine: Engine, models: dict[str, dict[int, ModelSteps]], scratch: Path
+def extra_files(engine: SavableEngine, models: dict[str, dict[int, ModelSteps]], scratch: Path
                 ) -> dict[str, bytes | Path]:
     """Tokenizer, generation config and compiled code, as save_engine's `extra`."""
     extra: dict[str, bytes | Path] = {}
@@ -250,7 +268,7 @@ def extra_files(engine: Engine, models: dict[str, dict[int, ModelSteps]], scratc
     return extra
 
 
-def save(engine: Engine, path: str | Path, overwrite: bool = False,
+def save(engine: SavableEngine, path: str | Path, overwrite: bool = False,
          source: dict[str, str] | None = None) -> dict[str, Any]:
     """Write `engine` as an engine directory at `path` (atomically); returns the manifest.
 
@@ -468,4 +486,5 @@ def open_engine(path: str | Path, device: str | torch.device | None = None, *,
                        DetachedModel(generation_config, str(directory)), tokenizer, costs)
 
 
-__all__ = ["DetachedModel", "EngineFileError", "EngineParts", "open_engine", "save"]
+__all__ = ["DetachedModel", "EngineFileError", "EngineParts", "SavableEngine", "open_engine",
+           "save"]
