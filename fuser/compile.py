@@ -14,7 +14,7 @@ compiled Triton kernels) under its cache key. `fuser.engine_io` saves it beside 
 generation, no cache-key computation over the graph; `compile_count()` stays 0.
 
 Device differences:
-- CPU: the fused ops' references are inlined (fuser/compile_cpu.py: `INLINE_REFERENCES`, a
+- CPU: the fused ops' references are inlined (fuser/compile_inline.py: `INLINE_REFERENCES`, a
   post-grad pass) so that the C++ backend fuses them, and fused cache-write + attention ops
   are split back (`fuser.ops.CPU_SPLIT`).
 - CUDA: the fused ops stay opaque calls of their Triton kernels; Inductor fuses what lies
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fuser.compile_cpu import CONFIG as CPU_CONFIG
+from fuser.compile_cpu import config as cpu_config
 from fuser.compile_cpu import lift_tensors, read_tensors
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ Args = list[torch.Tensor]
 
 def options(device: torch.device) -> dict:
     """Inductor options of a step compiled for `device` (`standalone_compile`'s `options`)."""
-    return {"config_patches": dict(CPU_CONFIG)} if device.type == "cpu" else {}
+    return {"config_patches": dict(cpu_config())} if device.type == "cpu" else {}
 
 
 def compile_graph(gm: torch.fx.GraphModule, args: Args, device: torch.device

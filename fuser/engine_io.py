@@ -454,7 +454,7 @@ def open_engine(path: str | Path, device: str | torch.device | None = None, *,
     extras.shutdown(wait=False)
     caches = allocate_caches(info, device)
     say(f"checking and reading {directory} ...")
-    loaded = ef.load_engine(directory, device, passes=pass_names(),
+    loaded = ef.load_engine(directory, device, passes=pass_names,
                             buffers=cache_buffers(info, caches), log=say)
     start = time.perf_counter()
     seeded = kernel_store.seed(directory, manifest["extra"], device)

@@ -217,7 +217,7 @@ def loading(device: torch.device) -> Iterator[None]:
     """While compiled steps load on `device`: Inductor loads its kernels in this process (its
     pool of compile workers would only start, at a cost of seconds, to find every binary in the
     cache), and on CPU precompiles no header (a compiler run), as at build time
-    (fuser.compile_cpu.CONFIG), so that each kernel is looked up under the key it was built
+    (fuser.compile_cpu.config), so that each kernel is looked up under the key it was built
     under."""
     from torch._inductor import config
 
