@@ -14,7 +14,10 @@ T new tokens; decode and verify graphs attend over every slot, masked by the len
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -209,7 +212,8 @@ def export_step(module: StepModule, batch: int, tokens_per_step: int | None,
     with torch.no_grad():
         ep = torch.export.export(module, (tokens, positions, lens, lens.clone()),
                                  dynamic_shapes=dynamic_shapes, strict=False)
-        ep = ep.run_decompositions()
+        with _treespec_deprecation_silenced():
+            ep = ep.run_decompositions()
     gm = ep.module()
     # ep.module() re-attaches the module's own tensors; check, since the cache must be shared.
     for i in range(module.num_layers):
@@ -233,13 +237,38 @@ def _export_shared(module: StepModule, args: tuple[torch.Tensor, ...],
     with torch.no_grad():
         ep = torch.export.export(CacheInputs(module), (*args, kv),
                                  dynamic_shapes=dynamic_shapes, strict=False)
-        ep = ep.run_decompositions()
+        with _treespec_deprecation_silenced():
+            ep = ep.run_decompositions()
     gm = ep.module()
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node in list(gm.graph.nodes):  # export's input check: it would read the cache inputs
         if node.op == "call_module" and not node.users:
             gm.graph.erase_node(node)
     return ep, _inputs_to_buffers(gm, inputs[4:], dict(zip(names, kv)))
+
+
+@contextlib.contextmanager
+def _treespec_deprecation_silenced() -> Iterator[None]:
+    """torch.export's decompositions copy the exported program, whose pytree specs warn (a
+    FutureWarning per copy) of a deprecated check inside torch itself: nothing fuser can act
+    on. Only that warning is silenced."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning,
+                                message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+        yield
+
+
+@contextlib.contextmanager
+def _absent_attribute_silenced() -> Iterator[None]:
+    """`Graph.get_attr` of a name the module does not hold yet warns ("Failed to fetch module
+    ...", "Attempted to insert a get_attr Node with no underlying reference"): the tensors are
+    attached when the new GraphModule is made, just after (`_inputs_to_buffers`). Only those
+    two warnings are silenced."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning,
+                                message=r"Failed to fetch module |Attempted to insert a "
+                                        r"get_attr Node with no underlying reference")
+        yield
 
 
 def _inputs_to_buffers(gm: torch.fx.GraphModule, placeholders: list[torch.fx.Node],
@@ -250,7 +279,7 @@ def _inputs_to_buffers(gm: torch.fx.GraphModule, placeholders: list[torch.fx.Nod
     graph = gm.graph
     first = next(n for n in graph.nodes if n.op != "placeholder")
     for node, name in zip(placeholders, tensors):
-        with graph.inserting_before(first):
+        with graph.inserting_before(first), _absent_attribute_silenced():
             attr = graph.get_attr(name)
         attr.meta = dict(node.meta)
         node.replace_all_uses_with(attr)

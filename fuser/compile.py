@@ -14,7 +14,7 @@ compiled Triton kernels) under its cache key. `fuser.engine_io` saves it beside 
 generation, no cache-key computation over the graph; `compile_count()` stays 0.
 
 Device differences:
-- CPU: the fused ops' references are inlined (fuser/compile_cpu.py: `INLINE_REFERENCES`, a
+- CPU: the fused ops' references are inlined (fuser/compile_inline.py: `INLINE_REFERENCES`, a
   post-grad pass) so that the C++ backend fuses them, and fused cache-write + attention ops
   are split back (`fuser.ops.CPU_SPLIT`).
 - CUDA: the fused ops stay opaque calls of their Triton kernels; Inductor fuses what lies
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fuser.compile_cpu import CONFIG as CPU_CONFIG
+from fuser.compile_cpu import config as cpu_config
 from fuser.compile_cpu import lift_tensors, read_tensors
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ Args = list[torch.Tensor]
 
 def options(device: torch.device) -> dict:
     """Inductor options of a step compiled for `device` (`standalone_compile`'s `options`)."""
-    return {"config_patches": dict(CPU_CONFIG)} if device.type == "cpu" else {}
+    return {"config_patches": dict(cpu_config())} if device.type == "cpu" else {}
 
 
 def compile_graph(gm: torch.fx.GraphModule, args: Args, device: torch.device
@@ -66,7 +66,10 @@ class CompiledStep:
     Shapes, dtypes and strides are those of the first call (Inductor checks them on every
     call); the tensors `gm` reads are bound now and must keep their addresses.
     `artifact` holds the compiled code once compiled (None before): what an engine file
-    saves, and what `from_artifact` rebuilds the step from.
+    saves, and what `from_artifact` rebuilds the step from. `tuning` holds what Inductor's
+    autotuning chose during the first run (CUDA kernels with several launch configurations;
+    None where nothing was tuned): `from_artifact` puts it back in Inductor's autotuning cache
+    so that a load benchmarks nothing.
     """
 
     def __init__(self, gm: torch.fx.GraphModule, device: torch.device) -> None:
@@ -74,17 +77,23 @@ class CompiledStep:
         self.device = device
         self.compiled: Callable | None = None
         self.artifact: CompiledArtifact | None = None
+        self.tuning: bytes | None = None
 
     @classmethod
     def from_artifact(cls, gm: torch.fx.GraphModule, path: str | Path,
-                      device: torch.device) -> CompiledStep:
+                      device: torch.device, tuning: str | Path | None = None) -> CompiledStep:
         """The step `gm` compiled before, from the artifact saved at `path`
-        (`save_artifact`): nothing is traced or generated."""
+        (`save_artifact`), and its autotuning choices from `tuning` (`save_tuning`'s file):
+        nothing is traced, generated or benchmarked."""
         import torch._inductor
 
         step = cls.__new__(cls)
         step.module, step.tensors = None, read_tensors(gm)
         step.device = device
+        step.tuning = None
+        if tuning is not None:
+            step.tuning = Path(tuning).read_bytes()
+            torch.compiler.load_cache_artifacts(step.tuning)
         step.artifact = torch._inductor.CompiledArtifact.load(path=str(path), format="binary")
         step.compiled = step.artifact
         return step
@@ -93,10 +102,22 @@ class CompiledStep:
                  starts: torch.Tensor) -> torch.Tensor:
         args = [*self.tensors, tokens, positions, seq_lens, starts]
         if self.compiled is None:
-            module, self.module = self.module, None  # standalone_compile owns it now
+            return self._first_call(args)
+        return self.compiled(*args)[0]
+
+    def _first_call(self, args: Args) -> torch.Tensor:
+        """Compile, run once, and keep what the run's autotuning recorded (`tuning`)."""
+        from torch.compiler._cache import CacheArtifactManager
+
+        module, self.module = self.module, None  # standalone_compile owns it now
+        with CacheArtifactManager.with_fresh_cache():
             self.artifact = compile_graph(module, args, self.device)
             self.compiled = self.artifact
-        return self.compiled(*args)[0]
+            out = self.compiled(*args)[0]
+            recorded = torch.compiler.save_cache_artifacts()
+        if recorded is not None and recorded[1].autotune_artifacts:
+            self.tuning = recorded[0]
+        return out
 
     def save_artifact(self, path: str | Path) -> None:
         """Write the compiled code to `path` (one file); the step must have run once."""
@@ -104,6 +125,14 @@ class CompiledStep:
             raise RuntimeError("this step has not been compiled yet (it compiles on its first "
                                "call): nothing to save")
         self.artifact.save(path=str(path), format="binary")
+
+    def save_tuning(self, path: str | Path) -> bool:
+        """Write the first run's autotuning choices to `path`; False (nothing written) where
+        nothing was tuned."""
+        if self.tuning is None:
+            return False
+        Path(path).write_bytes(self.tuning)
+        return True
 
 
 def compile_count() -> int:

@@ -4,63 +4,27 @@ On CUDA the fused ops stay opaque calls of Triton kernels. On CPU their kernels 
 plain-PyTorch references, and two things differ:
 
 - Left opaque, each reference would run eagerly, one ATen op at a time behind a Python call.
-  `InlineReferences`, a post-grad pass of Inductor, replaces each call by its reference
-  (`fuser.ops.CPU_INLINE`), so the C++ backend fuses norms, rotary, the gated activation and
-  attention with the ops around them; GEMMs stay calls of the same ATen kernel as before.
+  `InlineReferences` (fuser/compile_inline.py), a post-grad pass of Inductor, replaces each
+  call by its reference (`fuser.ops.CPU_INLINE`), so the C++ backend fuses norms, rotary, the
+  gated activation and attention with the ops around them; GEMMs stay calls of the same ATen
+  kernel as before.
 - A fused op that writes the KV cache and attends (`fuser.ops.CPU_SPLIT`) becomes the ops it
   fused again (`lift_tensors(split=True)`): the write stays opaque, the attention after it is
   inlined.
 
 `lift_tensors` itself is shared by both devices: Inductor compiles the step with every tensor it
-reads (weights and KV cache alike) as an input.
+reads (weights and KV cache alike) as an input. This module does not import Inductor (seconds of
+imports a load of an engine directory does without): `config()` does, when a step compiles.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+import functools
+from typing import Any
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
-from torch._inductor.pattern_matcher import CallFunctionVarArgs, Match, PatternMatcherPass, \
-    register_graph_pattern
 
-from fuser.ops import CPU_INLINE, CPU_SPLIT
-
-_SOURCES = tuple(str(p) for p in sorted((Path(__file__).parent / "ops").glob("*.py"))) + \
-    (__file__,)
-
-
-class InlineReferences(CustomGraphPass):
-    """Inductor post-grad pass: every call of an op in `fuser.ops.CPU_INLINE` becomes the ATen
-    graph of its reference, traced at the call's shapes."""
-
-    def __init__(self) -> None:
-        self.patterns = PatternMatcherPass()
-        for op in CPU_INLINE:
-            register_graph_pattern(CallFunctionVarArgs(op), pass_dict=self.patterns)(_inline)
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        self.patterns.apply(graph)
-
-    def uuid(self) -> bytes:
-        """The sources of the ops and of this pass: an edit invalidates cached compiles."""
-        return get_hash_for_files(_SOURCES)
-
-
-def _inline(match: Match, *args: object, **kwargs: object) -> None:
-    """Replace the matched op call by its reference, traced over the call's tensor arguments
-    (scalars and strings, e.g. eps and the activation's name, are baked in)."""
-    fn = CPU_INLINE[match.nodes[0].target]
-    nodes = [a for a in args if isinstance(a, torch.fx.Node)]
-
-    def reference(*tensors: torch.Tensor) -> object:
-        it = iter(tensors)
-        return fn(*(next(it) if isinstance(a, torch.fx.Node) else a for a in args), **kwargs)
-
-    match.replace_by_example(reference, nodes)
-
-
-INLINE_REFERENCES = InlineReferences()
+from fuser.ops import CPU_SPLIT
 
 
 def read_tensors(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
@@ -107,8 +71,19 @@ def _attr(root: torch.nn.Module, target: str) -> torch.Tensor:
     return value
 
 
-# Inductor options of every CPU step. cpp.threads = 1: the generated kernels (norms, rotary,
-# attention over decode-sized rows) are too small to share between threads, and the code then
-# does not depend on the building process's torch.get_num_threads() (left at its default,
-# Inductor specializes on it). GEMMs stay ATen calls with ATen's intra-op threads.
-CONFIG = {"post_grad_custom_pre_pass": INLINE_REFERENCES, "cpp.threads": 1}
+@functools.cache
+def config() -> dict[str, Any]:
+    """Inductor options of every CPU step.
+
+    cpp.threads = 1: the generated kernels (norms, rotary, attention over decode-sized rows)
+    are too small to share between threads, and the code then does not depend on the building
+    process's torch.get_num_threads() (left at its default, Inductor specializes on it). GEMMs
+    stay ATen calls with ATen's intra-op threads.
+    No precompiled header: the option is part of each kernel's compiler command line, hence of
+    the key its library is cached under, and a load (fuser/kernel_store.py: `loading`) must
+    ask for the same key without precompiling a header (a compiler run) first.
+    """
+    from fuser.compile_inline import INLINE_REFERENCES
+
+    return {"post_grad_custom_pre_pass": INLINE_REFERENCES, "cpp.threads": 1,
+            "cpp_cache_precompile_headers": False}

@@ -297,18 +297,32 @@ def _version(module: str) -> str | None:
         return None
 
 
+def gpu_driver() -> str | None:
+    """The NVIDIA kernel driver's version ("550.54.15"), None where it cannot be read: the
+    Triton binaries an engine keeps were compiled by a toolchain this driver must accept."""
+    try:
+        first = Path("/proc/driver/nvidia/version").read_text().splitlines()[0]
+    except (OSError, IndexError):
+        return None
+    words = [w for w in first.split() if w.count(".") >= 1 and w.replace(".", "").isdigit()]
+    return words[0] if words else first.strip()
+
+
 def environment(device: torch.device) -> dict[str, Any]:
-    """What an engine built on `device` depends on: versions, device type, GPU and its cc."""
+    """What an engine built on `device` depends on: versions, device type, GPU, its cc and
+    driver (the kernel binaries in the engine directory are for these)."""
     env: dict[str, Any] = {
         # fuser's own version: read from the imported package (this module is part of it)
         "fuser": _version("fuser"), "torch": torch.__version__, "triton": _version("triton"),
         "transformers": _version("transformers"), "python": platform.python_version(),
         "device_type": device.type, "gpu_name": None, "compute_capability": None,
+        "gpu_driver": None,
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         env["gpu_name"] = props.name
         env["compute_capability"] = f"{props.major}.{props.minor}"
+        env["gpu_driver"] = gpu_driver()
     return env
 
 
@@ -362,7 +376,7 @@ def file_records(directory: Path) -> dict[str, dict[str, Any]]:
 def check_environment(saved: Mapping[str, Any], here: Mapping[str, Any]) -> None:
     """Refuse an engine built for another environment, naming every difference."""
     labels = {"device_type": "device type", "gpu_name": "GPU", "compute_capability":
-              "GPU compute capability"}
+              "GPU compute capability", "gpu_driver": "GPU driver"}
     diffs = [f"{labels.get(k, k)}: engine built with {saved.get(k)!r}, this machine has {here[k]!r}"
              for k in here if k != "python" and saved.get(k) != here[k]]
     if diffs:
@@ -370,8 +384,17 @@ def check_environment(saved: Mapping[str, Any], here: Mapping[str, Any]) -> None
                               "(fuser build). Differences: " + "; ".join(diffs))
 
 
-def check_sources(saved: Mapping[str, Any], passes: list[str], digest: str) -> None:
-    """Refuse an engine built by other pass or kernel sources."""
+def check_sources(saved: Mapping[str, Any], passes: list[str] | Callable[[], list[str]],
+                  digest: str) -> None:
+    """Refuse an engine built by other pass or kernel sources.
+
+    passes: this fuser's pass list, or a function that returns it. A function is called only
+    where the sources' hash differs (the list is part of those sources): importing the passes
+    costs a load seconds (Inductor's pattern matcher)."""
+    if callable(passes):
+        if saved.get("hash") == digest:
+            return
+        passes = passes()
     if saved.get("passes") != passes:
         raise EngineFileError(f"pass list differs: engine built with {saved.get('passes')}, "
                               f"this fuser has {passes}")
@@ -526,7 +549,8 @@ def _replace(staging: Path, path: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def load_engine(path: str | Path, device: torch.device | str | None = None, *, passes: list[str],
+def load_engine(path: str | Path, device: torch.device | str | None = None, *,
+                passes: list[str] | Callable[[], list[str]],
                 buffers: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
                 verify_hash: bool = True, log: Callable[[str], None] | None = None
                 ) -> LoadedEngine:

@@ -11,7 +11,11 @@ is put back together:
 - the KV cache is not saved: its shapes are in the manifest (`info.models`), and load allocates
   a fresh cache and attaches it (rows [:b] of it to bucket b's graphs);
 - the compiled code of every step Inductor compiled (`<model>/compiled/<graph>.bin`, a
-  `torch._inductor.CompiledArtifact`, fuser/compile.py);
+  `torch._inductor.CompiledArtifact`, fuser/compile.py), with its first run's autotuning
+  choices where Inductor tuned anything (`<graph>.tuning.bin`);
+- the machine code of the kernels the steps run (`kernels/`, fuser/kernel_store.py): the C++
+  kernels' shared libraries (CPU) and fuser's Triton kernels' binaries (CUDA), put back in
+  Inductor's and Triton's caches before the steps load, so that the load compiles nothing;
 - the tokenizer (`tokenizer/`), the generation config (eos/pad ids used by `generate`), and
   the iteration costs measured at build time (gamma="auto").
 
@@ -19,8 +23,9 @@ A loaded engine has no Hugging Face model: `Engine.user_target` is a `DetachedMo
 the generation config and raises a clear error if anything tries to run it. Loading runs
 neither `torch.export` nor the passes nor Dynamo or Inductor: compiled steps come back from
 their artifacts (`fuser.compile.compile_count()` does not move). `open_engine` reads the parts;
-`fuser.pipeline.load` puts the Engine together from them (this module does not import
-`fuser.engine`, which imports it for `Engine.save`).
+`fuser.pipeline.load` puts the Engine together from them. This module does not import
+`fuser.engine` (which imports it for `Engine.save`), not even for types: `save` takes any
+`SavableEngine`.
 """
 
 from __future__ import annotations
@@ -33,11 +38,12 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from fuser import engine_file as ef
+from fuser import kernel_store
 from fuser.build import warm_up
 from fuser.compile import CompiledStep
 from fuser.config import FuserConfig
@@ -45,15 +51,13 @@ from fuser.engine_file import EngineFileError
 from fuser.runtime.kv_cache import KVCache
 from fuser.runtime.steps import ModelSteps, StepGraph, StepKind
 
-if TYPE_CHECKING:
-    from fuser.engine import Engine
-
 TOKENIZER_DIR = "tokenizer"
 GENERATION_CONFIG = "generation_config.json"
 # The draft's Hugging Face config: what rebuilds the draft's module for a loaded engine, so that
 # `fuser serve ENGINE_DIR --adapt-draft` can distil it (runtime/distill.py `rebuild_draft`).
 DRAFT_CONFIG = "draft_config.json"
 COMPILED_DIR = "compiled"
+TUNING_SUFFIX = ".tuning.bin"
 Log = Callable[[str], None]
 
 
@@ -74,6 +78,26 @@ def cache_buffer_names(num_layers: int, bucket: int | None = None) -> list[str]:
     as built; with `bucket`, as stored for a bucket below the largest ("k_cache_0__b4")."""
     suffix = "" if bucket is None else f"__b{bucket}"
     return [f"{kv}_cache_{i}{suffix}" for i in range(num_layers) for kv in "kv"]
+
+
+class SavableEngine(Protocol):
+    """What `save` reads of an Engine (fuser.engine.Engine is one)."""
+
+    target: ModelSteps | None
+    draft: ModelSteps | None
+    buckets: dict[int, Any]  # batch size -> Bucket (its .target and .draft steps)
+    tokenizer: Any
+    user_target: Any
+    config: FuserConfig
+    device: torch.device
+    dtype: torch.dtype
+    gamma: int | str
+    vocab_size: int
+    compile_seconds: float
+    step_costs: dict[int, dict[int, float]]
+    _fallbacks: list[str]
+
+    def report(self) -> Any: ...
 
 
 class DetachedModel:
@@ -110,7 +134,7 @@ def graph_key(kind: StepKind, bucket: int | None = None) -> str:
     return key if bucket is None else f"{key}.b{bucket}"
 
 
-def model_buckets(engine: Engine, role: str) -> dict[int, ModelSteps]:
+def model_buckets(engine: SavableEngine, role: str) -> dict[int, ModelSteps]:
     """Batch size -> the steps of `role` ("target", "draft") in that bucket."""
     out = {}
     for size, bucket in sorted(engine.buckets.items()):
@@ -149,7 +173,7 @@ def model_info(buckets: dict[int, ModelSteps]) -> dict[str, Any]:
     }
 
 
-def savable_models(engine: Engine) -> dict[str, dict[int, ModelSteps]]:
+def savable_models(engine: SavableEngine) -> dict[str, dict[int, ModelSteps]]:
     """role -> batch size -> steps, refusing an engine with nothing compiled to save."""
     if engine.target is None:
         raise EngineFileError("this engine runs its target in eager Hugging Face PyTorch "
@@ -217,10 +241,19 @@ def compiled_files(models: dict[str, dict[int, ModelSteps]], scratch: Path
                 path.parent.mkdir(parents=True, exist_ok=True)
                 g.compiled.save_artifact(path)
                 files[rel] = path
+                tuning = path.with_suffix(TUNING_SUFFIX)
+                if g.compiled.save_tuning(tuning):
+                    files[rel.removesuffix(".bin") + TUNING_SUFFIX] = tuning
     return files
 
 
-def extra_files(engine: Engine, models: dict[str, dict[int, ModelSteps]], scratch: Path
+def compiled_steps(models: dict[str, dict[int, ModelSteps]]) -> list[CompiledStep]:
+    """Every compiled step of `models`, in every bucket."""
+    return [g.compiled for buckets in models.values() for steps in buckets.values()
+            for g in steps.steps.values() if isinstance(g.compiled, CompiledStep)]
+
+
+def extra_files(engine: SavableEngine, models: dict[str, dict[int, ModelSteps]], scratch: Path
                 ) -> dict[str, bytes | Path]:
     """Tokenizer, generation config and compiled code, as save_engine's `extra`."""
     extra: dict[str, bytes | Path] = {}
@@ -236,10 +269,12 @@ def extra_files(engine: Engine, models: dict[str, dict[int, ModelSteps]], scratc
     if draft_config is not None:
         extra[DRAFT_CONFIG] = draft_config.to_json_string().encode()
     extra.update(compiled_files(models, scratch))
+    extra.update(kernel_store.kernel_files([s.artifact for s in compiled_steps(models)],
+                                           engine.device))
     return extra
 
 
-def draft_hf_config(engine: Engine) -> object | None:
+def draft_hf_config(engine: SavableEngine) -> object | None:
     """The draft's Hugging Face config: its module's (a built engine), else the one a loaded
     engine was given back (`engine.draft_config`, set by `rebuild_draft`); None without."""
     kept = getattr(engine, "draft_config", None)
@@ -253,7 +288,7 @@ def draft_hf_config(engine: Engine) -> object | None:
     return None
 
 
-def save(engine: Engine, path: str | Path, overwrite: bool = False,
+def save(engine: SavableEngine, path: str | Path, overwrite: bool = False,
          source: dict[str, str] | None = None) -> dict[str, Any]:
     """Write `engine` as an engine directory at `path` (atomically); returns the manifest.
 
@@ -273,6 +308,10 @@ def save(engine: Engine, path: str | Path, overwrite: bool = False,
                    "compile": "inductor" if any(g["compiled"] for i in infos.values()
                                                 for g in i["graphs"].values()) else "fx",
                    "fallbacks": list(engine._fallbacks),
+                   # the vector ISA the C++ kernels in kernels/ were built for (CPU)
+                   "vector_isa": (kernel_store.vector_isa()
+                                  if engine.device.type == "cpu" and compiled_steps(models)
+                                  else None),
                    # gamma="auto": the iteration costs measured at build time, per bucket and
                    # gamma; a load reuses them (same device kind, the manifest checks)
                    # instead of timing every gamma again.
@@ -363,8 +402,11 @@ def model_steps(role: str, info: dict[str, Any], cache: KVCache,
                 if not artifact.is_file():
                     raise EngineFileError(f"{directory}: the compiled code of {role} {key} "
                                           f"({artifact.relative_to(directory)}) is missing")
+                tuning = artifact.with_suffix(TUNING_SUFFIX)
                 try:
-                    graph.compiled = CompiledStep.from_artifact(graph.rewritten, artifact, device)
+                    graph.compiled = CompiledStep.from_artifact(
+                        graph.rewritten, artifact, device,
+                        tuning=tuning if tuning.is_file() else None)
                 except Exception as e:  # noqa: BLE001 -- never compile instead: refuse
                     raise EngineFileError(
                         f"{directory}: the compiled code of {role} {key} cannot be loaded by "
@@ -432,22 +474,28 @@ def open_engine(path: str | Path, device: str | torch.device | None = None, *,
     extras.shutdown(wait=False)
     caches = allocate_caches(info, device)
     say(f"checking and reading {directory} ...")
-    loaded = ef.load_engine(directory, device, passes=pass_names(),
+    loaded = ef.load_engine(directory, device, passes=pass_names,
                             buffers=cache_buffers(info, caches), log=say)
     start = time.perf_counter()
-    models = {role: model_steps(role, info["models"][role], caches[role], loaded.graphs[role],
-                                directory, device)
-              for role in loaded.graphs}
-    compiled = sum(g.compiled is not None for buckets in models.values()
-                   for steps in buckets.values() for g in steps.steps.values())
-    say(f"loaded the compiled code of {compiled} steps in {time.perf_counter() - start:.1f} s")
-    if device.type == "cuda":
-        # The fused ops' Triton kernels load (from Triton's cache) on their first launch: now,
-        # not in the first request. Smaller buckets launch the same kernels.
-        start = time.perf_counter()
-        for role_buckets in models.values():
-            warm_up(role_buckets[max(role_buckets)])
-        say(f"ran every step once in {time.perf_counter() - start:.1f} s")
+    seeded = kernel_store.seed(directory, manifest["extra"], device)
+    with kernel_store.loading(device):
+        if device.type == "cpu":
+            kernel_store.check_isa(info["engine"].get("vector_isa"), directory)
+        models = {role: model_steps(role, info["models"][role], caches[role],
+                                    loaded.graphs[role], directory, device)
+                  for role in loaded.graphs}
+        compiled = sum(g.compiled is not None for buckets in models.values()
+                       for steps in buckets.values() for g in steps.steps.values())
+        say(f"loaded the compiled code of {compiled} steps in {time.perf_counter() - start:.1f} s"
+            f" ({seeded} kernel binaries put in the caches)")
+        if device.type == "cuda":
+            # The fused ops' Triton kernels load (from Triton's cache, seeded above) on their
+            # first launch: now, not in the first request. Smaller buckets launch the same
+            # kernels.
+            start = time.perf_counter()
+            for role_buckets in models.values():
+                warm_up(role_buckets[max(role_buckets)])
+            say(f"ran every step once in {time.perf_counter() - start:.1f} s")
     # JSON gave lists where the config holds tuples (gamma_candidates, batch_buckets).
     saved = {k: tuple(v) if isinstance(v, list) else v for k, v in manifest["config"].items()}
     config = FuserConfig(**{**saved, "device": str(device)})
@@ -458,4 +506,5 @@ def open_engine(path: str | Path, device: str | torch.device | None = None, *,
                        DetachedModel(generation_config, str(directory)), tokenizer, costs)
 
 
-__all__ = ["DetachedModel", "EngineFileError", "EngineParts", "open_engine", "save"]
+__all__ = ["DetachedModel", "EngineFileError", "EngineParts", "SavableEngine", "open_engine",
+           "save"]

@@ -12,15 +12,32 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from fuser.runtime import speculative
 from fuser.runtime.prompts import Prompts, check_prompts, pad_batch
 
-if TYPE_CHECKING:
-    from fuser.engine import Engine
+
+class Engine(Protocol):
+    """What generating reads of fuser.engine.Engine (which imports this module for
+    `Engine.generate`; a Protocol, so that this module does not import it back)."""
+
+    target: Any
+    user_target: Any
+    config: Any
+    device: torch.device
+    vocab_size: int
+    stats: Any
+
+    def bucket(self, batch: int) -> Any: ...
+    def controller(self, bucket: int) -> Any: ...
+    def next_gamma(self, controller: Any) -> int: ...
+    def record_step(self, controller: Any, num_accepted: list[int], was_active: list[bool],
+                    gamma: int, modes: list[int] | None = None) -> None: ...
+    def observe_tokens(self, count: int, seconds: float) -> None: ...
+    def generating(self) -> Any: ...
 
 
 @dataclass(frozen=True)

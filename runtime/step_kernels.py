@@ -29,14 +29,27 @@ iteration (runtime/step_graphs.py).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import triton
 import triton.language as tl
 
-if TYPE_CHECKING:
-    from fuser.runtime.speculative import DecodeState
+
+class GreedyState(Protocol):
+    """The rows' device state `finish_greedy_step` reads and updates in place: the fields of
+    runtime/speculative.py's DecodeState it uses (shapes there). A Protocol, so that this module,
+    which speculative.py imports, does not import it back."""
+
+    pending: torch.Tensor
+    last: torch.Tensor
+    active: torch.Tensor
+    generated: torch.Tensor
+    max_new_tokens: torch.Tensor
+    eos: torch.Tensor
+    history: torch.Tensor
+    guesses: torch.Tensor
+    streaming: torch.Tensor
 
 # Off CUDA the eager code runs (it is the reference); tests set this (pytest's monkeypatch) to
 # run the kernels under TRITON_INTERPRET=1 on the CPU too. Read at each call, never at import.
@@ -158,7 +171,7 @@ def _finish_greedy_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-def finish_greedy_step(state: DecodeState, seq_lens: torch.Tensor,
+def finish_greedy_step(state: GreedyState, seq_lens: torch.Tensor,
                        draft_tokens: torch.Tensor | None, target_tokens: torch.Tensor,
                        ahead: torch.Tensor | None = None) -> torch.Tensor:
     """Accept, advance and finish a greedy step in one launch (see the module docstring).

@@ -48,8 +48,9 @@ def demo_config() -> fuser.FuserConfig:
     return fuser.FuserConfig(max_batch_size=len(DEMO_PROMPTS), max_seq_len=256, compile="fx")
 
 
-def build_bundled_engine(path: Path) -> BuiltEngine:
-    """Build the bundled pair as the demo does, generate greedily, save to `path`."""
+def build_bundled_engine(path: Path, config: fuser.FuserConfig | None = None) -> BuiltEngine:
+    """Build the bundled pair as the demo does (or with `config`), generate greedily, save to
+    `path`."""
     if bundled_pair() is None:
         pytest.skip("the bundled model pair is not installed")
     target_dir, draft_dir = bundled_pair()
@@ -57,7 +58,7 @@ def build_bundled_engine(path: Path) -> BuiltEngine:
     start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        engine = build_engine(target, draft, demo_config(), tokenizer)
+        engine = build_engine(target, draft, config or demo_config(), tokenizer)
     build_seconds = time.perf_counter() - start
     ids, mask = _encode(tokenizer, DEMO_PROMPTS, engine.vocab_size)
     tokens = engine.generate(ids, NEW_TOKENS, attention_mask=mask)
@@ -93,5 +94,63 @@ def load_in_fresh_process(built: BuiltEngine, scratch: Path) -> dict[str, object
     torch.save((built.ids, built.mask), inputs)
     done = subprocess.run([sys.executable, "-c", LOAD_AND_GENERATE, str(built.path), str(inputs),
                            str(NEW_TOKENS)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# Every entry point that traces, generates, compiles or autotunes code, made to raise in the
+# process that loads; on CUDA, Triton's compile is called for each kernel's first launch and must
+# find the binary in the cache (a miss raises).
+LOAD_COMPILING_NOTHING = """
+import json, sys, torch
+
+def forbidden(name):
+    def call(*args, **kwargs):
+        raise AssertionError(f"the load called {name}")
+    return call
+
+import torch._dynamo, torch.export, torch._inductor, torch._inductor.compile_fx
+import torch._inductor.codecache, torch._inductor.cpp_builder
+import torch._inductor.runtime.triton_heuristics as heuristics
+import triton, triton.compiler.compiler
+import fuser, fuser.compile
+for owner, name in [(torch, "compile"), (torch._dynamo, "optimize"), (torch.export, "export"),
+                    (torch._inductor, "standalone_compile"),
+                    (torch._inductor.compile_fx, "compile_fx"),
+                    (torch._inductor.compile_fx, "compile_fx_inner"),
+                    (torch._inductor.codecache.FxGraphCache, "_save_graph"),
+                    (torch._inductor.cpp_builder.CppBuilder, "build"),
+                    (heuristics.CachingAutotuner, "benchmark_all_configs"),
+                    (fuser.compile, "compile_graph")]:
+    setattr(owner, name, forbidden(f"{getattr(owner, '__name__', owner)}.{name}"))
+misses = []
+if torch.cuda.is_available():
+    def listen(*, src, metadata, metadata_group, times, cache_hit):
+        if not cache_hit:
+            misses.append(metadata.get("name"))
+    triton.knobs.compilation.listener = listen
+else:
+    triton.compile = triton.compiler.compiler.compile = forbidden("triton.compile")
+
+engine = fuser.load(sys.argv[1])
+ids, mask = (t.to(engine.device) for t in torch.load(sys.argv[2]))
+out = engine.generate(ids, int(sys.argv[3]), attention_mask=mask)
+assert not misses, f"Triton compiled {misses} during the load"
+print(json.dumps({"tokens": out.tolist(), "compile_count": fuser.compile.compile_count()}))
+"""
+
+
+def load_compiling_nothing(path: Path, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int,
+                           scratch: Path) -> dict[str, object]:
+    """Load engine `path` in a new process whose Inductor and Triton caches start empty and
+    whose every compiler entry point raises, then generate `new_tokens` greedily."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    inputs = scratch / "inputs.pt"
+    torch.save((ids.cpu(), mask.cpu()), inputs)
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(scratch / "inductor"),
+           "TRITON_CACHE_DIR": str(scratch / "triton")}
+    done = subprocess.run([sys.executable, "-c", LOAD_COMPILING_NOTHING, str(path), str(inputs),
+                           str(new_tokens)], capture_output=True, text=True, timeout=600,
+                          cwd=ROOT, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -4,6 +4,7 @@ bucket it was built with, as the built engine did."""
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
@@ -126,3 +127,89 @@ def test_unloadable_compiled_code_is_refused_not_recompiled(built, tmp_path: Pat
     with pytest.raises(fuser.EngineFileError, match=message):
         fuser.load(copy)
     assert compile_count() == before
+
+
+def _without_kernels(path: Path, copy: Path) -> None:
+    """A copy of engine `path` whose kernels/ directory (and its manifest entries) is gone."""
+    import json
+    import shutil
+
+    from fuser import engine_file as ef
+
+    shutil.copytree(path, copy)
+    shutil.rmtree(copy / "kernels")
+    manifest = json.loads((copy / ef.MANIFEST).read_text())
+    manifest["files"] = {k: v for k, v in manifest["files"].items() if not k.startswith("kernels/")}
+    manifest["extra"] = [k for k in manifest["extra"] if not k.startswith("kernels/")]
+    (copy / ef.MANIFEST).write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("kernels", ["kept", "removed"])
+def test_fresh_process_with_empty_caches_compiles_nothing(built, tmp_path: Path,
+                                                          kernels: str) -> None:
+    """In a new process whose Inductor cache is empty, with the C++ builder, Inductor, Dynamo,
+    export and Triton's compile made to raise, the engine loads and generates what the built one
+    did: the C++ kernels' libraries (and Inductor's ISA probes') come from the engine
+    directory. Without them the load compiles (and the guard catches it)."""
+    from engine_dirs import load_compiling_nothing
+
+    engine, path = built
+    assert any(name.startswith("kernels/inductor/") for name in
+               json.loads((path / "manifest.json").read_text())["extra"])
+    if kernels == "removed":
+        _without_kernels(path, tmp_path / "engine")
+        path = tmp_path / "engine"
+    ids, mask = prompts([5, 3], seed=7)
+    want = engine.generate(ids, 12, attention_mask=mask)
+    if kernels == "removed":
+        # (a raising C++ builder fails Inductor's ISA probes first: no ISA to compile for)
+        with pytest.raises(AssertionError, match="the load called|vector ISA, this CPU's is "
+                                                 "INVALID"):
+            load_compiling_nothing(path, ids, mask, 12, tmp_path)
+        return
+    got = load_compiling_nothing(path, ids, mask, 12, tmp_path)
+    assert got["tokens"] == want.tolist()
+    assert got["compile_count"] == 0
+
+
+@pytest.mark.slow
+def test_bundled_pair_loads_compiling_nothing(tmp_path: Path) -> None:
+    """The bundled pair, its steps compiled by Inductor (C++ on CPU, Triton on CUDA): a new
+    process with empty caches and every compiler entry point raising loads it and generates
+    the in-process engine's tokens."""
+    import dataclasses
+
+    from engine_dirs import build_bundled_engine, demo_config, load_compiling_nothing
+
+    built = build_bundled_engine(tmp_path / "engine",
+                                 dataclasses.replace(demo_config(), compile="inductor"))
+    got = load_compiling_nothing(built.path, built.ids, built.mask, 16, tmp_path)
+    assert got["tokens"] == built.tokens.tolist()
+    assert got["compile_count"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_engine_loads_compiling_nothing(tmp_path: Path) -> None:
+    """CUDA: fuser's Triton kernels and Inductor's, with Inductor's autotuning choices, come
+    from the engine directory: a new process with empty Inductor and Triton caches loads the
+    engine with every Triton compile a cache hit, no autotuning benchmark and no Inductor
+    compile, and generates the built engine's tokens."""
+    from engine_dirs import load_compiling_nothing
+
+    config = fuser.FuserConfig(max_batch_size=2, batch_buckets=(1, 2), max_seq_len=64,
+                               compile="inductor")
+    model = tiny_model("llama", seed=0, **SHAPE).to(torch.bfloat16).cuda()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = fuser.optimize(model, config=config)
+    engine.save(tmp_path / "engine")
+    manifest = json.loads((tmp_path / "engine" / "manifest.json").read_text())
+    assert any(name.startswith("kernels/triton/") for name in manifest["extra"])
+    ids, mask = prompts([5, 3], seed=7)
+    ids, mask = ids.cuda(), mask.cuda()
+    want = engine.generate(ids, 12, attention_mask=mask)
+    got = load_compiling_nothing(tmp_path / "engine", ids.cpu(), mask.cpu(), 12,
+                                 tmp_path / "fresh")
+    assert got["tokens"] == want.tolist()
+    assert got["compile_count"] == 0

@@ -1,0 +1,241 @@
+"""The machine code of an engine's kernels, kept in its engine directory and put back at load.
+
+A compiled step's artifact (fuser/compile.py) holds Inductor's generated code, and on CUDA the
+binaries of Inductor's own Triton kernels (Inductor bundles them). What it does not hold, and
+what a load in a fresh process would otherwise compile again:
+
+- CPU: the shared libraries of the C++ kernels the generated code calls. Inductor looks each up
+  in its cache directory under the hash of its source and compiler command line; absent, it runs
+  the C++ compiler (about a second per kernel, and a precompiled header first).
+- CUDA: the binaries of fuser's own Triton kernels (fuser/ops/), compiled by Triton on their
+  first launch and looked up in Triton's cache directory under the hash of source, options and
+  GPU target. Inductor's autotuning choices (which launch configuration of a kernel won) come
+  with the compiled step (`CompiledStep.tuning`), so a load does not benchmark them again.
+
+An engine directory keeps both under `kernels/` (`kernels/inductor/<path in Inductor's cache>`,
+`kernels/triton/<cache key>/<file>`); `seed` copies them into this process's caches before the
+compiled steps load, so that every lookup hits. The cache keys include the compiler, ISA, GPU
+target and versions, and the manifest refuses another torch, Triton, GPU or driver before any of
+it is used (`fuser.engine_file.environment`). On CPU the libraries of Inductor's vector ISA
+probes are kept too (Inductor test-compiles a function per candidate ISA before it picks one),
+and the ISA picked at load is checked against the one the kernels were built for (`check_isa`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import sys
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from fuser.engine_file import EngineFileError
+
+KERNELS_DIR = "kernels"
+INDUCTOR = "inductor"
+TRITON = "triton"
+
+
+# -- what to keep --------------------------------------------------------------------------
+
+
+def _compiled_graphs(root: object, limit: int = 10) -> list[Any]:
+    """Inductor's `CompiledFxGraph`s reachable from `root` (a compiled artifact's callable)
+    through closures, attributes and sequences, breadth first, at most `limit` levels deep."""
+    from torch._inductor.output_code import CompiledFxGraph
+
+    found, seen, level = [], set(), [root]
+    for _ in range(limit):
+        following = []
+        for obj in level:
+            if id(obj) in seen or obj is None or isinstance(obj, (str, bytes, int, float,
+                                                                  torch.Tensor, ModuleType)):
+                continue
+            seen.add(id(obj))
+            if isinstance(obj, CompiledFxGraph):
+                found.append(obj)
+                continue
+            for cell in getattr(obj, "__closure__", None) or ():
+                with contextlib.suppress(ValueError):  # an empty cell
+                    following.append(cell.cell_contents)
+            if isinstance(obj, (list, tuple)):
+                following.extend(obj)
+            elif isinstance(obj, dict):
+                following.extend(obj.values())
+            elif not callable(obj) or hasattr(obj, "__dict__"):
+                following.extend(getattr(obj, "__dict__", {}).values())
+        level = following
+        if not level:
+            break
+    return found
+
+
+def cpp_kernel_files(artifact: object) -> list[Path]:
+    """The shared libraries of the C++ kernels a compiled step's generated code calls (each a
+    Python extension module Inductor built in its cache directory)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    root = Path(cache_dir()).resolve()
+    files = []
+    for graph in _compiled_graphs(artifact):
+        call = graph.current_callable
+        for value in getattr(call, "__globals__", {}).values():
+            owner = getattr(value, "__self__", None)
+            path = getattr(owner, "__file__", None) if isinstance(owner, ModuleType) else None
+            if path and path.endswith(".so") and Path(path).resolve().is_relative_to(root):
+                files.append(Path(path).resolve())
+    return sorted(set(files))
+
+
+def _triton_functions(modules: Iterable[ModuleType]) -> list[Any]:
+    """Every Triton JIT function defined in `modules` (unwrapping autotuners/heuristics)."""
+    from triton.runtime.jit import JITFunction
+
+    out = []
+    for module in modules:
+        for value in vars(module).values():
+            while value is not None and not isinstance(value, JITFunction) and hasattr(value, "fn"):
+                value = value.fn
+            if isinstance(value, JITFunction) and value not in out:
+                out.append(value)
+    return out
+
+
+def triton_kernel_files(device: torch.device) -> list[Path]:
+    """The cache files (binary, metadata) of every fuser op kernel Triton compiled in this
+    process for `device`'s GPU: the kernels an engine built here launches (possibly a few
+    more, of another engine built in the same process)."""
+    if device.type != "cuda":
+        return []
+    ops = [m for name, m in sorted(sys.modules.items())
+           if name.startswith("fuser.ops.") and m is not None]
+    files = []
+    for fn in _triton_functions(ops):
+        for kernel_cache, *_ in list(fn.device_caches.values()):
+            for kernel in list(kernel_cache.values()):
+                files.extend(Path(p) for p in getattr(kernel, "metadata_group", {}).values())
+    return sorted({p for p in files if p.is_file()})
+
+
+ISA_PROBE_MARK = "_chk_kernel"
+
+
+def isa_probe_files() -> list[Path]:
+    """The libraries of Inductor's vector ISA probes in its cache directory: before it picks an
+    ISA, Inductor compiles a small function with each candidate's flags (once per cache
+    directory) and loads it."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    out = []
+    for library in Path(cache_dir()).resolve().glob("*/*.so"):
+        source = library.with_suffix(".cpp")
+        if source.is_file() and ISA_PROBE_MARK in source.read_text(errors="replace"):
+            out.append(library)
+    return sorted(out)
+
+
+def kernel_files(artifacts: Iterable[object], device: torch.device) -> dict[str, Path]:
+    """Engine-directory name (`kernels/...`) -> file, for every kernel binary a load would
+    otherwise compile: C++ kernels of the compiled steps' `artifacts` (CPU) and fuser's Triton
+    kernels (CUDA)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    root = Path(cache_dir()).resolve()
+    out = {}
+    libraries = [path for artifact in artifacts for path in cpp_kernel_files(artifact)]
+    if libraries:
+        libraries += isa_probe_files()
+    for path in libraries:
+        out[f"{KERNELS_DIR}/{INDUCTOR}/{path.relative_to(root).as_posix()}"] = path
+    for path in triton_kernel_files(device):
+        out[f"{KERNELS_DIR}/{TRITON}/{path.parent.name}/{path.name}"] = path
+    return out
+
+
+def vector_isa() -> str:
+    """The CPU vector ISA Inductor compiles C++ kernels for in this process ("avx512", ...)."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    return str(pick_vec_isa())
+
+
+# -- putting it back -----------------------------------------------------------------------
+
+
+def _copy_absent(source: Path, target: Path) -> bool:
+    """Copy `source` to `target` unless a file is there (atomically: another process may be
+    reading the cache); whether it copied."""
+    if target.exists():
+        return False
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    shutil.copyfile(source, partial)
+    os.replace(partial, target)
+    return True
+
+
+def triton_cache_dirs(device: torch.device) -> list[Path]:
+    """Where Triton looks kernels up in this process: its own cache directory, and Inductor's
+    per-device one (which Inductor's kernels use where TRITON_CACHE_DIR is not set)."""
+    import triton
+
+    dirs = [Path(triton.knobs.cache.dir)]
+    if device.type == "cuda" and os.environ.get("TRITON_CACHE_DIR") is None:
+        from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+
+        dirs.append(Path(triton_cache_dir(device.index or 0)))
+    return list(dict.fromkeys(dirs))
+
+
+def seed(directory: Path, names: Iterable[str], device: torch.device) -> int:
+    """Copy the kernels among engine `directory`'s files `names` into Inductor's and Triton's
+    caches (files already there are kept); returns how many were copied."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    copied = 0
+    inductor_root = Path(cache_dir())
+    for name in names:
+        parts = name.split("/")
+        if parts[0] != KERNELS_DIR or len(parts) < 3:
+            continue
+        rest = Path(*parts[2:])
+        if parts[1] == INDUCTOR:
+            copied += _copy_absent(directory / name, inductor_root / rest)
+        elif parts[1] == TRITON:
+            for root in triton_cache_dirs(device):
+                copied += _copy_absent(directory / name, root / rest)
+    return copied
+
+
+@contextlib.contextmanager
+def loading(device: torch.device) -> Iterator[None]:
+    """While compiled steps load on `device`: Inductor loads its kernels in this process (its
+    pool of compile workers would only start, at a cost of seconds, to find every binary in the
+    cache), and on CPU precompiles no header (a compiler run), as at build time
+    (fuser.compile_cpu.config), so that each kernel is looked up under the key it was built
+    under."""
+    from torch._inductor import config
+
+    patches: dict[str, object] = {"compile_threads": 1}
+    if device.type == "cpu":
+        patches["cpp_cache_precompile_headers"] = False
+    with config.patch(patches):
+        yield
+
+
+def check_isa(built: str | None, directory: Path) -> None:
+    """Refuse CPU kernels built for another vector ISA than the one Inductor picks here (its
+    probes' libraries come from the engine directory: picking compiles nothing)."""
+    here = vector_isa()
+    if built is not None and built != here:
+        raise EngineFileError(f"{directory}: its C++ kernels were built for the {built} vector "
+                              f"ISA, this CPU's is {here}; rebuild the engine here (fuser build)")
+
+
+__all__ = ["KERNELS_DIR", "check_isa", "cpp_kernel_files", "kernel_files", "loading", "seed",
+           "triton_kernel_files", "vector_isa"]
