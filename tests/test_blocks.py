@@ -1,0 +1,394 @@
+"""runtime/blocks.py: the paged KV cache's block manager, against a model of what it must keep.
+
+A stateful hypothesis test drives admissions (with shared prompt prefixes, so prefix hits
+happen), prefills, decode and speculative steps (slots written past what is committed, as a
+rejected draft leaves them), finishes, cancellations and preemptions with requeueing, over a
+pool small enough that waiting, preemption and LRU eviction happen often. A fake pool of token
+ids stands for the k/v: every write goes through the block table, so a block handed to two
+owners, or a cached block overwritten, shows up as a row reading tokens it never wrote.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
+                                 rule)
+
+from fuser.runtime.blocks import (NULL_BLOCK, BlockManager, CacheShape, block_key,
+                                  blocks_for_budget)
+
+ROWS = 4
+# Prompts open with one of a few shared "system prompts" (so prefix hits happen), then their own.
+PREFIXES = [[7] * 9, list(range(20, 33)), [5, 6] * 4]
+
+
+class Pool:
+    """Token ids in place of k/v: pool[block, offset], written and read through the table."""
+
+    def __init__(self, manager: BlockManager) -> None:
+        self.m = manager
+        self.data = np.full((manager.num_blocks, manager.block_size), -1, dtype=np.int64)
+
+    def write(self, row: int, start: int, tokens: list[int]) -> None:
+        table = self.m.host_table[row].tolist()
+        bs = self.m.block_size
+        for i, tok in enumerate(tokens):
+            slot = start + i
+            self.data[table[slot // bs], slot % bs] = tok
+
+    def read(self, row: int, n: int) -> list[int]:
+        table = self.m.host_table[row].tolist()
+        bs = self.m.block_size
+        return [int(self.data[table[j // bs], j % bs]) for j in range(n)]
+
+
+class BlockMachine(RuleBasedStateMachine):
+    """The manager and a model: rows' tokens, a pool of token ids, the expected LRU order."""
+
+    @initialize(num_blocks=st.integers(4, 14), block_size=st.sampled_from([1, 2, 3, 4]),
+                caching=st.booleans())
+    def setup(self, num_blocks: int, block_size: int, caching: bool) -> None:
+        self.m = BlockManager(num_blocks, block_size, ROWS, max_blocks=8, prefix_caching=caching)
+        self.pool = Pool(self.m)
+        self.tokens: dict[int, list[int]] = {}    # committed tokens per admitted row
+        self.pending: dict[int, list[int]] = {}   # admitted, prompt not yet prefilled
+        self.queue: list[list[int]] = []          # preempted requests to readmit
+        self.lru: list[int] = []                  # the LRU order the manager must keep
+        self.known: dict[bytes, list[int]] = {}   # key -> the prefix it names
+        self.requests = 0
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _free_rows(self) -> list[int]:
+        return [r for r in range(ROWS) if r not in self.tokens]
+
+    def _snapshot(self):
+        return (self.m.host_table.clone(), self.m.free_blocks(), self.m.lru_blocks(),
+                [self.m.refs(b) for b in range(self.m.num_blocks)])
+
+    def _unchanged(self, before) -> None:
+        table, free, lru, refs = before
+        assert torch.equal(table, self.m.host_table)
+        assert free == self.m.free_blocks() and lru == self.m.lru_blocks()
+        assert refs == [self.m.refs(b) for b in range(self.m.num_blocks)]
+
+    def _took(self, new_blocks: int, hits: list[int], free_before: int) -> None:
+        """Update the expected LRU: hits leave it, then evictions take from its front."""
+        self.lru = [b for b in self.lru if b not in hits]
+        del self.lru[:max(0, new_blocks - free_before)]
+
+    def _admit(self, prompt: list[int]) -> None:
+        row = self._free_rows()[0]
+        if self.m.blocks_for(len(prompt)) > min(self.m.max_blocks, self.m.usable_blocks):
+            with pytest.raises(ValueError, match="at most|could never run"):
+                self.m.admit(row, prompt)      # could never fit: an error, not a wait
+            return
+        before = self._snapshot()
+        free_before = len(self.m.free_blocks())
+        hit = self.m.admit(row, prompt)
+        if hit is None:
+            self._unchanged(before)
+            hits = self._expected_hits(prompt)   # waiting only when the blocks are missing
+            revived = sum(1 for b in hits if self.m.refs(b) == 0)
+            assert self.m.blocks_for(len(prompt)) - len(hits) > self.m.available_blocks - revived
+            self.queue.append(prompt)
+            return
+        bs = self.m.block_size
+        assert hit % bs == 0 and 0 <= hit < len(prompt)
+        if not self.m.prefix_caching:
+            assert hit == 0
+        blocks = self.m.row_blocks(row)
+        assert len(blocks) == self.m.blocks_for(len(prompt))
+        # The shared blocks hold the prompt's tokens already.
+        assert self.pool.read(row, hit) == prompt[:hit]
+        assert blocks[:hit // bs] == self._expected_hits(prompt)
+        self._took(len(blocks) - hit // bs, blocks[:hit // bs], free_before)
+        self.tokens[row] = prompt[:hit]
+        self.pending[row] = prompt[hit:]
+        self.requests += 1
+
+    def _expected_hits(self, prompt: list[int]) -> list[int]:
+        by_key = {k: b for b, k in self.m.cached_blocks().items()}
+        bs, parent, hits = self.m.block_size, b"", []
+        for i in range((len(prompt) - 1) // bs):
+            parent = block_key(parent, prompt[i * bs:(i + 1) * bs])
+            if parent not in by_key:
+                break
+            hits.append(by_key[parent])
+        return hits
+
+    def _release_expect(self, row: int) -> None:
+        """Blocks this row's release sends to the LRU list, in order (tail first)."""
+        cached = self.m.cached_blocks()
+        for b in reversed(self.m.row_blocks(row)):
+            if self.m.refs(b) == 1 and b in cached:
+                self.lru.append(b)
+
+    def _record_keys(self, row: int) -> None:
+        toks = self.tokens[row]
+        bs = self.m.block_size
+        parent = b""
+        for i in range(len(toks) // bs):
+            parent = block_key(parent, toks[i * bs:(i + 1) * bs])
+            self.known[parent] = toks[:(i + 1) * bs]
+
+    # -- rules -----------------------------------------------------------------------------
+
+    @precondition(lambda self: self._free_rows())
+    @rule(prefix=st.sampled_from(PREFIXES),
+          own=st.lists(st.integers(0, 3), min_size=0, max_size=6))
+    def admit(self, prefix: list[int], own: list[int]) -> None:
+        self._admit(prefix + own + [99])
+
+    @precondition(lambda self: self._free_rows() and self.queue)
+    @rule()
+    def readmit(self) -> None:
+        self._admit(self.queue.pop(0))
+
+    @precondition(lambda self: self.pending)
+    @rule(data=st.data())
+    def prefill(self, data) -> None:
+        row = data.draw(st.sampled_from(sorted(self.pending)))
+        rest = self.pending.pop(row)
+        self.pool.write(row, len(self.tokens[row]), rest)
+        self.m.commit(row, rest)
+        self.tokens[row] += rest
+        self._record_keys(row)
+
+    @precondition(lambda self: set(self.tokens) - set(self.pending))
+    @rule(data=st.data(), written=st.integers(1, 4), accepted=st.integers(1, 4),
+          token=st.integers(0, 3))
+    def step(self, data, written: int, accepted: int, token: int) -> None:
+        """A step writes `written` slots (decode: 1; verify: gamma + 1) and keeps `accepted`."""
+        row = data.draw(st.sampled_from(sorted(set(self.tokens) - set(self.pending))))
+        n = len(self.tokens[row])
+        accepted = min(accepted, written)
+        if self.m.blocks_for(n + written) > min(self.m.max_blocks, self.m.usable_blocks):
+            with pytest.raises(ValueError, match="at most|could never run"):
+                self.m.grow(row, n + written)  # past what a row can ever hold: an error
+            return
+        before = self._snapshot()
+        free_before = len(self.m.free_blocks())
+        had = len(self.m.row_blocks(row))
+        if not self.m.grow(row, n + written):
+            self._unchanged(before)
+            return
+        self._took(len(self.m.row_blocks(row)) - had, [], free_before)
+        new = [token + 100 * (i + 1) for i in range(written)]
+        self.pool.write(row, n, new)          # the rejected ones are stale, overwritten later
+        self.m.commit(row, new[:accepted])
+        self.tokens[row] += new[:accepted]
+        self._record_keys(row)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), how=st.sampled_from(["finish", "cancel", "preempt"]))
+    def end(self, data, how: str) -> None:
+        row = data.draw(st.sampled_from(sorted(self.tokens)))
+        self._release_expect(row)
+        if how == "preempt":
+            got = self.m.preempt(row)
+            assert got.tokens == self.tokens[row]
+            self.queue.append(got.tokens + self.pending.get(row, []))
+        else:
+            self.m.release(row)
+        del self.tokens[row]
+        self.pending.pop(row, None)
+
+    # -- invariants ------------------------------------------------------------------------
+
+    @invariant()
+    def refcounts_are_exact_and_blocks_partitioned(self) -> None:
+        m = self.m
+        holders: dict[int, int] = {}
+        for row in self.tokens:
+            blocks = m.row_blocks(row)
+            assert len(set(blocks)) == len(blocks) and NULL_BLOCK not in blocks
+            for b in blocks:
+                holders[b] = holders.get(b, 0) + 1
+        assert m.refs(NULL_BLOCK) == 0
+        for b in range(1, m.num_blocks):
+            assert m.refs(b) == holders.get(b, 0), b
+        free, lru = set(m.free_blocks()), set(m.lru_blocks())
+        assert len(free) == len(m.free_blocks()) and not free & lru and not (free | lru) & set(holders)
+        assert free | lru | set(holders) == set(range(1, m.num_blocks))  # no leak
+        assert lru <= set(m.cached_blocks())
+        assert m.usage() == pytest.approx(len(holders) / m.usable_blocks)
+
+    @invariant()
+    def shared_blocks_are_full_cached_prefix_blocks(self) -> None:
+        m = self.m
+        where: dict[int, list[tuple[int, int]]] = {}
+        for row in self.tokens:
+            for i, b in enumerate(m.row_blocks(row)):
+                where.setdefault(b, []).append((row, i))
+        for b, owners in where.items():
+            if len(owners) > 1:
+                assert b in m.cached_blocks()
+                assert len({i for _, i in owners}) == 1
+                for row, i in owners:
+                    assert (i + 1) * m.block_size <= len(self.tokens[row])
+
+    @invariant()
+    def rows_read_what_they_wrote(self) -> None:
+        for row, toks in self.tokens.items():
+            assert self.pool.read(row, len(toks)) == toks
+            assert self.m.row_tokens(row) == toks
+
+    @invariant()
+    def cached_blocks_hold_their_keys_tokens(self) -> None:
+        bs = self.m.block_size
+        for b, key in self.m.cached_blocks().items():
+            prefix = self.known[key]
+            assert self.pool.data[b].tolist() == prefix[-bs:]
+
+    @invariant()
+    def table_matches_rows(self) -> None:
+        for row in range(ROWS):
+            blocks = self.m.row_blocks(row) if row in self.tokens else []
+            expect = blocks + [NULL_BLOCK] * (self.m.max_blocks - len(blocks))
+            assert self.m.host_table[row].tolist() == expect
+
+    @invariant()
+    def lru_order(self) -> None:
+        assert self.m.lru_blocks() == self.lru
+
+
+BlockMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=50, deadline=None, derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+TestBlockMachine = BlockMachine.TestCase
+
+
+def test_no_leaks_after_1000_requests_with_cancellations() -> None:
+    """1,000 requests over 8 rows and a pool that runs out: random finishes, cancellations
+    (mid-prefill too) and preemptions; at the end every block is free or cached, none held."""
+    rng = random.Random(0)
+    m = BlockManager(num_blocks=40, block_size=4, rows=8, max_blocks=16)
+    lengths: dict[int, int] = {}
+    started = waits = preemptions = 0
+    while started < 1000 or lengths:
+        free_rows = [r for r in range(8) if r not in lengths]
+        if started < 1000 and free_rows and rng.random() < 0.5:
+            prompt = PREFIXES[rng.randrange(3)] + [rng.randrange(50) for _ in range(rng.randrange(12))]
+            hit = m.admit(free_rows[0], prompt)
+            if hit is None:
+                waits += 1
+                continue
+            started += 1
+            if rng.random() < 0.1:          # cancelled before its prefill
+                m.release(free_rows[0])
+                continue
+            m.commit(free_rows[0], prompt[hit:])
+            lengths[free_rows[0]] = len(prompt)
+            continue
+        if not lengths:
+            continue
+        row = rng.choice(sorted(lengths))
+        r = rng.random()
+        if r < 0.08:
+            m.release(row)                   # cancelled
+            del lengths[row]
+        elif r < 0.16 or lengths[row] + 3 > 64:
+            m.release(row)                   # finished
+            del lengths[row]
+        elif m.grow(row, lengths[row] + 3):
+            m.commit(row, [rng.randrange(50) for _ in range(2)])
+            lengths[row] += 2
+        else:
+            victim = rng.choice(sorted(lengths))
+            assert m.preempt(victim).tokens  # requeued elsewhere; its blocks are back
+            del lengths[victim]
+            preemptions += 1
+    assert started == 1000 and waits > 0 and preemptions > 0 and m.prefix_hits > 0
+    assert m.usage() == 0.0
+    assert all(m.refs(b) == 0 for b in range(m.num_blocks))
+    assert sorted(m.free_blocks() + m.lru_blocks()) == list(range(1, 40))
+    assert (m.host_table == NULL_BLOCK).all()
+
+
+def test_prefix_hit_shares_full_blocks_and_counts_tokens() -> None:
+    m = BlockManager(num_blocks=10, block_size=4, rows=2, max_blocks=4)
+    prompt = list(range(10))                 # 2 full blocks + 2 tokens
+    assert m.admit(0, prompt) == 0
+    m.commit(0, prompt)
+    assert m.admit(1, prompt[:8] + [50, 51, 52]) == 8
+    assert m.row_blocks(1)[:2] == m.row_blocks(0)[:2]
+    assert m.row_blocks(1)[2] != m.row_blocks(0)[2]
+    assert (m.prefix_queries, m.prefix_hits) == (21, 8)
+
+
+def test_the_last_prompt_token_is_always_computed() -> None:
+    """A prompt of exactly two cached blocks hits only the first: its last token's logits are
+    needed, and a shared block is never written."""
+    m = BlockManager(num_blocks=10, block_size=4, rows=2, max_blocks=4)
+    prompt = list(range(8))
+    m.admit(0, prompt)
+    m.commit(0, prompt)
+    assert m.admit(1, prompt) == 4
+    m.commit(1, prompt[4:])                  # the same key: the first copy stays the cached one
+    assert m.cached_blocks()[m.row_blocks(0)[1]] == block_key(block_key(b"", prompt[:4]), prompt[4:])
+    assert m.row_blocks(1)[1] not in m.cached_blocks()
+    m.release(1)
+    assert m.row_blocks(0)[0] not in m.free_blocks()
+
+
+def test_lru_evicts_the_least_recently_released_tail_first() -> None:
+    m = BlockManager(num_blocks=7, block_size=2, rows=3, max_blocks=3)
+    for row, base in ((0, 0), (1, 10)):
+        m.admit(row, [base, base + 1, base + 2, base + 3, base + 4])   # 3 blocks, 2 full
+        m.commit(row, [base, base + 1, base + 2, base + 3, base + 4])
+    a, b = m.row_blocks(0), m.row_blocks(1)
+    m.release(0)
+    m.release(1)
+    # Keyed blocks go to the LRU (row 0's tail first), the partial last blocks to the free list.
+    assert m.lru_blocks() == [a[1], a[0], b[1], b[0]]
+    assert set(m.free_blocks()) == {a[2], b[2]}
+    assert m.admit(2, [90, 91, 92, 93, 94, 95]) == 0   # 3 blocks: 2 free, then evict a[1]
+    assert m.lru_blocks() == [a[0], b[1], b[0]]
+    # a[0] survived: hit (out of the LRU); the one new block evicts b[1], the next oldest.
+    assert m.admit(0, [0, 1, 50]) == 2 and m.row_blocks(0) == [a[0], b[1]]
+    assert m.lru_blocks() == [b[0]]
+
+
+def test_waiting_changes_nothing_and_impossible_requests_raise() -> None:
+    m = BlockManager(num_blocks=5, block_size=2, rows=3, max_blocks=5)
+    assert m.admit(0, [1, 2, 3, 4, 5]) == 0              # 3 blocks
+    assert m.admit(1, [7, 8]) == 0                       # the 4th: the whole pool
+    table = m.host_table.clone()
+    assert m.admit(2, [9]) is None
+    assert torch.equal(table, m.host_table) and m.available_blocks == 0
+    assert not m.grow(0, 7) and m.row_blocks(0) == [1, 2, 3]
+    assert torch.equal(table, m.host_table)
+    with pytest.raises(ValueError, match="could never run"):
+        m.admit(2, list(range(9)))                       # 5 blocks: more than the pool
+    with pytest.raises(ValueError, match="at most 5"):
+        m.grow(0, 11)
+    with pytest.raises(ValueError, match="already in use"):
+        m.admit(0, [1])
+    with pytest.raises(ValueError, match="grow first"):
+        m.commit(0, list(range(7)))
+
+
+def test_sizing_from_a_memory_budget() -> None:
+    target = CacheShape(layers=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    draft = CacheShape(layers=16, kv_heads=8, head_dim=64, dtype=torch.bfloat16)
+    assert target.bytes_per_slot() == 131072            # 128 KiB per token: Llama-3-8B
+    per_block = 16 * (131072 + 32768)
+    assert blocks_for_budget(10 * per_block + 5, 16, [target, draft]) == 10
+    assert blocks_for_budget(80 * 2**30, 16, [target]) == 80 * 2**30 // (16 * 131072)
+    with pytest.raises(ValueError, match="at least 2"):
+        blocks_for_budget(per_block, 16, [target, draft])
+
+
+def test_device_table_keeps_its_address() -> None:
+    m = BlockManager(num_blocks=6, block_size=2, rows=2, max_blocks=3, device="meta")
+    ptr = m.table.data_ptr()
+    m.admit(0, [1, 2, 3])
+    m.sync_table()
+    assert m.table.data_ptr() == ptr and m.table.shape == (2, 3) and m.table.dtype == torch.int32
