@@ -178,7 +178,7 @@ def make_scheduler(engine: Any, args: argparse.Namespace) -> Any:
     from fuser.runtime.scheduler import Scheduler
 
     if not args.no_adapt_draft:
-        from fuser.runtime.adapt import AdaptiveScheduler
+        from fuser.runtime.adaptive_scheduler import AdaptiveScheduler
 
         try:
             return AdaptiveScheduler(engine, max_waiting=args.max_waiting, suffix=True,
