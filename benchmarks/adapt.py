@@ -1,5 +1,5 @@
 """Adaptive speculation on a stream of requests: the same requests served with adaptation ON
-(runtime/adapt.py AdaptiveScheduler: suffix proposals, the draft distilled online) and OFF (the
+(runtime/adaptive_scheduler.py AdaptiveScheduler: suffix proposals, the draft distilled online) and OFF (the
 plain Scheduler: the engine's own speculation), in this process, through the scheduler's API.
 
     python benchmarks/adapt.py --out $OUT/adapt                     # H200: about 5 minutes
@@ -447,7 +447,7 @@ def make_scheduler(engine: object, on: bool, args: argparse.Namespace) -> object
 
     if not on:
         return Scheduler(engine, max_waiting=max(256, args.concurrency))
-    from fuser.runtime.adapt import AdaptiveScheduler
+    from fuser.runtime.adaptive_scheduler import AdaptiveScheduler
     from fuser.runtime.distill import DistillConfig
 
     engine.config = dataclasses.replace(engine.config, distill_every=args.distill_every,

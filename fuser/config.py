@@ -18,7 +18,7 @@ PRECISIONS: dict[str, torch.dtype | None] = {
     "fp8": None,  # FP8 weights; activations in the model's own dtype
 }
 MAX_GAMMA = 15
-# gamma="auto" chooses among these draft lengths per step (runtime/adaptive.py). Each is one
+# gamma="auto" chooses among these draft lengths per step (runtime/controller.py). Each is one
 # more compiled verify graph per batch bucket (and two more captured iterations), so the set is
 # small; Leviathan's model with a draft/target cost ratio c ~ 0.25 (1B vs 8B, DESIGN.md) puts
 # the best gamma at 1 for alpha ~ 0.5, 2-4 for alpha ~ 0.7-0.8 and 4-6 for alpha ~ 0.9, and
@@ -37,9 +37,8 @@ class FuserConfig:
             or are quantized per token (prefill); embeddings and norms are not quantized.
         gamma: draft tokens per speculative step, 0..15 (fixed; 0 = no speculation), or "auto":
             with a draft, every step uses the gamma of `gamma_candidates` (or 0, target-only)
-            that maximises the expected tokens/s from the iteration costs measured at optimize
-            time and the acceptance per draft position seen so far; speculation that does not
-            pay is switched off and probed again now and then (runtime/adaptive.py).
+            whose measured wall time per emitted token is lowest; the others are probed now
+            and then, at most ~5% of the steps (runtime/controller.py).
         gamma_candidates: the draft lengths gamma="auto" may choose (each one compiled verify
             graph per batch bucket); ignored for an int gamma.
         max_batch_size: most sequences per call.
@@ -79,7 +78,7 @@ class FuserConfig:
             requests. The target's outputs never change. Needs a draft.
         suffix_speculation: also propose tokens from the request's own context and recent
             outputs (runtime/suffix.py); the scheduler's controller picks target-only, draft or
-            suffix per step (runtime/sources.py).
+            suffix per step (runtime/controller.py).
         distill_every: finished requests between two draft updates.
         distill_budget_s: seconds of fine-tuning per draft update.
     """

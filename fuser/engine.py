@@ -15,7 +15,7 @@ from torch import nn
 
 from fuser.config import FuserConfig
 from fuser.report import Report, SpecStats
-from fuser.runtime.adaptive import GammaController
+from fuser.runtime.controller import DRAFT, TARGET, Controller
 from fuser.runtime.metrics import count_speculation
 from fuser.runtime.prompts import check_prompts, pad_batch
 from fuser.runtime.speculative import DecodeState
@@ -43,7 +43,8 @@ class Engine:
         buckets: batch size -> (target steps, draft steps) built at that batch over rows
             [:batch] of the caches; default: one bucket, {max_batch_size: (target, draft)}.
         gammas: the draft lengths with built verify steps (default: (gamma,) with a draft).
-            With config.gamma == "auto" a GammaController chooses among them per step.
+            With config.gamma == "auto" a Controller (runtime/controller.py) chooses among
+            them per step by measured wall time per emitted token.
         Call `prepare()` once afterwards (capture, cost measurement).
         """
         self.target = target
@@ -94,9 +95,10 @@ class Engine:
                 self.buckets[size] = Bucket(size, t, d if self.gammas else None, vocab_size,
                                             overlap=overlap, state=self.state.rows(size))
         # Per bucket: seconds of one greedy iteration per gamma (0 = target-only), measured by
-        # `prepare`, and the controller built from them (gamma="auto" only).
+        # `prepare` (the captured graphs' device time: reports, engine files), and the
+        # controller of gamma="auto", which measures the loop's own wall time instead.
         self.step_costs: dict[int, dict[int, float]] = {}
-        self._controllers: dict[int, GammaController] = {}
+        self._controllers: dict[int, Controller] = {}
         self.load_seconds: float | None = None  # set by fuser.load
         self.manifest: dict | None = None  # the engine directory's manifest, set by fuser.load
 
@@ -136,23 +138,29 @@ class Engine:
     def set_step_costs(self, costs: dict[int, float], bucket: int | None = None,
                        **controller_options: float) -> None:
         """Replace the measured iteration costs (gamma -> seconds, 0 = target-only; every
-        built gamma) of one bucket, or of all; the adaptive choice restarts from its prior.
-        controller_options go to `GammaController` (prior, memory, probe_interval, ...).
-        For tests and for costs measured elsewhere."""
+        built gamma) of one bucket, or of all: the controllers restart, and take a step's
+        seconds from these instead of the clock. controller_options go to `Controller`
+        (probe_share, memory, refresh, ...). For tests and for costs measured elsewhere."""
         missing = {PLAIN, *self.gammas} - set(costs)
         if missing:
             raise ValueError(f"costs must give every gamma in {sorted({PLAIN, *self.gammas})}; "
                              f"missing {sorted(missing)}")
         for size in ([bucket] if bucket is not None else list(self.buckets)):
             self.step_costs[size] = dict(costs)
-        self._build_controllers(**controller_options)
+        self._build_controllers(scripted=True, **controller_options)
 
-    def _build_controllers(self, **options: float) -> None:
+    def _build_controllers(self, scripted: bool = False, **options: float) -> None:
+        """One Controller per bucket over target-only and every built gamma; scripted: a
+        step's seconds are `step_costs`' (else the wall clock's)."""
+        def arms(costs: dict[int, float]) -> dict[tuple[str, int], float]:
+            return {(TARGET, 0): costs[PLAIN], **{(DRAFT, g): costs[g] for g in self.gammas}}
+
         self._controllers = {
-            size: GammaController({g: costs[g] for g in self.gammas}, costs[PLAIN],
-                                  overlapped=self.config.overlap, **options)
-            for size, costs in self.step_costs.items()}
-        self.stats.gamma = self.next_gamma(self.controller(min(self.buckets)))
+            size: Controller({DRAFT: self.gammas},
+                             costs=arms(self.step_costs[size])
+                             if scripted and size in self.step_costs else None, **options)
+            for size in self.buckets}
+        self.stats.gamma = self._controllers[min(self.buckets)].gamma
 
     # -- the decoding loop's hooks ---------------------------------------------------------------
 
@@ -160,7 +168,7 @@ class Engine:
         """The smallest bucket holding `batch` rows."""
         return self.buckets[bucket_for(batch, tuple(self.buckets))]
 
-    def controller(self, bucket: int) -> GammaController | None:
+    def controller(self, bucket: int) -> Controller | None:
         """The adaptive controller of a bucket (None: gamma is fixed)."""
         return self._controllers.get(bucket) if self.adaptive else None
 
@@ -178,13 +186,14 @@ class Engine:
         """The gamma `fix_gamma` forces, or None."""
         return self._forced_gamma
 
-    def next_gamma(self, controller: GammaController | None) -> int:
-        """The draft length of the next step (0 = target-only)."""
+    def next_gamma(self, controller: Controller | None) -> int:
+        """The draft length of the step being issued now (0 = target-only): the controller's
+        choice, recorded as issued until `record_step` reads it back."""
         if self._forced_gamma is not None:
             return self._forced_gamma
         if controller is None:
             return self.gamma if self.gammas else 0
-        return controller.gamma
+        return controller.choose().gamma
 
     @property
     def gamma_reason(self) -> str:
@@ -198,23 +207,23 @@ class Engine:
         controller = self.controller(min(self.buckets))
         return controller.reason if controller is not None else "costs not measured yet"
 
-    def record_step(self, controller: GammaController | None, num_accepted: list[int],
+    def record_step(self, controller: Controller | None, num_accepted: list[int],
                     was_active: list[bool], gamma: int, modes: list[int] | None = None) -> None:
-        """One iteration's read-back: vLLM's counters, and the adaptive controller's evidence.
+        """One iteration's read-back: vLLM's counters, and the controller's measurement (the
+        step's wall time, and n + 1 tokens per active row).
 
-        modes: an overlapped step's mode code per row (`speculative.overlapped_step`): rows that
-        streamed into it give acceptance evidence as usual; each row that did not gives one
-        trial at draft position 1 (whether the draft's first guess was right)."""
+        modes: an overlapped step's mode code per row (`speculative.overlapped_step`; its
+        n is 0 where the row did not stream, so n + 1 is still what the row emitted)."""
         if gamma > 0:
             count_speculation(self.stats, num_accepted[: len(was_active)], was_active, gamma)
         if controller is not None:
-            if modes is None:
-                controller.update([n for n, a in zip(num_accepted, was_active) if a], gamma)
-            else:
-                live = [(n, code) for n, code, a in zip(num_accepted, modes, was_active) if a]
-                controller.update([n for n, code in live if code >= 2], gamma,
-                                  restarts=[code == 1 for n, code in live if code < 2])
-        self.stats.gamma = self.next_gamma(controller)
+            controller.update([min(n, gamma) for n, a in zip(num_accepted, was_active) if a],
+                              gamma)
+        if self._forced_gamma is not None:
+            self.stats.gamma = self._forced_gamma
+        else:
+            self.stats.gamma = controller.gamma if controller is not None else \
+                (self.gamma if self.gammas else 0)
 
     def observe_tokens(self, count: int, seconds: float) -> None:
         """Time per output token, for the metrics histogram (when metrics are in use)."""

@@ -180,7 +180,10 @@ def _decode_loop(engine: Engine, request: Request) -> Iterator[torch.Tensor]:
             state.streaming.zero_()  # guesses drafted for another gamma (or none) are stale
         last_gamma = gamma
         draft_behind = draft_behind + 1 if gamma == 0 else 0  # a speculative step: caught up
-        return ReadBack(bucket.run(gamma, do_sample)), gamma
+        read_back = ReadBack(bucket.run(gamma, do_sample))
+        if controller is not None:
+            controller.sent()  # the host's part of the step ends here
+        return read_back, gamma
 
     # The loop runs one step ahead of the host: step k + 1 is queued on the device before the
     # host waits for step k's read-back, so the GPU never idles while Python turns tokens into

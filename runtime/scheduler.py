@@ -568,6 +568,8 @@ class Scheduler:
         do_sample = any(not s.params.greedy for s in rows)
         start = time.perf_counter()
         read_back = ReadBack(bucket.run(gamma, do_sample))  # [bucket, gamma + 2]
+        if controller is not None:
+            controller.sent()  # the host's part of the step ends here
         return _Step(rows, gamma, controller, read_back, start)
 
     def _collect(self, step: _Step) -> None:

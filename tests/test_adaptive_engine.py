@@ -56,7 +56,7 @@ def hf_greedy(model: torch.nn.Module, ids: torch.Tensor, n: int) -> torch.Tensor
 
 def test_gamma_follows_scripted_acceptance_and_output_stays_lossless() -> None:
     engine, target, draft = engine_and_models()
-    engine.set_step_costs(COSTS, probe_interval=4, off_memory=0.8, memory=0.7)
+    engine.set_step_costs(COSTS, probe_share=0.25, refresh=4)
     saved = [p.detach().clone() for p in draft.parameters()]
     ids, _ = random_prompts(1, [6], target.config.vocab_size, seed=11)
     n = 24

@@ -1,7 +1,7 @@
 """The overlapped speculative step (FuserConfig.overlap; runtime/speculative.py
 `overlapped_step`): its fused kernels against the eager reference bit for bit, greedy output
 equal to the target's whatever the draft, streams that engage when the draft agrees, the
-adaptive controller's round model (runtime/adaptive.py, equation (3)), and the split-counter
+round model (runtime/controller.py), and the split-counter
 lanes the concurrent branches use.
 
 Without a GPU the kernels run under TRITON_INTERPRET=1 (conftest.py) and the two branches one
@@ -24,8 +24,8 @@ import fuser
 from engines import (MAX_SEQ_LEN, assert_greedy_matches, eos_that_ends_one_row, hf_greedy,
                      llama_target, perturbed, prompts, qwen_target)
 from fuser.runtime import speculative
-from fuser.runtime.adaptive import (GammaController, expected_tokens_per_round,
-                                    expected_tokens_per_step)
+from fuser.runtime.controller import (DRAFT, Controller, expected_tokens_per_round,
+                                      expected_tokens_per_step)
 from fuser.runtime.draft_kernels import overlap_catchup_inputs
 from fuser.runtime.kv_cache import KVCache
 from fuser.runtime.speculative import GUESS_SLOTS, DecodeState
@@ -285,21 +285,18 @@ def test_round_model_matches_a_simulation() -> None:
 
 
 def test_overlapped_controller_switches_off_and_on() -> None:
-    """Costs where an overlapped round at gamma 2 costs 1.1 decode steps: zero acceptance (every
-    row restarting, every restart wrong) turns speculation off; probes that find the draft
-    right again turn it back on."""
-    controller = GammaController({2: 1.1}, 1.0, overlapped=True, probe_interval=4,
-                                 max_probe_interval=4)
-    assert controller.gamma == 2
+    """Costs where an overlapped round at gamma 2 costs 1.1 decode steps: zero acceptance (no
+    row streaming, n = 0: one token a round) turns speculation off; probes that find the draft
+    right again (every row streaming: n = 2) turn it back on."""
+    controller = Controller({DRAFT: (2,)}, costs={("target", 0): 1.0, (DRAFT, 2): 1.1},
+                            probe_share=0.25, refresh=4, first=(DRAFT, 2))
     for _ in range(40):
-        controller.update([], controller.gamma, restarts=[False])
+        g = controller.choose().gamma
+        controller.update([0], g)
     assert not controller.enabled
     for _ in range(200):
-        g = controller.gamma
-        if g:
-            controller.update([2], g, restarts=[True])
-        else:
-            controller.update([], 0)
+        g = controller.choose().gamma
+        controller.update([2] if g else [0], g)
         if controller.enabled:
             break
     assert controller.enabled and controller.gamma == 2

@@ -222,7 +222,7 @@ def _serve_args(*flags: str) -> argparse.Namespace:
 
 
 def test_adaptation_is_off_by_default_and_its_flags_reach_the_scheduler(tiny_pair_engine):
-    from fuser.runtime.adapt import AdaptiveScheduler
+    from fuser.runtime.adaptive_scheduler import AdaptiveScheduler
     from fuser.runtime.scheduler import Scheduler
     from fuser.server.cli import make_scheduler
 
@@ -272,7 +272,7 @@ def test_an_engine_directory_adapts_and_keeps_its_distilled_draft(tiny_pair_engi
     the scheduler adapts (suffix proposals and a distiller) and serves the target's greedy
     tokens; after the drain, draft weights swapped in are saved into the directory, and a new
     load computes them."""
-    from fuser.runtime.adapt import AdaptiveScheduler
+    from fuser.runtime.adaptive_scheduler import AdaptiveScheduler
     from fuser.runtime.distill import draft_module, rebuild_draft
     from fuser.runtime.scheduler import SamplingParams
     from fuser.server.cli import make_scheduler, save_adapted

@@ -211,7 +211,7 @@ def make_scheduler(engine: Any, args: argparse.Namespace) -> Any:
     from fuser.runtime.scheduler import Scheduler
 
     if getattr(args, "adapt_draft", False):
-        from fuser.runtime.adapt import AdaptiveScheduler
+        from fuser.runtime.adaptive_scheduler import AdaptiveScheduler
 
         every = getattr(args, "distill_every", None)
         budget = getattr(args, "distill_budget_s", None)

@@ -4,9 +4,9 @@ controller over sources and online draft distillation plugged in (`AdaptiveSched
 What it adds to runtime/scheduler.py's loop, on the scheduler's thread:
     admit    each request's prompt goes into the suffix index (runtime/suffix.py), and every
              token it is given afterwards (`_deliver`);
-    issue    per batch bucket, a SourceController (runtime/sources.py) picks target-only, the
-             draft at some gamma, or the index's proposals at some gamma, from the measured
-             step costs and the acceptance seen per source. A suffix step loads the rows'
+    issue    per batch bucket, a Controller (runtime/controller.py) picks target-only, the
+             draft at some gamma, or the index's proposals at some gamma, by the wall time per
+             emitted token it measured of each. A suffix step loads the rows'
              proposals into a static buffer and runs `suffix_step` (its CUDA graph where
              captured). The draft falls behind by one token a target-only step and by gamma + 1
              a suffix step; it catches up (resync) before its next step. A step is issued
@@ -43,8 +43,8 @@ from fuser.runtime.distill import DistillConfig, Distiller, UpdateResult, Weight
     draft_module, target_module
 from fuser.runtime.generate import ReadBack
 from fuser.runtime.scheduler import RequestStream, Scheduler, _Step
-from fuser.runtime.sources import DRAFT, SUFFIX, TARGET, Choice, SourceCollector, \
-    SourceController
+from fuser.runtime.controller import DRAFT, SUFFIX, TARGET, Choice, Controller, \
+    ControllerCollector
 from fuser.runtime.step_graphs import PLAIN, IterationGraph
 from fuser.runtime.suffix import SuffixIndex, SuffixProposals, add_verify_steps
 
@@ -76,7 +76,7 @@ class AdaptiveScheduler(Scheduler):
         module: the draft module to distil (a loaded engine has none of its own).
         background: run draft updates on a thread of their own (False: inline, between two
             steps, which tests use to be deterministic).
-        controller_options: keyword arguments of every SourceController.
+        controller_options: keyword arguments of every Controller (runtime/controller.py).
     """
 
     def __init__(self, engine: object, *, max_waiting: int = 256, prefill_tokens: int = 2048,
@@ -120,7 +120,7 @@ class AdaptiveScheduler(Scheduler):
         self._updating = threading.Event()
         self._new_draft = threading.Event()  # set by an accepted update, read by the loop
         self.update_results: list[UpdateResult] = []
-        self._collector = SourceCollector(lambda: self.controllers.values(),
+        self._collector = ControllerCollector(lambda: self.controllers.values(),
                                           (lambda: self.distiller.updates)
                                           if self.distiller is not None else None)
         self._registry = None
@@ -142,44 +142,25 @@ class AdaptiveScheduler(Scheduler):
     # -- costs and controllers -------------------------------------------------------------------
 
     def _controller(self, size: int, costs: Mapping[str, object] | None,
-                    options: dict) -> SourceController:
-        bucket = self.engine.buckets[size]
+                    options: dict) -> Controller:
+        """The bucket's controller over target-only, the draft's gammas and the suffix's;
+        `costs` ({"decode": s, "draft": {g: s}, "suffix": {g: s}}) scripted instead of the
+        wall clock."""
+        arms: dict[str, tuple[int, ...]] = {}
+        if self.draft_gammas and self.engine.buckets[size].draft is not None:
+            arms[DRAFT] = self.draft_gammas
+        if self.suffix:
+            arms[SUFFIX] = self.suffix_gammas
+        scripted = None
         if costs is not None:
-            decode = float(costs["decode"])
-            sources = {s: dict(costs[s]) for s in (DRAFT, SUFFIX)
-                       if s in costs and (s == SUFFIX and self.suffix
-                                          or s == DRAFT and self.draft_gammas)}
-        else:
-            length = min(128, self.engine.config.max_seq_len // 2)
-            reps = 10 if self.engine.device.type == "cuda" else 2
-            known = self.engine.step_costs.get(size, {})
-            decode = known.get(PLAIN) or bucket.measure(PLAIN, length, reps)
-            sources = {}
-            if self.draft_gammas and bucket.draft is not None:
-                sources[DRAFT] = {g: known.get(g) or bucket.measure(g, length, reps)
-                                  for g in self.draft_gammas}
-            if self.suffix:
-                sources[SUFFIX] = {g: self._measure_suffix(bucket, g, length, reps)
-                                   for g in self.suffix_gammas}
-        return SourceController(decode, sources, **options)
-
-    @torch.no_grad()
-    def _measure_suffix(self, bucket: object, gamma: int, length: int, reps: int) -> float:
-        """Median seconds of one greedy suffix step at `gamma`, every row at `length` slots."""
-        cuda = self.engine.device.type == "cuda"
-        samples = []
-        for i in range(reps + 1):
-            bucket.reset_for_timing(length)
-            self._buffers[bucket.batch].load([], gamma)
-            start = time.perf_counter()
-            self._run_suffix(bucket, gamma, False)
-            if cuda:
-                torch.cuda.synchronize()
-            if i > 0:  # the first run warms up
-                samples.append(time.perf_counter() - start)
-        bucket.reset_for_timing(0)
-        samples.sort()
-        return samples[len(samples) // 2]
+            scripted = {(TARGET, 0): float(costs["decode"])}
+            for source, gammas in arms.items():
+                given = costs.get(source)
+                if given is None:
+                    raise ValueError(f"costs has no {source!r} entry; it needs one per source "
+                                     f"({sorted(arms)})")
+                scripted.update({(source, g): float(given[g]) for g in gammas})
+        return Controller(arms, costs=scripted, **options)
 
     def _capture_suffix(self) -> None:
         """Each bucket's suffix step per gamma and greedy/sampling as one CUDA graph (a shape
@@ -262,7 +243,7 @@ class AdaptiveScheduler(Scheduler):
         if self._new_draft.is_set():  # a new draft was swapped in: measure it afresh
             self._new_draft.clear()
             for controller in self.controllers.values():
-                if DRAFT in controller.step_seconds:
+                if DRAFT in controller.sources:
                     controller.forget(DRAFT)
         rows = list(self._running)
         bucket = engine.bucket(len(rows))
@@ -274,7 +255,7 @@ class AdaptiveScheduler(Scheduler):
             proposals = [self.index.propose(s.request_id, longest)
                          if not s.done and s.request_id in self.index else [] for s in rows]
             lengths = [len(p) for p, s in zip(proposals, rows) if not s.done]
-        choice = controller.choose(lengths)
+        choice = controller.choose(lambda arm: arm[0] != SUFFIX or any(lengths or ()))
         do_sample = any(not s.params.greedy for s in rows)
         gamma = choice.gamma
         start = time.perf_counter()
@@ -295,18 +276,19 @@ class AdaptiveScheduler(Scheduler):
                 packed = bucket.run(PLAIN, do_sample)
                 proposed = [0] * len(rows)
             read_back = ReadBack(packed)  # [bucket, gamma + 2]
+        controller.sent()
         return _SourceStep(rows, gamma, None, read_back, start, choice, proposed)
 
     def _collect(self, step: _SourceStep) -> None:
         was_active = [not s.done for s in step.rows]
         host = step.read_back.wait()
         accepted = host[:len(step.rows), -1].tolist()
-        super()._collect(step)
         live = [i for i, active in enumerate(was_active) if active]
         controller = self.controllers[self.engine.bucket(len(step.rows)).batch]
-        controller.update(step.choice, [min(accepted[i], step.gamma) for i in live],
-                          [step.proposed[i] for i in live] if step.choice.source != TARGET
-                          else None)
+        controller.update([min(accepted[i], step.gamma) for i in live], step.gamma,
+                          proposed=[step.proposed[i] for i in live]
+                          if step.choice.source != TARGET else None)
+        super()._collect(step)
         self.engine.stats.gamma = step.gamma
 
     # -- the draft's updates ---------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The scheduler with adaptive speculation (runtime/adapt.py) on tiny fp32 models: templated
+"""The scheduler with adaptive speculation (runtime/adaptive_scheduler.py) on tiny fp32 models: templated
 traffic (prompts that come back) makes it verify suffix proposals from recent outputs and the
 draft, distil the draft on what it served and swap it in, and every request still returns the
 target's greedy output."""
@@ -13,9 +13,9 @@ import torch
 
 import fuser
 from fuser import SamplingParams
-from fuser.runtime.adapt import AdaptiveScheduler
+from fuser.runtime.adaptive_scheduler import AdaptiveScheduler
 from fuser.runtime.distill import DistillConfig
-from fuser.runtime.sources import DRAFT, SUFFIX, TARGET
+from fuser.runtime.controller import DRAFT, SUFFIX, TARGET
 from engines import NO_SPECIAL, llama_target
 from tiny import tiny_model
 
@@ -76,7 +76,7 @@ def test_templated_traffic_uses_every_source_and_distils_the_draft():
         eng, costs=COSTS, background=False,
         # Half held out (4 records): the gate bounds the gain over held-out records.
         distill=DistillConfig(lr=3e-3, batch_tokens=256, holdout_fraction=0.5, max_steps=30),
-        controller_options=dict(probe_interval=8))
+        controller_options=dict(probe_share=0.2, refresh=8))
     scheduler.start()
     try:
         run_rounds(scheduler, 3)

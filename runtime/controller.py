@@ -1,0 +1,545 @@
+"""The one speculation controller: which source proposes the next step's tokens and how many,
+chosen by the measured wall time per emitted token. `engine.generate` (gamma="auto") and the
+adaptive scheduler (runtime/adaptive_scheduler.py) both use it.
+
+Arms. An arm is a (source, gamma) pair: (TARGET, 0) is target-only decoding; (DRAFT, g) a
+speculative step at draft length g (in the adaptive scheduler, rows with a long suffix match
+verify the suffix index's proposals in that same step: runtime/speculative.py `mixed_step`);
+(SUFFIX, g) a step that verifies the index's proposals alone (engines without a draft).
+
+What is measured. Per arm, exponentially weighted averages of
+
+    seconds per step    from the moment the step could start (its issue, or the previous
+                        step's read-back when it was queued ahead of it) to its own read-back:
+                        the device's time, the host's work around it (lookups, bookkeeping),
+                        the overlap the loop lost and the draft's catch-up (`resync_draft`)
+                        the step had to run first, all included;
+    tokens per row      the tokens each active row emitted (accepted proposals + 1),
+
+and the arm's cost is their ratio, seconds per emitted token per row. No model of acceptance or
+of the captured graphs' GPU time enters the choice: a lookup that costs host time or a step that
+stops the pipeline shows up in the seconds, a proposal the target rejects in the tokens.
+
+The choice. The best arm is the measured one with the lowest cost; every step runs it unless a
+probe is due. A probe runs another arm once, to re-measure it: the arm unmeasured, or measured
+the longest ago, and only once `refresh` steps have passed since its last measurement (an arm
+whose probe found it more than FAR_BEHIND times the best's cost waits twice as long each time,
+up to 2**MAX_BACKOFF times: hopeless arms cost fewer probes). Probes are bounded: a probe is issued only while
+
+    probes so far < probe_share * steps so far + allowance,
+
+where the allowance is one probe per arm (each must be measured once) plus one per arm dropped
+by `forget`. Over a long run at most about probe_share (5%) of the steps are probes. The arm in
+use is measured at every step, so when it gets slower than another arm's last measurement the
+choice moves there at once, and it never stays on an arm slower than the best measured one; an
+arm that got faster is found by its next probe (a probe's sample weighs `probe_weight` in its
+averages, so one or two probes move it).
+
+Scripted costs. `costs` ({(source, gamma): seconds}) replace the clock: a step's seconds are
+its arm's scripted cost (tests; costs measured elsewhere). `clock` replaces time.perf_counter.
+
+Issued steps are read back in the order they were issued (the decoding loops queue one step
+ahead). `choose` records each issued choice; `update` takes the oldest, so a loop that keeps one
+step in flight needs no bookkeeping of its own.
+
+What it did stays readable: `reason` (one line), `steps` (per source), `acceptance_window`
+(accepted over proposed tokens over the last `window` rows' steps of a source), `updates` (draft
+updates accepted and rejected), `snapshot()` for engine.stats, and `ControllerCollector` for
+Prometheus:
+
+    fuser_spec_steps_total{source}              steps per source ("target", "draft", "suffix")
+    fuser_spec_acceptance_window{source}        acceptance_window(source), gauge
+    fuser_draft_updates_total{result}           "accepted" | "rejected"
+
+The acceptance model (`expected_tokens_per_step`, `leviathan_speedup`,
+`expected_tokens_per_round`) stays here for benchmarks and docs: equation (1) below.
+
+    E[tokens per step at g] = 1 + sum_{j=1..g} prod_{i<=j} alpha_i                      (1)
+
+with alpha_i the acceptance at draft position i given the ones before it; for overlapped rounds
+(runtime/speculative.py `overlapped_step`) a round streams on with P_s = prod alpha_i * alpha_g,
+restarts streaming with P_r = alpha_1, and emits pi E(g) + (1 - pi), pi = P_r / (P_r + 1 - P_s).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["DRAFT", "SOURCES", "SUFFIX", "TARGET", "Choice", "Controller", "ControllerCollector",
+           "expected_tokens_per_round", "expected_tokens_per_step", "leviathan_speedup"]
+
+TARGET, DRAFT, SUFFIX = "target", "draft", "suffix"
+SOURCES = (TARGET, DRAFT, SUFFIX)
+# A probe that measures its arm at more than FAR_BEHIND times the best arm's cost doubles the
+# arm's wait before the next probe, up to 2**MAX_BACKOFF times `refresh`; one within resets it.
+FAR_BEHIND = 1.5
+MAX_BACKOFF = 3
+# Per step of a source, the weight its acceptance counts keep (a step counts every row's
+# proposals: a handful of steps are evidence enough to rescale its other gammas).
+ACCEPT_MEMORY = 0.6
+# An arm's stale tokens per row are rescaled by its source's acceptance only past this change
+# (log ratio): smaller moves are the noise of a few steps and would only make arms trade places.
+DRIFT_DEADBAND = 0.15
+
+
+# -- the acceptance model ---------------------------------------------------------------------
+
+
+def leviathan_speedup(alpha: float, gamma: int, c: float) -> float:
+    """Leviathan et al.'s expected speedup: (1 - a^(g+1)) / ((1 - a)(g c + 1)).
+
+    alpha: acceptance rate in [0, 1] (the same at every draft position); gamma: draft length
+    >= 0; c: cost of one draft step over one target step, >= 0. At alpha = 1 the geometric sum
+    (1 - a^(g+1)) / (1 - a) is its limit g + 1.
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha={alpha!r} must be in [0, 1]")
+    if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 0:
+        raise ValueError(f"gamma={gamma!r} must be an int >= 0")
+    if not c >= 0.0:
+        raise ValueError(f"c={c!r} must be >= 0")
+    tokens = gamma + 1.0 if alpha == 1.0 else (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+    return tokens / (gamma * c + 1.0)
+
+
+def expected_tokens_per_step(alphas: Sequence[float], gamma: int) -> float:
+    """Equation (1): 1 + sum_{j=1..g} prod_{i<=j} alpha_i, with alphas[i - 1] = alpha_i."""
+    if gamma > len(alphas):
+        raise ValueError(f"gamma={gamma} needs {gamma} per-position rates, got {len(alphas)}")
+    tokens, reach = 1.0, 1.0
+    for alpha in alphas[:gamma]:
+        reach *= alpha  # P(d_1..d_j all accepted)
+        tokens += reach
+    return tokens
+
+
+def expected_tokens_per_round(alphas: Sequence[float], gamma: int) -> float:
+    """Expected tokens per overlapped round at `gamma` (module docstring), alphas as in (1)."""
+    streaming = expected_tokens_per_step(alphas, gamma)
+    if gamma == 0:
+        return 1.0
+    reach = 1.0
+    for alpha in alphas[:gamma]:
+        reach *= alpha
+    stay = reach * alphas[gamma - 1]  # P_s
+    restart = alphas[0]  # P_r
+    if restart == 0.0:
+        return 1.0
+    share = restart / (restart + 1.0 - stay)
+    return share * streaming + (1.0 - share)
+
+
+# -- the controller ---------------------------------------------------------------------------
+
+Arm = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The next step: `source` proposes `gamma` tokens a row (target: gamma 0); `probe`: run
+    to re-measure the arm, not because it is the best; `issued`: the clock when chosen."""
+
+    source: str
+    gamma: int
+    probe: bool = False
+    issued: float | None = None
+
+    @property
+    def arm(self) -> Arm:
+        return (self.source, self.gamma)
+
+
+class _Measure:
+    """Exponentially weighted seconds per step and tokens per row of one arm."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.tokens = 0.0
+        self.samples = 0
+        self.at = -1  # the controller's step count at the last sample
+        self.backoff = 0  # its probes wait refresh * 2**backoff steps (far behind: it grows)
+        self.expected = 1.0  # the model's tokens per row for the arm at the last sample
+
+    def add(self, seconds: float, tokens: float, weight: float, step: int) -> None:
+        w = 1.0 if self.samples == 0 else weight
+        self.seconds += w * (seconds - self.seconds)
+        self.tokens += w * (tokens - self.tokens)
+        self.samples += 1
+        self.at = step
+
+
+
+class Controller:
+    """Chooses each step's arm by measured wall time per emitted token (module docstring).
+
+    Args:
+        arms: source -> the gammas it may run at (DRAFT and/or SUFFIX); target-only is always
+            an arm.
+        probe_share: the share of steps probes may take over a long run (0.05: 5%).
+        memory: the weight an old sample keeps per new one while an arm is in use.
+        probe_weight: the weight of a probe's sample in its arm's averages.
+        refresh: steps before a measured arm is due a probe again (default: the number of
+            other arms over probe_share, so the probe budget is spread over them).
+        window: steps per source kept for `acceptance_window`.
+        costs: {(source, gamma): seconds per step} scripted instead of the clock.
+        clock: seconds now (default time.perf_counter).
+        first: the arm run before anything is measured (default: the draft's smallest gamma,
+            else the suffix's, else target-only).
+    """
+
+    def __init__(self, arms: Mapping[str, Iterable[int]], *, probe_share: float = 0.05,
+                 memory: float = 0.8, probe_weight: float = 0.5, refresh: int | None = None,
+                 window: int = 64, costs: Mapping[Arm, float] | None = None,
+                 clock: Callable[[], float] = time.perf_counter, first: Arm | None = None
+                 ) -> None:
+        listed: list[Arm] = [(TARGET, 0)]
+        for source, gammas in arms.items():
+            if source not in (DRAFT, SUFFIX):
+                raise ValueError(f"source {source!r} is not one of {DRAFT!r}, {SUFFIX!r}")
+            for g in sorted(set(gammas)):
+                if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+                    raise ValueError(f"{source} gamma {g!r} must be an int >= 1")
+                listed.append((source, g))
+        if not 0.0 < probe_share < 1.0:
+            raise ValueError(f"probe_share={probe_share!r} must be in (0, 1)")
+        if not 0.0 <= memory < 1.0:
+            raise ValueError(f"memory={memory!r} must be in [0, 1)")
+        if not 0.0 < probe_weight <= 1.0:
+            raise ValueError(f"probe_weight={probe_weight!r} must be in (0, 1]")
+        if refresh is not None and (isinstance(refresh, bool) or not isinstance(refresh, int)
+                                    or refresh < 1):
+            raise ValueError(f"refresh={refresh!r} must be an int >= 1")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window={window!r} must be an int >= 1")
+        if costs is not None:
+            missing = [a for a in listed if a not in costs]
+            if missing:
+                raise ValueError(f"costs must give every arm's seconds per step; missing "
+                                 f"{missing}")
+            for arm in listed:
+                if not costs[arm] > 0:
+                    raise ValueError(f"costs[{arm!r}]={costs[arm]!r} must be > 0")
+        self.arms: tuple[Arm, ...] = tuple(listed)
+        self.sources = {s for s, _ in listed}
+        self.probe_share, self.memory, self.probe_weight = probe_share, memory, probe_weight
+        self.refresh = refresh if refresh is not None else \
+            max(1, math.ceil((len(listed) - 1) / probe_share))
+        self.costs = dict(costs) if costs is not None else None
+        self.clock = clock
+        if first is None:
+            first = next((a for a in listed if a[0] == DRAFT), None) or \
+                next((a for a in listed if a[0] == SUFFIX), (TARGET, 0))
+        if first not in listed:
+            raise ValueError(f"first={first!r} is not one of the arms {listed}")
+        self.first = first
+        self._measures = {arm: _Measure() for arm in listed}
+        self._issued: deque[Choice] = deque()
+        self._host: dict[int, float] = {}  # id(choice) -> host seconds issuing it (`sent`)
+        # Per source: decayed accepted proposals and trials (a row that accepted n of p is a
+        # trial at positions 1..min(n + 1, p), a success at 1..n): its acceptance rate alpha.
+        self._accepts = {s: [0.0, 0.0] for s in (DRAFT, SUFFIX)}
+        self._last_done: float | None = None
+        self._allowance = len(listed)
+        self.step_count = 0  # steps chosen
+        self.probes = 0  # of them, probes
+        self.steps = {s: 0 for s in SOURCES}  # steps read back, per source
+        self._window = {s: deque(maxlen=window) for s in (DRAFT, SUFFIX)}
+        self.updates = {"accepted": 0, "rejected": 0}
+        self.last = Choice(*first)
+        self.reason = "no step yet"
+
+    # -- reading the measurements -------------------------------------------------------------
+
+    def _expected(self, arm: Arm) -> float:
+        """Tokens per row a step of the arm emits at its source's acceptance now, equation (1)
+        with one alpha at every position (1.0: target-only, or nothing counted yet)."""
+        source, gamma = arm
+        if source == TARGET or not self._accepts[source][1]:
+            return 1.0
+        accepted, trials = self._accepts[source]
+        return expected_tokens_per_step([accepted / trials] * gamma, gamma)
+
+    def cost(self, source: str, gamma: int) -> float:
+        """Measured seconds per emitted token per row of an arm (inf: not measured). An arm
+        measured a while ago has its tokens scaled by how its source's acceptance moved since
+        (steps of the source's other gammas measure that): a drop in acceptance seen at one
+        gamma makes every gamma of the source look worse at once."""
+        arm = (source, gamma)
+        measure = self._measures[arm]
+        if not measure.samples:
+            return math.inf
+        return measure.seconds / max(measure.tokens * self._drift(arm), 1.0)
+
+    def _drift(self, arm: Arm) -> float:
+        """How the arm's expected tokens moved since its last sample (a ratio; 1.0 inside
+        the DRIFT_DEADBAND, where it is the noise of a few steps' acceptance)."""
+        drift = self._expected(arm) / self._measures[arm].expected
+        return drift if abs(math.log(drift)) > DRIFT_DEADBAND else 1.0
+
+    def best(self) -> Arm:
+        """The measured arm of lowest cost (`first` while none is measured)."""
+        measured = [a for a in self.arms if self._measures[a].samples]
+        if not measured:
+            return self.first
+        return min(measured, key=lambda a: (self.cost(*a), a[1]))
+
+    @property
+    def gamma(self) -> int:
+        """The best arm's gamma (0: target-only), what the steps run between probes."""
+        return self.best()[1]
+
+    @property
+    def enabled(self) -> bool:
+        """Whether speculation is on: the best arm proposes (probes aside)."""
+        return self.best()[0] != TARGET
+
+    @property
+    def in_probe(self) -> bool:
+        """Whether the last choice was a probe."""
+        return self.last.probe
+
+    def may_choose(self, source: str) -> bool:
+        """Whether a coming step could use `source`: it is the best arm's, or one of its arms
+        could be probed now."""
+        if source not in self.sources:
+            return False
+        if self.best()[0] == source:
+            return True
+        return any(a[0] == source for a in self._due()) and self._budget()
+
+    # -- the choice --------------------------------------------------------------------------
+
+    def _budget(self) -> bool:
+        return self.probes < self.probe_share * self.step_count + self._allowance
+
+    def _due(self) -> list[Arm]:
+        """Arms due a probe, the unmeasured first, then the longest unmeasured."""
+        best = self.best()
+        pending = {c.arm for c in self._issued if c.probe}  # probed, not yet read back
+        due = [a for a in self.arms if a != best and a not in pending and (
+            not self._measures[a].samples or self.step_count - self._measures[a].at
+            >= self.refresh << self._measures[a].backoff)]
+        return sorted(due, key=lambda a: (self._measures[a].samples > 0, self._measures[a].at))
+
+    def choose(self, usable: Callable[[Arm], bool] | None = None) -> Choice:
+        """The next step's arm; recorded as issued (now, on the clock) until its `update`.
+
+        usable: which arms this step may run (e.g. the suffix only when some row has a match);
+        the best arm runs if no usable arm is due a probe.
+        """
+        best = self.best()
+        due = [a for a in self._due() if usable is None or usable(a)]
+        probe = bool(due) and self._budget()
+        arm = due[0] if probe else best
+        if usable is not None and not usable(arm):
+            fallback = [a for a in self.arms if usable(a) and self._measures[a].samples]
+            arm = min(fallback, key=lambda a: self.cost(*a)) if fallback \
+                else (TARGET, 0)
+        self.step_count += 1
+        self.probes += probe
+        choice = Choice(arm[0], arm[1], probe, self.clock())
+        self._issued.append(choice)
+        self.last = choice
+        self.reason = self._describe(choice)
+        return choice
+
+    def sent(self) -> None:
+        """The last chosen step is queued: the host's work issuing it (lookups, copies,
+        launches) ends now. Without it, a step's host work counts from `choose` to the next
+        read-back."""
+        if self._issued and self._issued[-1].issued is not None \
+                and id(self._issued[-1]) not in self._host:
+            last = self._issued[-1]
+            self._host[id(last)] = max(self.clock() - last.issued, 0.0)
+
+    def _describe(self, choice: Choice) -> str:
+        def name(arm: Arm) -> str:
+            return "target-only" if arm[0] == TARGET else f"{arm[0]} gamma {arm[1]}"
+
+        measured = sorted((a for a in self.arms if self._measures[a].samples),
+                          key=lambda a: self.cost(*a))
+        notes = ", ".join(f"{name(a)} {1e3 * self.cost(*a):.3g} ms"
+                          for a in measured) or "nothing measured yet"
+        if choice.probe:
+            what = f"probing {name(choice.arm)}"
+        elif choice.source == TARGET:
+            what = "target-only: speculation off"
+        else:
+            what = name(choice.arm)
+        return (f"{what} (measured per emitted token: {notes}; probes {self.probes} of "
+                f"{self.step_count} steps)")
+
+    def update(self, num_accepted: Sequence[int], gamma: int | None = None, *,
+               proposed: Sequence[int] | None = None,
+               row_sources: Sequence[str] | None = None) -> Choice:
+        """Account for the oldest issued step, now read back; -> its choice.
+
+        num_accepted: accepted proposals n of each row that was generating (each emitted
+        n + 1 tokens). gamma: the gamma the step ran at, to check against the issued choice
+        (a step issued without `choose`, e.g. a gamma forced from outside, is accounted as
+        the arm of that gamma: DRAFT, else SUFFIX, 0 target-only). proposed: real proposals
+        per row (default gamma each); a row may accept past them (padding that matched):
+        counted up to them. row_sources: which source proposed each row's tokens (default:
+        the step's), for the acceptance windows.
+        """
+        now = self.clock()
+        if self._issued and gamma is not None and self._issued[0].gamma != gamma:
+            self._issued.clear()  # the loop ran another gamma than chosen: those are stale
+        if self._issued:
+            choice = self._issued.popleft()
+        else:
+            if gamma is None:
+                raise ValueError("update() without an issued step needs the step's gamma")
+            source = TARGET if gamma == 0 else (DRAFT if (DRAFT, gamma) in self._measures
+                                                else SUFFIX)
+            if (source, gamma) not in self._measures:
+                raise ValueError(f"gamma {gamma} is not one of this controller's arms "
+                                 f"{self.arms}")
+            choice = Choice(source, gamma, False, None)
+        host = self._host.pop(id(choice), 0.0)
+        start = self._last_done if choice.issued is None else (
+            choice.issued if self._last_done is None else max(self._last_done, choice.issued))
+        seconds = None
+        if self.costs is not None:
+            seconds = self.costs[choice.arm]
+        elif start is not None:
+            # From when the step could start to its read-back; the host work of steps queued
+            # behind it in that time is theirs, and its own, if done before, is its own.
+            seconds = now - start
+            for later in self._issued:
+                if later.issued is not None and later.issued >= start:
+                    seconds -= self._host.get(id(later), 0.0)
+            if choice.issued is not None and choice.issued < start:
+                seconds += host
+            seconds = max(seconds, 0.0)
+        self._last_done = now
+        self.steps[choice.source] += 1
+        g = choice.gamma
+        if proposed is None:
+            proposed = [g] * len(num_accepted)
+        if len(proposed) != len(num_accepted):
+            raise ValueError(f"proposed has {len(proposed)} rows, num_accepted "
+                             f"{len(num_accepted)}")
+        sources = list(row_sources) if row_sources is not None else \
+            [choice.source] * len(num_accepted)
+        counts = {s: [0, 0] for s in self._window}
+        for n, p, s in zip(num_accepted, proposed, sources):
+            if not 0 <= n <= g or not 0 <= p <= g:
+                raise ValueError(f"num_accepted {n} and proposed {p} must be in 0..{g}")
+            if s in counts and p:
+                counts[s][0] += min(n, p)
+                counts[s][1] += p
+        for s, (n, p) in counts.items():
+            if p:
+                self._window[s].append((n, p))
+        for s in {x for x in sources if x in self._accepts}:
+            totals = self._accepts[s]
+            totals[0] *= ACCEPT_MEMORY
+            totals[1] *= ACCEPT_MEMORY
+            for n, p, x in zip(num_accepted, proposed, sources):
+                if x == s and p:
+                    totals[0] += min(n, p)
+                    totals[1] += min(n + 1, p)
+        if num_accepted and seconds is not None:
+            tokens = 1.0 + sum(num_accepted) / len(num_accepted)
+            weight = self.probe_weight if choice.probe else 1.0 - self.memory
+            measure = self._measures[choice.arm]
+            expected = self._expected(choice.arm)
+            if measure.samples:  # what it measured before, at the source's acceptance now
+                measure.tokens = max(measure.tokens * self._drift(choice.arm), 1.0)
+            measure.add(seconds, tokens, weight, self.step_count)
+            measure.expected = expected
+            if choice.probe:  # far behind the best: probed less often (at most MAX_BACKOFF)
+                far = self.cost(*choice.arm) > FAR_BEHIND * self.cost(*self.best())
+                measure.backoff = min(measure.backoff + 1, MAX_BACKOFF) if far else 0
+        return choice
+
+    def pause(self) -> None:
+        """The loop stopped queueing steps (it admitted requests, or went idle): the next
+        step's time starts at its own issue, not at the last read-back."""
+        self._last_done = None
+
+    def forget(self, source: str) -> None:
+        """Drop what was measured of `source`'s arms (its proposals changed: a new draft was
+        swapped in): each is probed at the next chances."""
+        for arm in self.arms:
+            if arm[0] == source:
+                self._measures[arm] = _Measure()
+                self._allowance += 1
+        if source in self._window:
+            self._window[source].clear()
+            self._accepts[source] = [0.0, 0.0]
+
+    def record_update(self, accepted: bool) -> None:
+        """A draft update ended: its candidate was swapped in (accepted) or dropped."""
+        self.updates["accepted" if accepted else "rejected"] += 1
+
+    # -- reading it ------------------------------------------------------------------------------
+
+    def acceptance_window(self, source: str) -> float | None:
+        """Accepted over proposed tokens in the source's last `window` steps (None: none)."""
+        n, p = self.window_counts(source)
+        return n / p if p else None
+
+    def window_counts(self, source: str) -> tuple[int, int]:
+        """(accepted, proposed) tokens in the source's last `window` steps."""
+        steps = self._window.get(source) or ()
+        return sum(n for n, _ in steps), sum(p for _, p in steps)
+
+    def snapshot(self) -> dict[str, Any]:
+        """What engine.stats shows: the last choice, why, steps per source, the measured cost
+        per arm, windowed acceptance, probes, draft updates."""
+        return {
+            "source": self.last.source, "gamma": self.last.gamma, "probe": self.last.probe,
+            "best": list(self.best()), "reason": self.reason, "steps": dict(self.steps),
+            "probes": self.probes, "chosen": self.step_count,
+            "seconds_per_token": {f"{s}:{g}": self.cost(s, g)
+                                  for s, g in self.arms if self._measures[(s, g)].samples},
+            "acceptance_window": {s: self.acceptance_window(s) for s in self._window
+                                  if s in self.sources},
+            "draft_updates": dict(self.updates),
+        }
+
+
+class ControllerCollector:
+    """Prometheus collector of one engine's controllers (one per batch bucket: steps and
+    updates summed, windows pooled); register it in the engine's registry
+    (runtime/metrics.py SpecMetrics.registry). Needs prometheus_client when collected."""
+
+    def __init__(self, controllers: Callable[[], Iterable[Controller]],
+                 updates: Callable[[], Mapping[str, int]] | None = None) -> None:
+        """updates: the draft updates' counts ({"accepted": n, "rejected": m}) where they are
+        kept once (a Distiller's); default: the controllers' own, summed."""
+        self.controllers = controllers
+        self.updates = updates
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        controllers = list(self.controllers())
+        steps = CounterMetricFamily("fuser_spec_steps_total", "Decoding steps per source of "
+                                    "proposals.", labels=["source"])
+        for source in SOURCES:
+            steps.add_metric([source], sum(c.steps[source] for c in controllers))
+        yield steps
+        window = GaugeMetricFamily("fuser_spec_acceptance_window", "Accepted over proposed "
+                                   "tokens in each source's recent steps.", labels=["source"])
+        for source in (DRAFT, SUFFIX):
+            counts = [c.window_counts(source) for c in controllers]
+            proposed = sum(p for _, p in counts)
+            if proposed:
+                window.add_metric([source], sum(n for n, _ in counts) / proposed)
+        yield window
+        updates = CounterMetricFamily("fuser_draft_updates_total", "Online draft updates, by "
+                                      "whether the candidate was swapped in.", labels=["result"])
+        counts = self.updates() if self.updates is not None else {
+            result: sum(c.updates[result] for c in controllers)
+            for result in ("accepted", "rejected")}
+        for result in ("accepted", "rejected"):
+            updates.add_metric([result], counts.get(result, 0))
+        yield updates

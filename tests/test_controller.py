@@ -1,0 +1,359 @@
+"""The one controller (runtime/controller.py) on scripted costs and a fake clock: it settles on
+the arm of lowest measured wall time per emitted token (never a slower one), probes at most ~5%
+of the steps over a long run, follows costs that change, and counts host work and the steps
+queued ahead of it as the wall clock sees them."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from fuser.runtime.controller import DRAFT, MAX_BACKOFF, SUFFIX, TARGET, Choice, Controller, \
+    ControllerCollector, expected_tokens_per_step, leviathan_speedup
+
+GAMMAS = (1, 2, 4, 6)
+
+
+class Clock:
+    """A fake clock the scripted steps advance."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Script:
+    """Rows that accept each proposal of a source with a fixed probability; a step of an arm
+    takes `seconds[arm]` (times a seeded noise factor in [1 - noise, 1 + noise])."""
+
+    def __init__(self, seconds: dict, alpha: dict, rows: int = 8, noise: float = 0.0,
+                 seed: int = 0) -> None:
+        self.seconds, self.alpha, self.rows, self.noise = dict(seconds), dict(alpha), rows, noise
+        self.rng = random.Random(seed)
+        self.clock = Clock()
+
+    def accepted(self, choice: Choice) -> list[int]:
+        out = []
+        for _ in range(self.rows):
+            n = 0
+            while n < choice.gamma and self.rng.random() < self.alpha.get(choice.source, 0.0):
+                n += 1
+            out.append(n)
+        return out
+
+    def step(self, ctl: Controller) -> Choice:
+        choice = ctl.choose()
+        noise = 1.0 + self.noise * (2 * self.rng.random() - 1)
+        self.clock.now += self.seconds[choice.arm] * noise
+        ctl.update(self.accepted(choice), choice.gamma)
+        return choice
+
+    def run(self, ctl: Controller, steps: int) -> list[Choice]:
+        return [self.step(ctl) for _ in range(steps)]
+
+
+def true_cost(script: Script, arm: tuple[str, int]) -> float:
+    """Expected seconds per emitted token per row of an arm: seconds / E[n + 1]."""
+    source, gamma = arm
+    a = script.alpha.get(source, 0.0)
+    tokens = 1.0 + sum(a ** j for j in range(1, gamma + 1))
+    return script.seconds[arm] / tokens
+
+
+def draft_seconds(target: float, draft_per_token: float) -> dict:
+    seconds = {(TARGET, 0): target}
+    seconds.update({(DRAFT, g): target * 1.05 + draft_per_token * g for g in GAMMAS})
+    return seconds
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(alpha=st.floats(0.0, 0.95), draft_per_token=st.floats(0.02, 0.6),
+       noise=st.sampled_from([0.0, 0.1]), seed=st.integers(0, 1000))
+def test_never_settles_on_an_arm_slower_than_the_best(alpha: float, draft_per_token: float,
+                                                      noise: float, seed: int) -> None:
+    """Over a run, probes included, the wall time per emitted token is within 6% of the best
+    single arm's (acceptance is random: a step's tokens are noisy, and arms within a few
+    percent of each other trade places)."""
+    script = Script(draft_seconds(1.0, draft_per_token), {DRAFT: alpha}, noise=noise, seed=seed)
+    ctl = Controller({DRAFT: GAMMAS}, clock=script.clock)
+    script.run(ctl, 300)
+    begin, tokens = script.clock.now, 0.0
+    for _ in range(1000):
+        choice = ctl.choose()
+        script.clock.now += script.seconds[choice.arm] * (
+            1.0 + noise * (2 * script.rng.random() - 1))
+        accepted = script.accepted(choice)
+        ctl.update(accepted, choice.gamma)
+        tokens += 1.0 + sum(accepted) / len(accepted)
+    best = min(true_cost(script, arm) for arm in script.seconds)
+    assert (script.clock.now - begin) / tokens <= 1.06 * best, ctl.reason
+    assert ctl.probes <= 0.05 * ctl.step_count + len(ctl.arms)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 1.0])
+@pytest.mark.parametrize("draft_per_token", [0.05, 0.3, 1.0])
+def test_with_exact_measurements_only_probes_leave_the_best(alpha: float,
+                                                           draft_per_token: float) -> None:
+    """Tokens and seconds without noise: after each arm is measured once, every step that is
+    not a probe runs the best arm."""
+    script = Script(draft_seconds(1.0, draft_per_token), {DRAFT: alpha})
+    ctl = Controller({DRAFT: GAMMAS}, clock=script.clock)
+    choices = script.run(ctl, 2000)
+    best = min(script.seconds, key=lambda arm: (true_cost(script, arm), arm[1]))
+    assert all(c.arm == best for c in choices[len(ctl.arms):] if not c.probe), ctl.reason
+    assert ctl.best() == best
+
+
+def test_probes_stay_within_five_percent_over_a_long_run() -> None:
+    script = Script(draft_seconds(1.0, 0.1), {DRAFT: 0.7}, noise=0.1, seed=3)
+    ctl = Controller({DRAFT: GAMMAS}, clock=script.clock)
+    choices = script.run(ctl, 20000)
+    probes = sum(c.probe for c in choices)
+    assert probes == ctl.probes
+    assert probes <= 0.05 * len(choices) + len(ctl.arms)
+    # Every arm stays measured: each was re-measured within its longest wait lately.
+    tail = choices[-(ctl.refresh << MAX_BACKOFF) - ctl.refresh:]
+    assert {c.arm for c in tail} == set(ctl.arms)
+
+
+def test_adapts_when_costs_change() -> None:
+    script = Script(draft_seconds(1.0, 0.1), {DRAFT: 0.9}, seed=5)
+    ctl = Controller({DRAFT: GAMMAS}, clock=script.clock)
+    script.run(ctl, 500)
+    assert ctl.best() == (DRAFT, 6), ctl.reason  # 5.22 tokens for 1.65 s, 4.1 for 1.45 s, ...
+    # The draft stops agreeing (the traffic changed): target-only is best within a few steps.
+    script.alpha[DRAFT] = 0.0
+    after = script.run(ctl, 50)
+    assert ctl.best() == (TARGET, 0), ctl.reason
+    assert all(c.arm == (TARGET, 0) for c in after[15:] if not c.probe)
+    assert not ctl.enabled and "speculation off" in ctl.reason
+    # It agrees again: the next probes find it, and the choice moves back.
+    script.alpha[DRAFT] = 0.9
+    back = script.run(ctl, 3 * ctl.refresh)
+    optimum = true_cost(script, (DRAFT, 6))
+    assert ctl.best()[0] == DRAFT and true_cost(script, ctl.best()) < 1.2 * optimum, ctl.reason
+    assert all(true_cost(script, c.arm) < 1.2 * optimum
+               for c in back[-ctl.refresh // 2:] if not c.probe)
+    # The draft's steps get slower (its arm in use is measured every step): it leaves it.
+    for g in GAMMAS:
+        script.seconds[(DRAFT, g)] *= 4
+    script.run(ctl, 20)
+    assert ctl.best() == (TARGET, 0), ctl.reason
+
+
+class Pipeline:
+    """A loop that queues step k + 1 before reading step k back, over a fake device: an arm's
+    step costs the host `host[arm]` seconds to issue and the device `device[arm]` seconds; the
+    device starts a step when it was issued and the one before it finished."""
+
+    def __init__(self, host: dict, device: dict, alpha: dict, rows: int = 8, seed: int = 0):
+        self.host, self.device = host, device
+        self.script = Script({}, alpha, rows, seed=seed)
+        self.clock = self.script.clock
+        self.free = 0.0  # when the device finishes what it was given
+        self.tokens = 0
+
+    def issue(self, ctl: Controller) -> tuple[Choice, float]:
+        choice = ctl.choose()
+        self.clock.now += self.host[choice.arm]
+        ctl.sent()
+        self.free = max(self.free, self.clock.now) + self.device[choice.arm]
+        return choice, self.free
+
+    def run(self, ctl: Controller, steps: int) -> float:
+        """-> wall seconds per emitted token per row over these steps."""
+        begin, tokens = self.clock.now, 0.0
+        in_flight = self.issue(ctl)
+        for _ in range(steps):
+            ahead = self.issue(ctl)
+            choice, done = in_flight
+            self.clock.now = max(self.clock.now, done)  # the read-back waits for the device
+            accepted = self.script.accepted(choice)
+            ctl.update(accepted, choice.gamma)
+            tokens += 1 + sum(accepted) / len(accepted)
+            in_flight = ahead
+        return (self.clock.now - begin) / tokens
+
+
+def test_host_work_counts_against_an_arm_whose_device_time_is_lower() -> None:
+    """The issue's failure: suffix steps cheap on the device (a verify alone) but costly on the
+    host (lookups) lost to draft steps that the device-time costs ranked below them."""
+    host = {(TARGET, 0): 0.1, (DRAFT, 2): 0.1, (DRAFT, 4): 0.1, (SUFFIX, 4): 2.5}
+    device = {(TARGET, 0): 1.0, (DRAFT, 2): 1.3, (DRAFT, 4): 1.6, (SUFFIX, 4): 1.05}
+    alpha = {DRAFT: 0.6, SUFFIX: 0.6}
+    pipe = Pipeline(host, device, alpha, seed=2)
+    ctl = Controller({DRAFT: (2, 4), SUFFIX: (4,)}, clock=pipe.clock)
+    pipe.run(ctl, 300)
+    assert ctl.best()[0] == DRAFT, ctl.reason
+    chosen = Pipeline(host, device, alpha, seed=2)
+    achieved = chosen.run(Controller({DRAFT: (2, 4), SUFFIX: (4,)}, clock=chosen.clock), 2000)
+    # Each arm alone, through the same pipeline.
+    alone = {}
+    for arm in host:
+        only = Pipeline(host, device, alpha, seed=2)
+        alone[arm] = only.run(_Pinned(only.clock, arm), 2000)
+    best = min(alone.values())
+    assert achieved <= best * 1.06, (achieved, alone)
+
+
+class _Pinned:
+    """A controller stand-in that always issues one arm (the single-arm baselines)."""
+
+    def __init__(self, clock: Clock, arm: tuple[str, int]) -> None:
+        self.clock, self.arm = clock, arm
+
+    def choose(self) -> Choice:
+        return Choice(self.arm[0], self.arm[1], False, self.clock())
+
+    def sent(self) -> None:
+        pass
+
+    def update(self, accepted: list[int], gamma: int) -> None:
+        pass
+
+
+def test_scripted_costs_replace_the_clock() -> None:
+    seconds = draft_seconds(1.0, 0.1)
+    ctl = Controller({DRAFT: GAMMAS}, costs=seconds, clock=lambda: 0.0)
+    script = Script(seconds, {DRAFT: 1.0}, seed=1)
+    script.run(ctl, 200)
+    assert ctl.best() == (DRAFT, 6) and ctl.gamma == 6 and ctl.enabled
+    assert ctl.cost(DRAFT, 6) == pytest.approx(seconds[(DRAFT, 6)] / 7)
+    assert "draft gamma 6" in ctl.reason
+
+
+def test_forget_reprobes_the_source_at_once() -> None:
+    script = Script(draft_seconds(1.0, 0.1), {DRAFT: 0.9}, seed=5)
+    ctl = Controller({DRAFT: GAMMAS}, clock=script.clock)
+    script.run(ctl, 300)
+    ctl.forget(DRAFT)
+    assert ctl.best() == (TARGET, 0)
+    nxt = script.run(ctl, len(GAMMAS))
+    assert {c.arm for c in nxt} == {(DRAFT, g) for g in GAMMAS} and all(c.probe for c in nxt)
+    assert ctl.best() == (DRAFT, 6)
+
+
+def test_issued_steps_are_matched_in_order_and_forced_gammas_counted() -> None:
+    clock = Clock()
+    ctl = Controller({DRAFT: (2,)}, clock=clock, first=(DRAFT, 2))
+    first, second = ctl.choose(), ctl.choose()  # the second queued behind the first
+    assert first.arm == (TARGET, 0) and first.probe  # nothing measured: target-only probed
+    assert second.arm == (DRAFT, 2) and not second.probe  # (target-only's probe is pending)
+    clock.now = 1.0
+    assert ctl.update([0, 0], first.gamma) == first
+    clock.now = 1.5
+    assert ctl.update([2, 2], second.gamma) == second
+    # The second step's time runs from the first's read-back (it was queued behind it).
+    assert ctl._measures[second.arm].seconds == pytest.approx(0.5)
+    assert ctl.cost(DRAFT, 2) == pytest.approx(0.5 / 3)
+    # A step run at a gamma nobody chose (fix_gamma) is still accounted, as its arm.
+    clock.now = 2.0
+    assert ctl.update([0, 0], 0).arm == (TARGET, 0)
+    assert ctl.steps == {TARGET: 2, DRAFT: 1, SUFFIX: 0}
+    with pytest.raises(ValueError, match="arms"):
+        ctl.update([0], 3)
+
+
+def test_host_work_of_a_step_is_its_own() -> None:
+    """Step k + 1 is queued (its lookups, its launches) before step k is read back: that host
+    time is step k + 1's, not step k's."""
+    clock = Clock()
+    ctl = Controller({DRAFT: (2,), SUFFIX: (2,)}, clock=clock)
+    a = ctl.choose()
+    clock.now += 0.1
+    ctl.sent()
+    b = ctl.choose()
+    clock.now += 0.7  # b's host work
+    ctl.sent()
+    clock.now = 1.0  # a read back
+    ctl.update([0], a.gamma)
+    assert ctl._measures[a.arm].seconds == pytest.approx(1.0 - 0.7)
+    clock.now = 1.5  # b read back: its device time 0.5 after a's, plus its own host 0.7
+    ctl.update([0], b.gamma)
+    assert ctl._measures[b.arm].seconds == pytest.approx(0.5 + 0.7)
+
+
+def test_windows_snapshot_and_metrics() -> None:
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    seconds = {(TARGET, 0): 1.0, (DRAFT, 2): 1.2, (SUFFIX, 2): 1.05}
+    ctl = Controller({DRAFT: (2,), SUFFIX: (2,)}, costs=seconds)
+    choices = [ctl.choose() for _ in range(3)]  # queued ahead: each arm once
+    assert sorted(c.arm for c in choices) == sorted(ctl.arms)
+    assert sum(c.probe for c in choices) == 2  # all but `first`
+    ctl._issued.clear()  # (accounted below as steps of forced gammas)
+    ctl.update([0, 0], 0)
+    ctl.update([2, 1], 2, row_sources=[DRAFT, SUFFIX], proposed=[2, 1])  # per-row sources
+    ctl.update([1, 0], 2, proposed=[2, 0])  # the second row proposed nothing
+    assert ctl.window_counts(DRAFT) == (3, 4)
+    assert ctl.window_counts(SUFFIX) == (1, 1)
+    assert ctl.acceptance_window(DRAFT) == pytest.approx(3 / 4)
+    snap = ctl.snapshot()
+    assert snap["steps"] == {TARGET: 1, DRAFT: 2, SUFFIX: 0} and snap["probes"] == 2
+    registry = CollectorRegistry()
+    registry.register(ControllerCollector(lambda: [ctl]))
+    ctl.record_update(True)
+    text = generate_latest(registry).decode()
+    assert 'fuser_spec_steps_total{source="draft"} 2.0' in text
+    assert 'fuser_spec_acceptance_window{source="suffix"} 1.0' in text
+    assert 'fuser_draft_updates_total{result="accepted"} 1.0' in text
+
+
+def test_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="eagle"):
+        Controller({"eagle": (1,)})
+    with pytest.raises(ValueError, match="gamma"):
+        Controller({DRAFT: (0,)})
+    with pytest.raises(ValueError, match="probe_share"):
+        Controller({DRAFT: (1,)}, probe_share=0.0)
+    with pytest.raises(ValueError, match="missing"):
+        Controller({DRAFT: (1, 2)}, costs={(TARGET, 0): 1.0, (DRAFT, 1): 1.1})
+    with pytest.raises(ValueError, match="must be in 0..2"):
+        ctl = Controller({DRAFT: (2,)}, costs={(TARGET, 0): 1.0, (DRAFT, 2): 1.1})
+        ctl.choose()
+        ctl.update([3], ctl.last.gamma if ctl.last.gamma else 2)
+
+
+def test_the_suffix_runs_only_where_a_step_may_use_it() -> None:
+    """`choose(usable)`: a step where no row has a suffix match never runs the suffix arm,
+    not even as its probe; the best usable arm runs instead."""
+    seconds = {(TARGET, 0): 1.0, (DRAFT, 2): 1.3, (SUFFIX, 2): 1.02}
+    ctl = Controller({DRAFT: (2,), SUFFIX: (2,)}, costs=seconds)
+    script = Script(seconds, {DRAFT: 0.5, SUFFIX: 0.9}, seed=4)
+    no_match = lambda arm: arm[0] != SUFFIX  # noqa: E731
+    for _ in range(300):
+        choice = ctl.choose(no_match)
+        assert choice.source != SUFFIX
+        ctl.update(script.accepted(choice), choice.gamma)
+    assert ctl.cost(SUFFIX, 2) == float("inf")
+    for _ in range(300):  # matches everywhere: the suffix is probed, and wins
+        choice = ctl.choose()
+        ctl.update(script.accepted(choice), choice.gamma)
+    assert ctl.best() == (SUFFIX, 2)
+    assert ctl.choose(no_match).arm == (DRAFT, 2)  # (it measured the draft better than target)
+
+
+# -- the acceptance model ------------------------------------------------------------------
+
+
+@given(alpha=st.floats(0.0, 1.0), gamma=st.integers(0, 15), c=st.floats(0.0, 2.0))
+def test_formula_matches_leviathan_closed_form(alpha: float, gamma: int, c: float) -> None:
+    """1 + sum_j alpha^j over (g c + 1) is Leviathan's (1 - a^(g+1)) / ((1 - a)(g c + 1))."""
+    ours = expected_tokens_per_step([alpha] * gamma, gamma) / (gamma * c + 1.0)
+    assert leviathan_speedup(alpha, gamma, c) == pytest.approx(ours, rel=1e-9, abs=1e-12)
+
+
+def test_leviathan_known_values_and_alpha_one() -> None:
+    # alpha 0.8, gamma 4, c 0.1: (1 - 0.8^5) / 0.2 = 3.3616 tokens over 1.4 step costs.
+    assert leviathan_speedup(0.8, 4, 0.1) == pytest.approx(3.3616 / 1.4, rel=1e-12)
+    assert leviathan_speedup(1.0, 7, 0.25) == 8 / 2.75  # the limit, no 0/0
+    assert leviathan_speedup(0.0, 3, 0.5) == 1 / 2.5
+    assert leviathan_speedup(0.5, 0, 0.5) == 1.0
+    for bad in [(-0.1, 1, 0.1), (1.1, 1, 0.1), (0.5, -1, 0.1), (0.5, 1.5, 0.1), (0.5, 1, -1)]:
+        with pytest.raises(ValueError):
+            leviathan_speedup(*bad)
