@@ -199,6 +199,7 @@ def seed(directory: Path, names: Iterable[str], device: torch.device) -> int:
 
     copied = 0
     inductor_root = Path(cache_dir())
+    triton_groups: dict[str, list[str]] = {}  # Triton cache key -> its files' names
     for name in names:
         parts = name.split("/")
         if parts[0] != KERNELS_DIR or len(parts) < 3:
@@ -207,9 +208,30 @@ def seed(directory: Path, names: Iterable[str], device: torch.device) -> int:
         if parts[1] == INDUCTOR:
             copied += _copy_absent(directory / name, inductor_root / rest)
         elif parts[1] == TRITON:
+            triton_groups.setdefault(parts[2], []).append(parts[-1])
             for root in triton_cache_dirs(device):
                 copied += _copy_absent(directory / name, root / rest)
+    for root in triton_cache_dirs(device) if triton_groups else ():
+        for key, files in triton_groups.items():
+            _write_triton_groups(root / key, files)
     return copied
+
+
+def _write_triton_groups(key_dir: Path, files: list[str]) -> None:
+    """Triton finds a compiled kernel through its group file, `__grp__<kernel>.json` beside the
+    kernel's files, which lists them by absolute path; without it a lookup misses even with
+    every file in place. Write one per kernel metadata file (`<kernel>.json`) naming the files
+    where they are now (the build's paths are another machine's)."""
+    import json
+
+    for meta in (f for f in files if f.endswith(".json") and not f.startswith("__grp__")):
+        group = key_dir / f"__grp__{meta}"
+        if group.exists():
+            continue
+        children = {f: str(key_dir / f) for f in files}
+        partial = group.with_name(f".{group.name}.{os.getpid()}.partial")
+        partial.write_text(json.dumps({"child_paths": children}))
+        os.replace(partial, group)
 
 
 @contextlib.contextmanager

@@ -213,3 +213,29 @@ def test_cuda_engine_loads_compiling_nothing(tmp_path: Path) -> None:
                                  tmp_path / "fresh")
     assert got["tokens"] == want.tolist()
     assert got["compile_count"] == 0
+
+
+def test_seeded_triton_kernels_are_found_by_tritons_own_lookup(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch
+                                                               ) -> None:
+    """A kernel's files seeded from an engine directory are a cache hit for Triton's own lookup
+    (`FileCacheManager.get_group`, what `triton.compile` asks first): Triton finds them through
+    a group file that names them where they are now, which the engine directory does not keep."""
+    from triton.runtime.cache import FileCacheManager
+
+    from fuser import kernel_store
+
+    key = "a" * 52
+    engine_dir = tmp_path / "engine"
+    files = ["_k.json", "_k.cubin", "_k.ptx"]
+    for name in files:
+        path = engine_dir / kernel_store.KERNELS_DIR / kernel_store.TRITON / key / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(name.encode())
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    names = [f"{kernel_store.KERNELS_DIR}/{kernel_store.TRITON}/{key}/{n}" for n in files]
+    assert FileCacheManager(key).get_group("_k.json") is None  # empty cache: a miss
+    assert kernel_store.seed(engine_dir, names, torch.device("cuda")) == len(files)
+    group = FileCacheManager(key).get_group("_k.json")
+    assert group == {n: str(tmp_path / "triton" / key / n) for n in files}
+    assert all(Path(p).read_bytes() == n.encode() for n, p in group.items())
