@@ -22,7 +22,8 @@ from test_onnx_export import expected_fused_ops, fused  # noqa: E402
 
 pytestmark = [pytest.mark.xdist_group("onnx_bundled"),
               pytest.mark.usefixtures("one_intra_op_thread"),
-              pytest.mark.skipif(bundled_pair() is None, reason="the bundled pair is not installed")]
+              pytest.mark.skipif(bundled_pair() is None,
+                                 reason="the bundled pair is not installed")]
 
 NEW_TOKENS = 32
 

@@ -58,8 +58,8 @@ def attention_inputs(t: GraphTranslator, dtype: torch.dtype) -> tuple[str, str, 
             t.shared(f"bias_{dtype}", bias), t.shared("query_seqlens", query_seqlens))
 
 
-def rotary_tables(t: GraphTranslator, node: torch.fx.Node, cos: torch.fx.Node, sin: torch.fx.Node,
-                  head_dim: int) -> tuple[str, str]:
+def rotary_tables(t: GraphTranslator, node: torch.fx.Node, cos: torch.fx.Node,
+                  sin: torch.fx.Node, head_dim: int) -> tuple[str, str]:
     """RotaryEmbedding's cos/sin caches [S, R/2] for the graph's angle tensors `cos`, `sin`
     ([B, T, R]): the subgraph computing them evaluated at positions 0..S-1, after checking
     that it reads nothing but `positions` and looks each position up on its own."""
@@ -91,7 +91,6 @@ def rotary_tables(t: GraphTranslator, node: torch.fx.Node, cos: torch.fx.Node, s
         names.append(name)
     t.rotary[key] = (names[0], names[1])
     return names[0], names[1]
-
 
 
 def evaluate_from_positions(gm: torch.fx.GraphModule, outputs: list[torch.fx.Node],
@@ -129,7 +128,6 @@ def evaluate_from_positions(gm: torch.fx.GraphModule, outputs: list[torch.fx.Nod
         else:
             return None
     return [env[n] for n in outputs]
-
 
 
 @handles(aten.index_put)

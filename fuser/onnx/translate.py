@@ -3,14 +3,17 @@
     (tokens[B, T], positions[B, T], seq_lens[B], starts[B], past_key_i[B, kv, S, D],
      past_value_i[B, kv, S, D] per layer) -> (logits[B, T, V], present_key_i, present_value_i)
 
-Every fused op the passes found becomes onnxruntime's own operator:
+Every fused op the passes found becomes onnxruntime's own operator (fuser/onnx/fused.py):
 
-| fuser op (passes/) | onnxruntime operator |
+| fuser op (pass) | onnxruntime operator |
 |---|---|
-| `fuser::rms_norm` (rms_norm) | `SimplifiedLayerNormalization` |
+| `fuser::rms_norm` (rms_norm) | `SimplifiedLayerNormalization` (its contrib op, ONNX domain) |
 | `fuser::add_rms_norm` (add_rms_norm) | `com.microsoft.SkipSimplifiedLayerNormalization` |
 | `fuser::rotary` (rotary) | `com.microsoft.RotaryEmbedding`, one per rotated tensor |
-| KV-cache write + `fuser::cache_attention` / `fuser::prefill_attention` (capture) | `com.microsoft.GroupQueryAttention` |
+| cache write + `fuser::cache_attention` | `com.microsoft.GroupQueryAttention` |
+| cache write + `fuser::prefill_attention` | `com.microsoft.GroupQueryAttention` |
+
+(the attention ops and the cache writes are capture's, fuser/capture.py).
 
 The KV cache is explicit input and output, in GroupQueryAttention's BNSH layout over the whole
 cache (past and present of one length S, so a runtime may bind both to one buffer); left
