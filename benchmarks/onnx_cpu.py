@@ -122,10 +122,10 @@ def main() -> None:
                                          ids, mask, args.new_tokens, pad, args.runs,
                                          torch.device("cpu"))
     outputs = {}
-    for gamma, label in (("auto", "speculative, gamma=auto"), (0, "target-only")):
+    for gamma, label in (("auto", "speculative (auto)"), (0, "target-only")):
         engine = load(scratch / "fuser", gamma=gamma, threads=args.threads)
         eos_e, pad_e = _generation_ids(engine)
-        row, out = compare.time_system(f"onnxruntime {label}",
+        row, out = compare.time_system(f"ORT {label}",
                                        compare.engine_generate(engine, eos_e, pad_e), ids, mask,
                                        args.new_tokens, pad, args.runs, torch.device("cpu"))
         rows.append(row)
@@ -137,8 +137,8 @@ def main() -> None:
         engine = fuser.optimize(target, draft=draft,
                                 config=fuser.FuserConfig(max_batch_size=1, max_seq_len=max_seq_len))
         results["fuser_engine_build_seconds"] = time.perf_counter() - start
-        for gamma, label in ((None, "speculative, gamma=auto"), (0, "target-only")):
-            row, out = compare.time_system(f"fuser CPU engine {label}",
+        for gamma, label in ((None, "speculative (auto)"), (0, "target-only")):
+            row, out = compare.time_system(f"fuser CPU {label}",
                                            compare.engine_generate(engine, eos, pad, gamma), ids,
                                            mask, args.new_tokens, pad, args.runs,
                                            torch.device("cpu"))
@@ -179,6 +179,8 @@ def main() -> None:
     log("KV cache: fuser's graphs take and return it (GroupQueryAttention); the plain graph "
         "has none (full forward per token)")
     log("")
+    log("ORT: fuser's export run by onnxruntime through the engine's decoding loop; fuser CPU: "
+        "fuser.optimize (Inductor C++)")
     log(compare.table(rows))
 
 

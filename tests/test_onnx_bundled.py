@@ -22,7 +22,8 @@ from test_onnx_export import expected_fused_ops, fused  # noqa: E402
 
 pytestmark = [pytest.mark.xdist_group("onnx_bundled"),
               pytest.mark.usefixtures("one_intra_op_thread"),
-              pytest.mark.skipif(bundled_pair() is None, reason="the bundled pair is not installed")]
+              pytest.mark.skipif(bundled_pair() is None,
+                                 reason="the bundled pair is not installed")]
 
 NEW_TOKENS = 32
 
@@ -127,6 +128,6 @@ def test_benchmark_script(tmp_path):
     results = json.loads(out.read_text())
     assert results["fuser_graphs"]["decode"]["com.microsoft.GroupQueryAttention"] == 6
     assert [r["system"] for r in results["rows"]] == [
-        "onnxruntime speculative, gamma=auto", "onnxruntime target-only", "HF generate"]
+        "ORT speculative (auto)", "ORT target-only", "HF generate"]
     assert all(r["note"] == "tokens = HF's" for r in results["rows"][:2])
     assert "GroupQueryAttention" in run.stdout and "HF generate" in run.stdout.splitlines()[-1]

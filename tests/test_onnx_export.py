@@ -26,8 +26,8 @@ from fuser.onnx import OnnxExportError  # noqa: E402
 from fuser.onnx.export import export_models  # noqa: E402
 from fuser.runtime.onnx_steps import load  # noqa: E402
 from fuser.runtime.steps import DECODE, PREFILL  # noqa: E402
-from tiny import engine_examples, hf_logits, model_configs, random_prompts, relative_error  # noqa: E402
-from tiny import tiny_model  # noqa: E402
+from tiny import (engine_examples, hf_logits, model_configs, random_prompts,  # noqa: E402
+                  relative_error, tiny_model)
 
 # One worker exports each family once for the whole module (the exports are its cost).
 pytestmark = [pytest.mark.xdist_group("onnx_export"),
