@@ -312,3 +312,47 @@ def test_an_engine_directory_adapts_and_keeps_its_distilled_draft(tiny_pair_engi
     again = dict(rebuild_draft(fuser.load(path), path).named_parameters())
     for name, value in distilled.items():
         assert torch.equal(again[name], value.to(again[name].dtype)), name
+
+
+def test_a_target_only_engine_directory_built_with_suffix_steps_adapts(tiny_engine_dir, tmp_path,
+                                                                        capsys):
+    """FuserConfig(suffix_speculation=True) (`fuser build --suffix-steps`) without a draft
+    builds the target's verify steps for the gamma candidates; the loaded engine directory
+    then serves with suffix proposals (no distiller: no draft), the target's greedy tokens.
+    Without them (tiny_engine_dir), adaptation is off, and the message says how to rebuild."""
+    from engines import llama_target
+
+    from fuser.runtime.adapt import AdaptiveScheduler
+    from fuser.runtime.scheduler import SamplingParams, Scheduler
+    from fuser.runtime.steps import verify
+    from fuser.server.cli import make_scheduler
+
+    args = _serve_args("--adapt-draft")
+    args.path = str(tiny_engine_dir)
+    plain = make_scheduler(fuser.load(tiny_engine_dir), args)
+    assert type(plain) is Scheduler
+    assert "fuser build --suffix-steps" in capsys.readouterr().err
+    plain.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = fuser.optimize(llama_target(), config=fuser.FuserConfig(
+            max_batch_size=2, batch_buckets=(1, 2), max_seq_len=64, compile="fx",
+            gamma_candidates=(2, 3), suffix_speculation=True))
+    for bucket in engine.buckets.values():
+        assert verify(2) in bucket.target and verify(3) in bucket.target
+    engine.save(tmp_path / "engine")
+    loaded = fuser.load(tmp_path / "engine")
+    args.path = str(tmp_path / "engine")
+    scheduler = make_scheduler(loaded, args)
+    assert isinstance(scheduler, AdaptiveScheduler) and scheduler.suffix
+    assert scheduler.distiller is None
+    prompt = [5, 9, 14, 3, 7, 11, 5, 9, 14]
+    expected = loaded.generate(torch.tensor([prompt]), max_new_tokens=16)[0, len(prompt):]
+    scheduler.start()
+    try:
+        for _ in range(2):
+            out = scheduler.submit(prompt, SamplingParams(max_tokens=16, temperature=0.0,
+                                                          ignore_eos=True)).result(120.0)
+            assert out == expected.tolist()
+    finally:
+        scheduler.close()

@@ -225,7 +225,9 @@ def make_scheduler(engine: Any, args: argparse.Namespace) -> Any:
             scheduler = AdaptiveScheduler(engine, max_waiting=args.max_waiting, suffix=True,
                                           adapt_draft=bool(engine.gammas), module=module)
         except (ValueError, RuntimeError, NotImplementedError) as e:
-            progress(f"adaptive speculation off ({e}); continuous batching without it")
+            hint = "; rebuild it with fuser build --suffix-steps" \
+                if "verify steps must be built" in str(e) else ""
+            progress(f"adaptive speculation off ({e}{hint}); continuous batching without it")
         else:
             progress("adaptive speculation on (suffix proposals"
                      + (f"; the draft distilled every {engine.config.distill_every} requests "
