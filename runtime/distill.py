@@ -945,7 +945,7 @@ class Distiller:
             if result.before is not None:
                 self.updates["accepted" if result.accepted else "rejected"] += 1
             self.last_result = result
-            log.info("fuser: draft update %d (%.1f s, %d records labelled by the target): %s",
+            log.info("draft update %d (%.1f s, %d records labelled by the target): %s",
                      sum(self.updates.values()), result.seconds, result.labelled, result.reason)
             return result
 

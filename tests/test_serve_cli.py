@@ -356,3 +356,22 @@ def test_a_target_only_engine_directory_built_with_suffix_steps_adapts(tiny_engi
             assert out == expected.tolist()
     finally:
         scheduler.close()
+
+
+def test_draft_updates_are_shown_on_stderr(capsys):
+    import logging
+
+    from fuser.server.cli import show_draft_updates
+
+    handler = show_draft_updates()
+    try:
+        record = logging.LogRecord("fuser", logging.INFO, "/x/runtime/distill.py", 1,
+                                   "draft update %d: %s", (1, "accepted: ..."), None)
+        logging.getLogger("fuser").handle(record)
+        other = logging.LogRecord("fuser", logging.INFO, "/x/runtime/adapt.py", 1,
+                                  "fuser: draft update: %s", ("accepted: ...",), None)
+        logging.getLogger("fuser").handle(other)
+    finally:
+        logging.getLogger("fuser").removeHandler(handler)
+    err = capsys.readouterr().err
+    assert err == "fuser serve: draft update 1: accepted: ...\n"

@@ -12,6 +12,7 @@ and the process exits 0. A second signal aborts what still runs at once.
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
 import threading
@@ -237,6 +238,20 @@ def make_scheduler(engine: Any, args: argparse.Namespace) -> Any:
     return Scheduler(engine, max_waiting=args.max_waiting)
 
 
+def show_draft_updates() -> logging.Handler:
+    """Print each draft update the distiller logs (runtime/distill.py: steps, loss, held-out
+    agreement and KL before and after, accepted or rejected and why) on stderr, with the
+    "fuser" logger's warnings; returns the handler (to remove)."""
+    logger = logging.getLogger("fuser")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("fuser serve: %(message)s"))
+    handler.addFilter(lambda r: r.levelno >= logging.WARNING or r.module == "distill")
+    logger.addHandler(handler)
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
+    return handler
+
+
 def adapted_draft_module(engine: Any, path: str) -> Any:
     """The draft module to distil: the engine's own copy (a model directory's build), or,
     for an engine loaded from the directory `path`, one rebuilt from its draft config and
@@ -298,6 +313,7 @@ def run_serve(args: argparse.Namespace) -> int:
             threading.Thread(target=scheduler.close, daemon=True).start()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    shown = show_draft_updates() if args.adapt_draft else None
     try:
         server.start()
         progress(f"listening on {server.url}; /health answers 503 until the model is ready")
@@ -327,6 +343,8 @@ def run_serve(args: argparse.Namespace) -> int:
             scheduler.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
+        if shown is not None:
+            logging.getLogger("fuser").removeHandler(shown)
 
 
 def drain(serving: Any, scheduler: Any, server: Any, timeout: float) -> int:
