@@ -269,11 +269,14 @@ def test_distill_flags_need_adaptation_and_positive_values(tiny_model_dir, capsy
 def test_an_engine_directory_adapts_and_keeps_its_distilled_draft(tiny_pair_engine, tmp_path):
     """`fuser serve ENGINE_DIR --adapt-draft`: the loaded engine's draft module is rebuilt
     from the directory's draft config and the loaded tensors (bit for bit the built draft's),
-    the scheduler adapts (suffix proposals and a distiller) and serves the target's greedy
-    tokens; after the drain, draft weights swapped in are saved into the directory, and a new
-    load computes them."""
+    the target's over the loaded tensors (its logits the built target's), the scheduler adapts
+    (suffix proposals and a distiller with the target's top-k labels) and serves the target's
+    greedy tokens; after the drain, draft weights swapped in are saved into the directory, and
+    a new load computes them."""
+    from engines import llama_target
+
     from fuser.runtime.adapt import AdaptiveScheduler
-    from fuser.runtime.distill import draft_module, rebuild_draft
+    from fuser.runtime.distill import draft_module, rebuild_draft, rebuild_target
     from fuser.runtime.scheduler import SamplingParams
     from fuser.server.cli import make_scheduler, save_adapted
 
@@ -287,6 +290,10 @@ def test_an_engine_directory_adapts_and_keeps_its_distilled_draft(tiny_pair_engi
     assert rebuilt.keys() == built.keys()
     for name, value in built.items():
         assert torch.equal(rebuilt[name], value), name
+    ids = torch.tensor([[5, 9, 14, 3, 7, 11, 40, 2]])
+    with torch.no_grad():
+        assert torch.equal(rebuild_target(loaded, path)(input_ids=ids).logits,
+                           llama_target()(input_ids=ids).logits)
     prompts = [[5, 9, 14, 3, 7, 11], [8, 8, 2, 30, 41]]
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     expected = [loaded.generate(torch.tensor([p]), max_new_tokens=12)[0, len(p):].tolist()
@@ -296,6 +303,8 @@ def test_an_engine_directory_adapts_and_keeps_its_distilled_draft(tiny_pair_engi
     scheduler = make_scheduler(loaded, args)
     assert isinstance(scheduler, AdaptiveScheduler)
     assert scheduler.suffix and scheduler.distiller is not None and scheduler.swap is not None
+    # The target's top-k labels too: its module rebuilt over the loaded tensors (no copy).
+    assert scheduler.distiller.labels_from_target
     scheduler.start()
     try:
         for _ in range(2):  # the second round finds the first's outputs in the suffix index
@@ -309,6 +318,7 @@ def test_an_engine_directory_adapts_and_keeps_its_distilled_draft(tiny_pair_engi
         assert save_adapted(loaded, scheduler, str(path))
     finally:
         scheduler.close()
+    assert (path / "draft_config.json").is_file() and (path / "target_config.json").is_file()
     again = dict(rebuild_draft(fuser.load(path), path).named_parameters())
     for name, value in distilled.items():
         assert torch.equal(again[name], value.to(again[name].dtype)), name

@@ -230,10 +230,16 @@ def make_scheduler(engine: Any, args: argparse.Namespace) -> Any:
                 if "verify steps must be built" in str(e) else ""
             progress(f"adaptive speculation off ({e}{hint}); continuous batching without it")
         else:
+            distiller = scheduler.distiller
+            if distiller is not None and not distiller.labels_from_target:
+                from fuser.runtime.distill import rebuild_target  # a loaded engine's target
+
+                distiller.label_with(rebuild_target(engine, args.path))
             progress("adaptive speculation on (suffix proposals"
                      + (f"; the draft distilled every {engine.config.distill_every} requests "
-                        f"for {engine.config.distill_budget_s:g} s"
-                        if scheduler.distiller is not None else "") + ")")
+                        f"for {engine.config.distill_budget_s:g} s on the target's "
+                        + ("top-k" if distiller.labels_from_target else "tokens")
+                        if distiller is not None else "") + ")")
             return scheduler
     return Scheduler(engine, max_waiting=args.max_waiting)
 
