@@ -271,9 +271,10 @@ def rebuild_draft(engine: object, directory: str | Path) -> nn.Module:
 
 def rebuild_target(engine: object, directory: str | Path) -> nn.Module | None:
     """The target as a Hugging Face module for an engine loaded from `directory`, its
-    parameters sharing the loaded tensors (views of merged projections; an FP8 weight is
-    dequantized, the one copy): what labels records with the target's top-k. None where the
-    directory has no target config (engine_io.TARGET_CONFIG) or a parameter is not found."""
+    parameters sharing the loaded tensors (views of merged projections: no copy): what labels
+    records with the target's top-k. None (with a warning) where the directory has no target
+    config (engine_io.TARGET_CONFIG), a parameter is not found, or the target is FP8 (that
+    would take a dequantized copy of it)."""
     from fuser.engine_io import TARGET_CONFIG
 
     steps = [b.target for b in getattr(engine, "buckets", {}).values() if b.target is not None]
@@ -327,6 +328,9 @@ def _rebuild(all_steps: Sequence[object], config_path: Path, share: bool
                     buffers.setdefault(buffer_attrs[name], value)
                     continue
                 if name.startswith(CODES_PREFIX):
+                    if share:
+                        raise ValueError("FP8 weights: labelling would need a dequantized copy "
+                                         "of the model")
                     suffix = name.removeprefix(CODES_PREFIX)
                     scale = getattr(gm, SCALE_PREFIX + suffix)
                     name = suffix
