@@ -88,7 +88,8 @@ def cmd_build(args: argparse.Namespace) -> int:
         raise ValueError(f"--out {out} already exists (pass --overwrite to replace it)")
     gamma = args.gamma if args.gamma == "auto" else int(args.gamma)
     config = fuser.FuserConfig(precision=args.precision, gamma=gamma,
-                               max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len)
+                               max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
+                               suffix_speculation=args.suffix_steps)
     engine, source, _ = build_engine_from_args(args.model, args.draft, config)
     progress(f"saving to {out} ...")
     start = time.perf_counter()
@@ -407,6 +408,10 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--max-seq-len", type=int, default=2048,
                        help="most tokens per sequence, prompt plus generated "
                             "(default: %(default)s)")
+    build.add_argument("--suffix-steps", action="store_true",
+                       help="without --draft: also build the target's verify steps for the "
+                            "gamma candidates, which suffix speculation needs (fuser serve "
+                            "ENGINE_DIR --adapt-draft); an engine with a draft has them")
     build.add_argument("--out", required=True, help="the engine directory to write")
     build.add_argument("--overwrite", action="store_true",
                        help="replace --out if it exists")

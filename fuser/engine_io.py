@@ -56,6 +56,7 @@ GENERATION_CONFIG = "generation_config.json"
 # The draft's Hugging Face config: what rebuilds the draft's module for a loaded engine, so that
 # `fuser serve ENGINE_DIR --adapt-draft` can distil it (runtime/distill.py `rebuild_draft`).
 DRAFT_CONFIG = "draft_config.json"
+TARGET_CONFIG = "target_config.json"  # the target's: what labels records with its top-k
 COMPILED_DIR = "compiled"
 TUNING_SUFFIX = ".tuning.bin"
 Log = Callable[[str], None]
@@ -265,23 +266,26 @@ def extra_files(engine: SavableEngine, models: dict[str, dict[int, ModelSteps]],
     generation_config = getattr(engine.user_target, "generation_config", None)
     if generation_config is not None:
         extra[GENERATION_CONFIG] = generation_config.to_json_string().encode()
-    draft_config = draft_hf_config(engine)
-    if draft_config is not None:
-        extra[DRAFT_CONFIG] = draft_config.to_json_string().encode()
+    for name, role in ((DRAFT_CONFIG, "draft"), (TARGET_CONFIG, "target")):
+        hf_config = model_hf_config(engine, role)
+        if hf_config is not None:
+            extra[name] = hf_config.to_json_string().encode()
     extra.update(compiled_files(models, scratch))
     extra.update(kernel_store.kernel_files([s.artifact for s in compiled_steps(models)],
                                            engine.device))
     return extra
 
 
-def draft_hf_config(engine: SavableEngine) -> object | None:
-    """The draft's Hugging Face config: its module's (a built engine), else the one a loaded
-    engine was given back (`engine.draft_config`, set by `rebuild_draft`); None without."""
-    kept = getattr(engine, "draft_config", None)
+def model_hf_config(engine: SavableEngine, role: str) -> object | None:
+    """The Hugging Face config of the engine's `role` ("target" or "draft"): its module's (a
+    built engine), else the one a loaded engine was given back (`engine.draft_config` /
+    `engine.target_config`, set by runtime/distill.py's rebuild); None without."""
+    kept = getattr(engine, f"{role}_config", None)
     if kept is not None:
         return kept
     for bucket in engine.buckets.values():
-        for graph in (bucket.draft.steps.values() if bucket.draft is not None else ()):
+        steps = getattr(bucket, role)
+        for graph in (steps.steps.values() if steps is not None else ()):
             config = getattr(getattr(graph.eager, "model", None), "config", None)
             if config is not None:
                 return config

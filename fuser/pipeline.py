@@ -95,7 +95,10 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
         next(target.parameters()).device
     dtype = config.dtype_for(next(target.parameters()).dtype)
     gammas = config.gammas if draft is not None else ()
-    gamma = max(gammas, default=0)
+    # Without a draft, suffix speculation (runtime/suffix.py) still needs the target's verify
+    # steps: built with the engine, so that a saved engine directory has them.
+    suffix_gammas = config.gammas if draft is None and config.suffix_speculation else ()
+    gamma = max(gammas + suffix_gammas, default=0)
     vocab_size = _check_draft_vocab(target, draft) if draft is not None else target.config.vocab_size
     # Slots per row: max_seq_len plus the gamma + 1 positions a verify step may write, for the
     # largest gamma in use.
@@ -132,7 +135,7 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
         return build_bucket_steps(role, view, cache, sizes, kinds, config, device,
                                   progress=_progress)
 
-    target_kinds = target_steps(0) + [verify(g) for g in gammas]
+    target_kinds = target_steps(0) + [verify(g) for g in sorted(set(gammas + suffix_gammas))]
     target_built = prepare("target", target, target_kinds, slots)
     draft_built = None
     if draft is not None and gammas and target_built is not None:

@@ -77,7 +77,7 @@ from fuser.passes.projections import MERGED_PREFIX
 
 __all__ = ["DistillConfig", "Distiller", "Evaluation", "Gate", "Record", "UpdateResult",
            "WeightSwap", "WeightTarget", "draft_weight_targets", "gate", "rebuild_draft",
-           "target_module", "topk_targets"]
+           "rebuild_target", "target_module", "topk_targets"]
 
 log = logging.getLogger("fuser")
 
@@ -257,29 +257,61 @@ def draft_module(source: object) -> nn.Module:
 def rebuild_draft(engine: object, directory: str | Path) -> nn.Module:
     """The draft as a Hugging Face module, rebuilt for an engine loaded from `directory` (its
     steps keep no module): the architecture from the directory's draft config
-    (engine_io.DRAFT_CONFIG), every parameter from the tensors the loaded draft graphs read,
+    (engine_io.DRAFT_CONFIG), every parameter a copy of what the loaded draft graphs read,
     found by name: a parameter itself, the rows of a merged projection, or an FP8 weight
     dequantized (codes x scale: the distillation starts from what the engine computes). The
     config is kept on the engine (`engine.draft_config`) so that saving it again keeps it.
     Raises ValueError when the directory has no draft config or a parameter is not found."""
+    from fuser.engine_io import DRAFT_CONFIG
+
+    module, config = _rebuild(_draft_steps(engine), Path(directory) / DRAFT_CONFIG, share=False)
+    engine.draft_config = config
+    return module
+
+
+def rebuild_target(engine: object, directory: str | Path) -> nn.Module | None:
+    """The target as a Hugging Face module for an engine loaded from `directory`, its
+    parameters sharing the loaded tensors (views of merged projections: no copy): what labels
+    records with the target's top-k. None (with a warning) where the directory has no target
+    config (engine_io.TARGET_CONFIG), a parameter is not found, or the target is FP8 (that
+    would take a dequantized copy of it)."""
+    from fuser.engine_io import TARGET_CONFIG
+
+    steps = [b.target for b in getattr(engine, "buckets", {}).values() if b.target is not None]
+    try:
+        module, config = _rebuild(steps, Path(directory) / TARGET_CONFIG, share=True)
+    except ValueError as e:
+        log.warning("fuser: the target's top-k labels are off for %s (%s): the draft learns "
+                    "from the emitted tokens", directory, e)
+        return None
+    engine.target_config = config
+    return module
+
+
+def _rebuild(all_steps: Sequence[object], config_path: Path, share: bool
+             ) -> tuple[nn.Module, object]:
+    """(module, its config) from a saved Hugging Face config and the tensors the loaded steps'
+    graphs read (see rebuild_draft); share: parameters are the loaded tensors (or views of
+    them) where dtype and device allow, else copies."""
     import json
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from fuser.engine_io import DRAFT_CONFIG
-
-    path = Path(directory) / DRAFT_CONFIG
-    if not path.is_file():
-        raise ValueError(f"{directory} keeps no {DRAFT_CONFIG} (an engine saved without its "
-                         "draft's config): rebuild it with fuser build to adapt its draft")
-    fields = json.loads(path.read_text(encoding="utf-8"))
+    if not config_path.is_file():
+        raise ValueError(f"{config_path.parent} keeps no {config_path.name} (an engine saved "
+                         "without it): rebuild it with fuser build")
+    if not all_steps:
+        raise ValueError("the engine has no steps for that model")
+    fields = json.loads(config_path.read_text(encoding="utf-8"))
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    all_steps = _draft_steps(engine)
     dtype, device = all_steps[0].cache.k[0].dtype, all_steps[0].cache.k[0].device
-    with torch.device(device):
+    with torch.device("meta" if share else device):
         module = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     params = _Parameters(module)
+    buffer_attrs = {GRAPH_PREFIX + n: n for n in params.buffer_names}
+    buffer_attrs.update({k.replace(".", "__"): v for k, v in buffer_attrs.items()})
     found: dict[str, torch.Tensor] = {}
+    buffers: dict[str, torch.Tensor] = {}
     for steps in all_steps:
         for graph in steps.steps.values():
             gm = graph.rewritten
@@ -290,30 +322,59 @@ def rebuild_draft(engine: object, directory: str | Path) -> nn.Module:
                 if name.startswith(SCALE_PREFIX):
                     continue  # read with its codes
                 value = _attr(gm, name)
+                if not isinstance(value, torch.Tensor):
+                    continue
+                if name in buffer_attrs:
+                    buffers.setdefault(buffer_attrs[name], value)
+                    continue
                 if name.startswith(CODES_PREFIX):
+                    if share:
+                        raise ValueError("FP8 weights: labelling would need a dequantized copy "
+                                         "of the model")
                     suffix = name.removeprefix(CODES_PREFIX)
                     scale = getattr(gm, SCALE_PREFIX + suffix)
-                    name, value = suffix, value.float() * scale.float()[:, None]
+                    name = suffix
+                    value = (value.float() * scale.float()[:, None]).to(dtype)
                 names = [params.by_attr.get(name) or params.by_flat.get(name)]
                 if names[0] is None:
                     names = params.merged.get(name, [])
                 rows = [params.named[n].shape[0] for n in names]
-                if not names or sum(rows) != value.shape[0]:
+                if not names or value.dim() == 0 or sum(rows) != value.shape[0]:
                     continue  # the KV cache, a buffer, or nothing of the module's
                 for n, part in zip(names, value.split(rows, dim=0)):
                     found.setdefault(n, part)
     missing = sorted(set(params.named) - set(found))
     if missing:
-        raise ValueError(f"the loaded draft's graphs hold no tensor for {missing[:4]}"
-                         f"{' ...' if len(missing) > 4 else ''}: its module cannot be rebuilt")
-    with torch.no_grad():
-        for n, p in params.named.items():
-            if tuple(found[n].shape) != tuple(p.shape):
-                raise ValueError(f"{n}: the loaded draft holds shape {tuple(found[n].shape)} "
-                                 f"for a parameter of shape {tuple(p.shape)}")
-            p.copy_(found[n])
-    engine.draft_config = config
-    return module
+        raise ValueError(f"the loaded graphs hold no tensor for {missing[:4]}"
+                         f"{' ...' if len(missing) > 4 else ''}: the module cannot be rebuilt")
+    for n, p in params.named.items():
+        if tuple(found[n].shape) != tuple(p.shape):
+            raise ValueError(f"{n}: the loaded graphs hold shape {tuple(found[n].shape)} for a "
+                             f"parameter of shape {tuple(p.shape)}")
+    if share:  # parameters over the loaded memory, buffers (rotary frequencies) the graphs'
+        new = {id(p): nn.Parameter(found[n].to(device=device, dtype=dtype), requires_grad=False)
+               for n, p in params.named.items()}
+        for prefix, sub in module.named_modules():
+            for k, p in list(sub._parameters.items()):
+                if p is not None:
+                    sub._parameters[k] = new[id(p)]  # (tied parameters stay one object)
+            if any(b is not None and b.is_meta for b in sub._buffers.values()) \
+                    and not sub._parameters and hasattr(sub, "config"):
+                with torch.device(device):  # (rotary frequencies: computed from the config)
+                    fresh = type(sub)(sub.config)
+                for k, b in fresh.named_buffers(recurse=False):
+                    sub._buffers[k] = b
+            for k, b in list(sub._buffers.items()):
+                n = f"{prefix}.{k}" if prefix else k
+                if n in buffers:
+                    sub._buffers[k] = buffers[n].to(device)
+                elif b is not None and b.is_meta:
+                    raise ValueError(f"the buffer {n} cannot be rebuilt")
+    else:
+        with torch.no_grad():
+            for n, p in params.named.items():
+                p.copy_(found[n])
+    return module, config
 
 
 def target_module(engine: object) -> nn.Module | None:
@@ -739,8 +800,8 @@ class Distiller:
                  config: DistillConfig | None = None, device: torch.device | str | None = None,
                  target: nn.Module | None = None) -> None:
         self.config = config or DistillConfig()
-        self._target = _labelling_view(target) if target is not None \
-            and self.config.soft_labels else None
+        self._target: nn.Module | None = None
+        self.label_with(target)
         first = next(draft.parameters())
         self.device = torch.device(device) if device is not None else first.device
         self.student = _trainable_copy(draft, self.device)
@@ -763,6 +824,17 @@ class Distiller:
         self.updates = {"accepted": 0, "rejected": 0}
         self.update_seconds = 0.0
         self.last_result: UpdateResult | None = None
+
+    def label_with(self, target: nn.Module | None) -> None:
+        """Label records that carry only tokens with this target module's top-k from the next
+        update on (None: tokens only); ignored when config.soft_labels is off."""
+        self._target = _labelling_view(target) if target is not None \
+            and self.config.soft_labels else None
+
+    @property
+    def labels_from_target(self) -> bool:
+        """Whether updates label records with a target module's top-k."""
+        return self._target is not None
 
     def _new_optimizer(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self._params.values(), lr=self.config.lr,
@@ -945,7 +1017,7 @@ class Distiller:
             if result.before is not None:
                 self.updates["accepted" if result.accepted else "rejected"] += 1
             self.last_result = result
-            log.info("fuser: draft update %d (%.1f s, %d records labelled by the target): %s",
+            log.info("draft update %d (%.1f s, %d records labelled by the target): %s",
                      sum(self.updates.values()), result.seconds, result.labelled, result.reason)
             return result
 

@@ -269,11 +269,14 @@ def test_distill_flags_need_adaptation_and_positive_values(tiny_model_dir, capsy
 def test_an_engine_directory_adapts_and_keeps_its_distilled_draft(tiny_pair_engine, tmp_path):
     """`fuser serve ENGINE_DIR --adapt-draft`: the loaded engine's draft module is rebuilt
     from the directory's draft config and the loaded tensors (bit for bit the built draft's),
-    the scheduler adapts (suffix proposals and a distiller) and serves the target's greedy
-    tokens; after the drain, draft weights swapped in are saved into the directory, and a new
-    load computes them."""
+    the target's over the loaded tensors (its logits the built target's), the scheduler adapts
+    (suffix proposals and a distiller with the target's top-k labels) and serves the target's
+    greedy tokens; after the drain, draft weights swapped in are saved into the directory, and
+    a new load computes them."""
+    from engines import llama_target
+
     from fuser.runtime.adaptive_scheduler import AdaptiveScheduler
-    from fuser.runtime.distill import draft_module, rebuild_draft
+    from fuser.runtime.distill import draft_module, rebuild_draft, rebuild_target
     from fuser.runtime.scheduler import SamplingParams
     from fuser.server.cli import make_scheduler, save_adapted
 
@@ -287,6 +290,10 @@ def test_an_engine_directory_adapts_and_keeps_its_distilled_draft(tiny_pair_engi
     assert rebuilt.keys() == built.keys()
     for name, value in built.items():
         assert torch.equal(rebuilt[name], value), name
+    ids = torch.tensor([[5, 9, 14, 3, 7, 11, 40, 2]])
+    with torch.no_grad():
+        assert torch.equal(rebuild_target(loaded, path)(input_ids=ids).logits,
+                           llama_target()(input_ids=ids).logits)
     prompts = [[5, 9, 14, 3, 7, 11], [8, 8, 2, 30, 41]]
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     expected = [loaded.generate(torch.tensor([p]), max_new_tokens=12)[0, len(p):].tolist()
@@ -296,6 +303,8 @@ def test_an_engine_directory_adapts_and_keeps_its_distilled_draft(tiny_pair_engi
     scheduler = make_scheduler(loaded, args)
     assert isinstance(scheduler, AdaptiveScheduler)
     assert scheduler.suffix and scheduler.distiller is not None and scheduler.swap is not None
+    # The target's top-k labels too: its module rebuilt over the loaded tensors (no copy).
+    assert scheduler.distiller.labels_from_target
     scheduler.start()
     try:
         for _ in range(2):  # the second round finds the first's outputs in the suffix index
@@ -309,6 +318,70 @@ def test_an_engine_directory_adapts_and_keeps_its_distilled_draft(tiny_pair_engi
         assert save_adapted(loaded, scheduler, str(path))
     finally:
         scheduler.close()
+    assert (path / "draft_config.json").is_file() and (path / "target_config.json").is_file()
     again = dict(rebuild_draft(fuser.load(path), path).named_parameters())
     for name, value in distilled.items():
         assert torch.equal(again[name], value.to(again[name].dtype)), name
+
+
+def test_a_target_only_engine_directory_built_with_suffix_steps_adapts(tiny_engine_dir, tmp_path,
+                                                                        capsys):
+    """FuserConfig(suffix_speculation=True) (`fuser build --suffix-steps`) without a draft
+    builds the target's verify steps for the gamma candidates; the loaded engine directory
+    then serves with suffix proposals (no distiller: no draft), the target's greedy tokens.
+    Without them (tiny_engine_dir), adaptation is off, and the message says how to rebuild."""
+    from engines import llama_target
+
+    from fuser.runtime.adapt import AdaptiveScheduler
+    from fuser.runtime.scheduler import SamplingParams, Scheduler
+    from fuser.runtime.steps import verify
+    from fuser.server.cli import make_scheduler
+
+    args = _serve_args("--adapt-draft")
+    args.path = str(tiny_engine_dir)
+    plain = make_scheduler(fuser.load(tiny_engine_dir), args)
+    assert type(plain) is Scheduler
+    assert "fuser build --suffix-steps" in capsys.readouterr().err
+    plain.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = fuser.optimize(llama_target(), config=fuser.FuserConfig(
+            max_batch_size=2, batch_buckets=(1, 2), max_seq_len=64, compile="fx",
+            gamma_candidates=(2, 3), suffix_speculation=True))
+    for bucket in engine.buckets.values():
+        assert verify(2) in bucket.target and verify(3) in bucket.target
+    engine.save(tmp_path / "engine")
+    loaded = fuser.load(tmp_path / "engine")
+    args.path = str(tmp_path / "engine")
+    scheduler = make_scheduler(loaded, args)
+    assert isinstance(scheduler, AdaptiveScheduler) and scheduler.suffix
+    assert scheduler.distiller is None
+    prompt = [5, 9, 14, 3, 7, 11, 5, 9, 14]
+    expected = loaded.generate(torch.tensor([prompt]), max_new_tokens=16)[0, len(prompt):]
+    scheduler.start()
+    try:
+        for _ in range(2):
+            out = scheduler.submit(prompt, SamplingParams(max_tokens=16, temperature=0.0,
+                                                          ignore_eos=True)).result(120.0)
+            assert out == expected.tolist()
+    finally:
+        scheduler.close()
+
+
+def test_draft_updates_are_shown_on_stderr(capsys):
+    import logging
+
+    from fuser.server.cli import show_draft_updates
+
+    handler = show_draft_updates()
+    try:
+        record = logging.LogRecord("fuser", logging.INFO, "/x/runtime/distill.py", 1,
+                                   "draft update %d: %s", (1, "accepted: ..."), None)
+        logging.getLogger("fuser").handle(record)
+        other = logging.LogRecord("fuser", logging.INFO, "/x/runtime/adapt.py", 1,
+                                  "fuser: draft update: %s", ("accepted: ...",), None)
+        logging.getLogger("fuser").handle(other)
+    finally:
+        logging.getLogger("fuser").removeHandler(handler)
+    err = capsys.readouterr().err
+    assert err == "fuser serve: draft update 1: accepted: ...\n"

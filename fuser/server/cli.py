@@ -12,6 +12,7 @@ and the process exits 0. A second signal aborts what still runs at once.
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
 import threading
@@ -225,14 +226,36 @@ def make_scheduler(engine: Any, args: argparse.Namespace) -> Any:
             scheduler = AdaptiveScheduler(engine, max_waiting=args.max_waiting, suffix=True,
                                           adapt_draft=bool(engine.gammas), module=module)
         except (ValueError, RuntimeError, NotImplementedError) as e:
-            progress(f"adaptive speculation off ({e}); continuous batching without it")
+            hint = "; rebuild it with fuser build --suffix-steps" \
+                if "verify steps must be built" in str(e) else ""
+            progress(f"adaptive speculation off ({e}{hint}); continuous batching without it")
         else:
+            distiller = scheduler.distiller
+            if distiller is not None and not distiller.labels_from_target:
+                from fuser.runtime.distill import rebuild_target  # a loaded engine's target
+
+                distiller.label_with(rebuild_target(engine, args.path))
             progress("adaptive speculation on (suffix proposals"
                      + (f"; the draft distilled every {engine.config.distill_every} requests "
-                        f"for {engine.config.distill_budget_s:g} s"
-                        if scheduler.distiller is not None else "") + ")")
+                        f"for {engine.config.distill_budget_s:g} s on the target's "
+                        + ("top-k" if distiller.labels_from_target else "tokens")
+                        if distiller is not None else "") + ")")
             return scheduler
     return Scheduler(engine, max_waiting=args.max_waiting)
+
+
+def show_draft_updates() -> logging.Handler:
+    """Print each draft update the distiller logs (runtime/distill.py: steps, loss, held-out
+    agreement and KL before and after, accepted or rejected and why) on stderr, with the
+    "fuser" logger's warnings; returns the handler (to remove)."""
+    logger = logging.getLogger("fuser")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("fuser serve: %(message)s"))
+    handler.addFilter(lambda r: r.levelno >= logging.WARNING or r.module == "distill")
+    logger.addHandler(handler)
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
+    return handler
 
 
 def adapted_draft_module(engine: Any, path: str) -> Any:
@@ -296,6 +319,7 @@ def run_serve(args: argparse.Namespace) -> int:
             threading.Thread(target=scheduler.close, daemon=True).start()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    shown = show_draft_updates() if args.adapt_draft else None
     try:
         server.start()
         progress(f"listening on {server.url}; /health answers 503 until the model is ready")
@@ -325,6 +349,8 @@ def run_serve(args: argparse.Namespace) -> int:
             scheduler.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
+        if shown is not None:
+            logging.getLogger("fuser").removeHandler(shown)
 
 
 def drain(serving: Any, scheduler: Any, server: Any, timeout: float) -> int:
