@@ -206,6 +206,7 @@ def load(path: str | Path, device: str | torch.device | None = None, *,
         say(f"captured the step graphs of {len(engine.buckets)} batch buckets in "
             f"{time.perf_counter() - prepared:.1f} s")
     engine.compile_seconds = engine.load_seconds = time.perf_counter() - start
+    engine.load_timings = {**parts.timings, "capture": time.perf_counter() - prepared}
     engine.manifest = parts.manifest
     say(f"loaded in {engine.load_seconds:.1f} s")
     return engine
