@@ -429,14 +429,15 @@ def streamed_request(url: str, model: str, prompt: list[int], max_tokens: int,
             "output_tokens": tokens}
 
 
-def cold_start(engine_dir: str, timeout: float) -> dict:
+def cold_start(engine_dir: str, timeout: float, env: dict[str, str] | None = None) -> dict:
     """Launch `fuser serve ENGINE_DIR` on 127.0.0.1 and time launch -> /health 200; then the
     first request (COLD_PROMPT, COLD_TOKENS greedy tokens, streamed) and WARM_REQUESTS more of
     the same (the warm TTFT), then SIGTERM (the server drains and exits: its status is kept).
 
     An engine of random weights (no tokenizer/ in it: engine_files.py's) is served with an id
     tokenizer (`id_tokenizer_dir`): its tokens then stream as text, and `tokens` are the ids
-    the server generated, for comparison with the engine's own."""
+    the server generated, for comparison with the engine's own. `env`: the server's
+    environment (default: this process's)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "fuser.cli", "serve", engine_dir, "--host", "127.0.0.1",
@@ -450,7 +451,8 @@ def cold_start(engine_dir: str, timeout: float) -> dict:
     result: dict = {"engine_dir": engine_dir, "command": " ".join(command)}
     with tempfile.TemporaryFile("w+") as output, scratch:
         start = time.perf_counter()
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, cwd=ROOT)
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, cwd=ROOT,
+                                   env=env)
         try:
             wait_healthy(url, timeout, process)
             result["seconds_to_health_200"] = time.perf_counter() - start

@@ -464,8 +464,10 @@ def open_engine(path: str | Path, device: str | torch.device | None = None, *,
     timings["read"] = time.perf_counter() - start
     start = time.perf_counter()
     seeded = kernel_store.seed(directory, manifest["extra"], device)
-    with kernel_store.loading(device):
-        if device.type == "cpu":
+    any_compiled = any(g["compiled"] for m in info["models"].values()
+                       for g in m["graphs"].values())
+    with kernel_store.loading(device, any_compiled):
+        if device.type == "cpu" and any_compiled:
             kernel_store.check_isa(info["engine"].get("vector_isa"), directory)
         models = {role: model_steps(role, info["models"][role], caches[role],
                                     loaded.graphs[role], directory, device)
