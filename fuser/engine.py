@@ -100,6 +100,8 @@ class Engine:
         self.step_costs: dict[int, dict[int, float]] = {}
         self._controllers: dict[int, Controller] = {}
         self.load_seconds: float | None = None  # set by fuser.load
+        # seconds of each part of fuser.load (read, code, first_run, capture); {} if built
+        self.load_timings: dict[str, float] = {}
         self.manifest: dict | None = None  # the engine directory's manifest, set by fuser.load
 
     # -- runtime preparation (at optimize/load time) ---------------------------------------------

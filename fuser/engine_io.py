@@ -446,6 +446,9 @@ class EngineParts:
     user_target: DetachedModel
     tokenizer: object | None
     step_costs: dict[int, dict[int, float]]  # bucket -> gamma -> seconds, measured at build
+    # seconds of each part of the load: "read" (manifest, weights, graphs, hashes), "code"
+    # (kernels put in the caches, compiled steps loaded), "first_run" (CUDA: each step once)
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def gammas(self) -> tuple[int, ...]:
@@ -476,21 +479,27 @@ def open_engine(path: str | Path, device: str | torch.device | None = None, *,
     extras = ThreadPoolExecutor(1)
     extras_loaded = extras.submit(load_extras, directory)
     extras.shutdown(wait=False)
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
     caches = allocate_caches(info, device)
     say(f"checking and reading {directory} ...")
     loaded = ef.load_engine(directory, device, passes=pass_names,
                             buffers=cache_buffers(info, caches), log=say)
+    timings["read"] = time.perf_counter() - start
     start = time.perf_counter()
     seeded = kernel_store.seed(directory, manifest["extra"], device)
-    with kernel_store.loading(device):
-        if device.type == "cpu":
+    any_compiled = any(g["compiled"] for m in info["models"].values()
+                       for g in m["graphs"].values())
+    with kernel_store.loading(device, any_compiled):
+        if device.type == "cpu" and any_compiled:
             kernel_store.check_isa(info["engine"].get("vector_isa"), directory)
         models = {role: model_steps(role, info["models"][role], caches[role],
                                     loaded.graphs[role], directory, device)
                   for role in loaded.graphs}
         compiled = sum(g.compiled is not None for buckets in models.values()
                        for steps in buckets.values() for g in steps.steps.values())
-        say(f"loaded the compiled code of {compiled} steps in {time.perf_counter() - start:.1f} s"
+        timings["code"] = time.perf_counter() - start
+        say(f"loaded the compiled code of {compiled} steps in {timings['code']:.1f} s"
             f" ({seeded} kernel binaries put in the caches)")
         if device.type == "cuda":
             # The fused ops' Triton kernels load (from Triton's cache, seeded above) on their
@@ -499,7 +508,8 @@ def open_engine(path: str | Path, device: str | torch.device | None = None, *,
             start = time.perf_counter()
             for role_buckets in models.values():
                 warm_up(role_buckets[max(role_buckets)])
-            say(f"ran every step once in {time.perf_counter() - start:.1f} s")
+            timings["first_run"] = time.perf_counter() - start
+            say(f"ran every step once in {timings['first_run']:.1f} s")
     # JSON gave lists where the config holds tuples (gamma_candidates, batch_buckets).
     saved = {k: tuple(v) if isinstance(v, list) else v for k, v in manifest["config"].items()}
     config = FuserConfig(**{**saved, "device": str(device)})
@@ -507,7 +517,8 @@ def open_engine(path: str | Path, device: str | torch.device | None = None, *,
     costs = {int(b): {int(g): float(s) for g, s in by_gamma.items()}
              for b, by_gamma in info["engine"].get("step_costs", {}).items()}
     return EngineParts(manifest, device, config, models,
-                       DetachedModel(generation_config, str(directory)), tokenizer, costs)
+                       DetachedModel(generation_config, str(directory)), tokenizer, costs,
+                       timings)
 
 
 __all__ = ["DetachedModel", "EngineFileError", "EngineParts", "SavableEngine", "open_engine",

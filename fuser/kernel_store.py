@@ -195,6 +195,9 @@ def triton_cache_dirs(device: torch.device) -> list[Path]:
 def seed(directory: Path, names: Iterable[str], device: torch.device) -> int:
     """Copy the kernels among engine `directory`'s files `names` into Inductor's and Triton's
     caches (files already there are kept); returns how many were copied."""
+    names = [name for name in names if name.startswith(f"{KERNELS_DIR}/")]
+    if not names:  # (an engine of FX graphs: nothing to seed, and no Inductor to import)
+        return 0
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     copied = 0
@@ -235,12 +238,15 @@ def _write_triton_groups(key_dir: Path, files: list[str]) -> None:
 
 
 @contextlib.contextmanager
-def loading(device: torch.device) -> Iterator[None]:
+def loading(device: torch.device, compiled: bool = True) -> Iterator[None]:
     """While compiled steps load on `device`: Inductor loads its kernels in this process (its
     pool of compile workers would only start, at a cost of seconds, to find every binary in the
     cache), and on CPU precompiles no header (a compiler run), as at build time
     (fuser.compile_cpu.config), so that each kernel is looked up under the key it was built
-    under."""
+    under. Without `compiled` steps it does nothing (and imports no Inductor)."""
+    if not compiled:
+        yield
+        return
     from torch._inductor import config
 
     patches: dict[str, object] = {"compile_threads": 1}

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -67,9 +66,7 @@ def build_engine_from_args(model: str | None, draft: str | None, config: object)
     target, draft_model, tokenizer, name = load_pair(model, draft)
     progress(f"capturing (torch.export), rewriting (passes) and compiling {name} ...")
     start = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        engine = build_engine(target, draft_model, config, tokenizer)
+    engine = build_engine(target, draft_model, config, tokenizer)
     progress(f"built in {time.perf_counter() - start:.1f} s")
     source = {"target": str(Path(model).resolve())} if model else {}
     if draft:

@@ -9,9 +9,11 @@ capture CUDA graphs. The Engine that comes out only runs what was built.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -25,6 +27,20 @@ from fuser.engine_io import Log, open_engine
 from fuser.runtime.steps import ModelSteps, StepKind, draft_steps, target_steps, verify
 
 ModelLike = nn.Module | str | Path
+
+
+@contextlib.contextmanager
+def _no_progress_bar() -> Iterator[None]:
+    """transformers' progress bars off for the duration (as they were, after)."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
 
 
 def load_model(source: ModelLike, argument: str) -> tuple[nn.Module, object | None]:
@@ -44,7 +60,8 @@ def load_model(source: ModelLike, argument: str) -> tuple[nn.Module, object | No
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype="auto")
+        with _no_progress_bar():  # fuser says what it loads; a bar per model is noise
+            model = AutoModelForCausalLM.from_pretrained(path, dtype="auto")
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"{argument}={str(source)!r} could not be loaded as a causal LM: {e}") from None
     tokenizer = None
@@ -209,6 +226,7 @@ def load(path: str | Path, device: str | torch.device | None = None, *,
         say(f"captured the step graphs of {len(engine.buckets)} batch buckets in "
             f"{time.perf_counter() - prepared:.1f} s")
     engine.compile_seconds = engine.load_seconds = time.perf_counter() - start
+    engine.load_timings = {**parts.timings, "capture": time.perf_counter() - prepared}
     engine.manifest = parts.manifest
     say(f"loaded in {engine.load_seconds:.1f} s")
     return engine

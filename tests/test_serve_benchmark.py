@@ -241,8 +241,8 @@ def test_dry_run_serves_a_tiny_engine_and_compares(tmp_path: Path) -> None:
 @pytest.mark.slow  # about 25 s on a 2-core CPU: a build, then a fresh process loads and serves
 @pytest.mark.skipif(serving_available() is not None, reason=str(serving_available()))
 def test_cold_start_times_fuser_serve_of_an_engine_directory(tmp_path: Path) -> None:
-    """--cold-start alone: `fuser serve DIR` launched, /health 200, one request, SIGTERM ->
-    exit 0. The engine has one row: a loaded engine keeps only its max_batch_size bucket, and
+    """--cold-start alone: `fuser serve DIR` launched, /health 200, the first request and warm
+    ones (tokens as the engine's), SIGTERM -> exit 0. The engine has one row: a loaded engine keeps only its max_batch_size bucket, and
     the scheduler prefills through a bucket of 1."""
     import torch
     import transformers
@@ -261,7 +261,14 @@ def test_cold_start_times_fuser_serve_of_an_engine_directory(tmp_path: Path) -> 
     result = json.loads((tmp_path / "cold.json").read_text())["cold_start"]
     assert "error" not in result, result
     assert result["seconds_to_health_200"] > 0
-    assert result["first_request"]["ok"] and result["first_request"]["output_tokens"] == 16
+    # random weights, no tokenizer in the engine: served with an id tokenizer, so every token
+    # streams as text, and the ids the server generated are those of the engine in-process
+    assert result["first_request"]["output_tokens"] == 16
+    prompt = torch.tensor([list(range(3, 19))])
+    assert result["tokens"] == engine.generate(prompt, 16)[0, 16:].tolist()
+    assert result["same_text_warm"] and result["first_ttft_over_warm"] > 0
     assert result["exit_status"] == 0
     assert "cold start (launch -> /health 200)" in proc.stdout
+    assert "cold start, first request: TTFT" in proc.stdout
+    assert any(line.split()[:1] == ["total"] for line in result["breakdown"]), result
     assert "systems" not in json.loads((tmp_path / "cold.json").read_text())  # nothing else ran

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import selectors
 import signal
 import socket
@@ -121,6 +122,14 @@ def test_sigterm_drains_and_exits_0(tiny_engine_dir, tmp_path):
         log = stderr.read()
         stderr.close()
     assert "drained in" in log, log[-2000:]
+    # the cold start's breakdown, one line per part, adding up to the total
+    table = dict(re.findall(r"^fuser serve:   (\S[^\n]*?) +(\d+\.\d\d)$", log, re.M))
+    for part in ("imports", "read", "code load", "capture", "load, other", "scheduler",
+                 "warm-up", "total"):
+        assert part in table, log[-3000:]
+    total = float(table.pop("total"))
+    assert abs(sum(map(float, table.values())) - total) < 0.01 * len(table) + 1e-9, table
+    assert 0 < float(table["imports"]) < total
 
 
 def test_a_model_directory_is_built_with_a_bucket_of_1(tiny_model_dir):
@@ -332,7 +341,7 @@ def test_a_target_only_engine_directory_built_with_suffix_steps_adapts(tiny_engi
     Without them (tiny_engine_dir), adaptation is off, and the message says how to rebuild."""
     from engines import llama_target
 
-    from fuser.runtime.adapt import AdaptiveScheduler
+    from fuser.runtime.adaptive_scheduler import AdaptiveScheduler
     from fuser.runtime.scheduler import SamplingParams, Scheduler
     from fuser.runtime.steps import verify
     from fuser.server.cli import make_scheduler
@@ -385,3 +394,21 @@ def test_draft_updates_are_shown_on_stderr(capsys):
         logging.getLogger("fuser").removeHandler(handler)
     err = capsys.readouterr().err
     assert err == "fuser serve: draft update 1: accepted: ...\n"
+
+
+def test_cold_start_parts_add_up(monkeypatch):
+    """ColdStart: each mark is the time since the one before; a split lists the measured parts
+    and keeps the rest under "<name>, other"."""
+    from fuser.server import cli
+
+    clock = iter([2.0, 5.0, 5.5])
+    monkeypatch.setattr(cli, "process_age", lambda: next(clock))
+    cold = cli.ColdStart()
+    cold.mark("imports")
+    cold.split("load", {"read": 1.5, "capture": 0.5})
+    cold.mark("warm-up")
+    assert cold.parts == {"imports": 2.0, "read": 1.5, "capture": 0.5, "load, other": 1.0,
+                          "warm-up": 0.5}
+    lines = cold.table().splitlines()
+    assert lines[0] == "cold start, launch to ready (seconds):"
+    assert lines[-1].split() == ["total", "5.50"]

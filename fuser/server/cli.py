@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -136,19 +137,24 @@ def _check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag} {value:g} must be greater than 0")
 
 
-def open_engine(args: argparse.Namespace) -> Any:
-    """The engine of PATH: loaded from an engine directory, or built from a model directory."""
+def open_engine(args: argparse.Namespace, cold: ColdStart | None = None) -> Any:
+    """The engine of PATH: loaded from an engine directory, or built from a model directory.
+    `cold` gets the imports, and the load's parts (or the build) marked."""
     import torch
 
     import fuser
     from fuser.launch import build_engine_from_args, is_engine_dir
 
+    cold = cold or ColdStart()
+    cold.mark("imports")
     if is_engine_dir(args.path):
         if args.draft is not None:
             raise ValueError(f"{args.path} is an engine directory: its draft is built in "
                              "(--draft applies to model directories)")
         progress(f"loading the engine {args.path} ...")
         engine = fuser.load(args.path, log=progress)
+        cold.split("load", {LOAD_PARTS[k]: v for k, v in engine.load_timings.items()
+                            if k in LOAD_PARTS})
         rows = engine.config.max_batch_size
         if args.max_batch_size is not None and args.max_batch_size != rows:
             plural = "" if rows == 1 else "s"
@@ -171,6 +177,7 @@ def open_engine(args: argparse.Namespace) -> Any:
     config = fuser.FuserConfig(max_batch_size=rows, max_seq_len=args.max_seq_len,
                                batch_buckets=buckets)
     engine, _, _ = build_engine_from_args(args.path, args.draft, config)
+    cold.mark("build")
     return engine
 
 
@@ -288,6 +295,52 @@ def save_adapted(engine: Any, scheduler: Any, path: str) -> bool:
     engine.save(path, overwrite=True)
     progress(f"saved the distilled draft into {path} in {time.perf_counter() - start:.1f} s")
     return True
+def process_age() -> float:
+    """Seconds since this process started (Linux: from /proc; elsewhere since this module's
+    import, which comes after the interpreter's start and torch's import)."""
+    try:
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime
+    except (OSError, ValueError, IndexError):
+        return time.perf_counter() - _IMPORTED
+
+
+_IMPORTED = time.perf_counter()
+
+
+class ColdStart:
+    """Where the time from launch to ready went, printed as one table when ready."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, float] = {}
+        self._last = 0.0
+
+    def mark(self, name: str) -> None:
+        """`name` took the time since the previous mark (the first: since the launch)."""
+        now = process_age()
+        self.parts[name] = self.parts.get(name, 0.0) + now - self._last
+        self._last = now
+
+    def split(self, name: str, parts: dict[str, float]) -> None:
+        """Like mark(name), with the measured `parts` of it listed on their own lines (the
+        rest stays under `name`)."""
+        self.mark(name)
+        total = self.parts.pop(name)
+        for part, seconds in parts.items():
+            self.parts[part] = self.parts.get(part, 0.0) + seconds
+        self.parts[f"{name}, other"] = max(0.0, total - sum(parts.values()))
+
+    def table(self) -> str:
+        width = max(len(n) for n in [*self.parts, "total"])
+        lines = ["cold start, launch to ready (seconds):"]
+        lines += [f"  {name:<{width}} {seconds:7.2f}" for name, seconds in self.parts.items()]
+        lines.append(f"  {'total':<{width}} {self._last:7.2f}")
+        return "\n".join(lines)
+
+
+LOAD_PARTS = {"read": "read", "code": "code load", "first_run": "first run",
+              "capture": "capture"}
 
 
 class _Stop(Exception):
@@ -323,14 +376,19 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         server.start()
         progress(f"listening on {server.url}; /health answers 503 until the model is ready")
-        engine = open_engine(args)
+        cold = ColdStart()
+        engine = open_engine(args, cold)
         tokenizer = load_tokenizer(args, engine)
         started = make_scheduler(engine, args)
         started.start()
         scheduler = started
+        cold.mark("scheduler")
         progress("warming up ...")
         warm_up(scheduler, tokenizer)
         serving.attach(scheduler, tokenizer, engine)
+        cold.mark("warm-up")
+        for line in cold.table().splitlines():
+            progress(line)
         say(f"fuser serve: ready at {server.url} (model {name})")
         while not stop.wait(0.5):
             if not server.alive:
