@@ -14,6 +14,8 @@
 #   accuracy  FP8 against bf16 on the bundled pair, on the GPU (fp8_accuracy.py)
 #   serve     the OpenAI-compatible server under load (serve.py --preset llama-3-8b;
 #             SERVE_ARGS replaces that)
+#   paged     paged against contiguous decode/verify attention at the 8B shape
+#             (paged_attention.py; fails above 1.05x) and the paged kernels' GPU tests
 #   tests     the GPU tests: pytest -k "gpu or cuda" over TESTS (default: tests)
 #
 # Each suite writes its full logs and JSON under $OUT/<suite>/ and ends with a short table; the
@@ -26,7 +28,7 @@ export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fuser-out}
 BUDGET=${BUDGET:-580}
-SUITES="decode verify spec fallback files ops accuracy serve tests"
+SUITES="decode verify spec fallback files ops accuracy serve paged tests"
 if [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ]; then
   sed -n '2,/^set -o/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
   exit 0
@@ -123,6 +125,13 @@ for suite in "$@"; do
       else
         table "serve" "benchmarks/serve.py is missing: nothing to run"
       fi ;;
+    paged)
+      step paged_tests 200 python3 -m pytest -q -p no:cacheprovider -rf tests/test_paged_attention.py \
+        -k "gpu"
+      step paged_attention 300 python3 benchmarks/paged_attention.py --out "$DIR/paged_attention.json"
+      table "paged: paged / contiguous attention, 8B shape, bf16, 16-slot blocks (scattered)" \
+        "$(grep -E '^(FAILED|ERROR)|passed|failed' "$DIR/paged_tests.log" | tail -n 4)" \
+        "$(grep -v -i warn "$DIR/paged_attention.log" | tail -n 14)" ;;
     tests)
       # shellcheck disable=SC2086  # TESTS: paths, word-split on purpose
       step gpu_tests 560 python3 -m pytest -q -p no:cacheprovider -rf ${TESTS:-tests} \

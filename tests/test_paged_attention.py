@@ -262,3 +262,19 @@ def test_gpu_paged_llama3_8b_shape(tokens: int) -> None:
     direct = cache_attention_read_triton(q, k_pool, v_pool, flipped_lens, starts, D**-0.5, 0, 0.0,
                                          flipped)
     assert torch.equal(out, direct)
+
+
+def test_benchmark_dry_run(tmp_path) -> None:
+    """benchmarks/paged_attention.py's plumbing on CPU: both ops, paged equal to contiguous."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "paged.json"
+    proc = subprocess.run([sys.executable, "benchmarks/paged_attention.py", "--dry-run", "--out",
+                           str(out)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())
+    assert len(rows) == 2 and all(r["read_equal"] and r["rotary_equal"] for r in rows)
