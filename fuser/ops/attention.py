@@ -422,12 +422,13 @@ cache_attention_read.register_kernel("cuda")(cache_attention_read_triton)
 @torch.library.custom_op("fuser::cache_attention", mutates_args=())
 def cache_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor, starts: Tensor,
-    scale: float, window: int, softcap: float,
+    scale: float, window: int, softcap: float, block_table: Tensor | None = None,
 ) -> Tensor:
     """What capture emits for a fixed-T step's attention over the cache: the reference math on
     every device. passes/attention.py turns it into `fuser::cache_attention_read` (the split-K
-    kernel) where the config asks for fused attention."""
-    return cache_attention_reference(q, k_cache, v_cache, seq_lens, starts, scale, window, softcap)
+    kernel; the same schema, paged cache included) where the config asks for fused attention."""
+    return cache_attention_reference(q, k_cache, v_cache, seq_lens, starts, scale, window, softcap,
+                                     block_table)
 
 
 cache_attention.register_fake(_cache_attention_read_fake)
