@@ -19,6 +19,8 @@
 #             2,000-request shifted-domain stream with Python before and after, and a
 #             repetitive stream (adapt.py; ADAPT_ARGS adds flags)                      ~6 min
 #   adapt8b   the same, the 8B shape with a random 1B-shape draft (adapt.py --workloads 8b)
+#   paged     paged against contiguous decode/verify attention at the 8B shape
+#             (paged_attention.py; fails above 1.05x) and the paged kernels' GPU tests
 #   tests     the GPU tests: pytest -k "gpu or cuda" over TESTS (default: tests), JOBS workers
 #
 # Each suite writes its full logs and JSON under $OUT/<suite>/ and ends with a short table; the
@@ -31,7 +33,7 @@ export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fuser-out}
 BUDGET=${BUDGET:-580}
-SUITES="decode verify spec fallback files ops accuracy serve adapt adapt8b tests"
+SUITES="decode verify spec fallback files ops accuracy serve adapt adapt8b paged tests"
 if [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ]; then
   sed -n '2,/^set -o/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
   exit 0
@@ -141,6 +143,13 @@ for suite in "$@"; do
       table "$suite: benchmarks/adapt.py --workloads $workloads (on / off; criteria of issue 44)" \
         "$(grep -E '^(python_|stream:)' "$DIR/$suite.log" | sort -u)" \
         "$(sed -n '/^--- criteria/,$p' "$DIR/$suite.log" | grep -E '^ *(PASS|FAIL|n/a) ')" ;;
+    paged)
+      step paged_tests 200 python3 -m pytest -q -p no:cacheprovider -rf tests/test_paged_attention.py \
+        -k "gpu"
+      step paged_attention 300 python3 benchmarks/paged_attention.py --out "$DIR/paged_attention.json"
+      table "paged: paged / contiguous attention, 8B shape, bf16, 16-slot blocks (scattered)" \
+        "$(grep -E '^(FAILED|ERROR)|passed|failed' "$DIR/paged_tests.log" | tail -n 4)" \
+        "$(grep -v -i warn "$DIR/paged_attention.log" | tail -n 14)" ;;
     tests)
       # shellcheck disable=SC2086  # TESTS: paths, word-split on purpose
       # JOBS pytest-xdist workers share the one GPU (default 8 of the machine's 16 cores: the

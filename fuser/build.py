@@ -41,8 +41,9 @@ def model_geometry(config: object) -> tuple[int, int, int]:
 
 
 def allocate_cache(role: str, model_config: object, batch: int, slots: int, dtype: torch.dtype,
-                   device: torch.device, max_seq_len: int) -> KVCache:
-    """The model's KV cache, after checking that it fits in the device's free memory."""
+                   device: torch.device, max_seq_len: int, block_size: int = 0) -> KVCache:
+    """The model's KV cache, after checking that it fits in the device's free memory
+    (block_size > 0: paged, runtime/kv_cache.py)."""
     layers, kv_heads, head_dim = model_geometry(model_config)
     nbytes = KVCache.nbytes(layers, batch, slots, kv_heads, head_dim, dtype)
     free = free_memory_bytes(device)
@@ -51,7 +52,7 @@ def allocate_cache(role: str, model_config: object, batch: int, slots: int, dtyp
             f"the {role}'s KV cache needs {nbytes / 2**30:.2f} GiB for max_batch_size={batch} "
             f"x max_seq_len={max_seq_len}, but only {free / 2**30:.2f} GiB is free on {device}: "
             "lower one of them")
-    return KVCache.allocate(layers, batch, slots, kv_heads, head_dim, dtype, device)
+    return KVCache.allocate(layers, batch, slots, kv_heads, head_dim, dtype, device, block_size)
 
 
 # With compile="auto" on CPU, models below this many parameters run their FX graphs: compiling
@@ -126,7 +127,8 @@ def export_fixed(buckets: dict[int, ModelSteps], view: nn.Module, max_tokens: in
     """One export for every fixed-T step of `buckets`: T dynamic in 1..max_tokens, the batch
     dynamic where there are several buckets; None when the model's code keeps them fixed."""
     top = buckets[max(buckets)]
-    module = StepModule(view, top.cache.k, top.cache.v, prefill=False)
+    module = StepModule(view, top.cache.k, top.cache.v, prefill=False,
+                        block_table=top.cache.block_table)
     start = time.perf_counter()
     try:
         shared = export_step(module, top.cache.batch_size, max_tokens,
@@ -170,7 +172,8 @@ def add_prefill(buckets: dict[int, ModelSteps], view: nn.Module, kind: StepKind,
     if len(buckets) == 1:
         add_step(top, view, kind, config, device)
         return
-    module = StepModule(view, top.cache.k, top.cache.v, prefill=True)
+    module = StepModule(view, top.cache.k, top.cache.v, prefill=True,
+                        block_table=top.cache.block_table)
     try:
         exported, symbolic = export_step(module, top.cache.batch_size, None,
                                          max_tokens=top.cache.slots, dynamic_batch=True)
@@ -200,7 +203,8 @@ def _kind_name(kind: StepKind) -> str:
 
 def _new_graph(steps: ModelSteps, view: nn.Module, kind: StepKind) -> StepGraph:
     """An empty StepGraph of `kind` in `steps`, its eager module over the steps' cache."""
-    module = StepModule(view, steps.cache.k, steps.cache.v, prefill=not kind.fixed)
+    module = StepModule(view, steps.cache.k, steps.cache.v, prefill=not kind.fixed,
+                        block_table=steps.cache.block_table)
     graph = StepGraph(f"{steps.role}.{kind.name}", kind, eager=module)
     steps.steps[kind] = graph
     return graph

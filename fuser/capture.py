@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 import fuser.ops  # noqa: F401  (registers torch.ops.fuser.*)
+from fuser.ops.attention import paged_slots
 
 ATTENTION = "fuser"
 # Families whose decode step is fully fused and checked against Hugging Face (API.md,
@@ -35,11 +36,12 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 class StepContext:
     """What `cache_attention` needs from the step: the cache tensors and the row lengths."""
 
-    k: list[torch.Tensor]  # per layer [B, S, kv_heads, D]
+    k: list[torch.Tensor]  # per layer [B, S, kv_heads, D] (paged: [num_blocks, PAGE, kv_heads, D])
     v: list[torch.Tensor]
     seq_lens: torch.Tensor  # [B] slots written before this step
     starts: torch.Tensor  # [B] first real (non-padding) slot
     prefill: bool  # True: the cache is empty, attend among the new tokens only
+    block_table: torch.Tensor | None = None  # paged cache: [B, max_blocks] int32 (runtime/blocks.py)
 
 
 def cache_attention(
@@ -61,6 +63,8 @@ def cache_attention(
     Returns the attention output as [B, T, H, D].
     A key in slot j is visible to the query in slot i = seq_lens + t when
     starts <= j <= i (and i - j < sliding_window where the layer has one).
+    A paged cache (the step's block_table) holds row b's slot j at
+    (block_table[b, j // PAGE], j % PAGE) of its pools: writes and reads go through the table.
     """
     if fuser_step is None:
         raise RuntimeError("the 'fuser' attention function runs only inside a fuser step")
@@ -70,10 +74,13 @@ def cache_attention(
     device = query.device
 
     slots = step.seq_lens[:, None] + torch.arange(T, device=device)  # [B, T] slot of each new token
-    rows = torch.arange(B, device=device)[:, None].expand(B, T)  # [B, T]
     k_cache, v_cache = step.k[layer], step.v[layer]  # [B, S, kv_heads, D]
-    k_cache.index_put_((rows, slots), key.transpose(1, 2).to(k_cache.dtype))  # [B, T, kv_heads, D]
-    v_cache.index_put_((rows, slots), value.transpose(1, 2).to(v_cache.dtype))
+    if step.block_table is None:
+        rows, cols = torch.arange(B, device=device)[:, None].expand(B, T), slots  # [B, T]
+    else:  # [B, T] block and offset of each new token in the pools
+        rows, cols = paged_slots(step.block_table, k_cache.shape[1], slots)
+    k_cache.index_put_((rows, cols), key.transpose(1, 2).to(k_cache.dtype))  # [B, T, kv_heads, D]
+    v_cache.index_put_((rows, cols), value.transpose(1, 2).to(v_cache.dtype))
 
     scale = scaling if scaling is not None else D**-0.5
     window, cap = int(sliding_window or 0), float(softcap or 0.0)
@@ -81,8 +88,12 @@ def cache_attention(
         return torch.ops.fuser.prefill_attention(
             query, key, value, slots, step.starts, scale, window, cap), None
     # One opaque op per layer: passes/attention.py chooses the kernel that computes it.
+    if step.block_table is None:
+        return torch.ops.fuser.cache_attention(
+            query, k_cache, v_cache, step.seq_lens, step.starts, scale, window, cap), None
     return torch.ops.fuser.cache_attention(
-        query, k_cache, v_cache, step.seq_lens, step.starts, scale, window, cap), None
+        query, k_cache, v_cache, step.seq_lens, step.starts, scale, window, cap,
+        step.block_table), None
 
 
 def _no_mask(*args: object, **kwargs: object) -> None:
@@ -131,7 +142,7 @@ class StepModule(nn.Module):
     """The step function as a module: owns the cache as buffers, so export records the writes."""
 
     def __init__(self, model: nn.Module, k: list[torch.Tensor], v: list[torch.Tensor],
-                 prefill: bool) -> None:
+                 prefill: bool, block_table: torch.Tensor | None = None) -> None:
         super().__init__()
         self.model = model
         self.num_layers = len(k)
@@ -139,6 +150,10 @@ class StepModule(nn.Module):
         for i, (kt, vt) in enumerate(zip(k, v)):
             self.register_buffer(f"k_cache_{i}", kt, persistent=False)
             self.register_buffer(f"v_cache_{i}", vt, persistent=False)
+        # A paged cache: k, v are pools and the rows' block table is read where it lives.
+        self.paged = block_table is not None
+        if block_table is not None:
+            self.register_buffer("block_table", block_table, persistent=False)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
                 starts: torch.Tensor) -> torch.Tensor:
@@ -148,6 +163,7 @@ class StepModule(nn.Module):
             seq_lens=seq_lens,
             starts=starts,
             prefill=self.prefill,
+            block_table=self.block_table if self.paged else None,
         )
         out = self.model(input_ids=tokens, position_ids=positions, use_cache=False,
                          fuser_step=step)

@@ -81,6 +81,11 @@ class FuserConfig:
             suffix per step (runtime/controller.py).
         distill_every: finished requests between two draft updates.
         distill_budget_s: seconds of fine-tuning per draft update.
+        kv_block_size: 0 (the default) keeps each row's KV slots contiguous; N > 0 pages the
+            cache: one pool of N-slot blocks per model and a block table per row, read and
+            written through the table by every step (runtime/kv_cache.py, runtime/blocks.py).
+            The same tokens as the contiguous cache. Not yet with several batch buckets or
+            engine files (both refuse it), nor in the server's scheduler.
     """
 
     precision: Precision = "auto"
@@ -100,6 +105,7 @@ class FuserConfig:
     suffix_speculation: bool = False
     distill_every: int = 1000
     distill_budget_s: float = 10.0
+    kv_block_size: int = 0
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -114,6 +120,10 @@ class FuserConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         _check_positive_int("distill_every", self.distill_every)
+        if isinstance(self.kv_block_size, bool) or not isinstance(self.kv_block_size, int) or \
+                self.kv_block_size < 0:
+            raise ValueError(f"kv_block_size={self.kv_block_size!r} must be 0 (contiguous) or a "
+                             "positive int (slots per block of a paged KV cache)")
         if isinstance(self.distill_budget_s, bool) or not isinstance(
                 self.distill_budget_s, (int, float)) or not self.distill_budget_s > 0:
             raise ValueError(f"distill_budget_s={self.distill_budget_s!r} must be a number of "

@@ -124,6 +124,9 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
     # (runtime/speculative.py `overlapped_step`).
     draft_slots = slots + (gamma if config.overlap else 0)
     sizes = config.buckets_for(device)
+    if config.kv_block_size and len(sizes) > 1:
+        raise ValueError(f"kv_block_size={config.kv_block_size} (a paged KV cache) takes one batch "
+                         f"bucket for now; got {list(sizes)}: set batch_buckets=(max_batch_size,)")
     fallbacks: list[str] = []
     fp8_lm_head = config.fp8_lm_head if config.precision == "fp8" else None
 
@@ -145,7 +148,7 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
                      f"{SUPPORTED_MODEL_TYPES}; fusions that match are applied, the rest runs "
                      "in eager PyTorch")
         cache = allocate_cache(role, model.config, config.max_batch_size, slots, dtype, device,
-                               config.max_seq_len)
+                               config.max_seq_len, config.kv_block_size)
         view = engine_view(model, dtype, device)
         names = ", ".join(k.name + ("" if k.tokens is None else str(k.tokens)) for k in kinds)
         _progress(f"building {role} steps ({names}) for batch buckets {list(sizes)}")

@@ -3,6 +3,13 @@
 Row b of a batch holds its tokens in slots [starts[b], seq_lens[b]); slots before starts[b] are
 left padding, slots at or past seq_lens[b] are stale (masked, then overwritten). Rolling back a
 rejected draft is a length update, nothing else.
+
+A paged cache (block_size > 0) keeps each layer's slots in one pool of blocks
+[num_blocks, block_size, kv_heads, D] and a block table [B, max_blocks] int32: row b's slot j is
+(block_table[b, j // block_size], j % block_size) (runtime/blocks.py manages tables for
+serving; fuser/capture.py and the attention kernels read and write through it). `allocate` gives
+every row the blocks of its `slots` up front, interleaved over the pool (row b's block i is
+1 + i * B + b; block 0 is the null block), which is what `engine.generate` runs over.
 """
 
 from __future__ import annotations
@@ -17,15 +24,18 @@ class KVCache:
     """Static-address key/value tensors, one pair per layer, and per-row lengths.
 
     Attributes:
-        k, v: per layer, [B, S, kv_heads, head_dim] (S = slots per row).
+        k, v: per layer, [B, S, kv_heads, head_dim] (S = slots per row); paged: the pools
+            [num_blocks, block_size, kv_heads, head_dim].
         seq_lens: [B] int64, slots written so far per row (left padding included).
         starts: [B] int64, first real slot per row (the count of left-padding slots).
+        block_table: paged: [B, max_blocks] int32, static address; None: contiguous.
     """
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
     seq_lens: torch.Tensor
     starts: torch.Tensor
+    block_table: torch.Tensor | None = None
 
     @staticmethod
     def nbytes(num_layers: int, batch: int, slots: int, kv_heads: int, head_dim: int,
@@ -36,19 +46,29 @@ class KVCache:
 
     @classmethod
     def allocate(cls, num_layers: int, batch: int, slots: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> KVCache:
-        """Zero-filled slots for `batch` rows of `slots` tokens each."""
+                 dtype: torch.dtype, device: torch.device, block_size: int = 0) -> KVCache:
+        """Zero-filled slots for `batch` rows of `slots` tokens each; block_size > 0: paged,
+        each row given ceil(slots / block_size) blocks of one pool (module docstring)."""
+        table = None
         shape = (batch, slots, kv_heads, head_dim)  # [B, S, kv_heads, D]
+        if block_size:
+            max_blocks = -(-slots // block_size)
+            shape = (1 + batch * max_blocks, block_size, kv_heads, head_dim)  # the pool
+            blocks = 1 + torch.arange(max_blocks)[None, :] * batch + torch.arange(batch)[:, None]
+            table = blocks.to(torch.int32).to(device)  # [B, max_blocks]
         k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         zeros = torch.zeros(batch, dtype=torch.long, device=device)
-        return cls(k, v, seq_lens=zeros.clone(), starts=zeros.clone())
+        return cls(k, v, seq_lens=zeros.clone(), starts=zeros.clone(), block_table=table)
 
     def rows(self, batch: int) -> KVCache:
         """The first `batch` rows as a cache of their own: views, so the same memory and the
         same static addresses (a batch bucket's steps are built over it)."""
         if batch == self.batch_size:
             return self
+        if self.paged:  # one pool for every row: only the table is cut
+            return KVCache(self.k, self.v, seq_lens=self.seq_lens[:batch],
+                           starts=self.starts[:batch], block_table=self.block_table[:batch])
         return KVCache([k[:batch] for k in self.k], [v[:batch] for v in self.v],
                        seq_lens=self.seq_lens[:batch], starts=self.starts[:batch])
 
@@ -57,8 +77,28 @@ class KVCache:
         return self.seq_lens.shape[0]
 
     @property
+    def paged(self) -> bool:
+        return self.block_table is not None
+
+    @property
     def slots(self) -> int:
+        """Slots per row (paged: max_blocks x block_size)."""
+        if self.paged:
+            return self.block_table.shape[1] * self.k[0].shape[1]
         return self.k[0].shape[1] if self.k else 0
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Row dst takes row src's contents and lengths: the slots are copied (src keeps its
+        own), or for a paged cache the two rows' tables are swapped (src then holds dst's old
+        blocks; nothing is copied, and no block is owned twice)."""
+        if self.paged:
+            table = self.block_table
+            table[[dst, src]] = table[[src, dst]]
+        else:
+            for layer in (*self.k, *self.v):  # [B, S, kv_heads, D] each
+                layer[dst].copy_(layer[src])
+        self.seq_lens[dst] = self.seq_lens[src]
+        self.starts[dst] = self.starts[src]
 
     # The lengths change only through the methods below, in place: captured CUDA graphs read
     # seq_lens and starts where they live. (The greedy step's fused kernels, runtime/

@@ -4,6 +4,11 @@
         q: [B, H, T, D] (any strides); k_cache, v_cache: [B, S, KV, D] contiguous, already holding
         this step's k/v at slots seq_lens[b] + t; seq_lens, starts: [B] int64.
         -> [B, T, H, D] contiguous, in q's dtype.
+    cache_attention_read(..., block_table)
+        the paged cache (runtime/blocks.py): k_cache, v_cache: [num_blocks, PAGE, KV, D] pools
+        contiguous; block_table: [B, max_blocks] int32; row b's slot j lives in block
+        block_table[b, j // PAGE] at offset j % PAGE (S = max_blocks * PAGE slots per row).
+        Same math: `paged_view` gathers a row's blocks into the contiguous layout.
 
 Query t of row b sits at slot i = seq_lens[b] + t; key slot j is visible iff
 starts[b] <= j <= i and (window == 0 or i - j < window). Scores s = (q . k) * scale in fp32,
@@ -29,6 +34,9 @@ Triton implementation (split-K / flash-decoding):
     keeping the online-softmax state (running max m, sum l, accumulator acc; fp32), and writes
     (acc, m, l) to fp32 scratch.
   kernel 2, grid (B * H * T,): merges the splits of one query row by log-sum-exp and writes it.
+  Paged (PAGE > 0, a constexpr: the contiguous build is unchanged): each BLOCK_N-slot load
+  gathers its slots' rows through the block table (`_cache_rows`), an int32 read per slot
+  (cached: the BLOCK_N slots share one or two table entries when PAGE >= BLOCK_N).
 
 Cost per (b, kv head), with L = visible slots (seq_lens + T - starts, or ~window + T), s = element
 size of the cache, M = rep * T query rows:
@@ -114,9 +122,22 @@ def _attend_block(
 
 
 @triton.jit
+def _cache_rows(j, j_ok, table_row, PAGE: tl.constexpr):
+    """Where key slots j of a row live, as cache rows of KV * D elements: j itself in the
+    contiguous cache (PAGE = 0; the row's offset is in kv_row), else block table_row[j // PAGE]
+    of the pool at offset j % PAGE (missing slots j_ok = False read the null block 0)."""
+    if PAGE:
+        block = tl.load(table_row + j // PAGE, mask=j_ok, other=0).to(tl.int64)
+        return block * PAGE + j % PAGE
+    return j
+
+
+@triton.jit
 def _attend_cache(
     q, k_ptr, v_ptr,   # q: [BLOCK_M, BLOCK_D]; k_cache, v_cache: [B, S, KV, D] contiguous
-    kv_row,            # offset of (b, slot 0, kv head) in the caches (int64)
+                       # (or the [num_blocks, PAGE, KV, D] pools when PAGE > 0)
+    kv_row,            # offset of (b, slot 0, kv head) in the caches (int64); of kv head (PAGE)
+    table_row,         # PAGE > 0: this row's block table [max_blocks] int32
     slot_i, start, seq_len, window,
     split, limit,      # this program's split; slots >= limit are never loaded (S, or the new slots)
     hi,                # last slot any query of the group may see
@@ -125,6 +146,7 @@ def _attend_cache(
     KV, D,
     NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FP32_DOTS: tl.constexpr,
+    PAGE: tl.constexpr,
 ):
     """The split `split` of the cache walk: visible slots of the whole group are [lo, hi]; the
     BLOCK_N-slot blocks holding them (aligned: whole-block loads) are shared out over the
@@ -143,7 +165,7 @@ def _attend_cache(
     for blk in range(first, last):
         j = base + blk * BLOCK_N + offs_n                   # [BLOCK_N] key slots
         j_ok = (j >= 0) & (j < limit)
-        kv_offs = kv_row + j[:, None] * (KV * D) + cols[None, :]
+        kv_offs = kv_row + _cache_rows(j, j_ok, table_row, PAGE)[:, None] * (KV * D) + cols[None, :]
         kv_mask = j_ok[:, None] & col_ok[None, :]
         k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
@@ -171,16 +193,18 @@ def _store_partial(
 @triton.jit
 def _split_kernel(
     q_ptr,             # q: [B, H, T, D], strides sq_b, sq_h, sq_t, sq_d
-    k_ptr, v_ptr,      # k_cache, v_cache: [B, S, KV, D] contiguous
+    k_ptr, v_ptr,      # k_cache, v_cache: [B, S, KV, D] contiguous, or pools (PAGE > 0)
     seq_lens_ptr,      # [B] int64
     starts_ptr,        # [B] int64
+    table_ptr,         # PAGE > 0: block table [B, max_blocks] int32 contiguous (else unused)
     acc_ptr,           # scratch [B * KV, NUM_SPLITS, M, D] fp32: unnormalised p @ v
     ml_ptr,            # scratch [B * KV, NUM_SPLITS, 2, M] fp32: running max (log2 units), sum
     sq_b, sq_h, sq_t, sq_d,
-    S, KV, T, D, M,    # M = rep * T query rows per kv head
+    S, KV, T, D, M,    # M = rep * T query rows per kv head; S slots per row (max_blocks * PAGE)
     scale_log2e,       # scale * log2(e) (no softcap) or scale (softcap: tanh comes first)
     softcap,
     window,
+    max_blocks,        # PAGE > 0: the table's row stride
     NUM_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr,        # power of two >= max(16, M): tl.dot needs M, N, K >= 16
     BLOCK_N: tl.constexpr,
@@ -189,6 +213,7 @@ def _split_kernel(
     HAS_SOFTCAP: tl.constexpr,
     FP32_DOTS: tl.constexpr,      # fp32 operands, IEEE products (fp32 caches; bf16 interpreted)
     PDL: tl.constexpr = False,    # launched with PDL: wait for the previous kernel (fuser/ops/pdl.py)
+    PAGE: tl.constexpr = 0,       # slots per block of a paged cache; 0: contiguous [B, S, KV, D]
 ):
     wait_for_inputs(PDL)
     bk = tl.program_id(0).to(tl.int64)
@@ -218,10 +243,11 @@ def _split_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # Visible slots of the whole group end at the last query's slot (seq_lens + T - 1).
     hi = tl.minimum(seq_len + T - 1, S - 1)
+    kv_row = kvh * D if PAGE else b * S * KV * D + kvh * D
     m_i, l_i, acc = _attend_cache(
-        q, k_ptr, v_ptr, b * S * KV * D + kvh * D, slot_i, start, seq_len, window, split, S, hi,
-        m_i, l_i, acc, scale_log2e, softcap, KV, D,
-        NUM_SPLITS, BLOCK_N, BLOCK_D, HAS_WINDOW, HAS_SOFTCAP, FP32_DOTS)
+        q, k_ptr, v_ptr, kv_row, table_ptr + b * max_blocks, slot_i, start, seq_len, window,
+        split, S, hi, m_i, l_i, acc, scale_log2e, softcap, KV, D,
+        NUM_SPLITS, BLOCK_N, BLOCK_D, HAS_WINDOW, HAS_SOFTCAP, FP32_DOTS, PAGE)
     _store_partial(acc_ptr, ml_ptr, bk * NUM_SPLITS + split, rows, acc, m_i, l_i, M, D,
                    BLOCK_M, BLOCK_D)
 
@@ -280,8 +306,10 @@ def _num_splits(programs: int, s: int, block_n: int, target_programs: int) -> in
 
 
 def split_scratch(q: Tensor, k_cache: Tensor, num_splits: int | None, block_n: int,
-                  target_programs: int) -> tuple[int, int, int, Tensor, Tensor, bool]:
-    """What a split-K launch over q [B, H, T, D] and k_cache [B, S, KV, D] needs:
+                  target_programs: int, slots: int | None = None
+                  ) -> tuple[int, int, int, Tensor, Tensor, bool]:
+    """What a split-K launch over q [B, H, T, D] and k_cache [B, S, KV, D] (a paged pool: S =
+    `slots`, the slots per row of its table) needs:
     (M = rep * T query rows per kv head, programs = B * KV, splits, the fp32 scratch
     acc [programs, splits, M, D] and ml [programs, splits, 2, M], fp32_dots). The MMA runs in
     the cache's dtype (fp32 accumulate) for bf16/fp16; IEEE fp32 for fp32 caches, and for bf16
@@ -289,6 +317,7 @@ def split_scratch(q: Tensor, k_cache: Tensor, num_splits: int | None, block_n: i
     tests cover it)."""
     B, H, T, D = q.shape
     _, S, KV, _ = k_cache.shape
+    S = S if slots is None else slots
     M = (H // KV) * T
     programs = B * KV
     splits = num_splits or _num_splits(programs, S, block_n, target_programs)
@@ -299,17 +328,37 @@ def split_scratch(q: Tensor, k_cache: Tensor, num_splits: int | None, block_n: i
     return M, programs, splits, acc, ml, fp32_dots
 
 
+def check_paged(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor | None,
+                op: str) -> int:
+    """Validate a cache argument pair against q [B, H, T, D]: the contiguous [B, S, KV, D], or
+    with a block table [B, max_blocks] int32 the pools [num_blocks, PAGE, KV, D]. Returns the
+    slots per row (S, or max_blocks * PAGE)."""
+    B, D = q.shape[0], q.shape[3]
+    if k_cache.dim() != 4 or tuple(k_cache.shape) != tuple(v_cache.shape) or k_cache.shape[3] != D:
+        raise ValueError(f"{op}: k_cache and v_cache must both be [B or num_blocks, S or PAGE, "
+                         f"kv_heads, {D}], got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    if block_table is None:
+        if k_cache.shape[0] != B:
+            raise ValueError(f"{op}: the cache {tuple(k_cache.shape)} has not the {B} rows of q")
+        return k_cache.shape[1]
+    if (block_table.dim() != 2 or block_table.shape[0] != B or block_table.dtype != torch.int32
+            or block_table.device != q.device):
+        raise ValueError(f"{op}: block_table must be [{B}, max_blocks] int32 on {q.device}, got "
+                         f"{tuple(block_table.shape)} {block_table.dtype} on {block_table.device}")
+    return block_table.shape[1] * k_cache.shape[1]
+
+
 def cache_attention_read_triton(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor, starts: Tensor,
-    scale: float, window: int, softcap: float,
+    scale: float, window: int, softcap: float, block_table: Tensor | None = None,
     *, num_splits: int | None = None, block_n: int = BLOCK_N,
     target_programs: int = TARGET_PROGRAMS, num_warps: int | None = None, num_stages: int = 2,
 ) -> Tensor:
     """See the module docstring. The keyword-only arguments are tuning overrides (tests); the
     defaults are what the engine runs."""
     B, H, T, D = q.shape
-    _, S, KV, _ = k_cache.shape
-    assert k_cache.shape == v_cache.shape == (B, S, KV, D), (q.shape, k_cache.shape, v_cache.shape)
+    KV = k_cache.shape[2]
+    S = check_paged(q, k_cache, v_cache, block_table, "cache_attention_read")
     assert H % KV == 0, f"{H} query heads do not group over {KV} kv heads"
     assert seq_lens.shape == starts.shape == (B,)
     out = torch.empty((B, T, H, D), dtype=q.dtype, device=q.device)
@@ -318,21 +367,23 @@ def cache_attention_read_triton(
     k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
     seq_lens = seq_lens.to(torch.int64).contiguous()
     starts = starts.to(torch.int64).contiguous()
+    page = 0 if block_table is None else k_cache.shape[1]
+    table = seq_lens if block_table is None else block_table.contiguous()  # unused when page = 0
     M, programs, splits, acc, ml, fp32_dots = split_scratch(q, k_cache, num_splits, block_n,
-                                                            target_programs)
+                                                            target_programs, S)
     block_m = max(16, triton.next_power_of_2(M))
     block_d = max(16, triton.next_power_of_2(D))
     log2e = 1.4426950408889634
     pdl = pdl_launch(q.device, one_row=T == 1)  # several rows: measured slower with it
     _split_kernel[(programs, splits)](
-        q, k_cache, v_cache, seq_lens, starts, acc, ml,
+        q, k_cache, v_cache, seq_lens, starts, table, acc, ml,
         *q.stride(), S, KV, T, D, M,
-        scale if softcap else scale * log2e, float(softcap), int(window),
+        scale if softcap else scale * log2e, float(softcap), int(window), table.shape[-1],
         NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_WINDOW=bool(window), HAS_SOFTCAP=bool(softcap), FP32_DOTS=fp32_dots,
         # 4 warps: measured as fast or faster than 8 at every Llama-3-8B case on an H200, up to
         # 2x at T = 9, ctx 8192 (docs/performance-notes.md).
-        num_warps=num_warps or 4, num_stages=num_stages, PDL=bool(pdl), **pdl,
+        num_warps=num_warps or 4, num_stages=num_stages, PDL=bool(pdl), PAGE=page, **pdl,
     )
     _combine_kernel[(B * H * T,)](
         acc, ml, out, H, KV, T, D, M,
@@ -350,15 +401,16 @@ def cache_attention_read_triton(
 @torch.library.custom_op("fuser::cache_attention_read", mutates_args=())
 def cache_attention_read(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor, starts: Tensor,
-    scale: float, window: int, softcap: float,
+    scale: float, window: int, softcap: float, block_table: Tensor | None = None,
 ) -> Tensor:
-    return cache_attention_reference(q, k_cache, v_cache, seq_lens, starts, scale, window, softcap)
+    return cache_attention_reference(q, k_cache, v_cache, seq_lens, starts, scale, window, softcap,
+                                     block_table)
 
 
 @cache_attention_read.register_fake
 def _cache_attention_read_fake(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor, starts: Tensor,
-    scale: float, window: int, softcap: float,
+    scale: float, window: int, softcap: float, block_table: Tensor | None = None,
 ) -> Tensor:
     B, H, T, D = q.shape
     return q.new_empty((B, T, H, D))
@@ -370,12 +422,13 @@ cache_attention_read.register_kernel("cuda")(cache_attention_read_triton)
 @torch.library.custom_op("fuser::cache_attention", mutates_args=())
 def cache_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor, starts: Tensor,
-    scale: float, window: int, softcap: float,
+    scale: float, window: int, softcap: float, block_table: Tensor | None = None,
 ) -> Tensor:
     """What capture emits for a fixed-T step's attention over the cache: the reference math on
     every device. passes/attention.py turns it into `fuser::cache_attention_read` (the split-K
-    kernel) where the config asks for fused attention."""
-    return cache_attention_reference(q, k_cache, v_cache, seq_lens, starts, scale, window, softcap)
+    kernel; the same schema, paged cache included) where the config asks for fused attention."""
+    return cache_attention_reference(q, k_cache, v_cache, seq_lens, starts, scale, window, softcap,
+                                     block_table)
 
 
 cache_attention.register_fake(_cache_attention_read_fake)
@@ -501,11 +554,35 @@ def prefill_attention_cuda(
 prefill_attention.register_kernel("cuda")(prefill_attention_cuda)
 
 
+def paged_view(pool: Tensor, block_table: Tensor) -> Tensor:
+    """The contiguous cache a paged pool stands for: row b's blocks in table order.
+
+    pool: [num_blocks, PAGE, KV, D]; block_table: [B, max_blocks] int32
+    -> [B, max_blocks * PAGE, KV, D] (a gathered copy: slot j of row b is
+    pool[block_table[b, j // PAGE], j % PAGE])."""
+    return pool[block_table.long()].flatten(1, 2)
+
+
+def paged_slots(block_table: Tensor, page: int, slots: Tensor) -> tuple[Tensor, Tensor]:
+    """(block, offset) of each row's slots: slots [B, T] int64 -> two [B, T] int64 tensors
+    indexing a pool [num_blocks, PAGE, ...]. Slots past the table's end give the null block 0
+    (slots that a kernel drops; the reference writes them to the null block, which no row reads
+    as its own)."""
+    max_blocks = block_table.shape[1]
+    index = (slots // page).clamp(max=max_blocks - 1)
+    blocks = torch.gather(block_table.long(), 1, index)
+    blocks = torch.where(slots < max_blocks * page, blocks, 0)
+    return blocks, slots % page
+
+
 def cache_attention_reference(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor, starts: Tensor,
-    scale: float, window: int, softcap: float,
+    scale: float, window: int, softcap: float, block_table: Tensor | None = None,
 ) -> Tensor:
-    """T new queries over every slot of the cache (the new k/v already written)."""
+    """T new queries over every slot of the cache (the new k/v already written); a paged cache
+    is read through its block table (`paged_view`)."""
+    if block_table is not None:
+        k_cache, v_cache = paged_view(k_cache, block_table), paged_view(v_cache, block_table)
     T = q.shape[2]
     slots = seq_lens[:, None] + torch.arange(T, device=q.device)  # [B, T]
     key_slots = torch.arange(k_cache.shape[1], device=q.device)  # [S]
@@ -515,7 +592,7 @@ def cache_attention_reference(
 
 def cache_attention_grouped(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor, starts: Tensor,
-    scale: float, window: int, softcap: float,
+    scale: float, window: int, softcap: float, block_table: Tensor | None = None,
 ) -> Tensor:
     """`cache_attention_reference`'s math with each GQA group's rep * T queries as the rows of
     one matrix: the two products are batched GEMMs [rep * T, D] x [D, S] and [rep * T, S] x
@@ -524,8 +601,11 @@ def cache_attention_grouped(
     one-row product would become a reduction that recomputes its inlined producers (rotary,
     softmax) for every key slot. Same values as the reference (fp32 scores and softmax).
 
-    q: [B, H, T, D]; k_cache, v_cache: [B, S, KV, D]. Returns [B, T, H, D] contiguous.
+    q: [B, H, T, D]; k_cache, v_cache: [B, S, KV, D] (or pools and their block table: read
+    through `paged_view`). Returns [B, T, H, D] contiguous.
     """
+    if block_table is not None:
+        k_cache, v_cache = paged_view(k_cache, block_table), paged_view(v_cache, block_table)
     B, H, T, D = q.shape
     S, kv_heads = k_cache.shape[1], k_cache.shape[2]
     rep = H // kv_heads

@@ -18,6 +18,12 @@ v: [B, kv_heads, T, D] like k; k_cache, v_cache: [B, S, kv_heads, D] contiguous,
 place; seq_lens: [B] int64. One launch instead of rotary + two index_put kernels. Both ops run
 one kernel (`WRITE_CACHE` selects where k goes and whether v is copied).
 
+    rotary_cache_write(..., seq_lens, block_table)
+        the paged cache (runtime/blocks.py): k_cache, v_cache: [num_blocks, PAGE, kv_heads, D]
+        pools, block_table: [B, max_blocks] int32; slot j of row b is written at
+        (block_table[b, j // PAGE], j % PAGE). The kernel drops slots >= max_blocks * PAGE; the
+        reference writes them to the null block 0 (which no row reads as its own).
+
 Numerics. The kernel multiplies and adds in fp32 and rounds once to the input dtype. In fp32
 that is PyTorch's own sequence of roundings (mul, mul, add), so the result is bitwise equal to
 the reference (fp contraction into FMA is switched off at launch so a GPU keeps that sequence).
@@ -39,6 +45,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from fuser.ops.attention import paged_slots
 from fuser.ops.pdl import pdl_launch, wait_for_inputs
 
 # Heads of one tensor (q or k) that one program rotates: enough to load the token's cos/sin row
@@ -124,7 +131,9 @@ def _rotary_kernel(
     k_out_ptr,     # rotary: k_out [B, KH, T, D] contiguous; WRITE_CACHE: k_cache [B, S, KH, D]
     v_out_ptr,     # WRITE_CACHE: v_cache [B, S, KH, D] contiguous
     seq_lens_ptr,  # WRITE_CACHE: [B] int64, token t of row b goes to slot seq_lens[b] + t
-    T, H, KH, S,
+    table_ptr,     # PAGE > 0: block table [B, max_blocks] int32 contiguous; the caches are pools
+    T, H, KH, S,   # S: slots per row (max_blocks * PAGE when paged)
+    max_blocks,    # PAGE > 0: the table's row stride
     q_sb, q_sh, q_st, q_sd,
     k_sb, k_sh, k_st, k_sd,
     v_sb, v_sh, v_st, v_sd,
@@ -135,6 +144,7 @@ def _rotary_kernel(
     BLOCK_D: tl.constexpr,
     WRITE_CACHE: tl.constexpr,
     PDL: tl.constexpr = False,  # launched with PDL: wait for the previous kernel (fuser/ops/pdl.py)
+    PAGE: tl.constexpr = 0,     # WRITE_CACHE into a paged pool of PAGE-slot blocks; 0: contiguous
 ):
     wait_for_inputs(PDL)
     # Grid: (B * T tokens, cdiv(H, HEADS) + cdiv(KH, HEADS) [+ cdiv(KH, HEADS)] head blocks).
@@ -150,7 +160,13 @@ def _rotary_kernel(
     kv_blocks = tl.cdiv(KH, HEADS)
     if WRITE_CACHE:
         slot = tl.load(seq_lens_ptr + b) + t
-        kv_row = (b * S + slot) * KH * D     # the cache row [KH, D] of this token
+        if PAGE:
+            # (the index is clamped so that a slot past the table reads an entry; it is dropped)
+            index = tl.minimum(slot // PAGE, max_blocks - 1)
+            pool_block = tl.load(table_ptr + b * max_blocks + index).to(tl.int64)
+            kv_row = (pool_block * PAGE + slot % PAGE) * KH * D
+        else:
+            kv_row = (b * S + slot) * KH * D     # the cache row [KH, D] of this token
         kv_sh = D
         kv_store = tl.where(slot < S, KH, 0)  # a slot past the cache is dropped, never written
     else:
@@ -204,18 +220,25 @@ def _check(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> int:
 
 
 def _check_cache(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
-                 seq_lens: Tensor) -> None:
-    """Validate rotary_cache_write's cache arguments (q, k, cos, sin go through `_check`)."""
+                 seq_lens: Tensor, block_table: Tensor | None = None) -> None:
+    """Validate rotary_cache_write's cache arguments (q, k, cos, sin go through `_check`); with
+    a block table the caches are pools [num_blocks, PAGE, kv_heads, D]."""
     B, _, T, D = q.shape
     KH = k.shape[1]
+    if block_table is not None:
+        if (block_table.dim() != 2 or _differs(block_table.shape[0], B)
+                or block_table.dtype != torch.int32):
+            raise ValueError(f"rotary_cache_write: block_table must be [B, max_blocks] int32, got "
+                             f"{tuple(block_table.shape)} {block_table.dtype}")
+    rows = B if block_table is None else k_cache.shape[0]  # a pool's blocks take the rows' place
     if v.dim() != 4 or any(_differs(a, b) for a, b in zip(v.shape, k.shape)):
         raise ValueError(f"rotary_cache_write: v {tuple(v.shape)} must be shaped like k {tuple(k.shape)}")
     if k_cache.dim() != 4 or any(_differs(a, b) for a, b in zip(k_cache.shape, v_cache.shape)):
         raise ValueError("rotary_cache_write: k_cache and v_cache must both be [B, S, kv_heads, D], "
                          f"got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
-    if any(_differs(k_cache.shape[i], n) for i, n in ((0, B), (2, KH), (3, D))):
+    if any(_differs(k_cache.shape[i], n) for i, n in ((0, rows), (2, KH), (3, D))):
         raise ValueError(f"rotary_cache_write: cache {tuple(k_cache.shape)} does not fit k "
-                         f"{tuple(k.shape)} (need [B, S, kv_heads, D])")
+                         f"{tuple(k.shape)} (need [B or num_blocks, S or PAGE, kv_heads, D])")
     if not q.dtype == v.dtype == k_cache.dtype == v_cache.dtype:
         raise ValueError(f"rotary_cache_write: q, v and the caches must share a dtype, got "
                          f"{q.dtype}, {v.dtype}, {k_cache.dtype}, {v_cache.dtype}")
@@ -227,10 +250,12 @@ def _check_cache(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tens
 
 
 def _launch(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, q_out: Tensor, k_out: Tensor,
-            cache: tuple[Tensor, Tensor, Tensor] | None) -> None:
+            cache: tuple[Tensor, Tensor, Tensor] | None,
+            block_table: Tensor | None = None) -> None:
     """Run `_rotary_kernel`: rope(q) into q_out and rope(k) into k_out ([B, KH, T, D]
     contiguous), or, with cache = (v, v_cache, seq_lens), rope(k) and v into the slots
-    seq_lens[b] + t of k_out = k_cache and v_cache ([B, S, KH, D] contiguous)."""
+    seq_lens[b] + t of k_out = k_cache and v_cache ([B, S, KH, D] contiguous; with a block
+    table, the pools [num_blocks, PAGE, KH, D])."""
     R = cos.shape[-1]
     B, H, T, D = q.shape
     KH = k.shape[1]
@@ -239,14 +264,19 @@ def _launch(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, q_out: Tensor, k_out
     cos = cos.expand(B, T, R)  # broadcast batch/token dims become stride 0
     sin = sin.expand(B, T, R)
     v, v_out, seq_lens = cache if cache is not None else (k, k_out, k_out)  # unused without a cache
+    page = 0 if block_table is None else k_out.shape[1]
+    table = seq_lens if block_table is None else block_table.contiguous()  # unused when page = 0
+    slots = k_out.shape[1] if cache is not None else T
+    if page:
+        slots = table.shape[1] * page
     heads = min(HEADS_PER_PROGRAM, triton.next_power_of_2(max(H, KH)))
     block_half = triton.next_power_of_2(R // 2)
     kv_blocks = triton.cdiv(KH, heads)
     grid = (B * T, triton.cdiv(H, heads) + kv_blocks * (2 if cache is not None else 1))
     pdl = pdl_launch(q.device, one_row=T == 1)
     _rotary_kernel[grid](
-        q, k, v, cos, sin, q_out, k_out, v_out, seq_lens,
-        T, H, KH, k_out.shape[1] if cache is not None else T,
+        q, k, v, cos, sin, q_out, k_out, v_out, seq_lens, table,
+        T, H, KH, slots, table.shape[-1],
         *q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(),
         D=D, R=R,
         HEADS=heads, BLOCK_HALF=block_half,
@@ -257,7 +287,7 @@ def _launch(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, q_out: Tensor, k_out
         # columns, a head dim of 128, is one warp. Tiles are small; 1..4 warps.
         num_warps=max(1, min(4, heads * block_half // 256)),
         # Keep mul, mul, add as three roundings (no FMA): fp32 stays bitwise equal to PyTorch.
-        enable_fp_fusion=False, PDL=bool(pdl), **pdl,
+        enable_fp_fusion=False, PDL=bool(pdl), PAGE=page, **pdl,
     )
 
 
@@ -271,13 +301,15 @@ def rotary_triton(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tenso
 
 
 def rotary_cache_write_triton(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
-                              k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor) -> Tensor:
+                              k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor,
+                              block_table: Tensor | None = None) -> Tensor:
     """rope(q) -> q_embed [B, H, T, D] contiguous; rope(k) and v -> k_cache, v_cache
-    [B, S, KH, D] at slots seq_lens[b] + t (in place). One launch; slots >= S are dropped."""
+    [B, S, KH, D] at slots seq_lens[b] + t (in place; through block_table into the pools
+    when given). One launch; slots >= S are dropped."""
     _check(q, k, cos, sin)
-    _check_cache(q, k, v, k_cache, v_cache, seq_lens)
+    _check_cache(q, k, v, k_cache, v_cache, seq_lens, block_table)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _launch(q, k, cos, sin, q_out, k_cache, cache=(v, v_cache, seq_lens))
+    _launch(q, k, cos, sin, q_out, k_cache, cache=(v, v_cache, seq_lens), block_table=block_table)
     return q_out
 
 
@@ -308,7 +340,8 @@ rotary.register_kernel("cuda")(rotary_triton)
 # (the one mutation a step graph has, now inside the op instead of index_put + copy_).
 @torch.library.custom_op("fuser::rotary_cache_write", mutates_args=("k_cache", "v_cache"))
 def rotary_cache_write(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
-                       k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor) -> Tensor:
+                       k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor,
+                       block_table: Tensor | None = None) -> Tensor:
     """rope(q), and a step's KV-cache write with rope(k) in it. Contract:
 
     - returns rope(q): a fresh contiguous [B, H, T, D] (as `rotary`'s first output);
@@ -320,18 +353,23 @@ def rotary_cache_write(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor
       by the kernel (no host sync: a CUDA graph replays it with new lengths);
     - seq_lens[b] + T <= S (the engine guarantees it; the CPU reference raises otherwise, the
       kernel drops slots past S).
+    - with block_table ([B, max_blocks] int32), k_cache and v_cache are paged pools
+      [num_blocks, PAGE, kv_heads, D] and slot j of row b is (block_table[b, j // PAGE],
+      j % PAGE) (module docstring).
     Numerics as `rotary` (module docstring). CPU: the reference; CUDA: one Triton launch.
     """
     _check(q, k, cos, sin)
-    _check_cache(q, k, v, k_cache, v_cache, seq_lens)
-    return rotary_cache_write_reference(q, k, v, cos, sin, k_cache, v_cache, seq_lens).contiguous()
+    _check_cache(q, k, v, k_cache, v_cache, seq_lens, block_table)
+    return rotary_cache_write_reference(q, k, v, cos, sin, k_cache, v_cache, seq_lens,
+                                        block_table).contiguous()
 
 
 @rotary_cache_write.register_fake
 def _rotary_cache_write_fake(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
-                             k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor) -> Tensor:
+                             k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor,
+                             block_table: Tensor | None = None) -> Tensor:
     _check(q, k, cos, sin)
-    _check_cache(q, k, v, k_cache, v_cache, seq_lens)
+    _check_cache(q, k, v, k_cache, v_cache, seq_lens, block_table)
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
@@ -363,13 +401,18 @@ def rotary_reference(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Te
 
 
 def rotary_cache_write_reference(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
-                                 k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor) -> Tensor:
+                                 k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor,
+                                 block_table: Tensor | None = None) -> Tensor:
     """What a decode graph did before the rotary_cache pass: rotary, then capture's two
-    index_put_ writes (fuser/capture.py, `cache_attention`). Writes the caches, returns rope(q)."""
+    index_put_ writes (fuser/capture.py, `cache_attention`). Writes the caches, returns rope(q).
+    Paged: the same writes at each slot's (block, offset) of the table (`paged_slots`)."""
     q_embed, k_embed = rotary_reference(q, k, cos, sin)
     B, _, T, _ = q.shape
     slots = seq_lens[:, None] + torch.arange(T, device=q.device)  # [B, T] slot of each new token
-    rows = torch.arange(B, device=q.device)[:, None].expand(B, T)  # [B, T]
+    if block_table is not None:
+        rows, slots = paged_slots(block_table, k_cache.shape[1], slots)  # [B, T] block, offset
+    else:
+        rows = torch.arange(B, device=q.device)[:, None].expand(B, T)  # [B, T]
     k_cache.index_put_((rows, slots), k_embed.transpose(1, 2))  # [B, T, kv_heads, D]
     v_cache.index_put_((rows, slots), v.transpose(1, 2))
     return q_embed

@@ -10,7 +10,9 @@ them). Arguments are theirs: q: [B, H, T, D], k, v: [B, KV, T, D] un-rotated, an
 cos, sin: [B or 1, T or 1, R], R even, R <= D (partial rotary passes columns R.. through);
 k_cache, v_cache: [B, S, KV, D] contiguous, written in place at slots seq_lens[b] + t with
 rope(k) and v (slots >= S dropped, as rotary_cache_write's kernel does); seq_lens, starts: [B]
-int64; one dtype throughout. Visibility, scores and softmax are cache_attention_read's
+int64; one dtype throughout. With block_table [B, max_blocks] int32, k_cache and v_cache are
+the paged pools [num_blocks, PAGE, KV, D] and every slot is read and written through the table
+(runtime/blocks.py; attention.py's `_cache_rows`). Visibility, scores and softmax are cache_attention_read's
 (fuser/ops/attention.py): key j is visible to query i = seq_lens[b] + t iff
 starts[b] <= j <= i and (window == 0 or i - j < window).
 
@@ -44,8 +46,9 @@ import triton.language as tl
 from torch import Tensor
 
 from fuser.ops.attention import (BLOCK_N, TARGET_PROGRAMS, _attend_block, _attend_cache,
-                                 _combine_kernel, _store_partial, cache_attention_read_triton,
-                                 cache_attention_reference, split_scratch)
+                                 _cache_rows, _combine_kernel, _store_partial,
+                                 cache_attention_read_triton, cache_attention_reference,
+                                 check_paged, split_scratch)
 from fuser.ops.pdl import pdl_launch, wait_for_inputs
 from fuser.ops.rope import (_check, _check_cache, rotary_cache_write_reference,
                             rotary_cache_write_triton)
@@ -97,7 +100,9 @@ def _rotary_split_kernel(
     k_ptr, v_ptr,      # k, v: [B, KV, T, D] un-rotated / as written, strides sk_*, sv_*
     cos_ptr, sin_ptr,  # [B, T, R] (broadcast dims stride 0), strides c_*, s_*
     k_cache_ptr, v_cache_ptr,  # [B, S, KV, D] contiguous: read below seq_lens, written at seq_lens + t
+                               # (PAGE > 0: the pools [num_blocks, PAGE, KV, D], through the table)
     seq_lens_ptr, starts_ptr,  # [B] int64
+    table_ptr,         # PAGE > 0: block table [B, max_blocks] int32 contiguous (else unused)
     acc_ptr, ml_ptr,   # scratch, as attention's `_split_kernel`
     sq_b, sq_h, sq_t, sq_d,
     sk_b, sk_h, sk_t, sk_d,
@@ -106,6 +111,7 @@ def _rotary_split_kernel(
     s_sb, s_st, s_sr,
     S, KV, T, D, M,    # M = rep * T query rows per kv head
     scale_log2e, softcap, window,
+    max_blocks,        # PAGE > 0: the table's row stride
     R: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr,        # power of two >= max(16, M)
@@ -116,6 +122,7 @@ def _rotary_split_kernel(
     HAS_SOFTCAP: tl.constexpr,
     FP32_DOTS: tl.constexpr,
     PDL: tl.constexpr = False,
+    PAGE: tl.constexpr = 0,       # slots per block of a paged cache; 0: contiguous
 ):
     wait_for_inputs(PDL)
     bk = tl.program_id(0).to(tl.int64)
@@ -143,11 +150,12 @@ def _rotary_split_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # Slots written by earlier steps: [.., seq_len - 1]; never load seq_len.. (written below).
     old = tl.minimum(seq_len, S)
-    kv_row = b * S * KV * D + kvh * D
+    kv_row = kvh * D if PAGE else b * S * KV * D + kvh * D
+    table_row = table_ptr + b * max_blocks
     m_i, l_i, acc = _attend_cache(
-        q, k_cache_ptr, v_cache_ptr, kv_row, slot_i, start, seq_len, window, split, old, old - 1,
-        m_i, l_i, acc, scale_log2e, softcap, KV, D,
-        NUM_SPLITS, BLOCK_N, BLOCK_D, HAS_WINDOW, HAS_SOFTCAP, FP32_DOTS)
+        q, k_cache_ptr, v_cache_ptr, kv_row, table_row, slot_i, start, seq_len, window, split,
+        old, old - 1, m_i, l_i, acc, scale_log2e, softcap, KV, D,
+        NUM_SPLITS, BLOCK_N, BLOCK_D, HAS_WINDOW, HAS_SOFTCAP, FP32_DOTS, PAGE)
 
     if split == NUM_SPLITS - 1:
         # The T new keys: rope(k) and v from the inputs, attended as one more block and written
@@ -166,7 +174,7 @@ def _rotary_split_kernel(
         m_i, l_i, acc = _attend_block(q, k_new, v_new, j, j_ok, slot_i, start, m_i, l_i, acc,
                                       scale_log2e, softcap, window,
                                       HAS_WINDOW, HAS_SOFTCAP, FP32_DOTS)
-        slot_offs = kv_row + j[:, None] * (KV * D) + cols[None, :]
+        slot_offs = kv_row + _cache_rows(j, j_ok, table_row, PAGE)[:, None] * (KV * D) + cols[None, :]
         write = j_ok[:, None] & col_ok[None, :]          # a slot past the cache is dropped
         tl.store(k_cache_ptr + slot_offs, k_new, mask=write)
         tl.store(v_cache_ptr + slot_offs, v_new, mask=write)
@@ -198,40 +206,44 @@ def fused_supported(q: Tensor) -> bool:
 def rotary_cache_attention_triton(
     q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
     seq_lens: Tensor, starts: Tensor, scale: float, window: int, softcap: float,
-    *, num_splits: int | None = None, block_n: int = BLOCK_N,
+    block_table: Tensor | None = None, *, num_splits: int | None = None, block_n: int = BLOCK_N,
     target_programs: int = TARGET_PROGRAMS, num_warps: int | None = None, num_stages: int = 2,
 ) -> Tensor:
     """See the module docstring. Keyword-only arguments: attention's tuning overrides."""
     _check(q, k, cos, sin)
-    _check_cache(q, k, v, k_cache, v_cache, seq_lens)
+    _check_cache(q, k, v, k_cache, v_cache, seq_lens, block_table)
     _check_attention(q, k, seq_lens, starts)
     if not fused_supported(q):
-        q_rot = rotary_cache_write_triton(q, k, v, cos, sin, k_cache, v_cache, seq_lens)
+        q_rot = rotary_cache_write_triton(q, k, v, cos, sin, k_cache, v_cache, seq_lens,
+                                          block_table)
         return cache_attention_read_triton(q_rot, k_cache, v_cache, seq_lens, starts, scale,
-                                           window, softcap)
+                                           window, softcap, block_table)
     B, H, T, D = q.shape
-    _, S, KV, _ = k_cache.shape
+    KV = k_cache.shape[2]
+    S = check_paged(q, k_cache, v_cache, block_table, "rotary_cache_attention")
+    page = 0 if block_table is None else k_cache.shape[1]
+    table = seq_lens if block_table is None else block_table.contiguous()  # unused when page = 0
     R = cos.shape[-1]
     out = torch.empty((B, T, H, D), dtype=q.dtype, device=q.device)
     if out.numel() == 0:
         return out
     cos, sin = cos.expand(B, T, R), sin.expand(B, T, R)  # broadcast dims become stride 0
     M, programs, splits, acc, ml, fp32_dots = split_scratch(q, k_cache, num_splits, block_n,
-                                                            target_programs)
+                                                            target_programs, S)
     block_d = max(16, triton.next_power_of_2(D))
     log2e = 1.4426950408889634
     pdl = pdl_launch(q.device, one_row=T == 1)  # several rows: measured slower with it
     _rotary_split_kernel[(programs, splits)](
-        q, k, v, cos, sin, k_cache, v_cache, seq_lens, starts, acc, ml,
+        q, k, v, cos, sin, k_cache, v_cache, seq_lens, starts, table, acc, ml,
         *q.stride(), *k.stride(), *v.stride(), *cos.stride(), *sin.stride(),
         S, KV, T, D, M,
-        scale if softcap else scale * log2e, float(softcap), int(window),
+        scale if softcap else scale * log2e, float(softcap), int(window), table.shape[-1],
         R=R, NUM_SPLITS=splits, BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n,
         BLOCK_T=max(16, triton.next_power_of_2(T)), BLOCK_D=block_d,
         HAS_WINDOW=bool(window), HAS_SOFTCAP=bool(softcap), FP32_DOTS=fp32_dots,
         num_warps=num_warps or 4, num_stages=num_stages,
         # mul, mul, add as three roundings: the rotation stays bit-equal to the rotary kernel's.
-        enable_fp_fusion=False, PDL=bool(pdl), **pdl,
+        enable_fp_fusion=False, PDL=bool(pdl), PAGE=page, **pdl,
     )
     _combine_kernel[(B * H * T,)](
         acc, ml, out, H, KV, T, D, M,
@@ -250,24 +262,26 @@ def rotary_cache_attention_triton(
 def rotary_cache_attention(
     q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
     seq_lens: Tensor, starts: Tensor, scale: float, window: int, softcap: float,
+    block_table: Tensor | None = None,
 ) -> Tensor:
     """rotary_cache_write then cache_attention_read (module docstring): writes rope(k) and v at
     the caches' slots seq_lens[b] + t, returns attention's [B, T, H, D] (contiguous, q's dtype).
     CPU: the two references; CUDA: one split-K launch and the combine."""
     _check(q, k, cos, sin)
-    _check_cache(q, k, v, k_cache, v_cache, seq_lens)
+    _check_cache(q, k, v, k_cache, v_cache, seq_lens, block_table)
     _check_attention(q, k, seq_lens, starts)
     return rotary_cache_attention_reference(q, k, v, cos, sin, k_cache, v_cache, seq_lens, starts,
-                                            scale, window, softcap)
+                                            scale, window, softcap, block_table)
 
 
 @rotary_cache_attention.register_fake
 def _rotary_cache_attention_fake(
     q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
     seq_lens: Tensor, starts: Tensor, scale: float, window: int, softcap: float,
+    block_table: Tensor | None = None,
 ) -> Tensor:
     _check(q, k, cos, sin)
-    _check_cache(q, k, v, k_cache, v_cache, seq_lens)
+    _check_cache(q, k, v, k_cache, v_cache, seq_lens, block_table)
     _check_attention(q, k, seq_lens, starts)
     B, H, T, D = q.shape
     return q.new_empty((B, T, H, D))
@@ -279,13 +293,14 @@ rotary_cache_attention.register_kernel("cuda")(rotary_cache_attention_triton)
 def rotary_cache_attention_split(
     q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
     seq_lens: Tensor, starts: Tensor, scale: float, window: int, softcap: float,
+    block_table: Tensor | None = None,
 ) -> Tensor:
     """The same call as the two ops it fuses (what a CPU compile runs: fuser/compile_cpu.py
     inlines cache_attention_read's reference into its C++ kernels)."""
     q_rot = torch.ops.fuser.rotary_cache_write.default(q, k, v, cos, sin, k_cache, v_cache,
-                                                     seq_lens)
+                                                     seq_lens, block_table)
     return torch.ops.fuser.cache_attention_read.default(q_rot, k_cache, v_cache, seq_lens, starts,
-                                                        scale, window, softcap)
+                                                        scale, window, softcap, block_table)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -296,7 +311,9 @@ def rotary_cache_attention_split(
 def rotary_cache_attention_reference(
     q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
     seq_lens: Tensor, starts: Tensor, scale: float, window: int, softcap: float,
+    block_table: Tensor | None = None,
 ) -> Tensor:
-    q_rot = rotary_cache_write_reference(q, k, v, cos, sin, k_cache, v_cache, seq_lens)
+    q_rot = rotary_cache_write_reference(q, k, v, cos, sin, k_cache, v_cache, seq_lens,
+                                         block_table)
     return cache_attention_reference(q_rot, k_cache, v_cache, seq_lens, starts, scale, window,
-                                     softcap)
+                                     softcap, block_table)
