@@ -263,14 +263,13 @@ class AdaptiveScheduler(Scheduler):
         matched at least suffix_min_match tokens (else none), long enough for the step in
         flight to have moved on; and the row's output count it continues (the anchor)."""
         width = self._buffers[self.engine.bucket(len(rows)).batch].width
-        proposals, anchors = [], []
+        proposals: list[list[int]] = []
         for stream in rows:
             found = self.index.lookup(stream.request_id, width) \
                 if not stream.done and stream.request_id in self.index else None
             proposals.append(found.tokens if found is not None
                              and found.match >= self.suffix_min_match else [])
-            anchors.append(len(stream.output_ids))
-        return proposals, anchors
+        return proposals, [len(s.output_ids) for s in rows]
 
     def _issue(self) -> _SourceStep:
         engine = self.engine

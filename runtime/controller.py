@@ -464,9 +464,11 @@ class Controller:
         return choice
 
     def pause(self) -> None:
-        """The loop stopped queueing steps (it admitted requests, or went idle): the next
-        step's time starts at its own issue, not at the last read-back."""
+        """A decoding loop starts (or was left with steps never read back: a generator not
+        consumed to its end): forget the issued steps, and time the next from its own issue."""
         self._last_done = None
+        self._issued.clear()
+        self._host.clear()
 
     def forget(self, source: str) -> None:
         """Drop what was measured of `source`'s arms (its proposals changed: a new draft was
