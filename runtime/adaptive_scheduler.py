@@ -1,17 +1,20 @@
 """Speculation that adapts to the traffic it serves: the scheduler with the suffix index, the
-controller over sources and online draft distillation plugged in (`AdaptiveScheduler`).
+controller (runtime/controller.py) and online draft distillation plugged in
+(`AdaptiveScheduler`).
 
 What it adds to runtime/scheduler.py's loop, on the scheduler's thread:
     admit    each request's prompt goes into the suffix index (runtime/suffix.py), and every
              token it is given afterwards (`_deliver`);
-    issue    per batch bucket, a Controller (runtime/controller.py) picks target-only, the
-             draft at some gamma, or the index's proposals at some gamma, by the wall time per
-             emitted token it measured of each. A suffix step loads the rows'
-             proposals into a static buffer and runs `suffix_step` (its CUDA graph where
-             captured). The draft falls behind by one token a target-only step and by gamma + 1
-             a suffix step; it catches up (resync) before its next step. A step is issued
-             holding the weight swap's lock;
-    collect  the step's acceptance per row goes to the controller, tokens to the index;
+    issue    per batch bucket, a Controller picks target-only or the draft at some gamma (an
+             engine without a draft: the index's proposals alone at some gamma) by the wall
+             time per emitted token it measured of each. Rows whose tokens end in a match of
+             at least `suffix_min_match` tokens get the index's proposals; a draft step with
+             such rows is a mixed step (runtime/suffix.py `mixed_step`): those rows verify the
+             index's proposals, the others the draft's, in the same verify, and the draft, fed
+             the verified tokens, stays in step with the target (no resync follows). A step is
+             issued holding the weight swap's lock;
+    collect  the step's tokens go to the index, its wall time and tokens per row to the
+             controller, its acceptance per row to the source that proposed for the row;
     retire   a finished request's output leaves the index for its pool of recent outputs and
              joins the distiller's buffer (the emitted tokens are the target's own choices).
              Every FuserConfig.distill_every finished requests a background thread fine-tunes
@@ -22,9 +25,16 @@ What it adds to runtime/scheduler.py's loop, on the scheduler's thread:
 The target verifies every proposal, whatever its source: a request's tokens are what target-
 only decoding gives (greedy: exactly; sampling: in distribution).
 
-The next step is queued before the last one is read back (runtime/scheduler.py) only while
-suffix proposals cannot be chosen (the suffix source is off and not due a probe): a proposal
-continues the tokens the host has seen, so a suffix step waits for the step before it.
+Overlap. The next step is queued before the last one is read back, whatever the sources, as in
+runtime/scheduler.py. A proposal is made from the tokens the host has seen, which the step in
+flight may have moved past: the host sends, per row, the index's continuation of the tokens it
+knows, long enough to cover what the step in flight can emit (max gamma + 1 more), with the
+count of output tokens it knew (the anchor). On the device, when the step runs, each row skips
+the j tokens it emitted since the anchor, provided they are the continuation's first j (else
+the row proposes nothing from the index this step), and proposes the next gamma
+(`SuffixProposals.aligned`). Nothing is read on the host, so the step is captured as one CUDA
+graph (per bucket, gamma and greedy/sampling) like the others, and the buffer's host-to-device
+copy is queued on the step's stream behind the steps that read it before.
 """
 
 from __future__ import annotations
@@ -33,18 +43,18 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from fuser.runtime.controller import DRAFT, SUFFIX, TARGET, Choice, Controller, \
+    ControllerCollector
 from fuser.runtime.distill import DistillConfig, Distiller, UpdateResult, WeightSwap, \
     draft_module, target_module
 from fuser.runtime.generate import ReadBack
 from fuser.runtime.scheduler import RequestStream, Scheduler, _Step
-from fuser.runtime.controller import DRAFT, SUFFIX, TARGET, Choice, Controller, \
-    ControllerCollector
 from fuser.runtime.step_graphs import PLAIN, IterationGraph
 from fuser.runtime.suffix import SuffixIndex, SuffixProposals, add_verify_steps
 
@@ -83,8 +93,8 @@ class AdaptiveScheduler(Scheduler):
                  suffix: bool | None = None, adapt_draft: bool | None = None,
                  costs: Mapping[str, object] | None = None, index: SuffixIndex | None = None,
                  distill: DistillConfig | None = None, module: nn.Module | None = None,
-                 background: bool = True, controller_options: Mapping[str, object] | None = None
-                 ) -> None:
+                 background: bool = True, controller_options: Mapping[str, object] | None = None,
+                 suffix_min_match: int = 4) -> None:
         super().__init__(engine, max_waiting=max_waiting, prefill_tokens=prefill_tokens)
         config = engine.config
         has_draft = any(b.draft is not None for b in engine.buckets.values())
@@ -92,18 +102,26 @@ class AdaptiveScheduler(Scheduler):
         adapt = config.adapt_draft if adapt_draft is None else adapt_draft
         if adapt and not has_draft:
             raise ValueError("adapt_draft=True needs an engine with a draft")
+        if isinstance(suffix_min_match, bool) or not isinstance(suffix_min_match, int) \
+                or suffix_min_match < 1:
+            raise ValueError(f"suffix_min_match={suffix_min_match!r} must be an int >= 1")
+        self.suffix_min_match = suffix_min_match
         self.draft_gammas = tuple(engine.gammas) if has_draft else ()
+        # With a draft the index's proposals ride in the draft's steps (its gammas); without,
+        # they are verified alone, at gammas of their own.
         self.suffix_gammas: tuple[int, ...] = ()
-        if self.suffix:
+        if self.suffix and not has_draft:
             given = (costs or {}).get(SUFFIX)
             self.suffix_gammas = tuple(sorted(given)) if given else \
-                self.draft_gammas or tuple(config.gammas or config.gamma_candidates)
+                tuple(config.gammas or config.gamma_candidates)
             for bucket in engine.buckets.values():
                 add_verify_steps(bucket.target, self.suffix_gammas, config, engine.device)
         self.index = (index or SuffixIndex()) if self.suffix else None
-        self._buffers = {size: SuffixProposals(size, max(self.suffix_gammas), engine.device)
+        longest = max(self.draft_gammas + self.suffix_gammas, default=1)
+        self._buffers = {size: SuffixProposals(size, longest, engine.device)
                          for size in engine.buckets} if self.suffix else {}
         self._graphs: dict[tuple[int, int, bool], IterationGraph] = {}
+        self.resyncs = 0  # the draft's catch-ups (each after target-only steps)
         if self.suffix and engine.device.type == "cuda" and config.cuda_graphs:
             self._capture_suffix()
         options = dict(controller_options or {})
@@ -121,8 +139,8 @@ class AdaptiveScheduler(Scheduler):
         self._new_draft = threading.Event()  # set by an accepted update, read by the loop
         self.update_results: list[UpdateResult] = []
         self._collector = ControllerCollector(lambda: self.controllers.values(),
-                                          (lambda: self.distiller.updates)
-                                          if self.distiller is not None else None)
+                                              (lambda: self.distiller.updates)
+                                              if self.distiller is not None else None)
         self._registry = None
         try:  # into the engine's Prometheus registry (one adaptive scheduler at a time)
             engine.metrics().registry.register(self._collector)
@@ -149,7 +167,7 @@ class AdaptiveScheduler(Scheduler):
         arms: dict[str, tuple[int, ...]] = {}
         if self.draft_gammas and self.engine.buckets[size].draft is not None:
             arms[DRAFT] = self.draft_gammas
-        if self.suffix:
+        if self.suffix_gammas:
             arms[SUFFIX] = self.suffix_gammas
         scripted = None
         if costs is not None:
@@ -162,16 +180,27 @@ class AdaptiveScheduler(Scheduler):
                 scripted.update({(source, g): float(given[g]) for g in gammas})
         return Controller(arms, costs=scripted, **options)
 
+    def _suffix_function(self, bucket: object, gamma: int, do_sample: bool
+                         ) -> Callable[[], torch.Tensor]:
+        """The bucket's step over the proposals buffer: the mixed step (with a draft) or the
+        target verifying the proposals alone; () -> packed [bucket, gamma + 3]."""
+        buffer = self._buffers[bucket.batch]
+        if bucket.draft is not None:
+            return buffer.mixed_iteration(bucket.target, bucket.draft, bucket.state, gamma,
+                                          self.engine.vocab_size, do_sample)
+        return buffer.iteration(bucket.target, bucket.state, gamma, self.engine.vocab_size,
+                                do_sample)
+
     def _capture_suffix(self) -> None:
-        """Each bucket's suffix step per gamma and greedy/sampling as one CUDA graph (a shape
-        that fails runs uncaptured, with a warning)."""
+        """Each bucket's suffix or mixed step per gamma and greedy/sampling as one CUDA graph
+        (a shape that fails runs uncaptured, with a warning)."""
         pool = torch.cuda.graph_pool_handle()
         length = min(128, self.engine.config.max_seq_len // 2)
         for size, bucket in self.engine.buckets.items():
-            for gamma in self.suffix_gammas:
+            gammas = self.draft_gammas if bucket.draft is not None else self.suffix_gammas
+            for gamma in gammas:
                 for do_sample in (False, True):
-                    fn = self._buffers[size].iteration(bucket.target, bucket.state, gamma,
-                                                       self.engine.vocab_size, do_sample)
+                    fn = self._suffix_function(bucket, gamma, do_sample)
                     bucket.reset_for_timing(length)
                     try:
                         self._graphs[(size, gamma, do_sample)] = IterationGraph(
@@ -185,8 +214,7 @@ class AdaptiveScheduler(Scheduler):
         graph = self._graphs.get((bucket.batch, gamma, do_sample))
         if graph is not None:
             return graph()
-        return self._buffers[bucket.batch].iteration(bucket.target, bucket.state, gamma,
-                                                     self.engine.vocab_size, do_sample)()
+        return self._suffix_function(bucket, gamma, do_sample)()
 
     # -- the scheduler's hooks -------------------------------------------------------------------
 
@@ -231,12 +259,18 @@ class AdaptiveScheduler(Scheduler):
             self.distiller.add(stream.prompt_ids + stream.output_ids,
                                start=len(stream.prompt_ids))
 
-    def _may_run_ahead(self, in_flight: _Step) -> bool:
-        controller = self.controllers[self.engine.bucket(len(self._running)).batch] \
-            if self._running else None
-        if controller is not None and self.index is not None and controller.may_choose(SUFFIX):
-            return False  # a suffix step continues what the host has seen: no step ahead
-        return super()._may_run_ahead(in_flight)
+    def _proposals(self, rows: list[RequestStream]) -> tuple[list[list[int]], list[int]]:
+        """Per row, the index's continuation of the tokens the host knows when the row's suffix
+        matched at least suffix_min_match tokens (else none), long enough for the step in
+        flight to have moved on; and the row's output count it continues (the anchor)."""
+        width = self._buffers[self.engine.bucket(len(rows)).batch].width
+        proposals: list[list[int]] = []
+        for stream in rows:
+            found = self.index.lookup(stream.request_id, width) \
+                if not stream.done and stream.request_id in self.index else None
+            proposals.append(found.tokens if found is not None
+                             and found.match >= self.suffix_min_match else [])
+        return proposals, [len(s.output_ids) for s in rows]
 
     def _issue(self) -> _SourceStep:
         engine = self.engine
@@ -249,47 +283,56 @@ class AdaptiveScheduler(Scheduler):
         bucket = engine.bucket(len(rows))
         controller = self.controllers[bucket.batch]
         proposals: list[list[int]] = []
-        lengths = None
+        anchors: list[int] = []
         if self.index is not None:
-            longest = max(self.suffix_gammas)
-            proposals = [self.index.propose(s.request_id, longest)
-                         if not s.done and s.request_id in self.index else [] for s in rows]
-            lengths = [len(p) for p, s in zip(proposals, rows) if not s.done]
-        choice = controller.choose(lambda arm: arm[0] != SUFFIX or any(lengths or ()))
+            proposals, anchors = self._proposals(rows)
+        matched = any(proposals)
+        choice = controller.choose(lambda arm: arm[0] != SUFFIX or matched)
         do_sample = any(not s.params.greedy for s in rows)
         gamma = choice.gamma
         start = time.perf_counter()
         with self.swap.lock if self.swap is not None else contextlib.nullcontext():
-            if choice.source == DRAFT:
+            if choice.source != TARGET and matched:
+                if choice.source == DRAFT and self._draft_behind:
+                    bucket.resync(self._draft_behind)
+                    self.resyncs += 1
+                    self._draft_behind = 0
+                self._buffers[bucket.batch].load(proposals, anchors=anchors)
+                packed = self._run_suffix(bucket, gamma, do_sample)  # [bucket, gamma + 3]
+            elif choice.source == DRAFT:
                 if self._draft_behind:
                     bucket.resync(self._draft_behind)
+                    self.resyncs += 1
                 self._draft_behind = 0
-                packed = bucket.run(gamma, do_sample)
-                proposed = [gamma] * len(rows)
-            elif choice.source == SUFFIX:
-                self._draft_behind += gamma + 1
-                self._buffers[bucket.batch].load(proposals, gamma)
-                packed = self._run_suffix(bucket, gamma, do_sample)
-                proposed = [min(gamma, len(p)) for p in proposals]
+                packed = bucket.run(gamma, do_sample)  # [bucket, gamma + 2]
             else:
                 self._draft_behind += 1
                 packed = bucket.run(PLAIN, do_sample)
-                proposed = [0] * len(rows)
-            read_back = ReadBack(packed)  # [bucket, gamma + 2]
+            read_back = ReadBack(packed)
         controller.sent()
-        return _SourceStep(rows, gamma, None, read_back, start, choice, proposed)
+        return _SourceStep(rows, gamma, None, read_back, start, choice,
+                           [gamma if choice.source != TARGET else 0] * len(rows))
 
     def _collect(self, step: _SourceStep) -> None:
         was_active = [not s.done for s in step.rows]
         host = step.read_back.wait()
-        accepted = host[:len(step.rows), -1].tolist()
+        n_rows, gamma = len(step.rows), step.gamma
+        accepted = [min(n, gamma) for n in host[:n_rows, -1].tolist()]
+        # Steps over the proposals buffer carry each row's suffix proposals before n.
+        counts = host[:n_rows, gamma + 1].tolist() if host.shape[1] == gamma + 3 \
+            else [0] * n_rows
         live = [i for i, active in enumerate(was_active) if active]
-        controller = self.controllers[self.engine.bucket(len(step.rows)).batch]
-        controller.update([min(accepted[i], step.gamma) for i in live], step.gamma,
-                          proposed=[step.proposed[i] for i in live]
-                          if step.choice.source != TARGET else None)
+        controller = self.controllers[self.engine.bucket(n_rows).batch]
+        if step.choice.source == TARGET:
+            controller.update([accepted[i] for i in live], gamma)
+        else:
+            suffix_rows = [counts[i] > 0 or step.choice.source == SUFFIX for i in live]
+            controller.update([accepted[i] for i in live], gamma,
+                              proposed=[counts[i] if s else gamma
+                                        for i, s in zip(live, suffix_rows)],
+                              row_sources=[SUFFIX if s else DRAFT for s in suffix_rows])
         super()._collect(step)
-        self.engine.stats.gamma = step.gamma
+        self.engine.stats.gamma = gamma
 
     # -- the draft's updates ---------------------------------------------------------------------
 
@@ -329,6 +372,9 @@ class AdaptiveScheduler(Scheduler):
             "buckets": {size: c.snapshot() for size, c in self.controllers.items()},
             "steps": {s: sum(c.steps[s] for c in self.controllers.values())
                       for s in (TARGET, DRAFT, SUFFIX)},
+            "rows": {s: sum(c.rows[s] for c in self.controllers.values())
+                     for s in (DRAFT, SUFFIX)},
+            "resyncs": self.resyncs,
         }
         if self.distiller is not None:
             d = self.distiller

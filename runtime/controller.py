@@ -48,6 +48,8 @@ updates accepted and rejected), `snapshot()` for engine.stats, and `ControllerCo
 Prometheus:
 
     fuser_spec_steps_total{source}              steps per source ("target", "draft", "suffix")
+    fuser_spec_rows_total{source}               rows given proposals per source ("draft",
+                                                "suffix"; a mixed step counts both)
     fuser_spec_acceptance_window{source}        acceptance_window(source), gauge
     fuser_draft_updates_total{result}           "accepted" | "rejected"
 
@@ -248,6 +250,7 @@ class Controller:
         self.step_count = 0  # steps chosen
         self.probes = 0  # of them, probes
         self.steps = {s: 0 for s in SOURCES}  # steps read back, per source
+        self.rows = {s: 0 for s in (DRAFT, SUFFIX)}  # rows given proposals, per source
         self._window = {s: deque(maxlen=window) for s in (DRAFT, SUFFIX)}
         self.updates = {"accepted": 0, "rejected": 0}
         self.last = Choice(*first)
@@ -434,6 +437,7 @@ class Controller:
             if s in counts and p:
                 counts[s][0] += min(n, p)
                 counts[s][1] += p
+                self.rows[s] += 1
         for s, (n, p) in counts.items():
             if p:
                 self._window[s].append((n, p))
@@ -460,9 +464,11 @@ class Controller:
         return choice
 
     def pause(self) -> None:
-        """The loop stopped queueing steps (it admitted requests, or went idle): the next
-        step's time starts at its own issue, not at the last read-back."""
+        """A decoding loop starts (or was left with steps never read back: a generator not
+        consumed to its end): forget the issued steps, and time the next from its own issue."""
         self._last_done = None
+        self._issued.clear()
+        self._host.clear()
 
     def forget(self, source: str) -> None:
         """Drop what was measured of `source`'s arms (its proposals changed: a new draft was
@@ -497,6 +503,7 @@ class Controller:
         return {
             "source": self.last.source, "gamma": self.last.gamma, "probe": self.last.probe,
             "best": list(self.best()), "reason": self.reason, "steps": dict(self.steps),
+            "rows": dict(self.rows),
             "probes": self.probes, "chosen": self.step_count,
             "seconds_per_token": {f"{s}:{g}": self.cost(s, g)
                                   for s, g in self.arms if self._measures[(s, g)].samples},
@@ -527,6 +534,12 @@ class ControllerCollector:
         for source in SOURCES:
             steps.add_metric([source], sum(c.steps[source] for c in controllers))
         yield steps
+        rows = CounterMetricFamily("fuser_spec_rows_total", "Rows of decoding steps given "
+                                   "proposals, per source (a step may mix them).",
+                                   labels=["source"])
+        for source in (DRAFT, SUFFIX):
+            rows.add_metric([source], sum(c.rows[source] for c in controllers))
+        yield rows
         window = GaugeMetricFamily("fuser_spec_acceptance_window", "Accepted over proposed "
                                    "tokens in each source's recent steps.", labels=["source"])
         for source in (DRAFT, SUFFIX):

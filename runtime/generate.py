@@ -122,6 +122,8 @@ def _decode_loop(engine: Engine, request: Request) -> Iterator[torch.Tensor]:
                request.top_p, engine.vocab_size, seed)
     target, draft, V = bucket.target, bucket.draft, engine.vocab_size
     controller = engine.controller(bucket.batch)
+    if controller is not None:
+        controller.pause()  # (a generation left unfinished before left its steps issued)
     stats = engine.stats
 
     queues = [deque() for _ in range(B)]

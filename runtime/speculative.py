@@ -45,6 +45,8 @@ from fuser.runtime.step_kernels import finish_greedy_step, fused_by_default
 
 
 EOS_SLOTS = 8  # eos ids per request held in the state, padded with -1 (never a token id)
+# Proposals given from outside the draft: (use [B, gamma] bool, tokens [B, gamma] int64).
+Given = tuple[torch.Tensor, torch.Tensor]
 GUESS_SLOTS = 16  # the overlapped step's guesses per row: room for the largest gamma (15) + 1
 
 
@@ -271,8 +273,10 @@ def decode_one_token(target: ModelSteps, state: DecodeState, vocab_size: int, do
 
 
 def draft(draft_model: ModelSteps, target_lens: torch.Tensor, state: DecodeState,
-          gamma: int, vocab_size: int, do_sample: bool, fused: bool | None = None, start: tuple[torch.Tensor, torch.Tensor] | None = None,
-          out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+          gamma: int, vocab_size: int, do_sample: bool, fused: bool | None = None,
+          start: tuple[torch.Tensor, torch.Tensor] | None = None,
+          out: torch.Tensor | None = None, given: Given | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Propose gamma tokens: (draft_tokens [B, gamma], draft probs [B, gamma, V] or None).
 
     Draft-cache consistency. With the target at length L (pending token y for slot L), the
@@ -292,6 +296,11 @@ def draft(draft_model: ModelSteps, target_lens: torch.Tensor, state: DecodeState
     start: the catch-up's two tokens (the slots target_lens - 1 and target_lens) when not
     (state.last, state.pending): `overlapped_step` drafts on from its guesses.
     out (greedy only): [B, gamma] int64 to write the drafts into (returned).
+    given: (use [B, gamma] bool, tokens [B, gamma] int64): where use[b, i], position i of row b
+    proposes tokens[b, i] instead of the draft's choice, and the draft is fed that token (so
+    its cache holds what the target verifies: after the step it is valid up to L-2 as after
+    any other); its probability there is a point mass (sampling). The suffix index's
+    proposals ride in the draft's step this way (runtime/suffix.py `mixed_step`).
     """
     if fused is None:
         fused = not do_sample and fused_by_default(target_lens.device)
@@ -299,7 +308,7 @@ def draft(draft_model: ModelSteps, target_lens: torch.Tensor, state: DecodeState
     if fused:
         assert not do_sample, "the fused draft is greedy"
         return _draft_greedy_fused(draft_model, target_lens, last, pending, gamma, vocab_size,
-                                   out), None
+                                   out, given), None
     cache = draft_model.cache
     cache.set_lengths(target_lens - 1)  # rewinds past whatever the last round left
     tokens = torch.stack([last, pending], dim=1)  # [B, 2]
@@ -315,10 +324,18 @@ def draft(draft_model: ModelSteps, target_lens: torch.Tensor, state: DecodeState
             cache.advance(1)
         if do_sample:
             p = probs(state, logits.float())  # [B, V]
-            draft_probs.append(p)
-            drafted.append(sample(p, state.keys(PURPOSE_DRAFT, i)))
+            token = sample(p, state.keys(PURPOSE_DRAFT, i))
         else:  # in the logits' dtype: see `choose`
-            drafted.append(argmax(logits))
+            p, token = None, argmax(logits)
+        if given is not None:
+            use, tokens_given = given[0][:, i], given[1][:, i]  # [B] each
+            token = torch.where(use, tokens_given, token)
+            if p is not None:
+                point = torch.nn.functional.one_hot(tokens_given, p.shape[-1]).to(p.dtype)
+                p = torch.where(use[:, None], point, p)
+        if p is not None:
+            draft_probs.append(p)
+        drafted.append(token)
     draft_tokens = torch.stack(drafted, dim=1)  # [B, gamma]
     if out is not None:
         draft_tokens = out.copy_(draft_tokens)
@@ -327,18 +344,20 @@ def draft(draft_model: ModelSteps, target_lens: torch.Tensor, state: DecodeState
 
 def _draft_greedy_fused(draft_model: ModelSteps, target_lens: torch.Tensor, last: torch.Tensor,
                         pending: torch.Tensor, gamma: int, vocab_size: int,
-                        out: torch.Tensor | None = None) -> torch.Tensor:
+                        out: torch.Tensor | None = None, given: Given | None = None
+                        ) -> torch.Tensor:
     """`draft`'s greedy path with one kernel per seam: the same steps, tokens and lengths."""
     # seq_lens = L - 1; tokens = [last, pending], positions: [B, 2] each
     tokens, positions = catchup_inputs(draft_model.cache, target_lens, last, pending)
-    return _draft_steps_fused(draft_model, tokens, positions, gamma, vocab_size, out)
+    return _draft_steps_fused(draft_model, tokens, positions, gamma, vocab_size, out, given)
 
 
 def _draft_steps_fused(draft_model: ModelSteps, tokens: torch.Tensor, positions: torch.Tensor,
-                       gamma: int, vocab_size: int, out: torch.Tensor | None = None
-                       ) -> torch.Tensor:
+                       gamma: int, vocab_size: int, out: torch.Tensor | None = None,
+                       given: Given | None = None) -> torch.Tensor:
     """The catch-up step over (tokens, positions) [B, 2], then gamma - 1 decode steps, each
-    followed by `draft_advance`: the drafts [B, gamma] (into `out` when given)."""
+    followed by `draft_advance`: the drafts [B, gamma] (into `out` when given). given: as
+    `draft`'s, applied after each `draft_advance` (its column and the next step's token)."""
     cache = draft_model.cache
     drafted = out if out is not None else torch.empty(
         cache.batch_size, gamma, dtype=torch.long,
@@ -348,6 +367,10 @@ def _draft_steps_fused(draft_model: ModelSteps, tokens: torch.Tensor, positions:
         logits = draft_model.run(kind, tokens, positions)[:, -1, :vocab_size]  # [B, V]
         # drafted[:, i] = argmax; seq_lens += T; the next step's token and position: [B, 1]
         tokens, positions = draft_advance(logits, drafted, i, cache, kind.tokens)
+        if given is not None:
+            column = torch.where(given[0][:, i], given[1][:, i], drafted[:, i])  # [B]
+            drafted[:, i] = column
+            tokens = column[:, None]
         kind = DECODE
     return drafted
 
@@ -375,17 +398,19 @@ def verify(target: ModelSteps, state: DecodeState, draft_tokens: torch.Tensor,
 
 
 def speculative_step(target: ModelSteps, draft_model: ModelSteps, state: DecodeState,
-                     gamma: int, vocab_size: int, do_sample: bool) -> torch.Tensor:
+                     gamma: int, vocab_size: int, do_sample: bool,
+                     given: Given | None = None) -> torch.Tensor:
     """Draft gamma tokens, verify them in one target forward, accept on the device, advance.
 
     Emits n + 1 tokens per row: the n accepted drafts, then the target's correction (or the
     bonus token when n == gamma). Returns the packed result [B, gamma + 2].
+    given: proposals that replace the draft's where marked (`draft`), verified the same way.
     """
     # Greedy: the glue between the model graphs as runtime/draft_kernels.py's (on CUDA);
     # sampling keeps the eager code.
     fused = not do_sample and fused_by_default(target.cache.seq_lens.device)
     draft_tokens, p = draft(draft_model, target.cache.seq_lens, state, gamma, vocab_size,
-                            do_sample, fused)
+                            do_sample, fused, given=given)
     target_logits = verify(target, state, draft_tokens, vocab_size, fused)  # [B, gamma + 1, V]
     if not do_sample:  # the argmax in the logits' dtype: see `choose`
         target_tokens = argmax(target_logits)  # [B, gamma + 1]

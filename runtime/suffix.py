@@ -49,7 +49,7 @@ from fuser.runtime.step_kernels import fused_by_default
 from fuser.runtime.steps import DECODE, ModelSteps, verify as verify_kind
 
 __all__ = ["Proposal", "SuffixIndex", "SuffixProposals", "accept_proposals", "add_verify_steps",
-           "proposals_tensor", "suffix_step"]
+           "mixed_step", "proposals_tensor", "suffix_step"]
 
 _MOD = (1 << 61) - 1  # a Mersenne prime: hash values stay small ints
 _BASE = 1_000_003
@@ -301,8 +301,9 @@ def suffix_step(target: ModelSteps, state: speculative.DecodeState, proposals: t
     draft. Returns the packed result [B, gamma + 2], as `speculative.speculative_step`.
 
     Needs the target's verify step for gamma (`add_verify_steps` for an engine without a
-    draft). The draft model is not run: its cache falls behind by up to gamma + 1 tokens a
-    row, which the next draft step must catch up (`speculative.resync_draft`).
+    draft). The draft model is not run: where there is one, its cache falls behind by up to
+    gamma + 1 tokens a row (`speculative.resync_draft` catches it up); `mixed_step` keeps it
+    in step instead.
     Sampling draws from `generator`, or (None) the state's per-row keys, as speculative_step.
     """
     fused = not do_sample and fused_by_default(target.cache.seq_lens.device)
@@ -318,25 +319,117 @@ def suffix_step(target: ModelSteps, state: speculative.DecodeState, proposals: t
 
 
 class SuffixProposals:
-    """The static device buffer a captured suffix iteration reads its proposals from:
-    `load` copies the host's proposals in (one copy), `iteration` is the step to run or
-    capture (runtime/step_graphs.py IterationGraph) once per gamma."""
+    """The static device buffer a captured suffix or mixed iteration reads its proposals from,
+    filled by one host-to-device copy per step (`load`), and read relative to where each row
+    is when the step runs (`aligned`), so that a step can be queued before the one before it
+    is read back.
 
-    def __init__(self, batch: int, max_gamma: int, device: torch.device) -> None:
-        self.buffer = torch.zeros(batch, max_gamma, dtype=torch.long, device=device)
+    Per row b: tokens[b, :length[b]], the index's continuation of the row's tokens as the host
+    knew them when it made the proposal, the first for output index anchor[b] (the host's
+    count of the row's output tokens then; -1: "wherever the row is when the step runs").
+    Layout: one int64 buffer [B, K + 2]: tokens [B, K], then length, then anchor.
+    """
 
-    def load(self, proposals: Sequence[Sequence[int]], gamma: int, fill: int = 0) -> None:
-        """Row b proposes proposals[b] (cut to gamma, padded with fill). On CUDA the copy is
-        queued from pinned memory of its own (PyTorch's host allocator keeps it until the copy
-        has run), so the host does not wait."""
-        rows = proposals_tensor(proposals, gamma, self.buffer.shape[0], fill=fill)
-        cuda = self.buffer.device.type == "cuda"
-        self.buffer[:, :gamma].copy_(rows.pin_memory() if cuda else rows, non_blocking=cuda)
+    def __init__(self, batch: int, max_gamma: int, device: torch.device,
+                 lookahead: int | None = None) -> None:
+        """lookahead: tokens the steps in flight may emit before this one runs (default:
+        max_gamma + 1, one step's most): the buffer keeps max_gamma + lookahead a row."""
+        self.max_gamma = max_gamma
+        self.width = max_gamma + (max_gamma + 1 if lookahead is None else lookahead)  # K
+        self.packed = torch.zeros(batch, self.width + 2, dtype=torch.long, device=device)
+        self.buffer = self.packed[:, :self.width]  # [B, K]
+        self.length = self.packed[:, self.width]  # [B]
+        self.anchor = self.packed[:, self.width + 1]  # [B]
+        self.anchor.fill_(-1)
+
+    def load(self, proposals: Sequence[Sequence[int]], gamma: int | None = None, fill: int = 0,
+             anchors: Sequence[int] | None = None) -> None:
+        """Row b proposes proposals[b] (cut to the buffer's width; rows past them and missing
+        ones propose nothing), anchored at anchors[b] (default -1: where the row is when the
+        step runs). gamma: unused (the step's gamma cuts at run time), kept for callers that
+        give it. On CUDA the copy is queued from pinned memory of its own (PyTorch's host
+        allocator keeps it until the copy has run), so the host does not wait; queued on the
+        step's stream, it lands after the steps queued before it have read the buffer."""
+        B, K = self.buffer.shape
+        host = torch.full((B, K + 2), fill, dtype=torch.long)
+        host[:, K] = 0
+        host[:, K + 1] = -1
+        for b, row in enumerate(proposals):
+            row = list(row)[:K]
+            if row:
+                host[b, :len(row)] = torch.tensor(row, dtype=torch.long)
+            host[b, K] = len(row)
+            if anchors is not None:
+                host[b, K + 1] = int(anchors[b])
+        cuda = self.packed.device.type == "cuda"
+        self.packed.copy_(host.pin_memory() if cuda else host, non_blocking=cuda)
+
+    def aligned(self, target: ModelSteps, state: speculative.DecodeState, gamma: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The proposals for the step that runs now: (use [B, gamma] bool, tokens [B, gamma],
+        count [B] = use.sum(1)), on the device, nothing read on the host.
+
+        Row b is at output index G = state.generated[b] (pending is index G - 1, at cache
+        slot L). Since the anchor A the device emitted j = G - A tokens the host had not seen,
+        at slots L - j + 1 .. L of `state.history`; they must equal the proposal's first j
+        tokens (else the proposal continued something that did not happen: none for the row).
+        The step then proposes tokens[j : j + gamma], as many as remain.
+        """
+        B, K = self.buffer.shape
+        device = self.buffer.device
+        L = target.cache.seq_lens  # [B]
+        j = torch.where(self.anchor >= 0, state.generated - self.anchor, 0).clamp(0, K)  # [B]
+        i = torch.arange(K, device=device)[None]  # [1, K]
+        slots = (L[:, None] - j[:, None] + 1 + i).clamp(0, state.history.shape[1] - 1)
+        seen = state.history.gather(1, slots)  # [B, K]
+        agrees = ((seen == self.buffer) | (i >= j[:, None])).all(dim=1)  # [B]
+        remaining = torch.where(agrees, (self.length - j).clamp(min=0), 0)  # [B]
+        count = remaining.clamp(max=gamma)  # [B]
+        at = (j[:, None] + i[:, :gamma]).clamp(max=K - 1)  # [B, gamma]
+        tokens = self.buffer.gather(1, at)  # [B, gamma]
+        use = i[:, :gamma] < count[:, None]  # [B, gamma]
+        return use, torch.where(use, tokens, 0), count
 
     def iteration(self, target: ModelSteps, state: speculative.DecodeState, gamma: int,
                   vocab_size: int, do_sample: bool) -> Callable[[], torch.Tensor]:
-        proposals = self.buffer[:, :gamma]
-        return lambda: suffix_step(target, state, proposals, vocab_size, do_sample)
+        """The target verifying the aligned proposals alone (no draft; a row without any
+        verifies padding): () -> packed [B, gamma + 3], tokens, the row's proposal count, n."""
+        def step() -> torch.Tensor:
+            _, tokens, count = self.aligned(target, state, gamma)
+            packed = suffix_step(target, state, tokens, vocab_size, do_sample)
+            return _with_counts(packed, count)
+        return step
+
+    def mixed_iteration(self, target: ModelSteps, draft: ModelSteps,
+                        state: speculative.DecodeState, gamma: int, vocab_size: int,
+                        do_sample: bool) -> Callable[[], torch.Tensor]:
+        """`mixed_step` over this buffer: () -> packed [B, gamma + 3]."""
+        return lambda: mixed_step(target, draft, state, self, gamma, vocab_size, do_sample)
+
+
+def mixed_step(target: ModelSteps, draft: ModelSteps, state: speculative.DecodeState,
+               proposals: SuffixProposals, gamma: int, vocab_size: int, do_sample: bool
+               ) -> torch.Tensor:
+    """One speculative step with per-row sources: a row with suffix proposals verifies them
+    (the rest of its gamma positions the draft's), the others the draft's, in one verify.
+
+    The draft runs for every row, fed the tokens that will be verified
+    (`speculative.draft`'s `given`): its cache stays in step with the target's whatever each
+    row's source, so no resync follows. Greedy acceptance is `finish_greedy`'s; sampling is
+    speculative sampling with point-mass drafts at the suffix's positions (accept_proposals'
+    rule), so each emitted token follows the target's distribution.
+    Returns packed [B, gamma + 3]: tokens [gamma + 1], the row's suffix proposals used, n.
+    """
+    use, tokens, count = proposals.aligned(target, state, gamma)
+    packed = speculative.speculative_step(target, draft, state, gamma, vocab_size, do_sample,
+                                          given=(use, tokens))
+    return _with_counts(packed, count)
+
+
+def _with_counts(packed: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """[B, g + 2] (tokens, n) -> [B, g + 3] (tokens, count, n): the host reads tokens from
+    the front and n from the back, as ever."""
+    return torch.cat([packed[:, :-1], count[:, None], packed[:, -1:]], dim=1)
 
 
 def add_verify_steps(target: ModelSteps, gammas: Sequence[int], config: object,
@@ -346,14 +439,14 @@ def add_verify_steps(target: ModelSteps, gammas: Sequence[int], config: object,
     steps were not exported (eager fallback), nothing can be added."""
     from fuser.build import add_step
 
+    missing = [g for g in sorted(set(gammas)) if verify_kind(g) not in target]
+    if not missing:
+        return []
     view = getattr(target[DECODE].eager, "model", None)
-    if view is None and any(verify_kind(g) not in target for g in gammas):
-        raise ValueError("the target's steps keep no module (a loaded engine): its verify "
-                         "steps must be built with the engine")
-    added = []
-    for gamma in sorted(set(gammas)):
-        kind = verify_kind(gamma)
-        if kind not in target:
-            add_step(target, view, kind, config, device)
-            added.append(gamma)
-    return added
+    if view is None:
+        raise ValueError(f"the target has no verify step for gamma {missing} and its steps "
+                         "keep no module (a loaded engine): build the engine with those "
+                         "gammas")
+    for gamma in missing:
+        add_step(target, view, verify_kind(gamma), config, device)
+    return missing

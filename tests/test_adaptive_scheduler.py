@@ -81,8 +81,11 @@ def test_templated_traffic_uses_every_source_and_distils_the_draft():
     try:
         run_rounds(scheduler, 3)
         snap = scheduler.snapshot()
-        # Repeated prompts: proposals from recent outputs; the draft probed or used.
-        assert snap["steps"][SUFFIX] > 0 and snap["steps"][DRAFT] > 0, snap
+        # Repeated prompts: rows verify proposals from recent outputs, others the draft's, in
+        # the draft's steps (mixed); the draft never falls behind but after target-only steps.
+        assert snap["rows"][SUFFIX] > 0 and snap["steps"][DRAFT] > 0, snap
+        assert snap["rows"][DRAFT] > 0 and snap["steps"][SUFFIX] == 0, snap
+        assert snap["resyncs"] <= snap["steps"][TARGET], snap
         assert snap["recent_outputs"] == 4 * 3
         # 12 finished requests, distill_every 8: one update, on requests it then sees again.
         assert sum(snap["draft_updates"].values()) == 1, snap
@@ -95,8 +98,8 @@ def test_templated_traffic_uses_every_source_and_distils_the_draft():
         prometheus_client = pytest.importorskip("prometheus_client")
         del prometheus_client
         text = eng.metrics_text()
-        assert f'fuser_spec_steps_total{{source="suffix"}} ' \
-               f'{float(scheduler.snapshot()["steps"][SUFFIX])}' in text
+        assert f'fuser_spec_rows_total{{source="suffix"}} ' \
+               f'{float(scheduler.snapshot()["rows"][SUFFIX])}' in text
         assert 'fuser_draft_updates_total{result="accepted"}' in text
         assert 'fuser_spec_acceptance_window{source="suffix"}' in text
     finally:

@@ -1,0 +1,81 @@
+"""Host time of the suffix index (runtime/suffix.py) per decoding step: what the adaptive
+scheduler spends on the host each step for `rows` running requests, measured on the CPU.
+
+    lookup   one `lookup` per row, for the scheduler's proposal width (max gamma 6: 13
+             tokens);
+    extend   each row's tokens of one step handed to the index (`tokens` a row);
+    finish   a request leaving for the recent pool (per request, amortised over its steps).
+
+A pool of `pool` finished outputs (random tokens over `vocab`, a shared span in each so that
+lookups hit) is in place first. Prints one line per figure and writes JSON with --out.
+
+    .venv/bin/python benchmarks/suffix_index.py --rows 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from fuser.runtime.suffix import SuffixIndex
+
+
+def measure(rows: int, pool: int, tokens: int, steps: int, vocab: int, width: int,
+            seed: int = 0) -> dict[str, float]:
+    """Median microseconds per step of the lookups and extends for `rows` rows (process
+    CPU time: on a shared machine, wall time also counts the others' work)."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(vocab) for _ in range(32)]
+    index = SuffixIndex()
+    for r in range(pool):
+        index.add_request(("pool", r), [rng.randrange(vocab) for _ in range(64)])
+        index.extend(("pool", r), [rng.randrange(vocab) for _ in range(64)] + shared)
+        index.finish(("pool", r))
+    for r in range(rows):
+        index.add_request(r, [rng.randrange(vocab) for _ in range(200)] + shared[:8])
+    lookups, extends, hits = [], [], 0
+    for _ in range(steps):
+        start = time.process_time()
+        for r in range(rows):  # the scheduler's lookups of a step
+            hits += index.lookup(r, width).match > 0
+        lookups.append(time.process_time() - start)
+        new = [[rng.randrange(vocab) for _ in range(tokens)] for _ in range(rows)]
+        start = time.process_time()
+        for r in range(rows):
+            index.extend(r, new[r])
+        extends.append(time.process_time() - start)
+    start = time.process_time()
+    for r in range(rows):
+        index.finish(r)
+    finish = (time.process_time() - start) / rows
+    return {"rows": rows, "lookup_us": 1e6 * statistics.median(lookups),
+            "extend_us": 1e6 * statistics.median(extends), "finish_us_per_request": 1e6 * finish,
+            "hit_share": hits / (rows * steps)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--pool", type=int, default=256, help="finished outputs in the pool")
+    parser.add_argument("--tokens", type=int, default=2, help="tokens a row emits a step")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--width", type=int, default=13, help="proposal tokens a lookup asks")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    result = measure(args.rows, args.pool, args.tokens, args.steps, args.vocab, args.width)
+    print(f"suffix index, {args.rows} rows: lookup {result['lookup_us']:.0f} us/step, extend "
+          f"({args.tokens} tokens a row) {result['extend_us']:.0f} us/step, finish "
+          f"{result['finish_us_per_request']:.0f} us/request, hits {result['hit_share']:.2f}")
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""Per-row sources in one step (runtime/suffix.py `mixed_step`): in one batch, rows with suffix
+proposals verify them and the others the draft's, in the draft's verify step. Greedy tokens
+equal target-only (fp32, exactly up to near-ties), the draft stays in step (its cache is what a
+full re-prefill gives, so no resync is needed), and proposals made from what the host knew one
+step earlier are aligned on the device (the step can be queued before the read-back). On CUDA,
+the adaptive scheduler runs the same steps as captured graphs."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import pytest
+import torch
+
+import fuser
+from engines import VOCAB, assert_greedy_matches, hf_greedy, llama_target, perturbed, prompts
+from fuser.numerics import LOGITS_TOLERANCE, relative_error
+from fuser.runtime import speculative
+from fuser.runtime.prompts import check_prompts, pad_batch
+from fuser.runtime.steps import RESYNC, ModelSteps
+from fuser.runtime.suffix import SuffixProposals, mixed_step
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")  # conftest.py
+
+MAX_SEQ_LEN = 96
+BATCH = 4
+GAMMA = 3
+NEW = 30
+
+
+@functools.cache
+def engine() -> fuser.Engine:
+    """A tiny Llama target and a noisy copy as the draft (it agrees often, not always)."""
+    target = llama_target()
+    config = fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=BATCH, gamma="auto",
+                               gamma_candidates=(1, GAMMA), compile="fx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fuser.optimize(target, draft=perturbed(target, 0.05, seed=3), config=config)
+
+
+def rows_proposals(kind: str, truth: list[int], rng: torch.Generator, width: int) -> list[int]:
+    """What the index proposes for a row, from the row's true continuation `truth`:
+    "right" it, "wrong" it with its second token changed, "noise" random tokens, "none"
+    nothing."""
+    if kind == "right":
+        return truth[:width]
+    if kind == "wrong":
+        out = truth[:width]
+        if len(out) > 1:
+            out[1] = (out[1] + 1) % VOCAB
+        return out
+    if kind == "noise":
+        return torch.randint(0, VOCAB, (width,), generator=rng).tolist()
+    return []
+
+
+KINDS = ["right", "wrong", "noise", "none"]
+
+
+def decode(ahead: bool, do_sample: bool = False):
+    """Greedy (or seeded sampling) decoding of four prompts by mixed steps, the rows' sources
+    KINDS; ahead: each step's proposals are made from what the host knew before the step in
+    flight was read back (as the scheduler queues steps). -> (ids, mask, output [B, T + NEW],
+    counts per step [steps, B], the bucket)."""
+    built = engine()
+    ids, mask = prompts([5, 9, 7, 3], seed=21)
+    ref, _ = hf_greedy(llama_target(), ids, mask, max_new_tokens=NEW + 2 * GAMMA + 2)
+    checked = check_prompts(ids, mask, vocab_size=VOCAB, max_batch_size=BATCH,
+                            max_tokens=MAX_SEQ_LEN, device=built.device)
+    T = checked.length
+    bucket = built.bucket(BATCH)
+    target, draft, state = bucket.target, bucket.draft, bucket.state
+    state.load(NEW, [], 0.8 if do_sample else 1.0, None, None, VOCAB, seed=5)
+    first = speculative.prefill(target, draft, state, pad_batch(checked, BATCH, 2), T, VOCAB,
+                                do_sample).packed()
+    out = [[int(first[b, 0])] for b in range(BATCH)]
+    buffer = SuffixProposals(BATCH, GAMMA, built.device)
+    rng = torch.Generator().manual_seed(0)
+    counts, full, in_flight = [], [], None
+    while True:
+        need = any(len(row) < NEW for row in out)
+        issued = None
+        if need:
+            props = [rows_proposals(kind, ref[b, T + len(out[b]):].tolist(), rng, buffer.width)
+                     for b, kind in enumerate(KINDS)]
+            buffer.load(props, anchors=[len(row) for row in out])
+            issued = mixed_step(target, draft, state, buffer, GAMMA, VOCAB, do_sample).clone()
+        if not ahead and issued is not None:
+            in_flight, issued = issued, None
+        if in_flight is not None:
+            counts.append(in_flight[:, GAMMA + 1].tolist())
+            full.append(len(out[0]) + GAMMA + 1 <= NEW and int(in_flight[0, -1]) == GAMMA)
+            for b in range(BATCH):
+                n = int(in_flight[b, -1])
+                out[b] += in_flight[b, :n + 1].tolist()[:NEW - len(out[b])]
+        in_flight = issued
+        if in_flight is None and not need:
+            break
+        if not ahead and not need:
+            break
+    decode.full = full  # per step: row 0 (right proposals) accepted all gamma of them
+    return ids, mask, torch.cat([ids, torch.tensor(out)], dim=1), counts, bucket
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_mixed_rows_decode_the_targets_greedy_tokens(ahead: bool) -> None:
+    ids, mask, out, counts, _ = decode(ahead)
+    ref, near_tie = hf_greedy(llama_target(), ids, mask, max_new_tokens=NEW)
+    assert_greedy_matches(out, ref, near_tie, ids, [])
+    per_row = torch.tensor(counts)  # [steps, B]: the suffix proposals each row verified
+    right, wrong, noise, none = per_row.unbind(1)
+    assert (none == 0).all()
+    assert (right > 0).all(), right  # aligned every step, queued ahead or not
+    assert (noise > 0).any() and (wrong > 0).any()
+    # The right proposals are all accepted: the row moves gamma + 1 a step (until its
+    # budget is nearly spent).
+    moved = decode.full
+    assert sum(moved) >= (NEW - 1) // (GAMMA + 1) - 1, moved
+
+
+def test_a_proposal_the_step_in_flight_contradicts_is_dropped() -> None:
+    """Queued ahead, the "wrong" row's proposal (second token off) is contradicted by what the
+    step in flight emits: the next step verifies the draft's tokens for it instead."""
+    _, _, _, counts, _ = decode(ahead=True)
+    wrong = [c[1] for c in counts]
+    assert 0 in wrong[1:], wrong
+
+
+def draft_cache(draft: ModelSteps) -> list[torch.Tensor]:
+    return [*draft.cache.k, *draft.cache.v]
+
+
+def without_resync(draft: ModelSteps) -> ModelSteps:
+    return ModelSteps(draft.role, draft.cache, draft.vocab_size,
+                      {kind: g for kind, g in draft.steps.items() if kind != RESYNC})
+
+
+def test_the_draft_stays_in_step_without_a_resync(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After mixed steps (suffix rows included), the draft's cache below L - 1, all its next
+    step reads, is what a full re-prefill of the history leaves: nothing to catch up. No
+    resync runs meanwhile."""
+    calls = []
+    monkeypatch.setattr(speculative, "resync_draft", lambda *a, **k: calls.append(a))
+    *_, bucket = decode(ahead=True)
+    assert calls == []
+    target, draft, state = bucket.target, bucket.draft, bucket.state
+    got = [t.clone() for t in draft_cache(draft)]
+    lengths = draft.cache.seq_lens.clone()
+    monkeypatch.undo()
+    speculative.resync_draft(without_resync(draft), target, state, 1)  # the full re-prefill
+    tolerance = LOGITS_TOLERANCE[torch.float32]
+    for b, (start, L) in enumerate(zip(target.cache.starts.tolist(),
+                                       target.cache.seq_lens.tolist())):
+        assert int(lengths[b]) >= L - 1
+        for layer, (x, y) in enumerate(zip(got, draft_cache(draft))):
+            error = relative_error(x[b, start:L - 1], y[b, start:L - 1])
+            assert error <= tolerance, (b, layer, error)
+
+
+def test_sampling_with_mixed_rows_runs_and_stays_in_the_vocabulary() -> None:
+    """Seeded sampling through mixed steps: point-mass proposals for the suffix rows (the
+    distribution itself is accept_proposals' and accept_sampling's, tested in test_suffix.py
+    and test_sampling.py): every row gets its tokens, in range, the same for the same seed."""
+    first = decode(ahead=True, do_sample=True)[2]
+    again = decode(ahead=True, do_sample=True)[2]
+    assert torch.equal(first, again)
+    assert first.shape == (BATCH, first.shape[1]) and int(first.max()) < VOCAB
+
+
+# -- on CUDA: the adaptive scheduler's captured mixed steps ----------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_adaptive_scheduler_mixed_steps_are_captured_and_lossless() -> None:
+    """bf16 on CUDA: templated traffic through the adaptive scheduler runs mixed steps as
+    captured graphs, queued ahead of the read-back; every output equals engine.generate's
+    target-only greedy output; the draft resyncs only after target-only steps."""
+    from fuser import SamplingParams
+    from fuser.runtime.adaptive_scheduler import AdaptiveScheduler
+    from tiny import tiny_model
+
+    target = tiny_model("llama", layers=2, dtype=torch.bfloat16).to("cuda")
+    draft = tiny_model("llama", layers=1, seed=1, dtype=torch.bfloat16).to("cuda")
+    config = fuser.FuserConfig(max_seq_len=128, max_batch_size=4, gamma="auto",
+                               gamma_candidates=(1, 3), compile="fx")
+    built = fuser.optimize(target, draft=draft, config=config)
+    vocab = target.config.vocab_size
+    generator = torch.Generator().manual_seed(3)
+    texts = [torch.randint(3, vocab, (12,), generator=generator).tolist() for _ in range(4)]
+    # The prompt holds a span the answer is likely to repeat (its own tokens, twice).
+    batch = [t + t for t in texts]
+    built.fix_gamma(0)
+    expected = [built.generate(torch.tensor([p], device="cuda"), max_new_tokens=40,
+                               eos_token_id=[])[0, len(p):].tolist() for p in batch]
+    built.fix_gamma(None)
+    scheduler = AdaptiveScheduler(built, suffix=True, adapt_draft=False, suffix_min_match=2)
+    assert scheduler._graphs, "the mixed steps were not captured"
+    scheduler.start()
+    try:
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        for _ in range(3):  # the later rounds find the earlier outputs in the recent pool
+            streams = [scheduler.submit(p, params) for p in batch]
+            assert [s.result(120) for s in streams] == expected
+            assert scheduler.wait_idle(120)
+        snap = scheduler.snapshot()
+        assert snap["rows"]["suffix"] > 0, snap
+        assert snap["resyncs"] <= snap["steps"]["target"], snap
+        replays = sum(g.replays for g in scheduler._graphs.values())
+        assert replays > 0
+    finally:
+        scheduler.close()
