@@ -243,8 +243,9 @@ class Tally:
 
 def attach_tally(scheduler: object, engine: object) -> Callable[[], None]:
     """Count every step's source, accepted and proposed tokens into scheduler.tally; returns
-    what undoes it. ON: each controller's `update(choice, num_accepted, proposed)`; OFF (no
-    controllers): the engine's `record_step` (gamma 0: target-only, else the draft)."""
+    what undoes it. ON: each controller's `update(num_accepted, gamma, proposed=,
+    row_sources=)`; OFF (no controllers): the engine's `record_step` (gamma 0: target-only,
+    else the draft)."""
     tally = Tally()
     scheduler.tally = tally
     controllers = getattr(scheduler, "controllers", None)
@@ -253,14 +254,24 @@ def attach_tally(scheduler: object, engine: object) -> Callable[[], None]:
         for controller in controllers.values():
             original = controller.update
 
-            def update(choice: object, num_accepted: Sequence[int],
-                       proposed: Sequence[int] | None = None, *args: object,
+            def update(num_accepted: Sequence[int], gamma: int | None = None, *args: object,
+                       proposed: Sequence[int] | None = None,
+                       row_sources: Sequence[str] | None = None,
                        _original: Callable = original, **kwargs: object) -> object:
-                gamma = getattr(choice, "gamma", 0)
-                props = list(proposed) if proposed is not None else [gamma] * len(num_accepted)
-                tally.add(str(getattr(choice, "source", "?")),
-                          sum(min(n, g) for n, g in zip(num_accepted, props)), sum(props))
-                return _original(choice, num_accepted, proposed, *args, **kwargs)
+                # runtime/controller.py's update: a step mixes suffix rows and draft rows, so
+                # tokens go to each row's source and the step to each source it used.
+                g = gamma or 0
+                props = list(proposed) if proposed is not None else [g] * len(num_accepted)
+                sources = list(row_sources) if row_sources is not None else \
+                    ["draft" if g else "target"] * len(num_accepted)
+                if not g:
+                    tally.add("target", 0, 0)
+                for source in sorted(set(sources)) if g else ():
+                    rows = [i for i, s in enumerate(sources) if s == source]
+                    tally.add(str(source), sum(min(num_accepted[i], props[i]) for i in rows),
+                              sum(props[i] for i in rows))
+                return _original(num_accepted, gamma, *args, proposed=proposed,
+                                 row_sources=row_sources, **kwargs)
 
             controller.update = update
             undo.append(lambda c=controller: c.__dict__.pop("update", None))
