@@ -65,10 +65,9 @@ log = logging.getLogger("fuser")
 
 @dataclass
 class _SourceStep(_Step):
-    """An issued step with its source: the choice, and the real proposals per row."""
+    """An issued step with its choice (the controller's arm)."""
 
     choice: Choice = field(default_factory=lambda: Choice(TARGET, 0))
-    proposed: list[int] = field(default_factory=list)
 
 
 class AdaptiveScheduler(Scheduler):
@@ -80,13 +79,17 @@ class AdaptiveScheduler(Scheduler):
         adapt_draft: distil the draft online (default: FuserConfig.adapt_draft; needs a draft
             and the module it was built from, the engine's own unless `module` is given).
         costs: {"decode": seconds, "draft": {gamma: seconds}, "suffix": {gamma: seconds}} for
-            every bucket, instead of measuring them (tests; costs measured elsewhere).
+            every bucket: a step's seconds for the controllers instead of the wall clock
+            (tests; costs measured elsewhere). "suffix" is used by engines without a draft.
         index: the SuffixIndex to use (default: a new one).
         distill: DistillConfig of the distiller.
         module: the draft module to distil (a loaded engine has none of its own).
         background: run draft updates on a thread of their own (False: inline, between two
             steps, which tests use to be deterministic).
         controller_options: keyword arguments of every Controller (runtime/controller.py).
+        suffix_min_match: a row verifies the index's proposals when its tokens end in a match
+            of at least this many tokens (shorter matches are mostly chance: the draft's
+            proposals are better bets).
     """
 
     def __init__(self, engine: object, *, max_waiting: int = 256, prefill_tokens: int = 2048,
@@ -310,8 +313,7 @@ class AdaptiveScheduler(Scheduler):
                 packed = bucket.run(PLAIN, do_sample)
             read_back = ReadBack(packed)
         controller.sent()
-        return _SourceStep(rows, gamma, None, read_back, start, choice,
-                           [gamma if choice.source != TARGET else 0] * len(rows))
+        return _SourceStep(rows, gamma, None, read_back, start, choice)
 
     def _collect(self, step: _SourceStep) -> None:
         was_active = [not s.done for s in step.rows]

@@ -24,7 +24,8 @@ The choice. The best arm is the measured one with the lowest cost; every step ru
 probe is due. A probe runs another arm once, to re-measure it: the arm unmeasured, or measured
 the longest ago, and only once `refresh` steps have passed since its last measurement (an arm
 whose probe found it more than FAR_BEHIND times the best's cost waits twice as long each time,
-up to 2**MAX_BACKOFF times: hopeless arms cost fewer probes). Probes are bounded: a probe is issued only while
+up to 2**MAX_BACKOFF times: hopeless arms cost fewer probes). Probes are bounded: a probe is
+issued only while
 
     probes so far < probe_share * steps so far + allowance,
 

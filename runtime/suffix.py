@@ -8,12 +8,14 @@ decoding, Oliaro et al., "SuffixDecoding", with a hash table per n-gram length i
 tree). No model runs: a proposal costs a few dictionary lookups on the host.
 
 The index. For every position i of a sequence and every n = min_ngram..max_ngram, the n-gram
-ending at i is hashed (a polynomial hash, built backwards from i one token at a time) into the
-table of length n, which maps it to the latest position where it ended. A request's own n-grams
-are indexed once the token after them exists, so a match always has a continuation, and the
-suffix being matched never finds itself. Per new token that is max_ngram - min_ngram + 1
-dictionary writes; per proposal one hash per length, a lookup per length (longest first), and a
-token-by-token check of the hit (hashes may collide; a proposal is always a real continuation).
+ending at i is hashed (a polynomial over its tokens, each n's from the (n-1)-gram's ending one
+token before: a new token costs max_ngram multiply-adds, and a request always holds the hashes
+of its current suffixes, so a lookup hashes nothing) into a table that maps it to the latest
+position where it ended (one dict for every n: `_Tables`). A request's own n-grams are indexed
+once the token after them exists, so a match always has a continuation, and the suffix being
+matched never finds itself. Per new token that is one bulk dict update; per proposal a lookup
+per length (longest first) and a token-by-token check of the hit (hashes may collide; a
+proposal is always a real continuation). benchmarks/suffix_index.py measures the host time.
 
     own context:   a match ending at p continues with tokens[p + 1], tokens[p + 2], ...; past
                    the end it copies its own output (the span repeats with period len - 1 - p,
@@ -35,9 +37,10 @@ token: the target simply accepts or rejects them like any other.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -51,8 +54,17 @@ from fuser.runtime.steps import DECODE, ModelSteps, verify as verify_kind
 __all__ = ["Proposal", "SuffixIndex", "SuffixProposals", "accept_proposals", "add_verify_steps",
            "mixed_step", "proposals_tensor", "suffix_step"]
 
-_MOD = (1 << 61) - 1  # a Mersenne prime: hash values stay small ints
+_MASK = (1 << 64) - 1  # hash values wrap at 64 bits (a hit is checked token by token anyway)
 _BASE = 1_000_003
+
+
+def _next_hashes(previous: list[int], token: int, hi: int) -> list[int]:
+    """The hashes of the n-grams ending at a new token (index n - 1, n = 1..hi) from those
+    ending at the token before it: g_1 = token + 1, g_n = g_{n-1}(before) * BASE + token + 1
+    (a polynomial over the n-gram's tokens in order, so the same tokens hash alike wherever
+    they occur)."""
+    t = token + 1
+    return [t] + [(h * _BASE + t) & _MASK for h in previous[:hi - 1]]
 
 
 @dataclass(frozen=True)
@@ -66,36 +78,40 @@ class Proposal:
 
 
 class _Tables:
-    """One hash table per n-gram length n = lo..hi: hash -> value (the latest written)."""
+    """The n-grams of lengths lo..hi in one dict: hash -> value (the latest written). Lengths
+    share it: an n-gram's hash is a polynomial of degree n - 1 in BASE, so hashes of different
+    lengths meet only by a 64-bit coincidence (which the token-by-token check of a hit
+    catches)."""
 
     def __init__(self, lo: int, hi: int) -> None:
         self.lo, self.hi = lo, hi
-        self.by_length: list[dict[int, object]] = [{} for _ in range(hi + 1)]
+        self.table: dict[int, object] = {}
 
-    def hashes(self, tokens: Sequence[int], end: int) -> list[int]:
-        """hashes[n] of the n-gram ending at `end` (inclusive), for n = 1..min(hi, end + 1):
-        h_n = h_{n-1} * BASE + (token + 1), walking back from end (index 0 unused)."""
-        out, h = [0], 0
-        for n in range(1, min(self.hi, end + 1) + 1):
-            h = (h * _BASE + tokens[end - n + 1] + 1) % _MOD
-            out.append(h)
-        return out
+    def insert(self, hashes: list[int], value: object) -> None:
+        """hashes[n - 1]: the n-gram ending at the position `value` names, n = 1.."""
+        self.table.update(zip(hashes[self.lo - 1:], itertools.repeat(value)))
 
-    def insert(self, tokens: Sequence[int], end: int, value: object) -> None:
-        hashes = self.hashes(tokens, end)
-        for n in range(self.lo, len(hashes)):
-            self.by_length[n][hashes[n]] = value
+    def get(self, hashes: list[int], n: int) -> object:
+        return self.table.get(hashes[n - 1])
 
-    def remove(self, tokens: Sequence[int], end: int, value: object) -> None:
-        """Delete the n-grams ending at `end` whose entry is still `value`."""
-        hashes = self.hashes(tokens, end)
-        for n in range(self.lo, len(hashes)):
-            table = self.by_length[n]
-            if table.get(hashes[n]) == value:
-                del table[hashes[n]]
+    def remove(self, hashes: list[int], value: object) -> None:
+        """Delete the n-grams of `hashes` whose entry is still `value`."""
+        table = self.table
+        for h in hashes[self.lo - 1:]:
+            if table.get(h) == value:
+                del table[h]
 
     def entries(self) -> int:
-        return sum(len(t) for t in self.by_length)
+        return len(self.table)
+
+
+def _each_position(tokens: Sequence[int], hi: int):
+    """(end, hashes of the n-grams ending there) for every position but the last (the last
+    has no continuation to index)."""
+    hashes: list[int] = []
+    for end, token in enumerate(tokens[:-1]):
+        hashes = _next_hashes(hashes, token, hi)
+        yield end, hashes
 
 
 @dataclass
@@ -103,7 +119,7 @@ class _Request:
     tokens: list[int]
     prompt_length: int
     tables: _Tables
-    indexed: int = 0  # n-grams ending at positions < indexed are in the tables
+    suffix: list[int] = field(default_factory=list)  # hashes of the n-grams ending last
 
 
 class SuffixIndex:
@@ -149,12 +165,15 @@ class SuffixIndex:
     def extend(self, request_id: Hashable, new_ids: Sequence[int]) -> None:
         """Append tokens the request emitted."""
         request = self._requests[request_id]
-        request.tokens.extend(int(t) for t in new_ids)
-        tokens = request.tokens
-        # Index the n-grams that now have a next token: ending at positions < len - 1.
-        for end in range(request.indexed, len(tokens) - 1):
-            request.tables.insert(tokens, end, end)
-        request.indexed = max(request.indexed, len(tokens) - 1)
+        tokens, tables, hi = request.tokens, request.tables, self.max_ngram
+        suffix = request.suffix
+        for token in new_ids:
+            token = int(token)
+            if tokens:  # the n-grams ending at the last token now have a continuation
+                tables.insert(suffix, len(tokens) - 1)
+            tokens.append(token)
+            suffix = _next_hashes(suffix, token, hi)
+        request.suffix = suffix
 
     def finish(self, request_id: Hashable) -> None:
         """The request is done: its output (with its prompt, keep_prompts) joins the recent
@@ -168,8 +187,8 @@ class SuffixIndex:
         self._next_id += 1
         self._recent[sequence] = tokens
         self._recent_tokens += len(tokens)
-        for end in range(len(tokens) - 1):  # (the last token has no continuation)
-            self._pool.insert(tokens, end, (sequence, end))
+        for end, hashes in _each_position(tokens, self.max_ngram):
+            self._pool.insert(hashes, (sequence, end))
         while len(self._recent) > self.max_recent or self._recent_tokens > self.max_recent_tokens:
             self._evict()
 
@@ -180,8 +199,8 @@ class SuffixIndex:
     def _evict(self) -> None:
         sequence, tokens = self._recent.popitem(last=False)
         self._recent_tokens -= len(tokens)
-        for end in range(len(tokens) - 1):
-            self._pool.remove(tokens, end, (sequence, end))
+        for end, hashes in _each_position(tokens, self.max_ngram):
+            self._pool.remove(hashes, (sequence, end))
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._requests
@@ -215,15 +234,15 @@ class SuffixIndex:
         tokens = request.tokens
         if max_tokens < 1 or len(tokens) < self.min_ngram:
             return Proposal([], "", 0)
-        hashes = request.tables.hashes(tokens, len(tokens) - 1)
+        hashes = request.suffix  # hashes[n - 1]: the last n tokens
         own, own_end = 0, -1
-        for n in range(len(hashes) - 1, self.min_ngram - 1, -1):  # longest first
-            end = request.tables.by_length[n].get(hashes[n])
+        for n in range(len(hashes), self.min_ngram - 1, -1):  # longest first
+            end = request.tables.get(hashes, n)
             if end is not None and tokens[end - n + 1:end + 1] == tokens[len(tokens) - n:]:
                 own, own_end = n, end
                 break
-        for n in range(len(hashes) - 1, max(own, self.min_ngram - 1), -1):  # longer than own
-            hit = self._pool.by_length[n].get(hashes[n])
+        for n in range(len(hashes), max(own, self.min_ngram - 1), -1):  # longer than own
+            hit = self._pool.get(hashes, n)
             if hit is None:
                 continue
             sequence, end = hit

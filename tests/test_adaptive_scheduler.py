@@ -1,7 +1,7 @@
-"""The scheduler with adaptive speculation (runtime/adaptive_scheduler.py) on tiny fp32 models: templated
-traffic (prompts that come back) makes it verify suffix proposals from recent outputs and the
-draft, distil the draft on what it served and swap it in, and every request still returns the
-target's greedy output."""
+"""The scheduler with adaptive speculation (runtime/adaptive_scheduler.py) on tiny fp32 models:
+templated traffic (prompts that come back) makes rows verify suffix proposals from recent
+outputs beside rows verifying the draft's, in one step; it distils the draft on what it served
+and swaps it in, and every request still returns the target's greedy output."""
 
 from __future__ import annotations
 
