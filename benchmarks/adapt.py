@@ -69,21 +69,26 @@ def _walk(root: Path, suffixes: tuple[str, ...]) -> Iterator[Path]:
 
 
 def shifted_files() -> dict[str, list[Path]]:
-    """This machine's files of each kind: C headers under /usr/include; .js, .rst and .yaml
-    (.yml) under the Python installation (its prefixes, the standard library and the
-    site-packages directories; a file found twice counts once)."""
+    """This machine's files of each kind: C headers under /usr/include, then under the Python
+    installation; .js, .rst and .yaml (.yml) under the Python installation (its prefixes, the
+    standard library and the site-packages directories; a file found twice counts once)."""
     import sysconfig
 
     paths = sysconfig.get_paths()
     roots = sorted({Path(p) for p in (sys.prefix, sys.base_prefix, paths["stdlib"],
                                        paths["purelib"], paths["platlib"])})
-    found: dict[str, list[Path]] = {"h": list(_walk(Path("/usr/include"), (".h",)))}
-    for kind, suffixes in (("js", (".js",)), ("rst", (".rst",)), ("yaml", (".yaml", ".yml"))):
+    found: dict[str, list[Path]] = {}
+    for kind, suffixes in (("h", (".h",)), ("js", (".js",)), ("rst", (".rst",)),
+                           ("yaml", (".yaml", ".yml"))):
         paths: dict[str, Path] = {}
         for root in roots:
             for path in _walk(root, suffixes):
                 paths.setdefault(str(path.resolve()), path)
         found[kind] = [paths[k] for k in sorted(paths)]
+    # C headers: /usr/include first, then those of the Python installation (torch's, ...)
+    system = {str(p.resolve()): p for p in _walk(Path("/usr/include"), (".h",))}
+    found["h"] = [system[k] for k in sorted(system)] + [p for p in found["h"]
+                                                        if str(p.resolve()) not in system]
     return found
 
 
@@ -380,9 +385,10 @@ def build(target: torch.nn.Module, draft: torch.nn.Module, tokenizer: object | N
 
     device, _ = device_and_dtype()
     buckets = "auto" if device.type == "cuda" else (1, args.concurrency)
+    candidates = args.gamma_candidates or ((1, 2) if args.dry_run else None)
     config = fuser.FuserConfig(max_batch_size=args.concurrency, max_seq_len=args.max_seq_len,
                                batch_buckets=buckets, compile=args.compile,
-                               **({"gamma_candidates": (1, 2)} if args.dry_run else {}))
+                               **({"gamma_candidates": candidates} if candidates else {}))
     log(f"building the {what} engine ({args.concurrency} rows, max_seq_len {args.max_seq_len}, "
         f"compile {args.compile}) ...")
     start = time.perf_counter()
@@ -717,6 +723,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--requests-8b", type=int, default=400)
     p.add_argument("--max-seq-len", type=int, default=1024)
     p.add_argument("--compile", default="auto", help="FuserConfig.compile (default: auto)")
+    p.add_argument("--gamma-candidates", default=None,
+                   type=lambda text: tuple(int(g) for g in text.split(",")),
+                   help="FuserConfig.gamma_candidates, comma-separated (default: the config's; "
+                        "fewer build faster)")
     p.add_argument("--distill-every", type=int, default=200,
                    help="ON: finished requests between draft updates (default: %(default)s, "
                         "one a window)")

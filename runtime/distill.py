@@ -44,6 +44,12 @@ recomputed (`fuser.ops.fp8.quantize_weight`, as at build time) and written as we
 get_attr tensor must be the KV cache or a module buffer (rotary frequencies), else
 `draft_weight_targets` raises: a swap never leaves a tensor stale silently.
 
+A loaded engine (`fuser.load`) keeps no module: its graphs' tensors are resolved by name.
+`rebuild_draft` makes the draft module again from the engine directory's draft config and
+copies of those tensors (merged projections split by rows, FP8 weights dequantized), for the
+distiller to train and the swap to map; `rebuild_target` makes the target over the loaded
+tensors themselves (no copy), for the top-k labels.
+
 Full fine-tuning rather than low-rank adapters merged at swap time: a merged adapter changes
 every element of the matrices it touches, so the swap costs the same either way (every merged
 and quantized tensor is rewritten); the draft is the small model of the pair, so an fp32 copy

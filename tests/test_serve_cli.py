@@ -133,15 +133,22 @@ def test_sigterm_drains_and_exits_0(tiny_engine_dir, tmp_path):
 
 
 def test_a_model_directory_is_built_with_a_bucket_of_1(tiny_model_dir):
+    """... and, with --adapt-draft and no draft, with the target's verify steps for suffix
+    proposals (and their headroom in the KV cache)."""
+    from fuser.runtime.steps import verify
     from fuser.server.cli import open_engine
 
     args = argparse.Namespace(path=str(tiny_model_dir), draft=None, max_batch_size=2,
-                              max_seq_len=128)
+                              max_seq_len=128, adapt_draft=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         engine = open_engine(args)
     assert engine.config.max_batch_size == 2 and 1 in engine.buckets
     assert engine.tokenizer is not None
+    gammas = engine.config.gammas
+    for bucket in engine.buckets.values():
+        assert all(verify(g) in bucket.target for g in gammas)
+        assert bucket.target.cache.slots >= 128 + max(gammas) + 1
 
 
 def test_the_drain_timeout_aborts_what_still_runs(tmp_path):

@@ -174,8 +174,11 @@ def open_engine(args: argparse.Namespace, cold: ColdStart | None = None) -> Any:
     rows = args.max_batch_size or DEFAULT_MODEL_BATCH
     # The scheduler prefills through a batch bucket of 1; CUDA builds every power of two.
     buckets = "auto" if torch.cuda.is_available() else (1,)
+    # --adapt-draft without a draft: the target's verify steps for suffix proposals are built
+    # with the engine (and its KV cache gets their headroom).
+    suffix = bool(getattr(args, "adapt_draft", False)) and args.draft is None
     config = fuser.FuserConfig(max_batch_size=rows, max_seq_len=args.max_seq_len,
-                               batch_buckets=buckets)
+                               batch_buckets=buckets, suffix_speculation=suffix)
     engine, _, _ = build_engine_from_args(args.path, args.draft, config)
     cold.mark("build")
     return engine
