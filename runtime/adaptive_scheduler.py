@@ -349,8 +349,7 @@ class AdaptiveScheduler(Scheduler):
                 with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                     self.distiller.swap_into(self.swap)
                 self._new_draft.set()
-            self.update_results.append(result)
-            log.info("fuser: draft update: %s", result.reason)
+            self.update_results.append(result)  # the distiller logs each update itself
         except Exception:  # noqa: BLE001 -- a failed update leaves the draft as it was
             log.exception("fuser: a draft update failed; the draft is unchanged")
         finally:
