@@ -59,6 +59,7 @@ ONNX_PASSES = [OUTER_PRODUCT, ADD_RMS_NORM, RMS_NORM, ROTARY]
 # The rows the export traces at: the graphs keep the batch symbolic, so any batch runs.
 _TRACE_ROWS = 2
 
+
 def slots_for(max_seq_len: int) -> int:
     """Cache slots per row (and positions the rotary tables cover) for `max_seq_len`: as an
     engine's, max_seq_len plus the most a verify step writes past it (MAX_GAMMA + 1)."""
@@ -130,11 +131,16 @@ def _captured(role: str, view: nn.Module, cache: KVCache, kind: StepKind, max_se
 def _write(directory: Path, graphs: dict[str, Translated]) -> None:
     """Save the graphs with every weight in one shared external-data file."""
     offsets: dict[str, tuple[int, int]] = {}
+    written: dict[str, torch.Tensor] = {}
     with open(directory / WEIGHTS, "wb") as f:
         for result in graphs.values():
             for name, tensor in result.weights.items():
-                if name in offsets:
+                if name in offsets:  # the graphs share it: one copy, which must be the same
+                    if not torch.equal(written[name], tensor):
+                        raise OnnxExportError(f"the graphs hold two different tensors named "
+                                              f"{name!r}")
                     continue
+                written[name] = tensor
                 data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
                 pad = -f.tell() % 64  # aligned, so that onnxruntime may map it
                 f.write(b"\0" * pad)
