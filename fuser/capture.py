@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import fuser.ops  # noqa: F401  (registers torch.ops.fuser.*)
-from fuser.ops.attention import paged_slots
+from fuser.ops.paged import paged_slots
 
 ATTENTION = "fuser"
 # Families whose decode step is fully fused and checked against Hugging Face (API.md,

@@ -168,6 +168,44 @@ def test_paged_rotary_attention_equals_contiguous(dtype, batch, kv_heads, group,
     check(got.cpu(), ref.cpu(), v.cpu(), seen, dtype)
 
 
+@settings(max_examples=20, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(dtype=st.sampled_from([torch.float32, torch.bfloat16]), batch=st.integers(1, 3),
+       heads=st.sampled_from([(4, 4), (4, 2), (8, 2)]), head_dim=st.sampled_from([16, 32]),
+       chunk=st.integers(1, 40), page_size=st.sampled_from([1, 4, 16, 64]),
+       window=st.sampled_from([0, 0, 7]), softcap=st.sampled_from([0.0, 0.0, 5.0]),
+       mask_all=st.booleans(), data=st.data())
+def test_flash_prefill_chunk_over_a_paged_cache(dtype, batch, heads, head_dim, chunk, page_size,
+                                                window, softcap, mask_all, data) -> None:
+    """A prefill chunk after a cached prefix (a prefix-cache hit): T queries at slots
+    prefix + t over a paged cache that already holds the prefix and the chunk's own keys,
+    by the flash kernel through the table, against the reference over the contiguous cache."""
+    from fuser.ops.flash_prefill import flash_prefill
+
+    H, KV = heads
+    prefix = data.draw(st.lists(st.integers(0, 40), min_size=batch, max_size=batch))
+    pad = [data.draw(st.integers(0, n + chunk - 1)) for n in prefix]
+    seed = data.draw(st.integers(0, 2**16))
+    S = max(prefix) + chunk + data.draw(st.integers(0, 9))
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(batch, chunk, H, head_dim, generator=g) * 2).to(dtype).transpose(1, 2)
+    k_cache = torch.randn(batch, S, KV, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(batch, S, KV, head_dim, generator=g).to(dtype)
+    lens = torch.tensor(prefix, dtype=torch.int64)
+    starts = torch.tensor(pad, dtype=torch.int64)
+    (k_pool, v_pool), table, _ = page([k_cache, v_cache], page_size, lens + chunk, seed)
+    slots = lens[:, None] + torch.arange(chunk)                       # [B, T] query slots
+    scale = head_dim**-0.5
+    out = flash_prefill(q, k_pool, v_pool, slots, starts, scale, window, softcap, table,
+                        mask_all=mask_all)
+    ref = cache_attention_reference(q, k_cache, v_cache, lens, starts, scale, window, softcap)
+    assert out.shape == ref.shape == (batch, chunk, H, head_dim) and out.is_contiguous()
+    seen = visible_queries(lens, starts, chunk, S, window)
+    assert torch.isfinite(out).all() and (out[~seen] == 0).all()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[seen].float(), ref[seen].float(), rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("tokens,page_size", [(1, 4), (5, 3), (40, 16)])
 def test_paged_cache_write_lands_in_its_block_and_slot(tokens: int, page_size: int) -> None:
     """rotary_cache_write through a table (decode, verify and a prefill's T): each new token
