@@ -250,6 +250,12 @@ def test_custom_ops_take_a_block_table() -> None:
     read = torch.ops.fuser.cache_attention_read(got.transpose(1, 2), k_pool, v_pool, seq_lens,
                                                 starts, 0.25, 0, 0.0, table)
     assert read.shape == got.shape
+    torch.library.opcheck(torch.ops.fuser.cache_attention_read.default,
+                          (got.transpose(1, 2), k_pool, v_pool, seq_lens, starts, 0.25, 0, 0.0,
+                           table))
+    torch.library.opcheck(torch.ops.fuser.rotary_cache_attention.default,
+                          (q, k, v, cos, sin, k_pool.clone(), v_pool.clone(), seq_lens, starts,
+                           0.25, 0, 0.0, table))
     with pytest.raises(ValueError, match="block_table must be"):
         torch.ops.fuser.rotary_cache_write(q, k, v, cos, sin, k_pool, v_pool, seq_lens,
                                            table.long())
