@@ -22,7 +22,9 @@ def build(model, draft, **config) -> fuser.Engine:
             max_seq_len=MAX_SEQ_LEN, max_batch_size=4, **config))
 
 
-@pytest.mark.parametrize(("name", "gamma"), [("plain", 0), ("g1", 1)])
+# (speculative: two more engine builds, ~50 s on a 2-core CPU)
+@pytest.mark.parametrize(("name", "gamma"), [("plain", 0),
+                                             pytest.param("g1", 1, marks=pytest.mark.slow)])
 def test_paged_engine_generates_the_contiguous_tokens(engines, name: str, gamma: int) -> None:
     """The shared engines of tests/engines.py ("plain": target only; "g1": a Mistral draft,
     gamma 1) against the same build over 5-slot blocks (slots per row not a multiple of 5)."""
