@@ -38,7 +38,7 @@ class StepContext:
     seq_lens: torch.Tensor  # [B] slots written before this step
     starts: torch.Tensor  # [B] first real (non-padding) slot
     prefill: bool  # True: the cache is empty, attend among the new tokens only
-    block_table: torch.Tensor | None = None  # paged cache: [B, max_blocks] int32 (runtime/blocks.py)
+    block_table: torch.Tensor | None = None  # paged: [B, max_blocks] int32 (runtime/blocks.py)
 
 
 def cache_attention(

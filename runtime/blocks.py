@@ -129,7 +129,7 @@ class BlockManager:
         self._refs = [0] * num_blocks
         self._key_of: dict[int, bytes] = {}          # cached block -> its key
         self._cached: dict[bytes, int] = {}          # key -> cached block
-        self._lru: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; first = evict next
+        self._lru: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; evict first one
         self._rows: dict[int, _Row] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -272,7 +272,8 @@ class BlockManager:
         bs = self.block_size
         while len(state.keys) < len(state.tokens) // bs:
             i = len(state.keys)
-            key = block_key(state.keys[-1] if state.keys else b"", state.tokens[i * bs:(i + 1) * bs])
+            parent = state.keys[-1] if state.keys else b""
+            key = block_key(parent, state.tokens[i * bs:(i + 1) * bs])
             state.keys.append(key)
             block = state.blocks[i]
             if key not in self._cached:

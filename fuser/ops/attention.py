@@ -52,7 +52,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fuser.ops.flash_prefill import flash_prefill, flash_prefill_supported
-from fuser.ops.paged import _cache_rows, paged_slots, paged_view  # noqa: F401  (re-exported)
+from fuser.ops.paged import _cache_rows, paged_view
 from fuser.ops.pdl import pdl_launch, wait_for_inputs
 
 BLOCK_N = 64          # key slots per inner-loop step

@@ -152,8 +152,8 @@ def _flash_prefill_kernel(
     if MASK_ALL:
         for n0 in range(lo, hi, BLOCK_N):
             acc, m_i, l_i = _attend(acc, m_i, l_i, q, qi, start, n0, k_base, v_base, sk_t, sv_t,
-                                    offs_d, N_KEYS, qk_scale, softcap, table_row, True, WINDOW, SOFTCAP, BLOCK_N,
-                                    FP32_DOTS, PAGE)
+                                    offs_d, N_KEYS, qk_scale, softcap, table_row, True, WINDOW,
+                                    SOFTCAP, BLOCK_N, FP32_DOTS, PAGE)
     else:
         # Blocks whose every key every row of this block sees: [full_lo, full_hi), block
         # aligned: past the start (and inside every row's window), up to the lowest row's slot.
@@ -165,16 +165,16 @@ def _flash_prefill_kernel(
         end = tl.maximum(tl.minimum(full_hi, hi), mid)
         for n0 in range(lo, mid, BLOCK_N):
             acc, m_i, l_i = _attend(acc, m_i, l_i, q, qi, start, n0, k_base, v_base, sk_t, sv_t,
-                                    offs_d, N_KEYS, qk_scale, softcap, table_row, True, WINDOW, SOFTCAP, BLOCK_N,
-                                    FP32_DOTS, PAGE)
+                                    offs_d, N_KEYS, qk_scale, softcap, table_row, True, WINDOW,
+                                    SOFTCAP, BLOCK_N, FP32_DOTS, PAGE)
         for n0 in range(mid, end, BLOCK_N):
             acc, m_i, l_i = _attend(acc, m_i, l_i, q, qi, start, n0, k_base, v_base, sk_t, sv_t,
-                                    offs_d, N_KEYS, qk_scale, softcap, table_row, False, WINDOW, SOFTCAP,
-                                    BLOCK_N, FP32_DOTS, PAGE)
+                                    offs_d, N_KEYS, qk_scale, softcap, table_row, False, WINDOW,
+                                    SOFTCAP, BLOCK_N, FP32_DOTS, PAGE)
         for n0 in range(end, hi, BLOCK_N):
             acc, m_i, l_i = _attend(acc, m_i, l_i, q, qi, start, n0, k_base, v_base, sk_t, sv_t,
-                                    offs_d, N_KEYS, qk_scale, softcap, table_row, True, WINDOW, SOFTCAP, BLOCK_N,
-                                    FP32_DOTS, PAGE)
+                                    offs_d, N_KEYS, qk_scale, softcap, table_row, True, WINDOW,
+                                    SOFTCAP, BLOCK_N, FP32_DOTS, PAGE)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     out_rows = out_ptr + ((b * T + offs_m[:, None]) * H + h) * D + offs_d[None, :]
     tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
