@@ -188,19 +188,21 @@ def test_flash_prefill_chunk_over_a_paged_cache(dtype, batch, heads, head_dim, c
     seed = data.draw(st.integers(0, 2**16))
     S = max(prefix) + chunk + data.draw(st.integers(0, 9))
     g = torch.Generator().manual_seed(seed)
-    q = (torch.randn(batch, chunk, H, head_dim, generator=g) * 2).to(dtype).transpose(1, 2)
-    k_cache = torch.randn(batch, S, KV, head_dim, generator=g).to(dtype)
-    v_cache = torch.randn(batch, S, KV, head_dim, generator=g).to(dtype)
-    lens = torch.tensor(prefix, dtype=torch.int64)
-    starts = torch.tensor(pad, dtype=torch.int64)
+    q = (torch.randn(batch, chunk, H, head_dim, generator=g) * 2).to(dtype).to(DEVICE)
+    q = q.transpose(1, 2)
+    k_cache = torch.randn(batch, S, KV, head_dim, generator=g).to(dtype).to(DEVICE)
+    v_cache = torch.randn(batch, S, KV, head_dim, generator=g).to(dtype).to(DEVICE)
+    lens = torch.tensor(prefix, dtype=torch.int64, device=DEVICE)
+    starts = torch.tensor(pad, dtype=torch.int64, device=DEVICE)
     (k_pool, v_pool), table, _ = page([k_cache, v_cache], page_size, lens + chunk, seed)
-    slots = lens[:, None] + torch.arange(chunk)                       # [B, T] query slots
+    slots = lens[:, None] + torch.arange(chunk, device=DEVICE)        # [B, T] query slots
     scale = head_dim**-0.5
     out = flash_prefill(q, k_pool, v_pool, slots, starts, scale, window, softcap, table,
                         mask_all=mask_all)
     ref = cache_attention_reference(q, k_cache, v_cache, lens, starts, scale, window, softcap)
     assert out.shape == ref.shape == (batch, chunk, H, head_dim) and out.is_contiguous()
-    seen = visible_queries(lens, starts, chunk, S, window)
+    out, ref = out.cpu(), ref.cpu()
+    seen = visible_queries(lens.cpu(), starts.cpu(), chunk, S, window)
     assert torch.isfinite(out).all() and (out[~seen] == 0).all()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out[seen].float(), ref[seen].float(), rtol=tol, atol=tol)
@@ -223,6 +225,9 @@ def test_paged_cache_write_lands_in_its_block_and_slot(tokens: int, page_size: i
     assert torch.equal(q_got, q_ref)
     assert torch.equal(k_pool, k_ref) and torch.equal(v_pool, v_ref)
     _, k_rot = torch.ops.fuser.rotary(q, k, cos, sin)  # rope(k): [B, KV, T, D]
+    k_pool, v_pool, k_old, v_old, k_rot, v = (t.cpu() for t in (k_pool, v_pool, k_old, v_old,
+                                                                 k_rot, v))
+    table = table.cpu()
     written = torch.zeros(k_pool.shape[:2], dtype=torch.bool)
     for b, n in enumerate(lens):
         for t in range(tokens):
