@@ -29,7 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import copies_for, log, time_us  # noqa: E402
 
-from fuser.ops.attention import _num_splits, cache_attention_read_triton, BLOCK_N, TARGET_PROGRAMS  # noqa: E402
+from fuser.ops.attention import (BLOCK_N, TARGET_PROGRAMS, _num_splits,  # noqa: E402
+                                 cache_attention_read_triton)
 from fuser.ops.rotary_attention import rotary_cache_attention_triton  # noqa: E402
 
 H, KV, D, PAGE = 32, 8, 128, 16

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 import fuser.ops  # noqa: F401  (registers torch.ops.fuser.*)
-from fuser.ops.attention import paged_slots
+from fuser.ops.paged import paged_slots
 
 ATTENTION = "fuser"
 # Families whose decode step is fully fused and checked against Hugging Face (API.md,
@@ -41,7 +41,7 @@ class StepContext:
     seq_lens: torch.Tensor  # [B] slots written before this step
     starts: torch.Tensor  # [B] first real (non-padding) slot
     prefill: bool  # True: the cache is empty, attend among the new tokens only
-    block_table: torch.Tensor | None = None  # paged cache: [B, max_blocks] int32 (runtime/blocks.py)
+    block_table: torch.Tensor | None = None  # paged: [B, max_blocks] int32 (runtime/blocks.py)
 
 
 def cache_attention(

@@ -51,13 +51,16 @@ def fused_args(write: Node) -> tuple | None:
     if len(users) != 1 or not _call(users[0], READ) or write.kwargs or users[0].kwargs:
         return None
     read = users[0]
-    q_rot, k_cache, v_cache, seq_lens, starts, *scalars = read.args
-    q, k, v, cos, sin, write_k, write_v, write_lens = write.args
+    q_rot, k_cache, v_cache, seq_lens, starts, scale, window, softcap, *read_table = read.args
+    q, k, v, cos, sin, write_k, write_v, write_lens, *write_table = write.args
     if q_rot is not write or (k_cache, v_cache, seq_lens) != (write_k, write_v, write_lens):
+        return None
+    if read_table != write_table:  # both contiguous, or both through one block table
         return None
     if any(set(cache.users) != {write, read} for cache in (k_cache, v_cache)):
         return None
-    return (q, k, v, cos, sin, k_cache, v_cache, seq_lens, starts, *scalars)
+    return (q, k, v, cos, sin, k_cache, v_cache, seq_lens, starts, scale, window, softcap,
+            *read_table)
 
 
 def fuse_rotary_attention(gm: GraphModule, context: PassContext) -> int:

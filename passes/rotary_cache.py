@@ -15,6 +15,17 @@ pass has run (`cache_attention` in fuser/capture.py, functionalized by export):
 which becomes
 
     q_rot = fuser.rotary_cache_write(q, k, v, cos, sin, k_cache, v_cache, seq_lens)
+
+Over a paged cache (capture with a block table: fuser/ops/paged.py `paged_slots`) the writes'
+indices are each slot's (block, offset) instead of (row, slot):
+
+    blocks  = where(lt(slots, max_blocks * PAGE),
+                    gather(_to_copy(block_table), 1, clamp(div(slots, PAGE, floor), None,
+                                                           max_blocks - 1)), 0)
+    offsets = remainder(slots, PAGE)
+    k_new = index_put(k_pool, [blocks, offsets], ...)    # likewise v
+
+and the op takes the table too: fuser.rotary_cache_write(..., seq_lens, block_table).
     ... attention reads q_rot, k_cache, v_cache ...       # the caches, written above
 
 The functional `index_put` (a new cache) and the `copy_` back are gone: the op writes the T new
@@ -60,7 +71,7 @@ class CacheWrite:
     v_write: Node
     k_copy: Node  # copy_(k_cache, k_write)
     v_copy: Node
-    args: tuple[Node, ...]  # q, k, v, cos, sin, k_cache, v_cache, seq_lens
+    args: tuple[Node, ...]  # q, k, v, cos, sin, k_cache, v_cache, seq_lens[, block_table]
 
 
 def _call(node: object, target: object) -> bool:
@@ -87,6 +98,43 @@ def _seq_lens_of(indices: object, B: int, T: int) -> Node | None:
     if not (_call(column, aten.unsqueeze.default) and column.args[1] == 1
             and _is_arange(column.args[0], B)):
         return None
+    return _lens_of_slots(slots, B, T)
+
+
+def _paged_of(indices: object, B: int, T: int, page: int) -> tuple[Node, Node] | None:
+    """(seq_lens, block_table) when indices are a paged write's [blocks, offsets] of the
+    slots unsqueeze(seq_lens, 1) + arange(0, T) (module docstring), else None."""
+    if not isinstance(indices, (list, tuple)) or len(indices) != 2:
+        return None
+    blocks, offsets = indices
+    if not (_call(offsets, aten.remainder.Scalar) and offsets.args[1] == page):
+        return None
+    slots = offsets.args[0]
+    if not (_call(blocks, aten.where.self) and _call(blocks.args[0], aten.lt.Scalar)
+            and _call(blocks.args[1], aten.gather.default)
+            and _call(blocks.args[2], aten.scalar_tensor.default) and blocks.args[2].args[0] == 0):
+        return None
+    below, gather = blocks.args[0], blocks.args[1]
+    source, dim, index = gather.args[:3]
+    if not (_call(source, aten._to_copy.default) and dim == 1 and _call(index, aten.clamp.default)
+            and _call(index.args[0], aten.div.Tensor_mode) and index.args[0].args[1] == page
+            and index.args[0].kwargs.get("rounding_mode") == "floor"):
+        return None
+    table = source.args[0]
+    val = table.meta.get("val") if isinstance(table, Node) else None
+    if not (isinstance(val, torch.Tensor) and val.dtype == torch.int32 and val.dim() == 2
+            and val.shape[0] == B):
+        return None
+    max_blocks = val.shape[1]
+    if not (below.args[0] is slots and below.args[1] == max_blocks * page
+            and index.args[0].args[0] is slots and list(index.args[1:]) == [None, max_blocks - 1]):
+        return None
+    seq_lens = _lens_of_slots(slots, B, T)
+    return None if seq_lens is None else (seq_lens, table)
+
+
+def _lens_of_slots(slots: object, B: int, T: int) -> Node | None:
+    """seq_lens when slots is unsqueeze(seq_lens, 1) + arange(0, T), seq_lens [B] int64."""
     if not (_call(slots, aten.add.Tensor) and len(slots.args) == 2 and not slots.kwargs):
         return None
     lens, offsets = slots.args
@@ -149,9 +197,13 @@ def find_cache_write(rotary: Node, position: dict[Node, int]) -> CacheWrite | No
     if not (isinstance(B, int) and isinstance(T, int)):
         return None  # a dynamic T: prefill, which keeps its own path
     indices = k_write.args[1]
-    seq_lens = _seq_lens_of(indices, B, T)
-    if seq_lens is None:
-        return None
+    seq_lens, table = _seq_lens_of(indices, B, T), ()
+    if seq_lens is None:  # a paged cache? (its pool's second dim is the block size)
+        pool = k_write.args[0].meta.get("val") if isinstance(k_write.args[0], Node) else None
+        paged = _paged_of(indices, B, T, pool.shape[1]) if isinstance(pool, torch.Tensor) else None
+        if paged is None:
+            return None
+        seq_lens, table = paged[0], (paged[1],)
     v_writes = [u for u in indices[1].users if _call(u, aten.index_put.default)
                 and u is not k_write and list(u.args[1]) == list(indices)]
     if len(v_writes) != 1 or v_writes[0].args[3:] not in ((), (False,)) \
@@ -173,7 +225,7 @@ def find_cache_write(rotary: Node, position: dict[Node, int]) -> CacheWrite | No
     if any(position[r] <= last for r in readers):
         return None
     return CacheWrite(rotary, q_rot, k_write, v_write, k_copy, v_copy,
-                      (q, k, v, cos, sin, k_cache, v_cache, seq_lens))
+                      (q, k, v, cos, sin, k_cache, v_cache, seq_lens, *table))
 
 
 def fuse_rotary_cache_write(gm: GraphModule, context: PassContext) -> int:

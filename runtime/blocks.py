@@ -109,7 +109,11 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, rows: int, max_blocks: int, *,
-                 prefix_caching: bool = True, device: torch.device | str = "cpu") -> None:
+                 prefix_caching: bool = True, device: torch.device | str = "cpu",
+                 table: torch.Tensor | None = None) -> None:
+        """table: the [rows, max_blocks] int32 tensor to manage in place (an engine's
+        KVCache.block_table, which its step graphs read); reset to the null block. Default:
+        a new one on `device`."""
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be at least 2 (block 0 is the null block), got "
                              f"{num_blocks}")
@@ -121,15 +125,23 @@ class BlockManager:
         self.rows = rows
         self.max_blocks = max_blocks
         self.prefix_caching = prefix_caching
-        self.host_table = torch.zeros((rows, max_blocks), dtype=torch.int32)  # [rows, max_blocks]
+        if table is not None:
+            if tuple(table.shape) != (rows, max_blocks) or table.dtype != torch.int32:
+                raise ValueError(f"table must be [{rows}, {max_blocks}] int32, got "
+                                 f"{tuple(table.shape)} {table.dtype}")
+            table.fill_(NULL_BLOCK)
+            device = table.device
         device = torch.device(device)
+        self.host_table = (table if table is not None and device.type == "cpu"
+                           else torch.zeros((rows, max_blocks), dtype=torch.int32))
         self.table = (self.host_table if device.type == "cpu"
+                      else table if table is not None
                       else torch.zeros((rows, max_blocks), dtype=torch.int32, device=device))
         self._free: list[int] = list(range(num_blocks - 1, NULL_BLOCK, -1))  # pop() -> 1, 2, ...
         self._refs = [0] * num_blocks
         self._key_of: dict[int, bytes] = {}          # cached block -> its key
         self._cached: dict[bytes, int] = {}          # key -> cached block
-        self._lru: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; first = evict next
+        self._lru: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; evict first one
         self._rows: dict[int, _Row] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -272,7 +284,8 @@ class BlockManager:
         bs = self.block_size
         while len(state.keys) < len(state.tokens) // bs:
             i = len(state.keys)
-            key = block_key(state.keys[-1] if state.keys else b"", state.tokens[i * bs:(i + 1) * bs])
+            parent = state.keys[-1] if state.keys else b""
+            key = block_key(parent, state.tokens[i * bs:(i + 1) * bs])
             state.keys.append(key)
             block = state.blocks[i]
             if key not in self._cached:

@@ -392,3 +392,17 @@ def test_device_table_keeps_its_address() -> None:
     m.admit(0, [1, 2, 3])
     m.sync_table()
     assert m.table.data_ptr() == ptr and m.table.shape == (2, 3) and m.table.dtype == torch.int32
+
+
+def test_manages_an_engines_table_in_place() -> None:
+    """Given a KVCache's block table, the manager writes that very tensor (graphs read it)."""
+    from fuser.runtime.kv_cache import KVCache
+
+    cache = KVCache.allocate(1, 2, 8, 1, 4, torch.float32, torch.device("cpu"), block_size=4)
+    table = cache.block_table
+    m = BlockManager(cache.k[0].shape[0], 4, rows=2, max_blocks=2, table=table)
+    assert m.table is table and (table == NULL_BLOCK).all()
+    m.admit(1, [1, 2, 3, 4, 5])
+    assert table[1].tolist() == m.row_blocks(1) and table[0].tolist() == [0, 0]
+    with pytest.raises(ValueError, match="table must be"):
+        BlockManager(5, 4, rows=2, max_blocks=3, table=table)

@@ -168,6 +168,46 @@ def test_paged_rotary_attention_equals_contiguous(dtype, batch, kv_heads, group,
     check(got.cpu(), ref.cpu(), v.cpu(), seen, dtype)
 
 
+@settings(max_examples=20, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(dtype=st.sampled_from([torch.float32, torch.bfloat16]), batch=st.integers(1, 3),
+       heads=st.sampled_from([(4, 4), (4, 2), (8, 2)]), head_dim=st.sampled_from([16, 32]),
+       chunk=st.integers(1, 40), page_size=st.sampled_from([1, 4, 16, 64]),
+       window=st.sampled_from([0, 0, 7]), softcap=st.sampled_from([0.0, 0.0, 5.0]),
+       mask_all=st.booleans(), data=st.data())
+def test_flash_prefill_chunk_over_a_paged_cache(dtype, batch, heads, head_dim, chunk, page_size,
+                                                window, softcap, mask_all, data) -> None:
+    """A prefill chunk after a cached prefix (a prefix-cache hit): T queries at slots
+    prefix + t over a paged cache that already holds the prefix and the chunk's own keys,
+    by the flash kernel through the table, against the reference over the contiguous cache."""
+    from fuser.ops.flash_prefill import flash_prefill
+
+    H, KV = heads
+    prefix = data.draw(st.lists(st.integers(0, 40), min_size=batch, max_size=batch))
+    pad = [data.draw(st.integers(0, n + chunk - 1)) for n in prefix]
+    seed = data.draw(st.integers(0, 2**16))
+    S = max(prefix) + chunk + data.draw(st.integers(0, 9))
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(batch, chunk, H, head_dim, generator=g) * 2).to(dtype).to(DEVICE)
+    q = q.transpose(1, 2)
+    k_cache = torch.randn(batch, S, KV, head_dim, generator=g).to(dtype).to(DEVICE)
+    v_cache = torch.randn(batch, S, KV, head_dim, generator=g).to(dtype).to(DEVICE)
+    lens = torch.tensor(prefix, dtype=torch.int64, device=DEVICE)
+    starts = torch.tensor(pad, dtype=torch.int64, device=DEVICE)
+    (k_pool, v_pool), table, _ = page([k_cache, v_cache], page_size, lens + chunk, seed)
+    slots = lens[:, None] + torch.arange(chunk, device=DEVICE)        # [B, T] query slots
+    scale = head_dim**-0.5
+    out = flash_prefill(q, k_pool, v_pool, slots, starts, scale, window, softcap, table,
+                        mask_all=mask_all)
+    ref = cache_attention_reference(q, k_cache, v_cache, lens, starts, scale, window, softcap)
+    assert out.shape == ref.shape == (batch, chunk, H, head_dim) and out.is_contiguous()
+    out, ref = out.cpu(), ref.cpu()
+    seen = visible_queries(lens.cpu(), starts.cpu(), chunk, S, window)
+    assert torch.isfinite(out).all() and (out[~seen] == 0).all()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[seen].float(), ref[seen].float(), rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("tokens,page_size", [(1, 4), (5, 3), (40, 16)])
 def test_paged_cache_write_lands_in_its_block_and_slot(tokens: int, page_size: int) -> None:
     """rotary_cache_write through a table (decode, verify and a prefill's T): each new token
@@ -185,6 +225,9 @@ def test_paged_cache_write_lands_in_its_block_and_slot(tokens: int, page_size: i
     assert torch.equal(q_got, q_ref)
     assert torch.equal(k_pool, k_ref) and torch.equal(v_pool, v_ref)
     _, k_rot = torch.ops.fuser.rotary(q, k, cos, sin)  # rope(k): [B, KV, T, D]
+    k_pool, v_pool, k_old, v_old, k_rot, v = (t.cpu() for t in (k_pool, v_pool, k_old, v_old,
+                                                                 k_rot, v))
+    table = table.cpu()
     written = torch.zeros(k_pool.shape[:2], dtype=torch.bool)
     for b, n in enumerate(lens):
         for t in range(tokens):
@@ -212,6 +255,12 @@ def test_custom_ops_take_a_block_table() -> None:
     read = torch.ops.fuser.cache_attention_read(got.transpose(1, 2), k_pool, v_pool, seq_lens,
                                                 starts, 0.25, 0, 0.0, table)
     assert read.shape == got.shape
+    torch.library.opcheck(torch.ops.fuser.cache_attention_read.default,
+                          (got.transpose(1, 2), k_pool, v_pool, seq_lens, starts, 0.25, 0, 0.0,
+                           table))
+    torch.library.opcheck(torch.ops.fuser.rotary_cache_attention.default,
+                          (q, k, v, cos, sin, k_pool.clone(), v_pool.clone(), seq_lens, starts,
+                           0.25, 0, 0.0, table))
     with pytest.raises(ValueError, match="block_table must be"):
         torch.ops.fuser.rotary_cache_write(q, k, v, cos, sin, k_pool, v_pool, seq_lens,
                                            table.long())
@@ -278,3 +327,27 @@ def test_benchmark_dry_run(tmp_path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())
     assert len(rows) == 2 and all(r["read_equal"] and r["rotary_equal"] for r in rows)
+
+
+@needs_cuda
+def test_gpu_flash_prefill_chunk_over_a_paged_cache_llama3_8b_shape() -> None:
+    """A 512-token chunk after cached prefixes of ~1,000 tokens, 8B heads, bf16, 16-slot
+    blocks scattered over the pool: the flash kernel through the table against the reference
+    over the contiguous cache."""
+    from fuser.ops.flash_prefill import flash_prefill
+
+    B, H, KV, D, T, P = 2, 32, 8, 128, 512, 16
+    prefix = torch.tensor([1024, 977])
+    S = int(prefix.max()) + T
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, T, H, D, generator=g).to(torch.bfloat16).cuda().transpose(1, 2)
+    k_cache = torch.randn(B, S, KV, D, generator=g).to(torch.bfloat16).cuda()
+    v_cache = torch.randn(B, S, KV, D, generator=g).to(torch.bfloat16).cuda()
+    lens, starts = prefix.cuda(), torch.tensor([0, 5]).cuda()
+    (k_pool, v_pool), table, _ = page([k_cache, v_cache], P, lens + T, 0)
+    slots = lens[:, None] + torch.arange(T, device="cuda")
+    for mask_all in (True, False):
+        out = flash_prefill(q, k_pool, v_pool, slots, starts, D**-0.5, 0, 0.0, table,
+                            mask_all=mask_all)
+        ref = cache_attention_reference(q, k_cache, v_cache, lens, starts, D**-0.5, 0, 0.0)
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)

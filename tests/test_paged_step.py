@@ -7,6 +7,7 @@ table entries point at the null block, and every pool block starts as garbage.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from fuser.capture import StepModule, engine_view, export_step
@@ -97,3 +98,42 @@ def test_exported_paged_step_equals_exported_contiguous_step() -> None:
             assert torch.equal(paged_view(pool, table)[b, :owned], cache[b, :owned])
     attention = [n for n in paged.graph.nodes if n.target is torch.ops.fuser.cache_attention.default]
     assert len(attention) == LAYERS and all(len(n.args) == 9 for n in attention)
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_passes_fuse_the_paged_write_and_attention(tokens: int) -> None:
+    """rotary_cache and rotary_attention recognise the paged write (index_put at each slot's
+    (block, offset)): the paged step becomes one fuser::rotary_cache_attention per layer with
+    the table, and after every pass it equals the contiguous step after every pass."""
+    from fuser.passes import run_passes
+    from test_rotary_cache import pass_context
+
+    model = tiny_model("llama", layers=LAYERS, init_range=0.3)
+    view = engine_view(model, torch.float32, torch.device("cpu"))
+    k, v, kp, vp, table = caches(3)
+    for pool, cache in zip(kp + vp, k + v):   # the same old contents on both sides
+        cache.copy_(paged_view(pool, table))
+    graphs = {}
+    for name, module in (("paged", StepModule(view, kp, vp, prefill=False, block_table=table)),
+                         ("contiguous", StepModule(view, k, v, prefill=False))):
+        _, gm = export_step(module, B, tokens, max_tokens=S)
+        result = run_passes(gm, pass_context("target.decode"))
+        assert result.matches["rotary_cache"] == result.matches["rotary_attention"] == LAYERS
+        graphs[name] = gm
+    fused = [n for n in graphs["paged"].graph.nodes
+             if n.target is torch.ops.fuser.rotary_cache_attention.default]
+    assert len(fused) == LAYERS and all(n.args[-1].target == "block_table" for n in fused)
+    assert not any(n.target is torch.ops.aten.index_put.default for n in graphs["paged"].graph.nodes)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 160, (B, tokens), generator=g)
+    lens = torch.tensor([3, 13, 0])
+    positions = lens[:, None] + torch.arange(tokens)
+    starts = torch.tensor([0, 2, 0])
+    with torch.no_grad():
+        got = graphs["paged"](ids, positions, lens, starts)
+        want = graphs["contiguous"](ids, positions, lens, starts)
+    assert torch.equal(got, want)
+    for pool, cache in zip(kp + vp, k + v):
+        for b in range(B):
+            owned = int((table[b] != 0).sum()) * PAGE
+            assert torch.equal(paged_view(pool, table)[b, :owned], cache[b, :owned])

@@ -52,6 +52,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fuser.ops.flash_prefill import flash_prefill, flash_prefill_supported
+from fuser.ops.paged import _cache_rows, paged_view
 from fuser.ops.pdl import pdl_launch, wait_for_inputs
 
 BLOCK_N = 64          # key slots per inner-loop step
@@ -119,17 +120,6 @@ def _attend_block(
         pv = tl.dot(p.to(v.dtype), v)
     acc = acc * alpha[:, None] + pv
     return m_new, l_i, acc
-
-
-@triton.jit
-def _cache_rows(j, j_ok, table_row, PAGE: tl.constexpr):
-    """Where key slots j of a row live, as cache rows of KV * D elements: j itself in the
-    contiguous cache (PAGE = 0; the row's offset is in kv_row), else block table_row[j // PAGE]
-    of the pool at offset j % PAGE (missing slots j_ok = False read the null block 0)."""
-    if PAGE:
-        block = tl.load(table_row + j // PAGE, mask=j_ok, other=0).to(tl.int64)
-        return block * PAGE + j % PAGE
-    return j
 
 
 @triton.jit
@@ -552,27 +542,6 @@ def prefill_attention_cuda(
 
 
 prefill_attention.register_kernel("cuda")(prefill_attention_cuda)
-
-
-def paged_view(pool: Tensor, block_table: Tensor) -> Tensor:
-    """The contiguous cache a paged pool stands for: row b's blocks in table order.
-
-    pool: [num_blocks, PAGE, KV, D]; block_table: [B, max_blocks] int32
-    -> [B, max_blocks * PAGE, KV, D] (a gathered copy: slot j of row b is
-    pool[block_table[b, j // PAGE], j % PAGE])."""
-    return pool[block_table.long()].flatten(1, 2)
-
-
-def paged_slots(block_table: Tensor, page: int, slots: Tensor) -> tuple[Tensor, Tensor]:
-    """(block, offset) of each row's slots: slots [B, T] int64 -> two [B, T] int64 tensors
-    indexing a pool [num_blocks, PAGE, ...]. Slots past the table's end give the null block 0
-    (slots that a kernel drops; the reference writes them to the null block, which no row reads
-    as its own)."""
-    max_blocks = block_table.shape[1]
-    index = (slots // page).clamp(max=max_blocks - 1)
-    blocks = torch.gather(block_table.long(), 1, index)
-    blocks = torch.where(slots < max_blocks * page, blocks, 0)
-    return blocks, slots % page
 
 
 def cache_attention_reference(

@@ -2,6 +2,10 @@
 with each row's left padding, sliding window, softcap and grouped kv heads.
 
     flash_prefill(q, k, v, query_slots, starts, scale, window, softcap) -> [B, T, H, D]
+    flash_prefill(q, k_pool, v_pool, query_slots, starts, ..., block_table=table)
+        a chunk of T queries (at any slots, e.g. after a cached prefix) over a paged cache that
+        already holds their keys: pools [num_blocks, PAGE, KV, D], table [B, max_blocks] int32,
+        keys at every slot of the row (fuser/ops/paged.py). A prefix-cache hit's prefill.
 
 The same visibility as `attention.masked_attention`: key j is visible to query i when
 starts[b] <= j <= query_slots[b, i] (and i - j < window where window > 0). Per (query block,
@@ -33,23 +37,28 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from fuser.ops.paged import _cache_rows
+
 LOG2E = math.log2(math.e)
 MIN_BLOCK = 16  # tl.dot's smallest tile side
 
 
 @triton.jit
 def _attend(acc, m_i, l_i, q, qi, start, n0, k_base, v_base, sk_t, sv_t, offs_d, T, qk_scale,
-            softcap, MASKED: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-            BLOCK_N: tl.constexpr, FP32_DOTS: tl.constexpr):
+            softcap, table_row, MASKED: tl.constexpr, WINDOW: tl.constexpr,
+            SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOTS: tl.constexpr,
+            PAGE: tl.constexpr):
     """One key block [n0, n0 + BLOCK_N) into the running (acc, max, sum) of the online softmax.
-    MASKED: apply the visibility mask (else every key of the block is visible to every row)."""
+    MASKED: apply the visibility mask (else every key of the block is visible to every row).
+    T: the keys there are (slots 0..T-1); PAGE > 0: key j is pool row _cache_rows(j)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     key_ok = offs_n < T
+    keys = _cache_rows(offs_n, key_ok, table_row, PAGE)            # [BLOCK_N] rows of k, v
     if MASKED:
-        k = tl.load(k_base + offs_n[:, None] * sk_t + offs_d[None, :], mask=key_ok[:, None],
+        k = tl.load(k_base + keys[:, None] * sk_t + offs_d[None, :], mask=key_ok[:, None],
                     other=0.0)
     else:
-        k = tl.load(k_base + offs_n[:, None] * sk_t + offs_d[None, :])
+        k = tl.load(k_base + keys[:, None] * sk_t + offs_d[None, :])
     if FP32_DOTS:
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
@@ -71,10 +80,10 @@ def _attend(acc, m_i, l_i, q, qi, start, n0, k_base, v_base, sk_t, sv_t, offs_d,
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if MASKED:
-        v = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :], mask=key_ok[:, None],
+        v = tl.load(v_base + keys[:, None] * sv_t + offs_d[None, :], mask=key_ok[:, None],
                     other=0.0)
     else:
-        v = tl.load(v_base + offs_n[:, None] * sv_t + offs_d[None, :])
+        v = tl.load(v_base + keys[:, None] * sv_t + offs_d[None, :])
     p = p.to(v.dtype)  # the reference rounds the probabilities to v's dtype too
     if FP32_DOTS:
         pv = tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision="ieee")
@@ -86,11 +95,15 @@ def _attend(acc, m_i, l_i, q, qi, start, n0, k_base, v_base, sk_t, sv_t, offs_d,
 @triton.jit
 def _flash_prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr,     # q [B, H, T, D], k/v [B, KV, T, D], out [B, T, H, D]
+                                      # (PAGE > 0: k/v pools [num_blocks, PAGE, KV, D])
     slots_ptr, starts_ptr,            # query_slots [B, T] int64 (contiguous), starts [B] int64
+    table_ptr,                        # PAGE > 0: block table [B, max_blocks] int32 (else unused)
     sq_b, sq_h, sq_t,                 # q strides (d stride 1)
     sk_b, sk_h, sk_t,                 # k strides (d stride 1)
     sv_b, sv_h, sv_t,                 # v strides (d stride 1)
     T, H, GROUP,                      # GROUP = H // KV: query heads per kv head
+    N_KEYS,                           # keys at slots 0..N_KEYS-1: T, or max_blocks * PAGE
+    max_blocks,                       # PAGE > 0: the table's row stride
     qk_scale,                         # scale * log2(e): scores in base 2
     softcap,                          # 0: none; else softcap * tanh(score / softcap)
     WINDOW: tl.constexpr,             # 0: none
@@ -101,6 +114,7 @@ def _flash_prefill_kernel(
     FP32_DOTS: tl.constexpr,          # fp32 operands, IEEE products (fp32 models; the
                                       # interpreter, whose bf16 dot is wrong)
     MASK_ALL: tl.constexpr,           # mask every key block (else only the blocks that need it)
+    PAGE: tl.constexpr = 0,           # slots per block of a paged cache; 0: k, v as they are
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -117,8 +131,8 @@ def _flash_prefill_kernel(
 
     # Keys that any query of this block may see: [lo, hi).
     highest = tl.max(qi, axis=0)
-    lowest = tl.min(tl.where(row_ok, qi, T), axis=0)
-    hi = tl.minimum(highest + 1, T)
+    lowest = tl.min(tl.where(row_ok, qi, N_KEYS), axis=0)
+    hi = tl.minimum(highest + 1, N_KEYS)
     lo = start
     if WINDOW > 0:
         lo = tl.maximum(lo, lowest - WINDOW + 1)
@@ -128,34 +142,39 @@ def _flash_prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-    k_base = k_ptr + b * sk_b + kvh * sk_h
-    v_base = v_ptr + b * sv_b + kvh * sv_h
+    if PAGE:  # the pools' rows hold KV * D elements: sk_t = sv_t = KV * D, sk_h = sv_h = D
+        k_base = k_ptr + kvh * sk_h
+        v_base = v_ptr + kvh * sv_h
+    else:
+        k_base = k_ptr + b * sk_b + kvh * sk_h
+        v_base = v_ptr + b * sv_b + kvh * sv_h
+    table_row = table_ptr + b * max_blocks
     if MASK_ALL:
         for n0 in range(lo, hi, BLOCK_N):
             acc, m_i, l_i = _attend(acc, m_i, l_i, q, qi, start, n0, k_base, v_base, sk_t, sv_t,
-                                    offs_d, T, qk_scale, softcap, True, WINDOW, SOFTCAP, BLOCK_N,
-                                    FP32_DOTS)
+                                    offs_d, N_KEYS, qk_scale, softcap, table_row, True, WINDOW,
+                                    SOFTCAP, BLOCK_N, FP32_DOTS, PAGE)
     else:
         # Blocks whose every key every row of this block sees: [full_lo, full_hi), block
         # aligned: past the start (and inside every row's window), up to the lowest row's slot.
         full_lo = tl.cdiv(start, BLOCK_N) * BLOCK_N
         if WINDOW > 0:
             full_lo = tl.maximum(full_lo, tl.cdiv(highest - WINDOW + 1, BLOCK_N) * BLOCK_N)
-        full_hi = ((tl.minimum(lowest, T - 1) + 1) // BLOCK_N) * BLOCK_N
+        full_hi = ((tl.minimum(lowest, N_KEYS - 1) + 1) // BLOCK_N) * BLOCK_N
         mid = tl.minimum(tl.maximum(full_lo, lo), hi)
         end = tl.maximum(tl.minimum(full_hi, hi), mid)
         for n0 in range(lo, mid, BLOCK_N):
             acc, m_i, l_i = _attend(acc, m_i, l_i, q, qi, start, n0, k_base, v_base, sk_t, sv_t,
-                                    offs_d, T, qk_scale, softcap, True, WINDOW, SOFTCAP, BLOCK_N,
-                                    FP32_DOTS)
+                                    offs_d, N_KEYS, qk_scale, softcap, table_row, True, WINDOW,
+                                    SOFTCAP, BLOCK_N, FP32_DOTS, PAGE)
         for n0 in range(mid, end, BLOCK_N):
             acc, m_i, l_i = _attend(acc, m_i, l_i, q, qi, start, n0, k_base, v_base, sk_t, sv_t,
-                                    offs_d, T, qk_scale, softcap, False, WINDOW, SOFTCAP,
-                                    BLOCK_N, FP32_DOTS)
+                                    offs_d, N_KEYS, qk_scale, softcap, table_row, False, WINDOW,
+                                    SOFTCAP, BLOCK_N, FP32_DOTS, PAGE)
         for n0 in range(end, hi, BLOCK_N):
             acc, m_i, l_i = _attend(acc, m_i, l_i, q, qi, start, n0, k_base, v_base, sk_t, sv_t,
-                                    offs_d, T, qk_scale, softcap, True, WINDOW, SOFTCAP, BLOCK_N,
-                                    FP32_DOTS)
+                                    offs_d, N_KEYS, qk_scale, softcap, table_row, True, WINDOW,
+                                    SOFTCAP, BLOCK_N, FP32_DOTS, PAGE)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     out_rows = out_ptr + ((b * T + offs_m[:, None]) * H + h) * D + offs_d[None, :]
     tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -182,34 +201,49 @@ def _blocks(D: int, dtype: torch.dtype, on_gpu: bool) -> tuple[int, int, int, in
 
 
 def flash_prefill(q: Tensor, k: Tensor, v: Tensor, query_slots: Tensor, starts: Tensor,
-                  scale: float, window: int, softcap: float, *, mask_all: bool = True) -> Tensor:
+                  scale: float, window: int, softcap: float, block_table: Tensor | None = None,
+                  *, mask_all: bool = True) -> Tensor:
     """q [B, H, T, D], k/v [B, KV, T, D] (key t at slot t), query_slots [B, T], starts [B]
-    -> [B, T, H, D] contiguous in q's dtype. See the module's docstring.
+    -> [B, T, H, D] contiguous in q's dtype. See the module's docstring. With block_table
+    [B, max_blocks] int32, k/v are pools [num_blocks, PAGE, KV, D] (contiguous) holding every
+    key the queries see, query_slots where the queries sit (e.g. a cached prefix's length + t).
 
     mask_all=False masks only the key blocks that straddle a row's start, window edge or
     diagonal (the Triton fused-attention tutorial's split): the same result, less work per
     fully visible block. Not yet timed on a GPU, so not the default."""
     B, H, T, D = q.shape
-    KV = k.shape[1]
+    if block_table is None:
+        KV, n_keys, page, max_blocks = k.shape[1], T, 0, 1
+        assert k.shape == v.shape == (B, KV, T, D), (q.shape, k.shape, v.shape)
+        table = starts  # unused
+    else:
+        _, page, KV, _ = k.shape
+        assert k.shape == v.shape and k.shape[3] == D, (q.shape, k.shape, v.shape)
+        assert block_table.shape[0] == B and block_table.dtype == torch.int32, block_table.shape
+        k, v, table = k.contiguous(), v.contiguous(), block_table.contiguous()
+        max_blocks = table.shape[1]
+        n_keys = max_blocks * page
     assert H % KV == 0, f"{H} query heads do not group over {KV} kv heads"
-    assert k.shape == v.shape == (B, KV, T, D), (q.shape, k.shape, v.shape)
     out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
     if out.numel() == 0:
         return out
     if v.stride(-1) != 1:
         v = v.contiguous()
+    if block_table is None:
+        strides = (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2))
+    else:
+        strides = (0, D, KV * D, 0, D, KV * D)  # pool rows of KV * D; kv head h at h * D
     slots = query_slots.to(torch.int64).expand(B, T).contiguous()
     starts = starts.to(torch.int64).contiguous()
     BLOCK_M, BLOCK_N, warps, stages = _blocks(D, q.dtype, q.is_cuda)
     grid = (triton.cdiv(T, BLOCK_M), B * H)
     _flash_prefill_kernel[grid](
-        q, k, v, out, slots, starts,
+        q, k, v, out, slots, starts, table,
         q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        T, H, H // KV, scale * LOG2E, float(softcap),
+        *strides,
+        T, H, H // KV, n_keys, max_blocks, scale * LOG2E, float(softcap),
         WINDOW=int(window), SOFTCAP=bool(softcap), D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         FP32_DOTS=q.dtype == torch.float32 or not q.is_cuda, MASK_ALL=mask_all,
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages, PAGE=page,
     )
     return out

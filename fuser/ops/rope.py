@@ -45,7 +45,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from fuser.ops.attention import paged_slots
+from fuser.ops.paged import paged_slots
 from fuser.ops.pdl import pdl_launch, wait_for_inputs
 
 # Heads of one tensor (q or k) that one program rotates: enough to load the token's cos/sin row

@@ -12,7 +12,7 @@ k_cache, v_cache: [B, S, KV, D] contiguous, written in place at slots seq_lens[b
 rope(k) and v (slots >= S dropped, as rotary_cache_write's kernel does); seq_lens, starts: [B]
 int64; one dtype throughout. With block_table [B, max_blocks] int32, k_cache and v_cache are
 the paged pools [num_blocks, PAGE, KV, D] and every slot is read and written through the table
-(runtime/blocks.py; attention.py's `_cache_rows`). Visibility, scores and softmax are cache_attention_read's
+(runtime/blocks.py; fuser/ops/paged.py). Visibility, scores and softmax are cache_attention_read's
 (fuser/ops/attention.py): key j is visible to query i = seq_lens[b] + t iff
 starts[b] <= j <= i and (window == 0 or i - j < window).
 
@@ -46,9 +46,9 @@ import triton.language as tl
 from torch import Tensor
 
 from fuser.ops.attention import (BLOCK_N, TARGET_PROGRAMS, _attend_block, _attend_cache,
-                                 _cache_rows, _combine_kernel, _store_partial,
-                                 cache_attention_read_triton, cache_attention_reference,
-                                 check_paged, split_scratch)
+                                 _combine_kernel, _store_partial, cache_attention_read_triton,
+                                 cache_attention_reference, check_paged, split_scratch)
+from fuser.ops.paged import _cache_rows
 from fuser.ops.pdl import pdl_launch, wait_for_inputs
 from fuser.ops.rope import (_check, _check_cache, rotary_cache_write_reference,
                             rotary_cache_write_triton)
@@ -174,7 +174,8 @@ def _rotary_split_kernel(
         m_i, l_i, acc = _attend_block(q, k_new, v_new, j, j_ok, slot_i, start, m_i, l_i, acc,
                                       scale_log2e, softcap, window,
                                       HAS_WINDOW, HAS_SOFTCAP, FP32_DOTS)
-        slot_offs = kv_row + _cache_rows(j, j_ok, table_row, PAGE)[:, None] * (KV * D) + cols[None, :]
+        rows_new = _cache_rows(j, j_ok, table_row, PAGE)   # [BLOCK_T] cache rows of the new slots
+        slot_offs = kv_row + rows_new[:, None] * (KV * D) + cols[None, :]
         write = j_ok[:, None] & col_ok[None, :]          # a slot past the cache is dropped
         tl.store(k_cache_ptr + slot_offs, k_new, mask=write)
         tl.store(v_cache_ptr + slot_offs, v_new, mask=write)
