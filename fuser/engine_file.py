@@ -607,7 +607,13 @@ def _load_model(directory: Path, entry: Mapping[str, Any], device: torch.device,
     """One model's graphs over its loaded weights and its runtime buffers."""
     from safetensors.torch import load_file
 
-    bases = {k: _aligned(t) for k, t in load_file(str(directory / entry["weights"]), device=str(device)).items()}
+    if device.type == "cuda":  # several threads, pinned staging, copies overlapped with reads
+        from fuser.weight_reader import read_to_device
+
+        bases = read_to_device(directory / entry["weights"], device)
+    else:
+        bases = {k: _aligned(t) for k, t in load_file(str(directory / entry["weights"]),
+                                                     device=str(device)).items()}
     views = {k: View.from_json(v) for k, v in entry["views"].items()}
     missing = sorted({v.base for v in views.values()} - bases.keys())
     if missing:
