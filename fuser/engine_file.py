@@ -384,17 +384,8 @@ def check_environment(saved: Mapping[str, Any], here: Mapping[str, Any]) -> None
                               "(fuser build). Differences: " + "; ".join(diffs))
 
 
-def check_sources(saved: Mapping[str, Any], passes: list[str] | Callable[[], list[str]],
-                  digest: str) -> None:
-    """Refuse an engine built by other pass or kernel sources.
-
-    passes: this fuser's pass list, or a function that returns it. A function is called only
-    where the sources' hash differs (the list is part of those sources): importing the passes
-    costs a load seconds (Inductor's pattern matcher)."""
-    if callable(passes):
-        if saved.get("hash") == digest:
-            return
-        passes = passes()
+def check_sources(saved: Mapping[str, Any], passes: list[str], digest: str) -> None:
+    """Refuse an engine built by other pass or kernel sources."""
     if saved.get("passes") != passes:
         raise EngineFileError(f"pass list differs: engine built with {saved.get('passes')}, "
                               f"this fuser has {passes}")
@@ -549,8 +540,7 @@ def _replace(staging: Path, path: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def load_engine(path: str | Path, device: torch.device | str | None = None, *,
-                passes: list[str] | Callable[[], list[str]],
+def load_engine(path: str | Path, device: torch.device | str | None = None, *, passes: list[str],
                 buffers: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
                 verify_hash: bool = True, log: Callable[[str], None] | None = None
                 ) -> LoadedEngine:

@@ -459,7 +459,7 @@ def open_engine(path: str | Path, device: str | torch.device | None = None, *,
     start = time.perf_counter()
     caches = allocate_caches(info, device)
     say(f"checking and reading {directory} ...")
-    loaded = ef.load_engine(directory, device, passes=pass_names,
+    loaded = ef.load_engine(directory, device, passes=pass_names(),
                             buffers=cache_buffers(info, caches), log=say)
     timings["read"] = time.perf_counter() - start
     start = time.perf_counter()
