@@ -23,6 +23,7 @@ from fuser.compile import CompiledStep
 from fuser.config import FuserConfig
 from fuser.numerics import FP8_SELF_CHECK_TOLERANCE, SELF_CHECK_TOLERANCE, relative_error
 from fuser.ops.fp8 import emulated_fp8
+from fuser.passes import PassContext, run_passes
 from fuser.runtime.cuda_graphs import CudaGraphStep
 from fuser.runtime.kv_cache import KVCache, free_memory_bytes
 from fuser.runtime.steps import DECODE, PREFILL, ModelSteps, StepFn, StepGraph, StepKind
@@ -183,8 +184,6 @@ def add_prefill(buckets: dict[int, ModelSteps], view: nn.Module, kind: StepKind,
         for steps in buckets.values():
             add_step(steps, view, kind, config, device)
         return
-    from fuser.passes import PassContext, run_passes  # (Inductor's pattern matcher: a build's)
-
     context = PassContext(f"{top.role}.{kind.name}", kind, config, top.role,
                           model_state=top.build_state)
     result = run_passes(symbolic, context)
@@ -247,8 +246,6 @@ def _rewrite_and_compile(steps: ModelSteps, graph: StepGraph, view: nn.Module,
                          config: FuserConfig, device: torch.device) -> None:
     """Run the passes over `graph.rewritten` in place, then set up its compilation."""
     kind = graph.kind
-    from fuser.passes import PassContext, run_passes
-
     context = PassContext(graph.name, kind, config, steps.role, model_state=steps.build_state)
     result = run_passes(graph.rewritten, context)
     for error in result.errors:

@@ -384,17 +384,8 @@ def check_environment(saved: Mapping[str, Any], here: Mapping[str, Any]) -> None
                               "(fuser build). Differences: " + "; ".join(diffs))
 
 
-def check_sources(saved: Mapping[str, Any], passes: list[str] | Callable[[], list[str]],
-                  digest: str) -> None:
-    """Refuse an engine built by other pass or kernel sources.
-
-    passes: this fuser's pass list, or a function that returns it. A function is called only
-    where the sources' hash differs (the list is part of those sources): importing the passes
-    costs a load seconds (Inductor's pattern matcher)."""
-    if callable(passes):
-        if saved.get("hash") == digest:
-            return
-        passes = passes()
+def check_sources(saved: Mapping[str, Any], passes: list[str], digest: str) -> None:
+    """Refuse an engine built by other pass or kernel sources."""
     if saved.get("passes") != passes:
         raise EngineFileError(f"pass list differs: engine built with {saved.get('passes')}, "
                               f"this fuser has {passes}")
@@ -549,8 +540,7 @@ def _replace(staging: Path, path: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def load_engine(path: str | Path, device: torch.device | str | None = None, *,
-                passes: list[str] | Callable[[], list[str]],
+def load_engine(path: str | Path, device: torch.device | str | None = None, *, passes: list[str],
                 buffers: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
                 verify_hash: bool = True, log: Callable[[str], None] | None = None
                 ) -> LoadedEngine:
@@ -607,7 +597,13 @@ def _load_model(directory: Path, entry: Mapping[str, Any], device: torch.device,
     """One model's graphs over its loaded weights and its runtime buffers."""
     from safetensors.torch import load_file
 
-    bases = {k: _aligned(t) for k, t in load_file(str(directory / entry["weights"]), device=str(device)).items()}
+    if device.type == "cuda":  # several threads, pinned staging, copies overlapped with reads
+        from fuser.weight_reader import read_to_device
+
+        bases = read_to_device(directory / entry["weights"], device)
+    else:
+        bases = {k: _aligned(t) for k, t in load_file(str(directory / entry["weights"]),
+                                                     device=str(device)).items()}
     views = {k: View.from_json(v) for k, v in entry["views"].items()}
     missing = sorted({v.base for v in views.values()} - bases.keys())
     if missing:

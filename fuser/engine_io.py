@@ -421,6 +421,19 @@ def model_steps(role: str, info: dict[str, Any], cache: KVCache,
     return out
 
 
+def import_inductor() -> None:
+    """Import what loading a compiled step's artifact needs of Inductor (on a thread, while the
+    weights are read; a failure shows where the artifacts load)."""
+    import importlib
+
+    for module in ("torch._inductor.standalone_compile", "torch._inductor.codecache",
+                   "torch._inductor.output_code"):
+        try:
+            importlib.import_module(module)
+        except Exception:  # noqa: BLE001 -- the load's own import reports it
+            return
+
+
 def load_extras(directory: Path) -> tuple[object | None, object | None]:
     """(tokenizer, generation config) stored in engine `directory`, None where absent."""
     tokenizer = generation_config = None
@@ -475,21 +488,25 @@ def open_engine(path: str | Path, device: str | torch.device | None = None, *,
     device = resolve_device(manifest, device)
     ef.check_environment(manifest["environment"], ef.environment(device))
     info = manifest["info"]
-    # The tokenizer (transformers' import: seconds) loads on a thread meanwhile.
-    extras = ThreadPoolExecutor(1)
+    any_compiled = any(g["compiled"] for m in info["models"].values()
+                       for g in m["graphs"].values())
+    # The tokenizer (transformers' import: seconds) loads on a thread meanwhile, and so does
+    # Inductor's import where compiled steps will need it: the weights' reading leaves the
+    # interpreter mostly free.
+    extras = ThreadPoolExecutor(2)
     extras_loaded = extras.submit(load_extras, directory)
+    if any_compiled:
+        extras.submit(import_inductor)
     extras.shutdown(wait=False)
     timings: dict[str, float] = {}
     start = time.perf_counter()
     caches = allocate_caches(info, device)
     say(f"checking and reading {directory} ...")
-    loaded = ef.load_engine(directory, device, passes=pass_names,
+    loaded = ef.load_engine(directory, device, passes=pass_names(),
                             buffers=cache_buffers(info, caches), log=say)
     timings["read"] = time.perf_counter() - start
     start = time.perf_counter()
     seeded = kernel_store.seed(directory, manifest["extra"], device)
-    any_compiled = any(g["compiled"] for m in info["models"].values()
-                       for g in m["graphs"].values())
     with kernel_store.loading(device, any_compiled):
         if device.type == "cpu" and any_compiled:
             kernel_store.check_isa(info["engine"].get("vector_isa"), directory)

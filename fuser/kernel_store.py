@@ -7,9 +7,9 @@ what a load in a fresh process would otherwise compile again:
 - CPU: the shared libraries of the C++ kernels the generated code calls. Inductor looks each up
   in its cache directory under the hash of its source and compiler command line; absent, it runs
   the C++ compiler (about a second per kernel, and a precompiled header first).
-- CUDA: the binaries of fuser's own Triton kernels (fuser/ops/), compiled by Triton on their
-  first launch and looked up in Triton's cache directory under the hash of source, options and
-  GPU target. Inductor's autotuning choices (which launch configuration of a kernel won) come
+- CUDA: the binaries of fuser's own Triton kernels (fuser/ops/, runtime/), compiled by Triton
+  on their first launch and looked up in Triton's cache directory under the hash of source,
+  options and GPU target. Inductor's autotuning choices (which launch configuration of a kernel won) come
   with the compiled step (`CompiledStep.tuning`), so a load does not benchmark them again.
 
 An engine directory keeps both under `kernels/` (`kernels/inductor/<path in Inductor's cache>`,
@@ -107,13 +107,14 @@ def _triton_functions(modules: Iterable[ModuleType]) -> list[Any]:
 
 
 def triton_kernel_files(device: torch.device) -> list[Path]:
-    """The cache files (binary, metadata) of every fuser op kernel Triton compiled in this
-    process for `device`'s GPU: the kernels an engine built here launches (possibly a few
-    more, of another engine built in the same process)."""
+    """The cache files (binary, metadata) of every Triton kernel of fuser's (its ops', and the
+    runtime's per-iteration kernels) compiled in this process for `device`'s GPU: the kernels
+    an engine built here launches (possibly a few more, of another engine built in the same
+    process)."""
     if device.type != "cuda":
         return []
     ops = [m for name, m in sorted(sys.modules.items())
-           if name.startswith("fuser.ops.") and m is not None]
+           if name.startswith("fuser.") and m is not None]  # fuser.ops, fuser.runtime, ...
     files = []
     for fn in _triton_functions(ops):
         for kernel_cache, *_ in list(fn.device_caches.values()):

@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-from torch._decomp import core_aten_decompositions
-from torch._inductor.pattern_matcher import Match, PatternMatcherPass, register_replacement
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fuser.runtime.steps import StepKind
 
 if TYPE_CHECKING:
+    # Inductor's pattern matcher (seconds of imports) is imported where a pass is built, so
+    # that loading an engine (which reads the pass list) does not import it.
+    from torch._inductor.pattern_matcher import Match, PatternMatcherPass
     from fuser.config import FuserConfig
 
 
@@ -66,6 +67,8 @@ def trace_like_export(fn: Callable[..., Any], args: Sequence[Any]) -> torch.fx.G
     `prims.convert_element_type`; an exported model decomposed to core ATen keeps `_to_copy`,
     so patterns traced that way would never match a bf16 model.
     """
+    from torch._decomp import core_aten_decompositions
+
     gm = make_fx(fn, core_aten_decompositions(), tracing_mode="real")(*args)
     gm.graph.eliminate_dead_code()
     gm.recompile()
@@ -131,6 +134,8 @@ class PatternPass:
         return gm
 
     def _build(self) -> PatternMatcherPass:
+        from torch._inductor.pattern_matcher import PatternMatcherPass, register_replacement
+
         patterns = PatternMatcherPass(pass_name=self.name)
         for r in self._replacements:
             for dtype in r.dtypes:

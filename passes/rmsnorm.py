@@ -10,11 +10,15 @@ a half type (casts; the cast's target dtype is a wildcard, so bf16 traces also m
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from torch._inductor.pattern_matcher import Match
 
 import fuser.ops  # noqa: F401  (registers torch.ops.fuser.*)
 from fuser.passes.base import PatternPass, Replacement
+
+if TYPE_CHECKING:
+    from torch._inductor.pattern_matcher import Match
 
 aten = torch.ops.aten
 

@@ -21,12 +21,16 @@ and rotary dim.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from torch._inductor.pattern_matcher import Match
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import fuser.ops  # noqa: F401  (registers torch.ops.fuser.*)
 from fuser.passes.base import PatternPass, Replacement
+
+if TYPE_CHECKING:
+    from torch._inductor.pattern_matcher import Match
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
