@@ -1,9 +1,11 @@
 """Host time of the suffix index (runtime/suffix.py) per decoding step: what the adaptive
 scheduler spends on the host each step for `rows` running requests, measured on the CPU.
 
-    lookup   one `lookup` per row, for the scheduler's proposal width (max gamma 6: 13
-             tokens);
+    lookup   `propose_many` over all rows, for the scheduler's proposal width (max gamma 6: 13
+             tokens), as runtime/adaptive_scheduler.py calls it once a step (an index without
+             it, an older tree's: one `lookup` per row); it indexes the step's new tokens first;
     extend   each row's tokens of one step handed to the index (`tokens` a row);
+    step     the two together: the index's host time per decoding step;
     finish   a request leaving for the recent pool (per request, amortised over its steps).
 
 A pool of `pool` finished outputs (random tokens over `vocab`, a shared span in each so that
@@ -39,10 +41,15 @@ def measure(rows: int, pool: int, tokens: int, steps: int, vocab: int, width: in
     for r in range(rows):
         index.add_request(r, [rng.randrange(vocab) for _ in range(200)] + shared[:8])
     lookups, extends, hits = [], [], 0
+    ids = list(range(rows))
+    batched = getattr(index, "propose_many", None)
     for _ in range(steps):
         start = time.process_time()
-        for r in range(rows):  # the scheduler's lookups of a step
-            hits += index.lookup(r, width).match > 0
+        if batched is not None:  # the scheduler's lookups of a step
+            hits += sum(map(bool, batched(ids, width, 1)))
+        else:
+            for r in ids:
+                hits += index.lookup(r, width).match > 0
         lookups.append(time.process_time() - start)
         new = [[rng.randrange(vocab) for _ in range(tokens)] for _ in range(rows)]
         start = time.process_time()
@@ -53,7 +60,9 @@ def measure(rows: int, pool: int, tokens: int, steps: int, vocab: int, width: in
     for r in range(rows):
         index.finish(r)
     finish = (time.process_time() - start) / rows
-    return {"rows": rows, "lookup_us": 1e6 * statistics.median(lookups),
+    steps_us = [1e6 * (a + b) for a, b in zip(lookups, extends)]
+    return {"rows": rows, "step_us": statistics.median(steps_us),
+            "lookup_us": 1e6 * statistics.median(lookups),
             "extend_us": 1e6 * statistics.median(extends), "finish_us_per_request": 1e6 * finish,
             "hit_share": hits / (rows * steps)}
 
@@ -69,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     result = measure(args.rows, args.pool, args.tokens, args.steps, args.vocab, args.width)
-    print(f"suffix index, {args.rows} rows: lookup {result['lookup_us']:.0f} us/step, extend "
+    print(f"suffix index, {args.rows} rows: step {result['step_us']:.0f} us, lookup {result['lookup_us']:.0f} us/step, extend "
           f"({args.tokens} tokens a row) {result['extend_us']:.0f} us/step, finish "
           f"{result['finish_us_per_request']:.0f} us/request, hits {result['hit_share']:.2f}")
     if args.out is not None:

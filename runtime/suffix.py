@@ -37,11 +37,13 @@ token: the target simply accepts or rejects them like any other.
 
 from __future__ import annotations
 
+import collections
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from fuser.ops.argmax import argmax
@@ -54,17 +56,21 @@ from fuser.runtime.steps import DECODE, ModelSteps, verify as verify_kind
 __all__ = ["Proposal", "SuffixIndex", "SuffixProposals", "accept_proposals", "add_verify_steps",
            "mixed_step", "proposals_tensor", "suffix_step"]
 
-_MASK = (1 << 64) - 1  # hash values wrap at 64 bits (a hit is checked token by token anyway)
-_BASE = 1_000_003
+_BASE = np.uint64(1_000_003)  # hashes wrap at 64 bits (uint64 arithmetic; a hit is checked
+_NONE = -1                    # token by token anyway); _NONE: "no entry" in a lookup's result
 
 
-def _next_hashes(previous: list[int], token: int, hi: int) -> list[int]:
-    """The hashes of the n-grams ending at a new token (index n - 1, n = 1..hi) from those
-    ending at the token before it: g_1 = token + 1, g_n = g_{n-1}(before) * BASE + token + 1
-    (a polynomial over the n-gram's tokens in order, so the same tokens hash alike wherever
-    they occur)."""
-    t = token + 1
-    return [t] + [(h * _BASE + t) & _MASK for h in previous[:hi - 1]]
+def _ngram_hashes(tokens: np.ndarray, hi: int) -> np.ndarray:
+    """hashes[e, n - 1]: the hash of the n-gram ending at position e, n = 1..hi (garbage where
+    n > e + 1): g_1 = token + 1, g_n(e) = g_{n-1}(e - 1) * BASE + token_e + 1 (a polynomial
+    over the n-gram's tokens in order, so the same tokens hash alike wherever they occur).
+    tokens: int64 [m] -> uint64 [m, hi]."""
+    t = tokens.astype(np.uint64) + np.uint64(1)
+    out = np.zeros((len(t), hi), np.uint64)
+    out[:, 0] = t
+    for n in range(1, hi):
+        out[1:, n] = out[:-1, n - 1] * _BASE + t[1:]
+    return out
 
 
 @dataclass(frozen=True)
@@ -77,53 +83,29 @@ class Proposal:
     match: int
 
 
-class _Tables:
-    """The n-grams of lengths lo..hi in one dict: hash -> value (the latest written). Lengths
-    share it: an n-gram's hash is a polynomial of degree n - 1 in BASE, so hashes of different
-    lengths meet only by a 64-bit coincidence (which the token-by-token check of a hit
-    catches)."""
-
-    def __init__(self, lo: int, hi: int) -> None:
-        self.lo, self.hi = lo, hi
-        self.table: dict[int, object] = {}
-
-    def insert(self, hashes: list[int], value: object) -> None:
-        """hashes[n - 1]: the n-gram ending at the position `value` names, n = 1.."""
-        self.table.update(zip(hashes[self.lo - 1:], itertools.repeat(value)))
-
-    def get(self, hashes: list[int], n: int) -> object:
-        return self.table.get(hashes[n - 1])
-
-    def remove(self, hashes: list[int], value: object) -> None:
-        """Delete the n-grams of `hashes` whose entry is still `value`."""
-        table = self.table
-        for h in hashes[self.lo - 1:]:
-            if table.get(h) == value:
-                del table[h]
-
-    def entries(self) -> int:
-        return len(self.table)
-
-
-def _each_position(tokens: Sequence[int], hi: int):
-    """(end, hashes of the n-grams ending there) for every position but the last (the last
-    has no continuation to index)."""
-    hashes: list[int] = []
-    for end, token in enumerate(tokens[:-1]):
-        hashes = _next_hashes(hashes, token, hi)
-        yield end, hashes
-
-
 @dataclass
 class _Request:
     tokens: list[int]
     prompt_length: int
-    tables: _Tables
-    suffix: list[int] = field(default_factory=list)  # hashes of the n-grams ending last
+    slot: int  # its row of SuffixIndex._hashes
+    salt: int  # its n-grams' keys in the shared own table: hash ^ salt
+    hashed: int = 0  # tokens already hashed and indexed (the rest wait for `_flush`)
 
 
 class SuffixIndex:
     """Proposals from the longest earlier occurrence of a request's suffix (module docstring).
+
+    The layout (all rows of a step in one numpy pass, the tables plain dicts filled and read
+    in bulk):
+        _hashes  uint64 [slots, max_ngram]: per request, the hashes of the n-grams ending at its
+                 last indexed token (column n - 1);
+        _own     every request's own n-grams in one dict: (hash ^ the request's salt) -> the
+                 latest end position (salts keep requests apart; a 64-bit coincidence is
+                 caught by the token-by-token check of a hit);
+        _pool    the recent outputs' n-grams: hash -> sequence id << 32 | end position.
+    `extend` only appends tokens; the next lookup (or finish) hashes and indexes every
+    request's new tokens at once (`_flush`). `propose_many` looks up all rows of a step at
+    once.
 
     Args:
         max_ngram: the longest suffix matched (and indexed): memory and time per token grow
@@ -143,14 +125,24 @@ class SuffixIndex:
                 raise ValueError(f"{name}={value!r} must be a positive int")
         if min_ngram > max_ngram:
             raise ValueError(f"min_ngram={min_ngram} must be <= max_ngram={max_ngram}")
+        if max_recent_tokens >= 1 << 32:
+            raise ValueError(f"max_recent_tokens={max_recent_tokens} must be < 2**32")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.max_recent, self.max_recent_tokens = max_recent, max_recent_tokens
         self.keep_prompts = keep_prompts
         self._requests: dict[Hashable, _Request] = {}
+        self._dirty: dict[Hashable, _Request] = {}  # extended since the last _flush
         self._recent: OrderedDict[int, list[int]] = OrderedDict()  # sequence id -> tokens
         self._recent_tokens = 0
         self._next_id = 0
-        self._pool = _Tables(min_ngram, max_ngram)  # values: (sequence id, end position)
+        self._own: dict[int, int] = {}
+        self._pool: dict[int, int] = {}
+        self._hashes = np.zeros((8, max_ngram), np.uint64)
+        self._salts = np.zeros(8, np.uint64)
+        self._free = list(range(7, -1, -1))
+        self._rng = np.random.default_rng(0)
+        # The lookup's columns: n = max_ngram .. min_ngram (longest first).
+        self._lengths = np.arange(max_ngram, min_ngram - 1, -1)
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -158,27 +150,109 @@ class SuffixIndex:
         """Start indexing a request from its prompt."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already indexed")
-        request = _Request([], len(prompt_ids), _Tables(self.min_ngram, self.max_ngram))
-        self._requests[request_id] = request
+        if not self._free:
+            size = len(self._salts)
+            self._hashes = np.concatenate([self._hashes, np.zeros_like(self._hashes)])
+            self._salts = np.concatenate([self._salts, np.zeros_like(self._salts)])
+            self._free = list(range(2 * size - 1, size - 1, -1))
+        slot = self._free.pop()
+        salt = int(self._rng.integers(0, 1 << 63, dtype=np.int64))
+        self._hashes[slot] = 0
+        self._salts[slot] = salt
+        self._requests[request_id] = _Request([], len(prompt_ids), slot, salt)
         self.extend(request_id, prompt_ids)
 
     def extend(self, request_id: Hashable, new_ids: Sequence[int]) -> None:
-        """Append tokens the request emitted."""
+        """Append tokens the request emitted (indexed at the next lookup, all rows at once)."""
         request = self._requests[request_id]
-        tokens, tables, hi = request.tokens, request.tables, self.max_ngram
-        suffix = request.suffix
-        for token in new_ids:
-            token = int(token)
-            if tokens:  # the n-grams ending at the last token now have a continuation
-                tables.insert(suffix, len(tokens) - 1)
-            tokens.append(token)
-            suffix = _next_hashes(suffix, token, hi)
-        request.suffix = suffix
+        request.tokens.extend(map(int, new_ids))
+        self._dirty[request_id] = request
+
+    def _flush(self) -> None:
+        """Hash and index every request's tokens appended since the last flush: one numpy
+        pass over all rows (a step per new token of the longest row), one dict update."""
+        if not self._dirty:
+            return
+        requests = list(self._dirty.values())
+        self._dirty.clear()
+        news = [r.tokens[r.hashed:] for r in requests]
+        starts = np.fromiter((r.hashed for r in requests), np.int64, len(requests))
+        for r in requests:
+            r.hashed = len(r.tokens)
+        counts = np.fromiter(map(len, news), np.int64, len(requests))
+        width = int(counts.max())
+        if not width:
+            return
+        flat = np.fromiter(itertools.chain.from_iterable(news), np.int64, int(counts.sum()))
+        uniform = bool((counts == width).all())
+        if uniform:
+            new = flat.reshape(len(requests), width)
+        else:
+            new = np.zeros((len(requests), width), np.int64)
+            new[np.arange(width) < counts[:, None]] = flat  # row-major: each row's tokens
+        new = new.astype(np.uint64) + np.uint64(1)
+        slots = np.fromiter((r.slot for r in requests), np.intp, len(requests))
+        hashes = self._hashes[slots]  # [R, hi]
+        salts = self._salts[slots][:, None]  # [R, 1]
+        lengths = np.arange(self.min_ngram, self.max_ngram + 1)  # the indexed n, ascending
+        keys, values = [], []
+        length = starts
+        for j in range(width):
+            active = None if uniform else counts > j
+            # The n-grams ending at the last token now have a continuation: n <= its position+1.
+            ok = (length[:, None] >= lengths) if active is None else \
+                active[:, None] & (length[:, None] >= lengths)
+            keys.append((hashes[:, self.min_ngram - 1:] ^ salts)[ok])
+            values.append(np.broadcast_to((length - 1)[:, None], ok.shape)[ok])
+            rolled = np.empty_like(hashes)
+            rolled[:, 0] = new[:, j]
+            rolled[:, 1:] = hashes[:, :-1] * _BASE + new[:, j, None]
+            if active is None:
+                hashes, length = rolled, length + 1
+            else:
+                hashes = np.where(active[:, None], rolled, hashes)
+                length = length + active
+        self._hashes[slots] = hashes
+        # j-major: a row's later position comes later, so the latest occurrence wins.
+        self._own.update(zip(np.concatenate(keys).tolist(), np.concatenate(values).tolist()))
+
+    def _own_keys(self, request: _Request) -> list[int]:
+        """The own-table keys of every n-gram the request has indexed."""
+        ends = request.hashed - 1  # n-grams ending at 0 .. hashed - 2 are indexed
+        if ends < 1:
+            return []
+        hashes = _ngram_hashes(np.asarray(request.tokens[:ends], np.int64), self.max_ngram)
+        ok = np.arange(ends)[:, None] + 1 >= np.arange(self.min_ngram, self.max_ngram + 1)
+        return (hashes[:, self.min_ngram - 1:] ^ np.uint64(request.salt))[ok].tolist()
+
+    def _forget(self, request_id: Hashable) -> _Request | None:
+        """Remove a request and its own n-grams."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return None
+        self._dirty.pop(request_id, None)
+        own = self._own
+        collections.deque(map(own.pop, self._own_keys(request), itertools.repeat(None)), 0)
+        self._free.append(request.slot)
+        return request
+
+    def _pool_entries(self, tokens: list[int], sequence: int) -> tuple[list[int], list[int]]:
+        """(keys, values) of a pooled sequence's n-grams, by end position (the last token has
+        no continuation to index)."""
+        ends = len(tokens) - 1
+        hashes = _ngram_hashes(np.asarray(tokens[:ends], np.int64), self.max_ngram)
+        ok = np.arange(ends)[:, None] + 1 >= np.arange(self.min_ngram, self.max_ngram + 1)
+        values = np.broadcast_to((np.arange(ends, dtype=np.int64) | (sequence << 32))[:, None],
+                                 ok.shape)
+        return hashes[:, self.min_ngram - 1:][ok].tolist(), values[ok].tolist()
 
     def finish(self, request_id: Hashable) -> None:
         """The request is done: its output (with its prompt, keep_prompts) joins the recent
         pool, and its own tables are dropped."""
-        request = self._requests.pop(request_id)
+        self._flush()
+        request = self._forget(request_id)
+        if request is None:
+            raise KeyError(request_id)
         tokens = request.tokens if self.keep_prompts else request.tokens[request.prompt_length:]
         tokens = tokens[-self.max_recent_tokens:]
         if len(tokens) < 2:
@@ -187,20 +261,21 @@ class SuffixIndex:
         self._next_id += 1
         self._recent[sequence] = tokens
         self._recent_tokens += len(tokens)
-        for end, hashes in _each_position(tokens, self.max_ngram):
-            self._pool.insert(hashes, (sequence, end))
+        self._pool.update(zip(*self._pool_entries(tokens, sequence)))
         while len(self._recent) > self.max_recent or self._recent_tokens > self.max_recent_tokens:
             self._evict()
 
     def drop(self, request_id: Hashable) -> None:
         """Forget a request without pooling it (cancelled, failed)."""
-        self._requests.pop(request_id, None)
+        self._forget(request_id)
 
     def _evict(self) -> None:
         sequence, tokens = self._recent.popitem(last=False)
         self._recent_tokens -= len(tokens)
-        for end, hashes in _each_position(tokens, self.max_ngram):
-            self._pool.remove(hashes, (sequence, end))
+        pool = self._pool
+        for key, value in zip(*self._pool_entries(tokens, sequence)):
+            if pool.get(key) == value:
+                del pool[key]
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._requests
@@ -219,7 +294,7 @@ class SuffixIndex:
 
     @property
     def pool_entries(self) -> int:
-        return self._pool.entries()
+        return len(self._pool)
 
     # -- proposals -------------------------------------------------------------------------------
 
@@ -230,34 +305,83 @@ class SuffixIndex:
 
     def lookup(self, request_id: Hashable, max_tokens: int) -> Proposal:
         """`propose`, saying where the proposal comes from and how long the match was."""
-        request = self._requests[request_id]
-        tokens = request.tokens
-        if max_tokens < 1 or len(tokens) < self.min_ngram:
-            return Proposal([], "", 0)
-        hashes = request.suffix  # hashes[n - 1]: the last n tokens
-        own, own_end = 0, -1
-        for n in range(len(hashes), self.min_ngram - 1, -1):  # longest first
-            end = request.tables.get(hashes, n)
-            if end is not None and tokens[end - n + 1:end + 1] == tokens[len(tokens) - n:]:
-                own, own_end = n, end
+        found = self._search([request_id], max_tokens)
+        return Proposal(*found[0]) if found else Proposal([], "", 0)
+
+    def lookup_many(self, request_ids: Sequence[Hashable], max_tokens: int) -> list[Proposal]:
+        """`lookup` for each request, all in one pass."""
+        out = [Proposal([], "", 0) for _ in request_ids]
+        for row, found in self._search(request_ids, max_tokens).items():
+            out[row] = Proposal(*found)
+        return out
+
+    def propose_many(self, request_ids: Sequence[Hashable], max_tokens: int,
+                     min_match: int = 1) -> list[list[int]]:
+        """Per request, `propose`'s tokens where the match has at least min_match tokens
+        (else []): all rows of a step in one pass (the scheduler's per-step call)."""
+        out: list[list[int]] = [[] for _ in request_ids]
+        for row, (tokens, _, match) in self._search(request_ids, max_tokens).items():
+            if match >= min_match:
+                out[row] = tokens
+        return out
+
+    def _search(self, request_ids: Sequence[Hashable], max_tokens: int
+                ) -> dict[int, tuple[list[int], str, int]]:
+        """{row: (tokens, source, match)} for the rows whose suffix matched. Both tables are
+        read for every row and length in two bulk dict reads; only rows with an entry are
+        checked token by token (longest first), in Python."""
+        self._flush()
+        requests = [self._requests[i] for i in request_ids]
+        if max_tokens < 1 or not requests:
+            return {}
+        rows = len(requests)
+        slots = np.fromiter((r.slot for r in requests), np.intp, rows)
+        sizes = np.fromiter((len(r.tokens) for r in requests), np.int64, rows)
+        # [R, L] the suffixes' hashes, n = max_ngram .. min_ngram
+        hashes = self._hashes[slots][:, self.min_ngram - 1:][:, ::-1]
+        keys = (hashes ^ self._salts[slots][:, None]).ravel().tolist()
+        none = itertools.repeat(_NONE)
+        own = np.fromiter(map(self._own.get, keys, none), np.int64, len(keys))
+        pool = np.fromiter(map(self._pool.get, hashes.ravel().tolist(), none), np.int64,
+                           len(keys))
+        own, pool = own.reshape(hashes.shape), pool.reshape(hashes.shape)
+        exists = self._lengths <= sizes[:, None]  # n-grams longer than the request: none
+        found: dict[int, tuple[list[int], str, int]] = {}
+        hit = ((own >= 0) | (pool >= 0)) & exists
+        for row in np.flatnonzero(hit.any(axis=1)).tolist():
+            result = self._check(requests[row].tokens, own[row].tolist(), pool[row].tolist(),
+                                 exists[row].tolist(), max_tokens)
+            if result is not None:
+                found[row] = result
+        return found
+
+    def _check(self, tokens: list[int], own: list[int], pool: list[int], exists: list[bool],
+               max_tokens: int) -> tuple[list[int], str, int] | None:
+        """One row's table entries (per n, longest first) checked token by token: the longest
+        real match, own context on a tie."""
+        size, longest = len(tokens), self.max_ngram
+        match, own_end = 0, -1
+        for c, end in enumerate(own):
+            n = longest - c
+            if end >= 0 and exists[c] and tokens[end - n + 1:end + 1] == tokens[size - n:]:
+                match, own_end = n, end
                 break
-        for n in range(len(hashes), max(own, self.min_ngram - 1), -1):  # longer than own
-            hit = self._pool.get(hashes, n)
-            if hit is None:
+        for c, value in enumerate(pool):
+            n = longest - c
+            if n <= match:
+                break
+            if value < 0 or not exists[c]:
                 continue
-            sequence, end = hit
-            recent = self._recent[sequence]
-            if recent[end - n + 1:end + 1] == tokens[len(tokens) - n:]:
-                return Proposal(recent[end + 1:end + 1 + max_tokens], "recent", n)
-        if not own:
-            return Proposal([], "", 0)
-        # Copy on from own_end + 1; past the end, from what is being copied (overlapping).
-        out: list[int] = []
-        length = len(tokens)
-        for j in range(max_tokens):
-            i = own_end + 1 + j
-            out.append(tokens[i] if i < length else out[i - length])
-        return Proposal(out, "own", own)
+            recent, end = self._recent[value >> 32], value & 0xFFFFFFFF
+            if recent[end - n + 1:end + 1] == tokens[size - n:]:
+                return recent[end + 1:end + 1 + max_tokens], "recent", n
+        if not match:
+            return None
+        # Copy on from own_end + 1; past the end, from what is being copied (overlapping): the
+        # copied span repeats with period size - 1 - own_end.
+        span = tokens[own_end + 1:]
+        return (span * (max_tokens // len(span) + 1))[:max_tokens], "own", match
+
 
 
 def proposals_tensor(proposals: Sequence[Sequence[int]], gamma: int, batch: int | None = None,
