@@ -3,8 +3,9 @@ scheduler spends on the host each step for `rows` running requests, measured on 
 
     lookup   `propose_many` over all rows, for the scheduler's proposal width (max gamma 6: 13
              tokens), as runtime/adaptive_scheduler.py calls it once a step (an index without
-             it, an older tree's: one `lookup` per row); it indexes the step's new tokens first;
-    extend   each row's tokens of one step handed to the index (`tokens` a row);
+             it, an older tree's: one `lookup` per row);
+    extend   each row's tokens of one step handed to the index (`tokens` a row) and indexed
+             (`flush`: the n-grams they end hashed and inserted);
     step     the two together: the index's host time per decoding step;
     finish   a request leaving for the recent pool (per request, amortised over its steps).
 
@@ -55,6 +56,8 @@ def measure(rows: int, pool: int, tokens: int, steps: int, vocab: int, width: in
         start = time.process_time()
         for r in range(rows):
             index.extend(r, new[r])
+        if hasattr(index, "flush"):  # index them now, not in the next lookup
+            index.flush()
         extends.append(time.process_time() - start)
     start = time.process_time()
     for r in range(rows):

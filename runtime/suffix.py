@@ -58,6 +58,23 @@ __all__ = ["Proposal", "SuffixIndex", "SuffixProposals", "accept_proposals", "ad
 
 _BASE = np.uint64(1_000_003)  # hashes wrap at 64 bits (uint64 arithmetic; a hit is checked
 _NONE = -1                    # token by token anyway); _NONE: "no entry" in a lookup's result
+_SEEN_BITS = 27  # the filter of keys in either table: one bit per value of a key's top bits
+_SEEN_SHIFT = np.uint64(64 - _SEEN_BITS)
+_SEEN_MIX = np.uint64(0x9E3779B97F4A7C15)  # the top bits of key * MIX (short n-grams' hashes
+                                           # are small numbers: their own top bits are 0)
+
+
+def _mark(seen: np.ndarray, keys: np.ndarray) -> None:
+    """Set the filter's bits of `keys` (uint64)."""
+    top = (keys * _SEEN_MIX) >> _SEEN_SHIFT
+    np.bitwise_or.at(seen, top >> np.uint64(3), np.left_shift(1, top & np.uint64(7))
+                     .astype(np.uint8))
+
+
+def _marked(seen: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """Whether the filter's bit of each key (uint64) is set (a key in a table always is)."""
+    top = (keys * _SEEN_MIX) >> _SEEN_SHIFT
+    return (seen[top >> np.uint64(3)] >> (top & np.uint64(7)).astype(np.uint8)) & 1
 
 
 def _ngram_hashes(tokens: np.ndarray, hi: int) -> np.ndarray:
@@ -89,7 +106,7 @@ class _Request:
     prompt_length: int
     slot: int  # its row of SuffixIndex._hashes
     salt: int  # its n-grams' keys in the shared own table: hash ^ salt
-    hashed: int = 0  # tokens already hashed and indexed (the rest wait for `_flush`)
+    hashed: int = 0  # tokens already hashed and indexed (the rest wait for `flush`)
 
 
 class SuffixIndex:
@@ -102,9 +119,12 @@ class SuffixIndex:
         _own     every request's own n-grams in one dict: (hash ^ the request's salt) -> the
                  latest end position (salts keep requests apart; a 64-bit coincidence is
                  caught by the token-by-token check of a hit);
-        _pool    the recent outputs' n-grams: hash -> sequence id << 32 | end position.
+        _pool    the recent outputs' n-grams: hash -> sequence id << 32 | end position;
+        _seen    bits [2**27]: 1 where some key in either table has these 27 bits (set
+                 on insert, rebuilt from the tables once removals pile up): a lookup reads
+                 the dicts only for the rows with a key that may be there.
     `extend` only appends tokens; the next lookup (or finish) hashes and indexes every
-    request's new tokens at once (`_flush`). `propose_many` looks up all rows of a step at
+    request's new tokens at once (`flush`). `propose_many` looks up all rows of a step at
     once.
 
     Args:
@@ -131,7 +151,7 @@ class SuffixIndex:
         self.max_recent, self.max_recent_tokens = max_recent, max_recent_tokens
         self.keep_prompts = keep_prompts
         self._requests: dict[Hashable, _Request] = {}
-        self._dirty: dict[Hashable, _Request] = {}  # extended since the last _flush
+        self._dirty: dict[Hashable, _Request] = {}  # extended since the last flush
         self._recent: OrderedDict[int, list[int]] = OrderedDict()  # sequence id -> tokens
         self._recent_tokens = 0
         self._next_id = 0
@@ -141,8 +161,11 @@ class SuffixIndex:
         self._salts = np.zeros(8, np.uint64)
         self._free = list(range(7, -1, -1))
         self._rng = np.random.default_rng(0)
+        self._seen = np.zeros(1 << (_SEEN_BITS - 3), np.uint8)
+        self._stale = 0  # keys removed from the tables since _seen was built
+        self._last: tuple[list[Hashable], np.ndarray, list[_Request]] | None = None
         # The lookup's columns: n = max_ngram .. min_ngram (longest first).
-        self._lengths = np.arange(max_ngram, min_ngram - 1, -1)
+        self._lengths = list(range(max_ngram, min_ngram - 1, -1))
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -156,6 +179,7 @@ class SuffixIndex:
             self._salts = np.concatenate([self._salts, np.zeros_like(self._salts)])
             self._free = list(range(2 * size - 1, size - 1, -1))
         slot = self._free.pop()
+        self._last = None
         salt = int(self._rng.integers(0, 1 << 63, dtype=np.int64))
         self._hashes[slot] = 0
         self._salts[slot] = salt
@@ -168,9 +192,10 @@ class SuffixIndex:
         request.tokens.extend(map(int, new_ids))
         self._dirty[request_id] = request
 
-    def _flush(self) -> None:
-        """Hash and index every request's tokens appended since the last flush: one numpy
-        pass over all rows (a step per new token of the longest row), one dict update."""
+    def flush(self) -> None:
+        """Hash and index every request's tokens appended since the last flush (the next
+        lookup or finish does it otherwise): one numpy pass over all rows (a step per new
+        token of the longest row), one dict update."""
         if not self._dirty:
             return
         requests = list(self._dirty.values())
@@ -214,7 +239,9 @@ class SuffixIndex:
                 length = length + active
         self._hashes[slots] = hashes
         # j-major: a row's later position comes later, so the latest occurrence wins.
-        self._own.update(zip(np.concatenate(keys).tolist(), np.concatenate(values).tolist()))
+        keys = np.concatenate(keys)
+        _mark(self._seen, keys)
+        self._own.update(zip(keys.tolist(), np.concatenate(values).tolist()))
 
     def _own_keys(self, request: _Request) -> list[int]:
         """The own-table keys of every n-gram the request has indexed."""
@@ -231,12 +258,24 @@ class SuffixIndex:
         if request is None:
             return None
         self._dirty.pop(request_id, None)
-        own = self._own
-        collections.deque(map(own.pop, self._own_keys(request), itertools.repeat(None)), 0)
+        self._last = None
+        own, keys = self._own, self._own_keys(request)
+        collections.deque(map(own.pop, keys, itertools.repeat(None)), 0)
         self._free.append(request.slot)
+        self._removed(len(keys))
         return request
 
-    def _pool_entries(self, tokens: list[int], sequence: int) -> tuple[list[int], list[int]]:
+    def _removed(self, count: int) -> None:
+        """`count` keys left the tables: rebuild _seen once they outnumber those left."""
+        self._stale += count
+        if self._stale > max(1 << 16, len(self._own) + len(self._pool)):
+            self._seen[:] = 0
+            for table in (self._own, self._pool):
+                keys = np.fromiter(table.keys(), np.uint64, len(table))
+                _mark(self._seen, keys)
+            self._stale = 0
+
+    def _pool_entries(self, tokens: list[int], sequence: int) -> tuple[np.ndarray, np.ndarray]:
         """(keys, values) of a pooled sequence's n-grams, by end position (the last token has
         no continuation to index)."""
         ends = len(tokens) - 1
@@ -244,12 +283,12 @@ class SuffixIndex:
         ok = np.arange(ends)[:, None] + 1 >= np.arange(self.min_ngram, self.max_ngram + 1)
         values = np.broadcast_to((np.arange(ends, dtype=np.int64) | (sequence << 32))[:, None],
                                  ok.shape)
-        return hashes[:, self.min_ngram - 1:][ok].tolist(), values[ok].tolist()
+        return hashes[:, self.min_ngram - 1:][ok], values[ok]
 
     def finish(self, request_id: Hashable) -> None:
         """The request is done: its output (with its prompt, keep_prompts) joins the recent
         pool, and its own tables are dropped."""
-        self._flush()
+        self.flush()
         request = self._forget(request_id)
         if request is None:
             raise KeyError(request_id)
@@ -261,7 +300,9 @@ class SuffixIndex:
         self._next_id += 1
         self._recent[sequence] = tokens
         self._recent_tokens += len(tokens)
-        self._pool.update(zip(*self._pool_entries(tokens, sequence)))
+        keys, values = self._pool_entries(tokens, sequence)
+        _mark(self._seen, keys)
+        self._pool.update(zip(keys.tolist(), values.tolist()))
         while len(self._recent) > self.max_recent or self._recent_tokens > self.max_recent_tokens:
             self._evict()
 
@@ -272,10 +313,13 @@ class SuffixIndex:
     def _evict(self) -> None:
         sequence, tokens = self._recent.popitem(last=False)
         self._recent_tokens -= len(tokens)
-        pool = self._pool
-        for key, value in zip(*self._pool_entries(tokens, sequence)):
+        pool, removed = self._pool, 0
+        keys, values = self._pool_entries(tokens, sequence)
+        for key, value in zip(keys.tolist(), values.tolist()):
             if pool.get(key) == value:
                 del pool[key]
+                removed += 1
+        self._removed(removed)
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._requests
@@ -327,30 +371,29 @@ class SuffixIndex:
 
     def _search(self, request_ids: Sequence[Hashable], max_tokens: int
                 ) -> dict[int, tuple[list[int], str, int]]:
-        """{row: (tokens, source, match)} for the rows whose suffix matched. Both tables are
-        read for every row and length in two bulk dict reads; only rows with an entry are
-        checked token by token (longest first), in Python."""
-        self._flush()
-        requests = [self._requests[i] for i in request_ids]
+        """{row: (tokens, source, match)} for the rows whose suffix matched. One numpy pass
+        over all rows' suffix hashes through _seen; only rows that may have an entry read the
+        dicts and check their entries token by token (longest first), in Python."""
+        self.flush()
+        if self._last is not None and self._last[0] == request_ids:
+            _, slots, requests = self._last  # the same rows as the last lookup (a step's)
+        else:
+            requests = [self._requests[i] for i in request_ids]
+            slots = np.fromiter((r.slot for r in requests), np.intp, len(requests))
+            self._last = (list(request_ids), slots, requests)
         if max_tokens < 1 or not requests:
             return {}
-        rows = len(requests)
-        slots = np.fromiter((r.slot for r in requests), np.intp, rows)
-        sizes = np.fromiter((len(r.tokens) for r in requests), np.int64, rows)
-        # [R, L] the suffixes' hashes, n = max_ngram .. min_ngram
-        hashes = self._hashes[slots][:, self.min_ngram - 1:][:, ::-1]
-        keys = (hashes ^ self._salts[slots][:, None]).ravel().tolist()
-        none = itertools.repeat(_NONE)
-        own = np.fromiter(map(self._own.get, keys, none), np.int64, len(keys))
-        pool = np.fromiter(map(self._pool.get, hashes.ravel().tolist(), none), np.int64,
-                           len(keys))
-        own, pool = own.reshape(hashes.shape), pool.reshape(hashes.shape)
-        exists = self._lengths <= sizes[:, None]  # n-grams longer than the request: none
+        hashes = self._hashes[slots][:, self.min_ngram - 1:]  # [R, L] n = min..max_ngram
+        salted = hashes ^ self._salts[slots][:, None]
+        maybe = _marked(self._seen, salted) | _marked(self._seen, hashes)
         found: dict[int, tuple[list[int], str, int]] = {}
-        hit = ((own >= 0) | (pool >= 0)) & exists
-        for row in np.flatnonzero(hit.any(axis=1)).tolist():
-            result = self._check(requests[row].tokens, own[row].tolist(), pool[row].tolist(),
-                                 exists[row].tolist(), max_tokens)
+        for row in np.flatnonzero(maybe.any(axis=1)).tolist():
+            none = itertools.repeat(_NONE)
+            own = list(map(self._own.get, salted[row, ::-1].tolist(), none))
+            pool = list(map(self._pool.get, hashes[row, ::-1].tolist(), none))
+            tokens = requests[row].tokens
+            exists = [n <= len(tokens) for n in self._lengths]
+            result = self._check(tokens, own, pool, exists, max_tokens)
             if result is not None:
                 found[row] = result
         return found
