@@ -65,10 +65,15 @@ _SEEN_MIX = np.uint64(0x9E3779B97F4A7C15)  # the top bits of key * MIX (short n-
 
 
 def _mark(seen: np.ndarray, keys: np.ndarray) -> None:
-    """Set the filter's bits of `keys` (uint64)."""
-    top = (keys * _SEEN_MIX) >> _SEEN_SHIFT
-    np.bitwise_or.at(seen, top >> np.uint64(3), np.left_shift(1, top & np.uint64(7))
-                     .astype(np.uint8))
+    """Set the filter's bits of `keys` (uint64): sorted, so that the bits of each byte are
+    or-ed together before the byte is written (cheaper than `np.bitwise_or.at`)."""
+    if not len(keys):
+        return
+    top = np.sort((keys * _SEEN_MIX) >> _SEEN_SHIFT)
+    byte = top >> np.uint64(3)
+    bits = np.left_shift(np.uint8(1), (top & np.uint64(7)).astype(np.uint8))
+    first = np.flatnonzero(np.concatenate(([True], byte[1:] != byte[:-1])))
+    seen[byte[first]] |= np.bitwise_or.reduceat(bits, first)
 
 
 def _marked(seen: np.ndarray, keys: np.ndarray) -> np.ndarray:
