@@ -39,7 +39,7 @@ def _brute(seq: list[int], pool: list[list[int]], max_tokens: int, lo: int, hi: 
 @settings(max_examples=120, deadline=None, derandomize=True)
 @given(st.integers(2, 5), st.integers(1, 5), st.integers(0, 7), st.integers(1, 3),
        st.integers(1, 4),
-       st.lists(st.tuples(st.lists(st.integers(0, 4), max_size=4), st.integers(0, 4)),
+       st.lists(st.tuples(st.lists(st.integers(0, 2), max_size=4), st.integers(0, 4)),
                 min_size=1, max_size=40))
 def test_batched_proposals_equal_a_brute_force_search(rows, max_ngram, max_tokens, min_match,
                                                        max_recent, steps):
@@ -54,7 +54,7 @@ def test_batched_proposals_equal_a_brute_force_search(rows, max_ngram, max_token
     next_id = 0
     for tokens, action in steps:
         while len(seqs) < rows:
-            prompt = [next_id % 5, (next_id * 3) % 5]
+            prompt = [next_id % 3]
             index.add_request(next_id, prompt)
             seqs[next_id], prompts[next_id] = list(prompt), len(prompt)
             next_id += 1
