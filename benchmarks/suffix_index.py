@@ -29,22 +29,27 @@ from fuser.runtime.suffix import SuffixIndex
 
 
 def measure(rows: int, pool: int, tokens: int, steps: int, vocab: int, width: int,
-            seed: int = 0) -> dict[str, float]:
+            seed: int = 0, follow: bool = False) -> dict[str, float]:
     """Median microseconds per step of the lookups and extends for `rows` rows (process
-    CPU time: on a shared machine, wall time also counts the others' work)."""
+    CPU time: on a shared machine, wall time also counts the others' work). follow: each row
+    emits what followed in a pooled output (every lookup hits) instead of random tokens."""
     rng = random.Random(seed)
     shared = [rng.randrange(vocab) for _ in range(32)]
     index = SuffixIndex()
+    outputs = []
     for r in range(pool):
         index.add_request(("pool", r), [rng.randrange(vocab) for _ in range(64)])
-        index.extend(("pool", r), [rng.randrange(vocab) for _ in range(64)] + shared)
+        outputs.append([rng.randrange(vocab) for _ in range(64)] + shared)
+        index.extend(("pool", r), outputs[-1])
         index.finish(("pool", r))
+    followed = [outputs[(r * 7) % pool][:64] for r in range(rows)]  # follow: what rows copy
     for r in range(rows):
-        index.add_request(r, [rng.randrange(vocab) for _ in range(200)] + shared[:8])
+        index.add_request(r, [rng.randrange(vocab) for _ in range(200)]
+                          + (followed[r][:8] if follow else shared[:8]))
     lookups, extends, hits = [], [], 0
     ids = list(range(rows))
     batched = getattr(index, "propose_many", None)
-    for _ in range(steps):
+    for step in range(steps):
         start = time.process_time()
         if batched is not None:  # the scheduler's lookups of a step
             hits += sum(map(bool, batched(ids, width, 1)))
@@ -52,7 +57,12 @@ def measure(rows: int, pool: int, tokens: int, steps: int, vocab: int, width: in
             for r in ids:
                 hits += index.lookup(r, width).match > 0
         lookups.append(time.process_time() - start)
-        new = [[rng.randrange(vocab) for _ in range(tokens)] for _ in range(rows)]
+        if follow:  # the next tokens of the followed output, round and round (past its end
+            # the span goes on from its start: the pool still has what follows)
+            at = 8 + step * tokens
+            new = [[f[(at + i) % len(f)] for i in range(tokens)] for f in followed]
+        else:
+            new = [[rng.randrange(vocab) for _ in range(tokens)] for _ in range(rows)]
         start = time.process_time()
         for r in range(rows):
             index.extend(r, new[r])
@@ -78,9 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--width", type=int, default=13, help="proposal tokens a lookup asks")
+    parser.add_argument("--follow", action="store_true",
+                        help="rows copy pooled outputs: every lookup hits")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    result = measure(args.rows, args.pool, args.tokens, args.steps, args.vocab, args.width)
+    result = measure(args.rows, args.pool, args.tokens, args.steps, args.vocab, args.width,
+                     follow=args.follow)
     print(f"suffix index, {args.rows} rows: step {result['step_us']:.0f} us, lookup {result['lookup_us']:.0f} us/step, extend "
           f"({args.tokens} tokens a row) {result['extend_us']:.0f} us/step, finish "
           f"{result['finish_us_per_request']:.0f} us/request, hits {result['hit_share']:.2f}")

@@ -11,11 +11,15 @@ The index. For every position i of a sequence and every n = min_ngram..max_ngram
 ending at i is hashed (a polynomial over its tokens, each n's from the (n-1)-gram's ending one
 token before: a new token costs max_ngram multiply-adds, and a request always holds the hashes
 of its current suffixes, so a lookup hashes nothing) into a table that maps it to the latest
-position where it ended (one dict for every n: `_Tables`). A request's own n-grams are indexed
-once the token after them exists, so a match always has a continuation, and the suffix being
-matched never finds itself. Per new token that is one bulk dict update; per proposal a lookup
-per length (longest first) and a token-by-token check of the hit (hashes may collide; a
-proposal is always a real continuation). benchmarks/suffix_index.py measures the host time.
+position where it ended (every length in one dict; every request's own n-grams in one dict,
+keyed apart by a per-request salt). A request's own n-grams are indexed once the token after
+them exists, so a match always has a continuation, and the suffix being matched never finds
+itself. The per-step work is batched over rows: `extend` only appends, and the step's lookup
+(`propose_many`) first hashes every row's new tokens in one numpy pass and inserts them in one
+dict update (`flush`), then tests all rows' suffix hashes at once against a bit filter of
+both tables' keys; only rows that may match read the dicts and check a hit token by token
+(hashes may collide; a proposal is always a real continuation). benchmarks/suffix_index.py
+measures the host time.
 
     own context:   a match ending at p continues with tokens[p + 1], tokens[p + 2], ...; past
                    the end it copies its own output (the span repeats with period len - 1 - p,
@@ -391,45 +395,39 @@ class SuffixIndex:
         hashes = self._hashes[slots][:, self.min_ngram - 1:]  # [R, L] n = min..max_ngram
         salted = hashes ^ self._salts[slots][:, None]
         maybe = _marked(self._seen, salted) | _marked(self._seen, hashes)
+        rows = np.flatnonzero(maybe.any(axis=1))
         found: dict[int, tuple[list[int], str, int]] = {}
-        for row in np.flatnonzero(maybe.any(axis=1)).tolist():
-            none = itertools.repeat(_NONE)
-            own = list(map(self._own.get, salted[row, ::-1].tolist(), none))
-            pool = list(map(self._pool.get, hashes[row, ::-1].tolist(), none))
+        if not len(rows):
+            return found
+        own_get, pool_get, recent = self._own.get, self._pool.get, self._recent
+        lengths = self._lengths  # max_ngram .. min_ngram
+        for row, own_keys, pool_keys in zip(rows.tolist(), salted[rows, ::-1].tolist(),
+                                            hashes[rows, ::-1].tolist()):
+            # Longest first: the latest own occurrence, then a longer one in the pool.
             tokens = requests[row].tokens
-            exists = [n <= len(tokens) for n in self._lengths]
-            result = self._check(tokens, own, pool, exists, max_tokens)
-            if result is not None:
-                found[row] = result
+            size = len(tokens)
+            match = own_end = 0
+            for n, key in zip(lengths, own_keys):
+                if n <= size:
+                    end = own_get(key)
+                    if end is not None and tokens[end - n + 1:end + 1] == tokens[size - n:]:
+                        match, own_end = n, end
+                        break
+            for n, key in zip(lengths, pool_keys):
+                if n <= match:
+                    break
+                value = pool_get(key) if n <= size else None
+                if value is not None:
+                    sequence, end = recent[value >> 32], value & 0xFFFFFFFF
+                    if sequence[end - n + 1:end + 1] == tokens[size - n:]:
+                        found[row] = sequence[end + 1:end + 1 + max_tokens], "recent", n
+                        match = 0
+                        break
+            if match:  # copy on from own_end + 1; past the end, from what is being copied
+                # (overlapping): the span repeats with period size - 1 - own_end
+                span = tokens[own_end + 1:]
+                found[row] = (span * (max_tokens // len(span) + 1))[:max_tokens], "own", match
         return found
-
-    def _check(self, tokens: list[int], own: list[int], pool: list[int], exists: list[bool],
-               max_tokens: int) -> tuple[list[int], str, int] | None:
-        """One row's table entries (per n, longest first) checked token by token: the longest
-        real match, own context on a tie."""
-        size, longest = len(tokens), self.max_ngram
-        match, own_end = 0, -1
-        for c, end in enumerate(own):
-            n = longest - c
-            if end >= 0 and exists[c] and tokens[end - n + 1:end + 1] == tokens[size - n:]:
-                match, own_end = n, end
-                break
-        for c, value in enumerate(pool):
-            n = longest - c
-            if n <= match:
-                break
-            if value < 0 or not exists[c]:
-                continue
-            recent, end = self._recent[value >> 32], value & 0xFFFFFFFF
-            if recent[end - n + 1:end + 1] == tokens[size - n:]:
-                return recent[end + 1:end + 1 + max_tokens], "recent", n
-        if not match:
-            return None
-        # Copy on from own_end + 1; past the end, from what is being copied (overlapping): the
-        # copied span repeats with period size - 1 - own_end.
-        span = tokens[own_end + 1:]
-        return (span * (max_tokens // len(span) + 1))[:max_tokens], "own", match
-
 
 
 def proposals_tensor(proposals: Sequence[Sequence[int]], gamma: int, batch: int | None = None,
