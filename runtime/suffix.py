@@ -231,7 +231,17 @@ class SuffixIndex:
         lengths = np.arange(self.min_ngram, self.max_ngram + 1)  # the indexed n, ascending
         keys, values = [], []
         length = starts
+        # Every row as many new tokens, and long enough that all lengths are indexed: no masks.
+        full = uniform and int(starts.min()) >= self.max_ngram
         for j in range(width):
+            if full:
+                keys.append(hashes[:, self.min_ngram - 1:] ^ salts)  # [R, L]
+                values.append(length - 1)  # [R]
+                rolled = np.empty_like(hashes)
+                rolled[:, 0] = new[:, j]
+                rolled[:, 1:] = hashes[:, :-1] * _BASE + new[:, j, None]
+                hashes, length = rolled, length + 1
+                continue
             active = None if uniform else counts > j
             # The n-grams ending at the last token now have a continuation: n <= its position+1.
             ok = (length[:, None] >= lengths) if active is None else \
@@ -248,9 +258,13 @@ class SuffixIndex:
                 length = length + active
         self._hashes[slots] = hashes
         # j-major: a row's later position comes later, so the latest occurrence wins.
-        keys = np.concatenate(keys)
+        if full:  # [width, R, L] and [width, R] in the same (j, row, n) order
+            keys = np.stack(keys).ravel()
+            values = np.repeat(np.stack(values).ravel(), self.max_ngram - self.min_ngram + 1)
+        else:
+            keys, values = np.concatenate(keys), np.concatenate(values)
         _mark(self._seen, keys)
-        self._own.update(zip(keys.tolist(), np.concatenate(values).tolist()))
+        self._own.update(zip(keys.tolist(), values.tolist()))
 
     def _own_keys(self, request: _Request) -> list[int]:
         """The own-table keys of every n-gram the request has indexed."""

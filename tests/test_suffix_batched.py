@@ -43,7 +43,7 @@ def _brute(seq: list[int], pool: list[list[int]], max_tokens: int, lo: int, hi: 
                 min_size=1, max_size=40))
 def test_batched_proposals_equal_a_brute_force_search(rows, max_ngram, max_tokens, min_match,
                                                        max_recent, steps):
-    """Each step extends every live row by its own count of tokens (0..4), then looks up all
+    """Each step extends every live row by a count of tokens (0..4), then looks up all
     rows at once; a row is finished into the pool now and then and a new one takes its
     place."""
     lo = 1 if max_ngram == 1 else 2
@@ -54,12 +54,13 @@ def test_batched_proposals_equal_a_brute_force_search(rows, max_ngram, max_token
     next_id = 0
     for tokens, action in steps:
         while len(seqs) < rows:
-            prompt = [next_id % 3]
+            prompt = [(next_id + i) % 3 for i in range(2 * (next_id % 4))]  # 0..6 tokens
             index.add_request(next_id, prompt)
             seqs[next_id], prompts[next_id] = list(prompt), len(prompt)
             next_id += 1
         for k, r in enumerate(seqs):
-            new = tokens[:(k + action) % 5]  # rows emit different counts
+            # rows emit different counts (odd actions) or the same (even ones)
+            new = tokens[:(k + action) % 5] if action % 2 else tokens[:action]
             index.extend(r, new)
             seqs[r] += new
         ids = list(seqs)
