@@ -94,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     result = measure(args.rows, args.pool, args.tokens, args.steps, args.vocab, args.width,
                      follow=args.follow)
-    print(f"suffix index, {args.rows} rows: step {result['step_us']:.0f} us, lookup {result['lookup_us']:.0f} us/step, extend "
-          f"({args.tokens} tokens a row) {result['extend_us']:.0f} us/step, finish "
+    print(f"suffix index, {args.rows} rows: step {result['step_us']:.0f} us, lookup "
+          f"{result['lookup_us']:.0f} us/step, extend ({args.tokens} tokens a row) {result['extend_us']:.0f} us/step, finish "
           f"{result['finish_us_per_request']:.0f} us/request, hits {result['hit_share']:.2f}")
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1))

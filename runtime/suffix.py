@@ -60,9 +60,9 @@ from fuser.runtime.steps import DECODE, ModelSteps, verify as verify_kind
 __all__ = ["Proposal", "SuffixIndex", "SuffixProposals", "accept_proposals", "add_verify_steps",
            "mixed_step", "proposals_tensor", "suffix_step"]
 
-_BASE = np.uint64(1_000_003)  # hashes wrap at 64 bits (uint64 arithmetic; a hit is checked
-_NONE = -1                    # token by token anyway); _NONE: "no entry" in a lookup's result
-_SEEN_BITS = 27  # the filter of keys in either table: one bit per value of a key's top bits
+# Hashes wrap at 64 bits (uint64 arithmetic; a hit is checked token by token anyway).
+_BASE = np.uint64(1_000_003)
+_SEEN_BITS = 27  # the filter of keys in either table: one bit per value of 27 mixed bits
 _SEEN_SHIFT = np.uint64(64 - _SEEN_BITS)
 _SEEN_MIX = np.uint64(0x9E3779B97F4A7C15)  # the top bits of key * MIX (short n-grams' hashes
                                            # are small numbers: their own top bits are 0)
