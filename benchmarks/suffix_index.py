@@ -1,9 +1,12 @@
 """Host time of the suffix index (runtime/suffix.py) per decoding step: what the adaptive
 scheduler spends on the host each step for `rows` running requests, measured on the CPU.
 
-    lookup   one `lookup` per row, for the scheduler's proposal width (max gamma 6: 13
-             tokens);
-    extend   each row's tokens of one step handed to the index (`tokens` a row);
+    lookup   `propose_many` over all rows, for the scheduler's proposal width (max gamma 6: 13
+             tokens), as runtime/adaptive_scheduler.py calls it once a step (an index without
+             it, an older tree's: one `lookup` per row);
+    extend   each row's tokens of one step handed to the index (`tokens` a row) and indexed
+             (`flush`: the n-grams they end hashed and inserted);
+    step     the two together: the index's host time per decoding step;
     finish   a request leaving for the recent pool (per request, amortised over its steps).
 
 A pool of `pool` finished outputs (random tokens over `vocab`, a shared span in each so that
@@ -26,34 +29,53 @@ from fuser.runtime.suffix import SuffixIndex
 
 
 def measure(rows: int, pool: int, tokens: int, steps: int, vocab: int, width: int,
-            seed: int = 0) -> dict[str, float]:
+            seed: int = 0, follow: bool = False) -> dict[str, float]:
     """Median microseconds per step of the lookups and extends for `rows` rows (process
-    CPU time: on a shared machine, wall time also counts the others' work)."""
+    CPU time: on a shared machine, wall time also counts the others' work). follow: each row
+    emits what followed in a pooled output (every lookup hits) instead of random tokens."""
     rng = random.Random(seed)
     shared = [rng.randrange(vocab) for _ in range(32)]
     index = SuffixIndex()
+    outputs = []
     for r in range(pool):
         index.add_request(("pool", r), [rng.randrange(vocab) for _ in range(64)])
-        index.extend(("pool", r), [rng.randrange(vocab) for _ in range(64)] + shared)
+        outputs.append([rng.randrange(vocab) for _ in range(64)] + shared)
+        index.extend(("pool", r), outputs[-1])
         index.finish(("pool", r))
+    followed = [outputs[(r * 7) % pool][:64] for r in range(rows)]  # follow: what rows copy
     for r in range(rows):
-        index.add_request(r, [rng.randrange(vocab) for _ in range(200)] + shared[:8])
+        index.add_request(r, [rng.randrange(vocab) for _ in range(200)]
+                          + (followed[r][:8] if follow else shared[:8]))
     lookups, extends, hits = [], [], 0
-    for _ in range(steps):
+    ids = list(range(rows))
+    batched = getattr(index, "propose_many", None)
+    for step in range(steps):
         start = time.process_time()
-        for r in range(rows):  # the scheduler's lookups of a step
-            hits += index.lookup(r, width).match > 0
+        if batched is not None:  # the scheduler's lookups of a step
+            hits += sum(map(bool, batched(ids, width, 1)))
+        else:
+            for r in ids:
+                hits += index.lookup(r, width).match > 0
         lookups.append(time.process_time() - start)
-        new = [[rng.randrange(vocab) for _ in range(tokens)] for _ in range(rows)]
+        if follow:  # the next tokens of the followed output, round and round (past its end
+            # the span goes on from its start: the pool still has what follows)
+            at = 8 + step * tokens
+            new = [[f[(at + i) % len(f)] for i in range(tokens)] for f in followed]
+        else:
+            new = [[rng.randrange(vocab) for _ in range(tokens)] for _ in range(rows)]
         start = time.process_time()
         for r in range(rows):
             index.extend(r, new[r])
+        if hasattr(index, "flush"):  # index them now, not in the next lookup
+            index.flush()
         extends.append(time.process_time() - start)
     start = time.process_time()
     for r in range(rows):
         index.finish(r)
     finish = (time.process_time() - start) / rows
-    return {"rows": rows, "lookup_us": 1e6 * statistics.median(lookups),
+    steps_us = [1e6 * (a + b) for a, b in zip(lookups, extends)]
+    return {"rows": rows, "step_us": statistics.median(steps_us),
+            "lookup_us": 1e6 * statistics.median(lookups),
             "extend_us": 1e6 * statistics.median(extends), "finish_us_per_request": 1e6 * finish,
             "hit_share": hits / (rows * steps)}
 
@@ -66,11 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--width", type=int, default=13, help="proposal tokens a lookup asks")
+    parser.add_argument("--follow", action="store_true",
+                        help="rows copy pooled outputs: every lookup hits")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    result = measure(args.rows, args.pool, args.tokens, args.steps, args.vocab, args.width)
-    print(f"suffix index, {args.rows} rows: lookup {result['lookup_us']:.0f} us/step, extend "
-          f"({args.tokens} tokens a row) {result['extend_us']:.0f} us/step, finish "
+    result = measure(args.rows, args.pool, args.tokens, args.steps, args.vocab, args.width,
+                     follow=args.follow)
+    print(f"suffix index, {args.rows} rows: step {result['step_us']:.0f} us, lookup "
+          f"{result['lookup_us']:.0f} us/step, extend ({args.tokens} tokens a row) {result['extend_us']:.0f} us/step, finish "
           f"{result['finish_us_per_request']:.0f} us/request, hits {result['hit_share']:.2f}")
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1))

@@ -267,12 +267,12 @@ class AdaptiveScheduler(Scheduler):
         matched at least suffix_min_match tokens (else none), long enough for the step in
         flight to have moved on; and the row's output count it continues (the anchor)."""
         width = self._buffers[self.engine.bucket(len(rows)).batch].width
-        proposals: list[list[int]] = []
-        for stream in rows:
-            found = self.index.lookup(stream.request_id, width) \
-                if not stream.done and stream.request_id in self.index else None
-            proposals.append(found.tokens if found is not None
-                             and found.match >= self.suffix_min_match else [])
+        live = [i for i, s in enumerate(rows) if not s.done and s.request_id in self.index]
+        found = self.index.propose_many([rows[i].request_id for i in live], width,
+                                        self.suffix_min_match)  # all rows in one pass
+        proposals: list[list[int]] = [[] for _ in rows]
+        for i, tokens in zip(live, found):
+            proposals[i] = tokens
         return proposals, [len(s.output_ids) for s in rows]
 
     def _issue(self) -> _SourceStep:
