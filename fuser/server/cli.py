@@ -237,7 +237,7 @@ def make_scheduler(engine: Any, args: argparse.Namespace) -> Any:
                                           adapt_draft=bool(engine.gammas), module=module)
         except (ValueError, RuntimeError, NotImplementedError) as e:
             hint = "; rebuild it with fuser build --suffix-steps" \
-                if "verify steps must be built" in str(e) else ""
+                if "no verify step for gamma" in str(e) else ""
             progress(f"adaptive speculation off ({e}{hint}); continuous batching without it")
         else:
             distiller = scheduler.distiller
