@@ -5,6 +5,7 @@ It builds nothing: `fuser.optimize` (fuser/optimize.py) builds the steps and han
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -64,7 +65,9 @@ class Engine:
         self.stats = SpecStats(gamma=gamma if draft is not None else 0,
                                accepted_per_position=[0] * max(self.gammas, default=0))
         self._fallbacks: list[str] = list(fallbacks or [])
-        self._generating = False
+        # Held for one generation or one scheduler's run (a lock: a plain flag let a generate
+        # and a scheduler's loop both pass its check and share the KV cache rows).
+        self._generating = threading.Lock()
         self._forced_gamma: int | None = None
         # Metrics record from the first token when prometheus_client is installed (the
         # time-per-token histogram cannot be rebuilt later); without it they are off.
@@ -255,14 +258,14 @@ class Engine:
     @contextmanager
     def generating(self) -> Iterator[None]:
         """Hold the engine for one generation: its KV caches serve one at a time."""
-        if self._generating:
-            raise RuntimeError("this engine is already generating (an unfinished stream?): its KV "
-                               "cache serves one generation at a time; finish or close the stream")
-        self._generating = True
+        if not self._generating.acquire(blocking=False):
+            raise RuntimeError("this engine is already generating (an unfinished stream, or a "
+                               "scheduler running requests?): its KV cache serves one generation "
+                               "at a time; finish or close the stream, or drain the scheduler")
         try:
             yield
         finally:
-            self._generating = False
+            self._generating.release()
 
     # -- public API ---------------------------------------------------------------------------
 

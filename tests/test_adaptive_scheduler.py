@@ -111,6 +111,7 @@ def test_updates_in_the_background_leave_outputs_alone():
     scheduler = AdaptiveScheduler(
         eng, costs=COSTS, background=True,
         distill=DistillConfig(lr=3e-3, batch_tokens=256, holdout_fraction=0.25, max_steps=10))
+    references()  # before the scheduler's thread runs steps on the same engine
     scheduler.start()
     try:
         run_rounds(scheduler, 2)  # the update starts at the 8th finished request...

@@ -221,3 +221,28 @@ def test_gpu_scheduler_replays_step_graphs_and_matches_alone() -> None:
         assert all(n == 0 for b in eng.buckets.values() for n in b.uncaptured_runs.values())
     finally:
         target.cpu()
+
+
+def test_generate_is_refused_while_a_scheduler_holds_the_engine():
+    """A scheduler running requests holds the engine's KV cache: a generate on the same engine
+    meanwhile is refused (RuntimeError), never run on the rows the scheduler's requests use."""
+    import threading
+
+    eng = engine(False)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with eng.generating():  # what Scheduler._loop does while it has requests
+            held.set()
+            release.wait(30.0)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    try:
+        assert held.wait(30.0)
+        with pytest.raises(RuntimeError, match="already generating"):
+            eng.generate(torch.tensor([[5, 9, 14]]), max_new_tokens=2)
+    finally:
+        release.set()
+        thread.join(30.0)
+    assert eng.generate(torch.tensor([[5, 9, 14]]), max_new_tokens=2).shape == (1, 5)
