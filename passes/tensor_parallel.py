@@ -53,6 +53,9 @@ COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_
 ROW = ("self_attn.o_proj", "mlp.down_proj")
 LM_HEAD_MODES = ("vocab", "replicated")
 _CACHE = re.compile(r"^[kv]_cache_\d+$")
+# meta key of a sliced weight's get_attr node: (the unsharded graph's target, the sliced dim);
+# rank r holds the r-th of world_size equal chunks along that dim.
+SOURCE = "tensor_parallel_source"
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 
 
@@ -177,7 +180,7 @@ def shard_graph(gm: GraphModule, rank: int, world_size: int, *, lm_head: str = "
     attrs = _weights(out)
     sliced = 0
 
-    def bind(node: Node, tensor: torch.Tensor) -> None:
+    def bind(node: Node, tensor: torch.Tensor, dim: int) -> None:
         nonlocal sliced
         name = f"tp_{sliced}"
         sliced += 1
@@ -185,6 +188,7 @@ def shard_graph(gm: GraphModule, rank: int, world_size: int, *, lm_head: str = "
         with graph.inserting_before(node):
             new = graph.get_attr(name)
         new.meta = dict(node.meta)
+        new.meta[SOURCE] = (str(node.target), dim)
         node.replace_all_uses_with(new)
         graph.erase_node(node)
 
@@ -196,16 +200,17 @@ def shard_graph(gm: GraphModule, rank: int, world_size: int, *, lm_head: str = "
             continue
         module, _, kind = target.rpartition(".")
         if module.endswith(COLUMN):
-            bind(node, _rows(_attr(gm, target), rank, world_size, 0))
+            bind(node, _rows(_attr(gm, target), rank, world_size, 0), 0)
         elif module.endswith(ROW) and kind == "weight":
             _row_parallel(graph, _linear_user(node))
-            bind(node, _rows(_attr(gm, target), rank, world_size, 1))
+            bind(node, _rows(_attr(gm, target), rank, world_size, 1), 1)
     if lm_head == "vocab":
         mm, weight = _lm_head(out)
         permute = mm.args[-1]
         out.register_buffer(f"tp_{sliced}", _rows(weight, rank, world_size, 0), persistent=False)
         with graph.inserting_before(permute):
             head = graph.get_attr(f"tp_{sliced}")
+        head.meta[SOURCE] = (str(permute.args[0].target), 0)
         permute.replace_input_with(permute.args[0], head)
         if mm.target is aten.addmm.default:  # the bias's slice too
             bias = mm.args[0]
@@ -213,6 +218,7 @@ def shard_graph(gm: GraphModule, rank: int, world_size: int, *, lm_head: str = "
                                                            world_size, 0), persistent=False)
             with graph.inserting_before(mm):
                 b = graph.get_attr(f"tp_{sliced}_bias")
+            b.meta[SOURCE] = (str(bias.target), 0)
             mm.replace_input_with(bias, b)
         with graph.inserting_after(mm):
             gathered = graph.call_function(torch.ops.fuser.all_gather.default, (mm, world_size))

@@ -1,0 +1,102 @@
+"""One rank of the tensor-parallel CPU test (tests/test_tensor_parallel.py), and the step graphs
+it shards.
+
+    python tests/tensor_parallel_worker.py RANK WORLD_SIZE PORT OUT
+
+joins a gloo process group at 127.0.0.1:PORT and, for every supported family's tiny model, runs
+a prefill step and DECODE_STEPS greedy decode steps twice: through the unsharded step graphs,
+and through this rank's sharded ones (passes/tensor_parallel.py, the collectives over gloo).
+Both sets of logits and tokens go to OUT (torch.save) for the test to compare.
+"""
+
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny import tiny_model  # noqa: E402
+
+BATCH, CACHE, PROMPT, DECODE_STEPS = 2, 16, 5, 3
+# Per family: the tiny config of the test (Mistral with a sliding window, Qwen2 with tied
+# embeddings and its q/k/v biases); 4 heads over 2 KV heads, intermediate 72: TP=2 splits all.
+CONFIGS: dict[str, dict[str, object]] = {
+    "llama": dict(heads=4, kv_heads=2, intermediate=72),
+    "mistral": dict(heads=4, kv_heads=2, intermediate=72, sliding_window=4),
+    "qwen2": dict(heads=4, kv_heads=2, intermediate=72, tie=True),
+}
+
+
+def step_graphs(family: str, batch: int, cache_len: int, prompt_len: int, seed: int = 0,
+                decode_tokens: int = 1, **config: object
+                ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+    """(prefill graph at T = prompt_len, decode graph at T = decode_tokens) of a tiny model of
+    `family`, unfused, as capture.export_step gives them, both over one KV cache."""
+    from fuser.capture import StepModule, engine_view, export_step
+
+    model = tiny_model(family, seed=seed, init_range=0.3, **config)
+    view = engine_view(model, torch.float32, torch.device("cpu"))
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    shape = (batch, cache_len, c.num_key_value_heads, head_dim)
+    k = [torch.zeros(shape) for _ in range(c.num_hidden_layers)]
+    v = [torch.zeros(shape) for _ in range(c.num_hidden_layers)]
+    _, prefill = export_step(StepModule(view, k, v, prefill=True), batch, prompt_len, cache_len)
+    _, decode = export_step(StepModule(view, k, v, prefill=False), batch, decode_tokens,
+                            cache_len)
+    return prefill, decode
+
+
+def cache_of(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
+    """The graph's KV-cache tensors by name."""
+    return {str(n.target): getattr(gm, str(n.target)) for n in gm.graph.find_nodes(op="get_attr")
+            if str(n.target).startswith(("k_cache_", "v_cache_"))}
+
+
+def generate(prefill: torch.fx.GraphModule, decode: torch.fx.GraphModule, tokens: torch.Tensor,
+             steps: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Greedy decoding through the two step graphs: (logits of every step, tokens [B, steps+1])."""
+    B, T = tokens.shape
+    zeros = torch.zeros(B, dtype=torch.long)
+    with torch.no_grad():
+        logits = [prefill(tokens, torch.arange(T)[None].expand(B, T).contiguous(), zeros, zeros)]
+        out = [logits[-1][:, -1].argmax(-1)]
+        for i in range(steps):
+            at = T + i
+            logits.append(decode(out[-1][:, None], torch.full((B, 1), at),
+                                 torch.full((B,), at), zeros))
+            out.append(logits[-1][:, -1].argmax(-1))
+    return logits, torch.stack(out, 1)
+
+
+def main(rank: int, world_size: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from fuser.passes.tensor_parallel import shard_graph
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=60))
+    try:
+        results = {}
+        for family, config in CONFIGS.items():
+            prefill, decode = step_graphs(family, BATCH, CACHE, PROMPT, **config)
+            shard_prefill = shard_graph(prefill, rank, world_size)
+            shard_decode = shard_graph(decode, rank, world_size, cache=cache_of(shard_prefill))
+            prompt = torch.randint(3, 160, (BATCH, PROMPT), generator=torch.Generator()
+                                   .manual_seed(1))
+            results[family] = dict(
+                reference=generate(prefill, decode, prompt, DECODE_STEPS),
+                sharded=generate(shard_prefill, shard_decode, prompt, DECODE_STEPS),
+                cache_shape=tuple(cache_of(shard_decode)["k_cache_0"].shape))
+        torch.save(results, out)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
