@@ -214,3 +214,17 @@ def test_collectives_without_a_process_group() -> None:
         fake = torch.empty(3, 4)
         assert torch.ops.fuser.all_gather(fake, 4).shape == (3, 16)
         assert torch.ops.fuser.all_reduce(fake).shape == (3, 4)
+
+
+@pytest.mark.parametrize("value, message", [
+    (0, "tensor_parallel=0 must be a positive int"),
+    (True, "tensor_parallel=True must be a positive int"),
+    (1.5, "tensor_parallel=1.5 must be a positive int"),
+    (2, "tensor_parallel=2: the multi-process tensor-parallel engine is not built yet"),
+])
+def test_config_refuses_tensor_parallel_engines(value: object, message: str) -> None:
+    import fuser
+
+    with pytest.raises(ValueError, match=message):
+        fuser.FuserConfig(tensor_parallel=value)
+    assert fuser.FuserConfig(tensor_parallel=1).tensor_parallel == 1
