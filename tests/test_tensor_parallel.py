@@ -228,3 +228,35 @@ def test_config_refuses_tensor_parallel_engines(value: object, message: str) -> 
     with pytest.raises(ValueError, match=message):
         fuser.FuserConfig(tensor_parallel=value)
     assert fuser.FuserConfig(tensor_parallel=1).tensor_parallel == 1
+
+
+def test_fusion_passes_run_on_the_sharded_graph() -> None:
+    """The sharded graph goes through run_passes as captured graphs do: every fusion the
+    unsharded graph gets matches on each rank too (the collectives stay between the fused
+    ops), and the ranks' logits still equal the unsharded step's."""
+    from fuser.passes import run_passes
+    from fuser.passes.fx import count_fuser_ops
+    from tiny import pass_context
+
+    B, S, T = 1, 8, 1
+    _, decode = step_graphs("qwen2", B, S, 3, decode_tokens=T, layers=1)
+    g = torch.Generator().manual_seed(0)
+    for t in cache_of(decode).values():
+        t.copy_(torch.randn(t.shape, generator=g))
+    ranks = [shard_graph(decode, r, 2) for r in range(2)]
+    fused = shard_graph(decode, 0, 1)  # a copy, world size 1: no collectives
+    expected = run_passes(fused, pass_context("target.decode"))
+    assert not expected.errors
+    for gm in ranks:
+        result = run_passes(gm, pass_context("target.decode"))
+        assert not result.errors and result.matches == expected.matches
+        assert count_fuser_ops(gm) == {**count_fuser_ops(fused), "all_reduce": 2,
+                                       "all_gather": 1}
+    lens = torch.tensor([3])
+    args = (torch.randint(3, 160, (B, T), generator=g), lens[:, None] + torch.arange(T), lens,
+            torch.tensor([0]))
+    with torch.no_grad():
+        ref = decode(*args)
+        outs = lockstep(ranks, args)
+    for out in outs:
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
