@@ -1,9 +1,9 @@
 """One rank of the tensor-parallel CPU test (tests/test_tensor_parallel.py), and the step graphs
 it shards.
 
-    python tests/tensor_parallel_worker.py RANK WORLD_SIZE PORT OUT
+    python tests/tensor_parallel_worker.py RANK WORLD_SIZE PORT OUT [cpu|cuda]
 
-joins a gloo process group at 127.0.0.1:PORT and, for every supported family's tiny model, runs
+joins a process group at 127.0.0.1:PORT (gloo on the CPU; NCCL on cuda:RANK) and, for every supported family's tiny model, runs
 a prefill step and DECODE_STEPS greedy decode steps twice: through the unsharded step graphs,
 and through this rank's sharded ones (passes/tensor_parallel.py, the collectives over gloo).
 Both sets of logits and tokens go to OUT (torch.save) for the test to compare.
@@ -32,19 +32,19 @@ CONFIGS: dict[str, dict[str, object]] = {
 
 
 def step_graphs(family: str, batch: int, cache_len: int, prompt_len: int, seed: int = 0,
-                decode_tokens: int = 1, **config: object
+                decode_tokens: int = 1, device: str = "cpu", **config: object
                 ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
     """(prefill graph at T = prompt_len, decode graph at T = decode_tokens) of a tiny model of
     `family`, unfused, as capture.export_step gives them, both over one KV cache."""
     from fuser.capture import StepModule, engine_view, export_step
 
     model = tiny_model(family, seed=seed, init_range=0.3, **config)
-    view = engine_view(model, torch.float32, torch.device("cpu"))
+    view = engine_view(model.to(device), torch.float32, torch.device(device))
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     shape = (batch, cache_len, c.num_key_value_heads, head_dim)
-    k = [torch.zeros(shape) for _ in range(c.num_hidden_layers)]
-    v = [torch.zeros(shape) for _ in range(c.num_hidden_layers)]
+    k = [torch.zeros(shape, device=device) for _ in range(c.num_hidden_layers)]
+    v = [torch.zeros(shape, device=device) for _ in range(c.num_hidden_layers)]
     _, prefill = export_step(StepModule(view, k, v, prefill=True), batch, prompt_len, cache_len)
     _, decode = export_step(StepModule(view, k, v, prefill=False), batch, decode_tokens,
                             cache_len)
@@ -61,34 +61,40 @@ def generate(prefill: torch.fx.GraphModule, decode: torch.fx.GraphModule, tokens
              steps: int) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Greedy decoding through the two step graphs: (logits of every step, tokens [B, steps+1])."""
     B, T = tokens.shape
-    zeros = torch.zeros(B, dtype=torch.long)
+    device = tokens.device
+    zeros = torch.zeros(B, dtype=torch.long, device=device)
     with torch.no_grad():
-        logits = [prefill(tokens, torch.arange(T)[None].expand(B, T).contiguous(), zeros, zeros)]
+        logits = [prefill(tokens, torch.arange(T, device=device)[None].expand(B, T).contiguous(),
+                          zeros, zeros)]
         out = [logits[-1][:, -1].argmax(-1)]
         for i in range(steps):
             at = T + i
-            logits.append(decode(out[-1][:, None], torch.full((B, 1), at),
-                                 torch.full((B,), at), zeros))
+            logits.append(decode(out[-1][:, None], torch.full((B, 1), at, device=device),
+                                 torch.full((B,), at, device=device), zeros))
             out.append(logits[-1][:, -1].argmax(-1))
-    return logits, torch.stack(out, 1)
+    return [x.cpu() for x in logits], torch.stack(out, 1).cpu()
 
 
-def main(rank: int, world_size: int, port: int, out: str) -> None:
+def main(rank: int, world_size: int, port: int, out: str, device: str = "cpu") -> None:
     import torch.distributed as dist
 
     from fuser.passes.tensor_parallel import shard_graph
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    dist.init_process_group("nccl" if device != "cpu" else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=60))
     try:
         results = {}
         for family, config in CONFIGS.items():
-            prefill, decode = step_graphs(family, BATCH, CACHE, PROMPT, **config)
+            prefill, decode = step_graphs(family, BATCH, CACHE, PROMPT, device=device,
+                                          **config)
             shard_prefill = shard_graph(prefill, rank, world_size)
             shard_decode = shard_graph(decode, rank, world_size, cache=cache_of(shard_prefill))
             prompt = torch.randint(3, 160, (BATCH, PROMPT), generator=torch.Generator()
-                                   .manual_seed(1))
+                                   .manual_seed(1)).to(device)
             results[family] = dict(
                 reference=generate(prefill, decode, prompt, DECODE_STEPS),
                 sharded=generate(shard_prefill, shard_decode, prompt, DECODE_STEPS),
@@ -99,4 +105,4 @@ def main(rank: int, world_size: int, port: int, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], *sys.argv[5:6])

@@ -73,15 +73,23 @@ def lockstep(gms: list[torch.fx.GraphModule], args: tuple) -> list[torch.Tensor]
     raise AssertionError("graph without output")
 
 
-def test_two_gloo_processes_equal_the_unsharded_model(tmp_path: Path) -> None:
-    """2 ranks over gloo: every family's prefill and decode logits equal the unsharded step's
-    within 1e-5 (fp32), greedy tokens are equal, and each rank's cache holds its KV heads."""
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL)")]),
+])
+def test_two_processes_equal_the_unsharded_model(tmp_path: Path, device: str) -> None:
+    """2 ranks (gloo on the CPU, NCCL on 2 GPUs): every family's prefill and decode logits
+    equal the unsharded step's within 1e-5 (fp32), greedy tokens are equal, and each rank's
+    cache holds its KV heads."""
     world_size, port = 2, _free_port()
+    # NVLink multicast off (NVLS, symmetric memory): not available on the machines we test on
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1", "NCCL_NVLS_ENABLE": "0",
+           "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
     outs = [tmp_path / f"rank{r}.pt" for r in range(world_size)]
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world_size), str(port),
-                               str(outs[r])], env=env, stdout=subprocess.PIPE,
+                               str(outs[r]), device], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(world_size)]
     logs = []
     try:
