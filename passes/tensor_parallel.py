@@ -90,7 +90,7 @@ def shard_cache(cache: torch.Tensor, rank: int, world_size: int) -> torch.Tensor
 
 
 def _weights(gm: GraphModule) -> dict[str, Node]:
-    """Linear weight/bias get_attr nodes by module suffix + ".weight"/".bias"."""
+    """The graph's get_attr nodes by target (module path + ".weight", cache names, ...)."""
     return {str(n.target): n for n in gm.graph.find_nodes(op="get_attr")}
 
 

@@ -1,12 +1,13 @@
-"""One rank of the tensor-parallel CPU test (tests/test_tensor_parallel.py), and the step graphs
-it shards.
+"""One rank of the tensor-parallel test (tests/test_tensor_parallel.py), and the step graphs it
+shards.
 
     python tests/tensor_parallel_worker.py RANK WORLD_SIZE PORT OUT [cpu|cuda]
 
-joins a process group at 127.0.0.1:PORT (gloo on the CPU; NCCL on cuda:RANK) and, for every supported family's tiny model, runs
-a prefill step and DECODE_STEPS greedy decode steps twice: through the unsharded step graphs,
-and through this rank's sharded ones (passes/tensor_parallel.py, the collectives over gloo).
-Both sets of logits and tokens go to OUT (torch.save) for the test to compare.
+joins a process group at 127.0.0.1:PORT (gloo on the CPU; NCCL on cuda:RANK) and, for every
+supported family's tiny model, runs a prefill step and DECODE_STEPS greedy decode steps twice:
+through the unsharded step graphs, and through this rank's sharded ones
+(passes/tensor_parallel.py, the collectives over the process group). Both sets of logits and
+tokens go to OUT (torch.save) for the test to compare.
 """
 
 from __future__ import annotations
@@ -32,13 +33,27 @@ CONFIGS: dict[str, dict[str, object]] = {
 
 
 def step_graphs(family: str, batch: int, cache_len: int, prompt_len: int, seed: int = 0,
-                decode_tokens: int = 1, device: str = "cpu", **config: object
-                ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+                decode_tokens: int = 1, device: str = "cpu", biases: bool = False,
+                **config: object) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
     """(prefill graph at T = prompt_len, decode graph at T = decode_tokens) of a tiny model of
-    `family`, unfused, as capture.export_step gives them, both over one KV cache."""
-    from fuser.capture import StepModule, engine_view, export_step
+    `family`, unfused, as capture.export_step gives them, both over one KV cache.
 
-    model = tiny_model(family, seed=seed, init_range=0.3, **config)
+    biases: Llama with a bias on every projection (attention_bias, mlp_bias), o_proj's and
+    down_proj's included."""
+    from fuser.capture import StepModule, engine_view, export_step
+    from tiny import FAMILIES, tiny_config
+
+    if biases:
+        cfg = tiny_config(family, init_range=0.3, **config)
+        cfg.attention_bias = cfg.mlp_bias = True
+        torch.manual_seed(seed)
+        model = FAMILIES[family][1](cfg).eval()
+        with torch.no_grad():  # HF initializes biases to zero: make them count
+            for name, p in model.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(0, 0.3)
+    else:
+        model = tiny_model(family, seed=seed, init_range=0.3, **config)
     view = engine_view(model.to(device), torch.float32, torch.device(device))
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -84,7 +99,8 @@ def main(rank: int, world_size: int, port: int, out: str, device: str = "cpu") -
     if device == "cuda":
         torch.cuda.set_device(rank)
         device = f"cuda:{rank}"
-    dist.init_process_group("nccl" if device != "cpu" else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("nccl" if device != "cpu" else "gloo",
+                            init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=60))
     try:
         results = {}

@@ -131,10 +131,12 @@ def tp_cases(draw: st.DrawFn) -> dict[str, object]:
         intermediate=world_size * draw(st.sampled_from([10, 18])),
         tie=draw(st.booleans()),
         lm_head=draw(st.sampled_from(["vocab", "replicated"])),
+        biases=draw(st.booleans()),
     )
 
 
-@settings(max_examples=6, deadline=None, derandomize=True, phases=(Phase.explicit, Phase.reuse, Phase.generate))
+@settings(max_examples=8, deadline=None, derandomize=True,
+          phases=(Phase.explicit, Phase.reuse, Phase.generate))  # no shrinking: minutes
 @given(case=tp_cases())
 def test_sharding_over_configs(case: dict[str, object]) -> None:
     """Each weight's slice, each reshape's per-rank head count, the collectives' count, and the
@@ -143,9 +145,11 @@ def test_sharding_over_configs(case: dict[str, object]) -> None:
     ws, heads, kv_heads, head_dim = (case["world_size"], case["heads"], case["kv_heads"],
                                      case["head_dim"])
     B, S, T, layers = 2, 8, 2, 1
-    _, decode = step_graphs(case["family"], B, S, 3, decode_tokens=T, layers=layers, heads=heads,
+    family = "llama" if case["biases"] else case["family"]  # biases: Llama's own options
+    _, decode = step_graphs(family, B, S, 3, decode_tokens=T, layers=layers, heads=heads,
                             kv_heads=kv_heads, head_dim=head_dim,
-                            intermediate=case["intermediate"], tie=case["tie"])
+                            intermediate=case["intermediate"], tie=case["tie"],
+                            biases=case["biases"])
     g = torch.Generator().manual_seed(0)
     for t in cache_of(decode).values():
         t.copy_(torch.randn(t.shape, generator=g))
