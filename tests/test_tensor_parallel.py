@@ -87,6 +87,8 @@ def test_two_processes_equal_the_unsharded_model(tmp_path: Path, device: str) ->
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "OMP_NUM_THREADS": "1", "NCCL_NVLS_ENABLE": "0",
            "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+    if sys.platform == "linux":  # gloo over loopback, whether or not the hostname resolves
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     outs = [tmp_path / f"rank{r}.pt" for r in range(world_size)]
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world_size), str(port),
                                str(outs[r]), device], env=env, stdout=subprocess.PIPE,
