@@ -72,20 +72,48 @@ def cache_of(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
             if str(n.target).startswith(("k_cache_", "v_cache_"))}
 
 
+class Graphed:
+    """A decode step replayed from one CUDA graph over static inputs, captured at the first call
+    (after a warm-up on a side stream: NCCL's communicator, the kernels, the allocator), as the
+    engine's CUDA graphs capture steps with their collectives inside."""
+
+    def __init__(self, step: torch.fx.GraphModule) -> None:
+        self.step = step
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+        if self.graph is None:
+            self.inputs = [a.clone() for a in args]
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.step(*self.inputs)  # writes the slot the replay writes again
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.output = self.step(*self.inputs)
+        for static, a in zip(self.inputs, args):
+            static.copy_(a)
+        self.graph.replay()
+        return self.output.clone()
+
+
 def generate(prefill: torch.fx.GraphModule, decode: torch.fx.GraphModule, tokens: torch.Tensor,
-             steps: int) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Greedy decoding through the two step graphs: (logits of every step, tokens [B, steps+1])."""
+             steps: int, cuda_graph: bool = False) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Greedy decoding through the two step graphs: (logits of every step, tokens [B, steps+1]).
+    cuda_graph: the decode steps replayed from a CUDA graph (`Graphed`)."""
     B, T = tokens.shape
     device = tokens.device
     zeros = torch.zeros(B, dtype=torch.long, device=device)
+    step = Graphed(decode) if cuda_graph else decode
     with torch.no_grad():
         logits = [prefill(tokens, torch.arange(T, device=device)[None].expand(B, T).contiguous(),
                           zeros, zeros)]
         out = [logits[-1][:, -1].argmax(-1)]
         for i in range(steps):
             at = T + i
-            logits.append(decode(out[-1][:, None], torch.full((B, 1), at, device=device),
-                                 torch.full((B,), at, device=device), zeros))
+            logits.append(step(out[-1][:, None], torch.full((B, 1), at, device=device),
+                               torch.full((B,), at, device=device), zeros))
             out.append(logits[-1][:, -1].argmax(-1))
     return [x.cpu() for x in logits], torch.stack(out, 1).cpu()
 
@@ -115,6 +143,9 @@ def main(rank: int, world_size: int, port: int, out: str, device: str = "cpu") -
                 reference=generate(prefill, decode, prompt, DECODE_STEPS),
                 sharded=generate(shard_prefill, shard_decode, prompt, DECODE_STEPS),
                 cache_shape=tuple(cache_of(shard_decode)["k_cache_0"].shape))
+            if device != "cpu":  # again, the decode steps (all-reduces inside) as CUDA graphs
+                results[family]["graphed"] = generate(shard_prefill, shard_decode, prompt,
+                                                      DECODE_STEPS, cuda_graph=True)
         torch.save(results, out)
     finally:
         dist.destroy_process_group()

@@ -110,12 +110,15 @@ def test_two_processes_equal_the_unsharded_model(tmp_path: Path, device: str) ->
         for r, res in enumerate(results):
             res = res[family]
             ref_logits, ref_tokens = res["reference"]
-            logits, tokens = res["sharded"]
-            assert len(logits) == DECODE_STEPS + 1
-            for step, (out, ref) in enumerate(zip(logits, ref_logits)):
-                torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5,
-                                           msg=lambda m: f"{family} rank {r} step {step}: {m}")
-            assert torch.equal(tokens, ref_tokens), (family, r)
+            runs = ["sharded", "graphed"] if device == "cuda" else ["sharded"]
+            for run in runs:  # graphed: the decode steps replayed from CUDA graphs
+                logits, tokens = res[run]
+                assert len(logits) == DECODE_STEPS + 1
+                for step, (out, ref) in enumerate(zip(logits, ref_logits)):
+                    torch.testing.assert_close(
+                        out, ref, atol=1e-5, rtol=1e-5,
+                        msg=lambda m: f"{family} rank {r} {run} step {step}: {m}")
+                assert torch.equal(tokens, ref_tokens), (family, r, run)
             assert res["cache_shape"] == (2, CACHE, CONFIGS[family]["kv_heads"] // world_size,
                                           16)
 
