@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import re
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -172,7 +173,10 @@ def shard_graph(gm: GraphModule, rank: int, world_size: int, *, lm_head: str = "
                              "concrete shapes (export_step at a fixed T, or capture.specialize)")
     shape = _shape_of(gm)
     shape.check(world_size, lm_head)
-    out = GraphModule(gm, copy.deepcopy(gm.graph))
+    with warnings.catch_warnings():  # copying export's pytree specs warns of a check inside torch
+        warnings.filterwarnings("ignore", category=FutureWarning,
+                                message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+        out = GraphModule(gm, copy.deepcopy(gm.graph))
     prepare_graph(out)
     if world_size == 1:
         return out
