@@ -86,6 +86,10 @@ class FuserConfig:
             written through the table by every step (runtime/kv_cache.py, runtime/blocks.py).
             The same tokens as the contiguous cache. Not yet with several batch buckets or
             engine files (both refuse it), nor in the server's scheduler.
+        tensor_parallel: GPUs (one process each) one engine spans. Only 1 is built: the
+            sharding pass (passes/tensor_parallel.py, `shard_graph`) and the collectives
+            (fuser/ops/collectives.py) exist, the multi-process engine that would run them does
+            not yet, so N > 1 is refused.
     """
 
     precision: Precision = "auto"
@@ -106,6 +110,7 @@ class FuserConfig:
     distill_every: int = 1000
     distill_budget_s: float = 10.0
     kv_block_size: int = 0
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -120,6 +125,13 @@ class FuserConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         _check_positive_int("distill_every", self.distill_every)
+        _check_positive_int("tensor_parallel", self.tensor_parallel)
+        if self.tensor_parallel > 1:
+            raise ValueError(
+                f"tensor_parallel={self.tensor_parallel}: the multi-process tensor-parallel "
+                "engine is not built yet (only its sharding pass, "
+                "fuser.passes.tensor_parallel.shard_graph, and collectives exist); use "
+                "tensor_parallel=1")
         if isinstance(self.kv_block_size, bool) or not isinstance(self.kv_block_size, int) or \
                 self.kv_block_size < 0:
             raise ValueError(f"kv_block_size={self.kv_block_size!r} must be 0 (contiguous) or a "

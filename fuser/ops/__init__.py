@@ -25,6 +25,7 @@ from fuser.ops import norm_linear  # noqa: F401
 from fuser.ops import norm_stats  # noqa: F401
 from fuser.ops import fp8  # noqa: F401
 from fuser.ops import fp8_quant  # noqa: F401
+from fuser.ops import collectives  # noqa: F401
 
 
 def rms_norm_cpu(x, weight, eps):
