@@ -597,8 +597,5 @@ class Scheduler:
     def _move_row(self, src: int, dst: int) -> None:
         """Row dst takes row src's request: its KV rows (both models), lengths and state."""
         for cache in self._caches:
-            for layer in (*cache.k, *cache.v):  # [B, S, kv_heads, D] each
-                layer[dst].copy_(layer[src])
-            cache.seq_lens[dst] = cache.seq_lens[src]
-            cache.starts[dst] = cache.starts[src]
+            cache.move_row(src, dst)  # slots copied, or a paged cache's table rows swapped
         self._state.copy_row(dst, src)
