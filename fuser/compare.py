@@ -120,8 +120,9 @@ def hf_kernel_divergence(model: torch.nn.Module, ids: torch.Tensor, mask: torch.
 
 def table(rows: list[Row]) -> str:
     """Rows as an aligned text table."""
-    lines = [f"{'system':<28} {'tok/s':>9} {'tokens':>7} {'seconds':>8} {'runs':>5}  note"]
+    width = max([28, *(len(r.system) for r in rows)])
+    lines = [f"{'system':<{width}} {'tok/s':>9} {'tokens':>7} {'seconds':>8} {'runs':>5}  note"]
     for r in rows:
-        lines.append(f"{r.system:<28} {r.tokens_per_second:>9.1f} {r.new_tokens:>7} "
+        lines.append(f"{r.system:<{width}} {r.tokens_per_second:>9.1f} {r.new_tokens:>7} "
                      f"{r.seconds:>8.3f} {r.runs:>5}  {r.note}")
     return "\n".join(lines)
