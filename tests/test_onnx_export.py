@@ -153,6 +153,21 @@ def test_graphs_hold_onnxruntime_fused_ops(family, export_dir):
         assert graph["matches"]["rms_norm"] + graph["matches"]["add_rms_norm"] == 2 * layers + 1
 
 
+@pytest.mark.parametrize("family", ["llama"])
+def test_no_reshape_of_a_reshape(family, export_dir):
+    """ATen's view pairs export as one Reshape each, not chains (fuser/onnx/aten.py `_view`)."""
+    import glob
+
+    import onnx
+
+    exported(family, export_dir)
+    for path in glob.glob(f"{export_dir}/{family}/*/*.onnx"):
+        graph = onnx.load(path, load_external_data=False).graph
+        reshaped = {n.output[0] for n in graph.node if n.op_type == "Reshape"}
+        chained = [n.name for n in graph.node if n.op_type == "Reshape" and n.input[0] in reshaped]
+        assert not chained, (path, chained)
+
+
 @pytest.mark.parametrize("family", ["mistral"])
 def test_generate_greedy_and_sampling(family, export_dir):
     """The engine's own decoding loop over the onnxruntime steps: greedy equals Hugging Face,

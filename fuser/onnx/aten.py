@@ -178,9 +178,26 @@ def _transpose(t: GraphTranslator, node: torch.fx.Node) -> str:
     return t.b.op1("Transpose", [t.value(node.args[0])], perm=perm)
 
 
-@handles(aten.view, aten._unsafe_view, aten.reshape)
+_VIEWS = (aten.view, aten._unsafe_view, aten.reshape)
+
+
+def _static_shape(node: torch.fx.Node) -> tuple[int, ...] | None:
+    val = node.meta.get("val")
+    shape = getattr(val, "shape", None)
+    if shape is None or not all(isinstance(s, int) for s in shape):
+        return None
+    return tuple(shape)
+
+
+@handles(*_VIEWS)
 def _view(t: GraphTranslator, node: torch.fx.Node) -> str:
-    return t.b.op1("Reshape", [t.value(node.args[0]), t.shape(node.args[1])])
+    # A view to the shape its input already has is no node at all (chains of Reshapes are
+    # folded over the whole graph: graph.py `_fold_reshapes`).
+    src = node.args[0]
+    shape = _static_shape(node)
+    if shape is not None and isinstance(src, torch.fx.Node) and _static_shape(src) == shape:
+        return t.value(src)
+    return t.b.op1("Reshape", [t.value(src), t.shape(node.args[1])])
 
 
 @handles(aten.unsqueeze)

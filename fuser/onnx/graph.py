@@ -254,6 +254,7 @@ class GraphTranslator:
         model = helper.make_model(onnx_graph, producer_name="fuser", opset_imports=[
             helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)])
         model.ir_version = 9
+        _fold_reshapes(model)
         _prune(model)
         used = {i for n in model.graph.node for i in n.input}
         return Translated(model, {k: v for k, v in self.weights.items() if k in used},
@@ -318,6 +319,17 @@ def op_name(target: object) -> str:
     if isinstance(target, torch._ops.OpOverload):
         return f"{target.namespace}.{target._opname}.{target._overloadname}"
     return name
+
+
+def _fold_reshapes(model: onnx.ModelProto) -> None:
+    """A Reshape of a Reshape reads the first one's input instead (the result's shape is the
+    outer one's either way: shapes here hold no 0 "copy this dim"); the inner one is pruned
+    when nothing else reads it."""
+    source = {n.output[0]: n.input[0] for n in model.graph.node if n.op_type == "Reshape"}
+    for node in model.graph.node:
+        if node.op_type == "Reshape":
+            while node.input[0] in source:
+                node.input[0] = source[node.input[0]]
 
 
 def _prune(model: onnx.ModelProto) -> None:
