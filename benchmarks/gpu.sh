@@ -21,6 +21,8 @@
 #   adapt8b   the same, the 8B shape with a random 1B-shape draft (adapt.py --workloads 8b)
 #   paged     paged against contiguous decode/verify attention at the 8B shape
 #             (paged_attention.py; fails above 1.05x), the paged kernels' and engine's GPU tests
+#   allreduce NCCL against the one-shot peer-to-peer all-reduce in a CUDA graph, 8 KiB to
+#             8 MiB (all_reduce.py; 2+ GPUs: nvidia-h200-x2), and the 2-GPU collective tests
 #   tests     the GPU tests: pytest -k "gpu or cuda" over TESTS (default: tests), JOBS workers
 #
 # Each suite writes its full logs and JSON under $OUT/<suite>/ and ends with a short table; the
@@ -33,7 +35,7 @@ export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fuser-out}
 BUDGET=${BUDGET:-580}
-SUITES="decode verify spec fallback files ops accuracy serve adapt adapt8b paged tests"
+SUITES="decode verify spec fallback files ops accuracy serve adapt adapt8b paged allreduce tests"
 if [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ]; then
   sed -n '2,/^set -o/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
   exit 0
@@ -150,6 +152,13 @@ for suite in "$@"; do
       table "paged: paged / contiguous attention, 8B shape, bf16, 16-slot blocks (scattered)" \
         "$(grep -E '^(FAILED|ERROR)|passed|failed' "$DIR/paged_tests.log" | tail -n 4)" \
         "$(grep -v -i warn "$DIR/paged_attention.log" | tail -n 14)" ;;
+    allreduce)
+      step allreduce_tests 300 python3 -m pytest -q -p no:cacheprovider -rfs \
+        tests/test_p2p_all_reduce.py tests/test_tensor_parallel.py -k "cuda"
+      step all_reduce 240 python3 benchmarks/all_reduce.py --out "$DIR/all_reduce.json"
+      table "allreduce: NCCL against one-shot P2P, bf16, in a CUDA graph (us per all-reduce)" \
+        "$(grep -E '^(FAILED|ERROR|SKIPPED)|passed|failed' "$DIR/allreduce_tests.log" | tail -n 4)" \
+        "$(grep -v -i warn "$DIR/all_reduce.log" | tail -n 8)" ;;
     tests)
       # shellcheck disable=SC2086  # TESTS: paths, word-split on purpose
       # JOBS pytest-xdist workers share the one GPU (default 8 of the machine's 16 cores: the

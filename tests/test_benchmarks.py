@@ -183,3 +183,13 @@ def test_adapt_benchmark_dry_run(tmp_path: Path) -> None:
     lines = proc.stdout.splitlines()
     assert lines[-1].startswith("dry run on CPU")
     assert sum(line.lstrip().startswith(("PASS", "FAIL", "n/a")) for line in lines) == 7
+
+
+def test_all_reduce_dry_run(tmp_path: Path) -> None:
+    """benchmarks/all_reduce.py's plumbing: 2 gloo processes, one row per size."""
+    out = tmp_path / "all_reduce.json"
+    proc = run("all_reduce.py", out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["world_size"] == 2 and [r["bytes"] for r in result["rows"]] == [8192, 32768]
+    assert "one-shot: not available" in proc.stdout  # gloo: NCCL's path only
