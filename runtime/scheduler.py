@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fuser.runtime import speculative
+from fuser.runtime.bucket_capture import stepping
 from fuser.runtime.generate import ReadBack
 from fuser.runtime.prompts import Prompts, pad_batch
 from fuser.runtime.speculative import EOS_SLOTS
@@ -406,7 +407,8 @@ class Scheduler:
             try:
                 with self.engine.generating():
                     while not self._stop and (self._running or self._waiting):
-                        self._iteration()
+                        with stepping(self.engine):  # a background capture's warm-up waits
+                            self._iteration()
             except Exception as e:  # noqa: BLE001 -- a failed step ends its requests, not the server
                 log.exception("fuser: a scheduler step failed; its requests end with 'error'")
                 self._fail_all(f"error: {type(e).__name__}: {e}")
