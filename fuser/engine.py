@@ -111,8 +111,9 @@ class Engine:
         # thread while the engine serves (runtime/bucket_capture.py); None: nothing to capture.
         self._capture: BackgroundCapture | None = None
         self._gate = StepGate()
-        # The buckets `bucket()` may choose, fixed for one serving unit (`stepping`); None: all.
-        self._ready: frozenset[int] | None = None
+        # Per thread: the buckets `bucket()` may choose, fixed for one serving unit
+        # (`stepping`); unset: whichever are captured now.
+        self._units = threading.local()
 
     # -- runtime preparation (at optimize/load time) ---------------------------------------------
 
@@ -179,7 +180,6 @@ class Engine:
 
         job = BackgroundCapture(order, run, log_line=progress)
         self._capture = job
-        self._ready = None
         if not background:
             for size in order:
                 job.capture_now(size)
@@ -212,20 +212,24 @@ class Engine:
         captured run uncaptured) and join its thread; True when no thread is left."""
         return True if self._capture is None else self._capture.stop(timeout)
 
+    @property
+    def capture_waiting(self) -> bool:
+        """Whether a background capture's warm-up waits for the rows (`stepping`)."""
+        return self._gate.waiting
+
     @contextmanager
     def stepping(self) -> Iterator[None]:
         """Held by whatever runs steps (a scheduler iteration, a generation): a background
         capture's warm-up, which runs on the same rows, waits for it, and the buckets
         `bucket()` chooses among stay fixed within it."""
         with self._gate.serving():
-            outer = self._ready
-            if self._capture is not None and outer is None:
-                self._ready = frozenset(s for s in self.buckets if self._capture.ready(s))
+            outer = getattr(self._units, "ready", None)
+            if outer is None and self._capture is not None:
+                self._units.ready = frozenset(s for s in self.buckets if self._capture.ready(s))
             try:
                 yield
             finally:
-                if outer is None:
-                    self._ready = None
+                self._units.ready = outer
 
     def set_step_costs(self, costs: dict[int, float], bucket: int | None = None,
                        **controller_options: float) -> None:
@@ -262,8 +266,9 @@ class Engine:
         them (its extra rows are free rows), else the smallest, uncaptured."""
         sizes = tuple(self.buckets)
         if self._capture is not None:
-            ready = self._ready if self._ready is not None else \
-                [s for s in sizes if self._capture.ready(s)]
+            ready = getattr(self._units, "ready", None)
+            if ready is None:
+                ready = [s for s in sizes if self._capture.ready(s)]
             fits = [s for s in ready if s >= batch]
             if fits:
                 return self.buckets[min(fits)]

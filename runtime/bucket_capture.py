@@ -83,6 +83,11 @@ class StepGate:
                     del self._shared[me]
                 self._cond.notify_all()
 
+    @property
+    def waiting(self) -> bool:
+        """Whether an exclusive holder waits (serving should let go at its next boundary)."""
+        return self._waiting > 0
+
     @contextmanager
     def exclusive(self, stop: threading.Event | None = None) -> Iterator[bool]:
         """Held around one warm-up; yields False (not held) if `stop` is set while waiting."""
@@ -140,6 +145,12 @@ def stepping(engine: object) -> Any:
     """`engine.stepping()` (fuser/engine.py), or nothing for an engine without one (a fake)."""
     hold = getattr(engine, "stepping", None)
     return hold() if hold is not None else contextlib.nullcontext()
+
+
+def capture_waiting(engine: object) -> bool:
+    """Whether a background warm-up waits for `engine`'s rows (the scheduler then ends its
+    iteration at the step in flight instead of queuing the next: a warm-up waits one step)."""
+    return bool(getattr(engine, "capture_waiting", False))
 
 
 class BackgroundCapture:

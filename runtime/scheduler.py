@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fuser.runtime import speculative
-from fuser.runtime.bucket_capture import stepping
+from fuser.runtime.bucket_capture import capture_waiting, stepping
 from fuser.runtime.generate import ReadBack
 from fuser.runtime.prompts import Prompts, pad_batch
 from fuser.runtime.speculative import EOS_SLOTS
@@ -438,7 +438,7 @@ class Scheduler:
         """Whether to queue another step before `in_flight` is read back: only while the rows
         stay as they are (nothing to admit or cancel) and some row still needs tokens after
         the step in flight (each gives every active row at least one)."""
-        if self._stop or len(self._running) != len(in_flight.rows):
+        if self._stop or len(self._running) != len(in_flight.rows) or capture_waiting(self.engine):
             return False
         if self._waiting and len(self._running) < self.max_slots:
             return False

@@ -226,6 +226,13 @@ class Bucket:
         state.last.zero_()
         state.streaming.zero_()
 
+    def free_rows(self) -> None:
+        """After the dummy state of warm-up, capture and timing: every row empty and inactive,
+        as the scheduler takes free rows to be (an active free row would move its length on
+        every step of a larger bucket, past the end of its cache)."""
+        self.reset_for_timing(0)
+        self.state.active.zero_()
+
     def capture(self, gammas: list[int], pool: object, timing_length: int,
                 background: tuple[StepGate, threading.Event] | None = None) -> list[str]:
         """Capture every (gamma, do_sample) iteration and the draft's resync chunk; -> failures
@@ -250,7 +257,7 @@ class Bucket:
         if self.draft is not None and RESYNC in self.draft:
             failures += self._capture_resync(pool, timing_length, background)
         if background is None:
-            self.reset_for_timing(0)
+            self.free_rows()
         return failures
 
     def _graph(self, fn: Callable[[], torch.Tensor], pool: object, timing_length: int,
@@ -300,7 +307,7 @@ class Bucket:
                 seconds = time.perf_counter() - start
             if i > 0:  # the first run warms up
                 samples.append(seconds)
-        self.reset_for_timing(0)
+        self.free_rows()
         # Timing runs are not decoding: they do not count as replays.
         graph = self.graphs.get((gamma, False))
         if graph is not None:
