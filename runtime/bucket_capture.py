@@ -35,11 +35,13 @@ thread stops).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -247,8 +249,11 @@ class BackgroundCapture:
             self.finished_at = time.perf_counter()
             return
         self.started_at = time.perf_counter()
+        # A daemon thread (a process may exit while it captures), stopped and joined at exit
+        # (`_stop_at_exit`) rather than killed inside a CUDA call.
         self._thread = threading.Thread(target=self._loop, args=(rest,),
                                         name="fuser-bucket-capture", daemon=True)
+        _running.add(self)
         self._thread.start()
 
     def _loop(self, rest: list[int]) -> None:
@@ -285,3 +290,13 @@ class BackgroundCapture:
     def alive(self) -> bool:
         """Whether the background thread runs."""
         return self._thread is not None and self._thread.is_alive()
+
+
+_running: weakref.WeakSet[BackgroundCapture] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    """At interpreter exit: stop every background capture after its graph under way."""
+    for job in list(_running):
+        job.stop(timeout=60.0)

@@ -326,3 +326,67 @@ def test_background_capture_checks_its_order():
     job.capture_now(1)
     job.start()  # nothing left: no thread
     assert job.done and job.wait(timeout=0.0) and not job.alive
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_loaded_engine_serves_while_its_buckets_capture(tmp_path, monkeypatch):
+    """On CUDA: a loaded engine returns with bucket 1 captured and serves at once; requests
+    submitted while buckets 4 and 2 are not yet captured, and still running while they are
+    (real captures beside the serving thread's steps), return the tokens of the engine loaded
+    with every bucket captured up front, and every bucket ends up captured."""
+    from fuser.runtime.step_graphs import Bucket
+
+    target = llama_target()
+    config = fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=4, gamma=3,
+                               compile="fx")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            draft = perturbed(target, 0.05, seed=3).cuda()
+            built_engine = fuser.optimize(target.cuda(), draft=draft, config=config)
+        assert sorted(built_engine.buckets) == [1, 2, 4]
+        built_engine.save(tmp_path / "engine")
+    finally:
+        target.cpu()
+    long = [(p, SamplingParams(max_tokens=40, temperature=params.temperature, seed=params.seed,
+                               ignore_eos=True)) for p, params in REQUESTS]
+
+    up_front = fuser.load(tmp_path / "engine", wait_for_graphs=True)
+    assert up_front.graphs_status == {1: READY, 4: READY, 2: READY}
+    want = serve(up_front, long)
+    two_rows = torch.tensor([long[0][0]] * 2, device="cuda")
+    want_generate = up_front.generate(two_rows, max_new_tokens=12)
+
+    go = threading.Event()
+    capture = Bucket.capture
+
+    def held_capture(self, *args, **kwargs):
+        if kwargs.get("background") is not None:
+            assert go.wait(TIMEOUT)
+        return capture(self, *args, **kwargs)
+
+    monkeypatch.setattr(Bucket, "capture", held_capture)
+    loaded = fuser.load(tmp_path / "engine")
+    try:
+        assert loaded.graphs_status[1] == READY and loaded.graphs_status[4] != READY
+        sched = Scheduler(loaded)
+        sched.start()
+        try:
+            streams = [sched.submit(p, params) for p, params in long]
+            next(iter(streams[0]))  # serving before buckets 4 and 2 are captured
+            go.set()  # and now beside their capture
+            got = [s.result(TIMEOUT) for s in streams]
+            assert sched.wait_idle(TIMEOUT)
+        finally:
+            sched.close()
+        assert loaded.wait_for_graphs(TIMEOUT)
+        assert got == want
+        assert loaded.report().fallbacks == up_front.report().fallbacks
+        uncaptured = dict(loaded.buckets[2].uncaptured_runs)
+        assert torch.equal(loaded.generate(two_rows, max_new_tokens=12), want_generate)
+        assert loaded.buckets[2].uncaptured_runs == uncaptured  # two rows: bucket 2's graphs
+        assert sum(g.replays for g in loaded.buckets[2].graphs.values()) > 0
+    finally:
+        loaded.close()
+        up_front.close()
