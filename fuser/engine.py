@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -176,7 +176,10 @@ class Engine:
 
         def run(size: int) -> list[str]:
             behind = background and size != first
-            return capture(self.buckets[size], (self._gate, job.stop_event) if behind else None)
+            # (the background thread's current device is cuda:0 until set)
+            with torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext():
+                return capture(self.buckets[size],
+                               (self._gate, job.stop_event) if behind else None)
 
         job = BackgroundCapture(order, run, log_line=progress)
         self._capture = job

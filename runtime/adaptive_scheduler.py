@@ -213,7 +213,7 @@ class AdaptiveScheduler(Scheduler):
                     except Exception as e:  # noqa: BLE001 -- that shape runs uncaptured
                         log.warning("fuser: suffix step bucket %d gamma %d %s not captured: "
                                     "%s", size, gamma, "sample" if do_sample else "greedy", e)
-            bucket.reset_for_timing(0)
+            bucket.free_rows()  # every row empty and inactive again
 
     def _run_suffix(self, bucket: object, gamma: int, do_sample: bool) -> torch.Tensor:
         graph = self._graphs.get((bucket.batch, gamma, do_sample))
