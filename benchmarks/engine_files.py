@@ -255,7 +255,7 @@ def report(r: dict[str, object]) -> str:
              f"compiled by the load: {r['compiles_in_loaded_process']}; Triton kernels "
              f"compiled by the load (empty caches): {r['triton_compiles_in_load']}"]
     lines += [f"  load: {line}" for line in r["load_log"]]
-    if r.get("background_capture_seconds") is not None:
+    if r.get("graphs_status") and len(r["graphs_status"]) > 1:  # CUDA, more than bucket 1
         lines.append(f"  load returned with batch bucket 1 captured; the other buckets were "
                      f"captured {r['background_capture_seconds']:.1f} s later, in the background"
                      f" (all captured: {r.get('all_captured')}; {r.get('graphs_status')})")

@@ -488,11 +488,13 @@ def cold_start(engine_dir: str, timeout: float, env: dict[str, str] | None = Non
             output.seek(0)
             server_output = output.read()
             result["server_output_tail"] = server_output[-3000:]
-            # the server's own breakdown of its cold start (fuser/server/cli.py)
+            # the server's own breakdown of its cold start (fuser/server/cli.py), and the line
+            # of the batch buckets captured in the background after ready
             result["breakdown"] = [line.removeprefix("fuser serve: ")
                                    for line in server_output.splitlines()
                                    if line.startswith("fuser serve:   ")
-                                   or "cold start, launch to ready" in line]
+                                   or "cold start, launch to ready" in line
+                                   or "in the background in" in line]
             if "error" in result:
                 log(result["server_output_tail"])
     return result

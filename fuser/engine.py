@@ -199,9 +199,9 @@ class Engine:
         job.start()
 
     def wait_for_graphs(self, timeout: float | None = None) -> bool:
-        """Block until every bucket's step graphs are captured (`fuser.load` and `optimize`
-        return once bucket 1's are); True when all were, False on a timeout, a failed bucket
-        or a stopped capture. At once True where nothing is captured (CPU)."""
+        """Block until every bucket's step graphs are captured (`fuser.load` returns once
+        bucket 1's are; `optimize`, once all are); True when all were, False on a timeout, a
+        failed bucket or a stopped capture. At once True where nothing is captured (CPU)."""
         return True if self._capture is None else self._capture.wait(timeout=timeout)
 
     @property
