@@ -10,7 +10,8 @@
 #   spec      the bundled pair end to end: target-only, gammas 1,2,4,6, auto, HF peers (e2e.py)
 #   fallback  the 8B shape with a never-agreeing 1B-shape draft, and batch buckets (e2e.py)
 #   files     engine files: build, save and load of the 8B + 1B engine, then `fuser serve` of
-#             it: launch -> /health, first-request TTFT, tokens (engine_files.py --serve)
+#             it: launch -> /health, first-request TTFT, tokens (engine_files.py --serve;
+#             FILES_ARGS adds flags, e.g. "--max-batch-size 4")
 #   ops       per-op tables: bf16 ops (ops.py), FP8 GEMVs and prefill GEMMs (fp8_ops.py)
 #   accuracy  FP8 against bf16 on the bundled pair, on the GPU (fp8_accuracy.py)
 #   serve     the OpenAI-compatible server under load (serve.py --preset llama-3-8b;
@@ -111,8 +112,10 @@ for suite in "$@"; do
       # The engine directory (17 GiB) goes under $OUT: fuser serve reads it in a new process.
       # The loading process and the server start with empty kernel caches of their own: every
       # kernel binary must come from the engine directory.
+      # FILES_ARGS adds flags (--max-batch-size 4: batch buckets 1, 2, 4, the last two captured
+      # in the background after the load returns).
       step engine_files 560 python3 benchmarks/engine_files.py --gamma auto --runs 2 --serve \
-        --engine-dir "$DIR/engine" --out "$DIR/engine_files.json"
+        --engine-dir "$DIR/engine" --out "$DIR/engine_files.json" ${FILES_ARGS:-}
       rm -rf "$DIR/engine"
       table "files: 8B + 1B-draft engine directory, load and fuser serve" \
         "$(grep -v -i warn "$DIR/engine_files.log" | grep -v '^\[engine_files\]' | tail -n 24)" ;;

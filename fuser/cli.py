@@ -148,15 +148,18 @@ def _inspect_device(env: dict) -> torch.device:
     return torch.device("cpu")
 
 
-def open_engine(model: str | None, draft: str | None, config: object) -> tuple[object, dict[str, str]]:
-    """(engine, source paths): loaded from an engine directory, or built from model ones."""
+def open_engine(model: str | None, draft: str | None, config: object,
+                wait_for_graphs: bool = False) -> tuple[object, dict[str, str]]:
+    """(engine, source paths): loaded from an engine directory, or built from model ones.
+    wait_for_graphs: every batch bucket's step graphs captured before returning (what timing
+    needs; `fuser.load` otherwise captures all but bucket 1 in the background)."""
     import fuser
 
     if is_engine_dir(model):
         if draft is not None:
             raise ValueError(f"{model} is an engine directory: its draft is built in "
                              "(--draft applies to model directories)")
-        engine = fuser.load(model, log=progress)
+        engine = fuser.load(model, log=progress, wait_for_graphs=wait_for_graphs)
         return engine, dict(engine.manifest["info"].get("source", {}))
     engine, source, _ = build_engine_from_args(model, draft, config)
     return engine, source
@@ -280,7 +283,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from fuser import compare
 
     engine, source = open_engine(args.model, args.draft, fuser.FuserConfig(
-        max_batch_size=1, max_seq_len=max(256, args.max_new_tokens + 64)))
+        max_batch_size=1, max_seq_len=max(256, args.max_new_tokens + 64)), wait_for_graphs=True)
     hf = _hf_model(source, engine) if not args.no_hf else None
     ids, mask = _encode(engine.tokenizer, DEMO_PROMPTS[:1], engine.vocab_size)
     rows, notes = compare_systems(engine, hf, ids, mask, args.max_new_tokens, args.runs)
@@ -301,7 +304,7 @@ def demo_engine(config: object) -> object:
     directory = demo_cache_dir()
     if is_engine_dir(str(directory)):
         try:
-            return fuser.load(directory, log=progress)
+            return fuser.load(directory, log=progress, wait_for_graphs=True)  # it times
         except fuser.EngineFileError as e:
             progress(f"the cached engine in {directory} cannot be used ({e}); rebuilding it")
     else:
@@ -325,7 +328,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         source = dict((engine.manifest or {}).get("info", {}).get("source", {})) or \
             {"target": str(bundled_pair()[0])}
     else:
-        engine, source = open_engine(args.model, args.draft, config)
+        engine, source = open_engine(args.model, args.draft, config, wait_for_graphs=True)
     say(str(engine.report()))
     eos, pad = _generation_ids(engine)
     ids, mask = _encode(engine.tokenizer, prompts, engine.vocab_size)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -16,11 +16,12 @@ from torch import nn
 
 from fuser.config import FuserConfig
 from fuser.report import Report, SpecStats
+from fuser.runtime.bucket_capture import BackgroundCapture, StepGate
 from fuser.runtime.controller import DRAFT, TARGET, Controller
 from fuser.runtime.metrics import count_speculation
 from fuser.runtime.prompts import check_prompts, pad_batch
 from fuser.runtime.speculative import DecodeState
-from fuser.runtime.step_graphs import PLAIN, Bucket, bucket_for
+from fuser.runtime.step_graphs import PLAIN, Bucket, bucket_for, capture_order
 from fuser.runtime.steps import DECODE, PREFILL, ModelSteps
 
 
@@ -106,39 +107,132 @@ class Engine:
         # seconds of each part of fuser.load (read, code, first_run, capture); {} if built
         self.load_timings: dict[str, float] = {}
         self.manifest: dict | None = None  # the engine directory's manifest, set by fuser.load
+        # The step graphs' capture (`prepare`): bucket 1 first, the rest maybe on a background
+        # thread while the engine serves (runtime/bucket_capture.py); None: nothing to capture.
+        self._capture: BackgroundCapture | None = None
+        self._gate = StepGate()
+        # Per thread: the buckets `bucket()` may choose, fixed for one serving unit
+        # (`stepping`); unset: whichever are captured now.
+        self._units = threading.local()
 
     # -- runtime preparation (at optimize/load time) ---------------------------------------------
 
     def prepare(self, progress: object | None = None,
-                known_costs: dict[int, dict[int, float]] | None = None) -> None:
+                known_costs: dict[int, dict[int, float]] | None = None,
+                background: bool = True) -> None:
         """Capture the step graphs (CUDA, config.cuda_graphs) and, with gamma="auto", measure
         each iteration's cost per bucket and gamma. Runs once, at optimize (or load) time.
 
         known_costs: bucket -> gamma -> seconds measured before (an engine file's), used for
-        the buckets it covers with every gamma instead of measuring them again."""
-        from fuser.runtime.step_graphs import capture_buckets
-
+        the buckets it covers with every gamma instead of measuring them again.
+        background: return once bucket 1's graphs are captured, and capture the other buckets
+        on a background thread while the engine serves (`wait_for_graphs` waits for them; a
+        step needing one not yet captured runs in a captured larger bucket, or uncaptured).
+        Only where no bucket's costs are left to measure (measuring needs every graph, and
+        the rows to itself); False: every bucket before returning."""
         if not self.buckets:
             return
         say = progress if callable(progress) else None
         kinds = [PLAIN, *self.gammas]
         length = min(128, self.config.max_seq_len // 2)
+        known = {size: dict((known_costs or {}).get(size, {})) for size in self.buckets}
+        to_measure = [size for size in self.buckets if set(kinds) - set(known[size])] \
+            if self.adaptive else []
         if self.device.type == "cuda" and self.config.cuda_graphs:
-            self._fallbacks += capture_buckets(list(self.buckets.values()), kinds, length, say)
+            pool = torch.cuda.graph_pool_handle()
+
+            def capture(bucket: Bucket, background: tuple | None) -> list[str]:
+                usable = [g for g in kinds if g == PLAIN or bucket.draft is not None]
+                failures = bucket.capture(usable, pool, length, background=background)
+                for message in failures:
+                    warnings.warn(f"fuser: {message}", stacklevel=2)
+                return failures
+
+            self.capture_graphs(capture, background=background and not to_measure,
+                                progress=say)
             prefill_pool = torch.cuda.graph_pool_handle()
             for bucket in self.buckets.values():
                 bucket.capture_prefills(prefill_pool)
         if self.adaptive:
             reps = 10 if self.device.type == "cuda" else 2
             for size, bucket in self.buckets.items():
-                known = (known_costs or {}).get(size, {})
-                self.step_costs[size] = dict(known) if set(kinds) <= set(known) else {
+                self.step_costs[size] = known[size] if size not in to_measure else {
                     g: bucket.measure(g, length, reps) for g in kinds}
                 if say is not None:
                     costs = ", ".join(f"{g}: {1e3 * t:.2f} ms"
                                       for g, t in self.step_costs[size].items())
                     say(f"bucket {size} iteration costs by gamma: {costs}")
             self._build_controllers()
+
+    def capture_graphs(self, capture: Callable[[Bucket, tuple | None], list[str]],
+                       background: bool = True, progress: Callable[[str], None] | None = None
+                       ) -> None:
+        """Capture every bucket by `capture(bucket, background)` -> failure messages, in the
+        order `capture_order` gives: the first now, the rest now too (background=False) or on
+        a background thread (`background` is then (gate, stop) for `Bucket.capture`).
+        `prepare` calls it with `Bucket.capture`; tests give a fake."""
+        order = capture_order(tuple(self.buckets))
+        first = order[0]
+
+        def run(size: int) -> list[str]:
+            behind = background and size != first
+            # (the background thread's current device is cuda:0 until set)
+            with torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext():
+                return capture(self.buckets[size],
+                               (self._gate, job.stop_event) if behind else None)
+
+        job = BackgroundCapture(order, run, log_line=progress)
+        self._capture = job
+        if not background:
+            for size in order:
+                job.capture_now(size)
+            if progress is not None:
+                progress(f"captured the step graphs of batch buckets {order} in "
+                         f"{sum(job.seconds.values()):.1f} s")
+            return
+        job.capture_now(first)
+        if progress is not None:
+            rest = order[1:]
+            progress(f"captured the step graphs of batch bucket {first} in "
+                     f"{job.seconds.get(first, 0.0):.1f} s"
+                     + (f"; buckets {rest} capture in the background" if rest else ""))
+        job.start()
+
+    def wait_for_graphs(self, timeout: float | None = None) -> bool:
+        """Block until every bucket's step graphs are captured (`fuser.load` returns once
+        bucket 1's are; `optimize`, once all are); True when all were, False on a timeout, a
+        failed bucket or a stopped capture. At once True where nothing is captured (CPU)."""
+        return True if self._capture is None else self._capture.wait(timeout=timeout)
+
+    @property
+    def graphs_status(self) -> dict[int, str]:
+        """Bucket -> "pending", "capturing", "ready", "failed" or "stopped" ({} where nothing is
+        captured)."""
+        return {} if self._capture is None else dict(self._capture.status)
+
+    def close(self, timeout: float | None = 30.0) -> bool:
+        """Stop capturing in the background (the graph under capture finishes; the buckets not
+        captured run uncaptured) and join its thread; True when no thread is left."""
+        return True if self._capture is None else self._capture.stop(timeout)
+
+    @property
+    def capture_waiting(self) -> bool:
+        """Whether a background capture's warm-up waits for the rows (`stepping`)."""
+        return self._gate.waiting
+
+    @contextmanager
+    def stepping(self) -> Iterator[None]:
+        """Held by whatever runs steps (a scheduler iteration, a generation): a background
+        capture's warm-up, which runs on the same rows, waits for it, and the buckets
+        `bucket()` chooses among stay fixed within it."""
+        with self._gate.serving():
+            outer = getattr(self._units, "ready", None)
+            if outer is None and self._capture is not None:
+                self._units.ready = frozenset(s for s in self.buckets if self._capture.ready(s))
+            try:
+                yield
+            finally:
+                self._units.ready = outer
 
     def set_step_costs(self, costs: dict[int, float], bucket: int | None = None,
                        **controller_options: float) -> None:
@@ -170,8 +264,18 @@ class Engine:
     # -- the decoding loop's hooks ---------------------------------------------------------------
 
     def bucket(self, batch: int) -> Bucket:
-        """The smallest bucket holding `batch` rows."""
-        return self.buckets[bucket_for(batch, tuple(self.buckets))]
+        """The bucket that steps `batch` rows: the smallest holding them, or while buckets are
+        still being captured (`prepare(background=True)`), the smallest captured one holding
+        them (its extra rows are free rows), else the smallest, uncaptured."""
+        sizes = tuple(self.buckets)
+        if self._capture is not None:
+            ready = getattr(self._units, "ready", None)
+            if ready is None:
+                ready = [s for s in sizes if self._capture.ready(s)]
+            fits = [s for s in ready if s >= batch]
+            if fits:
+                return self.buckets[min(fits)]
+        return self.buckets[bucket_for(batch, sizes)]
 
     def controller(self, bucket: int) -> Controller | None:
         """The adaptive controller of a bucket (None: gamma is fixed)."""
@@ -287,9 +391,10 @@ class Engine:
             return out.float()
         padded = pad_batch(prompts, self.config.max_batch_size, min_length=2)
         cache = self.target.cache
-        cache.begin(padded.starts)
-        out = self.target.run(PREFILL, padded.tokens, padded.positions())
-        cache.reset()
+        with self.stepping():  # it resets the cache: not beside a capture's warm-up
+            cache.begin(padded.starts)
+            out = self.target.run(PREFILL, padded.tokens, padded.positions())
+            cache.reset()
         return out[:B, :T].float()
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, **kwargs: object
@@ -333,6 +438,8 @@ class Engine:
     def report(self) -> Report:
         """What optimize() did: passes, fused ops per graph, fallbacks, compile time."""
         report = Report(compile_seconds=self.compile_seconds, fallbacks=list(self._fallbacks))
+        if self._capture is not None:
+            report.fallbacks += self._capture.failures
         for m in (self.target, self.draft):
             if m is None:
                 continue

@@ -192,17 +192,24 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
                     fallbacks=fallbacks, compile_seconds=0.0, buckets=buckets,
                     gammas=gammas if draft_built is not None else ())
     # Whole-iteration CUDA graphs (one per bucket, gamma and greedy/sampling; the model steps
-    # inside run their compiled callables) and, with gamma="auto", their measured costs.
-    engine.prepare(progress=_progress)
+    # inside run their compiled callables), every bucket before returning (a build's costs are
+    # measured over all of them), and, with gamma="auto", their measured costs.
+    engine.prepare(progress=_progress, background=False)
     engine.compile_seconds = time.perf_counter() - start
     return engine
 
 
 def load(path: str | Path, device: str | torch.device | None = None, *,
-         log: Log | None = None) -> Engine:
+         log: Log | None = None, wait_for_graphs: bool = False) -> Engine:
     """The Engine saved at `path` (`engine.save`), without capture, passes or compilation:
     every batch bucket's steps, compiled ones from their saved code, and, with
     gamma="auto", the iteration costs measured at build time.
+
+    On CUDA it returns once batch bucket 1's step graphs are captured: the other buckets'
+    capture on a background thread while the engine already serves (a step that needs one not
+    yet captured runs in a captured larger bucket, or uncaptured: correct, only slower).
+    `engine.wait_for_graphs()` waits for them, `engine.close()` stops the thread;
+    wait_for_graphs=True captures every bucket before returning (benchmarks).
 
     Refuses (fuser.EngineFileError, a ValueError) an engine built elsewhere (versions, device,
     GPU, passes or kernel sources) or a missing, truncated, altered or half-written file,
@@ -221,13 +228,11 @@ def load(path: str | Path, device: str | torch.device | None = None, *,
                     fallbacks=info.get("fallbacks", []),
                     buckets={size: (steps, draft.get(size)) for size, steps in target.items()},
                     gammas=parts.gammas)
-    # The whole-step CUDA graphs of every bucket, as at build time; with gamma="auto" the
-    # costs measured then.
+    # The whole-step CUDA graphs, bucket 1 first (the rest in the background unless
+    # wait_for_graphs); with gamma="auto" the costs measured at build time.
     prepared = time.perf_counter()
-    engine.prepare(progress=say, known_costs=parts.step_costs or None)
-    if parts.device.type == "cuda":
-        say(f"captured the step graphs of {len(engine.buckets)} batch buckets in "
-            f"{time.perf_counter() - prepared:.1f} s")
+    engine.prepare(progress=say, known_costs=parts.step_costs or None,
+                   background=not wait_for_graphs)
     engine.compile_seconds = engine.load_seconds = time.perf_counter() - start
     engine.load_timings = {**parts.timings, "capture": time.perf_counter() - prepared}
     engine.manifest = parts.manifest

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from fuser.runtime.bucket_capture import stepping
 from fuser.runtime.controller import DRAFT, SUFFIX, TARGET, Choice, Controller, \
     ControllerCollector
 from fuser.runtime.distill import DistillConfig, Distiller, UpdateResult, WeightSwap, \
@@ -126,7 +127,8 @@ class AdaptiveScheduler(Scheduler):
         self._graphs: dict[tuple[int, int, bool], IterationGraph] = {}
         self.resyncs = 0  # the draft's catch-ups (each after target-only steps)
         if self.suffix and engine.device.type == "cuda" and config.cuda_graphs:
-            self._capture_suffix()
+            with stepping(engine):  # its warm-ups reset the rows: not beside a capture's
+                self._capture_suffix()
         options = dict(controller_options or {})
         self.controllers = {size: self._controller(size, costs, options)
                             for size in engine.buckets}
@@ -211,7 +213,7 @@ class AdaptiveScheduler(Scheduler):
                     except Exception as e:  # noqa: BLE001 -- that shape runs uncaptured
                         log.warning("fuser: suffix step bucket %d gamma %d %s not captured: "
                                     "%s", size, gamma, "sample" if do_sample else "greedy", e)
-            bucket.reset_for_timing(0)
+            bucket.free_rows()  # every row empty and inactive again
 
     def _run_suffix(self, bucket: object, gamma: int, do_sample: bool) -> torch.Tensor:
         graph = self._graphs.get((bucket.batch, gamma, do_sample))

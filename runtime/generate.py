@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from fuser.runtime import speculative
+from fuser.runtime.bucket_capture import stepping
 from fuser.runtime.prompts import Prompts, check_prompts, pad_batch
 
 
@@ -102,7 +103,7 @@ def _columns(engine: Engine, request: Request) -> Iterator[torch.Tensor]:
     A speculative step emits 1..gamma+1 tokens per row, different per row: they wait in a
     per-row queue, and a column goes out once every unfinished row has a token for it.
     """
-    with engine.generating():
+    with engine.generating(), stepping(engine):
         yield from _decode_loop(engine, request)
 
 

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fuser.runtime import speculative
+from fuser.runtime.bucket_capture import capture_waiting, stepping
 from fuser.runtime.generate import ReadBack
 from fuser.runtime.prompts import Prompts, pad_batch
 from fuser.runtime.speculative import EOS_SLOTS
@@ -406,7 +407,8 @@ class Scheduler:
             try:
                 with self.engine.generating():
                     while not self._stop and (self._running or self._waiting):
-                        self._iteration()
+                        with stepping(self.engine):  # a background capture's warm-up waits
+                            self._iteration()
             except Exception as e:  # noqa: BLE001 -- a failed step ends its requests, not the server
                 log.exception("fuser: a scheduler step failed; its requests end with 'error'")
                 self._fail_all(f"error: {type(e).__name__}: {e}")
@@ -436,7 +438,7 @@ class Scheduler:
         """Whether to queue another step before `in_flight` is read back: only while the rows
         stay as they are (nothing to admit or cancel) and some row still needs tokens after
         the step in flight (each gives every active row at least one)."""
-        if self._stop or len(self._running) != len(in_flight.rows):
+        if self._stop or len(self._running) != len(in_flight.rows) or capture_waiting(self.engine):
             return False
         if self._waiting and len(self._running) < self.max_slots:
             return False

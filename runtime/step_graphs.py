@@ -11,8 +11,11 @@ runtime/speculative.py can be captured:
     resync:                 one chunk of the draft catching up after target-only steps
                             (`speculative.resync_chunk`), replayed as many times as it takes
 
-Each is the same Python function whether it runs uncaptured (CPU; a shape whose capture failed)
-or captured once under `torch.cuda.graph` and replayed. Inside a captured iteration the model
+Each is the same Python function whether it runs uncaptured (CPU; a shape whose capture failed
+or is not captured yet) or captured once under `torch.cuda.graph` and replayed. A loaded engine
+captures bucket 1 first and the other buckets on a background thread while it serves
+(runtime/bucket_capture.py; `Bucket.capture(background=...)`): until a bucket is captured its
+rows step in a captured larger bucket (`Engine.bucket`), or in it uncaptured. Inside a captured iteration the model
 steps run their compiled (Inductor) callables, never CUDA graphs of their own (graphs do not
 nest). All graphs of an engine share one memory pool. Sampling draws its random numbers from
 per-row seeds and counters in the state (runtime/sampling.py `draw_keys`), so a replay needs no
@@ -21,14 +24,16 @@ generator state.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
-import warnings
 from collections.abc import Callable
 
 import torch
 
 from fuser.runtime import speculative
-from fuser.runtime.cuda_graphs import capture_failed
+from fuser.runtime.bucket_capture import CaptureStopped, RowSnapshot, StepGate
+from fuser.runtime.cuda_graphs import capture_failed, capture_graph
 from fuser.runtime.prefill_graphs import PrefillGraphs, padded_length
 from fuser.runtime.speculative import DecodeState
 from fuser.runtime.steps import CATCHUP, DECODE, RESYNC, ModelSteps, StepGraph, verify
@@ -58,28 +63,76 @@ def bucket_for(batch: int, sizes: tuple[int, ...]) -> int:
 
 class IterationGraph:
     """One iteration function captured as a CUDA graph; calling it replays the graph and
-    returns its static packed output (overwritten by the next replay)."""
+    returns its static packed output (overwritten by the next replay).
+
+    warm_up: runs `fn` `warmup` times before the capture, on a side stream (lazy
+    initialisation, autotuning: not under capture); default: with `reset()` before each run.
+    The background capture passes its own (under the step gate, undone afterwards:
+    runtime/bucket_capture.py)."""
 
     def __init__(self, fn: Callable[[], torch.Tensor], pool: object, warmup: int = 2,
-                 reset: Callable[[], None] | None = None) -> None:
+                 reset: Callable[[], None] | None = None,
+                 warm_up: Callable[[Callable[[], torch.Tensor], int], None] | None = None
+                 ) -> None:
         device = torch.device("cuda", torch.cuda.current_device())
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side), torch.no_grad():
-            for _ in range(warmup):  # lazy initialisation, autotuning: not under capture
-                if reset is not None:
-                    reset()  # each warm-up step from the same lengths: the cache stays in bounds
-                fn()
-        torch.cuda.current_stream(device).wait_stream(side)
+        (warm_up or _warm_up_with(reset))(fn, warmup)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool), torch.no_grad():
-            self.output = fn()
+        self.output = capture_graph(self.graph, fn, pool, device)
         self.replays = 0
 
     def __call__(self) -> torch.Tensor:
         self.graph.replay()
         self.replays += 1
         return self.output
+
+
+def _warm_up_with(reset: Callable[[], None] | None
+                  ) -> Callable[[Callable[[], torch.Tensor], int], None]:
+    """The foreground warm-up: `fn` run `times` times on a side stream, `reset()` before each
+    (each warm-up step from the same lengths: the cache stays in bounds)."""
+    def warm_up(fn: Callable[[], torch.Tensor], times: int) -> None:
+        device = torch.device("cuda", torch.cuda.current_device())
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side), torch.no_grad():
+            for _ in range(times):
+                if reset is not None:
+                    reset()
+                fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+    return warm_up
+
+
+def warm_up_in_place(bucket: Bucket, gate: StepGate, stop: threading.Event | None = None
+                     ) -> Callable[[Callable[[], torch.Tensor], int], None]:
+    """The background warm-up of `bucket`'s iterations while other rows of it may serve:
+    with the serving side held off (`gate`), `fn` runs from the rows' current state, which
+    is put back after each run (`RowSnapshot`: a step writes cache slots past each row's
+    length, then moves lengths and state; restoring those undoes it). Raises CaptureStopped
+    when `stop` is set while it waits."""
+    def warm_up(fn: Callable[[], torch.Tensor], times: int) -> None:
+        cuda = bucket.target.cache.seq_lens.device.type == "cuda"
+        with gate.exclusive(stop) as held:
+            if not held:
+                raise CaptureStopped
+            if cuda:
+                device = bucket.target.cache.seq_lens.device
+                side = torch.cuda.Stream(device)
+                side.wait_stream(torch.cuda.default_stream(device))  # the serving thread's work
+                context = torch.cuda.stream(side)
+            else:
+                context = contextlib.nullcontext()
+            with context, torch.no_grad():
+                snapshot = RowSnapshot.of_bucket(bucket)
+                try:
+                    for _ in range(times):
+                        fn()
+                        snapshot.restore()
+                finally:
+                    snapshot.restore()
+            if cuda:
+                side.synchronize()  # restored before the serving thread's next step is issued
+    return warm_up
 
 
 class Bucket:
@@ -176,37 +229,62 @@ class Bucket:
         state.last.zero_()
         state.streaming.zero_()
 
-    def capture(self, gammas: list[int], pool: object, timing_length: int) -> list[str]:
+    def free_rows(self) -> None:
+        """After the dummy state of warm-up, capture and timing: every row empty and inactive,
+        as the scheduler takes free rows to be (an active free row would move its length on
+        every step of a larger bucket, past the end of its cache)."""
+        self.reset_for_timing(0)
+        self.state.active.zero_()
+
+    def capture(self, gammas: list[int], pool: object, timing_length: int,
+                background: tuple[StepGate, threading.Event] | None = None) -> list[str]:
         """Capture every (gamma, do_sample) iteration and the draft's resync chunk; -> failures
-        (that shape then runs uncaptured). Call after the model steps are warmed up (compiled)."""
+        (that shape then runs uncaptured). Call after the model steps are warmed up (compiled).
+
+        background: (gate, stop) while the engine serves (runtime/bucket_capture.py): each
+        warm-up runs from the rows' own state and is undone, nothing is reset, and a set `stop`
+        ends the capture between two graphs (CaptureStopped)."""
         failures = []
         for gamma in gammas:
             for do_sample in (False, True):
-                self.reset_for_timing(timing_length)
+                if background is not None and background[1].is_set():
+                    raise CaptureStopped
                 try:
-                    # Warm-up steps advance the lengths by up to gamma + 1 each: without the
-                    # reset, two of them from timing_length could write past a small cache.
-                    self.graphs[(gamma, do_sample)] = IterationGraph(
-                        self.function(gamma, do_sample), pool,
-                        reset=lambda: self.reset_for_timing(timing_length))
+                    self.graphs[(gamma, do_sample)] = self._graph(
+                        self.function(gamma, do_sample), pool, timing_length, background)
+                except CaptureStopped:
+                    raise
                 except Exception as e:  # noqa: BLE001 -- a shape that cannot be captured
                     failures.append(f"bucket {self.batch}, {_name(gamma, do_sample)}: "
                                     f"{capture_failed(e)}; it runs uncaptured")
         if self.draft is not None and RESYNC in self.draft:
-            failures += self._capture_resync(pool, timing_length)
-        self.reset_for_timing(0)
+            failures += self._capture_resync(pool, timing_length, background)
+        if background is None:
+            self.free_rows()
         return failures
 
-    def _capture_resync(self, pool: object, timing_length: int) -> list[str]:
+    def _graph(self, fn: Callable[[], torch.Tensor], pool: object, timing_length: int,
+               background: tuple[StepGate, threading.Event] | None) -> IterationGraph:
+        """`fn` warmed up and captured, in the foreground (from dummy lengths) or beside the
+        serving thread."""
+        if background is not None:
+            return IterationGraph(fn, pool, warm_up=warm_up_in_place(self, *background))
+        self.reset_for_timing(timing_length)
+        # Warm-up steps advance the lengths by up to gamma + 1 each: without the reset, two of
+        # them from timing_length could write past a small cache.
+        return IterationGraph(fn, pool, reset=lambda: self.reset_for_timing(timing_length))
+
+    def _capture_resync(self, pool: object, timing_length: int,
+                        background: tuple[StepGate, threading.Event] | None = None) -> list[str]:
         """Capture one `resync_chunk` (its warm-up and capture write the draft's first slots,
         which `reset_for_timing` forgets); -> its failure, if any."""
         def chunk() -> None:
             speculative.resync_chunk(self.draft, self.target, self.state)
 
-        self.reset_for_timing(timing_length)
         try:
-            self.resync_graph = IterationGraph(chunk, pool,
-                                               reset=lambda: self.reset_for_timing(timing_length))
+            self.resync_graph = self._graph(chunk, pool, timing_length, background)
+        except CaptureStopped:
+            raise
         except Exception as e:  # noqa: BLE001 -- then the chunks run uncaptured
             return [f"bucket {self.batch}, resync: {capture_failed(e)}; it runs uncaptured"]
         return []
@@ -232,7 +310,7 @@ class Bucket:
                 seconds = time.perf_counter() - start
             if i > 0:  # the first run warms up
                 samples.append(seconds)
-        self.reset_for_timing(0)
+        self.free_rows()
         # Timing runs are not decoding: they do not count as replays.
         graph = self.graphs.get((gamma, False))
         if graph is not None:
@@ -272,22 +350,10 @@ def _name(gamma: int, do_sample: bool) -> str:
     return f"{kind}.{'sample' if do_sample else 'greedy'}"
 
 
-def capture_buckets(buckets: list[Bucket], gammas: list[int], timing_length: int,
-                    progress: Callable[[str], None] | None = None) -> list[str]:
-    """Capture every bucket's iterations in one shared memory pool; -> failure messages (each
-    also warned about)."""
-    pool = torch.cuda.graph_pool_handle()
-    failures: list[str] = []
-    total = len(buckets) * len(gammas) * 2
-    done = 0
-    for bucket in buckets:
-        usable = [g for g in gammas if g == PLAIN or bucket.draft is not None]
-        start = time.perf_counter()
-        failures += bucket.capture(usable, pool, timing_length)
-        done += len(gammas) * 2
-        if progress is not None:
-            progress(f"captured step graphs {done}/{total} (bucket {bucket.batch}: "
-                     f"{len(usable) * 2} graphs in {time.perf_counter() - start:.1f} s)")
-    for message in failures:
-        warnings.warn(f"fuser: {message}", stacklevel=2)
-    return failures
+def capture_order(sizes: tuple[int, ...]) -> list[int]:
+    """The order buckets are captured in: the smallest (one row: what the engine serves first),
+    the largest (from then on every batch fits a captured bucket: a larger bucket costs barely
+    more than the right one, decode reading every weight once whatever the batch), then the
+    rest from the smallest up."""
+    ordered = sorted(sizes)
+    return ordered[:1] + ordered[-1:][: len(ordered) - 1] + ordered[1:-1]

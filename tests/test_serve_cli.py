@@ -419,3 +419,30 @@ def test_cold_start_parts_add_up(monkeypatch):
     lines = cold.table().splitlines()
     assert lines[0] == "cold start, launch to ready (seconds):"
     assert lines[-1].split() == ["total", "5.50"]
+
+
+def test_the_cold_start_shows_bucket_1s_capture_and_what_continues(monkeypatch, tmp_path):
+    """An engine directory loaded with batch buckets still capturing in the background: the
+    breakdown's capture line is bucket 1's, and a line under the table names the buckets that
+    continue (the background thread logs when they are done)."""
+    from types import SimpleNamespace
+
+    from fuser.server import cli
+
+    engine = SimpleNamespace(load_timings={"read": 1.0, "code": 0.25, "capture": 0.5},
+                             graphs_status={1: "ready", 4: "capturing", 2: "pending"},
+                             config=SimpleNamespace(max_batch_size=4), buckets={1: 0, 2: 0, 4: 0})
+    monkeypatch.setattr(fuser, "load", lambda path, log: engine)
+    monkeypatch.setattr("fuser.launch.is_engine_dir", lambda path: True)
+    clock = iter([2.0, 5.0])
+    monkeypatch.setattr(cli, "process_age", lambda: next(clock))
+    cold = cli.ColdStart()
+    args = argparse.Namespace(path=str(tmp_path), draft=None, max_batch_size=None)
+    assert cli.open_engine(args, cold) is engine
+    assert cold.parts == {"imports": 2.0, "read": 1.0, "code load": 0.25,
+                          "capture (bucket 1)": 0.5, "load, other": 1.25}
+    lines = cold.table().splitlines()
+    assert lines[-1] == ("  batch buckets [4, 2] capture in the background (a line says when "
+                         "they are done); until then their steps run in a captured larger "
+                         "bucket or uncaptured")
+    assert lines[-2].split() == ["total", "5.00"]

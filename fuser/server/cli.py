@@ -153,8 +153,14 @@ def open_engine(args: argparse.Namespace, cold: ColdStart | None = None) -> Any:
                              "(--draft applies to model directories)")
         progress(f"loading the engine {args.path} ...")
         engine = fuser.load(args.path, log=progress)
-        cold.split("load", {LOAD_PARTS[k]: v for k, v in engine.load_timings.items()
-                            if k in LOAD_PARTS})
+        behind = [s for s, status in engine.graphs_status.items() if status != "ready"]
+        parts = {("capture (bucket 1)" if k == "capture" and behind else LOAD_PARTS[k]): v
+                 for k, v in engine.load_timings.items() if k in LOAD_PARTS}
+        cold.split("load", parts)
+        if behind:
+            cold.note(f"batch buckets {behind} capture in the background (a line says when they "
+                      "are done); until then their steps run in a captured larger bucket or "
+                      "uncaptured")
         rows = engine.config.max_batch_size
         if args.max_batch_size is not None and args.max_batch_size != rows:
             plural = "" if rows == 1 else "s"
@@ -317,6 +323,7 @@ class ColdStart:
 
     def __init__(self) -> None:
         self.parts: dict[str, float] = {}
+        self.notes: list[str] = []
         self._last = 0.0
 
     def mark(self, name: str) -> None:
@@ -334,11 +341,16 @@ class ColdStart:
             self.parts[part] = self.parts.get(part, 0.0) + seconds
         self.parts[f"{name}, other"] = max(0.0, total - sum(parts.values()))
 
+    def note(self, line: str) -> None:
+        """A line printed under the table (what goes on after ready)."""
+        self.notes.append(line)
+
     def table(self) -> str:
         width = max(len(n) for n in [*self.parts, "total"])
         lines = ["cold start, launch to ready (seconds):"]
         lines += [f"  {name:<{width}} {seconds:7.2f}" for name, seconds in self.parts.items()]
         lines.append(f"  {'total':<{width}} {self._last:7.2f}")
+        lines += [f"  {line}" for line in self.notes]
         return "\n".join(lines)
 
 
@@ -365,6 +377,7 @@ def run_serve(args: argparse.Namespace) -> int:
     signals = {"count": 0}
     stop = threading.Event()
     scheduler = None
+    engine = None
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         signals["count"] += 1
@@ -408,6 +421,8 @@ def run_serve(args: argparse.Namespace) -> int:
         server.stop(timeout=10.0)
         if scheduler is not None:
             scheduler.close()
+        if getattr(engine, "close", None) is not None:
+            engine.close()  # a background capture still running stops (its thread joined)
         for s, handler in previous.items():
             signal.signal(s, handler)
         if shown is not None:
