@@ -1038,6 +1038,9 @@ class Distiller:
         labelled = self._label(records, start + budget / 2)  # at most half the budget
         if self._target is not None:  # train and decide on labels of one kind
             records = [r for r in records if r.topk_ids is not None]
+            # The split is of the records labelled so far (labelling may lag behind the
+            # buffer): a share of all records would hold out most of the labelled ones.
+            held = max(cfg.min_holdout, int(len(records) * cfg.holdout_fraction))
             if len(records) <= held:
                 return UpdateResult(False, f"too few records labelled by the target "
                                     f"({len(records)}) to hold {held} out", labelled=labelled)

@@ -466,3 +466,22 @@ def test_save_keeps_the_swapped_draft(tmp_path):
     WeightSwap.for_engine(loaded, module=new).swap(draft.state_dict())
     got, _ = step_logits(loaded.draft, SEQUENCE)
     assert relative_error(got, eager_logits(draft, SEQUENCE[:got.shape[0]])) < 1e-4
+
+
+def test_the_held_out_share_is_of_the_labelled_records(monkeypatch):
+    """When labelling lags behind the buffer (its share of the update's time ran out), the
+    held-out records are a share of those labelled, not of the whole buffer: 40 records, 10
+    labelled -> 8 train and 2 held out (a share of all 40 would hold out 8 and train on 2)."""
+    target = tiny_model("llama", seed=0, vocab=VOCAB, heads=4, kv_heads=2, head_dim=16,
+                        intermediate=128, layers=2, init_range=0.05, **NO_SPECIAL)
+    distiller = Distiller(mistral(seed=2), config=DistillConfig(lr=1e-3, batch_tokens=256),
+                          target=target)
+    generator = torch.Generator().manual_seed(5)
+    for sequence in torch.randint(0, VOCAB, (40, 16), generator=generator):
+        distiller.add(sequence, start=8)
+    label = Distiller._label
+    monkeypatch.setattr(Distiller, "_label",
+                        lambda self, records, deadline: label(self, records[:10], deadline))
+    result = distiller.update(time_budget_s=math.inf, max_steps=1)
+    assert result.labelled == 10
+    assert (result.train_records, result.holdout_records) == (8, 2), result.reason
