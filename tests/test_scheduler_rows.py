@@ -38,9 +38,10 @@ def test_256_rows_serve_256_concurrent_requests() -> None:
         outputs = [s.result(TIMEOUT) for s in streams]
         assert scheduler.wait_idle(TIMEOUT)
         assert scheduler.slots_used == 0 and scheduler.num_waiting == 0
-        # one admission of all 256 (the prefill gives each its first token), then the 3 steps
-        # of all rows at once: a cap below 256 rows would take more steps
-        assert scheduler.steps == params.max_tokens - 1
+        # all 256 rows at once: one admission (the prefill gives each its first token; a step
+        # that carries prompt chunks may count as one more), then 3 steps of every row. A cap
+        # below 256 rows runs the requests in two waves: at least 6 steps.
+        assert scheduler.steps <= params.max_tokens
     finally:
         scheduler.close()
     assert all(len(out) == 4 for out in outputs)
