@@ -1787,7 +1787,7 @@ def main(argv: list[str] | None = None) -> None:
     save(args.json)
     log("\n" + "\n".join(criteria()))
     save(args.json)
-    if args.plot and serve_here:
+    if args.plot and serve_here and "levels" in args.cases:
         try:
             plot(args.plot)
         except ImportError:
