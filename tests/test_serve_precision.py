@@ -1,6 +1,7 @@
 """`fuser serve PATH --precision P`: a model directory is built with FuserConfig.precision P (FP8
 on the CPU too: its ops run their references there, tests/test_fp8_pass.py); an engine directory
-keeps its precision, and a different --precision is refused in one line before any loading."""
+keeps its precision, and a different --precision is refused in one line before any loading.
+--max-batch-size 256 on CUDA asks for every bucket up to 256."""
 
 from __future__ import annotations
 
@@ -82,3 +83,23 @@ def test_an_engine_directory_refuses_another_precision(engine_dir, precision: st
     last = err.strip().splitlines()[-1]
     assert f"--precision {precision}" in last and "built with precision auto" in last, err
     assert "float32" in last and "loading the engine" not in err  # refused before loading
+
+
+def test_256_rows_on_cuda_build_every_bucket_up_to_256(model_dir, monkeypatch) -> None:
+    """`fuser serve MODEL --max-batch-size 256 --precision fp8` on a CUDA machine asks for the
+    buckets 1, 2, 4, ..., 256 in FP8 (the build itself is stubbed: no GPU here)."""
+    import fuser.launch
+
+    seen = {}
+
+    def build(path, draft, config):
+        seen["config"] = config
+        return "engine", {}, "name"
+
+    monkeypatch.setattr(fuser.launch, "build_engine_from_args", build)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert open_engine(serve_args(model_dir, "--max-batch-size", "256", "--precision",
+                                  "fp8")) == "engine"
+    config = seen["config"]
+    assert (config.max_batch_size, config.precision) == (256, "fp8")
+    assert config.buckets_for(torch.device("cuda")) == tuple(2 ** i for i in range(9))
