@@ -1059,12 +1059,20 @@ def run_levels(pool: ProcessPoolExecutor, url: str, model: str, prompts: list[li
         metrics = summarize(raw["records"], raw["duration"], c)
         metrics["warmup_errors"] = raw["warmup_errors"]
         metrics["requests"] = [{k: r[k] for k in kept} for r in raw["records"]]
-        metrics["gauges_after"] = scrape_gauges(url)
+        exposition = scrape_text(url)
+        metrics["gauges_after"] = scrape_gauges(url, text=exposition)
+        gpu = scrape_gauges(url, GPU_GAUGES, text=exposition)  # NVML, where the server has it
+        if gpu:
+            metrics["gpu_gauges_after"] = gpu
         short = sum(r["ok"] and r["output_tokens"] != args.output_len for r in raw["records"])
         metrics["short_requests"] = short
         log(format_level(metrics, label))
         if short and args.ignore_eos:
             log(f"  {short} requests returned fewer than --output-len tokens with ignore_eos")
+        if gpu:
+            log(f"  GPU after the level (NVML, summed over GPUs): memory used "
+                f"{gpu.get(GPU_GAUGES[0], 0) / 2**30:.1f} GiB, utilization "
+                f"{gpu.get(GPU_GAUGES[1], 0):.0f}%")
         if any(metrics["gauges_after"].values()):
             log(f"  gauges after the level (should be 0): {metrics['gauges_after']}")
         out.append(metrics)
@@ -1100,6 +1108,7 @@ def serve_engine(pool: ProcessPoolExecutor, source: Source, engine: object, labe
 
 # -- the cases beyond the concurrency levels (issue #45) ---------------------------------------
 
+GPU_GAUGES = ("fuser_gpu_memory_used_bytes", "fuser_gpu_utilization_perc")
 CASES = ("levels", "shared-prefix", "mixed", "rate", "long-context")
 TTFT_HISTOGRAM = "fuser_time_to_first_token_seconds"
 PREFIX_COUNTERS = ("fuser_prefix_cache_queries_total", "fuser_prefix_cache_hits_total")
