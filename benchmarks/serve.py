@@ -267,10 +267,25 @@ async def plain_completion(client: object, url: str, body: dict, headers: dict,
     return result
 
 
+def raise_open_files_limit() -> None:
+    """Lift this process's soft limit on open files to its hard limit: a rate trial past what
+    the server holds keeps thousands of connections open (1,024 is a common soft limit)."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, ValueError, OSError):
+        pass
+
+
 async def _drive_rate(url: str, model: str, prompts: list[list[int]], offsets: list[float],
                       start_at: float, output_len: int, api_key: str | None,
                       timeout: float) -> dict:
     import httpx
+
+    raise_open_files_limit()
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
@@ -1317,6 +1332,7 @@ def rate_case(source: Source, engine: object, args: argparse.Namespace) -> dict:
     --rate-start up to --rate-max, then --rate-bisections trials (`search_rate`)."""
     import multiprocessing
 
+    raise_open_files_limit()  # the in-process server's side of the connections
     count = args.rate_max_requests
     stream = token_stream(source.tokenizer, source.vocab_size, count * args.rate_prompt_len)
     prompts = windows(stream, [args.rate_prompt_len] * count)
