@@ -1107,8 +1107,11 @@ def serve_engine(pool: ProcessPoolExecutor, source: Source, engine: object, labe
     save(args.json)
     max_waiting = max(args.levels) * 4 + (args.num_requests or 0)
     tokenizer = source.tokenizer or IdTokenizer(source.vocab_size)
-    with InProcessServer(engine, tokenizer, source.name, max_waiting) as server:
+    with InProcessServer(engine, tokenizer, source.name, max_waiting,
+                         args.server_args) as server:
         log(f"[{label}] serving {source.name} at {server.url}")
+        result["scheduler"] = {"class": type(server.scheduler).__name__,
+                               "max_waiting": server.scheduler.max_waiting}
         engine.stats.reset()
         result["levels"] = run_levels(pool, server.url, served_model(server.url, None), prompts,
                                       args, label)

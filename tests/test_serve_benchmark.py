@@ -218,9 +218,11 @@ def test_dry_run_serves_a_tiny_engine_and_compares(tmp_path: Path) -> None:
     proc = run_benchmark("--preset", "tiny-random-llama", "--compile", "fx",
                          "--max-batch-size", "2", "--concurrency", "1,2", "--num-requests", "3",
                          "--prompt-len", "8", "--output-len", "6", "--hf-requests", "1",
-                         "--out", str(tmp_path))
+                         "--server-args", "--max-waiting 77", "--out", str(tmp_path))
     results = json.loads((tmp_path / "serve.json").read_text())
     system = results["systems"]["fuser"]
+    # --server-args reach the scheduler fuser serve would run (fuser.server.cli.make_scheduler)
+    assert system["scheduler"] == {"class": "Scheduler", "max_waiting": 77}
     check_levels(system["levels"], [1, 2], 3, 6)
     assert set(system["static"]) == {"1", "2"}
     assert all(s["output_tok_s"] > 0 for s in system["static"].values())
