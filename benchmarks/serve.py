@@ -12,15 +12,15 @@
     # CPU: the plumbing on a tiny random model
     python benchmarks/serve.py --preset tiny-random-llama --compile fx --max-batch-size 2 \\
         --concurrency 1,2 --prompt-len 8 --output-len 6
-    # issue #45's cases (benchmarks/gpu.sh serve256, serveprefix, servemixed, serverate,
+    # issue #45's cases (benchmarks/gpu.sh serve256, serve256fp8, servepaged, serverate and
     # servelong run them on the GPU):
     python benchmarks/serve.py --preset llama-3-8b --max-batch-size 256 --precision fp8 \\
         --concurrency 1,16,64,128,256 --output-len 128
-    python benchmarks/serve.py --preset llama-3-8b --cases shared-prefix,mixed \\
-        --config kv_block_size=16 --output-len 128
+    python benchmarks/serve.py --preset llama-3-8b --max-batch-size 256 --max-seq-len 8192 \\
+        --cases shared-prefix,mixed --concurrency 256 --config kv_block_size=16
     python benchmarks/serve.py --draft --max-batch-size 256 --cases rate
     python benchmarks/serve.py --preset llama-3.1-8b --max-batch-size 32 --cases long-context \\
-        --max-seq-len 131136 --config kv_block_size=16
+        --config kv_block_size=16
 
 The engine is built (or loaded) once, in this process; the server (fuser.server's app under
 uvicorn, on 127.0.0.1) runs in a thread over it, and the load generator runs in a separate
@@ -286,7 +286,6 @@ async def _drive_rate(url: str, model: str, prompts: list[list[int]], offsets: l
     import httpx
 
     raise_open_files_limit()
-
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
     timeouts = httpx.Timeout(timeout, connect=30.0, pool=None)
@@ -368,6 +367,9 @@ async def _drive_long(url: str, model: str, short_prompts: list[list[int]],
                 await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), timeout)
                 return await stream_completion(client, url, body(long_prompt, long_tokens),
                                                headers, began)
+            except asyncio.TimeoutError:
+                return RequestResult(prompt_tokens=len(long_prompt),
+                                     error=f"the short streams did not start in {timeout:g} s")
             finally:
                 stop.set()
 
@@ -829,8 +831,8 @@ def build(args: argparse.Namespace, target: object, draft: object | None,
               **args.config}
     try:
         config = fuser.FuserConfig(**fields)
-    except TypeError as error:  # a --config field this tree's FuserConfig does not have
-        raise SystemExit(f"--config: {error}") from None
+    except (TypeError, ValueError) as error:  # a --config field this tree's FuserConfig
+        raise SystemExit(f"--config: {error}") from None  # lacks, or a value it refuses
     extra = "".join(f", {k} {v}" for k, v in args.config.items())
     log(f"building the {what} engine: max_batch_size {args.max_batch_size}, max_seq_len "
         f"{max_seq_len}, compile {args.compile}, precision {args.precision or 'auto'}{extra} ...")
@@ -869,6 +871,9 @@ def make_source(args: argparse.Namespace) -> Source:
     from fuser.cli import is_engine_dir
 
     max_seq_len = args.max_seq_len or needed_seq_len(args)
+    if max_seq_len < needed_seq_len(args):
+        log(f"note: --max-seq-len {max_seq_len} is below the {needed_seq_len(args)} tokens the "
+            "longest request of these cases needs: the server refuses those (400, errors)")
     if args.url:
         if args.preset:
             from fuser.models import PRESETS
@@ -1077,14 +1082,13 @@ def run_levels(pool: ProcessPoolExecutor, url: str, model: str, prompts: list[li
         exposition = scrape_text(url)
         metrics["gauges_after"] = scrape_gauges(url, text=exposition)
         gpu = scrape_gauges(url, GPU_GAUGES, text=exposition)  # NVML, where the server has it
-        if gpu:
-            metrics["gpu_gauges_after"] = gpu
         short = sum(r["ok"] and r["output_tokens"] != args.output_len for r in raw["records"])
         metrics["short_requests"] = short
         log(format_level(metrics, label))
         if short and args.ignore_eos:
             log(f"  {short} requests returned fewer than --output-len tokens with ignore_eos")
         if gpu:
+            metrics["gpu_gauges_after"] = gpu
             log(f"  GPU after the level (NVML, summed over GPUs): memory used "
                 f"{gpu.get(GPU_GAUGES[0], 0) / 2**30:.1f} GiB, utilization "
                 f"{gpu.get(GPU_GAUGES[1], 0):.0f}%")
