@@ -16,6 +16,16 @@
 #   accuracy  FP8 against bf16 on the bundled pair, on the GPU (fp8_accuracy.py)
 #   serve     the OpenAI-compatible server under load (serve.py --preset llama-3-8b;
 #             SERVE_ARGS replaces that)
+#   serve256  issue 45, the 8B shape, bf16, 256 rows, 128/128 prompts, c 1,16,64,128,256:
+#             TPOT at c1, % of static batches, ITL p99/p50 at c64, tok/s at c256  ~8 min
+#   serve256fp8  the same with --precision fp8
+#   servepaged   the 8B shape, 256 rows, --max-seq-len 8192 on the paged cache (PAGED_ARGS):
+#             the shared 1,024-token prefix with and without --no-prefix-caching (c 1, 16),
+#             then prompts of 64..2,048 tokens at c256 (serve.py --cases shared-prefix,mixed)
+#   serverate the bundled pair, 256 rows: the highest Poisson request rate held with TTFT
+#             p99 <= 1 s and 0 errors, 32-token prompts, 32 new tokens (--cases rate)
+#   servelong a 131,072-token request on the Llama-3.1-8B shape beside 16 streams of short
+#             requests (PAGED_ARGS; --cases long-context)
 #   adapt     adaptive speculation on and off over the same requests, the bundled pair: a
 #             2,000-request shifted-domain stream with Python before and after, and a
 #             repetitive stream (adapt.py; ADAPT_ARGS adds flags)                      ~6 min
@@ -28,7 +38,9 @@
 #
 # Each suite writes its full logs and JSON under $OUT/<suite>/ and ends with a short table; the
 # tables of every suite come again at the end. Environment: OUT (default /tmp/fuser-out),
-# BUDGET (seconds for the whole command, default 580: one device call is 600 s), INSTALL=0 to
+# BUDGET (seconds for the whole command, default 580: one device call is 600 s), PAGED_ARGS
+# (serve.py flags that page the KV cache; default --config kv_block_size=16 --config
+# kv_memory_fraction=0.9), INSTALL=0 to
 # skip `pip install -e .`. The real gpt-fast runs from a checkout in the git-ignored
 # benchmarks/.gpt-fast (carry it to the GPU machine); without one its row says so.
 set -o pipefail
@@ -36,7 +48,8 @@ export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fuser-out}
 BUDGET=${BUDGET:-580}
-SUITES="decode verify spec fallback files ops accuracy serve adapt adapt8b paged allreduce tests"
+SUITES="decode verify spec fallback files ops accuracy serve serve256 serve256fp8 servepaged serverate servelong adapt adapt8b paged allreduce tests"
+PAGED_ARGS=${PAGED_ARGS---config kv_block_size=16 --config kv_memory_fraction=0.9}
 if [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ]; then
   sed -n '2,/^set -o/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
   exit 0
@@ -140,6 +153,33 @@ for suite in "$@"; do
       else
         table "serve" "benchmarks/serve.py is missing: nothing to run"
       fi ;;
+    serve256|serve256fp8)
+      precision=bf16; [ "$suite" = serve256fp8 ] && precision=fp8
+      step "$suite" 560 python3 benchmarks/serve.py --preset llama-3-8b --precision "$precision" \
+        --max-batch-size 256 --max-seq-len 512 --concurrency 1,16,64,128,256 --prompt-len 128 \
+        --output-len 128 --runs 1 --no-hf --out "$DIR"
+      table "$suite: 8B shape, $precision, 256 rows, 128/128 (issue 45's bars)" \
+        "$(grep -E '(PASS|FAIL)$|^errors|^build' "$DIR/$suite.log")" \
+        "$(sed -n '/^system /,$p' "$DIR/$suite.log")" ;;
+    servepaged|servelong)
+      if [ "$suite" = servepaged ]; then
+        what="8B shape, 256 rows, max_seq_len 8192, paged: shared prefix, mixed lengths"
+        flags="--preset llama-3-8b --max-batch-size 256 --max-seq-len 8192 --output-len 128"
+        flags="$flags --cases shared-prefix,mixed --concurrency 256 --prefix-concurrency 1,16"
+      else
+        what="Llama-3.1-8B shape, paged: one 131,072-token request beside 16 short streams"
+        flags="--preset llama-3.1-8b --max-batch-size 32 --cases long-context"
+        flags="$flags --long-len 131072 --long-clients 16 --prompt-len 128 --output-len 256"
+      fi
+      # shellcheck disable=SC2086  # flags and PAGED_ARGS: word-split on purpose
+      step "$suite" 560 python3 benchmarks/serve.py $flags $PAGED_ARGS --json "$DIR/serve.json"
+      table "$suite: $what" "$(grep -v -i warn "$DIR/$suite.log" | tail -n 30)" ;;
+    serverate)
+      step serverate 560 python3 benchmarks/serve.py --draft --max-batch-size 256 --cases rate \
+        --json "$DIR/serve.json"
+      table "serverate: the bundled pair, Poisson arrivals, 32/32 non-streamed" \
+        "$(sed -n '/^request rate: highest held/,$p' "$DIR/serverate.log")" \
+        "$(grep -E '(PASS|FAIL)$' "$DIR/serverate.log")" ;;
     adapt|adapt8b)
       workloads=shifted,repetitive; [ "$suite" = adapt8b ] && workloads=8b
       # shellcheck disable=SC2086  # ADAPT_ARGS: flags, word-split on purpose

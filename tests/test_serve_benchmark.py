@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import socket
 import subprocess
 import sys
@@ -217,9 +218,11 @@ def test_dry_run_serves_a_tiny_engine_and_compares(tmp_path: Path) -> None:
     proc = run_benchmark("--preset", "tiny-random-llama", "--compile", "fx",
                          "--max-batch-size", "2", "--concurrency", "1,2", "--num-requests", "3",
                          "--prompt-len", "8", "--output-len", "6", "--hf-requests", "1",
-                         "--out", str(tmp_path))
+                         "--server-args", "--max-waiting 77", "--out", str(tmp_path))
     results = json.loads((tmp_path / "serve.json").read_text())
     system = results["systems"]["fuser"]
+    # --server-args reach the scheduler fuser serve would run (fuser.server.cli.make_scheduler)
+    assert system["scheduler"] == {"class": "Scheduler", "max_waiting": 77}
     check_levels(system["levels"], [1, 2], 3, 6)
     assert set(system["static"]) == {"1", "2"}
     assert all(s["output_tok_s"] > 0 for s in system["static"].values())
@@ -272,3 +275,83 @@ def test_cold_start_times_fuser_serve_of_an_engine_directory(tmp_path: Path) -> 
     assert "cold start, first request: TTFT" in proc.stdout
     assert any(line.split()[:1] == ["total"] for line in result["breakdown"]), result
     assert "systems" not in json.loads((tmp_path / "cold.json").read_text())  # nothing else ran
+
+
+def test_server_args_are_fuser_serve_flags() -> None:
+    pytest.importorskip("fastapi")
+    assert serve.serve_namespace([], 99).max_waiting == 99
+    args = serve.serve_namespace(["--max-waiting", "7", "--adapt-draft"], 99)
+    assert args.max_waiting == 7 and args.adapt_draft
+    with pytest.raises(SystemExit, match="--no-such-flag"):
+        serve.serve_namespace(["--no-such-flag"], 99)
+    assert serve.serve_has_flag("--max-waiting") and not serve.serve_has_flag("--no-such-flag")
+
+
+def test_cases_are_checked() -> None:
+    args = serve.parse_args(["--cases", "rate,mixed", "--mixed-lengths", "4,40",
+                             "--config", "kv_block_size=16", "--config", "compile=fx",
+                             "--server-args", "--max-waiting 5"])
+    assert args.cases == ["rate", "mixed"] and args.mixed_lengths == [4, 40]
+    assert args.config == {"kv_block_size": 16, "compile": "fx"}
+    assert args.server_args == ["--max-waiting", "5"]
+    assert args.prefix_off_args == ["--no-prefix-caching"]
+    # every case's longest request fits the engine built for it
+    assert serve.needed_seq_len(args) == max(512, 40 + 256, 32 + 32)
+    for bad in (["--cases", "levels,nope"], ["--mixed-lengths", "40,4"],
+                ["--rate-start", "0"], ["--config", "novalue"]):
+        with pytest.raises(SystemExit):
+            serve.parse_args(bad)
+
+
+@pytest.mark.skipif(serving_available() is not None, reason=str(serving_available()))
+def test_dry_run_of_the_issue_45_cases(tmp_path: Path) -> None:
+    """shared-prefix (its uncached run given a harmless flag, so both runs serve and compare),
+    mixed, rate and long-context on a tiny random Llama in one run, without the levels."""
+    proc = run_benchmark(
+        "--preset", "tiny-random-llama", "--compile", "fx", "--max-batch-size", "2",
+        "--cases", "shared-prefix,mixed,rate,long-context", "--concurrency", "2",
+        "--num-requests", "3", "--prompt-len", "8", "--output-len", "6",
+        "--prefix-len", "24", "--prefix-own-len", "8", "--prefix-concurrency", "1,2",
+        "--prefix-off-args", "--max-waiting 300", "--mixed-lengths", "4,40",
+        "--rate-start", "4", "--rate-max", "8", "--rate-seconds", "1",
+        "--rate-min-requests", "4", "--rate-max-requests", "16", "--rate-clients", "2",
+        "--rate-bisections", "1", "--rate-prompt-len", "8", "--rate-output-len", "4",
+        "--long-len", "64", "--long-output-len", "12", "--long-clients", "1",
+        "--long-rounds", "2", "--json", str(tmp_path / "cases.json"))
+    results = json.loads((tmp_path / "cases.json").read_text())
+    assert "systems" not in results and "hf" not in results  # the levels did not run
+    cases = results["cases"]
+
+    shared = cases["shared-prefix"]
+    assert [row["concurrency"] for row in shared["comparison"]] == [1, 2]
+    for name in ("cached", "no prefix caching"):
+        for m in shared["runs"][name]["levels"]:
+            assert (m["completed"], m["errors"]) == (m["num_requests"], 0)
+            assert all(r["prompt_tokens"] == 32 and r["text"] for r in m["requests"])
+    # greedy on one engine: the same text whatever the server's flags
+    assert all(row["identical"] and row["ratio"] > 0 for row in shared["comparison"])
+    assert "shared prefix c=2: outputs identical with and without the cache: yes" in proc.stdout
+
+    mixed = cases["mixed"]
+    lengths = [r["prompt_tokens"] for m in mixed["levels"] for r in m["requests"]]
+    assert all(4 <= n <= 40 for n in lengths) and len(set(lengths)) > 1
+    assert all(m["errors"] == 0 for m in mixed["levels"])
+    assert "mixed 4..40 c=2: 3 of 3 requests, 0 errors [limit 0] PASS" in proc.stdout
+
+    rate = cases["rate"]
+    assert [t["rate"] for t in rate["trials"]] == [4.0, 8.0] and rate["capped"]
+    for t in rate["trials"]:  # the in-process server's TTFT histogram, every request answered
+        assert t["ttft_source"] == "server" and t["errors"] == 0 and t["held"]
+        assert t["completed"] == t["requests"] == max(4, math.ceil(t["rate"]))
+        assert 0 < t["ttft_p50_ms"] <= t["ttft_p99_ms"] and t["within_1s"] == 1.0
+    assert rate["rate"] == 8.0
+    assert "request rate held (TTFT p99 <= 1 s, 0 errors): 8.0 req/s" in proc.stdout
+
+    long = cases["long-context"]
+    assert long["long_ok"] and long["long_output_tokens"] == 12
+    assert long["short_errors"] == 0 and long["short_requests"] >= 3
+    assert long["gaps_alone"] == 2 * 5 and long["itl_alone_p99_ms"] > 0
+    assert "long context: the 64-token request completed" in proc.stdout
+    for title in ("shared prefix (24 + 8 tokens per prompt)", "mixed prompt lengths 4..40",
+                  "request rate: highest held 8.0 req/s", "long context (64 tokens)"):
+        assert title in proc.stdout, title

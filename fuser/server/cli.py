@@ -23,6 +23,7 @@ from types import FrameType
 from typing import Any
 
 DEFAULT_MODEL_BATCH = 8  # --max-batch-size for a model directory
+PRECISION_CHOICES = ("auto", "fp32", "bf16", "fp16", "fp8")  # FuserConfig.precision
 WARM_UP_SECONDS = 600.0
 
 
@@ -57,6 +58,11 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1 (401 without it); "
                             "/health and /metrics stay open (default: no key)")
+    serve.add_argument("--precision", default=None, choices=list(PRECISION_CHOICES),
+                       help="the weights' precision when building from a model directory: auto "
+                            "(the model's dtype), fp32, bf16, fp16 or fp8 (FP8 weights, "
+                            "per-channel scales) (default: auto); an engine directory has its "
+                            "own, and a different one is refused")
     serve.add_argument("--served-model-name", default=None,
                        help="the model name clients send (default: PATH's directory name)")
     serve.add_argument("--drain-timeout", type=float, default=30.0,
@@ -151,6 +157,7 @@ def open_engine(args: argparse.Namespace, cold: ColdStart | None = None) -> Any:
         if args.draft is not None:
             raise ValueError(f"{args.path} is an engine directory: its draft is built in "
                              "(--draft applies to model directories)")
+        check_engine_precision(args.path, getattr(args, "precision", None))
         progress(f"loading the engine {args.path} ...")
         engine = fuser.load(args.path, log=progress)
         behind = [s for s, status in engine.graphs_status.items() if status != "ready"]
@@ -184,10 +191,34 @@ def open_engine(args: argparse.Namespace, cold: ColdStart | None = None) -> Any:
     # with the engine (and its KV cache gets their headroom).
     suffix = bool(getattr(args, "adapt_draft", False)) and args.draft is None
     config = fuser.FuserConfig(max_batch_size=rows, max_seq_len=args.max_seq_len,
-                               batch_buckets=buckets, suffix_speculation=suffix)
+                               batch_buckets=buckets, suffix_speculation=suffix,
+                               precision=getattr(args, "precision", None) or "auto")
     engine, _, _ = build_engine_from_args(args.path, args.draft, config)
     cold.mark("build")
     return engine
+
+
+def check_engine_precision(path: str, precision: str | None) -> None:
+    """Refuse `--precision` for the engine directory `path` unless it names the precision the
+    engine was built with: the one its config records, or, for a non-FP8 engine, the dtype
+    that resolved to (an engine built with auto from a bf16 model is a bf16 engine). None: no
+    --precision given. Read from the manifest, before anything is loaded."""
+    if precision is None:
+        return
+    from fuser.config import PRECISIONS
+    from fuser.engine_file import read_manifest
+
+    manifest = read_manifest(Path(path))
+    built = str(manifest["config"].get("precision", "auto"))
+    dtype = str(manifest["info"]["engine"]["dtype"])
+    resolved = PRECISIONS.get(precision)
+    if precision == built or (built != "fp8" and resolved is not None
+                              and str(resolved).removeprefix("torch.") == dtype):
+        return
+    raise ValueError(f"--precision {precision}: the engine {path} was built with precision "
+                     f"{built} ({dtype} activations); an engine directory keeps its precision "
+                     f"(rebuild it with fuser build MODEL_DIR --precision {precision}, or serve "
+                     f"the model directory with --precision {precision})")
 
 
 def load_tokenizer(args: argparse.Namespace, engine: Any) -> Any:

@@ -11,6 +11,8 @@
     fuser_prompt_tokens_total                   counter, per admitted request
     fuser_generation_tokens_total               counter; only where the engine does not export it
     fuser_request_success_total{finished_reason}  counter: "stop", "length", "abort"
+    fuser_gpu_memory_used_bytes{gpu}            gauge, NVML, read at scrape (gpu_metrics.py;
+    fuser_gpu_utilization_perc{gpu}             absent without nvidia-ml-py or a GPU)
 
 `/metrics` serves the engine's exposition (`engine.metrics_text()`) followed by this one's, so
 a name the engine exports is left out here: one exposition, no name twice. Private
@@ -26,6 +28,8 @@ from typing import Any
 
 import prometheus_client
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from fuser.server.gpu_metrics import GpuCollector
 
 # Seconds: TTFT and end-to-end latency span a CPU test's milliseconds to a long request's minutes.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -90,6 +94,7 @@ class ServingMetrics:
         self._engine_names: set[str] | None = None
         self.registry = prometheus_client.CollectorRegistry(auto_describe=True)
         self.registry.register(_Collector(self))
+        self.registry.register(GpuCollector())
         self._ttft = prometheus_client.Histogram(
             "fuser_time_to_first_token_seconds", "Seconds from arrival to the first token.",
             buckets=TTFT_BUCKETS, registry=self.registry)
