@@ -222,10 +222,13 @@ FOLLOW = 0.9
 
 
 @functools.cache
-def shifted_domain() -> tuple[torch.Tensor, torch.Tensor]:
-    """(48 sequences [48, 32]: 8 prompt tokens and 24 sampled from q; perm [V])."""
+def shifted_domain(more: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(48 sequences [48, 32]: 8 prompt tokens and 24 sampled from q; perm [V]); more > 0:
+    another 48 of the same domain (the same perm), the more-th such set."""
     generator = torch.Generator().manual_seed(11)
     perm = torch.randperm(VOCAB, generator=generator)
+    if more:
+        generator.manual_seed(11 + more)
     sequences = torch.randint(0, VOCAB, (48, 32), generator=generator)
     follow = torch.rand(48, 32, generator=generator) < FOLLOW
     for p in range(8, 32):
@@ -233,10 +236,10 @@ def shifted_domain() -> tuple[torch.Tensor, torch.Tensor]:
     return sequences, perm
 
 
-def labelled(distiller: Distiller, soft: bool) -> None:
+def labelled(distiller: Distiller, soft: bool, more: int = 0) -> None:
     """Buffer the domain's sequences with the target's labels: its top-8 probabilities after
     each prefix (soft), or the tokens greedy decoding emits (perm applied over and over)."""
-    sequences, perm = shifted_domain()
+    sequences, perm = shifted_domain(more)
     start = 8
     for seq in sequences:
         if soft:
@@ -485,3 +488,50 @@ def test_the_held_out_share_is_of_the_labelled_records(monkeypatch):
     result = distiller.update(time_budget_s=math.inf, max_steps=1)
     assert result.labelled == 10
     assert (result.train_records, result.holdout_records) == (8, 2), result.reason
+
+
+def test_a_rejected_candidate_no_worse_trains_on_and_a_worse_one_is_dropped():
+    """A gain too small to bound is not thrown away: with a bar no candidate can pass
+    (min_gain 1.0), a candidate that gained and lowered the KL is kept and trains on in the
+    next update (from its lower loss, on records it never saw held out), while the accepted
+    weights stay bit for bit and are what it is compared with. Once the bar is reachable it is
+    accepted. Steps are counted, not timed."""
+    draft = mistral(seed=2)
+    original = {n: p.detach().clone() for n, p in draft.named_parameters()}
+    distiller = Distiller(draft, config=DistillConfig(lr=3e-3, batch_tokens=256,
+                                                      holdout_fraction=0.25, min_gain=1.0))
+    labelled(distiller, soft=True)
+    first = distiller.update(time_budget_s=math.inf, max_steps=20)
+    assert not first.accepted and first.reason.endswith("the candidate trains on"), first.reason
+    assert first.gate.gain > 0 and first.after.loss < first.before.loss
+    assert distiller.carried and distiller.version == 0
+    for name, value in distiller.state_dict().items():
+        assert torch.equal(value, original[name]), name
+    assert any(not torch.equal(p, original[n]) for n, p in distiller.student.named_parameters())
+    held_first = [r for r in distiller._records if not r.trained]
+    assert len(held_first) == first.holdout_records == 12
+    labelled(distiller, soft=True, more=1)  # 48 new records: the next held-out ones
+    second = distiller.update(time_budget_s=math.inf, max_steps=20)
+    # It went on from where it was (a lower loss than a fresh start), and was compared with
+    # the accepted weights: the same evaluation a fresh distiller makes of the same records.
+    assert second.first_loss < first.first_loss
+    holdout = [r for r in distiller._records if not r.trained][-second.holdout_records:]
+    fresh = Distiller(mistral(seed=2), config=DistillConfig(batch_tokens=256))
+    assert fresh.evaluate(holdout).loss == pytest.approx(second.before.loss, rel=1e-6)
+    assert all(r.trained for r in held_first)  # held out once, trained on after
+    # The same candidate, the bar lowered: accepted.
+    distiller.config = DistillConfig(lr=3e-3, batch_tokens=256, holdout_fraction=0.25)
+    labelled(distiller, soft=True, more=2)
+    third = distiller.update(time_budget_s=math.inf, max_steps=5)
+    assert third.accepted, third.reason
+    assert third.after.agreement > third.before.agreement + 0.1, third.reason
+    assert not distiller.carried and distiller.version == 1
+
+
+def test_a_worse_candidate_is_not_carried():
+    """The wreck of a learning rate of 50 is dropped, not trained on."""
+    distiller = Distiller(mistral(seed=2), config=DistillConfig(lr=50.0, batch_tokens=256))
+    labelled(distiller, soft=True)
+    result = distiller.update(time_budget_s=math.inf, max_steps=5)
+    assert not result.accepted and not distiller.carried
+    assert not result.reason.endswith("the candidate trains on"), result.reason
