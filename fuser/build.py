@@ -42,18 +42,24 @@ def model_geometry(config: object) -> tuple[int, int, int]:
 
 
 def allocate_cache(role: str, model_config: object, batch: int, slots: int, dtype: torch.dtype,
-                   device: torch.device, max_seq_len: int, block_size: int = 0) -> KVCache:
+                   device: torch.device, max_seq_len: int, block_size: int = 0,
+                   num_blocks: int = 0, table: torch.Tensor | None = None) -> KVCache:
     """The model's KV cache, after checking that it fits in the device's free memory
-    (block_size > 0: paged, runtime/kv_cache.py)."""
+    (block_size > 0: paged, a pool of num_blocks blocks (0: every row at full length) and a
+    block table, `table` when given (shared with the target): runtime/kv_cache.py)."""
     layers, kv_heads, head_dim = model_geometry(model_config)
     nbytes = KVCache.nbytes(layers, batch, slots, kv_heads, head_dim, dtype)
+    what = f"max_batch_size={batch} x max_seq_len={max_seq_len}"
+    if block_size and num_blocks:
+        nbytes = KVCache.nbytes(layers, num_blocks, block_size, kv_heads, head_dim, dtype)
+        what = f"{num_blocks} blocks of {block_size} slots"
     free = free_memory_bytes(device)
     if free is not None and nbytes > free:
         raise ValueError(
-            f"the {role}'s KV cache needs {nbytes / 2**30:.2f} GiB for max_batch_size={batch} "
-            f"x max_seq_len={max_seq_len}, but only {free / 2**30:.2f} GiB is free on {device}: "
-            "lower one of them")
-    return KVCache.allocate(layers, batch, slots, kv_heads, head_dim, dtype, device, block_size)
+            f"the {role}'s KV cache needs {nbytes / 2**30:.2f} GiB for {what}, but only "
+            f"{free / 2**30:.2f} GiB is free on {device}: lower one of them")
+    return KVCache.allocate(layers, batch, slots, kv_heads, head_dim, dtype, device, block_size,
+                            num_blocks, table)
 
 
 # With compile="auto" on CPU, models below this many parameters run their FX graphs: compiling
@@ -154,7 +160,8 @@ def add_fixed(buckets: dict[int, ModelSteps], view: nn.Module, kind: StepKind,
             continue
         exported, symbolic = shared
         try:
-            rewritten = specialize(symbolic, steps.cache.k, steps.cache.v, kind.tokens)
+            rewritten = specialize(symbolic, steps.cache.k, steps.cache.v, kind.tokens,
+                                   steps.cache.block_table)
         except Exception as e:  # noqa: BLE001 -- this one exports on its own
             say(f"{steps.role}.{_kind_name(kind)}: bucket {size} not retraced "
                 f"({first_line(e)}); exporting it")
@@ -216,6 +223,8 @@ def with_cache(gm: torch.fx.GraphModule, cache: KVCache) -> torch.fx.GraphModule
     graph._codegen = gm.graph._codegen
     graph.output(graph.graph_copy(gm.graph, {}))
     own = dict(zip(cache_names(len(cache.k)), [*cache.k, *cache.v]))
+    if cache.paged:  # the pools are every bucket's: only the table's rows differ
+        own["block_table"] = cache.block_table
     attributes = {}
     for node in graph.find_nodes(op="get_attr"):
         attributes[node.target] = own.get(node.target) if node.target in own else \

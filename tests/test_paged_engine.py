@@ -40,11 +40,33 @@ def test_paged_engine_generates_the_contiguous_tokens(engines, name: str, gamma:
     assert torch.equal(got, want)
 
 
+def test_paged_engine_with_batch_buckets(engines) -> None:
+    """Buckets 1, 2, 4 over one pool (each bucket's steps cut only the block table's rows;
+    one shared export specialised per bucket): each batch size's tokens are the contiguous
+    engine's, and the steps read the pools themselves (no copies per bucket)."""
+    contiguous, target = engines("plain")
+    engine = build(target, None, gamma=0, kv_block_size=8, batch_buckets=(1, 2, 4),
+                   compile="fx")
+    assert engine.report().fallbacks == [] and sorted(engine.buckets) == [1, 2, 4]
+    pools = engine.target.cache.k[0]
+    for size, bucket in engine.buckets.items():
+        cache = bucket.target.cache
+        assert cache.k[0] is pools and cache.block_table.shape[0] == size
+    for rows, seed in ((1, 5), (2, 6), (3, 7)):
+        ids, mask = prompts([9, 4, 11][:rows], seed=seed)
+        want = contiguous.generate(ids, attention_mask=mask, max_new_tokens=12)
+        assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=12), want)
+
+
 def test_paged_config_refusals() -> None:
     with pytest.raises(ValueError, match="kv_block_size"):
         fuser.FuserConfig(kv_block_size=-1)
-    with pytest.raises(ValueError, match="one batch bucket"):
-        build(llama_target(), None, gamma=0, kv_block_size=4, batch_buckets=(1, 4))
+    with pytest.raises(ValueError, match="kv_blocks"):
+        fuser.FuserConfig(kv_block_size=4, kv_blocks=1)
+    with pytest.raises(ValueError, match="set kv_block_size"):
+        fuser.FuserConfig(kv_blocks=8)
+    with pytest.raises(ValueError, match="kv_memory_fraction"):
+        fuser.FuserConfig(kv_block_size=4, kv_memory_fraction=1.5)
 
 
 def test_paged_allocation_and_row_moves() -> None:
@@ -56,6 +78,16 @@ def test_paged_allocation_and_row_moves() -> None:
     cache.move_row(2, 0)
     assert cache.block_table.tolist() == [[3, 6, 9], [2, 5, 8], [1, 4, 7]]
     assert cache.seq_lens[0] == 7
+    cache.lay_out(2, 5)  # rows 0, 1: two blocks each, interleaved; row 2: none
+    assert cache.block_table.tolist() == [[1, 3, 0], [2, 4, 0], [0, 0, 0]]
+    small = KVCache.allocate(1, 3, 10, 2, 4, torch.float32, torch.device("cpu"), block_size=4,
+                             num_blocks=5)  # fewer than every row needs: no blocks up front
+    assert small.num_blocks == 5 and small.block_table.tolist() == [[0] * 3] * 3
+    with pytest.raises(ValueError, match="pool has 5"):
+        small.lay_out(3, 10)
+    draft = KVCache.allocate(1, 3, 10, 1, 4, torch.float32, torch.device("cpu"), block_size=4,
+                             num_blocks=5, table=small.block_table)
+    assert draft.block_table is small.block_table
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
