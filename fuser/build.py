@@ -174,13 +174,14 @@ def add_fixed(buckets: dict[int, ModelSteps], view: nn.Module, kind: StepKind,
 
 def add_prefill(buckets: dict[int, ModelSteps], view: nn.Module, kind: StepKind,
                 config: FuserConfig, device: torch.device, say: Progress) -> None:
-    """Prefill in every bucket: exported with a dynamic batch and rewritten once (its row
-    count is symbolic either way), one graph a bucket over that bucket's cache rows."""
+    """Prefill (or another step of dynamic T: a paged engine's chunk) in every bucket:
+    exported with a dynamic batch and rewritten once (its row count is symbolic either way),
+    one graph a bucket over that bucket's cache rows."""
     top = buckets[max(buckets)]
     if len(buckets) == 1:
         add_step(top, view, kind, config, device)
         return
-    module = StepModule(view, top.cache.k, top.cache.v, prefill=True,
+    module = StepModule(view, top.cache.k, top.cache.v, prefill=kind.starts_empty,
                         block_table=top.cache.block_table)
     try:
         exported, symbolic = export_step(module, top.cache.batch_size, None,
@@ -209,7 +210,7 @@ def _kind_name(kind: StepKind) -> str:
 
 def _new_graph(steps: ModelSteps, view: nn.Module, kind: StepKind) -> StepGraph:
     """An empty StepGraph of `kind` in `steps`, its eager module over the steps' cache."""
-    module = StepModule(view, steps.cache.k, steps.cache.v, prefill=not kind.fixed,
+    module = StepModule(view, steps.cache.k, steps.cache.v, prefill=kind.starts_empty,
                         block_table=steps.cache.block_table)
     graph = StepGraph(f"{steps.role}.{kind.name}", kind, eager=module)
     steps.steps[kind] = graph
@@ -311,6 +312,9 @@ def check_against_eager(steps: ModelSteps, model: nn.Module, max_seq_len: int,
     B = cache.batch_size
     tokens = ids.to(device).expand(B, T).contiguous()
     positions = torch.arange(T, device=device)[None].expand(B, T).contiguous()
+    if cache.paged:  # every row its blocks where the pool holds them, else row 0 (compared)
+        full = 1 + B * cache.block_table.shape[1] <= cache.num_blocks
+        cache.lay_out(B if full else 1, cache.slots if full else T)
     cache.reset()
     out = steps.run(PREFILL, tokens[:, :-1], positions[:, :-1])[:1]
     cache.set_lengths(T - 1)

@@ -163,11 +163,13 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
         return build_bucket_steps(role, view, cache, sizes, kinds, config, device,
                                   progress=_progress)
 
-    target_kinds = target_steps(0) + [verify(g) for g in sorted(set(gammas + suffix_gammas))]
+    paged = bool(config.kv_block_size)
+    target_kinds = target_steps(0, paged) + [verify(g)
+                                             for g in sorted(set(gammas + suffix_gammas))]
     target_built = prepare("target", target, target_kinds, slots)
     draft_built = None
     if draft is not None and gammas and target_built is not None:
-        draft_built = prepare("draft", draft, draft_steps(draft_slots), draft_slots)
+        draft_built = prepare("draft", draft, draft_steps(draft_slots, paged), draft_slots)
     for built in (target_built, draft_built):
         for size, steps in (built or {}).items():
             began = time.perf_counter()
