@@ -237,3 +237,42 @@ def test_speculative_paged_scheduler_with_preemption_and_prefix_hits() -> None:
         assert_no_leak(sched)
     finally:
         sched.close()
+
+
+def test_serving_metrics_move() -> None:
+    """/metrics' KV gauge and prefix-cache counters (fuser/server/metrics.py) follow the
+    scheduler: usage above 0 while a request holds blocks, 0 after; queries and hits in
+    tokens."""
+    from fuser.server.metrics import ServingMetrics
+    from serve_util import metric
+
+    sched = Scheduler(engine())  # stepped by hand
+    metrics = ServingMetrics(lambda: sched)
+    try:
+        text = metrics.text()
+        assert metric(text, "fuser_kv_cache_usage_perc") == 0.0
+        assert metric(text, "fuser_prefix_cache_queries_total") == 0.0
+        shared = prompt(8, seed=70)
+        first = sched.submit(shared + [5], greedy(3))
+        scraped = []
+        collect = sched._collect
+
+        def scrape_then_collect(step) -> None:  # a scrape while the request runs
+            scraped.append(metric(metrics.text(), "fuser_kv_cache_usage_perc"))
+            collect(step)
+
+        sched._collect = scrape_then_collect
+        with engine().generating():
+            while not first.done:
+                sched._iteration()
+            assert scraped and scraped[0] == 3 / sched.blocks.usable_blocks  # 12 slots: 3 blocks
+            sched.submit(shared + [6, 7], greedy(2))
+            while sched.num_running or sched.num_waiting:
+                sched._iteration()
+            sched._retire()
+        text = metrics.text()
+        assert metric(text, "fuser_kv_cache_usage_perc") == 0.0
+        assert metric(text, "fuser_prefix_cache_queries_total") == 9 + 10
+        assert metric(text, "fuser_prefix_cache_hits_total") == 8
+    finally:
+        sched.close()

@@ -419,3 +419,36 @@ def test_cold_start_parts_add_up(monkeypatch):
     lines = cold.table().splitlines()
     assert lines[0] == "cold start, launch to ready (seconds):"
     assert lines[-1].split() == ["total", "5.50"]
+
+
+def test_a_model_directory_serves_a_paged_cache_with_prefix_caching(tiny_model_dir):
+    """The default build pages the KV cache (16-slot blocks; on the CPU the pool holds every
+    row at full length) and the scheduler shares prompt prefixes; --no-prefix-caching turns
+    that off, --block-size 0 gives the contiguous cache."""
+    from fuser.server.cli import kv_cache_config, make_scheduler, open_engine
+
+    args = _serve_args("--max-batch-size", "2", "--max-seq-len", "64")
+    args.path = str(tiny_model_dir)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = open_engine(args)
+    cache = engine.target.cache
+    assert cache.paged and cache.k[0].shape[1] == 16
+    assert cache.num_blocks == 1 + 2 * cache.block_table.shape[1]
+    for flags, sharing in (((), True), (("--no-prefix-caching",), False)):
+        scheduler = make_scheduler(engine, _serve_args(*flags))
+        try:
+            assert scheduler.blocks is not None and scheduler.blocks.prefix_caching is sharing
+        finally:
+            scheduler.close()
+    assert kv_cache_config(_serve_args("--block-size", "0")) == {}
+    assert kv_cache_config(_serve_args("--gpu-memory-fraction", "0.5")) == \
+        dict(kv_block_size=16, kv_memory_fraction=0.5)
+
+
+def test_kv_cache_flag_mistakes_are_one_line(tiny_model_dir, capsys):
+    for flags, word in ((["--block-size", "-1"], "--block-size"),
+                        (["--gpu-memory-fraction", "1.5"], "--gpu-memory-fraction"),
+                        (["--block-size", "0", "--gpu-memory-fraction", "0.5"], "not with")):
+        code, err = _run(["serve", str(tiny_model_dir), "--port", "0", *flags], capsys)
+        assert code == 2 and err.count("\n") == 1 and word in err, err
