@@ -20,7 +20,8 @@
 #             repetitive stream (adapt.py; ADAPT_ARGS adds flags)                      ~6 min
 #   adapt8b   the same, the 8B shape with a random 1B-shape draft (adapt.py --workloads 8b)
 #   paged     paged against contiguous decode/verify attention at the 8B shape
-#             (paged_attention.py; fails above 1.05x), the paged kernels' and engine's GPU tests
+#             (paged_attention.py; fails above 1.05x), the paged kernels', engine's and
+#             scheduler's GPU tests
 #   tests     the GPU tests: pytest -k "gpu or cuda" over TESTS (default: tests), JOBS workers
 #
 # Each suite writes its full logs and JSON under $OUT/<suite>/ and ends with a short table; the
@@ -145,7 +146,7 @@ for suite in "$@"; do
         "$(sed -n '/^--- criteria/,$p' "$DIR/$suite.log" | grep -E '^ *(PASS|FAIL|n/a) ')" ;;
     paged)
       step paged_tests 300 python3 -m pytest -q -p no:cacheprovider -rf tests/test_paged_attention.py \
-        tests/test_paged_engine.py -k "gpu"
+        tests/test_paged_engine.py tests/test_paged_scheduler.py -k "gpu"
       step paged_attention 270 python3 benchmarks/paged_attention.py --out "$DIR/paged_attention.json"
       table "paged: paged / contiguous attention, 8B shape, bf16, 16-slot blocks (scattered)" \
         "$(grep -E '^(FAILED|ERROR)|passed|failed' "$DIR/paged_tests.log" | tail -n 4)" \
