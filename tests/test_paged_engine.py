@@ -109,3 +109,25 @@ def test_gpu_paged_engine_generates_the_contiguous_tokens() -> None:
         assert engine.report().fallbacks == [] and engine.target.cache.paged
         got = engine.generate(ids, attention_mask=mask, max_new_tokens=24)
         assert torch.equal(got, want), gamma
+
+
+def test_pool_sizes_from_blocks_or_a_memory_fraction(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kv_blocks is taken as given; kv_memory_fraction sizes the pools on CUDA from the free
+    memory less the weights still to come (target and draft: blocks_for_budget); on the CPU
+    the default size (every row at full length) stands."""
+    import fuser.runtime.kv_cache as kv_cache
+    from fuser.build import model_geometry
+    from fuser.pipeline import paged_pool_blocks
+    from fuser.runtime.blocks import CacheShape, blocks_for_budget
+
+    target, draft = llama_target(), mistral_draft()
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    config = fuser.FuserConfig(kv_block_size=4, kv_blocks=9)
+    assert paged_pool_blocks(config, target, draft, 64, torch.float32, cuda) == 9
+    half = fuser.FuserConfig(kv_block_size=4, kv_memory_fraction=0.5)
+    assert paged_pool_blocks(half, target, draft, 64, torch.float32, cpu) == 0
+    weights = 4 * sum(p.numel() for m in (target, draft) for p in m.parameters())
+    monkeypatch.setattr(kv_cache, "free_memory_bytes", lambda device: weights + 2**20)
+    shapes = [CacheShape(*model_geometry(m.config), torch.float32) for m in (target, draft)]
+    want = blocks_for_budget(2**19, 4, shapes)
+    assert want > 2 and paged_pool_blocks(half, target, draft, 64, torch.float32, cuda) == want

@@ -144,6 +144,7 @@ def test_preempted_requests_return_what_they_return_alone() -> None:
     """Six requests whose rows outgrow a 13-block pool: the newest rows are preempted and
     requeued (several times), resumed from their tokens so far; every output is unchanged."""
     eng = engine(SMALL_POOL)
+    assert eng.target.cache.num_blocks == SMALL_POOL
     requests = [(prompt(10, seed=30 + i), greedy(20) if i % 2 == 0 else sampled(20, seed=i))
                 for i in range(6)]
     want = alone(eng, requests)
