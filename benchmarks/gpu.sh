@@ -22,6 +22,9 @@
 #   paged     paged against contiguous decode/verify attention at the 8B shape
 #             (paged_attention.py; fails above 1.05x), the paged kernels', engine's and
 #             scheduler's GPU tests
+#   prefix    prefix caching through the scheduler, 8B shape, bf16: TTFT p50 of requests
+#             sharing a 1,024-token opening with the cache and without (prefix_cache.py;
+#             fails above 0.25x), and whether their tokens agree
 #   tests     the GPU tests: pytest -k "gpu or cuda" over TESTS (default: tests), JOBS workers
 #
 # Each suite writes its full logs and JSON under $OUT/<suite>/ and ends with a short table; the
@@ -34,7 +37,7 @@ export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fuser-out}
 BUDGET=${BUDGET:-580}
-SUITES="decode verify spec fallback files ops accuracy serve adapt adapt8b paged tests"
+SUITES="decode verify spec fallback files ops accuracy serve adapt adapt8b paged prefix tests"
 if [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ]; then
   sed -n '2,/^set -o/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
   exit 0
@@ -151,6 +154,10 @@ for suite in "$@"; do
       table "paged: paged / contiguous attention, 8B shape, bf16, 16-slot blocks (scattered)" \
         "$(grep -E '^(FAILED|ERROR)|passed|failed' "$DIR/paged_tests.log" | tail -n 4)" \
         "$(grep -v -i warn "$DIR/paged_attention.log" | tail -n 14)" ;;
+    prefix)
+      step prefix 560 python3 benchmarks/prefix_cache.py --out "$DIR/prefix.json"
+      table "prefix: TTFT with and without the prefix cache, 8B shape, bf16" \
+        "$(grep -v -i warn "$DIR/prefix.log" | tail -n 5)" ;;
     tests)
       # shellcheck disable=SC2086  # TESTS: paths, word-split on purpose
       # JOBS pytest-xdist workers share the one GPU (default 8 of the machine's 16 cores: the

@@ -183,3 +183,13 @@ def test_adapt_benchmark_dry_run(tmp_path: Path) -> None:
     lines = proc.stdout.splitlines()
     assert lines[-1].startswith("dry run on CPU")
     assert sum(line.lstrip().startswith(("PASS", "FAIL", "n/a")) for line in lines) == 7
+
+
+@pytest.mark.slow  # builds a paged engine of the tiny random Llama (~60 s on a 2-core CPU)
+def test_prefix_cache_benchmark_dry_run(tmp_path: Path) -> None:
+    proc = run("prefix_cache.py", tmp_path / "prefix.json")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "prefix.json").read_text())
+    assert result["same_tokens"] == 4 and result["results"]["off"]["prefix_hits"] == 0
+    assert result["results"]["on"]["prefix_hits"] == 8 * 48  # 4 + 4 requests, 48 cached each
+    assert proc.stdout.strip().splitlines()[-1].startswith("dry run on CPU")
