@@ -294,10 +294,8 @@ class Scheduler:
             self.blocks = BlockManager(cache.num_blocks, cache.k[0].shape[1], self.max_slots,
                                        cache.block_table.shape[1],
                                        prefix_caching=prefix_caching, table=cache.block_table)
-        # Slots a step may write past a row's length: gamma + 1 (verify), and gamma more where
-        # the draft runs ahead (overlapped rounds).
-        gamma = engine.config.resolved_gamma
-        self._step_room = gamma + 1 + (gamma if top.overlap else 0)
+        self._step_room = 1
+        self._set_step_room()
         self._admissions = itertools.count(1)
 
     # -- public ----------------------------------------------------------------------------------
@@ -670,6 +668,15 @@ class Scheduler:
         for row, (tokens, hit) in enumerate(zip(token_lists, cached)):
             blocks.commit(row, tokens[hit:])
         return result
+
+    def _set_step_room(self) -> None:
+        """Slots a step may write past a row's length: gamma + 1 for the longest verify step
+        the engine has (a draft's, or the suffix index's), and gamma more where the draft runs
+        ahead (overlapped rounds). Call again when verify steps are added."""
+        top = self.engine.buckets[self.max_slots]
+        gamma = max([k.tokens - 1 for k in top.target.steps if k.name == "verify"]
+                    + [self.engine.config.resolved_gamma, *self.engine.gammas])
+        self._step_room = gamma + 1 + (gamma if top.overlap else 0)
 
     def _admission_slots(self, stream: RequestStream) -> int:
         """Slots a request is admitted with: its prompt (and what it emitted before a

@@ -309,3 +309,29 @@ def test_gpu_paged_scheduler_replays_graphs_over_the_managed_table() -> None:
     replays = eng.report().graph_replays
     assert sum(v for k, v in replays.items() if k.startswith("step.b")) >= sched.steps
     assert all(n == 0 for b in eng.buckets.values() for n in b.uncaptured_runs.values())
+
+
+def test_adaptive_scheduler_with_suffix_proposals_over_a_small_pool() -> None:
+    """The adaptive scheduler's suffix proposals (verify steps added after the build, gamma
+    2 on a target-only engine) over the small pool: rows grow by the longest verify step, a
+    preempted request is not indexed twice, and the greedy tokens are each request's alone."""
+    from fuser.runtime.adaptive_scheduler import AdaptiveScheduler
+
+    target = llama_target()
+    config = fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=4, batch_buckets=(1, 2, 4),
+                               gamma=0, compile="fx", kv_block_size=BLOCK, kv_blocks=SMALL_POOL,
+                               suffix_speculation=True, gamma_candidates=(2,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eng = fuser.optimize(target, config=config)
+    requests = [(prompt(6, seed=90 + i % 2) * 2, greedy(20)) for i in range(6)]  # repetitive
+    want = alone(eng, requests)
+    sched = AdaptiveScheduler(eng, suffix=True, background=False)
+    sched.start()
+    try:
+        streams = [sched.submit(p, params) for p, params in requests]
+        assert [s.result(TIMEOUT) for s in streams] == want
+        assert sched.preemptions > 0 and sched._step_room == 3
+        assert_no_leak(sched)
+    finally:
+        sched.close()
