@@ -734,10 +734,12 @@ class Scheduler:
         target's, so with a draft only prefilled blocks are keyed)."""
         if self.blocks is None or not self.blocks.prefix_caching or self._caches[1:]:
             return
+        size = self.blocks.block_size
         for row, stream in enumerate(rows):
             have = self.blocks.committed(row)
-            tokens = stream.prompt_ids + stream.output_ids[:-1]
-            if len(tokens) // self.blocks.block_size > have // self.blocks.block_size:
+            written = len(stream.prompt_ids) + len(stream.output_ids) - 1
+            if written // size > have // size:  # a block filled: key it (and what led to it)
+                tokens = stream.prompt_ids + stream.output_ids[:-1]
                 self.blocks.commit(row, tokens[have:])
 
     def _deliver(self, stream: RequestStream, kept: list[int], budget: int) -> None:
