@@ -131,3 +131,38 @@ def test_pool_sizes_from_blocks_or_a_memory_fraction(monkeypatch: pytest.MonkeyP
     shapes = [CacheShape(*model_geometry(m.config), torch.float32) for m in (target, draft)]
     want = blocks_for_budget(2**19, 4, shapes)
     assert want > 2 and paged_pool_blocks(half, target, draft, 64, torch.float32, cuda) == want
+
+
+def test_paged_engine_files_round_trip(tmp_path) -> None:
+    """engine.save / fuser.load of a paged engine with a draft (gamma 2, buckets 1 and 4, a
+    pool of 30 blocks, fewer than every row at full length): the manifest keeps the geometry, the loaded draft shares the target's
+    table, and the loaded engine generates, and serves through the scheduler, the built
+    engine's tokens."""
+    from fuser import SamplingParams, Scheduler
+
+    engine = build(llama_target(), mistral_draft(), gamma=2, kv_block_size=4, kv_blocks=30,
+                   batch_buckets=(1, 4), compile="fx")
+    ids, mask = prompts([7, 12, 3, 9], seed=8)
+    want = engine.generate(ids, attention_mask=mask, max_new_tokens=6)
+    manifest = engine.save(tmp_path / "engine")
+    info = manifest["info"]["models"]
+    assert {m["block_size"] for m in info.values()} == {4}
+    assert {m["num_blocks"] for m in info.values()} == {30}
+    loaded = fuser.load(tmp_path / "engine")
+    cache = loaded.target.cache
+    assert cache.paged and cache.num_blocks == 30 and loaded.draft.cache.block_table is \
+        cache.block_table
+    assert all(b.target.cache.k[0] is cache.k[0] for b in loaded.buckets.values())
+    assert torch.equal(loaded.generate(ids, attention_mask=mask, max_new_tokens=6), want)
+    requests = [(ids[b][mask[b].bool()].tolist(), SamplingParams(max_tokens=10, temperature=0.0,
+                                                                  ignore_eos=True))
+                for b in range(4)]
+    outputs = []
+    for eng in (engine, loaded):
+        sched = Scheduler(eng)
+        sched.start()
+        try:
+            outputs.append([sched.submit(p, params).result(120) for p, params in requests])
+        finally:
+            sched.close()
+    assert outputs[0] == outputs[1]
