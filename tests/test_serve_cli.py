@@ -452,3 +452,26 @@ def test_kv_cache_flag_mistakes_are_one_line(tiny_model_dir, capsys):
                         (["--block-size", "0", "--gpu-memory-fraction", "0.5"], "not with")):
         code, err = _run(["serve", str(tiny_model_dir), "--port", "0", *flags], capsys)
         assert code == 2 and err.count("\n") == 1 and word in err, err
+
+
+def test_a_paged_engine_directory_serves_paged(tiny_model_dir, tmp_path):
+    """`fuser build --block-size 8` writes a paged engine (inspect says so); `fuser serve` of
+    it loads the paged cache and its scheduler manages the blocks (no rebuild)."""
+    from fuser.server.cli import make_scheduler, open_engine
+
+    out = tmp_path / "paged-engine"
+    assert main(["build", str(tiny_model_dir), "--max-batch-size", "1", "--max-seq-len", "48",
+                 "--gamma", "0", "--block-size", "8", "--out", str(out)]) == 0
+    assert main(["inspect", str(out)]) == 0
+    args = _serve_args()
+    args.path = str(out)
+    engine = open_engine(args)
+    assert engine.target.cache.paged and engine.target.cache.k[0].shape[1] == 8
+    scheduler = make_scheduler(engine, args)
+    scheduler.start()
+    try:
+        params = fuser.SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+        assert len(scheduler.submit([5, 6, 7, 8, 9] * 3, params).result(120.0)) == 5
+        assert scheduler.blocks.prefix_queries == 15
+    finally:
+        scheduler.close()
