@@ -86,7 +86,7 @@ class FuserConfig:
             written through the table by every step (runtime/kv_cache.py, runtime/blocks.py).
             The same tokens as the contiguous cache. A `Scheduler` over a paged engine gives
             blocks to requests as they need them (runtime/blocks.py), with prefix caching.
-            Engine files refuse it for now.
+            Engine files keep the pool as built (docs/paged-kv.md).
         kv_blocks: a paged cache's blocks per pool (the null block included); 0 (default):
             enough for every row at full length (1 + max_batch_size x slots per row / N), or
             what kv_memory_fraction gives. Fewer blocks than that serve more rows than fit at
