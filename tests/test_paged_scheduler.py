@@ -282,21 +282,21 @@ def test_serving_metrics_move() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_paged_scheduler_replays_graphs_over_the_managed_table() -> None:
     """On CUDA (fp32; the captured iteration graphs read the block table where it lives, the
-    scheduler copies it there before each step): a draft engine (gamma 3) over a 13-block
-    pool, requests sharing an opening (prefix hits: the chunk step, flash_prefill over the
-    pools) and outgrowing the pool (preemption): each returns its tokens alone, and every
-    step replayed a captured graph."""
+    scheduler copies it there before each step): a draft engine (gamma 3) over a 23-block
+    pool, requests sharing a 20-token opening (prefix hits: the chunk step of 18 tokens,
+    flash_prefill over the pools) and outgrowing the pool (preemption): each returns its
+    tokens alone, and every step replayed a captured graph."""
     import copy
 
     target = copy.deepcopy(llama_target()).cuda()  # (the CPU tests share the cached one)
     config = fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=4, gamma=3,
-                               precision="fp32", kv_block_size=BLOCK, kv_blocks=SMALL_POOL)
+                               precision="fp32", kv_block_size=BLOCK, kv_blocks=24)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         eng = fuser.optimize(target, draft=perturbed(target, 0.05, seed=3), config=config)
     assert sorted(eng.buckets) == [1, 2, 4] and eng.report().fallbacks == []
     shared = prompt(20, seed=80)
-    requests = [(shared + prompt(3, seed=81 + i), greedy(16)) for i in range(5)]
+    requests = [(shared + prompt(18, seed=81 + i), greedy(12)) for i in range(5)]
     want = alone(eng, requests)
     sched = started(eng)
     try:
