@@ -233,7 +233,8 @@ def stored_graphs(role_buckets: dict[int, ModelSteps]) -> dict[str, torch.fx.Gra
     top = max(role_buckets)
     out = {}
     for size, steps in role_buckets.items():
-        names = dict(zip(runtime_buffer_names(steps.cache), runtime_buffer_names(steps.cache, size)))
+        names = dict(zip(runtime_buffer_names(steps.cache),
+                         runtime_buffer_names(steps.cache, size)))
         for kind, g in steps.steps.items():
             if size == top:
                 out[graph_key(kind)] = g.rewritten

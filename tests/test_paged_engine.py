@@ -135,9 +135,9 @@ def test_pool_sizes_from_blocks_or_a_memory_fraction(monkeypatch: pytest.MonkeyP
 
 def test_paged_engine_files_round_trip(tmp_path) -> None:
     """engine.save / fuser.load of a paged engine with a draft (gamma 2, buckets 1 and 4, a
-    pool of 30 blocks, fewer than every row at full length): the manifest keeps the geometry, the loaded draft shares the target's
-    table, and the loaded engine generates, and serves through the scheduler, the built
-    engine's tokens."""
+    pool of 30 blocks, fewer than every row at full length): the manifest keeps the geometry,
+    the loaded draft shares the target's table, and the loaded engine generates, and serves
+    through the scheduler, the built engine's tokens."""
     from fuser import SamplingParams, Scheduler
 
     engine = build(llama_target(), mistral_draft(), gamma=2, kv_block_size=4, kv_blocks=30,
