@@ -4,8 +4,8 @@
 
 A step kind is a name and a token count per step (T fixed, or None for prefill and chunk,
 which take any T >= 2). The target and the draft each have their own list (`target_steps`,
-`draft_steps`);
-the engine builds, the runtime runs and the benchmarks time exactly these kinds, by object.
+`draft_steps`); the engine builds, the runtime runs and the benchmarks time exactly these
+kinds, by object.
 
 A `StepGraph` keeps the stages of one built step apart: the exported program, the rewritten FX
 graph, the compiled callable and the captured CUDA graph. `ModelSteps` is one model's KV cache
