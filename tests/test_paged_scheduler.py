@@ -311,6 +311,7 @@ def test_gpu_paged_scheduler_replays_graphs_over_the_managed_table() -> None:
     assert all(n == 0 for b in eng.buckets.values() for n in b.uncaptured_runs.values())
 
 
+@pytest.mark.slow  # (an engine of its own with suffix verify steps: ~35 s on a 2-core CPU)
 def test_adaptive_scheduler_with_suffix_proposals_over_a_small_pool() -> None:
     """The adaptive scheduler's suffix proposals (verify steps added after the build, gamma
     2 on a target-only engine) over the small pool: rows grow by the longest verify step, a
