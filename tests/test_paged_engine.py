@@ -13,7 +13,7 @@ import torch
 
 import fuser
 from fuser.runtime.kv_cache import KVCache
-from engines import MAX_SEQ_LEN, llama_target, mistral_draft, prompts
+from engines import MAX_SEQ_LEN, llama_target, mistral_draft, paged_engine, prompts
 
 def build(model, draft, **config) -> fuser.Engine:
     with warnings.catch_warnings():
@@ -44,10 +44,9 @@ def test_paged_engine_with_batch_buckets(engines) -> None:
     """Buckets 1, 2, 4 over one pool (each bucket's steps cut only the block table's rows;
     one shared export specialised per bucket): each batch size's tokens are the contiguous
     engine's, and the steps read the pools themselves (no copies per bucket)."""
-    contiguous, target = engines("plain")
-    engine = build(target, None, gamma=0, kv_block_size=8, batch_buckets=(1, 2, 4),
-                   compile="fx")
-    assert engine.report().fallbacks == [] and sorted(engine.buckets) == [1, 2, 4]
+    contiguous, _ = engines("plain")
+    engine = paged_engine()  # (4-slot blocks; built once for tests/test_paged_scheduler.py too)
+    assert sorted(engine.buckets) == [1, 2, 4]
     pools = engine.target.cache.k[0]
     for size, bucket in engine.buckets.items():
         cache = bucket.target.cache
@@ -133,6 +132,8 @@ def test_pool_sizes_from_blocks_or_a_memory_fraction(monkeypatch: pytest.MonkeyP
     assert want > 2 and paged_pool_blocks(half, target, draft, 64, torch.float32, cuda) == want
 
 
+@pytest.mark.slow  # (an engine with a draft, saved and loaded: ~40 s on a 2-core CPU;
+# tests/test_serve_cli.py builds, saves and serves a target-only paged engine in the fast set)
 def test_paged_engine_files_round_trip(tmp_path) -> None:
     """engine.save / fuser.load of a paged engine with a draft (gamma 2, buckets 1 and 4, a
     pool of 30 blocks, fewer than every row at full length): the manifest keeps the geometry,

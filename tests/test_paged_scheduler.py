@@ -10,7 +10,6 @@ than one long request, so requests wait and are preempted).
 
 from __future__ import annotations
 
-import functools
 import random
 import warnings
 
@@ -20,29 +19,17 @@ import torch
 import fuser
 from fuser import SamplingParams, Scheduler
 from fuser.runtime import speculative
-from engines import llama_target, perturbed
+from engines import MAX_SEQ_LEN, llama_target, paged_engine, perturbed
 
-MAX_SEQ_LEN = 64
 VOCAB = 160
-BLOCK = 4
+BLOCK = 4  # paged_engine's block size
 SMALL_POOL = 14  # blocks, the null block included
 TIMEOUT = 120.0
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
-@functools.cache
-def engine(blocks: int = 0, draft: bool = False) -> fuser.Engine:
-    target = llama_target()
-    config = fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=4, batch_buckets=(1, 2, 4),
-                               gamma=3 if draft else 0, compile="fx", kv_block_size=BLOCK,
-                               kv_blocks=blocks)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        built = fuser.optimize(target, draft=perturbed(target, 0.05, seed=3) if draft else None,
-                               config=config)
-    assert built.report().fallbacks == [] and built.target.cache.paged
-    return built
+engine = paged_engine  # (tests/engines.py: shared with tests/test_paged_engine.py)
 
 
 def prompt(length: int, seed: int) -> list[int]:
