@@ -475,3 +475,37 @@ def test_a_paged_engine_directory_serves_paged(tiny_model_dir, tmp_path):
         assert scheduler.blocks.prefix_queries == 15
     finally:
         scheduler.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_a_model_directory_serves_a_pool_sized_from_free_memory(tiny_model_dir):
+    """On CUDA, `fuser serve MODEL_DIR --gpu-memory-fraction 0.05`: the pools take 5% of the
+    memory free after the weights (far more blocks than the rows need at full length),
+    and requests sharing an opening run through the captured step graphs with prefix hits.
+    (0.05: the GPU tests share one GPU.)"""
+    from fuser.server.cli import make_scheduler, open_engine
+
+    total = torch.cuda.mem_get_info()[1]
+    args = _serve_args("--max-batch-size", "2", "--max-seq-len", "256",
+                       "--gpu-memory-fraction", "0.05")
+    args.path = str(tiny_model_dir)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = open_engine(args)
+    cache = engine.target.cache
+    pool_bytes = 2 * sum(k.numel() * k.element_size() for k in cache.k)
+    # (other GPU tests run beside this one: the free memory moves, the bounds are loose)
+    assert cache.paged and 0.01 * total < pool_bytes <= 0.05 * total
+    assert cache.num_blocks > 1 + 2 * cache.block_table.shape[1]
+    scheduler = make_scheduler(engine, args)
+    scheduler.start()
+    try:
+        params = fuser.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        opening = list(range(10, 50))
+        outs = [scheduler.submit(opening + [60 + i], params).result(120.0) for i in range(3)]
+        assert all(len(out) == 8 for out in outs)
+        assert scheduler.blocks.prefix_hits == 2 * 32  # two 16-slot blocks, twice
+    finally:
+        scheduler.close()
+    replays = engine.report().graph_replays
+    assert sum(v for k, v in replays.items() if k.startswith("step.b")) >= scheduler.steps > 0
