@@ -31,7 +31,11 @@
 #             repetitive stream (adapt.py; ADAPT_ARGS adds flags)                      ~6 min
 #   adapt8b   the same, the 8B shape with a random 1B-shape draft (adapt.py --workloads 8b)
 #   paged     paged against contiguous decode/verify attention at the 8B shape
-#             (paged_attention.py; fails above 1.05x), the paged kernels' and engine's GPU tests
+#             (paged_attention.py; fails above 1.05x), the paged kernels', engine's and
+#             scheduler's GPU tests
+#   prefix    prefix caching through the scheduler, 8B shape, bf16: TTFT p50 of requests
+#             sharing a 1,024-token opening with the cache and without (prefix_cache.py;
+#             fails above 0.25x), and whether their tokens agree
 #   allreduce NCCL against the one-shot peer-to-peer all-reduce in a CUDA graph, 8 KiB to
 #             8 MiB (all_reduce.py; 2+ GPUs: nvidia-h200-x2), and the 2-GPU collective tests
 #   tests     the GPU tests: pytest -k "gpu or cuda" over TESTS (default: tests), JOBS workers
@@ -48,7 +52,7 @@ export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fuser-out}
 BUDGET=${BUDGET:-580}
-SUITES="decode verify spec fallback files ops accuracy serve serve256 serve256fp8 servepaged serverate servelong adapt adapt8b paged allreduce tests"
+SUITES="decode verify spec fallback files ops accuracy serve serve256 serve256fp8 servepaged serverate servelong adapt adapt8b paged prefix allreduce tests"
 PAGED_ARGS=${PAGED_ARGS---config kv_block_size=16 --config kv_memory_fraction=0.9}
 if [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ]; then
   sed -n '2,/^set -o/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
@@ -190,11 +194,15 @@ for suite in "$@"; do
         "$(sed -n '/^--- criteria/,$p' "$DIR/$suite.log" | grep -E '^ *(PASS|FAIL|n/a) ')" ;;
     paged)
       step paged_tests 300 python3 -m pytest -q -p no:cacheprovider -rf tests/test_paged_attention.py \
-        tests/test_paged_engine.py -k "gpu"
+        tests/test_paged_engine.py tests/test_paged_scheduler.py -k "gpu"
       step paged_attention 270 python3 benchmarks/paged_attention.py --out "$DIR/paged_attention.json"
       table "paged: paged / contiguous attention, 8B shape, bf16, 16-slot blocks (scattered)" \
         "$(grep -E '^(FAILED|ERROR)|passed|failed' "$DIR/paged_tests.log" | tail -n 4)" \
         "$(grep -v -i warn "$DIR/paged_attention.log" | tail -n 14)" ;;
+    prefix)
+      step prefix 560 python3 benchmarks/prefix_cache.py --out "$DIR/prefix.json"
+      table "prefix: TTFT with and without the prefix cache, 8B shape, bf16" \
+        "$(grep -v -i warn "$DIR/prefix.log" | tail -n 5)" ;;
     allreduce)
       step allreduce_tests 300 python3 -m pytest -q -p no:cacheprovider -rfs \
         tests/test_p2p_all_reduce.py tests/test_tensor_parallel.py -k "cuda"

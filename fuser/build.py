@@ -42,18 +42,24 @@ def model_geometry(config: object) -> tuple[int, int, int]:
 
 
 def allocate_cache(role: str, model_config: object, batch: int, slots: int, dtype: torch.dtype,
-                   device: torch.device, max_seq_len: int, block_size: int = 0) -> KVCache:
+                   device: torch.device, max_seq_len: int, block_size: int = 0,
+                   num_blocks: int = 0, table: torch.Tensor | None = None) -> KVCache:
     """The model's KV cache, after checking that it fits in the device's free memory
-    (block_size > 0: paged, runtime/kv_cache.py)."""
+    (block_size > 0: paged, a pool of num_blocks blocks (0: every row at full length) and a
+    block table, `table` when given (shared with the target): runtime/kv_cache.py)."""
     layers, kv_heads, head_dim = model_geometry(model_config)
     nbytes = KVCache.nbytes(layers, batch, slots, kv_heads, head_dim, dtype)
+    what = f"max_batch_size={batch} x max_seq_len={max_seq_len}"
+    if block_size and num_blocks:
+        nbytes = KVCache.nbytes(layers, num_blocks, block_size, kv_heads, head_dim, dtype)
+        what = f"{num_blocks} blocks of {block_size} slots"
     free = free_memory_bytes(device)
     if free is not None and nbytes > free:
         raise ValueError(
-            f"the {role}'s KV cache needs {nbytes / 2**30:.2f} GiB for max_batch_size={batch} "
-            f"x max_seq_len={max_seq_len}, but only {free / 2**30:.2f} GiB is free on {device}: "
-            "lower one of them")
-    return KVCache.allocate(layers, batch, slots, kv_heads, head_dim, dtype, device, block_size)
+            f"the {role}'s KV cache needs {nbytes / 2**30:.2f} GiB for {what}, but only "
+            f"{free / 2**30:.2f} GiB is free on {device}: lower one of them")
+    return KVCache.allocate(layers, batch, slots, kv_heads, head_dim, dtype, device, block_size,
+                            num_blocks, table)
 
 
 # With compile="auto" on CPU, models below this many parameters run their FX graphs: compiling
@@ -154,7 +160,8 @@ def add_fixed(buckets: dict[int, ModelSteps], view: nn.Module, kind: StepKind,
             continue
         exported, symbolic = shared
         try:
-            rewritten = specialize(symbolic, steps.cache.k, steps.cache.v, kind.tokens)
+            rewritten = specialize(symbolic, steps.cache.k, steps.cache.v, kind.tokens,
+                                   steps.cache.block_table)
         except Exception as e:  # noqa: BLE001 -- this one exports on its own
             say(f"{steps.role}.{_kind_name(kind)}: bucket {size} not retraced "
                 f"({first_line(e)}); exporting it")
@@ -167,13 +174,14 @@ def add_fixed(buckets: dict[int, ModelSteps], view: nn.Module, kind: StepKind,
 
 def add_prefill(buckets: dict[int, ModelSteps], view: nn.Module, kind: StepKind,
                 config: FuserConfig, device: torch.device, say: Progress) -> None:
-    """Prefill in every bucket: exported with a dynamic batch and rewritten once (its row
-    count is symbolic either way), one graph a bucket over that bucket's cache rows."""
+    """Prefill (or another step of dynamic T: a paged engine's chunk) in every bucket:
+    exported with a dynamic batch and rewritten once (its row count is symbolic either way),
+    one graph a bucket over that bucket's cache rows."""
     top = buckets[max(buckets)]
     if len(buckets) == 1:
         add_step(top, view, kind, config, device)
         return
-    module = StepModule(view, top.cache.k, top.cache.v, prefill=True,
+    module = StepModule(view, top.cache.k, top.cache.v, prefill=kind.starts_empty,
                         block_table=top.cache.block_table)
     try:
         exported, symbolic = export_step(module, top.cache.batch_size, None,
@@ -202,7 +210,7 @@ def _kind_name(kind: StepKind) -> str:
 
 def _new_graph(steps: ModelSteps, view: nn.Module, kind: StepKind) -> StepGraph:
     """An empty StepGraph of `kind` in `steps`, its eager module over the steps' cache."""
-    module = StepModule(view, steps.cache.k, steps.cache.v, prefill=not kind.fixed,
+    module = StepModule(view, steps.cache.k, steps.cache.v, prefill=kind.starts_empty,
                         block_table=steps.cache.block_table)
     graph = StepGraph(f"{steps.role}.{kind.name}", kind, eager=module)
     steps.steps[kind] = graph
@@ -216,6 +224,8 @@ def with_cache(gm: torch.fx.GraphModule, cache: KVCache) -> torch.fx.GraphModule
     graph._codegen = gm.graph._codegen
     graph.output(graph.graph_copy(gm.graph, {}))
     own = dict(zip(cache_names(len(cache.k)), [*cache.k, *cache.v]))
+    if cache.paged:  # the pools are every bucket's: only the table's rows differ
+        own["block_table"] = cache.block_table
     attributes = {}
     for node in graph.find_nodes(op="get_attr"):
         attributes[node.target] = own.get(node.target) if node.target in own else \
@@ -302,6 +312,9 @@ def check_against_eager(steps: ModelSteps, model: nn.Module, max_seq_len: int,
     B = cache.batch_size
     tokens = ids.to(device).expand(B, T).contiguous()
     positions = torch.arange(T, device=device)[None].expand(B, T).contiguous()
+    if cache.paged:  # every row its blocks where the pool holds them, else row 0 (compared)
+        full = 1 + B * cache.block_table.shape[1] <= cache.num_blocks
+        cache.lay_out(B if full else 1, cache.slots if full else T)
     cache.reset()
     out = steps.run(PREFILL, tokens[:, :-1], positions[:, :-1])[:1]
     cache.set_lengths(T - 1)

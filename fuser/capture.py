@@ -182,10 +182,13 @@ class CacheInputs(nn.Module):
         self.prefill = step.prefill
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
-                starts: torch.Tensor, kv: list[torch.Tensor]) -> torch.Tensor:
+                starts: torch.Tensor, kv: list[torch.Tensor],
+                block_table: torch.Tensor | None = None) -> torch.Tensor:
+        """kv: k then v per layer; block_table: a paged cache's [B, max_blocks] table (kv are
+        then pools, with no batch dimension)."""
         n = self.num_layers
         step = StepContext(k=list(kv[:n]), v=list(kv[n:]), seq_lens=seq_lens, starts=starts,
-                           prefill=self.prefill)
+                           prefill=self.prefill, block_table=block_table)
         return self.model(input_ids=tokens, position_ids=positions, use_cache=False,
                           fuser_step=step).logits
 
@@ -248,10 +251,18 @@ def _export_shared(module: StepModule, args: tuple[torch.Tensor, ...],
     names = cache_names(module.num_layers)
     kv = [module.get_buffer(name) for name in names]
     rows = {0: torch.export.Dim("batch", min=1, max=args[0].shape[0])} if dynamic_batch else {}
+    # A paged cache's pools have no batch dimension: only its block table has one.
+    kv_rows = None if module.paged else dict(rows) or None
     dynamic_shapes = ({**rows, **t_dim}, {**rows, **t_dim}, dict(rows) or None,
-                      dict(rows) or None, [dict(rows) or None for _ in kv])
+                      dict(rows) or None, [kv_rows for _ in kv])
+    inputs_in = (*args, kv)
+    tensors = dict(zip(names, kv))
+    if module.paged:
+        dynamic_shapes += (dict(rows) or None,)
+        inputs_in += (module.block_table,)
+        tensors["block_table"] = module.block_table
     with torch.no_grad():
-        ep = torch.export.export(CacheInputs(module), (*args, kv),
+        ep = torch.export.export(CacheInputs(module), inputs_in,
                                  dynamic_shapes=dynamic_shapes, strict=False)
         with _treespec_deprecation_silenced():
             ep = ep.run_decompositions()
@@ -260,7 +271,7 @@ def _export_shared(module: StepModule, args: tuple[torch.Tensor, ...],
     for node in list(gm.graph.nodes):  # export's input check: it would read the cache inputs
         if node.op == "call_module" and not node.users:
             gm.graph.erase_node(node)
-    return ep, _inputs_to_buffers(gm, inputs[4:], dict(zip(names, kv)))
+    return ep, _inputs_to_buffers(gm, inputs[4:], tensors)
 
 
 @contextlib.contextmanager
@@ -311,11 +322,13 @@ def _inputs_to_buffers(gm: torch.fx.GraphModule, placeholders: list[torch.fx.Nod
 
 
 def specialize(gm: torch.fx.GraphModule, k: list[torch.Tensor], v: list[torch.Tensor],
-               tokens_per_step: int) -> torch.fx.GraphModule:
+               tokens_per_step: int, block_table: torch.Tensor | None = None
+               ) -> torch.fx.GraphModule:
     """A shared graph of `export_step` (dynamic batch or T) at the batch of the cache `k`, `v`
     (rows [:b] of the exported cache) and T = tokens_per_step, the cache bound under its usual
     names: what exporting at those shapes would give, for the passes to rewrite at concrete
-    shapes (they choose kernels by row count).
+    shapes (they choose kernels by row count). A paged cache: `k`, `v` are the pools as they
+    are and `block_table` (rows [:b] of the exported table) gives the batch.
 
     Retraces the ATen graph on fake tensors (`make_fx`): no model code runs again, a fraction
     of an export's time.
@@ -324,6 +337,8 @@ def specialize(gm: torch.fx.GraphModule, k: list[torch.Tensor], v: list[torch.Te
 
     names = cache_names(len(k))
     cache = dict(zip(names, [*k, *v]))
+    if block_table is not None:
+        cache["block_table"] = block_table
     attrs = list(gm.graph.find_nodes(op="get_attr"))
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     # Every tensor the graph reads becomes an input (the cache at the new batch), then the
@@ -344,7 +359,7 @@ def specialize(gm: torch.fx.GraphModule, k: list[torch.Tensor], v: list[torch.Te
             lifted.output(torch.fx.map_arg(node.args[0], env.__getitem__))
         else:
             env[node] = lifted.node_copy(node, env.__getitem__)
-    batch = k[0].shape[0]
+    batch = k[0].shape[0] if block_table is None else block_table.shape[0]
     device = k[0].device
     example = [t.detach() for t in tensors.values()]
     T = tokens_per_step

@@ -89,7 +89,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     gamma = args.gamma if args.gamma == "auto" else int(args.gamma)
     config = fuser.FuserConfig(precision=args.precision, gamma=gamma,
                                max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
-                               suffix_speculation=args.suffix_steps)
+                               suffix_speculation=args.suffix_steps, **_paged_build(args))
     engine, source, _ = build_engine_from_args(args.model, args.draft, config)
     progress(f"saving to {out} ...")
     start = time.perf_counter()
@@ -97,6 +97,17 @@ def cmd_build(args: argparse.Namespace) -> int:
     progress(f"saved in {time.perf_counter() - start:.1f} s")
     say(str(out))
     return 0
+
+
+def _paged_build(args: argparse.Namespace) -> dict[str, object]:
+    """FuserConfig fields of `fuser build --block-size N [--gpu-memory-fraction F]`."""
+    if args.block_size < 0:
+        raise ValueError(f"--block-size {args.block_size} must be at least 0 (0: contiguous)")
+    if args.gpu_memory_fraction is not None and not args.block_size:
+        raise ValueError("--gpu-memory-fraction sizes a paged KV cache: give --block-size too")
+    if not args.block_size:
+        return {}
+    return dict(kv_block_size=args.block_size, kv_memory_fraction=args.gpu_memory_fraction)
 
 
 def _size(n: int) -> str:
@@ -122,8 +133,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     say(f"passes ({manifest['sources']['hash'][:12]}): {', '.join(manifest['sources']['passes'])}")
     for role, m in info["models"].items():
         kinds = ", ".join(f"{k}(T={'any' if t is None else t})" for k, t in m["kinds"])
+        paged = f", paged: {m['num_blocks']} blocks of {m['block_size']}" \
+            if m.get("block_size") else ""
         say(f"{role}: {m['layers']} layers, KV cache [B={m['batch']}, slots={m['slots']}, "
-            f"kv_heads={m['kv_heads']}, D={m['head_dim']}] {m['cache_dtype']}; steps {kinds}")
+            f"kv_heads={m['kv_heads']}, D={m['head_dim']}{paged}] {m['cache_dtype']}; "
+            f"steps {kinds}")
         for name, g in m["graphs"].items():
             fired = ", ".join(f"{p} {n}" for p, n in g["matches"].items() if n) or "(none)"
             ops = ", ".join(f"{op} x{n}" for op, n in sorted(g["fused_ops"].items())) or "(none)"
@@ -415,6 +429,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="without --draft: also build the target's verify steps for the "
                             "gamma candidates, which suffix speculation needs (fuser serve "
                             "ENGINE_DIR --adapt-draft); an engine with a draft has them")
+    build.add_argument("--block-size", type=int, default=0,
+                       help="page the KV cache in blocks of this many slots (fuser serve "
+                            "ENGINE_DIR then gives blocks as requests need them, with prefix "
+                            "caching); 0: contiguous (default: %(default)s)")
+    build.add_argument("--gpu-memory-fraction", type=float, default=None,
+                       help="with --block-size on CUDA: the paged pools take this fraction of "
+                            "the GPU memory free after the weights (default: every row at "
+                            "max-seq-len)")
     build.add_argument("--out", required=True, help="the engine directory to write")
     build.add_argument("--overwrite", action="store_true",
                        help="replace --out if it exists")

@@ -84,8 +84,16 @@ class FuserConfig:
         kv_block_size: 0 (the default) keeps each row's KV slots contiguous; N > 0 pages the
             cache: one pool of N-slot blocks per model and a block table per row, read and
             written through the table by every step (runtime/kv_cache.py, runtime/blocks.py).
-            The same tokens as the contiguous cache. Not yet with several batch buckets or
-            engine files (both refuse it), nor in the server's scheduler.
+            The same tokens as the contiguous cache. A `Scheduler` over a paged engine gives
+            blocks to requests as they need them (runtime/blocks.py), with prefix caching.
+            Engine files keep the pool as built (docs/paged-kv.md).
+        kv_blocks: a paged cache's blocks per pool (the null block included); 0 (default):
+            enough for every row at full length (1 + max_batch_size x slots per row / N), or
+            what kv_memory_fraction gives. Fewer blocks than that serve more rows than fit at
+            full length at once: requests wait (and are preempted) when blocks run out.
+        kv_memory_fraction: size a paged cache's pools (target and draft) from this fraction
+            of the device's free memory once the weights are on it (`blocks_for_budget`);
+            CUDA only (on CPU the default size stands). None: off.
         tensor_parallel: GPUs (one process each) one engine spans. Only 1 is built: the
             sharding pass (passes/tensor_parallel.py, `shard_graph`) and the collectives
             (fuser/ops/collectives.py) exist, the multi-process engine that would run them does
@@ -110,6 +118,8 @@ class FuserConfig:
     distill_every: int = 1000
     distill_budget_s: float = 10.0
     kv_block_size: int = 0
+    kv_blocks: int = 0
+    kv_memory_fraction: float | None = None
     tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
@@ -136,6 +146,17 @@ class FuserConfig:
                 self.kv_block_size < 0:
             raise ValueError(f"kv_block_size={self.kv_block_size!r} must be 0 (contiguous) or a "
                              "positive int (slots per block of a paged KV cache)")
+        if isinstance(self.kv_blocks, bool) or not isinstance(self.kv_blocks, int) or \
+                self.kv_blocks < 0 or self.kv_blocks == 1:
+            raise ValueError(f"kv_blocks={self.kv_blocks!r} must be 0 (sized for every row) or an "
+                             "int >= 2 (block 0 is the null block)")
+        fraction = self.kv_memory_fraction
+        if fraction is not None and (isinstance(fraction, bool) or not isinstance(
+                fraction, (int, float)) or not 0 < fraction <= 1):
+            raise ValueError(f"kv_memory_fraction={fraction!r} must be None or a number in (0, 1]")
+        if (self.kv_blocks or fraction is not None) and not self.kv_block_size:
+            raise ValueError("kv_blocks and kv_memory_fraction size a paged KV cache: set "
+                             "kv_block_size too (e.g. 16)")
         if isinstance(self.distill_budget_s, bool) or not isinstance(
                 self.distill_budget_s, (int, float)) or not self.distill_budget_s > 0:
             raise ValueError(f"distill_budget_s={self.distill_budget_s!r} must be a number of "

@@ -420,9 +420,6 @@ class Engine:
         reads it back without capture, passes or code generation. Returns the manifest."""
         from fuser.engine_io import save
 
-        if self.config.kv_block_size:
-            raise ValueError("engine files of a paged KV cache (kv_block_size > 0) are not "
-                             "supported yet: build with kv_block_size=0 to save")
         return save(self, path, overwrite=overwrite)
 
     def export_onnx(self, path: str | Path, overwrite: bool = False) -> dict:

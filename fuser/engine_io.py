@@ -9,7 +9,9 @@ is put back together:
   and their scales); a graph of the largest bucket is stored under its step's name
   ("decode1"), one of a smaller bucket b under "decode1.b<b>";
 - the KV cache is not saved: its shapes are in the manifest (`info.models`), and load allocates
-  a fresh cache and attaches it (rows [:b] of it to bucket b's graphs);
+  a fresh cache and attaches it (rows [:b] of it to bucket b's graphs; a paged cache: the
+  pools as they are and rows [:b] of its block table, one table for the target and the
+  draft, pools of the block count built, which compiled steps were specialised to);
 - the compiled code of every step Inductor compiled (`<model>/compiled/<graph>.bin`, a
   `torch._inductor.CompiledArtifact`, fuser/compile.py), with its first run's autotuning
   choices where Inductor tuned anything (`<graph>.tuning.bin`);
@@ -79,6 +81,19 @@ def cache_buffer_names(num_layers: int, bucket: int | None = None) -> list[str]:
     as built; with `bucket`, as stored for a bucket below the largest ("k_cache_0__b4")."""
     suffix = "" if bucket is None else f"__b{bucket}"
     return [f"{kv}_cache_{i}{suffix}" for i in range(num_layers) for kv in "kv"]
+
+
+def table_buffer_name(bucket: int | None = None) -> str:
+    """get_attr target of a paged cache's block table in a step graph, as built; with `bucket`,
+    as stored for a bucket below the largest."""
+    return "block_table" if bucket is None else f"block_table__b{bucket}"
+
+
+def runtime_buffer_names(cache: KVCache, bucket: int | None = None) -> list[str]:
+    """The KV cache's stored get_attr targets (`cache_buffer_names`, and a paged cache's
+    table)."""
+    names = cache_buffer_names(len(cache.k), bucket)
+    return names + [table_buffer_name(bucket)] if cache.paged else names
 
 
 class SavableEngine(Protocol):
@@ -155,7 +170,11 @@ def model_info(buckets: dict[int, ModelSteps]) -> dict[str, Any]:
     top = max(buckets)
     steps = buckets[top]
     cache = steps.cache
-    _, slots, kv_heads, head_dim = cache.k[0].shape  # [B, S, kv_heads, D]
+    _, slots, kv_heads, head_dim = cache.k[0].shape  # [B, S, kv_heads, D] (paged: the pool)
+    paged = {}
+    if cache.paged:  # pool [num_blocks, PAGE, kv_heads, D], table [B, max_blocks]
+        paged = {"block_size": cache.k[0].shape[1], "num_blocks": cache.num_blocks}
+        slots = cache.slots
     graphs = {}
     for size, bucket_steps in buckets.items():
         for kind, g in bucket_steps.steps.items():
@@ -167,6 +186,7 @@ def model_info(buckets: dict[int, ModelSteps]) -> dict[str, Any]:
         "batch": cache.batch_size, "slots": slots, "layers": len(cache.k),
         "kv_heads": kv_heads, "head_dim": head_dim,
         "cache_dtype": str(cache.k[0].dtype).removeprefix("torch."),
+        **paged,
         "vocab_size": steps.vocab_size,
         "buckets": sorted(buckets),
         "graphs": graphs,
@@ -213,8 +233,8 @@ def stored_graphs(role_buckets: dict[int, ModelSteps]) -> dict[str, torch.fx.Gra
     top = max(role_buckets)
     out = {}
     for size, steps in role_buckets.items():
-        layers = len(steps.cache.k)
-        names = dict(zip(cache_buffer_names(layers), cache_buffer_names(layers, size)))
+        names = dict(zip(runtime_buffer_names(steps.cache),
+                         runtime_buffer_names(steps.cache, size)))
         for kind, g in steps.steps.items():
             if size == top:
                 out[graph_key(kind)] = g.rewritten
@@ -302,8 +322,8 @@ def save(engine: SavableEngine, path: str | Path, overwrite: bool = False,
     models = savable_models(engine)
     graphs = {role: stored_graphs(role_buckets) for role, role_buckets in models.items()}
     runtime = {name for role_buckets in models.values() for size, steps in role_buckets.items()
-               for name in cache_buffer_names(len(steps.cache.k),
-                                              None if size == max(role_buckets) else size)}
+               for name in runtime_buffer_names(steps.cache,
+                                                None if size == max(role_buckets) else size)}
     infos = {role: model_info(role_buckets) for role, role_buckets in models.items()}
     info = {
         "engine": {"dtype": str(engine.dtype).removeprefix("torch."), "gamma": engine.gamma,
@@ -348,11 +368,15 @@ def resolve_device(manifest: dict[str, Any], device: str | torch.device | None) 
 
 
 def allocate_caches(info: dict[str, Any], device: torch.device) -> dict[str, KVCache]:
-    """A fresh KV cache per model, of the shapes the manifest records."""
-    caches = {}
-    for role, m in info["models"].items():
+    """A fresh KV cache per model, of the shapes the manifest records (paged: the draft
+    shares the target's block table)."""
+    caches: dict[str, KVCache] = {}
+    for role in sorted(info["models"], key=lambda r: r != "target"):  # the target's first
+        m = info["models"][role]
+        table = caches["target"].block_table if role != "target" and "target" in caches else None
         caches[role] = KVCache.allocate(m["layers"], m["batch"], m["slots"], m["kv_heads"],
-                                        m["head_dim"], getattr(torch, m["cache_dtype"]), device)
+                                        m["head_dim"], getattr(torch, m["cache_dtype"]), device,
+                                        m.get("block_size", 0), m.get("num_blocks", 0), table)
     return caches
 
 
@@ -366,8 +390,9 @@ def cache_buffers(info: dict[str, Any], caches: dict[str, KVCache]
         out[role] = {}
         for size in buckets:
             rows = cache.rows(size)
-            names = cache_buffer_names(len(cache.k), None if size == max(buckets) else size)
-            out[role].update(zip(names, [t for pair in zip(rows.k, rows.v) for t in pair]))
+            names = runtime_buffer_names(cache, None if size == max(buckets) else size)
+            tensors = [t for pair in zip(rows.k, rows.v) for t in pair]
+            out[role].update(zip(names, tensors + ([rows.block_table] if cache.paged else [])))
     return out
 
 

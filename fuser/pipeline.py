@@ -124,9 +124,14 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
     # (runtime/speculative.py `overlapped_step`).
     draft_slots = slots + (gamma if config.overlap else 0)
     sizes = config.buckets_for(device)
-    if config.kv_block_size and len(sizes) > 1:
-        raise ValueError(f"kv_block_size={config.kv_block_size} (a paged KV cache) takes one batch "
-                         f"bucket for now; got {list(sizes)}: set batch_buckets=(max_batch_size,)")
+    num_blocks = 0
+    if config.kv_block_size:
+        # One block table for both models (the draft's blocks follow the target's): rows of
+        # the same slots, pools of the same block count.
+        slots = draft_slots = max(slots, draft_slots)
+        num_blocks = paged_pool_blocks(config, target, draft if gammas else None, slots, dtype,
+                                       device)
+    shared_table: list[torch.Tensor] = []  # a paged target's table, which the draft shares
     fallbacks: list[str] = []
     fp8_lm_head = config.fp8_lm_head if config.precision == "fp8" else None
 
@@ -148,18 +153,23 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
                      f"{SUPPORTED_MODEL_TYPES}; fusions that match are applied, the rest runs "
                      "in eager PyTorch")
         cache = allocate_cache(role, model.config, config.max_batch_size, slots, dtype, device,
-                               config.max_seq_len, config.kv_block_size)
+                               config.max_seq_len, config.kv_block_size, num_blocks,
+                               shared_table[0] if shared_table else None)
+        if cache.paged and not shared_table:
+            shared_table.append(cache.block_table)
         view = engine_view(model, dtype, device)
         names = ", ".join(k.name + ("" if k.tokens is None else str(k.tokens)) for k in kinds)
         _progress(f"building {role} steps ({names}) for batch buckets {list(sizes)}")
         return build_bucket_steps(role, view, cache, sizes, kinds, config, device,
                                   progress=_progress)
 
-    target_kinds = target_steps(0) + [verify(g) for g in sorted(set(gammas + suffix_gammas))]
+    paged = bool(config.kv_block_size)
+    target_kinds = target_steps(0, paged) + [verify(g)
+                                             for g in sorted(set(gammas + suffix_gammas))]
     target_built = prepare("target", target, target_kinds, slots)
     draft_built = None
     if draft is not None and gammas and target_built is not None:
-        draft_built = prepare("draft", draft, draft_steps(draft_slots), draft_slots)
+        draft_built = prepare("draft", draft, draft_steps(draft_slots, paged), draft_slots)
     for built in (target_built, draft_built):
         for size, steps in (built or {}).items():
             began = time.perf_counter()
@@ -197,6 +207,35 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
     engine.prepare(progress=_progress, background=False)
     engine.compile_seconds = time.perf_counter() - start
     return engine
+
+
+def paged_pool_blocks(config: FuserConfig, target: nn.Module, draft: nn.Module | None,
+                      slots: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Blocks per pool of a paged engine: config.kv_blocks; else, with kv_memory_fraction on
+    CUDA, what that fraction of the free memory holds once the weights not yet on the device
+    are there (`blocks_for_budget`, target and draft); else 0 (`KVCache.allocate`'s default:
+    every row at full length)."""
+    from fuser.build import model_geometry
+    from fuser.runtime.blocks import CacheShape, blocks_for_budget
+    from fuser.runtime.kv_cache import free_memory_bytes
+
+    if config.kv_blocks:
+        return config.kv_blocks
+    if config.kv_memory_fraction is None or device.type != "cuda":
+        return 0
+    models = [m for m in (target, draft) if m is not None]
+    shapes = [CacheShape(*model_geometry(m.config), dtype) for m in models]
+    coming = sum(p.numel() * torch.empty((), dtype=dtype).element_size()
+                 for m in models for p in m.parameters() if p.device != device)
+    free = free_memory_bytes(device) or 0
+    budget = int(config.kv_memory_fraction * max(free - coming, 0))
+    blocks = blocks_for_budget(budget, config.kv_block_size, shapes)
+    max_blocks = -(-slots // config.kv_block_size)
+    _progress(f"paged KV cache: {blocks} blocks of {config.kv_block_size} slots "
+              f"({budget / 2**30:.2f} GiB, {config.kv_memory_fraction:g} of the "
+              f"{max(free - coming, 0) / 2**30:.2f} GiB free after the weights; a full-length "
+              f"row takes {max_blocks})")
+    return blocks
 
 
 def load(path: str | Path, device: str | torch.device | None = None, *,

@@ -20,7 +20,7 @@ Over a paged cache (capture with a block table: fuser/ops/paged.py `paged_slots`
 indices are each slot's (block, offset) instead of (row, slot):
 
     blocks  = where(lt(slots, max_blocks * PAGE),
-                    gather(_to_copy(block_table), 1, clamp(div(slots, PAGE, floor), None,
+                    gather(_to_copy(block_table), 1, clamp(div(slots, PAGE, floor), 0,
                                                            max_blocks - 1)), 0)
     offsets = remainder(slots, PAGE)
     k_new = index_put(k_pool, [blocks, offsets], ...)    # likewise v
@@ -127,7 +127,7 @@ def _paged_of(indices: object, B: int, T: int, page: int) -> tuple[Node, Node] |
         return None
     max_blocks = val.shape[1]
     if not (below.args[0] is slots and below.args[1] == max_blocks * page
-            and index.args[0].args[0] is slots and list(index.args[1:]) == [None, max_blocks - 1]):
+            and index.args[0].args[0] is slots and list(index.args[1:]) == [0, max_blocks - 1]):
         return None
     seq_lens = _lens_of_slots(slots, B, T)
     return None if seq_lens is None else (seq_lens, table)

@@ -120,6 +120,7 @@ class AdaptiveScheduler(Scheduler):
                 tuple(config.gammas or config.gamma_candidates)
             for bucket in engine.buckets.values():
                 add_verify_steps(bucket.target, self.suffix_gammas, config, engine.device)
+            self._set_step_room()  # (a paged cache's rows grow by the longest verify step)
         self.index = (index or SuffixIndex()) if self.suffix else None
         longest = max(self.draft_gammas + self.suffix_gammas, default=1)
         self._buffers = {size: SuffixProposals(size, longest, engine.device)
@@ -225,8 +226,9 @@ class AdaptiveScheduler(Scheduler):
 
     def _prefill(self, group: list[RequestStream]) -> None:
         if self.index is not None:
-            for stream in group:
-                self.index.add_request(stream.request_id, stream.prompt_ids)
+            for stream in group:  # (a request resumed after preemption is indexed already)
+                if stream.request_id not in self.index:
+                    self.index.add_request(stream.request_id, stream.prompt_ids)
         super()._prefill(group)
 
     def _deliver(self, stream: RequestStream, kept: list[int], budget: int) -> None:

@@ -145,6 +145,7 @@ class BlockManager:
         self._rows: dict[int, _Row] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self._dirty = True  # the host table changed since the last `sync_table`
 
     # -- sizes -----------------------------------------------------------------------------
 
@@ -173,6 +174,10 @@ class BlockManager:
 
     def row_tokens(self, row: int) -> list[int]:
         return list(self._rows[row].tokens)
+
+    def committed(self, row: int) -> int:
+        """Tokens committed to row `row` (the cached prefix at admission included)."""
+        return len(self._rows[row].tokens)
 
     def refs(self, block: int) -> int:
         """How many rows hold `block`."""
@@ -221,6 +226,19 @@ class BlockManager:
             hits.append(block)
             parent = key
         return hits
+
+    def cached_prefix(self, prompt: Sequence[int]) -> int:
+        """How many leading prompt tokens `admit` would find cached now (nothing changes)."""
+        return len(self._match_prefix(prompt)) * self.block_size
+
+    def admission_cost(self, prompt: Sequence[int], slots: int | None = None) -> int:
+        """Blocks `admit` would take from the available ones now (new blocks, and cached hits
+        that leave the LRU list); nothing changes. Raises ValueError as `admit` does for a
+        request that can never fit."""
+        slots = len(prompt) if slots is None else max(slots, len(prompt))
+        needed = self._check_fits(slots)
+        hits = self._match_prefix(prompt)
+        return needed - len(hits) + sum(1 for b in hits if self._refs[b] == 0)
 
     def admit(self, row: int, prompt: Sequence[int], slots: int | None = None) -> int | None:
         """Give the empty row `row` blocks for `slots` slots (default: the prompt's length),
@@ -307,6 +325,18 @@ class BlockManager:
                 else:
                     self._free.append(b)
         self.host_table[row].fill_(NULL_BLOCK)
+        self._dirty = True
+
+    def move(self, src: int, dst: int) -> None:
+        """Row dst (empty) takes row src's blocks and tokens; src becomes empty. The host table
+        changes (`sync_table` before the next step)."""
+        self._check_row(dst)
+        if dst in self._rows:
+            raise ValueError(f"row {dst} is in use: release it before moving row {src} there")
+        self._rows[dst] = self._rows.pop(src)
+        self._write_row(dst)
+        self.host_table[src].fill_(NULL_BLOCK)
+        self._dirty = True
 
     def preempt(self, row: int) -> Preempted:
         """Free the row's blocks (as `release`) and return what requeueing it needs."""
@@ -325,9 +355,11 @@ class BlockManager:
     # -- table -----------------------------------------------------------------------------
 
     def sync_table(self) -> None:
-        """Copy the host table into the device table (in place: same address)."""
-        if self.table is not self.host_table:
+        """Copy the host table into the device table (in place: same address), when it
+        changed since the last copy."""
+        if self.table is not self.host_table and self._dirty:
             self.table.copy_(self.host_table, non_blocking=True)
+        self._dirty = False
 
     def slot_index(self, row: int, slot: int) -> tuple[int, int]:
         """(block, offset) of row `row`'s slot `slot`."""
@@ -357,3 +389,4 @@ class BlockManager:
         table_row = self.host_table[row]
         table_row[:len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         table_row[len(blocks):] = NULL_BLOCK
+        self._dirty = True

@@ -192,6 +192,9 @@ def _decode_loop(engine: Engine, request: Request) -> Iterator[torch.Tensor]:
     # host waits for step k's read-back, so the GPU never idles while Python turns tokens into
     # columns. Step k + 1 depends on step k only through device state, and a row that step k
     # finished is frozen on the device, so a step issued "too early" emits nothing anyone keeps.
+    if target.cache.paged:  # (one table for both models) this call's rows get their blocks
+        _lay_out(target.cache, bucket.batch, T + request.max_new_tokens,
+                 engine.config.resolved_gamma)
     start = time.perf_counter()
     padded = pad_batch(prompts, bucket.batch, min_length=bucket.prefill_length(T))
     result = speculative.prefill(target, draft, state, padded, T, V, do_sample)
@@ -214,6 +217,16 @@ def _decode_loop(engine: Engine, request: Request) -> Iterator[torch.Tensor]:
         if all(done):
             break
     yield from ready_columns()  # everything is done: flush, finished rows padded
+
+
+def _lay_out(cache: Any, batch: int, tokens: int, gamma: int) -> None:
+    """Blocks for `batch` rows of a paged cache: every slot of each row where the pool holds
+    them (as allocated), else the slots this call can write: its tokens, and the slots a
+    step writes past them (gamma + 1, and gamma more for an overlapped draft)."""
+    if 1 + batch * cache.block_table.shape[1] <= cache.num_blocks:
+        cache.lay_out(batch, cache.slots)
+    else:
+        cache.lay_out(batch, min(cache.slots, tokens + 2 * (gamma + 1)))
 
 
 class ReadBack:

@@ -9,7 +9,9 @@ A paged cache (block_size > 0) keeps each layer's slots in one pool of blocks
 (block_table[b, j // block_size], j % block_size) (runtime/blocks.py manages tables for
 serving; fuser/capture.py and the attention kernels read and write through it). `allocate` gives
 every row the blocks of its `slots` up front, interleaved over the pool (row b's block i is
-1 + i * B + b; block 0 is the null block), which is what `engine.generate` runs over.
+1 + i * B + b; block 0 is the null block) when the pool holds them; `lay_out` does the same
+for the rows of one `engine.generate` call, which runs over it. A target and its draft share
+one table (their pools have the same block count: the draft's blocks follow the target's).
 """
 
 from __future__ import annotations
@@ -46,16 +48,29 @@ class KVCache:
 
     @classmethod
     def allocate(cls, num_layers: int, batch: int, slots: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, block_size: int = 0) -> KVCache:
+                 dtype: torch.dtype, device: torch.device, block_size: int = 0,
+                 num_blocks: int = 0, table: torch.Tensor | None = None) -> KVCache:
         """Zero-filled slots for `batch` rows of `slots` tokens each; block_size > 0: paged,
-        each row given ceil(slots / block_size) blocks of one pool (module docstring)."""
-        table = None
+        one pool of `num_blocks` blocks (0: 1 + batch * ceil(slots / block_size), every row's
+        slots and the null block), each row given its blocks up front where the pool holds
+        them (module docstring). table: the [batch, max_blocks] block table to share (a
+        draft's: the target's), else a new one."""
         shape = (batch, slots, kv_heads, head_dim)  # [B, S, kv_heads, D]
         if block_size:
             max_blocks = -(-slots // block_size)
-            shape = (1 + batch * max_blocks, block_size, kv_heads, head_dim)  # the pool
-            blocks = 1 + torch.arange(max_blocks)[None, :] * batch + torch.arange(batch)[:, None]
-            table = blocks.to(torch.int32).to(device)  # [B, max_blocks]
+            num_blocks = num_blocks or 1 + batch * max_blocks
+            if num_blocks < 2:
+                raise ValueError(f"a paged KV cache needs at least 2 blocks (block 0 is the null "
+                                 f"block), got {num_blocks}")
+            shape = (num_blocks, block_size, kv_heads, head_dim)  # the pool
+            if table is None:
+                table = torch.zeros((batch, max_blocks), dtype=torch.int32, device=device)
+                _interleave(table, batch, max_blocks, num_blocks)
+            elif tuple(table.shape) != (batch, max_blocks):
+                raise ValueError(f"a shared block table must be [{batch}, {max_blocks}], got "
+                                 f"{tuple(table.shape)}")
+        else:
+            table = None
         k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         zeros = torch.zeros(batch, dtype=torch.long, device=device)
@@ -72,6 +87,24 @@ class KVCache:
         return KVCache([k[:batch] for k in self.k], [v[:batch] for v in self.v],
                        seq_lens=self.seq_lens[:batch], starts=self.starts[:batch])
 
+    def lay_out(self, batch: int, slots: int) -> None:
+        """Give rows [:batch] the blocks of their first `slots` slots, interleaved over the pool
+        (as `allocate` does), and the other rows none (the null block): what one
+        `engine.generate` call runs over. Raises ValueError when the pool is too small."""
+        table = self.block_table
+        per_row = min(-(-slots // self.k[0].shape[1]), table.shape[1])
+        if 1 + batch * per_row > self.num_blocks:
+            raise ValueError(f"{batch} rows of {slots} slots need {1 + batch * per_row} blocks; "
+                             f"this engine's paged KV pool has {self.num_blocks}: generate "
+                             "fewer rows or tokens at once (or serve them through a Scheduler)")
+        table.zero_()
+        _interleave(table, batch, per_row, self.num_blocks)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in each pool (paged; the null block included)."""
+        return self.k[0].shape[0] if self.paged else 0
+
     @property
     def batch_size(self) -> int:
         return self.seq_lens.shape[0]
@@ -87,13 +120,15 @@ class KVCache:
             return self.block_table.shape[1] * self.k[0].shape[1]
         return self.k[0].shape[1] if self.k else 0
 
-    def move_row(self, src: int, dst: int) -> None:
+    def move_row(self, src: int, dst: int, table: bool = True) -> None:
         """Row dst takes row src's contents and lengths: the slots are copied (src keeps its
         own), or for a paged cache the two rows' tables are swapped (src then holds dst's old
-        blocks; nothing is copied, and no block is owned twice)."""
+        blocks; nothing is copied, and no block is owned twice). table=False: the lengths
+        only (a paged cache whose table a `BlockManager` edits, moving rows itself)."""
         if self.paged:
-            table = self.block_table
-            table[[dst, src]] = table[[src, dst]]
+            if table:
+                rows = self.block_table
+                rows[[dst, src]] = rows[[src, dst]]
         else:
             for layer in (*self.k, *self.v):  # [B, S, kv_heads, D] each
                 layer[dst].copy_(layer[src])
@@ -133,6 +168,15 @@ class KVCache:
             self.seq_lens.clamp_(max=lengths)
         else:
             torch.minimum(self.seq_lens, lengths, out=self.seq_lens)
+
+
+def _interleave(table: torch.Tensor, batch: int, per_row: int, num_blocks: int) -> None:
+    """Rows [:batch] of `table` take blocks 1 + i * batch + b for their first per_row entries
+    (where the pool of `num_blocks` holds them; the rest stay as they are)."""
+    if 1 + batch * per_row > num_blocks:  # a pool sized from a budget: rows get blocks later
+        return
+    blocks = 1 + torch.arange(per_row)[None, :] * batch + torch.arange(batch)[:, None]
+    table[:batch, :per_row] = blocks.to(torch.int32).to(table.device)
 
 
 def free_memory_bytes(device: torch.device) -> int | None:

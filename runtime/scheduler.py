@@ -21,6 +21,21 @@ Between two steps, on the host:
             gamma), then one read-back of the packed tokens: each row keeps n + 1 tokens up to
             its eos and budget, exactly as `generate` does.
 
+A paged engine (FuserConfig(kv_block_size=N)) gives blocks to requests as they need them,
+through a `BlockManager` over the engine's own block table (runtime/blocks.py):
+    admit   a request joins only when its blocks are available (`admit`; else it waits, FCFS),
+            keeping a block of headroom per running row; a prompt that opens with cached
+            blocks (prefix caching, on by default) prefills only the rest, through the CHUNK
+            step at seq_lens = the cached tokens (`speculative.prefill_chunk`); the prompt's
+            full blocks are then keyed for later requests (`commit`);
+    step    before each step every row grows to the slots the step may write (`grow`); when
+            blocks run out, the newest row is preempted: its blocks are freed and its request
+            goes back to the front of the queue with the tokens it has, to be prefilled again
+            (mostly prefix-cache hits) and to go on where it stopped;
+    retire  a finished or cancelled request's blocks go back (`release`);
+and the table is copied to the device before each step (`sync_table`: on CUDA the captured
+graphs read it where it lives). Rows move by moving their table rows, never their blocks.
+
 A request's tokens do not depend on what else runs: its row's arithmetic is the same in any
 bucket (up to the rounding of batched kernels; exactly so in fp32 on the CPU), and sampling
 draws from the row's own seed and output index (runtime/sampling.py `draw_keys`). A batch in
@@ -47,6 +62,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fuser.runtime import speculative
+from fuser.runtime.blocks import BlockManager
 from fuser.runtime.bucket_capture import capture_waiting, stepping
 from fuser.runtime.generate import ReadBack
 from fuser.runtime.prompts import Prompts, pad_batch
@@ -114,6 +130,8 @@ class RequestStream:
         self._stop_reason: str | None = None  # asked for by cancel/finish, acted on by the loop
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
         self._on_stop: Callable[[], None] | None = None  # the scheduler's wake-up
+        self.preemptions = 0  # times its blocks were taken back and it was requeued
+        self._admitted = 0  # the scheduler's admission counter when it last joined
 
     @property
     def done(self) -> bool:
@@ -228,10 +246,13 @@ class Scheduler:
     The engine needs a batch bucket of 1 (a prompt alone is prefilled through it; CUDA engines
     have one, CPU engines are built with FuserConfig(batch_buckets=(1,)) for it). While requests run, the
     scheduler holds the engine: `engine.generate` from another thread raises until it is idle.
+
+    On a paged engine, `prefix_caching` (default True) shares the full blocks of prompts'
+    common prefixes between requests; `blocks` is the BlockManager (usage, counters).
     """
 
     def __init__(self, engine: Engine, *, max_waiting: int = 256,
-                 prefill_tokens: int = 2048) -> None:
+                 prefill_tokens: int = 2048, prefix_caching: bool = True) -> None:
         if engine.target is None:
             raise ValueError("the scheduler needs an engine whose target was captured; this one "
                              "runs the model in eager Hugging Face (see engine.report().fallbacks)")
@@ -264,6 +285,19 @@ class Scheduler:
         eos = getattr(generation_config, "eos_token_id", None)
         self._default_eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         self.steps = 0
+        self.preemptions = 0
+        self.blocks: BlockManager | None = None
+        cache = top.target.cache
+        if cache.paged:
+            if any(c.block_table is not cache.block_table for c in self._caches):
+                raise ValueError("the scheduler needs the draft's paged cache to share the "
+                                 "target's block table (as fuser.optimize builds it)")
+            self.blocks = BlockManager(cache.num_blocks, cache.k[0].shape[1], self.max_slots,
+                                       cache.block_table.shape[1],
+                                       prefix_caching=prefix_caching, table=cache.block_table)
+        self._step_room = 1
+        self._set_step_room()
+        self._admissions = itertools.count(1)
 
     # -- public ----------------------------------------------------------------------------------
 
@@ -282,6 +316,14 @@ class Scheduler:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of the paged KV pool's blocks held by requests (0..1; vLLM's
+        kv_cache_usage_perc); a contiguous cache: the fraction of rows in use."""
+        if self.blocks is not None:
+            return self.blocks.usage()
+        return len(self._running) / self.max_slots
 
     def start(self) -> None:
         """Start the stepping thread (once)."""
@@ -304,6 +346,13 @@ class Scheduler:
             eos = list(self._default_eos)
         if len(eos) > EOS_SLOTS:
             raise ValueError(f"eos_token_id has {len(eos)} ids; at most {EOS_SLOTS} are supported")
+        if self.blocks is not None:
+            need = self.blocks.blocks_for(self._row_cap(len(prompt), params.max_tokens))
+            if need > self.blocks.usable_blocks:
+                raise ValueError(f"the prompt ({len(prompt)} tokens) plus max_tokens="
+                                 f"{params.max_tokens} needs {need} KV blocks of "
+                                 f"{self.blocks.block_size} slots; this engine's pool has "
+                                 f"{self.blocks.usable_blocks}")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         with self._lock:
             if self._closed:
@@ -424,9 +473,15 @@ class Scheduler:
         self._admit()
         if not self._running:
             return
+        if self.blocks is not None:
+            self._make_room()  # (preempts rows when blocks ran out)
+        self._sync_table()
         in_flight = self._issue()
         while True:
-            ahead = self._issue() if self._may_run_ahead(in_flight) else None
+            ahead = None
+            if self._may_run_ahead(in_flight) and self._grow_rows(steps=2):
+                self._sync_table()
+                ahead = self._issue()
             self._collect(in_flight)
             self.steps += 1
             if ahead is None:
@@ -449,6 +504,9 @@ class Scheduler:
     def _fail_all(self, reason: str) -> None:
         with self._lock:
             streams = list(self._running)
+            if self.blocks is not None:
+                for row in self.blocks.active_rows():
+                    self.blocks.release(row)
             self._running.clear()
             self._state.active.zero_()
         for stream in streams:
@@ -471,6 +529,8 @@ class Scheduler:
                 if not stream.done:
                     row += 1
                     continue
+                if self.blocks is not None:
+                    self.blocks.release(row)
                 last = len(running) - 1
                 if row != last:
                     self._move_row(last, row)
@@ -497,7 +557,7 @@ class Scheduler:
                     self._move_row(i, base + i)
                     rows[base + i] = running[i]
                 self._running = rows
-            budget -= k * len(group[0].prompt_ids)
+            budget -= k * len(_tokens(group[0]))
             self._prefill(group)
 
     def _take_group(self, budget: int) -> list[RequestStream]:
@@ -507,22 +567,46 @@ class Scheduler:
         would get alone). Call with the lock held."""
         if not self._waiting:
             return []
-        T = len(self._waiting[0].prompt_ids)
+        T = len(_tokens(self._waiting[0]))
         if budget < T and budget != self.prefill_tokens:
             return []
         limit = min(self.max_slots - len(self._running), max(1, budget // T))
         same = [s for s in itertools.islice(self._waiting, 4 * self.max_slots)
-                if len(s.prompt_ids) == T][:limit]
+                if len(_tokens(s)) == T]
+        if self.blocks is not None:
+            same = self._with_blocks(same[:limit])
+            if not same:
+                return []  # the first waiting request waits for blocks (FCFS)
+        same = same[:limit]
         k = max(b for b in self.engine.buckets if b <= len(same))
         for stream in same[:k]:
             self._waiting.remove(stream)
         return same[:k]
 
+    def _with_blocks(self, same: list[RequestStream]) -> list[RequestStream]:
+        """The leading requests of `same` (one length) whose blocks are available now, all
+        with a prefix-cache hit or all without as the first has (a group prefills through one
+        step kind), keeping a block of headroom per running row for its next step."""
+        blocks = self.blocks
+        first_hit = blocks.cached_prefix(_tokens(same[0])) > 0
+        spare = blocks.available_blocks - len(self._running)
+        taken = []
+        for stream in same:
+            tokens = _tokens(stream)
+            if (blocks.cached_prefix(tokens) > 0) != first_hit:
+                continue
+            cost = blocks.admission_cost(tokens, self._admission_slots(stream))
+            if cost > spare:
+                break
+            spare -= cost
+            taken.append(stream)
+        return taken
+
     def _prefill(self, group: list[RequestStream]) -> None:
         """Prefill the group's prompts (one length) into rows [0, k) through the bucket of k;
         deliver each first token (and finish those that get no more)."""
         engine = self.engine
-        k, T = len(group), len(group[0].prompt_ids)
+        k, T = len(group), len(_tokens(group[0]))
         bucket = engine.buckets[k]
         for row, stream in enumerate(group):
             params = stream.params
@@ -533,18 +617,132 @@ class Scheduler:
                                  None if greedy else params.top_p, engine.vocab_size,
                                  stream.seed)
         device = self._state.pending.device
-        tokens = torch.tensor([s.prompt_ids for s in group], dtype=torch.long,
-                              device=device)  # [k, T]
-        prompts = Prompts(tokens=tokens, starts=torch.zeros(k, dtype=torch.long, device=device),
-                          batch=k)
-        padded = pad_batch(prompts, k, min_length=bucket.prefill_length(T))
-        do_sample = any(not s.params.greedy for s in group)
-        result = speculative.prefill(bucket.target, bucket.draft, bucket.state, padded, T,
-                                     engine.vocab_size, do_sample)
+        if self.blocks is None:
+            tokens = torch.tensor([s.prompt_ids for s in group], dtype=torch.long,
+                                  device=device)  # [k, T]
+            prompts = Prompts(tokens=tokens,
+                              starts=torch.zeros(k, dtype=torch.long, device=device), batch=k)
+            padded = pad_batch(prompts, k, min_length=bucket.prefill_length(T))
+            do_sample = any(not s.params.greedy for s in group)
+            result = speculative.prefill(bucket.target, bucket.draft, bucket.state, padded, T,
+                                         engine.vocab_size, do_sample)
+        else:
+            result = self._prefill_paged(group, bucket)
         firsts = result.tokens[:, 0].tolist()  # the prefill's read-back
         engine.stats.num_generated_tokens += k
         for stream, first in zip(group, firsts):
             self._deliver(stream, [first], stream.params.max_tokens)
+
+    def _prefill_paged(self, group: list[RequestStream], bucket: object
+                       ) -> speculative.StepResult:
+        """`_prefill` on a paged engine: rows [0, k) are given their blocks (`admit`, which
+        `_with_blocks` checked), the prompts (with the tokens a preempted request already
+        emitted) are prefilled, those after a cached prefix by the CHUNK step, and their full
+        blocks are keyed for later requests (`commit`)."""
+        blocks = self.blocks
+        k = len(group)
+        token_lists = [_tokens(s) for s in group]
+        cached = []
+        for row, (stream, tokens) in enumerate(zip(group, token_lists)):
+            hit = blocks.admit(row, tokens, self._admission_slots(stream))
+            if hit is None:  # (`_with_blocks` counted them: never)
+                raise RuntimeError(f"row {row}: the blocks counted for admission are gone")
+            cached.append(hit)
+            stream._admitted = next(self._admissions)
+        self._sync_table()
+        device = self._state.pending.device
+        T = len(token_lists[0])
+        tokens = torch.tensor(token_lists, dtype=torch.long, device=device)  # [k, T]
+        emitted = None
+        if any(s.output_ids for s in group):  # resumed after preemption
+            emitted = torch.tensor([len(s.output_ids) for s in group], dtype=torch.long,
+                                   device=device)
+        do_sample = any(not s.params.greedy for s in group)
+        if any(cached):
+            result = speculative.prefill_chunk(bucket.target, bucket.draft, bucket.state, tokens,
+                                               cached, self.engine.vocab_size, do_sample, emitted)
+        else:
+            prompts = Prompts(tokens=tokens,
+                              starts=torch.zeros(k, dtype=torch.long, device=device), batch=k)
+            padded = pad_batch(prompts, k, min_length=bucket.prefill_length(T))
+            result = speculative.prefill(bucket.target, bucket.draft, bucket.state, padded, T,
+                                         self.engine.vocab_size, do_sample, emitted)
+        for row, (tokens, hit) in enumerate(zip(token_lists, cached)):
+            blocks.commit(row, tokens[hit:])
+        return result
+
+    def _set_step_room(self) -> None:
+        """Slots a step may write past a row's length: gamma + 1 for the longest verify step
+        the engine has (a draft's, or the suffix index's), and gamma more where the draft runs
+        ahead (overlapped rounds). Call again when verify steps are added."""
+        top = self.engine.buckets[self.max_slots]
+        gamma = max([k.tokens - 1 for k in top.target.steps if k.name == "verify"]
+                    + [self.engine.config.resolved_gamma, *self.engine.gammas])
+        self._step_room = gamma + 1 + (gamma if top.overlap else 0)
+
+    def _admission_slots(self, stream: RequestStream) -> int:
+        """Slots a request is admitted with: its prompt (and what it emitted before a
+        preemption) and what its first step may write."""
+        return min(len(_tokens(stream)) + self._step_room,
+                   self._row_cap(len(stream.prompt_ids), stream.params.max_tokens))
+
+    def _row_cap(self, prompt: int, max_tokens: int) -> int:
+        """The most slots a request's row ever needs: its last length (prompt + max_tokens - 1)
+        plus what a step writes past it, within the row's slots."""
+        return min(prompt + max_tokens - 1 + self._step_room, self._caches[0].slots)
+
+    def _grow_rows(self, steps: int = 1) -> bool:
+        """Grow every running row to the slots the next `steps` steps may write (its length as
+        the host knows it, plus `steps` x the step's room); False as soon as one cannot."""
+        if self.blocks is None:
+            return True
+        for row, stream in enumerate(self._running):
+            length = len(stream.prompt_ids) + len(stream.output_ids) - 1
+            slots = min(length + steps * self._step_room,
+                        self._row_cap(len(stream.prompt_ids), stream.params.max_tokens))
+            if not self.blocks.grow(row, slots):
+                return False
+        return True
+
+    def _make_room(self) -> None:
+        """Grow every running row for the next step; while blocks are missing, preempt the
+        newest request (its blocks freed, it goes back to the front of the queue with the
+        tokens it has: prefilled again on readmission, it continues where it stopped)."""
+        while not self._grow_rows():
+            with self._lock:
+                running = self._running
+                row = max(range(len(running)), key=lambda i: running[i]._admitted)
+                stream = running[row]
+                self.blocks.release(row)
+                last = len(running) - 1
+                if row != last:
+                    self._move_row(last, row)
+                    running[row] = running[last]
+                self._state.active[last] = False
+                running.pop()
+                stream.preemptions += 1
+                self.preemptions += 1
+                self._waiting.appendleft(stream)
+            log.debug("fuser: preempted %s (%d tokens) for blocks", stream.request_id,
+                      len(_tokens(stream)))
+
+    def _sync_table(self) -> None:
+        if self.blocks is not None:
+            self.blocks.sync_table()
+
+    def _commit_decoded(self, rows: list[RequestStream]) -> None:
+        """Key the blocks that decoding filled (target-only engines: there the cache holds
+        exactly the target's k/v of prompt + output[:-1]; a draft's cache may lag behind the
+        target's, so with a draft only prefilled blocks are keyed)."""
+        if self.blocks is None or not self.blocks.prefix_caching or self._caches[1:]:
+            return
+        size = self.blocks.block_size
+        for row, stream in enumerate(rows):
+            have = self.blocks.committed(row)
+            written = len(stream.prompt_ids) + len(stream.output_ids) - 1
+            if written // size > have // size:  # a block filled: key it (and what led to it)
+                tokens = stream.prompt_ids + stream.output_ids[:-1]
+                self.blocks.commit(row, tokens[have:])
 
     def _deliver(self, stream: RequestStream, kept: list[int], budget: int) -> None:
         """Hand `kept` to the stream, cut at its first eos; finish it on eos or budget."""
@@ -590,6 +788,7 @@ class Scheduler:
             engine.stats.num_generated_tokens += len(kept)
             self._deliver(stream, kept, stream.params.max_tokens)
         engine.record_step(step.controller, accepted, was_active, step.gamma)
+        self._commit_decoded(step.rows)  # (rows move only between iterations)
         elapsed = time.perf_counter() - step.start
         engine.stats.generate_seconds += elapsed
         engine.observe_tokens(engine.stats.num_generated_tokens - before, elapsed)
@@ -598,6 +797,15 @@ class Scheduler:
 
     def _move_row(self, src: int, dst: int) -> None:
         """Row dst takes row src's request: its KV rows (both models), lengths and state."""
+        if self.blocks is not None:
+            self.blocks.move(src, dst)  # the table row moves (the draft's: the same table)
         for cache in self._caches:
-            cache.move_row(src, dst)  # slots copied, or a paged cache's table rows swapped
+            # slots copied; a paged cache's table rows are the block manager's
+            cache.move_row(src, dst, table=self.blocks is None)
         self._state.copy_row(dst, src)
+
+
+def _tokens(stream: RequestStream) -> list[int]:
+    """What a request's row holds when it is prefilled: its prompt, and the tokens it emitted
+    before a preemption."""
+    return stream.prompt_ids + stream.output_ids if stream.output_ids else stream.prompt_ids

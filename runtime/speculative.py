@@ -37,7 +37,8 @@ from fuser.runtime.branches import run_concurrently
 from fuser.runtime.draft_kernels import (catchup_inputs, draft_advance, overlap_catchup_inputs,
                                          verify_inputs)
 from fuser.runtime.prefill_graphs import padded_length
-from fuser.runtime.steps import CATCHUP, DECODE, PREFILL, RESYNC, ModelSteps, verify as verify_step
+from fuser.runtime.steps import (CATCHUP, CHUNK, DECODE, PREFILL, RESYNC, ModelSteps,
+                                 verify as verify_step)
 from fuser.runtime.prompts import Prompts
 from fuser.runtime.sampling import (PURPOSE_DRAFT, PURPOSE_TARGET, accept_greedy, accept_sampling,
                                     draw_keys, process_logits_rows, sample)
@@ -210,7 +211,8 @@ def step_positions(cache_lens: torch.Tensor, starts: torch.Tensor, T: int) -> to
 
 
 def prefill(target: ModelSteps, draft: ModelSteps | None, state: DecodeState, prompts: Prompts,
-            true_length: int, vocab_size: int, do_sample: bool) -> StepResult:
+            true_length: int, vocab_size: int, do_sample: bool,
+            emitted: torch.Tensor | None = None) -> StepResult:
     """Run the prompts through both models; choose the first new token (into `state`, which
     `load` has filled with the request's values).
 
@@ -218,6 +220,9 @@ def prefill(target: ModelSteps, draft: ModelSteps | None, state: DecodeState, pr
     (at least 2, which the prefill step needs; on CUDA a captured prefill's length);
     true_length is the prompt width before that right padding. Right-padding slots
     are written here and overwritten later: seq_lens is set to true_length.
+    emitted: [B] int64, tokens each row emitted before (a request resumed after preemption,
+    whose prompt here ends with them): the token chosen here is its output number emitted[b]
+    (sampling keys, budget). None: 0.
     """
     B, T = prompts.tokens.shape
     positions = prompts.positions()  # [B, T]
@@ -230,17 +235,61 @@ def prefill(target: ModelSteps, draft: ModelSteps | None, state: DecodeState, pr
         # The draft's logits here are not needed: its first proposal comes from `draft`'s
         # catch-up step, which re-feeds the prompt's last token (and sets its seq_lens).
         draft.run(PREFILL, prompts.tokens, positions)
+    counter = torch.zeros_like(state.generated) if emitted is None else emitted  # output index
     first = choose(state, logits[:, true_length - 1, :vocab_size].float(), do_sample,
-                   counter=torch.zeros_like(state.generated))  # output index 0
+                   counter=counter)
+    return _start_rows(state, prompts.tokens, prompts.batch, true_length, first, emitted)
 
+
+def prefill_chunk(target: ModelSteps, draft: ModelSteps | None, state: DecodeState,
+                  tokens: torch.Tensor, cached: list[int], vocab_size: int, do_sample: bool,
+                  emitted: torch.Tensor | None = None) -> StepResult:
+    """`prefill` for rows whose prompts open with cached tokens (a paged cache's prefix-cache
+    hit: the blocks of slots [0, cached[b]) already hold their k/v, in both models): each row's
+    rest runs through the CHUNK step at seq_lens = cached, attending over the cached slots.
+
+    tokens: [B, T] the whole prompts (one length, no padding); cached: per row, < T.
+    The chunk is W = max(T - cached, 2) tokens wide; a row whose rest is shorter feeds its
+    last token again past its end (slots written, masked, later overwritten; never a cached
+    block's, which hold only slots below cached).
+    """
+    B, T = tokens.shape
+    device = tokens.device
+    W = max(T - min(cached), 2)
+    lengths = torch.tensor(cached, dtype=torch.long, device=device)  # [B]
+    slots = lengths[:, None] + torch.arange(W, device=device)  # [B, W]
+    chunk = tokens.gather(1, slots.clamp(max=T - 1))  # [B, W]
+    for model in (target, draft):
+        if model is not None:
+            model.cache.begin(torch.zeros(B, dtype=torch.long, device=device))
+            model.cache.set_lengths(lengths)
+    logits = target.run(CHUNK, chunk, slots)  # [B, W, V_target] (positions = slots)
+    if draft is not None:
+        draft.run(CHUNK, chunk, slots)
+    target.cache.set_lengths(T)
+    last = (T - 1 - lengths)[:, None, None].expand(B, 1, logits.shape[2])  # [B, 1, V]
+    counter = torch.zeros_like(state.generated) if emitted is None else emitted
+    first = choose(state, logits.gather(1, last)[:, 0, :vocab_size].float(), do_sample,
+                   counter=counter)
+    return _start_rows(state, tokens, B, T, first, emitted)
+
+
+def _start_rows(state: DecodeState, tokens: torch.Tensor, batch: int, true_length: int,
+                first: torch.Tensor, emitted: torch.Tensor | None) -> StepResult:
+    """The state after a prefill of `tokens` [B, T] (rows past `batch`: dummies) whose first
+    chosen tokens are `first` [B]."""
+    B, T = tokens.shape
     device = first.device
     state.history.zero_()
-    state.history[:, :T].copy_(prompts.tokens)
+    state.history[:, :T].copy_(tokens)
     state.history[:, true_length].copy_(first)  # pending's slot
     state.pending.copy_(first)
-    state.last.copy_(prompts.tokens[:, true_length - 1])
-    state.active.copy_(torch.arange(B, device=device) < prompts.batch)  # dummy rows: never
-    state.generated.fill_(1)
+    state.last.copy_(tokens[:, true_length - 1])
+    state.active.copy_(torch.arange(B, device=device) < batch)  # dummy rows: never
+    if emitted is None:
+        state.generated.fill_(1)
+    else:
+        state.generated.copy_(emitted + 1)
     state.streaming.zero_()  # no guesses yet: an overlapped round starts by drafting
     result = StepResult(first[:, None], torch.zeros(B, dtype=torch.long, device=device))
     _finish_rows(state, result)

@@ -2,9 +2,10 @@
 
     step(tokens[B, T], positions[B, T], seq_lens[B], starts[B]) -> logits[B, T, V]
 
-A step kind is a name and a token count per step (T fixed, or None for prefill, which takes any
-T >= 2). The target and the draft each have their own list (`target_steps`, `draft_steps`);
-the engine builds, the runtime runs and the benchmarks time exactly these kinds, by object.
+A step kind is a name and a token count per step (T fixed, or None for prefill and chunk,
+which take any T >= 2). The target and the draft each have their own list (`target_steps`,
+`draft_steps`); the engine builds, the runtime runs and the benchmarks time exactly these
+kinds, by object.
 
 A `StepGraph` keeps the stages of one built step apart: the exported program, the rewritten FX
 graph, the compiled callable and the captured CUDA graph. `ModelSteps` is one model's KV cache
@@ -37,8 +38,17 @@ class StepKind(NamedTuple):
         """Whether T is fixed (a graph Inductor compiles and a CUDA graph can capture)."""
         return self.tokens is not None
 
+    @property
+    def starts_empty(self) -> bool:
+        """Whether the step starts from an empty cache and attends among its own tokens only
+        (prefill); every other step attends over the cache."""
+        return self.name == "prefill"
+
 
 PREFILL = StepKind("prefill", None)
+# A paged engine's prompt after a prefix-cache hit (runtime/scheduler.py): any T >= 2 tokens
+# written from each row's seq_lens on, attending over the cache (the cached blocks included).
+CHUNK = StepKind("chunk", None)
 DECODE = StepKind("decode", 1)
 # The draft's first forward of a round re-feeds the last accepted token with the new one
 # (runtime/speculative.py, `draft`): two tokens.
@@ -56,16 +66,19 @@ def verify(gamma: int) -> StepKind:
     return StepKind("verify", gamma + 1)
 
 
-def target_steps(gamma: int) -> list[StepKind]:
-    """The target's steps: prefill, decode, and verify when a draft proposes gamma > 0 tokens."""
-    return [PREFILL, DECODE] + ([verify(gamma)] if gamma > 0 else [])
+def target_steps(gamma: int, paged: bool = False) -> list[StepKind]:
+    """The target's steps: prefill, decode, and verify when a draft proposes gamma > 0 tokens;
+    paged: chunk too (prefix-cache hits)."""
+    return [PREFILL, DECODE] + ([verify(gamma)] if gamma > 0 else []) + \
+        ([CHUNK] if paged else [])
 
 
-def draft_steps(slots: int) -> list[StepKind]:
+def draft_steps(slots: int, paged: bool = False) -> list[StepKind]:
     """The draft's steps: prefill, catch-up, decode (its gamma - 1 later proposals), and
     resync where a row's `slots` cache slots hold its RESYNC_TOKENS tokens (without it the
-    draft catches up by a prefill)."""
-    return [PREFILL, DECODE, CATCHUP] + ([RESYNC] if slots >= RESYNC_TOKENS else [])
+    draft catches up by a prefill); paged: chunk too (prefix-cache hits)."""
+    return [PREFILL, DECODE, CATCHUP] + ([RESYNC] if slots >= RESYNC_TOKENS else []) + \
+        ([CHUNK] if paged else [])
 
 
 @dataclass

@@ -148,3 +148,20 @@ def check_stats(engine: fuser.Engine) -> fuser.SpecStats:
     per_position = stats.accepted_per_position
     assert all(a >= b for a, b in zip(per_position, per_position[1:])), per_position
     return stats
+
+
+@functools.cache
+def paged_engine(blocks: int = 0, draft: bool = False) -> fuser.Engine:
+    """The Llama target over a paged cache of 4-slot blocks: 4 rows, buckets 1, 2, 4, "fx";
+    `blocks` per pool (0: every row at full length); draft: the target with 5% weight noise,
+    gamma 3 (tests/test_paged_scheduler.py, tests/test_paged_engine.py)."""
+    target = llama_target()
+    config = fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=4, batch_buckets=(1, 2, 4),
+                               gamma=3 if draft else 0, compile="fx", kv_block_size=4,
+                               kv_blocks=blocks)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        built = fuser.optimize(target, draft=perturbed(target, 0.05, seed=3) if draft else None,
+                               config=config)
+    assert built.report().fallbacks == [] and built.target.cache.paged
+    return built

@@ -193,3 +193,13 @@ def test_all_reduce_dry_run(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert result["world_size"] == 2 and [r["bytes"] for r in result["rows"]] == [8192, 32768]
     assert "one-shot: not available" in proc.stdout  # gloo: NCCL's path only
+
+
+@pytest.mark.slow  # builds a paged engine of the tiny random Llama (~60 s on a 2-core CPU)
+def test_prefix_cache_benchmark_dry_run(tmp_path: Path) -> None:
+    proc = run("prefix_cache.py", tmp_path / "prefix.json")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "prefix.json").read_text())
+    assert result["same_tokens"] == 4 and result["results"]["off"]["prefix_hits"] == 0
+    assert result["results"]["on"]["prefix_hits"] == 8 * 48  # 4 + 4 requests, 48 cached each
+    assert proc.stdout.strip().splitlines()[-1].startswith("dry run on CPU")

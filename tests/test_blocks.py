@@ -406,3 +406,47 @@ def test_manages_an_engines_table_in_place() -> None:
     assert table[1].tolist() == m.row_blocks(1) and table[0].tolist() == [0, 0]
     with pytest.raises(ValueError, match="table must be"):
         BlockManager(5, 4, rows=2, max_blocks=3, table=table)
+
+
+def test_queries_change_nothing_and_rows_move_with_their_blocks() -> None:
+    """cached_prefix and admission_cost foretell admit without changing anything; move hands
+    a row's blocks and tokens to an empty row (the scheduler keeps its rows packed)."""
+    m = BlockManager(num_blocks=8, block_size=2, rows=3, max_blocks=4)
+    prompt = [1, 2, 3, 4, 5]
+    m.admit(0, prompt)
+    m.commit(0, prompt)
+    m.release(0)                                          # 2 keyed blocks in the LRU, 1 free
+    table, lru = m.host_table.clone(), m.lru_blocks()
+    other = [1, 2, 3, 4, 9, 9, 9]
+    assert m.cached_prefix(other) == 4 and m.cached_prefix([7, 7, 7]) == 0
+    assert m.admission_cost(other) == 4                   # 4 blocks, 2 of them revived hits
+    assert m.admission_cost(other, slots=3) == 4          # (slots below the prompt: the prompt)
+    assert (m.prefix_queries, m.prefix_hits) == (5, 0)
+    assert torch.equal(table, m.host_table) and m.lru_blocks() == lru
+    assert m.admit(2, other) == 4 and m.available_blocks == 7 - 4
+    assert m.committed(2) == 4
+    blocks = m.row_blocks(2)
+    m.move(2, 0)
+    assert m.row_blocks(0) == blocks and m.committed(0) == 4 and m.active_rows() == [0]
+    assert m.host_table[0].tolist() == blocks and m.host_table[2].tolist() == [0] * 4
+    m.admit(1, [6])
+    with pytest.raises(ValueError, match="in use"):
+        m.move(0, 1)
+    with pytest.raises(ValueError, match="at most 4"):
+        m.admission_cost(list(range(9)))
+
+
+def test_sync_copies_only_a_changed_table() -> None:
+    m = BlockManager(num_blocks=6, block_size=2, rows=2, max_blocks=3, device="meta")
+    m.sync_table()
+    copies = []
+    m.table = type("Spy", (), {"copy_": lambda self, *a, **k: copies.append(1)})()
+    m.sync_table()
+    assert copies == []                                   # nothing changed since
+    m.admit(0, [1, 2, 3])
+    m.sync_table()
+    m.sync_table()
+    assert copies == [1]
+    m.move(0, 1)
+    m.sync_table()
+    assert copies == [1, 1]

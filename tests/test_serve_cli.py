@@ -446,3 +446,93 @@ def test_the_cold_start_shows_bucket_1s_capture_and_what_continues(monkeypatch, 
                          "they are done); until then their steps run in a captured larger "
                          "bucket or uncaptured")
     assert lines[-2].split() == ["total", "5.00"]
+
+
+def test_a_model_directory_serves_a_paged_cache_with_prefix_caching(tiny_model_dir):
+    """The default build pages the KV cache (16-slot blocks; on the CPU the pool holds every
+    row at full length) and the scheduler shares prompt prefixes; --no-prefix-caching turns
+    that off, --block-size 0 gives the contiguous cache."""
+    from fuser.server.cli import kv_cache_config, make_scheduler, open_engine
+
+    args = _serve_args("--max-batch-size", "2", "--max-seq-len", "64")
+    args.path = str(tiny_model_dir)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = open_engine(args)
+    cache = engine.target.cache
+    assert cache.paged and cache.k[0].shape[1] == 16
+    assert cache.num_blocks == 1 + 2 * cache.block_table.shape[1]
+    for flags, sharing in (((), True), (("--no-prefix-caching",), False)):
+        scheduler = make_scheduler(engine, _serve_args(*flags))
+        try:
+            assert scheduler.blocks is not None and scheduler.blocks.prefix_caching is sharing
+        finally:
+            scheduler.close()
+    assert kv_cache_config(_serve_args("--block-size", "0")) == {}
+    assert kv_cache_config(_serve_args("--gpu-memory-fraction", "0.5")) == \
+        dict(kv_block_size=16, kv_memory_fraction=0.5)
+
+
+def test_kv_cache_flag_mistakes_are_one_line(tiny_model_dir, capsys):
+    for flags, word in ((["--block-size", "-1"], "--block-size"),
+                        (["--gpu-memory-fraction", "1.5"], "--gpu-memory-fraction"),
+                        (["--block-size", "0", "--gpu-memory-fraction", "0.5"], "not with")):
+        code, err = _run(["serve", str(tiny_model_dir), "--port", "0", *flags], capsys)
+        assert code == 2 and err.count("\n") == 1 and word in err, err
+
+
+def test_a_paged_engine_directory_serves_paged(tiny_model_dir, tmp_path):
+    """`fuser build --block-size 8` writes a paged engine (inspect says so); `fuser serve` of
+    it loads the paged cache and its scheduler manages the blocks (no rebuild)."""
+    from fuser.server.cli import make_scheduler, open_engine
+
+    out = tmp_path / "paged-engine"
+    assert main(["build", str(tiny_model_dir), "--max-batch-size", "1", "--max-seq-len", "48",
+                 "--gamma", "0", "--block-size", "8", "--out", str(out)]) == 0
+    assert main(["inspect", str(out)]) == 0
+    args = _serve_args()
+    args.path = str(out)
+    engine = open_engine(args)
+    assert engine.target.cache.paged and engine.target.cache.k[0].shape[1] == 8
+    scheduler = make_scheduler(engine, args)
+    scheduler.start()
+    try:
+        params = fuser.SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+        assert len(scheduler.submit([5, 6, 7, 8, 9] * 3, params).result(120.0)) == 5
+        assert scheduler.blocks.prefix_queries == 15
+    finally:
+        scheduler.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_a_model_directory_serves_a_pool_sized_from_free_memory(tiny_model_dir):
+    """On CUDA, `fuser serve MODEL_DIR --gpu-memory-fraction 0.05`: the pools take 5% of the
+    memory free after the weights (far more blocks than the rows need at full length),
+    and requests sharing an opening run through the captured step graphs with prefix hits.
+    (0.05: the GPU tests share one GPU.)"""
+    from fuser.server.cli import make_scheduler, open_engine
+
+    total = torch.cuda.mem_get_info()[1]
+    args = _serve_args("--max-batch-size", "2", "--max-seq-len", "256",
+                       "--gpu-memory-fraction", "0.05")
+    args.path = str(tiny_model_dir)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = open_engine(args)
+    cache = engine.target.cache
+    pool_bytes = 2 * sum(k.numel() * k.element_size() for k in cache.k)
+    # (other GPU tests run beside this one: the free memory moves, the bounds are loose)
+    assert cache.paged and 0.01 * total < pool_bytes <= 0.05 * total
+    assert cache.num_blocks > 1 + 2 * cache.block_table.shape[1]
+    scheduler = make_scheduler(engine, args)
+    scheduler.start()
+    try:
+        params = fuser.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        opening = list(range(10, 50))
+        outs = [scheduler.submit(opening + [60 + i], params).result(120.0) for i in range(3)]
+        assert all(len(out) == 8 for out in outs)
+        assert scheduler.blocks.prefix_hits == 2 * 32  # two 16-slot blocks, twice
+    finally:
+        scheduler.close()
+    replays = engine.report().graph_replays
+    assert sum(v for k, v in replays.items() if k.startswith("step.b")) >= scheduler.steps > 0

@@ -423,6 +423,31 @@ def cache_attention(
 
 cache_attention.register_fake(_cache_attention_read_fake)
 
+# Above this many queries a paged `fuser::cache_attention` (a chunk step's: no pass rewrites
+# a step of dynamic T) runs the flash kernel's paged mode on CUDA; the fixed-T steps (at most
+# 16 tokens) keep the reference there when fused attention is off.
+CHUNK_FLASH_MIN_TOKENS = 16
+
+
+def cache_attention_cuda(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor, starts: Tensor,
+    scale: float, window: int, softcap: float, block_table: Tensor | None = None,
+) -> Tensor:
+    """fuser::cache_attention on CUDA: a paged chunk of many queries (a prefix-cache hit's
+    prefill) through `flash_prefill` over the pools, the queries at slots seq_lens + t; the
+    rest by the reference."""
+    T = q.shape[2]
+    if block_table is not None and T > CHUNK_FLASH_MIN_TOKENS and \
+            flash_prefill_supported(q, k_cache):
+        slots = seq_lens[:, None] + torch.arange(T, device=q.device)  # [B, T]
+        return flash_prefill(q, k_cache, v_cache, slots, starts, scale, window, softcap,
+                             block_table)
+    return cache_attention_reference(q, k_cache, v_cache, seq_lens, starts, scale, window, softcap,
+                                     block_table)
+
+
+cache_attention.register_kernel("cuda")(cache_attention_cuda)
+
 
 # ---------------------------------------------------------------------------------------------
 # Reference: fuser/capture.py cache_attention, non-prefill branch, after the cache write.

@@ -27,8 +27,11 @@ def _cache_rows(j, j_ok, table_row, PAGE: tl.constexpr):
     table_row[j // PAGE] of the pool at offset j % PAGE (missing slots, j_ok False, read the
     null block 0)."""
     if PAGE:
-        block = tl.load(table_row + j // PAGE, mask=j_ok, other=0).to(tl.int64)
-        return block * PAGE + j % PAGE
+        # A slot before the row (j < 0: an idle row's catch-up at seq_lens - 1) is the null
+        # block's too: never another block's last slot.
+        ok = j_ok & (j >= 0)
+        block = tl.load(table_row + j // PAGE, mask=ok, other=0).to(tl.int64)
+        return tl.where(ok, block * PAGE + j % PAGE, 0)
     return j
 
 
@@ -47,7 +50,9 @@ def paged_slots(block_table: Tensor, page: int, slots: Tensor) -> tuple[Tensor, 
     (slots that a kernel drops; the reference writes them to the null block, which no row reads
     as its own)."""
     max_blocks = block_table.shape[1]
-    index = (slots // page).clamp(max=max_blocks - 1)
+    # (clamped below too: an idle row's draft catch-up writes slot seq_lens - 1 = -1, which
+    # lands in its first table entry, the null block for a row without blocks)
+    index = (slots // page).clamp(min=0, max=max_blocks - 1)
     blocks = torch.gather(block_table.long(), 1, index)
     blocks = torch.where(slots < max_blocks * page, blocks, 0)
     return blocks, slots % page

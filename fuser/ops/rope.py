@@ -161,10 +161,13 @@ def _rotary_kernel(
     if WRITE_CACHE:
         slot = tl.load(seq_lens_ptr + b) + t
         if PAGE:
-            # (the index is clamped so that a slot past the table reads an entry; it is dropped)
-            index = tl.minimum(slot // PAGE, max_blocks - 1)
+            # (the index is clamped so that a slot past the table reads an entry; it is dropped;
+            # a slot before the row, an idle row's catch-up at seq_lens - 1 = -1, goes to the
+            # null block)
+            index = tl.minimum(tl.maximum(slot, 0) // PAGE, max_blocks - 1)
             pool_block = tl.load(table_ptr + b * max_blocks + index).to(tl.int64)
-            kv_row = (pool_block * PAGE + slot % PAGE) * KH * D
+            pool_block = tl.where(slot >= 0, pool_block, 0)
+            kv_row = (pool_block * PAGE + tl.maximum(slot, 0) % PAGE) * KH * D
         else:
             kv_row = (b * S + slot) * KH * D     # the cache row [KH, D] of this token
         kv_sh = D

@@ -24,6 +24,8 @@ from typing import Any
 
 DEFAULT_MODEL_BATCH = 8  # --max-batch-size for a model directory
 PRECISION_CHOICES = ("auto", "fp32", "bf16", "fp16", "fp8")  # FuserConfig.precision
+DEFAULT_BLOCK_SIZE = 16  # --block-size: slots per KV block (vLLM's default)
+DEFAULT_GPU_MEMORY_FRACTION = 0.9  # --gpu-memory-fraction (vLLM's gpu_memory_utilization)
 WARM_UP_SECONDS = 600.0
 
 
@@ -82,6 +84,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     serve.add_argument("--distill-budget-s", type=float, default=None,
                        help="with --adapt-draft: seconds of fine-tuning per draft update "
                             f"(default: {_config_default('distill_budget_s')})")
+    add_kv_cache_arguments(serve)
     serve.add_argument("--tokenizer", default=None,
                        help="a tokenizer directory for an engine saved without one")
     serve.add_argument("--log-level", default="warning",
@@ -92,6 +95,33 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                             "when set)")
     serve.set_defaults(fn=run_serve)
     return serve
+
+
+def add_kv_cache_arguments(serve: argparse.ArgumentParser) -> None:
+    """The paged KV cache's flags (a model directory's build; an engine directory keeps the
+    cache it was built with)."""
+    serve.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+                       help="slots per block of the paged KV cache (default: %(default)s); 0: "
+                            "a contiguous cache of max-batch-size x max-seq-len slots")
+    serve.add_argument("--gpu-memory-fraction", type=float, default=None,
+                       help="on CUDA, the fraction of the GPU memory free once the weights are "
+                            "loaded that the paged KV cache takes (default: "
+                            f"{DEFAULT_GPU_MEMORY_FRACTION}); on the CPU the pool holds every "
+                            "row at max-seq-len")
+    serve.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                       default=True,
+                       help="do not share the KV blocks of common prompt prefixes between "
+                            "requests (default: shared, on a paged cache)")
+
+
+def kv_cache_config(args: argparse.Namespace) -> dict[str, object]:
+    """FuserConfig fields of the KV cache flags (a model directory's build)."""
+    block = getattr(args, "block_size", DEFAULT_BLOCK_SIZE)
+    if not block:
+        return {}
+    fraction = getattr(args, "gpu_memory_fraction", None)
+    return dict(kv_block_size=block, kv_memory_fraction=DEFAULT_GPU_MEMORY_FRACTION
+                if fraction is None else fraction)
 
 
 def _config_default(name: str) -> object:
@@ -132,6 +162,14 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--drain-timeout {args.drain_timeout} must be at least 0")
     if args.api_key is not None and not args.api_key:
         raise ValueError("--api-key must not be empty")
+    if getattr(args, "block_size", 0) < 0:
+        raise ValueError(f"--block-size {args.block_size} must be at least 0 (0: contiguous)")
+    fraction = getattr(args, "gpu_memory_fraction", None)
+    if fraction is not None and not 0 < fraction <= 1:
+        raise ValueError(f"--gpu-memory-fraction {fraction:g} must be in (0, 1]")
+    if fraction is not None and not getattr(args, "block_size", 0):
+        raise ValueError("--gpu-memory-fraction sizes the paged KV cache: not with "
+                         "--block-size 0")
     for flag, value in (("--distill-every", args.distill_every),
                         ("--distill-budget-s", args.distill_budget_s)):
         if value is None:
@@ -192,7 +230,8 @@ def open_engine(args: argparse.Namespace, cold: ColdStart | None = None) -> Any:
     suffix = bool(getattr(args, "adapt_draft", False)) and args.draft is None
     config = fuser.FuserConfig(max_batch_size=rows, max_seq_len=args.max_seq_len,
                                batch_buckets=buckets, suffix_speculation=suffix,
-                               precision=getattr(args, "precision", None) or "auto")
+                               precision=getattr(args, "precision", None) or "auto",
+                               **kv_cache_config(args))
     engine, _, _ = build_engine_from_args(args.path, args.draft, config)
     cold.mark("build")
     return engine
@@ -288,7 +327,8 @@ def make_scheduler(engine: Any, args: argparse.Namespace) -> Any:
                         + ("top-k" if distiller.labels_from_target else "tokens")
                         if distiller is not None else "") + ")")
             return scheduler
-    return Scheduler(engine, max_waiting=args.max_waiting)
+    return Scheduler(engine, max_waiting=args.max_waiting,
+                     prefix_caching=getattr(args, "prefix_caching", True))
 
 
 def show_draft_updates() -> logging.Handler:

@@ -13,6 +13,10 @@
     fuser_request_success_total{finished_reason}  counter: "stop", "length", "abort"
     fuser_gpu_memory_used_bytes{gpu}            gauge, NVML, read at scrape (gpu_metrics.py;
     fuser_gpu_utilization_perc{gpu}             absent without nvidia-ml-py or a GPU)
+    fuser_kv_cache_usage_perc (gauge)           scheduler.kv_cache_usage (0..1: a paged
+                                                cache's blocks in use, else its rows)
+    fuser_prefix_cache_queries_total            counter, prompt tokens looked up in the prefix
+    fuser_prefix_cache_hits_total               cache and those found (paged; else 0)
 
 `/metrics` serves the engine's exposition (`engine.metrics_text()`) followed by this one's, so
 a name the engine exports is left out here: one exposition, no name twice. Private
@@ -63,6 +67,7 @@ class _Collector:
                 ("fuser_kv_slots_used", "slots_used", "KV-cache rows (slots) in use.")):
             value = getattr(scheduler, attribute, 0) if scheduler is not None else 0
             yield GaugeMetricFamily(name, doc, value=value)
+        yield from kv_cache_metrics(scheduler)
         with owner.lock:
             prompt, generated = owner.prompt_tokens, owner.generation_tokens
             finished = dict(owner.finished)
@@ -77,6 +82,22 @@ class _Collector:
         for reason in sorted(set(FINISH_REASONS) | set(finished)):
             success.add_metric([reason], finished.get(reason, 0))
         yield success
+
+
+def kv_cache_metrics(scheduler: object | None) -> Iterator[Any]:
+    """The KV cache's gauge and the prefix cache's counters (vLLM's kv_cache_usage_perc,
+    prefix_cache_queries, prefix_cache_hits), read from the scheduler at scrape time."""
+    usage = getattr(scheduler, "kv_cache_usage", 0.0) if scheduler is not None else 0.0
+    yield GaugeMetricFamily("fuser_kv_cache_usage_perc",
+                            "Fraction of the KV cache in use (paged: blocks; else rows), 0..1.",
+                            value=usage)
+    blocks = getattr(scheduler, "blocks", None)
+    for name, attribute, doc in (
+            ("fuser_prefix_cache_queries_total", "prefix_queries",
+             "Prompt tokens looked up in the prefix cache."),
+            ("fuser_prefix_cache_hits_total", "prefix_hits",
+             "Prompt tokens found in the prefix cache (not prefilled again).")):
+        yield CounterMetricFamily(name, doc, value=getattr(blocks, attribute, 0))
 
 
 class ServingMetrics:

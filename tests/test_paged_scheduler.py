@@ -1,0 +1,325 @@
+"""The scheduler over a paged engine (runtime/scheduler.py with runtime/blocks.py), tiny fp32
+models on the CPU: a request's tokens are the same alone, in a full batch, after preemption
+and with a prefix-cache hit (exactly); a request that finds no blocks waits and then
+completes; no block leaks after many requests with cancellations.
+
+Engines: the tests/engines.py Llama target, rows 4, buckets 1, 2, 4, 4-slot blocks; the pool
+either holds every row at full length ("full") or 13 usable blocks (52 slots: a little more
+than one long request, so requests wait and are preempted).
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+
+import pytest
+import torch
+
+import fuser
+from fuser import SamplingParams, Scheduler
+from fuser.runtime import speculative
+from engines import MAX_SEQ_LEN, llama_target, paged_engine, perturbed
+
+VOCAB = 160
+BLOCK = 4  # paged_engine's block size
+SMALL_POOL = 14  # blocks, the null block included
+TIMEOUT = 120.0
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+
+engine = paged_engine  # (tests/engines.py: shared with tests/test_paged_engine.py)
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (length,), generator=generator).tolist()
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def sampled(max_tokens: int, seed: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.9, top_k=30, seed=seed,
+                          ignore_eos=True)
+
+
+# Greedy and seeded sampling, prompts of a few lengths (several of one length: they prefill
+# together), budgets that end at different steps.
+REQUESTS = [(prompt(6 + 3 * (i % 3), seed=i),
+             greedy(5 + 3 * i) if i % 2 == 0 else sampled(5 + 3 * i, seed=50 + i))
+            for i in range(6)]
+
+
+def started(eng: fuser.Engine, **options: object) -> Scheduler:
+    sched = Scheduler(eng, max_waiting=256, **options)
+    sched.start()
+    return sched
+
+
+def alone(eng: fuser.Engine, requests: list) -> list[list[int]]:
+    """Each request by itself, prefix caching off (every prompt prefilled whole)."""
+    sched = started(eng, prefix_caching=False)
+    try:
+        return [sched.submit(p, params).result(TIMEOUT) for p, params in requests]
+    finally:
+        sched.close()
+
+
+def assert_no_leak(sched: Scheduler) -> None:
+    """Every block is free or cached (unreferenced), no row holds any, the table is null."""
+    blocks = sched.blocks
+    assert sched.wait_idle(TIMEOUT)
+    assert blocks.active_rows() == []
+    assert blocks.available_blocks == blocks.usable_blocks
+    assert all(blocks.refs(b) == 0 for b in range(blocks.num_blocks))
+    assert sorted(blocks.free_blocks() + blocks.lru_blocks()) == list(range(1, blocks.num_blocks))
+    assert not blocks.table.any()
+
+
+def test_full_batch_returns_what_each_returns_alone_and_greedy_as_generate(engines) -> None:
+    eng = engine()
+    want = alone(eng, REQUESTS)
+    sched = started(eng)
+    try:
+        streams = [sched.submit(p, params) for p, params in REQUESTS]
+        assert [s.result(TIMEOUT) for s in streams] == want
+        assert sched.preemptions == 0
+        assert_no_leak(sched)
+    finally:
+        sched.close()
+    contiguous, _ = engines("plain")  # the same target over a contiguous cache
+    for (p, params), out in list(zip(REQUESTS, want))[::2]:
+        ref = contiguous.generate(torch.tensor([p]), params.max_tokens)[0, len(p):].tolist()
+        assert out == ref
+
+
+def test_prefix_hit_prefills_only_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """B's prompt opens with A's first three blocks: admitted after A, it finds them cached,
+    prefills its other 3 tokens through the chunk step, and returns what it returns alone."""
+    eng = engine()
+    shared = prompt(12, seed=20)
+    a = (shared + prompt(2, seed=21), greedy(6))
+    b_requests = [(shared + prompt(3, seed=22), greedy(9)),
+                  (shared + prompt(3, seed=23), sampled(9, seed=7))]
+    want = alone(eng, b_requests)
+    chunks = []
+    real = speculative.prefill_chunk
+
+    def spy(*args, **kwargs):
+        chunks.append(args[4])  # cached tokens per row
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(speculative, "prefill_chunk", spy)
+    sched = started(eng)
+    try:
+        sched.submit(*a).result(TIMEOUT)
+        assert sched.blocks.prefix_hits == 0 and sched.blocks.prefix_queries == 14
+        got = [sched.submit(p, params).result(TIMEOUT) for p, params in b_requests]
+        assert got == want
+        assert chunks == [[12], [12]]
+        assert sched.blocks.prefix_hits == 24 and sched.blocks.prefix_queries == 14 + 30
+        assert_no_leak(sched)
+        assert len(sched.blocks.cached_blocks()) >= 3  # the shared blocks stay cached
+    finally:
+        sched.close()
+
+
+def test_preempted_requests_return_what_they_return_alone() -> None:
+    """Six requests whose rows outgrow a 13-block pool: the newest rows are preempted and
+    requeued (several times), resumed from their tokens so far; every output is unchanged."""
+    eng = engine(SMALL_POOL)
+    assert eng.target.cache.num_blocks == SMALL_POOL
+    requests = [(prompt(10, seed=30 + i), greedy(20) if i % 2 == 0 else sampled(20, seed=i))
+                for i in range(6)]
+    want = alone(eng, requests)
+    sched = started(eng)
+    try:
+        streams = [sched.submit(p, params) for p, params in requests]
+        assert [s.result(TIMEOUT) for s in streams] == want
+        assert sched.preemptions > 0 and any(s.preemptions for s in streams)
+        assert_no_leak(sched)
+    finally:
+        sched.close()
+
+
+def test_a_request_without_blocks_waits_then_completes() -> None:
+    """Stepped by hand: the first request takes 8 of 13 blocks; the second (8 more) waits
+    while the first runs, then runs once its blocks are back, and returns what it returns
+    alone."""
+    eng = engine(SMALL_POOL)
+    first, second = (prompt(30, seed=40), greedy(8)), (prompt(30, seed=41), greedy(8))
+    want = alone(eng, [second])[0]
+    sched = Scheduler(eng)  # not started: the test runs the loop's iterations itself
+    try:
+        s1, s2 = sched.submit(*first), sched.submit(*second)
+        with eng.generating():
+            sched._iteration()
+            assert sched.num_running == 1 and sched.num_waiting == 1 and not s2.output_ids
+            assert sched.blocks.usage() > 0.5
+            while not s1.done:
+                sched._iteration()
+                assert s2.done or sched.num_waiting == 1
+            while not s2.done:
+                sched._iteration()
+        assert s2.output_ids == want and s1.preemptions == s2.preemptions == 0
+        sched._retire()
+        assert_no_leak(sched)
+    finally:
+        sched.close()
+
+
+def test_no_block_leaks_after_many_requests_with_cancellations() -> None:
+    """1,000 requests of random lengths and budgets on the small pool, a third cancelled
+    (waiting, just admitted or mid-way): afterwards every block is free or cached."""
+    eng = engine(SMALL_POOL)
+    rng = random.Random(0)
+    sched = started(eng)
+    try:
+        streams = []
+        for i in range(1000):
+            length = rng.randint(1, 24)
+            params = greedy(rng.randint(1, 12)) if rng.random() < 0.5 else \
+                sampled(rng.randint(1, 12), seed=i)
+            # repeated openings: prefix-cache hits, shared blocks released in any order
+            ids = prompt(8, seed=rng.randint(0, 3))[:length] + prompt(length, seed=1000 + i)
+            streams.append(sched.submit(ids[:length + 4], params))
+            if rng.random() < 0.33:
+                victim = streams[rng.randrange(len(streams))]
+                if rng.random() < 0.5:
+                    next(iter(victim), None)  # let it run a step first
+                victim.cancel()
+        for stream in streams:
+            stream.result(TIMEOUT)
+        assert all(s.finish_reason in ("abort", "length") for s in streams)
+        assert_no_leak(sched)
+        assert sched.blocks.prefix_hits > 0
+    finally:
+        sched.close()
+
+
+def test_a_request_the_pool_can_never_hold_is_refused() -> None:
+    sched = Scheduler(engine(SMALL_POOL))
+    try:
+        with pytest.raises(ValueError, match="KV blocks"):
+            sched.submit(prompt(40, seed=1), greedy(20))  # 60 slots, 15 blocks > 13
+    finally:
+        sched.close()
+
+
+@pytest.mark.slow  # (an engine with a draft: ~30 s more on a 2-core CPU)
+def test_speculative_paged_scheduler_with_preemption_and_prefix_hits() -> None:
+    """The draft's blocks follow the target's table: speculative steps (gamma 3) over a small
+    pool, with preemption and shared openings, return each request's greedy tokens alone."""
+    eng = engine(SMALL_POOL, draft=True)
+    shared = prompt(8, seed=60)
+    requests = [(shared + prompt(4, seed=61 + i), greedy(18)) for i in range(5)]
+    want = alone(eng, requests)
+    sched = started(eng)
+    try:
+        streams = [sched.submit(p, params) for p, params in requests]
+        assert [s.result(TIMEOUT) for s in streams] == want
+        assert sched.preemptions > 0 and sched.blocks.prefix_hits > 0
+        assert_no_leak(sched)
+    finally:
+        sched.close()
+
+
+def test_serving_metrics_move() -> None:
+    """/metrics' KV gauge and prefix-cache counters (fuser/server/metrics.py) follow the
+    scheduler: usage above 0 while a request holds blocks, 0 after; queries and hits in
+    tokens."""
+    from fuser.server.metrics import ServingMetrics
+    from serve_util import metric
+
+    sched = Scheduler(engine())  # stepped by hand
+    metrics = ServingMetrics(lambda: sched)
+    try:
+        text = metrics.text()
+        assert metric(text, "fuser_kv_cache_usage_perc") == 0.0
+        assert metric(text, "fuser_prefix_cache_queries_total") == 0.0
+        shared = prompt(8, seed=70)
+        first = sched.submit(shared + [5], greedy(3))
+        scraped = []
+        collect = sched._collect
+
+        def scrape_then_collect(step) -> None:  # a scrape while the request runs
+            scraped.append(metric(metrics.text(), "fuser_kv_cache_usage_perc"))
+            collect(step)
+
+        sched._collect = scrape_then_collect
+        with engine().generating():
+            while not first.done:
+                sched._iteration()
+            assert scraped and scraped[0] == 3 / sched.blocks.usable_blocks  # 12 slots: 3 blocks
+            sched.submit(shared + [6, 7], greedy(2))
+            while sched.num_running or sched.num_waiting:
+                sched._iteration()
+            sched._retire()
+        text = metrics.text()
+        assert metric(text, "fuser_kv_cache_usage_perc") == 0.0
+        assert metric(text, "fuser_prefix_cache_queries_total") == 9 + 10
+        assert metric(text, "fuser_prefix_cache_hits_total") == 8
+    finally:
+        sched.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_paged_scheduler_replays_graphs_over_the_managed_table() -> None:
+    """On CUDA (fp32; the captured iteration graphs read the block table where it lives, the
+    scheduler copies it there before each step): a draft engine (gamma 3) over a 23-block
+    pool, requests sharing a 20-token opening (prefix hits: the chunk step of 18 tokens,
+    flash_prefill over the pools) and outgrowing the pool (preemption): each returns its
+    tokens alone, and every step replayed a captured graph."""
+    import copy
+
+    target = copy.deepcopy(llama_target()).cuda()  # (the CPU tests share the cached one)
+    config = fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=4, gamma=3,
+                               precision="fp32", kv_block_size=BLOCK, kv_blocks=24)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eng = fuser.optimize(target, draft=perturbed(target, 0.05, seed=3), config=config)
+    assert sorted(eng.buckets) == [1, 2, 4] and eng.report().fallbacks == []
+    shared = prompt(20, seed=80)
+    requests = [(shared + prompt(18, seed=81 + i), greedy(12)) for i in range(5)]
+    want = alone(eng, requests)
+    sched = started(eng)
+    try:
+        streams = [sched.submit(p, params) for p, params in requests]
+        assert [s.result(TIMEOUT) for s in streams] == want
+        assert sched.preemptions > 0 and sched.blocks.prefix_hits > 0
+        assert_no_leak(sched)
+    finally:
+        sched.close()
+    replays = eng.report().graph_replays
+    assert sum(v for k, v in replays.items() if k.startswith("step.b")) >= sched.steps
+    assert all(n == 0 for b in eng.buckets.values() for n in b.uncaptured_runs.values())
+
+
+@pytest.mark.slow  # (an engine of its own with suffix verify steps: ~35 s on a 2-core CPU)
+def test_adaptive_scheduler_with_suffix_proposals_over_a_small_pool() -> None:
+    """The adaptive scheduler's suffix proposals (verify steps added after the build, gamma
+    2 on a target-only engine) over the small pool: rows grow by the longest verify step, a
+    preempted request is not indexed twice, and the greedy tokens are each request's alone."""
+    from fuser.runtime.adaptive_scheduler import AdaptiveScheduler
+
+    target = llama_target()
+    config = fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=4, batch_buckets=(1, 2, 4),
+                               gamma=0, compile="fx", kv_block_size=BLOCK, kv_blocks=SMALL_POOL,
+                               suffix_speculation=True, gamma_candidates=(2,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eng = fuser.optimize(target, config=config)
+    requests = [(prompt(6, seed=90 + i % 2) * 2, greedy(20)) for i in range(6)]  # repetitive
+    want = alone(eng, requests)
+    sched = AdaptiveScheduler(eng, suffix=True, background=False)
+    sched.start()
+    try:
+        streams = [sched.submit(p, params) for p, params in requests]
+        assert [s.result(TIMEOUT) for s in streams] == want
+        assert sched.preemptions > 0 and sched._step_room == 3
+        assert_no_leak(sched)
+    finally:
+        sched.close()
