@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import sys
 from datetime import timedelta
 
@@ -28,32 +27,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import replay_median_ms  # noqa: E402
+
 SIZES = [8 << 10, 32 << 10, 128 << 10, 512 << 10, 2 << 20, 8 << 20]  # bytes
 REPEAT, REPLAYS = 50, 20
 
 
 def _graph_us(fn, x: torch.Tensor) -> float:
-    """Median µs of one `fn(x)` from CUDA-graph replays of REPEAT calls."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn(x)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(REPEAT):
-            fn(x)
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / REPEAT)
-    return statistics.median(times)
+    """Median µs of one `fn(x)` from CUDA-graph replays of REPEAT calls in a row."""
+    ms, _ = replay_median_ms(lambda: [fn(x) for _ in range(REPEAT)][-1], replays=REPLAYS)
+    return ms * 1000 / REPEAT
 
 
 def _rank(rank: int, world_size: int, port: int, out: str | None, dry_run: bool) -> None:

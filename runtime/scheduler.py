@@ -529,14 +529,7 @@ class Scheduler:
                 if not stream.done:
                     row += 1
                     continue
-                if self.blocks is not None:
-                    self.blocks.release(row)
-                last = len(running) - 1
-                if row != last:
-                    self._move_row(last, row)
-                    running[row] = running[last]
-                self._state.active[last] = False
-                running.pop()
+                self._remove_row(row)
             self._lock.notify_all()
 
     def _admit(self) -> None:
@@ -713,13 +706,7 @@ class Scheduler:
                 running = self._running
                 row = max(range(len(running)), key=lambda i: running[i]._admitted)
                 stream = running[row]
-                self.blocks.release(row)
-                last = len(running) - 1
-                if row != last:
-                    self._move_row(last, row)
-                    running[row] = running[last]
-                self._state.active[last] = False
-                running.pop()
+                self._remove_row(row)
                 stream.preemptions += 1
                 self.preemptions += 1
                 self._waiting.appendleft(stream)
@@ -794,6 +781,19 @@ class Scheduler:
         engine.observe_tokens(engine.stats.num_generated_tokens - before, elapsed)
 
     # -- moving a request between rows -----------------------------------------------------------
+
+    def _remove_row(self, row: int) -> None:
+        """A running row leaves (finished, cancelled, preempted; the lock held): its blocks are
+        freed and the last running row moves into its slot, so the rows stay packed."""
+        running = self._running
+        if self.blocks is not None:
+            self.blocks.release(row)
+        last = len(running) - 1
+        if row != last:
+            self._move_row(last, row)
+            running[row] = running[last]
+        self._state.active[last] = False
+        running.pop()
 
     def _move_row(self, src: int, dst: int) -> None:
         """Row dst takes row src's request: its KV rows (both models), lengths and state."""
