@@ -14,11 +14,12 @@ import contextlib
 import functools
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from fuser.capture import StepModule, cache_names, export_step, specialize
+from fuser.capture import StepModule, cache_names, engine_view, export_step, specialize
 from fuser.compile import CompiledStep
 from fuser.config import FuserConfig
 from fuser.numerics import FP8_SELF_CHECK_TOLERANCE, SELF_CHECK_TOLERANCE, relative_error
@@ -84,7 +85,8 @@ def build_steps(role: str, view: nn.Module, cache: KVCache, kinds: list[StepKind
 
 def build_bucket_steps(role: str, view: nn.Module, cache: KVCache, sizes: Sequence[int],
                        kinds: list[StepKind], config: FuserConfig, device: torch.device,
-                       progress: Progress | None = None) -> dict[int, ModelSteps]:
+                       progress: Progress | None = None, shard: Shard | None = None
+                       ) -> dict[int, ModelSteps]:
     """The steps of `kinds` in every batch bucket of `sizes`, bucket b over rows [:b] of
     `cache` (which has max(sizes) rows): batch size -> steps.
 
@@ -95,6 +97,10 @@ def build_bucket_steps(role: str, view: nn.Module, cache: KVCache, sizes: Sequen
     (dynamic T, never compiled) is exported and rewritten once and that one graph serves every
     bucket. The passes' per-model state (weights quantized once) is shared. Where model code
     keeps a dimension from being dynamic, each step is exported on its own (as `add_step`).
+
+    shard: one rank's share of a tensor-parallel engine (`Shard`): every fixed-T step is
+    sharded before the passes, and prefill is sharded per prompt length when first run
+    (`ShardedPrefill`); `cache` is then the unsharded cache the export traces over.
     """
     say = progress or (lambda message: None)
     state: dict = {}
@@ -109,15 +115,18 @@ def build_bucket_steps(role: str, view: nn.Module, cache: KVCache, sizes: Sequen
         start = time.perf_counter()
         if any(g.rewritten is None for steps in buckets.values() for g in steps.steps.values()):
             for steps in buckets.values():  # the model already fell back to eager PyTorch
-                add_step(steps, view, kind, config, device)
+                add_step(steps, view, kind, config, device, shard)
+        elif not kind.fixed and shard is not None:  # one export a bucket, sharded per length
+            for steps in buckets.values():
+                add_step(steps, view, kind, config, device, shard)
         elif not kind.fixed:
             add_prefill(buckets, view, kind, config, device, say)
         elif len(fixed) * len(buckets) == 1:
-            add_step(buckets[max(buckets)], view, kind, config, device)
+            add_step(buckets[max(buckets)], view, kind, config, device, shard)
         else:
             if not exported:
                 shared, exported = export_fixed(buckets, view, max(2, *fixed), say), True
-            add_fixed(buckets, view, kind, shared, config, device, say)
+            add_fixed(buckets, view, kind, shared, config, device, say, shard)
         say(f"{role}.{_kind_name(kind)}: built for batch buckets {list(buckets)} in "
             f"{time.perf_counter() - start:.1f} s")
     return buckets
@@ -145,12 +154,13 @@ def export_fixed(buckets: dict[int, ModelSteps], view: nn.Module, max_tokens: in
 
 def add_fixed(buckets: dict[int, ModelSteps], view: nn.Module, kind: StepKind,
               shared: tuple[torch.export.ExportedProgram, torch.fx.GraphModule] | None,
-              config: FuserConfig, device: torch.device, say: Progress) -> None:
+              config: FuserConfig, device: torch.device, say: Progress,
+              shard: Shard | None = None) -> None:
     """The fixed-T step `kind` in every bucket: the shared export retraced at the bucket's
     batch and `kind`'s T, rewritten and compiled (exported on its own where that fails)."""
     for size, steps in buckets.items():
         if shared is None:
-            add_step(steps, view, kind, config, device)
+            add_step(steps, view, kind, config, device, shard)
             continue
         exported, symbolic = shared
         try:
@@ -158,11 +168,11 @@ def add_fixed(buckets: dict[int, ModelSteps], view: nn.Module, kind: StepKind,
         except Exception as e:  # noqa: BLE001 -- this one exports on its own
             say(f"{steps.role}.{_kind_name(kind)}: bucket {size} not retraced "
                 f"({first_line(e)}); exporting it")
-            add_step(steps, view, kind, config, device)
+            add_step(steps, view, kind, config, device, shard)
             continue
         graph = _new_graph(steps, view, kind)
         graph.exported, graph.rewritten = exported, rewritten
-        _rewrite_and_compile(steps, graph, view, config, device)
+        _rewrite_and_compile(steps, graph, view, config, device, shard)
 
 
 def add_prefill(buckets: dict[int, ModelSteps], view: nn.Module, kind: StepKind,
@@ -224,7 +234,7 @@ def with_cache(gm: torch.fx.GraphModule, cache: KVCache) -> torch.fx.GraphModule
 
 
 def add_step(steps: ModelSteps, view: nn.Module, kind: StepKind, config: FuserConfig,
-             device: torch.device) -> StepGraph:
+             device: torch.device, shard: Shard | None = None) -> StepGraph:
     """Build the step `kind` of `steps` (export, passes, compile) and add it; once export has
     failed for a model, its later steps run eagerly without trying again."""
     export_failed = any(g.rewritten is None for g in steps.steps.values())
@@ -235,17 +245,28 @@ def add_step(steps: ModelSteps, view: nn.Module, kind: StepKind, config: FuserCo
         graph.exported, graph.rewritten = export_step(graph.eager, steps.cache.batch_size,
                                                       kind.tokens, max_tokens=steps.cache.slots)
     except Exception as e:  # unsupported model code: run eagerly, say so once
+        if shard is not None:  # eager PyTorch is not sharded: no engine without the graph
+            raise ValueError(f"tensor_parallel={shard.world_size}: the {steps.role}'s step "
+                             f"{kind.name} could not be exported ({first_line(e)}); tensor "
+                             "parallelism shards the captured graph") from e
         steps.fallback(f"{steps.role}: torch.export failed ({first_line(e)}); its steps run "
                        "in eager PyTorch with the engine's KV cache")
         return graph
-    _rewrite_and_compile(steps, graph, view, config, device)
+    _rewrite_and_compile(steps, graph, view, config, device, shard)
     return graph
 
 
 def _rewrite_and_compile(steps: ModelSteps, graph: StepGraph, view: nn.Module,
-                         config: FuserConfig, device: torch.device) -> None:
-    """Run the passes over `graph.rewritten` in place, then set up its compilation."""
+                         config: FuserConfig, device: torch.device,
+                         shard: Shard | None = None) -> None:
+    """Run the passes over `graph.rewritten` in place, then set up its compilation (with
+    `shard`: over the rank's share of it; prefill is left unfused, sharded per length)."""
     kind = graph.kind
+    if shard is not None:
+        if not kind.fixed:
+            steps.prefill_graphs = ShardedPrefill(steps, graph, shard, config)
+            return
+        graph.rewritten = shard.graph(graph.rewritten, steps.cache.batch_size)
     context = PassContext(graph.name, kind, config, steps.role, model_state=steps.build_state)
     result = run_passes(graph.rewritten, context)
     for error in result.errors:
@@ -338,3 +359,111 @@ def first_line(e: BaseException) -> str:
     """`Type: first line of the message`, at most 300 characters."""
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
+@dataclass
+class Shard:
+    """One rank's share of a tensor-parallel engine's target (passes/tensor_parallel.py).
+
+    Attributes:
+        rank, world_size: this rank of how many.
+        cache: the rank's KV cache, every row: [B, S, kv_heads / world_size, D] per layer.
+        slices: the rank's weight slices, made once and shared by every step graph.
+    """
+
+    rank: int
+    world_size: int
+    cache: KVCache
+    slices: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+
+    def graph(self, gm: torch.fx.GraphModule, batch: int) -> torch.fx.GraphModule:
+        """The rank's share of the unfused step graph `gm` at `batch` rows, over rows
+        [:batch] of the rank's cache."""
+        from fuser.passes.tensor_parallel import shard_graph
+
+        rows = self.cache.rows(batch)
+        cache = dict(zip(cache_names(len(rows.k)), [*rows.k, *rows.v]))
+        return shard_graph(gm, self.rank, self.world_size, cache=cache, slices=self.slices)
+
+
+class ShardedPrefill:
+    """A tensor-parallel rank's prefill, set as its steps' `prefill_graphs`: the prefill
+    export (dynamic T) retraced at the prompt's length (`specialize`), sharded and rewritten
+    by the passes the first time that length runs, then kept.
+
+    Lengths are padded on the right to the lengths prefill graphs use on CUDA
+    (runtime/prefill_graphs.py `padded_length`, multiples of 32 for short prompts) where the
+    cache has room, so that a few graphs serve every prompt: the padding slots lie past the
+    row's end, stale until later steps write them (as captured prefills do).
+    """
+
+    def __init__(self, steps: ModelSteps, graph: StepGraph, shard: Shard,
+                 config: FuserConfig) -> None:
+        self.steps, self.graph, self.shard, self.config = steps, graph, shard, config
+        self.full = steps.cache  # the unsharded cache the export traced over (shapes only)
+        symbolic = graph.rewritten
+        for node in list(symbolic.graph.nodes):  # export's input guards: not retraced
+            if node.op == "call_module" and not node.users:
+                symbolic.graph.erase_node(node)
+        self.graphs: dict[int, torch.fx.GraphModule] = {}
+        self.failures: list[str] = []
+
+    def width(self, tokens: int) -> int:
+        """The padded length a prompt chunk of `tokens` runs at (itself where no room)."""
+        from fuser.runtime.prefill_graphs import padded_length
+
+        cache = self.steps.cache
+        padded = padded_length(tokens, cache.slots)
+        if padded is None or padded == tokens or \
+                int(cache.seq_lens.max()) + padded > cache.slots:  # host read: prefill only
+            return tokens
+        return padded
+
+    @torch.no_grad()
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Prefill logits [B, T, V] over the rank's cache (tokens, positions: [B, T])."""
+        B, T = tokens.shape
+        width = self.width(T)
+        if width > T:  # tokens [B, width]: the prompt, then its last token again
+            tokens = torch.cat([tokens, tokens[:, -1:].expand(B, width - T)], dim=1)
+            positions = torch.cat([positions, positions[:, -1:].expand(B, width - T)], dim=1)
+        gm = self.graphs.get(width)
+        if gm is None:
+            gm = self.graphs[width] = self._build(width)
+        cache = self.steps.cache
+        return gm(tokens, positions, cache.seq_lens, cache.starts)[:, :T]
+
+    def _build(self, width: int) -> torch.fx.GraphModule:
+        steps = self.steps
+        full = self.full
+        gm = specialize(self.graph.rewritten, full.k, full.v, width)
+        gm = self.shard.graph(gm, steps.cache.batch_size)
+        context = PassContext(f"{steps.role}.prefill", PREFILL, self.config, steps.role,
+                              model_state=steps.build_state)
+        result = run_passes(gm, context)
+        for error in result.errors:
+            if error not in self.failures:
+                self.failures.append(error)
+                steps.fallback(error)
+        self.graph.matches, self.graph.fused_ops = result.matches, result.fused_ops
+        return gm
+
+
+def build_shard(model: nn.Module, config: FuserConfig, kinds: list[StepKind],
+                sizes: Sequence[int], slots: int, dtype: torch.dtype, device: torch.device,
+                rank: int, world_size: int, progress: Progress | None = None
+                ) -> dict[int, ModelSteps]:
+    """Rank `rank`'s target steps of a tensor-parallel engine, per batch bucket: exported over
+    an unsharded cache (its shapes are what the export traces), sharded, rewritten, compiled,
+    and running over the rank's own cache (`Shard.cache`)."""
+    layers, kv_heads, head_dim = model_geometry(model.config)
+    full = allocate_cache("target", model.config, config.max_batch_size, slots, dtype, device,
+                          config.max_seq_len)
+    own = KVCache.allocate(layers, config.max_batch_size, slots, kv_heads // world_size,
+                           head_dim, dtype, device)
+    view = engine_view(model, dtype, device)
+    built = build_bucket_steps("target", view, full, sizes, kinds, config, device, progress,
+                               shard=Shard(rank, world_size, own))
+    for size, steps in built.items():
+        steps.cache = own.rows(size)
+    return built

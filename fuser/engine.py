@@ -106,6 +106,9 @@ class Engine:
         # seconds of each part of fuser.load (read, code, first_run, capture); {} if built
         self.load_timings: dict[str, float] = {}
         self.manifest: dict | None = None  # the engine directory's manifest, set by fuser.load
+        # With FuserConfig(tensor_parallel=N > 1): the follower processes this engine's target
+        # steps run on (fuser/distributed.py `TensorParallelGroup`), set by fuser.optimize.
+        self.tensor_parallel: object | None = None
 
     # -- runtime preparation (at optimize/load time) ---------------------------------------------
 
@@ -123,7 +126,12 @@ class Engine:
         say = progress if callable(progress) else None
         kinds = [PLAIN, *self.gammas]
         length = min(128, self.config.max_seq_len // 2)
-        if self.device.type == "cuda" and self.config.cuda_graphs:
+        if self.device.type == "cuda" and self.config.cuda_graphs and \
+                self.tensor_parallel is not None:
+            self._fallbacks.append("tensor parallel: the steps run without CUDA graphs (the "
+                                   "followers do not capture and replay in step with rank 0 "
+                                   "yet)")
+        elif self.device.type == "cuda" and self.config.cuda_graphs:
             self._fallbacks += capture_buckets(list(self.buckets.values()), kinds, length, say)
             prefill_pool = torch.cuda.graph_pool_handle()
             for bucket in self.buckets.values():
@@ -309,6 +317,12 @@ class Engine:
         from fuser.runtime.generate import stream
 
         return stream(self, input_ids, max_new_tokens, **kwargs)
+
+    def close(self) -> None:
+        """Stop the engine's follower processes (tensor_parallel > 1; idempotent, also done at
+        interpreter exit). The engine cannot run steps afterwards. Nothing to do otherwise."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close()
 
     def save(self, path: str | Path, overwrite: bool = False) -> dict:
         """Write this engine as an engine directory (DESIGN.md, engine files); `fuser.load`

@@ -13,15 +13,17 @@ import contextlib
 import logging
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from fuser.build import allocate_cache, build_bucket_steps, check_against_eager, warm_up
+from fuser.build import (allocate_cache, build_bucket_steps, build_shard, check_against_eager,
+                         warm_up)
 from fuser.capture import SUPPORTED_MODEL_TYPES, engine_view, supports_cache_attention
 from fuser.config import FuserConfig
+from fuser.distributed import FollowerPlan, TensorParallelGroup, check_world_size, mirror
 from fuser.engine import Engine
 from fuser.engine_io import Log, open_engine
 from fuser.runtime.steps import ModelSteps, StepKind, draft_steps, target_steps, verify
@@ -138,6 +140,11 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
                 ) -> dict[int, ModelSteps] | None:
         """The model's steps per batch bucket, over one cache of max_batch_size rows (bucket b
         uses rows [:b]), or None when the model cannot run through the engine's cache."""
+        if role == "target" and group is not None:  # rank 0's share; the followers build theirs
+            _progress(f"building rank 0 of {config.tensor_parallel}'s target steps for batch "
+                      f"buckets {list(sizes)}")
+            return build_shard(model, config, kinds, sizes, slots, dtype, device, 0,
+                               config.tensor_parallel, progress=_progress)
         if not supports_cache_attention(model):
             fallback(f"{role}: {type(model).__name__} does not dispatch attention through "
                      "transformers' attention registry; it runs in eager PyTorch, unfused")
@@ -156,46 +163,95 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
                                   progress=_progress)
 
     target_kinds = target_steps(0) + [verify(g) for g in sorted(set(gammas + suffix_gammas))]
-    target_built = prepare("target", target, target_kinds, slots)
-    draft_built = None
-    if draft is not None and gammas and target_built is not None:
-        draft_built = prepare("draft", draft, draft_steps(draft_slots), draft_slots)
-    for built in (target_built, draft_built):
-        for size, steps in (built or {}).items():
-            began = time.perf_counter()
-            warm_up(steps)  # compiles the fixed-T steps (Inductor) on their first call
-            _progress(f"{steps.role} bucket {size}: every step run once (compiled where "
-                      f"compiled) in {time.perf_counter() - began:.1f} s")
-    top = config.max_batch_size
-    if target_built is not None:
-        problem = check_against_eager(target_built[top], target, config.max_seq_len,
-                                      fp8_lm_head)
-        if problem is not None:
-            fallback(f"target: the captured step disagrees with eager PyTorch ({problem}); it "
-                     "runs in eager PyTorch instead")
-            target_built = draft_built = None
-    if draft_built is not None:
-        problem = check_against_eager(draft_built[top], draft, config.max_seq_len,
-                                      fp8_lm_head)
-        if problem is not None:
-            fallback(f"draft: the captured step disagrees with eager PyTorch ({problem}); it "
-                     "runs in eager PyTorch instead, without speculation")
-            draft_built = None
-    buckets = None
-    if target_built is not None:
-        buckets = {size: (target_built[size], draft_built[size] if draft_built else None)
-                   for size in sizes}
-    engine = Engine(target_built[top] if target_built else None,
-                    draft_built[top] if draft_built else None, config=config,
-                    user_target=target, tokenizer=tokenizer, device=device, dtype=dtype,
-                    vocab_size=vocab_size, gamma=gamma if draft_built is not None else 0,
-                    fallbacks=fallbacks, compile_seconds=0.0, buckets=buckets,
-                    gammas=gammas if draft_built is not None else ())
-    # Whole-iteration CUDA graphs (one per bucket, gamma and greedy/sampling; the model steps
-    # inside run their compiled callables) and, with gamma="auto", their measured costs.
-    engine.prepare(progress=_progress)
-    engine.compile_seconds = time.perf_counter() - start
-    return engine
+
+    def build_and_prepare() -> Engine:
+        """Build rank 0's steps (and the draft's), join the followers, warm up, check, make
+        the Engine and capture: the part after which a failure must stop the followers."""
+        target_built = prepare("target", target, target_kinds, slots)
+        draft_built = None
+        if draft is not None and gammas and target_built is not None:
+            draft_built = prepare("draft", draft, draft_steps(draft_slots), draft_slots)
+        if group is not None:  # every rank has built its steps: from here on they run together
+            group.join()
+            target_built = mirror(target_built, group)
+        for built in (target_built, draft_built):
+            for size, steps in (built or {}).items():
+                began = time.perf_counter()
+                warm_up(steps)  # compiles the fixed-T steps (Inductor) on their first call
+                _progress(f"{steps.role} bucket {size}: every step run once (compiled where "
+                          f"compiled) in {time.perf_counter() - began:.1f} s")
+        top = config.max_batch_size
+        if target_built is not None:
+            problem = check_against_eager(target_built[top], target, config.max_seq_len,
+                                          fp8_lm_head)
+            if problem is not None and group is not None:
+                raise ValueError(f"tensor_parallel={config.tensor_parallel}: the sharded target "
+                                 f"step disagrees with eager PyTorch ({problem})")
+            if problem is not None:
+                fallback(f"target: the captured step disagrees with eager PyTorch ({problem}); "
+                         "it runs in eager PyTorch instead")
+                target_built = draft_built = None
+        if draft_built is not None:
+            problem = check_against_eager(draft_built[top], draft, config.max_seq_len,
+                                          fp8_lm_head)
+            if problem is not None:
+                fallback(f"draft: the captured step disagrees with eager PyTorch ({problem}); "
+                         "it runs in eager PyTorch instead, without speculation")
+                draft_built = None
+        buckets = None
+        if target_built is not None:
+            buckets = {size: (target_built[size], draft_built[size] if draft_built else None)
+                       for size in sizes}
+        engine = Engine(target_built[top] if target_built else None,
+                        draft_built[top] if draft_built else None, config=config,
+                        user_target=target, tokenizer=tokenizer, device=device, dtype=dtype,
+                        vocab_size=vocab_size, gamma=gamma if draft_built is not None else 0,
+                        fallbacks=fallbacks, compile_seconds=0.0, buckets=buckets,
+                        gammas=gammas if draft_built is not None else ())
+        engine.tensor_parallel = group
+        # Whole-iteration CUDA graphs (one per bucket, gamma and greedy/sampling; the model steps
+        # inside run their compiled callables) and, with gamma="auto", their measured costs.
+        engine.prepare(progress=_progress)
+        engine.compile_seconds = time.perf_counter() - start
+        return engine
+
+    group = _start_followers(target, config, target_kinds, sizes, slots, dtype, device)
+    try:
+        return build_and_prepare()
+    except BaseException:
+        if group is not None:
+            group.close()
+        raise
+
+
+def _start_followers(target: nn.Module, config: FuserConfig, kinds: list[StepKind],
+                     sizes: tuple[int, ...], slots: int, dtype: torch.dtype,
+                     device: torch.device) -> TensorParallelGroup | None:
+    """With config.tensor_parallel = N > 1: ranks 1..N-1 started, building their shares of
+    the target's steps while rank 0 (this process) builds its own; else None."""
+    world_size = config.tensor_parallel
+    if world_size == 1:
+        return None
+    if config.kv_block_size:
+        raise ValueError(f"tensor_parallel={world_size} with kv_block_size="
+                         f"{config.kv_block_size}: a paged KV cache is not sharded yet; use "
+                         "kv_block_size=0")
+    if not supports_cache_attention(target):
+        raise ValueError(f"tensor_parallel={world_size}: {type(target).__name__} does not "
+                         "dispatch attention through transformers' attention registry, so its "
+                         "steps cannot be captured and sharded")
+    check_world_size(target.config, world_size, device)
+    group = TensorParallelGroup(world_size, device)
+    try:
+        group.start(target, lambda rank: FollowerPlan(
+            rank=rank, world_size=world_size, config=config, kinds=tuple(kinds),
+            sizes=tuple(sizes), slots=slots, dtype=dtype, device=device,
+            init_file=group.init_file))
+    except BaseException:
+        group.close()
+        raise
+    _progress(f"started tensor-parallel ranks 1..{world_size - 1} (pids {group.pids})")
+    return group
 
 
 def load(path: str | Path, device: str | torch.device | None = None, *,

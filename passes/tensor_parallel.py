@@ -152,7 +152,8 @@ def _rows(t: torch.Tensor, rank: int, world_size: int, dim: int) -> torch.Tensor
 
 
 def shard_graph(gm: GraphModule, rank: int, world_size: int, *, lm_head: str = "vocab",
-                cache: dict[str, torch.Tensor] | None = None) -> GraphModule:
+                cache: dict[str, torch.Tensor] | None = None,
+                slices: dict[tuple[str, int], torch.Tensor] | None = None) -> GraphModule:
     """Rank `rank`'s share of the step graph `gm` (see the module docstring); `gm` is left as it
     was and its weights are shared where not sliced.
 
@@ -183,6 +184,13 @@ def shard_graph(gm: GraphModule, rank: int, world_size: int, *, lm_head: str = "
     graph = out.graph
     attrs = _weights(out)
     sliced = 0
+    made = slices if slices is not None else {}
+
+    def piece(target: str, dim: int) -> torch.Tensor:
+        """Rank `rank`'s chunk of the weight `target` along `dim` (made once per model)."""
+        if (target, dim) not in made:
+            made[(target, dim)] = _rows(_attr(gm, target), rank, world_size, dim)
+        return made[(target, dim)]
 
     def bind(node: Node, tensor: torch.Tensor, dim: int) -> None:
         nonlocal sliced
@@ -204,22 +212,23 @@ def shard_graph(gm: GraphModule, rank: int, world_size: int, *, lm_head: str = "
             continue
         module, _, kind = target.rpartition(".")
         if module.endswith(COLUMN):
-            bind(node, _rows(_attr(gm, target), rank, world_size, 0), 0)
+            bind(node, piece(target, 0), 0)
         elif module.endswith(ROW) and kind == "weight":
             _row_parallel(graph, _linear_user(node))
-            bind(node, _rows(_attr(gm, target), rank, world_size, 1), 1)
+            bind(node, piece(target, 1), 1)
     if lm_head == "vocab":
         mm, weight = _lm_head(out)
         permute = mm.args[-1]
-        out.register_buffer(f"tp_{sliced}", _rows(weight, rank, world_size, 0), persistent=False)
+        out.register_buffer(f"tp_{sliced}", piece(str(permute.args[0].target), 0),
+                            persistent=False)
         with graph.inserting_before(permute):
             head = graph.get_attr(f"tp_{sliced}")
         head.meta[SOURCE] = (str(permute.args[0].target), 0)
         permute.replace_input_with(permute.args[0], head)
         if mm.target is aten.addmm.default:  # the bias's slice too
             bias = mm.args[0]
-            out.register_buffer(f"tp_{sliced}_bias", _rows(_attr(out, str(bias.target)), rank,
-                                                           world_size, 0), persistent=False)
+            out.register_buffer(f"tp_{sliced}_bias", piece(str(bias.target), 0),
+                                persistent=False)
             with graph.inserting_before(mm):
                 b = graph.get_attr(f"tp_{sliced}_bias")
             b.meta[SOURCE] = (str(bias.target), 0)

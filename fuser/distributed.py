@@ -1,0 +1,404 @@
+"""The multi-process tensor-parallel engine: one process per rank, rank 0 in the caller's.
+
+    engine = fuser.optimize(target, draft, FuserConfig(tensor_parallel=N))
+
+Every rank builds its share of the target's steps: the same capture, `shard_graph`
+(passes/tensor_parallel.py) and fusion passes (fuser/build.py `build_shard`), over its own KV
+cache of KV heads [r * KVH / N, (r + 1) * KVH / N). Rank 0 runs the Engine as on one device
+(generate, stream, the Scheduler, `fuser serve`'s HTTP server); ranks 1..N-1 are followers
+(torch.multiprocessing, spawn) that run, in the same order, every target step rank 0 runs:
+
+    rank 0, each target step              follower r, forever
+    ------------------------              -------------------
+    command (pipe): STEP bucket kind B T  wait on the pipe (no timeout: a server may idle)
+    broadcast [tokens, positions,         broadcast (receive) the same packed int64 tensor
+               seq_lens, starts]          copy seq_lens, starts into its cache
+    run its sharded step                  run its sharded step (the same collectives)
+
+The step's inputs are rank 0's, bit for bit (one broadcast of 2*B*T + 2*B int64 per step), so
+the followers never sample, schedule or decide anything. The logits are gathered on every
+rank by the vocab-parallel head; only rank 0's are read. A scheduler's row move of the KV cache
+(`KVCache.move_row`) is a command too (`MirroredCache`).
+
+Speculation: the draft runs on rank 0 only, unsharded. It is small (the draft/target cost ratio
+~0.1-0.25), so replicating it would save nothing on rank 0's critical path: with a replicated
+draft every rank would draft the same tokens in the same time, and rank 0 would still verify
+only after its own drafting. What a replicated draft would save is the per-step broadcast of
+the verify step's tokens, one small collective against the 2 all-reduces per layer the step
+already makes (64 at the 8B shape); what rank-0-only saves is the draft's memory and its
+passes on every other GPU and any need for the draft's steps (and the adaptive controller's
+choices, which follow wall time) to stay in lockstep across processes.
+
+The command channel is one `multiprocessing` pipe per follower (rank 0 -> follower: commands;
+follower -> rank 0: "built", and an error's traceback). The process group (gloo on the CPU,
+NCCL on cuda:r with NVLink multicast off) is torch.distributed's default group, which the
+collective ops (fuser/ops/collectives.py) use; rank 0's is created in the caller's process, so
+one tensor-parallel engine runs per process at a time. `engine.close()`, or interpreter exit,
+stops the followers; a follower that fails or dies surfaces on rank 0 as `FollowerError`
+naming its rank.
+
+CUDA graphs are not captured under tensor parallelism yet (the steps run uncaptured, NCCL
+between them): a captured iteration on rank 0 needs the followers to replay their own
+captures of the same steps in step with it, which the command channel does not do yet.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import struct
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fuser.runtime.kv_cache import KVCache
+from fuser.runtime.steps import PREFILL, ModelSteps, StepKind
+
+# Set for every rank (and the caller's process, rank 0): NVLink multicast off. NVLS and
+# multicast symmetric memory are not available on the machines fuser is tested on.
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+# Commands rank 0 sends, each a struct of int64s: (op, *args).
+STEP, MOVE_ROW, STOP = 1, 2, 3
+KIND_NAMES = ("prefill", "decode", "verify", "catchup", "resync")
+# Collectives wait this long for a peer before failing (a follower that died mid-step on NCCL
+# is found by the watchdog after it); the command pipe itself never times out.
+COLLECTIVE_TIMEOUT = timedelta(minutes=30)
+_POLL_S = 0.2  # how often rank 0 looks at the followers while it waits for them
+
+
+class FollowerError(RuntimeError):
+    """A follower rank failed (its exception, or its exit) or cannot be reached."""
+
+
+def _pack(*words: int) -> bytes:
+    return struct.pack(f"<{len(words)}q", *words)
+
+
+def _unpack(data: bytes) -> list[int]:
+    return list(struct.unpack(f"<{len(data) // 8}q", data))
+
+
+def check_world_size(model_config: object, world_size: int, device: torch.device) -> None:
+    """Refuse a world size the model or the machine cannot take, before any process starts:
+    heads, KV heads, intermediate size and vocabulary must divide (ValueError naming each),
+    and on CUDA the ranks need world_size devices from the engine's own."""
+    from fuser.build import model_geometry
+    from fuser.passes.tensor_parallel import ShardShape
+
+    layers, kv_heads, head_dim = model_geometry(model_config)
+    ShardShape(heads=model_config.num_attention_heads, kv_heads=kv_heads, head_dim=head_dim,
+               intermediate=model_config.intermediate_size,
+               vocab=model_config.vocab_size).check(world_size, "vocab")
+    if device.type == "cuda":
+        first = device.index or 0
+        count = torch.cuda.device_count()
+        if first + world_size > count:
+            raise ValueError(f"tensor_parallel={world_size}: ranks on cuda:{first}.."
+                             f"cuda:{first + world_size - 1}, but {count} CUDA device(s) are "
+                             "visible")
+    elif device.type != "cpu":
+        raise ValueError(f"tensor_parallel={world_size} runs on CUDA (NCCL) or the CPU (gloo), "
+                         f"not on {device}")
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank r's device: cuda:(first + r) from the engine's cuda:first; the CPU for all."""
+    if device.type == "cuda":
+        return torch.device("cuda", (device.index or 0) + rank)
+    return device
+
+
+def _init_group(rank: int, world_size: int, init_file: str, device: torch.device) -> None:
+    for name, value in NCCL_ENV.items():
+        os.environ.setdefault(name, value)
+    if sys.platform == "linux":  # gloo over loopback: one host, whatever the hostname resolves to
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                            world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
+
+
+@dataclass(frozen=True)
+class FollowerPlan:
+    """What a follower builds: rank 0's choices, so that both sides build the same steps."""
+
+    rank: int
+    world_size: int
+    config: Any  # FuserConfig
+    kinds: tuple[StepKind, ...]
+    sizes: tuple[int, ...]
+    slots: int
+    dtype: torch.dtype
+    device: torch.device
+    init_file: str
+
+
+def follower_main(plan: FollowerPlan, target: Any, conn: Any) -> None:
+    """A follower's process: build its shard, join the process group, then run rank 0's
+    commands until STOP or until rank 0 is gone. An exception goes back to rank 0 (its
+    traceback) before the process exits with status 1."""
+    try:
+        device = rank_device(plan.device, plan.rank)
+        if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, torch.get_num_threads() // plan.world_size))
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        from fuser.build import build_shard
+        from fuser.pipeline import load_model
+
+        model = load_model(target, "target")[0]
+        buckets = build_shard(model, plan.config, list(plan.kinds), plan.sizes, plan.slots,
+                              plan.dtype, device, plan.rank, plan.world_size)
+        del model
+        conn.send_bytes(b"built")
+        _init_group(plan.rank, plan.world_size, plan.init_file, device)
+        try:
+            follow(buckets, conn, device)
+        finally:
+            dist.destroy_process_group()
+    except (EOFError, ConnectionError, KeyboardInterrupt):
+        return  # rank 0 is gone (closed without STOP, or its process ended): nothing to report
+    except BaseException:  # noqa: BLE001 -- reported to rank 0, then this process ends
+        try:
+            conn.send_bytes(b"error:" + traceback.format_exc().encode())
+        except (OSError, ValueError):
+            pass
+        sys.exit(1)
+
+
+@torch.no_grad()
+def follow(buckets: dict[int, ModelSteps], conn: Any, device: torch.device) -> None:
+    """Run rank 0's commands over this rank's steps (bucket -> steps) until STOP."""
+    top = buckets[max(buckets)]
+    while True:
+        op, *args = _unpack(conn.recv_bytes())
+        if op == STOP:
+            return
+        if op == MOVE_ROW:
+            top.cache.move_row(*args)
+        elif op == STEP:
+            batch, name, B, T = args
+            steps = buckets[batch]
+            kind = PREFILL if KIND_NAMES[name] == "prefill" else StepKind(KIND_NAMES[name], T)
+            packed = torch.empty(2 * B * T + 2 * B, dtype=torch.long, device=device)
+            dist.broadcast(packed, src=0)
+            tokens, positions, seq_lens, starts = _split(packed, B, T)
+            steps.cache.seq_lens.copy_(seq_lens)
+            steps.cache.starts.copy_(starts)
+            steps.run(kind, tokens, positions)
+        else:
+            raise RuntimeError(f"unknown command {op}")
+
+
+def _split(packed: torch.Tensor, B: int, T: int) -> tuple[torch.Tensor, ...]:
+    """[tokens [B, T], positions [B, T], seq_lens [B], starts [B]] from one flat int64 tensor."""
+    n = B * T
+    return (packed[:n].view(B, T), packed[n:2 * n].view(B, T), packed[2 * n:2 * n + B],
+            packed[2 * n + B:])
+
+
+class TensorParallelGroup:
+    """Rank 0's side of the engine's processes: starts the followers, sends them commands,
+    stops them. `close()` is idempotent and also runs at interpreter exit."""
+
+    _open: TensorParallelGroup | None = None  # the one group this process may hold
+
+    def __init__(self, world_size: int, device: torch.device) -> None:
+        if TensorParallelGroup._open is not None:
+            raise ValueError("a tensor-parallel engine is already running in this process "
+                             "(its process group is torch.distributed's default group): close "
+                             "it first (engine.close())")
+        if dist.is_initialized():
+            raise ValueError("tensor_parallel > 1 creates torch.distributed's default process "
+                             "group, but this process already has one (launched by torchrun?); "
+                             "fuser starts its own worker processes: run it as a single process")
+        self.world_size = world_size
+        self.device = device
+        self.processes: list[Any] = []
+        self.conns: list[Any] = []
+        self._dir = tempfile.mkdtemp(prefix="fuser-tp-")
+        self.init_file = os.path.join(self._dir, "store")
+        self.closed = False
+        self.failure: FollowerError | None = None
+        self.joined = False
+        TensorParallelGroup._open = self
+        atexit.register(self.close)
+
+    def start(self, target: Any, plan: Callable[[int], FollowerPlan]) -> None:
+        """Spawn ranks 1..N-1, each building from `target` (a module, sent by
+        torch.multiprocessing's pickler, or a model directory) by plan(rank)."""
+        import torch.multiprocessing as mp
+
+        for name, value in NCCL_ENV.items():  # inherited by the spawned processes
+            os.environ.setdefault(name, value)
+        context = mp.get_context("spawn")
+        for rank in range(1, self.world_size):
+            ours, theirs = context.Pipe(duplex=True)
+            process = context.Process(target=follower_main, args=(plan(rank), target, theirs),
+                                      name=f"fuser-tp-rank{rank}", daemon=False)
+            process.start()
+            theirs.close()
+            self.processes.append(process)
+            self.conns.append(ours)
+
+    def join(self) -> None:
+        """Wait until every follower has built its steps, then join the process group."""
+        for rank, (process, conn) in enumerate(zip(self.processes, self.conns), start=1):
+            while not conn.poll(_POLL_S):
+                if not process.is_alive():
+                    raise self._failed(rank, "exited while building its steps")
+            message = self._receive(rank, conn)
+            if message != b"built":
+                raise FollowerError(f"tensor-parallel rank {rank}: unexpected message "
+                                    f"{message[:80]!r}")
+        _init_group(0, self.world_size, self.init_file, self.device)
+        self.joined = True
+
+    def _receive(self, rank: int, conn: Any) -> bytes:
+        try:
+            message = conn.recv_bytes()
+        except (EOFError, OSError):
+            raise self._failed(rank, "closed its pipe") from None
+        if message.startswith(b"error:"):
+            raise self._failed(rank, "failed:\n" + message[6:].decode(errors="replace"))
+        return message
+
+    def _failed(self, rank: int, what: str) -> FollowerError:
+        """The error for rank `rank` (kept: every later call raises it too)."""
+        process = self.processes[rank - 1]
+        code = process.exitcode
+        status = "" if code is None else f" (exit status {code})"
+        self.failure = FollowerError(f"tensor-parallel rank {rank} {what}{status}")
+        return self.failure
+
+    def check(self, cause: BaseException | None = None) -> FollowerError:
+        """After a failed command or collective: the follower to blame (its own error message
+        if it sent one), else a FollowerError wrapping `cause`."""
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            for rank, (process, conn) in enumerate(zip(self.processes, self.conns), start=1):
+                try:
+                    if conn.poll():
+                        message = conn.recv_bytes()
+                        if message.startswith(b"error:"):
+                            return self._failed(rank, "failed:\n" + message[6:].decode(
+                                errors="replace"))
+                except (EOFError, OSError):
+                    pass
+                if not process.is_alive():
+                    return self._failed(rank, "died")
+            time.sleep(0.05)
+        self.failure = FollowerError(f"tensor parallel: a collective failed ({cause!r}); every "
+                                     "follower rank is still running")
+        return self.failure
+
+    def send(self, *words: int) -> None:
+        """One command to every follower."""
+        if self.failure is not None:
+            raise self.failure
+        if self.closed:
+            raise FollowerError("this tensor-parallel engine was closed (engine.close())")
+        data = _pack(*words)
+        for rank, conn in enumerate(self.conns, start=1):
+            try:
+                conn.send_bytes(data)
+            except (OSError, ValueError) as e:
+                raise self.check(e) from e
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the followers (STOP, then join; terminate any that do not exit) and leave
+        the process group. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        for conn in self.conns:
+            try:
+                conn.send_bytes(_pack(STOP))
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + timeout
+        for process in self.processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.terminate()
+                process.join(5.0)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        for conn in self.conns:
+            conn.close()
+        if self.joined and dist.is_initialized():
+            dist.destroy_process_group()
+        shutil.rmtree(self._dir, ignore_errors=True)
+        if TensorParallelGroup._open is self:
+            TensorParallelGroup._open = None
+        atexit.unregister(self.close)
+
+    @property
+    def pids(self) -> list[int]:
+        """The followers' process ids (rank 1 first)."""
+        return [p.pid for p in self.processes]
+
+
+class MirroredSteps(ModelSteps):
+    """Rank 0's steps of one bucket: each `run` first sends the step to the followers."""
+
+    def __init__(self, steps: ModelSteps, group: TensorParallelGroup) -> None:
+        super().__init__(steps.role, steps.cache, steps.vocab_size, steps.steps,
+                         steps.fallbacks)
+        self.build_state = steps.build_state
+        self.prefill_graphs = steps.prefill_graphs
+        self.group = group
+
+    @torch.no_grad()
+    def run(self, kind: StepKind, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        B, T = tokens.shape
+        cache = self.cache
+        self.group.send(STEP, cache.batch_size, KIND_NAMES.index(kind.name), B, T)
+        try:
+            # one collective for the step's inputs: [tokens, positions, seq_lens, starts]
+            packed = torch.cat([tokens.reshape(-1), positions.reshape(-1), cache.seq_lens,
+                                cache.starts]).long()
+            dist.broadcast(packed, src=0)
+            return super().run(kind, tokens, positions)
+        except RuntimeError as e:  # a collective with a follower that is gone
+            raise self.group.check(e) from e
+
+
+class MirroredCache(KVCache):
+    """Rank 0's KV cache (every row): a row move is also sent to the followers' caches."""
+
+    group: TensorParallelGroup | None = None
+
+    def move_row(self, src: int, dst: int) -> None:
+        if self.group is not None:
+            self.group.send(MOVE_ROW, src, dst)
+        super().move_row(src, dst)
+
+
+def mirror(buckets: dict[int, ModelSteps], group: TensorParallelGroup
+           ) -> dict[int, ModelSteps]:
+    """Rank 0's built target steps (bucket -> steps), each sending its steps to the
+    followers; the top bucket's cache sends its row moves."""
+    top = max(buckets)
+    cache = buckets[top].cache
+    mirrored_cache = MirroredCache(cache.k, cache.v, cache.seq_lens, cache.starts,
+                                   cache.block_table)
+    mirrored_cache.group = group
+    out = {}
+    for size, steps in buckets.items():
+        out[size] = MirroredSteps(steps, group)
+        if size == top:
+            out[size].cache = mirrored_cache
+    return out
