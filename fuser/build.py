@@ -98,9 +98,9 @@ def build_bucket_steps(role: str, view: nn.Module, cache: KVCache, sizes: Sequen
     bucket. The passes' per-model state (weights quantized once) is shared. Where model code
     keeps a dimension from being dynamic, each step is exported on its own (as `add_step`).
 
-    shard: one rank's share of a tensor-parallel engine (`Shard`): every fixed-T step is
-    sharded before the passes, and prefill is sharded per prompt length when first run
-    (`ShardedPrefill`); `cache` is then the unsharded cache the export traces over.
+    shard: one rank's share of a tensor-parallel engine (`Shard`): every step graph is
+    sharded before the passes (prefill too, T symbolic; one export per bucket), and `cache`
+    is the unsharded cache the export traces over.
     """
     say = progress or (lambda message: None)
     state: dict = {}
@@ -260,12 +260,9 @@ def _rewrite_and_compile(steps: ModelSteps, graph: StepGraph, view: nn.Module,
                          config: FuserConfig, device: torch.device,
                          shard: Shard | None = None) -> None:
     """Run the passes over `graph.rewritten` in place, then set up its compilation (with
-    `shard`: over the rank's share of it; prefill is left unfused, sharded per length)."""
+    `shard`: over the rank's share of it)."""
     kind = graph.kind
     if shard is not None:
-        if not kind.fixed:
-            steps.prefill_graphs = ShardedPrefill(steps, graph, shard, config)
-            return
         graph.rewritten = shard.graph(graph.rewritten, steps.cache.batch_size)
     context = PassContext(graph.name, kind, config, steps.role, model_state=steps.build_state)
     result = run_passes(graph.rewritten, context)
@@ -386,69 +383,6 @@ class Shard:
         return shard_graph(gm, self.rank, self.world_size, cache=cache, slices=self.slices)
 
 
-class ShardedPrefill:
-    """A tensor-parallel rank's prefill, set as its steps' `prefill_graphs`: the prefill
-    export (dynamic T) retraced at the prompt's length (`specialize`), sharded and rewritten
-    by the passes the first time that length runs, then kept.
-
-    Lengths are padded on the right to the lengths prefill graphs use on CUDA
-    (runtime/prefill_graphs.py `padded_length`, multiples of 32 for short prompts) where the
-    cache has room, so that a few graphs serve every prompt: the padding slots lie past the
-    row's end, stale until later steps write them (as captured prefills do).
-    """
-
-    def __init__(self, steps: ModelSteps, graph: StepGraph, shard: Shard,
-                 config: FuserConfig) -> None:
-        self.steps, self.graph, self.shard, self.config = steps, graph, shard, config
-        self.full = steps.cache  # the unsharded cache the export traced over (shapes only)
-        symbolic = graph.rewritten
-        for node in list(symbolic.graph.nodes):  # export's input guards: not retraced
-            if node.op == "call_module" and not node.users:
-                symbolic.graph.erase_node(node)
-        self.graphs: dict[int, torch.fx.GraphModule] = {}
-        self.failures: list[str] = []
-
-    def width(self, tokens: int) -> int:
-        """The padded length a prompt chunk of `tokens` runs at (itself where no room)."""
-        from fuser.runtime.prefill_graphs import padded_length
-
-        cache = self.steps.cache
-        padded = padded_length(tokens, cache.slots)
-        if padded is None or padded == tokens or \
-                int(cache.seq_lens.max()) + padded > cache.slots:  # host read: prefill only
-            return tokens
-        return padded
-
-    @torch.no_grad()
-    def run(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Prefill logits [B, T, V] over the rank's cache (tokens, positions: [B, T])."""
-        B, T = tokens.shape
-        width = self.width(T)
-        if width > T:  # tokens [B, width]: the prompt, then its last token again
-            tokens = torch.cat([tokens, tokens[:, -1:].expand(B, width - T)], dim=1)
-            positions = torch.cat([positions, positions[:, -1:].expand(B, width - T)], dim=1)
-        gm = self.graphs.get(width)
-        if gm is None:
-            gm = self.graphs[width] = self._build(width)
-        cache = self.steps.cache
-        return gm(tokens, positions, cache.seq_lens, cache.starts)[:, :T]
-
-    def _build(self, width: int) -> torch.fx.GraphModule:
-        steps = self.steps
-        full = self.full
-        gm = specialize(self.graph.rewritten, full.k, full.v, width)
-        gm = self.shard.graph(gm, steps.cache.batch_size)
-        context = PassContext(f"{steps.role}.prefill", PREFILL, self.config, steps.role,
-                              model_state=steps.build_state)
-        result = run_passes(gm, context)
-        for error in result.errors:
-            if error not in self.failures:
-                self.failures.append(error)
-                steps.fallback(error)
-        self.graph.matches, self.graph.fused_ops = result.matches, result.fused_ops
-        return gm
-
-
 def build_shard(model: nn.Module, config: FuserConfig, kinds: list[StepKind],
                 sizes: Sequence[int], slots: int, dtype: torch.dtype, device: torch.device,
                 rank: int, world_size: int, progress: Progress | None = None
@@ -465,5 +399,13 @@ def build_shard(model: nn.Module, config: FuserConfig, kinds: list[StepKind],
     built = build_bucket_steps("target", view, full, sizes, kinds, config, device, progress,
                                shard=Shard(rank, world_size, own))
     for size, steps in built.items():
-        steps.cache = own.rows(size)
+        steps.cache = rows = own.rows(size)
+        for graph in steps.steps.values():
+            # Nothing keeps the unsharded cache: the exported programs go, and the eager
+            # modules (kept for their model's config; an unsharded eager step is never run
+            # under tensor parallelism) hold the rank's cache instead.
+            graph.exported = None
+            if isinstance(graph.eager, StepModule):
+                for name, tensor in zip(cache_names(len(rows.k)), [*rows.k, *rows.v]):
+                    setattr(graph.eager, name, tensor)
     return built

@@ -2,7 +2,7 @@
 
 `shard_graph(gm, rank, world_size)` takes the ATen graph of a step of a Llama, Mistral or Qwen2
 model as `fuser.capture.export_step` (or `capture.specialize`) produces it, at concrete shapes
-and BEFORE `run_passes` (the fusion passes find the projections by their weights' names and
+or with T symbolic (prefill's export), and BEFORE `run_passes` (the fusion passes find the projections by their weights' names and
 the plain `mm`/`addmm` of each linear, which only the unfused graph has), and returns a new
 GraphModule that computes rank `rank`'s part (Megatron's layout):
 
@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import has_free_symbols
+from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fuser.ops.collectives  # noqa: F401  (registers fuser::all_reduce, fuser::all_gather)
@@ -167,11 +168,6 @@ def shard_graph(gm: GraphModule, rank: int, world_size: int, *, lm_head: str = "
         raise ValueError(f"tensor parallel: rank {rank} of world size {world_size}")
     if lm_head not in LM_HEAD_MODES:
         raise ValueError(f"tensor parallel: lm_head={lm_head!r}, expected one of {LM_HEAD_MODES}")
-    for node in gm.graph.nodes:
-        val = node.meta.get("val")
-        if isinstance(val, torch.Tensor) and has_free_symbols(val):
-            raise ValueError("tensor parallel: the graph has symbolic shapes; shard a graph at "
-                             "concrete shapes (export_step at a fixed T, or capture.specialize)")
     shape = _shape_of(gm)
     shape.check(world_size, lm_head)
     with warnings.catch_warnings():  # copying export's pytree specs warns of a check inside torch
@@ -284,15 +280,22 @@ def _shrunk_dim(old_in: torch.Size, new_in: torch.Size, old_out: torch.Size,
 def _propagate(gm: GraphModule, world_size: int) -> None:
     """Recompute every node's meta["val"] on fake tensors, rewriting the shapes of the views
     (and expands) whose input the sharding shrank."""
-    mode = FakeTensorMode(allow_non_fake_inputs=False)
-    env: dict[Node, object] = {}
     before_sharding = {node: node.meta.get("val") for node in gm.graph.nodes}
+    # A graph with symbolic shapes (prefill: T dynamic) propagates under the fake mode (and
+    # shape environment) its export made; one at concrete shapes under a fresh one.
+    mode = detect_fake_mode([v for v in before_sharding.values() if isinstance(v, torch.Tensor)
+                             and has_free_symbols(v)]) or FakeTensorMode(
+                                 allow_non_fake_inputs=False)
+    env: dict[Node, object] = {}
     for node in gm.graph.nodes:
         old = before_sharding[node]
         if node.op == "placeholder":
-            with mode:
-                env[node] = torch.empty_strided(old.shape, old.stride(), dtype=old.dtype,
-                                                device=old.device)
+            if has_free_symbols(old):  # the inputs keep their shapes: export's own fake input
+                env[node] = old
+            else:
+                with mode:
+                    env[node] = torch.empty_strided(old.shape, old.stride(), dtype=old.dtype,
+                                                    device=old.device)
         elif node.op == "get_attr":
             env[node] = mode.from_tensor(_attr(gm, str(node.target)))
         elif node.op == "call_function":
@@ -312,7 +315,7 @@ def _propagate(gm: GraphModule, world_size: int) -> None:
                         if sizes[j] != -1:
                             sizes[j] //= world_size
                     node.args = (src, sizes, *node.args[2:])
-                    args = (env[src], sizes, *args[2:])
+                    args = torch.fx.map_arg(node.args, lambda n: env[n])
             with mode:
                 try:
                     env[node] = node.target(*args, **kwargs)
