@@ -45,6 +45,7 @@ captures of the same steps in step with it, which the command channel does not d
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
 import struct
@@ -53,8 +54,9 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -67,12 +69,18 @@ from fuser.runtime.steps import PREFILL, ModelSteps, StepKind
 # multicast symmetric memory are not available on the machines fuser is tested on.
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 # Commands rank 0 sends, each a struct of int64s: (op, *args).
-STEP, MOVE_ROW, STOP = 1, 2, 3
+STEP, MOVE_ROW, STOP, SAVE = 1, 2, 3, 4
 KIND_NAMES = ("prefill", "decode", "verify", "catchup", "resync")
 # Collectives wait this long for a peer before failing (a follower that died mid-step on NCCL
 # is found by the watchdog after it); the command pipe itself never times out.
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 _POLL_S = 0.2  # how often rank 0 looks at the followers while it waits for them
+
+
+# A tensor-parallel engine directory: TP_MANIFEST ({"format", "world_size", "ranks"}) and one
+# engine directory per rank, "rank0", "rank1", ...
+TP_MANIFEST = "tensor_parallel.json"
+TP_FORMAT = "fuser-tensor-parallel"
 
 
 class FollowerError(RuntimeError):
@@ -98,6 +106,12 @@ def check_world_size(model_config: object, world_size: int, device: torch.device
     ShardShape(heads=model_config.num_attention_heads, kv_heads=kv_heads, head_dim=head_dim,
                intermediate=model_config.intermediate_size,
                vocab=model_config.vocab_size).check(world_size, "vocab")
+    check_devices(world_size, device)
+
+
+def check_devices(world_size: int, device: torch.device) -> None:
+    """On CUDA, ranks 0..N-1 run on cuda:first..cuda:first+N-1: refuse where fewer are
+    visible; elsewhere only the CPU (gloo) runs ranks."""
     if device.type == "cuda":
         first = device.index or 0
         count = torch.cuda.device_count()
@@ -108,6 +122,46 @@ def check_world_size(model_config: object, world_size: int, device: torch.device
     elif device.type != "cpu":
         raise ValueError(f"tensor_parallel={world_size} runs on CUDA (NCCL) or the CPU (gloo), "
                          f"not on {device}")
+
+
+def saved_world_size(path: str | os.PathLike, asked: int | None) -> int:
+    """The world size engine directory `path` was saved with, checked against `asked` (None:
+    whatever it was saved with). Refuses (EngineFileError naming both sizes) a load at another
+    world size, a rank directory loaded alone, and a directory whose ranks disagree."""
+    from fuser.engine_file import MANIFEST, EngineFileError, read_manifest
+
+    root = Path(path)
+    if (root / TP_MANIFEST).is_file():
+        try:
+            manifest = json.loads((root / TP_MANIFEST).read_text())
+            world_size, ranks = int(manifest["world_size"]), list(manifest["ranks"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise EngineFileError(f"{root / TP_MANIFEST} is not a tensor-parallel manifest "
+                                  f"({e})") from None
+        if asked is not None and asked != world_size:
+            raise EngineFileError(f"{root} is a tensor-parallel engine of world size "
+                                  f"{world_size}; it cannot load at world size {asked} (rebuild "
+                                  f"it with tensor_parallel={asked})")
+        if ranks != [f"rank{r}" for r in range(world_size)]:
+            raise EngineFileError(f"{root / TP_MANIFEST}: ranks {ranks} for world size "
+                                  f"{world_size}")
+        for name in ranks:
+            saved = read_manifest(root / name)["config"].get("tensor_parallel", 1)
+            if saved != world_size:
+                raise EngineFileError(f"{root / name} was saved at world size {saved}, but "
+                                      f"{root / TP_MANIFEST} says {world_size}")
+        return world_size
+    saved = 1
+    if (root / MANIFEST).is_file():
+        saved = read_manifest(root)["config"].get("tensor_parallel", 1)
+    if saved > 1:
+        raise EngineFileError(f"{root} is one rank of a tensor-parallel engine of world size "
+                              f"{saved}; it cannot load alone (world size 1): load its parent "
+                              "directory")
+    if asked is not None and asked != 1:
+        raise EngineFileError(f"{root} is an engine of world size 1; it cannot load at world "
+                              f"size {asked} (rebuild it with tensor_parallel={asked})")
+    return 1
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -131,7 +185,8 @@ def _init_group(rank: int, world_size: int, init_file: str, device: torch.device
 
 @dataclass(frozen=True)
 class FollowerPlan:
-    """What a follower builds: rank 0's choices, so that both sides build the same steps."""
+    """What a follower builds (rank 0's choices, so that both sides build the same steps), or
+    the rank directory of a saved engine it loads instead (`engine_dir`)."""
 
     rank: int
     world_size: int
@@ -142,6 +197,7 @@ class FollowerPlan:
     dtype: torch.dtype
     device: torch.device
     init_file: str
+    engine_dir: str | None = None
 
 
 def follower_main(plan: FollowerPlan, target: Any, conn: Any) -> None:
@@ -154,17 +210,26 @@ def follower_main(plan: FollowerPlan, target: Any, conn: Any) -> None:
             torch.set_num_threads(max(1, torch.get_num_threads() // plan.world_size))
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        from fuser.build import build_shard
-        from fuser.pipeline import load_model
+        config, dtype = plan.config, plan.dtype
+        if plan.engine_dir is not None:
+            from fuser.engine_io import open_engine
 
-        model = load_model(target, "target")[0]
-        buckets = build_shard(model, plan.config, list(plan.kinds), plan.sizes, plan.slots,
-                              plan.dtype, device, plan.rank, plan.world_size)
-        del model
+            parts = open_engine(plan.engine_dir, device)
+            buckets = parts.models["target"]
+            config = parts.config
+            dtype = getattr(torch, parts.manifest["info"]["engine"]["dtype"])
+        else:
+            from fuser.build import build_shard
+            from fuser.pipeline import load_model
+
+            model = load_model(target, "target")[0]
+            buckets = build_shard(model, plan.config, list(plan.kinds), plan.sizes, plan.slots,
+                                  plan.dtype, device, plan.rank, plan.world_size)
+            del model
         conn.send_bytes(b"built")
         _init_group(plan.rank, plan.world_size, plan.init_file, device)
         try:
-            follow(buckets, conn, device)
+            follow(buckets, conn, device, RankEngine.of(buckets, config, dtype, device))
         finally:
             dist.destroy_process_group()
     except (EOFError, ConnectionError, KeyboardInterrupt):
@@ -178,14 +243,21 @@ def follower_main(plan: FollowerPlan, target: Any, conn: Any) -> None:
 
 
 @torch.no_grad()
-def follow(buckets: dict[int, ModelSteps], conn: Any, device: torch.device) -> None:
+def follow(buckets: dict[int, ModelSteps], conn: Any, device: torch.device,
+           engine: RankEngine) -> None:
     """Run rank 0's commands over this rank's steps (bucket -> steps) until STOP."""
+    from fuser.engine_io import save
+
     top = buckets[max(buckets)]
     while True:
         op, *args = _unpack(conn.recv_bytes())
         if op == STOP:
             return
-        if op == MOVE_ROW:
+        if op == SAVE:  # then the directory, as UTF-8
+            (overwrite,) = args
+            save(engine, conn.recv_bytes().decode(), overwrite=bool(overwrite))
+            conn.send_bytes(b"saved")
+        elif op == MOVE_ROW:
             top.cache.move_row(*args)
         elif op == STEP:
             batch, name, B, T = args
@@ -199,6 +271,43 @@ def follow(buckets: dict[int, ModelSteps], conn: Any, device: torch.device) -> N
             steps.run(kind, tokens, positions)
         else:
             raise RuntimeError(f"unknown command {op}")
+
+
+@dataclass
+class _BucketSteps:
+    target: ModelSteps
+    draft: None = None
+
+
+@dataclass
+class RankEngine:
+    """A follower's steps as `engine_io.save` reads an Engine (target only, no tokenizer)."""
+
+    target: ModelSteps
+    buckets: dict[int, _BucketSteps]
+    config: Any
+    device: torch.device
+    dtype: torch.dtype
+    vocab_size: int
+    draft: None = None
+    tokenizer: None = None
+    user_target: None = None
+    gamma: int = 0
+    compile_seconds: float = 0.0
+    step_costs: dict = field(default_factory=dict)
+    _fallbacks: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, buckets: dict[int, ModelSteps], config: Any, dtype: torch.dtype,
+           device: torch.device) -> RankEngine:
+        top = buckets[max(buckets)]
+        return cls(top, {size: _BucketSteps(steps) for size, steps in buckets.items()}, config,
+                   device, dtype, top.vocab_size)
+
+    def report(self) -> Any:
+        from fuser.report import Report
+
+        return Report(fallbacks=list(self.target.fallbacks))
 
 
 def _split(packed: torch.Tensor, B: int, T: int) -> tuple[torch.Tensor, ...]:
@@ -315,6 +424,38 @@ class TensorParallelGroup:
                 conn.send_bytes(data)
             except (OSError, ValueError) as e:
                 raise self.check(e) from e
+
+    def save(self, engine: Any, path: str | os.PathLike, overwrite: bool = False
+             ) -> dict[str, Any]:
+        """Write the engine as `path`/rank0, rank1, ... (each an engine directory of its rank's
+        steps, rank 0's with the draft and tokenizer; every manifest's config says the world
+        size), then `path`/TP_MANIFEST naming them, last. Returns that file's contents."""
+        from fuser.engine_file import EngineFileError
+        from fuser.engine_io import save
+
+        root = Path(path)
+        if root.exists() and not overwrite:
+            raise EngineFileError(f"{root} exists (pass overwrite=True to replace it)")
+        if root.exists():
+            if not (root / TP_MANIFEST).is_file() and any(root.iterdir()):
+                raise EngineFileError(f"{root} is not a tensor-parallel engine directory: not "
+                                      "replaced")
+            shutil.rmtree(root)
+        root.mkdir(parents=True)
+        ranks = [f"rank{r}" for r in range(self.world_size)]
+        self.send(SAVE, int(overwrite))
+        for conn, name in zip(self.conns, ranks[1:]):
+            conn.send_bytes(str((root / name).resolve()).encode())
+        save(engine, root / ranks[0], overwrite=overwrite)
+        for rank, (process, conn) in enumerate(zip(self.processes, self.conns), start=1):
+            while not conn.poll(_POLL_S):
+                if not process.is_alive():
+                    raise self._failed(rank, "exited while saving its steps")
+            if self._receive(rank, conn) != b"saved":
+                raise FollowerError(f"tensor-parallel rank {rank}: no reply to the save")
+        manifest = {"format": TP_FORMAT, "world_size": self.world_size, "ranks": ranks}
+        (root / TP_MANIFEST).write_text(json.dumps(manifest, indent=1))
+        return manifest
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop the followers (STOP, then join; terminate any that do not exit) and leave

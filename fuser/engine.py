@@ -326,12 +326,16 @@ class Engine:
 
     def save(self, path: str | Path, overwrite: bool = False) -> dict:
         """Write this engine as an engine directory (DESIGN.md, engine files); `fuser.load`
-        reads it back without capture, passes or code generation. Returns the manifest."""
+        reads it back without capture, passes or code generation. Returns the manifest
+        (tensor parallel: one engine directory per rank, rank0/, rank1/, ..., and
+        tensor_parallel.json with the world size, which is returned)."""
         from fuser.engine_io import save
 
         if self.config.kv_block_size:
             raise ValueError("engine files of a paged KV cache (kv_block_size > 0) are not "
                              "supported yet: build with kv_block_size=0 to save")
+        if self.tensor_parallel is not None:  # rank0/, rank1/, ... (fuser/distributed.py)
+            return self.tensor_parallel.save(self, path, overwrite=overwrite)
         return save(self, path, overwrite=overwrite)
 
     def export_onnx(self, path: str | Path, overwrite: bool = False) -> dict:

@@ -23,9 +23,10 @@ from fuser.build import (allocate_cache, build_bucket_steps, build_shard, check_
                          warm_up)
 from fuser.capture import SUPPORTED_MODEL_TYPES, engine_view, supports_cache_attention
 from fuser.config import FuserConfig
-from fuser.distributed import FollowerPlan, TensorParallelGroup, check_world_size, mirror
+from fuser.distributed import (FollowerPlan, TensorParallelGroup, check_devices,
+                               check_world_size, mirror, saved_world_size)
 from fuser.engine import Engine
-from fuser.engine_io import Log, open_engine
+from fuser.engine_io import EngineParts, Log, open_engine
 from fuser.runtime.steps import ModelSteps, StepKind, draft_steps, target_steps, verify
 
 ModelLike = nn.Module | str | Path
@@ -255,10 +256,14 @@ def _start_followers(target: nn.Module, config: FuserConfig, kinds: list[StepKin
 
 
 def load(path: str | Path, device: str | torch.device | None = None, *,
-         log: Log | None = None) -> Engine:
+         log: Log | None = None, tensor_parallel: int | None = None) -> Engine:
     """The Engine saved at `path` (`engine.save`), without capture, passes or compilation:
     every batch bucket's steps, compiled ones from their saved code, and, with
     gamma="auto", the iteration costs measured at build time.
+
+    A tensor-parallel engine directory (rank0/, rank1/, ...) starts its follower processes,
+    each loading its own rank. tensor_parallel: the world size to load at (None: the saved
+    one); another than the saved one is refused, as is a rank directory loaded alone.
 
     Refuses (fuser.EngineFileError, a ValueError) an engine built elsewhere (versions, device,
     GPU, passes or kernel sources) or a missing, truncated, altered or half-written file,
@@ -266,9 +271,44 @@ def load(path: str | Path, device: str | torch.device | None = None, *,
     """
     say = log or (lambda message: None)
     start = time.perf_counter()
+    world_size = saved_world_size(path, tensor_parallel)
+    if world_size > 1:
+        return _load_parallel(Path(path), world_size, device, say, start)
     parts = open_engine(path, device, log=say)
+    return _loaded_engine(parts, parts.models["target"], say, start)
+
+
+def _load_parallel(root: Path, world_size: int, device: str | torch.device | None, say: Log,
+                   start: float) -> Engine:
+    """`load` of a tensor-parallel directory: rank 0 here, ranks 1..N-1 started, each
+    loading root/rank<r>."""
+    from fuser.engine_file import read_manifest
+    from fuser.engine_io import resolve_device
+
+    resolved = resolve_device(read_manifest(root / "rank0"), device)
+    check_devices(world_size, resolved)
+    group = TensorParallelGroup(world_size, resolved)
+    try:
+        group.start(None, lambda rank: FollowerPlan(
+            rank=rank, world_size=world_size, config=None, kinds=(), sizes=(), slots=0,
+            dtype=None, device=resolved, init_file=group.init_file,
+            engine_dir=str(root / f"rank{rank}")))
+        parts = open_engine(root / "rank0", resolved, log=say)
+        group.join()
+        target = mirror(parts.models["target"], group)
+        if resolved.type == "cuda":  # the kernels load now (every rank), not in a request
+            warm_up(target[max(target)])
+        return _loaded_engine(parts, target, say, start, group)
+    except BaseException:
+        group.close()
+        raise
+
+
+def _loaded_engine(parts: EngineParts, target: dict[int, ModelSteps], say: Log, start: float,
+                   group: TensorParallelGroup | None = None) -> Engine:
+    """The Engine over loaded parts (`target`: its steps per bucket), prepared."""
     info = parts.manifest["info"]["engine"]
-    target, draft = parts.models["target"], parts.models.get("draft", {})
+    draft = parts.models.get("draft", {})
     top = max(target)
     engine = Engine(target[top], draft.get(top), config=parts.config,
                     user_target=parts.user_target, tokenizer=parts.tokenizer,
@@ -277,6 +317,7 @@ def load(path: str | Path, device: str | torch.device | None = None, *,
                     fallbacks=info.get("fallbacks", []),
                     buckets={size: (steps, draft.get(size)) for size, steps in target.items()},
                     gammas=parts.gammas)
+    engine.tensor_parallel = group
     # The whole-step CUDA graphs of every bucket, as at build time; with gamma="auto" the
     # costs measured then.
     prepared = time.perf_counter()

@@ -297,7 +297,10 @@ def _propagate(gm: GraphModule, world_size: int) -> None:
                     env[node] = torch.empty_strided(old.shape, old.stride(), dtype=old.dtype,
                                                     device=old.device)
         elif node.op == "get_attr":
-            env[node] = mode.from_tensor(_attr(gm, str(node.target)))
+            t = _attr(gm, str(node.target))
+            with mode:  # static shapes (export's mode would give a tensor it saw symbolic dims)
+                env[node] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
+                                                device=t.device)
         elif node.op == "call_function":
             args = torch.fx.map_arg(node.args, lambda n: env[n])
             kwargs = torch.fx.map_arg(node.kwargs, lambda n: env[n])
@@ -309,7 +312,7 @@ def _propagate(gm: GraphModule, world_size: int) -> None:
                         lead = len(sizes) - env[src].dim()
                         for i, d in enumerate(env[src].shape):
                             if d != before.shape[i] and sizes[lead + i] != -1:
-                                sizes[lead + i] = d
+                                sizes[lead + i] = int(d)  # a head count: static
                     else:
                         j = _shrunk_dim(before.shape, env[src].shape, old.shape, world_size)
                         if sizes[j] != -1:

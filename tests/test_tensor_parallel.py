@@ -296,6 +296,12 @@ def test_prefill_sharded_with_t_symbolic() -> None:
     for gm in ranks:
         (tokens, *_) = [n for n in gm.graph.nodes if n.op == "placeholder"]
         assert not isinstance(tokens.meta["val"].shape[1], int)  # T stays symbolic
+        for node in gm.graph.nodes:  # static dims stay ints (an engine file stores the args)
+            values: list = []
+            torch.fx.node.map_aggregate((node.args, node.kwargs), values.append)
+            assert not any(isinstance(x, torch.SymInt) for x in values), node.format_node()
+        for node in gm.graph.find_nodes(op="get_attr"):  # and in the shapes passes read
+            assert all(isinstance(d, int) for d in node.meta["val"].shape), node.format_node()
     g = torch.Generator().manual_seed(0)
     for T in (3, 7):
         zeros = torch.zeros(B, dtype=torch.long)
