@@ -1,0 +1,190 @@
+"""The multi-process tensor-parallel engine on the CPU (fuser/distributed.py): rank 0 in the
+test's process, rank 1 a spawned follower, gloo between them.
+
+One engine pair is built per module (a build costs tens of seconds on a 2-core CPU): the same
+Llama target and draft (the target with 5% weight noise, gamma 3), buckets 1 and 2, built with
+tensor_parallel=1 and =2. In fp32 the two give the same greedy tokens, target-only and
+speculative, through generate and through the Scheduler. A process holds one tensor-parallel
+engine at a time (its process group is torch.distributed's default), so the tests that close
+the shared engine come last, in file order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import fuser
+from engines import llama_target, perturbed
+from fuser import SamplingParams, Scheduler
+from fuser.distributed import TP_MANIFEST, FollowerError, TensorParallelGroup, check_devices
+
+pytestmark = pytest.mark.xdist_group("tensor_parallel_engine")
+
+CONFIG = dict(device="cpu", max_seq_len=64, max_batch_size=2, batch_buckets=(1, 2), gamma=3,
+              compile="fx")
+TIMEOUT = 120.0
+VOCAB = 160
+
+
+def _ids(batch: int, length: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """{"single": the engine at tensor_parallel=1, "parallel": at 2, "saved": the parallel
+    engine's directory (saved once its steps have run)}."""
+    target = llama_target()
+    draft = perturbed(target, 0.05, seed=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        single = fuser.optimize(target, draft, fuser.FuserConfig(**CONFIG))
+        parallel = fuser.optimize(target, draft, fuser.FuserConfig(**CONFIG, tensor_parallel=2))
+    saved = tmp_path_factory.mktemp("tp") / "engine"
+    try:
+        parallel.save(saved)
+        yield {"single": single, "parallel": parallel, "saved": saved}
+    finally:
+        parallel.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (exited, not yet reaped) counts as gone
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().split()[2] == "Z")
+
+
+def test_generate_equals_one_rank(pair: dict[str, object]) -> None:
+    """Greedy tokens target-only and speculative, and seeded sampling, equal tensor_parallel=1's
+    exactly (fp32); the logits within 1e-5; the draft ran (rank 0 only)."""
+    single, parallel = pair["single"], pair["parallel"]
+    assert parallel.report().fallbacks == [] and parallel.draft is not None
+    ids = _ids(2, 9, seed=1)
+    for gamma in (0, None):  # 0: target-only steps; None: the configured gamma 3
+        single.fix_gamma(gamma)
+        parallel.fix_gamma(gamma)
+        before = parallel.stats.num_drafts
+        assert torch.equal(parallel.generate(ids, 20), single.generate(ids, 20)), gamma
+        assert (parallel.stats.num_drafts > before) == (gamma is None)
+    sampled = [e.generate(ids, 12, do_sample=True, temperature=0.8, seed=7)
+               for e in (single, parallel)]
+    assert torch.equal(*sampled)
+    torch.testing.assert_close(parallel.logits(ids), single.logits(ids), atol=1e-5, rtol=1e-5)
+
+
+def test_scheduler_equals_one_rank(pair: dict[str, object]) -> None:
+    """Requests of different lengths and budgets through the Scheduler (continuous batching
+    over buckets 1 and 2, rows moved between them) return tensor_parallel=1's tokens."""
+    requests = [(_ids(1, 3 + 5 * i % 11, seed=i)[0].tolist(),
+                 SamplingParams(max_tokens=4 + 7 * i % 13, temperature=0.0 if i % 2 else 0.9,
+                                seed=100 + i)) for i in range(6)]
+    results = []
+    for engine in (pair["single"], pair["parallel"]):
+        scheduler = Scheduler(engine, max_waiting=16)
+        scheduler.start()
+        try:
+            streams = [scheduler.submit(p, params) for p, params in requests]
+            results.append([s.result(TIMEOUT) for s in streams])
+        finally:
+            scheduler.close()
+    assert results[0] == results[1]
+
+
+def test_refusals_before_any_process_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A world size the heads do not divide, a paged cache, a second engine in one process,
+    more ranks than CUDA devices: ValueErrors naming the problem, no process started."""
+    target = llama_target()
+    with pytest.raises(ValueError, match=r"attention heads 4, KV heads 2, .*not divisible by 3"):
+        fuser.optimize(target, None, fuser.FuserConfig(**CONFIG, tensor_parallel=3))
+    with pytest.raises(ValueError, match=r"kv_block_size=16: a paged KV cache is not sharded"):
+        fuser.optimize(target, None, fuser.FuserConfig(
+            **{**CONFIG, "batch_buckets": (2,)}, kv_block_size=16, tensor_parallel=2))
+    monkeypatch.setattr(TensorParallelGroup, "_open", object())
+    with pytest.raises(ValueError, match="already running in this process"):
+        fuser.optimize(target, None, fuser.FuserConfig(**CONFIG, tensor_parallel=2))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"ranks on cuda:0..cuda:1, but 1 CUDA device"):
+        check_devices(2, torch.device("cuda", 0))
+
+
+def test_save_close_load(pair: dict[str, object]) -> None:
+    """The saved directory holds rank0/ and rank1/ with the world size; close() stops the
+    follower (exit status 0); the load starts a follower on rank1/ and generates the same
+    tokens; another world size, or a rank directory alone, is refused naming both sizes."""
+    parallel, saved = pair["parallel"], pair["saved"]
+    assert json.loads((saved / TP_MANIFEST).read_text())["world_size"] == 2
+    for rank in (0, 1):
+        manifest = json.loads((saved / f"rank{rank}" / "manifest.json").read_text())
+        assert manifest["config"]["tensor_parallel"] == 2
+    processes = parallel.tensor_parallel.processes
+    parallel.close()
+    assert [p.exitcode for p in processes] == [0]
+    with pytest.raises(FollowerError, match="closed"):
+        parallel.generate(_ids(1, 4, seed=0), 2)
+    with pytest.raises(fuser.EngineFileError, match="world size 2; it cannot load at world "
+                                                    "size 1"):
+        fuser.load(saved, tensor_parallel=1)
+    with pytest.raises(fuser.EngineFileError, match="one rank of a tensor-parallel engine of "
+                                                    r"world size 2; .*\(world size 1\)"):
+        fuser.load(saved / "rank0")
+    loaded = fuser.load(saved)
+    try:
+        assert loaded.tensor_parallel is not None and loaded.draft is not None
+        ids = _ids(2, 7, seed=3)
+        assert torch.equal(loaded.generate(ids, 16), pair["single"].generate(ids, 16))
+    finally:
+        loaded.close()
+    assert not any(_alive(p.pid) for p in loaded.tensor_parallel.processes)
+
+
+def test_follower_crash_is_named(pair: dict[str, object]) -> None:
+    """A follower killed mid-life: the next step raises FollowerError naming rank 1, and every
+    later call too; close() then returns without hanging."""
+    pair["parallel"].close()
+    engine = fuser.load(pair["saved"])
+    try:
+        (pid,) = engine.tensor_parallel.pids
+        os.kill(pid, 9)
+        for _ in range(2):
+            with pytest.raises(FollowerError, match="tensor-parallel rank 1 "):
+                engine.generate(_ids(1, 5, seed=0), 4)
+    finally:
+        started = time.monotonic()
+        engine.close()
+        assert time.monotonic() - started < 30
+
+
+EXIT_SCRIPT = """
+import sys, fuser
+engine = fuser.load(sys.argv[1])
+print(*engine.tensor_parallel.pids, flush=True)
+engine.generate(__import__("torch").tensor([[5, 6, 7]]), 3)
+"""  # and the interpreter exits without engine.close()
+
+
+def test_interpreter_exit_stops_the_followers(pair: dict[str, object]) -> None:
+    """A script that loads a tensor-parallel engine and exits without close(): it exits 0 and
+    leaves no follower behind."""
+    result = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(pair["saved"])],
+                            capture_output=True, text=True, timeout=TIMEOUT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    pids = [int(p) for p in result.stdout.split()]
+    assert len(pids) == 1
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids)
