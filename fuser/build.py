@@ -99,8 +99,8 @@ def build_bucket_steps(role: str, view: nn.Module, cache: KVCache, sizes: Sequen
     keeps a dimension from being dynamic, each step is exported on its own (as `add_step`).
 
     shard: one rank's share of a tensor-parallel engine (`Shard`): every step graph is
-    sharded before the passes (prefill too, T symbolic; one export per bucket), and `cache`
-    is the unsharded cache the export traces over.
+    sharded before the passes (prefill too, batch and T symbolic), and `cache` is the
+    unsharded cache the export traces over.
     """
     say = progress or (lambda message: None)
     state: dict = {}
@@ -116,11 +116,8 @@ def build_bucket_steps(role: str, view: nn.Module, cache: KVCache, sizes: Sequen
         if any(g.rewritten is None for steps in buckets.values() for g in steps.steps.values()):
             for steps in buckets.values():  # the model already fell back to eager PyTorch
                 add_step(steps, view, kind, config, device, shard)
-        elif not kind.fixed and shard is not None:  # one export a bucket, sharded per length
-            for steps in buckets.values():
-                add_step(steps, view, kind, config, device, shard)
         elif not kind.fixed:
-            add_prefill(buckets, view, kind, config, device, say)
+            add_prefill(buckets, view, kind, config, device, say, shard)
         elif len(fixed) * len(buckets) == 1:
             add_step(buckets[max(buckets)], view, kind, config, device, shard)
         else:
@@ -176,12 +173,14 @@ def add_fixed(buckets: dict[int, ModelSteps], view: nn.Module, kind: StepKind,
 
 
 def add_prefill(buckets: dict[int, ModelSteps], view: nn.Module, kind: StepKind,
-                config: FuserConfig, device: torch.device, say: Progress) -> None:
+                config: FuserConfig, device: torch.device, say: Progress,
+                shard: Shard | None = None) -> None:
     """Prefill in every bucket: exported with a dynamic batch and rewritten once (its row
-    count is symbolic either way), one graph a bucket over that bucket's cache rows."""
+    count is symbolic either way), one graph a bucket over that bucket's cache rows (with
+    `shard`: sharded once, over the rank's cache rows)."""
     top = buckets[max(buckets)]
     if len(buckets) == 1:
-        add_step(top, view, kind, config, device)
+        add_step(top, view, kind, config, device, shard)
         return
     module = StepModule(view, top.cache.k, top.cache.v, prefill=True,
                         block_table=top.cache.block_table)
@@ -192,15 +191,18 @@ def add_prefill(buckets: dict[int, ModelSteps], view: nn.Module, kind: StepKind,
         say(f"{top.role}.prefill: no export with a dynamic batch ({first_line(e)}); exporting "
             "each bucket")
         for steps in buckets.values():
-            add_step(steps, view, kind, config, device)
+            add_step(steps, view, kind, config, device, shard)
         return
+    if shard is not None:
+        symbolic = shard.graph(symbolic, top.cache.batch_size)
     context = PassContext(f"{top.role}.{kind.name}", kind, config, top.role,
                           model_state=top.build_state)
     result = run_passes(symbolic, context)
     for steps in buckets.values():
         graph = _new_graph(steps, view, kind)
         graph.exported = exported
-        graph.rewritten = symbolic if steps is top else with_cache(symbolic, steps.cache)
+        rows = steps.cache if shard is None else shard.cache.rows(steps.cache.batch_size)
+        graph.rewritten = symbolic if steps is top else with_cache(symbolic, rows)
         graph.matches, graph.fused_ops = dict(result.matches), dict(result.fused_ops)
         for error in result.errors:
             steps.fallback(error)

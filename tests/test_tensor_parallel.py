@@ -52,7 +52,8 @@ def lockstep(gms: list[torch.fx.GraphModule], args: tuple) -> list[torch.Tensor]
         first = group[0]
         assert all(n.op == first.op and n.target == first.target for n in group)
         if first.op == "output":  # export's graphs return (logits,), their modules logits
-            return [torch.fx.map_arg(n.args[0][0], env.__getitem__)
+            return [torch.fx.map_arg(n.args[0][0] if isinstance(n.args[0], (tuple, list))
+                                     else n.args[0], env.__getitem__)
                     for n, env in zip(group, envs)]
         if first.target in (ALL_REDUCE, ALL_GATHER):
             combine = all_reduce_reference if first.target is ALL_REDUCE else all_gather_reference

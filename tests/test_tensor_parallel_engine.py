@@ -188,3 +188,32 @@ def test_interpreter_exit_stops_the_followers(pair: dict[str, object]) -> None:
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(p) for p in pids)
+
+
+def test_serve_flag_reaches_the_config_and_the_load(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """`fuser serve MODEL --tensor-parallel-size 2` builds with FuserConfig(tensor_parallel=2)
+    (default 1); on an engine directory the flag is the world size the load must match; 0 is
+    refused."""
+    import fuser.launch
+    from fuser.cli import build_parser
+    from fuser.server.cli import _check_args, open_engine
+
+    (tmp_path / "config.json").write_text("{}")
+    built = []
+    monkeypatch.setattr(fuser.launch, "build_engine_from_args",
+                        lambda model, draft, config: (built.append(config), {}, ""))
+    for flags, size in (([], 1), (["--tensor-parallel-size", "2"], 2)):
+        open_engine(build_parser().parse_args(["serve", str(tmp_path), *flags]))
+        assert built.pop().tensor_parallel == size
+    with pytest.raises(ValueError, match="--tensor-parallel-size 0 must be at least 1"):
+        _check_args(build_parser().parse_args(
+            ["serve", str(tmp_path), "--tensor-parallel-size", "0"]))
+    engine_dir = tmp_path / "engine"
+    (engine_dir / "rank0").mkdir(parents=True)
+    (engine_dir / TP_MANIFEST).write_text(json.dumps({"world_size": 2,
+                                                      "ranks": ["rank0", "rank1"]}))
+    with pytest.raises(fuser.EngineFileError, match="world size 2; it cannot load at world "
+                                                    "size 4"):
+        open_engine(build_parser().parse_args(
+            ["serve", str(engine_dir), "--tensor-parallel-size", "4"]))

@@ -84,6 +84,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     serve.add_argument("--threads", type=int, default=None,
                        help="intra-op CPU threads (default without CUDA: 1, or OMP_NUM_THREADS "
                             "when set)")
+    serve.add_argument("--tensor-parallel-size", type=int, default=None,
+                       help="processes (one per GPU; gloo processes on the CPU) the target is "
+                            "sharded over, rank 0 serving (default: 1, or the engine "
+                            "directory's own)")
     serve.set_defaults(fn=run_serve)
     return serve
 
@@ -124,6 +128,9 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-waiting {args.max_waiting} must be at least 0")
     if not args.drain_timeout >= 0:
         raise ValueError(f"--drain-timeout {args.drain_timeout} must be at least 0")
+    tensor_parallel = getattr(args, "tensor_parallel_size", None)
+    if tensor_parallel is not None and tensor_parallel < 1:
+        raise ValueError(f"--tensor-parallel-size {tensor_parallel} must be at least 1")
     if args.api_key is not None and not args.api_key:
         raise ValueError("--api-key must not be empty")
     for flag, value in (("--distill-every", args.distill_every),
@@ -152,7 +159,8 @@ def open_engine(args: argparse.Namespace, cold: ColdStart | None = None) -> Any:
             raise ValueError(f"{args.path} is an engine directory: its draft is built in "
                              "(--draft applies to model directories)")
         progress(f"loading the engine {args.path} ...")
-        engine = fuser.load(args.path, log=progress)
+        engine = fuser.load(args.path, log=progress,
+                            tensor_parallel=getattr(args, "tensor_parallel_size", None))
         cold.split("load", {LOAD_PARTS[k]: v for k, v in engine.load_timings.items()
                             if k in LOAD_PARTS})
         rows = engine.config.max_batch_size
@@ -178,7 +186,8 @@ def open_engine(args: argparse.Namespace, cold: ColdStart | None = None) -> Any:
     # with the engine (and its KV cache gets their headroom).
     suffix = bool(getattr(args, "adapt_draft", False)) and args.draft is None
     config = fuser.FuserConfig(max_batch_size=rows, max_seq_len=args.max_seq_len,
-                               batch_buckets=buckets, suffix_speculation=suffix)
+                               batch_buckets=buckets, suffix_speculation=suffix,
+                               tensor_parallel=getattr(args, "tensor_parallel_size", None) or 1)
     engine, _, _ = build_engine_from_args(args.path, args.draft, config)
     cold.mark("build")
     return engine
