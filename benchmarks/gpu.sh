@@ -21,6 +21,8 @@
 #   adapt8b   the same, the 8B shape with a random 1B-shape draft (adapt.py --workloads 8b)
 #   paged     paged against contiguous decode/verify attention at the 8B shape
 #             (paged_attention.py; fails above 1.05x), the paged kernels' and engine's GPU tests
+#   tp        tensor parallel over 2 GPUs (a 2-GPU kind): its GPU tests (NCCL), then decode at
+#             the 8B shape, tp=1 against tp=2 (tensor_parallel.py; TP_SIZES, default 1,2)
 #   tests     the GPU tests: pytest -k "gpu or cuda" over TESTS (default: tests), JOBS workers
 #
 # Each suite writes its full logs and JSON under $OUT/<suite>/ and ends with a short table; the
@@ -33,7 +35,7 @@ export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fuser-out}
 BUDGET=${BUDGET:-580}
-SUITES="decode verify spec fallback files ops accuracy serve adapt adapt8b paged tests"
+SUITES="decode verify spec fallback files ops accuracy serve adapt adapt8b paged tp tests"
 if [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ]; then
   sed -n '2,/^set -o/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
   exit 0
@@ -150,6 +152,17 @@ for suite in "$@"; do
       table "paged: paged / contiguous attention, 8B shape, bf16, 16-slot blocks (scattered)" \
         "$(grep -E '^(FAILED|ERROR)|passed|failed' "$DIR/paged_tests.log" | tail -n 4)" \
         "$(grep -v -i warn "$DIR/paged_attention.log" | tail -n 14)" ;;
+    tp)
+      # NVLink multicast off (NVLS, multicast symmetric memory): the engine sets these for its
+      # ranks too.
+      export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+      step tp_tests 240 python3 -m pytest -q -p no:cacheprovider -rf \
+        tests/test_tensor_parallel.py tests/test_tensor_parallel_cuda.py -k "gpu or cuda"
+      step tp_decode 330 python3 benchmarks/tensor_parallel.py --sizes "${TP_SIZES:-1,2}" \
+        --out "$DIR/tp.json"
+      table "tp: tensor parallel, NCCL; decode at the 8B shape, batch 1, bf16" \
+        "$(grep -E '^(FAILED|ERROR)|passed|failed' "$DIR/tp_tests.log" | tail -n 6)" \
+        "$(sed -n '/^system /,$p' "$DIR/tp_decode.log")" ;;
     tests)
       # shellcheck disable=SC2086  # TESTS: paths, word-split on purpose
       # JOBS pytest-xdist workers share the one GPU (default 8 of the machine's 16 cores: the
