@@ -37,9 +37,12 @@ one tensor-parallel engine runs per process at a time. `engine.close()`, or inte
 stops the followers; a follower that fails or dies surfaces on rank 0 as `FollowerError`
 naming its rank.
 
-CUDA graphs are not captured under tensor parallelism yet (the steps run uncaptured, NCCL
-between them): a captured iteration on rank 0 needs the followers to replay their own
-captures of the same steps in step with it, which the command channel does not do yet.
+CUDA graphs: rank 0 captures each decoding iteration (runtime/step_graphs.py) as on one GPU;
+the target steps it runs while capturing are sent as usual, between CAPTURE_BEGIN and
+CAPTURE_END, and each follower captures its part (the input broadcast and its sharded steps,
+NCCL collectives inside) into a graph of its own under the same key. Each replay on rank 0
+sends REPLAY key first. Prefill, captured per length on first use on one GPU, runs uncaptured
+under tensor parallelism.
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ from fuser.runtime.steps import PREFILL, ModelSteps, StepKind
 # multicast symmetric memory are not available on the machines fuser is tested on.
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 # Commands rank 0 sends, each a struct of int64s: (op, *args).
-STEP, MOVE_ROW, STOP, SAVE = 1, 2, 3, 4
+STEP, MOVE_ROW, STOP, SAVE, CAPTURE_BEGIN, CAPTURE_END, REPLAY = 1, 2, 3, 4, 5, 6, 7
 KIND_NAMES = ("prefill", "decode", "verify", "catchup", "resync")
 # Collectives wait this long for a peer before failing (a follower that died mid-step on NCCL
 # is found by the watchdog after it); the command pipe itself never times out.
@@ -249,11 +252,27 @@ def follow(buckets: dict[int, ModelSteps], conn: Any, device: torch.device,
     from fuser.engine_io import save
 
     top = buckets[max(buckets)]
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}  # rank 0's iteration graph key -> our part
+    capture: Any = None  # the capture under way (torch.cuda.graph), between BEGIN and END
+    pool = None
     while True:
         op, *args = _unpack(conn.recv_bytes())
         if op == STOP:
             return
-        if op == SAVE:  # then the directory, as UTF-8
+        if op == REPLAY:
+            graphs[args[0]].replay()
+        elif op == CAPTURE_BEGIN:  # the STEPs until CAPTURE_END are captured, not run
+            pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            capture = torch.cuda.graph(graph, pool=pool)
+            capture.__enter__()
+        elif op == CAPTURE_END:
+            key, failed = args
+            ending, capture = capture, None
+            ending.__exit__(None, None, None)
+            if not failed:
+                graphs[key] = ending.cuda_graph
+        elif op == SAVE:  # then the directory, as UTF-8
             (overwrite,) = args
             save(engine, conn.recv_bytes().decode(), overwrite=bool(overwrite))
             conn.send_bytes(b"saved")
@@ -457,6 +476,23 @@ class TensorParallelGroup:
         (root / TP_MANIFEST).write_text(json.dumps(manifest, indent=1))
         return manifest
 
+    # -- CUDA graphs: runtime/step_graphs.py `CaptureMirror` -------------------------------------
+
+    def begin(self) -> int:
+        """Rank 0 begins capturing an iteration: the followers capture the STEPs that follow,
+        under the returned key."""
+        self._captures = getattr(self, "_captures", 0) + 1
+        self.send(CAPTURE_BEGIN, self._captures)
+        return self._captures
+
+    def end(self, failed: bool) -> None:
+        """Rank 0's capture ended: the followers end theirs (and drop it if rank 0's failed)."""
+        self.send(CAPTURE_END, self._captures, int(failed))
+
+    def replay(self, key: int) -> None:
+        """Rank 0 replays iteration graph `key`: the followers replay their part of it."""
+        self.send(REPLAY, key)
+
     def close(self, timeout: float = 30.0) -> None:
         """Stop the followers (STOP, then join; terminate any that do not exit) and leave
         the process group. Idempotent."""
@@ -493,7 +529,9 @@ class TensorParallelGroup:
 
 
 class MirroredSteps(ModelSteps):
-    """Rank 0's steps of one bucket: each `run` first sends the step to the followers."""
+    """Rank 0's steps of one bucket: each `run` first sends the step to the followers; an
+    iteration graph that captures them has the followers capture theirs (`capture_mirror`,
+    runtime/step_graphs.py `IterationGraph`)."""
 
     def __init__(self, steps: ModelSteps, group: TensorParallelGroup) -> None:
         super().__init__(steps.role, steps.cache, steps.vocab_size, steps.steps,
@@ -501,6 +539,7 @@ class MirroredSteps(ModelSteps):
         self.build_state = steps.build_state
         self.prefill_graphs = steps.prefill_graphs
         self.group = group
+        self.capture_mirror = group
 
     @torch.no_grad()
     def run(self, kind: StepKind, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

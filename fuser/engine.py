@@ -126,16 +126,15 @@ class Engine:
         say = progress if callable(progress) else None
         kinds = [PLAIN, *self.gammas]
         length = min(128, self.config.max_seq_len // 2)
-        if self.device.type == "cuda" and self.config.cuda_graphs and \
-                self.tensor_parallel is not None:
-            self._fallbacks.append("tensor parallel: the steps run without CUDA graphs (the "
-                                   "followers do not capture and replay in step with rank 0 "
-                                   "yet)")
-        elif self.device.type == "cuda" and self.config.cuda_graphs:
+        if self.device.type == "cuda" and self.config.cuda_graphs:
+            # (Tensor parallel: the followers capture and replay their part of each iteration
+            # with rank 0's, fuser/distributed.py; prefill, captured per length on first use,
+            # runs uncaptured there.)
             self._fallbacks += capture_buckets(list(self.buckets.values()), kinds, length, say)
             prefill_pool = torch.cuda.graph_pool_handle()
             for bucket in self.buckets.values():
-                bucket.capture_prefills(prefill_pool)
+                if self.tensor_parallel is None:
+                    bucket.capture_prefills(prefill_pool)
         if self.adaptive:
             reps = 10 if self.device.type == "cuda" else 2
             for size, bucket in self.buckets.items():

@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -56,12 +57,25 @@ def bucket_for(batch: int, sizes: tuple[int, ...]) -> int:
     raise ValueError(f"batch {batch} is above the largest bucket {max(sizes)}")
 
 
+class CaptureMirror(Protocol):
+    """Other processes that capture and replay their part of an iteration along with this
+    one (a tensor-parallel engine's followers, fuser/distributed.py)."""
+
+    def begin(self) -> int: ...  # -> the capture's key; they start capturing
+    def end(self, failed: bool) -> None: ...  # they stop (and drop it if failed)
+    def replay(self, key: int) -> None: ...  # they replay their capture `key`
+
+
 class IterationGraph:
     """One iteration function captured as a CUDA graph; calling it replays the graph and
-    returns its static packed output (overwritten by the next replay)."""
+    returns its static packed output (overwritten by the next replay).
+
+    mirror: the processes that capture their own part of `fn` at the same time (told when
+    the capture begins and ends) and replay it with every replay of this graph."""
 
     def __init__(self, fn: Callable[[], torch.Tensor], pool: object, warmup: int = 2,
-                 reset: Callable[[], None] | None = None) -> None:
+                 reset: Callable[[], None] | None = None,
+                 mirror: CaptureMirror | None = None) -> None:
         device = torch.device("cuda", torch.cuda.current_device())
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
@@ -72,11 +86,22 @@ class IterationGraph:
                 fn()
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool), torch.no_grad():
-            self.output = fn()
+        self.mirror, self.key = mirror, -1
+        failed = True
+        try:
+            with torch.cuda.graph(self.graph, pool=pool), torch.no_grad():
+                if mirror is not None:
+                    self.key = mirror.begin()
+                self.output = fn()
+            failed = False
+        finally:
+            if mirror is not None and self.key >= 0:
+                mirror.end(failed)
         self.replays = 0
 
     def __call__(self) -> torch.Tensor:
+        if self.mirror is not None:
+            self.mirror.replay(self.key)
         self.graph.replay()
         self.replays += 1
         return self.output
@@ -188,7 +213,8 @@ class Bucket:
                     # reset, two of them from timing_length could write past a small cache.
                     self.graphs[(gamma, do_sample)] = IterationGraph(
                         self.function(gamma, do_sample), pool,
-                        reset=lambda: self.reset_for_timing(timing_length))
+                        reset=lambda: self.reset_for_timing(timing_length),
+                        mirror=getattr(self.target, "capture_mirror", None))
                 except Exception as e:  # noqa: BLE001 -- a shape that cannot be captured
                     failures.append(f"bucket {self.batch}, {_name(gamma, do_sample)}: "
                                     f"{capture_failed(e)}; it runs uncaptured")

@@ -20,11 +20,15 @@ pytestmark = [pytest.mark.gpu, pytest.mark.xdist_group("tensor_parallel_cuda"),
                                  reason="needs 2 CUDA devices (NCCL)")]
 
 
-def test_two_gpus_generate_schedule_save_load(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphs", "no-graphs"])
+def test_two_gpus_generate_schedule_save_load(tmp_path: Path, cuda_graphs: bool) -> None:
+    """graphs: the iterations are CUDA graphs on both ranks (the follower captures its part
+    with rank 0's capture and replays it with each replay), and they do replay."""
     target = llama_target().to("cuda:0")  # the follower receives it by CUDA IPC
     draft = perturbed(target, 0.05, seed=3)
     config = fuser.FuserConfig(device="cuda:0", max_seq_len=64, max_batch_size=2,
-                               batch_buckets=(1, 2), gamma=3, tensor_parallel=2)
+                               batch_buckets=(1, 2), gamma=3, tensor_parallel=2,
+                               cuda_graphs=cuda_graphs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         engine = fuser.optimize(target, draft, config)
@@ -46,6 +50,9 @@ def test_two_gpus_generate_schedule_save_load(tmp_path: Path) -> None:
                               near_tie[1:].cpu(), ids[1:].cpu(), [])
         engine.fix_gamma(None)
         expected = engine.generate(ids, 16, attention_mask=mask)
+        replays = sum(n for name, n in engine.report().graph_replays.items()
+                      if name.startswith("step.b2.gamma3"))
+        assert (replays > 0) == cuda_graphs, engine.report().graph_replays
         engine.save(tmp_path / "engine")
     finally:
         engine.close()
