@@ -39,11 +39,16 @@ def step_bytes(model: torch.nn.Module) -> int:
     return total - (0 if tied else embed.numel() * embed.element_size())
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def time_engine(model: torch.nn.Module, world_size: int, cuda_graphs: bool,
                 prompt: torch.Tensor, args: argparse.Namespace) -> tuple[float, torch.Tensor]:
     """(median tok/s of `args.runs` generate calls, the greedy tokens) of one engine."""
     config = fuser.FuserConfig(max_seq_len=args.prompt_tokens + args.new_tokens + 16,
-                               device="cuda:0", tensor_parallel=world_size, gamma=0,
+                               device=args.device, tensor_parallel=world_size, gamma=0,
                                cuda_graphs=cuda_graphs)
     start = time.perf_counter()
     engine = fuser.optimize(model, config=config)
@@ -53,17 +58,18 @@ def time_engine(model: torch.nn.Module, world_size: int, cuda_graphs: bool,
         tokens = engine.generate(prompt, args.new_tokens)  # warm-up, and the tokens compared
         times = []
         for _ in range(args.runs):
-            torch.cuda.synchronize()
+            _sync()
             began = time.perf_counter()
             engine.generate(prompt, args.new_tokens)
-            torch.cuda.synchronize()
+            _sync()
             times.append(time.perf_counter() - began)
         times.sort()
         return args.new_tokens / times[len(times) // 2], tokens.cpu()
     finally:
         engine.close()
         del engine
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -75,31 +81,40 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--out", default=None, help="write the results as JSON")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="the CPU (gloo ranks), a tiny random fp32 Llama, 8 new tokens")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("benchmarks/tensor_parallel.py: no CUDA device; run it on a machine with GPUs")
     sizes = [int(s) for s in args.sizes.split(",")]
-    if max(sizes) > torch.cuda.device_count():
-        sys.exit(f"benchmarks/tensor_parallel.py: --sizes {args.sizes} needs "
-                 f"{max(sizes)} GPUs, {torch.cuda.device_count()} visible")
+    if args.dry_run:
+        args.device, args.preset, args.new_tokens, args.prompt_tokens, args.runs = \
+            "cpu", "tiny-random-llama", 8, 8, 1
+        dtype, bandwidth, gpu, gpus = torch.float32, float("nan"), "dry run on CPU", 1
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("benchmarks/tensor_parallel.py: no CUDA device; run it on a machine with "
+                     "GPUs (or --dry-run)")
+        if max(sizes) > torch.cuda.device_count():
+            sys.exit(f"benchmarks/tensor_parallel.py: --sizes {args.sizes} needs "
+                     f"{max(sizes)} GPUs, {torch.cuda.device_count()} visible")
+        args.device = "cuda:0"
+        dtype, bandwidth = torch.bfloat16, measure_read_bandwidth()
+        gpu, gpus = torch.cuda.get_device_name(), torch.cuda.device_count()
     warnings.simplefilter("ignore")
-    bandwidth = measure_read_bandwidth()
     preset = dict(PRESETS[args.preset])
     if args.layers is not None:
         preset["num_hidden_layers"] = args.layers
     torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda:0"):  # the followers receive it by CUDA IPC (no copy, no /dev/shm)
+    torch.set_default_dtype(dtype)
+    with torch.device(args.device):  # on CUDA the followers receive it by IPC (no /dev/shm)
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**preset)).eval()
     torch.set_default_dtype(torch.float32)
     nbytes = step_bytes(model)
     prompt = torch.randint(0, preset["vocab_size"], (1, args.prompt_tokens),
-                           generator=torch.Generator().manual_seed(1)).cuda()
-    RESULTS.update(env={"gpu": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(),
-                        "torch": torch.__version__, "preset": args.preset,
-                        "command": " ".join(sys.argv)},
+                           generator=torch.Generator().manual_seed(1)).to(args.device)
+    RESULTS.update(env={"gpu": gpu, "gpus": gpus, "torch": torch.__version__,
+                        "preset": args.preset, "command": " ".join(sys.argv)},
                    bandwidth_TBps=bandwidth / 1e12, step_GB=nbytes / 1e9, rows=[])
-    runs = [(1, True)] + [(n, False) for n in sizes]
+    runs = ([(1, True)] if not args.dry_run else []) + [(n, False) for n in sizes]
     reference = None
     for world_size, graphs in runs:
         tok_s, tokens = time_engine(model, world_size, graphs, prompt, args)
@@ -117,7 +132,7 @@ def main() -> None:
             f"tokens {'equal to tp=1' if first is None else f'differ from tp=1 at {first}'}")
     base = {r["tensor_parallel"]: r["tok_s"] for r in RESULTS["rows"] if not r["cuda_graphs"]}
     print(f"system {RESULTS['env']['gpu']} x{RESULTS['env']['gpus']}, {args.preset}, batch 1, "
-          f"{args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, bf16")
+          f"{args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, {dtype}")
     for row in RESULTS["rows"]:
         speedup = row["tok_s"] / base[1] if not row["cuda_graphs"] else float("nan")
         print(f"tp={row['tensor_parallel']} graphs={'on ' if row['cuda_graphs'] else 'off'} "

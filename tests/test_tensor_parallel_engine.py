@@ -217,3 +217,16 @@ def test_serve_flag_reaches_the_config_and_the_load(tmp_path: Path,
                                                     "size 4"):
         open_engine(build_parser().parse_args(
             ["serve", str(engine_dir), "--tensor-parallel-size", "4"]))
+
+
+@pytest.mark.slow
+def test_benchmark_dry_run(tmp_path: Path) -> None:
+    """benchmarks/tensor_parallel.py's plumbing: tp=1 and tp=2 on gloo ranks, equal tokens."""
+    out = tmp_path / "tp.json"
+    proc = subprocess.run([sys.executable, "benchmarks/tensor_parallel.py", "--dry-run",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).parent.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["tensor_parallel"] for r in rows] == [1, 2]
+    assert all(r["first_token_differing_from_tp1"] is None for r in rows)
