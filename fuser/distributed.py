@@ -65,6 +65,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fuser.ops.collectives import forget_peers
 from fuser.runtime.kv_cache import KVCache
 from fuser.runtime.steps import PREFILL, ModelSteps, StepKind
 
@@ -234,6 +235,7 @@ def follower_main(plan: FollowerPlan, target: Any, conn: Any) -> None:
         try:
             follow(buckets, conn, device, RankEngine.of(buckets, config, dtype, device))
         finally:
+            forget_peers()
             dist.destroy_process_group()
     except (EOFError, ConnectionError, KeyboardInterrupt):
         return  # rank 0 is gone (closed without STOP, or its process ended): nothing to report
@@ -516,6 +518,7 @@ class TensorParallelGroup:
         for conn in self.conns:
             conn.close()
         if self.joined and dist.is_initialized():
+            forget_peers()
             dist.destroy_process_group()
         shutil.rmtree(self._dir, ignore_errors=True)
         if TensorParallelGroup._open is self:

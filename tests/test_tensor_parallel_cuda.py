@@ -20,10 +20,15 @@ pytestmark = [pytest.mark.gpu, pytest.mark.xdist_group("tensor_parallel_cuda"),
                                  reason="needs 2 CUDA devices (NCCL)")]
 
 
-@pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphs", "no-graphs"])
-def test_two_gpus_generate_schedule_save_load(tmp_path: Path, cuda_graphs: bool) -> None:
+@pytest.mark.parametrize("cuda_graphs, one_shot", [(True, False), (False, False), (True, True)],
+                         ids=["graphs", "no-graphs", "graphs-one-shot"])
+def test_two_gpus_generate_schedule_save_load(tmp_path: Path, cuda_graphs: bool, one_shot: bool,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """graphs: the iterations are CUDA graphs on both ranks (the follower captures its part
-    with rank 0's capture and replays it with each replay), and they do replay."""
+    with rank 0's capture and replays it with each replay), and they do replay. one-shot: the
+    all-reduces through peer buffers (fuser/ops/one_shot_all_reduce.py), not NCCL."""
+    if one_shot:  # read by every rank's all_reduce (the follower inherits the environment)
+        monkeypatch.setenv("FUSER_ONE_SHOT_ALL_REDUCE", "1")
     target = llama_target().to("cuda:0")  # the follower receives it by CUDA IPC
     draft = perturbed(target, 0.05, seed=3)
     config = fuser.FuserConfig(device="cuda:0", max_seq_len=64, max_batch_size=2,

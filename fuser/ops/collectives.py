@@ -12,11 +12,14 @@ initialized group, or with a group of one rank, all_reduce is a copy and all_gat
 world_size 1 a copy. `world_size` is an argument of all_gather (not read from the group) so that
 its fake implementation knows the output's shape.
 
-A peer-to-peer one-shot all-reduce for small messages (DESIGN.md, "Serving at scale") would be
-another CUDA implementation of the same op; NCCL's stays the fallback.
+On CUDA with FUSER_ONE_SHOT_ALL_REDUCE=1, all_reduce takes small messages through the
+peer-to-peer one-shot all-reduce (fuser/ops/one_shot_all_reduce.py `PeerAllReduce`; not yet run
+on several GPUs, hence off by default) and NCCL the rest.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.distributed as dist
@@ -30,11 +33,36 @@ def group_size() -> int:
     return 1
 
 
+# The process's peer all-reduce per CUDA device, made at the first all_reduce there (never
+# while a CUDA graph is being captured: the engine runs every step before capturing); dropped
+# by `forget_peers` when the process group goes.
+_PEERS: dict[torch.device, object] = {}
+
+
+def _peer(x: Tensor) -> object | None:
+    if x.device.type != "cuda" or os.environ.get("FUSER_ONE_SHOT_ALL_REDUCE") != "1":
+        return None
+    if x.device not in _PEERS:
+        from fuser.ops.one_shot_all_reduce import PeerAllReduce
+
+        _PEERS[x.device] = PeerAllReduce(x.device)
+    return _PEERS[x.device]
+
+
+def forget_peers() -> None:
+    """Drop the peer all-reduces (before the process group is destroyed)."""
+    _PEERS.clear()
+
+
 @torch.library.custom_op("fuser::all_reduce", mutates_args=())
 def all_reduce(x: Tensor) -> Tensor:
     """The sum of `x` over the ranks of the default process group (a copy with one rank)."""
     out = x.contiguous().clone()
     if group_size() > 1:
+        peer = _peer(out)
+        summed = peer(out) if peer is not None else None
+        if summed is not None:
+            return summed
         dist.all_reduce(out, op=dist.ReduceOp.SUM)
     return out
 
