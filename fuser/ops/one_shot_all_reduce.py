@@ -113,8 +113,10 @@ class PeerAllReduce:
             raise ValueError(f"one-shot all-reduce: {self.world_size} ranks, at most "
                              f"{MAX_WORLD}")
         self.max_bytes = max_bytes
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed by older torch releases
+            symm_mem.enable_symm_mem_for_group(group.group_name)
         self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
-        self.handle = symm_mem.rendezvous(self.buffer, group.group_name)
+        self.handle = symm_mem.rendezvous(self.buffer, group.group_name)  # a collective
         self.rank = self.handle.rank
 
     def __call__(self, x: Tensor) -> Tensor | None:
