@@ -54,6 +54,7 @@ import shutil
 import struct
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -362,6 +363,7 @@ class TensorParallelGroup:
         self.closed = False
         self.failure: FollowerError | None = None
         self.joined = False
+        self._sending = threading.Lock()
         TensorParallelGroup._open = self
         atexit.register(self.close)
 
@@ -412,9 +414,9 @@ class TensorParallelGroup:
         self.failure = FollowerError(f"tensor-parallel rank {rank} {what}{status}")
         return self.failure
 
-    def check(self, cause: BaseException | None = None) -> FollowerError:
+    def check(self) -> FollowerError | None:
         """After a failed command or collective: the follower to blame (its own error message
-        if it sent one), else a FollowerError wrapping `cause`."""
+        if it sent one, else how it ended), or None when every follower still runs."""
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline:
             for rank, (process, conn) in enumerate(zip(self.processes, self.conns), start=1):
@@ -429,22 +431,26 @@ class TensorParallelGroup:
                 if not process.is_alive():
                     return self._failed(rank, "died")
             time.sleep(0.05)
-        self.failure = FollowerError(f"tensor parallel: a collective failed ({cause!r}); every "
-                                     "follower rank is still running")
-        return self.failure
+        return None
 
-    def send(self, *words: int) -> None:
-        """One command to every follower."""
+    def _check_usable(self) -> None:
+        """Raise the followers' failure, or that the engine was closed."""
         if self.failure is not None:
             raise self.failure
         if self.closed:
             raise FollowerError("this tensor-parallel engine was closed (engine.close())")
+
+    def send(self, *words: int) -> None:
+        """One command to every follower."""
+        self._check_usable()
         data = _pack(*words)
-        for rank, conn in enumerate(self.conns, start=1):
-            try:
-                conn.send_bytes(data)
-            except (OSError, ValueError) as e:
-                raise self.check(e) from e
+        with self._sending:  # one command at a time, whole, whatever thread sends it
+            for rank, conn in enumerate(self.conns, start=1):
+                try:
+                    conn.send_bytes(data)
+                except (OSError, ValueError) as e:
+                    raise (self.check() or self._failed(rank, f"cannot be reached ({e})")) \
+                        from e
 
     def save(self, engine: Any, path: str | os.PathLike, overwrite: bool = False
              ) -> dict[str, Any]:
@@ -454,6 +460,7 @@ class TensorParallelGroup:
         from fuser.engine_file import EngineFileError
         from fuser.engine_io import save
 
+        self._check_usable()
         root = Path(path)
         if root.exists() and not overwrite:
             raise EngineFileError(f"{root} exists (pass overwrite=True to replace it)")
@@ -464,9 +471,14 @@ class TensorParallelGroup:
             shutil.rmtree(root)
         root.mkdir(parents=True)
         ranks = [f"rank{r}" for r in range(self.world_size)]
-        self.send(SAVE, int(overwrite))
-        for conn, name in zip(self.conns, ranks[1:]):
-            conn.send_bytes(str((root / name).resolve()).encode())
+        with self._sending:  # the command and its directory, back to back
+            for rank, (conn, name) in enumerate(zip(self.conns, ranks[1:]), start=1):
+                try:
+                    conn.send_bytes(_pack(SAVE, int(overwrite)))
+                    conn.send_bytes(str((root / name).resolve()).encode())
+                except (OSError, ValueError) as e:
+                    raise (self.check() or self._failed(rank, f"cannot be reached ({e})")) \
+                        from e
         save(engine, root / ranks[0], overwrite=overwrite)
         for rank, (process, conn) in enumerate(zip(self.processes, self.conns), start=1):
             while not conn.poll(_POLL_S):
@@ -555,8 +567,11 @@ class MirroredSteps(ModelSteps):
                                 cache.starts]).long()
             dist.broadcast(packed, src=0)
             return super().run(kind, tokens, positions)
-        except RuntimeError as e:  # a collective with a follower that is gone
-            raise self.group.check(e) from e
+        except RuntimeError as e:  # a collective with a follower that is gone?
+            failure = self.group.check()
+            if failure is None:
+                raise
+            raise failure from e
 
 
 class MirroredCache(KVCache):

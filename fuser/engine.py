@@ -334,7 +334,8 @@ class Engine:
             raise ValueError("engine files of a paged KV cache (kv_block_size > 0) are not "
                              "supported yet: build with kv_block_size=0 to save")
         if self.tensor_parallel is not None:  # rank0/, rank1/, ... (fuser/distributed.py)
-            return self.tensor_parallel.save(self, path, overwrite=overwrite)
+            with self.generating():  # the followers save between steps, never during one
+                return self.tensor_parallel.save(self, path, overwrite=overwrite)
         return save(self, path, overwrite=overwrite)
 
     def export_onnx(self, path: str | Path, overwrite: bool = False) -> dict:

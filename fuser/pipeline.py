@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
