@@ -367,6 +367,11 @@ class TensorParallelGroup:
         TensorParallelGroup._open = self
         atexit.register(self.close)
 
+    @classmethod
+    def running(cls) -> TensorParallelGroup | None:
+        """The group this process holds now (not closed), if any."""
+        return cls._open
+
     def start(self, target: Any, plan: Callable[[int], FollowerPlan]) -> None:
         """Spawn ranks 1..N-1, each building from `target` (a module, sent by
         torch.multiprocessing's pickler, or a model directory) by plan(rank)."""

@@ -10,10 +10,11 @@ capture CUDA graphs. The Engine that comes out only runs what was built.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -26,7 +27,7 @@ from fuser.config import FuserConfig
 from fuser.distributed import (FollowerPlan, TensorParallelGroup, check_devices,
                                check_world_size, mirror, saved_world_size)
 from fuser.engine import Engine
-from fuser.engine_io import EngineParts, Log, open_engine
+from fuser.engine_io import Log, open_engine
 from fuser.runtime.steps import ModelSteps, StepKind, draft_steps, target_steps, verify
 
 ModelLike = nn.Module | str | Path
@@ -107,6 +108,23 @@ def optimize(target: ModelLike, draft: ModelLike | None = None,
     return build_engine(target_model, draft_model, config, tokenizer)
 
 
+def _stop_followers_on_error(fn: Callable[..., Engine]) -> Callable[..., Engine]:
+    """`fn` (a build or a load), stopping the tensor-parallel followers it started if it
+    raises (a process holds one group at a time: `TensorParallelGroup`)."""
+    @functools.wraps(fn)
+    def wrapper(*args: object, **kwargs: object) -> Engine:
+        before = TensorParallelGroup.running()
+        try:
+            return fn(*args, **kwargs)
+        except BaseException:
+            started = TensorParallelGroup.running()
+            if started is not None and started is not before:
+                started.close()
+            raise
+    return wrapper
+
+
+@_stop_followers_on_error
 def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig,
                  tokenizer: object | None = None) -> Engine:
     """The Engine for already loaded models (see the module docstring for the order)."""
@@ -164,65 +182,54 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
                                   progress=_progress)
 
     target_kinds = target_steps(0) + [verify(g) for g in sorted(set(gammas + suffix_gammas))]
-
-    def build_and_prepare() -> Engine:
-        """Build rank 0's steps (and the draft's), join the followers, warm up, check, make
-        the Engine and capture: the part after which a failure must stop the followers."""
-        target_built = prepare("target", target, target_kinds, slots)
-        draft_built = None
-        if draft is not None and gammas and target_built is not None:
-            draft_built = prepare("draft", draft, draft_steps(draft_slots), draft_slots)
-        if group is not None:  # every rank has built its steps: from here on they run together
-            group.join()
-            target_built = mirror(target_built, group)
-        for built in (target_built, draft_built):
-            for size, steps in (built or {}).items():
-                began = time.perf_counter()
-                warm_up(steps)  # compiles the fixed-T steps (Inductor) on their first call
-                _progress(f"{steps.role} bucket {size}: every step run once (compiled where "
-                          f"compiled) in {time.perf_counter() - began:.1f} s")
-        top = config.max_batch_size
-        if target_built is not None:
-            problem = check_against_eager(target_built[top], target, config.max_seq_len,
-                                          fp8_lm_head)
-            if problem is not None and group is not None:
-                raise ValueError(f"tensor_parallel={config.tensor_parallel}: the sharded target "
-                                 f"step disagrees with eager PyTorch ({problem})")
-            if problem is not None:
-                fallback(f"target: the captured step disagrees with eager PyTorch ({problem}); "
-                         "it runs in eager PyTorch instead")
-                target_built = draft_built = None
-        if draft_built is not None:
-            problem = check_against_eager(draft_built[top], draft, config.max_seq_len,
-                                          fp8_lm_head)
-            if problem is not None:
-                fallback(f"draft: the captured step disagrees with eager PyTorch ({problem}); "
-                         "it runs in eager PyTorch instead, without speculation")
-                draft_built = None
-        buckets = None
-        if target_built is not None:
-            buckets = {size: (target_built[size], draft_built[size] if draft_built else None)
-                       for size in sizes}
-        engine = Engine(target_built[top] if target_built else None,
-                        draft_built[top] if draft_built else None, config=config,
-                        user_target=target, tokenizer=tokenizer, device=device, dtype=dtype,
-                        vocab_size=vocab_size, gamma=gamma if draft_built is not None else 0,
-                        fallbacks=fallbacks, compile_seconds=0.0, buckets=buckets,
-                        gammas=gammas if draft_built is not None else ())
-        engine.tensor_parallel = group
-        # Whole-iteration CUDA graphs (one per bucket, gamma and greedy/sampling; the model steps
-        # inside run their compiled callables) and, with gamma="auto", their measured costs.
-        engine.prepare(progress=_progress)
-        engine.compile_seconds = time.perf_counter() - start
-        return engine
-
     group = _start_followers(target, config, target_kinds, sizes, slots, dtype, device)
-    try:
-        return build_and_prepare()
-    except BaseException:
-        if group is not None:
-            group.close()
-        raise
+    target_built = prepare("target", target, target_kinds, slots)
+    draft_built = None
+    if draft is not None and gammas and target_built is not None:
+        draft_built = prepare("draft", draft, draft_steps(draft_slots), draft_slots)
+    if group is not None:  # every rank has built its steps: from here on they run together
+        group.join()
+        target_built = mirror(target_built, group)
+    for built in (target_built, draft_built):
+        for size, steps in (built or {}).items():
+            began = time.perf_counter()
+            warm_up(steps)  # compiles the fixed-T steps (Inductor) on their first call
+            _progress(f"{steps.role} bucket {size}: every step run once (compiled where "
+                      f"compiled) in {time.perf_counter() - began:.1f} s")
+    top = config.max_batch_size
+    if target_built is not None:
+        problem = check_against_eager(target_built[top], target, config.max_seq_len,
+                                      fp8_lm_head)
+        if problem is not None and group is not None:
+            raise ValueError(f"tensor_parallel={config.tensor_parallel}: the sharded target "
+                             f"step disagrees with eager PyTorch ({problem})")
+        if problem is not None:
+            fallback(f"target: the captured step disagrees with eager PyTorch ({problem}); it "
+                     "runs in eager PyTorch instead")
+            target_built = draft_built = None
+    if draft_built is not None:
+        problem = check_against_eager(draft_built[top], draft, config.max_seq_len,
+                                      fp8_lm_head)
+        if problem is not None:
+            fallback(f"draft: the captured step disagrees with eager PyTorch ({problem}); it "
+                     "runs in eager PyTorch instead, without speculation")
+            draft_built = None
+    buckets = None
+    if target_built is not None:
+        buckets = {size: (target_built[size], draft_built[size] if draft_built else None)
+                   for size in sizes}
+    engine = Engine(target_built[top] if target_built else None,
+                    draft_built[top] if draft_built else None, config=config,
+                    user_target=target, tokenizer=tokenizer, device=device, dtype=dtype,
+                    vocab_size=vocab_size, gamma=gamma if draft_built is not None else 0,
+                    fallbacks=fallbacks, compile_seconds=0.0, buckets=buckets,
+                    gammas=gammas if draft_built is not None else ())
+    engine.tensor_parallel = group
+    # Whole-iteration CUDA graphs (one per bucket, gamma and greedy/sampling; the model steps
+    # inside run their compiled callables) and, with gamma="auto", their measured costs.
+    engine.prepare(progress=_progress)
+    engine.compile_seconds = time.perf_counter() - start
+    return engine
 
 
 def _start_followers(target: nn.Module, config: FuserConfig, kinds: list[StepKind],
@@ -243,18 +250,15 @@ def _start_followers(target: nn.Module, config: FuserConfig, kinds: list[StepKin
                          "steps cannot be captured and sharded")
     check_world_size(target.config, world_size, device)
     group = TensorParallelGroup(world_size, device)
-    try:
-        group.start(target, lambda rank: FollowerPlan(
-            rank=rank, world_size=world_size, config=config, kinds=tuple(kinds),
-            sizes=tuple(sizes), slots=slots, dtype=dtype, device=device,
-            init_file=group.init_file))
-    except BaseException:
-        group.close()
-        raise
+    group.start(target, lambda rank: FollowerPlan(
+        rank=rank, world_size=world_size, config=config, kinds=tuple(kinds),
+        sizes=tuple(sizes), slots=slots, dtype=dtype, device=device,
+        init_file=group.init_file))
     _progress(f"started tensor-parallel ranks 1..{world_size - 1} (pids {group.pids})")
     return group
 
 
+@_stop_followers_on_error
 def load(path: str | Path, device: str | torch.device | None = None, *,
          log: Log | None = None, tensor_parallel: int | None = None) -> Engine:
     """The Engine saved at `path` (`engine.save`), without capture, passes or compilation:
@@ -271,44 +275,17 @@ def load(path: str | Path, device: str | torch.device | None = None, *,
     """
     say = log or (lambda message: None)
     start = time.perf_counter()
-    world_size = saved_world_size(path, tensor_parallel)
-    if world_size > 1:
-        return _load_parallel(Path(path), world_size, device, say, start)
+    group = None
+    if saved_world_size(path, tensor_parallel) > 1:  # rank 0 here, the others started
+        group, path, device = _start_loading(Path(path), device)
     parts = open_engine(path, device, log=say)
-    return _loaded_engine(parts, parts.models["target"], say, start)
-
-
-def _load_parallel(root: Path, world_size: int, device: str | torch.device | None, say: Log,
-                   start: float) -> Engine:
-    """`load` of a tensor-parallel directory: rank 0 here, ranks 1..N-1 started, each
-    loading root/rank<r>."""
-    from fuser.engine_file import read_manifest
-    from fuser.engine_io import resolve_device
-
-    resolved = resolve_device(read_manifest(root / "rank0"), device)
-    check_devices(world_size, resolved)
-    group = TensorParallelGroup(world_size, resolved)
-    try:
-        group.start(None, lambda rank: FollowerPlan(
-            rank=rank, world_size=world_size, config=None, kinds=(), sizes=(), slots=0,
-            dtype=None, device=resolved, init_file=group.init_file,
-            engine_dir=str(root / f"rank{rank}")))
-        parts = open_engine(root / "rank0", resolved, log=say)
-        group.join()
-        target = mirror(parts.models["target"], group)
-        if resolved.type == "cuda":  # the kernels load now (every rank), not in a request
-            warm_up(target[max(target)])
-        return _loaded_engine(parts, target, say, start, group)
-    except BaseException:
-        group.close()
-        raise
-
-
-def _loaded_engine(parts: EngineParts, target: dict[int, ModelSteps], say: Log, start: float,
-                   group: TensorParallelGroup | None = None) -> Engine:
-    """The Engine over loaded parts (`target`: its steps per bucket), prepared."""
     info = parts.manifest["info"]["engine"]
-    draft = parts.models.get("draft", {})
+    target, draft = parts.models["target"], parts.models.get("draft", {})
+    if group is not None:
+        group.join()
+        target = mirror(target, group)
+        if parts.device.type == "cuda":  # the kernels load now (every rank), not in a request
+            warm_up(target[max(target)])
     top = max(target)
     engine = Engine(target[top], draft.get(top), config=parts.config,
                     user_target=parts.user_target, tokenizer=parts.tokenizer,
@@ -330,6 +307,24 @@ def _loaded_engine(parts: EngineParts, target: dict[int, ModelSteps], say: Log, 
     engine.manifest = parts.manifest
     say(f"loaded in {engine.load_seconds:.1f} s")
     return engine
+
+
+def _start_loading(root: Path, device: str | torch.device | None
+                   ) -> tuple[TensorParallelGroup, Path, torch.device]:
+    """`load` of a tensor-parallel directory: ranks 1..N-1 started, each loading
+    root/rank<r>; -> (their group, rank 0's directory, rank 0's device)."""
+    from fuser.engine_file import read_manifest
+    from fuser.engine_io import resolve_device
+
+    world_size = saved_world_size(root, None)
+    resolved = resolve_device(read_manifest(root / "rank0"), device)
+    check_devices(world_size, resolved)
+    group = TensorParallelGroup(world_size, resolved)
+    group.start(None, lambda rank: FollowerPlan(
+        rank=rank, world_size=world_size, config=None, kinds=(), sizes=(), slots=0,
+        dtype=None, device=resolved, init_file=group.init_file,
+        engine_dir=str(root / f"rank{rank}")))
+    return group, root / "rank0", resolved
 
 
 def _progress(message: str) -> None:
