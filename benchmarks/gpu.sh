@@ -22,7 +22,8 @@
 #   paged     paged against contiguous decode/verify attention at the 8B shape
 #             (paged_attention.py; fails above 1.05x), the paged kernels' and engine's GPU tests
 #   tp        tensor parallel over 2 GPUs (a 2-GPU kind): its GPU tests (NCCL), then decode at
-#             the 8B shape, tp=1 against tp=2 (tensor_parallel.py; TP_SIZES, default 1,2)
+#             the 8B shape, tp=1 against tp=2 (tensor_parallel.py; TP_SIZES, default 1,2;
+#             TP_ONE_SHOT=1 adds the one-shot all-reduce rows)
 #   tests     the GPU tests: pytest -k "gpu or cuda" over TESTS (default: tests), JOBS workers
 #
 # Each suite writes its full logs and JSON under $OUT/<suite>/ and ends with a short table; the
@@ -159,7 +160,7 @@ for suite in "$@"; do
       step tp_tests 240 python3 -m pytest -q -p no:cacheprovider -rf \
         tests/test_tensor_parallel.py tests/test_tensor_parallel_cuda.py -k "gpu or cuda"
       step tp_decode 330 python3 benchmarks/tensor_parallel.py --sizes "${TP_SIZES:-1,2}" \
-        --out "$DIR/tp.json"
+        ${TP_ONE_SHOT:+--one-shot} --out "$DIR/tp.json"
       table "tp: tensor parallel, NCCL; decode at the 8B shape, batch 1, bf16" \
         "$(grep -E '^(FAILED|ERROR)|passed|failed' "$DIR/tp_tests.log" | tail -n 6)" \
         "$(sed -n '/^system /,$p' "$DIR/tp_decode.log")" ;;

@@ -6,9 +6,9 @@ against one GPU, in one run.
 Random bf16 weights of the preset's shape on cuda:0 (each rank copies its slices to its own
 GPU; the whole model must fit on one GPU, so not the 70B shape yet), a 128-token prompt, 256 new tokens, greedy, target only. Per world size N: `fuser.optimize`
 with FuserConfig(tensor_parallel=N), the median tok/s of 3 `generate` calls, and the
-per-rank weight-read ceiling: HBM bandwidth / (bytes a decode step reads / N). Under tensor
-parallelism the steps run without CUDA graphs (not captured yet), so N=1 is timed both ways:
-captured (what fuser ships on one GPU) and uncaptured (what N>1 is comparable with). The
+per-rank weight-read ceiling: HBM bandwidth / (bytes a decode step reads / N). Every size runs
+with and without CUDA graphs (N > 1 captured: the followers capture with rank 0), each compared
+with N=1 alike; --one-shot adds N > 1 with the peer-to-peer one-shot all-reduce. The
 greedy tokens of every N must equal N=1's up to bf16 rounding: the first differing position
 is printed, never hidden.
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import warnings
@@ -81,6 +82,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--out", default=None, help="write the results as JSON")
+    parser.add_argument("--one-shot", action="store_true",
+                        help="the tp>1 rows again with FUSER_ONE_SHOT_ALL_REDUCE=1 (the "
+                             "peer-to-peer one-shot all-reduce for small messages)")
     parser.add_argument("--dry-run", action="store_true",
                         help="the CPU (gloo ranks), a tiny random fp32 Llama, 8 new tokens")
     args = parser.parse_args()
@@ -114,30 +118,39 @@ def main() -> None:
     RESULTS.update(env={"gpu": gpu, "gpus": gpus, "torch": torch.__version__,
                         "preset": args.preset, "command": " ".join(sys.argv)},
                    bandwidth_TBps=bandwidth / 1e12, step_GB=nbytes / 1e9, rows=[])
-    runs = ([(1, True)] if not args.dry_run else []) + [(n, False) for n in sizes]
+    # (world size, CUDA graphs, one-shot all-reduce)
+    runs = ([(1, True, False)] if not args.dry_run else []) + [(n, False, False) for n in sizes]
+    if not args.dry_run:  # tp > 1 captured too (followers capture with rank 0)
+        runs += [(n, True, False) for n in sizes if n > 1]
+    if args.one_shot:
+        runs += [(n, True, True) for n in sizes if n > 1]
     reference = None
-    for world_size, graphs in runs:
+    for world_size, graphs, one_shot in runs:
+        os.environ["FUSER_ONE_SHOT_ALL_REDUCE"] = "1" if one_shot else "0"  # ranks inherit it
         tok_s, tokens = time_engine(model, world_size, graphs, prompt, args)
         ceiling = bandwidth * world_size / nbytes
         if reference is None:
             reference = tokens
         differ = (tokens != reference).nonzero()
         first = None if differ.numel() == 0 else int(differ[0, 1]) - args.prompt_tokens
-        row = {"tensor_parallel": world_size, "cuda_graphs": graphs, "tok_s": tok_s,
+        row = {"tensor_parallel": world_size, "cuda_graphs": graphs, "one_shot": one_shot,
+               "tok_s": tok_s,
                "ceiling_tok_s": ceiling, "of_ceiling": tok_s / ceiling,
                "first_token_differing_from_tp1": first}
         RESULTS["rows"].append(row)
-        log(f"tp={world_size} cuda_graphs={graphs}: {tok_s:.1f} tok/s "
+        log(f"tp={world_size} cuda_graphs={graphs} one_shot={one_shot}: {tok_s:.1f} tok/s "
             f"({100 * tok_s / ceiling:.0f}% of its {ceiling:.0f} tok/s ceiling); "
             f"tokens {'equal to tp=1' if first is None else f'differ from tp=1 at {first}'}")
-    base = {r["tensor_parallel"]: r["tok_s"] for r in RESULTS["rows"] if not r["cuda_graphs"]}
+    base = {graphs: r["tok_s"] for r in RESULTS["rows"] for graphs in (r["cuda_graphs"],)
+            if r["tensor_parallel"] == 1}
     print(f"system {RESULTS['env']['gpu']} x{RESULTS['env']['gpus']}, {args.preset}, batch 1, "
           f"{args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, {dtype}")
-    for row in RESULTS["rows"]:
-        speedup = row["tok_s"] / base[1] if not row["cuda_graphs"] else float("nan")
+    for row in RESULTS["rows"]:  # against tp=1 with CUDA graphs alike
+        speedup = row["tok_s"] / base.get(row["cuda_graphs"], float("nan"))
         print(f"tp={row['tensor_parallel']} graphs={'on ' if row['cuda_graphs'] else 'off'} "
-              f"{row['tok_s']:8.1f} tok/s  {100 * row['of_ceiling']:5.1f}% of ceiling  "
-              f"x{speedup:.2f} vs tp=1 uncaptured")
+              f"{'one-shot' if row['one_shot'] else 'nccl    '} {row['tok_s']:8.1f} tok/s  "
+              f"{100 * row['of_ceiling']:5.1f}% of ceiling  x{speedup:.2f} vs tp=1 "
+              f"(graphs {'on' if row['cuda_graphs'] else 'off'})")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(RESULTS, f, indent=2)

@@ -195,12 +195,12 @@ class FollowerPlan:
 
     rank: int
     world_size: int
-    config: Any  # FuserConfig
+    config: Any  # FuserConfig (None when loading: the rank directory has it)
     kinds: tuple[StepKind, ...]
     sizes: tuple[int, ...]
     slots: int
-    dtype: torch.dtype
-    device: torch.device
+    dtype: torch.dtype | None
+    device: torch.device  # rank 0's: rank r runs on `rank_device(device, r)`
     init_file: str
     engine_dir: str | None = None
 
