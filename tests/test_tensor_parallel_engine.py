@@ -167,6 +167,23 @@ def test_follower_crash_is_named(pair: dict[str, object]) -> None:
         assert time.monotonic() - started < 30
 
 
+def test_a_follower_error_comes_back_with_its_rank(pair: dict[str, object],
+                                                    tmp_path: Path) -> None:
+    """A damaged rank directory: the follower's own error (EngineFileError, what it names)
+    is raised on rank 0 as FollowerError naming rank 1; no follower is left running."""
+    import shutil
+
+    pair["parallel"].close()
+    damaged = tmp_path / "engine"
+    shutil.copytree(pair["saved"], damaged)
+    weights = damaged / "rank1" / "target" / "weights.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(FollowerError, match=r"(?s)tensor-parallel rank 1 failed:.*"
+                                            r"EngineFileError.*weights\.safetensors"):
+        fuser.load(damaged)
+    assert TensorParallelGroup.running() is None
+
+
 EXIT_SCRIPT = """
 import sys, fuser
 engine = fuser.load(sys.argv[1])
