@@ -42,7 +42,8 @@ the target steps it runs while capturing are sent as usual, between CAPTURE_BEGI
 CAPTURE_END, and each follower captures its part (the input broadcast and its sharded steps,
 NCCL collectives inside) into a graph of its own under the same key. Each replay on rank 0
 sends REPLAY key first. Prefill, captured per length on first use on one GPU, runs uncaptured
-under tensor parallelism.
+under tensor parallelism. (The CUDA paths, NCCL and capture, have not run on 2 GPUs yet:
+tests/test_tensor_parallel_cuda.py and `benchmarks/gpu.sh tp` are written for that.)
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def check_world_size(model_config: object, world_size: int, device: torch.device
     from fuser.build import model_geometry
     from fuser.passes.tensor_parallel import ShardShape
 
-    layers, kv_heads, head_dim = model_geometry(model_config)
+    _, kv_heads, head_dim = model_geometry(model_config)
     ShardShape(heads=model_config.num_attention_heads, kv_heads=kv_heads, head_dim=head_dim,
                intermediate=model_config.intermediate_size,
                vocab=model_config.vocab_size).check(world_size, "vocab")
@@ -225,12 +226,10 @@ def follower_main(plan: FollowerPlan, target: Any, conn: Any) -> None:
             dtype = getattr(torch, parts.manifest["info"]["engine"]["dtype"])
         else:
             from fuser.build import build_shard
-            from fuser.pipeline import load_model
 
-            model = load_model(target, "target")[0]
-            buckets = build_shard(model, plan.config, list(plan.kinds), plan.sizes, plan.slots,
+            buckets = build_shard(target, plan.config, list(plan.kinds), plan.sizes, plan.slots,
                                   plan.dtype, device, plan.rank, plan.world_size)
-            del model
+            del target
         conn.send_bytes(b"built")
         _init_group(plan.rank, plan.world_size, plan.init_file, device)
         try:
@@ -373,8 +372,9 @@ class TensorParallelGroup:
         return cls._open
 
     def start(self, target: Any, plan: Callable[[int], FollowerPlan]) -> None:
-        """Spawn ranks 1..N-1, each building from `target` (a module, sent by
-        torch.multiprocessing's pickler, or a model directory) by plan(rank)."""
+        """Spawn ranks 1..N-1, each building from `target` (the causal-LM module, sent by
+        torch.multiprocessing's pickler: CPU tensors through shared memory, CUDA ones by
+        IPC) by plan(rank), or loading plan(rank).engine_dir (target None)."""
         import torch.multiprocessing as mp
 
         for name, value in NCCL_ENV.items():  # inherited by the spawned processes
