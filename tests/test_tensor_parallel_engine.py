@@ -247,3 +247,54 @@ def test_benchmark_dry_run(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())["rows"]
     assert [r["tensor_parallel"] for r in rows] == [1, 2]
     assert all(r["first_token_differing_from_tp1"] is None for r in rows)
+
+
+@pytest.mark.slow
+def test_fuser_serve_tensor_parallel(tmp_path: Path) -> None:
+    """`fuser serve MODEL --tensor-parallel-size 2`: ready, a completion answered 200, SIGTERM
+    exits 0 and leaves no process behind."""
+    import signal
+    import urllib.request
+
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from fuser.models import TARGET_PATH
+
+    if not (TARGET_PATH / "tokenizer.json").is_file():
+        pytest.skip("the bundled tokenizer is not installed")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(
+        vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, bos_token_id=0,
+        eos_token_id=1, pad_token_id=2)).eval().save_pretrained(tmp_path / "model")
+    AutoTokenizer.from_pretrained(str(TARGET_PATH)).save_pretrained(tmp_path / "model")
+    server = subprocess.Popen([sys.executable, "-m", "fuser.cli", "serve", str(tmp_path / "model"),
+                               "--port", "0", "--tensor-parallel-size", "2",
+                               "--max-seq-len", "256"],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        url = None
+        deadline = time.monotonic() + 400
+        while url is None and time.monotonic() < deadline:
+            line = server.stdout.readline()
+            assert line, "fuser serve exited before it was ready"
+            if "ready at" in line:
+                url = line.split("ready at ")[1].split()[0]
+        assert url is not None
+        children = subprocess.run(["pgrep", "-P", str(server.pid)], capture_output=True,
+                                  text=True).stdout.split()
+        body = json.dumps({"model": "model", "prompt": "def add(a, b):", "max_tokens": 8,
+                           "temperature": 0}).encode()
+        request = urllib.request.Request(f"{url}/v1/completions", body,
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=TIMEOUT) as response:
+            assert response.status == 200
+            assert json.loads(response.read())["usage"]["completion_tokens"] == 8
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=TIMEOUT) == 0
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    time.sleep(1)
+    assert children and not any(_alive(int(pid)) for pid in children)
