@@ -38,6 +38,9 @@
 #             fails above 0.25x), and whether their tokens agree
 #   allreduce NCCL against the one-shot peer-to-peer all-reduce in a CUDA graph, 8 KiB to
 #             8 MiB (all_reduce.py; 2+ GPUs: nvidia-h200-x2), and the 2-GPU collective tests
+#   tp        tensor parallel over 2 GPUs (a 2-GPU kind): its GPU tests (NCCL), then decode at
+#             the 8B shape, tp=1 against tp=2 (tensor_parallel.py; TP_SIZES, default 1,2;
+#             TP_ONE_SHOT=1 adds the one-shot all-reduce rows)
 #   tests     the GPU tests: pytest -k "gpu or cuda" over TESTS (default: tests), JOBS workers
 #
 # Each suite writes its full logs and JSON under $OUT/<suite>/ and ends with a short table; the
@@ -52,7 +55,7 @@ export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fuser-out}
 BUDGET=${BUDGET:-580}
-SUITES="decode verify spec fallback files ops accuracy serve serve256 serve256fp8 servepaged serverate servelong adapt adapt8b paged prefix allreduce tests"
+SUITES="decode verify spec fallback files ops accuracy serve serve256 serve256fp8 servepaged serverate servelong adapt adapt8b paged prefix allreduce tp tests"
 PAGED_ARGS=${PAGED_ARGS---config kv_block_size=16 --config kv_memory_fraction=0.9}
 if [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ]; then
   sed -n '2,/^set -o/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
@@ -205,11 +208,22 @@ for suite in "$@"; do
         "$(grep -v -i warn "$DIR/prefix.log" | tail -n 5)" ;;
     allreduce)
       step allreduce_tests 300 python3 -m pytest -q -p no:cacheprovider -rfs \
-        tests/test_p2p_all_reduce.py tests/test_tensor_parallel.py -k "cuda"
+        tests/test_p2p_all_reduce.py -k "cuda"
       step all_reduce 240 python3 benchmarks/all_reduce.py --out "$DIR/all_reduce.json"
       table "allreduce: NCCL against one-shot P2P, bf16, in a CUDA graph (us per all-reduce)" \
         "$(grep -E '^(FAILED|ERROR|SKIPPED)|passed|failed' "$DIR/allreduce_tests.log" | tail -n 4)" \
         "$(grep -v -i warn "$DIR/all_reduce.log" | tail -n 8)" ;;
+    tp)
+      # NVLink multicast off (NVLS, multicast symmetric memory): the engine sets these for its
+      # ranks too.
+      export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+      step tp_tests 240 python3 -m pytest -q -p no:cacheprovider -rf \
+        tests/test_tensor_parallel.py tests/test_tensor_parallel_cuda.py -k "gpu or cuda"
+      step tp_decode 330 python3 benchmarks/tensor_parallel.py --sizes "${TP_SIZES:-1,2}" \
+        ${TP_ONE_SHOT:+--one-shot} --out "$DIR/tp.json"
+      table "tp: tensor parallel, NCCL; decode at the 8B shape, batch 1, bf16" \
+        "$(grep -E '^(FAILED|ERROR)|passed|failed' "$DIR/tp_tests.log" | tail -n 6)" \
+        "$(sed -n '/^system /,$p' "$DIR/tp_decode.log")" ;;
     tests)
       # shellcheck disable=SC2086  # TESTS: paths, word-split on purpose
       # JOBS pytest-xdist workers share the one GPU (default 8 of the machine's 16 cores: the

@@ -830,6 +830,7 @@ def build(args: argparse.Namespace, target: object, draft: object | None,
     fields = {"max_batch_size": args.max_batch_size, "max_seq_len": max_seq_len,
               "compile": args.compile, "batch_buckets": buckets,
               "precision": args.precision or "auto",
+              "tensor_parallel": getattr(args, "tensor_parallel_size", 1),
               **args.config}
     try:
         config = fuser.FuserConfig(**fields)
@@ -1646,6 +1647,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="a draft model directory (alone: the bundled draft); the same "
                              "levels are then also served by the target alone")
     source.add_argument("--max-batch-size", type=int, default=64, help="the engine's rows")
+    source.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="the engine's ranks (GPUs), as fuser serve's flag")
     source.add_argument("--max-seq-len", type=int, default=None,
                         help="the engine's; default max(512, prompt + output)")
     source.add_argument("--compile", default="auto", choices=["auto", "inductor", "fx"],
@@ -1835,6 +1838,7 @@ def main(argv: list[str] | None = None) -> None:
                     first = serve_engine(pool, source, source.engine, label, prompts, args)
                 run_cases(pool, source, source.engine, args)  # on the first engine only
                 if source.draft is not None and levels:
+                    source.engine.close()  # (its follower ranks, with --tensor-parallel-size)
                     source.engine = None  # free it before the second engine
                     target_only = build(args, source.model, None, source.tokenizer,
                                         RESULTS["build"]["speculative"]["max_seq_len"], "target")

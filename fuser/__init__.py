@@ -6,6 +6,7 @@
 """
 
 from fuser.config import FuserConfig
+from fuser.distributed import FollowerError
 from fuser.engine import Engine
 from fuser.engine_file import EngineFileError
 from fuser.pipeline import load, optimize
@@ -13,5 +14,5 @@ from fuser.report import Report, SpecStats
 from fuser.runtime.scheduler import SamplingParams, Scheduler
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "EngineFileError", "FuserConfig", "Report", "SamplingParams", "Scheduler",
-           "SpecStats", "load", "optimize", "__version__"]
+__all__ = ["Engine", "EngineFileError", "FollowerError", "FuserConfig", "Report",
+           "SamplingParams", "Scheduler", "SpecStats", "load", "optimize", "__version__"]

@@ -14,11 +14,12 @@ import contextlib
 import functools
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from fuser.capture import StepModule, cache_names, export_step, specialize
+from fuser.capture import StepModule, cache_names, engine_view, export_step, specialize
 from fuser.compile import CompiledStep
 from fuser.config import FuserConfig
 from fuser.numerics import FP8_SELF_CHECK_TOLERANCE, SELF_CHECK_TOLERANCE, relative_error
@@ -90,7 +91,8 @@ def build_steps(role: str, view: nn.Module, cache: KVCache, kinds: list[StepKind
 
 def build_bucket_steps(role: str, view: nn.Module, cache: KVCache, sizes: Sequence[int],
                        kinds: list[StepKind], config: FuserConfig, device: torch.device,
-                       progress: Progress | None = None) -> dict[int, ModelSteps]:
+                       progress: Progress | None = None, shard: Shard | None = None
+                       ) -> dict[int, ModelSteps]:
     """The steps of `kinds` in every batch bucket of `sizes`, bucket b over rows [:b] of
     `cache` (which has max(sizes) rows): batch size -> steps.
 
@@ -101,6 +103,10 @@ def build_bucket_steps(role: str, view: nn.Module, cache: KVCache, sizes: Sequen
     (dynamic T, never compiled) is exported and rewritten once and that one graph serves every
     bucket. The passes' per-model state (weights quantized once) is shared. Where model code
     keeps a dimension from being dynamic, each step is exported on its own (as `add_step`).
+
+    shard: one rank's share of a tensor-parallel engine (`Shard`): every step graph is
+    sharded before the passes (prefill too, batch and T symbolic), and `cache` is the
+    unsharded cache the export traces over.
     """
     say = progress or (lambda message: None)
     state: dict = {}
@@ -115,15 +121,15 @@ def build_bucket_steps(role: str, view: nn.Module, cache: KVCache, sizes: Sequen
         start = time.perf_counter()
         if any(g.rewritten is None for steps in buckets.values() for g in steps.steps.values()):
             for steps in buckets.values():  # the model already fell back to eager PyTorch
-                add_step(steps, view, kind, config, device)
+                add_step(steps, view, kind, config, device, shard)
         elif not kind.fixed:
-            add_prefill(buckets, view, kind, config, device, say)
+            add_prefill(buckets, view, kind, config, device, say, shard)
         elif len(fixed) * len(buckets) == 1:
-            add_step(buckets[max(buckets)], view, kind, config, device)
+            add_step(buckets[max(buckets)], view, kind, config, device, shard)
         else:
             if not exported:
                 shared, exported = export_fixed(buckets, view, max(2, *fixed), say), True
-            add_fixed(buckets, view, kind, shared, config, device, say)
+            add_fixed(buckets, view, kind, shared, config, device, say, shard)
         say(f"{role}.{_kind_name(kind)}: built for batch buckets {list(buckets)} in "
             f"{time.perf_counter() - start:.1f} s")
     return buckets
@@ -151,12 +157,13 @@ def export_fixed(buckets: dict[int, ModelSteps], view: nn.Module, max_tokens: in
 
 def add_fixed(buckets: dict[int, ModelSteps], view: nn.Module, kind: StepKind,
               shared: tuple[torch.export.ExportedProgram, torch.fx.GraphModule] | None,
-              config: FuserConfig, device: torch.device, say: Progress) -> None:
+              config: FuserConfig, device: torch.device, say: Progress,
+              shard: Shard | None = None) -> None:
     """The fixed-T step `kind` in every bucket: the shared export retraced at the bucket's
     batch and `kind`'s T, rewritten and compiled (exported on its own where that fails)."""
     for size, steps in buckets.items():
         if shared is None:
-            add_step(steps, view, kind, config, device)
+            add_step(steps, view, kind, config, device, shard)
             continue
         exported, symbolic = shared
         try:
@@ -165,21 +172,23 @@ def add_fixed(buckets: dict[int, ModelSteps], view: nn.Module, kind: StepKind,
         except Exception as e:  # noqa: BLE001 -- this one exports on its own
             say(f"{steps.role}.{_kind_name(kind)}: bucket {size} not retraced "
                 f"({first_line(e)}); exporting it")
-            add_step(steps, view, kind, config, device)
+            add_step(steps, view, kind, config, device, shard)
             continue
         graph = _new_graph(steps, view, kind)
         graph.exported, graph.rewritten = exported, rewritten
-        _rewrite_and_compile(steps, graph, view, config, device)
+        _rewrite_and_compile(steps, graph, view, config, device, shard)
 
 
 def add_prefill(buckets: dict[int, ModelSteps], view: nn.Module, kind: StepKind,
-                config: FuserConfig, device: torch.device, say: Progress) -> None:
+                config: FuserConfig, device: torch.device, say: Progress,
+                shard: Shard | None = None) -> None:
     """Prefill (or another step of dynamic T: a paged engine's chunk) in every bucket:
     exported with a dynamic batch and rewritten once (its row count is symbolic either way),
-    one graph a bucket over that bucket's cache rows."""
+    one graph a bucket over that bucket's cache rows (with `shard`: sharded once, over the
+    rank's cache rows)."""
     top = buckets[max(buckets)]
     if len(buckets) == 1:
-        add_step(top, view, kind, config, device)
+        add_step(top, view, kind, config, device, shard)
         return
     module = StepModule(view, top.cache.k, top.cache.v, prefill=kind.starts_empty,
                         block_table=top.cache.block_table)
@@ -190,15 +199,18 @@ def add_prefill(buckets: dict[int, ModelSteps], view: nn.Module, kind: StepKind,
         say(f"{top.role}.prefill: no export with a dynamic batch ({first_line(e)}); exporting "
             "each bucket")
         for steps in buckets.values():
-            add_step(steps, view, kind, config, device)
+            add_step(steps, view, kind, config, device, shard)
         return
+    if shard is not None:
+        symbolic = shard.graph(symbolic, top.cache.batch_size)
     context = PassContext(f"{top.role}.{kind.name}", kind, config, top.role,
                           model_state=top.build_state)
     result = run_passes(symbolic, context)
     for steps in buckets.values():
         graph = _new_graph(steps, view, kind)
         graph.exported = exported
-        graph.rewritten = symbolic if steps is top else with_cache(symbolic, steps.cache)
+        rows = steps.cache if shard is None else shard.cache.rows(steps.cache.batch_size)
+        graph.rewritten = symbolic if steps is top else with_cache(symbolic, rows)
         graph.matches, graph.fused_ops = dict(result.matches), dict(result.fused_ops)
         for error in result.errors:
             steps.fallback(error)
@@ -234,7 +246,7 @@ def with_cache(gm: torch.fx.GraphModule, cache: KVCache) -> torch.fx.GraphModule
 
 
 def add_step(steps: ModelSteps, view: nn.Module, kind: StepKind, config: FuserConfig,
-             device: torch.device) -> StepGraph:
+             device: torch.device, shard: Shard | None = None) -> StepGraph:
     """Build the step `kind` of `steps` (export, passes, compile) and add it; once export has
     failed for a model, its later steps run eagerly without trying again."""
     export_failed = any(g.rewritten is None for g in steps.steps.values())
@@ -245,17 +257,25 @@ def add_step(steps: ModelSteps, view: nn.Module, kind: StepKind, config: FuserCo
         graph.exported, graph.rewritten = export_step(graph.eager, steps.cache.batch_size,
                                                       kind.tokens, max_tokens=steps.cache.slots)
     except Exception as e:  # unsupported model code: run eagerly, say so once
+        if shard is not None:  # eager PyTorch is not sharded: no engine without the graph
+            raise ValueError(f"tensor_parallel={shard.world_size}: the {steps.role}'s step "
+                             f"{kind.name} could not be exported ({first_line(e)}); tensor "
+                             "parallelism shards the captured graph") from e
         steps.fallback(f"{steps.role}: torch.export failed ({first_line(e)}); its steps run "
                        "in eager PyTorch with the engine's KV cache")
         return graph
-    _rewrite_and_compile(steps, graph, view, config, device)
+    _rewrite_and_compile(steps, graph, view, config, device, shard)
     return graph
 
 
 def _rewrite_and_compile(steps: ModelSteps, graph: StepGraph, view: nn.Module,
-                         config: FuserConfig, device: torch.device) -> None:
-    """Run the passes over `graph.rewritten` in place, then set up its compilation."""
+                         config: FuserConfig, device: torch.device,
+                         shard: Shard | None = None) -> None:
+    """Run the passes over `graph.rewritten` in place, then set up its compilation (with
+    `shard`: over the rank's share of it)."""
     kind = graph.kind
+    if shard is not None:
+        graph.rewritten = shard.graph(graph.rewritten, steps.cache.batch_size)
     context = PassContext(graph.name, kind, config, steps.role, model_state=steps.build_state)
     result = run_passes(graph.rewritten, context)
     for error in result.errors:
@@ -351,3 +371,56 @@ def first_line(e: BaseException) -> str:
     """`Type: first line of the message`, at most 300 characters."""
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
+@dataclass
+class Shard:
+    """One rank's share of a tensor-parallel engine's target (passes/tensor_parallel.py).
+
+    Attributes:
+        rank, world_size: this rank of how many.
+        cache: the rank's KV cache, every row: [B, S, kv_heads / world_size, D] per layer.
+        slices: the rank's weight slices, made once and shared by every step graph.
+    """
+
+    rank: int
+    world_size: int
+    cache: KVCache
+    slices: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+
+    def graph(self, gm: torch.fx.GraphModule, batch: int) -> torch.fx.GraphModule:
+        """The rank's share of the unfused step graph `gm` at `batch` rows, over rows
+        [:batch] of the rank's cache."""
+        from fuser.passes.tensor_parallel import shard_graph
+
+        rows = self.cache.rows(batch)
+        cache = dict(zip(cache_names(len(rows.k)), [*rows.k, *rows.v]))
+        return shard_graph(gm, self.rank, self.world_size, cache=cache, slices=self.slices)
+
+
+def build_shard(model: nn.Module, config: FuserConfig, kinds: list[StepKind],
+                sizes: Sequence[int], slots: int, dtype: torch.dtype, device: torch.device,
+                rank: int, world_size: int, progress: Progress | None = None
+                ) -> dict[int, ModelSteps]:
+    """Rank `rank`'s target steps of a tensor-parallel engine, per batch bucket: exported over
+    an unsharded cache (its shapes are what the export traces), sharded, rewritten, compiled,
+    and running over the rank's own cache (`Shard.cache`)."""
+    layers, kv_heads, head_dim = model_geometry(model.config)
+    full = allocate_cache("target", model.config, config.max_batch_size, slots, dtype, device,
+                          config.max_seq_len)
+    own = KVCache.allocate(layers, config.max_batch_size, slots, kv_heads // world_size,
+                           head_dim, dtype, device)
+    view = engine_view(model, dtype, device)
+    built = build_bucket_steps("target", view, full, sizes, kinds, config, device, progress,
+                               shard=Shard(rank, world_size, own))
+    for size, steps in built.items():
+        steps.cache = rows = own.rows(size)
+        for graph in steps.steps.values():
+            # Nothing keeps the unsharded cache: the exported programs go, and the eager
+            # modules (kept for their model's config; an unsharded eager step is never run
+            # under tensor parallelism) hold the rank's cache instead.
+            graph.exported = None
+            if isinstance(graph.eager, StepModule):
+                for name, tensor in zip(cache_names(len(rows.k)), [*rows.k, *rows.v]):
+                    setattr(graph.eager, name, tensor)
+    return built

@@ -94,10 +94,15 @@ class FuserConfig:
         kv_memory_fraction: size a paged cache's pools (target and draft) from this fraction
             of the device's free memory once the weights are on it (`blocks_for_budget`);
             CUDA only (on CPU the default size stands). None: off.
-        tensor_parallel: GPUs (one process each) one engine spans. Only 1 is built: the
-            sharding pass (passes/tensor_parallel.py, `shard_graph`) and the collectives
-            (fuser/ops/collectives.py) exist, the multi-process engine that would run them does
-            not yet, so N > 1 is refused.
+            The same tokens as the contiguous cache. Not yet with several batch buckets or
+            engine files (both refuse it), nor in the server's scheduler.
+        tensor_parallel: processes (one per GPU on CUDA, cuda:r for rank r from the engine's
+            device; gloo processes on the CPU) one engine's target is sharded over
+            (passes/tensor_parallel.py, fuser/distributed.py). Rank 0 is the caller's process
+            and runs the engine's API; ranks 1..N-1 follow its steps. The draft runs on rank 0
+            only. `engine.close()` stops the followers. The heads, KV heads, intermediate size
+            and vocabulary must divide by N; a paged cache (kv_block_size > 0) is refused, and
+            prefill runs uncaptured on CUDA.
     """
 
     precision: Precision = "auto"
@@ -136,12 +141,6 @@ class FuserConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         _check_positive_int("distill_every", self.distill_every)
         _check_positive_int("tensor_parallel", self.tensor_parallel)
-        if self.tensor_parallel > 1:
-            raise ValueError(
-                f"tensor_parallel={self.tensor_parallel}: the multi-process tensor-parallel "
-                "engine is not built yet (only its sharding pass, "
-                "fuser.passes.tensor_parallel.shard_graph, and collectives exist); use "
-                "tensor_parallel=1")
         if isinstance(self.kv_block_size, bool) or not isinstance(self.kv_block_size, int) or \
                 self.kv_block_size < 0:
             raise ValueError(f"kv_block_size={self.kv_block_size!r} must be 0 (contiguous) or a "

@@ -114,6 +114,9 @@ class Engine:
         # Per thread: the buckets `bucket()` may choose, fixed for one serving unit
         # (`stepping`); unset: whichever are captured now.
         self._units = threading.local()
+        # With FuserConfig(tensor_parallel=N > 1): the follower processes this engine's target
+        # steps run on (fuser/distributed.py `TensorParallelGroup`), set by fuser.optimize.
+        self.tensor_parallel: object | None = None
 
     # -- runtime preparation (at optimize/load time) ---------------------------------------------
 
@@ -148,11 +151,15 @@ class Engine:
                     warnings.warn(f"fuser: {message}", stacklevel=2)
                 return failures
 
-            self.capture_graphs(capture, background=background and not to_measure,
-                                progress=say)
+            # (Tensor parallel: the followers capture and replay their part of each iteration
+            # with rank 0's, fuser/distributed.py, one command at a time, so in the foreground;
+            # prefill, captured per length on first use, runs uncaptured there.)
+            self.capture_graphs(capture, background=background and not to_measure
+                                and self.tensor_parallel is None, progress=say)
             prefill_pool = torch.cuda.graph_pool_handle()
             for bucket in self.buckets.values():
-                bucket.capture_prefills(prefill_pool)
+                if self.tensor_parallel is None:
+                    bucket.capture_prefills(prefill_pool)
         if self.adaptive:
             reps = 10 if self.device.type == "cuda" else 2
             for size, bucket in self.buckets.items():
@@ -211,9 +218,14 @@ class Engine:
         return {} if self._capture is None else dict(self._capture.status)
 
     def close(self, timeout: float | None = 30.0) -> bool:
-        """Stop capturing in the background (the graph under capture finishes; the buckets not
-        captured run uncaptured) and join its thread; True when no thread is left."""
-        return True if self._capture is None else self._capture.stop(timeout)
+        """Stop what runs beside the caller: the background capture (the graph under capture
+        finishes; the buckets not captured run uncaptured; its thread joined) and, with
+        tensor_parallel > 1, the follower processes (the engine cannot run steps afterwards;
+        also done at interpreter exit). Idempotent. True when no capture thread is left."""
+        stopped = True if self._capture is None else self._capture.stop(timeout)
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close()
+        return stopped
 
     @property
     def capture_waiting(self) -> bool:
@@ -417,9 +429,14 @@ class Engine:
 
     def save(self, path: str | Path, overwrite: bool = False) -> dict:
         """Write this engine as an engine directory (DESIGN.md, engine files); `fuser.load`
-        reads it back without capture, passes or code generation. Returns the manifest."""
+        reads it back without capture, passes or code generation. Returns the manifest
+        (tensor parallel: one engine directory per rank, rank0/, rank1/, ..., and
+        tensor_parallel.json with the world size, which is returned)."""
         from fuser.engine_io import save
 
+        if self.tensor_parallel is not None:  # rank0/, rank1/, ... (fuser/distributed.py)
+            with self.generating():  # the followers save between steps, never during one
+                return self.tensor_parallel.save(self, path, overwrite=overwrite)
         return save(self, path, overwrite=overwrite)
 
     def export_onnx(self, path: str | Path, overwrite: bool = False) -> dict:

@@ -543,7 +543,9 @@ def open_engine(path: str | Path, device: str | torch.device | None = None, *,
         timings["code"] = time.perf_counter() - start
         say(f"loaded the compiled code of {compiled} steps in {timings['code']:.1f} s"
             f" ({seeded} kernel binaries put in the caches)")
-        if device.type == "cuda":
+        # (A tensor-parallel rank's steps run collectives: its first runs wait for the
+        # process group, fuser/pipeline.py `_load_parallel`.)
+        if device.type == "cuda" and manifest["config"].get("tensor_parallel", 1) == 1:
             # The fused ops' Triton kernels load (from Triton's cache, seeded above) on their
             # first launch: now, not in the first request. Smaller buckets launch the same
             # kernels.

@@ -17,10 +17,13 @@ def progress(message: str) -> None:
 
 
 def is_engine_dir(path: str | None) -> bool:
-    """Whether `path` is an engine directory (has a manifest) rather than a model directory."""
+    """Whether `path` is an engine directory (has a manifest, or the tensor-parallel one of
+    rank0/, rank1/, ...) rather than a model directory."""
+    from fuser.distributed import TP_MANIFEST
     from fuser.engine_file import MANIFEST
 
-    return path is not None and (Path(path) / MANIFEST).is_file()
+    return path is not None and any((Path(path) / name).is_file()
+                                    for name in (MANIFEST, TP_MANIFEST))
 
 
 def load_pair(model: str | None, draft: str | None) -> tuple[torch.nn.Module, torch.nn.Module | None, object | None, str]:

@@ -10,18 +10,22 @@ capture CUDA graphs. The Engine that comes out only runs what was built.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from fuser.build import allocate_cache, build_bucket_steps, check_against_eager, warm_up
+from fuser.build import (allocate_cache, build_bucket_steps, build_shard, check_against_eager,
+                         warm_up)
 from fuser.capture import SUPPORTED_MODEL_TYPES, engine_view, supports_cache_attention
 from fuser.config import FuserConfig
+from fuser.distributed import (FollowerPlan, TensorParallelGroup, check_devices,
+                               check_world_size, mirror, saved_world_size)
 from fuser.engine import Engine
 from fuser.engine_io import Log, open_engine
 from fuser.runtime.steps import ModelSteps, StepKind, draft_steps, target_steps, verify
@@ -104,6 +108,23 @@ def optimize(target: ModelLike, draft: ModelLike | None = None,
     return build_engine(target_model, draft_model, config, tokenizer)
 
 
+def _stop_followers_on_error(fn: Callable[..., Engine]) -> Callable[..., Engine]:
+    """`fn` (a build or a load), stopping the tensor-parallel followers it started if it
+    raises (a process holds one group at a time: `TensorParallelGroup`)."""
+    @functools.wraps(fn)
+    def wrapper(*args: object, **kwargs: object) -> Engine:
+        before = TensorParallelGroup.running()
+        try:
+            return fn(*args, **kwargs)
+        except BaseException:
+            started = TensorParallelGroup.running()
+            if started is not None and started is not before:
+                started.close()
+            raise
+    return wrapper
+
+
+@_stop_followers_on_error
 def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig,
                  tokenizer: object | None = None) -> Engine:
     """The Engine for already loaded models (see the module docstring for the order)."""
@@ -143,6 +164,11 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
                 ) -> dict[int, ModelSteps] | None:
         """The model's steps per batch bucket, over one cache of max_batch_size rows (bucket b
         uses rows [:b]), or None when the model cannot run through the engine's cache."""
+        if role == "target" and group is not None:  # rank 0's share; the followers build theirs
+            _progress(f"building rank 0 of {config.tensor_parallel}'s target steps for batch "
+                      f"buckets {list(sizes)}")
+            return build_shard(model, config, kinds, sizes, slots, dtype, device, 0,
+                               config.tensor_parallel, progress=_progress)
         if not supports_cache_attention(model):
             fallback(f"{role}: {type(model).__name__} does not dispatch attention through "
                      "transformers' attention registry; it runs in eager PyTorch, unfused")
@@ -166,10 +192,14 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
     paged = bool(config.kv_block_size)
     target_kinds = target_steps(0, paged) + [verify(g)
                                              for g in sorted(set(gammas + suffix_gammas))]
+    group = _start_followers(target, config, target_kinds, sizes, slots, dtype, device)
     target_built = prepare("target", target, target_kinds, slots)
     draft_built = None
     if draft is not None and gammas and target_built is not None:
         draft_built = prepare("draft", draft, draft_steps(draft_slots, paged), draft_slots)
+    if group is not None:  # every rank has built its steps: from here on they run together
+        group.join()
+        target_built = mirror(target_built, group)
     for built in (target_built, draft_built):
         for size, steps in (built or {}).items():
             began = time.perf_counter()
@@ -180,6 +210,9 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
     if target_built is not None:
         problem = check_against_eager(target_built[top], target, config.max_seq_len,
                                       fp8_lm_head)
+        if problem is not None and group is not None:
+            raise ValueError(f"tensor_parallel={config.tensor_parallel}: the sharded target "
+                             f"step disagrees with eager PyTorch ({problem})")
         if problem is not None:
             fallback(f"target: the captured step disagrees with eager PyTorch ({problem}); it "
                      "runs in eager PyTorch instead")
@@ -201,6 +234,7 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
                     vocab_size=vocab_size, gamma=gamma if draft_built is not None else 0,
                     fallbacks=fallbacks, compile_seconds=0.0, buckets=buckets,
                     gammas=gammas if draft_built is not None else ())
+    engine.tensor_parallel = group
     # Whole-iteration CUDA graphs (one per bucket, gamma and greedy/sampling; the model steps
     # inside run their compiled callables), every bucket before returning (a build's costs are
     # measured over all of them), and, with gamma="auto", their measured costs.
@@ -238,8 +272,36 @@ def paged_pool_blocks(config: FuserConfig, target: nn.Module, draft: nn.Module |
     return blocks
 
 
+def _start_followers(target: nn.Module, config: FuserConfig, kinds: list[StepKind],
+                     sizes: tuple[int, ...], slots: int, dtype: torch.dtype,
+                     device: torch.device) -> TensorParallelGroup | None:
+    """With config.tensor_parallel = N > 1: ranks 1..N-1 started, building their shares of
+    the target's steps while rank 0 (this process) builds its own; else None."""
+    world_size = config.tensor_parallel
+    if world_size == 1:
+        return None
+    if config.kv_block_size:
+        raise ValueError(f"tensor_parallel={world_size} with kv_block_size="
+                         f"{config.kv_block_size}: a paged KV cache is not sharded yet; use "
+                         "kv_block_size=0")
+    if not supports_cache_attention(target):
+        raise ValueError(f"tensor_parallel={world_size}: {type(target).__name__} does not "
+                         "dispatch attention through transformers' attention registry, so its "
+                         "steps cannot be captured and sharded")
+    check_world_size(target.config, world_size, device)
+    group = TensorParallelGroup(world_size, device)
+    group.start(target, lambda rank: FollowerPlan(
+        rank=rank, world_size=world_size, config=config, kinds=tuple(kinds),
+        sizes=tuple(sizes), slots=slots, dtype=dtype, device=device,
+        init_file=group.init_file))
+    _progress(f"started tensor-parallel ranks 1..{world_size - 1} (pids {group.pids})")
+    return group
+
+
+@_stop_followers_on_error
 def load(path: str | Path, device: str | torch.device | None = None, *,
-         log: Log | None = None, wait_for_graphs: bool = False) -> Engine:
+         log: Log | None = None, wait_for_graphs: bool = False,
+         tensor_parallel: int | None = None) -> Engine:
     """The Engine saved at `path` (`engine.save`), without capture, passes or compilation:
     every batch bucket's steps, compiled ones from their saved code, and, with
     gamma="auto", the iteration costs measured at build time.
@@ -249,6 +311,9 @@ def load(path: str | Path, device: str | torch.device | None = None, *,
     yet captured runs in a captured larger bucket, or uncaptured: correct, only slower).
     `engine.wait_for_graphs()` waits for them, `engine.close()` stops the thread;
     wait_for_graphs=True captures every bucket before returning (benchmarks).
+    A tensor-parallel engine directory (rank0/, rank1/, ...) starts its follower processes,
+    each loading its own rank. tensor_parallel: the world size to load at (None: the saved
+    one); another than the saved one is refused, as is a rank directory loaded alone.
 
     Refuses (fuser.EngineFileError, a ValueError) an engine built elsewhere (versions, device,
     GPU, passes or kernel sources) or a missing, truncated, altered or half-written file,
@@ -256,9 +321,17 @@ def load(path: str | Path, device: str | torch.device | None = None, *,
     """
     say = log or (lambda message: None)
     start = time.perf_counter()
+    group = None
+    if saved_world_size(path, tensor_parallel) > 1:  # rank 0 here, the others started
+        group, path, device = _start_loading(Path(path), device)
     parts = open_engine(path, device, log=say)
     info = parts.manifest["info"]["engine"]
     target, draft = parts.models["target"], parts.models.get("draft", {})
+    if group is not None:
+        group.join()
+        target = mirror(target, group)
+        if parts.device.type == "cuda":  # the kernels load now (every rank), not in a request
+            warm_up(target[max(target)])
     top = max(target)
     engine = Engine(target[top], draft.get(top), config=parts.config,
                     user_target=parts.user_target, tokenizer=parts.tokenizer,
@@ -267,8 +340,9 @@ def load(path: str | Path, device: str | torch.device | None = None, *,
                     fallbacks=info.get("fallbacks", []),
                     buckets={size: (steps, draft.get(size)) for size, steps in target.items()},
                     gammas=parts.gammas)
+    engine.tensor_parallel = group
     # The whole-step CUDA graphs, bucket 1 first (the rest in the background unless
-    # wait_for_graphs); with gamma="auto" the costs measured at build time.
+    # wait_for_graphs or tensor parallel); with gamma="auto" the costs measured at build time.
     prepared = time.perf_counter()
     engine.prepare(progress=say, known_costs=parts.step_costs or None,
                    background=not wait_for_graphs)
@@ -277,6 +351,24 @@ def load(path: str | Path, device: str | torch.device | None = None, *,
     engine.manifest = parts.manifest
     say(f"loaded in {engine.load_seconds:.1f} s")
     return engine
+
+
+def _start_loading(root: Path, device: str | torch.device | None
+                   ) -> tuple[TensorParallelGroup, Path, torch.device]:
+    """`load` of a tensor-parallel directory: ranks 1..N-1 started, each loading
+    root/rank<r>; -> (their group, rank 0's directory, rank 0's device)."""
+    from fuser.engine_file import read_manifest
+    from fuser.engine_io import resolve_device
+
+    world_size = saved_world_size(root, None)
+    resolved = resolve_device(read_manifest(root / "rank0"), device)
+    check_devices(world_size, resolved)
+    group = TensorParallelGroup(world_size, resolved)
+    group.start(None, lambda rank: FollowerPlan(
+        rank=rank, world_size=world_size, config=None, kinds=(), sizes=(), slots=0,
+        dtype=None, device=resolved, init_file=group.init_file,
+        engine_dir=str(root / f"rank{rank}")))
+    return group, root / "rank0", resolved
 
 
 def _progress(message: str) -> None:

@@ -2,7 +2,7 @@
 
 `shard_graph(gm, rank, world_size)` takes the ATen graph of a step of a Llama, Mistral or Qwen2
 model as `fuser.capture.export_step` (or `capture.specialize`) produces it, at concrete shapes
-and BEFORE `run_passes` (the fusion passes find the projections by their weights' names and
+or with T symbolic (prefill's export), and BEFORE `run_passes` (the fusion passes find the projections by their weights' names and
 the plain `mm`/`addmm` of each linear, which only the unfused graph has), and returns a new
 GraphModule that computes rank `rank`'s part (Megatron's layout):
 
@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import has_free_symbols
+from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fuser.ops.collectives  # noqa: F401  (registers fuser::all_reduce, fuser::all_gather)
@@ -152,7 +153,8 @@ def _rows(t: torch.Tensor, rank: int, world_size: int, dim: int) -> torch.Tensor
 
 
 def shard_graph(gm: GraphModule, rank: int, world_size: int, *, lm_head: str = "vocab",
-                cache: dict[str, torch.Tensor] | None = None) -> GraphModule:
+                cache: dict[str, torch.Tensor] | None = None,
+                slices: dict[tuple[str, int], torch.Tensor] | None = None) -> GraphModule:
     """Rank `rank`'s share of the step graph `gm` (see the module docstring); `gm` is left as it
     was and its weights are shared where not sliced.
 
@@ -166,11 +168,6 @@ def shard_graph(gm: GraphModule, rank: int, world_size: int, *, lm_head: str = "
         raise ValueError(f"tensor parallel: rank {rank} of world size {world_size}")
     if lm_head not in LM_HEAD_MODES:
         raise ValueError(f"tensor parallel: lm_head={lm_head!r}, expected one of {LM_HEAD_MODES}")
-    for node in gm.graph.nodes:
-        val = node.meta.get("val")
-        if isinstance(val, torch.Tensor) and has_free_symbols(val):
-            raise ValueError("tensor parallel: the graph has symbolic shapes; shard a graph at "
-                             "concrete shapes (export_step at a fixed T, or capture.specialize)")
     shape = _shape_of(gm)
     shape.check(world_size, lm_head)
     with warnings.catch_warnings():  # copying export's pytree specs warns of a check inside torch
@@ -183,6 +180,13 @@ def shard_graph(gm: GraphModule, rank: int, world_size: int, *, lm_head: str = "
     graph = out.graph
     attrs = _weights(out)
     sliced = 0
+    made = slices if slices is not None else {}
+
+    def piece(target: str, dim: int) -> torch.Tensor:
+        """Rank `rank`'s chunk of the weight `target` along `dim` (made once per model)."""
+        if (target, dim) not in made:
+            made[(target, dim)] = _rows(_attr(gm, target), rank, world_size, dim)
+        return made[(target, dim)]
 
     def bind(node: Node, tensor: torch.Tensor, dim: int) -> None:
         nonlocal sliced
@@ -204,22 +208,23 @@ def shard_graph(gm: GraphModule, rank: int, world_size: int, *, lm_head: str = "
             continue
         module, _, kind = target.rpartition(".")
         if module.endswith(COLUMN):
-            bind(node, _rows(_attr(gm, target), rank, world_size, 0), 0)
+            bind(node, piece(target, 0), 0)
         elif module.endswith(ROW) and kind == "weight":
             _row_parallel(graph, _linear_user(node))
-            bind(node, _rows(_attr(gm, target), rank, world_size, 1), 1)
+            bind(node, piece(target, 1), 1)
     if lm_head == "vocab":
         mm, weight = _lm_head(out)
         permute = mm.args[-1]
-        out.register_buffer(f"tp_{sliced}", _rows(weight, rank, world_size, 0), persistent=False)
+        out.register_buffer(f"tp_{sliced}", piece(str(permute.args[0].target), 0),
+                            persistent=False)
         with graph.inserting_before(permute):
             head = graph.get_attr(f"tp_{sliced}")
         head.meta[SOURCE] = (str(permute.args[0].target), 0)
         permute.replace_input_with(permute.args[0], head)
         if mm.target is aten.addmm.default:  # the bias's slice too
             bias = mm.args[0]
-            out.register_buffer(f"tp_{sliced}_bias", _rows(_attr(out, str(bias.target)), rank,
-                                                           world_size, 0), persistent=False)
+            out.register_buffer(f"tp_{sliced}_bias", piece(str(bias.target), 0),
+                                persistent=False)
             with graph.inserting_before(mm):
                 b = graph.get_attr(f"tp_{sliced}_bias")
             b.meta[SOURCE] = (str(bias.target), 0)
@@ -275,17 +280,27 @@ def _shrunk_dim(old_in: torch.Size, new_in: torch.Size, old_out: torch.Size,
 def _propagate(gm: GraphModule, world_size: int) -> None:
     """Recompute every node's meta["val"] on fake tensors, rewriting the shapes of the views
     (and expands) whose input the sharding shrank."""
-    mode = FakeTensorMode(allow_non_fake_inputs=False)
-    env: dict[Node, object] = {}
     before_sharding = {node: node.meta.get("val") for node in gm.graph.nodes}
+    # A graph with symbolic shapes (prefill: T dynamic) propagates under the fake mode (and
+    # shape environment) its export made; one at concrete shapes under a fresh one.
+    mode = detect_fake_mode([v for v in before_sharding.values() if isinstance(v, torch.Tensor)
+                             and has_free_symbols(v)]) or FakeTensorMode(
+                                 allow_non_fake_inputs=False)
+    env: dict[Node, object] = {}
     for node in gm.graph.nodes:
         old = before_sharding[node]
         if node.op == "placeholder":
-            with mode:
-                env[node] = torch.empty_strided(old.shape, old.stride(), dtype=old.dtype,
-                                                device=old.device)
+            if has_free_symbols(old):  # the inputs keep their shapes: export's own fake input
+                env[node] = old
+            else:
+                with mode:
+                    env[node] = torch.empty_strided(old.shape, old.stride(), dtype=old.dtype,
+                                                    device=old.device)
         elif node.op == "get_attr":
-            env[node] = mode.from_tensor(_attr(gm, str(node.target)))
+            t = _attr(gm, str(node.target))
+            with mode:  # static shapes (export's mode would give a tensor it saw symbolic dims)
+                env[node] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
+                                                device=t.device)
         elif node.op == "call_function":
             args = torch.fx.map_arg(node.args, lambda n: env[n])
             kwargs = torch.fx.map_arg(node.kwargs, lambda n: env[n])
@@ -297,13 +312,13 @@ def _propagate(gm: GraphModule, world_size: int) -> None:
                         lead = len(sizes) - env[src].dim()
                         for i, d in enumerate(env[src].shape):
                             if d != before.shape[i] and sizes[lead + i] != -1:
-                                sizes[lead + i] = d
+                                sizes[lead + i] = int(d)  # a head count: static
                     else:
                         j = _shrunk_dim(before.shape, env[src].shape, old.shape, world_size)
                         if sizes[j] != -1:
                             sizes[j] //= world_size
                     node.args = (src, sizes, *node.args[2:])
-                    args = (env[src], sizes, *args[2:])
+                    args = torch.fx.map_arg(node.args, lambda n: env[n])
             with mode:
                 try:
                     env[node] = node.target(*args, **kwargs)

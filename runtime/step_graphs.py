@@ -28,6 +28,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -61,6 +62,15 @@ def bucket_for(batch: int, sizes: tuple[int, ...]) -> int:
     raise ValueError(f"batch {batch} is above the largest bucket {max(sizes)}")
 
 
+class CaptureMirror(Protocol):
+    """Other processes that capture and replay their part of an iteration along with this
+    one (a tensor-parallel engine's followers, fuser/distributed.py)."""
+
+    def begin(self) -> int: ...  # -> the capture's key; they start capturing
+    def end(self, failed: bool) -> None: ...  # they stop (and drop it if failed)
+    def replay(self, key: int) -> None: ...  # they replay their capture `key`
+
+
 class IterationGraph:
     """One iteration function captured as a CUDA graph; calling it replays the graph and
     returns its static packed output (overwritten by the next replay).
@@ -68,19 +78,37 @@ class IterationGraph:
     warm_up: runs `fn` `warmup` times before the capture, on a side stream (lazy
     initialisation, autotuning: not under capture); default: with `reset()` before each run.
     The background capture passes its own (under the step gate, undone afterwards:
-    runtime/bucket_capture.py)."""
+    runtime/bucket_capture.py).
+    mirror: the processes that capture their own part of `fn` at the same time (told when
+    the capture begins and ends) and replay it with every replay of this graph (tensor
+    parallel: fuser/distributed.py)."""
 
     def __init__(self, fn: Callable[[], torch.Tensor], pool: object, warmup: int = 2,
                  reset: Callable[[], None] | None = None,
-                 warm_up: Callable[[Callable[[], torch.Tensor], int], None] | None = None
-                 ) -> None:
+                 warm_up: Callable[[Callable[[], torch.Tensor], int], None] | None = None,
+                 mirror: CaptureMirror | None = None) -> None:
         device = torch.device("cuda", torch.cuda.current_device())
         (warm_up or _warm_up_with(reset))(fn, warmup)
         self.graph = torch.cuda.CUDAGraph()
-        self.output = capture_graph(self.graph, fn, pool, device)
+        self.mirror, self.key = mirror, -1
+
+        def record() -> torch.Tensor:
+            if mirror is not None:
+                self.key = mirror.begin()
+            return fn()
+
+        failed = True
+        try:
+            self.output = capture_graph(self.graph, record, pool, device)
+            failed = False
+        finally:
+            if mirror is not None and self.key >= 0:
+                mirror.end(failed)
         self.replays = 0
 
     def __call__(self) -> torch.Tensor:
+        if self.mirror is not None:
+            self.mirror.replay(self.key)
         self.graph.replay()
         self.replays += 1
         return self.output
@@ -251,7 +279,8 @@ class Bucket:
                     raise CaptureStopped
                 try:
                     self.graphs[(gamma, do_sample)] = self._graph(
-                        self.function(gamma, do_sample), pool, timing_length, background)
+                        self.function(gamma, do_sample), pool, timing_length, background,
+                        mirror=getattr(self.target, "capture_mirror", None))
                 except CaptureStopped:
                     raise
                 except Exception as e:  # noqa: BLE001 -- a shape that cannot be captured
@@ -264,15 +293,20 @@ class Bucket:
         return failures
 
     def _graph(self, fn: Callable[[], torch.Tensor], pool: object, timing_length: int,
-               background: tuple[StepGate, threading.Event] | None) -> IterationGraph:
+               background: tuple[StepGate, threading.Event] | None,
+               mirror: CaptureMirror | None = None) -> IterationGraph:
         """`fn` warmed up and captured, in the foreground (from dummy lengths) or beside the
-        serving thread."""
+        serving thread (never with a mirror: followers run one command at a time)."""
         if background is not None:
+            if mirror is not None:
+                raise ValueError("a mirrored (tensor-parallel) iteration is captured in the "
+                                 "foreground only")
             return IterationGraph(fn, pool, warm_up=warm_up_in_place(self, *background))
         self.reset_for_timing(timing_length)
         # Warm-up steps advance the lengths by up to gamma + 1 each: without the reset, two of
         # them from timing_length could write past a small cache.
-        return IterationGraph(fn, pool, reset=lambda: self.reset_for_timing(timing_length))
+        return IterationGraph(fn, pool, reset=lambda: self.reset_for_timing(timing_length),
+                              mirror=mirror)
 
     def _capture_resync(self, pool: object, timing_length: int,
                         background: tuple[StepGate, threading.Event] | None = None) -> list[str]:

@@ -12,8 +12,9 @@ initialized group, or with a group of one rank, all_reduce is a copy and all_gat
 world_size 1 a copy. `world_size` is an argument of all_gather (not read from the group) so that
 its fake implementation knows the output's shape.
 
-On CUDA, once `fuser.ops.p2p_all_reduce.install` has run on every rank, all_reduce takes small
-messages one-shot over peer-to-peer memory; NCCL stays for the rest.
+On CUDA, once `fuser.ops.p2p_all_reduce.install` has run on every rank (the tensor-parallel
+engine does it with FUSER_ONE_SHOT_ALL_REDUCE=1: not yet run on several GPUs, hence off by
+default), all_reduce takes small messages one-shot over peer-to-peer memory; NCCL the rest.
 """
 
 from __future__ import annotations

@@ -93,6 +93,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     serve.add_argument("--threads", type=int, default=None,
                        help="intra-op CPU threads (default without CUDA: 1, or OMP_NUM_THREADS "
                             "when set)")
+    serve.add_argument("--tensor-parallel-size", type=int, default=None,
+                       help="processes (one per GPU; gloo processes on the CPU) the target is "
+                            "sharded over, rank 0 serving (default: 1, or the engine "
+                            "directory's own)")
     serve.set_defaults(fn=run_serve)
     return serve
 
@@ -100,9 +104,11 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 def add_kv_cache_arguments(serve: argparse.ArgumentParser) -> None:
     """The paged KV cache's flags (a model directory's build; an engine directory keeps the
     cache it was built with)."""
-    serve.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
-                       help="slots per block of the paged KV cache (default: %(default)s); 0: "
-                            "a contiguous cache of max-batch-size x max-seq-len slots")
+    serve.add_argument("--block-size", type=int, default=None,
+                       help=f"slots per block of the paged KV cache (default: "
+                            f"{DEFAULT_BLOCK_SIZE}; with --tensor-parallel-size above 1: 0, a "
+                            "paged cache is not sharded yet); 0: a contiguous cache of "
+                            "max-batch-size x max-seq-len slots")
     serve.add_argument("--gpu-memory-fraction", type=float, default=None,
                        help="on CUDA, the fraction of the GPU memory free once the weights are "
                             "loaded that the paged KV cache takes (default: "
@@ -116,12 +122,21 @@ def add_kv_cache_arguments(serve: argparse.ArgumentParser) -> None:
 
 def kv_cache_config(args: argparse.Namespace) -> dict[str, object]:
     """FuserConfig fields of the KV cache flags (a model directory's build)."""
-    block = getattr(args, "block_size", DEFAULT_BLOCK_SIZE)
+    block = block_size(args)
     if not block:
         return {}
     fraction = getattr(args, "gpu_memory_fraction", None)
     return dict(kv_block_size=block, kv_memory_fraction=DEFAULT_GPU_MEMORY_FRACTION
                 if fraction is None else fraction)
+
+
+def block_size(args: argparse.Namespace) -> int:
+    """--block-size, or its default: 16, contiguous (0) under tensor parallelism."""
+    block = getattr(args, "block_size", None)
+    if block is None:
+        return 0 if (getattr(args, "tensor_parallel_size", None) or 1) > 1 else \
+            DEFAULT_BLOCK_SIZE
+    return block
 
 
 def _config_default(name: str) -> object:
@@ -160,14 +175,21 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-waiting {args.max_waiting} must be at least 0")
     if not args.drain_timeout >= 0:
         raise ValueError(f"--drain-timeout {args.drain_timeout} must be at least 0")
+    tensor_parallel = getattr(args, "tensor_parallel_size", None)
+    if tensor_parallel is not None and tensor_parallel < 1:
+        raise ValueError(f"--tensor-parallel-size {tensor_parallel} must be at least 1")
     if args.api_key is not None and not args.api_key:
         raise ValueError("--api-key must not be empty")
-    if getattr(args, "block_size", 0) < 0:
+    if block_size(args) < 0:
         raise ValueError(f"--block-size {args.block_size} must be at least 0 (0: contiguous)")
+    if block_size(args) and (tensor_parallel or 1) > 1:
+        raise ValueError(f"--block-size {args.block_size} with --tensor-parallel-size "
+                         f"{tensor_parallel}: a paged KV cache is not sharded yet (leave "
+                         "--block-size out, or 0)")
     fraction = getattr(args, "gpu_memory_fraction", None)
     if fraction is not None and not 0 < fraction <= 1:
         raise ValueError(f"--gpu-memory-fraction {fraction:g} must be in (0, 1]")
-    if fraction is not None and not getattr(args, "block_size", 0):
+    if fraction is not None and not block_size(args):
         raise ValueError("--gpu-memory-fraction sizes the paged KV cache: not with "
                          "--block-size 0")
     for flag, value in (("--distill-every", args.distill_every),
@@ -197,7 +219,8 @@ def open_engine(args: argparse.Namespace, cold: ColdStart | None = None) -> Any:
                              "(--draft applies to model directories)")
         check_engine_precision(args.path, getattr(args, "precision", None))
         progress(f"loading the engine {args.path} ...")
-        engine = fuser.load(args.path, log=progress)
+        engine = fuser.load(args.path, log=progress,
+                            tensor_parallel=getattr(args, "tensor_parallel_size", None))
         behind = [s for s, status in engine.graphs_status.items() if status != "ready"]
         parts = {("capture (bucket 1)" if k == "capture" and behind else LOAD_PARTS[k]): v
                  for k, v in engine.load_timings.items() if k in LOAD_PARTS}
@@ -231,6 +254,7 @@ def open_engine(args: argparse.Namespace, cold: ColdStart | None = None) -> Any:
     config = fuser.FuserConfig(max_batch_size=rows, max_seq_len=args.max_seq_len,
                                batch_buckets=buckets, suffix_speculation=suffix,
                                precision=getattr(args, "precision", None) or "auto",
+                               tensor_parallel=getattr(args, "tensor_parallel_size", None) or 1,
                                **kv_cache_config(args))
     engine, _, _ = build_engine_from_args(args.path, args.draft, config)
     cold.mark("build")
