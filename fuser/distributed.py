@@ -591,10 +591,10 @@ class MirroredCache(KVCache):
 
     group: TensorParallelGroup | None = None
 
-    def move_row(self, src: int, dst: int) -> None:
-        if self.group is not None:
+    def move_row(self, src: int, dst: int, table: bool = True) -> None:
+        if self.group is not None:  # (a paged cache is refused under tensor parallel)
             self.group.send(MOVE_ROW, src, dst)
-        super().move_row(src, dst)
+        super().move_row(src, dst, table)
 
 
 def mirror(buckets: dict[int, ModelSteps], group: TensorParallelGroup

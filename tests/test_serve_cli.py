@@ -432,7 +432,7 @@ def test_the_cold_start_shows_bucket_1s_capture_and_what_continues(monkeypatch, 
     engine = SimpleNamespace(load_timings={"read": 1.0, "code": 0.25, "capture": 0.5},
                              graphs_status={1: "ready", 4: "capturing", 2: "pending"},
                              config=SimpleNamespace(max_batch_size=4), buckets={1: 0, 2: 0, 4: 0})
-    monkeypatch.setattr(fuser, "load", lambda path, log: engine)
+    monkeypatch.setattr(fuser, "load", lambda path, log, **options: engine)
     monkeypatch.setattr("fuser.launch.is_engine_dir", lambda path: True)
     clock = iter([2.0, 5.0])
     monkeypatch.setattr(cli, "process_age", lambda: next(clock))
