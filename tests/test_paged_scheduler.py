@@ -405,6 +405,39 @@ def test_chunked_prefill_with_preemption_returns_what_each_returns_alone() -> No
         sched.close()
 
 
+def test_a_group_in_prefill_is_preempted_first_and_resumes() -> None:
+    """Stepped by hand on the small pool: a 36-token prompt (10 blocks) is admitted beside a
+    decoding request (2 blocks) and goes in 2-token chunks; when the running row needs a
+    fourth block, the group in prefill (the newest) is preempted, not the running row: its
+    blocks freed, its finished chunks cached, it waits and then returns what it returns
+    alone."""
+    eng = engine(SMALL_POOL)
+    runner, long = (prompt(4, seed=100), greedy(40)), (prompt(36, seed=101), greedy(4))
+    want = alone(eng, [runner, long])
+    sched = Scheduler(eng, max_num_batched_tokens=3)
+    sched._may_run_ahead = lambda in_flight: False  # one step an iteration
+    try:
+        r = sched.submit(*runner)
+        with eng.generating():
+            while not r.output_ids:  # (its 4 tokens: a chunk of 3, then the last one)
+                sched._iteration()
+            s = sched.submit(*long)
+            sched._iteration()
+            assert sched._prefilling() == 1 and sched.blocks.available_blocks == 1
+            while sched._prefilling():
+                sched._iteration()
+            assert s.preemptions == 1 and sched.preemptions == 1 and not s.output_ids
+            assert r.preemptions == 0 and sched.num_waiting == 1
+            while not (r.done and s.done):
+                sched._iteration()
+            sched._retire()
+        assert [r.output_ids, s.output_ids] == want
+        assert sched.preemptions == 1 and sched.blocks.prefix_hits > 0
+        assert_no_leak(sched)
+    finally:
+        sched.close()
+
+
 def test_max_num_batched_tokens_must_be_a_count() -> None:
     for bad in (-1, 2.5, True):
         with pytest.raises(ValueError, match="max_num_batched_tokens"):
@@ -413,11 +446,11 @@ def test_max_num_batched_tokens_must_be_a_count() -> None:
 
 
 @pytest.mark.slow  # (an engine with a draft: ~30 s more on a 2-core CPU)
-def test_speculative_chunked_prefill_with_prefix_hits() -> None:
-    """Both models get every chunk: speculative steps (gamma 3) beside prompts in chunks, with
-    shared openings (prefix hits start the chunks at their cached tokens), return each
-    request's greedy tokens alone."""
-    eng = engine(draft=True)
+def test_speculative_chunked_prefill_with_preemption_and_prefix_hits() -> None:
+    """Both models get every chunk: speculative steps (gamma 3) beside prompts in chunks over
+    the small pool, with shared openings (prefix hits start the chunks at their cached tokens)
+    and preemption, return each request's greedy tokens alone."""
+    eng = engine(SMALL_POOL, draft=True)
     shared = prompt(8, seed=60)
     requests = [(shared + prompt(10 + i, seed=61 + i), greedy(18)) for i in range(5)]
     want = alone(eng, requests)
@@ -426,6 +459,7 @@ def test_speculative_chunked_prefill_with_prefix_hits() -> None:
         streams = [sched.submit(p, params) for p, params in requests]
         assert [s.result(TIMEOUT) for s in streams] == want
         assert sched.blocks.prefix_hits > 0 and sched.prefill_chunks > len(requests)
+        assert sched.preemptions > 0
         assert_no_leak(sched)
     finally:
         sched.close()
@@ -461,6 +495,40 @@ def test_gpu_paged_scheduler_replays_graphs_over_the_managed_table() -> None:
     replays = eng.report().graph_replays
     assert sum(v for k, v in replays.items() if k.startswith("step.b")) >= sched.steps
     assert all(n == 0 for b in eng.buckets.values() for n in b.uncaptured_runs.values())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_chunked_prefill_between_captured_steps() -> None:
+    """On CUDA (fp32): prompts in chunks (budgets 12 and 40: chunks of at most 16 queries, the
+    split-K kernel's, and longer ones, flash_prefill's) between the captured speculative steps
+    of a draft engine over a 23-block pool, with prefix hits and preemption: each request
+    returns its tokens alone (whole-prompt prefill), and every step replayed a captured
+    graph."""
+    import copy
+
+    target = copy.deepcopy(llama_target()).cuda()  # (the CPU tests share the cached one)
+    config = fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=4, gamma=3,
+                               precision="fp32", kv_block_size=BLOCK, kv_blocks=24)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eng = fuser.optimize(target, draft=perturbed(target, 0.05, seed=3), config=config)
+    shared = prompt(20, seed=85)
+    requests = [(shared + prompt(6 + 5 * i, seed=86 + i), greedy(12)) for i in range(5)]
+    requests += [(prompt(37, seed=95), sampled(10, seed=9)), (prompt(3, seed=96), greedy(20))]
+    want = alone(eng, requests)
+    for budget in (12, 40):
+        before = sum(v for k, v in eng.report().graph_replays.items() if k.startswith("step.b"))
+        sched = started(eng, max_num_batched_tokens=budget)
+        try:
+            streams = [sched.submit(p, params) for p, params in requests]
+            assert [s.result(TIMEOUT) for s in streams] == want, budget
+            assert sched.prefill_chunks > len(requests) and sched.blocks.prefix_hits > 0
+            assert_no_leak(sched)
+        finally:
+            sched.close()
+        replays = eng.report().graph_replays
+        assert sum(v for k, v in replays.items() if k.startswith("step.b")) - before \
+            >= sched.steps
 
 
 @pytest.mark.slow  # (an engine of its own with suffix verify steps: ~35 s on a 2-core CPU)
