@@ -35,6 +35,15 @@ through a `BlockManager` over the engine's own block table (runtime/blocks.py):
     retire  a finished or cancelled request's blocks go back (`release`);
 and the table is copied to the device before each step (`sync_table`: on CUDA the captured
 graphs read it where it lives). Rows move by moving their table rows, never their blocks.
+With `max_num_batched_tokens` (paged engines), admission never stalls the running rows:
+    admit   one group at a time takes rows [0, k) with its blocks, inactive in the decode
+            state; each iteration runs its next prompt chunk through the CHUNK step (at most
+            the budget less the running rows' decode tokens; `speculative.prefill_part`), then
+            the running rows' step; the chunk that ends the prompts chooses the first tokens
+            and activates the rows (`prefill_chunk`). Meanwhile the group's table rows are null
+            on the device for the decode steps (they write nothing into its blocks), no step
+            runs ahead, a cancelled row frees its blocks at once, and the group is the first
+            preempted when blocks run out (docs/paged-kv.md).
 
 A request's tokens do not depend on what else runs: its row's arithmetic is the same in any
 bucket (up to the rounding of batched kernels; exactly so in fp32 on the CPU), and sampling
@@ -56,7 +65,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -232,11 +241,13 @@ class _Step:
     controller: object
     read_back: ReadBack
     start: float
-    prefilling: int = 0  # rows [0, prefilling) were a group in chunked prefill: inactive
+    # rows [0, prefilling) were a group in chunked prefill: inactive (keyword-only, so that
+    # subclasses' positional fields follow `start`)
+    prefilling: int = field(default=0, kw_only=True)
 
 
 @dataclass
-class _Prefill:
+class _ChunkedPrefill:
     """A group whose prompts go in chunks (rows [0, k), inactive in the decode state until the
     last chunk): its requests, the prompts they prefill (token_lists, tokens [k, T] on the
     device), the tokens of each already in the cache (progress; a prefix hit's cached tokens
@@ -330,7 +341,7 @@ class Scheduler:
                              "KV cache; this engine's cache is contiguous (build it with "
                              "FuserConfig(kv_block_size=N), or leave the option unset)")
         self.max_num_batched_tokens = max_num_batched_tokens or None
-        self._chunking: _Prefill | None = None  # the group in chunked prefill, rows [0, k)
+        self._chunking: _ChunkedPrefill | None = None  # the group in chunked prefill, rows [0, k)
         self.prefill_chunks = 0  # chunks run (the last of each prompt included)
 
     # -- public ----------------------------------------------------------------------------------
@@ -649,7 +660,7 @@ class Scheduler:
             emitted = torch.tensor([len(s.output_ids) for s in group], dtype=torch.long,
                                    device=device)
         tokens = torch.tensor(token_lists, dtype=torch.long, device=device)  # [k, T]
-        self._chunking = _Prefill(group, token_lists, tokens, progress, emitted,
+        self._chunking = _ChunkedPrefill(group, token_lists, tokens, progress, emitted,
                                  any(not s.params.greedy for s in group))
 
     def _next_chunk(self) -> None:
@@ -687,7 +698,7 @@ class Scheduler:
             self.engine.stats.num_generated_tokens += 1
             self._deliver(stream, [first], stream.params.max_tokens)
 
-    def _commit_chunk(self, p: _Prefill, ends: list[int]) -> None:
+    def _commit_chunk(self, p: _ChunkedPrefill, ends: list[int]) -> None:
         """Record each held row's tokens [progress, end) as written (keying the blocks they
         fill) and move its progress to `end`."""
         for row, (tokens, start, end) in enumerate(zip(p.token_lists, p.progress, ends)):
@@ -851,6 +862,8 @@ class Scheduler:
         if self.blocks is None:
             return True
         for row, stream in enumerate(self._running):
+            if not self.blocks.holds(row):  # a cancelled row of a chunked prefill: freed
+                continue
             length = len(stream.prompt_ids) + len(stream.output_ids) - 1
             slots = min(length + steps * self._step_room,
                         self._row_cap(len(stream.prompt_ids), stream.params.max_tokens))
@@ -893,8 +906,8 @@ class Scheduler:
             return
         size = self.blocks.block_size
         for row, stream in enumerate(rows):
-            if row < skip:  # in chunked prefill: its chunks commit
-                continue
+            if row < skip or not self.blocks.holds(row):  # in chunked prefill (its chunks
+                continue                                    # commit), or cancelled there
             have = self.blocks.committed(row)
             written = len(stream.prompt_ids) + len(stream.output_ids) - 1
             if written // size > have // size:  # a block filled: key it (and what led to it)
@@ -927,7 +940,7 @@ class Scheduler:
         read_back = ReadBack(bucket.run(gamma, do_sample))  # [bucket, gamma + 2]
         if controller is not None:
             controller.sent()  # the host's part of the step ends here
-        return _Step(rows, gamma, controller, read_back, start, self._prefilling())
+        return _Step(rows, gamma, controller, read_back, start, prefilling=self._prefilling())
 
     def _collect(self, step: _Step) -> None:
         """Read one step back: each row keeps n + 1 tokens, cut at its eos and budget."""
@@ -967,7 +980,7 @@ class Scheduler:
 
     def _move_row(self, src: int, dst: int) -> None:
         """Row dst takes row src's request: its KV rows (both models), lengths and state."""
-        if self.blocks is not None:
+        if self.blocks is not None and self.blocks.holds(src):  # (a cancelled prefill's: freed)
             self.blocks.move(src, dst)  # the table row moves (the draft's: the same table)
         for cache in self._caches:
             # slots copied; a paged cache's table rows are the block manager's

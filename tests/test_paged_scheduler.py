@@ -388,6 +388,38 @@ def test_cancel_during_a_chunked_prefill_frees_its_blocks(
         sched.close()
 
 
+@pytest.mark.parametrize("cancelled", [0, 1])
+def test_cancel_one_row_of_a_group_in_chunked_prefill(cancelled: int) -> None:
+    """Stepped by hand: two 24-token prompts prefill together (rows 0 and 1, chunks of 2 a
+    row); one is cancelled after the second chunk: its blocks are freed at once, its row rides
+    along to the group's last chunk, and the other returns what it returns alone."""
+    eng = engine()
+    requests = [(prompt(24, seed=110), greedy(6)), (prompt(24, seed=111), greedy(9))]
+    want = alone(eng, requests)
+    sched = Scheduler(eng, max_num_batched_tokens=5)
+    sched._may_run_ahead = lambda in_flight: False  # one step an iteration
+    try:
+        streams = [sched.submit(p, params) for p, params in requests]
+        with eng.generating():
+            sched._iteration()
+            sched._iteration()
+            assert sched._prefilling() == 2 and sched.prefill_chunks == 2
+            free = sched.blocks.available_blocks
+            streams[cancelled].cancel()
+            sched._iteration()
+            assert streams[cancelled].finish_reason == "abort"
+            assert not sched.blocks.holds(cancelled) and sched.blocks.holds(1 - cancelled)
+            assert sched.blocks.available_blocks > free and sched._prefilling() == 2
+            kept = streams[1 - cancelled]
+            while not kept.done:
+                sched._iteration()
+            sched._retire()
+        assert kept.output_ids == want[1 - cancelled] and streams[cancelled].output_ids == []
+        assert_no_leak(sched)
+    finally:
+        sched.close()
+
+
 def test_chunked_prefill_with_preemption_returns_what_each_returns_alone() -> None:
     """The small pool with prompts in chunks: rows are preempted (a group in prefill first,
     as the newest) and requeued; every output is unchanged."""
