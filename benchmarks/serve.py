@@ -1121,6 +1121,9 @@ def serve_engine(pool: ProcessPoolExecutor, source: Source, engine: object, labe
         log(f"[{label}] serving {source.name} at {server.url}")
         result["scheduler"] = {"class": type(server.scheduler).__name__,
                                "max_waiting": server.scheduler.max_waiting}
+        if getattr(server.scheduler, "max_num_batched_tokens", None):  # chunked prefill
+            result["scheduler"]["max_num_batched_tokens"] = \
+                server.scheduler.max_num_batched_tokens
         engine.stats.reset()
         result["levels"] = run_levels(pool, server.url, served_model(server.url, None), prompts,
                                       args, label)

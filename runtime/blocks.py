@@ -146,6 +146,7 @@ class BlockManager:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self._dirty = True  # the host table changed since the last `sync_table`
+        self._hidden = 0  # rows [0, _hidden) are null in the device table (`sync_table`)
 
     # -- sizes -----------------------------------------------------------------------------
 
@@ -354,12 +355,30 @@ class BlockManager:
 
     # -- table -----------------------------------------------------------------------------
 
-    def sync_table(self) -> None:
+    def sync_table(self, hidden: int = 0) -> None:
         """Copy the host table into the device table (in place: same address), when it
-        changed since the last copy."""
-        if self.table is not self.host_table and self._dirty:
+        changed since the last copy; rows [0, hidden) read as null rows there (rows whose
+        prompt is still being prefilled in chunks: whatever a decode step writes for them
+        lands in the null block, never in their blocks). The manager's records keep those
+        rows' blocks; a later `sync_table` with a smaller `hidden` shows them again. On the
+        CPU, where the two tables are one tensor, hidden rows read as null in `host_table`
+        too until then."""
+        if self.table is self.host_table:
+            for row in range(hidden, self._hidden):  # shown again
+                if row in self._rows:
+                    self._write_row(row)
+            if hidden:
+                self.host_table[:hidden].fill_(NULL_BLOCK)
+        elif self._dirty or hidden != self._hidden:
             self.table.copy_(self.host_table, non_blocking=True)
+            if hidden:
+                self.table[:hidden].fill_(NULL_BLOCK)
+        self._hidden = hidden
         self._dirty = False
+
+    def holds(self, row: int) -> bool:
+        """Whether row `row` holds blocks (admitted and not yet released)."""
+        return row in self._rows
 
     def slot_index(self, row: int, slot: int) -> tuple[int, int]:
         """(block, offset) of row `row`'s slot `slot`."""

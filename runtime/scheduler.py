@@ -35,6 +35,15 @@ through a `BlockManager` over the engine's own block table (runtime/blocks.py):
     retire  a finished or cancelled request's blocks go back (`release`);
 and the table is copied to the device before each step (`sync_table`: on CUDA the captured
 graphs read it where it lives). Rows move by moving their table rows, never their blocks.
+With `max_num_batched_tokens` (paged engines), admission never stalls the running rows:
+    admit   one group at a time takes rows [0, k) with its blocks, inactive in the decode
+            state; each iteration runs its next prompt chunk through the CHUNK step (at most
+            the budget less the running rows' decode tokens; `speculative.prefill_part`), then
+            the running rows' step; the chunk that ends the prompts chooses the first tokens
+            and activates the rows (`prefill_chunk`). Meanwhile the group's table rows are null
+            on the device for the decode steps (they write nothing into its blocks), no step
+            runs ahead, a cancelled row frees its blocks at once, and the group is the first
+            preempted when blocks run out (docs/paged-kv.md).
 
 A request's tokens do not depend on what else runs: its row's arithmetic is the same in any
 bucket (up to the rounding of batched kernels; exactly so in fp32 on the CPU), and sampling
@@ -56,7 +65,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -232,6 +241,24 @@ class _Step:
     controller: object
     read_back: ReadBack
     start: float
+    # rows [0, prefilling) were a group in chunked prefill: inactive (keyword-only, so that
+    # subclasses' positional fields follow `start`)
+    prefilling: int = field(default=0, kw_only=True)
+
+
+@dataclass
+class _ChunkedPrefill:
+    """A group whose prompts go in chunks (rows [0, k), inactive in the decode state until the
+    last chunk): its requests, the prompts they prefill (token_lists, tokens [k, T] on the
+    device), the tokens of each already in the cache (progress; a prefix hit's cached tokens
+    at first), and the sampling facts its last chunk needs."""
+
+    group: list[RequestStream]
+    token_lists: list[list[int]]
+    tokens: torch.Tensor
+    progress: list[int]
+    emitted: torch.Tensor | None
+    do_sample: bool
 
 
 class Scheduler:
@@ -249,10 +276,15 @@ class Scheduler:
 
     On a paged engine, `prefix_caching` (default True) shares the full blocks of prompts'
     common prefixes between requests; `blocks` is the BlockManager (usage, counters).
+    `max_num_batched_tokens` (paged engines; vLLM's name) prefills an admitted group's prompts
+    in chunks between decode steps, each iteration at most that many tokens of decode and
+    prompt together (a row in prefill takes at least 2 a chunk, the chunk step's least), so
+    running rows get a token every iteration; None or 0: each group's whole prompts at once.
     """
 
     def __init__(self, engine: Engine, *, max_waiting: int = 256,
-                 prefill_tokens: int = 2048, prefix_caching: bool = True) -> None:
+                 prefill_tokens: int = 2048, prefix_caching: bool = True,
+                 max_num_batched_tokens: int | None = None) -> None:
         if engine.target is None:
             raise ValueError("the scheduler needs an engine whose target was captured; this one "
                              "runs the model in eager Hugging Face (see engine.report().fallbacks)")
@@ -296,8 +328,21 @@ class Scheduler:
                                        cache.block_table.shape[1],
                                        prefix_caching=prefix_caching, table=cache.block_table)
         self._step_room = 1
+        self._step_tokens = 1  # tokens a running row feeds a step (gamma + 1 with a verify)
         self._set_step_room()
         self._admissions = itertools.count(1)
+        if max_num_batched_tokens is not None and (
+                isinstance(max_num_batched_tokens, bool)
+                or not isinstance(max_num_batched_tokens, int) or max_num_batched_tokens < 0):
+            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens!r} must be an int "
+                             ">= 0 (0 or None: whole prompts)")
+        if max_num_batched_tokens and self.blocks is None:
+            raise ValueError("max_num_batched_tokens prefills prompts in chunks through a paged "
+                             "KV cache; this engine's cache is contiguous (build it with "
+                             "FuserConfig(kv_block_size=N), or leave the option unset)")
+        self.max_num_batched_tokens = max_num_batched_tokens or None
+        self._chunking: _ChunkedPrefill | None = None  # the group in chunked prefill, rows [0, k)
+        self.prefill_chunks = 0  # chunks run (the last of each prompt included)
 
     # -- public ----------------------------------------------------------------------------------
 
@@ -471,8 +516,8 @@ class Scheduler:
         `generate` does, so the GPU does not wait for Python between steps."""
         self._retire()
         self._admit()
-        if not self._running:
-            return
+        if len(self._running) == self._prefilling():
+            return  # nothing decodes (no rows, or only a group in prefill: its next chunk)
         if self.blocks is not None:
             self._make_room()  # (preempts rows when blocks ran out)
         self._sync_table()
@@ -495,6 +540,8 @@ class Scheduler:
         the step in flight (each gives every active row at least one)."""
         if self._stop or len(self._running) != len(in_flight.rows) or capture_waiting(self.engine):
             return False
+        if self._chunking is not None:  # the group's next chunk runs between these steps
+            return False
         if self._waiting and len(self._running) < self.max_slots:
             return False
         return all(s.stop_requested is None for s in self._running) and any(
@@ -508,6 +555,7 @@ class Scheduler:
                 for row in self.blocks.active_rows():
                     self.blocks.release(row)
             self._running.clear()
+            self._chunking = None
             self._state.active.zero_()
         for stream in streams:
             stream._deliver([], "error")
@@ -521,7 +569,8 @@ class Scheduler:
                 self._waiting.remove(stream)
                 stream._deliver([], stream.stop_requested)
             running = self._running
-            row = 0
+            self._retire_prefilling()
+            row = self._prefilling()  # (rows in prefill stay where they are)
             while row < len(running):
                 stream = running[row]
                 if stream.stop_requested is not None and not stream.done:
@@ -532,26 +581,144 @@ class Scheduler:
                 self._remove_row(row)
             self._lock.notify_all()
 
+    def _retire_prefilling(self) -> None:
+        """Cancelled rows of the group in chunked prefill end now and free their blocks; they
+        keep their rows (a chunk runs the whole group; theirs then write only the null
+        block) until the prefill ends, or it ends now when none is left (lock held)."""
+        if self._chunking is None:
+            return
+        for row, stream in enumerate(self._chunking.group):
+            if stream.stop_requested is not None and not stream.done:
+                stream._deliver([], stream.stop_requested)
+            if stream.done and self.blocks.holds(row):
+                self.blocks.release(row)
+        if all(s.done for s in self._chunking.group):
+            self._chunking = None  # (the rows, done, are removed as finished ones)
+
+    def _prefilling(self) -> int:
+        """Rows [0, k) of the group in chunked prefill (0: none)."""
+        return 0 if self._chunking is None else len(self._chunking.group)
+
     def _admit(self) -> None:
         """Prefill waiting requests into free rows, a group at a time (at least one request when
-        a slot is free, then while the prompts fit `prefill_tokens`)."""
+        a slot is free, then while the prompts fit `prefill_tokens`). With
+        `max_num_batched_tokens`: one group at a time, a chunk per iteration
+        (`_admit_chunked`)."""
+        if self.max_num_batched_tokens is not None:
+            self._admit_chunked()
+            return
         budget = self.prefill_tokens
         while len(self._running) < self.max_slots:
             with self._lock:
                 group = self._take_group(budget)
                 if not group:
                     return
-                # Rows [0, k) take the new prompts (the bucket of k prefills exactly those);
-                # the requests there move to free rows past both.
-                running, k = self._running, len(group)
-                n, base = len(running), max(len(running), len(group))
-                rows: list[RequestStream] = list(group) + running[k:n] + [None] * min(n, k)
-                for i in range(min(n, k)):
-                    self._move_row(i, base + i)
-                    rows[base + i] = running[i]
-                self._running = rows
-            budget -= k * len(_tokens(group[0]))
+                self._place(group)
+            budget -= len(group) * len(_tokens(group[0]))
             self._prefill(group)
+
+    def _place(self, group: list[RequestStream]) -> None:
+        """Rows [0, k) take the new prompts (the bucket of k prefills exactly those); the
+        requests there move to free rows past both (lock held)."""
+        running, k = self._running, len(group)
+        n, base = len(running), max(len(running), len(group))
+        rows: list[RequestStream] = list(group) + running[k:n] + [None] * min(n, k)
+        for i in range(min(n, k)):
+            self._move_row(i, base + i)
+            rows[base + i] = running[i]
+        self._running = rows
+
+    def _admit_chunked(self) -> None:
+        """Admit a group when none is in prefill (its rows inactive, its blocks given), then
+        run the next chunk of the group in prefill."""
+        if self._chunking is None and len(self._running) < self.max_slots:
+            with self._lock:
+                group = self._take_group(self.prefill_tokens)
+                if group:
+                    self._place(group)
+                    self._start_chunks(group)
+        if self._chunking is not None:
+            self._next_chunk()
+
+    def _start_chunks(self, group: list[RequestStream]) -> None:
+        """Rows [0, k) take the group: sampling values loaded, inactive in the decode state,
+        blocks given (`admit`: a prefix hit's cached tokens are its first progress)."""
+        self._load_rows(group)
+        k = len(group)
+        self._state.active[:k] = False
+        token_lists = [_tokens(s) for s in group]
+        progress = []
+        for row, (stream, tokens) in enumerate(zip(group, token_lists)):
+            hit = self.blocks.admit(row, tokens, self._admission_slots(stream))
+            if hit is None:  # (`_with_blocks` counted them: never)
+                raise RuntimeError(f"row {row}: the blocks counted for admission are gone")
+            progress.append(hit)
+            stream._admitted = next(self._admissions)
+        device = self._state.pending.device
+        emitted = None
+        if any(s.output_ids for s in group):  # resumed after preemption
+            emitted = torch.tensor([len(s.output_ids) for s in group], dtype=torch.long,
+                                   device=device)
+        tokens = torch.tensor(token_lists, dtype=torch.long, device=device)  # [k, T]
+        self._chunking = _ChunkedPrefill(group, token_lists, tokens, progress, emitted,
+                                 any(not s.params.greedy for s in group))
+
+    def _next_chunk(self) -> None:
+        """Run the group's next chunk: per row W tokens, W = (the token budget - the running
+        rows' decode tokens) / k, at least 2, down to whole blocks; the chunk that reaches
+        every prompt's end chooses the first tokens (time to first token) and activates the
+        rows. Full blocks are committed (keyed) as chunks land."""
+        p = self._chunking
+        k, T = len(p.group), len(p.token_lists[0])
+        size = self.blocks.block_size
+        decode = (len(self._running) - k) * self._step_tokens
+        width = max(2, (self.max_num_batched_tokens - decode) // k)
+        if width >= size:
+            width -= width % size
+        lo, hi = min(p.progress), max(p.progress)
+        bucket = self.engine.buckets[k]
+        self._sync_table(show_prefill=True)
+        self.prefill_chunks += 1
+        if T - lo > width and T - 1 - hi >= 2:  # not the last chunk: no row reaches its end
+            width = min(width, T - 1 - hi)
+            speculative.prefill_part(bucket.target, bucket.draft, p.tokens, p.progress, width)
+            ends = [start + width for start in p.progress]
+            self._commit_chunk(p, ends)
+            return
+        result = speculative.prefill_chunk(bucket.target, bucket.draft, bucket.state, p.tokens,
+                                           p.progress, self.engine.vocab_size, p.do_sample,
+                                           p.emitted)
+        self._commit_chunk(p, [T] * k)
+        self._chunking = None
+        firsts = result.tokens[:, 0].tolist()  # the last chunk's read-back
+        for row, (stream, first) in enumerate(zip(p.group, firsts)):
+            if stream.done:  # cancelled during the prefill: removed at the next retire
+                self._state.active[row] = False
+                continue
+            self.engine.stats.num_generated_tokens += 1
+            self._deliver(stream, [first], stream.params.max_tokens)
+
+    def _commit_chunk(self, p: _ChunkedPrefill, ends: list[int]) -> None:
+        """Record each held row's tokens [progress, end) as written (keying the blocks they
+        fill) and move its progress to `end`."""
+        for row, (tokens, start, end) in enumerate(zip(p.token_lists, p.progress, ends)):
+            if self.blocks.holds(row):
+                self.blocks.commit(row, tokens[start:end])
+        p.progress = ends
+
+    def _abort_prefill(self) -> None:
+        """Preempt the group in chunked prefill (the newest requests): its rows leave, their
+        blocks freed (full chunks stay cached), and its requests go back to the front of the
+        queue, in order (lock held)."""
+        group = self._chunking.group
+        self._chunking = None
+        for row in reversed(range(len(group))):
+            self._remove_row(row)
+        for stream in reversed(group):
+            if not stream.done:
+                stream.preemptions += 1
+                self.preemptions += 1
+                self._waiting.appendleft(stream)
 
     def _take_group(self, budget: int) -> list[RequestStream]:
         """Take from the queue the first waiting request and, behind it, more of the same
@@ -595,20 +762,24 @@ class Scheduler:
             taken.append(stream)
         return taken
 
-    def _prefill(self, group: list[RequestStream]) -> None:
-        """Prefill the group's prompts (one length) into rows [0, k) through the bucket of k;
-        deliver each first token (and finish those that get no more)."""
-        engine = self.engine
-        k, T = len(group), len(_tokens(group[0]))
-        bucket = engine.buckets[k]
+    def _load_rows(self, group: list[RequestStream]) -> None:
+        """Rows [0, k) of the decode state take the group's sampling values."""
         for row, stream in enumerate(group):
             params = stream.params
             greedy = params.greedy
             top_k = 1 if greedy else (None if params.top_k in (None, 0, -1) else params.top_k)
             self._state.load_row(row, params.max_tokens, stream.eos,
                                  1.0 if greedy else float(params.temperature), top_k,
-                                 None if greedy else params.top_p, engine.vocab_size,
+                                 None if greedy else params.top_p, self.engine.vocab_size,
                                  stream.seed)
+
+    def _prefill(self, group: list[RequestStream]) -> None:
+        """Prefill the group's prompts (one length) into rows [0, k) through the bucket of k;
+        deliver each first token (and finish those that get no more)."""
+        engine = self.engine
+        k, T = len(group), len(_tokens(group[0]))
+        bucket = engine.buckets[k]
+        self._load_rows(group)
         device = self._state.pending.device
         if self.blocks is None:
             tokens = torch.tensor([s.prompt_ids for s in group], dtype=torch.long,
@@ -672,6 +843,7 @@ class Scheduler:
         gamma = max([k.tokens - 1 for k in top.target.steps if k.name == "verify"]
                     + [self.engine.config.resolved_gamma, *self.engine.gammas])
         self._step_room = gamma + 1 + (gamma if top.overlap else 0)
+        self._step_tokens = gamma + 1
 
     def _admission_slots(self, stream: RequestStream) -> int:
         """Slots a request is admitted with: its prompt (and what it emitted before a
@@ -690,6 +862,8 @@ class Scheduler:
         if self.blocks is None:
             return True
         for row, stream in enumerate(self._running):
+            if not self.blocks.holds(row):  # a cancelled row of a chunked prefill: freed
+                continue
             length = len(stream.prompt_ids) + len(stream.output_ids) - 1
             slots = min(length + steps * self._step_room,
                         self._row_cap(len(stream.prompt_ids), stream.params.max_tokens))
@@ -703,6 +877,9 @@ class Scheduler:
         tokens it has: prefilled again on readmission, it continues where it stopped)."""
         while not self._grow_rows():
             with self._lock:
+                if self._chunking is not None:  # the newest requests: the group in prefill
+                    self._abort_prefill()
+                    continue
                 running = self._running
                 row = max(range(len(running)), key=lambda i: running[i]._admitted)
                 stream = running[row]
@@ -713,11 +890,15 @@ class Scheduler:
             log.debug("fuser: preempted %s (%d tokens) for blocks", stream.request_id,
                       len(_tokens(stream)))
 
-    def _sync_table(self) -> None:
+    def _sync_table(self, show_prefill: bool = False) -> None:
+        """Copy the block table to the device; the rows of a group in chunked prefill read as
+        null rows there (a decode step computes them and must write nothing into their
+        blocks: not at their lengths, not in a draft's catch-up or resync) unless
+        `show_prefill` (its chunk runs)."""
         if self.blocks is not None:
-            self.blocks.sync_table()
+            self.blocks.sync_table(0 if show_prefill else self._prefilling())
 
-    def _commit_decoded(self, rows: list[RequestStream]) -> None:
+    def _commit_decoded(self, rows: list[RequestStream], skip: int = 0) -> None:
         """Key the blocks that decoding filled (target-only engines: there the cache holds
         exactly the target's k/v of prompt + output[:-1]; a draft's cache may lag behind the
         target's, so with a draft only prefilled blocks are keyed)."""
@@ -725,6 +906,8 @@ class Scheduler:
             return
         size = self.blocks.block_size
         for row, stream in enumerate(rows):
+            if row < skip or not self.blocks.holds(row):  # in chunked prefill (its chunks
+                continue                                    # commit), or cancelled there
             have = self.blocks.committed(row)
             written = len(stream.prompt_ids) + len(stream.output_ids) - 1
             if written // size > have // size:  # a block filled: key it (and what led to it)
@@ -757,7 +940,7 @@ class Scheduler:
         read_back = ReadBack(bucket.run(gamma, do_sample))  # [bucket, gamma + 2]
         if controller is not None:
             controller.sent()  # the host's part of the step ends here
-        return _Step(rows, gamma, controller, read_back, start)
+        return _Step(rows, gamma, controller, read_back, start, prefilling=self._prefilling())
 
     def _collect(self, step: _Step) -> None:
         """Read one step back: each row keeps n + 1 tokens, cut at its eos and budget."""
@@ -765,17 +948,17 @@ class Scheduler:
         host = step.read_back.wait()  # the step's one sync
         n = len(step.rows)
         tokens, accepted = host[:n, : step.gamma + 1].tolist(), host[:n, -1].tolist()
-        was_active = [not s.done for s in step.rows]
+        was_active = [not s.done and row >= step.prefilling for row, s in enumerate(step.rows)]
         before = engine.stats.num_generated_tokens
         for row, stream in enumerate(step.rows):
-            if stream.done:
+            if not was_active[row]:  # finished, or in chunked prefill (inactive)
                 continue
             left = stream.params.max_tokens - len(stream.output_ids)
             kept = tokens[row][: min(accepted[row] + 1, left)]
             engine.stats.num_generated_tokens += len(kept)
             self._deliver(stream, kept, stream.params.max_tokens)
         engine.record_step(step.controller, accepted, was_active, step.gamma)
-        self._commit_decoded(step.rows)  # (rows move only between iterations)
+        self._commit_decoded(step.rows, step.prefilling)  # (rows move only between iterations)
         elapsed = time.perf_counter() - step.start
         engine.stats.generate_seconds += elapsed
         engine.observe_tokens(engine.stats.num_generated_tokens - before, elapsed)
@@ -786,7 +969,7 @@ class Scheduler:
         """A running row leaves (finished, cancelled, preempted; the lock held): its blocks are
         freed and the last running row moves into its slot, so the rows stay packed."""
         running = self._running
-        if self.blocks is not None:
+        if self.blocks is not None and self.blocks.holds(row):  # (a cancelled prefill's: freed)
             self.blocks.release(row)
         last = len(running) - 1
         if row != last:
@@ -797,7 +980,7 @@ class Scheduler:
 
     def _move_row(self, src: int, dst: int) -> None:
         """Row dst takes row src's request: its KV rows (both models), lengths and state."""
-        if self.blocks is not None:
+        if self.blocks is not None and self.blocks.holds(src):  # (a cancelled prefill's: freed)
             self.blocks.move(src, dst)  # the table row moves (the draft's: the same table)
         for cache in self._caches:
             # slots copied; a paged cache's table rows are the block manager's

@@ -274,6 +274,31 @@ def prefill_chunk(target: ModelSteps, draft: ModelSteps | None, state: DecodeSta
     return _start_rows(state, tokens, B, T, first, emitted)
 
 
+def prefill_part(target: ModelSteps, draft: ModelSteps | None, tokens: torch.Tensor,
+                 progress: list[int], width: int) -> None:
+    """A prompt chunk that does not end the prompts (the scheduler's chunked prefill): row b's
+    tokens [progress[b], progress[b] + width) run through the CHUNK step at seq_lens =
+    progress[b], in both models, attending over the slots before; no token is chosen (the
+    last chunk is `prefill_chunk`'s, with `cached` = the progress then).
+
+    tokens: [B, T] the whole prompts (one length); width >= 2 (the chunk step's least). A row
+    whose prompt ends inside the chunk feeds its last token again past its end (slots
+    written, later overwritten, as in `prefill_chunk`). The caches' lengths are left at
+    progress + width (the next chunk sets its own).
+    """
+    B, T = tokens.shape
+    device = tokens.device
+    lengths = torch.tensor(progress, dtype=torch.long, device=device)  # [B]
+    slots = lengths[:, None] + torch.arange(width, device=device)  # [B, W]
+    chunk = tokens.gather(1, slots.clamp(max=T - 1))  # [B, W]
+    for model in (target, draft):
+        if model is not None:
+            model.cache.begin(torch.zeros(B, dtype=torch.long, device=device))
+            model.cache.set_lengths(lengths)
+            model.run(CHUNK, chunk, slots)  # (the logits are not needed)
+            model.cache.set_lengths(lengths + width)
+
+
 def _start_rows(state: DecodeState, tokens: torch.Tensor, batch: int, true_length: int,
                 first: torch.Tensor, emitted: torch.Tensor | None) -> StepResult:
     """The state after a prefill of `tokens` [B, T] (rows past `batch`: dummies) whose first

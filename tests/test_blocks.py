@@ -450,3 +450,26 @@ def test_sync_copies_only_a_changed_table() -> None:
     m.move(0, 1)
     m.sync_table()
     assert copies == [1, 1]
+
+
+def test_hidden_rows_read_as_null_on_the_device_until_shown() -> None:
+    """sync_table(hidden=k): rows [0, k) are null rows in the device table (a group in chunked
+    prefill, which decode steps must not write), the manager's records unchanged; a later sync
+    with fewer hidden rows shows them again, even when they grew meanwhile. Both layouts: the
+    CPU's one table, and a device table of its own (here a second CPU tensor)."""
+    for separate in (False, True):
+        m = BlockManager(num_blocks=10, block_size=2, rows=3, max_blocks=4)
+        if separate:
+            m.host_table = m.table.clone()
+        m.admit(0, [1, 2, 3])
+        m.admit(1, [4, 5, 6, 7])
+        first, second = m.row_blocks(0), m.row_blocks(1)
+        m.sync_table(hidden=1)
+        assert m.table[0].tolist() == [0] * 4 and m.table[1].tolist() == second + [0, 0]
+        assert m.grow(0, 6)
+        m.sync_table(hidden=1)
+        grown = m.row_blocks(0)
+        assert grown[:2] == first and len(grown) == 3 and m.committed(0) == 0
+        assert m.table[0].tolist() == [0] * 4
+        m.sync_table()
+        assert m.table[0].tolist() == grown + [0] and m.table[1].tolist() == second + [0, 0]

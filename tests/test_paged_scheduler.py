@@ -266,6 +266,237 @@ def test_serving_metrics_move() -> None:
         sched.close()
 
 
+# -- prompts in chunks between decode steps (max_num_batched_tokens) -----------------------------
+
+
+def count_prompt_tokens(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Spy on the three prefill functions: the prompt tokens each call runs, appended to the
+    returned list."""
+    fed: list[int] = []
+    real_part, real_chunk, real_whole = (speculative.prefill_part, speculative.prefill_chunk,
+                                         speculative.prefill)
+
+    def part(target, draft, tokens, progress, width):
+        fed.append(tokens.shape[0] * width)
+        return real_part(target, draft, tokens, progress, width)
+
+    def chunk(target, draft, state, tokens, cached, *args):
+        fed.append(sum(tokens.shape[1] - c for c in cached))
+        return real_chunk(target, draft, state, tokens, cached, *args)
+
+    def whole(target, draft, state, prompts, true_length, *args):
+        fed.append(prompts.batch * true_length)
+        return real_whole(target, draft, state, prompts, true_length, *args)
+
+    monkeypatch.setattr(speculative, "prefill_part", part)
+    monkeypatch.setattr(speculative, "prefill_chunk", chunk)
+    monkeypatch.setattr(speculative, "prefill", whole)
+    return fed
+
+
+def test_chunked_prefill_returns_what_each_returns_alone() -> None:
+    """A budget of 6 tokens an iteration: every prompt goes in several chunks while others
+    decode; greedy and seeded outputs are each request's alone, first tokens timed."""
+    eng = engine()
+    requests = REQUESTS + [(prompt(30, seed=90), greedy(7)), (prompt(21, seed=91), greedy(9))]
+    want = alone(eng, requests)
+    sched = started(eng, max_num_batched_tokens=6)
+    try:
+        streams = [sched.submit(p, params) for p, params in requests]
+        assert [s.result(TIMEOUT) for s in streams] == want
+        assert sched.prefill_chunks >= len(requests) + 30 // 4
+        assert all(s.first_token_time is not None and s.first_token_time >= s.arrival_time
+                   for s in streams)
+        assert_no_leak(sched)
+    finally:
+        sched.close()
+
+
+@pytest.mark.parametrize("budget", [None, 8])
+def test_a_running_request_gets_a_token_every_iteration(
+        monkeypatch: pytest.MonkeyPatch, budget: int | None) -> None:
+    """Stepped by hand: a 40-token prompt joins while a request decodes. In chunks (budget 8:
+    4-token chunks beside the running row's token) the running request gets a token every
+    iteration and no iteration runs more than the budget; whole (no budget), the iteration
+    that admits it runs all 40 prompt tokens before the next decode step."""
+    eng = engine()
+    runner, long = (prompt(5, seed=80), greedy(30)), (prompt(40, seed=81), greedy(4))
+    want = alone(eng, [runner, long])
+    fed = count_prompt_tokens(monkeypatch)
+    sched = Scheduler(eng, max_num_batched_tokens=budget)
+    sched._may_run_ahead = lambda in_flight: False  # one step an iteration
+    try:
+        r = sched.submit(*runner)
+        with eng.generating():
+            sched._iteration()
+            assert len(r.output_ids) == 2  # its prefill, then its first step
+            s = sched.submit(*long)
+            per_iteration = []
+            while not s.done:
+                before, calls = len(r.output_ids), len(fed)
+                sched._iteration()
+                per_iteration.append((len(r.output_ids) - before, sum(fed[calls:])))
+            while not r.done:
+                sched._iteration()
+        assert [r.output_ids, s.output_ids] == want
+        if budget is None:
+            assert max(tokens for _, tokens in per_iteration) == 40
+        else:
+            assert len(per_iteration) >= 40 // 4
+            assert sched.prefill_chunks == 1 + 40 // 4  # (the runner's prompt: one chunk)
+            assert all(got == 1 and tokens <= budget - 1 for got, tokens in per_iteration), \
+                per_iteration
+        assert_no_leak(sched)
+    finally:
+        sched.close()
+
+
+def test_cancel_during_a_chunked_prefill_frees_its_blocks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 40-token prompt cancelled after its third chunk: it ends ("abort") at the next
+    iteration with its blocks freed, while the running request goes on to its own tokens;
+    a prefill that is all cancelled ends at once; nothing leaks."""
+    eng = engine()
+    runner = (prompt(5, seed=82), greedy(20))
+    want = alone(eng, [runner])[0]
+    fed = count_prompt_tokens(monkeypatch)
+    sched = Scheduler(eng, max_num_batched_tokens=6)
+    sched._may_run_ahead = lambda in_flight: False  # one step an iteration
+    try:
+        r = sched.submit(*runner)
+        with eng.generating():
+            sched._iteration()
+            s = sched.submit(prompt(40, seed=83), greedy(4))
+            for _ in range(3):
+                sched._iteration()
+            assert sched._prefilling() == 1 and sched.blocks.holds(0) and len(fed) == 4
+            used = sched.blocks.available_blocks
+            s.cancel()
+            sched._iteration()
+            assert s.finish_reason == "abort" and s.output_ids == []
+            assert sched._prefilling() == 0 and sched.blocks.available_blocks > used
+            alone_long = sched.submit(prompt(40, seed=84), greedy(3))
+            sched._iteration()
+            assert sched._prefilling() == 1
+            alone_long.cancel()
+            while not r.done:
+                sched._iteration()
+            sched._retire()
+        assert r.output_ids == want and alone_long.finish_reason == "abort"
+        assert_no_leak(sched)
+    finally:
+        sched.close()
+
+
+@pytest.mark.parametrize("cancelled", [0, 1])
+def test_cancel_one_row_of_a_group_in_chunked_prefill(cancelled: int) -> None:
+    """Stepped by hand: two 24-token prompts prefill together (rows 0 and 1, chunks of 2 a
+    row); one is cancelled after the second chunk: its blocks are freed at once, its row rides
+    along to the group's last chunk, and the other returns what it returns alone."""
+    eng = engine()
+    requests = [(prompt(24, seed=110), greedy(6)), (prompt(24, seed=111), greedy(9))]
+    want = alone(eng, requests)
+    sched = Scheduler(eng, max_num_batched_tokens=5)
+    sched._may_run_ahead = lambda in_flight: False  # one step an iteration
+    try:
+        streams = [sched.submit(p, params) for p, params in requests]
+        with eng.generating():
+            sched._iteration()
+            sched._iteration()
+            assert sched._prefilling() == 2 and sched.prefill_chunks == 2
+            free = sched.blocks.available_blocks
+            streams[cancelled].cancel()
+            sched._iteration()
+            assert streams[cancelled].finish_reason == "abort"
+            assert not sched.blocks.holds(cancelled) and sched.blocks.holds(1 - cancelled)
+            assert sched.blocks.available_blocks > free and sched._prefilling() == 2
+            kept = streams[1 - cancelled]
+            while not kept.done:
+                sched._iteration()
+            sched._retire()
+        assert kept.output_ids == want[1 - cancelled] and streams[cancelled].output_ids == []
+        assert_no_leak(sched)
+    finally:
+        sched.close()
+
+
+def test_chunked_prefill_with_preemption_returns_what_each_returns_alone() -> None:
+    """The small pool with prompts in chunks: rows are preempted (a group in prefill first,
+    as the newest) and requeued; every output is unchanged."""
+    eng = engine(SMALL_POOL)
+    requests = [(prompt(10 + 3 * i, seed=30 + i),
+                 greedy(18) if i % 2 == 0 else sampled(18, seed=i)) for i in range(6)]
+    want = alone(eng, requests)
+    sched = started(eng, max_num_batched_tokens=5)
+    try:
+        streams = [sched.submit(p, params) for p, params in requests]
+        assert [s.result(TIMEOUT) for s in streams] == want
+        assert sched.preemptions > 0 and sched.prefill_chunks > len(requests)
+        assert_no_leak(sched)
+    finally:
+        sched.close()
+
+
+def test_a_group_in_prefill_is_preempted_first_and_resumes() -> None:
+    """Stepped by hand on the small pool: a 36-token prompt (10 blocks) is admitted beside a
+    decoding request (2 blocks) and goes in 2-token chunks; when the running row needs a
+    fourth block, the group in prefill (the newest) is preempted, not the running row: its
+    blocks freed, its finished chunks cached, it waits and then returns what it returns
+    alone."""
+    eng = engine(SMALL_POOL)
+    runner, long = (prompt(4, seed=100), greedy(40)), (prompt(36, seed=101), greedy(4))
+    want = alone(eng, [runner, long])
+    sched = Scheduler(eng, max_num_batched_tokens=3)
+    sched._may_run_ahead = lambda in_flight: False  # one step an iteration
+    try:
+        r = sched.submit(*runner)
+        with eng.generating():
+            while not r.output_ids:  # (its 4 tokens: a chunk of 3, then the last one)
+                sched._iteration()
+            s = sched.submit(*long)
+            sched._iteration()
+            assert sched._prefilling() == 1 and sched.blocks.available_blocks == 1
+            while sched._prefilling():
+                sched._iteration()
+            assert s.preemptions == 1 and sched.preemptions == 1 and not s.output_ids
+            assert r.preemptions == 0 and sched.num_waiting == 1
+            while not (r.done and s.done):
+                sched._iteration()
+            sched._retire()
+        assert [r.output_ids, s.output_ids] == want
+        assert sched.preemptions == 1 and sched.blocks.prefix_hits > 0
+        assert_no_leak(sched)
+    finally:
+        sched.close()
+
+
+def test_max_num_batched_tokens_must_be_a_count() -> None:
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="max_num_batched_tokens"):
+            Scheduler(engine(), max_num_batched_tokens=bad)
+    assert Scheduler(engine(), max_num_batched_tokens=0).max_num_batched_tokens is None
+
+
+@pytest.mark.slow  # (an engine with a draft: ~30 s more on a 2-core CPU)
+def test_speculative_chunked_prefill_with_preemption_and_prefix_hits() -> None:
+    """Both models get every chunk: speculative steps (gamma 3) beside prompts in chunks over
+    the small pool, with shared openings (prefix hits start the chunks at their cached tokens)
+    and preemption, return each request's greedy tokens alone."""
+    eng = engine(SMALL_POOL, draft=True)
+    shared = prompt(8, seed=60)
+    requests = [(shared + prompt(10 + i, seed=61 + i), greedy(18)) for i in range(5)]
+    want = alone(eng, requests)
+    sched = started(eng, max_num_batched_tokens=9)
+    try:
+        streams = [sched.submit(p, params) for p, params in requests]
+        assert [s.result(TIMEOUT) for s in streams] == want
+        assert sched.blocks.prefix_hits > 0 and sched.prefill_chunks > len(requests)
+        assert sched.preemptions > 0
+        assert_no_leak(sched)
+    finally:
+        sched.close()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_paged_scheduler_replays_graphs_over_the_managed_table() -> None:
     """On CUDA (fp32; the captured iteration graphs read the block table where it lives, the
@@ -296,6 +527,40 @@ def test_gpu_paged_scheduler_replays_graphs_over_the_managed_table() -> None:
     replays = eng.report().graph_replays
     assert sum(v for k, v in replays.items() if k.startswith("step.b")) >= sched.steps
     assert all(n == 0 for b in eng.buckets.values() for n in b.uncaptured_runs.values())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_chunked_prefill_between_captured_steps() -> None:
+    """On CUDA (fp32): prompts in chunks (budgets 12 and 40: chunks of at most 16 queries, the
+    split-K kernel's, and longer ones, flash_prefill's) between the captured speculative steps
+    of a draft engine over a 23-block pool, with prefix hits and preemption: each request
+    returns its tokens alone (whole-prompt prefill), and every step replayed a captured
+    graph."""
+    import copy
+
+    target = copy.deepcopy(llama_target()).cuda()  # (the CPU tests share the cached one)
+    config = fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=4, gamma=3,
+                               precision="fp32", kv_block_size=BLOCK, kv_blocks=24)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eng = fuser.optimize(target, draft=perturbed(target, 0.05, seed=3), config=config)
+    shared = prompt(20, seed=85)
+    requests = [(shared + prompt(6 + 5 * i, seed=86 + i), greedy(12)) for i in range(5)]
+    requests += [(prompt(37, seed=95), sampled(10, seed=9)), (prompt(3, seed=96), greedy(20))]
+    want = alone(eng, requests)
+    for budget in (12, 40):
+        before = sum(v for k, v in eng.report().graph_replays.items() if k.startswith("step.b"))
+        sched = started(eng, max_num_batched_tokens=budget)
+        try:
+            streams = [sched.submit(p, params) for p, params in requests]
+            assert [s.result(TIMEOUT) for s in streams] == want, budget
+            assert sched.prefill_chunks > len(requests) and sched.blocks.prefix_hits > 0
+            assert_no_leak(sched)
+        finally:
+            sched.close()
+        replays = eng.report().graph_replays
+        assert sum(v for k, v in replays.items() if k.startswith("step.b")) - before \
+            >= sched.steps
 
 
 @pytest.mark.slow  # (an engine of its own with suffix verify steps: ~35 s on a 2-core CPU)

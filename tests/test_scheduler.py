@@ -194,6 +194,11 @@ def test_needs_a_bucket_of_one() -> None:
         Scheduler(two_rows)
 
 
+def test_chunked_prefill_needs_a_paged_cache() -> None:
+    with pytest.raises(ValueError, match="contiguous"):
+        Scheduler(engine(False), max_num_batched_tokens=64)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_scheduler_replays_step_graphs_and_matches_alone() -> None:
     """On CUDA: requests joining and leaving run through the captured iteration graphs (one

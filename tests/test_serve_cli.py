@@ -251,6 +251,7 @@ def test_adaptation_is_off_by_default_and_its_flags_reach_the_scheduler(tiny_pai
     plain = make_scheduler(engine, default)
     try:
         assert type(plain) is Scheduler  # plain continuous batching
+        assert plain.max_num_batched_tokens is None  # (a contiguous cache: whole prompts)
         assert engine.config is config  # nothing changed in the engine
     finally:
         plain.close()
@@ -450,8 +451,9 @@ def test_the_cold_start_shows_bucket_1s_capture_and_what_continues(monkeypatch, 
 
 def test_a_model_directory_serves_a_paged_cache_with_prefix_caching(tiny_model_dir):
     """The default build pages the KV cache (16-slot blocks; on the CPU the pool holds every
-    row at full length) and the scheduler shares prompt prefixes; --no-prefix-caching turns
-    that off, --block-size 0 gives the contiguous cache."""
+    row at full length) and the scheduler shares prompt prefixes; --max-num-batched-tokens N
+    prefills prompts in chunks (off by default until measured on a GPU); --no-prefix-caching
+    turns sharing off, --block-size 0 gives the contiguous cache."""
     from fuser.server.cli import kv_cache_config, make_scheduler, open_engine
 
     args = _serve_args("--max-batch-size", "2", "--max-seq-len", "64")
@@ -462,10 +464,14 @@ def test_a_model_directory_serves_a_paged_cache_with_prefix_caching(tiny_model_d
     cache = engine.target.cache
     assert cache.paged and cache.k[0].shape[1] == 16
     assert cache.num_blocks == 1 + 2 * cache.block_table.shape[1]
-    for flags, sharing in (((), True), (("--no-prefix-caching",), False)):
+    for flags, sharing, budget in (((), True, None), (("--no-prefix-caching",), False, None),
+                                   (("--max-num-batched-tokens", "0"), True, None),
+                                   (("--max-num-batched-tokens", "512"), True, 512),
+                                   (("--max-num-batched-tokens", "64"), True, 64)):
         scheduler = make_scheduler(engine, _serve_args(*flags))
         try:
             assert scheduler.blocks is not None and scheduler.blocks.prefix_caching is sharing
+            assert scheduler.max_num_batched_tokens == budget
         finally:
             scheduler.close()
     assert kv_cache_config(_serve_args("--block-size", "0")) == {}
@@ -475,6 +481,7 @@ def test_a_model_directory_serves_a_paged_cache_with_prefix_caching(tiny_model_d
 
 def test_kv_cache_flag_mistakes_are_one_line(tiny_model_dir, capsys):
     for flags, word in ((["--block-size", "-1"], "--block-size"),
+                        (["--max-num-batched-tokens", "-1"], "--max-num-batched-tokens"),
                         (["--gpu-memory-fraction", "1.5"], "--gpu-memory-fraction"),
                         (["--block-size", "0", "--gpu-memory-fraction", "0.5"], "not with")):
         code, err = _run(["serve", str(tiny_model_dir), "--port", "0", *flags], capsys)
@@ -490,7 +497,7 @@ def test_a_paged_engine_directory_serves_paged(tiny_model_dir, tmp_path):
     assert main(["build", str(tiny_model_dir), "--max-batch-size", "1", "--max-seq-len", "48",
                  "--gamma", "0", "--block-size", "8", "--out", str(out)]) == 0
     assert main(["inspect", str(out)]) == 0
-    args = _serve_args()
+    args = _serve_args("--max-num-batched-tokens", "512")
     args.path = str(out)
     engine = open_engine(args)
     assert engine.target.cache.paged and engine.target.cache.k[0].shape[1] == 8
@@ -499,7 +506,7 @@ def test_a_paged_engine_directory_serves_paged(tiny_model_dir, tmp_path):
     try:
         params = fuser.SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
         assert len(scheduler.submit([5, 6, 7, 8, 9] * 3, params).result(120.0)) == 5
-        assert scheduler.blocks.prefix_queries == 15
+        assert scheduler.blocks.prefix_queries == 15 and scheduler.prefill_chunks == 1
     finally:
         scheduler.close()
 

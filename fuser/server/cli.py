@@ -26,6 +26,12 @@ DEFAULT_MODEL_BATCH = 8  # --max-batch-size for a model directory
 PRECISION_CHOICES = ("auto", "fp32", "bf16", "fp16", "fp8")  # FuserConfig.precision
 DEFAULT_BLOCK_SIZE = 16  # --block-size: slots per KV block (vLLM's default)
 DEFAULT_GPU_MEMORY_FRACTION = 0.9  # --gpu-memory-fraction (vLLM's gpu_memory_utilization)
+# --max-num-batched-tokens: decode and prompt tokens an iteration of a paged server runs. The
+# prompt chunk runs as a graph of its own beside the decode step, so the chunk's length is what
+# an iteration's time (the running rows' ITL) grows by: 512 would bound it to a few ms on an 8B
+# model and still take 4 prompts of 128 tokens at once beside 64 decoding rows. Off (0) until
+# a GPU run shows it pays: the chunk step runs uncaptured on CUDA (docs/paged-kv.md).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 0
 WARM_UP_SECONDS = 600.0
 
 
@@ -118,6 +124,14 @@ def add_kv_cache_arguments(serve: argparse.ArgumentParser) -> None:
                        default=True,
                        help="do not share the KV blocks of common prompt prefixes between "
                             "requests (default: shared, on a paged cache)")
+    serve.add_argument("--max-num-batched-tokens", type=int,
+                       default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                       help="on a paged cache, prefill new prompts in chunks between decode "
+                            "steps, each iteration at most this many decode and prompt tokens, "
+                            "so running requests get a token every iteration (e.g. 512); 0 "
+                            "(default, until measured on a GPU): each prompt whole at "
+                            "admission while running requests wait (a contiguous cache, and "
+                            "--adapt-draft, always)")
 
 
 def kv_cache_config(args: argparse.Namespace) -> dict[str, object]:
@@ -186,6 +200,9 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--block-size {args.block_size} with --tensor-parallel-size "
                          f"{tensor_parallel}: a paged KV cache is not sharded yet (leave "
                          "--block-size out, or 0)")
+    if getattr(args, "max_num_batched_tokens", 0) < 0:
+        raise ValueError(f"--max-num-batched-tokens {args.max_num_batched_tokens} must be at "
+                         "least 0 (0: whole prompts)")
     fraction = getattr(args, "gpu_memory_fraction", None)
     if fraction is not None and not 0 < fraction <= 1:
         raise ValueError(f"--gpu-memory-fraction {fraction:g} must be in (0, 1]")
@@ -351,8 +368,11 @@ def make_scheduler(engine: Any, args: argparse.Namespace) -> Any:
                         + ("top-k" if distiller.labels_from_target else "tokens")
                         if distiller is not None else "") + ")")
             return scheduler
+    paged = engine.target is not None and engine.target.cache.paged
     return Scheduler(engine, max_waiting=args.max_waiting,
-                     prefix_caching=getattr(args, "prefix_caching", True))
+                     prefix_caching=getattr(args, "prefix_caching", True),
+                     max_num_batched_tokens=getattr(args, "max_num_batched_tokens", 0)
+                     if paged else None)
 
 
 def show_draft_updates() -> logging.Handler:
