@@ -30,17 +30,9 @@ from fuser.models import PRESETS
 from fuser.runtime.step_graphs import PLAIN
 from fuser.runtime.steps import DECODE, PREFILL, verify
 from peers import make_gpt_fast_style, make_hf_eager, make_hf_static_compile
-from timing import log, measure_read_bandwidth, replay_median_ms
+from timing import log, measure_read_bandwidth, replay_median_ms, step_bytes
 
 RESULTS: dict = {}
-
-
-def step_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weights one decode step reads: all parameters but the embedding table."""
-    embed = model.get_input_embeddings().weight
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    tied = model.get_output_embeddings().weight is embed
-    return total - (0 if tied else embed.numel() * embed.element_size())
 
 
 def timed_generate(fn, runs: int) -> tuple[float, int]:

@@ -27,17 +27,9 @@ import transformers
 
 import fuser
 from fuser.models import PRESETS
-from timing import log, measure_read_bandwidth
+from timing import log, measure_read_bandwidth, step_bytes
 
 RESULTS: dict = {}
-
-
-def step_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weights one decode step reads: all parameters but the embedding table."""
-    embed = model.get_input_embeddings().weight
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    tied = model.get_output_embeddings().weight is embed
-    return total - (0 if tied else embed.numel() * embed.element_size())
 
 
 def _sync() -> None:

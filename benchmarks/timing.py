@@ -141,6 +141,14 @@ def replay_median_ms(fn: Callable[[], torch.Tensor], replays: int = 30
     return statistics.median(times), out.clone()
 
 
+def step_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one decode step reads: all parameters but the embedding table."""
+    embed = model.get_input_embeddings().weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    tied = model.get_output_embeddings().weight is embed
+    return total - (0 if tied else embed.numel() * embed.element_size())
+
+
 def measure_read_bandwidth() -> float:
     """Bytes/s of a sum over 2 GiB of bf16 (reads dominate)."""
     x = torch.randn(2**30, device="cuda", dtype=torch.bfloat16)

@@ -254,14 +254,10 @@ def prefill_chunk(target: ModelSteps, draft: ModelSteps | None, state: DecodeSta
     block's, which hold only slots below cached).
     """
     B, T = tokens.shape
-    device = tokens.device
-    W = max(T - min(cached), 2)
-    lengths = torch.tensor(cached, dtype=torch.long, device=device)  # [B]
-    slots = lengths[:, None] + torch.arange(W, device=device)  # [B, W]
-    chunk = tokens.gather(1, slots.clamp(max=T - 1))  # [B, W]
+    lengths, slots, chunk = _chunk(tokens, cached, max(T - min(cached), 2))
     for model in (target, draft):
         if model is not None:
-            model.cache.begin(torch.zeros(B, dtype=torch.long, device=device))
+            model.cache.begin(torch.zeros(B, dtype=torch.long, device=tokens.device))
             model.cache.set_lengths(lengths)
     logits = target.run(CHUNK, chunk, slots)  # [B, W, V_target] (positions = slots)
     if draft is not None:
@@ -272,6 +268,16 @@ def prefill_chunk(target: ModelSteps, draft: ModelSteps | None, state: DecodeSta
     first = choose(state, logits.gather(1, last)[:, 0, :vocab_size].float(), do_sample,
                    counter=counter)
     return _start_rows(state, tokens, B, T, first, emitted)
+
+
+def _chunk(tokens: torch.Tensor, progress: list[int], width: int
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(lengths [B], slots [B, W], chunk [B, W]) of a prompt chunk of `width` tokens a row
+    from slot progress[b] of the prompts `tokens` [B, T] (a row whose prompt ends inside the
+    chunk feeds its last token again past its end)."""
+    lengths = torch.tensor(progress, dtype=torch.long, device=tokens.device)  # [B]
+    slots = lengths[:, None] + torch.arange(width, device=tokens.device)  # [B, W]
+    return lengths, slots, tokens.gather(1, slots.clamp(max=tokens.shape[1] - 1))
 
 
 def prefill_part(target: ModelSteps, draft: ModelSteps | None, tokens: torch.Tensor,
@@ -286,14 +292,11 @@ def prefill_part(target: ModelSteps, draft: ModelSteps | None, tokens: torch.Ten
     written, later overwritten, as in `prefill_chunk`). The caches' lengths are left at
     progress + width (the next chunk sets its own).
     """
-    B, T = tokens.shape
-    device = tokens.device
-    lengths = torch.tensor(progress, dtype=torch.long, device=device)  # [B]
-    slots = lengths[:, None] + torch.arange(width, device=device)  # [B, W]
-    chunk = tokens.gather(1, slots.clamp(max=T - 1))  # [B, W]
+    B = tokens.shape[0]
+    lengths, slots, chunk = _chunk(tokens, progress, width)
     for model in (target, draft):
         if model is not None:
-            model.cache.begin(torch.zeros(B, dtype=torch.long, device=device))
+            model.cache.begin(torch.zeros(B, dtype=torch.long, device=tokens.device))
             model.cache.set_lengths(lengths)
             model.run(CHUNK, chunk, slots)  # (the logits are not needed)
             model.cache.set_lengths(lengths + width)

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +15,7 @@ import torch
 import fuser.ops.collectives  # noqa: F401  (registers fuser::all_reduce)
 from fuser.ops import p2p_all_reduce
 from fuser.ops.p2p_all_reduce import P2PAllReduce
+from ranks import free_port, run_ranks
 
 WORKER = Path(__file__).parent / "p2p_all_reduce_worker.py"
 
@@ -83,32 +82,14 @@ def test_max_bytes_must_be_a_multiple_of_16() -> None:
         P2PAllReduce(group, torch.device("cpu"), max_bytes=10)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (P2P, NCCL)")
 def test_cuda_one_shot_equals_nccl_eager_and_graphed(tmp_path: Path) -> None:
-    world_size, port = 2, _free_port()
+    world_size, port = 2, free_port()
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
     outs = [tmp_path / f"rank{r}.pt" for r in range(world_size)]
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world_size), str(port),
-                               str(outs[r])], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(world_size)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=300)[0])
-    finally:
-        for p in procs:  # a rank left waiting on a dead peer is ended, never left behind
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for r, (p, log) in enumerate(zip(procs, logs)):
-        assert p.returncode == 0, f"rank {r} failed:\n{log[-4000:]}"
+    logs = run_ranks([[sys.executable, str(WORKER), str(r), str(world_size), str(port),
+                       str(outs[r])] for r in range(world_size)], env, 300)
     results = [torch.load(o) for o in outs]
     assert all(res["installed"] for res in results), logs
     cases = [k for k in results[0] if k != "installed"]

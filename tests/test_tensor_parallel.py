@@ -10,8 +10,6 @@ lockstep, summing (or concatenating) at each collective as the process group wou
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,18 +20,13 @@ from hypothesis import strategies as st
 
 from fuser.ops.collectives import all_gather_reference, all_reduce_reference
 from fuser.passes.tensor_parallel import SOURCE, shard_graph
+from ranks import free_port, run_ranks
 from tensor_parallel_worker import CACHE, CONFIGS, DECODE_STEPS, cache_of, step_graphs
 
 WORKER = Path(__file__).parent / "tensor_parallel_worker.py"
 TIMEOUT_S = 240  # a hung collective fails the test instead of blocking CI
 ALL_REDUCE = torch.ops.fuser.all_reduce.default
 ALL_GATHER = torch.ops.fuser.all_gather.default
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _attr(gm: torch.nn.Module, target: str) -> torch.Tensor:
@@ -83,7 +76,7 @@ def test_two_processes_equal_the_unsharded_model(tmp_path: Path, device: str) ->
     """2 ranks (gloo on the CPU, NCCL on 2 GPUs): every family's prefill and decode logits
     equal the unsharded step's within 1e-5 (fp32), greedy tokens are equal, and each rank's
     cache holds its KV heads."""
-    world_size, port = 2, _free_port()
+    world_size, port = 2, free_port()
     # NVLink multicast off (NVLS, symmetric memory): not available on the machines we test on
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "OMP_NUM_THREADS": "1", "NCCL_NVLS_ENABLE": "0",
@@ -91,20 +84,8 @@ def test_two_processes_equal_the_unsharded_model(tmp_path: Path, device: str) ->
     if sys.platform == "linux":  # gloo over loopback, whether or not the hostname resolves
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     outs = [tmp_path / f"rank{r}.pt" for r in range(world_size)]
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world_size), str(port),
-                               str(outs[r]), device], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(world_size)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=TIMEOUT_S)[0])
-    finally:
-        for p in procs:  # a rank left waiting on a dead peer is ended, never left behind
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for r, (p, log) in enumerate(zip(procs, logs)):
-        assert p.returncode == 0, f"rank {r} failed:\n{log[-4000:]}"
+    run_ranks([[sys.executable, str(WORKER), str(r), str(world_size), str(port), str(outs[r]),
+                device] for r in range(world_size)], env, TIMEOUT_S)
     results = [torch.load(o) for o in outs]
     assert set(results[0]) == set(CONFIGS)
     for family in CONFIGS:
