@@ -36,7 +36,7 @@ def _llama(args: argparse.Namespace, seed: int) -> torch.nn.Module:
         head_dim=args.head_dim, max_position_embeddings=max(256, 2 * args.max_seq_len),
         bos_token_id=None, eos_token_id=None, pad_token_id=None)
     torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(config).eval()
+    return transformers.LlamaForCausalLM(config).to(getattr(torch, args.dtype)).eval()
 
 
 class Timings:
@@ -73,6 +73,17 @@ class Timings:
                 setattr(owner, name, original)
 
         return patched()
+
+
+@contextlib.contextmanager
+def _patched(owner: object, name: str, value: object) -> Iterator[None]:
+    """`owner.name` = value for the duration."""
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
 
 
 def profile(args: argparse.Namespace) -> tuple[Timings, float]:
@@ -125,6 +136,11 @@ def profile(args: argparse.Namespace) -> tuple[Timings, float]:
         return ("engine", "all")
 
     with contextlib.ExitStack() as stack:
+        if args.recompile_each_pass:  # the passes as they ran before run_passes deferred it
+            import fuser.passes
+
+            stack.enter_context(_patched(fuser.passes, "deferred_recompile",
+                                         contextlib.nullcontext))
         stack.enter_context(timings.wrap(build, "export_step", "export", export_label))
         stack.enter_context(timings.wrap(build, "specialize", "specialize", specialize_label))
         stack.enter_context(timings.wrap(build, "run_passes", "passes", passes_label))
@@ -157,6 +173,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--draft", action="store_true", help="speculative: target + noisy copy")
     parser.add_argument("--gamma", default="auto", help="an int or auto (with --draft)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--recompile-each-pass", action="store_true",
+                        help="A/B: every pass regenerates the graph's code (no deferral)")
     parser.add_argument("--json", default=None, help="write the rows to this file")
     args = parser.parse_args()
     timings, total = profile(args)

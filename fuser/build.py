@@ -72,6 +72,25 @@ def compile_mode(config: FuserConfig, device: torch.device, model: nn.Module) ->
     return "inductor" if parameters >= CPU_INDUCTOR_MIN_PARAMETERS else "fx"
 
 
+def start_compile_workers(mode: str) -> bool:
+    """Start Inductor's pool of compile workers now, where `mode` (`compile_mode`) is
+    "inductor": True if it was asked to start.
+
+    Without Dynamo (fuser/compile.py) nothing starts the pool before the first kernel; until
+    its workers are up (seconds), Inductor compiles every kernel in this process, one after
+    another. Started at the beginning of a build, the pool is ready once the exports and passes
+    are done. Where the pool does the compiling changes nothing in what is compiled.
+    """
+    if mode != "inductor":
+        return False
+    try:
+        from torch._inductor.async_compile import maybe_warm_pool
+    except ImportError:  # a torch without it: the pool starts with the first kernel
+        return False
+    maybe_warm_pool()
+    return True
+
+
 def build_steps(role: str, view: nn.Module, cache: KVCache, kinds: list[StepKind],
                 config: FuserConfig, device: torch.device) -> ModelSteps:
     """Export, rewrite and compile each step of `kinds` for `view` (the engine's copy of a
