@@ -72,16 +72,17 @@ def compile_mode(config: FuserConfig, device: torch.device, model: nn.Module) ->
     return "inductor" if parameters >= CPU_INDUCTOR_MIN_PARAMETERS else "fx"
 
 
-def start_compile_workers(mode: str) -> bool:
-    """Start Inductor's pool of compile workers now, where `mode` (`compile_mode`) is
-    "inductor": True if it was asked to start.
+def start_compile_workers(mode: str, device: torch.device) -> bool:
+    """Start Inductor's pool of Triton compile workers now, where `mode` (`compile_mode`) is
+    "inductor" on CUDA: True if it was asked to start.
 
     Without Dynamo (fuser/compile.py) nothing starts the pool before the first kernel; until
-    its workers are up (seconds), Inductor compiles every kernel in this process, one after
-    another. Started at the beginning of a build, the pool is ready once the exports and passes
-    are done. Where the pool does the compiling changes nothing in what is compiled.
+    its workers are up (seconds), Inductor compiles each Triton kernel in this process, one
+    after another. Started at the beginning of a build, the pool is ready once the exports and
+    passes are done. Where a kernel is compiled changes nothing in what is compiled. (CPU
+    kernels compile on threads of this process: no pool to start.)
     """
-    if mode != "inductor":
+    if mode != "inductor" or device.type != "cuda":
         return False
     try:
         from torch._inductor.async_compile import maybe_warm_pool

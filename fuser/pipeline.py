@@ -113,7 +113,7 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
         next(target.parameters()).device
     dtype = config.dtype_for(next(target.parameters()).dtype)
     # Inductor's compile workers start while the steps are exported and rewritten.
-    start_compile_workers(compile_mode(config, device, target))
+    start_compile_workers(compile_mode(config, device, target), device)
     gammas = config.gammas if draft is not None else ()
     # Without a draft, suffix speculation (runtime/suffix.py) still needs the target's verify
     # steps: built with the engine, so that a saved engine directory has them.
