@@ -8,8 +8,13 @@ pass run, Inductor compile + first run, bucket warm-up, the eager self-check and
     python benchmarks/build_profile.py --layers 8 --max-batch-size 64 --compile fx
     python benchmarks/build_profile.py --layers 4 --max-batch-size 64 --compile inductor \\
         --draft --gamma auto
+    python benchmarks/build_profile.py --preset llama-3-8b --device cuda --dtype bfloat16 \\
+        --max-batch-size 256 --max-seq-len 512 --compile inductor      # on the GPU
 
-Runs on CPU or CUDA (`--device cuda`); `--json FILE` writes the rows too.
+Batch buckets: --buckets, else the engine's own (every power of two below --max-batch-size on
+CUDA, only --max-batch-size on CPU). Runs on CPU or CUDA (`--device cuda`); `--json FILE`
+writes the rows too. Inductor's on-disk caches make a second build of the same graphs faster:
+compare builds under a fresh TORCHINDUCTOR_CACHE_DIR (and TRITON_CACHE_DIR) each.
 """
 
 from __future__ import annotations
@@ -26,29 +31,44 @@ import torch
 
 
 def _llama(args: argparse.Namespace, seed: int) -> torch.nn.Module:
-    """A random Llama of the requested shape, in eval mode."""
+    """A random Llama of the requested shape (--preset, else the shape flags), built directly
+    in --dtype on --device, in eval mode."""
     import transformers
 
-    config = transformers.LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.heads * args.head_dim,
-        intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        head_dim=args.head_dim, max_position_embeddings=max(256, 2 * args.max_seq_len),
-        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if args.preset:
+        from fuser.models import PRESETS
+
+        fields = dict(PRESETS[args.preset])
+    else:
+        fields = dict(
+            vocab_size=args.vocab, hidden_size=args.heads * args.head_dim,
+            intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+            num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+            head_dim=args.head_dim, max_position_embeddings=max(256, 2 * args.max_seq_len),
+            bos_token_id=None, eos_token_id=None, pad_token_id=None)
     torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(config).to(getattr(torch, args.dtype)).eval()
+    torch.set_default_dtype(getattr(torch, args.dtype))
+    try:
+        with torch.device(args.device):
+            return transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields)).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
 
 
 class Timings:
-    """Seconds per (phase, graph, rows), summed over calls, in first-seen order."""
+    """Wall seconds and this process's CPU seconds per (phase, graph, rows), summed over calls,
+    in first-seen order. CPU seconds hardly move when other processes share the cores (wall
+    seconds do); they leave out the compile workers' processes."""
 
     def __init__(self) -> None:
         self.seconds: dict[tuple[str, str, str], float] = collections.OrderedDict()
+        self.cpu: collections.Counter = collections.Counter()
         self.calls: collections.Counter = collections.Counter()
 
-    def add(self, phase: str, graph: str, rows: str, seconds: float) -> None:
+    def add(self, phase: str, graph: str, rows: str, seconds: float, cpu: float) -> None:
         key = (phase, graph, rows)
         self.seconds[key] = self.seconds.get(key, 0.0) + seconds
+        self.cpu[key] += cpu
         self.calls[key] += 1
 
     def wrap(self, owner: object, name: str, phase: str,
@@ -57,12 +77,13 @@ class Timings:
         original = getattr(owner, name)
 
         def timed(*a, **k):
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             try:
                 return original(*a, **k)
             finally:
                 graph, rows = label(*a, **k)
-                self.add(phase, graph, rows, time.perf_counter() - start)
+                self.add(phase, graph, rows, time.perf_counter() - start,
+                         time.process_time() - cpu)
 
         @contextlib.contextmanager
         def patched() -> Iterator[None]:
@@ -136,11 +157,12 @@ def profile(args: argparse.Namespace) -> tuple[Timings, float]:
         return ("engine", "all")
 
     with contextlib.ExitStack() as stack:
-        if args.recompile_each_pass:  # the passes as they ran before run_passes deferred it
-            import fuser.passes
+        if args.baseline:  # the build as it ran before: each pass recompiling, and
+            import fuser.passes  # Inductor's workers started by its first kernel
 
             stack.enter_context(_patched(fuser.passes, "deferred_recompile",
                                          contextlib.nullcontext))
+            stack.enter_context(_patched(pipeline, "start_compile_workers", lambda *a: False))
         stack.enter_context(timings.wrap(build, "export_step", "export", export_label))
         stack.enter_context(timings.wrap(build, "specialize", "specialize", specialize_label))
         stack.enter_context(timings.wrap(build, "run_passes", "passes", passes_label))
@@ -160,6 +182,8 @@ def profile(args: argparse.Namespace) -> tuple[Timings, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default=None,
+                        help="a fuser.models preset shape (e.g. llama-3-8b) instead of the flags")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)
@@ -174,21 +198,27 @@ def main() -> None:
     parser.add_argument("--draft", action="store_true", help="speculative: target + noisy copy")
     parser.add_argument("--gamma", default="auto", help="an int or auto (with --draft)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--recompile-each-pass", action="store_true",
-                        help="A/B: every pass regenerates the graph's code (no deferral)")
+    parser.add_argument("--baseline", action="store_true",
+                        help="A/B: build as before run_passes deferred its recompiles and "
+                             "the build started Inductor's workers early")
     parser.add_argument("--json", default=None, help="write the rows to this file")
     args = parser.parse_args()
     timings, total = profile(args)
     phases: dict[str, float] = collections.defaultdict(float)
-    print(f"{'phase':<11} {'graph':<18} {'rows':>5} {'calls':>5} {'seconds':>8}")
-    for (phase, graph, rows), seconds in timings.seconds.items():
+    phases_cpu: dict[str, float] = collections.defaultdict(float)
+    print(f"{'phase':<11} {'graph':<18} {'rows':>5} {'calls':>5} {'seconds':>8} {'cpu s':>8}")
+    for key, seconds in timings.seconds.items():
+        phase, graph, rows = key
         phases[phase] += seconds
-        print(f"{phase:<11} {graph:<18} {rows:>5} {timings.calls[phase, graph, rows]:>5} "
-              f"{seconds:8.2f}")
+        phases_cpu[phase] += timings.cpu[key]
+        print(f"{phase:<11} {graph:<18} {rows:>5} {timings.calls[key]:>5} {seconds:8.2f} "
+              f"{timings.cpu[key]:8.2f}")
     print("totals: " + ", ".join(f"{p} {s:.1f} s" for p, s in phases.items()))
-    print(f"build {total:.1f} s")
+    print("cpu totals: " + ", ".join(f"{p} {s:.1f} s" for p, s in phases_cpu.items()))
+    print(f"build {total:.1f} s{' (baseline)' if args.baseline else ''}")
     if args.json:
-        rows = [dict(phase=p, graph=g, rows=r, calls=timings.calls[p, g, r], seconds=s)
+        rows = [dict(phase=p, graph=g, rows=r, calls=timings.calls[p, g, r], seconds=s,
+                     cpu_seconds=timings.cpu[p, g, r])
                 for (p, g, r), s in timings.seconds.items()]
         with open(args.json, "w") as f:
             json.dump(dict(build_seconds=total, rows=rows, args=vars(args)), f, indent=1)
