@@ -157,11 +157,15 @@ def profile(args: argparse.Namespace) -> tuple[Timings, float]:
         return ("engine", "all")
 
     with contextlib.ExitStack() as stack:
-        if args.baseline:  # the build as it ran before: each pass recompiling, and
-            import fuser.passes  # Inductor's workers started by its first kernel
+        if args.baseline:  # the build as it ran before: each pass recompiling, a fresh
+            import fuser.passes  # decomposition table per trace, Inductor's workers started
+            import fuser.passes.base  # by its first kernel
+            from torch._decomp import core_aten_decompositions
 
             stack.enter_context(_patched(fuser.passes, "deferred_recompile",
                                          contextlib.nullcontext))
+            stack.enter_context(_patched(fuser.passes.base, "core_aten_table",
+                                         core_aten_decompositions))
             stack.enter_context(_patched(pipeline, "start_compile_workers", lambda *a: False))
         stack.enter_context(timings.wrap(build, "export_step", "export", export_label))
         stack.enter_context(timings.wrap(build, "specialize", "specialize", specialize_label))
@@ -199,8 +203,9 @@ def main() -> None:
     parser.add_argument("--gamma", default="auto", help="an int or auto (with --draft)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--baseline", action="store_true",
-                        help="A/B: build as before run_passes deferred its recompiles and "
-                             "the build started Inductor's workers early")
+                        help="A/B: build as before run_passes deferred its recompiles, the "
+                             "passes kept one decomposition table and the build started "
+                             "Inductor's workers early")
     parser.add_argument("--json", default=None, help="write the rows to this file")
     args = parser.parse_args()
     timings, total = profile(args)

@@ -1,6 +1,7 @@
 """run_passes regenerates a step graph's code once, after its last pass
-(`fuser.passes.base.deferred_recompile`), and the graph comes out exactly as when every pass
-recompiled it: same code, same logits, same cache writes."""
+(`fuser.passes.base.deferred_recompile`), and its replacements are traced with one
+decomposition table (`core_aten_table`), not one materialized per trace; the graph comes out
+exactly as before both: same code, same logits, same cache writes."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from hypothesis import strategies as st
 import fuser
 from fuser.build import allocate_cache
 from fuser.capture import StepModule, engine_view, export_step
+import fuser.passes.base
 from fuser.passes import PASSES, PassContext, run_passes
+from fuser.passes.base import core_aten_table
 from fuser.passes.fx import prepare_graph
 from fuser.runtime.steps import DECODE, verify
 from tiny import tiny_model
@@ -50,12 +53,27 @@ def test_one_recompile_same_graph(batch: int, gamma: int) -> None:
     kind = DECODE if gamma == 0 else verify(gamma)
     context = PassContext(f"target.{kind.name}", kind,
                           fuser.FuserConfig(gamma=max(gamma, 1), compile="fx"), "target")
-    # Every pass recompiling (each applied on its own, outside run_passes).
+    # As before: every pass recompiling (each applied on its own, outside run_passes), every
+    # trace materializing its own decomposition table.
+    from torch._decomp import core_aten_decompositions
+    from torch.export.decomp_utils import CustomDecompTable
+
+    materialized = {"each": 0, "once": 0}
+    phase = "each"
+    materialize = CustomDecompTable.materialize
+
+    def counted_materialize(self: CustomDecompTable) -> dict:
+        materialized[phase] += 1
+        return materialize(self)
+
     each, each_cache = _step(batch, kind.tokens)
-    prepare_graph(each)
-    for p in PASSES:
-        if p.applies(context):
-            p.apply(each, context)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(CustomDecompTable, "materialize", counted_materialize)
+        patch.setattr(fuser.passes.base, "core_aten_table", core_aten_decompositions)
+        prepare_graph(each)
+        for p in PASSES:
+            if p.applies(context):
+                p.apply(each, context)
     # run_passes, counting the regenerations of its graph's code.
     once, once_cache = _step(batch, kind.tokens)
     recompiles = []
@@ -66,13 +84,24 @@ def test_one_recompile_same_graph(batch: int, gamma: int) -> None:
             recompiles.append(1)
         return recompile(self)
 
+    phase = "once"
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch.fx.GraphModule, "recompile", counted)
+        patch.setattr(CustomDecompTable, "materialize", counted_materialize)
         result = run_passes(once, context)
     assert result.errors == []
     assert sum(result.matches.values()) > 0
     assert recompiles == [1]
+    assert materialized["once"] <= 1 < materialized["each"]  # <= 1: the table's first use
     assert once.code == each.code
     assert torch.equal(_run(once, once_cache, batch, kind.tokens),
                        _run(each, each_cache, batch, kind.tokens))
     assert all(torch.equal(a, b) for a, b in zip(once_cache, each_cache))
+
+
+def test_core_aten_table_is_kept() -> None:
+    from torch._decomp import core_aten_decompositions
+
+    table = core_aten_table()
+    assert core_aten_table() is table
+    assert table.keys() == dict(core_aten_decompositions().items()).keys()
