@@ -19,6 +19,10 @@
 #   serve256  issue 45, the 8B shape, bf16, 256 rows, 128/128 prompts, c 1,16,64,128,256:
 #             TPOT at c1, % of static batches, ITL p99/p50 at c64, tok/s at c256  ~8 min
 #   serve256fp8  the same with --precision fp8
+#   build256  where a 256-row build's time goes: the 8B shape, bf16, buckets 1..256, per bucket
+#             and phase (build_profile.py), with empty Inductor/Triton caches         ~6 min
+#   build256base  the same build as it ran before run_passes deferred its recompiles and the
+#             build started Inductor's compile workers early (--baseline): the A/B
 #   servepaged   the 8B shape, 256 rows, --max-seq-len 8192 on the paged cache (PAGED_ARGS):
 #             the shared 1,024-token prefix with and without --no-prefix-caching (c 1, 16),
 #             then prompts of 64..2,048 tokens at c256 (serve.py --cases shared-prefix,mixed)
@@ -55,7 +59,7 @@ export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fuser-out}
 BUDGET=${BUDGET:-580}
-SUITES="decode verify spec fallback files ops accuracy serve serve256 serve256fp8 servepaged serverate servelong adapt adapt8b paged prefix allreduce tp tests"
+SUITES="decode verify spec fallback files ops accuracy serve serve256 serve256fp8 build256 build256base servepaged serverate servelong adapt adapt8b paged prefix allreduce tp tests"
 PAGED_ARGS=${PAGED_ARGS---config kv_block_size=16 --config kv_memory_fraction=0.9}
 if [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ]; then
   sed -n '2,/^set -o/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
@@ -168,6 +172,16 @@ for suite in "$@"; do
       table "$suite: 8B shape, $precision, 256 rows, 128/128 (issue 45's bars)" \
         "$(grep -E '(PASS|FAIL)$|^errors|^build' "$DIR/$suite.log")" \
         "$(sed -n '/^system /,$p' "$DIR/$suite.log")" ;;
+    build256|build256base)
+      cache="$DIR/cache"  # empty caches: a build on a bare machine
+      flag=; [ "$suite" = build256base ] && flag=--baseline
+      TORCHINDUCTOR_CACHE_DIR="$cache/inductor" TRITON_CACHE_DIR="$cache/triton" \
+        step "$suite" 560 python3 benchmarks/build_profile.py --preset llama-3-8b \
+        --device cuda --dtype bfloat16 --max-batch-size 256 --max-seq-len 512 \
+        --compile inductor $flag --json "$DIR/$suite.json"
+      rm -rf "$cache"
+      table "$suite: 8B shape, bf16, buckets 1..256, empty kernel caches (seconds per phase)" \
+        "$(grep -E '^(inductor|warm_up|prepare|totals:|cpu totals:|build) ' "$DIR/$suite.log")" ;;
     servepaged|servelong)
       if [ "$suite" = servepaged ]; then
         what="8B shape, 256 rows, max_seq_len 8192, paged: shared prefix, mixed lengths"

@@ -79,6 +79,26 @@ def compile_mode(config: FuserConfig, device: torch.device, model: nn.Module) ->
     return "inductor" if parameters >= CPU_INDUCTOR_MIN_PARAMETERS else "fx"
 
 
+def start_compile_workers(mode: str, device: torch.device) -> bool:
+    """Start Inductor's pool of Triton compile workers now, where `mode` (`compile_mode`) is
+    "inductor" on CUDA: True if it was asked to start.
+
+    Without Dynamo (fuser/compile.py) nothing starts the pool before the first kernel; until
+    its workers are up (seconds), Inductor compiles each Triton kernel in this process, one
+    after another. Started at the beginning of a build, the pool is ready once the exports and
+    passes are done. Where a kernel is compiled changes nothing in what is compiled. (CPU
+    kernels compile on threads of this process: no pool to start.)
+    """
+    if mode != "inductor" or device.type != "cuda":
+        return False
+    try:
+        from torch._inductor.async_compile import maybe_warm_pool
+    except ImportError:  # a torch without it: the pool starts with the first kernel
+        return False
+    maybe_warm_pool()
+    return True
+
+
 def build_steps(role: str, view: nn.Module, cache: KVCache, kinds: list[StepKind],
                 config: FuserConfig, device: torch.device) -> ModelSteps:
     """Export, rewrite and compile each step of `kinds` for `view` (the engine's copy of a

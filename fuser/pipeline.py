@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from fuser.build import (allocate_cache, build_bucket_steps, build_shard, check_against_eager,
-                         warm_up)
+                         compile_mode, start_compile_workers, warm_up)
 from fuser.capture import SUPPORTED_MODEL_TYPES, engine_view, supports_cache_attention
 from fuser.config import FuserConfig
 from fuser.distributed import (FollowerPlan, TensorParallelGroup, check_devices,
@@ -132,6 +132,8 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
     device = torch.device(config.device) if config.device is not None else \
         next(target.parameters()).device
     dtype = config.dtype_for(next(target.parameters()).dtype)
+    # Inductor's compile workers start while the steps are exported and rewritten.
+    start_compile_workers(compile_mode(config, device, target), device)
     gammas = config.gammas if draft is not None else ()
     # Without a draft, suffix speculation (runtime/suffix.py) still needs the target's verify
     # steps: built with the engine, so that a saved engine directory has them.

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import torch
 
 from fuser.passes.attention import ATTENTION
-from fuser.passes.base import GraphRewrite, PassContext, dump_dir, dump_graph
+from fuser.passes.base import (GraphRewrite, PassContext, deferred_recompile, dump_dir,
+                               dump_graph)
 from fuser.passes.fp8 import FP8_LINEAR
 from fuser.passes.fx import count_fuser_ops, prepare_graph
 from fuser.passes.gated_linear import GATED_LINEAR
@@ -71,21 +72,27 @@ def run_passes(gm: torch.fx.GraphModule, context: PassContext,
     start = time.perf_counter()
     result = PassResult()
     directory = dump_dir(context.config.dump_graphs)
-    prepare_graph(gm)
-    for index, p in enumerate(PASSES if passes is None else passes):
-        if not p.applies(context):
-            result.matches[p.name] = 0
-            continue
-        if directory:
-            dump_graph(directory, context.graph_name, index, p.name, "before", gm)
-        try:
-            result.matches[p.name] = p.apply(gm, context)
-        except Exception as e:  # a broken pass must not break optimize(): report it
-            result.matches[p.name] = 0
-            result.errors.append(f"pass {p.name} failed on {context.graph_name}: "
-                                 f"{type(e).__name__}: {e}")
-        if directory:
-            dump_graph(directory, context.graph_name, index, p.name, "after", gm)
+    # The module's code is regenerated once, after the last pass (`deferred_recompile`), or
+    # before a dump reads it.
+    with deferred_recompile():
+        prepare_graph(gm)
+        for index, p in enumerate(PASSES if passes is None else passes):
+            if not p.applies(context):
+                result.matches[p.name] = 0
+                continue
+            if directory:
+                gm.recompile()
+                dump_graph(directory, context.graph_name, index, p.name, "before", gm)
+            try:
+                result.matches[p.name] = p.apply(gm, context)
+            except Exception as e:  # a broken pass must not break optimize(): report it
+                result.matches[p.name] = 0
+                result.errors.append(f"pass {p.name} failed on {context.graph_name}: "
+                                     f"{type(e).__name__}: {e}")
+            if directory:
+                gm.recompile()
+                dump_graph(directory, context.graph_name, index, p.name, "after", gm)
+    gm.recompile()
     result.fused_ops = count_fuser_ops(gm)
     result.seconds = time.perf_counter() - start
     return result

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
+from fuser.passes.base import recompile
+
 aten = torch.ops.aten
 
 VIEWS = (aten.view.default, aten._unsafe_view.default)
@@ -25,7 +27,7 @@ def prepare_graph(gm: GraphModule) -> None:
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is aten._assert_tensor_metadata.default:
             gm.graph.erase_node(node)
-    gm.recompile()
+    recompile(gm)
 
 
 def count_fuser_ops(gm: torch.fx.GraphModule) -> dict[str, int]:

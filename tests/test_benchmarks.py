@@ -203,3 +203,18 @@ def test_prefix_cache_benchmark_dry_run(tmp_path: Path) -> None:
     assert result["same_tokens"] == 4 and result["results"]["off"]["prefix_hits"] == 0
     assert result["results"]["on"]["prefix_hits"] == 8 * 48  # 4 + 4 requests, 48 cached each
     assert proc.stdout.strip().splitlines()[-1].startswith("dry run on CPU")
+
+
+def test_build_profile_times_each_bucket(tmp_path: Path) -> None:
+    out = tmp_path / "build.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/build_profile.py", "--layers", "1", "--heads", "2",
+         "--kv-heads", "1", "--head-dim", "8", "--intermediate", "24", "--vocab", "64",
+         "--buckets", "1,2", "--max-batch-size", "2", "--max-seq-len", "16", "--compile", "fx",
+         "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    passes = {r["rows"] for r in rows if r["phase"] == "passes" and r["graph"] == "target.decode1"}
+    assert passes == {"1", "2"}  # the decode step rewritten once per bucket
+    assert {r["rows"] for r in rows if r["phase"] == "warm_up"} == {"1", "2"}
+    assert "fallbacks: none" in proc.stdout
