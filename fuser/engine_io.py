@@ -38,7 +38,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -523,6 +523,20 @@ def open_engine(path: str | Path, device: str | torch.device | None = None, *,
     if any_compiled:
         extras.submit(import_inductor)
     extras.shutdown(wait=False)
+    try:
+        return _open_engine(directory, device, manifest, any_compiled, extras_loaded, say)
+    except BaseException:
+        # A refused load leaves no import half done on the threads: the caller may import
+        # transformers next (`fuser demo` rebuilds), and a module another thread is still
+        # importing reads as a partly initialised one ("cannot import name ...").
+        extras.shutdown(wait=True)
+        raise
+
+
+def _open_engine(directory: Path, device: torch.device, manifest: dict, any_compiled: bool,
+                 extras_loaded: Future, say: Log) -> EngineParts:
+    """`open_engine` once its threads run: the weights, code and steps read."""
+    info = manifest["info"]
     timings: dict[str, float] = {}
     start = time.perf_counter()
     caches = allocate_caches(info, device)

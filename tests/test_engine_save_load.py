@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -122,6 +124,26 @@ def test_load_refuses(case: str, bundled_engine: BuiltEngine, tmp_path: Path) ->
     with pytest.raises(fuser.EngineFileError, match=message):
         fuser.load(path)
     assert issubclass(fuser.EngineFileError, ValueError)
+
+
+def test_a_refused_load_leaves_transformers_importable(bundled_engine: BuiltEngine,
+                                                       tmp_path: Path) -> None:
+    """A load refused while its thread still imports transformers (for the tokenizer): the
+    caller imports transformers next (`fuser demo` rebuilds a stale cached engine) and must
+    find the whole module, not one half initialised ("cannot import name 'LlamaConfig'").
+    In a fresh process, where transformers is not imported yet."""
+    path = copy_engine(bundled_engine, tmp_path)
+    weights_of(path).write_bytes(weights_of(path).read_bytes()[:1000])  # refused at once
+    code = ("import fuser\n"
+            "try:\n"
+            f"    fuser.load({str(path)!r})\n"
+            "except fuser.EngineFileError:\n"
+            "    pass\n"
+            "from transformers import LlamaConfig\n"
+            "print('imported')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and "imported" in proc.stdout, proc.stderr[-3000:]
 
 
 def test_half_written_staging_directory_is_not_an_engine(bundled_engine: BuiltEngine,
