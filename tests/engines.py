@@ -59,7 +59,7 @@ def perturbed(model: torch.nn.Module, noise: float, seed: int) -> torch.nn.Modul
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in copy_.parameters():
-            p.add_(torch.randn(p.shape, generator=generator) * noise * p.std())
+            p.add_(torch.randn(p.shape, generator=generator).to(p.device) * noise * p.std())
     return copy_
 
 

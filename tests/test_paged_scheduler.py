@@ -69,14 +69,15 @@ def alone(eng: fuser.Engine, requests: list) -> list[list[int]]:
 
 
 def assert_no_leak(sched: Scheduler) -> None:
-    """Every block is free or cached (unreferenced), no row holds any, the table is null."""
+    """Every block is free or cached (unreferenced), no row holds any, the table is null (the
+    host's: on CUDA the device copy is synced before the next step, not at release)."""
     blocks = sched.blocks
     assert sched.wait_idle(TIMEOUT)
     assert blocks.active_rows() == []
     assert blocks.available_blocks == blocks.usable_blocks
     assert all(blocks.refs(b) == 0 for b in range(blocks.num_blocks))
     assert sorted(blocks.free_blocks() + blocks.lru_blocks()) == list(range(1, blocks.num_blocks))
-    assert not blocks.table.any()
+    assert not blocks.host_table.any()
 
 
 def test_full_batch_returns_what_each_returns_alone_and_greedy_as_generate(engines) -> None:
@@ -554,7 +555,11 @@ def test_gpu_chunked_prefill_between_captured_steps() -> None:
         try:
             streams = [sched.submit(p, params) for p, params in requests]
             assert [s.result(TIMEOUT) for s in streams] == want, budget
-            assert sched.prefill_chunks > len(requests) and sched.blocks.prefix_hits > 0
+            # Budget 12 cuts prompts into several chunks; at 40 each rest (after its prefix
+            # hit) is one chunk of up to 26 queries, the flash_prefill path.
+            chunks = sched.prefill_chunks
+            assert (chunks > len(requests) if budget == 12 else chunks >= len(requests)), chunks
+            assert sched.blocks.prefix_hits > 0
             assert_no_leak(sched)
         finally:
             sched.close()
