@@ -174,15 +174,21 @@ def test_sampling_with_mixed_rows_runs_and_stays_in_the_vocabulary() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_adaptive_scheduler_mixed_steps_are_captured_and_lossless() -> None:
-    """bf16 on CUDA: templated traffic through the adaptive scheduler runs mixed steps as
-    captured graphs, queued ahead of the read-back; every output equals engine.generate's
-    target-only greedy output; the draft resyncs only after target-only steps."""
+    """fp32 on CUDA: templated traffic through the adaptive scheduler runs mixed steps as
+    captured graphs, queued ahead of the read-back; every output equals the target's greedy
+    output (Hugging Face's, up to each request's first near-tie: DESIGN.md's numerics contract);
+    the draft resyncs only after target-only steps.
+
+    fp32, not bf16: the scheduler batches requests as they come, so a request's rows run at
+    batch sizes and step widths that vary from run to run, and in bf16 those kernels round
+    differently (the contract promises bf16 equality only for the same kernels); a bf16 run of
+    this test flipped a near-tie in one of three runs on the H200 (benchmarks/RESULTS.md)."""
     from fuser import SamplingParams
     from fuser.runtime.adaptive_scheduler import AdaptiveScheduler
     from tiny import tiny_model
 
-    target = tiny_model("llama", layers=2, dtype=torch.bfloat16).to("cuda")
-    draft = tiny_model("llama", layers=1, seed=1, dtype=torch.bfloat16).to("cuda")
+    target = tiny_model("llama", layers=2, dtype=torch.float32).to("cuda")
+    draft = tiny_model("llama", layers=1, seed=1, dtype=torch.float32).to("cuda")
     config = fuser.FuserConfig(max_seq_len=128, max_batch_size=4, gamma="auto",
                                gamma_candidates=(1, 3), compile="fx")
     built = fuser.optimize(target, draft=draft, config=config)
@@ -191,10 +197,17 @@ def test_cuda_adaptive_scheduler_mixed_steps_are_captured_and_lossless() -> None
     texts = [torch.randint(3, vocab, (12,), generator=generator).tolist() for _ in range(4)]
     # The prompt holds a span the answer is likely to repeat (its own tokens, twice).
     batch = [t + t for t in texts]
-    built.fix_gamma(0)
-    expected = [built.generate(torch.tensor([p], device="cuda"), max_new_tokens=40,
-                               eos_token_id=[])[0, len(p):].tolist() for p in batch]
-    built.fix_gamma(None)
+    target.generation_config.eos_token_id = None  # the requests ignore eos: 40 tokens each
+    references = [hf_greedy(target, torch.tensor([p], device="cuda"),
+                            torch.ones(1, len(p), dtype=torch.long, device="cuda"), 40)
+                  for p in batch]
+
+    def check(outputs: list[list[int]]) -> None:
+        for prompt, out, (ref, near_tie) in zip(batch, outputs, references, strict=True):
+            ids = torch.tensor([prompt])
+            assert_greedy_matches(torch.tensor([prompt + out]), ref.cpu(), near_tie.cpu(), ids,
+                                  [])
+
     scheduler = AdaptiveScheduler(built, suffix=True, adapt_draft=False, suffix_min_match=2)
     assert scheduler._graphs, "the mixed steps were not captured"
     scheduler.start()
@@ -202,7 +215,7 @@ def test_cuda_adaptive_scheduler_mixed_steps_are_captured_and_lossless() -> None
         params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
         for _ in range(3):  # the later rounds find the earlier outputs in the recent pool
             streams = [scheduler.submit(p, params) for p in batch]
-            assert [s.result(120) for s in streams] == expected
+            check([s.result(120) for s in streams])
             assert scheduler.wait_idle(120)
         snap = scheduler.snapshot()
         assert snap["rows"]["suffix"] > 0, snap
