@@ -545,6 +545,7 @@ def _open_engine(directory: Path, device: torch.device, manifest: dict, any_comp
                             buffers=cache_buffers(info, caches), log=say)
     timings["read"] = time.perf_counter() - start
     start = time.perf_counter()
+    kernel_store.settle_triton_toolchain(device)  # as the build did: the kernels' cache keys
     seeded = kernel_store.seed(directory, manifest["extra"], device)
     with kernel_store.loading(device, any_compiled):
         if device.type == "cpu" and any_compiled:

@@ -193,6 +193,31 @@ def triton_cache_dirs(device: torch.device) -> list[Path]:
     return list(dict.fromkeys(dirs))
 
 
+def settle_triton_toolchain(device: torch.device) -> None:
+    """Apply now, before this process compiles any Triton kernel for `device`, the toolchain
+    settings Inductor applies the first time it compiles (or loads) a Triton kernel in a
+    process: its bundled ptxas (`TRITON_PTXAS_PATH`) and, where its config asks for it, the CUDA
+    toolkit's libdevice.
+
+    Triton's cache key of a kernel includes the ptxas version its backend sees and the hash of
+    the libdevice file in its options. Set part-way through a process, they gave one kernel
+    two keys: a build, whose Inductor kernels compile in worker processes, compiled fuser's
+    kernels before the switch; a load, whose Inductor kernels load in the process itself, after
+    it, so the load missed the binaries the build saved and compiled them again. Settled first
+    in both, every kernel is keyed alike (tests/test_engine_load_compiles_nothing.py). CUDA
+    only; a torch without these hooks changes nothing."""
+    if device.type != "cuda":
+        return
+    try:
+        from torch._inductor.runtime import compile_tasks
+    except ImportError:  # pragma: no cover - a torch without Inductor's runtime
+        return
+    for name in ("_set_triton_ptxas_path", "_set_triton_libdevice_path"):
+        hook = getattr(compile_tasks, name, None)
+        if hook is not None:
+            hook()
+
+
 def seed(directory: Path, names: Iterable[str], device: torch.device) -> int:
     """Copy the kernels among engine `directory`'s files `names` into Inductor's and Triton's
     caches (files already there are kept); returns how many were copied."""
@@ -267,4 +292,4 @@ def check_isa(built: str | None, directory: Path) -> None:
 
 
 __all__ = ["KERNELS_DIR", "check_isa", "cpp_kernel_files", "kernel_files", "loading", "seed",
-           "triton_kernel_files", "vector_isa"]
+           "settle_triton_toolchain", "triton_kernel_files", "vector_isa"]

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from fuser import kernel_store
 from fuser.build import (allocate_cache, build_bucket_steps, build_shard, check_against_eager,
                          compile_mode, start_compile_workers, warm_up)
 from fuser.capture import SUPPORTED_MODEL_TYPES, engine_view, supports_cache_attention
@@ -132,7 +133,9 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
     device = torch.device(config.device) if config.device is not None else \
         next(target.parameters()).device
     dtype = config.dtype_for(next(target.parameters()).dtype)
-    # Inductor's compile workers start while the steps are exported and rewritten.
+    # Triton's toolchain as a load will have it (the kernels' cache keys), then Inductor's
+    # compile workers start while the steps are exported and rewritten.
+    kernel_store.settle_triton_toolchain(device)
     start_compile_workers(compile_mode(config, device, target), device)
     gammas = config.gammas if draft is not None else ()
     # Without a draft, suffix speculation (runtime/suffix.py) still needs the target's verify

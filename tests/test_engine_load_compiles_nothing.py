@@ -239,3 +239,21 @@ def test_seeded_triton_kernels_are_found_by_tritons_own_lookup(tmp_path: Path,
     group = FileCacheManager(key).get_group("_k.json")
     assert group == {n: str(tmp_path / "triton" / key / n) for n in files}
     assert all(Path(p).read_bytes() == n.encode() for n, p in group.items())
+
+
+def test_triton_toolchain_is_settled_on_cuda_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`settle_triton_toolchain` applies Inductor's ptxas and libdevice settings for a CUDA
+    device (a build and a load both call it before their first kernel, so that every kernel is
+    keyed alike in both) and leaves a CPU process as it is."""
+    from torch._inductor.runtime import compile_tasks
+
+    from fuser import kernel_store
+
+    calls = []
+    for name in ("_set_triton_ptxas_path", "_set_triton_libdevice_path"):
+        monkeypatch.setattr(compile_tasks, name, lambda name=name: calls.append(name),
+                            raising=False)
+    kernel_store.settle_triton_toolchain(torch.device("cpu"))
+    assert calls == []
+    kernel_store.settle_triton_toolchain(torch.device("cuda", 0))
+    assert calls == ["_set_triton_ptxas_path", "_set_triton_libdevice_path"]
