@@ -211,6 +211,9 @@ class FollowerPlan:
     device: torch.device  # rank 0's: rank r runs on `rank_device(device, r)`
     init_file: str
     engine_dir: str | None = None
+    model_class: type | None = None  # the target's transformers class and config
+    model_config: Any = None
+    weights: Any = None  # a fuser.rank_model.WeightSource; None: the module sent with the plan
 
 
 def follower_main(plan: FollowerPlan, target: Any, conn: Any) -> None:
@@ -233,10 +236,13 @@ def follower_main(plan: FollowerPlan, target: Any, conn: Any) -> None:
             dtype = getattr(torch, parts.manifest["info"]["engine"]["dtype"])
         else:
             from fuser.build import build_shard
+            from fuser.rank_model import ModuleWeights
 
-            buckets = build_shard(target, plan.config, list(plan.kinds), plan.sizes, plan.slots,
-                                  plan.dtype, device, plan.rank, plan.world_size)
-            del target
+            weights = plan.weights if plan.weights is not None else ModuleWeights(target)
+            buckets = build_shard(plan.model_class, plan.model_config, weights, plan.config,
+                                  list(plan.kinds), plan.sizes, plan.slots, plan.dtype, device,
+                                  plan.rank, plan.world_size)
+            del target, weights
         conn.send_bytes(b"built")
         _init_group(plan.rank, plan.world_size, plan.init_file, device)
         try:

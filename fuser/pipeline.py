@@ -28,6 +28,7 @@ from fuser.distributed import (FollowerPlan, TensorParallelGroup, check_devices,
                                check_world_size, mirror, saved_world_size)
 from fuser.engine import Engine
 from fuser.engine_io import Log, open_engine
+from fuser.rank_model import DirectoryWeights, ModuleWeights, RandomWeights, WeightSource
 from fuser.runtime.steps import ModelSteps, StepKind, draft_steps, target_steps, verify
 
 ModelLike = nn.Module | str | Path
@@ -103,9 +104,47 @@ def optimize(target: ModelLike, draft: ModelLike | None = None,
         config = FuserConfig()
     if not isinstance(config, FuserConfig):
         raise ValueError(f"config must be a fuser.FuserConfig, got {type(config).__name__}")
-    target_model, tokenizer = load_model(target, "target")
+    weights = None
+    if config.tensor_parallel > 1 and isinstance(target, (str, Path)):
+        # Each rank reads its own slices from the directory: the whole model is never loaded.
+        target_model, tokenizer = load_meta_model(target, "target")
+        weights = DirectoryWeights(str(target))
+    else:
+        target_model, tokenizer = load_model(target, "target")
     draft_model = load_model(draft, "draft")[0] if draft is not None else None
-    return build_engine(target_model, draft_model, config, tokenizer)
+    return build_engine(target_model, draft_model, config, tokenizer, weights=weights)
+
+
+def load_meta_model(source: str | Path, argument: str) -> tuple[nn.Module, object | None]:
+    """The causal LM of model directory `source` on the meta device (its class, config, dtype
+    and generation config; no weights, no memory), and its tokenizer if it has one: what a
+    tensor-parallel build starts from, each rank reading its own slices of the weights
+    (fuser/rank_model.py `DirectoryWeights`)."""
+    path = Path(source)
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise ValueError(f"{argument}={str(source)!r} is not a model directory "
+                         "(a folder with config.json and safetensors weights)")
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    try:
+        model_config = AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(model_config,
+                                                     dtype=model_config.dtype or torch.float32)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"{argument}={str(source)!r} could not be loaded as a causal LM: {e}") \
+            from None
+    if (path / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    tokenizer = None
+    if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    return model.eval(), tokenizer
+
+
+def is_meta(model: nn.Module) -> bool:
+    """Whether `model`'s weights are on the meta device (shapes only)."""
+    return next(model.parameters()).device.type == "meta"
 
 
 def _stop_followers_on_error(fn: Callable[..., Engine]) -> Callable[..., Engine]:
@@ -126,11 +165,24 @@ def _stop_followers_on_error(fn: Callable[..., Engine]) -> Callable[..., Engine]
 
 @_stop_followers_on_error
 def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig,
-                 tokenizer: object | None = None) -> Engine:
-    """The Engine for already loaded models (see the module docstring for the order)."""
+                 tokenizer: object | None = None, weights: WeightSource | None = None
+                 ) -> Engine:
+    """The Engine for already loaded models (see the module docstring for the order).
+
+    With tensor_parallel > 1 each rank builds its share of the target from `weights`
+    (fuser/rank_model.py): None is the target module itself, or, for a target on the meta
+    device, Hugging Face's random initialisation made per rank (`RandomWeights`: benchmarks of
+    shapes no single device holds)."""
     start = time.perf_counter()
+    if is_meta(target):
+        if config.tensor_parallel == 1:
+            raise ValueError("the target's weights are on the meta device: only a "
+                             "tensor-parallel build (tensor_parallel > 1) makes them, per rank")
+        weights = weights if weights is not None else RandomWeights()
     device = torch.device(config.device) if config.device is not None else \
         next(target.parameters()).device
+    if device.type == "meta":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = config.dtype_for(next(target.parameters()).dtype)
     # Inductor's compile workers start while the steps are exported and rewritten.
     start_compile_workers(compile_mode(config, device, target), device)
@@ -169,8 +221,10 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
         if role == "target" and group is not None:  # rank 0's share; the followers build theirs
             _progress(f"building rank 0 of {config.tensor_parallel}'s target steps for batch "
                       f"buckets {list(sizes)}")
-            return build_shard(model, config, kinds, sizes, slots, dtype, device, 0,
-                               config.tensor_parallel, progress=_progress)
+            return build_shard(type(model), model.config,
+                               weights if weights is not None else ModuleWeights(model), config,
+                               kinds, sizes, slots, dtype, device, 0, config.tensor_parallel,
+                               progress=_progress)
         if not supports_cache_attention(model):
             fallback(f"{role}: {type(model).__name__} does not dispatch attention through "
                      "transformers' attention registry; it runs in eager PyTorch, unfused")
@@ -194,7 +248,7 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
     paged = bool(config.kv_block_size)
     target_kinds = target_steps(0, paged) + [verify(g)
                                              for g in sorted(set(gammas + suffix_gammas))]
-    group = _start_followers(target, config, target_kinds, sizes, slots, dtype, device)
+    group = _start_followers(target, config, target_kinds, sizes, slots, dtype, device, weights)
     target_built = prepare("target", target, target_kinds, slots)
     draft_built = None
     if draft is not None and gammas and target_built is not None:
@@ -209,7 +263,9 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
             _progress(f"{steps.role} bucket {size}: every step run once (compiled where "
                       f"compiled) in {time.perf_counter() - began:.1f} s")
     top = config.max_batch_size
-    if target_built is not None:
+    if target_built is not None and not is_meta(target):
+        # (a target on the meta device has no eager model to check against: its weights
+        # exist only as the ranks' slices)
         problem = check_against_eager(target_built[top], target, config.max_seq_len,
                                       fp8_lm_head)
         if problem is not None and group is not None:
@@ -276,9 +332,11 @@ def paged_pool_blocks(config: FuserConfig, target: nn.Module, draft: nn.Module |
 
 def _start_followers(target: nn.Module, config: FuserConfig, kinds: list[StepKind],
                      sizes: tuple[int, ...], slots: int, dtype: torch.dtype,
-                     device: torch.device) -> TensorParallelGroup | None:
+                     device: torch.device, weights: WeightSource | None
+                     ) -> TensorParallelGroup | None:
     """With config.tensor_parallel = N > 1: ranks 1..N-1 started, building their shares of
-    the target's steps while rank 0 (this process) builds its own; else None."""
+    the target's steps (from `weights`, or from `target` itself, which they then receive by
+    shared memory or CUDA IPC) while rank 0 (this process) builds its own; else None."""
     world_size = config.tensor_parallel
     if world_size == 1:
         return None
@@ -292,10 +350,11 @@ def _start_followers(target: nn.Module, config: FuserConfig, kinds: list[StepKin
                          "steps cannot be captured and sharded")
     check_world_size(target.config, world_size, device)
     group = TensorParallelGroup(world_size, device)
-    group.start(target, lambda rank: FollowerPlan(
+    group.start(target if weights is None else None, lambda rank: FollowerPlan(
         rank=rank, world_size=world_size, config=config, kinds=tuple(kinds),
         sizes=tuple(sizes), slots=slots, dtype=dtype, device=device,
-        init_file=group.init_file))
+        init_file=group.init_file, model_class=type(target), model_config=target.config,
+        weights=weights))
     _progress(f"started tensor-parallel ranks 1..{world_size - 1} (pids {group.pids})")
     return group
 

@@ -332,3 +332,42 @@ def _propagate(gm: GraphModule, world_size: int) -> None:
             continue
         node.meta["val"] = env[node]
         node.meta.pop("tensor_meta", None)
+
+
+def add_collectives(gm: GraphModule, world_size: int) -> GraphModule:
+    """The collectives of a rank's step graph exported from its share of the model
+    (fuser/rank_model.py: a model at the per-rank counts, its head a vocab slice), in place:
+    an all-reduce after every row-parallel matmul (o_proj, down_proj; a bias added after it)
+    and the logits [B, T, V/ws] gathered into [B, T, V] at the output. Before `run_passes`,
+    like `shard_graph`, whose graph this gives without ever holding the unsharded weights.
+    Returns `gm`."""
+    if world_size == 1:
+        return gm
+    prepare_graph(gm)
+    graph = gm.graph
+    for target, node in _weights(gm).items():
+        module, _, kind = target.rpartition(".")
+        if module.endswith(ROW) and kind == "weight":
+            _row_parallel(graph, _linear_user(node))
+    output = graph.output_node()
+    logits = output.args[0]
+    while isinstance(logits, (tuple, list)):
+        logits = logits[0]
+    _lm_head(gm)  # the logits come from the LM head's matmul: anything else is refused
+    with graph.inserting_before(output):
+        gathered = graph.call_function(torch.ops.fuser.all_gather.default, (logits, world_size))
+    output.replace_input_with(logits, gathered)
+    mode = detect_fake_mode([logits.meta["val"]])
+    if mode is not None:
+        with mode:
+            gathered.meta["val"] = torch.ops.fuser.all_gather.default(logits.meta["val"],
+                                                                      world_size)
+    for node in graph.nodes:  # the new mm/add nodes of a biased row-parallel linear
+        if node.op == "call_function" and "val" not in node.meta and mode is not None:
+            args = torch.fx.map_arg(node.args, lambda n: n.meta["val"])
+            kwargs = torch.fx.map_arg(node.kwargs, lambda n: n.meta["val"])
+            with mode:
+                node.meta["val"] = node.target(*args, **kwargs)
+    graph.lint()
+    gm.recompile()
+    return gm
