@@ -77,7 +77,7 @@ ONE_SHOT_ENV = "FUSER_ONE_SHOT_ALL_REDUCE"  # "1": the one-shot all-reduce (see 
 # multicast symmetric memory are not available on the machines fuser is tested on.
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 # Commands rank 0 sends, each a struct of int64s: (op, *args).
-STEP, MOVE_ROW, STOP, SAVE, CAPTURE_BEGIN, CAPTURE_END, REPLAY = 1, 2, 3, 4, 5, 6, 7
+STEP, MOVE_ROW, STOP, SAVE, CAPTURE_BEGIN, CAPTURE_END, REPLAY, HELD = 1, 2, 3, 4, 5, 6, 7, 8
 KIND_NAMES = ("prefill", "decode", "verify", "catchup", "resync")
 # Collectives wait this long for a peer before failing (a follower that died mid-step on NCCL
 # is found by the watchdog after it); the command pipe itself never times out.
@@ -293,6 +293,8 @@ def follow(buckets: dict[int, ModelSteps], conn: Any, device: torch.device,
             conn.send_bytes(b"saved")
         elif op == MOVE_ROW:
             top.cache.move_row(*args)
+        elif op == HELD:
+            conn.send_bytes(_pack(held_bytes(buckets)))
         elif op == STEP:
             batch, name, B, T = args
             steps = buckets[batch]
@@ -342,6 +344,50 @@ class RankEngine:
         from fuser.report import Report
 
         return Report(fallbacks=list(self.target.fallbacks))
+
+
+def _held_tensors(step: Any) -> list[torch.Tensor]:
+    """The tensors one step holds: its graphs' attributes, its eager module's, its exported
+    program's and its compiled callable's."""
+    out: list[torch.Tensor] = []
+    for module in (step.rewritten, step.eager):
+        if isinstance(module, torch.nn.Module):
+            out += [*module.parameters(), *module.buffers()]
+            if isinstance(module, torch.fx.GraphModule):
+                for node in module.graph.find_nodes(op="get_attr"):
+                    value: Any = module
+                    for part in str(node.target).split("."):
+                        value = getattr(value, part)
+                    if isinstance(value, torch.Tensor):
+                        out.append(value)
+    if step.exported is not None:
+        out += [t for t in [*step.exported.state_dict.values(), *step.exported.constants.values()]
+                if isinstance(t, torch.Tensor)]
+    out += [t for t in getattr(step.compiled, "tensors", None) or []
+            if isinstance(t, torch.Tensor)]
+    return out
+
+
+def held_bytes(buckets: dict[int, ModelSteps]) -> int:
+    """Bytes of the tensors a model's steps (batch bucket -> steps) hold, counted once per
+    storage, the KV cache and its lengths left out: on a tensor-parallel rank, its share of the
+    weights and whatever the passes made of them (fuser/rank_model.py `resident_bytes`)."""
+    from fuser.rank_model import resident_bytes
+
+    cache = buckets[max(buckets)].cache
+    exclude = [*cache.k, *cache.v, cache.seq_lens, cache.starts]
+    if cache.block_table is not None:
+        exclude.append(cache.block_table)
+    tensors = [t for steps in buckets.values() for step in steps.steps.values()
+               for t in _held_tensors(step)]
+    return resident_bytes(tensors, exclude)
+
+
+def rank_held_bytes(engine: Any) -> list[int]:
+    """Every rank's `held_bytes` of its target steps, rank 0 first (one rank: [its own])."""
+    own = held_bytes({size: bucket.target for size, bucket in engine.buckets.items()})
+    group = engine.tensor_parallel
+    return [own] if group is None else [own, *group.held_bytes()]
 
 
 def _split(packed: torch.Tensor, B: int, T: int) -> tuple[torch.Tensor, ...]:
@@ -507,6 +553,24 @@ class TensorParallelGroup:
         manifest = {"format": TP_FORMAT, "world_size": self.world_size, "ranks": ranks}
         (root / TP_MANIFEST).write_text(json.dumps(manifest, indent=1))
         return manifest
+
+    def held_bytes(self) -> list[int]:
+        """Each follower's `held_bytes` of its steps (rank 1 first)."""
+        out = []
+        with self._sending:
+            self._check_usable()
+            for rank, (process, conn) in enumerate(zip(self.processes, self.conns), start=1):
+                try:
+                    conn.send_bytes(_pack(HELD))
+                except (OSError, ValueError) as e:
+                    raise (self.check() or self._failed(rank, f"cannot be reached ({e})")) \
+                        from e
+                while not conn.poll(_POLL_S):
+                    if not process.is_alive():
+                        raise self._failed(rank, "died")
+                (count,) = _unpack(self._receive(rank, conn))
+                out.append(count)
+        return out
 
     # -- CUDA graphs: runtime/step_graphs.py `CaptureMirror` -------------------------------------
 
