@@ -516,11 +516,12 @@ class TensorParallelGroup:
                     raise (self.check() or self._failed(rank, f"cannot be reached ({e})")) \
                         from e
 
-    def save(self, engine: Any, path: str | os.PathLike, overwrite: bool = False
-             ) -> dict[str, Any]:
+    def save(self, engine: Any, path: str | os.PathLike, overwrite: bool = False,
+             source: dict[str, str] | None = None) -> dict[str, Any]:
         """Write the engine as `path`/rank0, rank1, ... (each an engine directory of its rank's
         steps, rank 0's with the draft and tokenizer; every manifest's config says the world
-        size), then `path`/TP_MANIFEST naming them, last. Returns that file's contents."""
+        size), then `path`/TP_MANIFEST naming them, last. Returns that file's contents.
+        source: where the models came from (`engine_io.save`), recorded in rank 0's."""
         from fuser.engine_file import EngineFileError
         from fuser.engine_io import save
 
@@ -543,7 +544,7 @@ class TensorParallelGroup:
                 except (OSError, ValueError) as e:
                     raise (self.check() or self._failed(rank, f"cannot be reached ({e})")) \
                         from e
-        save(engine, root / ranks[0], overwrite=overwrite)
+        save(engine, root / ranks[0], overwrite=overwrite, source=source)
         for rank, (process, conn) in enumerate(zip(self.processes, self.conns), start=1):
             while not conn.poll(_POLL_S):
                 if not process.is_alive():

@@ -158,3 +158,36 @@ def test_a_meta_model_is_built_per_rank_from_random_weights() -> None:
         assert out.shape == (1, 9) and int(out.max()) < model.config.vocab_size
     finally:
         engine.close()
+
+
+def test_fuser_build_writes_a_tensor_parallel_engine(tmp_path: Path) -> None:
+    """`fuser build MODEL --tensor-parallel-size 2 --out OUT` (the target never loaded whole)
+    writes rank0/, rank1/ and tensor_parallel.json, each rank's weights its share; fuser.load
+    then decodes tensor_parallel=1's greedy tokens."""
+    import json
+
+    from fuser.cli import main
+    from fuser.distributed import TP_MANIFEST
+
+    target = llama_target()
+    target.save_pretrained(tmp_path / "model")
+    out = tmp_path / "engine"
+    assert main(["build", str(tmp_path / "model"), "--tensor-parallel-size", "2",
+                 "--max-seq-len", "64", "--out", str(out),
+                 "--threads", str(torch.get_num_threads())]) == 0
+    assert json.loads((out / TP_MANIFEST).read_text())["world_size"] == 2
+    sizes = [(out / f"rank{r}" / "target" / "weights.safetensors").stat().st_size
+             for r in range(2)]
+    whole = sum(p.numel() * 4 for p in target.parameters())
+    assert sizes[0] == sizes[1] and sizes[0] < whole - _sharded_bytes(target) // 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        single = fuser.optimize(target, None, fuser.FuserConfig(**CONFIG))
+    loaded = fuser.load(out)
+    try:
+        assert loaded.tensor_parallel is not None
+        ids = torch.randint(3, SHAPE["vocab"], (1, 7),
+                            generator=torch.Generator().manual_seed(2))
+        assert torch.equal(loaded.generate(ids, 16), single.generate(ids, 16))
+    finally:
+        loaded.close()
