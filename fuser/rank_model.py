@@ -178,10 +178,10 @@ class RandomWeights(WeightSource):
     seed: int = 0
 
     def fill(self, model: nn.Module, rank: int, world_size: int) -> None:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed + rank)
-            if next(model.parameters()).device.type == "cuda":
-                torch.cuda.manual_seed(self.seed + rank)
+        device = next(model.parameters()).device
+        cuda = [device.index or 0] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):  # the caller's generators left as they were
+            torch.manual_seed(self.seed + rank)  # (seeds the device's generator too)
             model.init_weights()
 
 
