@@ -25,6 +25,13 @@ collective costs 16-20 us). Every rank gets the whole logits either way, so samp
 same on every rank. With tied embeddings the head's slice is a tensor of its own (the embedding
 keeps the whole table).
 
+The engine does not shard the unsharded graph (whose weights would then have to exist on
+every rank): each rank exports its own share of the model (fuser/rank_model.py, the same
+slices) and `add_collectives` gives that graph the all-reduces and the logits' all-gather,
+which makes the graph `shard_graph` makes, up to where the logits are gathered (after the
+head's view to [B, T, V/ws], not before it). `shard_graph` is the reference both are tested
+against (tests/test_tensor_parallel.py).
+
 Reshapes that mention a head count or a projection width (`view [B, T, H*D]`, ...) are rewritten
 to the per-rank counts: the graph's shapes are propagated again on fake tensors, and a view
 whose input shrank has the one dim that holds the shrunk block divided by world_size. Every
