@@ -417,15 +417,17 @@ class Shard:
 def build_shard(model_class: type, model_config: object, weights: WeightSource,
                 config: FuserConfig, kinds: list[StepKind], sizes: Sequence[int], slots: int,
                 dtype: torch.dtype, device: torch.device, rank: int, world_size: int,
-                progress: Progress | None = None) -> dict[int, ModelSteps]:
+                progress: Progress | None = None, num_blocks: int = 0
+                ) -> dict[int, ModelSteps]:
     """Rank `rank`'s target steps of a tensor-parallel engine, per batch bucket: its share of
     the model (`rank_model`: only its slices of the weights, from `weights`), exported over
     its own KV cache, given its collectives, rewritten and compiled. Nothing on the rank ever
     holds the whole model: the steps' eager modules (never run under tensor parallelism) are
-    over the same share."""
+    over the same share. With config.kv_block_size the cache is paged, a pool of `num_blocks`
+    blocks (rank 0's count: the table rank 0's scheduler fills indexes every rank's pool)."""
     model = rank_model(model_class, model_config, weights, rank, world_size, dtype, device)
     cache = allocate_cache("target", model.config, config.max_batch_size, slots, dtype, device,
-                           config.max_seq_len)
+                           config.max_seq_len, config.kv_block_size, num_blocks)
     view = engine_view(model, dtype, device)
     return build_bucket_steps("target", view, cache, sizes, kinds, config, device, progress,
                               shard=Shard(rank, world_size))

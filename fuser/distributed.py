@@ -17,8 +17,10 @@ KV heads [r * KVH / N, (r + 1) * KVH / N), the collectives (passes/tensor_parall
                seq_lens, starts]          copy seq_lens, starts into its cache
     run its sharded step                  run its sharded step (the same collectives)
 
-The step's inputs are rank 0's, bit for bit (one broadcast of 2*B*T + 2*B int64 per step), so
-the followers never sample, schedule or decide anything. The logits are gathered on every
+The step's inputs are rank 0's, bit for bit (one broadcast of 2*B*T + 2*B int64 per step, and
+with a paged KV cache the bucket's block table rows after them, B * max_blocks more: rank 0's
+scheduler edits rank 0's table only), so the followers never sample, schedule or decide
+anything. The logits are gathered on every
 rank by the vocab-parallel head; only rank 0's are read. A scheduler's row move of the KV cache
 (`KVCache.move_row`) is a command too (`MirroredCache`).
 
@@ -71,7 +73,7 @@ import torch.distributed as dist
 
 from fuser.ops import p2p_all_reduce
 from fuser.runtime.kv_cache import KVCache
-from fuser.runtime.steps import PREFILL, ModelSteps, StepKind
+from fuser.runtime.steps import CHUNK, PREFILL, ModelSteps, StepKind
 
 ONE_SHOT_ENV = "FUSER_ONE_SHOT_ALL_REDUCE"  # "1": the one-shot all-reduce (see _init_group)
 
@@ -80,7 +82,7 @@ ONE_SHOT_ENV = "FUSER_ONE_SHOT_ALL_REDUCE"  # "1": the one-shot all-reduce (see 
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 # Commands rank 0 sends, each a struct of int64s: (op, *args).
 STEP, MOVE_ROW, STOP, SAVE, CAPTURE_BEGIN, CAPTURE_END, REPLAY, HELD = 1, 2, 3, 4, 5, 6, 7, 8
-KIND_NAMES = ("prefill", "decode", "verify", "catchup", "resync")
+KIND_NAMES = ("prefill", "decode", "verify", "catchup", "resync", "chunk")
 # Collectives wait this long for a peer before failing (a follower that died mid-step on NCCL
 # is found by the watchdog after it); the command pipe itself never times out.
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
@@ -213,6 +215,7 @@ class FollowerPlan:
     device: torch.device  # rank 0's: rank r runs on `rank_device(device, r)`
     init_file: str
     engine_dir: str | None = None
+    num_blocks: int = 0  # a paged KV cache's pool, rank 0's count (every rank's tables match)
     model_class: type | None = None  # the target's transformers class and config
     model_config: Any = None
     weights: Any = None  # a fuser.rank_model.WeightSource; None: the module sent with the plan
@@ -243,7 +246,7 @@ def follower_main(plan: FollowerPlan, target: Any, conn: Any) -> None:
             weights = plan.weights if plan.weights is not None else ModuleWeights(target)
             buckets = build_shard(plan.model_class, plan.model_config, weights, plan.config,
                                   list(plan.kinds), plan.sizes, plan.slots, plan.dtype, device,
-                                  plan.rank, plan.world_size)
+                                  plan.rank, plan.world_size, num_blocks=plan.num_blocks)
             del target, weights
         conn.send_bytes(b"built")
         _init_group(plan.rank, plan.world_size, plan.init_file, device)
@@ -300,12 +303,18 @@ def follow(buckets: dict[int, ModelSteps], conn: Any, device: torch.device,
         elif op == STEP:
             batch, name, B, T = args
             steps = buckets[batch]
-            kind = PREFILL if KIND_NAMES[name] == "prefill" else StepKind(KIND_NAMES[name], T)
-            packed = torch.empty(2 * B * T + 2 * B, dtype=torch.long, device=device)
+            kind = {"prefill": PREFILL, "chunk": CHUNK}.get(KIND_NAMES[name]) or \
+                StepKind(KIND_NAMES[name], T)
+            cache = steps.cache
+            table = cache.block_table
+            packed = torch.empty(2 * B * T + 2 * B + (table.numel() if cache.paged else 0),
+                                 dtype=torch.long, device=device)
             dist.broadcast(packed, src=0)
-            tokens, positions, seq_lens, starts = _split(packed, B, T)
-            steps.cache.seq_lens.copy_(seq_lens)
-            steps.cache.starts.copy_(starts)
+            tokens, positions, seq_lens, starts, blocks = _split(packed, B, T)
+            cache.seq_lens.copy_(seq_lens)
+            cache.starts.copy_(starts)
+            if cache.paged:  # rank 0's block table rows, as its scheduler left them
+                table.copy_(blocks.view(table.shape))
             steps.run(kind, tokens, positions)
         else:
             raise RuntimeError(f"unknown command {op}")
@@ -393,10 +402,11 @@ def rank_held_bytes(engine: Any) -> list[int]:
 
 
 def _split(packed: torch.Tensor, B: int, T: int) -> tuple[torch.Tensor, ...]:
-    """[tokens [B, T], positions [B, T], seq_lens [B], starts [B]] from one flat int64 tensor."""
+    """[tokens [B, T], positions [B, T], seq_lens [B], starts [B], the block table's rows
+    flat (paged; else empty)] from one flat int64 tensor."""
     n = B * T
     return (packed[:n].view(B, T), packed[n:2 * n].view(B, T), packed[2 * n:2 * n + B],
-            packed[2 * n + B:])
+            packed[2 * n + B:2 * n + 2 * B], packed[2 * n + 2 * B:])
 
 
 class TensorParallelGroup:
@@ -647,9 +657,12 @@ class MirroredSteps(ModelSteps):
         cache = self.cache
         self.group.send(STEP, cache.batch_size, KIND_NAMES.index(kind.name), B, T)
         try:
-            # one collective for the step's inputs: [tokens, positions, seq_lens, starts]
-            packed = torch.cat([tokens.reshape(-1), positions.reshape(-1), cache.seq_lens,
-                                cache.starts]).long()
+            # one collective for the step's inputs: [tokens, positions, seq_lens, starts] and,
+            # paged, the rows' block table (the scheduler's BlockManager edits rank 0's only)
+            parts = [tokens.reshape(-1), positions.reshape(-1), cache.seq_lens, cache.starts]
+            if cache.paged:
+                parts.append(cache.block_table.reshape(-1).long())
+            packed = torch.cat(parts).long()
             dist.broadcast(packed, src=0)
             return super().run(kind, tokens, positions)
         except RuntimeError as e:  # a collective with a follower that is gone?
@@ -665,7 +678,8 @@ class MirroredCache(KVCache):
     group: TensorParallelGroup | None = None
 
     def move_row(self, src: int, dst: int, table: bool = True) -> None:
-        if self.group is not None:  # (a paged cache is refused under tensor parallel)
+        # (paged: nothing to send; the lengths and the table go with every step)
+        if self.group is not None and not self.paged:
             self.group.send(MOVE_ROW, src, dst)
         super().move_row(src, dst, table)
 

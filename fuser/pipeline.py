@@ -221,10 +221,15 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
         if role == "target" and group is not None:  # rank 0's share; the followers build theirs
             _progress(f"building rank 0 of {config.tensor_parallel}'s target steps for batch "
                       f"buckets {list(sizes)}")
-            return build_shard(type(model), model.config,
-                               weights if weights is not None else ModuleWeights(model), config,
-                               kinds, sizes, slots, dtype, device, 0, config.tensor_parallel,
-                               progress=_progress)
+            built = build_shard(type(model), model.config,
+                                weights if weights is not None else ModuleWeights(model),
+                                config, kinds, sizes, slots, dtype, device, 0,
+                                config.tensor_parallel, progress=_progress,
+                                num_blocks=num_blocks)
+            table = built[max(built)].cache.block_table
+            if table is not None:  # the draft's blocks follow rank 0's target table
+                shared_table.append(table)
+            return built
         if not supports_cache_attention(model):
             fallback(f"{role}: {type(model).__name__} does not dispatch attention through "
                      "transformers' attention registry; it runs in eager PyTorch, unfused")
@@ -248,7 +253,8 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
     paged = bool(config.kv_block_size)
     target_kinds = target_steps(0, paged) + [verify(g)
                                              for g in sorted(set(gammas + suffix_gammas))]
-    group = _start_followers(target, config, target_kinds, sizes, slots, dtype, device, weights)
+    group = _start_followers(target, config, target_kinds, sizes, slots, dtype, device, weights,
+                             num_blocks)
     target_built = prepare("target", target, target_kinds, slots)
     draft_built = None
     if draft is not None and gammas and target_built is not None:
@@ -306,7 +312,9 @@ def paged_pool_blocks(config: FuserConfig, target: nn.Module, draft: nn.Module |
     """Blocks per pool of a paged engine: config.kv_blocks; else, with kv_memory_fraction on
     CUDA, what that fraction of the free memory holds once the weights not yet on the device
     are there (`blocks_for_budget`, target and draft); else 0 (`KVCache.allocate`'s default:
-    every row at full length)."""
+    every row at full length). Tensor parallel: measured on rank 0's device (which also holds
+    the draft), with the target's share (its KV heads / N, its weights / N, made anew
+    wherever the caller's model is): every rank's pool has this count."""
     from fuser.build import model_geometry
     from fuser.runtime.blocks import CacheShape, blocks_for_budget
     from fuser.runtime.kv_cache import free_memory_bytes
@@ -315,10 +323,15 @@ def paged_pool_blocks(config: FuserConfig, target: nn.Module, draft: nn.Module |
         return config.kv_blocks
     if config.kv_memory_fraction is None or device.type != "cuda":
         return 0
-    models = [m for m in (target, draft) if m is not None]
-    shapes = [CacheShape(*model_geometry(m.config), dtype) for m in models]
-    coming = sum(p.numel() * torch.empty((), dtype=dtype).element_size()
-                 for m in models for p in m.parameters() if p.device != device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    ws = config.tensor_parallel
+    layers, kv_heads, head_dim = model_geometry(target.config)
+    shapes = [CacheShape(layers, kv_heads // ws, head_dim, dtype)]
+    coming = sum(p.numel() * itemsize for p in target.parameters()
+                 if ws > 1 or p.device != device) // ws
+    if draft is not None:
+        shapes.append(CacheShape(*model_geometry(draft.config), dtype))
+        coming += sum(p.numel() * itemsize for p in draft.parameters() if p.device != device)
     free = free_memory_bytes(device) or 0
     budget = int(config.kv_memory_fraction * max(free - coming, 0))
     blocks = blocks_for_budget(budget, config.kv_block_size, shapes)
@@ -332,7 +345,7 @@ def paged_pool_blocks(config: FuserConfig, target: nn.Module, draft: nn.Module |
 
 def _start_followers(target: nn.Module, config: FuserConfig, kinds: list[StepKind],
                      sizes: tuple[int, ...], slots: int, dtype: torch.dtype,
-                     device: torch.device, weights: WeightSource | None
+                     device: torch.device, weights: WeightSource | None, num_blocks: int
                      ) -> TensorParallelGroup | None:
     """With config.tensor_parallel = N > 1: ranks 1..N-1 started, building their shares of
     the target's steps (from `weights`, or from `target` itself, which they then receive by
@@ -340,10 +353,6 @@ def _start_followers(target: nn.Module, config: FuserConfig, kinds: list[StepKin
     world_size = config.tensor_parallel
     if world_size == 1:
         return None
-    if config.kv_block_size:
-        raise ValueError(f"tensor_parallel={world_size} with kv_block_size="
-                         f"{config.kv_block_size}: a paged KV cache is not sharded yet; use "
-                         "kv_block_size=0")
     if not supports_cache_attention(target):
         raise ValueError(f"tensor_parallel={world_size}: {type(target).__name__} does not "
                          "dispatch attention through transformers' attention registry, so its "
@@ -353,8 +362,8 @@ def _start_followers(target: nn.Module, config: FuserConfig, kinds: list[StepKin
     group.start(target if weights is None else None, lambda rank: FollowerPlan(
         rank=rank, world_size=world_size, config=config, kinds=tuple(kinds),
         sizes=tuple(sizes), slots=slots, dtype=dtype, device=device,
-        init_file=group.init_file, model_class=type(target), model_config=target.config,
-        weights=weights))
+        init_file=group.init_file, num_blocks=num_blocks, model_class=type(target),
+        model_config=target.config, weights=weights))
     _progress(f"started tensor-parallel ranks 1..{world_size - 1} (pids {group.pids})")
     return group
 
