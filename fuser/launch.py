@@ -54,7 +54,8 @@ def load_pair(model: str | None, draft: str | None) -> tuple[torch.nn.Module, to
     return target.eval(), draft_model, tokenizer, name
 
 
-def load_sliced(model: str, draft: str | None) -> tuple[torch.nn.Module, torch.nn.Module | None, object | None, str, object]:
+def load_sliced(model: str, draft: str | None
+                ) -> tuple[torch.nn.Module, torch.nn.Module | None, object | None, str, object]:
     """`load_pair` for a tensor-parallel build from model directory `model`: the target on the
     meta device (each rank reads its own slices of the weights: fuser/rank_model.py), the
     draft whole; -> (target, draft, tokenizer, description, the target's weight source)."""
