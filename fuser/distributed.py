@@ -8,8 +8,8 @@ model directory's safetensors, or made at random): the same capture over its own
 KV heads [r * KVH / N, (r + 1) * KVH / N), the collectives (passes/tensor_parallel.py
 `add_collectives`) and the fusion passes (fuser/build.py `build_shard`). Rank 0 runs the
 Engine as on one device (generate, stream, the Scheduler, `fuser serve`'s HTTP server); ranks
-1..N-1 are followers
-(torch.multiprocessing, spawn) that run, in the same order, every target step rank 0 runs:
+1..N-1 are followers (torch.multiprocessing, spawn) that run, in the same order, every target
+step rank 0 runs:
 
     rank 0, each target step              follower r, forever
     ------------------------              -------------------
