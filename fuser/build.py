@@ -425,6 +425,8 @@ def build_shard(model_class: type, model_config: object, weights: WeightSource,
     holds the whole model: the steps' eager modules (never run under tensor parallelism) are
     over the same share. With config.kv_block_size the cache is paged, a pool of `num_blocks`
     blocks (rank 0's count: the table rank 0's scheduler fills indexes every rank's pool)."""
+    if device.type == "cuda" and device.index is None:  # the index engine_view compares
+        device = torch.device("cuda", torch.cuda.current_device())
     model = rank_model(model_class, model_config, weights, rank, world_size, dtype, device)
     cache = allocate_cache("target", model.config, config.max_batch_size, slots, dtype, device,
                            config.max_seq_len, config.kv_block_size, num_blocks)

@@ -182,7 +182,8 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
     device = torch.device(config.device) if config.device is not None else \
         next(target.parameters()).device
     if device.type == "meta":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device("cuda", torch.cuda.current_device()) \
+            if torch.cuda.is_available() else torch.device("cpu")
     dtype = config.dtype_for(next(target.parameters()).dtype)
     # Inductor's compile workers start while the steps are exported and rewritten.
     start_compile_workers(compile_mode(config, device, target), device)
