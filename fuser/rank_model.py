@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,6 +75,8 @@ def rank_config(config: object, world_size: int) -> object:
 
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """torch's default dtype `dtype` for the duration: the parameters a model makes take it,
+    the buffers it makes in float32 on purpose (rotary tables) keep theirs."""
     before = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -91,6 +93,7 @@ class WeightSource:
 
 
 def _piece(tensor: torch.Tensor, dim: int | None, rank: int, world_size: int) -> torch.Tensor:
+    """Rank `rank`'s chunk of `tensor` along `dim` (a view), or all of it (dim None)."""
     if dim is None:
         return tensor
     n = tensor.shape[dim] // world_size
@@ -98,6 +101,7 @@ def _piece(tensor: torch.Tensor, dim: int | None, rank: int, world_size: int) ->
 
 
 def _copy_in(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+    """param <- value (converted to its dtype and device), after checking the shapes agree."""
     if tuple(value.shape) != tuple(param.shape):
         raise ValueError(f"tensor parallel: weight {name} has shape {list(value.shape)} for this "
                          f"rank, expected {list(param.shape)}")
@@ -204,8 +208,7 @@ def rank_model(model_class: type, config: object, source: WeightSource, rank: in
     return model.requires_grad_(False).eval()
 
 
-def resident_bytes(tensors: Iterator[torch.Tensor] | list[torch.Tensor],
-                   exclude: list[torch.Tensor] = ()) -> int:
+def resident_bytes(tensors: Iterable[torch.Tensor], exclude: Sequence[torch.Tensor] = ()) -> int:
     """Bytes of the distinct storages behind `tensors` (a storage shared by several counts
     once), leaving out those of `exclude` (a KV cache)."""
     skip = {t.untyped_storage().data_ptr() for t in exclude}
