@@ -237,7 +237,13 @@ for suite in "$@"; do
         ${TP_ONE_SHOT:+--one-shot} --out "$DIR/tp.json"
       table "tp: tensor parallel, NCCL; decode at the 8B shape, batch 1, bf16" \
         "$(grep -E '^(FAILED|ERROR)|passed|failed' "$DIR/tp_tests.log" | tail -n 6)" \
-        "$(sed -n '/^system /,$p' "$DIR/tp_decode.log")" ;;
+        "$(sed -n '/^system /,$p' "$DIR/tp_decode.log")"
+      if [ -n "${TP70_SIZES:-}" ]; then  # the 70B shape: random weights made per rank
+        step tp70_decode 590 python3 benchmarks/tensor_parallel.py --preset llama-3-70b \
+          --sizes "$TP70_SIZES" --out "$DIR/tp70.json"
+        table "tp: the 70B shape (random weights per rank), batch 1, bf16" \
+          "$(sed -n '/^system /,$p' "$DIR/tp70_decode.log")"
+      fi ;;
     tests)
       # shellcheck disable=SC2086  # TESTS: paths, word-split on purpose
       # JOBS pytest-xdist workers share the one GPU (default 8 of the machine's 16 cores: the

@@ -2,15 +2,22 @@
 against one GPU, in one run.
 
     python benchmarks/tensor_parallel.py --preset llama-3-8b --sizes 1,2 --out $OUT/tp.json
+    python benchmarks/tensor_parallel.py --preset llama-3-70b --sizes 2,4,8 --out $OUT/tp70.json
 
-Random bf16 weights of the preset's shape on cuda:0 (each rank copies its slices to its own
-GPU; the whole model must fit on one GPU, so not the 70B shape yet), a 128-token prompt, 256 new tokens, greedy, target only. Per world size N: `fuser.optimize`
-with FuserConfig(tensor_parallel=N), the median tok/s of 3 `generate` calls, and the
-per-rank weight-read ceiling: HBM bandwidth / (bytes a decode step reads / N). Every size runs
-with and without CUDA graphs (N > 1 captured: the followers capture with rank 0), each compared
-with N=1 alike; --one-shot adds N > 1 with the peer-to-peer one-shot all-reduce. The
-greedy tokens of every N must equal N=1's up to bf16 rounding: the first differing position
-is printed, never hidden.
+Random bf16 weights of the preset's shape, a 128-token prompt, 256 new tokens, greedy, target
+only. Per world size N: `fuser.optimize` with FuserConfig(tensor_parallel=N), the median tok/s
+of 3 `generate` calls, the bytes each rank's steps hold, and the per-rank weight-read ceiling:
+HBM bandwidth / (bytes a decode step reads / N).
+
+Where the sizes include 1, the model is made whole on cuda:0 and every rank copies its slices
+from it (fuser/rank_model.py `ModuleWeights`); every size runs with and without CUDA graphs
+(N > 1 captured: the followers capture with rank 0), each compared with N=1 alike, and the
+greedy tokens of every N must equal N=1's up to bf16 rounding: the first differing position is
+printed, never hidden. Where they do not (a shape no single GPU holds: 140 GB for the 70B
+shape), or with --per-rank-weights, the model exists only on the meta device and each rank
+makes its own share at random on its own GPU (`RandomWeights`): no process ever holds the
+whole model, only the CUDA-graph rows run, and there are no tp=1 tokens to compare with.
+--one-shot adds N > 1 with the peer-to-peer one-shot all-reduce.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import torch
 import transformers
 
 import fuser
+from fuser.distributed import rank_held_bytes
 from fuser.models import PRESETS
 from timing import log, measure_read_bandwidth, step_bytes
 
@@ -38,8 +46,10 @@ def _sync() -> None:
 
 
 def time_engine(model: torch.nn.Module, world_size: int, cuda_graphs: bool,
-                prompt: torch.Tensor, args: argparse.Namespace) -> tuple[float, torch.Tensor]:
-    """(median tok/s of `args.runs` generate calls, the greedy tokens) of one engine."""
+                prompt: torch.Tensor, args: argparse.Namespace
+                ) -> tuple[float, torch.Tensor, list[int]]:
+    """(median tok/s of `args.runs` generate calls, the greedy tokens, the bytes each rank's
+    steps hold) of one engine."""
     config = fuser.FuserConfig(max_seq_len=args.prompt_tokens + args.new_tokens + 16,
                                device=args.device, tensor_parallel=world_size, gamma=0,
                                cuda_graphs=cuda_graphs)
@@ -48,6 +58,9 @@ def time_engine(model: torch.nn.Module, world_size: int, cuda_graphs: bool,
     log(f"tp={world_size} cuda_graphs={cuda_graphs}: built in {time.perf_counter() - start:.0f} s"
         f"; fallbacks: {engine.report().fallbacks}")
     try:
+        held = rank_held_bytes(engine)
+        log(f"tp={world_size}: each rank's steps hold "
+            f"{', '.join(f'{b / 1e9:.2f}' for b in held)} GB (KV cache aside)")
         tokens = engine.generate(prompt, args.new_tokens)  # warm-up, and the tokens compared
         times = []
         for _ in range(args.runs):
@@ -57,7 +70,7 @@ def time_engine(model: torch.nn.Module, world_size: int, cuda_graphs: bool,
             _sync()
             times.append(time.perf_counter() - began)
         times.sort()
-        return args.new_tokens / times[len(times) // 2], tokens.cpu()
+        return args.new_tokens / times[len(times) // 2], tokens.cpu(), held
     finally:
         engine.close()
         del engine
@@ -77,10 +90,17 @@ def main() -> None:
     parser.add_argument("--one-shot", action="store_true",
                         help="the tp>1 rows again with FUSER_ONE_SHOT_ALL_REDUCE=1 (the "
                              "peer-to-peer one-shot all-reduce for small messages)")
+    parser.add_argument("--per-rank-weights", action="store_true",
+                        help="make each rank's share at random on its own device, the model "
+                             "only on the meta device (the default where --sizes has no 1)")
     parser.add_argument("--dry-run", action="store_true",
                         help="the CPU (gloo ranks), a tiny random fp32 Llama, 8 new tokens")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
+    per_rank = args.per_rank_weights or 1 not in sizes
+    if per_rank and 1 in sizes:
+        sys.exit("benchmarks/tensor_parallel.py: --per-rank-weights makes no tp=1 model: "
+                 "leave 1 out of --sizes")
     if args.dry_run:
         args.device, args.preset, args.new_tokens, args.prompt_tokens, args.runs = \
             "cpu", "tiny-random-llama", 8, 8, 1
@@ -101,7 +121,9 @@ def main() -> None:
         preset["num_hidden_layers"] = args.layers
     torch.manual_seed(0)
     torch.set_default_dtype(dtype)
-    with torch.device(args.device):  # on CUDA the followers receive it by IPC (no /dev/shm)
+    # On CUDA the followers receive a whole model by IPC (no /dev/shm); a meta one has no
+    # weights to send: each rank makes its own.
+    with torch.device("meta" if per_rank else args.device):
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**preset)).eval()
     torch.set_default_dtype(torch.float32)
     nbytes = step_bytes(model)
@@ -111,7 +133,9 @@ def main() -> None:
                         "preset": args.preset, "command": " ".join(sys.argv)},
                    bandwidth_TBps=bandwidth / 1e12, step_GB=nbytes / 1e9, rows=[])
     # (world size, CUDA graphs, one-shot all-reduce)
-    runs = ([(1, True, False)] if not args.dry_run else []) + [(n, False, False) for n in sizes]
+    runs = ([(1, True, False)] if not args.dry_run and not per_rank else [])
+    if not per_rank or args.dry_run:
+        runs += [(n, False, False) for n in sizes]
     if not args.dry_run:  # tp > 1 captured too (followers capture with rank 0)
         runs += [(n, True, False) for n in sizes if n > 1]
     if args.one_shot:
@@ -119,20 +143,24 @@ def main() -> None:
     reference = None
     for world_size, graphs, one_shot in runs:
         os.environ["FUSER_ONE_SHOT_ALL_REDUCE"] = "1" if one_shot else "0"  # ranks inherit it
-        tok_s, tokens = time_engine(model, world_size, graphs, prompt, args)
+        tok_s, tokens, held = time_engine(model, world_size, graphs, prompt, args)
         ceiling = bandwidth * world_size / nbytes
-        if reference is None:
+        if reference is None and not per_rank:
             reference = tokens
-        differ = (tokens != reference).nonzero()
-        first = None if differ.numel() == 0 else int(differ[0, 1]) - args.prompt_tokens
+        first = None
+        if reference is not None:
+            differ = (tokens != reference).nonzero()
+            first = None if differ.numel() == 0 else int(differ[0, 1]) - args.prompt_tokens
         row = {"tensor_parallel": world_size, "cuda_graphs": graphs, "one_shot": one_shot,
-               "tok_s": tok_s,
+               "per_rank_weights": per_rank, "tok_s": tok_s,
                "ceiling_tok_s": ceiling, "of_ceiling": tok_s / ceiling,
+               "held_GB_per_rank": [b / 1e9 for b in held],
                "first_token_differing_from_tp1": first}
         RESULTS["rows"].append(row)
         log(f"tp={world_size} cuda_graphs={graphs} one_shot={one_shot}: {tok_s:.1f} tok/s "
             f"({100 * tok_s / ceiling:.0f}% of its {ceiling:.0f} tok/s ceiling); "
-            f"tokens {'equal to tp=1' if first is None else f'differ from tp=1 at {first}'}")
+            + ("random weights per rank: no tp=1 tokens to compare" if per_rank else
+               f"tokens {'equal to tp=1' if first is None else f'differ from tp=1 at {first}'}"))
     base = {graphs: r["tok_s"] for r in RESULTS["rows"] for graphs in (r["cuda_graphs"],)
             if r["tensor_parallel"] == 1}
     print(f"system {RESULTS['env']['gpu']} x{RESULTS['env']['gpus']}, {args.preset}, batch 1, "
@@ -141,8 +169,10 @@ def main() -> None:
         speedup = row["tok_s"] / base.get(row["cuda_graphs"], float("nan"))
         print(f"tp={row['tensor_parallel']} graphs={'on ' if row['cuda_graphs'] else 'off'} "
               f"{'one-shot' if row['one_shot'] else 'nccl    '} {row['tok_s']:8.1f} tok/s  "
-              f"{100 * row['of_ceiling']:5.1f}% of ceiling  x{speedup:.2f} vs tp=1 "
-              f"(graphs {'on' if row['cuda_graphs'] else 'off'})")
+              f"{100 * row['of_ceiling']:5.1f}% of ceiling  "
+              f"{max(row['held_GB_per_rank']):6.2f} GB/rank  "
+              + (f"x{speedup:.2f} vs tp=1 (graphs {'on' if row['cuda_graphs'] else 'off'})"
+                 if not per_rank else "(random weights per rank)"))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(RESULTS, f, indent=2)

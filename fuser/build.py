@@ -25,6 +25,7 @@ from fuser.config import FuserConfig
 from fuser.numerics import FP8_SELF_CHECK_TOLERANCE, SELF_CHECK_TOLERANCE, relative_error
 from fuser.ops.fp8 import emulated_fp8
 from fuser.passes import PassContext, run_passes
+from fuser.rank_model import WeightSource, rank_model
 from fuser.runtime.cuda_graphs import CudaGraphStep
 from fuser.runtime.kv_cache import KVCache, free_memory_bytes
 from fuser.runtime.steps import DECODE, PREFILL, ModelSteps, StepFn, StepGraph, StepKind
@@ -124,9 +125,9 @@ def build_bucket_steps(role: str, view: nn.Module, cache: KVCache, sizes: Sequen
     bucket. The passes' per-model state (weights quantized once) is shared. Where model code
     keeps a dimension from being dynamic, each step is exported on its own (as `add_step`).
 
-    shard: one rank's share of a tensor-parallel engine (`Shard`): every step graph is
-    sharded before the passes (prefill too, batch and T symbolic), and `cache` is the
-    unsharded cache the export traces over.
+    shard: one rank's share of a tensor-parallel engine (`Shard`): `view` is the rank's share
+    of the model, `cache` its own, and every step graph gets its collectives before the
+    passes (prefill too, batch and T symbolic).
     """
     say = progress or (lambda message: None)
     state: dict = {}
@@ -204,8 +205,8 @@ def add_prefill(buckets: dict[int, ModelSteps], view: nn.Module, kind: StepKind,
                 shard: Shard | None = None) -> None:
     """Prefill (or another step of dynamic T: a paged engine's chunk) in every bucket:
     exported with a dynamic batch and rewritten once (its row count is symbolic either way),
-    one graph a bucket over that bucket's cache rows (with `shard`: sharded once, over the
-    rank's cache rows)."""
+    one graph a bucket over that bucket's cache rows (with `shard`: its collectives added
+    once)."""
     top = buckets[max(buckets)]
     if len(buckets) == 1:
         add_step(top, view, kind, config, device, shard)
@@ -229,8 +230,7 @@ def add_prefill(buckets: dict[int, ModelSteps], view: nn.Module, kind: StepKind,
     for steps in buckets.values():
         graph = _new_graph(steps, view, kind)
         graph.exported = exported
-        rows = steps.cache if shard is None else shard.cache.rows(steps.cache.batch_size)
-        graph.rewritten = symbolic if steps is top else with_cache(symbolic, rows)
+        graph.rewritten = symbolic if steps is top else with_cache(symbolic, steps.cache)
         graph.matches, graph.fused_ops = dict(result.matches), dict(result.fused_ops)
         for error in result.errors:
             steps.fallback(error)
@@ -395,52 +395,41 @@ def first_line(e: BaseException) -> str:
 
 @dataclass
 class Shard:
-    """One rank's share of a tensor-parallel engine's target (passes/tensor_parallel.py).
+    """One rank's share of a tensor-parallel engine's target: its step graphs are exported from
+    the rank's share of the model (fuser/rank_model.py, over the rank's own KV cache of
+    kv_heads / world_size heads) and get their collectives (passes/tensor_parallel.py
+    `add_collectives`) before the passes.
 
     Attributes:
         rank, world_size: this rank of how many.
-        cache: the rank's KV cache, every row: [B, S, kv_heads / world_size, D] per layer.
-        slices: the rank's weight slices, made once and shared by every step graph.
     """
 
     rank: int
     world_size: int
-    cache: KVCache
-    slices: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
 
     def graph(self, gm: torch.fx.GraphModule, batch: int) -> torch.fx.GraphModule:
-        """The rank's share of the unfused step graph `gm` at `batch` rows, over rows
-        [:batch] of the rank's cache."""
-        from fuser.passes.tensor_parallel import shard_graph
+        """The rank's step graph `gm` (at `batch` rows) with its collectives, in place."""
+        from fuser.passes.tensor_parallel import add_collectives
 
-        rows = self.cache.rows(batch)
-        cache = dict(zip(cache_names(len(rows.k)), [*rows.k, *rows.v]))
-        return shard_graph(gm, self.rank, self.world_size, cache=cache, slices=self.slices)
+        return add_collectives(gm, self.world_size)
 
 
-def build_shard(model: nn.Module, config: FuserConfig, kinds: list[StepKind],
-                sizes: Sequence[int], slots: int, dtype: torch.dtype, device: torch.device,
-                rank: int, world_size: int, progress: Progress | None = None
+def build_shard(model_class: type, model_config: object, weights: WeightSource,
+                config: FuserConfig, kinds: list[StepKind], sizes: Sequence[int], slots: int,
+                dtype: torch.dtype, device: torch.device, rank: int, world_size: int,
+                progress: Progress | None = None, num_blocks: int = 0
                 ) -> dict[int, ModelSteps]:
-    """Rank `rank`'s target steps of a tensor-parallel engine, per batch bucket: exported over
-    an unsharded cache (its shapes are what the export traces), sharded, rewritten, compiled,
-    and running over the rank's own cache (`Shard.cache`)."""
-    layers, kv_heads, head_dim = model_geometry(model.config)
-    full = allocate_cache("target", model.config, config.max_batch_size, slots, dtype, device,
-                          config.max_seq_len)
-    own = KVCache.allocate(layers, config.max_batch_size, slots, kv_heads // world_size,
-                           head_dim, dtype, device)
+    """Rank `rank`'s target steps of a tensor-parallel engine, per batch bucket: its share of
+    the model (`rank_model`: only its slices of the weights, from `weights`), exported over
+    its own KV cache, given its collectives, rewritten and compiled. Nothing on the rank ever
+    holds the whole model: the steps' eager modules (never run under tensor parallelism) are
+    over the same share. With config.kv_block_size the cache is paged, a pool of `num_blocks`
+    blocks (rank 0's count: the table rank 0's scheduler fills indexes every rank's pool)."""
+    if device.type == "cuda" and device.index is None:  # the index engine_view compares
+        device = torch.device("cuda", torch.cuda.current_device())
+    model = rank_model(model_class, model_config, weights, rank, world_size, dtype, device)
+    cache = allocate_cache("target", model.config, config.max_batch_size, slots, dtype, device,
+                           config.max_seq_len, config.kv_block_size, num_blocks)
     view = engine_view(model, dtype, device)
-    built = build_bucket_steps("target", view, full, sizes, kinds, config, device, progress,
-                               shard=Shard(rank, world_size, own))
-    for size, steps in built.items():
-        steps.cache = rows = own.rows(size)
-        for graph in steps.steps.values():
-            # Nothing keeps the unsharded cache: the exported programs go, and the eager
-            # modules (kept for their model's config; an unsharded eager step is never run
-            # under tensor parallelism) hold the rank's cache instead.
-            graph.exported = None
-            if isinstance(graph.eager, StepModule):
-                for name, tensor in zip(cache_names(len(rows.k)), [*rows.k, *rows.v]):
-                    setattr(graph.eager, name, tensor)
-    return built
+    return build_bucket_steps("target", view, cache, sizes, kinds, config, device, progress,
+                              shard=Shard(rank, world_size))

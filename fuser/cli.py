@@ -87,14 +87,25 @@ def cmd_build(args: argparse.Namespace) -> int:
     if out.exists() and not args.overwrite:
         raise ValueError(f"--out {out} already exists (pass --overwrite to replace it)")
     gamma = args.gamma if args.gamma == "auto" else int(args.gamma)
+    if args.tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size} must be at least 1")
     config = fuser.FuserConfig(precision=args.precision, gamma=gamma,
                                max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
-                               suffix_speculation=args.suffix_steps, **_paged_build(args))
+                               suffix_speculation=args.suffix_steps,
+                               tensor_parallel=args.tensor_parallel_size, **_paged_build(args))
     engine, source, _ = build_engine_from_args(args.model, args.draft, config)
-    progress(f"saving to {out} ...")
-    start = time.perf_counter()
-    save(engine, out, overwrite=args.overwrite, source=source)
-    progress(f"saved in {time.perf_counter() - start:.1f} s")
+    try:
+        progress(f"saving to {out} ...")
+        start = time.perf_counter()
+        if engine.tensor_parallel is not None:  # out/rank0, rank1, ..., tensor_parallel.json
+            with engine.generating():
+                engine.tensor_parallel.save(engine, out, overwrite=args.overwrite,
+                                            source=source)
+        else:
+            save(engine, out, overwrite=args.overwrite, source=source)
+        progress(f"saved in {time.perf_counter() - start:.1f} s")
+    finally:
+        engine.close()
     say(str(out))
     return 0
 
@@ -437,6 +448,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --block-size on CUDA: the paged pools take this fraction of "
                             "the GPU memory free after the weights (default: every row at "
                             "max-seq-len)")
+    build.add_argument("--tensor-parallel-size", type=int, default=1,
+                       help="shard the target over this many processes (one per GPU on CUDA, "
+                            "gloo processes on the CPU), each reading only its slices of the "
+                            "weights; --out then holds rank0/, rank1/, ... and "
+                            "tensor_parallel.json, which fuser serve and fuser.load read "
+                            "(default: %(default)s)")
     build.add_argument("--out", required=True, help="the engine directory to write")
     build.add_argument("--overwrite", action="store_true",
                        help="replace --out if it exists")

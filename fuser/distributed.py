@@ -2,11 +2,14 @@
 
     engine = fuser.optimize(target, draft, FuserConfig(tensor_parallel=N))
 
-Every rank builds its share of the target's steps: the same capture, `shard_graph`
-(passes/tensor_parallel.py) and fusion passes (fuser/build.py `build_shard`), over its own KV
-cache of KV heads [r * KVH / N, (r + 1) * KVH / N). Rank 0 runs the Engine as on one device
-(generate, stream, the Scheduler, `fuser serve`'s HTTP server); ranks 1..N-1 are followers
-(torch.multiprocessing, spawn) that run, in the same order, every target step rank 0 runs:
+Every rank builds its share of the target's steps from its own share of the model, never the
+whole (fuser/rank_model.py: its slices of the weights, read from the caller's model, from a
+model directory's safetensors, or made at random): the same capture over its own KV cache of
+KV heads [r * KVH / N, (r + 1) * KVH / N), the collectives (passes/tensor_parallel.py
+`add_collectives`) and the fusion passes (fuser/build.py `build_shard`). Rank 0 runs the
+Engine as on one device (generate, stream, the Scheduler, `fuser serve`'s HTTP server); ranks
+1..N-1 are followers (torch.multiprocessing, spawn) that run, in the same order, every target
+step rank 0 runs:
 
     rank 0, each target step              follower r, forever
     ------------------------              -------------------
@@ -15,8 +18,10 @@ cache of KV heads [r * KVH / N, (r + 1) * KVH / N). Rank 0 runs the Engine as on
                seq_lens, starts]          copy seq_lens, starts into its cache
     run its sharded step                  run its sharded step (the same collectives)
 
-The step's inputs are rank 0's, bit for bit (one broadcast of 2*B*T + 2*B int64 per step), so
-the followers never sample, schedule or decide anything. The logits are gathered on every
+The step's inputs are rank 0's, bit for bit (one broadcast of 2*B*T + 2*B int64 per step, and
+with a paged KV cache the bucket's block table rows after them, B * max_blocks more: rank 0's
+scheduler edits rank 0's table only), so the followers never sample, schedule or decide
+anything. The logits are gathered on every
 rank by the vocab-parallel head; only rank 0's are read. A scheduler's row move of the KV cache
 (`KVCache.move_row`) is a command too (`MirroredCache`).
 
@@ -69,7 +74,7 @@ import torch.distributed as dist
 
 from fuser.ops import p2p_all_reduce
 from fuser.runtime.kv_cache import KVCache
-from fuser.runtime.steps import PREFILL, ModelSteps, StepKind
+from fuser.runtime.steps import CHUNK, PREFILL, ModelSteps, StepKind
 
 ONE_SHOT_ENV = "FUSER_ONE_SHOT_ALL_REDUCE"  # "1": the one-shot all-reduce (see _init_group)
 
@@ -77,8 +82,8 @@ ONE_SHOT_ENV = "FUSER_ONE_SHOT_ALL_REDUCE"  # "1": the one-shot all-reduce (see 
 # multicast symmetric memory are not available on the machines fuser is tested on.
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 # Commands rank 0 sends, each a struct of int64s: (op, *args).
-STEP, MOVE_ROW, STOP, SAVE, CAPTURE_BEGIN, CAPTURE_END, REPLAY = 1, 2, 3, 4, 5, 6, 7
-KIND_NAMES = ("prefill", "decode", "verify", "catchup", "resync")
+STEP, MOVE_ROW, STOP, SAVE, CAPTURE_BEGIN, CAPTURE_END, REPLAY, HELD = 1, 2, 3, 4, 5, 6, 7, 8
+KIND_NAMES = ("prefill", "decode", "verify", "catchup", "resync", "chunk")
 # Collectives wait this long for a peer before failing (a follower that died mid-step on NCCL
 # is found by the watchdog after it); the command pipe itself never times out.
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
@@ -211,6 +216,10 @@ class FollowerPlan:
     device: torch.device  # rank 0's: rank r runs on `rank_device(device, r)`
     init_file: str
     engine_dir: str | None = None
+    num_blocks: int = 0  # a paged KV cache's pool, rank 0's count (every rank's tables match)
+    model_class: type | None = None  # the target's transformers class and config
+    model_config: Any = None
+    weights: Any = None  # a fuser.rank_model.WeightSource; None: the module sent with the plan
 
 
 def follower_main(plan: FollowerPlan, target: Any, conn: Any) -> None:
@@ -233,10 +242,13 @@ def follower_main(plan: FollowerPlan, target: Any, conn: Any) -> None:
             dtype = getattr(torch, parts.manifest["info"]["engine"]["dtype"])
         else:
             from fuser.build import build_shard
+            from fuser.rank_model import ModuleWeights
 
-            buckets = build_shard(target, plan.config, list(plan.kinds), plan.sizes, plan.slots,
-                                  plan.dtype, device, plan.rank, plan.world_size)
-            del target
+            weights = plan.weights if plan.weights is not None else ModuleWeights(target)
+            buckets = build_shard(plan.model_class, plan.model_config, weights, plan.config,
+                                  list(plan.kinds), plan.sizes, plan.slots, plan.dtype, device,
+                                  plan.rank, plan.world_size, num_blocks=plan.num_blocks)
+            del target, weights
         conn.send_bytes(b"built")
         _init_group(plan.rank, plan.world_size, plan.init_file, device)
         try:
@@ -287,15 +299,23 @@ def follow(buckets: dict[int, ModelSteps], conn: Any, device: torch.device,
             conn.send_bytes(b"saved")
         elif op == MOVE_ROW:
             top.cache.move_row(*args)
+        elif op == HELD:
+            conn.send_bytes(_pack(held_bytes(buckets)))
         elif op == STEP:
             batch, name, B, T = args
             steps = buckets[batch]
-            kind = PREFILL if KIND_NAMES[name] == "prefill" else StepKind(KIND_NAMES[name], T)
-            packed = torch.empty(2 * B * T + 2 * B, dtype=torch.long, device=device)
+            kind = {"prefill": PREFILL, "chunk": CHUNK}.get(KIND_NAMES[name]) or \
+                StepKind(KIND_NAMES[name], T)
+            cache = steps.cache
+            table = cache.block_table
+            packed = torch.empty(2 * B * T + 2 * B + (table.numel() if cache.paged else 0),
+                                 dtype=torch.long, device=device)
             dist.broadcast(packed, src=0)
-            tokens, positions, seq_lens, starts = _split(packed, B, T)
-            steps.cache.seq_lens.copy_(seq_lens)
-            steps.cache.starts.copy_(starts)
+            tokens, positions, seq_lens, starts, blocks = _split(packed, B, T)
+            cache.seq_lens.copy_(seq_lens)
+            cache.starts.copy_(starts)
+            if cache.paged:  # rank 0's block table rows, as its scheduler left them
+                table.copy_(blocks.view(table.shape))
             steps.run(kind, tokens, positions)
         else:
             raise RuntimeError(f"unknown command {op}")
@@ -338,11 +358,56 @@ class RankEngine:
         return Report(fallbacks=list(self.target.fallbacks))
 
 
+def _held_tensors(step: Any) -> list[torch.Tensor]:
+    """The tensors one step holds: its graphs' attributes, its eager module's, its exported
+    program's and its compiled callable's."""
+    out: list[torch.Tensor] = []
+    for module in (step.rewritten, step.eager):
+        if isinstance(module, torch.nn.Module):
+            out += [*module.parameters(), *module.buffers()]
+            if isinstance(module, torch.fx.GraphModule):
+                for node in module.graph.find_nodes(op="get_attr"):
+                    value: Any = module
+                    for part in str(node.target).split("."):
+                        value = getattr(value, part)
+                    if isinstance(value, torch.Tensor):
+                        out.append(value)
+    if step.exported is not None:
+        out += [t for t in [*step.exported.state_dict.values(), *step.exported.constants.values()]
+                if isinstance(t, torch.Tensor)]
+    out += [t for t in getattr(step.compiled, "tensors", None) or []
+            if isinstance(t, torch.Tensor)]
+    return out
+
+
+def held_bytes(buckets: dict[int, ModelSteps]) -> int:
+    """Bytes of the tensors a model's steps (batch bucket -> steps) hold, counted once per
+    storage, the KV cache and its lengths left out: on a tensor-parallel rank, its share of the
+    weights and whatever the passes made of them (fuser/rank_model.py `resident_bytes`)."""
+    from fuser.rank_model import resident_bytes
+
+    cache = buckets[max(buckets)].cache
+    exclude = [*cache.k, *cache.v, cache.seq_lens, cache.starts]
+    if cache.block_table is not None:
+        exclude.append(cache.block_table)
+    tensors = [t for steps in buckets.values() for step in steps.steps.values()
+               for t in _held_tensors(step)]
+    return resident_bytes(tensors, exclude)
+
+
+def rank_held_bytes(engine: Any) -> list[int]:
+    """Every rank's `held_bytes` of its target steps, rank 0 first (one rank: [its own])."""
+    own = held_bytes({size: bucket.target for size, bucket in engine.buckets.items()})
+    group = engine.tensor_parallel
+    return [own] if group is None else [own, *group.held_bytes()]
+
+
 def _split(packed: torch.Tensor, B: int, T: int) -> tuple[torch.Tensor, ...]:
-    """[tokens [B, T], positions [B, T], seq_lens [B], starts [B]] from one flat int64 tensor."""
+    """[tokens [B, T], positions [B, T], seq_lens [B], starts [B], the block table's rows
+    flat (paged; else empty)] from one flat int64 tensor."""
     n = B * T
     return (packed[:n].view(B, T), packed[n:2 * n].view(B, T), packed[2 * n:2 * n + B],
-            packed[2 * n + B:])
+            packed[2 * n + B:2 * n + 2 * B], packed[2 * n + 2 * B:])
 
 
 class TensorParallelGroup:
@@ -464,11 +529,12 @@ class TensorParallelGroup:
                     raise (self.check() or self._failed(rank, f"cannot be reached ({e})")) \
                         from e
 
-    def save(self, engine: Any, path: str | os.PathLike, overwrite: bool = False
-             ) -> dict[str, Any]:
+    def save(self, engine: Any, path: str | os.PathLike, overwrite: bool = False,
+             source: dict[str, str] | None = None) -> dict[str, Any]:
         """Write the engine as `path`/rank0, rank1, ... (each an engine directory of its rank's
         steps, rank 0's with the draft and tokenizer; every manifest's config says the world
-        size), then `path`/TP_MANIFEST naming them, last. Returns that file's contents."""
+        size), then `path`/TP_MANIFEST naming them, last. Returns that file's contents.
+        source: where the models came from (`engine_io.save`), recorded in rank 0's."""
         from fuser.engine_file import EngineFileError
         from fuser.engine_io import save
 
@@ -491,7 +557,7 @@ class TensorParallelGroup:
                 except (OSError, ValueError) as e:
                     raise (self.check() or self._failed(rank, f"cannot be reached ({e})")) \
                         from e
-        save(engine, root / ranks[0], overwrite=overwrite)
+        save(engine, root / ranks[0], overwrite=overwrite, source=source)
         for rank, (process, conn) in enumerate(zip(self.processes, self.conns), start=1):
             while not conn.poll(_POLL_S):
                 if not process.is_alive():
@@ -501,6 +567,24 @@ class TensorParallelGroup:
         manifest = {"format": TP_FORMAT, "world_size": self.world_size, "ranks": ranks}
         (root / TP_MANIFEST).write_text(json.dumps(manifest, indent=1))
         return manifest
+
+    def held_bytes(self) -> list[int]:
+        """Each follower's `held_bytes` of its steps (rank 1 first)."""
+        out = []
+        with self._sending:
+            self._check_usable()
+            for rank, (process, conn) in enumerate(zip(self.processes, self.conns), start=1):
+                try:
+                    conn.send_bytes(_pack(HELD))
+                except (OSError, ValueError) as e:
+                    raise (self.check() or self._failed(rank, f"cannot be reached ({e})")) \
+                        from e
+                while not conn.poll(_POLL_S):
+                    if not process.is_alive():
+                        raise self._failed(rank, "died")
+                (count,) = _unpack(self._receive(rank, conn))
+                out.append(count)
+        return out
 
     # -- CUDA graphs: runtime/step_graphs.py `CaptureMirror` -------------------------------------
 
@@ -574,9 +658,12 @@ class MirroredSteps(ModelSteps):
         cache = self.cache
         self.group.send(STEP, cache.batch_size, KIND_NAMES.index(kind.name), B, T)
         try:
-            # one collective for the step's inputs: [tokens, positions, seq_lens, starts]
-            packed = torch.cat([tokens.reshape(-1), positions.reshape(-1), cache.seq_lens,
-                                cache.starts]).long()
+            # one collective for the step's inputs: [tokens, positions, seq_lens, starts] and,
+            # paged, the rows' block table (the scheduler's BlockManager edits rank 0's only)
+            parts = [tokens.reshape(-1), positions.reshape(-1), cache.seq_lens, cache.starts]
+            if cache.paged:
+                parts.append(cache.block_table.reshape(-1).long())
+            packed = torch.cat(parts).long()
             dist.broadcast(packed, src=0)
             return super().run(kind, tokens, positions)
         except RuntimeError as e:  # a collective with a follower that is gone?
@@ -592,7 +679,8 @@ class MirroredCache(KVCache):
     group: TensorParallelGroup | None = None
 
     def move_row(self, src: int, dst: int, table: bool = True) -> None:
-        if self.group is not None:  # (a paged cache is refused under tensor parallel)
+        # (paged: nothing to send; the lengths and the table go with every step)
+        if self.group is not None and not self.paged:
             self.group.send(MOVE_ROW, src, dst)
         super().move_row(src, dst, table)
 

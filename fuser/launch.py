@@ -54,8 +54,30 @@ def load_pair(model: str | None, draft: str | None) -> tuple[torch.nn.Module, to
     return target.eval(), draft_model, tokenizer, name
 
 
+def load_sliced(model: str, draft: str | None
+                ) -> tuple[torch.nn.Module, torch.nn.Module | None, object | None, str, object]:
+    """`load_pair` for a tensor-parallel build from model directory `model`: the target on the
+    meta device (each rank reads its own slices of the weights: fuser/rank_model.py), the
+    draft whole; -> (target, draft, tokenizer, description, the target's weight source)."""
+    from fuser.pipeline import load_meta_model, load_model
+    from fuser.rank_model import DirectoryWeights
+
+    target, tokenizer = load_meta_model(model, "MODEL")
+    draft_model = load_model(draft, "--draft")[0] if draft else None
+    name = Path(model).name + (f" + draft {Path(draft).name}" if draft else "")
+    if not torch.cuda.is_available():  # CPU: fp32, as load_pair
+        target = target.float()
+        draft_model = draft_model.float() if draft_model is not None else None
+        name += " (fp32 on CPU)"
+    elif draft_model is not None and draft_model.device.type != "cuda":
+        draft_model = draft_model.cuda()
+    return target, draft_model, tokenizer, name, DirectoryWeights(str(model))
+
+
 def build_engine_from_args(model: str | None, draft: str | None, config: object) -> tuple[object, dict[str, str], str]:
-    """(engine, source paths, description) built from model directories (or the bundled pair)."""
+    """(engine, source paths, description) built from model directories (or the bundled pair).
+    With config.tensor_parallel > 1 the target is never loaded whole: each rank reads its own
+    slices from the directory."""
     from fuser.models import bundled_pair
     from fuser.pipeline import build_engine
 
@@ -66,10 +88,14 @@ def build_engine_from_args(model: str | None, draft: str | None, config: object)
             raise ValueError(f"{argument}={path!r} is neither a model directory (config.json + "
                              "safetensors) nor an engine directory (manifest.json)")
     progress("loading the Hugging Face models ...")
-    target, draft_model, tokenizer, name = load_pair(model, draft)
+    weights = None
+    if getattr(config, "tensor_parallel", 1) > 1 and model is not None:
+        target, draft_model, tokenizer, name, weights = load_sliced(model, draft)
+    else:
+        target, draft_model, tokenizer, name = load_pair(model, draft)
     progress(f"capturing (torch.export), rewriting (passes) and compiling {name} ...")
     start = time.perf_counter()
-    engine = build_engine(target, draft_model, config, tokenizer)
+    engine = build_engine(target, draft_model, config, tokenizer, weights=weights)
     progress(f"built in {time.perf_counter() - start:.1f} s")
     source = {"target": str(Path(model).resolve())} if model else {}
     if draft:

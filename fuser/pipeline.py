@@ -29,6 +29,7 @@ from fuser.distributed import (FollowerPlan, TensorParallelGroup, check_devices,
                                check_world_size, mirror, saved_world_size)
 from fuser.engine import Engine
 from fuser.engine_io import Log, open_engine
+from fuser.rank_model import DirectoryWeights, ModuleWeights, RandomWeights, WeightSource
 from fuser.runtime.steps import ModelSteps, StepKind, draft_steps, target_steps, verify
 
 ModelLike = nn.Module | str | Path
@@ -104,9 +105,47 @@ def optimize(target: ModelLike, draft: ModelLike | None = None,
         config = FuserConfig()
     if not isinstance(config, FuserConfig):
         raise ValueError(f"config must be a fuser.FuserConfig, got {type(config).__name__}")
-    target_model, tokenizer = load_model(target, "target")
+    weights = None
+    if config.tensor_parallel > 1 and isinstance(target, (str, Path)):
+        # Each rank reads its own slices from the directory: the whole model is never loaded.
+        target_model, tokenizer = load_meta_model(target, "target")
+        weights = DirectoryWeights(str(target))
+    else:
+        target_model, tokenizer = load_model(target, "target")
     draft_model = load_model(draft, "draft")[0] if draft is not None else None
-    return build_engine(target_model, draft_model, config, tokenizer)
+    return build_engine(target_model, draft_model, config, tokenizer, weights=weights)
+
+
+def load_meta_model(source: str | Path, argument: str) -> tuple[nn.Module, object | None]:
+    """The causal LM of model directory `source` on the meta device (its class, config, dtype
+    and generation config; no weights, no memory), and its tokenizer if it has one: what a
+    tensor-parallel build starts from, each rank reading its own slices of the weights
+    (fuser/rank_model.py `DirectoryWeights`)."""
+    path = Path(source)
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise ValueError(f"{argument}={str(source)!r} is not a model directory "
+                         "(a folder with config.json and safetensors weights)")
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    try:
+        model_config = AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(model_config,
+                                                     dtype=model_config.dtype or torch.float32)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"{argument}={str(source)!r} could not be loaded as a causal LM: {e}") \
+            from None
+    if (path / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    tokenizer = None
+    if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    return model.eval(), tokenizer
+
+
+def is_meta(model: nn.Module) -> bool:
+    """Whether `model`'s weights are on the meta device (shapes only)."""
+    return next(model.parameters()).device.type == "meta"
 
 
 def _stop_followers_on_error(fn: Callable[..., Engine]) -> Callable[..., Engine]:
@@ -127,11 +166,25 @@ def _stop_followers_on_error(fn: Callable[..., Engine]) -> Callable[..., Engine]
 
 @_stop_followers_on_error
 def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig,
-                 tokenizer: object | None = None) -> Engine:
-    """The Engine for already loaded models (see the module docstring for the order)."""
+                 tokenizer: object | None = None, weights: WeightSource | None = None
+                 ) -> Engine:
+    """The Engine for already loaded models (see the module docstring for the order).
+
+    With tensor_parallel > 1 each rank builds its share of the target from `weights`
+    (fuser/rank_model.py): None is the target module itself, or, for a target on the meta
+    device, Hugging Face's random initialisation made per rank (`RandomWeights`: benchmarks of
+    shapes no single device holds)."""
     start = time.perf_counter()
+    if is_meta(target):
+        if config.tensor_parallel == 1:
+            raise ValueError("the target's weights are on the meta device: only a "
+                             "tensor-parallel build (tensor_parallel > 1) makes them, per rank")
+        weights = weights if weights is not None else RandomWeights()
     device = torch.device(config.device) if config.device is not None else \
         next(target.parameters()).device
+    if device.type == "meta":
+        device = torch.device("cuda", torch.cuda.current_device()) \
+            if torch.cuda.is_available() else torch.device("cpu")
     dtype = config.dtype_for(next(target.parameters()).dtype)
     # Triton's toolchain as a load will have it (the kernels' cache keys), then Inductor's
     # compile workers start while the steps are exported and rewritten.
@@ -172,8 +225,15 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
         if role == "target" and group is not None:  # rank 0's share; the followers build theirs
             _progress(f"building rank 0 of {config.tensor_parallel}'s target steps for batch "
                       f"buckets {list(sizes)}")
-            return build_shard(model, config, kinds, sizes, slots, dtype, device, 0,
-                               config.tensor_parallel, progress=_progress)
+            built = build_shard(type(model), model.config,
+                                weights if weights is not None else ModuleWeights(model),
+                                config, kinds, sizes, slots, dtype, device, 0,
+                                config.tensor_parallel, progress=_progress,
+                                num_blocks=num_blocks)
+            table = built[max(built)].cache.block_table
+            if table is not None:  # the draft's blocks follow rank 0's target table
+                shared_table.append(table)
+            return built
         if not supports_cache_attention(model):
             fallback(f"{role}: {type(model).__name__} does not dispatch attention through "
                      "transformers' attention registry; it runs in eager PyTorch, unfused")
@@ -197,7 +257,8 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
     paged = bool(config.kv_block_size)
     target_kinds = target_steps(0, paged) + [verify(g)
                                              for g in sorted(set(gammas + suffix_gammas))]
-    group = _start_followers(target, config, target_kinds, sizes, slots, dtype, device)
+    group = _start_followers(target, config, target_kinds, sizes, slots, dtype, device, weights,
+                             num_blocks)
     target_built = prepare("target", target, target_kinds, slots)
     draft_built = None
     if draft is not None and gammas and target_built is not None:
@@ -212,7 +273,9 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
             _progress(f"{steps.role} bucket {size}: every step run once (compiled where "
                       f"compiled) in {time.perf_counter() - began:.1f} s")
     top = config.max_batch_size
-    if target_built is not None:
+    if target_built is not None and not is_meta(target):
+        # (a target on the meta device has no eager model to check against: its weights
+        # exist only as the ranks' slices)
         problem = check_against_eager(target_built[top], target, config.max_seq_len,
                                       fp8_lm_head)
         if problem is not None and group is not None:
@@ -253,7 +316,9 @@ def paged_pool_blocks(config: FuserConfig, target: nn.Module, draft: nn.Module |
     """Blocks per pool of a paged engine: config.kv_blocks; else, with kv_memory_fraction on
     CUDA, what that fraction of the free memory holds once the weights not yet on the device
     are there (`blocks_for_budget`, target and draft); else 0 (`KVCache.allocate`'s default:
-    every row at full length)."""
+    every row at full length). Tensor parallel: measured on rank 0's device (which also holds
+    the draft), with the target's share (its KV heads / N, its weights / N, made anew
+    wherever the caller's model is): every rank's pool has this count."""
     from fuser.build import model_geometry
     from fuser.runtime.blocks import CacheShape, blocks_for_budget
     from fuser.runtime.kv_cache import free_memory_bytes
@@ -262,10 +327,15 @@ def paged_pool_blocks(config: FuserConfig, target: nn.Module, draft: nn.Module |
         return config.kv_blocks
     if config.kv_memory_fraction is None or device.type != "cuda":
         return 0
-    models = [m for m in (target, draft) if m is not None]
-    shapes = [CacheShape(*model_geometry(m.config), dtype) for m in models]
-    coming = sum(p.numel() * torch.empty((), dtype=dtype).element_size()
-                 for m in models for p in m.parameters() if p.device != device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    ws = config.tensor_parallel
+    layers, kv_heads, head_dim = model_geometry(target.config)
+    shapes = [CacheShape(layers, kv_heads // ws, head_dim, dtype)]
+    coming = sum(p.numel() * itemsize for p in target.parameters()
+                 if ws > 1 or p.device != device) // ws
+    if draft is not None:
+        shapes.append(CacheShape(*model_geometry(draft.config), dtype))
+        coming += sum(p.numel() * itemsize for p in draft.parameters() if p.device != device)
     free = free_memory_bytes(device) or 0
     budget = int(config.kv_memory_fraction * max(free - coming, 0))
     blocks = blocks_for_budget(budget, config.kv_block_size, shapes)
@@ -279,26 +349,25 @@ def paged_pool_blocks(config: FuserConfig, target: nn.Module, draft: nn.Module |
 
 def _start_followers(target: nn.Module, config: FuserConfig, kinds: list[StepKind],
                      sizes: tuple[int, ...], slots: int, dtype: torch.dtype,
-                     device: torch.device) -> TensorParallelGroup | None:
+                     device: torch.device, weights: WeightSource | None, num_blocks: int
+                     ) -> TensorParallelGroup | None:
     """With config.tensor_parallel = N > 1: ranks 1..N-1 started, building their shares of
-    the target's steps while rank 0 (this process) builds its own; else None."""
+    the target's steps (from `weights`, or from `target` itself, which they then receive by
+    shared memory or CUDA IPC) while rank 0 (this process) builds its own; else None."""
     world_size = config.tensor_parallel
     if world_size == 1:
         return None
-    if config.kv_block_size:
-        raise ValueError(f"tensor_parallel={world_size} with kv_block_size="
-                         f"{config.kv_block_size}: a paged KV cache is not sharded yet; use "
-                         "kv_block_size=0")
     if not supports_cache_attention(target):
         raise ValueError(f"tensor_parallel={world_size}: {type(target).__name__} does not "
                          "dispatch attention through transformers' attention registry, so its "
                          "steps cannot be captured and sharded")
     check_world_size(target.config, world_size, device)
     group = TensorParallelGroup(world_size, device)
-    group.start(target, lambda rank: FollowerPlan(
+    group.start(target if weights is None else None, lambda rank: FollowerPlan(
         rank=rank, world_size=world_size, config=config, kinds=tuple(kinds),
         sizes=tuple(sizes), slots=slots, dtype=dtype, device=device,
-        init_file=group.init_file))
+        init_file=group.init_file, num_blocks=num_blocks, model_class=type(target),
+        model_config=target.config, weights=weights))
     _progress(f"started tensor-parallel ranks 1..{world_size - 1} (pids {group.pids})")
     return group
 

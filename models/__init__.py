@@ -42,6 +42,13 @@ PRESETS: dict[str, dict[str, object]] = {
                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                          "original_max_position_embeddings": 8192},
     ),
+    # Llama-3-70B: 140 GB in bf16, more than one GPU holds (tensor-parallel benchmarks).
+    "llama-3-70b": dict(
+        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, rms_norm_eps=1e-5,
+        max_position_embeddings=8192, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+    ),
     "llama-3.2-1b": dict(
         vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
         num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5,

@@ -25,6 +25,13 @@ collective costs 16-20 us). Every rank gets the whole logits either way, so samp
 same on every rank. With tied embeddings the head's slice is a tensor of its own (the embedding
 keeps the whole table).
 
+The engine does not shard the unsharded graph (whose weights would then have to exist on
+every rank): each rank exports its own share of the model (fuser/rank_model.py, the same
+slices) and `add_collectives` gives that graph the all-reduces and the logits' all-gather,
+which makes the graph `shard_graph` makes, up to where the logits are gathered (after the
+head's view to [B, T, V/ws], not before it). `shard_graph` is the reference both are tested
+against (tests/test_tensor_parallel.py).
+
 Reshapes that mention a head count or a projection width (`view [B, T, H*D]`, ...) are rewritten
 to the per-rank counts: the graph's shapes are propagated again on fake tensors, and a view
 whose input shrank has the one dim that holds the shrunk block divided by world_size. Every
@@ -332,3 +339,42 @@ def _propagate(gm: GraphModule, world_size: int) -> None:
             continue
         node.meta["val"] = env[node]
         node.meta.pop("tensor_meta", None)
+
+
+def add_collectives(gm: GraphModule, world_size: int) -> GraphModule:
+    """The collectives of a rank's step graph exported from its share of the model
+    (fuser/rank_model.py: a model at the per-rank counts, its head a vocab slice), in place:
+    an all-reduce after every row-parallel matmul (o_proj, down_proj; a bias added after it)
+    and the logits [B, T, V/ws] gathered into [B, T, V] at the output. Before `run_passes`,
+    like `shard_graph`, whose graph this gives without ever holding the unsharded weights.
+    Returns `gm`."""
+    if world_size == 1:
+        return gm
+    prepare_graph(gm)
+    graph = gm.graph
+    for target, node in _weights(gm).items():
+        module, _, kind = target.rpartition(".")
+        if module.endswith(ROW) and kind == "weight":
+            _row_parallel(graph, _linear_user(node))
+    output = graph.output_node()
+    logits = output.args[0]
+    while isinstance(logits, (tuple, list)):
+        logits = logits[0]
+    _lm_head(gm)  # the logits come from the LM head's matmul: anything else is refused
+    with graph.inserting_before(output):
+        gathered = graph.call_function(torch.ops.fuser.all_gather.default, (logits, world_size))
+    output.replace_input_with(logits, gathered)
+    mode = detect_fake_mode([logits.meta["val"]])
+    if mode is not None:
+        with mode:
+            gathered.meta["val"] = torch.ops.fuser.all_gather.default(logits.meta["val"],
+                                                                      world_size)
+    for node in graph.nodes:  # the new mm/add nodes of a biased row-parallel linear
+        if node.op == "call_function" and "val" not in node.meta and mode is not None:
+            args = torch.fx.map_arg(node.args, lambda n: n.meta["val"])
+            kwargs = torch.fx.map_arg(node.kwargs, lambda n: n.meta["val"])
+            with mode:
+                node.meta["val"] = node.target(*args, **kwargs)
+    graph.lint()
+    gm.recompile()
+    return gm

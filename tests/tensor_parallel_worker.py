@@ -40,20 +40,35 @@ def step_graphs(family: str, batch: int, cache_len: int, prompt_len: int, seed: 
 
     biases: Llama with a bias on every projection (attention_bias, mlp_bias), o_proj's and
     down_proj's included."""
-    from fuser.capture import StepModule, engine_view, export_step
+    model = step_model(family, seed, biases, **config)
+    return model_step_graphs(model, batch, cache_len, prompt_len, decode_tokens, device)
+
+
+def step_model(family: str, seed: int = 0, biases: bool = False,
+               **config: object) -> torch.nn.Module:
+    """The tiny model of `family` that `step_graphs` exports (init_range 0.3; biases: Llama
+    with a bias on every projection, drawn non-zero)."""
     from tiny import FAMILIES, tiny_config
 
-    if biases:
-        cfg = tiny_config(family, init_range=0.3, **config)
-        cfg.attention_bias = cfg.mlp_bias = True
-        torch.manual_seed(seed)
-        model = FAMILIES[family][1](cfg).eval()
-        with torch.no_grad():  # HF initializes biases to zero: make them count
-            for name, p in model.named_parameters():
-                if name.endswith(".bias"):
-                    p.normal_(0, 0.3)
-    else:
-        model = tiny_model(family, seed=seed, init_range=0.3, **config)
+    if not biases:
+        return tiny_model(family, seed=seed, init_range=0.3, **config)
+    cfg = tiny_config(family, init_range=0.3, **config)
+    cfg.attention_bias = cfg.mlp_bias = True
+    torch.manual_seed(seed)
+    model = FAMILIES[family][1](cfg).eval()
+    with torch.no_grad():  # HF initializes biases to zero: make them count
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.3)
+    return model
+
+
+def model_step_graphs(model: torch.nn.Module, batch: int, cache_len: int, prompt_len: int,
+                      decode_tokens: int = 1, device: str = "cpu"
+                      ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+    """`step_graphs` of a given model (over a zero cache of its own KV heads)."""
+    from fuser.capture import StepModule, engine_view, export_step
+
     view = engine_view(model.to(device), torch.float32, torch.device(device))
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads

@@ -19,9 +19,11 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from fuser.ops.collectives import all_gather_reference, all_reduce_reference
-from fuser.passes.tensor_parallel import SOURCE, shard_graph
+from fuser.passes.tensor_parallel import SOURCE, add_collectives, shard_cache, shard_graph
+from fuser.rank_model import ModuleWeights, rank_model
 from ranks import free_port, run_ranks
-from tensor_parallel_worker import CACHE, CONFIGS, DECODE_STEPS, cache_of, step_graphs
+from tensor_parallel_worker import (CACHE, CONFIGS, DECODE_STEPS, cache_of, model_step_graphs,
+                                    step_graphs, step_model)
 
 WORKER = Path(__file__).parent / "tensor_parallel_worker.py"
 TIMEOUT_S = 240  # a hung collective fails the test instead of blocking CI
@@ -175,6 +177,46 @@ def test_sharding_over_configs(case: dict[str, object]) -> None:
                  for op in (ALL_REDUCE, ALL_GATHER)}
         assert count == {ALL_REDUCE: 2 * layers, ALL_GATHER: int(case["lm_head"] == "vocab")}
 
+    lens = torch.tensor([3, 5])
+    args = (torch.randint(3, 160, (B, T), generator=g), lens[:, None] + torch.arange(T), lens,
+            torch.tensor([0, 1]))
+    with torch.no_grad():
+        ref = decode(*args)
+        outs = lockstep(ranks, args)
+    for out in outs:
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=4, deadline=None, derandomize=True,
+          phases=(Phase.explicit, Phase.reuse, Phase.generate))  # an export per rank: seconds
+@given(case=tp_cases())
+def test_rank_models_over_configs(case: dict[str, object]) -> None:
+    """The engine's path (fuser/build.py `build_shard`): each rank's decode graph exported from
+    its share of the model (fuser/rank_model.py) over its KV heads' slice of the cache, with
+    `add_collectives`: 2 all-reduces a layer and one all-gather, and the ranks' logits
+    (collectives emulated in one process) equal the unsharded graph's, over a random cache."""
+    ws = case["world_size"]
+    B, S, T, layers = 2, 8, 2, 1
+    family = "llama" if case["biases"] else case["family"]
+    model = step_model(family, biases=case["biases"], layers=layers, heads=case["heads"],
+                       kv_heads=case["kv_heads"], head_dim=case["head_dim"],
+                       intermediate=case["intermediate"], tie=case["tie"])
+    _, decode = model_step_graphs(model, B, S, 3, decode_tokens=T)
+    g = torch.Generator().manual_seed(0)
+    cache = cache_of(decode)
+    for t in cache.values():
+        t.copy_(torch.randn(t.shape, generator=g))
+    ranks = []
+    for r in range(ws):
+        share = rank_model(type(model), model.config, ModuleWeights(model), r, ws,
+                           torch.float32, torch.device("cpu"))
+        _, gm = model_step_graphs(share, B, S, 3, decode_tokens=T)
+        for name, t in cache_of(gm).items():
+            t.copy_(shard_cache(cache[name], r, ws))
+        ranks.append(add_collectives(gm, ws))
+        count = {op: sum(1 for x in gm.graph.nodes if x.target is op)
+                 for op in (ALL_REDUCE, ALL_GATHER)}
+        assert count == {ALL_REDUCE: 2 * layers, ALL_GATHER: 1}
     lens = torch.tensor([3, 5])
     args = (torch.randint(3, 160, (B, T), generator=g), lens[:, None] + torch.arange(T), lens,
             torch.tensor([0, 1]))

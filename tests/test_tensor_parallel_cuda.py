@@ -52,7 +52,8 @@ def test_two_gpus_generate_schedule_save_load(tmp_path: Path, cuda_graphs: bool,
         scheduler = Scheduler(engine)
         scheduler.start()
         try:
-            got = scheduler.submit(ids[1].tolist(), SamplingParams(max_tokens=16)).result(120)
+            got = scheduler.submit(ids[1].tolist(),
+                                   SamplingParams(max_tokens=16, temperature=0.0)).result(120)
         finally:
             scheduler.close()
         assert_greedy_matches(torch.tensor([ids[1].tolist() + got]), ref[1:].cpu(),
@@ -70,3 +71,48 @@ def test_two_gpus_generate_schedule_save_load(tmp_path: Path, cuda_graphs: bool,
         assert torch.equal(loaded.generate(ids, 16, attention_mask=mask), expected)
     finally:
         loaded.close()
+
+
+def test_two_gpus_a_model_directory_sliced_and_paged(tmp_path: Path) -> None:
+    """From a model directory (each rank reads only its slices onto its own GPU), with a paged
+    KV cache and CUDA graphs: each rank's steps hold the same bytes, under the whole model's;
+    greedy tokens equal Hugging Face's up to its first near-tie, through generate and through
+    a Scheduler whose requests start from cached prefix blocks (rank 0's table, sent with each
+    step)."""
+    from fuser.distributed import rank_held_bytes
+
+    target = llama_target()
+    target.save_pretrained(tmp_path / "model")
+    target = target.to("cuda:0")
+    config = fuser.FuserConfig(device="cuda:0", max_seq_len=64, max_batch_size=2,
+                               batch_buckets=(1, 2), gamma=0, tensor_parallel=2,
+                               kv_block_size=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = fuser.optimize(tmp_path / "model", None, config)
+    try:
+        held = rank_held_bytes(engine)
+        whole = sum(p.numel() * p.element_size() for p in target.parameters())
+        assert held[0] == held[1] < whole, held
+        ids, mask = prompts([7, 9], seed=4)
+        ids, mask = ids.cuda(), mask.cuda()
+        ref, near_tie = hf_greedy(target, ids, mask, 16)
+        out = engine.generate(ids, 16, attention_mask=mask)
+        assert_greedy_matches(out.cpu(), ref.cpu(), near_tie.cpu(), ids.cpu(), [])
+        generator = torch.Generator().manual_seed(5)
+        prefixes = [torch.randint(3, 160, (20,), generator=generator).tolist() for _ in "ab"]
+        scheduler = Scheduler(engine)
+        scheduler.start()
+        try:
+            for i in range(4):  # one at a time, the two prefixes taking turns
+                prompt = torch.tensor([prefixes[i % 2] + [3 + i, 7 + i]], device="cuda:0")
+                got = scheduler.submit(prompt[0].tolist(), SamplingParams(
+                    max_tokens=12, temperature=0.0)).result(120)
+                ref, near_tie = hf_greedy(target, prompt, torch.ones_like(prompt), 12)
+                assert_greedy_matches(torch.tensor([prompt[0].tolist() + got]), ref.cpu(),
+                                      near_tie.cpu(), prompt.cpu(), [])
+            assert scheduler.blocks is not None and scheduler.blocks.prefix_hits > 0
+        finally:
+            scheduler.close()
+    finally:
+        engine.close()

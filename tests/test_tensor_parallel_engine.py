@@ -104,14 +104,11 @@ def test_scheduler_equals_one_rank(pair: dict[str, object]) -> None:
 
 
 def test_refusals_before_any_process_starts(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A world size the heads do not divide, a paged cache, a second engine in one process,
-    more ranks than CUDA devices: ValueErrors naming the problem, no process started."""
+    """A world size the heads do not divide, a second engine in one process, more ranks than
+    CUDA devices: ValueErrors naming the problem, no process started."""
     target = llama_target()
     with pytest.raises(ValueError, match=r"attention heads 4, KV heads 2, .*not divisible by 3"):
         fuser.optimize(target, None, fuser.FuserConfig(**CONFIG, tensor_parallel=3))
-    with pytest.raises(ValueError, match=r"kv_block_size=16: a paged KV cache is not sharded"):
-        fuser.optimize(target, None, fuser.FuserConfig(
-            **{**CONFIG, "batch_buckets": (2,)}, kv_block_size=16, tensor_parallel=2))
     monkeypatch.setattr(TensorParallelGroup, "_open", object())
     with pytest.raises(ValueError, match="already running in this process"):
         fuser.optimize(target, None, fuser.FuserConfig(**CONFIG, tensor_parallel=2))

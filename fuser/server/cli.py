@@ -112,9 +112,9 @@ def add_kv_cache_arguments(serve: argparse.ArgumentParser) -> None:
     cache it was built with)."""
     serve.add_argument("--block-size", type=int, default=None,
                        help=f"slots per block of the paged KV cache (default: "
-                            f"{DEFAULT_BLOCK_SIZE}; with --tensor-parallel-size above 1: 0, a "
-                            "paged cache is not sharded yet); 0: a contiguous cache of "
-                            "max-batch-size x max-seq-len slots")
+                            f"{DEFAULT_BLOCK_SIZE}; with --tensor-parallel-size above 1: 0, "
+                            "until a paged cache under tensor parallelism has run on GPUs); "
+                            "0: a contiguous cache of max-batch-size x max-seq-len slots")
     serve.add_argument("--gpu-memory-fraction", type=float, default=None,
                        help="on CUDA, the fraction of the GPU memory free once the weights are "
                             "loaded that the paged KV cache takes (default: "
@@ -145,7 +145,8 @@ def kv_cache_config(args: argparse.Namespace) -> dict[str, object]:
 
 
 def block_size(args: argparse.Namespace) -> int:
-    """--block-size, or its default: 16, contiguous (0) under tensor parallelism."""
+    """--block-size, or its default: 16, contiguous (0) under tensor parallelism (a paged cache
+    is sharded too, with --block-size; it becomes the default once it has run on GPUs)."""
     block = getattr(args, "block_size", None)
     if block is None:
         return 0 if (getattr(args, "tensor_parallel_size", None) or 1) > 1 else \
@@ -196,10 +197,6 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError("--api-key must not be empty")
     if block_size(args) < 0:
         raise ValueError(f"--block-size {args.block_size} must be at least 0 (0: contiguous)")
-    if block_size(args) and (tensor_parallel or 1) > 1:
-        raise ValueError(f"--block-size {args.block_size} with --tensor-parallel-size "
-                         f"{tensor_parallel}: a paged KV cache is not sharded yet (leave "
-                         "--block-size out, or 0)")
     if getattr(args, "max_num_batched_tokens", 0) < 0:
         raise ValueError(f"--max-num-batched-tokens {args.max_num_batched_tokens} must be at "
                          "least 0 (0: whole prompts)")
