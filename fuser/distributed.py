@@ -241,8 +241,11 @@ def follower_main(plan: FollowerPlan, target: Any, conn: Any) -> None:
             config = parts.config
             dtype = getattr(torch, parts.manifest["info"]["engine"]["dtype"])
         else:
+            from fuser import kernel_store
             from fuser.build import build_shard
             from fuser.rank_model import ModuleWeights
+
+            kernel_store.settle_triton_toolchain(device)  # as rank 0 (pipeline.build_engine)
 
             weights = plan.weights if plan.weights is not None else ModuleWeights(target)
             buckets = build_shard(plan.model_class, plan.model_config, weights, plan.config,
