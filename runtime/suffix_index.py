@@ -1,0 +1,600 @@
+"""The suffix index: per request, the tokens that followed the longest earlier occurrence of its
+suffix, for every row of a decoding step in a few dozen numpy calls (runtime/suffix.py verifies
+what it proposes; benchmarks/suffix_index.py measures its host time).
+
+What it finds (prompt-lookup decoding; suffix-tree decoding, Oliaro et al., "SuffixDecoding",
+with hash tables in place of the tree): the longest suffix of min_ngram..max_ngram tokens of a
+request (prompt and output) that occurred before, in the request itself (own context) or in a
+recent finished output (the pool), and what followed its latest occurrence:
+
+    own context:   a match ending at p continues with tokens[p + 1], tokens[p + 2], ...; past
+                   the end it copies its own output (the span repeats with period len - 1 - p,
+                   as LZ77 copies overlap), so a repeating pattern proposes max_tokens tokens;
+    recent outputs: finished requests' outputs (their prompts too with keep_prompts); the
+                   oldest is evicted beyond max_recent sequences or max_recent_tokens tokens;
+                   a match proposes what followed it in that output, up to its end.
+The longer match wins; on a tie the request's own context. Latest: the highest position in
+the request; in the pool, the newest output, then the highest position in it.
+
+How. Every n-gram (n = min_ngram..max_ngram) ending at a position that has a next token is a
+64-bit key in one table, mapped to where it ended: own n-grams to the position in the request
+(keys salted per request), pooled ones to a position in the pool's token store. A key keeps
+its latest end (positions only grow, so latest = largest: inserts take the maximum). The keys
+are polynomial hashes over the tokens, g_n(e) = sum_{i<n} (t_{e-i} + 1) * BASE^i mod 2**64: a
+window of max_ngram tokens ending at e, times the powers, cumulative-summed, gives every n at
+once. A hit is trusted as it is: two different n-grams share a key with probability ~2**-64,
+and a wrong proposal would only be rejected by the target like any other.
+
+The table is numpy: buckets of `_WAYS` keys (one 64-byte line each) and their values, probed
+for a whole batch of keys in one gather; a key whose bucket is full goes to a small dict (the
+stash), and its bucket is flagged. It doubles past a quarter full. Finished requests' own keys
+and evicted outputs' pooled keys are removed, so every value points at live tokens.
+
+A step's host work (the adaptive scheduler's): `extend` per row only appends to a list; the
+lookup (`propose_many`) first indexes all rows' new tokens at once (`flush`: write them into
+the token array, hash the windows, insert the keys) and then looks every row's suffix keys up,
+both kinds and all lengths, in one probe; the longest hit per row is an argmax over weights,
+and the proposals are one gather (own rows, with the period) and one slice per pooled row.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+__all__ = ["Proposal", "SuffixIndex"]
+
+# Hashes wrap at 64 bits (uint64 arithmetic).
+_BASE = np.uint64(1_000_003)
+_MIX = np.uint64(0x9E3779B97F4A7C15)  # a bucket is the top bits of key * MIX
+_GUARD = np.uint64(0xD6E8FEB86659FD93)  # the digit before a first token (no token +1; odd, so
+                                      # that its multiples reach the low bits)
+_WAYS = 8  # keys a bucket holds: 8 uint64, one cache line
+_ONE, _TWO = np.uint64(1), np.uint64(2)  # own keys end in bits 01, pooled ones in 10
+_WAY_OF_BIT = np.uint64(0x0001020304050607)  # byte 7 - w holds w (`_lowest_way`)
+_TOP_BYTE = np.uint64(56)
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """What `SuffixIndex.lookup` found: the proposed tokens, where ("own", "recent" or "" for
+    nothing) and the matched suffix's length."""
+
+    tokens: list[int]
+    source: str
+    match: int
+
+
+@dataclass
+class _Request:
+    slot: int  # its row of SuffixIndex._hist
+    prompt_length: int
+
+
+def _lowest_way(words: np.ndarray) -> np.ndarray:
+    """words: uint64, each the 8 bool bytes of a bucket's ways -> the index of its lowest
+    nonzero byte (anything for 0): the lowest set bit, 2**(8w), times a constant whose byte
+    7 - w is w, leaves w in the top byte."""
+    return (((words & (~words + _ONE)) * _WAY_OF_BIT) >> _TOP_BYTE).astype(np.intp)
+
+
+class _Table:
+    """A hash table of uint64 keys (0: empty) to int64 values (-1: none), read and written a
+    batch of keys at a time: `nb` buckets of _WAYS keys (a row of `keys`, one cache line;
+    `values` alike, flat); a key lives in bucket (key * MIX) >> (64 - bits), or, where that
+    bucket was full when it came, in the stash (a dict) with the bucket flagged. A batch's
+    lookup is one gather of its buckets and one compare; the bytes of a bucket's compare,
+    read as one uint64, say whether and where (`_lowest_way`).
+
+    Values only grow: a key inserted again (or twice in one batch) keeps the largest value,
+    and a value inserted for a held key must not be smaller than the held one. While both
+    hold a key (its bucket had room again later), the bucket's value is the newer and larger
+    one, and is read first.
+
+    `count` counts the keys held; a key inserted twice in one batch is counted twice (an
+    upper bound, made exact whenever it crosses max_load; the table doubles only where the
+    exact count is past half of that)."""
+
+    max_load = 0.25  # keys per way where the count is checked
+
+    def __init__(self, bits: int = 12) -> None:
+        self._reset(bits)
+
+    def _reset(self, bits: int) -> None:
+        self.bits = bits
+        self.shift = np.uint64(64 - bits)
+        self.keys = np.zeros((1 << bits, _WAYS), np.uint64)  # [nb, W]
+        self.flat_keys = self.keys.reshape(-1)  # [nb * W] a view: key w of b at W b + w
+        self.values = np.full(_WAYS << bits, -1, np.int64)  # [nb * W]
+        self.flagged = np.zeros(1 << bits, bool)  # [nb] some key of the bucket is stashed
+        self.stash: dict[int, int] = {}
+        self.count = 0
+
+    def bucket(self, keys: np.ndarray) -> np.ndarray:
+        return ((keys * _MIX) >> self.shift).astype(np.intp)
+
+    def get(self, keys: np.ndarray) -> np.ndarray:
+        """The values of `keys` (any shape), -1 where absent."""
+        b = self.bucket(keys)
+        hit = (np.take(self.keys, b, axis=0) == keys[..., None]).view(np.uint64)[..., 0]
+        found = hit != 0  # (a miss reads values[0], not a line of its own)
+        values = np.where(found, np.take(self.values, (b * _WAYS + _lowest_way(hit)) * found), -1)
+        if self.stash:  # a miss in a flagged bucket may be stashed
+            maybe = (values < 0) & self.flagged[b]
+            if maybe.any():
+                get = self.stash.get
+                values[maybe] = [get(k, -1) for k in keys[maybe].tolist()]
+        return values
+
+    def insert(self, keys: np.ndarray, values: np.ndarray) -> int:
+        """Insert keys [m] -> values [m] (class docstring: values only grow); -> how many
+        ways and stash entries were newly taken (exact for distinct keys)."""
+        if self.count + len(keys) > self.max_load * self.values.size:
+            self.count = int(np.count_nonzero(self.keys)) + len(self.stash)
+            if self.count + len(keys) > self.max_load / 2 * self.values.size:
+                self._grow(self.count + len(keys))
+        new = 0
+        b = self.bucket(keys)
+        while len(keys):
+            rows = np.take(self.keys, b, axis=0)  # [m, W]
+            mine = (rows == keys[:, None]).view(np.uint64)[:, 0]  # [m] where it is held
+            have = mine != 0
+            pick = np.where(have, mine, (rows == 0).view(np.uint64)[:, 0])  # else free ways
+            room = pick != 0
+            if not room.all():  # a full bucket: to the stash
+                full = ~room
+                new += self._stash(keys[full], values[full], b[full])
+                keys, values, b, pick, have = keys[room], values[room], b[room], pick[room], \
+                    have[room]
+            at = b * _WAYS + _lowest_way(pick)  # [m] its way, or the first free one
+            self.flat_keys[at] = keys  # new keys claim the way; one wins where several do
+            won = np.take(self.flat_keys, at) == keys
+            retry = None
+            if not won.all():  # (a held key always wins)
+                lost = ~won
+                retry = keys[lost], values[lost], b[lost]
+                keys, values, at, have = keys[won], values[won], at[won], have[won]
+            self.values[at] = values  # a key twice in the batch: either value may land,
+            short = np.take(self.values, at) < values  # so the larger is put back
+            if short.any():
+                np.maximum.at(self.values, at[short], values[short])
+            new += len(keys) - int(np.count_nonzero(have))
+            if retry is None:
+                break
+            keys, values, b = retry  # lost a free way to another key: the next one
+        self.count += new
+        return new
+
+    def _stash(self, keys: np.ndarray, values: np.ndarray, b: np.ndarray) -> int:
+        self.flagged[b] = True
+        stash, new = self.stash, 0
+        for k, v in zip(keys.tolist(), values.tolist()):
+            old = stash.get(k)
+            if old is None:
+                new += 1
+                stash[k] = v
+            elif v > old:
+                stash[k] = v
+        return new
+
+    def remove(self, keys: np.ndarray, values: np.ndarray | None = None) -> int:
+        """Remove keys [m] (where values is given, only where the held value equals it;
+        distinct keys, or distinct pairs with values); -> how many were held."""
+        if not len(keys):
+            return 0
+        b = self.bucket(keys)
+        eq = np.take(self.keys, b, axis=0) == keys[:, None]  # [m, W]
+        if values is not None:
+            eq &= np.take(self.values.reshape(-1, _WAYS), b, axis=0) == values[:, None]
+        r, w = np.nonzero(eq)
+        at = b[r] * _WAYS + w
+        self.flat_keys[at] = 0
+        self.values[at] = -1
+        removed = len(at)
+        if self.stash:
+            stash = self.stash
+            if values is None:
+                for k in keys.tolist():
+                    removed += stash.pop(k, None) is not None
+            else:
+                for k, v in zip(keys.tolist(), values.tolist()):
+                    if stash.get(k) == v:
+                        del stash[k]
+                        removed += 1
+            if not stash:
+                self.flagged[:] = False
+        self.count -= removed
+        return removed
+
+    def _grow(self, needed: int) -> None:
+        """Double until `needed` keys fill under a quarter of max_load, and insert what is
+        held again (a stashed key also in a bucket: the bucket's value, the larger)."""
+        bits = self.bits
+        while needed > self.max_load / 2 * (_WAYS << bits):
+            bits += 1
+        held = self.flat_keys != 0
+        keys, values = self.flat_keys[held], self.values[held]
+        stash = self.stash
+        if stash:
+            stashed = np.fromiter(stash.keys(), np.uint64, len(stash))
+            only = self.get(stashed) < 0  # (get reads the bucket first)
+            keys = np.concatenate([keys, stashed[only]])
+            values = np.concatenate(
+                [values, np.fromiter(stash.values(), np.int64, len(stash))[only]])
+        self._reset(bits)
+        self.insert(keys, values)
+
+
+class SuffixIndex:
+    """Proposals from the longest earlier occurrence of a request's suffix (module docstring).
+
+    The layout:
+        _hist    uint64 [slots, G + cap]: per request, its tokens + 1 from column G (G =
+                 max_ngram columns of _GUARD before them, so that a window never leaves the
+                 row); _len [slots] its token count, _salts [slots] its keys' salt;
+        _probe   uint64 [slots, 2L]: the table keys of its suffix, own then pooled, each
+                 n = max_ngram .. min_ngram (L lengths);
+        _store   uint64: the pool's tokens + 1, outputs one after another (a global offset g
+                 is _store[g - _base]); _ends int64 alike: the end (exclusive) of the output
+                 that token is in;
+        _table   own keys ((hash ^ salt) << 2 | 1) -> position in the request; pooled keys
+                 (hash << 2 | 2) -> global offset in the store (never 0, never each other).
+    `extend` only appends to a list; the next lookup (or finish) indexes every request's new
+    tokens at once (`flush`). `propose_many` looks up all rows of a step at once: first the
+    longest and the shortest length of each kind (a suffix that never occurred has no longer
+    one that did, so most rows are settled there: no match, or the longest), then the
+    lengths between for the rows that matched the shortest but not the longest.
+
+    Args:
+        max_ngram: the longest suffix matched (and indexed): memory and time per token grow
+            with max_ngram - min_ngram + 1.
+        min_ngram: the shortest match that proposes anything (1-token matches are mostly
+            noise).
+        max_recent: finished sequences kept in the recent pool.
+        max_recent_tokens: tokens kept in the recent pool, all sequences together.
+        keep_prompts: pool a finished request's prompt with its output (default: the output).
+    """
+
+    _first_slots = 8
+    _first_width = 256
+
+    def __init__(self, max_ngram: int = 8, min_ngram: int = 2, max_recent: int = 256,
+                 max_recent_tokens: int = 1 << 18, keep_prompts: bool = False) -> None:
+        for name, value in (("max_ngram", max_ngram), ("min_ngram", min_ngram),
+                            ("max_recent", max_recent), ("max_recent_tokens", max_recent_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        if min_ngram > max_ngram:
+            raise ValueError(f"min_ngram={min_ngram} must be <= max_ngram={max_ngram}")
+        if max_recent_tokens >= 1 << 32:
+            raise ValueError(f"max_recent_tokens={max_recent_tokens} must be < 2**32")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.max_recent, self.max_recent_tokens = max_recent, max_recent_tokens
+        self.keep_prompts = keep_prompts
+        G, L = max_ngram, max_ngram - min_ngram + 1
+        self._G, self._L = G, L
+        self._powers = _BASE ** np.arange(G, dtype=np.uint64)  # [G] BASE^i, i tokens back
+        self._back = np.arange(G)  # [G] a window's offsets back from its end
+        self._lengths = np.arange(min_ngram, max_ngram + 1)  # [L] the indexed n, ascending
+        # _probe's columns: own n = max..min, then pooled n = max..min; a hit's score 2n + own.
+        descending = self._lengths[::-1]
+        self._score = np.concatenate([2 * descending + 1, 2 * descending])  # [2L]
+        ends = [0, L - 1, L, 2 * L - 1] if L > 1 else [0, 1]  # the first probe: max and min
+        self._first = np.array(sorted(set(ends)), np.intp)
+        self._between = np.array([c for c in range(2 * L) if c not in ends], np.intp)
+        self._requests: dict[Hashable, _Request] = {}
+        self._hist = np.full((self._first_slots, G + self._first_width), _GUARD, np.uint64)
+        self._flat = self._hist.reshape(-1)  # a view: token p of slot s at s * width + G + p
+        self._len = np.zeros(self._first_slots, np.int64)
+        self._salts = np.zeros(self._first_slots, np.uint64)
+        self._probe = np.zeros((self._first_slots, 2 * L), np.uint64)
+        self._free = list(range(self._first_slots - 1, -1, -1))
+        self._rng = np.random.default_rng(0)
+        self._pending_slots: list[int] = []  # extend's rows, counts and tokens since a flush
+        self._pending_counts: list[int] = []
+        self._pending_tokens: list[int] = []
+        self._table = _Table()
+        self._store = np.zeros(1024, np.uint64)
+        self._ends = np.zeros(1024, np.int64)
+        self._base = self._next = 0  # global offsets: _store[0] and the next token's
+        self._recent: OrderedDict[int, tuple[int, int]] = OrderedDict()  # id -> (start, end)
+        self._recent_tokens = self._pool_count = self._next_id = 0
+        self._last: tuple[list[Hashable], np.ndarray] | None = None
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def add_request(self, request_id: Hashable, prompt_ids: Sequence[int]) -> None:
+        """Start indexing a request from its prompt."""
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} is already indexed")
+        if not self._free:
+            self.flush()  # (pending extends name slots of the arrays being replaced)
+            size = len(self._len)
+            self._hist = np.concatenate([self._hist, np.full_like(self._hist, _GUARD)])
+            self._flat = self._hist.reshape(-1)
+            self._len = np.concatenate([self._len, np.zeros_like(self._len)])
+            self._salts = np.concatenate([self._salts, np.zeros_like(self._salts)])
+            self._probe = np.concatenate([self._probe, np.zeros_like(self._probe)])
+            self._free = list(range(2 * size - 1, size - 1, -1))
+        slot = self._free.pop()
+        self._last = None
+        self._len[slot] = 0
+        self._salts[slot] = np.uint64(int(self._rng.integers(0, 1 << 63, dtype=np.int64)))
+        self._requests[request_id] = _Request(slot, len(prompt_ids))
+        self.extend(request_id, prompt_ids)
+
+    def extend(self, request_id: Hashable, new_ids: Sequence[int]) -> None:
+        """Append tokens the request emitted (indexed at the next lookup, all rows at once)."""
+        self._pending_slots.append(self._requests[request_id].slot)
+        self._pending_counts.append(len(new_ids))
+        self._pending_tokens.extend(new_ids)
+
+    def flush(self) -> None:
+        """Index every request's tokens appended since the last flush (the next lookup or
+        finish does it otherwise), all rows at once: the tokens written into _hist; the
+        window ending before each new token (that n-gram now has a next token) and the one
+        ending at each row's new last token hashed; the former's keys inserted, the latter's
+        kept in _probe."""
+        if not self._pending_slots:
+            return
+        repeated = len(set(self._pending_slots)) != len(self._pending_slots)
+        slots = np.array(self._pending_slots, np.intp)  # [R] one entry per extend
+        counts = np.array(self._pending_counts, np.int64)  # [R]
+        tokens = np.array(self._pending_tokens, np.int64)  # [T] the entries' tokens in order
+        self._pending_slots, self._pending_counts, self._pending_tokens = [], [], []
+        if repeated:  # a row extended more than once: one entry a row
+            slots, counts, tokens = _merge(slots, counts, tokens)
+        G, T = self._G, len(tokens)
+        starts = self._len[slots]  # [R]
+        lengths = starts + counts  # [R]
+        if int(lengths.max()) > self._hist.shape[1] - G:
+            self._widen(int(lengths.max()))
+        width = self._hist.shape[1]
+        first = np.cumsum(counts) - counts  # [R] each entry's first index into tokens
+        # [T] each new token's place in _flat, and the place just before it (an n-gram end)
+        at = np.arange(T) + np.repeat(slots * width + G + starts - first, counts)
+        self._flat[at] = tokens.astype(np.uint64) + _ONE
+        self._len[slots] = lengths
+        ends = np.concatenate([at - 1, slots * width + G + lengths - 1])  # [T + R]
+        window = np.take(self._flat, ends[:, None] - self._back)  # [T + R, G] t+1, back
+        hashes = np.cumsum(window * self._powers, axis=1)[:, self.min_ngram - 1:]  # [T+R, L]
+        suffix = hashes[T:, ::-1]  # [R, L] n = max..min
+        self._probe[slots] = np.concatenate(
+            [((suffix ^ self._salts[slots][:, None]) << _TWO) | _ONE, (suffix << _TWO) | _TWO],
+            axis=1)
+        if not T:
+            return
+        rows = np.repeat(slots, counts)  # [T]
+        keys = ((hashes[:T] ^ self._salts[rows][:, None]) << _TWO) | _ONE  # [T, L]
+        pos = at - 1 - rows * width - G  # [T] the n-grams' end positions
+        if int(starts.min()) >= G:  # every new end has all lengths: no mask
+            values = np.repeat(pos, self._L)
+            keys = keys.ravel()
+        else:  # an n-gram ends at e only for n <= e + 1
+            ok = pos[:, None] >= self._lengths - 1  # [T, L]
+            values = np.broadcast_to(pos[:, None], ok.shape)[ok]
+            keys = keys[ok]
+        self._table.insert(keys, values)
+
+    def _widen(self, needed: int) -> None:
+        """Room for `needed` tokens a row (doubling)."""
+        width = self._hist.shape[1] - self._G
+        while width < needed:
+            width *= 2
+        wider = np.full((len(self._hist), self._G + width), _GUARD, np.uint64)
+        wider[:, :self._hist.shape[1]] = self._hist
+        self._hist = wider
+        self._flat = wider.reshape(-1)
+
+    def _own_keys(self, slot: int) -> np.ndarray:
+        """The table keys of every n-gram the request indexed (ends 0 .. len - 2), each once."""
+        if self._len[slot] < 2:
+            return np.zeros(0, np.uint64)
+        hashes, ok = self._windows(self._hist[slot, :self._G + int(self._len[slot]) - 1])
+        return np.unique((((hashes ^ self._salts[slot]) << _TWO) | _ONE)[ok])
+
+    def _windows(self, guarded: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For G guard digits then m tokens + 1: the hashes [m, L] of the n-grams (n =
+        min..max_ngram) ending at each token, and whether each exists (n <= position + 1)."""
+        G = self._G
+        window = sliding_window_view(guarded[1:], G)[:, ::-1]  # [m, G] back from each end
+        hashes = np.cumsum(window * self._powers, axis=1)[:, self.min_ngram - 1:]  # [m, L]
+        ok = np.arange(len(window))[:, None] >= self._lengths - 1  # [m, L]
+        return hashes, ok
+
+    def _forget(self, request_id: Hashable) -> _Request | None:
+        """Remove a request and its own n-grams (pending extends flushed first)."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        self.flush()
+        del self._requests[request_id]
+        self._last = None
+        self._table.remove(self._own_keys(request.slot))
+        self._free.append(request.slot)
+        return request
+
+    def finish(self, request_id: Hashable) -> None:
+        """The request is done: its output (with its prompt, keep_prompts) joins the recent
+        pool, and its own n-grams leave the table."""
+        request = self._forget(request_id)
+        if request is None:
+            raise KeyError(request_id)
+        slot, G, size = request.slot, self._G, int(self._len[request.slot])
+        start = max(0 if self.keep_prompts else request.prompt_length,
+                    size - self.max_recent_tokens)
+        tokens = self._hist[slot, G + start:G + size].copy()  # [n] t + 1
+        if len(tokens) < 2:
+            return
+        sequence = self._next_id
+        self._next_id += 1
+        g = self._append(tokens)
+        self._recent[sequence] = (g, g + len(tokens))
+        self._recent_tokens += len(tokens)
+        keys, values = self._pool_entries(tokens, g)
+        keys, last = np.unique(keys[::-1], return_index=True)  # each key's latest end
+        self._pool_count += self._table.insert(keys, values[::-1][last])
+        while len(self._recent) > self.max_recent or self._recent_tokens > self.max_recent_tokens:
+            self._evict()
+
+    def _append(self, tokens: np.ndarray) -> int:
+        """Put an output (tokens + 1) into the store: -> its global offset."""
+        live = next(iter(self._recent.values()))[0] if self._recent else self._next
+        if self._next + len(tokens) - self._base > len(self._store):
+            keep = slice(live - self._base, self._next - self._base)
+            size = len(self._store)
+            while self._next - live + len(tokens) > size:
+                size *= 2
+            store, ends = np.zeros(size, np.uint64), np.zeros(size, np.int64)
+            store[:keep.stop - keep.start] = self._store[keep]
+            ends[:keep.stop - keep.start] = self._ends[keep]
+            self._store, self._ends, self._base = store, ends, live
+        g = self._next
+        self._store[g - self._base:g - self._base + len(tokens)] = tokens
+        self._ends[g - self._base:g - self._base + len(tokens)] = g + len(tokens)
+        self._next = g + len(tokens)
+        return g
+
+    def _pool_entries(self, tokens: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray]:
+        """(keys, values) of a pooled output's n-grams (tokens + 1, at global offset g), by end
+        (the last token has no continuation to index)."""
+        guarded = np.concatenate([np.full(self._G, _GUARD, np.uint64), tokens[:-1]])
+        hashes, ok = self._windows(guarded)
+        values = np.broadcast_to(g + np.arange(len(tokens) - 1)[:, None], ok.shape)
+        return ((hashes << _TWO) | _TWO)[ok], values[ok]
+
+    def drop(self, request_id: Hashable) -> None:
+        """Forget a request without pooling it (cancelled, failed)."""
+        self._forget(request_id)
+
+    def _evict(self) -> None:
+        _, (start, end) = self._recent.popitem(last=False)
+        self._recent_tokens -= end - start
+        tokens = self._store[start - self._base:end - self._base]
+        keys, values = self._pool_entries(tokens, start)
+        self._pool_count -= self._table.remove(keys, values)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._requests
+
+    def tokens(self, request_id: Hashable) -> list[int]:
+        """The request's tokens so far (prompt, then output); a copy."""
+        self.flush()
+        slot = self._requests[request_id].slot
+        return (self._hist[slot, self._G:self._G + int(self._len[slot])] - _ONE).tolist()
+
+    @property
+    def recent_tokens(self) -> int:
+        return self._recent_tokens
+
+    @property
+    def recent_sequences(self) -> int:
+        return len(self._recent)
+
+    @property
+    def pool_entries(self) -> int:
+        return self._pool_count
+
+    # -- proposals -------------------------------------------------------------------------------
+
+    def propose(self, request_id: Hashable, max_tokens: int) -> list[int]:
+        """Up to max_tokens tokens that followed the longest earlier occurrence of the
+        request's suffix; empty when no suffix of min_ngram tokens or more occurred."""
+        return self.lookup(request_id, max_tokens).tokens
+
+    def lookup(self, request_id: Hashable, max_tokens: int) -> Proposal:
+        """`propose`, saying where the proposal comes from and how long the match was."""
+        return self.lookup_many([request_id], max_tokens)[0]
+
+    def lookup_many(self, request_ids: Sequence[Hashable], max_tokens: int) -> list[Proposal]:
+        """`lookup` for each request, all in one pass."""
+        out = [Proposal([], "", 0) for _ in request_ids]
+        for row, tokens, pooled, match in self._search(request_ids, max_tokens, 1):
+            out[row] = Proposal(tokens, "recent" if pooled else "own", match)
+        return out
+
+    def propose_many(self, request_ids: Sequence[Hashable], max_tokens: int,
+                     min_match: int = 1) -> list[list[int]]:
+        """Per request, `propose`'s tokens where the match has at least min_match tokens
+        (else []): all rows of a step in one pass (the scheduler's per-step call)."""
+        out: list[list[int]] = [[] for _ in request_ids]
+        for row, tokens, _, _ in self._search(request_ids, max_tokens, min_match):
+            out[row] = tokens
+        return out
+
+    def _search(self, request_ids: Sequence[Hashable], max_tokens: int, min_match: int
+                ) -> list[tuple[int, list[int], bool, int]]:
+        """[(row, tokens, pooled, match)] for the rows whose suffix matched min_match tokens
+        or more (class docstring: the longest and shortest lengths first)."""
+        self.flush()
+        if self._last is not None and self._last[0] == request_ids:
+            slots = self._last[1]  # the same rows as the last lookup (a step's)
+        else:
+            requests = self._requests
+            slots = np.fromiter((requests[i].slot for i in request_ids), np.intp,
+                                len(request_ids))
+            self._last = (list(request_ids), slots)
+        if max_tokens < 1 or not len(slots):
+            return []
+        probe = np.take(self._probe, slots, axis=0)  # [R, 2L]
+        values = self._table.get(probe[:, self._first])  # [R, 4] own max, min; pooled alike
+        score = np.where(values >= 0, self._score[self._first], 0)
+        best = score.argmax(1)  # [R] the longest; own first on a tie
+        top = np.take_along_axis(score, best[:, None], 1)[:, 0]  # [R] 2n + own, 0: none
+        end = np.take_along_axis(values, best[:, None], 1)[:, 0]  # [R] where it ended
+        if len(self._between):  # matched the shortest, not the longest: the lengths between
+            rows = np.flatnonzero((top > 0) & (top < 2 * self.max_ngram))
+            if len(rows):
+                values = self._table.get(probe[rows][:, self._between])  # [U, 2L - 4]
+                score = np.where(values >= 0, self._score[self._between], 0)
+                best = score.argmax(1)
+                inner = np.take_along_axis(score, best[:, None], 1)[:, 0]  # [U]
+                longer = inner > top[rows]
+                rows = rows[longer]
+                top[rows] = inner[longer]
+                end[rows] = np.take_along_axis(values, best[:, None], 1)[longer, 0]
+        hit = np.flatnonzero(top >= 2 * max(min_match, 1))  # [H]
+        if not len(hit):
+            return []
+        top, end = top[hit], end[hit]  # [H]
+        ahead = np.arange(max_tokens)  # [K]
+        mine = (top & 1).astype(bool)  # [H] own (else pooled)
+        out: list[tuple[int, list[int], bool, int]] = []
+        if mine.any():  # copy on from end + 1; past the row's end, from what is being copied
+            h, e = hit[mine], end[mine]
+            row = slots[h] * self._hist.shape[1] + self._G  # [Ho] where each row starts
+            period = np.maximum(self._len[slots[h]] - 1 - e, 1)  # [Ho] end + 1 .. len - 1
+            at = (row + e + 1)[:, None] + ahead % period[:, None]  # [Ho, K]
+            tokens = np.take(self._flat, np.minimum(at, len(self._flat) - 1)) - _ONE
+            out += zip(h.tolist(), tokens.tolist(), itertools.repeat(False),
+                       (top[mine] >> 1).tolist())
+        if not mine.all():  # what followed in that output, up to its end
+            theirs = ~mine
+            g = end[theirs] - self._base  # [Hp]
+            count = np.minimum(self._ends[g] - self._base - g - 1, max_tokens)  # [Hp]
+            at = np.minimum(g[:, None] + 1 + ahead, len(self._store) - 1)  # [Hp, K]
+            tokens = (np.take(self._store, at) - _ONE).tolist()
+            out += ((row, row_tokens[:c], True, n) for row, row_tokens, c, n in
+                    zip(hit[theirs].tolist(), tokens, count.tolist(),
+                        (top[theirs] >> 1).tolist()))
+        return out
+
+
+def _merge(slots: np.ndarray, counts: np.ndarray, tokens: np.ndarray
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pending extends with a row more than once -> one entry a row, its tokens in order."""
+    per: dict[int, list[int]] = {}
+    flat = tokens.tolist()
+    at = 0
+    for slot, count in zip(slots.tolist(), counts.tolist()):
+        per.setdefault(slot, []).extend(flat[at:at + count])
+        at += count
+    merged = list(per.values())
+    return (np.fromiter(per.keys(), np.intp, len(per)),
+            np.fromiter(map(len, merged), np.int64, len(per)),
+            np.array(list(itertools.chain.from_iterable(merged)), np.int64))
