@@ -18,8 +18,10 @@ token: the target simply accepts or rejects them like any other.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from fuser.ops.argmax import argmax
@@ -144,17 +146,23 @@ class SuffixProposals:
         allocator keeps it until the copy has run), so the host does not wait; queued on the
         step's stream, it lands after the steps queued before it have read the buffer."""
         B, K = self.buffer.shape
-        host = torch.full((B, K + 2), fill, dtype=torch.long)
+        rows = [row[:K] for row in proposals]
+        n = len(rows)
+        lengths = np.fromiter(map(len, rows), np.int64, n)  # [n]
+        host = np.full((B, K + 2), fill, np.int64)
         host[:, K] = 0
         host[:, K + 1] = -1
-        for b, row in enumerate(proposals):
-            row = list(row)[:K]
-            if row:
-                host[b, :len(row)] = torch.tensor(row, dtype=torch.long)
-            host[b, K] = len(row)
-            if anchors is not None:
-                host[b, K + 1] = int(anchors[b])
+        total = int(lengths.sum())
+        if total:  # every row's tokens in one scatter: row r's at columns 0 .. len - 1
+            flat = np.fromiter(itertools.chain.from_iterable(rows), np.int64, total)
+            first = np.cumsum(lengths) - lengths  # [n]
+            host[np.repeat(np.arange(n), lengths),
+                 np.arange(total) - np.repeat(first, lengths)] = flat
+        host[:n, K] = lengths
+        if anchors is not None:
+            host[:n, K + 1] = np.fromiter(map(int, anchors[:n]), np.int64, n)
         cuda = self.packed.device.type == "cuda"
+        host = torch.from_numpy(host)
         self.packed.copy_(host.pin_memory() if cuda else host, non_blocking=cuda)
 
     def aligned(self, target: ModelSteps, state: speculative.DecodeState, gamma: int

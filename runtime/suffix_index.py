@@ -51,13 +51,15 @@ __all__ = ["Proposal", "SuffixIndex"]
 
 # Hashes wrap at 64 bits (uint64 arithmetic).
 _BASE = np.uint64(1_000_003)
-_MIX = np.uint64(0x9E3779B97F4A7C15)  # a bucket is the top bits of key * MIX
+_MIX = np.uint64(0x9E3779B97F4A7C15)  # hashes come times MIX: a key's top bits are its bucket
+_POOL = np.uint64(0x5851F42D4C957F2D)  # pooled keys' salt (each request has its own)
 _GUARD = np.uint64(0xD6E8FEB86659FD93)  # the digit before a first token (no token +1; odd, so
                                       # that its multiples reach the low bits)
 _WAYS = 8  # keys a bucket holds: 8 uint64, one cache line
-_ONE, _TWO = np.uint64(1), np.uint64(2)  # own keys end in bits 01, pooled ones in 10
-_WAY_OF_BIT = np.uint64(0x0001020304050607)  # byte 7 - w holds w (`_lowest_way`)
-_TOP_BYTE = np.uint64(56)
+_ONE = np.uint64(1)
+_GATHER = np.uint64(0x0102040810204080)  # `_lowest_way`
+_FIRST = np.array([_WAYS] + [(m & -m).bit_length() - 1 for m in range(1, 256)], np.intp)
+_FIRST = np.concatenate([_FIRST[:128], _FIRST[128:]])  # [256] a mask's lowest way
 
 
 @dataclass(frozen=True)
@@ -78,18 +80,20 @@ class _Request:
 
 def _lowest_way(words: np.ndarray) -> np.ndarray:
     """words: uint64, each the 8 bool bytes of a bucket's ways -> the index of its lowest
-    nonzero byte (anything for 0): the lowest set bit, 2**(8w), times a constant whose byte
-    7 - w is w, leaves w in the top byte."""
-    return (((words & (~words + _ONE)) * _WAY_OF_BIT) >> _TOP_BYTE).astype(np.intp)
+    nonzero byte (_WAYS for none): times _GATHER, byte w's bit lands at bit 56 + w (the top
+    byte: a mask of the ways), read as a signed byte (-128..127 indexes _FIRST from both
+    ends)."""
+    return np.take(_FIRST, (words * _GATHER).view(np.int64) >> 56)
 
 
 class _Table:
     """A hash table of uint64 keys (0: empty) to int64 values (-1: none), read and written a
-    batch of keys at a time: `nb` buckets of _WAYS keys (a row of `keys`, one cache line;
-    `values` alike, flat); a key lives in bucket (key * MIX) >> (64 - bits), or, where that
-    bucket was full when it came, in the stash (a dict) with the bucket flagged. A batch's
-    lookup is one gather of its buckets and one compare; the bytes of a bucket's compare,
-    read as one uint64, say whether and where (`_lowest_way`).
+    batch of keys at a time: `nb` buckets of _WAYS keys (a row of `keys`, one cache line)
+    and their values (a row of `values`, and a -1 after them: what a miss reads); a key
+    lives in bucket key >> (64 - bits) (keys come mixed), or, where that bucket was full
+    when it came, in the stash (a dict) with the bucket flagged. A batch's lookup is one
+    gather of its buckets and one compare; the bytes of a bucket's compare, read as one
+    uint64, say whether and where (`_lowest_way`).
 
     Values only grow: a key inserted again (or twice in one batch) keeps the largest value,
     and a value inserted for a held key must not be smaller than the held one. While both
@@ -110,20 +114,19 @@ class _Table:
         self.shift = np.uint64(64 - bits)
         self.keys = np.zeros((1 << bits, _WAYS), np.uint64)  # [nb, W]
         self.flat_keys = self.keys.reshape(-1)  # [nb * W] a view: key w of b at W b + w
-        self.values = np.full(_WAYS << bits, -1, np.int64)  # [nb * W]
+        self.values = np.full((_WAYS + 1) << bits, -1, np.int64)  # [nb * (W + 1)] its value
         self.flagged = np.zeros(1 << bits, bool)  # [nb] some key of the bucket is stashed
         self.stash: dict[int, int] = {}
         self.count = 0
 
     def bucket(self, keys: np.ndarray) -> np.ndarray:
-        return ((keys * _MIX) >> self.shift).astype(np.intp)
+        return (keys >> self.shift).view(np.int64)
 
     def get(self, keys: np.ndarray) -> np.ndarray:
         """The values of `keys` (any shape), -1 where absent."""
         b = self.bucket(keys)
         hit = (np.take(self.keys, b, axis=0) == keys[..., None]).view(np.uint64)[..., 0]
-        found = hit != 0  # (a miss reads values[0], not a line of its own)
-        values = np.where(found, np.take(self.values, (b * _WAYS + _lowest_way(hit)) * found), -1)
+        values = np.take(self.values, b * (_WAYS + 1) + _lowest_way(hit))  # a miss: way W
         if self.stash:  # a miss in a flagged bucket may be stashed
             maybe = (values < 0) & self.flagged[b]
             if maybe.any():
@@ -134,39 +137,59 @@ class _Table:
     def insert(self, keys: np.ndarray, values: np.ndarray) -> int:
         """Insert keys [m] -> values [m] (class docstring: values only grow); -> how many
         ways and stash entries were newly taken (exact for distinct keys)."""
-        if self.count + len(keys) > self.max_load * self.values.size:
+        if self.count + len(keys) > self.max_load * self.keys.size:
             self.count = int(np.count_nonzero(self.keys)) + len(self.stash)
-            if self.count + len(keys) > self.max_load / 2 * self.values.size:
+            if self.count + len(keys) > self.max_load / 2 * self.keys.size:
                 self._grow(self.count + len(keys))
-        new = 0
         b = self.bucket(keys)
-        while len(keys):
-            rows = np.take(self.keys, b, axis=0)  # [m, W]
-            mine = (rows == keys[:, None]).view(np.uint64)[:, 0]  # [m] where it is held
-            have = mine != 0
-            pick = np.where(have, mine, (rows == 0).view(np.uint64)[:, 0])  # else free ways
-            room = pick != 0
-            if not room.all():  # a full bucket: to the stash
-                full = ~room
-                new += self._stash(keys[full], values[full], b[full])
-                keys, values, b, pick, have = keys[room], values[room], b[room], pick[room], \
-                    have[room]
-            at = b * _WAYS + _lowest_way(pick)  # [m] its way, or the first free one
-            self.flat_keys[at] = keys  # new keys claim the way; one wins where several do
-            won = np.take(self.flat_keys, at) == keys
-            retry = None
-            if not won.all():  # (a held key always wins)
-                lost = ~won
-                retry = keys[lost], values[lost], b[lost]
-                keys, values, at, have = keys[won], values[won], at[won], have[won]
-            self.values[at] = values  # a key twice in the batch: either value may land,
-            short = np.take(self.values, at) < values  # so the larger is put back
-            if short.any():
-                np.maximum.at(self.values, at[short], values[short])
-            new += len(keys) - int(np.count_nonzero(have))
-            if retry is None:
-                break
-            keys, values, b = retry  # lost a free way to another key: the next one
+        rows = np.take(self.keys, b, axis=0)  # [m, W]
+        mine = (rows == keys[:, None]).view(np.uint64)[:, 0]  # [m] the way holding it
+        way = _lowest_way(np.where(mine != 0, mine, (rows == 0).view(np.uint64)[:, 0]))
+        new = -int(np.count_nonzero(mine))  # (held keys: not new)
+        full = way == _WAYS
+        if full.any():  # no way holds it and none is free: to the stash
+            room = ~full
+            new += self._stash(keys[full], values[full], b[full]) + int(np.count_nonzero(
+                mine[full]))
+            keys, values, b, way = keys[room], values[room], b[room], way[room]
+        at = b * _WAYS + way  # [m] its way, or the first free one
+        self.flat_keys[at] = keys  # new keys claim it; one wins where several claim a way
+        won = np.take(self.flat_keys, at) == keys
+        lost = None
+        if not won.all():  # (a held key always wins)
+            lost = ~won
+            lost = keys[lost], values[lost]
+            keys, values, b, at = keys[won], values[won], b[won], at[won]
+        at += b  # its value
+        self.values[at] = values  # a key twice in the batch: either value may land,
+        short = np.take(self.values, at) < values  # so the larger is put back
+        if short.any():
+            np.maximum.at(self.values, at[short], values[short])
+        new += len(keys)
+        self.count += new
+        if lost is not None:  # a free way went to another key: the next one (few)
+            new += self._insert_one_by_one(*lost) if len(lost[0]) <= 8 else \
+                self.insert(*lost)
+        return new
+
+    def _insert_one_by_one(self, keys: np.ndarray, values: np.ndarray) -> int:
+        """`insert` for a few keys, in Python."""
+        new = 0
+        flat_keys, flat_values, stash = self.flat_keys, self.values, self.stash
+        for key, value, b in zip(keys.tolist(), values.tolist(), self.bucket(keys).tolist()):
+            row = flat_keys[b * _WAYS:(b + 1) * _WAYS].tolist()
+            if key in row:
+                at = b * (_WAYS + 1) + row.index(key)
+                flat_values[at] = max(int(flat_values[at]), value)
+            elif 0 in row:
+                way = row.index(0)
+                flat_keys[b * _WAYS + way] = key
+                flat_values[b * (_WAYS + 1) + way] = value
+                new += 1
+            else:
+                self.flagged[b] = True
+                new += key not in stash
+                stash[key] = max(stash.get(key, value), value)
         self.count += new
         return new
 
@@ -190,12 +213,12 @@ class _Table:
         b = self.bucket(keys)
         eq = np.take(self.keys, b, axis=0) == keys[:, None]  # [m, W]
         if values is not None:
-            eq &= np.take(self.values.reshape(-1, _WAYS), b, axis=0) == values[:, None]
+            held = np.take(self.values.reshape(-1, _WAYS + 1), b, axis=0)[:, :_WAYS]
+            eq &= held == values[:, None]
         r, w = np.nonzero(eq)
-        at = b[r] * _WAYS + w
-        self.flat_keys[at] = 0
-        self.values[at] = -1
-        removed = len(at)
+        self.flat_keys[b[r] * _WAYS + w] = 0
+        self.values[b[r] * (_WAYS + 1) + w] = -1
+        removed = len(r)
         if self.stash:
             stash = self.stash
             if values is None:
@@ -212,13 +235,14 @@ class _Table:
         return removed
 
     def _grow(self, needed: int) -> None:
-        """Double until `needed` keys fill under a quarter of max_load, and insert what is
-        held again (a stashed key also in a bucket: the bucket's value, the larger)."""
+        """Double until `needed` keys fill under half of max_load, and insert what is held
+        again (a stashed key also in a bucket: the bucket's value, the larger)."""
         bits = self.bits
         while needed > self.max_load / 2 * (_WAYS << bits):
             bits += 1
-        held = self.flat_keys != 0
-        keys, values = self.flat_keys[held], self.values[held]
+        held = self.keys != 0  # [nb, W]
+        keys = self.keys[held]
+        values = self.values.reshape(-1, _WAYS + 1)[:, :_WAYS][held]
         stash = self.stash
         if stash:
             stashed = np.fromiter(stash.keys(), np.uint64, len(stash))
@@ -242,8 +266,8 @@ class SuffixIndex:
         _store   uint64: the pool's tokens + 1, outputs one after another (a global offset g
                  is _store[g - _base]); _ends int64 alike: the end (exclusive) of the output
                  that token is in;
-        _table   own keys ((hash ^ salt) << 2 | 1) -> position in the request; pooled keys
-                 (hash << 2 | 2) -> global offset in the store (never 0, never each other).
+        _table   own keys (hash ^ the request's salt) -> position in the request; pooled
+                 keys (hash ^ _POOL) -> global offset in the store.
     `extend` only appends to a list; the next lookup (or finish) indexes every request's new
     tokens at once (`flush`). `propose_many` looks up all rows of a step at once: first the
     longest and the shortest length of each kind (a suffix that never occurred has no longer
@@ -278,7 +302,7 @@ class SuffixIndex:
         self.keep_prompts = keep_prompts
         G, L = max_ngram, max_ngram - min_ngram + 1
         self._G, self._L = G, L
-        self._powers = _BASE ** np.arange(G, dtype=np.uint64)  # [G] BASE^i, i tokens back
+        self._powers = _BASE ** np.arange(G, dtype=np.uint64) * _MIX  # [G] BASE^i MIX
         self._back = np.arange(G)  # [G] a window's offsets back from its end
         self._lengths = np.arange(min_ngram, max_ngram + 1)  # [L] the indexed n, ascending
         # _probe's columns: own n = max..min, then pooled n = max..min; a hit's score 2n + own.
@@ -365,12 +389,11 @@ class SuffixIndex:
         hashes = np.cumsum(window * self._powers, axis=1)[:, self.min_ngram - 1:]  # [T+R, L]
         suffix = hashes[T:, ::-1]  # [R, L] n = max..min
         self._probe[slots] = np.concatenate(
-            [((suffix ^ self._salts[slots][:, None]) << _TWO) | _ONE, (suffix << _TWO) | _TWO],
-            axis=1)
+            [suffix ^ self._salts[slots][:, None], suffix ^ _POOL], axis=1)
         if not T:
             return
         rows = np.repeat(slots, counts)  # [T]
-        keys = ((hashes[:T] ^ self._salts[rows][:, None]) << _TWO) | _ONE  # [T, L]
+        keys = hashes[:T] ^ self._salts[rows][:, None]  # [T, L]
         pos = at - 1 - rows * width - G  # [T] the n-grams' end positions
         if int(starts.min()) >= G:  # every new end has all lengths: no mask
             values = np.repeat(pos, self._L)
@@ -396,7 +419,7 @@ class SuffixIndex:
         if self._len[slot] < 2:
             return np.zeros(0, np.uint64)
         hashes, ok = self._windows(self._hist[slot, :self._G + int(self._len[slot]) - 1])
-        return np.unique((((hashes ^ self._salts[slot]) << _TWO) | _ONE)[ok])
+        return np.unique((hashes ^ self._salts[slot])[ok])
 
     def _windows(self, guarded: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For G guard digits then m tokens + 1: the hashes [m, L] of the n-grams (n =
@@ -466,7 +489,7 @@ class SuffixIndex:
         guarded = np.concatenate([np.full(self._G, _GUARD, np.uint64), tokens[:-1]])
         hashes, ok = self._windows(guarded)
         values = np.broadcast_to(g + np.arange(len(tokens) - 1)[:, None], ok.shape)
-        return ((hashes << _TWO) | _TWO)[ok], values[ok]
+        return (hashes ^ _POOL)[ok], values[ok]
 
     def drop(self, request_id: Hashable) -> None:
         """Forget a request without pooling it (cancelled, failed)."""
