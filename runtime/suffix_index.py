@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,6 +53,7 @@ __all__ = ["Proposal", "SuffixIndex"]
 _BASE = np.uint64(1_000_003)
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # hashes come times MIX: a key's top bits are its bucket
 _POOL = np.uint64(0x5851F42D4C957F2D)  # pooled keys' salt (each request has its own)
+_POOLED = 1 << 62  # pooled values: this plus the global offset (own ones: a place in _flat)
 _GUARD = np.uint64(0xD6E8FEB86659FD93)  # the digit before a first token (no token +1; odd, so
                                       # that its multiples reach the low bits)
 _WAYS = 8  # keys a bucket holds: 8 uint64, one cache line
@@ -105,9 +106,10 @@ class _Table:
     exact count is past half of that)."""
 
     max_load = 0.25  # keys per way where the count is checked
+    first_bits = 12  # 2**12 buckets at first
 
-    def __init__(self, bits: int = 12) -> None:
-        self._reset(bits)
+    def __init__(self) -> None:
+        self._reset(self.first_bits)
 
     def _reset(self, bits: int) -> None:
         self.bits = bits
@@ -234,6 +236,15 @@ class _Table:
         self.count -= removed
         return removed
 
+    def remap(self, change: Callable[[np.ndarray], np.ndarray]) -> None:
+        """Every held value v becomes change(v) (which must keep each key's order)."""
+        held = self.keys != 0  # [nb, W]
+        values = self.values.reshape(-1, _WAYS + 1)[:, :_WAYS]  # [nb, W] a view
+        values[held] = change(values[held])
+        if self.stash:
+            stashed = change(np.fromiter(self.stash.values(), np.int64, len(self.stash)))
+            self.stash = dict(zip(self.stash.keys(), stashed.tolist()))
+
     def _grow(self, needed: int) -> None:
         """Double until `needed` keys fill under half of max_load, and insert what is held
         again (a stashed key also in a bucket: the bucket's value, the larger)."""
@@ -260,14 +271,16 @@ class SuffixIndex:
     The layout:
         _hist    uint64 [slots, G + cap]: per request, its tokens + 1 from column G (G =
                  max_ngram columns of _GUARD before them, so that a window never leaves the
-                 row); _len [slots] its token count, _salts [slots] its keys' salt;
+                 row); _flat the same, flat: a place in it is "where" below; _len [slots]
+                 its token count, _end [slots] where its next token goes, _salts [slots]
+                 its own keys' salt (_salt2 [slots, 2]: that, and _POOL);
         _probe   uint64 [slots, 2L]: the table keys of its suffix, own then pooled, each
                  n = max_ngram .. min_ngram (L lengths);
         _store   uint64: the pool's tokens + 1, outputs one after another (a global offset g
                  is _store[g - _base]); _ends int64 alike: the end (exclusive) of the output
                  that token is in;
-        _table   own keys (hash ^ the request's salt) -> position in the request; pooled
-                 keys (hash ^ _POOL) -> global offset in the store.
+        _table   own keys (hash ^ the request's salt) -> where in _flat the n-gram ends;
+                 pooled keys (hash ^ _POOL) -> _POOLED + its global offset in the store.
     `extend` only appends to a list; the next lookup (or finish) indexes every request's new
     tokens at once (`flush`). `propose_many` looks up all rows of a step at once: first the
     longest and the shortest length of each kind (a suffix that never occurred has no longer
@@ -284,8 +297,10 @@ class SuffixIndex:
         keep_prompts: pool a finished request's prompt with its output (default: the output).
     """
 
-    _first_slots = 8
-    _first_width = 256
+    _first_slots = 8  # rows of _hist at first (doubled as requests come)
+    _first_width = 256  # tokens a row at first (doubled as rows grow)
+    _first_store = 1024  # the pool's store at first (tokens; doubled as needed)
+    _table_type = _Table
 
     def __init__(self, max_ngram: int = 8, min_ngram: int = 2, max_recent: int = 256,
                  max_recent_tokens: int = 1 << 18, keep_prompts: bool = False) -> None:
@@ -315,16 +330,18 @@ class SuffixIndex:
         self._hist = np.full((self._first_slots, G + self._first_width), _GUARD, np.uint64)
         self._flat = self._hist.reshape(-1)  # a view: token p of slot s at s * width + G + p
         self._len = np.zeros(self._first_slots, np.int64)
+        self._end = np.zeros(self._first_slots, np.int64)
         self._salts = np.zeros(self._first_slots, np.uint64)
+        self._salt2 = np.zeros((self._first_slots, 2), np.uint64)
         self._probe = np.zeros((self._first_slots, 2 * L), np.uint64)
         self._free = list(range(self._first_slots - 1, -1, -1))
         self._rng = np.random.default_rng(0)
         self._pending_slots: list[int] = []  # extend's rows, counts and tokens since a flush
         self._pending_counts: list[int] = []
         self._pending_tokens: list[int] = []
-        self._table = _Table()
-        self._store = np.zeros(1024, np.uint64)
-        self._ends = np.zeros(1024, np.int64)
+        self._table = self._table_type()
+        self._store = np.zeros(self._first_store, np.uint64)
+        self._ends = np.zeros(self._first_store, np.int64)
         self._base = self._next = 0  # global offsets: _store[0] and the next token's
         self._recent: OrderedDict[int, tuple[int, int]] = OrderedDict()  # id -> (start, end)
         self._recent_tokens = self._pool_count = self._next_id = 0
@@ -340,15 +357,19 @@ class SuffixIndex:
             self.flush()  # (pending extends name slots of the arrays being replaced)
             size = len(self._len)
             self._hist = np.concatenate([self._hist, np.full_like(self._hist, _GUARD)])
-            self._flat = self._hist.reshape(-1)
+            self._flat = self._hist.reshape(-1)  # (new rows after the old: nothing moves)
             self._len = np.concatenate([self._len, np.zeros_like(self._len)])
+            self._end = np.concatenate([self._end, np.zeros_like(self._end)])
             self._salts = np.concatenate([self._salts, np.zeros_like(self._salts)])
+            self._salt2 = np.concatenate([self._salt2, np.zeros_like(self._salt2)])
             self._probe = np.concatenate([self._probe, np.zeros_like(self._probe)])
             self._free = list(range(2 * size - 1, size - 1, -1))
         slot = self._free.pop()
         self._last = None
         self._len[slot] = 0
+        self._end[slot] = slot * self._hist.shape[1] + self._G
         self._salts[slot] = np.uint64(int(self._rng.integers(0, 1 << 63, dtype=np.int64)))
+        self._salt2[slot] = (self._salts[slot], _POOL)
         self._requests[request_id] = _Request(slot, len(prompt_ids))
         self.extend(request_id, prompt_ids)
 
@@ -369,38 +390,41 @@ class SuffixIndex:
         repeated = len(set(self._pending_slots)) != len(self._pending_slots)
         slots = np.array(self._pending_slots, np.intp)  # [R] one entry per extend
         counts = np.array(self._pending_counts, np.int64)  # [R]
-        tokens = np.array(self._pending_tokens, np.int64)  # [T] the entries' tokens in order
+        tokens = np.array(self._pending_tokens, np.uint64)  # [T] the entries' tokens in order
         self._pending_slots, self._pending_counts, self._pending_tokens = [], [], []
         if repeated:  # a row extended more than once: one entry a row
             slots, counts, tokens = _merge(slots, counts, tokens)
-        G, T = self._G, len(tokens)
-        starts = self._len[slots]  # [R]
-        lengths = starts + counts  # [R]
-        if int(lengths.max()) > self._hist.shape[1] - G:
-            self._widen(int(lengths.max()))
-        width = self._hist.shape[1]
-        first = np.cumsum(counts) - counts  # [R] each entry's first index into tokens
-        # [T] each new token's place in _flat, and the place just before it (an n-gram end)
-        at = np.arange(T) + np.repeat(slots * width + G + starts - first, counts)
-        self._flat[at] = tokens.astype(np.uint64) + _ONE
+        before = np.take(self._len, slots)  # [R] tokens before these
+        lengths = before + counts
+        longest = int(lengths.max())
+        if longest > self._hist.shape[1] - self._G:
+            self._widen(longest)
         self._len[slots] = lengths
-        ends = np.concatenate([at - 1, slots * width + G + lengths - 1])  # [T + R]
+        start = np.take(self._end, slots)  # [R] where each row's first new token goes
+        stop = start + counts  # [R]
+        self._end[slots] = stop
+        T = len(tokens)
+        first = np.cumsum(counts) - counts  # [R] each entry's first index into tokens
+        at = np.arange(T) + np.repeat(start - first, counts)  # [T] where each new token goes
+        self._flat[at] = tokens + _ONE
+        # Windows ending before each new token (that n-gram now has a next token), then at
+        # each row's last token (its suffix): hashed for every length at once.
+        ends = np.concatenate([at - 1, stop - 1])  # [T + R]
         window = np.take(self._flat, ends[:, None] - self._back)  # [T + R, G] t+1, back
         hashes = np.cumsum(window * self._powers, axis=1)[:, self.min_ngram - 1:]  # [T+R, L]
-        suffix = hashes[T:, ::-1]  # [R, L] n = max..min
-        self._probe[slots] = np.concatenate(
-            [suffix ^ self._salts[slots][:, None], suffix ^ _POOL], axis=1)
+        suffix = hashes[T:, None, ::-1]  # [R, 1, L] n = max..min
+        self._probe[slots] = (suffix ^ np.take(self._salt2, slots, axis=0)[:, :, None]
+                              ).reshape(len(slots), -1)  # [R, 2L] own, then pooled
         if not T:
             return
-        rows = np.repeat(slots, counts)  # [T]
-        keys = hashes[:T] ^ self._salts[rows][:, None]  # [T, L]
-        pos = at - 1 - rows * width - G  # [T] the n-grams' end positions
-        if int(starts.min()) >= G:  # every new end has all lengths: no mask
-            values = np.repeat(pos, self._L)
+        keys = hashes[:T] ^ np.repeat(np.take(self._salts, slots), counts)[:, None]  # [T, L]
+        if int(before.min()) >= self._G:  # every new end has all lengths: no mask
+            values = np.repeat(at - 1, self._L)
             keys = keys.ravel()
-        else:  # an n-gram ends at e only for n <= e + 1
+        else:  # an n-gram ends at position e only for n <= e + 1
+            pos = np.arange(T) + np.repeat(before - first, counts) - 1  # [T]
             ok = pos[:, None] >= self._lengths - 1  # [T, L]
-            values = np.broadcast_to(pos[:, None], ok.shape)[ok]
+            values = np.broadcast_to((at - 1)[:, None], ok.shape)[ok]
             keys = keys[ok]
         self._table.insert(keys, values)
 
@@ -409,10 +433,15 @@ class SuffixIndex:
         width = self._hist.shape[1] - self._G
         while width < needed:
             width *= 2
+        old = self._hist.shape[1]
         wider = np.full((len(self._hist), self._G + width), _GUARD, np.uint64)
-        wider[:, :self._hist.shape[1]] = self._hist
+        wider[:, :old] = self._hist
         self._hist = wider
         self._flat = wider.reshape(-1)
+        # Places in the rows move: s * old + i -> s * new + i (the table's own values too).
+        self._end = np.arange(len(self._end)) * wider.shape[1] + self._G + self._len
+        self._table.remap(lambda v: np.where(v < _POOLED, v + (v // old) * (wider.shape[1] - old),
+                                             v))
 
     def _own_keys(self, slot: int) -> np.ndarray:
         """The table keys of every n-gram the request indexed (ends 0 .. len - 2), each once."""
@@ -488,7 +517,7 @@ class SuffixIndex:
         (the last token has no continuation to index)."""
         guarded = np.concatenate([np.full(self._G, _GUARD, np.uint64), tokens[:-1]])
         hashes, ok = self._windows(guarded)
-        values = np.broadcast_to(g + np.arange(len(tokens) - 1)[:, None], ok.shape)
+        values = np.broadcast_to(_POOLED + g + np.arange(len(tokens) - 1)[:, None], ok.shape)
         return (hashes ^ _POOL)[ok], values[ok]
 
     def drop(self, request_id: Hashable) -> None:
@@ -590,15 +619,14 @@ class SuffixIndex:
         out: list[tuple[int, list[int], bool, int]] = []
         if mine.any():  # copy on from end + 1; past the row's end, from what is being copied
             h, e = hit[mine], end[mine]
-            row = slots[h] * self._hist.shape[1] + self._G  # [Ho] where each row starts
-            period = np.maximum(self._len[slots[h]] - 1 - e, 1)  # [Ho] end + 1 .. len - 1
-            at = (row + e + 1)[:, None] + ahead % period[:, None]  # [Ho, K]
+            period = np.maximum(np.take(self._end, slots[h]) - 1 - e, 1)  # [Ho] e + 1 .. last
+            at = (e + 1)[:, None] + ahead % period[:, None]  # [Ho, K]
             tokens = np.take(self._flat, np.minimum(at, len(self._flat) - 1)) - _ONE
             out += zip(h.tolist(), tokens.tolist(), itertools.repeat(False),
                        (top[mine] >> 1).tolist())
         if not mine.all():  # what followed in that output, up to its end
             theirs = ~mine
-            g = end[theirs] - self._base  # [Hp]
+            g = end[theirs] - (_POOLED + self._base)  # [Hp] in _store
             count = np.minimum(self._ends[g] - self._base - g - 1, max_tokens)  # [Hp]
             at = np.minimum(g[:, None] + 1 + ahead, len(self._store) - 1)  # [Hp, K]
             tokens = (np.take(self._store, at) - _ONE).tolist()
@@ -620,4 +648,4 @@ def _merge(slots: np.ndarray, counts: np.ndarray, tokens: np.ndarray
     merged = list(per.values())
     return (np.fromiter(per.keys(), np.intp, len(per)),
             np.fromiter(map(len, merged), np.int64, len(per)),
-            np.array(list(itertools.chain.from_iterable(merged)), np.int64))
+            np.array(list(itertools.chain.from_iterable(merged)), np.uint64))
