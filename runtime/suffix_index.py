@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -207,43 +207,31 @@ class _Table:
                 stash[k] = v
         return new
 
-    def remove(self, keys: np.ndarray, values: np.ndarray | None = None) -> int:
-        """Remove keys [m] (where values is given, only where the held value equals it;
-        distinct keys, or distinct pairs with values); -> how many were held."""
+    def remove(self, keys: np.ndarray, values: np.ndarray) -> int:
+        """Remove each key [m] where its held value is values [m] (distinct pairs: a held
+        key is matched by one pair at most); -> how many were held."""
         if not len(keys):
             return 0
         b = self.bucket(keys)
-        eq = np.take(self.keys, b, axis=0) == keys[:, None]  # [m, W]
-        if values is not None:
-            held = np.take(self.values.reshape(-1, _WAYS + 1), b, axis=0)[:, :_WAYS]
-            eq &= held == values[:, None]
-        r, w = np.nonzero(eq)
-        self.flat_keys[b[r] * _WAYS + w] = 0
-        self.values[b[r] * (_WAYS + 1) + w] = -1
-        removed = len(r)
+        hit = (np.take(self.keys, b, axis=0) == keys[:, None]).view(np.uint64)[:, 0]
+        way = _lowest_way(hit)  # [m] W where absent: the -1 after the bucket's values
+        at = b * (_WAYS + 1) + way  # [m] its value
+        held = np.take(self.values, at) == values
+        at = at[held]
+        self.values[at] = -1
+        self.flat_keys[at - b[held]] = 0
+        removed = len(at)
         if self.stash:
             stash = self.stash
-            if values is None:
-                for k in keys.tolist():
-                    removed += stash.pop(k, None) is not None
-            else:
-                for k, v in zip(keys.tolist(), values.tolist()):
-                    if stash.get(k) == v:
-                        del stash[k]
-                        removed += 1
+            maybe = ~held & self.flagged[b]
+            for k, v in zip(keys[maybe].tolist(), values[maybe].tolist()):
+                if stash.get(k) == v:
+                    del stash[k]
+                    removed += 1
             if not stash:
                 self.flagged[:] = False
         self.count -= removed
         return removed
-
-    def remap(self, change: Callable[[np.ndarray], np.ndarray]) -> None:
-        """Every held value v becomes change(v) (which must keep each key's order)."""
-        held = self.keys != 0  # [nb, W]
-        values = self.values.reshape(-1, _WAYS + 1)[:, :_WAYS]  # [nb, W] a view
-        values[held] = change(values[held])
-        if self.stash:
-            stashed = change(np.fromiter(self.stash.values(), np.int64, len(self.stash)))
-            self.stash = dict(zip(self.stash.keys(), stashed.tolist()))
 
     def _grow(self, needed: int) -> None:
         """Double until `needed` keys fill under half of max_load, and insert what is held
@@ -279,8 +267,9 @@ class SuffixIndex:
         _store   uint64: the pool's tokens + 1, outputs one after another (a global offset g
                  is _store[g - _base]); _ends int64 alike: the end (exclusive) of the output
                  that token is in;
-        _table   own keys (hash ^ the request's salt) -> where in _flat the n-gram ends;
-                 pooled keys (hash ^ _POOL) -> _POOLED + its global offset in the store.
+        _table   own keys (hash ^ the request's salt) -> the n-gram's end position in the
+                 request; pooled keys (hash ^ _POOL) -> _POOLED + its global offset in the
+                 store.
     `extend` only appends to a list; the next lookup (or finish) indexes every request's new
     tokens at once (`flush`). `propose_many` looks up all rows of a step at once: first the
     longest and the shortest length of each kind (a suffix that never occurred has no longer
@@ -298,7 +287,7 @@ class SuffixIndex:
     """
 
     _first_slots = 8  # rows of _hist at first (doubled as requests come)
-    _first_width = 256  # tokens a row at first (doubled as rows grow)
+    _first_width = 1024  # tokens a row at first (doubled as rows grow)
     _first_store = 1024  # the pool's store at first (tokens; doubled as needed)
     _table_type = _Table
 
@@ -418,13 +407,13 @@ class SuffixIndex:
         if not T:
             return
         keys = hashes[:T] ^ np.repeat(np.take(self._salts, slots), counts)[:, None]  # [T, L]
+        pos = at - np.repeat(start - before + 1, counts)  # [T] the n-grams' end positions
         if int(before.min()) >= self._G:  # every new end has all lengths: no mask
-            values = np.repeat(at - 1, self._L)
+            values = np.repeat(pos, self._L)
             keys = keys.ravel()
         else:  # an n-gram ends at position e only for n <= e + 1
-            pos = np.arange(T) + np.repeat(before - first, counts) - 1  # [T]
             ok = pos[:, None] >= self._lengths - 1  # [T, L]
-            values = np.broadcast_to((at - 1)[:, None], ok.shape)[ok]
+            values = np.broadcast_to(pos[:, None], ok.shape)[ok]
             keys = keys[ok]
         self._table.insert(keys, values)
 
@@ -438,17 +427,15 @@ class SuffixIndex:
         wider[:, :old] = self._hist
         self._hist = wider
         self._flat = wider.reshape(-1)
-        # Places in the rows move: s * old + i -> s * new + i (the table's own values too).
         self._end = np.arange(len(self._end)) * wider.shape[1] + self._G + self._len
-        self._table.remap(lambda v: np.where(v < _POOLED, v + (v // old) * (wider.shape[1] - old),
-                                             v))
 
-    def _own_keys(self, slot: int) -> np.ndarray:
-        """The table keys of every n-gram the request indexed (ends 0 .. len - 2), each once."""
+    def _own_entries(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """(keys, values) of every n-gram the request indexed (ends 0 .. len - 2)."""
         if self._len[slot] < 2:
-            return np.zeros(0, np.uint64)
+            return np.zeros(0, np.uint64), np.zeros(0, np.int64)
         hashes, ok = self._windows(self._hist[slot, :self._G + int(self._len[slot]) - 1])
-        return np.unique((hashes ^ self._salts[slot])[ok])
+        values = np.broadcast_to(np.arange(len(hashes))[:, None], ok.shape)
+        return (hashes ^ self._salts[slot])[ok], values[ok]
 
     def _windows(self, guarded: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For G guard digits then m tokens + 1: the hashes [m, L] of the n-grams (n =
@@ -467,7 +454,7 @@ class SuffixIndex:
         self.flush()
         del self._requests[request_id]
         self._last = None
-        self._table.remove(self._own_keys(request.slot))
+        self._table.remove(*self._own_entries(request.slot))
         self._free.append(request.slot)
         return request
 
@@ -566,8 +553,13 @@ class SuffixIndex:
     def lookup_many(self, request_ids: Sequence[Hashable], max_tokens: int) -> list[Proposal]:
         """`lookup` for each request, all in one pass."""
         out = [Proposal([], "", 0) for _ in request_ids]
-        for row, tokens, pooled, match in self._search(request_ids, max_tokens, 1):
-            out[row] = Proposal(tokens, "recent" if pooled else "own", match)
+        found = self._search(request_ids, max_tokens, 1)
+        if found is not None:
+            rows, tokens, counts, pooled, match = found
+            for row, row_tokens, count, is_pooled, n in zip(
+                    rows.tolist(), tokens.tolist(), counts.tolist(), pooled.tolist(),
+                    match.tolist()):
+                out[row] = Proposal(row_tokens[:count], "recent" if is_pooled else "own", n)
         return out
 
     def propose_many(self, request_ids: Sequence[Hashable], max_tokens: int,
@@ -575,14 +567,24 @@ class SuffixIndex:
         """Per request, `propose`'s tokens where the match has at least min_match tokens
         (else []): all rows of a step in one pass (the scheduler's per-step call)."""
         out: list[list[int]] = [[] for _ in request_ids]
-        for row, tokens, _, _ in self._search(request_ids, max_tokens, min_match):
-            out[row] = tokens
+        found = self._search(request_ids, max_tokens, min_match)
+        if found is not None:
+            rows, tokens, counts, pooled, _ = found
+            if pooled.any():
+                for row, row_tokens, count in zip(rows.tolist(), tokens.tolist(),
+                                                  counts.tolist()):
+                    out[row] = row_tokens[:count]
+            else:  # own matches propose max_tokens tokens
+                for row, row_tokens in zip(rows.tolist(), tokens.tolist()):
+                    out[row] = row_tokens
         return out
 
     def _search(self, request_ids: Sequence[Hashable], max_tokens: int, min_match: int
-                ) -> list[tuple[int, list[int], bool, int]]:
-        """[(row, tokens, pooled, match)] for the rows whose suffix matched min_match tokens
-        or more (class docstring: the longest and shortest lengths first)."""
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+        """For the rows whose suffix matched min_match tokens or more (None: no row): (rows
+        [H], tokens [H, max_tokens] (a row's first counts[h] are its proposal), counts [H],
+        pooled [H] bool, match [H]). The longest and shortest lengths first (class
+        docstring), then the lengths between where needed."""
         self.flush()
         if self._last is not None and self._last[0] == request_ids:
             slots = self._last[1]  # the same rows as the last lookup (a step's)
@@ -591,49 +593,51 @@ class SuffixIndex:
             slots = np.fromiter((requests[i].slot for i in request_ids), np.intp,
                                 len(request_ids))
             self._last = (list(request_ids), slots)
-        if max_tokens < 1 or not len(slots):
-            return []
+        R = len(slots)
+        if max_tokens < 1 or not R:
+            return None
         probe = np.take(self._probe, slots, axis=0)  # [R, 2L]
-        values = self._table.get(probe[:, self._first])  # [R, 4] own max, min; pooled alike
-        score = np.where(values >= 0, self._score[self._first], 0)
-        best = score.argmax(1)  # [R] the longest; own first on a tie
-        top = np.take_along_axis(score, best[:, None], 1)[:, 0]  # [R] 2n + own, 0: none
-        end = np.take_along_axis(values, best[:, None], 1)[:, 0]  # [R] where it ended
+        first = self._first
+        values = self._table.get(probe[:, first])  # [R, F] own max, min; pooled alike
+        best = np.where(values >= 0, self._score[first], 0).argmax(1)  # [R] longest, own
+        best += np.arange(0, R * len(first), len(first))  # (on a tie) flat in values
+        end = np.take(values, best)  # [R] where it ended (-1: nothing)
+        top = np.where(end >= 0, np.take(self._score[first], best % len(first)), 0)  # 2n + own
         if len(self._between):  # matched the shortest, not the longest: the lengths between
             rows = np.flatnonzero((top > 0) & (top < 2 * self.max_ngram))
             if len(rows):
-                values = self._table.get(probe[rows][:, self._between])  # [U, 2L - 4]
-                score = np.where(values >= 0, self._score[self._between], 0)
-                best = score.argmax(1)
-                inner = np.take_along_axis(score, best[:, None], 1)[:, 0]  # [U]
+                between = self._between
+                values = self._table.get(probe[rows][:, between])  # [U, B]
+                best = np.where(values >= 0, self._score[between], 0).argmax(1)  # [U]
+                inner = np.where(np.take_along_axis(values, best[:, None], 1)[:, 0] >= 0,
+                                 self._score[between][best], 0)  # [U]
                 longer = inner > top[rows]
                 rows = rows[longer]
                 top[rows] = inner[longer]
                 end[rows] = np.take_along_axis(values, best[:, None], 1)[longer, 0]
         hit = np.flatnonzero(top >= 2 * max(min_match, 1))  # [H]
         if not len(hit):
-            return []
+            return None
         top, end = top[hit], end[hit]  # [H]
         ahead = np.arange(max_tokens)  # [K]
-        mine = (top & 1).astype(bool)  # [H] own (else pooled)
-        out: list[tuple[int, list[int], bool, int]] = []
-        if mine.any():  # copy on from end + 1; past the row's end, from what is being copied
-            h, e = hit[mine], end[mine]
-            period = np.maximum(np.take(self._end, slots[h]) - 1 - e, 1)  # [Ho] e + 1 .. last
-            at = (e + 1)[:, None] + ahead % period[:, None]  # [Ho, K]
-            tokens = np.take(self._flat, np.minimum(at, len(self._flat) - 1)) - _ONE
-            out += zip(h.tolist(), tokens.tolist(), itertools.repeat(False),
-                       (top[mine] >> 1).tolist())
-        if not mine.all():  # what followed in that output, up to its end
-            theirs = ~mine
-            g = end[theirs] - (_POOLED + self._base)  # [Hp] in _store
-            count = np.minimum(self._ends[g] - self._base - g - 1, max_tokens)  # [Hp]
-            at = np.minimum(g[:, None] + 1 + ahead, len(self._store) - 1)  # [Hp, K]
-            tokens = (np.take(self._store, at) - _ONE).tolist()
-            out += ((row, row_tokens[:c], True, n) for row, row_tokens, c, n in
-                    zip(hit[theirs].tolist(), tokens, count.tolist(),
-                        (top[theirs] >> 1).tolist()))
-        return out
+        pooled = end >= _POOLED  # [H]
+        counts = np.full(len(hit), max_tokens)  # [H]
+        if pooled.all():
+            tokens = None
+        else:  # own: copy on from end + 1; past the row's end, from what is being copied
+            h = slots[hit]
+            last = np.take(self._end, h) - 1  # [H] where each row's last token is
+            period = np.maximum(np.take(self._len, h) - 1 - end, 1)  # [H] end + 1 .. last
+            at = (last - period + 1)[:, None] + ahead % period[:, None]  # [H, K]
+            tokens = np.take(self._flat, np.minimum(at, len(self._flat) - 1))
+        if pooled.any():  # what followed in that output, up to its end
+            g = np.where(pooled, end - (_POOLED + self._base), 0)  # [H] in _store
+            at = np.minimum(g[:, None] + 1 + ahead, len(self._store) - 1)  # [H, K]
+            theirs = np.take(self._store, at)
+            tokens = theirs if tokens is None else np.where(pooled[:, None], theirs, tokens)
+            counts = np.where(pooled, np.minimum(self._ends[g] - self._base - g - 1, max_tokens),
+                              max_tokens)
+        return hit, tokens - _ONE, counts, pooled, top >> 1
 
 
 def _merge(slots: np.ndarray, counts: np.ndarray, tokens: np.ndarray
