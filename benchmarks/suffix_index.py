@@ -1,18 +1,20 @@
-"""Host time of the suffix index (runtime/suffix.py) per decoding step: what the adaptive
+"""Host time of the suffix index (runtime/suffix_index.py) per decoding step: what the adaptive
 scheduler spends on the host each step for `rows` running requests, measured on the CPU.
 
     lookup   `propose_many` over all rows, for the scheduler's proposal width (max gamma 6: 13
-             tokens), as runtime/adaptive_scheduler.py calls it once a step (an index without
-             it, an older tree's: one `lookup` per row);
+             tokens), as runtime/adaptive_scheduler.py calls it once a step;
     extend   each row's tokens of one step handed to the index (`tokens` a row) and indexed
              (`flush`: the n-grams they end hashed and inserted);
     step     the two together: the index's host time per decoding step;
+    load     the step's proposals into the static buffer the captured step reads
+             (`SuffixProposals.load`, on a CPU buffer: the host side of the copy);
     finish   a request leaving for the recent pool (per request, amortised over its steps).
 
 A pool of `pool` finished outputs (random tokens over `vocab`, a shared span in each so that
 lookups hit) is in place first. Prints one line per figure and writes JSON with --out.
 
     .venv/bin/python benchmarks/suffix_index.py --rows 64
+    .venv/bin/python benchmarks/suffix_index.py --rows 64 --follow   # every lookup hits
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ import sys
 import time
 from pathlib import Path
 
-from fuser.runtime.suffix import SuffixIndex
+import torch
+
+from fuser.runtime.suffix import SuffixIndex, SuffixProposals
 
 
 def measure(rows: int, pool: int, tokens: int, steps: int, vocab: int, width: int,
             seed: int = 0, follow: bool = False) -> dict[str, float]:
-    """Median microseconds per step of the lookups and extends for `rows` rows (process
+    """Median microseconds per step of the lookups, extends and loads for `rows` rows (process
     CPU time: on a shared machine, wall time also counts the others' work). follow: each row
     emits what followed in a pooled output (every lookup hits) instead of random tokens."""
     rng = random.Random(seed)
@@ -46,17 +50,18 @@ def measure(rows: int, pool: int, tokens: int, steps: int, vocab: int, width: in
     for r in range(rows):
         index.add_request(r, [rng.randrange(vocab) for _ in range(200)]
                           + (followed[r][:8] if follow else shared[:8]))
-    lookups, extends, hits = [], [], 0
+    lookups, extends, loads, hits = [], [], [], 0
     ids = list(range(rows))
-    batched = getattr(index, "propose_many", None)
+    buffer = SuffixProposals(rows, (width - 1) // 2, torch.device("cpu"))  # width K = 2g + 1
+    anchors = [0] * rows
     for step in range(steps):
         start = time.process_time()
-        if batched is not None:  # the scheduler's lookups of a step
-            hits += sum(map(bool, batched(ids, width, 1)))
-        else:
-            for r in ids:
-                hits += index.lookup(r, width).match > 0
+        proposals = index.propose_many(ids, width, 1)  # the scheduler's lookups of a step
         lookups.append(time.process_time() - start)
+        hits += sum(map(bool, proposals))
+        start = time.process_time()
+        buffer.load(proposals, anchors=anchors)
+        loads.append(time.process_time() - start)
         if follow:  # the next tokens of the followed output, round and round (past its end
             # the span goes on from its start: the pool still has what follows)
             at = 8 + step * tokens
@@ -66,8 +71,7 @@ def measure(rows: int, pool: int, tokens: int, steps: int, vocab: int, width: in
         start = time.process_time()
         for r in range(rows):
             index.extend(r, new[r])
-        if hasattr(index, "flush"):  # index them now, not in the next lookup
-            index.flush()
+        index.flush()  # index them now, not in the next lookup
         extends.append(time.process_time() - start)
     start = time.process_time()
     for r in range(rows):
@@ -76,7 +80,8 @@ def measure(rows: int, pool: int, tokens: int, steps: int, vocab: int, width: in
     steps_us = [1e6 * (a + b) for a, b in zip(lookups, extends)]
     return {"rows": rows, "step_us": statistics.median(steps_us),
             "lookup_us": 1e6 * statistics.median(lookups),
-            "extend_us": 1e6 * statistics.median(extends), "finish_us_per_request": 1e6 * finish,
+            "extend_us": 1e6 * statistics.median(extends),
+            "load_us": 1e6 * statistics.median(loads), "finish_us_per_request": 1e6 * finish,
             "hit_share": hits / (rows * steps)}
 
 
@@ -95,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     result = measure(args.rows, args.pool, args.tokens, args.steps, args.vocab, args.width,
                      follow=args.follow)
     print(f"suffix index, {args.rows} rows: step {result['step_us']:.0f} us, lookup "
-          f"{result['lookup_us']:.0f} us/step, extend ({args.tokens} tokens a row) {result['extend_us']:.0f} us/step, finish "
+          f"{result['lookup_us']:.0f} us/step, extend ({args.tokens} tokens a row) "
+          f"{result['extend_us']:.0f} us/step, load {result['load_us']:.0f} us/step, finish "
           f"{result['finish_us_per_request']:.0f} us/request, hits {result['hit_share']:.2f}")
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1))

@@ -3,7 +3,7 @@ suffix, for every row of a decoding step in a few dozen numpy calls (runtime/suf
 what it proposes; benchmarks/suffix_index.py measures its host time).
 
 What it finds (prompt-lookup decoding; suffix-tree decoding, Oliaro et al., "SuffixDecoding",
-with hash tables in place of the tree): the longest suffix of min_ngram..max_ngram tokens of a
+with a hash table in place of the tree): the longest suffix of min_ngram..max_ngram tokens of a
 request (prompt and output) that occurred before, in the request itself (own context) or in a
 recent finished output (the pool), and what followed its latest occurrence:
 
@@ -16,25 +16,29 @@ recent finished output (the pool), and what followed its latest occurrence:
 The longer match wins; on a tie the request's own context. Latest: the highest position in
 the request; in the pool, the newest output, then the highest position in it.
 
-How. Every n-gram (n = min_ngram..max_ngram) ending at a position that has a next token is a
-64-bit key in one table, mapped to where it ended: own n-grams to the position in the request
-(keys salted per request), pooled ones to a position in the pool's token store. A key keeps
-its latest end (positions only grow, so latest = largest: inserts take the maximum). The keys
-are polynomial hashes over the tokens, g_n(e) = sum_{i<n} (t_{e-i} + 1) * BASE^i mod 2**64: a
-window of max_ngram tokens ending at e, times the powers, cumulative-summed, gives every n at
-once. A hit is trusted as it is: two different n-grams share a key with probability ~2**-64,
-and a wrong proposal would only be rejected by the target like any other.
+How. Every n-gram (n = min_ngram..max_ngram) that ends at a position with a next token is a
+64-bit key in one table, mapped to where it ended: own n-grams (keys salted per request) to
+their end position in the request, pooled ones to their place in the pool's token store. A
+key keeps its latest end (ends only grow: latest = largest). The keys are polynomial hashes,
+g_n(e) = MIX * sum_{i<n} (t_{e-i} + 1) BASE^i mod 2**64: the window of max_ngram tokens ending
+at e times the powers, cumulative-summed, gives every n at once. A hit is trusted as it is:
+two different n-grams share a key with probability ~2**-64 (and a wrong proposal would only
+be rejected by the target, as any other).
 
-The table is numpy: buckets of `_WAYS` keys (one 64-byte line each) and their values, probed
-for a whole batch of keys in one gather; a key whose bucket is full goes to a small dict (the
-stash), and its bucket is flagged. It doubles past a quarter full. Finished requests' own keys
-and evicted outputs' pooled keys are removed, so every value points at live tokens.
+The table (`_Table`) is numpy: buckets of 8 keys, one 64-byte line each, probed for a whole
+batch of keys with one gather and one compare; a key whose bucket is full goes to a small dict
+(the stash). Finished requests' own keys and evicted outputs' pooled keys are removed, so
+every value points at live tokens.
 
-A step's host work (the adaptive scheduler's): `extend` per row only appends to a list; the
-lookup (`propose_many`) first indexes all rows' new tokens at once (`flush`: write them into
-the token array, hash the windows, insert the keys) and then looks every row's suffix keys up,
-both kinds and all lengths, in one probe; the longest hit per row is an argmax over weights,
-and the proposals are one gather (own rows, with the period) and one slice per pooled row.
+A step's host work (the adaptive scheduler's): `extend` per row only appends to lists; the
+lookup (`propose_many`) first indexes every row's new tokens at once (`flush`: write them
+into the token rows, hash the windows ending before each of them and at each row's last
+token, insert the former's keys, keep the latter's), then probes, for every row at once, the
+suffix's own and pooled keys at the longest and the shortest length. A suffix that never
+occurred has no longer one that did, so that settles most rows (no match, or the longest);
+the lengths between are probed only for rows that matched the shortest and not the longest.
+The proposals are one gather from the token rows (own matches, with their period) or the
+pool's store.
 """
 
 from __future__ import annotations
@@ -53,14 +57,14 @@ __all__ = ["Proposal", "SuffixIndex"]
 _BASE = np.uint64(1_000_003)
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # hashes come times MIX: a key's top bits are its bucket
 _POOL = np.uint64(0x5851F42D4C957F2D)  # pooled keys' salt (each request has its own)
-_POOLED = 1 << 62  # pooled values: this plus the global offset (own ones: a place in _flat)
+_POOLED = 1 << 62  # a pooled key's value: this plus its global offset (own ones: positions)
 _GUARD = np.uint64(0xD6E8FEB86659FD93)  # the digit before a first token (no token +1; odd, so
                                       # that its multiples reach the low bits)
 _WAYS = 8  # keys a bucket holds: 8 uint64, one cache line
 _ONE = np.uint64(1)
 _GATHER = np.uint64(0x0102040810204080)  # `_lowest_way`
-_FIRST = np.array([_WAYS] + [(m & -m).bit_length() - 1 for m in range(1, 256)], np.intp)
-_FIRST = np.concatenate([_FIRST[:128], _FIRST[128:]])  # [256] a mask's lowest way
+_FIRST = np.array([_WAYS] + [(m & -m).bit_length() - 1 for m in range(1, 256)],
+                  np.intp)  # [256] a mask of ways -> its lowest (_WAYS: none)
 
 
 @dataclass(frozen=True)
@@ -88,13 +92,13 @@ def _lowest_way(words: np.ndarray) -> np.ndarray:
 
 
 class _Table:
-    """A hash table of uint64 keys (0: empty) to int64 values (-1: none), read and written a
-    batch of keys at a time: `nb` buckets of _WAYS keys (a row of `keys`, one cache line)
-    and their values (a row of `values`, and a -1 after them: what a miss reads); a key
-    lives in bucket key >> (64 - bits) (keys come mixed), or, where that bucket was full
-    when it came, in the stash (a dict) with the bucket flagged. A batch's lookup is one
-    gather of its buckets and one compare; the bytes of a bucket's compare, read as one
-    uint64, say whether and where (`_lowest_way`).
+    """A hash table of uint64 keys (0: empty; a hash is 0 with probability 2**-64) to int64
+    values (-1: none), read and written a batch of keys at a time: `nb` buckets of _WAYS keys
+    (a row of `keys`, one cache line) and their values (a row of `values`, and a -1 after
+    them: what a miss reads); a key lives in bucket key >> (64 - bits) (keys come mixed),
+    or, where that bucket was full when it came, in the stash (a dict) with the bucket
+    flagged. A batch's lookup is one gather of its buckets and one compare; the bytes of a
+    bucket's compare, read as one uint64, say whether and where (`_lowest_way`).
 
     Values only grow: a key inserted again (or twice in one batch) keeps the largest value,
     and a value inserted for a held key must not be smaller than the held one. While both
