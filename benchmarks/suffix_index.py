@@ -29,7 +29,12 @@ from pathlib import Path
 
 import torch
 
-from fuser.runtime.suffix import SuffixIndex, SuffixProposals
+from fuser.runtime.suffix import SuffixIndex
+
+try:  # (an older tree has no buffer: nothing to load)
+    from fuser.runtime.suffix import SuffixProposals
+except ImportError:
+    SuffixProposals = None
 
 
 def measure(rows: int, pool: int, tokens: int, steps: int, vocab: int, width: int,
@@ -52,16 +57,22 @@ def measure(rows: int, pool: int, tokens: int, steps: int, vocab: int, width: in
                           + (followed[r][:8] if follow else shared[:8]))
     lookups, extends, loads, hits = [], [], [], 0
     ids = list(range(rows))
-    buffer = SuffixProposals(rows, (width - 1) // 2, torch.device("cpu"))  # width K = 2g + 1
+    buffer = None if SuffixProposals is None else \
+        SuffixProposals(rows, (width - 1) // 2, torch.device("cpu"))  # width K = 2g + 1
     anchors = [0] * rows
+    batched = getattr(index, "propose_many", None)
     for step in range(steps):
         start = time.process_time()
-        proposals = index.propose_many(ids, width, 1)  # the scheduler's lookups of a step
+        if batched is not None:  # the scheduler's lookups of a step
+            proposals = batched(ids, width, 1)
+        else:
+            proposals = [index.lookup(r, width).tokens for r in ids]
         lookups.append(time.process_time() - start)
         hits += sum(map(bool, proposals))
-        start = time.process_time()
-        buffer.load(proposals, anchors=anchors)
-        loads.append(time.process_time() - start)
+        if buffer is not None:
+            start = time.process_time()
+            buffer.load(proposals, anchors=anchors)
+            loads.append(time.process_time() - start)
         if follow:  # the next tokens of the followed output, round and round (past its end
             # the span goes on from its start: the pool still has what follows)
             at = 8 + step * tokens
@@ -71,7 +82,8 @@ def measure(rows: int, pool: int, tokens: int, steps: int, vocab: int, width: in
         start = time.process_time()
         for r in range(rows):
             index.extend(r, new[r])
-        index.flush()  # index them now, not in the next lookup
+        if hasattr(index, "flush"):  # index them now, not in the next lookup
+            index.flush()
         extends.append(time.process_time() - start)
     start = time.process_time()
     for r in range(rows):
@@ -81,7 +93,8 @@ def measure(rows: int, pool: int, tokens: int, steps: int, vocab: int, width: in
     return {"rows": rows, "step_us": statistics.median(steps_us),
             "lookup_us": 1e6 * statistics.median(lookups),
             "extend_us": 1e6 * statistics.median(extends),
-            "load_us": 1e6 * statistics.median(loads), "finish_us_per_request": 1e6 * finish,
+            "load_us": 1e6 * statistics.median(loads) if loads else float("nan"),
+            "finish_us_per_request": 1e6 * finish,
             "hit_share": hits / (rows * steps)}
 
 
