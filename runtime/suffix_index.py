@@ -101,9 +101,9 @@ class _Table:
     bucket's compare, read as one uint64, say whether and where (`_lowest_way`).
 
     Values only grow: a key inserted again (or twice in one batch) keeps the largest value,
-    and a value inserted for a held key must not be smaller than the held one. While both
-    hold a key (its bucket had room again later), the bucket's value is the newer and larger
-    one, and is read first.
+    and a value inserted for a held key must not be smaller than the held one. A key is in
+    its bucket or in the stash, never both (a stashed key that finds room in its bucket
+    moves there).
 
     `count` counts the keys held; a key inserted twice in one batch is counted twice (an
     upper bound, made exact whenever it crosses max_load; the table doubles only where the
@@ -142,7 +142,7 @@ class _Table:
 
     def insert(self, keys: np.ndarray, values: np.ndarray) -> int:
         """Insert keys [m] -> values [m] (class docstring: values only grow); -> how many
-        ways and stash entries were newly taken (exact for distinct keys)."""
+        keys were not held (exact for distinct keys)."""
         if self.count + len(keys) > self.max_load * self.keys.size:
             self.count = int(np.count_nonzero(self.keys)) + len(self.stash)
             if self.count + len(keys) > self.max_load / 2 * self.keys.size:
@@ -150,14 +150,14 @@ class _Table:
         b = self.bucket(keys)
         rows = np.take(self.keys, b, axis=0)  # [m, W]
         mine = (rows == keys[:, None]).view(np.uint64)[:, 0]  # [m] the way holding it
-        way = _lowest_way(np.where(mine != 0, mine, (rows == 0).view(np.uint64)[:, 0]))
-        new = -int(np.count_nonzero(mine))  # (held keys: not new)
+        held = mine != 0
+        way = _lowest_way(np.where(held, mine, (rows == 0).view(np.uint64)[:, 0]))
+        new = 0
         full = way == _WAYS
         if full.any():  # no way holds it and none is free: to the stash
             room = ~full
-            new += self._stash(keys[full], values[full], b[full]) + int(np.count_nonzero(
-                mine[full]))
-            keys, values, b, way = keys[room], values[room], b[room], way[room]
+            new += self._stash(keys[full], values[full], b[full])
+            keys, values, b, way, held = keys[room], values[room], b[room], way[room], held[room]
         at = b * _WAYS + way  # [m] its way, or the first free one
         self.flat_keys[at] = keys  # new keys claim it; one wins where several claim a way
         won = np.take(self.flat_keys, at) == keys
@@ -165,13 +165,17 @@ class _Table:
         if not won.all():  # (a held key always wins)
             lost = ~won
             lost = keys[lost], values[lost]
-            keys, values, b, at = keys[won], values[won], b[won], at[won]
+            keys, values, b, at, held = keys[won], values[won], b[won], at[won], held[won]
         at += b  # its value
         self.values[at] = values  # a key twice in the batch: either value may land,
         short = np.take(self.values, at) < values  # so the larger is put back
         if short.any():
             np.maximum.at(self.values, at[short], values[short])
-        new += len(keys)
+        new += len(keys) - int(np.count_nonzero(held))
+        if self.stash:  # a stashed key that found room in its bucket leaves the stash
+            moved = ~held & self.flagged[b]
+            if moved.any():
+                new -= self._unstash(keys[moved])
         self.count += new
         if lost is not None:  # a free way went to another key: the next one (few)
             new += self._insert_one_by_one(*lost) if len(lost[0]) <= 8 else \
@@ -191,13 +195,21 @@ class _Table:
                 way = row.index(0)
                 flat_keys[b * _WAYS + way] = key
                 flat_values[b * (_WAYS + 1) + way] = value
-                new += 1
+                new += 1 - self._unstash(np.array([key], np.uint64))
             else:
                 self.flagged[b] = True
                 new += key not in stash
                 stash[key] = max(stash.get(key, value), value)
         self.count += new
         return new
+
+    def _unstash(self, keys: np.ndarray) -> int:
+        """Drop `keys` from the stash (a bucket holds them now); -> how many it held."""
+        stash = self.stash
+        dropped = sum(stash.pop(k, None) is not None for k in keys.tolist())
+        if not stash:
+            self.flagged[:] = False
+        return dropped
 
     def _stash(self, keys: np.ndarray, values: np.ndarray, b: np.ndarray) -> int:
         self.flagged[b] = True
@@ -239,7 +251,7 @@ class _Table:
 
     def _grow(self, needed: int) -> None:
         """Double until `needed` keys fill under half of max_load, and insert what is held
-        again (a stashed key also in a bucket: the bucket's value, the larger)."""
+        again."""
         bits = self.bits
         while needed > self.max_load / 2 * (_WAYS << bits):
             bits += 1
@@ -248,11 +260,8 @@ class _Table:
         values = self.values.reshape(-1, _WAYS + 1)[:, :_WAYS][held]
         stash = self.stash
         if stash:
-            stashed = np.fromiter(stash.keys(), np.uint64, len(stash))
-            only = self.get(stashed) < 0  # (get reads the bucket first)
-            keys = np.concatenate([keys, stashed[only]])
-            values = np.concatenate(
-                [values, np.fromiter(stash.values(), np.int64, len(stash))[only]])
+            keys = np.concatenate([keys, np.fromiter(stash.keys(), np.uint64, len(stash))])
+            values = np.concatenate([values, np.fromiter(stash.values(), np.int64, len(stash))])
         self._reset(bits)
         self.insert(keys, values)
 

@@ -3,7 +3,8 @@
 several requests extended by different numbers of tokens a step, finished into the pool
 in between, every row's proposal equals a brute-force search's; also where every array
 starts tiny (the token rows widen, the rows and the hash table double, the pool's store
-moves) and where the table never grows (full buckets go to the stash). And
+moves), where the table never grows (full buckets go to the stash) and where it grows only
+once full (stashed keys move into the larger table). And
 `SuffixProposals.load` fills its buffer as a row-by-row copy does."""
 
 from __future__ import annotations
@@ -107,8 +108,17 @@ class _StashIndex(_SmallIndex):
     _table_type = _FullTable
 
 
+class _CrowdedTable(_Table):
+    first_bits = 1
+    max_load = 1.0  # grows only when full: buckets fill up first, keys go to the stash
+
+
+class _CrowdedIndex(_SmallIndex):
+    _table_type = _CrowdedTable
+
+
 @settings(max_examples=60, deadline=None, derandomize=True)
-@given(st.sampled_from([_SmallIndex, _StashIndex]), st.integers(0, 2**32 - 1),
+@given(st.sampled_from([_SmallIndex, _StashIndex, _CrowdedIndex]), st.integers(0, 2**32 - 1),
        st.integers(1, 6), st.integers(2, 5), st.integers(1, 4), st.integers(2, 12),
        st.integers(1, 20))
 def test_growth_and_the_stash_keep_the_proposals_of_a_brute_force_search(
