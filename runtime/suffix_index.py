@@ -272,9 +272,9 @@ class SuffixIndex:
     The layout:
         _hist    uint64 [slots, G + cap]: per request, its tokens + 1 from column G (G =
                  max_ngram columns of _GUARD before them, so that a window never leaves the
-                 row); _flat the same, flat: a place in it is "where" below; _len [slots]
-                 its token count, _end [slots] where its next token goes, _salts [slots]
-                 its own keys' salt (_salt2 [slots, 2]: that, and _POOL);
+                 row), and _flat, the same flat; _len [slots] its token count, _end [slots]
+                 where in _flat its next token goes, _salts [slots] its own keys' salt
+                 (_salt2 [slots, 2]: that, and _POOL);
         _probe   uint64 [slots, 2L]: the table keys of its suffix, own then pooled, each
                  n = max_ngram .. min_ngram (L lengths);
         _store   uint64: the pool's tokens + 1, outputs one after another (a global offset g
@@ -355,11 +355,10 @@ class SuffixIndex:
         """Start indexing a request from its prompt."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already indexed")
-        if not self._free:
-            self.flush()  # (pending extends name slots of the arrays being replaced)
+        if not self._free:  # twice the rows (new ones after the old: no place moves)
             size = len(self._len)
             self._hist = np.concatenate([self._hist, np.full_like(self._hist, _GUARD)])
-            self._flat = self._hist.reshape(-1)  # (new rows after the old: nothing moves)
+            self._flat = self._hist.reshape(-1)
             self._len = np.concatenate([self._len, np.zeros_like(self._len)])
             self._end = np.concatenate([self._end, np.zeros_like(self._end)])
             self._salts = np.concatenate([self._salts, np.zeros_like(self._salts)])
@@ -376,7 +375,8 @@ class SuffixIndex:
         self.extend(request_id, prompt_ids)
 
     def extend(self, request_id: Hashable, new_ids: Sequence[int]) -> None:
-        """Append tokens the request emitted (indexed at the next lookup, all rows at once)."""
+        """Append tokens (ints) the request emitted (indexed at the next lookup, all rows at
+        once)."""
         self._pending_slots.append(self._requests[request_id].slot)
         self._pending_counts.append(len(new_ids))
         self._pending_tokens.extend(new_ids)
