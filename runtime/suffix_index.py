@@ -79,7 +79,7 @@ class Proposal:
 
 @dataclass
 class _Request:
-    slot: int  # its row of SuffixIndex._hist
+    slot: int  # its row of SuffixIndex's per-request arrays
     prompt_length: int
 
 
@@ -270,10 +270,11 @@ class SuffixIndex:
     """Proposals from the longest earlier occurrence of a request's suffix (module docstring).
 
     The layout:
-        _hist    uint64 [slots, G + cap]: per request, its tokens + 1 from column G (G =
-                 max_ngram columns of _GUARD before them, so that a window never leaves the
-                 row), and _flat, the same flat; _len [slots] its token count, _end [slots]
-                 where in _flat its next token goes, _salts [slots] its own keys' salt
+        _arena   uint64: every request's tokens + 1, each in a region of its own (G =
+                 max_ngram digits of _GUARD, then room for _room[slot] tokens: a window never
+                 leaves the region); a region that fills up moves to a twice larger one, and
+                 the arena is packed when it runs out. Per request (slot): _len its token
+                 count, _end where in _arena its next token goes, _salts its own keys' salt
                  (_salt2 [slots, 2]: that, and _POOL);
         _probe   uint64 [slots, 2L]: the table keys of its suffix, own then pooled, each
                  n = max_ngram .. min_ngram (L lengths);
@@ -299,8 +300,9 @@ class SuffixIndex:
         keep_prompts: pool a finished request's prompt with its output (default: the output).
     """
 
-    _first_slots = 8  # rows of _hist at first (doubled as requests come)
-    _first_width = 1024  # tokens a row at first (doubled as rows grow)
+    _first_slots = 8  # per-request arrays' rows at first (doubled as requests come)
+    _first_room = 1024  # tokens a request's region holds at first (at least twice its prompt)
+    _first_arena = 1 << 16  # the arena at first (doubled as needed)
     _first_store = 1024  # the pool's store at first (tokens; doubled as needed)
     _table_type = _Table
 
@@ -329,10 +331,11 @@ class SuffixIndex:
         self._first = np.array(sorted(set(ends)), np.intp)
         self._between = np.array([c for c in range(2 * L) if c not in ends], np.intp)
         self._requests: dict[Hashable, _Request] = {}
-        self._hist = np.full((self._first_slots, G + self._first_width), _GUARD, np.uint64)
-        self._flat = self._hist.reshape(-1)  # a view: token p of slot s at s * width + G + p
+        self._arena = np.full(self._first_arena, _GUARD, np.uint64)
+        self._top = self._held = 0  # the arena's first unused place; places in live regions
         self._len = np.zeros(self._first_slots, np.int64)
         self._end = np.zeros(self._first_slots, np.int64)
+        self._room = np.zeros(self._first_slots, np.int64)
         self._salts = np.zeros(self._first_slots, np.uint64)
         self._salt2 = np.zeros((self._first_slots, 2), np.uint64)
         self._probe = np.zeros((self._first_slots, 2 * L), np.uint64)
@@ -355,20 +358,21 @@ class SuffixIndex:
         """Start indexing a request from its prompt."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already indexed")
-        if not self._free:  # twice the rows (new ones after the old: no place moves)
+        if not self._free:  # twice the rows
             size = len(self._len)
-            self._hist = np.concatenate([self._hist, np.full_like(self._hist, _GUARD)])
-            self._flat = self._hist.reshape(-1)
             self._len = np.concatenate([self._len, np.zeros_like(self._len)])
             self._end = np.concatenate([self._end, np.zeros_like(self._end)])
+            self._room = np.concatenate([self._room, np.zeros_like(self._room)])
             self._salts = np.concatenate([self._salts, np.zeros_like(self._salts)])
             self._salt2 = np.concatenate([self._salt2, np.zeros_like(self._salt2)])
             self._probe = np.concatenate([self._probe, np.zeros_like(self._probe)])
             self._free = list(range(2 * size - 1, size - 1, -1))
         slot = self._free.pop()
         self._last = None
+        room = max(self._first_room, 2 * len(prompt_ids))
         self._len[slot] = 0
-        self._end[slot] = slot * self._hist.shape[1] + self._G
+        self._end[slot] = self._allocate(room)
+        self._room[slot] = room
         self._salts[slot] = np.uint64(int(self._rng.integers(0, 1 << 63, dtype=np.int64)))
         self._salt2[slot] = (self._salts[slot], _POOL)
         self._requests[request_id] = _Request(slot, len(prompt_ids))
@@ -383,7 +387,7 @@ class SuffixIndex:
 
     def flush(self) -> None:
         """Index every request's tokens appended since the last flush (the next lookup or
-        finish does it otherwise), all rows at once: the tokens written into _hist; the
+        finish does it otherwise), all rows at once: the tokens written into _arena; the
         window ending before each new token (that n-gram now has a next token) and the one
         ending at each row's new last token hashed; the former's keys inserted, the latter's
         kept in _probe."""
@@ -398,9 +402,10 @@ class SuffixIndex:
             slots, counts, tokens = _merge(slots, counts, tokens)
         before = np.take(self._len, slots)  # [R] tokens before these
         lengths = before + counts
-        longest = int(lengths.max())
-        if longest > self._hist.shape[1] - self._G:
-            self._widen(longest)
+        outgrown = lengths > np.take(self._room, slots)
+        if outgrown.any():
+            for slot, length in zip(slots[outgrown].tolist(), lengths[outgrown].tolist()):
+                self._move(slot, 2 * length)
         self._len[slots] = lengths
         start = np.take(self._end, slots)  # [R] where each row's first new token goes
         stop = start + counts  # [R]
@@ -408,11 +413,11 @@ class SuffixIndex:
         T = len(tokens)
         first = np.cumsum(counts) - counts  # [R] each entry's first index into tokens
         at = np.arange(T) + np.repeat(start - first, counts)  # [T] where each new token goes
-        self._flat[at] = tokens + _ONE
+        self._arena[at] = tokens + _ONE
         # Windows ending before each new token (that n-gram now has a next token), then at
         # each row's last token (its suffix): hashed for every length at once.
         ends = np.concatenate([at - 1, stop - 1])  # [T + R]
-        window = np.take(self._flat, ends[:, None] - self._back)  # [T + R, G] t+1, back
+        window = np.take(self._arena, ends[:, None] - self._back)  # [T + R, G] t+1, back
         hashes = np.cumsum(window * self._powers, axis=1)[:, self.min_ngram - 1:]  # [T+R, L]
         suffix = hashes[T:, None, ::-1]  # [R, 1, L] n = max..min
         self._probe[slots] = (suffix ^ np.take(self._salt2, slots, axis=0)[:, :, None]
@@ -430,23 +435,50 @@ class SuffixIndex:
             keys = keys[ok]
         self._table.insert(keys, values)
 
-    def _widen(self, needed: int) -> None:
-        """Room for `needed` tokens a row (doubling)."""
-        width = self._hist.shape[1] - self._G
-        while width < needed:
-            width *= 2
-        old = self._hist.shape[1]
-        wider = np.full((len(self._hist), self._G + width), _GUARD, np.uint64)
-        wider[:, :old] = self._hist
-        self._hist = wider
-        self._flat = wider.reshape(-1)
-        self._end = np.arange(len(self._end)) * wider.shape[1] + self._G + self._len
+    def _allocate(self, room: int) -> int:
+        """A region for `room` tokens after G guard digits: -> the place of its first token."""
+        size = self._G + room
+        if self._top + size > len(self._arena):
+            self._pack(size)
+        start = self._top + self._G
+        self._arena[self._top:start] = _GUARD
+        self._top += size
+        self._held += size
+        return start
+
+    def _move(self, slot: int, room: int) -> None:
+        """The request's tokens to a region for `room` (its old one is left unused)."""
+        start = self._allocate(room)  # (first: packing may move the old region)
+        length = int(self._len[slot])
+        old = int(self._end[slot]) - length
+        self._arena[start:start + length] = self._arena[old:old + length]
+        self._held -= self._G + int(self._room[slot])
+        self._end[slot], self._room[slot] = start + length, room
+
+    def _pack(self, size: int) -> None:
+        """Room for `size` more places: the live regions packed into an arena at least twice
+        what they and `size` need (a Python loop over the live requests: rare)."""
+        length = len(self._arena)
+        while 2 * (self._held + size) > length:
+            length *= 2
+        arena = np.full(length, _GUARD, np.uint64)
+        top = 0
+        for request in self._requests.values():
+            slot, G = request.slot, self._G
+            room, count = int(self._room[slot]), int(self._len[slot])
+            old = int(self._end[slot]) - count
+            arena[top + G:top + G + count] = self._arena[old:old + count]
+            self._end[slot] = top + G + count
+            top += G + room
+        self._arena, self._top, self._held = arena, top, top
 
     def _own_entries(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
         """(keys, values) of every n-gram the request indexed (ends 0 .. len - 2)."""
         if self._len[slot] < 2:
             return np.zeros(0, np.uint64), np.zeros(0, np.int64)
-        hashes, ok = self._windows(self._hist[slot, :self._G + int(self._len[slot]) - 1])
+        start = int(self._end[slot] - self._len[slot])  # its first token's place
+        hashes, ok = self._windows(
+            self._arena[start - self._G:start + int(self._len[slot]) - 1])
         values = np.broadcast_to(np.arange(len(hashes))[:, None], ok.shape)
         return (hashes ^ self._salts[slot])[ok], values[ok]
 
@@ -468,6 +500,7 @@ class SuffixIndex:
         del self._requests[request_id]
         self._last = None
         self._table.remove(*self._own_entries(request.slot))
+        self._held -= self._G + int(self._room[request.slot])
         self._free.append(request.slot)
         return request
 
@@ -480,7 +513,8 @@ class SuffixIndex:
         slot, G, size = request.slot, self._G, int(self._len[request.slot])
         start = max(0 if self.keep_prompts else request.prompt_length,
                     size - self.max_recent_tokens)
-        tokens = self._hist[slot, G + start:G + size].copy()  # [n] t + 1
+        first = int(self._end[slot]) - size  # its first token's place
+        tokens = self._arena[first + start:first + size].copy()  # [n] t + 1
         if len(tokens) < 2:
             return
         sequence = self._next_id
@@ -538,7 +572,8 @@ class SuffixIndex:
         """The request's tokens so far (prompt, then output); a copy."""
         self.flush()
         slot = self._requests[request_id].slot
-        return (self._hist[slot, self._G:self._G + int(self._len[slot])] - _ONE).tolist()
+        end = int(self._end[slot])
+        return (self._arena[end - int(self._len[slot]):end] - _ONE).tolist()
 
     @property
     def recent_tokens(self) -> int:
@@ -642,7 +677,7 @@ class SuffixIndex:
             last = np.take(self._end, h) - 1  # [H] where each row's last token is
             period = np.maximum(np.take(self._len, h) - 1 - end, 1)  # [H] end + 1 .. last
             at = (last - period + 1)[:, None] + ahead % period[:, None]  # [H, K]
-            tokens = np.take(self._flat, np.minimum(at, len(self._flat) - 1))
+            tokens = np.take(self._arena, np.minimum(at, len(self._arena) - 1))
         if pooled.any():  # what followed in that output, up to its end
             g = np.where(pooled, end - (_POOLED + self._base), 0)  # [H] in _store
             at = np.minimum(g[:, None] + 1 + ahead, len(self._store) - 1)  # [H, K]

@@ -94,7 +94,8 @@ class _SmallTable(_Table):
 
 class _SmallIndex(SuffixIndex):
     _first_slots = 1
-    _first_width = 2
+    _first_room = 2
+    _first_arena = 16
     _first_store = 2
     _table_type = _SmallTable
 
