@@ -288,7 +288,9 @@ class SuffixIndex:
     tokens at once (`flush`). `propose_many` looks up all rows of a step at once: first the
     longest and the shortest length of each kind (a suffix that never occurred has no longer
     one that did, so most rows are settled there: no match, or the longest), then the
-    lengths between for the rows that matched the shortest but not the longest.
+    lengths between for the rows that matched the shortest but not the longest; after a
+    lookup where some row needed those, the next one probes every length at once (a second
+    probe costs more than the wider first one).
 
     Args:
         max_ngram: the longest suffix matched (and indexed): memory and time per token grow
@@ -330,6 +332,8 @@ class SuffixIndex:
         ends = [0, L - 1, L, 2 * L - 1] if L > 1 else [0, 1]  # the first probe: max and min
         self._first = np.array(sorted(set(ends)), np.intp)
         self._between = np.array([c for c in range(2 * L) if c not in ends], np.intp)
+        self._all = np.arange(2 * L)
+        self._wide = False  # some row of the last lookup was between: every length at once
         self._requests: dict[Hashable, _Request] = {}
         self._arena = np.full(self._first_arena, _GUARD, np.uint64)
         self._top = self._held = 0  # the arena's first unused place; places in live regions
@@ -645,14 +649,17 @@ class SuffixIndex:
         if max_tokens < 1 or not R:
             return None
         probe = np.take(self._probe, slots, axis=0)  # [R, 2L]
-        first = self._first
+        first = self._all if self._wide else self._first
         values = self._table.get(probe[:, first])  # [R, F] own max, min; pooled alike
         best = np.where(values >= 0, self._score[first], 0).argmax(1)  # [R] longest, own
         best += np.arange(0, R * len(first), len(first))  # (on a tie) flat in values
         end = np.take(values, best)  # [R] where it ended (-1: nothing)
         top = np.where(end >= 0, np.take(self._score[first], best % len(first)), 0)  # 2n + own
-        if len(self._between):  # matched the shortest, not the longest: the lengths between
+        if self._wide:  # every length probed already
+            self._wide = bool(np.count_nonzero((top > 0) & (top < 2 * self.max_ngram)))
+        elif len(self._between):  # matched the shortest, not the longest: the lengths between
             rows = np.flatnonzero((top > 0) & (top < 2 * self.max_ngram))
+            self._wide = len(rows) > 0
             if len(rows):
                 between = self._between
                 values = self._table.get(probe[rows][:, between])  # [U, B]
