@@ -190,3 +190,30 @@ def test_load_fills_the_buffer_as_a_row_by_row_copy(batch, gamma, proposals, anc
     buffer.packed.fill_(5)  # (what an earlier load left)
     buffer.load(proposals, anchors=anchors)
     assert torch.equal(buffer.packed, _load_row_by_row(buffer, proposals, anchors))
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(st.integers(0, 2**32 - 1), st.integers(2, 8), st.integers(1, 4))
+def test_an_index_from_the_least_match_proposes_alike(seed, min_match, vocab):
+    """What the adaptive scheduler builds: indexing only n >= min_match (its suffix_min_match)
+    proposes, at that least match, what the default index (n >= 2) does."""
+    rng = random.Random(seed)
+    full, narrow = SuffixIndex(max_recent=3), SuffixIndex(min_ngram=min_match, max_recent=3)
+    live: list[int] = []
+    for step in range(40):
+        while len(live) < 4:
+            prompt = [rng.randrange(vocab) for _ in range(rng.randrange(10))]
+            full.add_request(step * 10 + len(live), prompt)
+            narrow.add_request(step * 10 + len(live), prompt)
+            live.append(step * 10 + len(live))
+        for r in live:
+            new = [rng.randrange(vocab) for _ in range(rng.randrange(4))]
+            full.extend(r, new)
+            narrow.extend(r, new)
+        width = rng.randrange(1, 9)
+        assert narrow.propose_many(live, width, min_match) == \
+            full.propose_many(live, width, min_match)
+        if rng.random() < 0.2:
+            r = live.pop(0)
+            full.finish(r)
+            narrow.finish(r)
