@@ -15,6 +15,7 @@ lookups hit) is in place first. Prints one line per figure and writes JSON with 
 
     .venv/bin/python benchmarks/suffix_index.py --rows 64
     .venv/bin/python benchmarks/suffix_index.py --rows 64 --follow   # every lookup hits
+    .venv/bin/python benchmarks/suffix_index.py --rows 64 --min-match 4   # the scheduler's
 """
 
 from __future__ import annotations
@@ -38,13 +39,15 @@ except ImportError:
 
 
 def measure(rows: int, pool: int, tokens: int, steps: int, vocab: int, width: int,
-            seed: int = 0, follow: bool = False) -> dict[str, float]:
+            seed: int = 0, follow: bool = False, min_match: int = 1) -> dict[str, float]:
     """Median microseconds per step of the lookups, extends and loads for `rows` rows (process
     CPU time: on a shared machine, wall time also counts the others' work). follow: each row
-    emits what followed in a pooled output (every lookup hits) instead of random tokens."""
+    emits what followed in a pooled output (every lookup hits) instead of random tokens.
+    min_match: the lookups' least match; above 1 the index is built as the adaptive scheduler
+    builds it for that suffix_min_match (n-grams from min_match tokens)."""
     rng = random.Random(seed)
     shared = [rng.randrange(vocab) for _ in range(32)]
-    index = SuffixIndex()
+    index = SuffixIndex(min_ngram=min(min_match, 8)) if min_match > 1 else SuffixIndex()
     outputs = []
     for r in range(pool):
         index.add_request(("pool", r), [rng.randrange(vocab) for _ in range(64)])
@@ -64,9 +67,10 @@ def measure(rows: int, pool: int, tokens: int, steps: int, vocab: int, width: in
     for step in range(steps):
         start = time.process_time()
         if batched is not None:  # the scheduler's lookups of a step
-            proposals = batched(ids, width, 1)
+            proposals = batched(ids, width, min_match)
         else:
-            proposals = [index.lookup(r, width).tokens for r in ids]
+            proposals = [p.tokens if p.match >= min_match else []
+                         for p in (index.lookup(r, width) for r in ids)]
         lookups.append(time.process_time() - start)
         hits += sum(map(bool, proposals))
         if buffer is not None:
@@ -108,10 +112,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=13, help="proposal tokens a lookup asks")
     parser.add_argument("--follow", action="store_true",
                         help="rows copy pooled outputs: every lookup hits")
+    parser.add_argument("--min-match", type=int, default=1,
+                        help="the lookups' least match (the adaptive scheduler's: 4), the "
+                             "index built as the scheduler builds it")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     result = measure(args.rows, args.pool, args.tokens, args.steps, args.vocab, args.width,
-                     follow=args.follow)
+                     follow=args.follow, min_match=args.min_match)
     print(f"suffix index, {args.rows} rows: step {result['step_us']:.0f} us, lookup "
           f"{result['lookup_us']:.0f} us/step, extend ({args.tokens} tokens a row) "
           f"{result['extend_us']:.0f} us/step, load {result['load_us']:.0f} us/step, finish "
