@@ -1,18 +1,21 @@
-"""Host time of the suffix index (runtime/suffix.py) per decoding step: what the adaptive
+"""Host time of the suffix index (runtime/suffix_index.py) per decoding step: what the adaptive
 scheduler spends on the host each step for `rows` running requests, measured on the CPU.
 
     lookup   `propose_many` over all rows, for the scheduler's proposal width (max gamma 6: 13
-             tokens), as runtime/adaptive_scheduler.py calls it once a step (an index without
-             it, an older tree's: one `lookup` per row);
+             tokens), as runtime/adaptive_scheduler.py calls it once a step;
     extend   each row's tokens of one step handed to the index (`tokens` a row) and indexed
              (`flush`: the n-grams they end hashed and inserted);
     step     the two together: the index's host time per decoding step;
+    load     the step's proposals into the static buffer the captured step reads
+             (`SuffixProposals.load`, on a CPU buffer: the host side of the copy);
     finish   a request leaving for the recent pool (per request, amortised over its steps).
 
 A pool of `pool` finished outputs (random tokens over `vocab`, a shared span in each so that
 lookups hit) is in place first. Prints one line per figure and writes JSON with --out.
 
     .venv/bin/python benchmarks/suffix_index.py --rows 64
+    .venv/bin/python benchmarks/suffix_index.py --rows 64 --follow   # every lookup hits
+    .venv/bin/python benchmarks/suffix_index.py --rows 64 --min-match 4   # the scheduler's
 """
 
 from __future__ import annotations
@@ -25,17 +28,26 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from fuser.runtime.suffix import SuffixIndex
+
+try:  # (an older tree has no buffer: nothing to load)
+    from fuser.runtime.suffix import SuffixProposals
+except ImportError:
+    SuffixProposals = None
 
 
 def measure(rows: int, pool: int, tokens: int, steps: int, vocab: int, width: int,
-            seed: int = 0, follow: bool = False) -> dict[str, float]:
-    """Median microseconds per step of the lookups and extends for `rows` rows (process
+            seed: int = 0, follow: bool = False, min_match: int = 1) -> dict[str, float]:
+    """Median microseconds per step of the lookups, extends and loads for `rows` rows (process
     CPU time: on a shared machine, wall time also counts the others' work). follow: each row
-    emits what followed in a pooled output (every lookup hits) instead of random tokens."""
+    emits what followed in a pooled output (every lookup hits) instead of random tokens.
+    min_match: the lookups' least match; above 1 the index is built as the adaptive scheduler
+    builds it for that suffix_min_match (n-grams from min_match tokens)."""
     rng = random.Random(seed)
     shared = [rng.randrange(vocab) for _ in range(32)]
-    index = SuffixIndex()
+    index = SuffixIndex(min_ngram=min(min_match, 8)) if min_match > 1 else SuffixIndex()
     outputs = []
     for r in range(pool):
         index.add_request(("pool", r), [rng.randrange(vocab) for _ in range(64)])
@@ -46,17 +58,25 @@ def measure(rows: int, pool: int, tokens: int, steps: int, vocab: int, width: in
     for r in range(rows):
         index.add_request(r, [rng.randrange(vocab) for _ in range(200)]
                           + (followed[r][:8] if follow else shared[:8]))
-    lookups, extends, hits = [], [], 0
+    lookups, extends, loads, hits = [], [], [], 0
     ids = list(range(rows))
+    buffer = None if SuffixProposals is None else \
+        SuffixProposals(rows, (width - 1) // 2, torch.device("cpu"))  # width K = 2g + 1
+    anchors = [0] * rows
     batched = getattr(index, "propose_many", None)
     for step in range(steps):
         start = time.process_time()
         if batched is not None:  # the scheduler's lookups of a step
-            hits += sum(map(bool, batched(ids, width, 1)))
+            proposals = batched(ids, width, min_match)
         else:
-            for r in ids:
-                hits += index.lookup(r, width).match > 0
+            proposals = [p.tokens if p.match >= min_match else []
+                         for p in (index.lookup(r, width) for r in ids)]
         lookups.append(time.process_time() - start)
+        hits += sum(map(bool, proposals))
+        if buffer is not None:
+            start = time.process_time()
+            buffer.load(proposals, anchors=anchors)
+            loads.append(time.process_time() - start)
         if follow:  # the next tokens of the followed output, round and round (past its end
             # the span goes on from its start: the pool still has what follows)
             at = 8 + step * tokens
@@ -76,7 +96,9 @@ def measure(rows: int, pool: int, tokens: int, steps: int, vocab: int, width: in
     steps_us = [1e6 * (a + b) for a, b in zip(lookups, extends)]
     return {"rows": rows, "step_us": statistics.median(steps_us),
             "lookup_us": 1e6 * statistics.median(lookups),
-            "extend_us": 1e6 * statistics.median(extends), "finish_us_per_request": 1e6 * finish,
+            "extend_us": 1e6 * statistics.median(extends),
+            "load_us": 1e6 * statistics.median(loads) if loads else float("nan"),
+            "finish_us_per_request": 1e6 * finish,
             "hit_share": hits / (rows * steps)}
 
 
@@ -90,12 +112,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=13, help="proposal tokens a lookup asks")
     parser.add_argument("--follow", action="store_true",
                         help="rows copy pooled outputs: every lookup hits")
+    parser.add_argument("--min-match", type=int, default=1,
+                        help="the lookups' least match (the adaptive scheduler's: 4), the "
+                             "index built as the scheduler builds it")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     result = measure(args.rows, args.pool, args.tokens, args.steps, args.vocab, args.width,
-                     follow=args.follow)
+                     follow=args.follow, min_match=args.min_match)
     print(f"suffix index, {args.rows} rows: step {result['step_us']:.0f} us, lookup "
-          f"{result['lookup_us']:.0f} us/step, extend ({args.tokens} tokens a row) {result['extend_us']:.0f} us/step, finish "
+          f"{result['lookup_us']:.0f} us/step, extend ({args.tokens} tokens a row) "
+          f"{result['extend_us']:.0f} us/step, load {result['load_us']:.0f} us/step, finish "
           f"{result['finish_us_per_request']:.0f} us/request, hits {result['hit_share']:.2f}")
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1))

@@ -82,7 +82,7 @@ class AdaptiveScheduler(Scheduler):
         costs: {"decode": seconds, "draft": {gamma: seconds}, "suffix": {gamma: seconds}} for
             every bucket: a step's seconds for the controllers instead of the wall clock
             (tests; costs measured elsewhere). "suffix" is used by engines without a draft.
-        index: the SuffixIndex to use (default: a new one).
+        index: the SuffixIndex to use (default: a new one, from suffix_min_match tokens).
         distill: DistillConfig of the distiller.
         module: the draft module to distil (a loaded engine has none of its own).
         background: run draft updates on a thread of their own (False: inline, between two
@@ -121,7 +121,10 @@ class AdaptiveScheduler(Scheduler):
             for bucket in engine.buckets.values():
                 add_verify_steps(bucket.target, self.suffix_gammas, config, engine.device)
             self._set_step_room()  # (a paged cache's rows grow by the longest verify step)
-        self.index = (index or SuffixIndex()) if self.suffix else None
+        # (Shorter matches never propose: indexing only n >= suffix_min_match gives the same
+        # proposals for less host work.)
+        self.index = (index or SuffixIndex(min_ngram=min(suffix_min_match, 8))) \
+            if self.suffix else None
         longest = max(self.draft_gammas + self.suffix_gammas, default=1)
         self._buffers = {size: SuffixProposals(size, longest, engine.device)
                          for size in engine.buckets} if self.suffix else {}

@@ -1,14 +1,22 @@
-"""The suffix index's batched path (runtime/suffix.py `SuffixIndex.propose_many` /
+"""The suffix index's batched path (runtime/suffix_index.py `SuffixIndex.propose_many` /
 `lookup_many`, with `extend` indexing lazily, all rows at once): on random token streams of
 several requests extended by different numbers of tokens a step, finished into the pool
-in between, every row's proposal equals a brute-force search's."""
+in between, every row's proposal equals a brute-force search's; also where every array
+starts tiny (the token rows widen, the rows and the hash table double, the pool's store
+moves), where the table never grows (full buckets go to the stash) and where it grows only
+once full (stashed keys move into the larger table). And
+`SuffixProposals.load` fills its buffer as a row-by-row copy does."""
 
 from __future__ import annotations
 
+import random
+
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fuser.runtime.suffix import Proposal, SuffixIndex
+from fuser.runtime.suffix import Proposal, SuffixIndex, SuffixProposals
+from fuser.runtime.suffix_index import _Table
 
 
 def _brute(seq: list[int], pool: list[list[int]], max_tokens: int, lo: int, hi: int
@@ -78,3 +86,134 @@ def test_batched_proposals_equal_a_brute_force_search(rows, max_ngram, max_token
         elif action == 4:  # the newest row is dropped
             index.drop(ids[-1])
             del seqs[ids[-1]]
+
+
+class _SmallTable(_Table):
+    first_bits = 1  # 2 buckets of 8 ways: doubles many times
+
+
+class _SmallIndex(SuffixIndex):
+    _first_slots = 1
+    _first_room = 2
+    _first_arena = 16
+    _first_store = 2
+    _table_type = _SmallTable
+
+
+class _FullTable(_Table):
+    first_bits = 1
+    max_load = 64.0  # never grows: past 16 keys, every new key goes to the stash
+
+
+class _StashIndex(_SmallIndex):
+    _table_type = _FullTable
+
+
+class _CrowdedTable(_Table):
+    first_bits = 1
+    max_load = 1.0  # grows only when full: buckets fill up first, keys go to the stash
+
+
+class _CrowdedIndex(_SmallIndex):
+    _table_type = _CrowdedTable
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.sampled_from([_SmallIndex, _StashIndex, _CrowdedIndex]), st.integers(0, 2**32 - 1),
+       st.integers(1, 6), st.integers(2, 5), st.integers(1, 4), st.integers(2, 12),
+       st.integers(1, 20))
+def test_growth_and_the_stash_keep_the_proposals_of_a_brute_force_search(
+        kind, seed, rows, max_ngram, vocab, max_recent, recent_tokens):
+    """60 steps of rows extended by 0..4 random tokens over a small vocabulary (long
+    repeats), finished or dropped now and then, a pool bounded in outputs and tokens: every
+    lookup equals the brute force's."""
+    rng = random.Random(seed)
+    lo = 2
+    index = kind(max_ngram=max_ngram, min_ngram=lo, max_recent=max_recent,
+                 max_recent_tokens=recent_tokens)
+    seqs: dict[int, list[int]] = {}
+    prompts: dict[int, int] = {}
+    pool: list[list[int]] = []
+    next_id = 0
+    for _ in range(60):
+        while len(seqs) < rows:
+            prompt = [rng.randrange(vocab) for _ in range(rng.randrange(12))]
+            index.add_request(next_id, prompt)
+            seqs[next_id], prompts[next_id] = list(prompt), len(prompt)
+            next_id += 1
+        for r in seqs:
+            new = [rng.randrange(vocab) for _ in range(rng.randrange(5))]
+            index.extend(r, new)
+            seqs[r] += new
+        ids = list(seqs)
+        rng.shuffle(ids)
+        max_tokens = rng.randrange(1, 9)
+        assert index.lookup_many(ids, max_tokens) == \
+            [_brute(seqs[r], pool, max_tokens, lo, max_ngram) for r in ids]
+        action = rng.randrange(8)
+        if action == 0:  # a row finishes into the pool (its last recent_tokens tokens)
+            r = ids[0]
+            index.finish(r)
+            output = seqs.pop(r)[prompts[r]:][-recent_tokens:]
+            if len(output) >= 2:
+                pool.append(output)
+                while len(pool) > max_recent or sum(map(len, pool)) > recent_tokens:
+                    pool.pop(0)
+        elif action == 1:
+            index.drop(ids[0])
+            del seqs[ids[0]]
+    for r in list(seqs):
+        assert index.tokens(r) == seqs[r]
+
+
+def _load_row_by_row(buffer: SuffixProposals, proposals, anchors) -> torch.Tensor:
+    """What `load` puts in the buffer, one row at a time."""
+    B, K = buffer.buffer.shape
+    host = torch.zeros(B, K + 2, dtype=torch.long)
+    host[:, K + 1] = -1
+    for b, row in enumerate(proposals):
+        row = list(row)[:K]
+        host[b, :len(row)] = torch.tensor(row, dtype=torch.long)
+        host[b, K] = len(row)
+        if anchors is not None:
+            host[b, K + 1] = anchors[b]
+    return host
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(st.integers(1, 9), st.integers(1, 4),
+       st.lists(st.lists(st.integers(0, 99), max_size=20), max_size=9), st.booleans())
+def test_load_fills_the_buffer_as_a_row_by_row_copy(batch, gamma, proposals, anchored):
+    proposals = proposals[:batch]
+    anchors = [7 * b + 1 for b in range(len(proposals))] if anchored else None
+    buffer = SuffixProposals(batch, gamma, torch.device("cpu"))
+    buffer.packed.fill_(5)  # (what an earlier load left)
+    buffer.load(proposals, anchors=anchors)
+    assert torch.equal(buffer.packed, _load_row_by_row(buffer, proposals, anchors))
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(st.integers(0, 2**32 - 1), st.integers(2, 8), st.integers(1, 4))
+def test_an_index_from_the_least_match_proposes_alike(seed, min_match, vocab):
+    """What the adaptive scheduler builds: indexing only n >= min_match (its suffix_min_match)
+    proposes, at that least match, what the default index (n >= 2) does."""
+    rng = random.Random(seed)
+    full, narrow = SuffixIndex(max_recent=3), SuffixIndex(min_ngram=min_match, max_recent=3)
+    live: list[int] = []
+    for step in range(40):
+        while len(live) < 4:
+            prompt = [rng.randrange(vocab) for _ in range(rng.randrange(10))]
+            full.add_request(step * 10 + len(live), prompt)
+            narrow.add_request(step * 10 + len(live), prompt)
+            live.append(step * 10 + len(live))
+        for r in live:
+            new = [rng.randrange(vocab) for _ in range(rng.randrange(4))]
+            full.extend(r, new)
+            narrow.extend(r, new)
+        width = rng.randrange(1, 9)
+        assert narrow.propose_many(live, width, min_match) == \
+            full.propose_many(live, width, min_match)
+        if rng.random() < 0.2:
+            r = live.pop(0)
+            full.finish(r)
+            narrow.finish(r)
