@@ -88,6 +88,9 @@ def _rank(rank: int, world_size: int, port: int, out: str | None, dry_run: bool)
         if out:
             with open(out, "w") as f:
                 json.dump({"world_size": world_size, "repeat": REPEAT, "rows": rows}, f, indent=1)
+    # Both ranks leave together: a rank that tore its gloo group down while rank 0 still
+    # printed aborted ("terminate called without an active exception") on a loaded CPU.
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from fuser.capture import StepModule, cache_names, engine_view, export_step, specialize
+from fuser.capture import (StepModule, cache_names, engine_view, export_step, model_geometry,
+                           specialize)
 from fuser.compile import CompiledStep
 from fuser.config import FuserConfig
 from fuser.numerics import FP8_SELF_CHECK_TOLERANCE, SELF_CHECK_TOLERANCE, relative_error
@@ -32,15 +33,6 @@ from fuser.runtime.steps import DECODE, PREFILL, ModelSteps, StepFn, StepGraph, 
 
 
 Progress = Callable[[str], None]
-
-
-def model_geometry(config: object) -> tuple[int, int, int]:
-    """(layers, kv_heads, head_dim) from a transformers config."""
-    layers = config.num_hidden_layers
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return layers, kv_heads, head_dim
 
 
 def allocate_cache(role: str, model_config: object, batch: int, slots: int, dtype: torch.dtype,

@@ -380,3 +380,12 @@ def _attr(root: nn.Module, target: str) -> torch.Tensor:
     for part in target.split("."):
         value = getattr(value, part)
     return value
+
+
+def model_geometry(config: object) -> tuple[int, int, int]:
+    """(layers, kv_heads, head_dim) from a transformers config."""
+    layers = config.num_hidden_layers
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return layers, kv_heads, head_dim

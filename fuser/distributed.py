@@ -112,7 +112,7 @@ def check_world_size(model_config: object, world_size: int, device: torch.device
     """Refuse a world size the model or the machine cannot take, before any process starts:
     heads, KV heads, intermediate size and vocabulary must divide (ValueError naming each),
     and on CUDA the ranks need world_size devices from the engine's own."""
-    from fuser.build import model_geometry
+    from fuser.capture import model_geometry
     from fuser.passes.tensor_parallel import ShardShape
 
     _, kv_heads, head_dim = model_geometry(model_config)

@@ -319,7 +319,7 @@ def paged_pool_blocks(config: FuserConfig, target: nn.Module, draft: nn.Module |
     every row at full length). Tensor parallel: measured on rank 0's device (which also holds
     the draft), with the target's share (its KV heads / N, its weights / N, made anew
     wherever the caller's model is): every rank's pool has this count."""
-    from fuser.build import model_geometry
+    from fuser.capture import model_geometry
     from fuser.runtime.blocks import CacheShape, blocks_for_budget
     from fuser.runtime.kv_cache import free_memory_bytes
 

@@ -61,7 +61,7 @@ def split_dim(name: str) -> int | None:
 def rank_config(config: object, world_size: int) -> object:
     """`config` at one rank's counts: heads, KV heads and intermediate size / world_size, the
     head dim kept, embeddings untied (the rank's head is its own vocab slice)."""
-    from fuser.build import model_geometry
+    from fuser.capture import model_geometry
 
     _, kv_heads, head_dim = model_geometry(config)
     out = copy.deepcopy(config)

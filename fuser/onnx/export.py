@@ -35,8 +35,8 @@ import onnx
 import torch
 from torch import nn
 
-from fuser.build import model_geometry
-from fuser.capture import StepModule, engine_view, export_step, supports_cache_attention
+from fuser.capture import (StepModule, engine_view, export_step, model_geometry,
+                           supports_cache_attention)
 from fuser.config import MAX_GAMMA, FuserConfig
 from fuser.onnx.translate import OnnxExportError, Translated, onnx_dtype, translate
 from fuser.passes import PassContext, run_passes
