@@ -10,6 +10,7 @@ than one long request, so requests wait and are preempted).
 
 from __future__ import annotations
 
+import functools
 import random
 import warnings
 
@@ -225,6 +226,120 @@ def test_speculative_paged_scheduler_with_preemption_and_prefix_hits() -> None:
         assert sched.preemptions > 0 and sched.blocks.prefix_hits > 0
         assert_no_leak(sched)
     finally:
+        sched.close()
+
+
+# -- decoded blocks keyed with a draft (a chat's next turn hits its earlier answer) --------------
+
+
+@functools.cache
+def draft_engine() -> fuser.Engine:
+    """The paged engine with its draft (gamma 3), every row at full length; shared by the
+    tests below (a draft engine takes ~30 s to build on a 2-core CPU)."""
+    return engine(draft=True)
+
+
+def fresh_prefill(eng: fuser.Engine, tokens: list[int]) -> list[list[torch.Tensor]]:
+    """[k pools, v pools] of both models, [layers x [blocks, BLOCK, kv_heads, D]] each, of
+    `tokens`' full blocks as a fresh whole-prompt prefill writes them (a scheduler of its own,
+    stepped by hand, prefix caching off)."""
+    sched = Scheduler(eng, prefix_caching=False)
+    try:
+        sched.submit(tokens, greedy(1))
+        with eng.generating():
+            sched._admit()
+            rows = sched.blocks.row_blocks(0)[:len(tokens) // BLOCK]
+            pools = [[layer[rows].clone() for layer in pool]
+                     for cache in sched._caches for pool in (cache.k, cache.v)]
+            sched._retire()
+        return pools
+    finally:
+        sched.close()
+
+
+def check_keyed_blocks(sched: Scheduler, tokens: list[int],
+                       reference: list[list[torch.Tensor]]) -> int:
+    """Every cached block on `tokens`' chain of keys holds, in both models' pools, the k/v a
+    fresh prefill of `tokens` writes there (fp32: up to the rounding of the other kernels);
+    returns how many leading blocks of `tokens` are cached."""
+    from fuser.runtime.blocks import block_key
+
+    by_key = {key: block for block, key in sched.blocks.cached_blocks().items()}
+    pools = [pool for cache in sched._caches for pool in (cache.k, cache.v)]
+    parent, found = b"", 0
+    for i in range(len(tokens) // BLOCK):
+        parent = block_key(parent, tokens[i * BLOCK:(i + 1) * BLOCK])
+        block = by_key.get(parent)
+        if block is None:
+            break
+        for model_pool, want in zip(pools, reference):
+            for layer, layer_want in zip(model_pool, want):
+                torch.testing.assert_close(layer[block], layer_want[i], rtol=1e-4, atol=1e-4,
+                                           msg=lambda m, i=i: f"keyed block {i}: {m}")
+        found += 1
+    return found
+
+
+# gamma per step: speculative steps, target-only runs that leave the draft behind (each
+# followed by a resync), and speculative steps again
+GAMMA_PATTERNS = {"speculative": [3], "target_only_runs": [3, 0, 0, 3, 0, 3, 3, 0, 0, 0, 3]}
+
+
+@pytest.mark.parametrize("pattern", sorted(GAMMA_PATTERNS))
+def test_a_chats_next_turn_hits_its_answer_with_a_draft(pattern: str) -> None:
+    """Turn 1 (14-token prompt, 30 greedy tokens) runs on a draft engine stepped by hand,
+    gamma as `pattern` says: after every iteration each keyed block holds, in the target's
+    and the draft's pools, what a fresh prefill of those tokens writes (so a later hit
+    cannot get stale draft k/v: after all-accepted steps the draft's last slot is not
+    written, after target-only steps its slots lag until a resync). Turn 2 (turn 1's
+    prompt and answer and 3 new tokens) hits blocks of the answer, beyond the prompt's 3,
+    and returns what it returns alone."""
+    eng = draft_engine()
+    first = prompt(14, seed=120)
+    answer = alone(eng, [(first, greedy(30))])[0]
+    second = first + answer + prompt(3, seed=121)
+    want = alone(eng, [(second, greedy(8))])[0]
+    reference = fresh_prefill(eng, first + answer)
+    gammas = GAMMA_PATTERNS[pattern]
+    sched = Scheduler(eng)
+    sched._may_run_ahead = lambda in_flight: False  # one step an iteration
+    steps = []  # (gamma, accepted) of each row's draft step
+    advanced = sched._draft_advanced
+
+    def spy(stream, gamma, accepted):
+        steps.append((gamma, accepted))
+        advanced(stream, gamma, accepted)
+
+    sched._draft_advanced = spy
+    for cache in sched._caches:  # (what the runs above left in the pools would be right)
+        for pool in (*cache.k, *cache.v):
+            pool.fill_(5.0)
+    try:
+        s1 = sched.submit(first, greedy(30))
+        with eng.generating():
+            i = 0
+            while not s1.done:
+                eng.fix_gamma(gammas[i % len(gammas)])
+                i += 1
+                sched._iteration()
+                assert check_keyed_blocks(sched, first + answer, reference) == \
+                    len(sched.blocks.cached_blocks())
+            eng.fix_gamma(None)
+            sched._retire()
+            assert s1.output_ids == answer
+            keyed = check_keyed_blocks(sched, first + answer, reference)
+            assert keyed > len(first) // BLOCK  # blocks of the answer too
+            hits = sched.blocks.prefix_hits
+            s2 = sched.submit(second, greedy(8))
+            while not s2.done:
+                sched._iteration()
+            sched._retire()
+        assert s2.output_ids == want
+        assert sched.blocks.prefix_hits - hits == keyed * BLOCK > len(first) // BLOCK * BLOCK
+        assert {a == g for g, a in steps} == {True, False}  # all-accepted steps and others
+        assert_no_leak(sched)
+    finally:
+        eng.fix_gamma(None)
         sched.close()
 
 
