@@ -27,7 +27,8 @@ through a `BlockManager` over the engine's own block table (runtime/blocks.py):
             keeping a block of headroom per running row; a prompt that opens with cached
             blocks (prefix caching, on by default) prefills only the rest, through the CHUNK
             step at seq_lens = the cached tokens (`speculative.prefill_chunk`); the prompt's
-            full blocks are then keyed for later requests (`commit`);
+            full blocks are then keyed for later requests (`commit`), and the blocks decoding
+            fills once both caches hold their k/v (`_commit_decoded`);
     step    before each step every row grows to the slots the step may write (`grow`); when
             blocks run out, the newest row is preempted: its blocks are freed and its request
             goes back to the front of the queue with the tokens it has, to be prefilled again

@@ -287,15 +287,15 @@ GAMMA_PATTERNS = {"speculative": [3], "target_only_runs": [3, 0, 0, 3, 0, 3, 3, 
 
 @pytest.mark.parametrize("pattern", sorted(GAMMA_PATTERNS))
 def test_a_chats_next_turn_hits_its_answer_with_a_draft(pattern: str) -> None:
-    """Turn 1 (14-token prompt, 30 greedy tokens) runs on a draft engine stepped by hand,
+    """Turn 1 (11-token prompt, 30 greedy tokens) runs on a draft engine stepped by hand,
     gamma as `pattern` says: after every iteration each keyed block holds, in the target's
     and the draft's pools, what a fresh prefill of those tokens writes (so a later hit
     cannot get stale draft k/v: after all-accepted steps the draft's last slot is not
     written, after target-only steps its slots lag until a resync). Turn 2 (turn 1's
-    prompt and answer and 3 new tokens) hits blocks of the answer, beyond the prompt's 3,
+    prompt and answer and 3 new tokens) hits blocks of the answer, beyond the prompt's 2,
     and returns what it returns alone."""
     eng = draft_engine()
-    first = prompt(14, seed=120)
+    first = prompt(11, seed=120)  # (an all-accepted step ends at slot 32)
     answer = alone(eng, [(first, greedy(30))])[0]
     second = first + answer + prompt(3, seed=121)
     want = alone(eng, [(second, greedy(8))])[0]
@@ -303,11 +303,12 @@ def test_a_chats_next_turn_hits_its_answer_with_a_draft(pattern: str) -> None:
     gammas = GAMMA_PATTERNS[pattern]
     sched = Scheduler(eng)
     sched._may_run_ahead = lambda in_flight: False  # one step an iteration
-    steps = []  # (gamma, accepted) of each row's draft step
+    steps = []  # (gamma, accepted, the target's new length) of each row's draft step
     advanced = sched._draft_advanced
 
     def spy(stream, gamma, accepted):
-        steps.append((gamma, accepted))
+        length = len(stream.prompt_ids) + len(stream.output_ids) + accepted
+        steps.append((gamma, accepted, length))
         advanced(stream, gamma, accepted)
 
     sched._draft_advanced = spy
@@ -336,7 +337,9 @@ def test_a_chats_next_turn_hits_its_answer_with_a_draft(pattern: str) -> None:
             sched._retire()
         assert s2.output_ids == want
         assert sched.blocks.prefix_hits - hits == keyed * BLOCK > len(first) // BLOCK * BLOCK
-        assert {a == g for g, a in steps} == {True, False}  # all-accepted steps and others
+        assert {a == g for g, a, _ in steps} == {True, False}  # all-accepted steps and others
+        # one fills a block whose last draft slot it did not write (keyed by the next step)
+        assert any(a == g and length % BLOCK == 0 for g, a, length in steps)
         assert_no_leak(sched)
     finally:
         eng.fix_gamma(None)
