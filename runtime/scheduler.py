@@ -316,6 +316,7 @@ class Scheduler:
         self._busy = False  # the loop holds the engine (`Engine.generating`)
         self._ids = itertools.count()
         self._draft_behind = 0  # target-only steps since the draft last ran (`generate`'s)
+        self._overlapped: int | None = None  # gamma of the last step if an overlapped round
         self._rng = random.Random()
         generation_config = getattr(engine.user_target, "generation_config", None)
         eos = getattr(generation_config, "eos_token_id", None)
@@ -967,11 +968,24 @@ class Scheduler:
             bucket.resync(self._draft_behind)
         self._draft_behind = self._draft_behind + 1 if gamma == PLAIN else 0
         do_sample = any(not s.params.greedy for s in rows)
+        self._streams_from(gamma, gamma > PLAIN and bucket.overlap and not do_sample)
         start = time.perf_counter()
         read_back = ReadBack(bucket.run(gamma, do_sample))  # [bucket, gamma + 2]
         if controller is not None:
             controller.sent()  # the host's part of the step ends here
         return _Step(rows, gamma, controller, read_back, start, prefilling=self._prefilling())
+
+    def _streams_from(self, gamma: int, overlapped: bool) -> None:
+        """Before a step is issued: an overlapped round goes on from the guesses of the step
+        before only when that was an overlapped round of the same gamma (as `generate`
+        does); after any other step (target-only, standard, mixed, another gamma) the rows'
+        guesses and the draft's slots after the target's length are stale, so `streaming`
+        is cleared and the round starts by drafting (`speculative.overlapped_step`). This
+        keeps `speculative.draft`'s invariant (the draft valid up to L - 2) that
+        `_draft_advanced` counts on."""
+        if overlapped and self._overlapped != gamma:
+            self._state.streaming.zero_()
+        self._overlapped = gamma if overlapped else None
 
     def _collect(self, step: _Step) -> None:
         """Read one step back: each row keeps n + 1 tokens, cut at its eos and budget."""

@@ -233,10 +233,20 @@ def test_speculative_paged_scheduler_with_preemption_and_prefix_hits() -> None:
 
 
 @functools.cache
-def draft_engine() -> fuser.Engine:
+def draft_engine(overlap: bool = False) -> fuser.Engine:
     """The paged engine with its draft (gamma 3), every row at full length; shared by the
-    tests below (a draft engine takes ~30 s to build on a 2-core CPU)."""
-    return engine(draft=True)
+    tests below (a draft engine takes ~20 s to build on a 2-core CPU). overlap: greedy
+    speculative steps as overlapped rounds (FuserConfig.overlap)."""
+    if not overlap:
+        return engine(draft=True)
+    target = llama_target()
+    config = fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=4, batch_buckets=(1, 2, 4),
+                               gamma=3, compile="fx", kv_block_size=BLOCK, overlap=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        built = fuser.optimize(target, draft=perturbed(target, 0.05, seed=3), config=config)
+    assert all(b.overlap for b in built.buckets.values()) and built.target.cache.paged
+    return built
 
 
 def fresh_prefill(eng: fuser.Engine, tokens: list[int]) -> list[list[torch.Tensor]]:
@@ -285,16 +295,19 @@ def check_keyed_blocks(sched: Scheduler, tokens: list[int],
 GAMMA_PATTERNS = {"speculative": [3], "target_only_runs": [3, 0, 0, 3, 0, 3, 3, 0, 0, 0, 3]}
 
 
+@pytest.mark.xdist_group("paged_draft_engine")
+@pytest.mark.parametrize("overlap", [False, pytest.param(True, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("pattern", sorted(GAMMA_PATTERNS))
-def test_a_chats_next_turn_hits_its_answer_with_a_draft(pattern: str) -> None:
+def test_a_chats_next_turn_hits_its_answer_with_a_draft(pattern: str, overlap: bool) -> None:
     """Turn 1 (11-token prompt, 30 greedy tokens) runs on a draft engine stepped by hand,
     gamma as `pattern` says: after every iteration each keyed block holds, in the target's
     and the draft's pools, what a fresh prefill of those tokens writes (so a later hit
     cannot get stale draft k/v: after all-accepted steps the draft's last slot is not
     written, after target-only steps its slots lag until a resync). Turn 2 (turn 1's
     prompt and answer and 3 new tokens) hits blocks of the answer, beyond the prompt's 2,
-    and returns what it returns alone."""
-    eng = draft_engine()
+    and returns what it returns alone. overlap (slow: an engine of its own): the greedy
+    speculative steps are overlapped rounds, whose draft runs ahead of the verified slots."""
+    eng = draft_engine(overlap)
     first = prompt(11, seed=120)  # (an all-accepted step ends at slot 32)
     answer = alone(eng, [(first, greedy(30))])[0]
     second = first + answer + prompt(3, seed=121)
@@ -337,9 +350,11 @@ def test_a_chats_next_turn_hits_its_answer_with_a_draft(pattern: str) -> None:
             sched._retire()
         assert s2.output_ids == want
         assert sched.blocks.prefix_hits - hits == keyed * BLOCK > len(first) // BLOCK * BLOCK
-        assert {a == g for g, a, _ in steps} == {True, False}  # all-accepted steps and others
-        # one fills a block whose last draft slot it did not write (keyed by the next step)
-        assert any(a == g and length % BLOCK == 0 for g, a, length in steps)
+        if overlap:  # rounds that streamed (accepted guesses drafted the round before)
+            assert any(a > 0 for _, a, _ in steps)
+        else:  # all-accepted steps and others; one fills a block whose last draft slot it
+            assert {a == g for g, a, _ in steps} == {True, False}  # did not write
+            assert any(a == g and length % BLOCK == 0 for g, a, length in steps)
         assert_no_leak(sched)
     finally:
         eng.fix_gamma(None)
