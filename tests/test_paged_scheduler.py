@@ -290,6 +290,14 @@ def check_keyed_blocks(sched: Scheduler, tokens: list[int],
     return found
 
 
+def scrub(sched: Scheduler) -> None:
+    """Fill both models' pools with a constant (what earlier runs of the same tokens left there
+    would be right: a slot the run under test never writes must show as wrong)."""
+    for cache in sched._caches:
+        for pool in (*cache.k, *cache.v):
+            pool.fill_(5.0)
+
+
 # gamma per step: speculative steps, target-only runs that leave the draft behind (each
 # followed by a resync), and speculative steps again
 GAMMA_PATTERNS = {"speculative": [3], "target_only_runs": [3, 0, 0, 3, 0, 3, 3, 0, 0, 0, 3]}
@@ -325,9 +333,7 @@ def test_a_chats_next_turn_hits_its_answer_with_a_draft(pattern: str, overlap: b
         advanced(stream, gamma, accepted)
 
     sched._draft_advanced = spy
-    for cache in sched._caches:  # (what the runs above left in the pools would be right)
-        for pool in (*cache.k, *cache.v):
-            pool.fill_(5.0)
+    scrub(sched)
     try:
         s1 = sched.submit(first, greedy(30))
         with eng.generating():
@@ -358,6 +364,47 @@ def test_a_chats_next_turn_hits_its_answer_with_a_draft(pattern: str, overlap: b
         assert_no_leak(sched)
     finally:
         eng.fix_gamma(None)
+        sched.close()
+
+
+@pytest.mark.xdist_group("paged_draft_engine")
+def test_keyed_blocks_under_the_adaptive_schedulers_mixed_steps() -> None:
+    """The adaptive scheduler on the draft engine (scripted costs: mostly the draft, target-
+    only probes), stepped by hand: a request runs twice, the prefix cache and the pools
+    cleared in between, so that the second time its answer is among the suffix index's
+    recent outputs and its rows verify the index's proposals in the draft's steps (mixed
+    steps: the draft is fed the proposals, all accepted). After every iteration each keyed
+    block holds a fresh prefill's k/v in both pools; the answer's blocks are keyed and both
+    runs return the greedy tokens alone."""
+    from fuser.runtime.adaptive_scheduler import AdaptiveScheduler
+    from fuser.runtime.controller import DRAFT, SUFFIX
+
+    eng = draft_engine()
+    first = prompt(11, seed=130)
+    answer = alone(eng, [(first, greedy(30))])[0]
+    reference = fresh_prefill(eng, first + answer)
+    sched = AdaptiveScheduler(eng, suffix=True, adapt_draft=False, background=False,
+                              costs={"decode": 1.0, DRAFT: {3: 1.3}},
+                              controller_options=dict(probe_share=0.2, refresh=8))
+    sched._may_run_ahead = lambda in_flight: False  # one step an iteration
+    try:
+        with eng.generating():
+            for _ in range(2):
+                sched.blocks.reset_prefix_cache()
+                scrub(sched)
+                stream = sched.submit(first, greedy(30))
+                while not stream.done:
+                    sched._iteration()
+                    assert check_keyed_blocks(sched, first + answer, reference) == \
+                        len(sched.blocks.cached_blocks())
+                sched._retire()
+                assert stream.output_ids == answer
+                suffix_rows = sched.snapshot()["rows"][SUFFIX]
+                assert check_keyed_blocks(sched, first + answer, reference) > len(first) // BLOCK
+        snap = sched.snapshot()
+        assert suffix_rows > 0 and snap["steps"][DRAFT] > 0, snap
+        assert_no_leak(sched)
+    finally:
         sched.close()
 
 
