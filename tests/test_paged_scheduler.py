@@ -303,28 +303,23 @@ def scrub(sched: Scheduler) -> None:
 GAMMA_PATTERNS = {"speculative": [3], "target_only_runs": [3, 0, 0, 3, 0, 3, 3, 0, 0, 0, 3]}
 
 
-@pytest.mark.xdist_group("paged_draft_engine")
-@pytest.mark.parametrize("overlap", [False, pytest.param(True, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("pattern", sorted(GAMMA_PATTERNS))
-def test_a_chats_next_turn_hits_its_answer_with_a_draft(pattern: str, overlap: bool) -> None:
-    """Turn 1 (11-token prompt, 30 greedy tokens) runs on a draft engine stepped by hand,
-    gamma as `pattern` says: after every iteration each keyed block holds, in the target's
-    and the draft's pools, what a fresh prefill of those tokens writes (so a later hit
-    cannot get stale draft k/v: after all-accepted steps the draft's last slot is not
-    written, after target-only steps its slots lag until a resync). Turn 2 (turn 1's
-    prompt and answer and 3 new tokens) hits blocks of the answer, beyond the prompt's 2,
-    and returns what it returns alone. overlap (slow: an engine of its own): the greedy
-    speculative steps are overlapped rounds, whose draft runs ahead of the verified slots."""
-    eng = draft_engine(overlap)
-    first = prompt(11, seed=120)  # (an all-accepted step ends at slot 32)
+def chat_turns(eng: fuser.Engine, gammas: list[int]) -> list[tuple[int, int, int]]:
+    """Turn 1 (11-token prompt, 30 greedy tokens) on a draft engine stepped by hand, gamma per
+    step as `gammas` says (`fix_gamma`, in turn): after every iteration each keyed block holds,
+    in the target's and the draft's pools, what a fresh prefill of those tokens writes (so a
+    later hit cannot get stale draft k/v: after an all-accepted step the draft's last slot is
+    not written, after target-only steps its slots lag until a resync). Turn 2 (turn 1's
+    prompt and answer and 3 new tokens) hits blocks of the answer, beyond the prompt's 2, and
+    returns what it returns alone; nothing leaks. Returns (gamma, accepted, the target's new
+    length) of each draft step."""
+    first = prompt(11, seed=120)  # (on the CPU an all-accepted step ends at slot 32)
     answer = alone(eng, [(first, greedy(30))])[0]
     second = first + answer + prompt(3, seed=121)
     want = alone(eng, [(second, greedy(8))])[0]
     reference = fresh_prefill(eng, first + answer)
-    gammas = GAMMA_PATTERNS[pattern]
     sched = Scheduler(eng)
     sched._may_run_ahead = lambda in_flight: False  # one step an iteration
-    steps = []  # (gamma, accepted, the target's new length) of each row's draft step
+    steps = []
     advanced = sched._draft_advanced
 
     def spy(stream, gamma, accepted):
@@ -356,15 +351,26 @@ def test_a_chats_next_turn_hits_its_answer_with_a_draft(pattern: str, overlap: b
             sched._retire()
         assert s2.output_ids == want
         assert sched.blocks.prefix_hits - hits == keyed * BLOCK > len(first) // BLOCK * BLOCK
-        if overlap:  # rounds that streamed (accepted guesses drafted the round before)
-            assert any(a > 0 for _, a, _ in steps)
-        else:  # all-accepted steps and others; one fills a block whose last draft slot it
-            assert {a == g for g, a, _ in steps} == {True, False}  # did not write
-            assert any(a == g and length % BLOCK == 0 for g, a, length in steps)
         assert_no_leak(sched)
     finally:
         eng.fix_gamma(None)
         sched.close()
+    return steps
+
+
+@pytest.mark.xdist_group("paged_draft_engine")
+@pytest.mark.parametrize("overlap", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("pattern", sorted(GAMMA_PATTERNS))
+def test_a_chats_next_turn_hits_its_answer_with_a_draft(pattern: str, overlap: bool) -> None:
+    """`chat_turns` with speculative steps, or runs of target-only steps between them;
+    overlap (slow: an engine of its own): the greedy speculative steps are overlapped rounds,
+    whose draft runs ahead of the verified slots."""
+    steps = chat_turns(draft_engine(overlap), GAMMA_PATTERNS[pattern])
+    if overlap:  # rounds that streamed (accepted guesses drafted the round before)
+        assert any(a > 0 for _, a, _ in steps)
+    else:  # all-accepted steps and others; one fills a block whose last draft slot it
+        assert {a == g for g, a, _ in steps} == {True, False}  # did not write
+        assert any(a == g and length % BLOCK == 0 for g, a, length in steps)
 
 
 @pytest.mark.xdist_group("paged_draft_engine")
@@ -708,6 +714,27 @@ def test_gpu_paged_scheduler_replays_graphs_over_the_managed_table() -> None:
     replays = eng.report().graph_replays
     assert sum(v for k, v in replays.items() if k.startswith("step.b")) >= sched.steps
     assert all(n == 0 for b in eng.buckets.values() for n in b.uncaptured_runs.values())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_chat_next_turn_hits_its_answer_with_a_draft() -> None:
+    """On CUDA (fp32; captured step graphs, the fused greedy draft kernels, resync chunks):
+    `chat_turns` with speculative steps and with runs of target-only steps: every keyed
+    block holds a fresh prefill's k/v in both pools after every iteration, and a chat's next
+    turn hits its answer's blocks and returns its tokens alone."""
+    import copy
+
+    target = copy.deepcopy(llama_target()).cuda()  # (the CPU tests share the cached one)
+    config = fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=4, gamma=3,
+                               precision="fp32", kv_block_size=BLOCK)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eng = fuser.optimize(target, draft=perturbed(target, 0.05, seed=3), config=config)
+    for pattern in sorted(GAMMA_PATTERNS):
+        steps = chat_turns(eng, GAMMA_PATTERNS[pattern])
+        assert steps and any(a == g for g, a, _ in steps), pattern
+    replays = eng.report().graph_replays
+    assert sum(v for k, v in replays.items() if k.startswith("step.b")) > 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
