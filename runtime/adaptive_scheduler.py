@@ -308,15 +308,18 @@ class AdaptiveScheduler(Scheduler):
                     self.resyncs += 1
                     self._draft_behind = 0
                 self._buffers[bucket.batch].load(proposals, anchors=anchors)
+                self._streams_from(gamma, False)
                 packed = self._run_suffix(bucket, gamma, do_sample)  # [bucket, gamma + 3]
             elif choice.source == DRAFT:
                 if self._draft_behind:
                     bucket.resync(self._draft_behind)
                     self.resyncs += 1
                 self._draft_behind = 0
+                self._streams_from(gamma, bucket.overlap and not do_sample)
                 packed = bucket.run(gamma, do_sample)  # [bucket, gamma + 2]
             else:
                 self._draft_behind += 1
+                self._streams_from(PLAIN, False)
                 packed = bucket.run(PLAIN, do_sample)
             read_back = ReadBack(packed)
         controller.sent()

@@ -27,7 +27,8 @@ through a `BlockManager` over the engine's own block table (runtime/blocks.py):
             keeping a block of headroom per running row; a prompt that opens with cached
             blocks (prefix caching, on by default) prefills only the rest, through the CHUNK
             step at seq_lens = the cached tokens (`speculative.prefill_chunk`); the prompt's
-            full blocks are then keyed for later requests (`commit`);
+            full blocks are then keyed for later requests (`commit`), and the blocks decoding
+            fills once both caches hold their k/v (`_commit_decoded`);
     step    before each step every row grows to the slots the step may write (`grow`); when
             blocks run out, the newest row is preempted: its blocks are freed and its request
             goes back to the front of the queue with the tokens it has, to be prefilled again
@@ -141,6 +142,9 @@ class RequestStream:
         self._on_stop: Callable[[], None] | None = None  # the scheduler's wake-up
         self.preemptions = 0  # times its blocks were taken back and it was requeued
         self._admitted = 0  # the scheduler's admission counter when it last joined
+        # Leading slots of its row whose k/v in the draft's cache are the draft's own over its
+        # tokens (a paged draft engine's scheduler keys decoded blocks only below this).
+        self._draft_valid = 0
 
     @property
     def done(self) -> bool:
@@ -312,6 +316,7 @@ class Scheduler:
         self._busy = False  # the loop holds the engine (`Engine.generating`)
         self._ids = itertools.count()
         self._draft_behind = 0  # target-only steps since the draft last ran (`generate`'s)
+        self._overlapped: int | None = None  # gamma of the last step if an overlapped round
         self._rng = random.Random()
         generation_config = getattr(engine.user_target, "generation_config", None)
         eos = getattr(generation_config, "eos_token_id", None)
@@ -701,9 +706,11 @@ class Scheduler:
     def _commit_chunk(self, p: _ChunkedPrefill, ends: list[int]) -> None:
         """Record each held row's tokens [progress, end) as written (keying the blocks they
         fill) and move its progress to `end`."""
-        for row, (tokens, start, end) in enumerate(zip(p.token_lists, p.progress, ends)):
+        for row, (stream, tokens, start, end) in enumerate(zip(p.group, p.token_lists,
+                                                               p.progress, ends)):
             if self.blocks.holds(row):
                 self.blocks.commit(row, tokens[start:end])
+                stream._draft_valid = end  # (both models run every chunk)
         p.progress = ends
 
     def _abort_prefill(self) -> None:
@@ -831,8 +838,9 @@ class Scheduler:
             padded = pad_batch(prompts, k, min_length=bucket.prefill_length(T))
             result = speculative.prefill(bucket.target, bucket.draft, bucket.state, padded, T,
                                          self.engine.vocab_size, do_sample, emitted)
-        for row, (tokens, hit) in enumerate(zip(token_lists, cached)):
+        for row, (stream, tokens, hit) in enumerate(zip(group, token_lists, cached)):
             blocks.commit(row, tokens[hit:])
+            stream._draft_valid = len(tokens)  # (the draft was prefilled too, where there is one)
         return result
 
     def _set_step_room(self) -> None:
@@ -899,20 +907,44 @@ class Scheduler:
             self.blocks.sync_table(0 if show_prefill else self._prefilling())
 
     def _commit_decoded(self, rows: list[RequestStream], skip: int = 0) -> None:
-        """Key the blocks that decoding filled (target-only engines: there the cache holds
-        exactly the target's k/v of prompt + output[:-1]; a draft's cache may lag behind the
-        target's, so with a draft only prefilled blocks are keyed)."""
-        if self.blocks is None or not self.blocks.prefix_caching or self._caches[1:]:
+        """Key the blocks that decoding filled: those whose every slot holds correct k/v in
+        both caches. The target's cache holds prompt + output[:-1]; a draft's holds its
+        row's first `_draft_valid` slots (`_draft_advanced`), which may lag behind (after
+        target-only steps until a resync, or by one slot after an all-accepted step). A
+        block keyed before the draft's slots were right would hand a later request wrong
+        draft k/v: its tokens stay the target's, but its acceptance drops."""
+        if self.blocks is None or not self.blocks.prefix_caching:
             return
         size = self.blocks.block_size
+        draft = len(self._caches) > 1
         for row, stream in enumerate(rows):
             if row < skip or not self.blocks.holds(row):  # in chunked prefill (its chunks
                 continue                                    # commit), or cancelled there
             have = self.blocks.committed(row)
             written = len(stream.prompt_ids) + len(stream.output_ids) - 1
+            if draft:
+                written = min(written, stream._draft_valid)
             if written // size > have // size:  # a block filled: key it (and what led to it)
                 tokens = stream.prompt_ids + stream.output_ids[:-1]
-                self.blocks.commit(row, tokens[have:])
+                self.blocks.commit(row, tokens[have:written])
+
+    @staticmethod
+    def _draft_advanced(stream: RequestStream, gamma: int, accepted: int) -> None:
+        """Before a step's tokens are delivered: the draft's valid slots of a row after a step
+        in which the draft ran (a speculative step of `gamma` drafts, of which `accepted`
+        were accepted: the standard, mixed and overlapped kinds).
+
+        With the target at L = prompt + output - 1 slots before the step, the draft was
+        valid up to slot L - 2 at least (`speculative.draft`'s invariant; a resync before
+        the step restores it after target-only steps). The step's catch-up writes slots
+        L - 1 and L with the right tokens, then feeds d_1..d_{gamma-1} at L + 1..: the first
+        `accepted` of them are right. So slots [0, L + 1 + min(accepted, gamma - 1)) hold
+        the draft's k/v: the target's new length L + accepted + 1 when a draft was rejected,
+        one less when all were accepted (d_gamma is never fed). An overlapped round holds at
+        least as many (its draft fed the accepted guesses already), so this is a lower
+        bound there. Target-only steps leave the count as it was."""
+        before = len(stream.prompt_ids) + len(stream.output_ids) - 1
+        stream._draft_valid = before + 1 + min(accepted, gamma - 1)
 
     def _deliver(self, stream: RequestStream, kept: list[int], budget: int) -> None:
         """Hand `kept` to the stream, cut at its first eos; finish it on eos or budget."""
@@ -936,11 +968,24 @@ class Scheduler:
             bucket.resync(self._draft_behind)
         self._draft_behind = self._draft_behind + 1 if gamma == PLAIN else 0
         do_sample = any(not s.params.greedy for s in rows)
+        self._streams_from(gamma, gamma > PLAIN and bucket.overlap and not do_sample)
         start = time.perf_counter()
         read_back = ReadBack(bucket.run(gamma, do_sample))  # [bucket, gamma + 2]
         if controller is not None:
             controller.sent()  # the host's part of the step ends here
         return _Step(rows, gamma, controller, read_back, start, prefilling=self._prefilling())
+
+    def _streams_from(self, gamma: int, overlapped: bool) -> None:
+        """Before a step is issued: an overlapped round goes on from the guesses of the step
+        before only when that was an overlapped round of the same gamma (as `generate`
+        does); after any other step (target-only, standard, mixed, another gamma) the rows'
+        guesses and the draft's slots after the target's length are stale, so `streaming`
+        is cleared and the round starts by drafting (`speculative.overlapped_step`). This
+        keeps `speculative.draft`'s invariant (the draft valid up to L - 2) that
+        `_draft_advanced` counts on."""
+        if overlapped and self._overlapped != gamma:
+            self._state.streaming.zero_()
+        self._overlapped = gamma if overlapped else None
 
     def _collect(self, step: _Step) -> None:
         """Read one step back: each row keeps n + 1 tokens, cut at its eos and budget."""
@@ -950,9 +995,12 @@ class Scheduler:
         tokens, accepted = host[:n, : step.gamma + 1].tolist(), host[:n, -1].tolist()
         was_active = [not s.done and row >= step.prefilling for row, s in enumerate(step.rows)]
         before = engine.stats.num_generated_tokens
+        draft_ran = step.gamma > PLAIN and len(self._caches) > 1
         for row, stream in enumerate(step.rows):
             if not was_active[row]:  # finished, or in chunked prefill (inactive)
                 continue
+            if draft_ran:
+                self._draft_advanced(stream, step.gamma, min(accepted[row], step.gamma))
             left = stream.params.max_tokens - len(stream.output_ids)
             kept = tokens[row][: min(accepted[row] + 1, left)]
             engine.stats.num_generated_tokens += len(kept)

@@ -10,6 +10,7 @@ than one long request, so requests wait and are preempted).
 
 from __future__ import annotations
 
+import functools
 import random
 import warnings
 
@@ -223,6 +224,191 @@ def test_speculative_paged_scheduler_with_preemption_and_prefix_hits() -> None:
         streams = [sched.submit(p, params) for p, params in requests]
         assert [s.result(TIMEOUT) for s in streams] == want
         assert sched.preemptions > 0 and sched.blocks.prefix_hits > 0
+        assert_no_leak(sched)
+    finally:
+        sched.close()
+
+
+# -- decoded blocks keyed with a draft (a chat's next turn hits its earlier answer) --------------
+
+
+@functools.cache
+def draft_engine(overlap: bool = False) -> fuser.Engine:
+    """The paged engine with its draft (gamma 3), every row at full length; shared by the
+    tests below (a draft engine takes ~20 s to build on a 2-core CPU). overlap: greedy
+    speculative steps as overlapped rounds (FuserConfig.overlap)."""
+    if not overlap:
+        return engine(draft=True)
+    target = llama_target()
+    config = fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=4, batch_buckets=(1, 2, 4),
+                               gamma=3, compile="fx", kv_block_size=BLOCK, overlap=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        built = fuser.optimize(target, draft=perturbed(target, 0.05, seed=3), config=config)
+    assert all(b.overlap for b in built.buckets.values()) and built.target.cache.paged
+    return built
+
+
+def fresh_prefill(eng: fuser.Engine, tokens: list[int]) -> list[list[torch.Tensor]]:
+    """[k pools, v pools] of both models, [layers x [blocks, BLOCK, kv_heads, D]] each, of
+    `tokens`' full blocks as a fresh whole-prompt prefill writes them (a scheduler of its own,
+    stepped by hand, prefix caching off)."""
+    sched = Scheduler(eng, prefix_caching=False)
+    try:
+        sched.submit(tokens, greedy(1))
+        with eng.generating():
+            sched._admit()
+            rows = sched.blocks.row_blocks(0)[:len(tokens) // BLOCK]
+            pools = [[layer[rows].clone() for layer in pool]
+                     for cache in sched._caches for pool in (cache.k, cache.v)]
+            sched._retire()
+        return pools
+    finally:
+        sched.close()
+
+
+def check_keyed_blocks(sched: Scheduler, tokens: list[int],
+                       reference: list[list[torch.Tensor]]) -> int:
+    """Every cached block on `tokens`' chain of keys holds, in both models' pools, the k/v a
+    fresh prefill of `tokens` writes there (fp32: up to the rounding of the other kernels);
+    returns how many leading blocks of `tokens` are cached."""
+    from fuser.runtime.blocks import block_key
+
+    by_key = {key: block for block, key in sched.blocks.cached_blocks().items()}
+    pools = [pool for cache in sched._caches for pool in (cache.k, cache.v)]
+    parent, found = b"", 0
+    for i in range(len(tokens) // BLOCK):
+        parent = block_key(parent, tokens[i * BLOCK:(i + 1) * BLOCK])
+        block = by_key.get(parent)
+        if block is None:
+            break
+        for model_pool, want in zip(pools, reference):
+            for layer, layer_want in zip(model_pool, want):
+                torch.testing.assert_close(layer[block], layer_want[i], rtol=1e-4, atol=1e-4,
+                                           msg=lambda m, i=i: f"keyed block {i}: {m}")
+        found += 1
+    return found
+
+
+def scrub(sched: Scheduler) -> None:
+    """Fill both models' pools with a constant (what earlier runs of the same tokens left there
+    would be right: a slot the run under test never writes must show as wrong)."""
+    for cache in sched._caches:
+        for pool in (*cache.k, *cache.v):
+            pool.fill_(5.0)
+
+
+# gamma per step: speculative steps, target-only runs that leave the draft behind (each
+# followed by a resync), and speculative steps again
+GAMMA_PATTERNS = {"speculative": [3], "target_only_runs": [3, 0, 0, 3, 0, 3, 3, 0, 0, 0, 3]}
+
+
+def chat_turns(eng: fuser.Engine, gammas: list[int]) -> list[tuple[int, int, int]]:
+    """Turn 1 (11-token prompt, 30 greedy tokens) on a draft engine stepped by hand, gamma per
+    step as `gammas` says (`fix_gamma`, in turn): after every iteration each keyed block holds,
+    in the target's and the draft's pools, what a fresh prefill of those tokens writes (so a
+    later hit cannot get stale draft k/v: after an all-accepted step the draft's last slot is
+    not written, after target-only steps its slots lag until a resync). Turn 2 (turn 1's
+    prompt and answer and 3 new tokens) hits blocks of the answer, beyond the prompt's 2, and
+    returns what it returns alone; nothing leaks. Returns (gamma, accepted, the target's new
+    length) of each draft step."""
+    first = prompt(11, seed=120)  # (on the CPU an all-accepted step ends at slot 32)
+    answer = alone(eng, [(first, greedy(30))])[0]
+    second = first + answer + prompt(3, seed=121)
+    want = alone(eng, [(second, greedy(8))])[0]
+    reference = fresh_prefill(eng, first + answer)
+    sched = Scheduler(eng)
+    sched._may_run_ahead = lambda in_flight: False  # one step an iteration
+    steps = []
+    advanced = sched._draft_advanced
+
+    def spy(stream, gamma, accepted):
+        length = len(stream.prompt_ids) + len(stream.output_ids) + accepted
+        steps.append((gamma, accepted, length))
+        advanced(stream, gamma, accepted)
+
+    sched._draft_advanced = spy
+    scrub(sched)
+    try:
+        s1 = sched.submit(first, greedy(30))
+        with eng.generating():
+            i = 0
+            while not s1.done:
+                eng.fix_gamma(gammas[i % len(gammas)])
+                i += 1
+                sched._iteration()
+                assert check_keyed_blocks(sched, first + answer, reference) == \
+                    len(sched.blocks.cached_blocks())
+            eng.fix_gamma(None)
+            sched._retire()
+            assert s1.output_ids == answer
+            keyed = check_keyed_blocks(sched, first + answer, reference)
+            assert keyed > len(first) // BLOCK  # blocks of the answer too
+            hits = sched.blocks.prefix_hits
+            s2 = sched.submit(second, greedy(8))
+            while not s2.done:
+                sched._iteration()
+            sched._retire()
+        assert s2.output_ids == want
+        assert sched.blocks.prefix_hits - hits == keyed * BLOCK > len(first) // BLOCK * BLOCK
+        assert_no_leak(sched)
+    finally:
+        eng.fix_gamma(None)
+        sched.close()
+    return steps
+
+
+@pytest.mark.xdist_group("paged_draft_engine")
+@pytest.mark.parametrize("overlap", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("pattern", sorted(GAMMA_PATTERNS))
+def test_a_chats_next_turn_hits_its_answer_with_a_draft(pattern: str, overlap: bool) -> None:
+    """`chat_turns` with speculative steps, or runs of target-only steps between them;
+    overlap (slow: an engine of its own): the greedy speculative steps are overlapped rounds,
+    whose draft runs ahead of the verified slots."""
+    steps = chat_turns(draft_engine(overlap), GAMMA_PATTERNS[pattern])
+    if overlap:  # rounds that streamed (accepted guesses drafted the round before)
+        assert any(a > 0 for _, a, _ in steps)
+    else:  # all-accepted steps and others; one fills a block whose last draft slot it
+        assert {a == g for g, a, _ in steps} == {True, False}  # did not write
+        assert any(a == g and length % BLOCK == 0 for g, a, length in steps)
+
+
+@pytest.mark.xdist_group("paged_draft_engine")
+def test_keyed_blocks_under_the_adaptive_schedulers_mixed_steps() -> None:
+    """The adaptive scheduler on the draft engine (scripted costs: mostly the draft, target-
+    only probes), stepped by hand: a request runs twice, the prefix cache and the pools
+    cleared in between, so that the second time its answer is among the suffix index's
+    recent outputs and its rows verify the index's proposals in the draft's steps (mixed
+    steps: the draft is fed the proposals, all accepted). After every iteration each keyed
+    block holds a fresh prefill's k/v in both pools; the answer's blocks are keyed and both
+    runs return the greedy tokens alone."""
+    from fuser.runtime.adaptive_scheduler import AdaptiveScheduler
+    from fuser.runtime.controller import DRAFT, SUFFIX
+
+    eng = draft_engine()
+    first = prompt(11, seed=130)
+    answer = alone(eng, [(first, greedy(30))])[0]
+    reference = fresh_prefill(eng, first + answer)
+    sched = AdaptiveScheduler(eng, suffix=True, adapt_draft=False, background=False,
+                              costs={"decode": 1.0, DRAFT: {3: 1.3}},
+                              controller_options=dict(probe_share=0.2, refresh=8))
+    sched._may_run_ahead = lambda in_flight: False  # one step an iteration
+    try:
+        with eng.generating():
+            for _ in range(2):
+                sched.blocks.reset_prefix_cache()
+                scrub(sched)
+                stream = sched.submit(first, greedy(30))
+                while not stream.done:
+                    sched._iteration()
+                    assert check_keyed_blocks(sched, first + answer, reference) == \
+                        len(sched.blocks.cached_blocks())
+                sched._retire()
+                assert stream.output_ids == answer
+                suffix_rows = sched.snapshot()["rows"][SUFFIX]
+                assert check_keyed_blocks(sched, first + answer, reference) > len(first) // BLOCK
+        snap = sched.snapshot()
+        assert suffix_rows > 0 and snap["steps"][DRAFT] > 0, snap
         assert_no_leak(sched)
     finally:
         sched.close()
@@ -528,6 +714,27 @@ def test_gpu_paged_scheduler_replays_graphs_over_the_managed_table() -> None:
     replays = eng.report().graph_replays
     assert sum(v for k, v in replays.items() if k.startswith("step.b")) >= sched.steps
     assert all(n == 0 for b in eng.buckets.values() for n in b.uncaptured_runs.values())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_chat_next_turn_hits_its_answer_with_a_draft() -> None:
+    """On CUDA (fp32; captured step graphs, the fused greedy draft kernels, resync chunks):
+    `chat_turns` with speculative steps and with runs of target-only steps: every keyed
+    block holds a fresh prefill's k/v in both pools after every iteration, and a chat's next
+    turn hits its answer's blocks and returns its tokens alone."""
+    import copy
+
+    target = copy.deepcopy(llama_target()).cuda()  # (the CPU tests share the cached one)
+    config = fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=4, gamma=3,
+                               precision="fp32", kv_block_size=BLOCK)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eng = fuser.optimize(target, draft=perturbed(target, 0.05, seed=3), config=config)
+    for pattern in sorted(GAMMA_PATTERNS):
+        steps = chat_turns(eng, GAMMA_PATTERNS[pattern])
+        assert steps and any(a == g for g, a, _ in steps), pattern
+    replays = eng.report().graph_replays
+    assert sum(v for k, v in replays.items() if k.startswith("step.b")) > 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
