@@ -257,3 +257,43 @@ def test_triton_toolchain_is_settled_on_cuda_only(monkeypatch: pytest.MonkeyPatc
     assert calls == []
     kernel_store.settle_triton_toolchain(torch.device("cuda", 0))
     assert calls == ["_set_triton_ptxas_path", "_set_triton_libdevice_path"]
+
+
+NO_GLOBAL_CONSTEXPR = """
+import importlib, json, pkgutil, sys
+import fuser, fuser.ops
+from triton.language.core import constexpr
+from triton.runtime.jit import JITFunction
+for info in pkgutil.walk_packages(fuser.ops.__path__, "fuser.ops."):
+    importlib.import_module(info.name)
+found = []
+for name, module in sorted(sys.modules.items()):
+    if not name.startswith("fuser.") or module is None:
+        continue
+    for value in vars(module).values():
+        while value is not None and not isinstance(value, JITFunction) and hasattr(value, "fn"):
+            value = value.fn
+        if isinstance(value, JITFunction):
+            value.cache_key  # noqa: B018 (fills used_global_vals)
+            found += [f"{value.__name__} reads {g}" for (g, _), (v, _) in
+                      value.used_global_vals.items() if isinstance(v, constexpr)]
+print(json.dumps(sorted(set(found))))
+"""
+
+
+def test_no_triton_kernel_reads_a_global_constexpr() -> None:
+    """No Triton kernel of fuser's reads a module-level `tl.constexpr`: under Triton 3.6 such a
+    kernel's cache key differed from process to process (on the H200, `_linear_kernel` and
+    `_stream_kernel`, which read gated_act's `_GELU_SCALE`, were compiled again by every load with
+    the same constants, attributes, signature and options as the build's), so an engine
+    directory's binaries of it were never found. Compiled kernels, not the interpreter's: run
+    in a process without TRITON_INTERPRET (importing them needs no GPU)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", NO_GLOBAL_CONSTEXPR], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []

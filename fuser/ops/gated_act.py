@@ -17,7 +17,6 @@ Cost per row (s = element size in bytes): bytes = 3I * s (read 2I, write I); FLO
 ~ 10I for gelu_tanh (one exp per element either way).
 """
 
-import math
 
 import torch
 import triton
@@ -31,7 +30,6 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 # I = 14336), so one row is still spread over several SMs; 1024 columns at 4 warps are 8 per
 # thread: one 16-byte vector load of bf16 (two of fp32) from each half.
 BLOCK = 1024
-_GELU_SCALE = tl.constexpr(2.0 * math.sqrt(2.0 / math.pi))  # 1 + tanh(y) = 2 sigmoid(2y)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -55,7 +53,10 @@ def act_times_up(g, u, ACTIVATION: tl.constexpr, out_dtype: tl.constexpr):
         # without PyTorch's cancellation in 1 + tanh(y) for g below about -3 (there PyTorch's
         # fp32 result carries an absolute error of up to about |g| * 2^-25, half an ulp of tanh
         # near -1 times g; this form stays accurate to a few ulps of the result).
-        z = _GELU_SCALE * (g + 0.044715 * g * g * g)
+        # 2 sqrt(2/pi) as a literal: a global constexpr gave the kernels that read it a cache
+        # key that differed from process to process under Triton 3.6, so a load compiled them
+        # again (tests/test_engine_load_compiles_nothing.py)
+        z = 1.5957691216057308 * (g + 0.044715 * g * g * g)  # 1 + tanh(y) = 2 sigmoid(2y)
         a = g / (1.0 + tl.exp(-z))
     a = a.to(out_dtype).to(tl.float32)  # act rounded to the input dtype, as HF's act_fn(gate)
     return a * u
