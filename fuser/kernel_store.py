@@ -200,11 +200,9 @@ def settle_triton_toolchain(device: torch.device) -> None:
     toolkit's libdevice.
 
     Triton's cache key of a kernel includes the ptxas version its backend sees and the hash of
-    the libdevice file in its options. Set part-way through a process, they gave one kernel
-    two keys: a build, whose Inductor kernels compile in worker processes, compiled fuser's
-    kernels before the switch; a load, whose Inductor kernels load in the process itself, after
-    it, so the load missed the binaries the build saved and compiled them again. Settled first
-    in both, every kernel is keyed alike (tests/test_engine_load_compiles_nothing.py). CUDA
+    the libdevice file in its options, so a switch part-way through a process could key one
+    kernel two ways in a build and a load. Settled first in both, it cannot. (On the H200 the
+    load's recompiles had other causes: benchmarks/RESULTS.md, "GPU tests".) CUDA
     only; a torch without these hooks changes nothing."""
     if device.type != "cuda":
         return

@@ -124,6 +124,20 @@ def tp_cases(draw: st.DrawFn) -> dict[str, object]:
     )
 
 
+def assert_ranks_equal_unsharded(ranks: list, decode: torch.fx.GraphModule,
+                                 g: torch.Generator, B: int, T: int) -> None:
+    """The ranks' decode graphs, run in lockstep on random tokens, each give the unsharded
+    graph's logits (fp32, within 1e-5)."""
+    lens = torch.tensor([3, 5])
+    args = (torch.randint(3, 160, (B, T), generator=g), lens[:, None] + torch.arange(T), lens,
+            torch.tensor([0, 1]))
+    with torch.no_grad():
+        ref = decode(*args)
+        outs = lockstep(ranks, args)
+    for out in outs:
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
 @settings(max_examples=8, deadline=None, derandomize=True,
           phases=(Phase.explicit, Phase.reuse, Phase.generate))  # no shrinking: minutes
 @given(case=tp_cases())
@@ -177,14 +191,7 @@ def test_sharding_over_configs(case: dict[str, object]) -> None:
                  for op in (ALL_REDUCE, ALL_GATHER)}
         assert count == {ALL_REDUCE: 2 * layers, ALL_GATHER: int(case["lm_head"] == "vocab")}
 
-    lens = torch.tensor([3, 5])
-    args = (torch.randint(3, 160, (B, T), generator=g), lens[:, None] + torch.arange(T), lens,
-            torch.tensor([0, 1]))
-    with torch.no_grad():
-        ref = decode(*args)
-        outs = lockstep(ranks, args)
-    for out in outs:
-        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert_ranks_equal_unsharded(ranks, decode, g, B, T)
 
 
 @settings(max_examples=4, deadline=None, derandomize=True,
@@ -217,14 +224,7 @@ def test_rank_models_over_configs(case: dict[str, object]) -> None:
         count = {op: sum(1 for x in gm.graph.nodes if x.target is op)
                  for op in (ALL_REDUCE, ALL_GATHER)}
         assert count == {ALL_REDUCE: 2 * layers, ALL_GATHER: 1}
-    lens = torch.tensor([3, 5])
-    args = (torch.randint(3, 160, (B, T), generator=g), lens[:, None] + torch.arange(T), lens,
-            torch.tensor([0, 1]))
-    with torch.no_grad():
-        ref = decode(*args)
-        outs = lockstep(ranks, args)
-    for out in outs:
-        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert_ranks_equal_unsharded(ranks, decode, g, B, T)
 
 
 def test_refuses_a_world_size_that_does_not_divide_the_heads() -> None:
