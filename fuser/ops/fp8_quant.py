@@ -59,7 +59,7 @@ from fuser.ops.rmsnorm import (
 # fp8.py's FP8_MAX (448.0) and FP8_MIN_AMAX (448 * 2^-126) appear in the kernels as literals,
 # both exact in fp32: a global constexpr gives the kernels that read it a cache key that differs
 # from process to process under Triton 3.6 (tests/test_engine_load_compiles_nothing.py checks
-# that no kernel reads one; tests/test_fp8_quant*.py hold the kernels to fp8.py).
+# that no kernel reads one; tests/test_ops_fp8.py holds the kernels to fp8.py).
 # The widest row that gated_act_quant and quantize_rows keep in registers (one read of the row
 # instead of two): 16384 covers Llama-3-8B's intermediate size (14336), whose FP8 prefill spent
 # ~84 us per layer in two passes. An amax does not depend on the block order, so any block gives
