@@ -14,6 +14,7 @@ import torch
 from fuser.passes.attention import ATTENTION
 from fuser.passes.base import (GraphRewrite, PassContext, deferred_recompile, dump_dir,
                                dump_graph)
+from fuser.passes.cache_writes import CACHE_WRITES
 from fuser.passes.fp8 import FP8_LINEAR
 from fuser.passes.fx import count_fuser_ops, prepare_graph
 from fuser.passes.gated_linear import GATED_LINEAR
@@ -48,6 +49,7 @@ PASSES: list[GraphRewrite] = [
     # reads it, so it must see the final GEMV op, gated_linear's included
     NORM_STATS,  # after norm_linear: at several rows, its norm moves into the GEMVs around it
     # (norm_stats.ENABLED, on by default with gemv_tables.ONE_ROW_NORM_AFTER)
+    CACHE_WRITES,  # prefill and chunk steps (run uncompiled): the KV-cache writes in place
 ]
 
 
