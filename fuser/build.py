@@ -24,11 +24,14 @@ from fuser.capture import (StepModule, cache_names, engine_view, export_step, mo
 from fuser.compile import CompiledStep
 from fuser.config import FuserConfig
 from fuser.numerics import FP8_SELF_CHECK_TOLERANCE, SELF_CHECK_TOLERANCE, relative_error
+from fuser.ops.argmax import argmax
 from fuser.ops.fp8 import emulated_fp8
 from fuser.passes import PassContext, run_passes
 from fuser.rank_model import WeightSource, rank_model
 from fuser.runtime.cuda_graphs import CudaGraphStep
 from fuser.runtime.kv_cache import KVCache, free_memory_bytes
+from fuser.runtime.prefill_graphs import padded_length
+from fuser.runtime.speculative import first_token_logits
 from fuser.runtime.steps import DECODE, PREFILL, ModelSteps, StepFn, StepGraph, StepKind
 
 
@@ -305,17 +308,39 @@ def compile_step(gm: torch.fx.GraphModule, device: torch.device) -> StepFn:
     return CompiledStep(gm, device)
 
 
+def warm_up_lengths(kind: StepKind, slots: int, device: torch.device) -> list[int]:
+    """The T values `warm_up` runs `kind` at: a fixed-T step's T; for a step of any T (prefill,
+    chunk) 2 and 3, and on CUDA the shortest captured prefill length too
+    (runtime/prefill_graphs.py `padded_length`, a multiple of 16; 16 where none fits).
+
+    Triton compiles a kernel once per class of its integer arguments (1, divisible by 16, other).
+    A request's prompt runs at a captured length: a build that never met that class left those
+    kernels out of the engine directory, and the first request compiled them. (The CPU runs
+    Triton's interpreter, which compiles nothing.)"""
+    if kind.fixed:
+        return [kind.tokens]
+    if device.type != "cuda":
+        return [2, 3]
+    # (a cache too short for any captured length runs prompts uncaptured: 16 stands for them)
+    divisible = padded_length(1, slots) or (16 if slots >= 16 else None)
+    return [2, 3] + ([divisible] if divisible is not None else [])
+
+
 @torch.no_grad()
 def warm_up(steps: ModelSteps) -> None:
-    """Run every step once so that compilation happens now, not in the first request."""
+    """Run every step once, at each of its `warm_up_lengths`, so that compilation happens now,
+    not in the first request; after each prefill, the first token's argmax as a request takes
+    it (runtime/speculative.py `first_token_logits`)."""
     cache = steps.cache
     device, B = cache.seq_lens.device, cache.batch_size
     for kind in steps.steps:
-        for T in ([2, 3] if not kind.fixed else [kind.tokens]):
+        for T in warm_up_lengths(kind, cache.slots, device):
             tokens = torch.zeros(B, T, dtype=torch.long, device=device)
             positions = torch.arange(T, device=device)[None].expand(B, T).contiguous()
             cache.reset()
-            steps.run(kind, tokens, positions)
+            logits = steps.run(kind, tokens, positions)
+            if kind == PREFILL:
+                argmax(first_token_logits(logits, T, steps.vocab_size))
     cache.reset()
 
 

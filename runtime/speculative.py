@@ -236,9 +236,16 @@ def prefill(target: ModelSteps, draft: ModelSteps | None, state: DecodeState, pr
         # catch-up step, which re-feeds the prompt's last token (and sets its seq_lens).
         draft.run(PREFILL, prompts.tokens, positions)
     counter = torch.zeros_like(state.generated) if emitted is None else emitted  # output index
-    first = choose(state, logits[:, true_length - 1, :vocab_size].float(), do_sample,
+    first = choose(state, first_token_logits(logits, true_length, vocab_size), do_sample,
                    counter=counter)
     return _start_rows(state, prompts.tokens, prompts.batch, true_length, first, emitted)
+
+
+def first_token_logits(logits: torch.Tensor, true_length: int, vocab_size: int) -> torch.Tensor:
+    """The [B, V] fp32 logits a prompt's first new token is chosen from: position
+    true_length - 1 of prefill's [B, T, V_target] (fuser/build.py `warm_up` takes the argmax of
+    the same, so that a build compiles the kernel variant a request runs)."""
+    return logits[:, true_length - 1, :vocab_size].float()
 
 
 def prefill_chunk(target: ModelSteps, draft: ModelSteps | None, state: DecodeState,

@@ -40,6 +40,32 @@ def test_long_prompts_pad_by_at_most_an_eighth(tokens: int) -> None:
     assert padded_length(padded, 10**6) == padded  # a captured length maps to itself
 
 
+def _triton_class(n: int) -> tuple[bool, bool]:
+    """How Triton specialises an integer kernel argument: equal to 1, divisible by 16."""
+    return n == 1, n % 16 == 0
+
+
+@given(slots=st.one_of(st.integers(1, 64), st.integers(1, 5000)), data=st.data(),
+       device=st.sampled_from(["cuda", "cpu"]))
+def test_the_build_warms_up_every_class_a_prompt_runs_at(slots: int, data: st.DataObject,
+                                                         device: str) -> None:
+    """Every prompt length a request runs at (captured: `padded_length`; uncaptured: its own)
+    is in the same Triton specialisation class as a length the build's warm-up ran prefill at,
+    so an engine directory holds the kernels a request needs (on CUDA: the CPU's interpreter
+    compiles nothing, and its warm-up stays at the two short lengths)."""
+    from fuser.build import warm_up_lengths
+
+    tokens = data.draw(st.integers(1, slots), label="tokens")  # a prompt that fits the cache
+    lengths = warm_up_lengths(PREFILL, slots, torch.device(device))
+    assert lengths[:2] == [2, 3] and all(T <= max(slots, 3) for T in lengths)
+    if device == "cpu":
+        assert lengths == [2, 3]
+        return
+    runs_at = padded_length(tokens, slots) or tokens
+    if runs_at >= 2:  # (a one-token prompt runs at a captured length or pads to two)
+        assert _triton_class(runs_at) in {_triton_class(T) for T in lengths}
+
+
 def test_long_lengths_are_few() -> None:
     # Eight captured lengths per doubling above the short range: 2048 and 4096 among them.
     lengths = {padded_length(t, 10**6) for t in range(SHORT_PREFILL_TOKENS + 1, 4097)}
