@@ -538,7 +538,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if hasattr(args, "threads"):
             set_threads(args.threads)
         return int(args.fn(args))
-    except (ValueError, FileNotFoundError, NotImplementedError) as e:
+    except (ValueError, FileNotFoundError, NotImplementedError, torch.OutOfMemoryError) as e:
         print(f"fuser: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

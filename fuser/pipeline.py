@@ -269,7 +269,10 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
     for built in (target_built, draft_built):
         for size, steps in (built or {}).items():
             began = time.perf_counter()
-            warm_up(steps)  # compiles the fixed-T steps (Inductor) on their first call
+            try:
+                warm_up(steps)  # compiles the fixed-T steps (Inductor) on their first call
+            except torch.OutOfMemoryError as e:
+                raise torch.OutOfMemoryError(_out_of_memory(config, steps, size)) from e
             _progress(f"{steps.role} bucket {size}: every step run once (compiled where "
                       f"compiled) in {time.perf_counter() - began:.1f} s")
     top = config.max_batch_size
@@ -309,6 +312,21 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
     engine.prepare(progress=_progress, background=False)
     engine.compile_seconds = time.perf_counter() - start
     return engine
+
+
+def _out_of_memory(config: FuserConfig, steps: ModelSteps, size: int) -> str:
+    """What to change when a build's first run of its steps finds no memory for them."""
+    cache = steps.cache
+    held = sum(t.numel() * t.element_size() for t in (*cache.k, *cache.v)) / 2**30
+    if config.kv_memory_fraction is not None and config.kv_block_size and not config.kv_blocks:
+        lower = (f"lower kv_memory_fraction={config.kv_memory_fraction:g} (`fuser serve "
+                 "--gpu-memory-fraction`), or set kv_blocks")
+    elif config.kv_block_size:
+        lower = f"lower kv_blocks={cache.num_blocks}"
+    else:
+        lower = "lower max_batch_size or max_seq_len, or page the cache (kv_block_size)"
+    return (f"the {steps.role}'s steps at batch bucket {size} ran out of GPU memory on their "
+            f"first run, beside a KV cache of {held:.2f} GiB: {lower}")
 
 
 def paged_pool_blocks(config: FuserConfig, target: nn.Module, draft: nn.Module | None,

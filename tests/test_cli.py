@@ -23,6 +23,21 @@ def test_user_mistakes_are_one_clear_line(argv: list[str], capsys: pytest.Captur
     assert "Traceback" not in err[0]
 
 
+def test_a_build_out_of_memory_is_one_clear_line(tmp_path, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture) -> None:
+    """A build that runs out of GPU memory (fuser/pipeline.py names what to lower) ends
+    `fuser build` with that one line and exit status 2."""
+    import fuser.cli
+
+    def out_of_memory(*args: object) -> None:
+        raise torch.OutOfMemoryError("the target's steps ran out of GPU memory: lower kv_blocks=9")
+
+    monkeypatch.setattr(fuser.cli, "build_engine_from_args", out_of_memory)
+    assert main(["build", str(tmp_path / "model"), "--out", str(tmp_path / "engine")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["fuser: error: the target's steps ran out of GPU memory: lower kv_blocks=9"]
+
+
 def test_unknown_command_exits_with_usage(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["frobnicate"])

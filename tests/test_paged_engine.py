@@ -132,6 +132,21 @@ def test_pool_sizes_from_blocks_or_a_memory_fraction(monkeypatch: pytest.MonkeyP
     assert want > 2 and paged_pool_blocks(half, target, draft, 64, torch.float32, cuda) == want
 
 
+def test_a_build_out_of_memory_names_what_to_lower(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A build whose steps find no GPU memory on their first run says so, with the cache it
+    sits beside and the setting to lower (a paged pool of kv_blocks here; tests/test_cli.py:
+    the CLI prints it as one line)."""
+    import fuser.pipeline
+
+    def out_of_memory(steps) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 994.00 MiB")
+
+    monkeypatch.setattr(fuser.pipeline, "warm_up", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError, match=r"target's steps at batch bucket \d+ ran "
+                       r"out of GPU memory .* KV cache of [\d.]+ GiB: lower kv_blocks=9"):
+        build(llama_target(), None, kv_block_size=4, kv_blocks=9)
+
+
 @pytest.mark.slow  # (an engine with a draft, saved and loaded: ~40 s on a 2-core CPU;
 # tests/test_serve_cli.py builds, saves and serves a target-only paged engine in the fast set)
 def test_paged_engine_files_round_trip(tmp_path) -> None:
