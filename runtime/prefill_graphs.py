@@ -30,7 +30,7 @@ import warnings
 import torch
 
 from fuser.runtime.cuda_graphs import CudaGraphStep, capture_failed
-from fuser.runtime.steps import PREFILL, ModelSteps
+from fuser.runtime.steps import CHUNK, PREFILL, ModelSteps, last_logits
 
 PREFILL_BLOCK = 32  # padded prompt lengths up to SHORT_PREFILL_TOKENS are multiples of this
 SHORT_PREFILL_TOKENS = 512  # beyond: steps of 1/8 of the length's power of two
@@ -107,3 +107,73 @@ class PrefillGraphs:
         """Replays per captured length, keyed "prefill.b<batch>.<role>.t<T>"."""
         batch, role = self.model.cache.batch_size, self.model.role
         return {f"prefill.b{batch}.{role}.t{T}": g.replays for T, g in self.graphs.items()}
+
+
+class ChunkGraphs(PrefillGraphs):
+    """The CHUNK step (a paged engine's prompt rest after cached blocks, or a part of a
+    chunked prefill: runtime/speculative.py `prefill_chunk`, `prefill_part`) through CUDA
+    graphs at the captured lengths of `padded_length`, captured on first use, as prefill's.
+
+    Uncaptured, the step launches every op from the host (milliseconds a layer at the 8B
+    shape), whatever its width: a prefix-cache hit's short rest would cost more than the
+    captured prefill of the whole prompt. A graph returns only the logits at one position a
+    row ([B, V], `last`), so a captured width keeps a [B, V] output, not [B, W, V].
+
+    capture=False (the CPU): the same padded widths, uncaptured.
+    """
+
+    def __init__(self, model: ModelSteps, pool: object, capture: bool = True) -> None:
+        super().__init__(model, pool)
+        self.capture = capture
+        cache = model.cache
+        self.last = torch.zeros(cache.batch_size, dtype=torch.long, device=cache.seq_lens.device)
+
+    def width(self, tokens: int, room: int) -> int:
+        """The width a chunk of `tokens` tokens a row runs at: a captured length of at most
+        `room` (and this cache's slots) where one fits, else `tokens`."""
+        return padded_length(tokens, min(room, self.model.cache.slots)) or tokens
+
+    def run(self, tokens: torch.Tensor, slots: torch.Tensor,  # type: ignore[override]
+            last: torch.Tensor) -> torch.Tensor:
+        """CHUNK over tokens [B, W] at slots [B, W]: the logits at position last[b] of each
+        row, [B, V] (a static buffer when captured: read it before the next chunk at W)."""
+        model, W = self.model, tokens.shape[1]
+        cache = model.cache
+        graph = self.graphs.get(W)
+        if graph is None and self.capture and W not in self.failed \
+                and padded_length(W, cache.slots) == W:
+            self._make_room(W)
+            graph = self._capture(W)
+        elif graph is not None:
+            self.graphs[W] = self.graphs.pop(W)
+        if graph is None:
+            return last_logits(model.run(CHUNK, tokens, slots), last)
+        self.last.copy_(last)
+        return graph(tokens, slots, cache.seq_lens, cache.starts)
+
+    def _capture(self, W: int) -> CudaGraphStep | None:
+        model, cache = self.model, self.model.cache
+        step = model[CHUNK].uncaptured
+
+        def chunk(tokens: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor,
+                  starts: torch.Tensor) -> torch.Tensor:
+            return last_logits(step(tokens, slots, seq_lens, starts), self.last)
+
+        # Warm-up and capture write slots [seq_lens, seq_lens + W) of the rows' own blocks:
+        # the chunk that follows writes them again (cached blocks lie below seq_lens).
+        try:
+            graph = CudaGraphStep(chunk, cache.batch_size, W, cache.seq_lens, cache.starts,
+                                  pool=self.pool)
+        except Exception as e:  # noqa: BLE001 -- a width that cannot be captured runs without
+            self.failed.add(W)
+            self.failures.append(f"{model.role}.chunk at {W} tokens (batch "
+                                 f"{cache.batch_size}): {capture_failed(e)}; it runs uncaptured")
+            warnings.warn(f"fuser: {self.failures[-1]}", stacklevel=4)
+            return None
+        self.graphs[W] = graph
+        return graph
+
+    def replays(self) -> dict[str, int]:
+        """Replays per captured width, keyed "chunk.b<batch>.<role>.t<W>"."""
+        batch, role = self.model.cache.batch_size, self.model.role
+        return {f"chunk.b{batch}.{role}.t{W}": g.replays for W, g in self.graphs.items()}

@@ -256,25 +256,36 @@ def prefill_chunk(target: ModelSteps, draft: ModelSteps | None, state: DecodeSta
     rest runs through the CHUNK step at seq_lens = cached, attending over the cached slots.
 
     tokens: [B, T] the whole prompts (one length, no padding); cached: per row, < T.
-    The chunk is W = max(T - cached, 2) tokens wide; a row whose rest is shorter feeds its
-    last token again past its end (slots written, masked, later overwritten; never a cached
-    block's, which hold only slots below cached).
+    The chunk is W = max(T - cached, 2) tokens wide (padded to a captured width where chunks
+    are captured: `_chunk_width`); a row whose rest is shorter feeds its last token again past
+    its end (slots written, masked, later overwritten; never a cached block's, which hold only
+    slots below cached).
     """
     B, T = tokens.shape
-    lengths, slots, chunk = _chunk(tokens, cached, max(T - min(cached), 2))
+    width = _chunk_width(target, draft, max(T - min(cached), 2))
+    lengths, slots, chunk = _chunk(tokens, cached, width)
     for model in (target, draft):
         if model is not None:
             model.cache.begin(torch.zeros(B, dtype=torch.long, device=tokens.device))
             model.cache.set_lengths(lengths)
-    logits = target.run(CHUNK, chunk, slots)  # [B, W, V_target] (positions = slots)
+    last = T - 1 - lengths  # [B]: each row's last prompt token in the chunk
+    logits = target.run_chunk(chunk, slots, last)  # [B, V_target] (positions = slots)
     if draft is not None:
-        draft.run(CHUNK, chunk, slots)
+        draft.run_chunk(chunk, slots, last)
     target.cache.set_lengths(T)
-    last = (T - 1 - lengths)[:, None, None].expand(B, 1, logits.shape[2])  # [B, 1, V]
     counter = torch.zeros_like(state.generated) if emitted is None else emitted
-    first = choose(state, logits.gather(1, last)[:, 0, :vocab_size].float(), do_sample,
-                   counter=counter)
+    first = choose(state, logits[:, :vocab_size].float(), do_sample, counter=counter)
     return _start_rows(state, tokens, B, T, first, emitted)
+
+
+def _chunk_width(target: ModelSteps, draft: ModelSteps | None, width: int) -> int:
+    """The width a chunk of `width` tokens a row runs at: where the CHUNK step is captured, a
+    captured width (one that fits the caches), so that the chunk replays a graph. Its extra
+    tokens repeat the row's prompt, or its last token past the prompt's end, at slots past the
+    chunk: written and later overwritten (by the next chunk, or by decoding, as for a row whose
+    prompt ends inside a chunk), or dropped past the cache's last slot."""
+    room = min(m.cache.slots for m in (target, draft) if m is not None)
+    return target.chunk_width(width, room)
 
 
 def _chunk(tokens: torch.Tensor, progress: list[int], width: int
@@ -294,18 +305,20 @@ def prefill_part(target: ModelSteps, draft: ModelSteps | None, tokens: torch.Ten
     progress[b], in both models, attending over the slots before; no token is chosen (the
     last chunk is `prefill_chunk`'s, with `cached` = the progress then).
 
-    tokens: [B, T] the whole prompts (one length); width >= 2 (the chunk step's least). A row
-    whose prompt ends inside the chunk feeds its last token again past its end (slots
-    written, later overwritten, as in `prefill_chunk`). The caches' lengths are left at
-    progress + width (the next chunk sets its own).
+    tokens: [B, T] the whole prompts (one length); width >= 2 (the chunk step's least; run at
+    a captured width where chunks are captured, `_chunk_width`). A row whose prompt ends inside
+    the chunk feeds its last token again past its end (slots written, later overwritten, as in
+    `prefill_chunk`). The caches' lengths are left at progress + width (the next chunk sets
+    its own).
     """
     B = tokens.shape[0]
-    lengths, slots, chunk = _chunk(tokens, progress, width)
+    lengths, slots, chunk = _chunk(tokens, progress, _chunk_width(target, draft, width))
+    last = torch.zeros(B, dtype=torch.long, device=tokens.device)
     for model in (target, draft):
         if model is not None:
             model.cache.begin(torch.zeros(B, dtype=torch.long, device=tokens.device))
             model.cache.set_lengths(lengths)
-            model.run(CHUNK, chunk, slots)  # (the logits are not needed)
+            model.run_chunk(chunk, slots, last)  # (the logits are not needed)
             model.cache.set_lengths(lengths + width)
 
 

@@ -35,9 +35,9 @@ import torch
 from fuser.runtime import speculative
 from fuser.runtime.bucket_capture import CaptureStopped, RowSnapshot, StepGate
 from fuser.runtime.cuda_graphs import capture_failed, capture_graph
-from fuser.runtime.prefill_graphs import PrefillGraphs, padded_length
+from fuser.runtime.prefill_graphs import ChunkGraphs, PrefillGraphs, padded_length
 from fuser.runtime.speculative import DecodeState
-from fuser.runtime.steps import CATCHUP, DECODE, RESYNC, ModelSteps, StepGraph, verify
+from fuser.runtime.steps import CATCHUP, CHUNK, DECODE, RESYNC, ModelSteps, StepGraph, verify
 
 PLAIN = 0  # gamma 0: the target-only iteration
 
@@ -192,11 +192,16 @@ class Bucket:
 
     def capture_prefills(self, pool: object) -> None:
         """From now on, prefill at padded lengths through CUDA graphs captured on first use
-        (runtime/prefill_graphs.py), all in `pool`."""
-        self.prefills = [PrefillGraphs(model, pool) for model in (self.target, self.draft)
-                         if model is not None]
+        (runtime/prefill_graphs.py), and chunks (a paged engine's CHUNK step) likewise, all in
+        `pool`."""
+        models = [model for model in (self.target, self.draft) if model is not None]
+        self.prefills = [PrefillGraphs(model, pool) for model in models]
         for prefill in self.prefills:
             prefill.model.prefill_graphs = prefill
+        for model in models:
+            if CHUNK in model:
+                model.chunk_graphs = ChunkGraphs(model, pool)
+                self.prefills.append(model.chunk_graphs)
 
     def prefill_length(self, tokens: int) -> int:
         """The width a prompt of `tokens` tokens is padded to on the right before prefill: a

@@ -123,6 +123,12 @@ class StepGraph:
         return step(tokens, positions, seq_lens, starts)
 
 
+def last_logits(logits: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """[B, V] of [B, W, V] logits: row b's at position last[b] ([B] int64)."""
+    B, _, V = logits.shape
+    return logits.gather(1, last[:, None, None].expand(B, 1, V))[:, 0]
+
+
 class ModelSteps:
     """One model's engine-side state: its KV cache and the step graphs built over it.
 
@@ -140,9 +146,11 @@ class ModelSteps:
         self.fallbacks: list[str] = list(fallbacks or [])
         # What the passes share across this model's graphs while they are built (PassContext).
         self.build_state: dict = {}
-        # Captured prefills (runtime/prefill_graphs.py `PrefillGraphs`), set on CUDA by the
-        # engine's batch buckets; None: prefill runs its step uncaptured.
+        # Captured prefills (runtime/prefill_graphs.py `PrefillGraphs`) and chunks
+        # (`ChunkGraphs`), set on CUDA by the engine's batch buckets; None: the step runs
+        # uncaptured.
         self.prefill_graphs: object | None = None
+        self.chunk_graphs: object | None = None
 
     def __getitem__(self, kind: StepKind) -> StepGraph:
         return self.steps[kind]
@@ -161,6 +169,22 @@ class ModelSteps:
         if kind == PREFILL and self.prefill_graphs is not None:
             return self.prefill_graphs.run(tokens, positions)
         return self.steps[kind](tokens, positions, self.cache.seq_lens, self.cache.starts)
+
+    def chunk_width(self, tokens: int, room: int) -> int:
+        """The width `run_chunk` should be given for a chunk of `tokens` tokens a row: a
+        captured width of at most `room` where chunks are captured, else `tokens`."""
+        if self.chunk_graphs is None:
+            return tokens
+        return self.chunk_graphs.width(tokens, room)
+
+    @torch.no_grad()
+    def run_chunk(self, tokens: torch.Tensor, slots: torch.Tensor, last: torch.Tensor
+                  ) -> torch.Tensor:
+        """The CHUNK step over tokens [B, W] at slots [B, W] (positions = slots; written from
+        seq_lens[b] on): the logits at position last[b] ([B] int64) of each row, [B, V]."""
+        if self.chunk_graphs is not None:
+            return self.chunk_graphs.run(tokens, slots, last)
+        return last_logits(self.run(CHUNK, tokens, slots), last)
 
     def graph_replays(self) -> dict[str, int]:
         """CUDA graph replays so far, per captured step."""

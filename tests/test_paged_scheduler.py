@@ -499,6 +499,49 @@ def test_chunked_prefill_returns_what_each_returns_alone() -> None:
         sched.close()
 
 
+@pytest.mark.xdist_group("paged_draft_engine")
+@pytest.mark.parametrize("draft", [False, True])
+def test_chunks_at_captured_widths_return_what_each_returns_alone(draft: bool) -> None:
+    """Where chunks replay CUDA graphs (runtime/prefill_graphs.py `ChunkGraphs`), each chunk
+    runs at a captured width, its extra tokens repeating the prompt (or its last token) at
+    slots past the chunk. Here at those widths, uncaptured on the CPU: prefix hits and chunked
+    prefills (a budget of 6 tokens) return what each request returns alone, and every chunk
+    ran at a captured width wider than it needed (with a draft: both models' chunks)."""
+    from fuser.runtime.prefill_graphs import ChunkGraphs, padded_length
+    from fuser.runtime.steps import CHUNK
+
+    eng = engine(draft=draft)
+    shared = prompt(12, seed=20)
+    requests = [(shared + prompt(2, seed=21), greedy(6)), (shared + prompt(3, seed=22), greedy(9)),
+                (prompt(30, seed=90), greedy(7)), (shared + prompt(5, seed=23), sampled(9, seed=7))]
+    want = alone(eng, requests)
+    widths: list[tuple[int, int]] = []  # (width run, slots)
+    models = [m for bucket in eng.buckets.values() for m in (bucket.target, bucket.draft)
+              if m is not None and CHUNK in m]
+
+    class Recorded(ChunkGraphs):
+        def run(self, tokens, slots, last):
+            widths.append((tokens.shape[1], self.model.cache.slots))
+            return super().run(tokens, slots, last)
+
+    for model in models:
+        model.chunk_graphs = Recorded(model, None, capture=False)
+    try:
+        sched = started(eng, max_num_batched_tokens=6)
+        try:
+            got = [sched.submit(p, params).result(TIMEOUT) for p, params in requests]
+            assert got == want
+            assert sched.blocks.prefix_hits > 0 and sched.prefill_chunks > len(requests)
+            assert_no_leak(sched)
+        finally:
+            sched.close()
+    finally:
+        for model in models:
+            model.chunk_graphs = None
+    assert widths and all(padded_length(w, slots) == w for w, slots in widths)
+    assert max(w for w, _ in widths) > 6
+
+
 @pytest.mark.parametrize("budget", [None, 8])
 def test_a_running_request_gets_a_token_every_iteration(
         monkeypatch: pytest.MonkeyPatch, budget: int | None) -> None:
@@ -689,8 +732,9 @@ def test_gpu_paged_scheduler_replays_graphs_over_the_managed_table() -> None:
     """On CUDA (fp32; the captured iteration graphs read the block table where it lives, the
     scheduler copies it there before each step): a draft engine (gamma 3) over a 23-block
     pool, requests sharing a 20-token opening (prefix hits: the chunk step of 18 tokens,
-    flash_prefill over the pools) and outgrowing the pool (preemption): each returns its
-    tokens alone, and every step replayed a captured graph."""
+    flash_prefill over the pools, replayed at the captured width 32: runtime/prefill_graphs.py
+    `ChunkGraphs`) and outgrowing the pool (preemption): each returns its tokens alone, and
+    every step and chunk replayed a captured graph."""
     import copy
 
     target = copy.deepcopy(llama_target()).cuda()  # (the CPU tests share the cached one)
@@ -714,6 +758,8 @@ def test_gpu_paged_scheduler_replays_graphs_over_the_managed_table() -> None:
     replays = eng.report().graph_replays
     assert sum(v for k, v in replays.items() if k.startswith("step.b")) >= sched.steps
     assert all(n == 0 for b in eng.buckets.values() for n in b.uncaptured_runs.values())
+    assert {k.split(".")[2] for k, v in replays.items() if k.startswith("chunk.") and v} \
+        == {"target", "draft"}, replays
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -739,11 +785,11 @@ def test_gpu_chat_next_turn_hits_its_answer_with_a_draft() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_chunked_prefill_between_captured_steps() -> None:
-    """On CUDA (fp32): prompts in chunks (budgets 12 and 40: chunks of at most 16 queries, the
-    split-K kernel's, and longer ones, flash_prefill's) between the captured speculative steps
-    of a draft engine over a 23-block pool, with prefix hits and preemption: each request
-    returns its tokens alone (whole-prompt prefill), and every step replayed a captured
-    graph."""
+    """On CUDA (fp32): prompts in chunks (budgets 12 and 40; every chunk replayed at a captured
+    width, 32 here: runtime/prefill_graphs.py `ChunkGraphs`) between the captured speculative
+    steps of a draft engine over a 23-block pool, with prefix hits and preemption: each request
+    returns its tokens alone (whole-prompt prefill), and every step and chunk replayed a
+    captured graph."""
     import copy
 
     target = copy.deepcopy(llama_target()).cuda()  # (the CPU tests share the cached one)
@@ -758,12 +804,14 @@ def test_gpu_chunked_prefill_between_captured_steps() -> None:
     want = alone(eng, requests)
     for budget in (12, 40):
         before = sum(v for k, v in eng.report().graph_replays.items() if k.startswith("step.b"))
+        chunks_before = sum(v for k, v in eng.report().graph_replays.items()
+                            if k.startswith("chunk."))
         sched = started(eng, max_num_batched_tokens=budget)
         try:
             streams = [sched.submit(p, params) for p, params in requests]
             assert [s.result(TIMEOUT) for s in streams] == want, budget
             # Budget 12 cuts prompts into several chunks; at 40 each rest (after its prefix
-            # hit) is one chunk of up to 26 queries, the flash_prefill path.
+            # hit) is one chunk of up to 26 queries.
             chunks = sched.prefill_chunks
             assert (chunks > len(requests) if budget == 12 else chunks >= len(requests)), chunks
             assert sched.blocks.prefix_hits > 0
@@ -773,6 +821,8 @@ def test_gpu_chunked_prefill_between_captured_steps() -> None:
         replays = eng.report().graph_replays
         assert sum(v for k, v in replays.items() if k.startswith("step.b")) - before \
             >= sched.steps
+        assert sum(v for k, v in replays.items() if k.startswith("chunk.")) - chunks_before \
+            >= 2 * chunks, replays  # (target and draft, every chunk)
 
 
 @pytest.mark.slow  # (an engine of its own with suffix verify steps: ~35 s on a 2-core CPU)

@@ -153,6 +153,46 @@ def test_gpu_prefill_graph_replays_the_uncaptured_prefill() -> None:
     assert torch.equal(out, again)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_chunk_graph_replays_the_uncaptured_chunk() -> None:
+    """A paged engine's CHUNK step through its captured graph (`ChunkGraphs`) gives the
+    uncaptured step's logits at each row's chosen position and leaves the same pools, over
+    slots a prefill wrote before it (fp32, the same kernels: bit for bit)."""
+    from fuser.runtime.prefill_graphs import ChunkGraphs
+    from fuser.runtime.steps import CHUNK, last_logits
+
+    target = tiny_model("llama", layers=2, dtype=torch.float32).to("cuda")
+    engine = fuser.optimize(target, config=fuser.FuserConfig(
+        max_seq_len=96, max_batch_size=2, compile="fx", kv_block_size=16))
+    model = engine.bucket(2).target
+    assert isinstance(model.chunk_graphs, ChunkGraphs)
+    cache, V = model.cache, target.config.vocab_size
+    cache.lay_out(2, cache.slots)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    prompt, chunk = (torch.randint(0, V, (2, 32), device="cuda", generator=generator)
+                     for _ in range(2))
+    lengths = torch.tensor([20, 25], device="cuda")
+    slots = lengths[:, None] + torch.arange(32, device="cuda")
+    last = torch.tensor([5, 3], device="cuda")
+
+    def run(captured: bool) -> list[torch.Tensor]:
+        cache.begin(torch.zeros(2, dtype=torch.long, device="cuda"))
+        model.run(PREFILL, prompt, torch.arange(32, device="cuda")[None].repeat(2, 1))
+        cache.set_lengths(lengths)
+        if captured:
+            out = model.run_chunk(chunk, slots, last)
+        else:
+            out = last_logits(model[CHUNK](chunk, slots, cache.seq_lens, cache.starts), last)
+        return [out.clone(), *(t.clone() for t in (*cache.k, *cache.v))]
+
+    for got, want in zip(run(True), run(False)):
+        assert torch.equal(got, want)
+    replays = engine.report().graph_replays
+    assert [v for k, v in replays.items() if k.startswith("chunk.") and k.endswith(".target.t32")] \
+        == [1], replays
+
+
 class _Cache:
     def __init__(self, slots: int, seq_lens: torch.Tensor) -> None:
         self.slots, self.seq_lens = slots, seq_lens
