@@ -30,7 +30,7 @@ import warnings
 import torch
 
 from fuser.runtime.cuda_graphs import CudaGraphStep, capture_failed
-from fuser.runtime.steps import CHUNK, PREFILL, ModelSteps, last_logits
+from fuser.runtime.steps import CHUNK, PREFILL, ModelSteps, StepFn, last_logits
 
 PREFILL_BLOCK = 32  # padded prompt lengths up to SHORT_PREFILL_TOKENS are multiples of this
 SHORT_PREFILL_TOKENS = 512  # beyond: steps of 1/8 of the length's power of two
@@ -57,26 +57,35 @@ class PrefillGraphs:
     `failures` (report().fallbacks) with a warning, once.
     """
 
-    def __init__(self, model: ModelSteps, pool: object) -> None:
+    kind = PREFILL
+
+    def __init__(self, model: ModelSteps, pool: object, capture: bool = True) -> None:
         self.model = model
         self.pool = pool
+        self.capture = capture  # False: run uncaptured (at the same padded lengths)
         self.graphs: dict[int, CudaGraphStep] = {}
         self.failed: set[int] = set()
         self.failures: list[str] = []
 
     def run(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Prefill logits [B, T, V] (a static buffer: read it before the next prefill at T)."""
-        model, T = self.model, tokens.shape[1]
-        cache = model.cache
+        model, cache = self.model, self.model.cache
+        graph = self._graph(tokens.shape[1])
+        if graph is None:
+            return model[self.kind](tokens, positions, cache.seq_lens, cache.starts)
+        return graph(tokens, positions, cache.seq_lens, cache.starts)
+
+    def _graph(self, T: int) -> CudaGraphStep | None:
+        """The graph for T tokens, captured now if T is a captured length never tried; None:
+        run uncaptured."""
         graph = self.graphs.get(T)
-        if graph is None and T not in self.failed and padded_length(T, cache.slots) == T:
+        if graph is not None:  # most recently used last (dicts keep insertion order)
+            self.graphs[T] = self.graphs.pop(T)
+        elif self.capture and T not in self.failed \
+                and padded_length(T, self.model.cache.slots) == T:
             self._make_room(T)
             graph = self._capture(T)
-        elif graph is not None:  # most recently used last (dicts keep insertion order)
-            self.graphs[T] = self.graphs.pop(T)
-        if graph is None:
-            return model[PREFILL](tokens, positions, cache.seq_lens, cache.starts)
-        return graph(tokens, positions, cache.seq_lens, cache.starts)
+        return graph
 
     def _make_room(self, T: int) -> None:
         """Before capturing a long length: drop the least recently used long graphs so that
@@ -87,16 +96,21 @@ class PrefillGraphs:
         for length in long[:max(0, len(long) - MAX_LONG_GRAPHS + 1)]:
             del self.graphs[length]
 
+    def _step(self) -> StepFn:
+        """What a graph captures: the uncaptured step."""
+        return self.model[self.kind].uncaptured
+
     def _capture(self, T: int) -> CudaGraphStep | None:
         model, cache = self.model, self.model.cache
-        # Warm-up and capture write slots [seq_lens, seq_lens + T) of the cache: the prefill
-        # that follows writes them again, and later slots are masked by the lengths.
+        # Warm-up and capture write slots [seq_lens, seq_lens + T) of the cache (a chunk's:
+        # of the rows' own blocks; cached ones lie below seq_lens): the step that follows
+        # writes them again, and later slots are masked by the lengths.
         try:
-            graph = CudaGraphStep(model[PREFILL].uncaptured, cache.batch_size, T, cache.seq_lens,
+            graph = CudaGraphStep(self._step(), cache.batch_size, T, cache.seq_lens,
                                   cache.starts, pool=self.pool)
         except Exception as e:  # noqa: BLE001 -- a length that cannot be captured runs without
             self.failed.add(T)
-            self.failures.append(f"{model.role}.prefill at {T} tokens (batch "
+            self.failures.append(f"{model.role}.{self.kind.name} at {T} tokens (batch "
                                  f"{cache.batch_size}): {capture_failed(e)}; it runs uncaptured")
             warnings.warn(f"fuser: {self.failures[-1]}", stacklevel=4)
             return None
@@ -104,9 +118,10 @@ class PrefillGraphs:
         return graph
 
     def replays(self) -> dict[str, int]:
-        """Replays per captured length, keyed "prefill.b<batch>.<role>.t<T>"."""
+        """Replays per captured length, keyed "<kind>.b<batch>.<role>.t<T>"."""
         batch, role = self.model.cache.batch_size, self.model.role
-        return {f"prefill.b{batch}.{role}.t{T}": g.replays for T, g in self.graphs.items()}
+        return {f"{self.kind.name}.b{batch}.{role}.t{T}": g.replays
+                for T, g in self.graphs.items()}
 
 
 class ChunkGraphs(PrefillGraphs):
@@ -122,9 +137,10 @@ class ChunkGraphs(PrefillGraphs):
     capture=False (the CPU): the same padded widths, uncaptured.
     """
 
+    kind = CHUNK
+
     def __init__(self, model: ModelSteps, pool: object, capture: bool = True) -> None:
-        super().__init__(model, pool)
-        self.capture = capture
+        super().__init__(model, pool, capture)
         cache = model.cache
         self.last = torch.zeros(cache.batch_size, dtype=torch.long, device=cache.seq_lens.device)
 
@@ -137,43 +153,18 @@ class ChunkGraphs(PrefillGraphs):
             last: torch.Tensor) -> torch.Tensor:
         """CHUNK over tokens [B, W] at slots [B, W]: the logits at position last[b] of each
         row, [B, V] (a static buffer when captured: read it before the next chunk at W)."""
-        model, W = self.model, tokens.shape[1]
-        cache = model.cache
-        graph = self.graphs.get(W)
-        if graph is None and self.capture and W not in self.failed \
-                and padded_length(W, cache.slots) == W:
-            self._make_room(W)
-            graph = self._capture(W)
-        elif graph is not None:
-            self.graphs[W] = self.graphs.pop(W)
+        model, cache = self.model, self.model.cache
+        graph = self._graph(tokens.shape[1])
         if graph is None:
             return last_logits(model.run(CHUNK, tokens, slots), last)
         self.last.copy_(last)
         return graph(tokens, slots, cache.seq_lens, cache.starts)
 
-    def _capture(self, W: int) -> CudaGraphStep | None:
-        model, cache = self.model, self.model.cache
-        step = model[CHUNK].uncaptured
+    def _step(self) -> StepFn:
+        step = self.model[CHUNK].uncaptured
 
         def chunk(tokens: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor,
                   starts: torch.Tensor) -> torch.Tensor:
             return last_logits(step(tokens, slots, seq_lens, starts), self.last)
 
-        # Warm-up and capture write slots [seq_lens, seq_lens + W) of the rows' own blocks:
-        # the chunk that follows writes them again (cached blocks lie below seq_lens).
-        try:
-            graph = CudaGraphStep(chunk, cache.batch_size, W, cache.seq_lens, cache.starts,
-                                  pool=self.pool)
-        except Exception as e:  # noqa: BLE001 -- a width that cannot be captured runs without
-            self.failed.add(W)
-            self.failures.append(f"{model.role}.chunk at {W} tokens (batch "
-                                 f"{cache.batch_size}): {capture_failed(e)}; it runs uncaptured")
-            warnings.warn(f"fuser: {self.failures[-1]}", stacklevel=4)
-            return None
-        self.graphs[W] = graph
-        return graph
-
-    def replays(self) -> dict[str, int]:
-        """Replays per captured width, keyed "chunk.b<batch>.<role>.t<W>"."""
-        batch, role = self.model.cache.batch_size, self.model.role
-        return {f"chunk.b{batch}.{role}.t{W}": g.replays for W, g in self.graphs.items()}
+        return chunk
