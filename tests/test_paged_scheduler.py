@@ -414,6 +414,95 @@ def test_keyed_blocks_under_the_adaptive_schedulers_mixed_steps() -> None:
         sched.close()
 
 
+@pytest.mark.xdist_group("paged_draft_engine")
+@pytest.mark.parametrize("how", ["adaptive", "chunked"])
+def test_a_hit_after_a_draft_swap_gets_the_new_drafts_kv_and_keeps_the_targets(
+        monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """Turn 1 of a chat runs with the draft as built, stepped by hand; its blocks are cached.
+    Then new draft weights are swapped into the live draft (runtime/distill.py `WeightSwap`):
+    "adaptive", through the adaptive scheduler's own swap, which its next admission notices;
+    "chunked", by hand beside chunked prefill (`draft_weights_changed`). Turn 2 hits turn
+    1's blocks: the target runs only past the hit (its cached k/v reused), and the draft's
+    half of every hit block then holds what a fresh prefill by the NEW draft writes there
+    (the old draft's k/v would cost acceptance until evicted); its greedy tokens are the
+    target-only ones. Turn 3 hits the same blocks and prefills nothing of the draft again."""
+    from fuser.runtime.adaptive_scheduler import AdaptiveScheduler
+    from fuser.runtime.controller import DRAFT
+    from fuser.runtime.distill import WeightSwap, draft_module
+
+    eng = draft_engine()
+    module = draft_module(eng)
+    old = {n: p.detach().clone() for n, p in module.named_parameters()}
+    new = perturbed(module, 0.3, seed=11).state_dict()
+    swap = WeightSwap.for_engine(eng)
+    first = prompt(11, seed=140)
+    answer = alone(eng, [(first, greedy(30))])[0]
+    second = first + answer + prompt(3, seed=141)
+    third = first + answer + prompt(2, seed=142)
+    sched = None
+    try:
+        eng.fix_gamma(0)  # target-only
+        want = alone(eng, [(second, greedy(8)), (third, greedy(2))])
+        eng.fix_gamma(None)
+        swap.swap(new)
+        reference = fresh_prefill(eng, first + answer)  # the target's and the new draft's
+        swap.swap(old)
+        if how == "adaptive":
+            sched = AdaptiveScheduler(eng, suffix=False, adapt_draft=True, background=False,
+                                      costs={"decode": 1.0, DRAFT: {3: 1.3}})
+        else:
+            sched = Scheduler(eng, max_num_batched_tokens=8)
+        sched._may_run_ahead = lambda in_flight: False  # one step an iteration
+        draft_alone, target_from = [], []
+        real_part, real_chunk = speculative.prefill_part, speculative.prefill_chunk
+
+        def part(target, draft, tokens, progress, width):
+            (draft_alone if target is None else target_from).append(list(progress))
+            return real_part(target, draft, tokens, progress, width)
+
+        def chunk(target, draft, state, tokens, cached, *args):
+            target_from.append(list(cached))
+            return real_chunk(target, draft, state, tokens, cached, *args)
+
+        monkeypatch.setattr(speculative, "prefill_part", part)
+        monkeypatch.setattr(speculative, "prefill_chunk", chunk)
+        scrub(sched)
+        s1 = sched.submit(first, greedy(30))
+        with eng.generating():
+            while not s1.done:
+                sched._iteration()
+            sched._retire()
+            keyed = len(sched.blocks.cached_blocks())
+            assert keyed > len(first) // BLOCK  # blocks of the answer too
+            if how == "adaptive":
+                sched.swap.swap(new)
+            else:
+                swap.swap(new)
+                sched.draft_weights_changed()
+            hits = sched.blocks.prefix_hits
+            del draft_alone[:], target_from[:]
+            s2 = sched.submit(second, greedy(8))
+            sched._iteration()  # admitted (and a step); its prompt's blocks keyed too
+            assert check_keyed_blocks(sched, first + answer, reference) >= keyed
+            assert sched.blocks.prefix_hits - hits == keyed * BLOCK
+            assert target_from == [[keyed * BLOCK]] and len(draft_alone) == 1
+            while not s2.done:
+                sched._iteration()
+            s3 = sched.submit(third, greedy(2))
+            while not s3.done:
+                sched._iteration()
+            sched._retire()
+        assert len(draft_alone) == 1  # turn 3: the draft's k/v of the hit are current
+        assert check_keyed_blocks(sched, first + answer, reference) >= keyed
+        assert [s2.output_ids, s3.output_ids] == want
+        assert_no_leak(sched)
+    finally:
+        eng.fix_gamma(None)
+        swap.swap(old)
+        if sched is not None:
+            sched.close()
+
+
 def test_serving_metrics_move() -> None:
     """/metrics' KV gauge and prefix-cache counters (fuser/server/metrics.py) follow the
     scheduler: usage above 0 while a request holds blocks, 0 after; queries and hits in
