@@ -414,10 +414,7 @@ def test_keyed_blocks_under_the_adaptive_schedulers_mixed_steps() -> None:
         sched.close()
 
 
-@pytest.mark.xdist_group("paged_draft_engine")
-@pytest.mark.parametrize("how", ["adaptive", "chunked"])
-def test_a_hit_after_a_draft_swap_gets_the_new_drafts_kv_and_keeps_the_targets(
-        monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+def swap_turns(eng: fuser.Engine, how: str) -> None:
     """Turn 1 of a chat runs with the draft as built, stepped by hand; its blocks are cached.
     Then new draft weights are swapped into the live draft (runtime/distill.py `WeightSwap`):
     "adaptive", through the adaptive scheduler's own swap, which its next admission notices;
@@ -425,12 +422,12 @@ def test_a_hit_after_a_draft_swap_gets_the_new_drafts_kv_and_keeps_the_targets(
     1's blocks: the target runs only past the hit (its cached k/v reused), and the draft's
     half of every hit block then holds what a fresh prefill by the NEW draft writes there
     (the old draft's k/v would cost acceptance until evicted); its greedy tokens are the
-    target-only ones. Turn 3 hits the same blocks and prefills nothing of the draft again."""
+    target-only ones. Turn 3 hits the same blocks and prefills nothing of the draft again.
+    The engine's draft weights are restored at the end."""
     from fuser.runtime.adaptive_scheduler import AdaptiveScheduler
     from fuser.runtime.controller import DRAFT
     from fuser.runtime.distill import WeightSwap, draft_module
 
-    eng = draft_engine()
     module = draft_module(eng)
     old = {n: p.detach().clone() for n, p in module.named_parameters()}
     new = perturbed(module, 0.3, seed=11).state_dict()
@@ -440,6 +437,7 @@ def test_a_hit_after_a_draft_swap_gets_the_new_drafts_kv_and_keeps_the_targets(
     second = first + answer + prompt(3, seed=141)
     third = first + answer + prompt(2, seed=142)
     sched = None
+    patch = pytest.MonkeyPatch()
     try:
         eng.fix_gamma(0)  # target-only
         want = alone(eng, [(second, greedy(8)), (third, greedy(2))])
@@ -464,8 +462,8 @@ def test_a_hit_after_a_draft_swap_gets_the_new_drafts_kv_and_keeps_the_targets(
             target_from.append(list(cached))
             return real_chunk(target, draft, state, tokens, cached, *args)
 
-        monkeypatch.setattr(speculative, "prefill_part", part)
-        monkeypatch.setattr(speculative, "prefill_chunk", chunk)
+        patch.setattr(speculative, "prefill_part", part)
+        patch.setattr(speculative, "prefill_chunk", chunk)
         scrub(sched)
         s1 = sched.submit(first, greedy(30))
         with eng.generating():
@@ -497,10 +495,19 @@ def test_a_hit_after_a_draft_swap_gets_the_new_drafts_kv_and_keeps_the_targets(
         assert [s2.output_ids, s3.output_ids] == want
         assert_no_leak(sched)
     finally:
+        patch.undo()
         eng.fix_gamma(None)
         swap.swap(old)
         if sched is not None:
             sched.close()
+
+
+@pytest.mark.xdist_group("paged_draft_engine")
+@pytest.mark.parametrize("how", ["adaptive", "chunked"])
+def test_a_hit_after_a_draft_swap_gets_the_new_drafts_kv_and_keeps_the_targets(
+        how: str) -> None:
+    """`swap_turns` on the paged draft engine (gamma 3)."""
+    swap_turns(draft_engine(), how)
 
 
 def test_serving_metrics_move() -> None:
@@ -862,6 +869,26 @@ def test_gpu_chunked_prefill_between_captured_steps() -> None:
         replays = eng.report().graph_replays
         assert sum(v for k, v in replays.items() if k.startswith("step.b")) - before \
             >= sched.steps
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_a_hit_after_a_draft_swap_gets_the_new_drafts_kv() -> None:
+    """On CUDA (fp32; captured step graphs, the fused greedy draft kernels): `swap_turns`,
+    through the adaptive scheduler's swap and by hand beside chunked prefill: after a swap
+    of the draft's weights, a hit's blocks hold the new draft's k/v and the target's as
+    they were, and the tokens are target-only greedy decoding's."""
+    import copy
+
+    target = copy.deepcopy(llama_target()).cuda()  # (the CPU tests share the cached one)
+    config = fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=4, gamma=3,
+                               precision="fp32", kv_block_size=BLOCK)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eng = fuser.optimize(target, draft=perturbed(target, 0.05, seed=3), config=config)
+    for how in ("adaptive", "chunked"):
+        swap_turns(eng, how)
+    replays = eng.report().graph_replays
+    assert sum(v for k, v in replays.items() if k.startswith("step.b")) > 0
 
 
 @pytest.mark.slow  # (an engine of its own with suffix verify steps: ~35 s on a 2-core CPU)
