@@ -39,8 +39,8 @@ Nothing here touches the device except the block table: the host keeps `host_tab
 Typical life of a request (the caller is the scheduler):
     hit = manager.admit(row, prompt)        # None: not enough blocks, wait (nothing changed)
     manager.grow(row, len(prompt) + T)      # room for the step's T new slots (False: preempt)
-    d = manager.draft_hit(row)              # < hit after `draft_changed`: the draft's k/v of
-    ... prefill the draft over prompt[d:hit] ...; manager.draft_refreshed(row)   # [d, hit) again
+    d = manager.draft_hit(row)              # < hit after `draft_changed`: stale draft k/v
+    ... the draft alone over prompt[d:hit] ...; manager.draft_refreshed(row)
     ... prefill prompt[hit:] ...; manager.commit(row, prompt[hit:])
     ... each step: grow, run, commit(row, tokens now written) ...
     manager.release(row)                    # finished or cancelled

@@ -402,8 +402,8 @@ def draft_weight_targets(source: object, module: nn.Module | None = None) -> lis
     module: the module the graphs were built from (default: the engine's copy of the draft,
     which `engine_view` gives parameters shared with the user's draft when dtype and device
     match). Raises ValueError for a tensor that is neither the KV cache (a paged one's block
-    table included), a module buffer, a
-    (view of a) parameter, a merged projection of parameters nor an FP8 weight of one.
+    table included), a module buffer, a (view of a) parameter, a merged projection of
+    parameters nor an FP8 weight of one.
     """
     all_steps = _draft_steps(source)
     module = module if module is not None else draft_module(all_steps)
