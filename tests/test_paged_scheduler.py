@@ -418,12 +418,15 @@ def swap_turns(eng: fuser.Engine, how: str) -> None:
     """Turn 1 of a chat runs with the draft as built, stepped by hand; its blocks are cached.
     Then new draft weights are swapped into the live draft (runtime/distill.py `WeightSwap`):
     "adaptive", through the adaptive scheduler's own swap, which its next admission notices;
-    "chunked", by hand beside chunked prefill (`draft_weights_changed`). Turn 2 hits turn
-    1's blocks: the target runs only past the hit (its cached k/v reused), and the draft's
-    half of every hit block then holds what a fresh prefill by the NEW draft writes there
-    (the old draft's k/v would cost acceptance until evicted); its greedy tokens are the
-    target-only ones. Turn 3 hits the same blocks and prefills nothing of the draft again.
-    The engine's draft weights are restored at the end."""
+    "chunked", by hand beside chunked prefill (`draft_weights_changed`). Turn 2 (an edit of
+    the answer) hits turn 1's first 4 blocks, turn 3 all of them, turn 4 them again: the
+    target runs only past each hit (its cached k/v reused); the draft alone runs over the
+    stale part of a hit (turn 2: all of it; turn 3: the blocks past turn 2's; turn 4:
+    nothing), after which the draft's half of every cached block of turn 1 holds what a
+    fresh prefill by the NEW draft writes there (the old draft's k/v would cost acceptance
+    until evicted).
+    The greedy tokens are the target-only ones. The engine's draft weights are restored at
+    the end."""
     from fuser.runtime.adaptive_scheduler import AdaptiveScheduler
     from fuser.runtime.controller import DRAFT
     from fuser.runtime.distill import WeightSwap, draft_module
@@ -434,13 +437,15 @@ def swap_turns(eng: fuser.Engine, how: str) -> None:
     swap = WeightSwap.for_engine(eng)
     first = prompt(11, seed=140)
     answer = alone(eng, [(first, greedy(30))])[0]
-    second = first + answer + prompt(3, seed=141)
-    third = first + answer + prompt(2, seed=142)
+    edit = 4 * BLOCK  # turn 2 keeps the first 16 tokens of turn 1 (first + 5 of the answer)
+    turns = [(first + answer[:edit - len(first)] + prompt(3, seed=141), greedy(6)),
+             (first + answer + prompt(3, seed=142), greedy(4)),
+             (first + answer + prompt(2, seed=143), greedy(2))]
     sched = None
     patch = pytest.MonkeyPatch()
     try:
         eng.fix_gamma(0)  # target-only
-        want = alone(eng, [(second, greedy(8)), (third, greedy(2))])
+        want = alone(eng, turns)
         eng.fix_gamma(None)
         swap.swap(new)
         reference = fresh_prefill(eng, first + answer)  # the target's and the new draft's
@@ -451,7 +456,7 @@ def swap_turns(eng: fuser.Engine, how: str) -> None:
         else:
             sched = Scheduler(eng, max_num_batched_tokens=8)
         sched._may_run_ahead = lambda in_flight: False  # one step an iteration
-        draft_alone, target_from = [], []
+        draft_alone, target_from = [], []  # per prefill call: where each row starts
         real_part, real_chunk = speculative.prefill_part, speculative.prefill_chunk
 
         def part(target, draft, tokens, progress, width):
@@ -466,33 +471,37 @@ def swap_turns(eng: fuser.Engine, how: str) -> None:
         patch.setattr(speculative, "prefill_chunk", chunk)
         scrub(sched)
         s1 = sched.submit(first, greedy(30))
+        outputs = []
         with eng.generating():
             while not s1.done:
                 sched._iteration()
             sched._retire()
             keyed = len(sched.blocks.cached_blocks())
-            assert keyed > len(first) // BLOCK  # blocks of the answer too
+            assert keyed > edit // BLOCK  # blocks of the answer past the edit too
             if how == "adaptive":
                 sched.swap.swap(new)
             else:
                 swap.swap(new)
                 sched.draft_weights_changed()
-            hits = sched.blocks.prefix_hits
-            del draft_alone[:], target_from[:]
-            s2 = sched.submit(second, greedy(8))
-            sched._iteration()  # admitted (and a step); its prompt's blocks keyed too
-            assert check_keyed_blocks(sched, first + answer, reference) >= keyed
-            assert sched.blocks.prefix_hits - hits == keyed * BLOCK
-            assert target_from == [[keyed * BLOCK]] and len(draft_alone) == 1
-            while not s2.done:
-                sched._iteration()
-            s3 = sched.submit(third, greedy(2))
-            while not s3.done:
-                sched._iteration()
-            sched._retire()
-        assert len(draft_alone) == 1  # turn 3: the draft's k/v of the hit are current
-        assert check_keyed_blocks(sched, first + answer, reference) >= keyed
-        assert [s2.output_ids, s3.output_ids] == want
+            # Per turn: its hit, the draft-alone prefill's start per row, and the blocks of
+            # turn 1 then cached (turn 3's prompt keys the rest of them).
+            full = len(first + answer) // BLOCK
+            expect = [(edit, [[0]], edit // BLOCK), (keyed * BLOCK, [[edit]], full),
+                      (full * BLOCK, [], full)]
+            for (tokens, params), (hit, refreshed, checked) in zip(turns, expect):
+                hits = sched.blocks.prefix_hits
+                del draft_alone[:], target_from[:]
+                stream = sched.submit(tokens, params)
+                sched._iteration()  # admitted (and a step)
+                assert check_keyed_blocks(sched, (first + answer)[:checked * BLOCK],
+                                          reference) == checked
+                assert sched.blocks.prefix_hits - hits == hit
+                assert target_from == [[hit]] and draft_alone == refreshed
+                while not stream.done:
+                    sched._iteration()
+                sched._retire()
+                outputs.append(stream.output_ids)
+        assert outputs == want
         assert_no_leak(sched)
     finally:
         patch.undo()
