@@ -21,7 +21,9 @@ What it adds to runtime/scheduler.py's loop, on the scheduler's thread:
              a copy of the draft for distill_budget_s seconds (a side CUDA stream) and, if the
              copy agrees better with the target on held-out recent requests, swaps it into the
              engine's draft tensors between two steps (runtime/distill.py); the controllers
-             then forget what they measured of the old draft and probe the new one.
+             then forget what they measured of the old draft and probe the new one, and the
+             paged cache's cached blocks keep their target k/v but not their draft k/v (the
+             next admission sees the swap, under the swap's lock: `_admit`).
 The target verifies every proposal, whatever its source: a request's tokens are what target-
 only decoding gives (greedy: exactly; sampling: in distribution).
 
@@ -69,6 +71,10 @@ class _SourceStep(_Step):
     """An issued step with its choice (the controller's arm)."""
 
     choice: Choice = field(default_factory=lambda: Choice(TARGET, 0))
+    # The step ran over the proposals buffer (suffix or mixed): its packed result carries each
+    # row's suffix proposal count in column gamma + 1. An overlapped round's is as wide, with
+    # its mode code there instead; other kinds are gamma + 2 wide.
+    counts: bool = False
 
 
 class AdaptiveScheduler(Scheduler):
@@ -147,6 +153,7 @@ class AdaptiveScheduler(Scheduler):
         self._updating = threading.Event()
         self._new_draft = threading.Event()  # set by an accepted update, read by the loop
         self.update_results: list[UpdateResult] = []
+        self._swaps_seen = 0  # the swap's count when admission last looked
         self._collector = ControllerCollector(lambda: self.controllers.values(),
                                               (lambda: self.distiller.updates)
                                               if self.distiller is not None else None)
@@ -227,6 +234,21 @@ class AdaptiveScheduler(Scheduler):
 
     # -- the scheduler's hooks -------------------------------------------------------------------
 
+    def _admit(self) -> None:
+        """Admission holding the swap's lock: no swap lands while prompts are prefilled (their
+        draft k/v are one draft's), and a swap since the last admission first makes the
+        prefix cache's draft halves stale (`draft_weights_changed`), so a hit prefills the
+        new draft over its blocks and keeps the target's k/v. (`WeightSwap.apply` counts
+        swaps under the same lock.)"""
+        if self.swap is None:
+            super()._admit()
+            return
+        with self.swap.lock:
+            if self.swap.swaps != self._swaps_seen:
+                self._swaps_seen = self.swap.swaps
+                self.draft_weights_changed()
+            super()._admit()
+
     def _prefill(self, group: list[RequestStream]) -> None:
         if self.index is not None:
             for stream in group:  # (a request resumed after preemption is indexed already)
@@ -301,8 +323,9 @@ class AdaptiveScheduler(Scheduler):
         do_sample = any(not s.params.greedy for s in rows)
         gamma = choice.gamma
         start = time.perf_counter()
+        counts = choice.source != TARGET and matched  # over the proposals buffer
         with self.swap.lock if self.swap is not None else contextlib.nullcontext():
-            if choice.source != TARGET and matched:
+            if counts:
                 if choice.source == DRAFT and self._draft_behind:
                     bucket.resync(self._draft_behind)
                     self.resyncs += 1
@@ -323,16 +346,16 @@ class AdaptiveScheduler(Scheduler):
                 packed = bucket.run(PLAIN, do_sample)
             read_back = ReadBack(packed)
         controller.sent()
-        return _SourceStep(rows, gamma, None, read_back, start, choice)
+        return _SourceStep(rows, gamma, None, read_back, start, choice, counts)
 
     def _collect(self, step: _SourceStep) -> None:
         was_active = [not s.done for s in step.rows]
         host = step.read_back.wait()
         n_rows, gamma = len(step.rows), step.gamma
         accepted = [min(n, gamma) for n in host[:n_rows, -1].tolist()]
-        # Steps over the proposals buffer carry each row's suffix proposals before n.
-        counts = host[:n_rows, gamma + 1].tolist() if host.shape[1] == gamma + 3 \
-            else [0] * n_rows
+        # Steps over the proposals buffer carry each row's suffix proposals before n (known by
+        # the step's kind: an overlapped round is as wide, its mode code in that column).
+        counts = host[:n_rows, gamma + 1].tolist() if step.counts else [0] * n_rows
         live = [i for i, active in enumerate(was_active) if active]
         controller = self.controllers[self.engine.bucket(n_rows).batch]
         if step.choice.source == TARGET:

@@ -20,12 +20,27 @@ keeps its key and waits in an LRU list; it is evicted (its key forgotten) only w
 block is needed and the free list is empty. Released rows give their blocks back tail first,
 so a chain's last blocks are evicted before its first ones.
 
+A cached block holds two halves: the target's k/v and the draft's (the draft's pool follows the
+same table). The draft's half is only as good as the draft weights that computed it: when they
+change (online distillation swaps new weights in), every cached draft half goes stale while
+every target half stays right. So keys stay what they are (the tokens), and each cached block
+records the draft version its draft half was computed by (`draft_version`, moved on by
+`draft_changed`). A hit reuses the target's k/v of every hit block, and the draft's only of the
+leading ones of the current version (`draft_hit`); the caller prefills the draft's over the rest
+of the hit and says so (`draft_refreshed`), which makes those blocks current again. A row
+admitted before a change holds the old draft's k/v in every slot (later ones attend over
+earlier ones), so the blocks it fills afterwards are recorded with the old version too. Putting
+the version in the key instead would be simpler, but a hit after a swap would then miss, and
+the target's k/v, the expensive half, would be computed again for nothing.
+
 Nothing here touches the device except the block table: the host keeps `host_table` and
 `sync_table` copies it into `table`, a tensor of static address the captured graphs read.
 
 Typical life of a request (the caller is the scheduler):
     hit = manager.admit(row, prompt)        # None: not enough blocks, wait (nothing changed)
     manager.grow(row, len(prompt) + T)      # room for the step's T new slots (False: preempt)
+    d = manager.draft_hit(row)              # < hit after `draft_changed`: stale draft k/v
+    ... the draft alone over prompt[d:hit] ...; manager.draft_refreshed(row)
     ... prefill prompt[hit:] ...; manager.commit(row, prompt[hit:])
     ... each step: grow, run, commit(row, tokens now written) ...
     manager.release(row)                    # finished or cancelled
@@ -87,6 +102,9 @@ class _Row:
     blocks: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     keys: list[bytes] = field(default_factory=list)  # keys of its full blocks, in order
+    draft_version: int = 0  # the draft version its draft k/v are computed by (at admission)
+    hit_blocks: int = 0  # leading blocks that were prefix-cache hits at admission
+    draft_hit: int = 0  # leading hit tokens whose draft k/v are the current draft's
 
 
 @dataclass(frozen=True)
@@ -106,6 +124,8 @@ class BlockManager:
         host_table: the same on the host, where changes are made; `sync_table` copies it.
         prefix_queries, prefix_hits: prompt tokens looked up in the prefix cache, and those
             found (vLLM's prefix_cache_queries / prefix_cache_hits, in tokens).
+        draft_version: the draft weights' version (`draft_changed`); a cached block's draft
+            half is reused only when computed by this one.
     """
 
     def __init__(self, num_blocks: int, block_size: int, rows: int, max_blocks: int, *,
@@ -142,6 +162,8 @@ class BlockManager:
         self._key_of: dict[int, bytes] = {}          # cached block -> its key
         self._cached: dict[bytes, int] = {}          # key -> cached block
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; evict first one
+        self._draft_of: dict[int, int] = {}          # cached block -> its draft half's version
+        self.draft_version = 0
         self._rows: dict[int, _Row] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -194,6 +216,35 @@ class BlockManager:
     def cached_blocks(self) -> dict[int, bytes]:
         """Block -> key of every block in the prefix cache."""
         return dict(self._key_of)
+
+    def draft_current(self, block: int) -> bool:
+        """Whether cached block `block`'s draft half was computed by the current draft."""
+        return self._draft_of.get(block) == self.draft_version
+
+    def draft_hit(self, row: int) -> int:
+        """Leading tokens of row `row`'s prefix-cache hit (`admit`'s count) whose draft k/v
+        are the current draft's: the draft is prefilled from here, the target from the hit
+        (equal unless the draft changed since some hit block was computed)."""
+        return self._rows[row].draft_hit
+
+    def draft_refreshed(self, row: int) -> None:
+        """The caller wrote the current draft's k/v over row `row`'s whole hit (from
+        `draft_hit` on, attending over the current ones before): its hit blocks' draft halves
+        are current now. Nothing changes for a row admitted before the last `draft_changed`
+        (its draft k/v are the old draft's)."""
+        state = self._rows[row]
+        if state.draft_version != self.draft_version:
+            return
+        for b in state.blocks[:state.hit_blocks]:
+            if b in self._key_of:
+                self._draft_of[b] = self.draft_version
+        state.draft_hit = state.hit_blocks * self.block_size
+
+    def draft_changed(self) -> None:
+        """The draft's weights changed: the draft half of every cached block, and every
+        admitted row's draft k/v, are stale from now on; the target halves stay valid. A later
+        hit reuses the target's k/v and prefills the draft's again (`draft_hit`)."""
+        self.draft_version += 1
 
     # -- admission and growth ----------------------------------------------------------------
 
@@ -271,6 +322,12 @@ class BlockManager:
         cached = len(hits) * self.block_size
         state.tokens = list(prompt[:cached])
         state.keys = [self._key_of[b] for b in hits]
+        state.draft_version = self.draft_version
+        state.hit_blocks = len(hits)
+        current = 0
+        while current < len(hits) and self.draft_current(hits[current]):
+            current += 1
+        state.draft_hit = current * self.block_size
         self._rows[row] = state
         self._write_row(row)
         return cached
@@ -292,7 +349,8 @@ class BlockManager:
     def commit(self, row: int, tokens: Sequence[int]) -> None:
         """The k/v of `tokens` are now written in row `row`'s next slots. Blocks they fill are
         keyed and cached (when a block of the same key is cached already, this one stays
-        private and is freed without a key)."""
+        private and is freed without a key), their draft halves recorded as of the draft
+        version the row was admitted with."""
         state = self._rows[row]
         if len(state.tokens) + len(tokens) > len(state.blocks) * self.block_size:
             raise ValueError(f"row {row}: {len(state.tokens) + len(tokens)} tokens committed to "
@@ -310,6 +368,7 @@ class BlockManager:
             if key not in self._cached:
                 self._cached[key] = block
                 self._key_of[block] = key
+                self._draft_of[block] = state.draft_version
 
     # -- release ---------------------------------------------------------------------------
 
@@ -352,6 +411,7 @@ class BlockManager:
         self._lru.clear()
         self._cached.clear()
         self._key_of.clear()
+        self._draft_of.clear()
 
     # -- table -----------------------------------------------------------------------------
 
@@ -400,6 +460,7 @@ class BlockManager:
             block, _ = self._lru.popitem(last=False)
             key = self._key_of.pop(block)
             del self._cached[key]
+            del self._draft_of[block]
         self._refs[block] = 1
         return block
 

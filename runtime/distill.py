@@ -401,8 +401,9 @@ def draft_weight_targets(source: object, module: nn.Module | None = None) -> lis
     source: an Engine (every batch bucket's draft steps), one ModelSteps, or a list of them.
     module: the module the graphs were built from (default: the engine's copy of the draft,
     which `engine_view` gives parameters shared with the user's draft when dtype and device
-    match). Raises ValueError for a tensor that is neither the KV cache, a module buffer, a
-    (view of a) parameter, a merged projection of parameters nor an FP8 weight of one.
+    match). Raises ValueError for a tensor that is neither the KV cache (a paged one's block
+    table included), a module buffer, a (view of a) parameter, a merged projection of
+    parameters nor an FP8 weight of one.
     """
     all_steps = _draft_steps(source)
     module = module if module is not None else draft_module(all_steps)
@@ -411,6 +412,8 @@ def draft_weight_targets(source: object, module: nn.Module | None = None) -> lis
     seen: set[int] = set()
     for steps in all_steps:
         cache = {_storage(t) for t in (*steps.cache.k, *steps.cache.v)}
+        if steps.cache.block_table is not None:  # a paged cache's table (runtime/blocks.py)
+            cache.add(_storage(steps.cache.block_table))
         dtype = steps.cache.k[0].dtype  # the engine's dtype: what quantized weights were in
         for graph in steps.steps.values():
             gm = graph.rewritten

@@ -28,7 +28,9 @@ through a `BlockManager` over the engine's own block table (runtime/blocks.py):
             blocks (prefix caching, on by default) prefills only the rest, through the CHUNK
             step at seq_lens = the cached tokens (`speculative.prefill_chunk`); the prompt's
             full blocks are then keyed for later requests (`commit`), and the blocks decoding
-            fills once both caches hold their k/v (`_commit_decoded`);
+            fills once both caches hold their k/v (`_commit_decoded`); after the draft's
+            weights changed (`draft_weights_changed`), a hit's blocks keep the target's k/v
+            and the draft alone is prefilled over them again (`_refresh_draft`);
     step    before each step every row grows to the slots the step may write (`grow`); when
             blocks run out, the newest row is preempted: its blocks are freed and its request
             goes back to the front of the queue with the tokens it has, to be prefilled again
@@ -263,6 +265,7 @@ class _ChunkedPrefill:
     progress: list[int]
     emitted: torch.Tensor | None
     do_sample: bool
+    refresh_draft: bool = True  # the first chunk prefills the draft over stale cached blocks
 
 
 class Scheduler:
@@ -415,6 +418,15 @@ class Scheduler:
             self._waiting.append(stream)
             self._lock.notify_all()
         return stream
+
+    def draft_weights_changed(self) -> None:
+        """The draft's weights were changed in place (runtime/distill.py `WeightSwap`): the
+        draft's k/v in cached blocks are stale from now on, and a later prefix-cache hit
+        prefills the draft over them again while it keeps the target's
+        (`BlockManager.draft_changed`). Call it on the scheduler's thread between steps, or
+        while the loop is not running, before the next admission."""
+        if self.blocks is not None:
+            self.blocks.draft_changed()
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until nothing runs or waits (every slot free); False after `timeout` s."""
@@ -683,6 +695,9 @@ class Scheduler:
         lo, hi = min(p.progress), max(p.progress)
         bucket = self.engine.buckets[k]
         self._sync_table(show_prefill=True)
+        if p.refresh_draft:  # (progress is still each row's prefix-cache hit)
+            self._refresh_draft(bucket, p.tokens, p.progress)
+            p.refresh_draft = False
         self.prefill_chunks += 1
         if T - lo > width and T - 1 - hi >= 2:  # not the last chunk: no row reaches its end
             width = min(width, T - 1 - hi)
@@ -824,6 +839,7 @@ class Scheduler:
         device = self._state.pending.device
         T = len(token_lists[0])
         tokens = torch.tensor(token_lists, dtype=torch.long, device=device)  # [k, T]
+        self._refresh_draft(bucket, tokens, cached)
         emitted = None
         if any(s.output_ids for s in group):  # resumed after preemption
             emitted = torch.tensor([len(s.output_ids) for s in group], dtype=torch.long,
@@ -842,6 +858,31 @@ class Scheduler:
             blocks.commit(row, tokens[hit:])
             stream._draft_valid = len(tokens)  # (the draft was prefilled too, where there is one)
         return result
+
+    def _refresh_draft(self, bucket: object, tokens: torch.Tensor, hits: list[int]) -> None:
+        """Before rows [0, k) are prefilled after their prefix-cache hits: where a hit's
+        cached blocks hold an older draft's k/v (the draft's weights changed since they were
+        computed: `draft_weights_changed`), the draft alone runs over them again; the
+        target's k/v there are reused as they are. tokens: [k, T] the prompts; hits: each
+        row's cached tokens (`admit`'s).
+
+        Row b's draft is current up to `draft_hit(b)`. One CHUNK step of the draft, W wide
+        (the longest stale span, at least 2), feeds row b the prompt's tokens at slots
+        [hit_b - W, hit_b) (from 0 where the hit is shorter than W): slots before
+        draft_hit(b) get what they hold again (the current draft over the same tokens),
+        slots past the hit (the row's own new blocks, never a shared one) get the prompt's
+        tokens, which its prefill writes again. The hit blocks' draft halves are then
+        current (`draft_refreshed`): the next hit reuses them."""
+        blocks = self.blocks
+        held = [row for row in range(len(hits)) if blocks.holds(row)]
+        stale = [hits[row] - blocks.draft_hit(row) for row in held]
+        if bucket.draft is None or not any(stale):
+            return
+        width = max(2, *stale)
+        starts = [max(0, hit - width) for hit in hits]
+        speculative.prefill_part(None, bucket.draft, tokens, starts, width)  # the draft alone
+        for row in held:
+            blocks.draft_refreshed(row)
 
     def _set_step_room(self) -> None:
         """Slots a step may write past a row's length: gamma + 1 for the longest verify step

@@ -298,12 +298,14 @@ def _chunk(tokens: torch.Tensor, progress: list[int], width: int
     return lengths, slots, tokens.gather(1, slots.clamp(max=tokens.shape[1] - 1))
 
 
-def prefill_part(target: ModelSteps, draft: ModelSteps | None, tokens: torch.Tensor,
+def prefill_part(target: ModelSteps | None, draft: ModelSteps | None, tokens: torch.Tensor,
                  progress: list[int], width: int) -> None:
     """A prompt chunk that does not end the prompts (the scheduler's chunked prefill): row b's
     tokens [progress[b], progress[b] + width) run through the CHUNK step at seq_lens =
     progress[b], in both models, attending over the slots before; no token is chosen (the
-    last chunk is `prefill_chunk`'s, with `cached` = the progress then).
+    last chunk is `prefill_chunk`'s, with `cached` = the progress then). target None: the
+    draft alone (the scheduler's `_refresh_draft`: cached blocks whose draft k/v an older
+    draft computed).
 
     tokens: [B, T] the whole prompts (one length); width >= 2 (the chunk step's least; run at
     a captured width where chunks are captured, `_chunk_width`). A row whose prompt ends inside
@@ -312,7 +314,10 @@ def prefill_part(target: ModelSteps, draft: ModelSteps | None, tokens: torch.Ten
     its own).
     """
     B = tokens.shape[0]
-    lengths, slots, chunk = _chunk(tokens, progress, _chunk_width(target, draft, width))
+    # (The draft alone rewrites slots inside cached blocks, which other rows share: exactly its
+    # width, never padding slots past it.)
+    run_width = width if target is None else _chunk_width(target, draft, width)
+    lengths, slots, chunk = _chunk(tokens, progress, run_width)
     last = torch.zeros(B, dtype=torch.long, device=tokens.device)
     for model in (target, draft):
         if model is not None:

@@ -16,7 +16,8 @@ from fuser import SamplingParams
 from fuser.runtime.adaptive_scheduler import AdaptiveScheduler
 from fuser.runtime.distill import DistillConfig
 from fuser.runtime.controller import DRAFT, SUFFIX, TARGET
-from engines import NO_SPECIAL, llama_target
+from fuser.runtime import speculative
+from engines import NO_SPECIAL, llama_target, perturbed
 from tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -149,5 +150,54 @@ def test_without_a_draft_suffix_proposals_alone():
         outputs = [s.result(TIMEOUT) for s in streams]
         assert outputs[1::2] == expected[1::2]
         assert all(len(out) == 24 and max(out) < VOCAB for out in outputs[::2])
+    finally:
+        scheduler.close()
+
+
+def test_an_overlapped_round_is_accounted_as_the_drafts_not_as_suffix_counts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """FuserConfig.overlap (CPU): the draft's greedy steps are overlapped rounds, whose packed
+    result is gamma + 3 wide as a suffix or mixed step's, with each row's mode code
+    (runtime/speculative.py `overlapped_step`) in the column where those carry the row's
+    suffix proposal count. Without a suffix index every row is the draft's, proposing gamma:
+    a mode code read as a count would make rows the suffix's (or a count above gamma, which
+    the controller refuses, failing the step). The outputs are target-only greedy decoding's."""
+    target = llama_target()
+    config = fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=4, batch_buckets=(1, 4),
+                               gamma=2, compile="fx", overlap=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (a draft close to the target: rounds stream on)
+        eng = fuser.optimize(target, draft=perturbed(target, 0.05, seed=3), config=config)
+    assert all(b.overlap for b in eng.buckets.values())
+    eng.fix_gamma(0)
+    try:
+        expected = [eng.generate(torch.tensor([p]), max_new_tokens=24)[0, len(p):].tolist()
+                    for p in PROMPTS]
+    finally:
+        eng.fix_gamma(None)
+    codes: list[int] = []
+    real = speculative.overlapped_step
+
+    def spy(*args, **kwargs):
+        packed = real(*args, **kwargs)  # [B, gamma + 3]: tokens, mode code, n
+        codes.extend(packed[:, -2].tolist())
+        return packed
+
+    monkeypatch.setattr(speculative, "overlapped_step", spy)
+    # Scripted: a draft round costs less than a target step, so the controller keeps choosing
+    # it (rows stream on: every mode code comes up).
+    scheduler = AdaptiveScheduler(eng, suffix=False, adapt_draft=False,
+                                  costs={"decode": 1.0, DRAFT: {2: 0.9}})
+    try:
+        streams = [scheduler.submit(p, GREEDY) for p in PROMPTS]
+        with eng.generating():  # stepped by hand: the same steps every run
+            while not all(s.done for s in streams):
+                scheduler._iteration()
+            scheduler._retire()
+        assert [s.output_ids for s in streams] == expected
+        snap = scheduler.snapshot()
+        assert snap["steps"][DRAFT] > 0 and snap["rows"][DRAFT] > 0, snap
+        assert snap["rows"][SUFFIX] == 0 and snap["steps"][SUFFIX] == 0, snap
+        assert {1, 2, 3} <= set(codes), codes  # (a row that streamed, one that guessed right)
     finally:
         scheduler.close()

@@ -473,3 +473,31 @@ def test_hidden_rows_read_as_null_on_the_device_until_shown() -> None:
         assert m.table[0].tolist() == [0] * 4
         m.sync_table()
         assert m.table[0].tolist() == grown + [0] and m.table[1].tolist() == second + [0, 0]
+
+
+def test_a_draft_change_keeps_the_targets_half_of_cached_blocks_only() -> None:
+    """After `draft_changed`, a hit still shares the cached blocks (the target's k/v) but its
+    draft hit is 0 until the caller refreshes the draft's k/v there; blocks a row admitted
+    before the change fills afterwards hold the old draft's k/v: never current."""
+    m = BlockManager(num_blocks=16, block_size=4, rows=3, max_blocks=4)
+    prompt = list(range(10))                 # 2 full blocks + 2 tokens
+    assert m.admit(0, prompt) == 0 and m.draft_hit(0) == 0
+    m.commit(0, prompt)
+    assert m.admit(1, prompt[:8] + [50, 51]) == 8 and m.draft_hit(1) == 8
+    m.release(1)
+    m.draft_changed()                        # row 0 runs on with the old draft's k/v
+    assert not any(m.draft_current(b) for b in m.cached_blocks())
+    assert m.admit(1, prompt[:8] + [60]) == 8 and m.draft_hit(1) == 0
+    assert m.row_blocks(1)[:2] == m.row_blocks(0)[:2]  # the target's half is shared as before
+    m.draft_refreshed(1)                     # the caller prefilled the draft over [0, 8)
+    assert m.draft_hit(1) == 8 and all(m.draft_current(b) for b in m.row_blocks(1)[:2])
+    assert m.grow(0, 16)
+    m.commit(0, [70, 71, 72, 73, 74, 75])    # row 0 fills its third block: old draft k/v
+    third = m.row_blocks(0)[2]
+    assert third in m.cached_blocks() and not m.draft_current(third)
+    assert m.admit(2, prompt + [70, 71, 72, 73, 74]) == 12 and m.draft_hit(2) == 8
+    m.draft_refreshed(0)                     # (a row from before the change: nothing moves)
+    assert not m.draft_current(third)
+    m.release(2)
+    m.reset_prefix_cache()
+    assert m.admit(2, prompt) == 0 and m.draft_hit(2) == 0

@@ -414,6 +414,111 @@ def test_keyed_blocks_under_the_adaptive_schedulers_mixed_steps() -> None:
         sched.close()
 
 
+def swap_turns(eng: fuser.Engine, how: str) -> None:
+    """Turn 1 of a chat runs with the draft as built, stepped by hand; its blocks are cached.
+    Then new draft weights are swapped into the live draft (runtime/distill.py `WeightSwap`):
+    "adaptive", through the adaptive scheduler's own swap, which its next admission notices;
+    "chunked", by hand beside chunked prefill (`draft_weights_changed`). Turn 2 (an edit of
+    the answer) hits turn 1's first 4 blocks, turn 3 all of them, turn 4 them again: the
+    target runs only past each hit (its cached k/v reused); the draft alone runs over the
+    stale part of a hit (turn 2: all of it; turn 3: the blocks past turn 2's; turn 4:
+    nothing), after which the draft's half of every cached block of turn 1 holds what a
+    fresh prefill by the NEW draft writes there (the old draft's k/v would cost acceptance
+    until evicted).
+    The greedy tokens are the target-only ones. The engine's draft weights are restored at
+    the end."""
+    from fuser.runtime.adaptive_scheduler import AdaptiveScheduler
+    from fuser.runtime.controller import DRAFT
+    from fuser.runtime.distill import WeightSwap, draft_module
+
+    module = draft_module(eng)
+    old = {n: p.detach().clone() for n, p in module.named_parameters()}
+    new = perturbed(module, 0.3, seed=11).state_dict()
+    swap = WeightSwap.for_engine(eng)
+    first = prompt(11, seed=140)
+    answer = alone(eng, [(first, greedy(30))])[0]
+    edit = 4 * BLOCK  # turn 2 keeps the first 16 tokens of turn 1 (first + 5 of the answer)
+    turns = [(first + answer[:edit - len(first)] + prompt(3, seed=141), greedy(6)),
+             (first + answer + prompt(3, seed=142), greedy(4)),
+             (first + answer + prompt(2, seed=143), greedy(2))]
+    sched = None
+    patch = pytest.MonkeyPatch()
+    try:
+        eng.fix_gamma(0)  # target-only
+        want = alone(eng, turns)
+        eng.fix_gamma(None)
+        swap.swap(new)
+        reference = fresh_prefill(eng, first + answer)  # the target's and the new draft's
+        swap.swap(old)
+        if how == "adaptive":
+            sched = AdaptiveScheduler(eng, suffix=False, adapt_draft=True, background=False,
+                                      costs={"decode": 1.0, DRAFT: {3: 1.3}})
+        else:
+            sched = Scheduler(eng, max_num_batched_tokens=8)
+        sched._may_run_ahead = lambda in_flight: False  # one step an iteration
+        draft_alone, target_from = [], []  # per prefill call: where each row starts
+        real_part, real_chunk = speculative.prefill_part, speculative.prefill_chunk
+
+        def part(target, draft, tokens, progress, width):
+            (draft_alone if target is None else target_from).append(list(progress))
+            return real_part(target, draft, tokens, progress, width)
+
+        def chunk(target, draft, state, tokens, cached, *args):
+            target_from.append(list(cached))
+            return real_chunk(target, draft, state, tokens, cached, *args)
+
+        patch.setattr(speculative, "prefill_part", part)
+        patch.setattr(speculative, "prefill_chunk", chunk)
+        scrub(sched)
+        s1 = sched.submit(first, greedy(30))
+        outputs = []
+        with eng.generating():
+            while not s1.done:
+                sched._iteration()
+            sched._retire()
+            keyed = len(sched.blocks.cached_blocks())
+            assert keyed > edit // BLOCK  # blocks of the answer past the edit too
+            if how == "adaptive":
+                sched.swap.swap(new)
+            else:
+                swap.swap(new)
+                sched.draft_weights_changed()
+            # Per turn: its hit, the draft-alone prefill's start per row, and the blocks of
+            # turn 1 then cached (turn 3's prompt keys the rest of them).
+            full = len(first + answer) // BLOCK
+            expect = [(edit, [[0]], edit // BLOCK), (keyed * BLOCK, [[edit]], full),
+                      (full * BLOCK, [], full)]
+            for (tokens, params), (hit, refreshed, checked) in zip(turns, expect):
+                hits = sched.blocks.prefix_hits
+                del draft_alone[:], target_from[:]
+                stream = sched.submit(tokens, params)
+                sched._iteration()  # admitted (and a step)
+                assert check_keyed_blocks(sched, (first + answer)[:checked * BLOCK],
+                                          reference) == checked
+                assert sched.blocks.prefix_hits - hits == hit
+                assert target_from == [[hit]] and draft_alone == refreshed
+                while not stream.done:
+                    sched._iteration()
+                sched._retire()
+                outputs.append(stream.output_ids)
+        assert outputs == want
+        assert_no_leak(sched)
+    finally:
+        patch.undo()
+        eng.fix_gamma(None)
+        swap.swap(old)
+        if sched is not None:
+            sched.close()
+
+
+@pytest.mark.xdist_group("paged_draft_engine")
+@pytest.mark.parametrize("how", ["adaptive", "chunked"])
+def test_a_hit_after_a_draft_swap_gets_the_new_drafts_kv_and_keeps_the_targets(
+        how: str) -> None:
+    """`swap_turns` on the paged draft engine (gamma 3)."""
+    swap_turns(draft_engine(), how)
+
+
 def test_serving_metrics_move() -> None:
     """/metrics' KV gauge and prefix-cache counters (fuser/server/metrics.py) follow the
     scheduler: usage above 0 while a request holds blocks, 0 after; queries and hits in
@@ -823,6 +928,26 @@ def test_gpu_chunked_prefill_between_captured_steps() -> None:
             >= sched.steps
         assert sum(v for k, v in replays.items() if k.startswith("chunk.")) - chunks_before \
             >= 2 * chunks, replays  # (target and draft, every chunk)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_a_hit_after_a_draft_swap_gets_the_new_drafts_kv() -> None:
+    """On CUDA (fp32; captured step graphs, the fused greedy draft kernels): `swap_turns`,
+    through the adaptive scheduler's swap and by hand beside chunked prefill: after a swap
+    of the draft's weights, a hit's blocks hold the new draft's k/v and the target's as
+    they were, and the tokens are target-only greedy decoding's."""
+    import copy
+
+    target = copy.deepcopy(llama_target()).cuda()  # (the CPU tests share the cached one)
+    config = fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=4, gamma=3,
+                               precision="fp32", kv_block_size=BLOCK)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eng = fuser.optimize(target, draft=perturbed(target, 0.05, seed=3), config=config)
+    for how in ("adaptive", "chunked"):
+        swap_turns(eng, how)
+    replays = eng.report().graph_replays
+    assert sum(v for k, v in replays.items() if k.startswith("step.b")) > 0
 
 
 @pytest.mark.slow  # (an engine of its own with suffix verify steps: ~35 s on a 2-core CPU)
