@@ -340,7 +340,7 @@ def warm_up(steps: ModelSteps) -> None:
             cache.reset()
             logits = steps.run(kind, tokens, positions)
             if kind == PREFILL:
-                argmax(first_token_logits(logits, T, steps.vocab_size))
+                argmax(first_token_logits(logits[:, T - 1], steps.vocab_size))
     cache.reset()
 
 

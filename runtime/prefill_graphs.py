@@ -30,7 +30,7 @@ import warnings
 import torch
 
 from fuser.runtime.cuda_graphs import CudaGraphStep, capture_failed
-from fuser.runtime.steps import CHUNK, PREFILL, ModelSteps, StepFn, last_logits
+from fuser.runtime.steps import CHUNK, PREFILL, ModelSteps, last_logits
 
 PREFILL_BLOCK = 32  # padded prompt lengths up to SHORT_PREFILL_TOKENS are multiples of this
 SHORT_PREFILL_TOKENS = 512  # beyond: steps of 1/8 of the length's power of two
@@ -53,8 +53,13 @@ def padded_length(tokens: int, slots: int) -> int | None:
 class PrefillGraphs:
     """The captured prefills of one model at one batch bucket, keyed by padded length.
 
+    A graph returns only the logits at one position a row ([B, V]: the position `run` is
+    given, the prompt's last), so a captured length keeps a [B, V] output, not [B, T, V]; the
+    [B, T, V] logits inside it are the shared pool's, reused by the next graph (a 256-row
+    bucket's 128-token prefill would otherwise keep 8.4 GB of logits at the Llama-3 vocab).
     A length whose capture fails runs uncaptured from then on; the failure is recorded in
-    `failures` (report().fallbacks) with a warning, once.
+    `failures` (report().fallbacks) with a warning, once. capture=False (the CPU): the same
+    padded lengths, uncaptured.
     """
 
     kind = PREFILL
@@ -62,17 +67,29 @@ class PrefillGraphs:
     def __init__(self, model: ModelSteps, pool: object, capture: bool = True) -> None:
         self.model = model
         self.pool = pool
-        self.capture = capture  # False: run uncaptured (at the same padded lengths)
+        self.capture = capture
         self.graphs: dict[int, CudaGraphStep] = {}
         self.failed: set[int] = set()
         self.failures: list[str] = []
+        cache = model.cache
+        # The position per row whose logits a graph returns (static: set before a replay).
+        self.last = torch.zeros(cache.batch_size, dtype=torch.long, device=cache.seq_lens.device)
 
-    def run(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Prefill logits [B, T, V] (a static buffer: read it before the next prefill at T)."""
+    def width(self, tokens: int, room: int) -> int:
+        """The width `tokens` tokens a row run at: a captured length of at most `room` (and
+        this cache's slots) where one fits, else `tokens`."""
+        return padded_length(tokens, min(room, self.model.cache.slots)) or tokens
+
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, last: torch.Tensor
+            ) -> torch.Tensor:
+        """The step over tokens [B, T] at positions [B, T]: the logits at position last[b] of
+        each row ([B] int64), [B, V] (a static buffer when captured: read it before the next
+        run at T)."""
         model, cache = self.model, self.model.cache
         graph = self._graph(tokens.shape[1])
         if graph is None:
-            return model[self.kind](tokens, positions, cache.seq_lens, cache.starts)
+            return last_logits(model.run(self.kind, tokens, positions), last)
+        self.last.copy_(last)
         return graph(tokens, positions, cache.seq_lens, cache.starts)
 
     def _graph(self, T: int) -> CudaGraphStep | None:
@@ -96,18 +113,20 @@ class PrefillGraphs:
         for length in long[:max(0, len(long) - MAX_LONG_GRAPHS + 1)]:
             del self.graphs[length]
 
-    def _step(self) -> StepFn:
-        """What a graph captures: the uncaptured step."""
-        return self.model[self.kind].uncaptured
-
     def _capture(self, T: int) -> CudaGraphStep | None:
         model, cache = self.model, self.model.cache
+        step = model[self.kind].uncaptured
+
+        def last_only(tokens: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
+                      starts: torch.Tensor) -> torch.Tensor:
+            return last_logits(step(tokens, positions, seq_lens, starts), self.last)
+
         # Warm-up and capture write slots [seq_lens, seq_lens + T) of the cache (a chunk's:
         # of the rows' own blocks; cached ones lie below seq_lens): the step that follows
         # writes them again, and later slots are masked by the lengths.
         try:
-            graph = CudaGraphStep(self._step(), cache.batch_size, T, cache.seq_lens,
-                                  cache.starts, pool=self.pool)
+            graph = CudaGraphStep(last_only, cache.batch_size, T, cache.seq_lens, cache.starts,
+                                  pool=self.pool)
         except Exception as e:  # noqa: BLE001 -- a length that cannot be captured runs without
             self.failed.add(T)
             self.failures.append(f"{model.role}.{self.kind.name} at {T} tokens (batch "
@@ -126,45 +145,12 @@ class PrefillGraphs:
 
 class ChunkGraphs(PrefillGraphs):
     """The CHUNK step (a paged engine's prompt rest after cached blocks, or a part of a
-    chunked prefill: runtime/speculative.py `prefill_chunk`, `prefill_part`) through CUDA
-    graphs at the captured lengths of `padded_length`, captured on first use, as prefill's.
+    chunked prefill: runtime/speculative.py `prefill_chunk`, `prefill_part`; positions = the
+    slots) through CUDA graphs at the captured lengths of `padded_length`, as prefill's.
 
     Uncaptured, the step launches every op from the host (milliseconds a layer at the 8B
     shape), whatever its width: a prefix-cache hit's short rest would cost more than the
-    captured prefill of the whole prompt. A graph returns only the logits at one position a
-    row ([B, V], `last`), so a captured width keeps a [B, V] output, not [B, W, V].
-
-    capture=False (the CPU): the same padded widths, uncaptured.
+    captured prefill of the whole prompt.
     """
 
     kind = CHUNK
-
-    def __init__(self, model: ModelSteps, pool: object, capture: bool = True) -> None:
-        super().__init__(model, pool, capture)
-        cache = model.cache
-        self.last = torch.zeros(cache.batch_size, dtype=torch.long, device=cache.seq_lens.device)
-
-    def width(self, tokens: int, room: int) -> int:
-        """The width a chunk of `tokens` tokens a row runs at: a captured length of at most
-        `room` (and this cache's slots) where one fits, else `tokens`."""
-        return padded_length(tokens, min(room, self.model.cache.slots)) or tokens
-
-    def run(self, tokens: torch.Tensor, slots: torch.Tensor,  # type: ignore[override]
-            last: torch.Tensor) -> torch.Tensor:
-        """CHUNK over tokens [B, W] at slots [B, W]: the logits at position last[b] of each
-        row, [B, V] (a static buffer when captured: read it before the next chunk at W)."""
-        model, cache = self.model, self.model.cache
-        graph = self._graph(tokens.shape[1])
-        if graph is None:
-            return last_logits(model.run(CHUNK, tokens, slots), last)
-        self.last.copy_(last)
-        return graph(tokens, slots, cache.seq_lens, cache.starts)
-
-    def _step(self) -> StepFn:
-        step = self.model[CHUNK].uncaptured
-
-        def chunk(tokens: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor,
-                  starts: torch.Tensor) -> torch.Tensor:
-            return last_logits(step(tokens, slots, seq_lens, starts), self.last)
-
-        return chunk

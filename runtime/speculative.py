@@ -36,7 +36,6 @@ from fuser.ops.argmax import argmax
 from fuser.runtime.branches import run_concurrently
 from fuser.runtime.draft_kernels import (catchup_inputs, draft_advance, overlap_catchup_inputs,
                                          verify_inputs)
-from fuser.runtime.prefill_graphs import padded_length
 from fuser.runtime.steps import (CATCHUP, CHUNK, DECODE, PREFILL, RESYNC, ModelSteps,
                                  verify as verify_step)
 from fuser.runtime.prompts import Prompts
@@ -229,23 +228,23 @@ def prefill(target: ModelSteps, draft: ModelSteps | None, state: DecodeState, pr
     for model in (target, draft):
         if model is not None:
             model.cache.begin(prompts.starts)
-    logits = target.run(PREFILL, prompts.tokens, positions)  # [B, T, V_target]
+    last = torch.full((B,), true_length - 1, dtype=torch.long, device=positions.device)
+    logits = target.run_last(PREFILL, prompts.tokens, positions, last)  # [B, V_target]
     target.cache.set_lengths(true_length)
     if draft is not None:
         # The draft's logits here are not needed: its first proposal comes from `draft`'s
         # catch-up step, which re-feeds the prompt's last token (and sets its seq_lens).
-        draft.run(PREFILL, prompts.tokens, positions)
+        draft.run_last(PREFILL, prompts.tokens, positions, last)
     counter = torch.zeros_like(state.generated) if emitted is None else emitted  # output index
-    first = choose(state, first_token_logits(logits, true_length, vocab_size), do_sample,
-                   counter=counter)
+    first = choose(state, first_token_logits(logits, vocab_size), do_sample, counter=counter)
     return _start_rows(state, prompts.tokens, prompts.batch, true_length, first, emitted)
 
 
-def first_token_logits(logits: torch.Tensor, true_length: int, vocab_size: int) -> torch.Tensor:
-    """The [B, V] fp32 logits a prompt's first new token is chosen from: position
-    true_length - 1 of prefill's [B, T, V_target] (fuser/build.py `warm_up` takes the argmax of
-    the same, so that a build compiles the kernel variant a request runs)."""
-    return logits[:, true_length - 1, :vocab_size].float()
+def first_token_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The [B, vocab_size] fp32 logits a prompt's first new token is chosen from, of the
+    prompt's last position's [B, V_target] (fuser/build.py `warm_up` takes the argmax of the
+    same, so that a build compiles the kernel variant a request runs)."""
+    return logits[:, :vocab_size].float()
 
 
 def prefill_chunk(target: ModelSteps, draft: ModelSteps | None, state: DecodeState,
@@ -269,12 +268,12 @@ def prefill_chunk(target: ModelSteps, draft: ModelSteps | None, state: DecodeSta
             model.cache.begin(torch.zeros(B, dtype=torch.long, device=tokens.device))
             model.cache.set_lengths(lengths)
     last = T - 1 - lengths  # [B]: each row's last prompt token in the chunk
-    logits = target.run_chunk(chunk, slots, last)  # [B, V_target] (positions = slots)
+    logits = target.run_last(CHUNK, chunk, slots, last)  # [B, V_target] (positions = slots)
     if draft is not None:
-        draft.run_chunk(chunk, slots, last)
+        draft.run_last(CHUNK, chunk, slots, last)
     target.cache.set_lengths(T)
     counter = torch.zeros_like(state.generated) if emitted is None else emitted
-    first = choose(state, logits[:, :vocab_size].float(), do_sample, counter=counter)
+    first = choose(state, first_token_logits(logits, vocab_size), do_sample, counter=counter)
     return _start_rows(state, tokens, B, T, first, emitted)
 
 
@@ -285,7 +284,7 @@ def _chunk_width(target: ModelSteps, draft: ModelSteps | None, width: int) -> in
     chunk: written and later overwritten (by the next chunk, or by decoding, as for a row whose
     prompt ends inside a chunk), or dropped past the cache's last slot."""
     room = min(m.cache.slots for m in (target, draft) if m is not None)
-    return target.chunk_width(width, room)
+    return target.width(CHUNK, width, room)
 
 
 def _chunk(tokens: torch.Tensor, progress: list[int], width: int
@@ -323,7 +322,7 @@ def prefill_part(target: ModelSteps | None, draft: ModelSteps | None, tokens: to
         if model is not None:
             model.cache.begin(torch.zeros(B, dtype=torch.long, device=tokens.device))
             model.cache.set_lengths(lengths)
-            model.run_chunk(chunk, slots, last)  # (the logits are not needed)
+            model.run_last(CHUNK, chunk, slots, last)  # (the logits are not needed)
             model.cache.set_lengths(lengths + width)
 
 
@@ -726,14 +725,13 @@ def _reprefill(draft_model: ModelSteps, target: ModelSteps, state: DecodeState) 
     """
     cache = draft_model.cache
     T = max(int(target.cache.seq_lens.max()), 2)
-    if draft_model.prefill_graphs is not None:
-        room = min(cache.slots, target.cache.slots, state.history.shape[1])
-        T = padded_length(T, room) or T
+    T = draft_model.width(PREFILL, T, min(target.cache.slots, state.history.shape[1]))
     tokens = state.history[:, :T]  # [B, T]
     slots = torch.arange(T, device=tokens.device)[None]  # [1, T]
     positions = (slots - target.cache.starts[:, None]).clamp(min=0)  # [B, T]
     cache.begin(target.cache.starts)
-    draft_model.run(PREFILL, tokens.contiguous(), positions)
+    last = torch.zeros(tokens.shape[0], dtype=torch.long, device=tokens.device)
+    draft_model.run_last(PREFILL, tokens.contiguous(), positions, last)  # (logits not needed)
     cache.set_lengths(target.cache.seq_lens)
 
 

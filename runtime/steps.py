@@ -166,25 +166,27 @@ class ModelSteps:
         at slots seq_lens[b] + t and does not move the lengths: the caller does (by what it
         keeps), through the cache.
         """
-        if kind == PREFILL and self.prefill_graphs is not None:
-            return self.prefill_graphs.run(tokens, positions)
         return self.steps[kind](tokens, positions, self.cache.seq_lens, self.cache.starts)
 
-    def chunk_width(self, tokens: int, room: int) -> int:
-        """The width `run_chunk` should be given for a chunk of `tokens` tokens a row: a
-        captured width of at most `room` where chunks are captured, else `tokens`."""
-        if self.chunk_graphs is None:
-            return tokens
-        return self.chunk_graphs.width(tokens, room)
+    def width(self, kind: StepKind, tokens: int, room: int) -> int:
+        """The width `run_last(kind, ...)` should be given for `tokens` tokens a row: a
+        captured length of at most `room` where `kind` is captured, else `tokens`."""
+        graphs = self._graphs(kind)
+        return tokens if graphs is None else graphs.width(tokens, room)
 
     @torch.no_grad()
-    def run_chunk(self, tokens: torch.Tensor, slots: torch.Tensor, last: torch.Tensor
-                  ) -> torch.Tensor:
-        """The CHUNK step over tokens [B, W] at slots [B, W] (positions = slots; written from
-        seq_lens[b] on): the logits at position last[b] ([B] int64) of each row, [B, V]."""
-        if self.chunk_graphs is not None:
-            return self.chunk_graphs.run(tokens, slots, last)
-        return last_logits(self.run(CHUNK, tokens, slots), last)
+    def run_last(self, kind: StepKind, tokens: torch.Tensor, positions: torch.Tensor,
+                 last: torch.Tensor) -> torch.Tensor:
+        """A PREFILL or CHUNK step, as `run`, returning only the logits at position last[b]
+        ([B] int64) of each row: [B, V]. Through the captured graphs where they are set
+        (`prefill_graphs`, `chunk_graphs`)."""
+        graphs = self._graphs(kind)
+        if graphs is not None:
+            return graphs.run(tokens, positions, last)
+        return last_logits(self.run(kind, tokens, positions), last)
+
+    def _graphs(self, kind: StepKind) -> object | None:
+        return {PREFILL: self.prefill_graphs, CHUNK: self.chunk_graphs}.get(kind)
 
     def graph_replays(self) -> dict[str, int]:
         """CUDA graph replays so far, per captured step."""

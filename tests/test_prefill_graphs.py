@@ -15,7 +15,7 @@ from fuser.runtime.prefill_graphs import (
     SHORT_PREFILL_TOKENS,
     padded_length,
 )
-from fuser.runtime.steps import PREFILL
+from fuser.runtime.steps import PREFILL, last_logits
 from tiny import random_prompts, tiny_model
 
 
@@ -89,14 +89,15 @@ def test_long_prefill_graphs_are_kept_least_recently_used_first(monkeypatch) -> 
 
     from fuser.runtime import prefill_graphs
 
-    cache = SimpleNamespace(slots=10**6, seq_lens=None, starts=None, batch_size=1)
+    cache = SimpleNamespace(slots=10**6, seq_lens=torch.zeros(1, dtype=torch.long), starts=None,
+                            batch_size=1)
     model = SimpleNamespace(cache=cache, role="target")
     graphs = prefill_graphs.PrefillGraphs(model, pool=None)
     monkeypatch.setattr(graphs, "_capture",
                         lambda T: graphs.graphs.setdefault(T, _Step(T)))
 
     def run(T: int) -> int:
-        return graphs.run(torch.zeros(1, T), torch.zeros(1, T))
+        return graphs.run(torch.zeros(1, T), torch.zeros(1, T), torch.zeros(1, dtype=torch.long))
 
     for T in (64, 1024, 2048, 3072, 4096, 1024):  # 1024 used again: now the most recent
         assert run(T) == T
@@ -140,11 +141,12 @@ def test_gpu_prefill_graph_replays_the_uncaptured_prefill() -> None:
     model = bucket.target
     tokens = torch.randint(0, target.config.vocab_size, (2, PREFILL_BLOCK), device="cuda")
     positions = torch.arange(PREFILL_BLOCK, device="cuda")[None].repeat(2, 1)
+    last = torch.tensor([8, 4], device="cuda")  # each row's last prompt position
     model.cache.begin(torch.zeros(2, dtype=torch.long, device="cuda"))
-    captured = model.run(PREFILL, tokens, positions).clone()
+    captured = model.run_last(PREFILL, tokens, positions, last).clone()
     model.cache.begin(torch.zeros(2, dtype=torch.long, device="cuda"))
     plain = model[PREFILL](tokens, positions, model.cache.seq_lens, model.cache.starts)
-    assert torch.equal(captured, plain)
+    assert torch.equal(captured, last_logits(plain, last))
     # Greedy output with captured prefill equals the output with it off.
     for prefill in bucket.prefills:
         prefill.model.prefill_graphs = None
@@ -160,7 +162,7 @@ def test_gpu_chunk_graph_replays_the_uncaptured_chunk() -> None:
     uncaptured step's logits at each row's chosen position and leaves the same pools, over
     slots a prefill wrote before it (fp32, the same kernels: bit for bit)."""
     from fuser.runtime.prefill_graphs import ChunkGraphs
-    from fuser.runtime.steps import CHUNK, last_logits
+    from fuser.runtime.steps import CHUNK
 
     target = tiny_model("llama", layers=2, dtype=torch.float32).to("cuda")
     engine = fuser.optimize(target, config=fuser.FuserConfig(
@@ -181,7 +183,7 @@ def test_gpu_chunk_graph_replays_the_uncaptured_chunk() -> None:
         model.run(PREFILL, prompt, torch.arange(32, device="cuda")[None].repeat(2, 1))
         cache.set_lengths(lengths)
         if captured:
-            out = model.run_chunk(chunk, slots, last)
+            out = model.run_last(CHUNK, chunk, slots, last)
         else:
             out = last_logits(model[CHUNK](chunk, slots, cache.seq_lens, cache.starts), last)
         return [out.clone(), *(t.clone() for t in (*cache.k, *cache.v))]
@@ -207,21 +209,28 @@ class _Cache:
 
 class _Model:
     """A stand-in for ModelSteps without a RESYNC step: records the prefill widths it is asked
-    to run."""
+    to run (captured: padded as `PrefillGraphs.width` pads them)."""
 
-    def __init__(self, cache: _Cache, graphs: object | None) -> None:
-        self.cache, self.prefill_graphs, self.widths = cache, graphs, []
+    def __init__(self, cache: _Cache, captured: bool) -> None:
+        self.cache, self.captured, self.widths = cache, captured, []
 
     def __contains__(self, kind: object) -> bool:
         return kind == PREFILL
 
-    def run(self, kind: object, tokens: torch.Tensor, positions: torch.Tensor) -> None:
+    def width(self, kind: object, tokens: int, room: int) -> int:
+        assert kind == PREFILL
+        padded = padded_length(tokens, min(room, self.cache.slots)) if self.captured else None
+        return padded or tokens
+
+    def run_last(self, kind: object, tokens: torch.Tensor, positions: torch.Tensor,
+                 last: torch.Tensor) -> None:
         assert kind == PREFILL and tokens.shape == positions.shape
+        assert last.shape == (tokens.shape[0],)
         self.widths.append(tokens.shape[1])
 
 
-@pytest.mark.parametrize("graphs,width", [(None, 45), (object(), 64)])
-def test_resync_pads_the_draft_prefill_to_a_captured_length(graphs, width) -> None:
+@pytest.mark.parametrize("captured,width", [(False, 45), (True, 64)])
+def test_resync_pads_the_draft_prefill_to_a_captured_length(captured, width) -> None:
     # After target-only steps a draft without the RESYNC step re-prefills the sequence; with
     # prefill graphs it runs at a captured length (45 -> 64) instead of an uncaptured prefill at
     # an arbitrary T.
@@ -230,8 +239,8 @@ def test_resync_pads_the_draft_prefill_to_a_captured_length(graphs, width) -> No
     from fuser.runtime.speculative import resync_draft
 
     lengths = torch.tensor([45, 30])
-    target = _Model(_Cache(128, lengths), None)
-    draft = _Model(_Cache(128, torch.zeros(2, dtype=torch.long)), graphs)
+    target = _Model(_Cache(128, lengths), False)
+    draft = _Model(_Cache(128, torch.zeros(2, dtype=torch.long)), captured)
     state = SimpleNamespace(history=torch.arange(2 * 128).reshape(2, 128))
     resync_draft(draft, target, state, behind=20)
     assert draft.widths == [width]
