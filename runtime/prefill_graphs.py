@@ -12,10 +12,11 @@ the same kernels run back to back.
 
 Captured lengths: multiples of PREFILL_BLOCK up to SHORT_PREFILL_TOKENS, then steps of 1/8 of
 the length's power of two (576, 640, ..., 1024, 1152, ..., 2048, 2304, ...), so that padding
-costs at most ~1/8 more work, up to PREFILL_GRAPH_MAX_TOKENS. Each graph keeps its output
-logits [B, T, V] and its activations' pool space, so at most MAX_LONG_GRAPHS graphs longer than
-SHORT_PREFILL_TOKENS are kept: capturing another drops the least recently used one. Longer
-prompts run uncaptured.
+costs at most ~1/8 more work, up to PREFILL_GRAPH_MAX_TOKENS. Each graph keeps its output, the
+logits at one position a row ([B, V]), and its share of the pool, so at most MAX_LONG_GRAPHS
+graphs longer than SHORT_PREFILL_TOKENS are kept: capturing another drops the least recently
+used one. Longer prompts run uncaptured. A paged engine's CHUNK step (a prompt's rest after
+cached blocks, a chunked prefill's part) is captured the same way (`ChunkGraphs`).
 
 Padding is safe because prefill attention is causal and a row's padding slots lie past its end:
 they are written, then overwritten by the decode steps (runtime/prompts.py `pad_batch`). All
