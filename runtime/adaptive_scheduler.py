@@ -81,7 +81,7 @@ class AdaptiveScheduler(Scheduler):
     """runtime/scheduler.py's Scheduler with the suffix index, the controller over sources and
     online draft distillation (see the module docstring).
 
-    Args (beyond Scheduler's):
+    Args (beyond Scheduler's, whose max_num_batched_tokens it does not take: whole prompts):
         suffix: propose from the suffix index (default: FuserConfig.suffix_speculation).
         adapt_draft: distil the draft online (default: FuserConfig.adapt_draft; needs a draft
             and the module it was built from, the engine's own unless `module` is given).
@@ -100,12 +100,14 @@ class AdaptiveScheduler(Scheduler):
     """
 
     def __init__(self, engine: object, *, max_waiting: int = 256, prefill_tokens: int = 2048,
+                 prefix_caching: bool = True,
                  suffix: bool | None = None, adapt_draft: bool | None = None,
                  costs: Mapping[str, object] | None = None, index: SuffixIndex | None = None,
                  distill: DistillConfig | None = None, module: nn.Module | None = None,
                  background: bool = True, controller_options: Mapping[str, object] | None = None,
                  suffix_min_match: int = 4) -> None:
-        super().__init__(engine, max_waiting=max_waiting, prefill_tokens=prefill_tokens)
+        super().__init__(engine, max_waiting=max_waiting, prefill_tokens=prefill_tokens,
+                         prefix_caching=prefix_caching)
         config = engine.config
         has_draft = any(b.draft is not None for b in engine.buckets.values())
         self.suffix = config.suffix_speculation if suffix is None else suffix

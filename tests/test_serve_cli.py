@@ -479,6 +479,26 @@ def test_a_model_directory_serves_a_paged_cache_with_prefix_caching(tiny_model_d
         dict(kv_block_size=16, kv_memory_fraction=0.5)
 
 
+def test_adaptation_keeps_no_prefix_caching(tiny_model_dir):
+    """`--adapt-draft --no-prefix-caching` on a paged cache: the adaptive scheduler shares no
+    blocks (the flag reached it), as the plain one would not."""
+    from fuser.runtime.adaptive_scheduler import AdaptiveScheduler
+    from fuser.server.cli import make_scheduler, open_engine
+
+    args = _serve_args("--adapt-draft", "--max-batch-size", "2", "--max-seq-len", "64")
+    args.path = str(tiny_model_dir)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = open_engine(args)
+    for flags, sharing in (((), True), (("--no-prefix-caching",), False)):
+        scheduler = make_scheduler(engine, _serve_args("--adapt-draft", *flags))
+        try:
+            assert isinstance(scheduler, AdaptiveScheduler)
+            assert scheduler.blocks is not None and scheduler.blocks.prefix_caching is sharing
+        finally:
+            scheduler.close()
+
+
 def test_kv_cache_flag_mistakes_are_one_line(tiny_model_dir, capsys):
     for flags, word in ((["--block-size", "-1"], "--block-size"),
                         (["--max-num-batched-tokens", "-1"], "--max-num-batched-tokens"),

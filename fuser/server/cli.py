@@ -348,7 +348,8 @@ def make_scheduler(engine: Any, args: argparse.Namespace) -> Any:
         try:
             module = adapted_draft_module(engine, args.path) if engine.gammas else None
             scheduler = AdaptiveScheduler(engine, max_waiting=args.max_waiting, suffix=True,
-                                          adapt_draft=bool(engine.gammas), module=module)
+                                          adapt_draft=bool(engine.gammas), module=module,
+                                          prefix_caching=getattr(args, "prefix_caching", True))
         except (ValueError, RuntimeError, NotImplementedError) as e:
             hint = "; rebuild it with fuser build --suffix-steps" \
                 if "no verify step for gamma" in str(e) else ""
