@@ -61,11 +61,14 @@ _POOLED = 1 << 62  # a pooled key's value: this plus its global offset (own ones
 _FREE = 1 << 62  # a free row's region end (no row is ever short of room)
 _GUARD = np.uint64(0xD6E8FEB86659FD93)  # the digit before a first token (no token +1; odd, so
                                       # that its multiples reach the low bits)
-_WAYS = 8  # keys a bucket holds: 8 uint64, one cache line
+_WAYS = 7  # keys a bucket holds
+_ROW = 16  # a bucket's uint64s: its keys, a guard key, their values, a guard value
+_VALUE = 8  # where in a bucket its values start (the keys' and the guard's)
+_ALL = np.uint64(0xFFFFFFFFFFFFFFFF)  # the guard key (never a key, never free), and value -1
 _ONE = np.uint64(1)
 _GATHER = np.uint64(0x0102040810204080)  # `_lowest_way`
 _FIRST = np.array([_WAYS] + [(m & -m).bit_length() - 1 for m in range(1, 256)],
-                  np.intp)  # [256] a mask of ways -> its lowest (_WAYS: none)
+                  np.intp)  # [256] a mask of ways -> its lowest (none: _WAYS, the guard)
 
 
 @dataclass(frozen=True)
@@ -94,15 +97,14 @@ def _lowest_way(words: np.ndarray) -> np.ndarray:
 
 class _Table:
     """A hash table of uint64 keys (0: empty; a hash is 0 with probability 2**-64) to int64
-    values (-1: none), read and written a batch of keys at a time: `nb` buckets of _WAYS keys
-    (a row of `keys`, one cache line) and their values (a row of `values`, and a -1 after
-    them: what a miss reads); a key lives in bucket key >> (64 - bits) (keys come mixed),
-    or, where that bucket was full when it came, in the stash (a dict) with the bucket
-    flagged. A batch's lookup is one gather of its buckets and one compare; the bytes of a
-    bucket's compare, read as one uint64, say whether and where (`_lowest_way`).
-
-    A bucket's keys fill its first ways (removal closes the gap), so a key is held at the
-    first way that holds it or is free: an insert finds its way with one compare.
+    values (-1: none), read and written a batch of keys at a time: `nb` buckets, each one
+    row of `rows` (128 bytes: two adjacent cache lines): _WAYS keys and a guard key (all
+    ones: never a key, never free), then their values and a guard value (-1: what a miss
+    reads). A key lives in bucket key >> (64 - bits) (keys come mixed), or, where that
+    bucket was full when it came, in the stash (a dict) with the bucket flagged. A batch's
+    lookup is one gather of its buckets' rows (keys and values come together) and one
+    compare; the bytes of a bucket's compare, read as one uint64, say whether and where
+    (`_lowest_way`).
 
     Values only grow: a key inserted again (or twice in one batch) keeps the largest value
     (np.maximum.at over the held one; a free way's value is -1). A key is in its bucket or
@@ -117,14 +119,16 @@ class _Table:
 
     def __init__(self) -> None:
         self._reset(self.first_bits)
+        self._offsets = _VALUE + _ROW * np.arange(1 << 10)  # `get`: values in gathered rows
 
     def _reset(self, bits: int) -> None:
         self.bits = bits
         self.shift = np.uint64(64 - bits)
-        self.keys = np.zeros((1 << bits, _WAYS), np.uint64)  # [nb, W]
-        self.flat_keys = self.keys.reshape(-1)  # [nb * W] a view: key w of b at W b + w
-        self.values = np.full((_WAYS + 1) << bits, -1, np.int64)  # [nb * (W + 1)] its value
-        self.value_rows = self.values.reshape(-1, _WAYS + 1)  # [nb, W + 1] a view
+        self.rows = np.full((1 << bits, _ROW), _ALL, np.uint64)  # [nb, 16]
+        self.rows[:, :_WAYS] = 0
+        self.flat = self.rows.reshape(-1)  # [nb * 16] a view: key w of b at 16 b + w
+        self.flat_values = self.flat.view(np.int64)  # its value at 16 b + 8 + w
+        self.capacity = _WAYS << bits
         self.flagged = np.zeros(1 << bits, bool)  # [nb] some key of the bucket is stashed
         self.stash: dict[int, int] = {}
         self.count = 0
@@ -135,8 +139,13 @@ class _Table:
     def get(self, keys: np.ndarray) -> np.ndarray:
         """The values of `keys` (any shape), -1 where absent."""
         b = self.bucket(keys)
-        hit = (np.take(self.keys, b, axis=0) == keys[..., None]).view(np.uint64)[..., 0]
-        values = np.take(self.values, b * (_WAYS + 1) + _lowest_way(hit))  # a miss: way W
+        rows = np.take(self.rows, b, axis=0)  # [..., 16]
+        hit = (rows == keys[..., None]).view(np.uint64)[..., 0]  # (whole rows: contiguous)
+        n = keys.size
+        if n > len(self._offsets):
+            self._offsets = _VALUE + _ROW * np.arange(2 * n)
+        values = np.take(rows.view(np.int64).reshape(-1),  # a miss: the guard value
+                         self._offsets[:n] + _lowest_way(hit).reshape(-1)).reshape(keys.shape)
         if self.stash:  # a miss in a flagged bucket may be stashed
             maybe = (values < 0) & self.flagged[b]
             if maybe.any():
@@ -148,31 +157,31 @@ class _Table:
         """Insert keys [m] -> values [m] (class docstring: values only grow); -> how many
         keys were not held (exact for distinct keys)."""
         m = len(keys)
-        if self.count + m > self.max_load * self.keys.size:
-            self.count = int(np.count_nonzero(self.keys)) + len(self.stash)
-            if self.count + m > self.max_load / 2 * self.keys.size:
+        if self.count + m > self.max_load * self.capacity:
+            self.count = int(np.count_nonzero(self.rows[:, :_WAYS])) + len(self.stash)
+            if self.count + m > self.max_load / 2 * self.capacity:
                 self._grow(self.count + m)
         b = self.bucket(keys)
-        rows = np.take(self.keys, b, axis=0)  # [m, W]
-        mine = rows == keys[:, None]  # [m, W] the way holding it (one at most)
+        rows = np.take(self.rows, b, axis=0)  # [m, 16] (whole rows: contiguous compares)
+        mine = (rows == keys[:, None]).view(np.uint64)[:, 0]  # [m] its way's byte set, if held
         new = m - np.count_nonzero(mine)
-        # The way holding it, else the first free one (a bucket's keys come first).
-        word = (mine | (rows == 0)).view(np.uint64)[:, 0]  # [m] 0: the bucket is full
+        # The way holding it, else the first free one.
+        word = np.where(mine != 0, mine, (rows == 0).view(np.uint64)[:, 0])  # [m] 0: full
         way = _lowest_way(word)  # [m]
         if self.stash and new:  # a stashed key that finds room in its bucket leaves it
             flagged = np.take(self.flagged, b)
             if flagged.any():
-                moved = flagged & (way < _WAYS) & ~mine.any(1)
+                moved = flagged & (way < _WAYS) & (mine == 0)
                 if moved.any():
                     new -= self._unstash(keys[moved])
-        at = b * _WAYS + way  # [m] its way (full buckets: fixed below)
+        at = b * _ROW + way  # [m] its way (full buckets: fixed below)
         if np.count_nonzero(word) < m:  # no way holds it and none is free: to the stash
             full = word == 0
             room = ~full
             new += self._stash(keys[full], values[full], b[full]) - int(np.count_nonzero(full))
             keys, values, b, at = keys[room], values[room], b[room], at[room]
-        self.flat_keys[at] = keys  # new keys claim it; one wins where several claim a way
-        lost = np.take(self.flat_keys, at) != keys  # (a held key always wins)
+        self.flat[at] = keys  # new keys claim it; one wins where several claim a way
+        lost = np.take(self.flat, at) != keys  # (a held key always wins)
         if np.count_nonzero(lost):
             won = ~lost
             lost = keys[lost], values[lost]
@@ -180,7 +189,7 @@ class _Table:
             new -= len(lost[0])
         else:
             lost = None
-        np.maximum.at(self.values, at + b, values)  # a free way's value is -1
+        np.maximum.at(self.flat_values, at + _VALUE, values)  # a free way's value is -1
         self.count += new
         if lost is not None:  # a free way went to another key: the next one (few)
             new += self._insert_one_by_one(*lost) if len(lost[0]) <= 8 else self.insert(*lost)
@@ -189,16 +198,16 @@ class _Table:
     def _insert_one_by_one(self, keys: np.ndarray, values: np.ndarray) -> int:
         """`insert` for a few keys, in Python."""
         new = 0
-        flat_keys, flat_values, stash = self.flat_keys, self.values, self.stash
+        flat, flat_values, stash = self.flat, self.flat_values, self.stash
         for key, value, b in zip(keys.tolist(), values.tolist(), self.bucket(keys).tolist()):
-            row = flat_keys[b * _WAYS:(b + 1) * _WAYS].tolist()
+            row = flat[b * _ROW:b * _ROW + _WAYS].tolist()
             if key in row:
-                at = b * (_WAYS + 1) + row.index(key)
+                at = b * _ROW + _VALUE + row.index(key)
                 flat_values[at] = max(int(flat_values[at]), value)
             elif 0 in row:
                 way = row.index(0)
-                flat_keys[b * _WAYS + way] = key
-                flat_values[b * (_WAYS + 1) + way] = value
+                flat[b * _ROW + way] = key
+                flat_values[b * _ROW + _VALUE + way] = value
                 new += 1 - self._unstash(np.array([key], np.uint64))
             else:
                 self.flagged[b] = True
@@ -233,21 +242,14 @@ class _Table:
         if not len(keys):
             return 0
         b = self.bucket(keys)
-        hit = (np.take(self.keys, b, axis=0) == keys[:, None]).view(np.uint64)[:, 0]
-        way = _lowest_way(hit)  # [m] W where absent: the -1 after the bucket's values
-        at = b * (_WAYS + 1) + way  # [m] its value
-        held = np.take(self.values, at) == values
+        hit = (np.take(self.rows, b, axis=0)[:, :_VALUE] == keys[:, None]
+               ).view(np.uint64)[:, 0]
+        at = b * _ROW + _lowest_way(hit)  # [m] absent: the guard (its value -1)
+        held = np.take(self.flat_values, at + _VALUE) == values
         at = at[held]
-        self.values[at] = -1
-        self.flat_keys[at - b[held]] = 0
+        self.flat_values[at + _VALUE] = -1
+        self.flat[at] = 0
         removed = len(at)
-        if removed:  # the buckets' keys first again (their order kept)
-            emptied = np.unique(b[held])  # [U]
-            rows = self.keys[emptied]  # [U, W]
-            order = np.argsort(rows == 0, axis=1, kind="stable")  # [U, W]
-            self.keys[emptied] = np.take_along_axis(rows, order, 1)
-            kept = self.value_rows[emptied, :_WAYS]
-            self.value_rows[emptied, :_WAYS] = np.take_along_axis(kept, order, 1)
         if self.stash:
             stash = self.stash
             maybe = ~held & self.flagged[b]
@@ -266,9 +268,9 @@ class _Table:
         bits = self.bits
         while needed > self.max_load / 2 * (_WAYS << bits):
             bits += 1
-        held = self.keys != 0  # [nb, W]
-        keys = self.keys[held]
-        values = self.values.reshape(-1, _WAYS + 1)[:, :_WAYS][held]
+        held = self.rows[:, :_WAYS] != 0  # [nb, W]
+        keys = self.rows[:, :_WAYS][held]
+        values = self.rows[:, _VALUE:_VALUE + _WAYS].view(np.int64)[held]
         stash = self.stash
         if stash:
             keys = np.concatenate([keys, np.fromiter(stash.keys(), np.uint64, len(stash))])
