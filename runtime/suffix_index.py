@@ -25,16 +25,17 @@ at e times the powers, cumulative-summed, gives every n at once. A hit is truste
 two different n-grams share a key with probability ~2**-64 (and a wrong proposal would only
 be rejected by the target, as any other).
 
-The table (`_Table`) is numpy: buckets of 8 keys, one 64-byte line each, probed for a whole
-batch of keys with one gather and one compare; a key whose bucket is full goes to a small dict
-(the stash). Finished requests' own keys and evicted outputs' pooled keys are removed, so
-every value points at live tokens.
+The table (`_Table`) is numpy: buckets of 7 keys and their values, one 128-byte row each,
+probed for a whole batch of keys with one gather and one compare; a key whose bucket is full
+goes to a small dict (the stash). Finished requests' own keys and evicted outputs' pooled
+keys are removed, so every value points at live tokens.
 
 A step's host work (the adaptive scheduler's): `extend` per row only appends to lists; the
 lookup (`propose_many`) first indexes every row's new tokens at once (`flush`: write them
-into the token rows, hash the windows ending before each of them and at each row's last
-token, insert the former's keys, keep the latter's), then probes, for every row at once, the
-suffix's own and pooled keys at the longest and the shortest length. A suffix that never
+into the token rows, hash the windows ending at each row's last K + 1 tokens, K the most a
+row brought, insert the keys of all but the last, keep the last's), then probes, for every
+row at once, the suffix's own and pooled keys at the longest and the shortest length (the
+keys flush just made: no second gather). A suffix that never
 occurred has no longer one that did, so that settles most rows (no match, or the longest);
 the lengths between are probed only for rows that matched the shortest and not the longest.
 The proposals are one gather from the token rows (own matches, with their period) or the
@@ -412,11 +413,10 @@ class SuffixIndex:
         one ending at each row's new last token hashed; the former's keys inserted, the
         latter's kept in _probe.
 
-        Where every row brings at most _grid tokens (K the most), has room for them and had
-        2 tokens or more: the windows of a [rows, K + 1] grid, each row's last K + 1 ends
-        (a row that brought fewer inserts some of its earlier n-grams again, as they were;
-        ends before its first token are its first), without a ragged index; otherwise
-        (`_flush_ragged`) the windows ending at each new token."""
+        Where every row brings at most _grid tokens (K the most), has room for them, had 2
+        tokens or more and is extended once: in a few calls (where every row brings K, the
+        windows of a [rows, K + 1] grid, each row's last K + 1 ends); otherwise
+        `_flush_ragged` (rows that move, merged extends, short rows)."""
         slots = self._pending_slots
         if not slots:
             return
@@ -430,26 +430,37 @@ class SuffixIndex:
         self._slack -= K
         rows = np.fromiter(slots, np.intp, R)  # [R]
         counts = np.fromiter(counts, np.int64, R)  # [R]
+        tokens = np.fromiter(tokens, np.uint64, len(tokens))  # [T]
+        tokens += _ONE
+        T = len(tokens)
         end = np.take(self._end, rows)  # [R] where each row's first new token goes
         stop = end + counts  # [R]
         self._end[rows] = stop
-        T = len(tokens)
-        if T:
-            at = self._iota(T) + np.repeat(stop - np.cumsum(counts), counts)  # [T]
-            self._arena[at] = np.fromiter(tokens, np.uint64, T) + _ONE
         start = np.take(self._start, rows)  # [R]
-        ends = (stop - start)[:, None] - self._behind[:K + 1]  # [R, K + 1] n-grams' ends
-        np.maximum(ends, 0, out=ends)  # (from the row's first token on)
-        window = np.take(self._arena, (start[:, None] + ends)[:, :, None] - self._back)
-        hashes = np.cumsum(window * self._powers, axis=2)  # [R, K + 1, G] n = 1..G
         salt2 = np.take(self._salt2, rows, axis=0)  # [R, 2]
-        probe = hashes[:, 0, ::-1][:, :self._L]  # [R, L] the suffix, n = max..min
-        probe = (probe[:, :, None] ^ salt2[:, None, :]).reshape(R, -1)  # [R, 2L]
-        self._probe[rows] = probe
-        self._flushed = (slots, rows, probe, start, stop)
-        if K:
-            keys = hashes[:, 1:, self.min_ngram - 1:] ^ salt2[:, :1, None]  # [R, K, L]
+        lo = self.min_ngram - 1
+        if T == R * K:  # K tokens a row: the windows of a [R, K + 1] grid
+            self._arena[(end[:, None] + self._iota(K)).reshape(-1)] = tokens
+            ends = (stop - start)[:, None] - self._behind[:K + 1]  # [R, K + 1] last first
+            window = np.take(self._arena, (start[:, None] + ends)[:, :, None] - self._back)
+            hashes = np.cumsum(window * self._powers, axis=2)  # [R, K + 1, G] n = 1..G
+            suffix = hashes[:, 0]  # [R, G]
+            keys = hashes[:, 1:, lo:] ^ salt2[:, :1, None]  # [R, K, L]
             values = np.broadcast_to(ends[:, 1:, None], keys.shape)
+        else:  # the windows ending before each new token, then at each row's last
+            row = np.repeat(self._iota(R), counts)  # [T] each new token's row
+            at = self._iota(T) + np.take(stop - np.cumsum(counts), row)  # [T] its place
+            self._arena[at] = tokens
+            at -= 1  # [T] where the n-gram before it ends
+            window = np.take(self._arena, np.concatenate([at, stop - 1])[:, None] - self._back)
+            hashes = np.cumsum(window * self._powers, axis=1)  # [T + R, G] n = 1..G
+            suffix = hashes[T:]  # [R, G]
+            keys = hashes[:T, lo:] ^ np.take(salt2[:, 0], row)[:, None]  # [T, L]
+            values = np.broadcast_to((at - np.take(start, row))[:, None], keys.shape)
+        probe = (suffix[:, ::-1][:, :self._L, None] ^ salt2[:, None, :]).reshape(R, -1)
+        self._probe[rows] = probe  # [R, 2L] n = max..min, own and pooled
+        self._flushed = (slots, rows, probe, start, stop)
+        if T:
             self._table.insert(keys.reshape(-1), values.reshape(-1))
 
     def _flush_ragged(self, slots: list[int], counts: list[int], tokens: list[int]) -> None:
@@ -675,6 +686,17 @@ class SuffixIndex:
                 out[row] = Proposal(row_tokens[:count], "recent" if is_pooled else "own", n)
         return out
 
+    def propose_arrays(self, request_ids: Sequence[Hashable], max_tokens: int,
+                       min_match: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """`propose_many` as arrays, no Python list a token: (tokens [R, max_tokens] int64,
+        counts [R] int64); request r proposes tokens[r, :counts[r]] (0: nothing; what lies
+        past counts[r] is unspecified). `SuffixProposals.load_arrays` takes them as they are."""
+        found = self._search(request_ids, max_tokens, min_match)
+        if found is None:
+            R = len(request_ids)
+            return np.zeros((R, max(max_tokens, 0)), np.int64), np.zeros(R, np.int64)
+        return found[0].view(np.int64), found[1]
+
     def propose_many(self, request_ids: Sequence[Hashable], max_tokens: int,
                      min_match: int = 1) -> list[list[int]]:
         """Per request, `propose`'s tokens where the match has at least min_match tokens
@@ -718,8 +740,9 @@ class SuffixIndex:
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
         """Per request, where its suffix matched min_match tokens or more (None: no row):
         (tokens [R, max_tokens] (a row's first counts[r] are its proposal), counts [R] (0: no
-        match), pooled [R] bool, match [R]). Every length of both kinds in one probe: the
-        best hit is the first column of _probe that holds one."""
+        match), pooled [R] bool, match [R]). The longest and the shortest n of both kinds
+        first, then the lengths between for rows that matched only the shortest: the best
+        hit is the first column of _probe that holds one."""
         self.flush()
         fresh, self._flushed = self._flushed, None
         R = len(request_ids)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -75,6 +76,10 @@ def test_batched_proposals_equal_a_brute_force_search(rows, max_ngram, max_token
         want = [_brute(seqs[r], pool, max_tokens, lo, max_ngram) for r in ids]
         assert index.lookup_many(ids, max_tokens) == want
         assert index.propose_many(ids, max_tokens, min_match) == \
+            [w.tokens if w.match >= min_match else [] for w in want]
+        tokens, counts = index.propose_arrays(ids, max_tokens, min_match)
+        assert tokens.shape == (len(ids), max_tokens) and counts.shape == (len(ids),)
+        assert [t[:c] for t, c in zip(tokens.tolist(), counts.tolist())] == \
             [w.tokens if w.match >= min_match else [] for w in want]
         assert [index.lookup(r, max_tokens) for r in ids] == want
         if action == 0:  # the oldest row finishes into the pool
@@ -190,6 +195,29 @@ def test_load_fills_the_buffer_as_a_row_by_row_copy(batch, gamma, proposals, anc
     buffer.packed.fill_(5)  # (what an earlier load left)
     buffer.load(proposals, anchors=anchors)
     assert torch.equal(buffer.packed, _load_row_by_row(buffer, proposals, anchors))
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(st.integers(1, 9), st.integers(1, 4),
+       st.lists(st.lists(st.integers(0, 99), max_size=20), max_size=9), st.booleans(),
+       st.integers(0, 3))
+def test_load_arrays_fills_the_buffer_as_load_does(batch, gamma, proposals, anchored, spare):
+    """`load_arrays` (SuffixIndex.propose_arrays' form: padded tokens and counts, whatever
+    lies past a row's count) puts in the buffer what `load` puts for the same lists."""
+    proposals = proposals[:batch]
+    anchors = [7 * b + 1 for b in range(len(proposals))] if anchored else None
+    width = max(map(len, proposals), default=0) + spare  # wider or narrower than the buffer
+    tokens = np.full((len(proposals), width), 77, np.int64)  # (77: what lies past a count)
+    for b, row in enumerate(proposals):
+        tokens[b, :len(row)] = row
+    counts = np.array([len(row) for row in proposals], np.int64)
+    want = SuffixProposals(batch, gamma, torch.device("cpu"))
+    want.packed.fill_(5)  # (what an earlier load left)
+    want.load(proposals, anchors=anchors)
+    got = SuffixProposals(batch, gamma, torch.device("cpu"))
+    got.packed.fill_(5)
+    got.load_arrays(tokens, counts, anchors=anchors)
+    assert torch.equal(got.packed, want.packed)
 
 
 @settings(max_examples=40, deadline=None, derandomize=True)
