@@ -338,6 +338,7 @@ class SuffixIndex:
         self._G, self._L = G, L
         self._powers = _BASE ** np.arange(G, dtype=np.uint64) * _MIX  # [G] BASE^i MIX
         self._back = np.arange(G)  # [G] a window's offsets back from its end
+        self._back_column, self._power_column = self._back[:, None], self._powers[:, None]
         self._lengths = np.arange(min_ngram, max_ngram + 1)  # [L] the indexed n, ascending
         descending = np.repeat(self._lengths[::-1], 2)  # [2L] _probe's columns' n
         self._score = 2 * descending + np.tile([1, 0], L)  # [2L] 2n + own, falling
@@ -442,26 +443,33 @@ class SuffixIndex:
         if T == R * K:  # K tokens a row: the windows of a [R, K + 1] grid
             self._arena[(end[:, None] + self._iota(K)).reshape(-1)] = tokens
             ends = (stop - start)[:, None] - self._behind[:K + 1]  # [R, K + 1] last first
-            window = np.take(self._arena, (start[:, None] + ends)[:, :, None] - self._back)
-            hashes = np.cumsum(window * self._powers, axis=2)  # [R, K + 1, G] n = 1..G
-            suffix = hashes[:, 0]  # [R, G]
-            keys = hashes[:, 1:, lo:] ^ salt2[:, :1, None]  # [R, K, L]
-            values = np.broadcast_to(ends[:, 1:, None], keys.shape)
+            hashes = self._hash((start[:, None] + ends).reshape(-1))  # [G, R (K + 1)]
+            hashes = hashes.reshape(self._G, R, K + 1)
+            suffix = hashes[:, :, 0]  # [G, R]
+            keys = hashes[lo:, :, 1:] ^ salt2[:, 0, None]  # [L, R, K]
+            values = np.broadcast_to(ends[:, 1:], keys.shape)
         else:  # the windows ending before each new token, then at each row's last
             row = np.repeat(self._iota(R), counts)  # [T] each new token's row
             at = self._iota(T) + np.take(stop - np.cumsum(counts), row)  # [T] its place
             self._arena[at] = tokens
             at -= 1  # [T] where the n-gram before it ends
-            window = np.take(self._arena, np.concatenate([at, stop - 1])[:, None] - self._back)
-            hashes = np.cumsum(window * self._powers, axis=1)  # [T + R, G] n = 1..G
-            suffix = hashes[T:]  # [R, G]
-            keys = hashes[:T, lo:] ^ np.take(salt2[:, 0], row)[:, None]  # [T, L]
-            values = np.broadcast_to((at - np.take(start, row))[:, None], keys.shape)
-        probe = (suffix[:, ::-1][:, :self._L, None] ^ salt2[:, None, :]).reshape(R, -1)
-        self._probe[rows] = probe  # [R, 2L] n = max..min, own and pooled
+            hashes = self._hash(np.concatenate([at, stop - 1]))  # [G, T + R]
+            suffix = hashes[:, T:]  # [G, R]
+            keys = hashes[lo:, :T] ^ np.take(salt2[:, 0], row)  # [L, T]
+            values = np.broadcast_to(at - np.take(start, row), keys.shape)
+        probe = (suffix[:lo - 1 if lo else None:-1].T[:, :, None] ^ salt2[:, None, :]
+                 ).reshape(R, -1)  # [R, 2L] n = max..min, own and pooled
+        self._probe[rows] = probe
         self._flushed = (slots, rows, probe, start, stop)
         if T:
             self._table.insert(keys.reshape(-1), values.reshape(-1))
+
+    def _hash(self, ends: np.ndarray) -> np.ndarray:
+        """The hashes [G, N] of the n-grams (n = 1..G: row n - 1) ending at the places ends [N]
+        of _arena (windows back from each end, digits summed down the rows: contiguous)."""
+        window = np.take(self._arena, ends - self._back_column)  # [G, N] t + 1
+        window *= self._power_column
+        return np.cumsum(window, axis=0, out=window)
 
     def _flush_ragged(self, slots: list[int], counts: list[int], tokens: list[int]) -> None:
         """`flush` for any extends: the windows ending before each new token."""
