@@ -360,7 +360,8 @@ class SuffixIndex:
         self._pending_counts: list[int] = []
         self._pending_tokens: list[int] = []
         self._slack = 0  # no row's region has fewer free places than this (a lower bound)
-        self._short: set[int] = set()  # rows of fewer than 2 tokens (flush's grid skips them)
+        self._short: set[int] = set()  # rows never flushed or of fewer than 2 tokens (flush
+        # takes the ragged way for them: the n-grams before a first token do not exist)
         self._flushed: tuple[list[int], np.ndarray, np.ndarray, np.ndarray, np.ndarray] | \
             None = None  # the grid flush's rows, probe keys, starts and ends (for _search)
         self._table = self._table_type()
@@ -396,8 +397,7 @@ class SuffixIndex:
         self._probe[slot] = 0  # (no tokens: no suffix; its first flush sets it)
         self._requests[request_id] = _Request(slot, len(prompt_ids))
         self._slots[request_id] = slot
-        if len(prompt_ids) < 2:
-            self._short.add(slot)
+        self._short.add(slot)  # (its first flush: the ragged way, from no tokens)
         self.extend(request_id, prompt_ids)
 
     def extend(self, request_id: Hashable, new_ids: Sequence[int]) -> None:
@@ -415,7 +415,7 @@ class SuffixIndex:
         latter's kept in _probe.
 
         Where every row brings at most _grid tokens (K the most), has room for them, had 2
-        tokens or more and is extended once: in a few calls (where every row brings K, the
+        tokens or more (`_short`) and is extended once: in a few calls (where every row brings K, the
         windows of a [rows, K + 1] grid, each row's last K + 1 ends); otherwise
         `_flush_ragged` (rows that move, merged extends, short rows)."""
         slots = self._pending_slots

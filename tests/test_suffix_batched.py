@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fuser.runtime.suffix import Proposal, SuffixIndex, SuffixProposals
-from fuser.runtime.suffix_index import _Table
+from fuser.runtime.suffix_index import _WAYS, _Table
 
 
 def _brute(seq: list[int], pool: list[list[int]], max_tokens: int, lo: int, hi: int
@@ -245,3 +245,32 @@ def test_an_index_from_the_least_match_proposes_alike(seed, min_match, vocab):
             r = live.pop(0)
             full.finish(r)
             narrow.finish(r)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 3), st.sampled_from([SuffixIndex, _SmallIndex]))
+def test_dropped_requests_leave_no_key_behind(seed, min_match, kind):
+    """Requests of any prompt length (0..20 tokens), extended by equal or different counts a
+    step (flush's grid and ragged ways), then dropped: the table holds nothing at the end,
+    so every key a flush inserted is one its request's removal finds."""
+    rng = random.Random(seed)
+    index = kind(max_ngram=5, min_ngram=min(min_match + 1, 5))
+    live: list[int] = []
+    for step in range(30):
+        while len(live) < 4:
+            rid = step * 10 + len(live)
+            index.add_request(rid, [rng.randrange(4) for _ in range(rng.randrange(21))])
+            live.append(rid)
+        if step % 3:  # the new prompts flushed on their own (rows with no tokens before)
+            index.propose_arrays(live, 4, min_match)
+        same = rng.randrange(1, 5)
+        for r in live:
+            index.extend(r, [rng.randrange(4) for _ in range(
+                same if step % 2 else rng.randrange(5))])
+        index.propose_arrays(live, 4, min_match)
+        if rng.random() < 0.3:
+            index.drop(live.pop(0))
+    for r in live:
+        index.drop(r)
+    table = index._table
+    assert np.count_nonzero(table.rows[:, :_WAYS]) == 0 and not table.stash
