@@ -25,9 +25,9 @@ at e times the powers, cumulative-summed, gives every n at once. A hit is truste
 two different n-grams share a key with probability ~2**-64 (and a wrong proposal would only
 be rejected by the target, as any other).
 
-The table (`_Table`) is numpy: buckets of 7 keys and their values, one 128-byte row each,
-probed for a whole batch of keys with one gather and one compare; a key whose bucket is full
-goes to a small dict (the stash). Finished requests' own keys and evicted outputs' pooled
+The table (`_Table`) is numpy: buckets of 7 keys and a guard, one 64-byte line each, probed
+for a whole batch of keys with one gather and one compare; a key whose bucket is full goes to
+a small dict (the stash). Finished requests' own keys and evicted outputs' pooled
 keys are removed, so every value points at live tokens.
 
 A step's host work (the adaptive scheduler's): `extend` per row only appends to lists; the
@@ -63,8 +63,7 @@ _FREE = 1 << 62  # a free row's region end (no row is ever short of room)
 _GUARD = np.uint64(0xD6E8FEB86659FD93)  # the digit before a first token (no token +1; odd, so
                                       # that its multiples reach the low bits)
 _WAYS = 7  # keys a bucket holds
-_ROW = 16  # a bucket's uint64s: its keys, a guard key, their values, a guard value
-_VALUE = 8  # where in a bucket its values start (the keys' and the guard's)
+_ROW = 8  # a bucket's keys and a guard key (its values alike: 7 and a guard value)
 _ALL = np.uint64(0xFFFFFFFFFFFFFFFF)  # the guard key (never a key, never free), and value -1
 _ONE = np.uint64(1)
 _GATHER = np.uint64(0x0102040810204080)  # `_lowest_way`
@@ -99,13 +98,12 @@ def _lowest_way(words: np.ndarray) -> np.ndarray:
 class _Table:
     """A hash table of uint64 keys (0: empty; a hash is 0 with probability 2**-64) to int64
     values (-1: none), read and written a batch of keys at a time: `nb` buckets, each one
-    row of `rows` (128 bytes: two adjacent cache lines): _WAYS keys and a guard key (all
-    ones: never a key, never free), then their values and a guard value (-1: what a miss
+    row of `rows` (64 bytes, one cache line): _WAYS keys and a guard key (all ones: never a
+    key, never free), their values alike in `flat_values` (the guard's: -1, what a miss
     reads). A key lives in bucket key >> (64 - bits) (keys come mixed), or, where that
     bucket was full when it came, in the stash (a dict) with the bucket flagged. A batch's
-    lookup is one gather of its buckets' rows (keys and values come together) and one
-    compare; the bytes of a bucket's compare, read as one uint64, say whether and where
-    (`_lowest_way`).
+    lookup is one gather of its buckets and one compare; the bytes of a bucket's compare,
+    read as one uint64, say whether and where (`_lowest_way`).
 
     Values only grow: a key inserted again (or twice in one batch) keeps the largest value
     (np.maximum.at over the held one; a free way's value is -1). A key is in its bucket or
@@ -120,15 +118,14 @@ class _Table:
 
     def __init__(self) -> None:
         self._reset(self.first_bits)
-        self._offsets = _VALUE + _ROW * np.arange(1 << 10)  # `get`: values in gathered rows
 
     def _reset(self, bits: int) -> None:
         self.bits = bits
         self.shift = np.uint64(64 - bits)
-        self.rows = np.full((1 << bits, _ROW), _ALL, np.uint64)  # [nb, 16]
+        self.rows = np.full((1 << bits, _ROW), _ALL, np.uint64)  # [nb, 8] keys, guard
         self.rows[:, :_WAYS] = 0
-        self.flat = self.rows.reshape(-1)  # [nb * 16] a view: key w of b at 16 b + w
-        self.flat_values = self.flat.view(np.int64)  # its value at 16 b + 8 + w
+        self.flat = self.rows.reshape(-1)  # [nb * 8] a view: key w of b at 8 b + w
+        self.flat_values = np.full((1 << bits) * _ROW, -1, np.int64)  # its value there
         self.capacity = _WAYS << bits
         self.flagged = np.zeros(1 << bits, bool)  # [nb] some key of the bucket is stashed
         self.stash: dict[int, int] = {}
@@ -140,13 +137,8 @@ class _Table:
     def get(self, keys: np.ndarray) -> np.ndarray:
         """The values of `keys` (any shape), -1 where absent."""
         b = self.bucket(keys)
-        rows = np.take(self.rows, b, axis=0)  # [..., 16]
-        hit = (rows == keys[..., None]).view(np.uint64)[..., 0]  # (whole rows: contiguous)
-        n = keys.size
-        if n > len(self._offsets):
-            self._offsets = _VALUE + _ROW * np.arange(2 * n)
-        values = np.take(rows.view(np.int64).reshape(-1),  # a miss: the guard value
-                         self._offsets[:n] + _lowest_way(hit).reshape(-1)).reshape(keys.shape)
+        hit = (np.take(self.rows, b, axis=0) == keys[..., None]).view(np.uint64)[..., 0]
+        values = np.take(self.flat_values, b * _ROW + _lowest_way(hit))  # a miss: the guard
         if self.stash:  # a miss in a flagged bucket may be stashed
             maybe = (values < 0) & self.flagged[b]
             if maybe.any():
@@ -163,7 +155,7 @@ class _Table:
             if self.count + m > self.max_load / 2 * self.capacity:
                 self._grow(self.count + m)
         b = self.bucket(keys)
-        rows = np.take(self.rows, b, axis=0)  # [m, 16] (whole rows: contiguous compares)
+        rows = np.take(self.rows, b, axis=0)  # [m, 8]
         mine = (rows == keys[:, None]).view(np.uint64)[:, 0]  # [m] its way's byte set, if held
         new = m - np.count_nonzero(mine)
         # The way holding it, else the first free one.
@@ -190,7 +182,7 @@ class _Table:
             new -= len(lost[0])
         else:
             lost = None
-        np.maximum.at(self.flat_values, at + _VALUE, values)  # a free way's value is -1
+        np.maximum.at(self.flat_values, at, values)  # a free way's value is -1
         self.count += new
         if lost is not None:  # a free way went to another key: the next one (few)
             new += self._insert_one_by_one(*lost) if len(lost[0]) <= 8 else self.insert(*lost)
@@ -203,12 +195,12 @@ class _Table:
         for key, value, b in zip(keys.tolist(), values.tolist(), self.bucket(keys).tolist()):
             row = flat[b * _ROW:b * _ROW + _WAYS].tolist()
             if key in row:
-                at = b * _ROW + _VALUE + row.index(key)
+                at = b * _ROW + row.index(key)
                 flat_values[at] = max(int(flat_values[at]), value)
             elif 0 in row:
                 way = row.index(0)
                 flat[b * _ROW + way] = key
-                flat_values[b * _ROW + _VALUE + way] = value
+                flat_values[b * _ROW + way] = value
                 new += 1 - self._unstash(np.array([key], np.uint64))
             else:
                 self.flagged[b] = True
@@ -243,12 +235,11 @@ class _Table:
         if not len(keys):
             return 0
         b = self.bucket(keys)
-        hit = (np.take(self.rows, b, axis=0)[:, :_VALUE] == keys[:, None]
-               ).view(np.uint64)[:, 0]
+        hit = (np.take(self.rows, b, axis=0) == keys[:, None]).view(np.uint64)[:, 0]
         at = b * _ROW + _lowest_way(hit)  # [m] absent: the guard (its value -1)
-        held = np.take(self.flat_values, at + _VALUE) == values
+        held = np.take(self.flat_values, at) == values
         at = at[held]
-        self.flat_values[at + _VALUE] = -1
+        self.flat_values[at] = -1
         self.flat[at] = 0
         removed = len(at)
         if self.stash:
@@ -271,7 +262,7 @@ class _Table:
             bits += 1
         held = self.rows[:, :_WAYS] != 0  # [nb, W]
         keys = self.rows[:, :_WAYS][held]
-        values = self.rows[:, _VALUE:_VALUE + _WAYS].view(np.int64)[held]
+        values = self.flat_values.reshape(-1, _ROW)[:, :_WAYS][held]
         stash = self.stash
         if stash:
             keys = np.concatenate([keys, np.fromiter(stash.keys(), np.uint64, len(stash))])
