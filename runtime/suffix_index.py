@@ -406,9 +406,9 @@ class SuffixIndex:
         latter's kept in _probe.
 
         Where every row brings at most _grid tokens (K the most), has room for them, had 2
-        tokens or more (`_short`) and is extended once: in a few calls (where every row brings K, the
-        windows of a [rows, K + 1] grid, each row's last K + 1 ends); otherwise
-        `_flush_ragged` (rows that move, merged extends, short rows)."""
+        tokens or more (`_short`) and is extended once: in a few calls (where every row
+        brings K, the windows of a [rows, K + 1] grid, each row's last K + 1 ends);
+        otherwise `_flush_ragged` (rows that move, merged extends, new and short rows)."""
         slots = self._pending_slots
         if not slots:
             return
