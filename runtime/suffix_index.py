@@ -335,7 +335,7 @@ class SuffixIndex:
         self._score = 2 * descending + np.tile([1, 0], L)  # [2L] 2n + own, falling
         self._behind = np.arange(1, self._grid + 2)  # [J] a grid's ends, back from the length
         self._ahead = np.arange(1 << 10)  # proposal offsets, and row numbers
-        self._first: dict[int, np.ndarray] = {}  # `_ends_of`
+        self._first: dict[int, np.ndarray] = {}  # `_first_columns`
         self._requests: dict[Hashable, _Request] = {}
         self._slots: dict[Hashable, int] = {}
         self._arena = np.full(self._first_arena, _GUARD, np.uint64)
@@ -753,7 +753,7 @@ class SuffixIndex:
             probe, start, stop = fresh[2], fresh[3], fresh[4]
         else:
             probe, start, stop = np.take(self._probe, rows, axis=0), None, None
-        first = self._ends_of(columns)  # the longest and the shortest n, own and pooled
+        first = self._first_columns(columns)  # the longest and the shortest n, own and pooled
         values = self._table.get(probe[:, first] if columns > 4 else probe[:, :columns])  # [R, F]
         best = (values >= 0).argmax(1)  # [R] the first column with a hit (else 0)
         end = np.take(values, best + self._iota(R) * len(first))  # [R] where, -1: none
@@ -791,7 +791,7 @@ class SuffixIndex:
                                                  max_tokens), own)
         return tokens - _ONE, counts, pooled, np.take(self._score, best) >> 1
 
-    def _ends_of(self, columns: int) -> np.ndarray:
+    def _first_columns(self, columns: int) -> np.ndarray:
         """The first columns a lookup probes: the longest n and the shortest (of the first
         `columns`), own and pooled."""
         first = self._first.get(columns)
