@@ -280,15 +280,15 @@ class SuffixIndex:
                  leaves the region); a region that fills up moves to a twice larger one, and
                  the arena is packed when it runs out. Per request (slot): _start where in
                  _arena its first token is, _end where its next token goes (its length: the
-                 difference), _limit the end of its region (free rows: _FREE), _salt2 its
-                 own keys' salt and _POOL;
+                 difference), _limit the end of its region (free rows: _FREE), _salts its
+                 own keys' salt;
         _probe   uint64 [slots, 2L]: the table keys of its suffix, n = max_ngram ..
                  min_ngram (L lengths), own then pooled for each n: a column's score 2n + own
                  falls from left to right;
         _store   uint64: the pool's tokens + 1, outputs one after another (a global offset g
                  is _store[g - _base]); _ends int64 alike: the end (exclusive) of the output
                  that token is in;
-        _table   own keys (hash ^ the request's salt) -> the n-gram's end position in the
+        _table   own keys (hash + the request's salt) -> the n-gram's end position in the
                  request; pooled keys (hash ^ _POOL) -> _POOLED + its global offset in the
                  store.
     `extend` only appends to lists; the next lookup (or finish) indexes every request's new
@@ -343,7 +343,7 @@ class SuffixIndex:
         self._start = np.zeros(self._first_slots, np.int64)
         self._end = np.zeros(self._first_slots, np.int64)
         self._limit = np.full(self._first_slots, _FREE, np.int64)
-        self._salt2 = np.zeros((self._first_slots, 2), np.uint64)
+        self._salts = np.zeros(self._first_slots, np.uint64)
         self._probe = np.zeros((self._first_slots, 2 * L), np.uint64)
         self._free = list(range(self._first_slots - 1, -1, -1))
         self._rng = np.random.default_rng(0)
@@ -374,7 +374,7 @@ class SuffixIndex:
             self._start = np.concatenate([self._start, np.zeros_like(self._start)])
             self._end = np.concatenate([self._end, np.zeros_like(self._end)])
             self._limit = np.concatenate([self._limit, np.full_like(self._limit, _FREE)])
-            self._salt2 = np.concatenate([self._salt2, np.zeros_like(self._salt2)])
+            self._salts = np.concatenate([self._salts, np.zeros_like(self._salts)])
             self._probe = np.concatenate([self._probe, np.zeros_like(self._probe)])
             self._free = list(range(2 * size - 1, size - 1, -1))
         slot = self._free.pop()
@@ -383,8 +383,7 @@ class SuffixIndex:
         start = self._allocate(room)
         self._start[slot] = self._end[slot] = start
         self._limit[slot] = start + room
-        self._salt2[slot] = (np.uint64(int(self._rng.integers(0, 1 << 63, dtype=np.int64))),
-                             _POOL)
+        self._salts[slot] = np.uint64(int(self._rng.integers(0, 1 << 63, dtype=np.int64)))
         self._probe[slot] = 0  # (no tokens: no suffix; its first flush sets it)
         self._requests[request_id] = _Request(slot, len(prompt_ids))
         self._slots[request_id] = slot
@@ -429,37 +428,45 @@ class SuffixIndex:
         stop = end + counts  # [R]
         self._end[rows] = stop
         start = np.take(self._start, rows)  # [R]
-        salt2 = np.take(self._salt2, rows, axis=0)  # [R, 2]
+        salt = np.take(self._salts, rows)  # [R]
         lo = self.min_ngram - 1
         if T == R * K:  # K tokens a row: the windows of a [R, K + 1] grid
             self._arena[(end[:, None] + self._iota(K)).reshape(-1)] = tokens
             ends = (stop - start)[:, None] - self._behind[:K + 1]  # [R, K + 1] last first
-            hashes = self._hash((start[:, None] + ends).reshape(-1))  # [G, R (K + 1)]
-            hashes = hashes.reshape(self._G, R, K + 1)
+            hashes = self._hash((start[:, None] + ends).reshape(-1), np.repeat(salt, K + 1))
+            hashes = hashes.reshape(self._G, R, K + 1)  # own keys
             suffix = hashes[:, :, 0]  # [G, R]
-            keys = hashes[lo:, :, 1:] ^ salt2[:, 0, None]  # [L, R, K]
-            values = np.broadcast_to(ends[:, 1:], keys.shape)
+            keys = hashes[lo:, :, 1:]  # [L, R, K]
+            values = np.empty(keys.shape, np.int64)  # [L, R, K] (np.broadcast_to is slower)
+            values[:] = ends[:, 1:]
         else:  # the windows ending before each new token, then at each row's last
             row = np.repeat(self._iota(R), counts)  # [T] each new token's row
             at = self._iota(T) + np.take(stop - np.cumsum(counts), row)  # [T] its place
             self._arena[at] = tokens
             at -= 1  # [T] where the n-gram before it ends
-            hashes = self._hash(np.concatenate([at, stop - 1]))  # [G, T + R]
+            hashes = self._hash(np.concatenate([at, stop - 1]),  # [G, T + R] own keys
+                                np.concatenate([np.take(salt, row), salt]))
             suffix = hashes[:, T:]  # [G, R]
-            keys = hashes[lo:, :T] ^ np.take(salt2[:, 0], row)  # [L, T]
-            values = np.broadcast_to(at - np.take(start, row), keys.shape)
-        probe = (suffix[:lo - 1 if lo else None:-1].T[:, :, None] ^ salt2[:, None, :]
-                 ).reshape(R, -1)  # [R, 2L] n = max..min, own and pooled
+            keys = hashes[lo:, :T]  # [L, T]
+            values = np.empty(keys.shape, np.int64)  # [L, T]
+            values[:] = at - np.take(start, row)
+        own = suffix[:lo - 1 if lo else None:-1].T  # [R, L] n = max..min
+        probe = np.empty((R, self._L, 2), np.uint64)  # [R, L, 2] own and pooled
+        probe[:, :, 0] = own
+        np.bitwise_xor(own - salt[:, None], _POOL, out=probe[:, :, 1])
+        probe = probe.reshape(R, -1)  # [R, 2L]
         self._probe[rows] = probe
         self._flushed = (slots, rows, probe, start, stop)
         if T:
             self._table.insert(keys.reshape(-1), values.reshape(-1))
 
-    def _hash(self, ends: np.ndarray) -> np.ndarray:
-        """The hashes [G, N] of the n-grams (n = 1..G: row n - 1) ending at the places ends [N]
-        of _arena (windows back from each end, digits summed down the rows: contiguous)."""
+    def _hash(self, ends: np.ndarray, salts: np.ndarray) -> np.ndarray:
+        """The own keys [G, N] of the n-grams (n = 1..G: row n - 1) ending at the places ends
+        [N] of _arena, each plus its request's salt [N] (windows back from each end, digits
+        summed down the rows: contiguous; the salt added to the first digit reaches all)."""
         window = np.take(self._arena, ends - self._back_column)  # [G, N] t + 1
         window *= self._power_column
+        window[0] += salts
         return np.cumsum(window, axis=0, out=window)
 
     def _flush_ragged(self, slots: list[int], counts: list[int], tokens: list[int]) -> None:
@@ -489,15 +496,17 @@ class SuffixIndex:
         window = np.take(self._arena, ends[:, None] - self._back)  # [T + R, G] t+1, back
         hashes = np.cumsum(window * self._powers, axis=1)  # [T + R, G]
         suffix = hashes[T:, ::-1][:, :self._L]  # [R, L] the suffixes, n = max..min
-        self._probe[slots] = (suffix[:, :, None] ^ np.take(self._salt2, slots, axis=0)[:, None]
-                              ).reshape(len(slots), -1)  # [R, 2L]
+        probe = np.empty((len(slots), self._L, 2), np.uint64)  # [R, L, 2] own and pooled
+        probe[:, :, 0] = suffix + np.take(self._salts, slots)[:, None]
+        probe[:, :, 1] = suffix ^ _POOL
+        self._probe[slots] = probe.reshape(len(slots), -1)  # [R, 2L]
         if self._short:
             self._short = {s for s in self._short if self._end[s] - self._start[s] < 2}
         self._slack = int((self._limit - self._end).min())
         if not T:
             return
-        keys = hashes[:T, self.min_ngram - 1:] ^ \
-            np.repeat(np.take(self._salt2[:, 0], slots), counts)[:, None]  # [T, L]
+        keys = hashes[:T, self.min_ngram - 1:] + \
+            np.repeat(np.take(self._salts, slots), counts)[:, None]  # [T, L]
         pos = at - np.repeat(start - before + 1, counts)  # [T] the n-grams' end positions
         ok = pos[:, None] >= self._lengths - 1  # [T, L] n-grams end at e only for n <= e + 1
         values = np.broadcast_to(pos[:, None], ok.shape)[ok]
@@ -550,7 +559,7 @@ class SuffixIndex:
         if end - start < 2:
             return np.zeros(0, np.uint64), np.zeros(0, np.int64)
         hashes, _ = self._windows(self._arena[start - self._G:end - 1])
-        hashes = hashes ^ self._salt2[slot, 0]  # [len - 1, L]
+        hashes = hashes + self._salts[slot]  # [len - 1, L]
         return hashes.reshape(-1), np.repeat(np.arange(len(hashes)), self._L)
 
     def _windows(self, guarded: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
