@@ -1,13 +1,15 @@
 """Host time of the suffix index (runtime/suffix_index.py) per decoding step: what the adaptive
 scheduler spends on the host each step for `rows` running requests, measured on the CPU.
 
-    lookup   `propose_many` over all rows, for the scheduler's proposal width (max gamma 6: 13
-             tokens), as runtime/adaptive_scheduler.py calls it once a step;
+    lookup   `propose_arrays` over all rows (`propose_many` where a tree has none), for the
+             scheduler's proposal width (max gamma 6: 13 tokens), as
+             runtime/adaptive_scheduler.py calls it once a step;
     extend   each row's tokens of one step handed to the index (`tokens` a row) and indexed
              (`flush`: the n-grams they end hashed and inserted);
     step     the two together: the index's host time per decoding step;
     load     the step's proposals into the static buffer the captured step reads
-             (`SuffixProposals.load`, on a CPU buffer: the host side of the copy);
+             (`SuffixProposals.load_arrays`, or `load`; on a CPU buffer: the host side of the
+             copy);
     finish   a request leaving for the recent pool (per request, amortised over its steps).
 
 A pool of `pool` finished outputs (random tokens over `vocab`, a shared span in each so that
@@ -16,6 +18,7 @@ lookups hit) is in place first. Prints one line per figure and writes JSON with 
     .venv/bin/python benchmarks/suffix_index.py --rows 64
     .venv/bin/python benchmarks/suffix_index.py --rows 64 --follow   # every lookup hits
     .venv/bin/python benchmarks/suffix_index.py --rows 64 --min-match 4   # the scheduler's
+    .venv/bin/python benchmarks/suffix_index.py --rows 64 --min-match 4 --tokens 7 --vary
 """
 
 from __future__ import annotations
@@ -39,12 +42,14 @@ except ImportError:
 
 
 def measure(rows: int, pool: int, tokens: int, steps: int, vocab: int, width: int,
-            seed: int = 0, follow: bool = False, min_match: int = 1) -> dict[str, float]:
+            seed: int = 0, follow: bool = False, min_match: int = 1, vary: bool = False
+            ) -> dict[str, float]:
     """Median microseconds per step of the lookups, extends and loads for `rows` rows (process
     CPU time: on a shared machine, wall time also counts the others' work). follow: each row
     emits what followed in a pooled output (every lookup hits) instead of random tokens.
     min_match: the lookups' least match; above 1 the index is built as the adaptive scheduler
-    builds it for that suffix_min_match (n-grams from min_match tokens)."""
+    builds it for that suffix_min_match (n-grams from min_match tokens). vary: each row emits
+    1..tokens tokens a step (as acceptance varies), not `tokens`."""
     rng = random.Random(seed)
     shared = [rng.randrange(vocab) for _ in range(32)]
     index = SuffixIndex(min_ngram=min(min_match, 8)) if min_match > 1 else SuffixIndex()
@@ -63,26 +68,36 @@ def measure(rows: int, pool: int, tokens: int, steps: int, vocab: int, width: in
     buffer = None if SuffixProposals is None else \
         SuffixProposals(rows, (width - 1) // 2, torch.device("cpu"))  # width K = 2g + 1
     anchors = [0] * rows
+    at = [8] * rows  # follow: where each row is in its followed output
+    arrays = getattr(index, "propose_arrays", None)
     batched = getattr(index, "propose_many", None)
     for step in range(steps):
         start = time.process_time()
-        if batched is not None:  # the scheduler's lookups of a step
+        if arrays is not None:  # the scheduler's lookups of a step, as arrays
+            found, counts = arrays(ids, width, min_match)
+        elif batched is not None:  # (an older tree: lists)
             proposals = batched(ids, width, min_match)
         else:
             proposals = [p.tokens if p.match >= min_match else []
                          for p in (index.lookup(r, width) for r in ids)]
         lookups.append(time.process_time() - start)
-        hits += sum(map(bool, proposals))
+        hits += int(counts.astype(bool).sum()) if arrays is not None else \
+            sum(map(bool, proposals))
         if buffer is not None:
             start = time.process_time()
-            buffer.load(proposals, anchors=anchors)
+            if arrays is not None:
+                buffer.load_arrays(found, counts, anchors=anchors)
+            else:
+                buffer.load(proposals, anchors=anchors)
             loads.append(time.process_time() - start)
+        counts = [rng.randint(1, tokens) if vary else tokens for _ in range(rows)]
         if follow:  # the next tokens of the followed output, round and round (past its end
             # the span goes on from its start: the pool still has what follows)
-            at = 8 + step * tokens
-            new = [[f[(at + i) % len(f)] for i in range(tokens)] for f in followed]
+            new = [[f[(a + i) % len(f)] for i in range(c)]
+                   for f, a, c in zip(followed, at, counts)]
+            at = [a + c for a, c in zip(at, counts)]
         else:
-            new = [[rng.randrange(vocab) for _ in range(tokens)] for _ in range(rows)]
+            new = [[rng.randrange(vocab) for _ in range(c)] for c in counts]
         start = time.process_time()
         for r in range(rows):
             index.extend(r, new[r])
@@ -115,12 +130,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-match", type=int, default=1,
                         help="the lookups' least match (the adaptive scheduler's: 4), the "
                              "index built as the scheduler builds it")
+    parser.add_argument("--vary", action="store_true",
+                        help="each row emits 1..--tokens tokens a step, not --tokens")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     result = measure(args.rows, args.pool, args.tokens, args.steps, args.vocab, args.width,
-                     follow=args.follow, min_match=args.min_match)
+                     follow=args.follow, min_match=args.min_match, vary=args.vary)
+    emitted = f"1-{args.tokens}" if args.vary else f"{args.tokens}"
     print(f"suffix index, {args.rows} rows: step {result['step_us']:.0f} us, lookup "
-          f"{result['lookup_us']:.0f} us/step, extend ({args.tokens} tokens a row) "
+          f"{result['lookup_us']:.0f} us/step, extend ({emitted} tokens a row) "
           f"{result['extend_us']:.0f} us/step, load {result['load_us']:.0f} us/step, finish "
           f"{result['finish_us_per_request']:.0f} us/request, hits {result['hit_share']:.2f}")
     if args.out is not None:

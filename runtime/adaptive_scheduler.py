@@ -48,6 +48,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -293,18 +294,21 @@ class AdaptiveScheduler(Scheduler):
             self.distiller.add(stream.prompt_ids + stream.output_ids,
                                start=len(stream.prompt_ids))
 
-    def _proposals(self, rows: list[RequestStream]) -> tuple[list[list[int]], list[int]]:
+    def _proposals(self, rows: list[RequestStream]
+                   ) -> tuple[np.ndarray, np.ndarray, list[int]]:
         """Per row, the index's continuation of the tokens the host knows when the row's suffix
         matched at least suffix_min_match tokens (else none), long enough for the step in
-        flight to have moved on; and the row's output count it continues (the anchor)."""
+        flight to have moved on: tokens [rows, width] and counts [rows] (row i proposes
+        tokens[i, :counts[i]]); and the row's output count it continues (the anchor)."""
         width = self._buffers[self.engine.bucket(len(rows)).batch].width
         live = [i for i, s in enumerate(rows) if not s.done and s.request_id in self.index]
-        found = self.index.propose_many([rows[i].request_id for i in live], width,
-                                        self.suffix_min_match)  # all rows in one pass
-        proposals: list[list[int]] = [[] for _ in rows]
-        for i, tokens in zip(live, found):
-            proposals[i] = tokens
-        return proposals, [len(s.output_ids) for s in rows]
+        tokens, counts = self.index.propose_arrays([rows[i].request_id for i in live], width,
+                                                   self.suffix_min_match)  # all rows at once
+        if len(live) < len(rows):  # the others propose nothing
+            every = np.zeros((len(rows), width), np.int64), np.zeros(len(rows), np.int64)
+            every[0][live], every[1][live] = tokens, counts
+            tokens, counts = every
+        return tokens, counts, [len(s.output_ids) for s in rows]
 
     def _issue(self) -> _SourceStep:
         engine = self.engine
@@ -316,11 +320,10 @@ class AdaptiveScheduler(Scheduler):
         rows = list(self._running)
         bucket = engine.bucket(len(rows))
         controller = self.controllers[bucket.batch]
-        proposals: list[list[int]] = []
-        anchors: list[int] = []
+        matched = False
         if self.index is not None:
-            proposals, anchors = self._proposals(rows)
-        matched = any(proposals)
+            tokens, counts, anchors = self._proposals(rows)
+            matched = bool(counts.any())
         choice = controller.choose(lambda arm: arm[0] != SUFFIX or matched)
         do_sample = any(not s.params.greedy for s in rows)
         gamma = choice.gamma
@@ -332,7 +335,7 @@ class AdaptiveScheduler(Scheduler):
                     bucket.resync(self._draft_behind)
                     self.resyncs += 1
                     self._draft_behind = 0
-                self._buffers[bucket.batch].load(proposals, anchors=anchors)
+                self._buffers[bucket.batch].load_arrays(tokens, counts, anchors=anchors)
                 self._streams_from(gamma, False)
                 packed = self._run_suffix(bucket, gamma, do_sample)  # [bucket, gamma + 3]
             elif choice.source == DRAFT:

@@ -165,6 +165,28 @@ class SuffixProposals:
         host = torch.from_numpy(host)
         self.packed.copy_(host.pin_memory() if cuda else host, non_blocking=cuda)
 
+    def load_arrays(self, tokens: np.ndarray, counts: np.ndarray,
+                    anchors: Sequence[int] | None = None, fill: int = 0) -> None:
+        """`load` from `SuffixIndex.propose_arrays`' arrays: row b proposes tokens[b,
+        :counts[b]] (tokens [n, W] int64, counts [n]; cut to the buffer's width; rows past n
+        propose nothing), anchored as `load` anchors. No Python list a token."""
+        B, K = self.buffer.shape
+        n, width = tokens.shape
+        if n > B:
+            raise ValueError(f"{n} rows of proposals for a buffer of {B}")
+        w = min(width, K)
+        counts = np.minimum(counts, w)  # [n]
+        host = np.full((B, K + 2), fill, np.int64)
+        host[n:, K] = 0
+        host[:, K + 1] = -1
+        host[:n, :w] = np.where(np.arange(w) < counts[:, None], tokens[:, :w], fill)
+        host[:n, K] = counts
+        if anchors is not None:
+            host[:n, K + 1] = np.fromiter(map(int, anchors[:n]), np.int64, n)
+        cuda = self.packed.device.type == "cuda"
+        host = torch.from_numpy(host)
+        self.packed.copy_(host.pin_memory() if cuda else host, non_blocking=cuda)
+
     def aligned(self, target: ModelSteps, state: speculative.DecodeState, gamma: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The proposals for the step that runs now: (use [B, gamma] bool, tokens [B, gamma],

@@ -25,16 +25,17 @@ at e times the powers, cumulative-summed, gives every n at once. A hit is truste
 two different n-grams share a key with probability ~2**-64 (and a wrong proposal would only
 be rejected by the target, as any other).
 
-The table (`_Table`) is numpy: buckets of 8 keys, one 64-byte line each, probed for a whole
-batch of keys with one gather and one compare; a key whose bucket is full goes to a small dict
-(the stash). Finished requests' own keys and evicted outputs' pooled keys are removed, so
-every value points at live tokens.
+The table (`_Table`) is numpy: buckets of 7 keys and a guard, one 64-byte line each, probed
+for a whole batch of keys with one gather and one compare; a key whose bucket is full goes to
+a small dict (the stash). Finished requests' own keys and evicted outputs' pooled
+keys are removed, so every value points at live tokens.
 
 A step's host work (the adaptive scheduler's): `extend` per row only appends to lists; the
 lookup (`propose_many`) first indexes every row's new tokens at once (`flush`: write them
-into the token rows, hash the windows ending before each of them and at each row's last
-token, insert the former's keys, keep the latter's), then probes, for every row at once, the
-suffix's own and pooled keys at the longest and the shortest length. A suffix that never
+into the token rows, hash the windows ending at each row's last K + 1 tokens, K the most a
+row brought, insert the keys of all but the last, keep the last's), then probes, for every
+row at once, the suffix's own and pooled keys at the longest and the shortest length (the
+keys flush just made: no second gather). A suffix that never
 occurred has no longer one that did, so that settles most rows (no match, or the longest);
 the lengths between are probed only for rows that matched the shortest and not the longest.
 The proposals are one gather from the token rows (own matches, with their period) or the
@@ -58,13 +59,16 @@ _BASE = np.uint64(1_000_003)
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # hashes come times MIX: a key's top bits are its bucket
 _POOL = np.uint64(0x5851F42D4C957F2D)  # pooled keys' salt (each request has its own)
 _POOLED = 1 << 62  # a pooled key's value: this plus its global offset (own ones: positions)
+_FREE = 1 << 62  # a free row's region end (no row is ever short of room)
 _GUARD = np.uint64(0xD6E8FEB86659FD93)  # the digit before a first token (no token +1; odd, so
                                       # that its multiples reach the low bits)
-_WAYS = 8  # keys a bucket holds: 8 uint64, one cache line
+_WAYS = 7  # keys a bucket holds
+_ROW = 8  # a bucket's keys and a guard key (its values alike: 7 and a guard value)
+_ALL = np.uint64(0xFFFFFFFFFFFFFFFF)  # the guard key (never a key, never free), and value -1
 _ONE = np.uint64(1)
 _GATHER = np.uint64(0x0102040810204080)  # `_lowest_way`
 _FIRST = np.array([_WAYS] + [(m & -m).bit_length() - 1 for m in range(1, 256)],
-                  np.intp)  # [256] a mask of ways -> its lowest (_WAYS: none)
+                  np.intp)  # [256] a mask of ways -> its lowest (none: _WAYS, the guard)
 
 
 @dataclass(frozen=True)
@@ -93,17 +97,17 @@ def _lowest_way(words: np.ndarray) -> np.ndarray:
 
 class _Table:
     """A hash table of uint64 keys (0: empty; a hash is 0 with probability 2**-64) to int64
-    values (-1: none), read and written a batch of keys at a time: `nb` buckets of _WAYS keys
-    (a row of `keys`, one cache line) and their values (a row of `values`, and a -1 after
-    them: what a miss reads); a key lives in bucket key >> (64 - bits) (keys come mixed),
-    or, where that bucket was full when it came, in the stash (a dict) with the bucket
-    flagged. A batch's lookup is one gather of its buckets and one compare; the bytes of a
-    bucket's compare, read as one uint64, say whether and where (`_lowest_way`).
+    values (-1: none), read and written a batch of keys at a time: `nb` buckets, each one
+    row of `rows` (64 bytes, one cache line): _WAYS keys and a guard key (all ones: never a
+    key, never free), their values alike in `flat_values` (the guard's: -1, what a miss
+    reads). A key lives in bucket key >> (64 - bits) (keys come mixed), or, where that
+    bucket was full when it came, in the stash (a dict) with the bucket flagged. A batch's
+    lookup is one gather of its buckets and one compare; the bytes of a bucket's compare,
+    read as one uint64, say whether and where (`_lowest_way`).
 
-    Values only grow: a key inserted again (or twice in one batch) keeps the largest value,
-    and a value inserted for a held key must not be smaller than the held one. A key is in
-    its bucket or in the stash, never both (a stashed key that finds room in its bucket
-    moves there).
+    Values only grow: a key inserted again (or twice in one batch) keeps the largest value
+    (np.maximum.at over the held one; a free way's value is -1). A key is in its bucket or
+    in the stash, never both (a stashed key that finds room in its bucket moves there).
 
     `count` counts the keys held; a key inserted twice in one batch is counted twice (an
     upper bound, made exact whenever it crosses max_load; the table doubles only where the
@@ -118,9 +122,11 @@ class _Table:
     def _reset(self, bits: int) -> None:
         self.bits = bits
         self.shift = np.uint64(64 - bits)
-        self.keys = np.zeros((1 << bits, _WAYS), np.uint64)  # [nb, W]
-        self.flat_keys = self.keys.reshape(-1)  # [nb * W] a view: key w of b at W b + w
-        self.values = np.full((_WAYS + 1) << bits, -1, np.int64)  # [nb * (W + 1)] its value
+        self.rows = np.full((1 << bits, _ROW), _ALL, np.uint64)  # [nb, 8] keys, guard
+        self.rows[:, :_WAYS] = 0
+        self.flat = self.rows.reshape(-1)  # [nb * 8] a view: key w of b at 8 b + w
+        self.flat_values = np.full((1 << bits) * _ROW, -1, np.int64)  # its value there
+        self.capacity = _WAYS << bits
         self.flagged = np.zeros(1 << bits, bool)  # [nb] some key of the bucket is stashed
         self.stash: dict[int, int] = {}
         self.count = 0
@@ -131,8 +137,8 @@ class _Table:
     def get(self, keys: np.ndarray) -> np.ndarray:
         """The values of `keys` (any shape), -1 where absent."""
         b = self.bucket(keys)
-        hit = (np.take(self.keys, b, axis=0) == keys[..., None]).view(np.uint64)[..., 0]
-        values = np.take(self.values, b * (_WAYS + 1) + _lowest_way(hit))  # a miss: way W
+        hit = (np.take(self.rows, b, axis=0) == keys[..., None]).view(np.uint64)[..., 0]
+        values = np.take(self.flat_values, b * _ROW + _lowest_way(hit))  # a miss: the guard
         if self.stash:  # a miss in a flagged bucket may be stashed
             maybe = (values < 0) & self.flagged[b]
             if maybe.any():
@@ -143,58 +149,58 @@ class _Table:
     def insert(self, keys: np.ndarray, values: np.ndarray) -> int:
         """Insert keys [m] -> values [m] (class docstring: values only grow); -> how many
         keys were not held (exact for distinct keys)."""
-        if self.count + len(keys) > self.max_load * self.keys.size:
-            self.count = int(np.count_nonzero(self.keys)) + len(self.stash)
-            if self.count + len(keys) > self.max_load / 2 * self.keys.size:
-                self._grow(self.count + len(keys))
+        m = len(keys)
+        if self.count + m > self.max_load * self.capacity:
+            self.count = int(np.count_nonzero(self.rows[:, :_WAYS])) + len(self.stash)
+            if self.count + m > self.max_load / 2 * self.capacity:
+                self._grow(self.count + m)
         b = self.bucket(keys)
-        rows = np.take(self.keys, b, axis=0)  # [m, W]
-        mine = (rows == keys[:, None]).view(np.uint64)[:, 0]  # [m] the way holding it
-        held = mine != 0
-        way = _lowest_way(np.where(held, mine, (rows == 0).view(np.uint64)[:, 0]))
-        new = 0
-        full = way == _WAYS
-        if full.any():  # no way holds it and none is free: to the stash
+        rows = np.take(self.rows, b, axis=0)  # [m, 8]
+        mine = (rows == keys[:, None]).view(np.uint64)[:, 0]  # [m] its way's byte set, if held
+        new = m - np.count_nonzero(mine)
+        # The way holding it, else the first free one.
+        word = np.where(mine != 0, mine, (rows == 0).view(np.uint64)[:, 0])  # [m] 0: full
+        way = _lowest_way(word)  # [m]
+        if self.stash and new:  # a stashed key that finds room in its bucket leaves it
+            flagged = np.take(self.flagged, b)
+            if flagged.any():
+                moved = flagged & (way < _WAYS) & (mine == 0)
+                if moved.any():
+                    new -= self._unstash(keys[moved])
+        at = b * _ROW + way  # [m] its way (full buckets: fixed below)
+        if np.count_nonzero(word) < m:  # no way holds it and none is free: to the stash
+            full = word == 0
             room = ~full
-            new += self._stash(keys[full], values[full], b[full])
-            keys, values, b, way, held = keys[room], values[room], b[room], way[room], held[room]
-        at = b * _WAYS + way  # [m] its way, or the first free one
-        self.flat_keys[at] = keys  # new keys claim it; one wins where several claim a way
-        won = np.take(self.flat_keys, at) == keys
-        lost = None
-        if not won.all():  # (a held key always wins)
-            lost = ~won
+            new += self._stash(keys[full], values[full], b[full]) - int(np.count_nonzero(full))
+            keys, values, b, at = keys[room], values[room], b[room], at[room]
+        self.flat[at] = keys  # new keys claim it; one wins where several claim a way
+        lost = np.take(self.flat, at) != keys  # (a held key always wins)
+        if np.count_nonzero(lost):
+            won = ~lost
             lost = keys[lost], values[lost]
-            keys, values, b, at, held = keys[won], values[won], b[won], at[won], held[won]
-        at += b  # its value
-        self.values[at] = values  # a key twice in the batch: either value may land,
-        short = np.take(self.values, at) < values  # so the larger is put back
-        if short.any():
-            np.maximum.at(self.values, at[short], values[short])
-        new += len(keys) - int(np.count_nonzero(held))
-        if self.stash:  # a stashed key that found room in its bucket leaves the stash
-            moved = ~held & self.flagged[b]
-            if moved.any():
-                new -= self._unstash(keys[moved])
+            keys, values, b, at = keys[won], values[won], b[won], at[won]
+            new -= len(lost[0])
+        else:
+            lost = None
+        np.maximum.at(self.flat_values, at, values)  # a free way's value is -1
         self.count += new
         if lost is not None:  # a free way went to another key: the next one (few)
-            new += self._insert_one_by_one(*lost) if len(lost[0]) <= 8 else \
-                self.insert(*lost)
+            new += self._insert_one_by_one(*lost) if len(lost[0]) <= 8 else self.insert(*lost)
         return new
 
     def _insert_one_by_one(self, keys: np.ndarray, values: np.ndarray) -> int:
         """`insert` for a few keys, in Python."""
         new = 0
-        flat_keys, flat_values, stash = self.flat_keys, self.values, self.stash
+        flat, flat_values, stash = self.flat, self.flat_values, self.stash
         for key, value, b in zip(keys.tolist(), values.tolist(), self.bucket(keys).tolist()):
-            row = flat_keys[b * _WAYS:(b + 1) * _WAYS].tolist()
+            row = flat[b * _ROW:b * _ROW + _WAYS].tolist()
             if key in row:
-                at = b * (_WAYS + 1) + row.index(key)
+                at = b * _ROW + row.index(key)
                 flat_values[at] = max(int(flat_values[at]), value)
             elif 0 in row:
                 way = row.index(0)
-                flat_keys[b * _WAYS + way] = key
-                flat_values[b * (_WAYS + 1) + way] = value
+                flat[b * _ROW + way] = key
+                flat_values[b * _ROW + way] = value
                 new += 1 - self._unstash(np.array([key], np.uint64))
             else:
                 self.flagged[b] = True
@@ -229,13 +235,12 @@ class _Table:
         if not len(keys):
             return 0
         b = self.bucket(keys)
-        hit = (np.take(self.keys, b, axis=0) == keys[:, None]).view(np.uint64)[:, 0]
-        way = _lowest_way(hit)  # [m] W where absent: the -1 after the bucket's values
-        at = b * (_WAYS + 1) + way  # [m] its value
-        held = np.take(self.values, at) == values
+        hit = (np.take(self.rows, b, axis=0) == keys[:, None]).view(np.uint64)[:, 0]
+        at = b * _ROW + _lowest_way(hit)  # [m] absent: the guard (its value -1)
+        held = np.take(self.flat_values, at) == values
         at = at[held]
-        self.values[at] = -1
-        self.flat_keys[at - b[held]] = 0
+        self.flat_values[at] = -1
+        self.flat[at] = 0
         removed = len(at)
         if self.stash:
             stash = self.stash
@@ -255,9 +260,9 @@ class _Table:
         bits = self.bits
         while needed > self.max_load / 2 * (_WAYS << bits):
             bits += 1
-        held = self.keys != 0  # [nb, W]
-        keys = self.keys[held]
-        values = self.values.reshape(-1, _WAYS + 1)[:, :_WAYS][held]
+        held = self.rows[:, :_WAYS] != 0  # [nb, W]
+        keys = self.rows[:, :_WAYS][held]
+        values = self.flat_values.reshape(-1, _ROW)[:, :_WAYS][held]
         stash = self.stash
         if stash:
             keys = np.concatenate([keys, np.fromiter(stash.keys(), np.uint64, len(stash))])
@@ -271,26 +276,24 @@ class SuffixIndex:
 
     The layout:
         _arena   uint64: every request's tokens + 1, each in a region of its own (G =
-                 max_ngram digits of _GUARD, then room for _room[slot] tokens: a window never
+                 max_ngram digits of _GUARD, then room for its tokens up to _limit: a window never
                  leaves the region); a region that fills up moves to a twice larger one, and
-                 the arena is packed when it runs out. Per request (slot): _len its token
-                 count, _end where in _arena its next token goes, _salts its own keys' salt
-                 (_salt2 [slots, 2]: that, and _POOL);
-        _probe   uint64 [slots, 2L]: the table keys of its suffix, own then pooled, each
-                 n = max_ngram .. min_ngram (L lengths);
+                 the arena is packed when it runs out. Per request (slot): _start where in
+                 _arena its first token is, _end where its next token goes (its length: the
+                 difference), _limit the end of its region (free rows: _FREE), _salts its
+                 own keys' salt;
+        _probe   uint64 [slots, 2L]: the table keys of its suffix, n = max_ngram ..
+                 min_ngram (L lengths), own then pooled for each n: a column's score 2n + own
+                 falls from left to right;
         _store   uint64: the pool's tokens + 1, outputs one after another (a global offset g
                  is _store[g - _base]); _ends int64 alike: the end (exclusive) of the output
                  that token is in;
-        _table   own keys (hash ^ the request's salt) -> the n-gram's end position in the
+        _table   own keys (hash + the request's salt) -> the n-gram's end position in the
                  request; pooled keys (hash ^ _POOL) -> _POOLED + its global offset in the
                  store.
-    `extend` only appends to a list; the next lookup (or finish) indexes every request's new
-    tokens at once (`flush`). `propose_many` looks up all rows of a step at once: first the
-    longest and the shortest length of each kind (a suffix that never occurred has no longer
-    one that did, so most rows are settled there: no match, or the longest), then the
-    lengths between for the rows that matched the shortest but not the longest; after a
-    lookup where some row needed those, the next one probes every length at once (a second
-    probe costs more than the wider first one).
+    `extend` only appends to lists; the next lookup (or finish) indexes every request's new
+    tokens at once (`flush`). `propose_many` looks up all rows of a step at once: every
+    length of both kinds in one probe, the best hit the first column that holds one.
 
     Args:
         max_ngram: the longest suffix matched (and indexed): memory and time per token grow
@@ -307,6 +310,7 @@ class SuffixIndex:
     _first_arena = 1 << 16  # the arena at first (doubled as needed)
     _first_store = 1024  # the pool's store at first (tokens; doubled as needed)
     _table_type = _Table
+    _grid = 16  # the most new tokens a row may bring for flush's grid (more: the ragged way)
 
     def __init__(self, max_ngram: int = 8, min_ngram: int = 2, max_recent: int = 256,
                  max_recent_tokens: int = 1 << 18, keep_prompts: bool = False) -> None:
@@ -325,36 +329,39 @@ class SuffixIndex:
         self._G, self._L = G, L
         self._powers = _BASE ** np.arange(G, dtype=np.uint64) * _MIX  # [G] BASE^i MIX
         self._back = np.arange(G)  # [G] a window's offsets back from its end
+        self._back_column, self._power_column = self._back[:, None], self._powers[:, None]
         self._lengths = np.arange(min_ngram, max_ngram + 1)  # [L] the indexed n, ascending
-        # _probe's columns: own n = max..min, then pooled n = max..min; a hit's score 2n + own.
-        descending = self._lengths[::-1]
-        self._score = np.concatenate([2 * descending + 1, 2 * descending])  # [2L]
-        ends = [0, L - 1, L, 2 * L - 1] if L > 1 else [0, 1]  # the first probe: max and min
-        self._first = np.array(sorted(set(ends)), np.intp)
-        self._between = np.array([c for c in range(2 * L) if c not in ends], np.intp)
-        self._all = np.arange(2 * L)
-        self._wide = False  # some row of the last lookup was between: every length at once
+        descending = np.repeat(self._lengths[::-1], 2)  # [2L] _probe's columns' n
+        self._score = 2 * descending + np.tile([1, 0], L)  # [2L] 2n + own, falling
+        self._behind = np.arange(1, self._grid + 2)  # [J] a grid's ends, back from the length
+        self._ahead = np.arange(1 << 10)  # proposal offsets, and row numbers
+        self._first: dict[int, np.ndarray] = {}  # `_first_columns`
         self._requests: dict[Hashable, _Request] = {}
+        self._slots: dict[Hashable, int] = {}
         self._arena = np.full(self._first_arena, _GUARD, np.uint64)
         self._top = self._held = 0  # the arena's first unused place; places in live regions
-        self._len = np.zeros(self._first_slots, np.int64)
+        self._start = np.zeros(self._first_slots, np.int64)
         self._end = np.zeros(self._first_slots, np.int64)
-        self._room = np.zeros(self._first_slots, np.int64)
+        self._limit = np.full(self._first_slots, _FREE, np.int64)
         self._salts = np.zeros(self._first_slots, np.uint64)
-        self._salt2 = np.zeros((self._first_slots, 2), np.uint64)
         self._probe = np.zeros((self._first_slots, 2 * L), np.uint64)
         self._free = list(range(self._first_slots - 1, -1, -1))
         self._rng = np.random.default_rng(0)
         self._pending_slots: list[int] = []  # extend's rows, counts and tokens since a flush
         self._pending_counts: list[int] = []
         self._pending_tokens: list[int] = []
+        self._slack = 0  # no row's region has fewer free places than this (a lower bound)
+        self._short: set[int] = set()  # rows never flushed or of fewer than 2 tokens (flush
+        # takes the ragged way for them: the n-grams before a first token do not exist)
+        self._flushed: tuple[list[int], np.ndarray, np.ndarray, np.ndarray, np.ndarray] | \
+            None = None  # the grid flush's rows, probe keys, starts and ends (for _search)
         self._table = self._table_type()
         self._store = np.zeros(self._first_store, np.uint64)
         self._ends = np.zeros(self._first_store, np.int64)
         self._base = self._next = 0  # global offsets: _store[0] and the next token's
         self._recent: OrderedDict[int, tuple[int, int]] = OrderedDict()  # id -> (start, end)
         self._recent_tokens = self._pool_count = self._next_id = 0
-        self._last: tuple[list[Hashable], np.ndarray] | None = None
+        self._last: tuple[list[Hashable], list[int], np.ndarray] | None = None  # `_rows`
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -363,54 +370,119 @@ class SuffixIndex:
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already indexed")
         if not self._free:  # twice the rows
-            size = len(self._len)
-            self._len = np.concatenate([self._len, np.zeros_like(self._len)])
+            size = len(self._end)
+            self._start = np.concatenate([self._start, np.zeros_like(self._start)])
             self._end = np.concatenate([self._end, np.zeros_like(self._end)])
-            self._room = np.concatenate([self._room, np.zeros_like(self._room)])
+            self._limit = np.concatenate([self._limit, np.full_like(self._limit, _FREE)])
             self._salts = np.concatenate([self._salts, np.zeros_like(self._salts)])
-            self._salt2 = np.concatenate([self._salt2, np.zeros_like(self._salt2)])
             self._probe = np.concatenate([self._probe, np.zeros_like(self._probe)])
             self._free = list(range(2 * size - 1, size - 1, -1))
         slot = self._free.pop()
         self._last = None
         room = max(self._first_room, 2 * len(prompt_ids))
-        self._len[slot] = 0
-        self._end[slot] = self._allocate(room)
-        self._room[slot] = room
+        start = self._allocate(room)
+        self._start[slot] = self._end[slot] = start
+        self._limit[slot] = start + room
         self._salts[slot] = np.uint64(int(self._rng.integers(0, 1 << 63, dtype=np.int64)))
-        self._salt2[slot] = (self._salts[slot], _POOL)
+        self._probe[slot] = 0  # (no tokens: no suffix; its first flush sets it)
         self._requests[request_id] = _Request(slot, len(prompt_ids))
+        self._slots[request_id] = slot
+        self._short.add(slot)  # (its first flush: the ragged way, from no tokens)
         self.extend(request_id, prompt_ids)
 
     def extend(self, request_id: Hashable, new_ids: Sequence[int]) -> None:
         """Append tokens (ints) the request emitted (indexed at the next lookup, all rows at
         once)."""
-        self._pending_slots.append(self._requests[request_id].slot)
+        self._pending_slots.append(self._slots[request_id])
         self._pending_counts.append(len(new_ids))
-        self._pending_tokens.extend(new_ids)
+        self._pending_tokens += new_ids
 
     def flush(self) -> None:
         """Index every request's tokens appended since the last flush (the next lookup or
         finish does it otherwise), all rows at once: the tokens written into _arena; the
-        window ending before each new token (that n-gram now has a next token) and the one
-        ending at each row's new last token hashed; the former's keys inserted, the latter's
-        kept in _probe."""
-        if not self._pending_slots:
+        windows ending before each new token (those n-grams now have a next token) and the
+        one ending at each row's new last token hashed; the former's keys inserted, the
+        latter's kept in _probe.
+
+        Where every row brings at most _grid tokens (K the most), has room for them, had 2
+        tokens or more (`_short`) and is extended once: in a few calls (where every row
+        brings K, the windows of a [rows, K + 1] grid, each row's last K + 1 ends);
+        otherwise `_flush_ragged` (rows that move, merged extends, new and short rows)."""
+        slots = self._pending_slots
+        if not slots:
             return
-        repeated = len(set(self._pending_slots)) != len(self._pending_slots)
-        slots = np.array(self._pending_slots, np.intp)  # [R] one entry per extend
-        counts = np.array(self._pending_counts, np.int64)  # [R]
-        tokens = np.array(self._pending_tokens, np.uint64)  # [T] the entries' tokens in order
+        counts, tokens = self._pending_counts, self._pending_tokens
         self._pending_slots, self._pending_counts, self._pending_tokens = [], [], []
-        if repeated:  # a row extended more than once: one entry a row
+        R, K = len(slots), max(counts)
+        if K > self._grid or K > self._slack or len(set(slots)) != R or \
+                (self._short and not self._short.isdisjoint(slots)):
+            self._flush_ragged(slots, counts, tokens)
+            return
+        self._slack -= K
+        rows = np.fromiter(slots, np.intp, R)  # [R]
+        counts = np.fromiter(counts, np.int64, R)  # [R]
+        tokens = np.fromiter(tokens, np.uint64, len(tokens))  # [T]
+        tokens += _ONE
+        T = len(tokens)
+        end = np.take(self._end, rows)  # [R] where each row's first new token goes
+        stop = end + counts  # [R]
+        self._end[rows] = stop
+        start = np.take(self._start, rows)  # [R]
+        salt = np.take(self._salts, rows)  # [R]
+        lo = self.min_ngram - 1
+        if T == R * K:  # K tokens a row: the windows of a [R, K + 1] grid
+            self._arena[(end[:, None] + self._iota(K)).reshape(-1)] = tokens
+            ends = (stop - start)[:, None] - self._behind[:K + 1]  # [R, K + 1] last first
+            hashes = self._hash((start[:, None] + ends).reshape(-1), np.repeat(salt, K + 1))
+            hashes = hashes.reshape(self._G, R, K + 1)  # own keys
+            suffix = hashes[:, :, 0]  # [G, R]
+            keys = hashes[lo:, :, 1:]  # [L, R, K]
+            values = np.empty(keys.shape, np.int64)  # [L, R, K] (np.broadcast_to is slower)
+            values[:] = ends[:, 1:]
+        else:  # the windows ending before each new token, then at each row's last
+            row = np.repeat(self._iota(R), counts)  # [T] each new token's row
+            at = self._iota(T) + np.take(stop - np.cumsum(counts), row)  # [T] its place
+            self._arena[at] = tokens
+            at -= 1  # [T] where the n-gram before it ends
+            hashes = self._hash(np.concatenate([at, stop - 1]),  # [G, T + R] own keys
+                                np.concatenate([np.take(salt, row), salt]))
+            suffix = hashes[:, T:]  # [G, R]
+            keys = hashes[lo:, :T]  # [L, T]
+            values = np.empty(keys.shape, np.int64)  # [L, T]
+            values[:] = at - np.take(start, row)
+        own = suffix[:lo - 1 if lo else None:-1].T  # [R, L] n = max..min
+        probe = np.empty((R, self._L, 2), np.uint64)  # [R, L, 2] own and pooled
+        probe[:, :, 0] = own
+        np.bitwise_xor(own - salt[:, None], _POOL, out=probe[:, :, 1])
+        probe = probe.reshape(R, -1)  # [R, 2L]
+        self._probe[rows] = probe
+        self._flushed = (slots, rows, probe, start, stop)
+        if T:
+            self._table.insert(keys.reshape(-1), values.reshape(-1))
+
+    def _hash(self, ends: np.ndarray, salts: np.ndarray) -> np.ndarray:
+        """The own keys [G, N] of the n-grams (n = 1..G: row n - 1) ending at the places ends
+        [N] of _arena, each plus its request's salt [N] (windows back from each end, digits
+        summed down the rows: contiguous; the salt added to the first digit reaches all)."""
+        window = np.take(self._arena, ends - self._back_column)  # [G, N] t + 1
+        window *= self._power_column
+        window[0] += salts
+        return np.cumsum(window, axis=0, out=window)
+
+    def _flush_ragged(self, slots: list[int], counts: list[int], tokens: list[int]) -> None:
+        """`flush` for any extends: the windows ending before each new token."""
+        self._flushed = None
+        slots = np.array(slots, np.intp)  # [R] one entry per extend
+        counts = np.array(counts, np.int64)  # [R]
+        tokens = np.array(tokens, np.uint64)  # [T] the entries' tokens in order
+        if len(np.unique(slots)) != len(slots):  # a row extended more than once: one entry
             slots, counts, tokens = _merge(slots, counts, tokens)
-        before = np.take(self._len, slots)  # [R] tokens before these
+        before = np.take(self._end, slots) - np.take(self._start, slots)  # [R] tokens before
         lengths = before + counts
-        outgrown = lengths > np.take(self._room, slots)
+        outgrown = np.take(self._start, slots) + lengths > np.take(self._limit, slots)
         if outgrown.any():
             for slot, length in zip(slots[outgrown].tolist(), lengths[outgrown].tolist()):
                 self._move(slot, 2 * length)
-        self._len[slots] = lengths
         start = np.take(self._end, slots)  # [R] where each row's first new token goes
         stop = start + counts  # [R]
         self._end[slots] = stop
@@ -422,22 +494,23 @@ class SuffixIndex:
         # each row's last token (its suffix): hashed for every length at once.
         ends = np.concatenate([at - 1, stop - 1])  # [T + R]
         window = np.take(self._arena, ends[:, None] - self._back)  # [T + R, G] t+1, back
-        hashes = np.cumsum(window * self._powers, axis=1)[:, self.min_ngram - 1:]  # [T+R, L]
-        suffix = hashes[T:, None, ::-1]  # [R, 1, L] n = max..min
-        self._probe[slots] = (suffix ^ np.take(self._salt2, slots, axis=0)[:, :, None]
-                              ).reshape(len(slots), -1)  # [R, 2L] own, then pooled
+        hashes = np.cumsum(window * self._powers, axis=1)  # [T + R, G]
+        suffix = hashes[T:, ::-1][:, :self._L]  # [R, L] the suffixes, n = max..min
+        probe = np.empty((len(slots), self._L, 2), np.uint64)  # [R, L, 2] own and pooled
+        probe[:, :, 0] = suffix + np.take(self._salts, slots)[:, None]
+        probe[:, :, 1] = suffix ^ _POOL
+        self._probe[slots] = probe.reshape(len(slots), -1)  # [R, 2L]
+        if self._short:
+            self._short = {s for s in self._short if self._end[s] - self._start[s] < 2}
+        self._slack = int((self._limit - self._end).min())
         if not T:
             return
-        keys = hashes[:T] ^ np.repeat(np.take(self._salts, slots), counts)[:, None]  # [T, L]
+        keys = hashes[:T, self.min_ngram - 1:] + \
+            np.repeat(np.take(self._salts, slots), counts)[:, None]  # [T, L]
         pos = at - np.repeat(start - before + 1, counts)  # [T] the n-grams' end positions
-        if int(before.min()) >= self._G:  # every new end has all lengths: no mask
-            values = np.repeat(pos, self._L)
-            keys = keys.ravel()
-        else:  # an n-gram ends at position e only for n <= e + 1
-            ok = pos[:, None] >= self._lengths - 1  # [T, L]
-            values = np.broadcast_to(pos[:, None], ok.shape)[ok]
-            keys = keys[ok]
-        self._table.insert(keys, values)
+        ok = pos[:, None] >= self._lengths - 1  # [T, L] n-grams end at e only for n <= e + 1
+        values = np.broadcast_to(pos[:, None], ok.shape)[ok]
+        self._table.insert(keys[ok], values)
 
     def _allocate(self, room: int) -> int:
         """A region for `room` tokens after G guard digits: -> the place of its first token."""
@@ -448,16 +521,18 @@ class SuffixIndex:
         self._arena[self._top:start] = _GUARD
         self._top += size
         self._held += size
+        self._slack = min(self._slack, room)
         return start
 
     def _move(self, slot: int, room: int) -> None:
         """The request's tokens to a region for `room` (its old one is left unused)."""
         start = self._allocate(room)  # (first: packing may move the old region)
-        length = int(self._len[slot])
-        old = int(self._end[slot]) - length
-        self._arena[start:start + length] = self._arena[old:old + length]
-        self._held -= self._G + int(self._room[slot])
-        self._end[slot], self._room[slot] = start + length, room
+        old, end = int(self._start[slot]), int(self._end[slot])
+        self._arena[start:start + end - old] = self._arena[old:end]
+        self._held -= self._G + int(self._limit[slot]) - old
+        self._start[slot], self._end[slot], self._limit[slot] = start, start + end - old, \
+            start + room
+        self._flushed = None
 
     def _pack(self, size: int) -> None:
         """Room for `size` more places: the live regions packed into an arena at least twice
@@ -466,25 +541,26 @@ class SuffixIndex:
         while 2 * (self._held + size) > length:
             length *= 2
         arena = np.full(length, _GUARD, np.uint64)
-        top = 0
-        for request in self._requests.values():
-            slot, G = request.slot, self._G
-            room, count = int(self._room[slot]), int(self._len[slot])
-            old = int(self._end[slot]) - count
-            arena[top + G:top + G + count] = self._arena[old:old + count]
-            self._end[slot] = top + G + count
-            top += G + room
+        top, G = 0, self._G
+        for slot in self._slots.values():
+            old, end, limit = int(self._start[slot]), int(self._end[slot]), \
+                int(self._limit[slot])
+            arena[top + G:top + G + end - old] = self._arena[old:end]
+            self._start[slot], self._end[slot], self._limit[slot] = \
+                top + G, top + G + end - old, top + G + limit - old
+            top += G + limit - old
         self._arena, self._top, self._held = arena, top, top
+        self._flushed = None
 
     def _own_entries(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
-        """(keys, values) of every n-gram the request indexed (ends 0 .. len - 2)."""
-        if self._len[slot] < 2:
+        """(keys, values) of every n-gram the request may have indexed: ends 0 .. len - 2,
+        the windows that reach back into the guard digits too (flush's grid inserts them)."""
+        start, end = int(self._start[slot]), int(self._end[slot])
+        if end - start < 2:
             return np.zeros(0, np.uint64), np.zeros(0, np.int64)
-        start = int(self._end[slot] - self._len[slot])  # its first token's place
-        hashes, ok = self._windows(
-            self._arena[start - self._G:start + int(self._len[slot]) - 1])
-        values = np.broadcast_to(np.arange(len(hashes))[:, None], ok.shape)
-        return (hashes ^ self._salts[slot])[ok], values[ok]
+        hashes, _ = self._windows(self._arena[start - self._G:end - 1])
+        hashes = hashes + self._salts[slot]  # [len - 1, L]
+        return hashes.reshape(-1), np.repeat(np.arange(len(hashes)), self._L)
 
     def _windows(self, guarded: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For G guard digits then m tokens + 1: the hashes [m, L] of the n-grams (n =
@@ -502,10 +578,14 @@ class SuffixIndex:
             return None
         self.flush()
         del self._requests[request_id]
-        self._last = None
-        self._table.remove(*self._own_entries(request.slot))
-        self._held -= self._G + int(self._room[request.slot])
-        self._free.append(request.slot)
+        del self._slots[request_id]
+        self._last = self._flushed = None
+        slot = request.slot
+        self._table.remove(*self._own_entries(slot))
+        self._held -= self._G + int(self._limit[slot] - self._start[slot])
+        self._limit[slot] = _FREE
+        self._short.discard(slot)
+        self._free.append(slot)
         return request
 
     def finish(self, request_id: Hashable) -> None:
@@ -514,10 +594,10 @@ class SuffixIndex:
         request = self._forget(request_id)
         if request is None:
             raise KeyError(request_id)
-        slot, G, size = request.slot, self._G, int(self._len[request.slot])
+        slot = request.slot
+        first, size = int(self._start[slot]), int(self._end[slot] - self._start[slot])
         start = max(0 if self.keep_prompts else request.prompt_length,
                     size - self.max_recent_tokens)
-        first = int(self._end[slot]) - size  # its first token's place
         tokens = self._arena[first + start:first + size].copy()  # [n] t + 1
         if len(tokens) < 2:
             return
@@ -575,9 +655,8 @@ class SuffixIndex:
     def tokens(self, request_id: Hashable) -> list[int]:
         """The request's tokens so far (prompt, then output); a copy."""
         self.flush()
-        slot = self._requests[request_id].slot
-        end = int(self._end[slot])
-        return (self._arena[end - int(self._len[slot]):end] - _ONE).tolist()
+        slot = self._slots[request_id]
+        return (self._arena[int(self._start[slot]):int(self._end[slot])] - _ONE).tolist()
 
     @property
     def recent_tokens(self) -> int:
@@ -607,92 +686,128 @@ class SuffixIndex:
         out = [Proposal([], "", 0) for _ in request_ids]
         found = self._search(request_ids, max_tokens, 1)
         if found is not None:
-            rows, tokens, counts, pooled, match = found
+            tokens, counts, pooled, match = found
+            rows = np.flatnonzero(counts)
             for row, row_tokens, count, is_pooled, n in zip(
-                    rows.tolist(), tokens.tolist(), counts.tolist(), pooled.tolist(),
-                    match.tolist()):
+                    rows.tolist(), tokens[rows].tolist(), counts[rows].tolist(),
+                    pooled[rows].tolist(), match[rows].tolist()):
                 out[row] = Proposal(row_tokens[:count], "recent" if is_pooled else "own", n)
         return out
+
+    def propose_arrays(self, request_ids: Sequence[Hashable], max_tokens: int,
+                       min_match: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """`propose_many` as arrays, no Python list a token: (tokens [R, max_tokens] int64,
+        counts [R] int64); request r proposes tokens[r, :counts[r]] (0: nothing; what lies
+        past counts[r] is unspecified). `SuffixProposals.load_arrays` takes them as they are."""
+        found = self._search(request_ids, max_tokens, min_match)
+        if found is None:
+            R = len(request_ids)
+            return np.zeros((R, max(max_tokens, 0)), np.int64), np.zeros(R, np.int64)
+        return found[0].view(np.int64), found[1]
 
     def propose_many(self, request_ids: Sequence[Hashable], max_tokens: int,
                      min_match: int = 1) -> list[list[int]]:
         """Per request, `propose`'s tokens where the match has at least min_match tokens
         (else []): all rows of a step in one pass (the scheduler's per-step call)."""
-        out: list[list[int]] = [[] for _ in request_ids]
         found = self._search(request_ids, max_tokens, min_match)
-        if found is not None:
-            rows, tokens, counts, pooled, _ = found
-            if pooled.any():
-                for row, row_tokens, count in zip(rows.tolist(), tokens.tolist(),
-                                                  counts.tolist()):
-                    out[row] = row_tokens[:count]
-            else:  # own matches propose max_tokens tokens
-                for row, row_tokens in zip(rows.tolist(), tokens.tolist()):
-                    out[row] = row_tokens
+        if found is None:
+            return [[] for _ in request_ids]
+        tokens, counts, _, _ = found
+        R = len(counts)
+        cut = np.flatnonzero(counts < max_tokens)  # [S] misses (0) and short pooled ones
+        if 2 * len(cut) > R:  # mostly misses: the others' rows alone
+            out: list[list[int]] = [[] for _ in range(R)]
+            rows = np.flatnonzero(counts)
+            for row, row_tokens, count in zip(rows.tolist(), tokens[rows].tolist(),
+                                              counts[rows].tolist()):
+                out[row] = row_tokens[:count]
+            return out
+        out = tokens.tolist()
+        for row, count in zip(cut.tolist(), counts[cut].tolist()):
+            out[row] = out[row][:count]
         return out
 
+    def _rows(self, request_ids: Sequence[Hashable]) -> tuple[list[int], np.ndarray]:
+        """The requests' slots, as a list and an array (the last call's again for the same
+        requests: a step's)."""
+        last = self._last
+        if last is not None and last[0] == request_ids:
+            return last[1], last[2]
+        slots = [self._slots[i] for i in request_ids]
+        rows = np.array(slots, np.intp)
+        self._last = (list(request_ids), slots, rows)
+        return slots, rows
+
+    def _iota(self, n: int) -> np.ndarray:
+        """0 .. n - 1 (a view of a kept arange)."""
+        if n > len(self._ahead):
+            self._ahead = np.arange(2 * n)
+        return self._ahead[:n]
+
     def _search(self, request_ids: Sequence[Hashable], max_tokens: int, min_match: int
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
-        """For the rows whose suffix matched min_match tokens or more (None: no row): (rows
-        [H], tokens [H, max_tokens] (a row's first counts[h] are its proposal), counts [H],
-        pooled [H] bool, match [H]). The longest and shortest lengths first (class
-        docstring), then the lengths between where needed."""
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+        """Per request, where its suffix matched min_match tokens or more (None: no row):
+        (tokens [R, max_tokens] (a row's first counts[r] are its proposal), counts [R] (0: no
+        match), pooled [R] bool, match [R]). The longest and the shortest n of both kinds
+        first, then the lengths between for rows that matched only the shortest: the best
+        hit is the first column of _probe that holds one."""
         self.flush()
-        if self._last is not None and self._last[0] == request_ids:
-            slots = self._last[1]  # the same rows as the last lookup (a step's)
+        fresh, self._flushed = self._flushed, None
+        R = len(request_ids)
+        columns = 2 * (self.max_ngram - max(min_match, self.min_ngram) + 1)  # n >= min_match
+        if max_tokens < 1 or not R or columns <= 0:
+            return None
+        slots, rows = self._rows(request_ids)
+        if fresh is not None and fresh[0] == slots:  # the rows flush just indexed, in order
+            probe, start, stop = fresh[2], fresh[3], fresh[4]
         else:
-            requests = self._requests
-            slots = np.fromiter((requests[i].slot for i in request_ids), np.intp,
-                                len(request_ids))
-            self._last = (list(request_ids), slots)
-        R = len(slots)
-        if max_tokens < 1 or not R:
+            probe, start, stop = np.take(self._probe, rows, axis=0), None, None
+        first = self._first_columns(columns)  # the longest and the shortest n, own and pooled
+        values = self._table.get(probe[:, first] if columns > 4 else probe[:, :columns])  # [R, F]
+        best = (values >= 0).argmax(1)  # [R] the first column with a hit (else 0)
+        end = np.take(values, best + self._iota(R) * len(first))  # [R] where, -1: none
+        hit = end >= 0  # [R]
+        H = int(np.count_nonzero(hit))
+        if not H:
             return None
-        probe = np.take(self._probe, slots, axis=0)  # [R, 2L]
-        first = self._all if self._wide else self._first
-        values = self._table.get(probe[:, first])  # [R, F] own max, min; pooled alike
-        best = np.where(values >= 0, self._score[first], 0).argmax(1)  # [R] longest, own
-        best += np.arange(0, R * len(first), len(first))  # (on a tie) flat in values
-        end = np.take(values, best)  # [R] where it ended (-1: nothing)
-        top = np.where(end >= 0, np.take(self._score[first], best % len(first)), 0)  # 2n + own
-        if self._wide:  # every length probed already
-            self._wide = bool(np.count_nonzero((top > 0) & (top < 2 * self.max_ngram)))
-        elif len(self._between):  # matched the shortest, not the longest: the lengths between
-            rows = np.flatnonzero((top > 0) & (top < 2 * self.max_ngram))
-            self._wide = len(rows) > 0
-            if len(rows):
-                between = self._between
-                values = self._table.get(probe[rows][:, between])  # [U, B]
-                best = np.where(values >= 0, self._score[between], 0).argmax(1)  # [U]
-                inner = np.where(np.take_along_axis(values, best[:, None], 1)[:, 0] >= 0,
-                                 self._score[between][best], 0)  # [U]
-                longer = inner > top[rows]
-                rows = rows[longer]
-                top[rows] = inner[longer]
-                end[rows] = np.take_along_axis(values, best[:, None], 1)[longer, 0]
-        hit = np.flatnonzero(top >= 2 * max(min_match, 1))  # [H]
-        if not len(hit):
-            return None
-        top, end = top[hit], end[hit]  # [H]
-        ahead = np.arange(max_tokens)  # [K]
-        pooled = end >= _POOLED  # [H]
-        counts = np.full(len(hit), max_tokens)  # [H]
-        if pooled.all():
-            tokens = None
-        else:  # own: copy on from end + 1; past the row's end, from what is being copied
-            h = slots[hit]
-            last = np.take(self._end, h) - 1  # [H] where each row's last token is
-            period = np.maximum(np.take(self._len, h) - 1 - end, 1)  # [H] end + 1 .. last
-            at = (last - period + 1)[:, None] + ahead % period[:, None]  # [H, K]
-            tokens = np.take(self._arena, np.minimum(at, len(self._arena) - 1))
-        if pooled.any():  # what followed in that output, up to its end
-            g = np.where(pooled, end - (_POOLED + self._base), 0)  # [H] in _store
-            at = np.minimum(g[:, None] + 1 + ahead, len(self._store) - 1)  # [H, K]
+        best = np.take(first, best)  # [R] its column in _probe
+        if columns > 4:  # matched the shortest n only: the lengths between may match
+            between = np.flatnonzero(best >= columns - 2)  # [U]
+            if len(between):
+                values = self._table.get(probe[between, 2:columns - 2])  # [U, C - 4]
+                inner = (values >= 0).argmax(1)  # [U]
+                found = np.take(values, inner + self._iota(len(between)) * (columns - 4))
+                longer = found >= 0
+                between = between[longer]
+                best[between] = inner[longer] + 2
+                end[between] = found[longer]
+        pooled = end >= _POOLED  # [R]
+        P = int(np.count_nonzero(pooled))
+        ahead = self._iota(max_tokens)  # [K]
+        if P < H:  # own: copy on from end + 1; past the row's end, from what is being copied
+            if start is None:
+                start, stop = np.take(self._start, rows), np.take(self._end, rows)
+            period = np.maximum(stop - start - 1 - end, 1)  # [R] end + 1 .. its last token
+            tokens = np.take(self._arena, (stop - period)[:, None] + ahead % period[:, None])
+            counts = hit * max_tokens  # [R]
+        if P:  # what followed in that output, up to its end
+            g = np.where(pooled, end - (_POOLED + self._base), 0)  # [R] in _store
+            at = np.minimum(g[:, None] + 1 + ahead, len(self._store) - 1)  # [R, K]
             theirs = np.take(self._store, at)
-            tokens = theirs if tokens is None else np.where(pooled[:, None], theirs, tokens)
-            counts = np.where(pooled, np.minimum(self._ends[g] - self._base - g - 1, max_tokens),
-                              max_tokens)
-        return hit, tokens - _ONE, counts, pooled, top >> 1
+            tokens = theirs if P == H else np.where(pooled[:, None], theirs, tokens)
+            own = hit * max_tokens if P == H else counts
+            counts = np.where(pooled, np.minimum(np.take(self._ends, g) - (self._base + 1) - g,
+                                                 max_tokens), own)
+        return tokens - _ONE, counts, pooled, np.take(self._score, best) >> 1
+
+    def _first_columns(self, columns: int) -> np.ndarray:
+        """The first columns a lookup probes: the longest n and the shortest (of the first
+        `columns`), own and pooled."""
+        first = self._first.get(columns)
+        if first is None:
+            first = self._first[columns] = np.array(sorted({0, 1, columns - 2, columns - 1}),
+                                                    np.intp)
+        return first
 
 
 def _merge(slots: np.ndarray, counts: np.ndarray, tokens: np.ndarray

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fuser.runtime.suffix import Proposal, SuffixIndex, SuffixProposals
-from fuser.runtime.suffix_index import _Table
+from fuser.runtime.suffix_index import _WAYS, _Table
 
 
 def _brute(seq: list[int], pool: list[list[int]], max_tokens: int, lo: int, hi: int
@@ -75,6 +76,10 @@ def test_batched_proposals_equal_a_brute_force_search(rows, max_ngram, max_token
         want = [_brute(seqs[r], pool, max_tokens, lo, max_ngram) for r in ids]
         assert index.lookup_many(ids, max_tokens) == want
         assert index.propose_many(ids, max_tokens, min_match) == \
+            [w.tokens if w.match >= min_match else [] for w in want]
+        tokens, counts = index.propose_arrays(ids, max_tokens, min_match)
+        assert tokens.shape == (len(ids), max_tokens) and counts.shape == (len(ids),)
+        assert [t[:c] for t, c in zip(tokens.tolist(), counts.tolist())] == \
             [w.tokens if w.match >= min_match else [] for w in want]
         assert [index.lookup(r, max_tokens) for r in ids] == want
         if action == 0:  # the oldest row finishes into the pool
@@ -193,6 +198,29 @@ def test_load_fills_the_buffer_as_a_row_by_row_copy(batch, gamma, proposals, anc
 
 
 @settings(max_examples=40, deadline=None, derandomize=True)
+@given(st.integers(1, 9), st.integers(1, 4),
+       st.lists(st.lists(st.integers(0, 99), max_size=20), max_size=9), st.booleans(),
+       st.integers(0, 3))
+def test_load_arrays_fills_the_buffer_as_load_does(batch, gamma, proposals, anchored, spare):
+    """`load_arrays` (SuffixIndex.propose_arrays' form: padded tokens and counts, whatever
+    lies past a row's count) puts in the buffer what `load` puts for the same lists."""
+    proposals = proposals[:batch]
+    anchors = [7 * b + 1 for b in range(len(proposals))] if anchored else None
+    width = max(map(len, proposals), default=0) + spare  # wider or narrower than the buffer
+    tokens = np.full((len(proposals), width), 77, np.int64)  # (77: what lies past a count)
+    for b, row in enumerate(proposals):
+        tokens[b, :len(row)] = row
+    counts = np.array([len(row) for row in proposals], np.int64)
+    want = SuffixProposals(batch, gamma, torch.device("cpu"))
+    want.packed.fill_(5)  # (what an earlier load left)
+    want.load(proposals, anchors=anchors)
+    got = SuffixProposals(batch, gamma, torch.device("cpu"))
+    got.packed.fill_(5)
+    got.load_arrays(tokens, counts, anchors=anchors)
+    assert torch.equal(got.packed, want.packed)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
 @given(st.integers(0, 2**32 - 1), st.integers(2, 8), st.integers(1, 4))
 def test_an_index_from_the_least_match_proposes_alike(seed, min_match, vocab):
     """What the adaptive scheduler builds: indexing only n >= min_match (its suffix_min_match)
@@ -217,3 +245,32 @@ def test_an_index_from_the_least_match_proposes_alike(seed, min_match, vocab):
             r = live.pop(0)
             full.finish(r)
             narrow.finish(r)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 3), st.sampled_from([SuffixIndex, _SmallIndex]))
+def test_dropped_requests_leave_no_key_behind(seed, min_match, kind):
+    """Requests of any prompt length (0..20 tokens), extended by equal or different counts a
+    step (flush's grid and ragged ways), then dropped: the table holds nothing at the end,
+    so every key a flush inserted is one its request's removal finds."""
+    rng = random.Random(seed)
+    index = kind(max_ngram=5, min_ngram=min(min_match + 1, 5))
+    live: list[int] = []
+    for step in range(30):
+        while len(live) < 4:
+            rid = step * 10 + len(live)
+            index.add_request(rid, [rng.randrange(4) for _ in range(rng.randrange(21))])
+            live.append(rid)
+        if step % 3:  # the new prompts flushed on their own (rows with no tokens before)
+            index.propose_arrays(live, 4, min_match)
+        same = rng.randrange(1, 5)
+        for r in live:
+            index.extend(r, [rng.randrange(4) for _ in range(
+                same if step % 2 else rng.randrange(5))])
+        index.propose_arrays(live, 4, min_match)
+        if rng.random() < 0.3:
+            index.drop(live.pop(0))
+    for r in live:
+        index.drop(r)
+    table = index._table
+    assert np.count_nonzero(table.rows[:, :_WAYS]) == 0 and not table.stash
