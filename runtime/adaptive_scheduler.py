@@ -75,7 +75,7 @@ class _SourceStep(_Step):
     # The step ran over the proposals buffer (suffix or mixed): its packed result carries each
     # row's suffix proposal count in column gamma + 1. An overlapped round's is as wide, with
     # its mode code there instead; other kinds are gamma + 2 wide.
-    counts: bool = False
+    over_proposals: bool = False
 
 
 class AdaptiveScheduler(Scheduler):
@@ -328,9 +328,9 @@ class AdaptiveScheduler(Scheduler):
         do_sample = any(not s.params.greedy for s in rows)
         gamma = choice.gamma
         start = time.perf_counter()
-        counts = choice.source != TARGET and matched  # over the proposals buffer
+        over_proposals = choice.source != TARGET and matched
         with self.swap.lock if self.swap is not None else contextlib.nullcontext():
-            if counts:
+            if over_proposals:
                 if choice.source == DRAFT and self._draft_behind:
                     bucket.resync(self._draft_behind)
                     self.resyncs += 1
@@ -351,7 +351,7 @@ class AdaptiveScheduler(Scheduler):
                 packed = bucket.run(PLAIN, do_sample)
             read_back = ReadBack(packed)
         controller.sent()
-        return _SourceStep(rows, gamma, None, read_back, start, choice, counts)
+        return _SourceStep(rows, gamma, None, read_back, start, choice, over_proposals)
 
     def _collect(self, step: _SourceStep) -> None:
         was_active = [not s.done for s in step.rows]
@@ -360,7 +360,7 @@ class AdaptiveScheduler(Scheduler):
         accepted = [min(n, gamma) for n in host[:n_rows, -1].tolist()]
         # Steps over the proposals buffer carry each row's suffix proposals before n (known by
         # the step's kind: an overlapped round is as wide, its mode code in that column).
-        counts = host[:n_rows, gamma + 1].tolist() if step.counts else [0] * n_rows
+        counts = host[:n_rows, gamma + 1].tolist() if step.over_proposals else [0] * n_rows
         live = [i for i, active in enumerate(was_active) if active]
         controller = self.controllers[self.engine.bucket(n_rows).batch]
         if step.choice.source == TARGET:
