@@ -87,10 +87,11 @@ class PrefillGraphs:
         each row ([B] int64), [B, V] (a static buffer when captured: read it before the next
         run at T)."""
         model, cache = self.model, self.model.cache
+        # (before a capture too: its warm-up runs read `last`, which must lie in [0, T))
+        self.last.copy_(last)
         graph = self._graph(tokens.shape[1])
         if graph is None:
             return last_logits(model.run(self.kind, tokens, positions), last)
-        self.last.copy_(last)
         return graph(tokens, positions, cache.seq_lens, cache.starts)
 
     def _graph(self, T: int) -> CudaGraphStep | None:

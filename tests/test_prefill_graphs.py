@@ -107,6 +107,44 @@ def test_long_prefill_graphs_are_kept_least_recently_used_first(monkeypatch) -> 
     assert MAX_LONG_GRAPHS == 4
 
 
+class _RunningGraph:
+    """A CPU stand-in for CudaGraphStep: runs the step once at construction, as a capture's
+    warm-up does (zeros for tokens), and again at each call."""
+
+    def __init__(self, fn, batch: int, T: int, seq_lens: torch.Tensor, starts: torch.Tensor,
+                 pool: object = None) -> None:
+        self.fn, self.replays = fn, 0
+        fn(torch.zeros(batch, T, dtype=torch.long), torch.arange(T)[None].repeat(batch, 1),
+           seq_lens, starts)
+
+    def __call__(self, tokens, positions, seq_lens, starts) -> torch.Tensor:
+        self.replays += 1
+        return self.fn(tokens, positions, seq_lens, starts)
+
+
+def test_a_capture_after_a_longer_length_reads_positions_inside_it(monkeypatch) -> None:
+    """A graph returns the logits at `last`, which its capture's warm-up runs read too: a
+    capture at 32 tokens after a run at 64 whose position was past 32 must not read that stale
+    position. Each run returns the uncaptured step's logits at its own positions."""
+    from fuser.runtime import prefill_graphs
+
+    monkeypatch.setattr(prefill_graphs, "CudaGraphStep", _RunningGraph)
+    engine = fuser.optimize(tiny_model("llama", layers=1), config=fuser.FuserConfig(
+        max_seq_len=96, compile="fx"))
+    model = engine.bucket(1).target
+    graphs = prefill_graphs.PrefillGraphs(model, pool=None)
+    generator = torch.Generator().manual_seed(0)
+    for T, position in ((64, 40), (32, 5)):
+        tokens = torch.randint(0, model.vocab_size, (1, T), generator=generator)
+        positions, last = torch.arange(T)[None], torch.tensor([position])
+        model.cache.begin(torch.zeros(1, dtype=torch.long))
+        got = graphs.run(tokens, positions, last).clone()
+        model.cache.begin(torch.zeros(1, dtype=torch.long))
+        assert torch.equal(got, last_logits(model.run(PREFILL, tokens, positions), last))
+    model.cache.reset()
+    assert graphs.failures == [] and sorted(graphs.graphs) == [32, 64]
+
+
 def test_padded_length_rejects_an_empty_prompt() -> None:
     with pytest.raises(ValueError, match="at least one token"):
         padded_length(0, 64)
