@@ -165,3 +165,20 @@ def paged_engine(blocks: int = 0, draft: bool = False) -> fuser.Engine:
                                config=config)
     assert built.report().fallbacks == [] and built.target.cache.paged
     return built
+
+
+class RunningGraph:
+    """A CPU stand-in for runtime/cuda_graphs.py `CudaGraphStep`: runs the step once when
+    made, as a capture's warm-up does (zero tokens at the cache's lengths, writing those
+    slots), and again at each call (tests simulating captured prefills and chunks)."""
+
+    def __init__(self, fn, batch: int, T: int, seq_lens: torch.Tensor, starts: torch.Tensor,
+                 pool: object = None) -> None:
+        self.fn, self.replays = fn, 0
+        fn(torch.zeros(batch, T, dtype=torch.long), torch.arange(T)[None].repeat(batch, 1),
+           seq_lens, starts)
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
+                 starts: torch.Tensor) -> torch.Tensor:
+        self.replays += 1
+        return self.fn(tokens, positions, seq_lens, starts)

@@ -20,7 +20,7 @@ import torch
 import fuser
 from fuser import SamplingParams, Scheduler
 from fuser.runtime import speculative
-from engines import MAX_SEQ_LEN, llama_target, paged_engine, perturbed
+from engines import MAX_SEQ_LEN, RunningGraph, llama_target, paged_engine, perturbed
 
 VOCAB = 160
 BLOCK = 4  # paged_engine's block size
@@ -606,14 +606,17 @@ def test_chunked_prefill_returns_what_each_returns_alone() -> None:
 
 @pytest.mark.xdist_group("paged_draft_engine")
 @pytest.mark.parametrize("draft", [False, True])
-def test_chunks_at_captured_widths_return_what_each_returns_alone(draft: bool) -> None:
-    """Where chunks replay CUDA graphs (runtime/prefill_graphs.py `ChunkGraphs`), each chunk
-    runs at a captured width, its extra tokens repeating the prompt (or its last token) at
-    slots past the chunk. Here at those widths, uncaptured on the CPU: prefix hits and chunked
-    prefills (a budget of 6 tokens) return what each request returns alone, and every chunk
-    ran at a captured width wider than it needed (with a draft: both models' chunks)."""
-    from fuser.runtime.prefill_graphs import ChunkGraphs, padded_length
-    from fuser.runtime.steps import CHUNK
+def test_chunks_at_captured_widths_return_what_each_returns_alone(
+        draft: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where prefills and chunks replay CUDA graphs (runtime/prefill_graphs.py), each runs at a
+    captured width, a chunk's extra tokens repeating the prompt (or its last token) at slots
+    past it, and each capture first runs the step on zeros, writing those slots. Simulated on
+    the CPU (a stand-in graph that runs the step at capture and at each call): prefix hits,
+    chunked prefills (a budget of 6 tokens) and whole prompts return what each request returns
+    alone, and every chunk ran at a captured width wider than it needed (with a draft: both
+    models')."""
+    from fuser.runtime import prefill_graphs
+    from fuser.runtime.prefill_graphs import padded_length
 
     eng = engine(draft=draft)
     shared = prompt(12, seed=20)
@@ -621,16 +624,20 @@ def test_chunks_at_captured_widths_return_what_each_returns_alone(draft: bool) -
                 (prompt(30, seed=90), greedy(7)), (shared + prompt(5, seed=23), sampled(9, seed=7))]
     want = alone(eng, requests)
     widths: list[tuple[int, int]] = []  # (width run, slots)
-    models = [m for bucket in eng.buckets.values() for m in (bucket.target, bucket.draft)
-              if m is not None and CHUNK in m]
+    monkeypatch.setattr(prefill_graphs, "CudaGraphStep", RunningGraph)
+    for bucket in eng.buckets.values():
+        bucket.capture_prefills(None)
 
-    class Recorded(ChunkGraphs):
-        def run(self, tokens, slots, last):
-            widths.append((tokens.shape[1], self.model.cache.slots))
-            return super().run(tokens, slots, last)
+    def recorded(graphs: prefill_graphs.ChunkGraphs):
+        run = graphs.run
 
-    for model in models:
-        model.chunk_graphs = Recorded(model, None, capture=False)
+        def record(tokens: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+            widths.append((tokens.shape[1], graphs.model.cache.slots))
+            return run(tokens, *args)
+        return record
+
+    for bucket in eng.buckets.values():
+        bucket.target.chunk_graphs.run = recorded(bucket.target.chunk_graphs)
     try:
         sched = started(eng, max_num_batched_tokens=6)
         try:
@@ -640,9 +647,15 @@ def test_chunks_at_captured_widths_return_what_each_returns_alone(draft: bool) -
             assert_no_leak(sched)
         finally:
             sched.close()
+        replays = eng.report().graph_replays
+        assert any(k.startswith("chunk.") and v for k, v in replays.items()), replays
+        assert eng.report().fallbacks == []
     finally:
-        for model in models:
-            model.chunk_graphs = None
+        for bucket in eng.buckets.values():
+            for model in (bucket.target, bucket.draft):
+                if model is not None:
+                    model.prefill_graphs = model.chunk_graphs = None
+            bucket.prefills = []
     assert widths and all(padded_length(w, slots) == w for w, slots in widths)
     assert max(w for w, _ in widths) > 6
 

@@ -16,6 +16,7 @@ from fuser.runtime.prefill_graphs import (
     padded_length,
 )
 from fuser.runtime.steps import PREFILL, last_logits
+from engines import RunningGraph
 from tiny import random_prompts, tiny_model
 
 
@@ -107,28 +108,13 @@ def test_long_prefill_graphs_are_kept_least_recently_used_first(monkeypatch) -> 
     assert MAX_LONG_GRAPHS == 4
 
 
-class _RunningGraph:
-    """A CPU stand-in for CudaGraphStep: runs the step once at construction, as a capture's
-    warm-up does (zeros for tokens), and again at each call."""
-
-    def __init__(self, fn, batch: int, T: int, seq_lens: torch.Tensor, starts: torch.Tensor,
-                 pool: object = None) -> None:
-        self.fn, self.replays = fn, 0
-        fn(torch.zeros(batch, T, dtype=torch.long), torch.arange(T)[None].repeat(batch, 1),
-           seq_lens, starts)
-
-    def __call__(self, tokens, positions, seq_lens, starts) -> torch.Tensor:
-        self.replays += 1
-        return self.fn(tokens, positions, seq_lens, starts)
-
-
 def test_a_capture_after_a_longer_length_reads_positions_inside_it(monkeypatch) -> None:
     """A graph returns the logits at `last`, which its capture's warm-up runs read too: a
     capture at 32 tokens after a run at 64 whose position was past 32 must not read that stale
     position. Each run returns the uncaptured step's logits at its own positions."""
     from fuser.runtime import prefill_graphs
 
-    monkeypatch.setattr(prefill_graphs, "CudaGraphStep", _RunningGraph)
+    monkeypatch.setattr(prefill_graphs, "CudaGraphStep", RunningGraph)
     engine = fuser.optimize(tiny_model("llama", layers=1), config=fuser.FuserConfig(
         max_seq_len=96, compile="fx"))
     model = engine.bucket(1).target
