@@ -82,7 +82,7 @@ class AdaptiveScheduler(Scheduler):
     """runtime/scheduler.py's Scheduler with the suffix index, the controller over sources and
     online draft distillation (see the module docstring).
 
-    Args (beyond Scheduler's, whose max_num_batched_tokens it does not take: whole prompts):
+    Args (beyond Scheduler's):
         suffix: propose from the suffix index (default: FuserConfig.suffix_speculation).
         adapt_draft: distil the draft online (default: FuserConfig.adapt_draft; needs a draft
             and the module it was built from, the engine's own unless `module` is given).
@@ -101,14 +101,15 @@ class AdaptiveScheduler(Scheduler):
     """
 
     def __init__(self, engine: object, *, max_waiting: int = 256, prefill_tokens: int = 2048,
-                 prefix_caching: bool = True,
+                 prefix_caching: bool = True, max_num_batched_tokens: int | None = None,
                  suffix: bool | None = None, adapt_draft: bool | None = None,
                  costs: Mapping[str, object] | None = None, index: SuffixIndex | None = None,
                  distill: DistillConfig | None = None, module: nn.Module | None = None,
                  background: bool = True, controller_options: Mapping[str, object] | None = None,
                  suffix_min_match: int = 4) -> None:
         super().__init__(engine, max_waiting=max_waiting, prefill_tokens=prefill_tokens,
-                         prefix_caching=prefix_caching)
+                         prefix_caching=prefix_caching,
+                         max_num_batched_tokens=max_num_batched_tokens)
         config = engine.config
         has_draft = any(b.draft is not None for b in engine.buckets.values())
         self.suffix = config.suffix_speculation if suffix is None else suffix
@@ -253,11 +254,19 @@ class AdaptiveScheduler(Scheduler):
             super()._admit()
 
     def _prefill(self, group: list[RequestStream]) -> None:
+        self._index(group)
+        super()._prefill(group)
+
+    def _start_chunks(self, group: list[RequestStream]) -> None:
+        self._index(group)
+        super()._start_chunks(group)
+
+    def _index(self, group: list[RequestStream]) -> None:
+        """The group's prompts into the suffix index, as they are admitted."""
         if self.index is not None:
             for stream in group:  # (a request resumed after preemption is indexed already)
                 if stream.request_id not in self.index:
                     self.index.add_request(stream.request_id, stream.prompt_ids)
-        super()._prefill(group)
 
     def _deliver(self, stream: RequestStream, kept: list[int], budget: int) -> None:
         before = len(stream.output_ids)
@@ -301,7 +310,9 @@ class AdaptiveScheduler(Scheduler):
         flight to have moved on: tokens [rows, width] and counts [rows] (row i proposes
         tokens[i, :counts[i]]); and the row's output count it continues (the anchor)."""
         width = self._buffers[self.engine.bucket(len(rows)).batch].width
-        live = [i for i, s in enumerate(rows) if not s.done and s.request_id in self.index]
+        prefilling = self._prefilling()  # (rows [0, prefilling): a group in chunked prefill)
+        live = [i for i, s in enumerate(rows)
+                if i >= prefilling and not s.done and s.request_id in self.index]
         tokens, counts = self.index.propose_arrays([rows[i].request_id for i in live], width,
                                                    self.suffix_min_match)  # all rows at once
         if len(live) < len(rows):  # the others propose nothing
@@ -351,10 +362,11 @@ class AdaptiveScheduler(Scheduler):
                 packed = bucket.run(PLAIN, do_sample)
             read_back = ReadBack(packed)
         controller.sent()
-        return _SourceStep(rows, gamma, None, read_back, start, choice, over_proposals)
+        return _SourceStep(rows, gamma, None, read_back, start, choice, over_proposals,
+                           prefilling=self._prefilling())
 
     def _collect(self, step: _SourceStep) -> None:
-        was_active = [not s.done for s in step.rows]
+        was_active = [not s.done and row >= step.prefilling for row, s in enumerate(step.rows)]
         host = step.read_back.wait()
         n_rows, gamma = len(step.rows), step.gamma
         accepted = [min(n, gamma) for n in host[:n_rows, -1].tolist()]

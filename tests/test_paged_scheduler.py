@@ -414,6 +414,43 @@ def test_keyed_blocks_under_the_adaptive_schedulers_mixed_steps() -> None:
         sched.close()
 
 
+@pytest.mark.xdist_group("paged_draft_engine")
+def test_the_adaptive_scheduler_prefills_in_chunks() -> None:
+    """AdaptiveScheduler(max_num_batched_tokens=6) on the draft engine (scripted costs: mostly
+    the draft, with probes): prompts go in chunks while the other rows decode through the
+    draft's, mixed (suffix) and target-only steps; a repeated request is among the recent
+    outputs, so its rows verify the index's proposals. Greedy outputs are each request's
+    alone; seeded ones have their length (rows in prefill are never the controller's: a
+    count above gamma would fail the step)."""
+    from fuser.runtime.adaptive_scheduler import AdaptiveScheduler
+    from fuser.runtime.controller import DRAFT, SUFFIX
+
+    eng = draft_engine()
+    repeated = (prompt(11, seed=130), greedy(24))
+    requests = [repeated] + REQUESTS[:4] + [(prompt(30, seed=90), greedy(7)), repeated]
+    want = alone(eng, requests)
+    sched = AdaptiveScheduler(eng, suffix=True, adapt_draft=False, background=False,
+                              max_num_batched_tokens=6,
+                              costs={"decode": 1.0, DRAFT: {3: 1.3}},
+                              controller_options=dict(probe_share=0.2, refresh=8))
+    sched.start()
+    try:
+        got = [sched.submit(p, params).result(TIMEOUT) for p, params in requests[:1]]
+        streams = [sched.submit(p, params) for p, params in requests[1:]]
+        got += [s.result(TIMEOUT) for s in streams]
+        for (_, params), out, alone_out in zip(requests, got, want):
+            if params.greedy:  # (a sampled row's draws depend on the step that verified it)
+                assert out == alone_out
+            else:
+                assert len(out) == params.max_tokens and max(out) < VOCAB
+        assert sched.prefill_chunks > len(requests)
+        snap = sched.snapshot()
+        assert snap["steps"][DRAFT] > 0 and snap["rows"][SUFFIX] > 0, snap
+        assert_no_leak(sched)
+    finally:
+        sched.close()
+
+
 def swap_turns(eng: fuser.Engine, how: str) -> None:
     """Turn 1 of a chat runs with the draft as built, stepped by hand; its blocks are cached.
     Then new draft weights are swapped into the live draft (runtime/distill.py `WeightSwap`):

@@ -479,9 +479,9 @@ def test_a_model_directory_serves_a_paged_cache_with_prefix_caching(tiny_model_d
         dict(kv_block_size=16, kv_memory_fraction=0.5)
 
 
-def test_adaptation_keeps_no_prefix_caching(tiny_model_dir):
-    """`--adapt-draft --no-prefix-caching` on a paged cache: the adaptive scheduler shares no
-    blocks (the flag reached it), as the plain one would not."""
+def test_adaptation_keeps_the_kv_cache_flags(tiny_model_dir):
+    """`--adapt-draft` with --no-prefix-caching or --max-num-batched-tokens on a paged cache:
+    both reach the adaptive scheduler, as they reach the plain one."""
     from fuser.runtime.adaptive_scheduler import AdaptiveScheduler
     from fuser.server.cli import make_scheduler, open_engine
 
@@ -490,11 +490,13 @@ def test_adaptation_keeps_no_prefix_caching(tiny_model_dir):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         engine = open_engine(args)
-    for flags, sharing in (((), True), (("--no-prefix-caching",), False)):
+    for flags, sharing, budget in (((), True, None), (("--no-prefix-caching",), False, None),
+                                   (("--max-num-batched-tokens", "64"), True, 64)):
         scheduler = make_scheduler(engine, _serve_args("--adapt-draft", *flags))
         try:
             assert isinstance(scheduler, AdaptiveScheduler)
             assert scheduler.blocks is not None and scheduler.blocks.prefix_caching is sharing
+            assert scheduler.max_num_batched_tokens == budget
         finally:
             scheduler.close()
 

@@ -130,8 +130,8 @@ def add_kv_cache_arguments(serve: argparse.ArgumentParser) -> None:
                             "steps, each iteration at most this many decode and prompt tokens, "
                             "so running requests get a token every iteration (e.g. 512); 0 "
                             "(default, until measured on a GPU): each prompt whole at "
-                            "admission while running requests wait (a contiguous cache, and "
-                            "--adapt-draft, always)")
+                            "admission while running requests wait (a contiguous cache, "
+                            "always)")
 
 
 def kv_cache_config(args: argparse.Namespace) -> dict[str, object]:
@@ -349,7 +349,8 @@ def make_scheduler(engine: Any, args: argparse.Namespace) -> Any:
             module = adapted_draft_module(engine, args.path) if engine.gammas else None
             scheduler = AdaptiveScheduler(engine, max_waiting=args.max_waiting, suffix=True,
                                           adapt_draft=bool(engine.gammas), module=module,
-                                          prefix_caching=getattr(args, "prefix_caching", True))
+                                          prefix_caching=getattr(args, "prefix_caching", True),
+                                          max_num_batched_tokens=_chunk_budget(engine, args))
         except (ValueError, RuntimeError, NotImplementedError) as e:
             hint = "; rebuild it with fuser build --suffix-steps" \
                 if "no verify step for gamma" in str(e) else ""
@@ -366,11 +367,16 @@ def make_scheduler(engine: Any, args: argparse.Namespace) -> Any:
                         + ("top-k" if distiller.labels_from_target else "tokens")
                         if distiller is not None else "") + ")")
             return scheduler
-    paged = engine.target is not None and engine.target.cache.paged
     return Scheduler(engine, max_waiting=args.max_waiting,
                      prefix_caching=getattr(args, "prefix_caching", True),
-                     max_num_batched_tokens=getattr(args, "max_num_batched_tokens", 0)
-                     if paged else None)
+                     max_num_batched_tokens=_chunk_budget(engine, args))
+
+
+def _chunk_budget(engine: Any, args: argparse.Namespace) -> int | None:
+    """The scheduler's max_num_batched_tokens: --max-num-batched-tokens on a paged cache (0:
+    whole prompts), None on a contiguous one."""
+    paged = engine.target is not None and engine.target.cache.paged
+    return getattr(args, "max_num_batched_tokens", 0) if paged else None
 
 
 def show_draft_updates() -> logging.Handler:
