@@ -145,25 +145,18 @@ class SuffixProposals:
         give it. On CUDA the copy is queued from pinned memory of its own (PyTorch's host
         allocator keeps it until the copy has run), so the host does not wait; queued on the
         step's stream, it lands after the steps queued before it have read the buffer."""
-        B, K = self.buffer.shape
+        K = self.buffer.shape[1]
         rows = [row[:K] for row in proposals]
         n = len(rows)
         lengths = np.fromiter(map(len, rows), np.int64, n)  # [n]
-        host = np.full((B, K + 2), fill, np.int64)
-        host[:, K] = 0
-        host[:, K + 1] = -1
+        tokens = np.full((n, K), fill, np.int64)
         total = int(lengths.sum())
         if total:  # every row's tokens in one scatter: row r's at columns 0 .. len - 1
             flat = np.fromiter(itertools.chain.from_iterable(rows), np.int64, total)
             first = np.cumsum(lengths) - lengths  # [n]
-            host[np.repeat(np.arange(n), lengths),
-                 np.arange(total) - np.repeat(first, lengths)] = flat
-        host[:n, K] = lengths
-        if anchors is not None:
-            host[:n, K + 1] = np.fromiter(map(int, anchors[:n]), np.int64, n)
-        cuda = self.packed.device.type == "cuda"
-        host = torch.from_numpy(host)
-        self.packed.copy_(host.pin_memory() if cuda else host, non_blocking=cuda)
+            tokens[np.repeat(np.arange(n), lengths),
+                   np.arange(total) - np.repeat(first, lengths)] = flat
+        self.load_arrays(tokens, lengths, anchors=anchors, fill=fill)
 
     def load_arrays(self, tokens: np.ndarray, counts: np.ndarray,
                     anchors: Sequence[int] | None = None, fill: int = 0) -> None:
