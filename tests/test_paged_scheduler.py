@@ -882,6 +882,20 @@ def test_speculative_chunked_prefill_with_preemption_and_prefix_hits() -> None:
         sched.close()
 
 
+def cuda_draft_engine(**config: object) -> fuser.Engine:
+    """The paged draft engine (gamma 3, 4 rows) built anew on CUDA in fp32 (the CPU tests
+    share the cached one); `config`: more FuserConfig fields."""
+    import copy
+
+    target = copy.deepcopy(llama_target()).cuda()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fuser.optimize(target, draft=perturbed(target, 0.05, seed=3),
+                              config=fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=4,
+                                                       gamma=3, precision="fp32",
+                                                       kv_block_size=BLOCK, **config))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_paged_scheduler_replays_graphs_over_the_managed_table() -> None:
     """On CUDA (fp32; the captured iteration graphs read the block table where it lives, the
@@ -890,14 +904,7 @@ def test_gpu_paged_scheduler_replays_graphs_over_the_managed_table() -> None:
     flash_prefill over the pools, replayed at the captured width 32: runtime/prefill_graphs.py
     `ChunkGraphs`) and outgrowing the pool (preemption): each returns its tokens alone, and
     every step and chunk replayed a captured graph."""
-    import copy
-
-    target = copy.deepcopy(llama_target()).cuda()  # (the CPU tests share the cached one)
-    config = fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=4, gamma=3,
-                               precision="fp32", kv_block_size=BLOCK, kv_blocks=24)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        eng = fuser.optimize(target, draft=perturbed(target, 0.05, seed=3), config=config)
+    eng = cuda_draft_engine(kv_blocks=24)
     assert sorted(eng.buckets) == [1, 2, 4] and eng.report().fallbacks == []
     shared = prompt(20, seed=80)
     requests = [(shared + prompt(18, seed=81 + i), greedy(12)) for i in range(5)]
@@ -923,14 +930,7 @@ def test_gpu_chat_next_turn_hits_its_answer_with_a_draft() -> None:
     `chat_turns` with speculative steps and with runs of target-only steps: every keyed
     block holds a fresh prefill's k/v in both pools after every iteration, and a chat's next
     turn hits its answer's blocks and returns its tokens alone."""
-    import copy
-
-    target = copy.deepcopy(llama_target()).cuda()  # (the CPU tests share the cached one)
-    config = fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=4, gamma=3,
-                               precision="fp32", kv_block_size=BLOCK)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        eng = fuser.optimize(target, draft=perturbed(target, 0.05, seed=3), config=config)
+    eng = cuda_draft_engine()
     for pattern in sorted(GAMMA_PATTERNS):
         steps = chat_turns(eng, GAMMA_PATTERNS[pattern])
         assert steps and any(a == g for g, a, _ in steps), pattern
@@ -945,14 +945,7 @@ def test_gpu_chunked_prefill_between_captured_steps() -> None:
     steps of a draft engine over a 23-block pool, with prefix hits and preemption: each request
     returns its tokens alone (whole-prompt prefill), and every step and chunk replayed a
     captured graph."""
-    import copy
-
-    target = copy.deepcopy(llama_target()).cuda()  # (the CPU tests share the cached one)
-    config = fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=4, gamma=3,
-                               precision="fp32", kv_block_size=BLOCK, kv_blocks=24)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        eng = fuser.optimize(target, draft=perturbed(target, 0.05, seed=3), config=config)
+    eng = cuda_draft_engine(kv_blocks=24)
     shared = prompt(20, seed=85)
     requests = [(shared + prompt(6 + 5 * i, seed=86 + i), greedy(12)) for i in range(5)]
     requests += [(prompt(37, seed=95), sampled(10, seed=9)), (prompt(3, seed=96), greedy(20))]
@@ -986,14 +979,7 @@ def test_gpu_a_hit_after_a_draft_swap_gets_the_new_drafts_kv() -> None:
     through the adaptive scheduler's swap and by hand beside chunked prefill: after a swap
     of the draft's weights, a hit's blocks hold the new draft's k/v and the target's as
     they were, and the tokens are target-only greedy decoding's."""
-    import copy
-
-    target = copy.deepcopy(llama_target()).cuda()  # (the CPU tests share the cached one)
-    config = fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=4, gamma=3,
-                               precision="fp32", kv_block_size=BLOCK)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        eng = fuser.optimize(target, draft=perturbed(target, 0.05, seed=3), config=config)
+    eng = cuda_draft_engine()
     for how in ("adaptive", "chunked"):
         swap_turns(eng, how)
     replays = eng.report().graph_replays
