@@ -18,7 +18,7 @@ from fuser.passes import run_passes
 from fuser.passes.cache_writes import CACHE_WRITES, write_caches_in_place
 from fuser.passes.fx import count_targets
 from fuser.runtime.steps import CHUNK, DECODE, PREFILL, StepKind
-from test_rotary_cache import _Layer, make_case
+from test_rotary_cache import assert_runs_as_eager, exported_layer
 from tiny import pass_context
 
 aten = torch.ops.aten
@@ -30,23 +30,13 @@ def test_a_prefill_layer_writes_its_caches_in_place(variant: str) -> None:
     exported and run as prefill: both writes in place, no copy back; output and caches equal to
     eager, bit for bit (a read of the old cache before the writes, or of the new one after them,
     changes nothing)."""
-    q, k, v, cos, sin, _, _, lens = (t.cpu() for t in make_case(
-        2, 2, 1, 3, 16, 16, 8, torch.float32, seed=7, seq_lens=[3, 5]))
-    args = (q, k, v, cos, sin, lens)
-    eager = _Layer(variant)
-    with torch.no_grad():
-        want = eager(*args)
-    gm = torch.export.export(_Layer(variant), args, strict=False).run_decompositions().module()
+    gm, eager, args, want = exported_layer(variant, tokens=3)
     assert count_targets(gm, aten.index_put.default) == 2  # what export leaves: functional
     result = run_passes(gm, pass_context("target.prefill", PREFILL))
     assert result.errors == [] and result.matches["cache_writes"] == 2
     assert count_targets(gm, aten.index_put.default) == count_targets(gm, aten.copy_.default) == 0
     assert count_targets(gm, aten.index_put_.default) == 2
-    with torch.no_grad():
-        got = gm(*args)
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
-    torch.testing.assert_close(gm.k_cache, eager.k_cache, rtol=0, atol=0)
-    torch.testing.assert_close(gm.v_cache, eager.v_cache, rtol=0, atol=0)
+    assert_runs_as_eager(gm, eager, args, want)
 
 
 def test_fixed_t_steps_are_left_to_rotary_cache_and_inductor() -> None:

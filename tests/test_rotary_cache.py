@@ -291,6 +291,30 @@ class _Layer(torch.nn.Module):
         return out + old
 
 
+def exported_layer(variant: str, tokens: int = 2
+                   ) -> tuple[torch.fx.GraphModule, _Layer, tuple, torch.Tensor]:
+    """`_Layer(variant)` over `tokens` new tokens, exported to core ATen, beside its eager twin
+    already run: (graph, eager layer, args, eager output)."""
+    q, k, v, cos, sin, _, _, lens = (t.cpu() for t in make_case(
+        2, 2, 1, tokens, 16, 16, 8, torch.float32, seed=7, seq_lens=[3, 5]))
+    args = (q, k, v, cos, sin, lens)
+    eager = _Layer(variant)
+    with torch.no_grad():
+        want = eager(*args)
+    gm = torch.export.export(_Layer(variant), args, strict=False).run_decompositions().module()
+    return gm, eager, args, want
+
+
+def assert_runs_as_eager(gm: torch.fx.GraphModule, eager: _Layer, args: tuple,
+                         want: torch.Tensor) -> None:
+    """The graph's output, and the caches it wrote, equal the eager layer's, bit for bit."""
+    with torch.no_grad():
+        got = gm(*args)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(gm.k_cache, eager.k_cache, rtol=0, atol=0)
+    torch.testing.assert_close(gm.v_cache, eager.v_cache, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(("variant", "matches", "with_attention"), [
     ("clean", 1, 1), ("k_used_elsewhere", 0, 0), ("old_cache_read", 0, 0), ("other_slots", 0, 0),
     # the write is made, but stays apart from the attention (passes/rotary_attention.py)
@@ -298,13 +322,7 @@ class _Layer(torch.nn.Module):
 ])
 def test_groups_that_do_not_fit_are_not_rewritten(variant: str, matches: int,
                                                   with_attention: int) -> None:
-    q, k, v, cos, sin, _, _, lens = (t.cpu() for t in make_case(
-        2, 2, 1, 2, 16, 16, 8, torch.float32, seed=7, seq_lens=[3, 5]))
-    args = (q, k, v, cos, sin, lens)
-    eager = _Layer(variant)
-    with torch.no_grad():
-        want = eager(*args)
-    gm = torch.export.export(_Layer(variant), args, strict=False).run_decompositions().module()
+    gm, eager, args, want = exported_layer(variant)
     result = run_passes(gm, pass_context(variant, StepKind("verify", 2)))
     assert result.errors == []
     assert result.matches["rotary"] == 1  # the positive twin proves the group is otherwise whole
@@ -314,20 +332,13 @@ def test_groups_that_do_not_fit_are_not_rewritten(variant: str, matches: int,
     assert result.fused_ops.get("rotary_cache_attention", 0) == with_attention
     assert result.fused_ops.get("cache_attention_read", 0) == 1 - with_attention
     assert count_targets(gm, aten.index_put.default) == 2 * (1 - matches)
-    with torch.no_grad():
-        got = gm(*args)
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
-    torch.testing.assert_close(gm.k_cache, eager.k_cache, rtol=0, atol=0)
-    torch.testing.assert_close(gm.v_cache, eager.v_cache, rtol=0, atol=0)
+    assert_runs_as_eager(gm, eager, args, want)
 
 
 def test_prefill_is_not_rewritten() -> None:
     # The same clean group in a graph the engine runs as prefill: the pass does not apply (the
     # writes stay index_puts, made in place by passes/cache_writes.py).
-    q, k, v, cos, sin, _, _, lens = (t.cpu() for t in make_case(
-        2, 2, 1, 2, 16, 16, 8, torch.float32, seed=7, seq_lens=[3, 5]))
-    gm = torch.export.export(_Layer("clean"), (q, k, v, cos, sin, lens),
-                             strict=False).run_decompositions().module()
+    gm = exported_layer("clean")[0]
     result = run_passes(gm, pass_context("target.prefill", PREFILL))
     assert result.matches["rotary"] == 1 and result.matches["rotary_cache"] == 0
     assert count_targets(gm, aten.index_put_.default) == 2
