@@ -17,7 +17,6 @@ Cost per row (s = element size in bytes): bytes = 3I * s (read 2I, write I); FLO
 ~ 10I for gelu_tanh (one exp per element either way).
 """
 
-
 import torch
 import triton
 import triton.language as tl
