@@ -44,6 +44,8 @@ pool's store.
 
 from __future__ import annotations
 
+import array
+import ctypes
 import itertools
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
@@ -51,6 +53,8 @@ from dataclasses import dataclass
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
+
+from fuser.runtime import native as _native_build
 
 __all__ = ["Proposal", "SuffixIndex"]
 
@@ -260,6 +264,22 @@ class _Table:
         bits = self.bits
         while needed > self.max_load / 2 * (_WAYS << bits):
             bits += 1
+        self._rebuild(bits)
+
+    def shrink(self) -> None:
+        """Where the keys fill under max_load / 16 (a burst of requests gone): the smallest
+        table (first_bits at least) they fill under half of max_load, rebuilt."""
+        if self.bits <= self.first_bits or self.count >= self.max_load / 16 * self.capacity:
+            return
+        self.count = int(np.count_nonzero(self.rows[:, :_WAYS])) + len(self.stash)
+        bits = self.first_bits
+        while self.count > self.max_load / 2 * (_WAYS << bits):
+            bits += 1
+        if bits < self.bits:
+            self._rebuild(bits)
+
+    def _rebuild(self, bits: int) -> None:
+        """A table of 2**bits buckets holding what this one holds."""
         held = self.rows[:, :_WAYS] != 0  # [nb, W]
         keys = self.rows[:, :_WAYS][held]
         values = self.flat_values.reshape(-1, _ROW)[:, :_WAYS][held]
@@ -269,6 +289,122 @@ class _Table:
             values = np.concatenate([values, np.fromiter(stash.values(), np.int64, len(stash))])
         self._reset(bits)
         self.insert(keys, values)
+
+
+class _Context(ctypes.Structure):
+    """runtime/suffix_native.c's `sfx_ctx`: the arrays' addresses and the table's state."""
+
+    _fields_ = [("arena", ctypes.c_void_p), ("start", ctypes.c_void_p),
+                ("end", ctypes.c_void_p), ("limit", ctypes.c_void_p),
+                ("salt", ctypes.c_void_p), ("store", ctypes.c_void_p),
+                ("ends", ctypes.c_void_p), ("base", ctypes.c_int64),
+                ("keys", ctypes.c_void_p), ("values", ctypes.c_void_p),
+                ("bits", ctypes.c_int64), ("count", ctypes.c_int64),
+                ("max_count", ctypes.c_int64), ("max_ngram", ctypes.c_int64),
+                ("min_ngram", ctypes.c_int64), ("powers", ctypes.c_uint64 * 64),
+                ("resume", ctypes.c_int64)]
+
+
+_LIBRARY: list[ctypes.CDLL | None] = []  # the compiled core, once a process (`_library`)
+_ZERO = array.array("q", [0])
+
+
+def _library() -> ctypes.CDLL | None:
+    """runtime/suffix_native.c compiled and loaded, its functions typed; None where native
+    code is off or cannot be built (runtime/native.py warns once why)."""
+    if not _native_build.enabled():
+        return None
+    if not _LIBRARY:
+        lib = _native_build.library("suffix_native")
+        if lib is not None:
+            i64, ptr = ctypes.c_int64, ctypes.c_void_p
+            for name, args in (("sfx_flush", [ptr, i64, ptr, ptr, ptr, i64, i64]),
+                               ("sfx_search", [ptr, i64, ptr, i64, i64, ptr, ptr, ptr]),
+                               ("sfx_remove_own", [ptr, i64]),
+                               ("sfx_pool", [ptr, i64, i64, ctypes.c_int]),
+                               ("sfx_rehash", [ptr, ptr, ptr, i64])):
+                function = getattr(lib, name)
+                function.argtypes = args
+                function.restype = None if name in ("sfx_search", "sfx_rehash") else i64
+        _LIBRARY.append(lib)
+    return _LIBRARY[0]
+
+
+def _address(a: np.ndarray) -> int:
+    return a.ctypes.data
+
+
+class _Native:
+    """The compiled core of one SuffixIndex (runtime/suffix_native.c): its context, which
+    points at the index's arrays (`sync` after any of them moves), and the hash table, open
+    addressing over two numpy arrays this object owns: `reserve` grows it before a call could
+    pass max_load, `shrink` halves it where a burst left it far below (max_load / 8)."""
+
+    max_load = 0.5  # keys a place before the table doubles
+
+    def __init__(self, lib: ctypes.CDLL, max_ngram: int, min_ngram: int, powers: np.ndarray,
+                 first_bits: int) -> None:
+        self.lib = lib
+        self.ctx = _Context()
+        self.ptr = ctypes.addressof(self.ctx)
+        self.ctx.max_ngram, self.ctx.min_ngram = max_ngram, min_ngram
+        self.ctx.powers[:max_ngram] = powers.tolist()
+        self.lengths = max_ngram - min_ngram + 1  # keys an n-gram end brings
+        self.first_bits = first_bits
+        self.keys = np.zeros(1, np.uint64)  # (replaced at once: `_resize` needs a table)
+        self.values = np.full(1, -1, np.int64)
+        self.ctx.keys, self.ctx.values = _address(self.keys), _address(self.values)
+        self.ctx.bits = 0
+        self._resize(first_bits)
+        self.flush, self.search = lib.sfx_flush, lib.sfx_search
+
+    @property
+    def count(self) -> int:
+        return self.ctx.count
+
+    def _resize(self, bits: int) -> None:
+        keys, values = np.zeros(1 << bits, np.uint64), np.full(1 << bits, -1, np.int64)
+        self.lib.sfx_rehash(self.ptr, _address(keys), _address(values), bits)
+        self.keys, self.values = keys, values  # (the old arrays are no longer read)
+        self.ctx.max_count = int(self.max_load * (1 << bits))
+
+    def _bits(self, keys: int) -> int:
+        """The fewest bits (first_bits at least) whose table holds `keys` under half of
+        max_load."""
+        bits = self.first_bits
+        while keys > self.max_load / 2 * (1 << bits):
+            bits += 1
+        return bits
+
+    def reserve(self, more: int) -> None:
+        """Room for `more` keys (the most a call about to run may insert)."""
+        if self.ctx.count + more > self.ctx.max_count:
+            self._resize(self._bits(self.ctx.count + more))
+
+    def shrink(self) -> None:
+        """A table far below its load (after a burst of requests left) to a smaller one."""
+        bits = self.ctx.bits
+        if bits > self.first_bits and self.ctx.count < self.max_load / 8 * (1 << bits):
+            self._resize(self._bits(self.ctx.count))
+
+    def sync(self, index: SuffixIndex) -> None:
+        """Point the context at the index's arrays (after any of them was replaced)."""
+        ctx = self.ctx
+        ctx.arena, ctx.start, ctx.end = (_address(index._arena), _address(index._start),
+                                         _address(index._end))
+        ctx.limit, ctx.salt = _address(index._limit), _address(index._salts)
+        ctx.store, ctx.ends = _address(index._store), _address(index._ends)
+        ctx.base = index._base
+
+    def remove_own(self, slot: int) -> int:
+        return self.lib.sfx_remove_own(self.ptr, slot)
+
+    def pool(self, g: int, size: int, insert: bool) -> int:
+        """The pooled keys of the output at global offset g in (insert) or out: -> how many
+        keys were new / removed."""
+        if insert:
+            self.reserve(max(size - 1, 0) * self.lengths)
+        return self.lib.sfx_pool(self.ptr, g, size, int(insert))
 
 
 class SuffixIndex:
@@ -303,6 +439,12 @@ class SuffixIndex:
         max_recent: finished sequences kept in the recent pool.
         max_recent_tokens: tokens kept in the recent pool, all sequences together.
         keep_prompts: pool a finished request's prompt with its output (default: the output).
+        native: the per-step work (flush, the lookups, finish's keys) in compiled C
+            (runtime/suffix_native.c, built at first use by runtime/native.py), its hash table
+            open addressing over numpy arrays: the same key -> latest end mapping, so the
+            same proposals, several times faster. None (default): where it can be built
+            (FUSER_NATIVE=0 turns it off; a failed build warns once and uses numpy); True:
+            required (RuntimeError where it cannot be built); False: numpy.
     """
 
     _first_slots = 8  # per-request arrays' rows at first (doubled as requests come)
@@ -311,9 +453,11 @@ class SuffixIndex:
     _first_store = 1024  # the pool's store at first (tokens; doubled as needed)
     _table_type = _Table
     _grid = 16  # the most new tokens a row may bring for flush's grid (more: the ragged way)
+    _native_bits = 12  # the native table's places at first: 2**12 (doubled as needed)
 
     def __init__(self, max_ngram: int = 8, min_ngram: int = 2, max_recent: int = 256,
-                 max_recent_tokens: int = 1 << 18, keep_prompts: bool = False) -> None:
+                 max_recent_tokens: int = 1 << 18, keep_prompts: bool = False,
+                 native: bool | None = None) -> None:
         for name, value in (("max_ngram", max_ngram), ("min_ngram", min_ngram),
                             ("max_recent", max_recent), ("max_recent_tokens", max_recent_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -322,6 +466,15 @@ class SuffixIndex:
             raise ValueError(f"min_ngram={min_ngram} must be <= max_ngram={max_ngram}")
         if max_recent_tokens >= 1 << 32:
             raise ValueError(f"max_recent_tokens={max_recent_tokens} must be < 2**32")
+        if max_ngram > 64:
+            raise ValueError(f"max_ngram={max_ngram} must be <= 64")
+        if native is not None and not isinstance(native, bool):
+            raise ValueError(f"native={native!r} must be True, False or None")
+        lib = None if native is False else _library()
+        if native and lib is None:
+            why = _native_build.unavailable("suffix_native") or "unknown"
+            raise RuntimeError(f"SuffixIndex(native=True): the native index cannot be built "
+                               f"({why})")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.max_recent, self.max_recent_tokens = max_recent, max_recent_tokens
         self.keep_prompts = keep_prompts
@@ -347,21 +500,34 @@ class SuffixIndex:
         self._probe = np.zeros((self._first_slots, 2 * L), np.uint64)
         self._free = list(range(self._first_slots - 1, -1, -1))
         self._rng = np.random.default_rng(0)
-        self._pending_slots: list[int] = []  # extend's rows, counts and tokens since a flush
-        self._pending_counts: list[int] = []
-        self._pending_tokens: list[int] = []
+        self._pending_slots = array.array("q")  # extend's rows, counts, tokens since a flush
+        self._pending_counts = array.array("q")
+        self._pending_tokens = array.array("q")
         self._slack = 0  # no row's region has fewer free places than this (a lower bound)
         self._short: set[int] = set()  # rows never flushed or of fewer than 2 tokens (flush
         # takes the ragged way for them: the n-grams before a first token do not exist)
         self._flushed: tuple[list[int], np.ndarray, np.ndarray, np.ndarray, np.ndarray] | \
             None = None  # the grid flush's rows, probe keys, starts and ends (for _search)
-        self._table = self._table_type()
         self._store = np.zeros(self._first_store, np.uint64)
         self._ends = np.zeros(self._first_store, np.int64)
         self._base = self._next = 0  # global offsets: _store[0] and the next token's
         self._recent: OrderedDict[int, tuple[int, int]] = OrderedDict()  # id -> (start, end)
         self._recent_tokens = self._pool_count = self._next_id = 0
-        self._last: tuple[list[Hashable], list[int], np.ndarray] | None = None  # `_rows`
+        self._last: tuple[list[Hashable], list[int], np.ndarray, int] | None = None  # `_rows`
+        self._native = None if lib is None else \
+            _Native(lib, max_ngram, min_ngram, self._powers, self._native_bits)
+        self._table = self._table_type() if self._native is None else None  # numpy's
+        self._sync()
+
+    @property
+    def native(self) -> bool:
+        """Whether the compiled core does the work (class docstring: `native`)."""
+        return self._native is not None
+
+    def _sync(self) -> None:
+        """After an array moved: the native core points at the new one."""
+        if self._native is not None:
+            self._native.sync(self)
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -377,6 +543,7 @@ class SuffixIndex:
             self._salts = np.concatenate([self._salts, np.zeros_like(self._salts)])
             self._probe = np.concatenate([self._probe, np.zeros_like(self._probe)])
             self._free = list(range(2 * size - 1, size - 1, -1))
+            self._sync()
         slot = self._free.pop()
         self._last = None
         room = max(self._first_room, 2 * len(prompt_ids))
@@ -395,7 +562,7 @@ class SuffixIndex:
         once)."""
         self._pending_slots.append(self._slots[request_id])
         self._pending_counts.append(len(new_ids))
-        self._pending_tokens += new_ids
+        self._pending_tokens.extend(new_ids)
 
     def flush(self) -> None:
         """Index every request's tokens appended since the last flush (the next lookup or
@@ -412,7 +579,11 @@ class SuffixIndex:
         if not slots:
             return
         counts, tokens = self._pending_counts, self._pending_tokens
-        self._pending_slots, self._pending_counts, self._pending_tokens = [], [], []
+        self._pending_slots, self._pending_counts, self._pending_tokens = \
+            array.array("q"), array.array("q"), array.array("q")
+        if self._native is not None:
+            self._flush_native(slots, counts, tokens)
+            return
         R, K = len(slots), max(counts)
         if K > self._grid or K > self._slack or len(set(slots)) != R or \
                 (self._short and not self._short.isdisjoint(slots)):
@@ -459,6 +630,25 @@ class SuffixIndex:
         self._flushed = (slots, rows, probe, start, stop)
         if T:
             self._table.insert(keys.reshape(-1), values.reshape(-1))
+
+    def _flush_native(self, slots: array.array, counts: array.array, tokens: array.array
+                      ) -> None:
+        """`flush` in C (`sfx_flush`: entry by entry, in order); where it stops before an
+        entry, the entry's row moves to a region twice its new length or the table grows,
+        and it goes on from there."""
+        core = self._native
+        n, done = len(slots), 0
+        at = (core.ptr, n, slots.buffer_info()[0], counts.buffer_info()[0],
+              tokens.buffer_info()[0])
+        done = core.flush(*at, 0, 0)
+        while done < n:
+            slot, count = slots[done], counts[done]
+            length = int(self._end[slot] - self._start[slot]) + count
+            if int(self._start[slot]) + length > int(self._limit[slot]):
+                self._move(slot, 2 * length)
+            else:
+                core.reserve(count * core.lengths)
+            done = core.flush(*at, done, core.ctx.resume)
 
     def _hash(self, ends: np.ndarray, salts: np.ndarray) -> np.ndarray:
         """The own keys [G, N] of the n-grams (n = 1..G: row n - 1) ending at the places ends
@@ -551,6 +741,7 @@ class SuffixIndex:
             top += G + limit - old
         self._arena, self._top, self._held = arena, top, top
         self._flushed = None
+        self._sync()
 
     def _own_entries(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
         """(keys, values) of every n-gram the request may have indexed: ends 0 .. len - 2,
@@ -581,7 +772,10 @@ class SuffixIndex:
         del self._slots[request_id]
         self._last = self._flushed = None
         slot = request.slot
-        self._table.remove(*self._own_entries(slot))
+        if self._native is not None:
+            self._native.remove_own(slot)
+        else:
+            self._table.remove(*self._own_entries(slot))
         self._held -= self._G + int(self._limit[slot] - self._start[slot])
         self._limit[slot] = _FREE
         self._short.discard(slot)
@@ -600,17 +794,29 @@ class SuffixIndex:
                     size - self.max_recent_tokens)
         tokens = self._arena[first + start:first + size].copy()  # [n] t + 1
         if len(tokens) < 2:
+            self._shrink()
             return
         sequence = self._next_id
         self._next_id += 1
         g = self._append(tokens)
         self._recent[sequence] = (g, g + len(tokens))
         self._recent_tokens += len(tokens)
-        keys, values = self._pool_entries(tokens, g)
-        keys, last = np.unique(keys[::-1], return_index=True)  # each key's latest end
-        self._pool_count += self._table.insert(keys, values[::-1][last])
+        if self._native is not None:
+            self._pool_count += self._native.pool(g, len(tokens), True)
+        else:
+            keys, values = self._pool_entries(tokens, g)
+            keys, last = np.unique(keys[::-1], return_index=True)  # each key's latest end
+            self._pool_count += self._table.insert(keys, values[::-1][last])
         while len(self._recent) > self.max_recent or self._recent_tokens > self.max_recent_tokens:
             self._evict()
+        self._shrink()
+
+    def _shrink(self) -> None:
+        """After keys left: a table far below its load becomes a smaller one."""
+        if self._native is not None:
+            self._native.shrink()
+        else:
+            self._table.shrink()
 
     def _append(self, tokens: np.ndarray) -> int:
         """Put an output (tokens + 1) into the store: -> its global offset."""
@@ -624,6 +830,7 @@ class SuffixIndex:
             store[:keep.stop - keep.start] = self._store[keep]
             ends[:keep.stop - keep.start] = self._ends[keep]
             self._store, self._ends, self._base = store, ends, live
+            self._sync()
         g = self._next
         self._store[g - self._base:g - self._base + len(tokens)] = tokens
         self._ends[g - self._base:g - self._base + len(tokens)] = g + len(tokens)
@@ -640,11 +847,15 @@ class SuffixIndex:
 
     def drop(self, request_id: Hashable) -> None:
         """Forget a request without pooling it (cancelled, failed)."""
-        self._forget(request_id)
+        if self._forget(request_id) is not None:
+            self._shrink()
 
     def _evict(self) -> None:
         _, (start, end) = self._recent.popitem(last=False)
         self._recent_tokens -= end - start
+        if self._native is not None:
+            self._pool_count -= self._native.pool(start, end - start, False)
+            return
         tokens = self._store[start - self._base:end - self._base]
         keys, values = self._pool_entries(tokens, start)
         self._pool_count -= self._table.remove(keys, values)
@@ -699,6 +910,8 @@ class SuffixIndex:
         """`propose_many` as arrays, no Python list a token: (tokens [R, max_tokens] int64,
         counts [R] int64); request r proposes tokens[r, :counts[r]] (0: nothing; what lies
         past counts[r] is unspecified). `SuffixProposals.load_arrays` takes them as they are."""
+        if self._native is not None:
+            return self._search_native(request_ids, max_tokens, min_match)[:2]
         found = self._search(request_ids, max_tokens, min_match)
         if found is None:
             R = len(request_ids)
@@ -734,9 +947,29 @@ class SuffixIndex:
         if last is not None and last[0] == request_ids:
             return last[1], last[2]
         slots = [self._slots[i] for i in request_ids]
-        rows = np.array(slots, np.intp)
-        self._last = (list(request_ids), slots, rows)
+        rows = np.array(slots, np.int64)
+        self._last = (list(request_ids), slots, rows, _address(rows))
         return slots, rows
+
+    def _search_native(self, request_ids: Sequence[Hashable], max_tokens: int,
+                       min_match: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`_search` in C (`sfx_search`): (tokens [R, K] int64 (0 past a row's count), counts
+        [R] (0: no match), score [R] = 2 n + own for a match of n tokens (0: none)), K =
+        max(max_tokens, 0)."""
+        self.flush()
+        R, K = len(request_ids), max(max_tokens, 0)
+        out = _ZERO * (R * (K + 2))  # tokens, counts, scores (one allocation)
+        at = out.buffer_info()[0]
+        found = np.frombuffer(out, np.int64)
+        tokens, counts, score = found[:R * K].reshape(R, K), found[R * K:R * K + R], \
+            found[R * K + R:]
+        if R and K:
+            self._rows(request_ids)
+            rows = self._last[3]
+            self._native.search(self._native.ptr, R, rows, K,
+                                max(min_match, self.min_ngram), at, at + 8 * R * K,
+                                at + 8 * R * (K + 1))
+        return tokens, counts, score
 
     def _iota(self, n: int) -> np.ndarray:
         """0 .. n - 1 (a view of a kept arange)."""
@@ -751,6 +984,9 @@ class SuffixIndex:
         match), pooled [R] bool, match [R]). The longest and the shortest n of both kinds
         first, then the lengths between for rows that matched only the shortest: the best
         hit is the first column of _probe that holds one."""
+        if self._native is not None:
+            tokens, counts, score = self._search_native(request_ids, max_tokens, min_match)
+            return tokens, counts, score & 1 == 0, score >> 1
         self.flush()
         fresh, self._flushed = self._flushed, None
         R = len(request_ids)

@@ -24,12 +24,16 @@ from fuser.runtime.suffix import Proposal, SuffixIndex, SuffixProposals, accept_
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
+# The index's tests run on both of its implementations: the compiled core and numpy.
+impls = pytest.mark.parametrize("native", [True, False], ids=["native", "numpy"])
+
 
 # -- the index ----------------------------------------------------------------------------------
 
 
-def test_proposes_the_continuation_of_a_repeated_span():
-    index = SuffixIndex()
+@impls
+def test_proposes_the_continuation_of_a_repeated_span(native):
+    index = SuffixIndex(native=native)
     index.add_request("a", [9, 1, 2, 3, 4, 5, 6, 8, 1, 2, 3])
     assert index.lookup("a", 4) == index.lookup("a", 4)  # lookups change nothing
     proposal = index.lookup("a", 4)
@@ -40,16 +44,18 @@ def test_proposes_the_continuation_of_a_repeated_span():
     assert index.propose("a", 3) == []
 
 
-def test_a_repeating_pattern_proposes_past_the_end_of_what_was_seen():
-    index = SuffixIndex(max_ngram=4)
+@impls
+def test_a_repeating_pattern_proposes_past_the_end_of_what_was_seen(native):
+    index = SuffixIndex(max_ngram=4, native=native)
     index.add_request(0, [1, 2, 3, 1, 2, 3, 1, 2])
     assert index.propose(0, 7) == [3, 1, 2, 3, 1, 2, 3]
     index.add_request(1, [4, 4, 4])
     assert index.propose(1, 3) == [4, 4, 4]
 
 
-def test_prefers_its_own_context_and_a_longer_match():
-    index = SuffixIndex()
+@impls
+def test_prefers_its_own_context_and_a_longer_match(native):
+    index = SuffixIndex(native=native)
     index.add_request("old", [50])
     index.extend("old", [1, 2, 3, 20, 21, 30, 2, 3, 40])
     index.finish("old")  # the recent pool holds its output, 1 2 3 20 21 30 2 3 40
@@ -64,8 +70,10 @@ def test_prefers_its_own_context_and_a_longer_match():
     assert index.lookup("longer", 1) == Proposal([40], "recent", 4)
 
 
-def test_recent_outputs_are_bounded_and_evicted_oldest_first():
-    index = SuffixIndex(max_ngram=4, min_ngram=2, max_recent=3, max_recent_tokens=25)
+@impls
+def test_recent_outputs_are_bounded_and_evicted_oldest_first(native):
+    index = SuffixIndex(max_ngram=4, min_ngram=2, max_recent=3, max_recent_tokens=25,
+                        native=native)
     for r in range(10):
         index.add_request(r, [0])
         index.extend(r, [100 + r, 1, 2, 3, 200 + r, 4, 5])  # a span shared by all, then own
@@ -92,16 +100,18 @@ def _occurrences(seq: list[int], gram: list[int], before: int) -> list[int]:
     return [p for p in range(n - 1, before) if seq[p - n + 1:p + 1] == gram]
 
 
+@impls
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=30), min_size=1, max_size=6),
        st.integers(1, 6), st.integers(1, 4), st.integers(1, 3))
 def test_every_proposal_is_the_continuation_of_the_longest_latest_earlier_match(
-        requests, max_tokens, max_ngram, max_recent):
+        native, requests, max_tokens, max_ngram, max_recent):
     """Brute force over the index's contents: the match is the longest suffix (min_ngram..
     max_ngram) that occurred earlier in the request or in a pooled output (own on a tie), and
     the proposal is what followed its latest occurrence (own: copied on past the end)."""
     min_ngram = 1 if max_ngram == 1 else 2
-    index = SuffixIndex(max_ngram=max_ngram, min_ngram=min_ngram, max_recent=max_recent)
+    index = SuffixIndex(max_ngram=max_ngram, min_ngram=min_ngram, max_recent=max_recent,
+                        native=native)
     pool: list[list[int]] = []  # the outputs the pool should hold, oldest first
     for r, tokens in enumerate(requests):
         prompt, output = tokens[:len(tokens) // 2], tokens[len(tokens) // 2:]

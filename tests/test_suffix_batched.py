@@ -12,12 +12,16 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fuser.runtime.suffix import Proposal, SuffixIndex, SuffixProposals
 from fuser.runtime.suffix_index import _WAYS, _Table
+
+# The index's tests run on both of its implementations: the compiled core and numpy.
+impls = pytest.mark.parametrize("native", [True, False], ids=["native", "numpy"])
 
 
 def _brute(seq: list[int], pool: list[list[int]], max_tokens: int, lo: int, hi: int
@@ -45,18 +49,20 @@ def _brute(seq: list[int], pool: list[list[int]], max_tokens: int, lo: int, hi: 
     return Proposal([], "", 0)
 
 
+@impls
 @settings(max_examples=120, deadline=None, derandomize=True)
 @given(st.integers(2, 5), st.integers(1, 5), st.integers(0, 7), st.integers(1, 3),
        st.integers(1, 4),
        st.lists(st.tuples(st.lists(st.integers(0, 2), max_size=4), st.integers(0, 4)),
                 min_size=1, max_size=40))
-def test_batched_proposals_equal_a_brute_force_search(rows, max_ngram, max_tokens, min_match,
-                                                       max_recent, steps):
+def test_batched_proposals_equal_a_brute_force_search(native, rows, max_ngram, max_tokens,
+                                                       min_match, max_recent, steps):
     """Each step extends every live row by a count of tokens (0..4), then looks up all
     rows at once; a row is finished into the pool now and then and a new one takes its
     place."""
     lo = 1 if max_ngram == 1 else 2
-    index = SuffixIndex(max_ngram=max_ngram, min_ngram=lo, max_recent=max_recent)
+    index = SuffixIndex(max_ngram=max_ngram, min_ngram=lo, max_recent=max_recent,
+                        native=native)
     seqs: dict[int, list[int]] = {}
     prompts: dict[int, int] = {}
     pool: list[list[int]] = []
@@ -98,6 +104,7 @@ class _SmallTable(_Table):
 
 
 class _SmallIndex(SuffixIndex):
+    _native_bits = 1  # (the native table: 2 places at first)
     _first_slots = 1
     _first_room = 2
     _first_arena = 16
@@ -123,19 +130,20 @@ class _CrowdedIndex(_SmallIndex):
     _table_type = _CrowdedTable
 
 
+@impls
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(st.sampled_from([_SmallIndex, _StashIndex, _CrowdedIndex]), st.integers(0, 2**32 - 1),
        st.integers(1, 6), st.integers(2, 5), st.integers(1, 4), st.integers(2, 12),
        st.integers(1, 20))
 def test_growth_and_the_stash_keep_the_proposals_of_a_brute_force_search(
-        kind, seed, rows, max_ngram, vocab, max_recent, recent_tokens):
+        native, kind, seed, rows, max_ngram, vocab, max_recent, recent_tokens):
     """60 steps of rows extended by 0..4 random tokens over a small vocabulary (long
     repeats), finished or dropped now and then, a pool bounded in outputs and tokens: every
     lookup equals the brute force's."""
     rng = random.Random(seed)
     lo = 2
     index = kind(max_ngram=max_ngram, min_ngram=lo, max_recent=max_recent,
-                 max_recent_tokens=recent_tokens)
+                 max_recent_tokens=recent_tokens, native=native)
     seqs: dict[int, list[int]] = {}
     prompts: dict[int, int] = {}
     pool: list[list[int]] = []
@@ -220,13 +228,15 @@ def test_load_arrays_fills_the_buffer_as_load_does(batch, gamma, proposals, anch
     assert torch.equal(got.packed, want.packed)
 
 
+@impls
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(st.integers(0, 2**32 - 1), st.integers(2, 8), st.integers(1, 4))
-def test_an_index_from_the_least_match_proposes_alike(seed, min_match, vocab):
+def test_an_index_from_the_least_match_proposes_alike(native, seed, min_match, vocab):
     """What the adaptive scheduler builds: indexing only n >= min_match (its suffix_min_match)
     proposes, at that least match, what the default index (n >= 2) does."""
     rng = random.Random(seed)
-    full, narrow = SuffixIndex(max_recent=3), SuffixIndex(min_ngram=min_match, max_recent=3)
+    full = SuffixIndex(max_recent=3, native=native)
+    narrow = SuffixIndex(min_ngram=min_match, max_recent=3, native=native)
     live: list[int] = []
     for step in range(40):
         while len(live) < 4:
@@ -247,14 +257,15 @@ def test_an_index_from_the_least_match_proposes_alike(seed, min_match, vocab):
             narrow.finish(r)
 
 
+@impls
 @settings(max_examples=30, deadline=None, derandomize=True)
 @given(st.integers(0, 2**32 - 1), st.integers(1, 3), st.sampled_from([SuffixIndex, _SmallIndex]))
-def test_dropped_requests_leave_no_key_behind(seed, min_match, kind):
+def test_dropped_requests_leave_no_key_behind(native, seed, min_match, kind):
     """Requests of any prompt length (0..20 tokens), extended by equal or different counts a
     step (flush's grid and ragged ways), then dropped: the table holds nothing at the end,
     so every key a flush inserted is one its request's removal finds."""
     rng = random.Random(seed)
-    index = kind(max_ngram=5, min_ngram=min(min_match + 1, 5))
+    index = kind(max_ngram=5, min_ngram=min(min_match + 1, 5), native=native)
     live: list[int] = []
     for step in range(30):
         while len(live) < 4:
@@ -272,5 +283,9 @@ def test_dropped_requests_leave_no_key_behind(seed, min_match, kind):
             index.drop(live.pop(0))
     for r in live:
         index.drop(r)
+    if native:  # (and the table shrank back to its first size)
+        core = index._native
+        assert core.count == 0 and not core.keys.any() and len(core.keys) == 1 << kind._native_bits
+        return
     table = index._table
     assert np.count_nonzero(table.rows[:, :_WAYS]) == 0 and not table.stash

@@ -1,0 +1,273 @@
+/* The suffix index's per-step work in C (runtime/suffix_index.py holds the design; this file
+ * is its compiled core, built and loaded by runtime/native.py).
+ *
+ * Plain C99, no Python API: one shared library serves every Python version. Every array is
+ * owned by the Python side (numpy), which passes their addresses in `sfx_ctx` and makes room
+ * before each call (the token rows, the table): no function here allocates, and none writes
+ * outside what the context and its arguments give it.
+ *
+ * The data, as SuffixIndex lays it out:
+ *   arena   uint64: every request's tokens + 1, each in a region of its own; slot s's tokens
+ *           are arena[start[s] .. end[s]), its region ends at limit[s];
+ *   salt    uint64 per slot: added to its own keys;
+ *   store   uint64: the recent pool's tokens + 1, outputs one after another; the global
+ *           offset g is store[g - base], and ends[g - base] is where its output ends (global);
+ *   keys, values: the hash table, 1 << bits places of open addressing (linear probing; key 0:
+ *           an empty place). Own keys (hash + salt) map to the n-gram's end position in its
+ *           request, pooled keys (hash ^ POOL) to POOLED + the global offset of its end.
+ *
+ * A key: the n-gram of n tokens ending at e hashes to MIX * sum_{i<n} (t_{e-i} + 1) BASE^i mod
+ * 2**64, `powers[i]` = BASE^i MIX, the same numbers as the numpy index. A key keeps its largest
+ * (latest) value; a removal removes a key only where it holds the value given. Only n-grams of
+ * min_ngram..max_ngram tokens that lie within their sequence and have a next token are keys. */
+
+#include <stdint.h>
+#include <string.h>
+
+#define SFX_POOL 0x5851F42D4C957F2DULL   /* pooled keys: hash ^ POOL */
+#define SFX_POOLED ((int64_t)1 << 62)    /* a pooled key's value: POOLED + global offset */
+#define SFX_MAX_NGRAM 64
+
+typedef struct {
+    uint64_t *arena;
+    int64_t *start, *end, *limit; /* per slot */
+    uint64_t *salt;               /* per slot */
+    uint64_t *store;              /* the pool's tokens + 1 */
+    int64_t *ends;                /* per store place: its output's end (global offset) */
+    int64_t base;                 /* the global offset of store[0] */
+    uint64_t *keys;               /* [1 << bits] 0: empty */
+    int64_t *values;              /* [1 << bits] */
+    int64_t bits;
+    int64_t count;                /* keys held */
+    int64_t max_count;            /* flush stops before an entry could take count past this */
+    int64_t max_ngram, min_ngram;
+    uint64_t powers[SFX_MAX_NGRAM];  /* [max_ngram] BASE^i MIX */
+    int64_t resume;               /* sfx_flush: the first token of the entry it stopped at */
+} sfx_ctx;
+
+/* -- the table ---------------------------------------------------------------------------- */
+
+static inline uint64_t fix(uint64_t key) { return key ? key : 1; }  /* 0 marks a free place */
+
+static inline uint64_t home(const sfx_ctx *c, uint64_t key) {
+    key ^= key >> 31;  /* keys come mixed; this spreads them once more, cheaply */
+    return (key * 0x9E3779B97F4A7C15ULL) >> (64 - c->bits);
+}
+
+/* The place holding `key`, or -1. */
+static int64_t find(const sfx_ctx *c, uint64_t key) {
+    uint64_t mask = ((uint64_t)1 << c->bits) - 1;
+    for (uint64_t i = home(c, key);; i = (i + 1) & mask) {
+        uint64_t k = c->keys[i];
+        if (k == key) return (int64_t)i;
+        if (!k) return -1;
+    }
+}
+
+/* key -> value, keeping the larger where it is held: 1 if it was not. The caller keeps
+ * count below the table's size (max_count). */
+static int insert(sfx_ctx *c, uint64_t key, int64_t value) {
+    uint64_t mask = ((uint64_t)1 << c->bits) - 1;
+    for (uint64_t i = home(c, key);; i = (i + 1) & mask) {
+        uint64_t k = c->keys[i];
+        if (k == key) {
+            if (value > c->values[i]) c->values[i] = value;
+            return 0;
+        }
+        if (!k) {
+            c->keys[i] = key;
+            c->values[i] = value;
+            c->count++;
+            return 1;
+        }
+    }
+}
+
+/* Remove `key` where it holds `value`: 1 if it did. The places after it that would no
+ * longer be reached from their home move back into the gap (no tombstones). */
+static int erase(sfx_ctx *c, uint64_t key, int64_t value) {
+    uint64_t mask = ((uint64_t)1 << c->bits) - 1;
+    int64_t at = find(c, key);
+    if (at < 0 || c->values[at] != value) return 0;
+    uint64_t gap = (uint64_t)at;
+    for (uint64_t i = (gap + 1) & mask;; i = (i + 1) & mask) {
+        uint64_t k = c->keys[i];
+        if (!k) break;
+        uint64_t h = home(c, k);
+        /* k may fill the gap where its home is not within (gap, i] (cyclically) */
+        if (((i - h) & mask) >= ((i - gap) & mask)) {
+            c->keys[gap] = k;
+            c->values[gap] = c->values[i];
+            gap = i;
+        }
+    }
+    c->keys[gap] = 0;
+    c->values[gap] = -1;
+    c->count--;
+    return 1;
+}
+
+/* Move every key into new arrays of 1 << bits places (zero keys, as the caller made them),
+ * which become the table. The caller gives room for count keys. */
+void sfx_rehash(sfx_ctx *c, uint64_t *keys, int64_t *values, int64_t bits) {
+    uint64_t *old_keys = c->keys;
+    int64_t *old_values = c->values;
+    int64_t size = (int64_t)1 << c->bits;
+    c->keys = keys;
+    c->values = values;
+    c->bits = bits;
+    c->count = 0;
+    for (int64_t i = 0; i < size; i++)
+        if (old_keys[i]) insert(c, old_keys[i], old_values[i]);
+}
+
+/* -- hashing -------------------------------------------------------------------------------- */
+
+/* The hashes h[n - 1] (n = 1..m) of the n-grams ending at tokens[e]; the caller keeps
+ * m <= e + 1 (within the sequence) and m <= max_ngram. */
+static inline void hashes(const sfx_ctx *c, const uint64_t *tokens, int64_t e, int64_t m,
+                          uint64_t *h) {
+    uint64_t sum = 0;
+    for (int64_t i = 0; i < m; i++) {
+        sum += tokens[e - i] * c->powers[i];
+        h[i] = sum;
+    }
+}
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* -- the per-step work ---------------------------------------------------------------------- */
+
+/* Append each entry's tokens to its row and index the n-grams that now have a next token.
+ * Entry i (from `first` on, whose tokens start at tokens[t]) brings counts[i] tokens to
+ * slot slots[i]; entries of one slot follow each other in order. Each n-gram ending at a
+ * position p before a new token (min_ngram <= n <= min(max_ngram, p + 1)) is inserted as
+ * an own key -> p. Stops before an entry whose tokens would pass its region's limit or whose
+ * keys could take the table past max_count: -> the entry it stopped at (c->resume: its first
+ * token), or n when all are in. */
+int64_t sfx_flush(sfx_ctx *c, int64_t n, const int64_t *slots, const int64_t *counts,
+                  const int64_t *tokens, int64_t first, int64_t t) {
+    const int64_t G = c->max_ngram, lo = c->min_ngram, L = G - lo + 1;
+    uint64_t h[SFX_MAX_NGRAM];
+    for (int64_t i = first; i < n; i++) {
+        const int64_t s = slots[i], m = counts[i];
+        const int64_t start = c->start[s], old = c->end[s];
+        if (old + m > c->limit[s] || c->count + m * L > c->max_count) {
+            c->resume = t;
+            return i;
+        }
+        uint64_t *row = c->arena;
+        for (int64_t k = 0; k < m; k++) row[old + k] = (uint64_t)tokens[t + k] + 1;
+        t += m;
+        c->end[s] = old + m;
+        const uint64_t salt = c->salt[s];
+        for (int64_t e = old - 1; e < old + m - 1; e++) {  /* ends before each new token */
+            const int64_t p = e - start, top = min64(G, p + 1);
+            if (p < 0 || top < lo) continue;
+            hashes(c, row, e, top, h);
+            for (int64_t k = lo - 1; k < top; k++) insert(c, fix(h[k] + salt), p);
+        }
+    }
+    c->resume = t;
+    return n;
+}
+
+/* Proposals for `R` rows (slots rows[r]): the tokens that followed the latest occurrence of
+ * the row's longest suffix of at least lo tokens (lo >= min_ngram) found among its own keys
+ * or the pool's (own first on a tie): tokens[r, 0 .. counts[r]) (K a row; 0 past the count),
+ * and score[r] = 2 n + (own) for a match of n tokens (0: none).
+ *   own match ending at p in a row of `len` tokens: the tokens from p + 1 on, copied past the
+ *           row's end from what is being copied (period len - 1 - p): K tokens;
+ *   pooled match ending at global offset g: what followed in that output, up to its end.
+ * A suffix that never occurred has no longer one that did: the longest and the shortest
+ * length settle most rows, the lengths between are probed only where the shortest hit. */
+void sfx_search(sfx_ctx *c, int64_t R, const int64_t *rows, int64_t K, int64_t lo,
+                int64_t *tokens, int64_t *counts, int64_t *score) {
+    const int64_t G = c->max_ngram;
+    uint64_t h[SFX_MAX_NGRAM];
+    if (lo < c->min_ngram) lo = c->min_ngram;
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t s = rows[r], start = c->start[s], stop = c->end[s];
+        const int64_t len = stop - start, top = min64(G, len);
+        int64_t *out = tokens + r * K;
+        counts[r] = score[r] = 0;
+        memset(out, 0, (size_t)K * sizeof(int64_t));
+        if (top < lo || K < 1) continue;
+        hashes(c, c->arena, stop - 1, top, h);
+        const uint64_t salt = c->salt[s];
+        int64_t at = -1, n = 0, own = 0;
+        /* probe length m, own then pooled: the place of the first hit (-1: none) */
+#define PROBE(m) \
+        do { \
+            at = find(c, fix(h[(m) - 1] + salt)); own = 1; \
+            if (at < 0) { at = find(c, fix(h[(m) - 1] ^ SFX_POOL)); own = 0; } \
+            n = (m); \
+        } while (0)
+        PROBE(top);
+        if (at < 0 && top > lo) {
+            PROBE(lo);
+            if (at >= 0) {  /* the shortest matched: the longest between that does */
+                int64_t at_lo = at, own_lo = own;
+                for (int64_t m = top - 1; m > lo; m--) {
+                    PROBE(m);
+                    if (at >= 0) break;
+                }
+                if (at < 0) { at = at_lo; own = own_lo; n = lo; }
+            }
+        }
+#undef PROBE
+        if (at < 0) continue;
+        const int64_t v = c->values[at];
+        score[r] = 2 * n + own;
+        if (own) {
+            int64_t period = len - 1 - v;
+            if (period < 1) period = 1;
+            const uint64_t *from = c->arena + stop - period;
+            for (int64_t k = 0, j = 0; k < K; k++, j = j + 1 == period ? 0 : j + 1)
+                out[k] = (int64_t)(from[j] - 1);
+            counts[r] = K;
+        } else {
+            const int64_t g = v - SFX_POOLED, i = g - c->base;
+            const int64_t m = min64(c->ends[i] - g - 1, K);
+            for (int64_t k = 0; k < m; k++) out[k] = (int64_t)(c->store[i + 1 + k] - 1);
+            counts[r] = m;
+        }
+    }
+}
+
+/* Remove the own keys of slot s (every n-gram of its tokens with a next token, mapped to
+ * its end): -> how many were held. */
+int64_t sfx_remove_own(sfx_ctx *c, int64_t s) {
+    const int64_t G = c->max_ngram, lo = c->min_ngram, start = c->start[s], stop = c->end[s];
+    const uint64_t salt = c->salt[s];
+    uint64_t h[SFX_MAX_NGRAM];
+    int64_t removed = 0;
+    for (int64_t e = start; e < stop - 1; e++) {
+        const int64_t p = e - start, top = min64(G, p + 1);
+        if (top < lo) continue;
+        hashes(c, c->arena, e, top, h);
+        for (int64_t k = lo - 1; k < top; k++) removed += erase(c, fix(h[k] + salt), p);
+    }
+    return removed;
+}
+
+/* The pooled keys of the output of `size` tokens at global offset g (in the store): each
+ * n-gram with a next token -> POOLED + the global offset of its end. insert: put them in
+ * (-> how many were not held; the caller made room for (size - 1) (max - min + 1) keys);
+ * else remove those that still map there (-> how many). */
+int64_t sfx_pool(sfx_ctx *c, int64_t g, int64_t size, int insert_them) {
+    const int64_t G = c->max_ngram, lo = c->min_ngram;
+    const uint64_t *out = c->store + (g - c->base);
+    uint64_t h[SFX_MAX_NGRAM];
+    int64_t changed = 0;
+    for (int64_t p = 0; p < size - 1; p++) {
+        const int64_t top = min64(G, p + 1), value = SFX_POOLED + g + p;
+        if (top < lo) continue;
+        hashes(c, out, p, top, h);
+        for (int64_t k = lo - 1; k < top; k++) {
+            const uint64_t key = fix(h[k] ^ SFX_POOL);
+            changed += insert_them ? insert(c, key, value) : erase(c, key, value);
+        }
+    }
+    return changed;
+}
