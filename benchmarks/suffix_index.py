@@ -12,6 +12,9 @@ scheduler spends on the host each step for `rows` running requests, measured on 
              copy);
     finish   a request leaving for the recent pool (per request, amortised over its steps).
 
+`--impl native|numpy` picks the index's implementation (default: native where it can be built,
+as `SuffixIndex` picks it); the printed line says which ran.
+
 A pool of `pool` finished outputs (random tokens over `vocab`, a shared span in each so that
 lookups hit) is in place first. Prints one line per figure and writes JSON with --out.
 
@@ -19,6 +22,7 @@ lookups hit) is in place first. Prints one line per figure and writes JSON with 
     .venv/bin/python benchmarks/suffix_index.py --rows 64 --follow   # every lookup hits
     .venv/bin/python benchmarks/suffix_index.py --rows 64 --min-match 4   # the scheduler's
     .venv/bin/python benchmarks/suffix_index.py --rows 64 --min-match 4 --tokens 7 --vary
+    .venv/bin/python benchmarks/suffix_index.py --rows 64 --min-match 4 --impl numpy
 """
 
 from __future__ import annotations
@@ -42,17 +46,21 @@ except ImportError:
 
 
 def measure(rows: int, pool: int, tokens: int, steps: int, vocab: int, width: int,
-            seed: int = 0, follow: bool = False, min_match: int = 1, vary: bool = False
-            ) -> dict[str, float]:
+            seed: int = 0, follow: bool = False, min_match: int = 1, vary: bool = False,
+            impl: str | None = None) -> dict[str, float]:
     """Median microseconds per step of the lookups, extends and loads for `rows` rows (process
     CPU time: on a shared machine, wall time also counts the others' work). follow: each row
     emits what followed in a pooled output (every lookup hits) instead of random tokens.
     min_match: the lookups' least match; above 1 the index is built as the adaptive scheduler
     builds it for that suffix_min_match (n-grams from min_match tokens). vary: each row emits
-    1..tokens tokens a step (as acceptance varies), not `tokens`."""
+    1..tokens tokens a step (as acceptance varies), not `tokens`. impl: "native", "numpy" or
+    None (the index's default; an older tree without the choice: its only one)."""
     rng = random.Random(seed)
     shared = [rng.randrange(vocab) for _ in range(32)]
-    index = SuffixIndex(min_ngram=min(min_match, 8)) if min_match > 1 else SuffixIndex()
+    options = {} if impl is None else {"native": impl == "native"}
+    if min_match > 1:
+        options["min_ngram"] = min(min_match, 8)
+    index = SuffixIndex(**options)
     outputs = []
     for r in range(pool):
         index.add_request(("pool", r), [rng.randrange(vocab) for _ in range(64)])
@@ -114,7 +122,8 @@ def measure(rows: int, pool: int, tokens: int, steps: int, vocab: int, width: in
             "extend_us": 1e6 * statistics.median(extends),
             "load_us": 1e6 * statistics.median(loads) if loads else float("nan"),
             "finish_us_per_request": 1e6 * finish,
-            "hit_share": hits / (rows * steps)}
+            "hit_share": hits / (rows * steps),
+            "impl": "native" if getattr(index, "native", False) else "numpy"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,12 +141,16 @@ def main(argv: list[str] | None = None) -> int:
                              "index built as the scheduler builds it")
     parser.add_argument("--vary", action="store_true",
                         help="each row emits 1..--tokens tokens a step, not --tokens")
+    parser.add_argument("--impl", choices=["native", "numpy"], default=None,
+                        help="the index's implementation (default: native where it can be "
+                             "built)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     result = measure(args.rows, args.pool, args.tokens, args.steps, args.vocab, args.width,
-                     follow=args.follow, min_match=args.min_match, vary=args.vary)
+                     follow=args.follow, min_match=args.min_match, vary=args.vary,
+                     impl=args.impl)
     emitted = f"1-{args.tokens}" if args.vary else f"{args.tokens}"
-    print(f"suffix index, {args.rows} rows: step {result['step_us']:.0f} us, lookup "
+    print(f"suffix index ({result['impl']}), {args.rows} rows: step {result['step_us']:.0f} us, lookup "
           f"{result['lookup_us']:.0f} us/step, extend ({emitted} tokens a row) "
           f"{result['extend_us']:.0f} us/step, load {result['load_us']:.0f} us/step, finish "
           f"{result['finish_us_per_request']:.0f} us/request, hits {result['hit_share']:.2f}")

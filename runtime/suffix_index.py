@@ -298,7 +298,7 @@ class _Context(ctypes.Structure):
                 ("end", ctypes.c_void_p), ("limit", ctypes.c_void_p),
                 ("salt", ctypes.c_void_p), ("store", ctypes.c_void_p),
                 ("ends", ctypes.c_void_p), ("base", ctypes.c_int64),
-                ("keys", ctypes.c_void_p), ("values", ctypes.c_void_p),
+                ("table", ctypes.c_void_p),
                 ("bits", ctypes.c_int64), ("count", ctypes.c_int64),
                 ("max_count", ctypes.c_int64), ("max_ngram", ctypes.c_int64),
                 ("min_ngram", ctypes.c_int64), ("powers", ctypes.c_uint64 * 64),
@@ -322,7 +322,7 @@ def _library() -> ctypes.CDLL | None:
                                ("sfx_search", [ptr, i64, ptr, i64, i64, ptr, ptr, ptr]),
                                ("sfx_remove_own", [ptr, i64]),
                                ("sfx_pool", [ptr, i64, i64, ctypes.c_int]),
-                               ("sfx_rehash", [ptr, ptr, ptr, i64])):
+                               ("sfx_rehash", [ptr, ptr, i64])):
                 function = getattr(lib, name)
                 function.argtypes = args
                 function.restype = None if name in ("sfx_search", "sfx_rehash") else i64
@@ -337,8 +337,9 @@ def _address(a: np.ndarray) -> int:
 class _Native:
     """The compiled core of one SuffixIndex (runtime/suffix_native.c): its context, which
     points at the index's arrays (`sync` after any of them moves), and the hash table, open
-    addressing over two numpy arrays this object owns: `reserve` grows it before a call could
-    pass max_load, `shrink` halves it where a burst left it far below (max_load / 8)."""
+    addressing over a numpy array this object owns (`table` [2 << bits] int64: each place's
+    key, then its value): `reserve` grows it before a call could pass max_load, `shrink`
+    makes it smaller where a burst left it far below that (max_load / 8)."""
 
     max_load = 0.5  # keys a place before the table doubles
 
@@ -351,10 +352,8 @@ class _Native:
         self.ctx.powers[:max_ngram] = powers.tolist()
         self.lengths = max_ngram - min_ngram + 1  # keys an n-gram end brings
         self.first_bits = first_bits
-        self.keys = np.zeros(1, np.uint64)  # (replaced at once: `_resize` needs a table)
-        self.values = np.full(1, -1, np.int64)
-        self.ctx.keys, self.ctx.values = _address(self.keys), _address(self.values)
-        self.ctx.bits = 0
+        self.table = np.zeros(2, np.int64)  # (replaced at once: `_resize` needs a table)
+        self.ctx.table, self.ctx.bits = _address(self.table), 0
         self._resize(first_bits)
         self.flush, self.search = lib.sfx_flush, lib.sfx_search
 
@@ -363,9 +362,9 @@ class _Native:
         return self.ctx.count
 
     def _resize(self, bits: int) -> None:
-        keys, values = np.zeros(1 << bits, np.uint64), np.full(1 << bits, -1, np.int64)
-        self.lib.sfx_rehash(self.ptr, _address(keys), _address(values), bits)
-        self.keys, self.values = keys, values  # (the old arrays are no longer read)
+        table = np.zeros(2 << bits, np.int64)
+        self.lib.sfx_rehash(self.ptr, _address(table), bits)
+        self.table = table  # (the old one is no longer read)
         self.ctx.max_count = int(self.max_load * (1 << bits))
 
     def _bits(self, keys: int) -> int:
@@ -500,9 +499,9 @@ class SuffixIndex:
         self._probe = np.zeros((self._first_slots, 2 * L), np.uint64)
         self._free = list(range(self._first_slots - 1, -1, -1))
         self._rng = np.random.default_rng(0)
-        self._pending_slots = array.array("q")  # extend's rows, counts, tokens since a flush
-        self._pending_counts = array.array("q")
-        self._pending_tokens = array.array("q")
+        self._pending_slots: list[int] = []  # extend's rows, counts and tokens since a flush
+        self._pending_counts: list[int] = []
+        self._pending_tokens: list[int] = []
         self._slack = 0  # no row's region has fewer free places than this (a lower bound)
         self._short: set[int] = set()  # rows never flushed or of fewer than 2 tokens (flush
         # takes the ragged way for them: the n-grams before a first token do not exist)
@@ -562,7 +561,7 @@ class SuffixIndex:
         once)."""
         self._pending_slots.append(self._slots[request_id])
         self._pending_counts.append(len(new_ids))
-        self._pending_tokens.extend(new_ids)
+        self._pending_tokens += new_ids
 
     def flush(self) -> None:
         """Index every request's tokens appended since the last flush (the next lookup or
@@ -579,8 +578,7 @@ class SuffixIndex:
         if not slots:
             return
         counts, tokens = self._pending_counts, self._pending_tokens
-        self._pending_slots, self._pending_counts, self._pending_tokens = \
-            array.array("q"), array.array("q"), array.array("q")
+        self._pending_slots, self._pending_counts, self._pending_tokens = [], [], []
         if self._native is not None:
             self._flush_native(slots, counts, tokens)
             return
@@ -631,12 +629,14 @@ class SuffixIndex:
         if T:
             self._table.insert(keys.reshape(-1), values.reshape(-1))
 
-    def _flush_native(self, slots: array.array, counts: array.array, tokens: array.array
-                      ) -> None:
+    def _flush_native(self, slots: list[int], counts: list[int], tokens: list[int]) -> None:
         """`flush` in C (`sfx_flush`: entry by entry, in order); where it stops before an
         entry, the entry's row moves to a region twice its new length or the table grows,
-        and it goes on from there."""
+        and it goes on from there. (The lists go to C as array.array: the quickest
+        conversion, and its address costs nothing.)"""
         core = self._native
+        slots, counts = array.array("q", slots), array.array("q", counts)
+        tokens = array.array("q", tokens)
         n, done = len(slots), 0
         at = (core.ptr, n, slots.buffer_info()[0], counts.buffer_info()[0],
               tokens.buffer_info()[0])

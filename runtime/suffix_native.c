@@ -12,9 +12,10 @@
  *   salt    uint64 per slot: added to its own keys;
  *   store   uint64: the recent pool's tokens + 1, outputs one after another; the global
  *           offset g is store[g - base], and ends[g - base] is where its output ends (global);
- *   keys, values: the hash table, 1 << bits places of open addressing (linear probing; key 0:
- *           an empty place). Own keys (hash + salt) map to the n-gram's end position in its
- *           request, pooled keys (hash ^ POOL) to POOLED + the global offset of its end.
+ *   table   the hash table, 1 << bits places of open addressing (linear probing), each a key
+ *           and its value side by side (one cache line holds both; key 0: an empty place).
+ *           Own keys (hash + salt) map to the n-gram's end position in its request, pooled
+ *           keys (hash ^ POOL) to POOLED + the global offset of its end.
  *
  * A key: the n-gram of n tokens ending at e hashes to MIX * sum_{i<n} (t_{e-i} + 1) BASE^i mod
  * 2**64, `powers[i]` = BASE^i MIX, the same numbers as the numpy index. A key keeps its largest
@@ -35,8 +36,7 @@ typedef struct {
     uint64_t *store;              /* the pool's tokens + 1 */
     int64_t *ends;                /* per store place: its output's end (global offset) */
     int64_t base;                 /* the global offset of store[0] */
-    uint64_t *keys;               /* [1 << bits] 0: empty */
-    int64_t *values;              /* [1 << bits] */
+    int64_t *table;               /* [1 << bits][2]: key (as int64; 0: empty), value */
     int64_t bits;
     int64_t count;                /* keys held */
     int64_t max_count;            /* flush stops before an entry could take count past this */
@@ -54,11 +54,24 @@ static inline uint64_t home(const sfx_ctx *c, uint64_t key) {
     return (key * 0x9E3779B97F4A7C15ULL) >> (64 - c->bits);
 }
 
+#define KEY(c, i) ((uint64_t)(c)->table[2 * (i)])
+#define VALUE(c, i) ((c)->table[2 * (i) + 1])
+
+/* Ask for the line of key's home place ahead of its probe (the table is far larger than the
+ * caches: each probe is a miss, and a batch of them overlaps). */
+static inline void prefetch(const sfx_ctx *c, uint64_t key) {
+#if defined(__GNUC__)
+    __builtin_prefetch(c->table + 2 * home(c, key));
+#else
+    (void)c; (void)key;
+#endif
+}
+
 /* The place holding `key`, or -1. */
 static int64_t find(const sfx_ctx *c, uint64_t key) {
     uint64_t mask = ((uint64_t)1 << c->bits) - 1;
     for (uint64_t i = home(c, key);; i = (i + 1) & mask) {
-        uint64_t k = c->keys[i];
+        uint64_t k = KEY(c, i);
         if (k == key) return (int64_t)i;
         if (!k) return -1;
     }
@@ -69,18 +82,42 @@ static int64_t find(const sfx_ctx *c, uint64_t key) {
 static int insert(sfx_ctx *c, uint64_t key, int64_t value) {
     uint64_t mask = ((uint64_t)1 << c->bits) - 1;
     for (uint64_t i = home(c, key);; i = (i + 1) & mask) {
-        uint64_t k = c->keys[i];
+        uint64_t k = KEY(c, i);
         if (k == key) {
-            if (value > c->values[i]) c->values[i] = value;
+            if (value > VALUE(c, i)) VALUE(c, i) = value;
             return 0;
         }
         if (!k) {
-            c->keys[i] = key;
-            c->values[i] = value;
+            c->table[2 * i] = (int64_t)key;
+            VALUE(c, i) = value;
             c->count++;
             return 1;
         }
     }
+}
+
+/* Keys waiting to be inserted, each prefetched as it came: inserted in batches, so that
+ * the misses of a batch overlap. (Values only grow, so the order of inserts is free.) */
+#define BATCH 256
+typedef struct {
+    int64_t n;
+    uint64_t keys[BATCH];
+    int64_t values[BATCH];
+} batch_t;
+
+static int64_t drain(sfx_ctx *c, batch_t *b) {
+    int64_t added = 0;
+    for (int64_t j = 0; j < b->n; j++) added += insert(c, b->keys[j], b->values[j]);
+    b->n = 0;
+    return added;
+}
+
+static inline int64_t put(sfx_ctx *c, batch_t *b, uint64_t key, int64_t value) {
+    int64_t added = b->n == BATCH ? drain(c, b) : 0;
+    prefetch(c, key);
+    b->keys[b->n] = key;
+    b->values[b->n++] = value;
+    return added;
 }
 
 /* Remove `key` where it holds `value`: 1 if it did. The places after it that would no
@@ -88,37 +125,35 @@ static int insert(sfx_ctx *c, uint64_t key, int64_t value) {
 static int erase(sfx_ctx *c, uint64_t key, int64_t value) {
     uint64_t mask = ((uint64_t)1 << c->bits) - 1;
     int64_t at = find(c, key);
-    if (at < 0 || c->values[at] != value) return 0;
+    if (at < 0 || VALUE(c, at) != value) return 0;
     uint64_t gap = (uint64_t)at;
     for (uint64_t i = (gap + 1) & mask;; i = (i + 1) & mask) {
-        uint64_t k = c->keys[i];
+        uint64_t k = KEY(c, i);
         if (!k) break;
         uint64_t h = home(c, k);
         /* k may fill the gap where its home is not within (gap, i] (cyclically) */
         if (((i - h) & mask) >= ((i - gap) & mask)) {
-            c->keys[gap] = k;
-            c->values[gap] = c->values[i];
+            c->table[2 * gap] = (int64_t)k;
+            VALUE(c, gap) = VALUE(c, i);
             gap = i;
         }
     }
-    c->keys[gap] = 0;
-    c->values[gap] = -1;
+    c->table[2 * gap] = 0;
+    VALUE(c, gap) = 0;
     c->count--;
     return 1;
 }
 
-/* Move every key into new arrays of 1 << bits places (zero keys, as the caller made them),
- * which become the table. The caller gives room for count keys. */
-void sfx_rehash(sfx_ctx *c, uint64_t *keys, int64_t *values, int64_t bits) {
-    uint64_t *old_keys = c->keys;
-    int64_t *old_values = c->values;
+/* Move every key into a new table of 1 << bits places (zeros, as the caller made it),
+ * which becomes the table. The caller gives room for count keys. */
+void sfx_rehash(sfx_ctx *c, int64_t *table, int64_t bits) {
+    const int64_t *old = c->table;
     int64_t size = (int64_t)1 << c->bits;
-    c->keys = keys;
-    c->values = values;
+    c->table = table;
     c->bits = bits;
     c->count = 0;
     for (int64_t i = 0; i < size; i++)
-        if (old_keys[i]) insert(c, old_keys[i], old_values[i]);
+        if (old[2 * i]) insert(c, (uint64_t)old[2 * i], old[2 * i + 1]);
 }
 
 /* -- hashing -------------------------------------------------------------------------------- */
@@ -149,10 +184,13 @@ int64_t sfx_flush(sfx_ctx *c, int64_t n, const int64_t *slots, const int64_t *co
                   const int64_t *tokens, int64_t first, int64_t t) {
     const int64_t G = c->max_ngram, lo = c->min_ngram, L = G - lo + 1;
     uint64_t h[SFX_MAX_NGRAM];
+    batch_t b;
+    b.n = 0;
     for (int64_t i = first; i < n; i++) {
         const int64_t s = slots[i], m = counts[i];
         const int64_t start = c->start[s], old = c->end[s];
-        if (old + m > c->limit[s] || c->count + m * L > c->max_count) {
+        if (old + m > c->limit[s] || c->count + b.n + m * L > c->max_count) {
+            drain(c, &b);
             c->resume = t;
             return i;
         }
@@ -165,11 +203,61 @@ int64_t sfx_flush(sfx_ctx *c, int64_t n, const int64_t *slots, const int64_t *co
             const int64_t p = e - start, top = min64(G, p + 1);
             if (p < 0 || top < lo) continue;
             hashes(c, row, e, top, h);
-            for (int64_t k = lo - 1; k < top; k++) insert(c, fix(h[k] + salt), p);
+            for (int64_t k = lo - 1; k < top; k++) put(c, &b, fix(h[k] + salt), p);
         }
     }
+    drain(c, &b);
     c->resume = t;
     return n;
+}
+
+/* One row's proposal (sfx_search), from the hashes h of its suffix. */
+static void propose(const sfx_ctx *c, int64_t s, const uint64_t *h, int64_t K, int64_t lo,
+                    int64_t *out, int64_t *count, int64_t *score) {
+    const int64_t start = c->start[s], stop = c->end[s], len = stop - start;
+    const int64_t top = min64(c->max_ngram, len);
+    *count = *score = 0;
+    if (K < 1) return;
+    memset(out, 0, (size_t)K * sizeof(int64_t));
+    if (top < lo) return;
+    const uint64_t salt = c->salt[s];
+    int64_t at = -1, n = 0, own = 0;
+    /* probe length m, own then pooled: the place of the first hit (-1: none) */
+#define PROBE(m) \
+    do { \
+        at = find(c, fix(h[(m) - 1] + salt)); own = 1; \
+        if (at < 0) { at = find(c, fix(h[(m) - 1] ^ SFX_POOL)); own = 0; } \
+        n = (m); \
+    } while (0)
+    PROBE(top);
+    if (at < 0 && top > lo) {
+        PROBE(lo);
+        if (at >= 0) {  /* the shortest matched: the longest between that does */
+            const int64_t at_lo = at, own_lo = own;
+            for (int64_t m = top - 1; m > lo; m--) {
+                PROBE(m);
+                if (at >= 0) break;
+            }
+            if (at < 0) { at = at_lo; own = own_lo; n = lo; }
+        }
+    }
+#undef PROBE
+    if (at < 0) return;
+    const int64_t v = VALUE(c, at);
+    *score = 2 * n + own;
+    if (own) {  /* from p + 1 on; past the end, what is being copied (period len - 1 - p) */
+        int64_t period = len - 1 - v;
+        if (period < 1) period = 1;
+        const uint64_t *from = c->arena + stop - period;
+        for (int64_t k = 0, j = 0; k < K; k++, j = j + 1 == period ? 0 : j + 1)
+            out[k] = (int64_t)(from[j] - 1);
+        *count = K;
+    } else {  /* what followed in that output, up to its end */
+        const int64_t g = v - SFX_POOLED, i = g - c->base;
+        const int64_t m = min64(c->ends[i] - g - 1, K);
+        for (int64_t k = 0; k < m; k++) out[k] = (int64_t)(c->store[i + 1 + k] - 1);
+        *count = m;
+    }
 }
 
 /* Proposals for `R` rows (slots rows[r]): the tokens that followed the latest occurrence of
@@ -183,55 +271,24 @@ int64_t sfx_flush(sfx_ctx *c, int64_t n, const int64_t *slots, const int64_t *co
  * length settle most rows, the lengths between are probed only where the shortest hit. */
 void sfx_search(sfx_ctx *c, int64_t R, const int64_t *rows, int64_t K, int64_t lo,
                 int64_t *tokens, int64_t *counts, int64_t *score) {
+    enum { CHUNK = 32 };  /* rows whose first probes are prefetched together */
     const int64_t G = c->max_ngram;
-    uint64_t h[SFX_MAX_NGRAM];
+    uint64_t h[CHUNK][SFX_MAX_NGRAM];
     if (lo < c->min_ngram) lo = c->min_ngram;
-    for (int64_t r = 0; r < R; r++) {
-        const int64_t s = rows[r], start = c->start[s], stop = c->end[s];
-        const int64_t len = stop - start, top = min64(G, len);
-        int64_t *out = tokens + r * K;
-        counts[r] = score[r] = 0;
-        memset(out, 0, (size_t)K * sizeof(int64_t));
-        if (top < lo || K < 1) continue;
-        hashes(c, c->arena, stop - 1, top, h);
-        const uint64_t salt = c->salt[s];
-        int64_t at = -1, n = 0, own = 0;
-        /* probe length m, own then pooled: the place of the first hit (-1: none) */
-#define PROBE(m) \
-        do { \
-            at = find(c, fix(h[(m) - 1] + salt)); own = 1; \
-            if (at < 0) { at = find(c, fix(h[(m) - 1] ^ SFX_POOL)); own = 0; } \
-            n = (m); \
-        } while (0)
-        PROBE(top);
-        if (at < 0 && top > lo) {
-            PROBE(lo);
-            if (at >= 0) {  /* the shortest matched: the longest between that does */
-                int64_t at_lo = at, own_lo = own;
-                for (int64_t m = top - 1; m > lo; m--) {
-                    PROBE(m);
-                    if (at >= 0) break;
-                }
-                if (at < 0) { at = at_lo; own = own_lo; n = lo; }
-            }
+    for (int64_t r0 = 0; r0 < R; r0 += CHUNK) {
+        const int64_t r1 = min64(R, r0 + CHUNK);
+        for (int64_t r = r0; r < r1; r++) {  /* the suffixes' hashes; the first probes asked */
+            const int64_t s = rows[r], stop = c->end[s], top = min64(G, stop - c->start[s]);
+            if (top < lo || K < 1) continue;
+            hashes(c, c->arena, stop - 1, top, h[r - r0]);
+            const uint64_t salt = c->salt[s];
+            prefetch(c, fix(h[r - r0][top - 1] + salt));
+            prefetch(c, fix(h[r - r0][top - 1] ^ SFX_POOL));
+            prefetch(c, fix(h[r - r0][lo - 1] + salt));
+            prefetch(c, fix(h[r - r0][lo - 1] ^ SFX_POOL));
         }
-#undef PROBE
-        if (at < 0) continue;
-        const int64_t v = c->values[at];
-        score[r] = 2 * n + own;
-        if (own) {
-            int64_t period = len - 1 - v;
-            if (period < 1) period = 1;
-            const uint64_t *from = c->arena + stop - period;
-            for (int64_t k = 0, j = 0; k < K; k++, j = j + 1 == period ? 0 : j + 1)
-                out[k] = (int64_t)(from[j] - 1);
-            counts[r] = K;
-        } else {
-            const int64_t g = v - SFX_POOLED, i = g - c->base;
-            const int64_t m = min64(c->ends[i] - g - 1, K);
-            for (int64_t k = 0; k < m; k++) out[k] = (int64_t)(c->store[i + 1 + k] - 1);
-            counts[r] = m;
-        }
+        for (int64_t r = r0; r < r1; r++)
+            propose(c, rows[r], h[r - r0], K, lo, tokens + r * K, counts + r, score + r);
     }
 }
 
@@ -260,14 +317,16 @@ int64_t sfx_pool(sfx_ctx *c, int64_t g, int64_t size, int insert_them) {
     const uint64_t *out = c->store + (g - c->base);
     uint64_t h[SFX_MAX_NGRAM];
     int64_t changed = 0;
+    batch_t b;
+    b.n = 0;
     for (int64_t p = 0; p < size - 1; p++) {
         const int64_t top = min64(G, p + 1), value = SFX_POOLED + g + p;
         if (top < lo) continue;
         hashes(c, out, p, top, h);
         for (int64_t k = lo - 1; k < top; k++) {
             const uint64_t key = fix(h[k] ^ SFX_POOL);
-            changed += insert_them ? insert(c, key, value) : erase(c, key, value);
+            changed += insert_them ? put(c, &b, key, value) : erase(c, key, value);
         }
     }
-    return changed;
+    return changed + drain(c, &b);
 }
