@@ -136,6 +136,7 @@ class SuffixProposals:
         self.length = self.packed[:, self.width]  # [B]
         self.anchor = self.packed[:, self.width + 1]  # [B]
         self.anchor.fill_(-1)
+        self._columns = np.arange(self.width)  # [K] (load_arrays' mask)
 
     def load(self, proposals: Sequence[Sequence[int]], gamma: int | None = None, fill: int = 0,
              anchors: Sequence[int] | None = None) -> None:
@@ -171,11 +172,11 @@ class SuffixProposals:
         counts = np.minimum(counts, w)  # [n]
         host = np.full((B, K + 2), fill, np.int64)
         host[n:, K] = 0
-        host[:, K + 1] = -1
-        host[:n, :w] = np.where(np.arange(w) < counts[:, None], tokens[:, :w], fill)
+        host[n if anchors is not None else 0:, K + 1] = -1
+        host[:n, :w] = np.where(self._columns[:w] < counts[:, None], tokens[:, :w], fill)
         host[:n, K] = counts
         if anchors is not None:
-            host[:n, K + 1] = np.fromiter(map(int, anchors[:n]), np.int64, n)
+            host[:n, K + 1] = np.asarray(anchors[:n], np.int64)
         cuda = self.packed.device.type == "cuda"
         host = torch.from_numpy(host)
         self.packed.copy_(host.pin_memory() if cuda else host, non_blocking=cuda)
