@@ -4,7 +4,8 @@ in a cache directory, loaded with ctypes (no Python C API: one library serves ev
     library("suffix_native")   # runtime/suffix_native.c -> ctypes.CDLL, or None (one warning)
 
 The compiler is $CC, else `cc`, else `gcc` (`-O2 -shared -fPIC`, no -march=native: a cache
-on a shared disk serves other CPUs too). The cache is $FUSER_CACHE_DIR, else
+on a shared disk serves other CPUs too; $FUSER_NATIVE_CFLAGS adds flags, e.g.
+`-fsanitize=address -g` to check the C's memory accesses). The cache is $FUSER_CACHE_DIR, else
 $XDG_CACHE_HOME/fuser, else ~/.cache/fuser (a `native/` directory in it); a library's name
 holds a hash of its source, the compiler's version and the platform, so a machine compiles
 each source once, and a changed source or compiler builds anew. The library is written to a
@@ -84,8 +85,9 @@ def _build(name: str) -> ctypes.CDLL:
     if cc is None:
         wanted = os.environ.get("CC") or "cc or gcc"
         raise RuntimeError(f"no C compiler found ({wanted} is not on PATH)")
+    flags = _FLAGS + os.environ.get("FUSER_NATIVE_CFLAGS", "").split()
     key = hashlib.sha256(b"\0".join([
-        text, _version(cc).encode(), " ".join(cc + _FLAGS).encode(),
+        text, _version(cc).encode(), " ".join(cc + flags).encode(),
         f"{sys.platform} {platform.machine()} {ctypes.sizeof(ctypes.c_void_p)}".encode(),
     ])).hexdigest()[:20]
     suffix = ".dll" if sys.platform == "win32" else ".so"
@@ -100,7 +102,7 @@ def _build(name: str) -> ctypes.CDLL:
         handle, temporary = tempfile.mkstemp(prefix=f".{name}-", suffix=suffix, dir=directory)
         os.close(handle)
         try:
-            run = subprocess.run([*cc, *_FLAGS, "-o", temporary, str(source)],
+            run = subprocess.run([*cc, *flags, "-o", temporary, str(source)],
                                  capture_output=True, text=True, timeout=300)
             if run.returncode != 0:
                 lines = (run.stderr or run.stdout).strip().splitlines()
