@@ -4,8 +4,8 @@ Traffic that repeats itself (code edits that rewrite a file, templated answers, 
 continues spans it has already seen. `SuffixIndex` (runtime/suffix_index.py) finds the longest
 suffix of a request's tokens (prompt and output) that occurred before, in the request itself or
 in recent outputs of other requests, and proposes the tokens that followed it. No model runs:
-the proposals of a whole step cost a few dozen numpy calls on the host
-(benchmarks/suffix_index.py measures them).
+the proposals of a whole step cost one call into the index's compiled C on the host (a few
+dozen numpy calls where it cannot be built; benchmarks/suffix_index.py measures them).
 
 Verification (`suffix_step`) is the target's verify step over host-given proposals instead of
 the draft's: greedy acceptance is unchanged (finish_greedy); for sampling, a proposal is a

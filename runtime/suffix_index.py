@@ -1,6 +1,7 @@
 """The suffix index: per request, the tokens that followed the longest earlier occurrence of its
-suffix, for every row of a decoding step in a few dozen numpy calls (runtime/suffix.py verifies
-what it proposes; benchmarks/suffix_index.py measures its host time).
+suffix, for every row of a decoding step in one call to C of our own (runtime/suffix_native.c),
+or a few dozen numpy calls where it cannot be built (runtime/suffix.py verifies what it
+proposes; benchmarks/suffix_index.py measures its host time).
 
 What it finds (prompt-lookup decoding; suffix-tree decoding, Oliaro et al., "SuffixDecoding",
 with a hash table in place of the tree): the longest suffix of min_ngram..max_ngram tokens of a
@@ -25,10 +26,22 @@ at e times the powers, cumulative-summed, gives every n at once. A hit is truste
 two different n-grams share a key with probability ~2**-64 (and a wrong proposal would only
 be rejected by the target, as any other).
 
-The table (`_Table`) is numpy: buckets of 7 keys and a guard, one 64-byte line each, probed
-for a whole batch of keys with one gather and one compare; a key whose bucket is full goes to
-a small dict (the stash). Finished requests' own keys and evicted outputs' pooled
-keys are removed, so every value points at live tokens.
+Finished requests' own keys and evicted outputs' pooled keys are removed, so every value
+points at live tokens.
+
+Two implementations of the same mapping (key -> latest end), so of the same proposals:
+    native  (the default where a C compiler is found; `SuffixIndex(native=...)`): the per-step
+            work in C (runtime/suffix_native.c, compiled at first use and cached by
+            runtime/native.py, called through ctypes: one call for a step's extends, one for
+            its lookups); the table is open addressing over a numpy array (key and value side
+            by side), doubled and halved by rehash; the keys of a batch prefetched together;
+    numpy   the reference and the fallback (FUSER_NATIVE=0, no compiler, a failed build: one
+            warning). The table (`_Table`): buckets of 7 keys and a guard, one 64-byte line
+            each, probed for a whole batch of keys with one gather and one compare; a key
+            whose bucket is full goes to a small dict (the stash).
+Both share the argument checks and the bookkeeping: the requests, the token rows (_arena) and
+their regions, the pool's store and its recent outputs. The rest of this docstring is numpy's
+way; the C's comments say its own.
 
 A step's host work (the adaptive scheduler's): `extend` per row only appends to lists; the
 lookup (`propose_many`) first indexes every row's new tokens at once (`flush`: write them
@@ -115,7 +128,8 @@ class _Table:
 
     `count` counts the keys held; a key inserted twice in one batch is counted twice (an
     upper bound, made exact whenever it crosses max_load; the table doubles only where the
-    exact count is past half of that)."""
+    exact count is past half of that, and is rebuilt smaller where it falls far below:
+    `shrink`)."""
 
     max_load = 0.25  # keys per way where the count is checked
     first_bits = 12  # 2**12 buckets at first
@@ -134,6 +148,7 @@ class _Table:
         self.flagged = np.zeros(1 << bits, bool)  # [nb] some key of the bucket is stashed
         self.stash: dict[int, int] = {}
         self.count = 0
+        self.removed = 0  # keys removed since count was last made exact (`shrink`)
 
     def bucket(self, keys: np.ndarray) -> np.ndarray:
         return (keys >> self.shift).view(np.int64)
@@ -156,6 +171,7 @@ class _Table:
         m = len(keys)
         if self.count + m > self.max_load * self.capacity:
             self.count = int(np.count_nonzero(self.rows[:, :_WAYS])) + len(self.stash)
+            self.removed = 0
             if self.count + m > self.max_load / 2 * self.capacity:
                 self._grow(self.count + m)
         b = self.bucket(keys)
@@ -256,6 +272,7 @@ class _Table:
             if not stash:
                 self.flagged[:] = False
         self.count -= removed
+        self.removed += removed
         return removed
 
     def _grow(self, needed: int) -> None:
@@ -268,10 +285,16 @@ class _Table:
 
     def shrink(self) -> None:
         """Where the keys fill under max_load / 16 (a burst of requests gone): the smallest
-        table (first_bits at least) they fill under half of max_load, rebuilt."""
-        if self.bits <= self.first_bits or self.count >= self.max_load / 16 * self.capacity:
+        table (first_bits at least) they fill under half of max_load, rebuilt. (count is an
+        upper bound: it is made exact once as many keys as max_load / 8 of the places were
+        removed since it last was, a pass over the table for that many removals.)"""
+        if self.bits <= self.first_bits:
+            return
+        threshold = self.max_load / 16 * self.capacity
+        if self.count >= threshold and self.removed < 2 * threshold:
             return
         self.count = int(np.count_nonzero(self.rows[:, :_WAYS])) + len(self.stash)
+        self.removed = 0
         bits = self.first_bits
         while self.count > self.max_load / 2 * (_WAYS << bits):
             bits += 1
@@ -417,18 +440,19 @@ class SuffixIndex:
                  _arena its first token is, _end where its next token goes (its length: the
                  difference), _limit the end of its region (free rows: _FREE), _salts its
                  own keys' salt;
-        _probe   uint64 [slots, 2L]: the table keys of its suffix, n = max_ngram ..
-                 min_ngram (L lengths), own then pooled for each n: a column's score 2n + own
-                 falls from left to right;
+        _probe   uint64 [slots, 2L] (numpy's): the table keys of its suffix, n = max_ngram
+                 .. min_ngram (L lengths), own then pooled for each n: a column's score
+                 2n + own falls from left to right;
         _store   uint64: the pool's tokens + 1, outputs one after another (a global offset g
                  is _store[g - _base]); _ends int64 alike: the end (exclusive) of the output
                  that token is in;
-        _table   own keys (hash + the request's salt) -> the n-gram's end position in the
-                 request; pooled keys (hash ^ _POOL) -> _POOLED + its global offset in the
-                 store.
+        _table   (numpy's; native: `_native`, a `_Native`) own keys (hash + the request's
+                 salt) -> the n-gram's end position in the request; pooled keys (hash ^
+                 _POOL) -> _POOLED + its global offset in the store.
     `extend` only appends to lists; the next lookup (or finish) indexes every request's new
-    tokens at once (`flush`). `propose_many` looks up all rows of a step at once: every
-    length of both kinds in one probe, the best hit the first column that holds one.
+    tokens at once (`flush`). `propose_many` looks up all rows of a step at once (numpy:
+    every length of both kinds in one probe, the best hit the first column that holds one;
+    native: one C call over the rows).
 
     Args:
         max_ngram: the longest suffix matched (and indexed): memory and time per token grow
@@ -440,7 +464,7 @@ class SuffixIndex:
         keep_prompts: pool a finished request's prompt with its output (default: the output).
         native: the per-step work (flush, the lookups, finish's keys) in compiled C
             (runtime/suffix_native.c, built at first use by runtime/native.py), its hash table
-            open addressing over numpy arrays: the same key -> latest end mapping, so the
+            open addressing over a numpy array: the same key -> latest end mapping, so the
             same proposals, several times faster. None (default): where it can be built
             (FUSER_NATIVE=0 turns it off; a failed build warns once and uses numpy); True:
             required (RuntimeError where it cannot be built); False: numpy.

@@ -263,7 +263,8 @@ def test_an_index_from_the_least_match_proposes_alike(native, seed, min_match, v
 def test_dropped_requests_leave_no_key_behind(native, seed, min_match, kind):
     """Requests of any prompt length (0..20 tokens), extended by equal or different counts a
     step (flush's grid and ragged ways), then dropped: the table holds nothing at the end,
-    so every key a flush inserted is one its request's removal finds."""
+    so every key a flush inserted is one its request's removal finds; and it is back to its
+    first size."""
     rng = random.Random(seed)
     index = kind(max_ngram=5, min_ngram=min(min_match + 1, 5), native=native)
     live: list[int] = []
@@ -289,3 +290,4 @@ def test_dropped_requests_leave_no_key_behind(native, seed, min_match, kind):
         return
     table = index._table
     assert np.count_nonzero(table.rows[:, :_WAYS]) == 0 and not table.stash
+    assert table.bits == table.first_bits  # (shrunk back after the growth)
