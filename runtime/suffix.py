@@ -169,10 +169,13 @@ class SuffixProposals:
         if n > B:
             raise ValueError(f"{n} rows of proposals for a buffer of {B}")
         w = min(width, K)
-        counts = np.minimum(counts, w)  # [n]
+        if width > K:  # (a count is at most the width: cut only where the buffer is narrower)
+            counts = np.minimum(counts, w)  # [n]
         host = np.full((B, K + 2), fill, np.int64)
-        host[n:, K] = 0
-        host[n if anchors is not None else 0:, K + 1] = -1
+        if n < B:
+            host[n:, K] = 0
+        if anchors is None or n < B:
+            host[n if anchors is not None else 0:, K + 1] = -1
         host[:n, :w] = np.where(self._columns[:w] < counts[:, None], tokens[:, :w], fill)
         host[:n, K] = counts
         if anchors is not None:
