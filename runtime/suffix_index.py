@@ -321,6 +321,7 @@ class _Context(ctypes.Structure):
                 ("end", ctypes.c_void_p), ("limit", ctypes.c_void_p),
                 ("salt", ctypes.c_void_p), ("store", ctypes.c_void_p),
                 ("ends", ctypes.c_void_p), ("base", ctypes.c_int64),
+                ("store_size", ctypes.c_int64),
                 ("table", ctypes.c_void_p),
                 ("bits", ctypes.c_int64), ("count", ctypes.c_int64),
                 ("max_count", ctypes.c_int64), ("max_ngram", ctypes.c_int64),
@@ -416,7 +417,7 @@ class _Native:
                                          _address(index._end))
         ctx.limit, ctx.salt = _address(index._limit), _address(index._salts)
         ctx.store, ctx.ends = _address(index._store), _address(index._ends)
-        ctx.base = index._base
+        ctx.base, ctx.store_size = index._base, len(index._store)
 
     def remove_own(self, slot: int) -> int:
         return self.lib.sfx_remove_own(self.ptr, slot)

@@ -36,6 +36,7 @@ typedef struct {
     uint64_t *store;              /* the pool's tokens + 1 */
     int64_t *ends;                /* per store place: its output's end (global offset) */
     int64_t base;                 /* the global offset of store[0] */
+    int64_t store_size;           /* places in store (and ends) */
     int64_t *table;               /* [1 << bits][2]: key (as int64; 0: empty), value */
     int64_t bits;
     int64_t count;                /* keys held */
@@ -244,20 +245,23 @@ static void propose(const sfx_ctx *c, int64_t s, const uint64_t *h, int64_t K, i
 #undef PROBE
     if (at < 0) return;
     const int64_t v = VALUE(c, at);
-    *score = 2 * n + own;
+    /* (A value that cannot be the kind probed comes only from two keys sharing a hash,
+     * ~2**-64 a probe: no proposal rather than a read outside the arrays.) */
     if (own) {  /* from p + 1 on; past the end, what is being copied (period len - 1 - p) */
-        int64_t period = len - 1 - v;
-        if (period < 1) period = 1;
+        if (v < 0 || v > len - 2) return;
+        const int64_t period = len - 1 - v;
         const uint64_t *from = c->arena + stop - period;
         for (int64_t k = 0, j = 0; k < K; k++, j = j + 1 == period ? 0 : j + 1)
             out[k] = (int64_t)(from[j] - 1);
         *count = K;
     } else {  /* what followed in that output, up to its end */
         const int64_t g = v - SFX_POOLED, i = g - c->base;
+        if (v < SFX_POOLED || i < 0 || i >= c->store_size) return;
         const int64_t m = min64(c->ends[i] - g - 1, K);
         for (int64_t k = 0; k < m; k++) out[k] = (int64_t)(c->store[i + 1 + k] - 1);
         *count = m;
     }
+    *score = 2 * n + own;
 }
 
 /* Proposals for `R` rows (slots rows[r]): the tokens that followed the latest occurrence of
