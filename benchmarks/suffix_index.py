@@ -150,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                      follow=args.follow, min_match=args.min_match, vary=args.vary,
                      impl=args.impl)
     emitted = f"1-{args.tokens}" if args.vary else f"{args.tokens}"
-    print(f"suffix index ({result['impl']}), {args.rows} rows: step {result['step_us']:.0f} us, lookup "
-          f"{result['lookup_us']:.0f} us/step, extend ({emitted} tokens a row) "
+    print(f"suffix index ({result['impl']}), {args.rows} rows: step {result['step_us']:.0f} us, "
+          f"lookup {result['lookup_us']:.0f} us/step, extend ({emitted} tokens a row) "
           f"{result['extend_us']:.0f} us/step, load {result['load_us']:.0f} us/step, finish "
           f"{result['finish_us_per_request']:.0f} us/request, hits {result['hit_share']:.2f}")
     if args.out is not None:
