@@ -7,6 +7,7 @@ target-only greedy decoding."""
 from __future__ import annotations
 
 import functools
+import shutil
 import warnings
 
 import pytest
@@ -24,8 +25,12 @@ from fuser.runtime.suffix import Proposal, SuffixIndex, SuffixProposals, accept_
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
-# The index's tests run on both of its implementations: the compiled core and numpy.
-impls = pytest.mark.parametrize("native", [True, False], ids=["native", "numpy"])
+# The index's tests run on both of its implementations: the compiled core (where a C compiler
+# is found) and numpy.
+_NO_CC = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                            reason="no C compiler")
+impls = pytest.mark.parametrize("native", [pytest.param(True, marks=_NO_CC), False],
+                                ids=["native", "numpy"])
 
 
 # -- the index ----------------------------------------------------------------------------------

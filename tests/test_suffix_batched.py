@@ -10,6 +10,7 @@ once full (stashed keys move into the larger table). And
 from __future__ import annotations
 
 import random
+import shutil
 
 import numpy as np
 import pytest
@@ -20,8 +21,12 @@ from hypothesis import strategies as st
 from fuser.runtime.suffix import Proposal, SuffixIndex, SuffixProposals
 from fuser.runtime.suffix_index import _WAYS, _Table
 
-# The index's tests run on both of its implementations: the compiled core and numpy.
-impls = pytest.mark.parametrize("native", [True, False], ids=["native", "numpy"])
+# The index's tests run on both of its implementations: the compiled core (where a C compiler
+# is found) and numpy.
+_NO_CC = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                            reason="no C compiler")
+impls = pytest.mark.parametrize("native", [pytest.param(True, marks=_NO_CC), False],
+                                ids=["native", "numpy"])
 
 
 def _brute(seq: list[int], pool: list[list[int]], max_tokens: int, lo: int, hi: int
