@@ -662,10 +662,10 @@ class SuffixIndex:
         core = self._native
         slots, counts = array.array("q", slots), array.array("q", counts)
         tokens = array.array("q", tokens)
-        n, done = len(slots), 0
+        n = len(slots)
         at = (core.ptr, n, slots.buffer_info()[0], counts.buffer_info()[0],
               tokens.buffer_info()[0])
-        done = core.flush(*at, 0, 0)
+        done = core.flush(*at, 0, 0)  # -> the entry it stopped before (n: all in)
         while done < n:
             slot, count = slots[done], counts[done]
             length = int(self._end[slot] - self._start[slot]) + count
