@@ -132,7 +132,7 @@ def library(name: str) -> ctypes.CDLL | None:
         lib = _build(name)
     except RuntimeError as error:
         _reasons[name] = str(error)
-        log.warning("fuser: native %s unavailable, using numpy instead: %s", name, error)
+        log.warning("fuser: runtime/%s.c not built, numpy used instead: %s", name, error)
         lib = None
     _loaded[name] = lib
     return lib
