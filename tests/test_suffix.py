@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import fuser
 from engines import MAX_SEQ_LEN, assert_greedy_matches, hf_greedy, llama_target, prompts
+from fuser.runtime import native as native_code
 from fuser.runtime import speculative
 from fuser.runtime.prompts import check_prompts, pad_batch
 from fuser.runtime.sampling import accept_sampling
@@ -26,10 +27,11 @@ from fuser.runtime.suffix import Proposal, SuffixIndex, SuffixProposals, accept_
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 # The index's tests run on both of its implementations: the compiled core (where a C compiler
-# is found) and numpy.
-_NO_CC = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                            reason="no C compiler")
-impls = pytest.mark.parametrize("native", [pytest.param(True, marks=_NO_CC), False],
+# is found and FUSER_NATIVE=0 does not turn it off) and numpy.
+_NO_NATIVE = pytest.mark.skipif(
+    (shutil.which("cc") is None and shutil.which("gcc") is None) or not native_code.enabled(),
+    reason="no C compiler, or FUSER_NATIVE=0")
+impls = pytest.mark.parametrize("native", [pytest.param(True, marks=_NO_NATIVE), False],
                                 ids=["native", "numpy"])
 
 

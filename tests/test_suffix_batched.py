@@ -18,14 +18,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fuser.runtime import native as native_code
 from fuser.runtime.suffix import Proposal, SuffixIndex, SuffixProposals
 from fuser.runtime.suffix_index import _WAYS, _Table
 
 # The index's tests run on both of its implementations: the compiled core (where a C compiler
-# is found) and numpy.
-_NO_CC = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                            reason="no C compiler")
-impls = pytest.mark.parametrize("native", [pytest.param(True, marks=_NO_CC), False],
+# is found and FUSER_NATIVE=0 does not turn it off) and numpy.
+_NO_NATIVE = pytest.mark.skipif(
+    (shutil.which("cc") is None and shutil.which("gcc") is None) or not native_code.enabled(),
+    reason="no C compiler, or FUSER_NATIVE=0")
+impls = pytest.mark.parametrize("native", [pytest.param(True, marks=_NO_NATIVE), False],
                                 ids=["native", "numpy"])
 
 

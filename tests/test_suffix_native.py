@@ -21,6 +21,7 @@ from fuser.runtime.suffix_index import SuffixIndex
 
 pytestmark = pytest.mark.skipif(
     shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+_OFF = pytest.mark.skipif(not native.enabled(), reason="FUSER_NATIVE=0")
 
 
 class _SmallIndex(SuffixIndex):
@@ -45,6 +46,7 @@ def _same(a: SuffixIndex, b: SuffixIndex, ids: list[int], width: int, min_match:
         [t[:c] for t, c in zip(tokens_b.tolist(), counts_b.tolist())]
 
 
+@_OFF
 @settings(max_examples=50, deadline=None, derandomize=True)
 @given(st.integers(0, 2**32 - 1), st.sampled_from([SuffixIndex, _SmallIndex]),
        st.integers(1, 8), st.integers(0, 7), st.integers(1, 6), st.integers(4, 400),
@@ -96,6 +98,7 @@ def test_native_and_numpy_propose_alike_at_every_step(seed, kind, max_ngram, bel
         assert fast.tokens(r) == slow.tokens(r)
 
 
+@_OFF
 def test_the_table_grows_for_a_burst_and_shrinks_after_it():
     """A burst of long requests doubles the native table many times; once they are gone (and
     the pool holds little), it is back near its first size, and still proposes."""
@@ -178,6 +181,7 @@ def test_a_machine_compiles_once(fresh_build, monkeypatch):
     assert len(compiles) == 1 and list((fresh_build / "native").iterdir()) == built
 
 
+@_OFF
 def test_bad_arguments_name_the_problem():
     with pytest.raises(ValueError, match="native='yes'"):
         SuffixIndex(native="yes")
