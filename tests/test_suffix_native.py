@@ -47,7 +47,7 @@ def _same(a: SuffixIndex, b: SuffixIndex, ids: list[int], width: int, min_match:
 
 
 @_OFF
-@settings(max_examples=50, deadline=None, derandomize=True)
+@settings(max_examples=100, deadline=None, derandomize=True)
 @given(st.integers(0, 2**32 - 1), st.sampled_from([SuffixIndex, _SmallIndex]),
        st.integers(1, 8), st.integers(0, 7), st.integers(1, 6), st.integers(4, 400),
        st.booleans(), st.sampled_from([3, 8, 1000]))
