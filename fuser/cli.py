@@ -29,7 +29,8 @@ DEMO_PROMPTS = [
 ]
 
 
-from fuser.launch import build_engine_from_args, is_engine_dir, progress  # noqa: E402
+from fuser.launch import build_engine_from_args, command_line_buckets, is_engine_dir, \
+    progress  # noqa: E402
 
 
 def say(message: str) -> None:
@@ -91,6 +92,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size} must be at least 1")
     config = fuser.FuserConfig(precision=args.precision, gamma=gamma,
                                max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
+                               batch_buckets=command_line_buckets(),
                                suffix_speculation=args.suffix_steps,
                                tensor_parallel=args.tensor_parallel_size, **_paged_build(args))
     engine, source, _ = build_engine_from_args(args.model, args.draft, config)

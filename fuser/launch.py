@@ -26,6 +26,14 @@ def is_engine_dir(path: str | None) -> bool:
                                     for name in (MANIFEST, TP_MANIFEST))
 
 
+def command_line_buckets() -> tuple[int, ...] | str:
+    """FuserConfig.batch_buckets for an engine the command line builds (`fuser build`,
+    `fuser serve MODEL_DIR`): "auto" on CUDA (every power of two); on the CPU bucket 1 beside
+    max_batch_size, which FuserConfig adds: the scheduler (`fuser serve`) prefills through a
+    bucket of 1, so an engine directory built with --max-batch-size N serves."""
+    return "auto" if torch.cuda.is_available() else (1,)
+
+
 def load_pair(model: str | None, draft: str | None) -> tuple[torch.nn.Module, torch.nn.Module | None, object | None, str]:
     """(target, draft, tokenizer, description); the bundled pair or a random Llama by default."""
     from transformers import LlamaConfig, LlamaForCausalLM

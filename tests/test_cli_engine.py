@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine_dirs import BuiltEngine, run_fuser
 from fuser.models import bundled_pair
@@ -116,3 +117,28 @@ def test_demo_rebuilds_a_refused_cache_and_says_why(bundled_engine: BuiltEngine,
         raise AssertionError("the refused engine was used")
     err = capsys.readouterr().err
     assert "cannot be used" in err and "torch: engine built with '2.0.0'" in err and "rebuilding" in err
+
+
+def test_build_for_several_rows_keeps_a_bucket_of_1(tmp_path: Path, monkeypatch: object) -> None:
+    """`fuser build --max-batch-size 2` on the CPU builds batch bucket 1 beside 2: the scheduler
+    (`fuser serve ENGINE_DIR`) prefills through a bucket of 1, so without it the directory
+    could not be served."""
+    from fuser import cli
+
+    class Built(Exception):
+        pass
+
+    seen = {}
+
+    def build(model: object, draft: object, config: object) -> None:
+        seen["buckets"] = config.buckets_for(torch.device("cpu"))
+        raise Built
+
+    monkeypatch.setattr(cli, "build_engine_from_args", build)
+    args = cli.build_parser().parse_args(["build", str(tmp_path / "model"), "--max-batch-size", "2",
+                                    "--out", str(tmp_path / "engine")])
+    try:
+        args.fn(args)
+    except Built:
+        pass
+    assert seen["buckets"] == (1, 2)

@@ -220,10 +220,8 @@ def _check_args(args: argparse.Namespace) -> None:
 def open_engine(args: argparse.Namespace, cold: ColdStart | None = None) -> Any:
     """The engine of PATH: loaded from an engine directory, or built from a model directory.
     `cold` gets the imports, and the load's parts (or the build) marked."""
-    import torch
-
     import fuser
-    from fuser.launch import build_engine_from_args, is_engine_dir
+    from fuser.launch import build_engine_from_args, command_line_buckets, is_engine_dir
 
     cold = cold or ColdStart()
     cold.mark("imports")
@@ -252,21 +250,19 @@ def open_engine(args: argparse.Namespace, cold: ColdStart | None = None) -> Any:
         if 1 not in engine.buckets:
             raise ValueError(f"the engine {args.path} holds batch bucket(s) "
                              f"{sorted(engine.buckets)} but the scheduler prefills through a "
-                             "bucket of 1: serve the model directory it was built from (fuser "
-                             f"serve MODEL_DIR --max-batch-size {rows}), or an engine built with "
-                             "--max-batch-size 1")
+                             "bucket of 1: rebuild it with fuser build (which keeps a bucket of "
+                             "1), or serve the model directory it was built from (fuser serve "
+                             f"MODEL_DIR --max-batch-size {rows})")
         return engine
     if not (Path(args.path) / "config.json").is_file():
         raise ValueError(f"{args.path} is neither an engine directory (manifest.json) nor a "
                          "model directory (config.json + safetensors)")
     rows = args.max_batch_size or DEFAULT_MODEL_BATCH
-    # The scheduler prefills through a batch bucket of 1; CUDA builds every power of two.
-    buckets = "auto" if torch.cuda.is_available() else (1,)
     # --adapt-draft without a draft: the target's verify steps for suffix proposals are built
     # with the engine (and its KV cache gets their headroom).
     suffix = bool(getattr(args, "adapt_draft", False)) and args.draft is None
     config = fuser.FuserConfig(max_batch_size=rows, max_seq_len=args.max_seq_len,
-                               batch_buckets=buckets, suffix_speculation=suffix,
+                               batch_buckets=command_line_buckets(), suffix_speculation=suffix,
                                precision=getattr(args, "precision", None) or "auto",
                                tensor_parallel=getattr(args, "tensor_parallel_size", None) or 1,
                                **kv_cache_config(args))
