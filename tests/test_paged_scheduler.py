@@ -855,6 +855,60 @@ def test_a_group_in_prefill_is_preempted_first_and_resumes() -> None:
         sched.close()
 
 
+# -- chunks queued ahead of the read-back (run-ahead during a chunked prefill) ------------------
+
+
+def stepped(eng: fuser.Engine, streams: list, sched: Scheduler) -> None:
+    """Step `sched` by hand until every stream is done, then retire."""
+    with eng.generating():
+        while not all(s.done for s in streams):
+            sched._iteration()
+        sched._retire()
+
+
+@pytest.mark.xdist_group("paged_draft_engine")
+@pytest.mark.parametrize("draft", [False, True])
+def test_chunks_run_ahead_beside_running_rows(
+        draft: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stepped by hand: a 40-token prompt whose first 16 tokens are cached (a prefix hit) joins
+    two decoding rows and goes in 4-token chunks. The iteration that admits it queues each
+    chunk but the last, with the decode step after it, before the step in flight is read
+    back (`chunks_ahead`, `steps_ahead`), each chunk within the budget; the last chunk waits
+    for the next iteration. Every request returns its tokens alone (with a draft: gamma 3
+    speculative steps, both models fed every chunk)."""
+    eng = draft_engine() if draft else engine()
+    shared = prompt(16, seed=140)
+    runner, opener = (prompt(5, seed=141), greedy(40)), (shared + prompt(3, seed=142), greedy(30))
+    long = (shared + prompt(24, seed=143), greedy(6))
+    want = alone(eng, [runner, opener, long])
+    budget = 6 + (2 * 3 if draft else 0)  # two running rows' decode tokens, then 4 a chunk
+    fed = count_prompt_tokens(monkeypatch)
+    sched = Scheduler(eng, max_num_batched_tokens=budget)
+    try:
+        r, o = sched.submit(*runner), sched.submit(*opener)
+        with eng.generating():
+            sched._may_run_ahead = lambda in_flight: False  # (else they run to their ends)
+            while not (r.output_ids and o.output_ids):
+                sched._iteration()
+            del sched._may_run_ahead
+            assert sched._prefilling() == 0 and sched.chunks_ahead == 0
+            s = sched.submit(*long)
+            calls, hits = len(fed), sched.blocks.prefix_hits
+            sched._iteration()
+            assert sched.blocks.prefix_hits - hits == 16  # 24 tokens left: 5 parts, the last
+            assert sched._prefilling() == 1 and not s.output_ids
+            assert fed[calls:] == [4] * 5  # (the first at admission, 4 queued ahead)
+            assert sched.chunks_ahead == 4 and sched.steps_ahead >= 4
+            sched._iteration()  # the last chunk (first token), then the three rows decode
+            assert sched._prefilling() == 0 and s.output_ids and fed[calls + 5] == 4
+            assert sched.chunks_ahead == 4
+        stepped(eng, [r, o, s], sched)
+        assert [r.output_ids, o.output_ids, s.output_ids] == want
+        assert_no_leak(sched)
+    finally:
+        sched.close()
+
+
 def test_max_num_batched_tokens_must_be_a_count() -> None:
     for bad in (-1, 2.5, True):
         with pytest.raises(ValueError, match="max_num_batched_tokens"):
