@@ -577,7 +577,9 @@ class Scheduler:
                 return False
         elif self._waiting and len(self._running) < self.max_slots:
             return False
-        return all(s.stop_requested is None for s in self._running) and any(
+        # (A done row with a stop requested is a cancelled row of the group, ended already:
+        # it rides along to the group's last chunk.)
+        return all(s.stop_requested is None or s.done for s in self._running) and any(
             not s.done and s.params.max_tokens - len(s.output_ids) > 1
             for s in self._running[prefilling:])
 
