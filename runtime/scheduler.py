@@ -44,9 +44,14 @@ With `max_num_batched_tokens` (paged engines), admission never stalls the runnin
             the budget less the running rows' decode tokens; `speculative.prefill_part`), then
             the running rows' step; the chunk that ends the prompts chooses the first tokens
             and activates the rows (`prefill_chunk`). Meanwhile the group's table rows are null
-            on the device for the decode steps (they write nothing into its blocks), no step
-            runs ahead, a cancelled row frees its blocks at once, and the group is the first
-            preempted when blocks run out (docs/paged-kv.md).
+            on the device for the decode steps (they write nothing into its blocks), a
+            cancelled row frees its blocks at once, and the group is the first preempted when
+            blocks run out (docs/paged-kv.md);
+    ahead   while the rows stay as they are, each chunk but the last is queued with its decode
+            step before the step in flight is read back (`_chunk_ahead`: why that is safe), so
+            running rows keep the overlap while prompts join; the last chunk reads the first
+            tokens back and runs at the next admission. `steps_ahead` / `chunks_ahead` count
+            the steps queued ahead and those that carried a chunk.
 
 A request's tokens do not depend on what else runs: its row's arithmetic is the same in any
 bucket (up to the rounding of batched kernels; exactly so in fp32 on the CPU), and sampling
