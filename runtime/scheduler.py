@@ -778,10 +778,10 @@ class Scheduler:
         - Keys before writes. `_commit_chunk` keys the chunk's full blocks while the chunk
           (and the step before it) may still be running. A keyed block is found only by an
           admission (`cached_prefix`, `admit`), and admission runs at an iteration's start,
-          after every step issued in the iteration before was read back, so after the chunk
-          that wrote it (it runs before the last step read back). A block is freed only at
-          a retire or a preemption (an iteration's start: `_retire`, `_make_room`), and a
-          new owner's writes are queued after the chunk's anyway.
+          after every step issued in the iteration before was read back: the chunk, queued
+          before the last of those steps on the stream, has written its k/v by then. A
+          block is freed only at a retire or a preemption (an iteration's start: `_retire`,
+          `_make_room`), and a new owner's writes are queued after the chunk's anyway.
         - Cancellation. A cancel only marks the stream; `_may_run_ahead` stops queueing
           while any row, of the group or running, has a stop requested, and the row's blocks
           are freed at the next retire, when nothing is in flight (`_retire_prefilling`,
@@ -792,16 +792,20 @@ class Scheduler:
           room (`_grow_rows(steps=2)`); the group's rows need none (admitted with their
           prompt and a step's room). When that fails nothing is queued: the iteration reads
           back and the next one preempts (`_make_room`, the group first: `_abort_prefill`),
-          with nothing in flight.
+          with nothing in flight but its own chunk, as without run-ahead.
         - The budget. The width depends only on the group, its progress and the number of
           running rows (`_part_width`), which do not change while steps run ahead: each
           chunk ahead is the width an iteration of its own would run. (Rows that end in the
           step in flight are still counted and still computed by the step ahead.)
         - The draft. `prefill_part` feeds the chunk to both models and `_commit_chunk`
-          moves the rows' `_draft_valid` on, as in `_next_chunk`; the decode step's resync
-          (`_draft_behind`) reads the group's rows through null table rows too, and each
-          chunk sets the caches' lengths of its rows itself. The draft's refresh over a
-          stale hit is the first chunk's, always run at admission.
+          moves the rows' `_draft_valid` on, as in `_next_chunk`; a resync before the decode
+          step (`_draft_behind`) writes nothing into the group's blocks (null table rows, as
+          every decode step), and each chunk sets the caches' lengths of its rows itself
+          (whatever a decode step left there). The draft's refresh over a stale hit is the
+          first chunk's, always run at admission. `AdaptiveScheduler` takes the weight
+          swap's lock around a chunk ahead, as around admission; its steps ahead propose
+          (suffix index, mixed steps) only for the rows past the group (`_proposals`) and its
+          controller counts only those (`_Step.prefilling`), as for any step.
         - Read-back. The chunk reads nothing back and waits for nothing on the device
           (`speculative._to_device`); the last chunk, which does, never runs ahead.
         """
