@@ -630,7 +630,8 @@ def count_prompt_tokens(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 def test_chunked_prefill_returns_what_each_returns_alone() -> None:
     """A budget of 6 tokens an iteration: every prompt goes in several chunks while others
-    decode; greedy and seeded outputs are each request's alone, first tokens timed."""
+    decode (chunks queued ahead of the read-backs); greedy and seeded outputs are each
+    request's alone, first tokens timed."""
     eng = engine()
     requests = REQUESTS + [(prompt(30, seed=90), greedy(7)), (prompt(21, seed=91), greedy(9))]
     want = alone(eng, requests)
@@ -639,6 +640,7 @@ def test_chunked_prefill_returns_what_each_returns_alone() -> None:
         streams = [sched.submit(p, params) for p, params in requests]
         assert [s.result(TIMEOUT) for s in streams] == want
         assert sched.prefill_chunks >= len(requests) + 30 // 4
+        assert sched.chunks_ahead > 0  # (queued ahead of read-backs, sampled rows beside)
         assert all(s.first_token_time is not None and s.first_token_time >= s.arrival_time
                    for s in streams)
         assert_no_leak(sched)
