@@ -582,8 +582,8 @@ class Scheduler:
                 return False
         elif self._waiting and len(self._running) < self.max_slots:
             return False
-        # (A done row with a stop requested is a cancelled row of the group, ended already:
-        # it rides along to the group's last chunk.)
+        # (A done row has nothing left to stop: a cancelled row of the group, ended at a
+        # retire, rides along to the group's last chunk.)
         return all(s.stop_requested is None or s.done for s in self._running) and any(
             not s.done and s.params.max_tokens - len(s.output_ids) > 1
             for s in self._running[prefilling:])
