@@ -430,7 +430,10 @@ class BlockManager:
             if hidden:
                 self.host_table[:hidden].fill_(NULL_BLOCK)
         elif self._dirty or hidden != self._hidden:
-            self.table.copy_(self.host_table, non_blocking=True)
+            # Through pinned memory: queued on the stream behind the steps still reading the
+            # table (the scheduler syncs while steps are in flight), where a copy from pageable
+            # memory may wait for them; the pinned block is kept until the copy has run.
+            self.table.copy_(self.host_table.pin_memory(), non_blocking=True)
             if hidden:
                 self.table[:hidden].fill_(NULL_BLOCK)
         self._hidden = hidden
