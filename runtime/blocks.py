@@ -433,7 +433,9 @@ class BlockManager:
             # Through pinned memory: queued on the stream behind the steps still reading the
             # table (the scheduler syncs while steps are in flight), where a copy from pageable
             # memory may wait for them; the pinned block is kept until the copy has run.
-            self.table.copy_(self.host_table.pin_memory(), non_blocking=True)
+            cuda = self.table.device.type == "cuda"
+            self.table.copy_(self.host_table.pin_memory() if cuda else self.host_table,
+                             non_blocking=True)
             if hidden:
                 self.table[:hidden].fill_(NULL_BLOCK)
         self._hidden = hidden
