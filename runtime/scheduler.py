@@ -806,8 +806,9 @@ class Scheduler:
           swap's lock around a chunk ahead, as around admission; its steps ahead propose
           (suffix index, mixed steps) only for the rows past the group (`_proposals`) and its
           controller counts only those (`_Step.prefilling`), as for any step.
-        - Read-back. The chunk reads nothing back and waits for nothing on the device
-          (`speculative._to_device`); the last chunk, which does, never runs ahead.
+        - Read-back. The chunk reads nothing back and waits for nothing on the device (its
+          lengths and the table go through pinned memory: `speculative._to_device`,
+          `BlockManager.sync_table`); the last chunk, which reads back, never runs ahead.
         """
         if self._part_width() is None:
             raise RuntimeError("the last chunk of a group in prefill was queued ahead")
