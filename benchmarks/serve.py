@@ -1127,6 +1127,8 @@ def serve_engine(pool: ProcessPoolExecutor, source: Source, engine: object, labe
         engine.stats.reset()
         result["levels"] = run_levels(pool, server.url, served_model(server.url, None), prompts,
                                       args, label)
+        result["scheduler"].update(scheduler_counters(server.scheduler))
+        log(f"[{label}] scheduler over the levels: {result['scheduler']}")
     if engine.draft is not None:  # what speculation did over every level's requests
         stats = engine.stats
         result["speculation"] = {"drafts": stats.num_drafts,
@@ -1134,6 +1136,14 @@ def serve_engine(pool: ProcessPoolExecutor, source: Source, engine: object, labe
         log(f"[{label}] speculation over the levels: {stats.num_drafts} drafts, mean accepted "
             f"length {stats.mean_accepted_length:.2f}")
     return result
+
+
+def scheduler_counters(scheduler: object) -> dict[str, int]:
+    """The scheduler's counts over its life (the warm-up's few requests included): steps
+    read back, steps queued before the previous one was read back (`steps_ahead`), of which
+    after a prompt chunk (`chunks_ahead`), prompt chunks run, preemptions."""
+    names = ("steps", "steps_ahead", "chunks_ahead", "prefill_chunks", "preemptions")
+    return {name: int(getattr(scheduler, name)) for name in names if hasattr(scheduler, name)}
 
 
 # -- the cases beyond the concurrency levels (issue #45) ---------------------------------------

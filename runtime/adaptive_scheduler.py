@@ -248,10 +248,26 @@ class AdaptiveScheduler(Scheduler):
             super()._admit()
             return
         with self.swap.lock:
-            if self.swap.swaps != self._swaps_seen:
-                self._swaps_seen = self.swap.swaps
-                self.draft_weights_changed()
+            self._see_swaps()
             super()._admit()
+
+    def _chunk_ahead(self) -> None:
+        """A chunk queued ahead of a read-back (Scheduler._chunk_ahead) holds the swap's lock
+        too, as a chunk run at admission does: its draft k/v are one draft's, and a swap
+        since the last look makes the cached draft halves stale first."""
+        if self.swap is None:
+            super()._chunk_ahead()
+            return
+        with self.swap.lock:
+            self._see_swaps()
+            super()._chunk_ahead()
+
+    def _see_swaps(self) -> None:
+        """A swap since the last look: the cached blocks' draft halves are stale from now on
+        (`draft_weights_changed`). Call holding the swap's lock."""
+        if self.swap.swaps != self._swaps_seen:
+            self._swaps_seen = self.swap.swaps
+            self.draft_weights_changed()
 
     def _prefill(self, group: list[RequestStream]) -> None:
         self._index(group)
@@ -426,6 +442,9 @@ class AdaptiveScheduler(Scheduler):
             "rows": {s: sum(c.rows[s] for c in self.controllers.values())
                      for s in (DRAFT, SUFFIX)},
             "resyncs": self.resyncs,
+            # steps queued before the step in flight was read back (of which after a chunk)
+            "steps_ahead": self.steps_ahead,
+            "chunks_ahead": self.chunks_ahead,
         }
         if self.distiller is not None:
             d = self.distiller

@@ -157,6 +157,7 @@ class BlockManager:
         self.table = (self.host_table if device.type == "cpu"
                       else table if table is not None
                       else torch.zeros((rows, max_blocks), dtype=torch.int32, device=device))
+        self._pinned = device.type == "cuda"  # (`sync_table` copies through pinned memory)
         self._free: list[int] = list(range(num_blocks - 1, NULL_BLOCK, -1))  # pop() -> 1, 2, ...
         self._refs = [0] * num_blocks
         self._key_of: dict[int, bytes] = {}          # cached block -> its key
@@ -430,7 +431,11 @@ class BlockManager:
             if hidden:
                 self.host_table[:hidden].fill_(NULL_BLOCK)
         elif self._dirty or hidden != self._hidden:
-            self.table.copy_(self.host_table, non_blocking=True)
+            # Through pinned memory: queued on the stream behind the steps still reading the
+            # table (the scheduler syncs while steps are in flight), where a copy from pageable
+            # memory may wait for them; the pinned block is kept until the copy has run.
+            self.table.copy_(self.host_table.pin_memory() if self._pinned else self.host_table,
+                             non_blocking=True)
             if hidden:
                 self.table[:hidden].fill_(NULL_BLOCK)
         self._hidden = hidden

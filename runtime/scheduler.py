@@ -44,9 +44,14 @@ With `max_num_batched_tokens` (paged engines), admission never stalls the runnin
             the budget less the running rows' decode tokens; `speculative.prefill_part`), then
             the running rows' step; the chunk that ends the prompts chooses the first tokens
             and activates the rows (`prefill_chunk`). Meanwhile the group's table rows are null
-            on the device for the decode steps (they write nothing into its blocks), no step
-            runs ahead, a cancelled row frees its blocks at once, and the group is the first
-            preempted when blocks run out (docs/paged-kv.md).
+            on the device for the decode steps (they write nothing into its blocks), a
+            cancelled row frees its blocks at once, and the group is the first preempted when
+            blocks run out (docs/paged-kv.md);
+    ahead   while the rows stay as they are, each chunk but the last is queued with its decode
+            step before the step in flight is read back (`_chunk_ahead`: why that is safe), so
+            running rows keep the overlap while prompts join; the last chunk reads the first
+            tokens back and runs at the next admission. `steps_ahead` / `chunks_ahead` count
+            the steps queued ahead and those that carried a chunk.
 
 A request's tokens do not depend on what else runs: its row's arithmetic is the same in any
 bucket (up to the rounding of batched kernels; exactly so in fp32 on the CPU), and sampling
@@ -325,6 +330,8 @@ class Scheduler:
         eos = getattr(generation_config, "eos_token_id", None)
         self._default_eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         self.steps = 0
+        self.steps_ahead = 0  # steps issued before the step in flight was read back
+        self.chunks_ahead = 0  # of which the prompt chunk of a group in prefill went first
         self.preemptions = 0
         self.blocks: BlockManager | None = None
         cache = top.target.cache
@@ -530,7 +537,9 @@ class Scheduler:
     def _iteration(self) -> None:
         """Retire and admit (no step in flight), then step; while nothing is to retire or admit,
         the next step is queued on the device before the host reads the last one back, as
-        `generate` does, so the GPU does not wait for Python between steps."""
+        `generate` does, so the GPU does not wait for Python between steps. While a group is
+        in chunked prefill, its next chunk is queued first, ahead too, as long as it is not
+        the last one (`_may_run_ahead`, `_chunk_ahead`)."""
         self._retire()
         self._admit()
         if len(self._running) == self._prefilling():
@@ -542,8 +551,11 @@ class Scheduler:
         while True:
             ahead = None
             if self._may_run_ahead(in_flight) and self._grow_rows(steps=2):
-                self._sync_table()
+                if self._chunking is not None:
+                    self._chunk_ahead()  # (shows the group's table rows for the chunk)
+                self._sync_table()  # (hides them again for the decode step)
                 ahead = self._issue()
+                self.steps_ahead += 1
             self._collect(in_flight)
             self.steps += 1
             if ahead is None:
@@ -553,17 +565,28 @@ class Scheduler:
 
     def _may_run_ahead(self, in_flight: _Step) -> bool:
         """Whether to queue another step before `in_flight` is read back: only while the rows
-        stay as they are (nothing to admit or cancel) and some row still needs tokens after
-        the step in flight (each gives every active row at least one)."""
+        stay as they are (nothing to admit or cancel) and some decoding row still needs
+        tokens after the step in flight (each gives every active row at least one).
+
+        While a group is in chunked prefill, the step ahead is its next chunk and then the
+        decode step (`_chunk_ahead`), unless that chunk is the last one: the last chunk
+        chooses the first tokens (read back at once) and activates the rows, so it runs in
+        the next iteration's admission, with nothing in flight, as without run-ahead.
+        Waiting requests are no reason to stop then: while a group is in prefill no other
+        is admitted (`_admit_chunked`), so the next iteration would admit nothing."""
         if self._stop or len(self._running) != len(in_flight.rows) or capture_waiting(self.engine):
             return False
-        if self._chunking is not None:  # the group's next chunk runs between these steps
+        prefilling = self._prefilling()
+        if prefilling:
+            if self._part_width() is None:  # the next chunk ends the prompts
+                return False
+        elif self._waiting and len(self._running) < self.max_slots:
             return False
-        if self._waiting and len(self._running) < self.max_slots:
-            return False
-        return all(s.stop_requested is None for s in self._running) and any(
+        # (A done row has nothing left to stop: a cancelled row of the group, ended at a
+        # retire, rides along to the group's last chunk.)
+        return all(s.stop_requested is None or s.done for s in self._running) and any(
             not s.done and s.params.max_tokens - len(s.output_ids) > 1
-            for s in self._running)
+            for s in self._running[prefilling:])
 
     def _fail_all(self, reason: str) -> None:
         with self._lock:
@@ -680,11 +703,12 @@ class Scheduler:
         self._chunking = _ChunkedPrefill(group, token_lists, tokens, progress, emitted,
                                  any(not s.params.greedy for s in group))
 
-    def _next_chunk(self) -> None:
-        """Run the group's next chunk: per row W tokens, W = (the token budget - the running
-        rows' decode tokens) / k, at least 2, down to whole blocks; the chunk that reaches
-        every prompt's end chooses the first tokens (time to first token) and activates the
-        rows. Full blocks are committed (keyed) as chunks land."""
+    def _part_width(self) -> int | None:
+        """The width of the group's next chunk when it is not the last (no row reaches its
+        prompt's end: `prefill_part`); None when it is (`prefill_chunk`). Per row W tokens,
+        W = (the token budget - the running rows' decode tokens) / k, at least 2, down to
+        whole blocks, and short of every prompt's last token by at least 2 (the last chunk's
+        least)."""
         p = self._chunking
         k, T = len(p.group), len(p.token_lists[0])
         size = self.blocks.block_size
@@ -693,14 +717,24 @@ class Scheduler:
         if width >= size:
             width -= width % size
         lo, hi = min(p.progress), max(p.progress)
+        if T - lo > width and T - 1 - hi >= 2:
+            return min(width, T - 1 - hi)
+        return None
+
+    def _next_chunk(self) -> None:
+        """Run the group's next chunk (`_part_width`); the chunk that reaches every prompt's
+        end chooses the first tokens (time to first token) and activates the rows. Full
+        blocks are committed (keyed) as chunks land."""
+        p = self._chunking
+        k, T = len(p.group), len(p.token_lists[0])
+        width = self._part_width()
         bucket = self.engine.buckets[k]
         self._sync_table(show_prefill=True)
         if p.refresh_draft:  # (progress is still each row's prefix-cache hit)
             self._refresh_draft(bucket, p.tokens, p.progress)
             p.refresh_draft = False
         self.prefill_chunks += 1
-        if T - lo > width and T - 1 - hi >= 2:  # not the last chunk: no row reaches its end
-            width = min(width, T - 1 - hi)
+        if width is not None:  # not the last chunk: no row reaches its end
             speculative.prefill_part(bucket.target, bucket.draft, p.tokens, p.progress, width)
             ends = [start + width for start in p.progress]
             self._commit_chunk(p, ends)
@@ -727,6 +761,59 @@ class Scheduler:
                 self.blocks.commit(row, tokens[start:end])
                 stream._draft_valid = end  # (both models run every chunk)
         p.progress = ends
+
+    def _chunk_ahead(self) -> None:
+        """Queue the group's next chunk, not its last (`_may_run_ahead` checked), while a
+        decode step is still in flight: the run-ahead's first half, the decode step ahead
+        follows (`_iteration`). The device runs what it runs without run-ahead, in the same
+        order (chunk, step, chunk, step, ...); only the host's work moves, and why that is
+        safe:
+
+        - The block table. The chunk's copy (`_sync_table(show_prefill=True)`, the group's
+          rows shown) and the decode step's (rows [0, k) null) are queued on the stream in
+          issue order, each before the step that reads it, as every table copy is
+          (`BlockManager.sync_table`); the chunk writes only the group's own blocks (their
+          table rows), and the decode step still sees the group's rows as null: it writes
+          nothing into the blocks the chunk fills.
+        - Keys before writes. `_commit_chunk` keys the chunk's full blocks while the chunk
+          (and the step before it) may still be running. A keyed block is found only by an
+          admission (`cached_prefix`, `admit`), and admission runs at an iteration's start,
+          after every step issued in the iteration before was read back: the chunk, queued
+          before the last of those steps on the stream, has written its k/v by then. A
+          block is freed only at a retire or a preemption (an iteration's start: `_retire`,
+          `_make_room`), and a new owner's writes are queued after the chunk's anyway.
+        - Cancellation. A cancel only marks the stream; `_may_run_ahead` stops queueing
+          while any row, of the group or running, has a stop requested, and the row's blocks
+          are freed at the next retire, when nothing is in flight (`_retire_prefilling`,
+          `_remove_row`). A cancel that lands after the check rides the queued steps, as
+          without chunks: the chunk writes the row's still-held blocks, the step's tokens for
+          a cancelled running row are delivered and the row then ends.
+        - Blocks running out. Before a step ahead every running row grows by two steps'
+          room (`_grow_rows(steps=2)`); the group's rows need none (admitted with their
+          prompt and a step's room). When that fails nothing is queued: the iteration reads
+          back and the next one preempts (`_make_room`, the group first: `_abort_prefill`),
+          with nothing in flight but its own chunk, as without run-ahead.
+        - The budget. The width depends only on the group, its progress and the number of
+          running rows (`_part_width`), which do not change while steps run ahead: each
+          chunk ahead is the width an iteration of its own would run. (Rows that end in the
+          step in flight are still counted and still computed by the step ahead.)
+        - The draft. `prefill_part` feeds the chunk to both models and `_commit_chunk`
+          moves the rows' `_draft_valid` on, as in `_next_chunk`; a resync before the decode
+          step (`_draft_behind`) writes nothing into the group's blocks (null table rows, as
+          every decode step), and each chunk sets the caches' lengths of its rows itself
+          (whatever a decode step left there). The draft's refresh over a stale hit is the
+          first chunk's, always run at admission. `AdaptiveScheduler` takes the weight
+          swap's lock around a chunk ahead, as around admission; its steps ahead propose
+          (suffix index, mixed steps) only for the rows past the group (`_proposals`) and its
+          controller counts only those (`_Step.prefilling`), as for any step.
+        - Read-back. The chunk reads nothing back and waits for nothing on the device (its
+          lengths and the table go through pinned memory: `speculative._to_device`,
+          `BlockManager.sync_table`); the last chunk, which reads back, never runs ahead.
+        """
+        if self._part_width() is None:
+            raise RuntimeError("the last chunk of a group in prefill was queued ahead")
+        self._next_chunk()
+        self.chunks_ahead += 1
 
     def _abort_prefill(self) -> None:
         """Preempt the group in chunked prefill (the newest requests): its rows leave, their
@@ -907,12 +994,15 @@ class Scheduler:
 
     def _grow_rows(self, steps: int = 1) -> bool:
         """Grow every running row to the slots the next `steps` steps may write (its length as
-        the host knows it, plus `steps` x the step's room); False as soon as one cannot."""
+        the host knows it, plus `steps` x the step's room); False as soon as one cannot. The
+        rows of a group in chunked prefill have theirs already (admitted with the prompt and
+        a step's room; chunks ahead need no more)."""
         if self.blocks is None:
             return True
+        prefilling = self._prefilling()
         for row, stream in enumerate(self._running):
-            if not self.blocks.holds(row):  # a cancelled row of a chunked prefill: freed
-                continue
+            if row < prefilling or not self.blocks.holds(row):  # in chunked prefill, or
+                continue                                         # cancelled there: freed
             length = len(stream.prompt_ids) + len(stream.output_ids) - 1
             slots = min(length + steps * self._step_room,
                         self._row_cap(len(stream.prompt_ids), stream.params.max_tokens))

@@ -292,9 +292,21 @@ def _chunk(tokens: torch.Tensor, progress: list[int], width: int
     """(lengths [B], slots [B, W], chunk [B, W]) of a prompt chunk of `width` tokens a row
     from slot progress[b] of the prompts `tokens` [B, T] (a row whose prompt ends inside the
     chunk feeds its last token again past its end)."""
-    lengths = torch.tensor(progress, dtype=torch.long, device=tokens.device)  # [B]
+    lengths = _to_device(progress, tokens.device)  # [B]
     slots = lengths[:, None] + torch.arange(width, device=tokens.device)  # [B, W]
     return lengths, slots, tokens.gather(1, slots.clamp(max=tokens.shape[1] - 1))
+
+
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """`values` as an int64 tensor on `device`, without waiting for the device: on CUDA through
+    pinned memory and a copy queued on the current stream (`torch.tensor(..., device=cuda)`
+    would synchronise the stream, so a chunk issued while a step is in flight, the
+    scheduler's run-ahead, would wait for that step). The caching host allocator keeps the
+    pinned block until the copy has run."""
+    host = torch.tensor(values, dtype=torch.long)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def prefill_part(target: ModelSteps | None, draft: ModelSteps | None, tokens: torch.Tensor,
@@ -310,7 +322,8 @@ def prefill_part(target: ModelSteps | None, draft: ModelSteps | None, tokens: to
     a captured width where chunks are captured, `_chunk_width`). A row whose prompt ends inside
     the chunk feeds its last token again past its end (slots written, later overwritten, as in
     `prefill_chunk`). The caches' lengths are left at progress + width (the next chunk sets
-    its own).
+    its own). Nothing is read back and nothing waits for the device (`_to_device`): the
+    scheduler queues a chunk while a decode step is still in flight (its run-ahead).
     """
     B = tokens.shape[0]
     # (The draft alone rewrites slots inside cached blocks, which other rows share: exactly its

@@ -173,12 +173,14 @@ def test_a_request_without_blocks_waits_then_completes() -> None:
         sched.close()
 
 
-def test_no_block_leaks_after_many_requests_with_cancellations() -> None:
+@pytest.mark.parametrize("budget", [None, 5])
+def test_no_block_leaks_after_many_requests_with_cancellations(budget: int | None) -> None:
     """1,000 requests of random lengths and budgets on the small pool, a third cancelled
-    (waiting, just admitted or mid-way): afterwards every block is free or cached."""
+    (waiting, just admitted or mid-way): afterwards every block is free or cached, also with
+    a budget of 5 (prompts in chunks, queued ahead beside decode steps)."""
     eng = engine(SMALL_POOL)
     rng = random.Random(0)
-    sched = started(eng)
+    sched = started(eng, max_num_batched_tokens=budget)
     try:
         streams = []
         for i in range(1000):
@@ -198,6 +200,7 @@ def test_no_block_leaks_after_many_requests_with_cancellations() -> None:
         assert all(s.finish_reason in ("abort", "length") for s in streams)
         assert_no_leak(sched)
         assert sched.blocks.prefix_hits > 0
+        assert budget is None or sched.chunks_ahead > 0
     finally:
         sched.close()
 
@@ -421,7 +424,8 @@ def test_the_adaptive_scheduler_prefills_in_chunks() -> None:
     draft's, mixed (suffix) and target-only steps; a repeated request is among the recent
     outputs, so its rows verify the index's proposals. Greedy outputs are each request's
     alone; seeded ones have their length (rows in prefill are never the controller's: a
-    count above gamma would fail the step)."""
+    count above gamma would fail the step). Chunks are queued ahead of read-backs there too
+    (the loop is Scheduler's)."""
     from fuser.runtime.adaptive_scheduler import AdaptiveScheduler
     from fuser.runtime.controller import DRAFT, SUFFIX
 
@@ -446,6 +450,7 @@ def test_the_adaptive_scheduler_prefills_in_chunks() -> None:
         assert sched.prefill_chunks > len(requests)
         snap = sched.snapshot()
         assert snap["steps"][DRAFT] > 0 and snap["rows"][SUFFIX] > 0, snap
+        assert snap["chunks_ahead"] == sched.chunks_ahead > 0, snap  # (its loop is the same)
         assert_no_leak(sched)
     finally:
         sched.close()
@@ -625,7 +630,8 @@ def count_prompt_tokens(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 def test_chunked_prefill_returns_what_each_returns_alone() -> None:
     """A budget of 6 tokens an iteration: every prompt goes in several chunks while others
-    decode; greedy and seeded outputs are each request's alone, first tokens timed."""
+    decode (chunks queued ahead of the read-backs); greedy and seeded outputs are each
+    request's alone, first tokens timed."""
     eng = engine()
     requests = REQUESTS + [(prompt(30, seed=90), greedy(7)), (prompt(21, seed=91), greedy(9))]
     want = alone(eng, requests)
@@ -634,6 +640,7 @@ def test_chunked_prefill_returns_what_each_returns_alone() -> None:
         streams = [sched.submit(p, params) for p, params in requests]
         assert [s.result(TIMEOUT) for s in streams] == want
         assert sched.prefill_chunks >= len(requests) + 30 // 4
+        assert sched.chunks_ahead > 0  # (queued ahead of read-backs, sampled rows beside)
         assert all(s.first_token_time is not None and s.first_token_time >= s.arrival_time
                    for s in streams)
         assert_no_leak(sched)
@@ -855,6 +862,191 @@ def test_a_group_in_prefill_is_preempted_first_and_resumes() -> None:
         sched.close()
 
 
+# -- chunks queued ahead of the read-back (run-ahead during a chunked prefill) ------------------
+
+
+def stepped(eng: fuser.Engine, streams: list, sched: Scheduler) -> None:
+    """Step `sched` by hand until every stream is done, then retire."""
+    with eng.generating():
+        while not all(s.done for s in streams):
+            sched._iteration()
+        sched._retire()
+
+
+@pytest.mark.xdist_group("paged_draft_engine")
+@pytest.mark.parametrize("draft", [False, True])
+def test_chunks_run_ahead_beside_running_rows(
+        draft: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stepped by hand: a 40-token prompt whose first 16 tokens are cached (a prefix hit) joins
+    two decoding rows and goes in 4-token chunks. The iteration that admits it queues each
+    chunk but the last, with the decode step after it, before the step in flight is read
+    back (`chunks_ahead`, `steps_ahead`), each chunk within the budget; the last chunk waits
+    for the next iteration. Every request returns its tokens alone (with a draft: gamma 3
+    speculative steps, both models fed every chunk)."""
+    eng = draft_engine() if draft else engine()
+    shared = prompt(16, seed=140)
+    runner, opener = (prompt(5, seed=141), greedy(40)), (shared + prompt(3, seed=142), greedy(30))
+    long = (shared + prompt(24, seed=143), greedy(6))
+    want = alone(eng, [runner, opener, long])
+    budget = 6 + (2 * 3 if draft else 0)  # two running rows' decode tokens, then 4 a chunk
+    fed = count_prompt_tokens(monkeypatch)
+    sched = Scheduler(eng, max_num_batched_tokens=budget)
+    try:
+        r, o = sched.submit(*runner), sched.submit(*opener)
+        with eng.generating():
+            sched._may_run_ahead = lambda in_flight: False  # (else they run to their ends)
+            while not (r.output_ids and o.output_ids):
+                sched._iteration()
+            del sched._may_run_ahead
+            assert sched._prefilling() == 0 and sched.chunks_ahead == 0
+            s = sched.submit(*long)
+            calls, hits = len(fed), sched.blocks.prefix_hits
+            sched._iteration()
+            assert sched.blocks.prefix_hits - hits == 16  # 24 tokens left: 5 parts, the last
+            assert sched._prefilling() == 1 and not s.output_ids
+            assert fed[calls:] == [4] * 5  # (the first at admission, 4 queued ahead)
+            assert sched.chunks_ahead == 4 and sched.steps_ahead >= 4
+            sched._iteration()  # the last chunk (first token), then the three rows decode
+            assert sched._prefilling() == 0 and s.output_ids and fed[calls + 5] == 4
+            assert sched.chunks_ahead == 4
+        stepped(eng, [r, o, s], sched)
+        assert [r.output_ids, o.output_ids, s.output_ids] == want
+        assert_no_leak(sched)
+    finally:
+        sched.close()
+
+
+@pytest.mark.xdist_group("paged_draft_engine")
+def test_adaptive_chunks_ahead_hold_the_swap_lock_and_see_swaps(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The adaptive scheduler with online distillation's swap, stepped by hand on the draft
+    engine: a chunk queued ahead holds the swap's lock as one run at admission does (its
+    draft k/v are one draft's), and a swap that lands between two read-backs is seen before
+    the next chunk ahead (the cached draft halves go stale: `draft_version` moves on). The
+    swap puts the same weights back, so the tokens are each request's alone."""
+    from fuser.runtime.adaptive_scheduler import AdaptiveScheduler
+    from fuser.runtime.controller import DRAFT
+    from fuser.runtime.distill import draft_module
+
+    eng = draft_engine()
+    runner, other = (prompt(5, seed=160), greedy(30)), (prompt(9, seed=161), greedy(30))
+    long = (prompt(34, seed=162), greedy(5))
+    want = alone(eng, [runner, other, long])
+    same = {n: p.detach().clone() for n, p in draft_module(eng).named_parameters()}
+    sched = AdaptiveScheduler(eng, suffix=False, adapt_draft=True, background=False,
+                              max_num_batched_tokens=12, costs={"decode": 1.0, DRAFT: {3: 1.3}})
+    chunks: list[tuple[bool, int]] = []  # per part chunk: (lock held, draft version)
+    real_part = speculative.prefill_part
+
+    def part(target, draft, tokens, progress, width):
+        if target is not None:
+            chunks.append((sched.swap.lock.locked(), sched.blocks.draft_version))
+        return real_part(target, draft, tokens, progress, width)
+
+    monkeypatch.setattr(speculative, "prefill_part", part)
+    try:
+        r, o = sched.submit(*runner), sched.submit(*other)
+        with eng.generating():
+            sched._may_run_ahead = lambda in_flight: False
+            while not (r.output_ids and o.output_ids):
+                sched._iteration()
+            del sched._may_run_ahead
+            s = sched.submit(*long)
+            real_collect = sched._collect
+
+            def collect(step) -> None:
+                real_collect(step)
+                if sched.chunks_ahead == 2 and sched.swap.swaps == 0:
+                    sched.swap.swap(same)  # (the loop's thread: nothing else holds the lock)
+            sched._collect = collect
+            del chunks[:]
+            sched._iteration()
+            assert sched.chunks_ahead > 2 and sched.swap.swaps == 1
+            assert chunks == [(True, 0)] * 3 + [(True, 1)] * (len(chunks) - 3), chunks
+        stepped(eng, [r, o, s], sched)
+        assert [r.output_ids, o.output_ids, s.output_ids] == want
+        assert_no_leak(sched)
+    finally:
+        sched.close()
+
+
+@pytest.mark.parametrize("victim", ["group", "running"])
+def test_cancel_while_chunks_run_ahead(victim: str) -> None:
+    """Stepped by hand: two 24-token prompts prefill together (4-token chunks a row) beside a
+    decoding request, and one of them ("group") or the decoding one ("running") is cancelled
+    just after the second chunk queued ahead: run-ahead stops there, the victim ends
+    ("abort") at the next retire with its blocks freed, a cancelled row of the group rides
+    along while the group's later chunks run ahead again, and the others return their tokens
+    alone (the cancelled runner a prefix of its own); nothing leaks."""
+    eng = engine()
+    runner = (prompt(5, seed=150), greedy(30))
+    group = [(prompt(24, seed=151), greedy(6)), (prompt(24, seed=152), greedy(9))]
+    want = alone(eng, [runner] + group)
+    sched = Scheduler(eng, max_num_batched_tokens=9)  # (9 - 1 decode token) / 2 rows
+    try:
+        r = sched.submit(*runner)
+        with eng.generating():
+            sched._may_run_ahead = lambda in_flight: False
+            while not r.output_ids:
+                sched._iteration()
+            del sched._may_run_ahead
+            streams = [sched.submit(p, params) for p, params in group]
+            target = streams[0] if victim == "group" else r
+            real = sched._chunk_ahead
+
+            def chunk_ahead() -> None:
+                real()
+                if sched.chunks_ahead == 2:
+                    target.cancel()
+            sched._chunk_ahead = chunk_ahead
+            sched._iteration()
+            assert sched.chunks_ahead == 2 and target.finish_reason == "abort"
+            if victim == "group":
+                assert sched._prefilling() == 2 and not sched.blocks.holds(0)
+                assert sched.blocks.holds(1) and target.output_ids == []
+            else:
+                assert sched.slots_used == 2 and sched.blocks.active_rows() == [0, 1]
+        stepped(eng, [r] + streams, sched)
+        outputs = [s.output_ids for s in [r] + streams]
+        for out, ref, stream in zip(outputs, want, [r] + streams):
+            assert out == (ref[:len(out)] if stream is target else ref)
+        assert sched.chunks_ahead == (3 if victim == "group" else 2)
+        assert_no_leak(sched)
+    finally:
+        sched.close()
+
+
+def test_preempted_while_chunks_run_ahead() -> None:
+    """Stepped by hand on the small pool: a 36-token prompt (10 blocks) goes in 2-token
+    chunks, queued ahead, beside a decoding request; once that row cannot grow by two steps'
+    room, nothing more is queued ahead, and when it cannot grow by one, the group in prefill
+    is preempted (its blocks freed, its chunks cached) and later resumes; both return their
+    tokens alone and nothing leaks."""
+    eng = engine(SMALL_POOL)
+    runner, long = (prompt(4, seed=100), greedy(40)), (prompt(36, seed=101), greedy(4))
+    want = alone(eng, [runner, long])
+    sched = Scheduler(eng, max_num_batched_tokens=3)
+    try:
+        r = sched.submit(*runner)
+        with eng.generating():
+            sched._may_run_ahead = lambda in_flight: False
+            while not r.output_ids:
+                sched._iteration()
+            del sched._may_run_ahead
+            s = sched.submit(*long)
+            while not s.preemptions:
+                ahead = sched.chunks_ahead
+                sched._iteration()
+            assert ahead > 0 and sched.chunks_ahead == ahead  # (none queued as room ran out)
+            assert s.preemptions == 1 and r.preemptions == 0 and not s.output_ids
+        stepped(eng, [r, s], sched)
+        assert [r.output_ids, s.output_ids] == want
+        assert sched.preemptions == 1 and sched.blocks.prefix_hits > 0
+        assert_no_leak(sched)
+    finally:
+        sched.close()
+
+
 def test_max_num_batched_tokens_must_be_a_count() -> None:
     for bad in (-1, 2.5, True):
         with pytest.raises(ValueError, match="max_num_batched_tokens"):
@@ -971,6 +1163,46 @@ def test_gpu_chunked_prefill_between_captured_steps() -> None:
             >= sched.steps
         assert sum(v for k, v in replays.items() if k.startswith("chunk.")) - chunks_before \
             >= 2 * chunks, replays  # (target and draft, every chunk)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_chunks_ahead_do_not_wait_for_the_device() -> None:
+    """On CUDA (fp32, the paged draft engine, captured steps and chunks): a 37-token prompt
+    goes in chunks beside two decoding rows, queued ahead of the read-backs, and no chunk
+    queued ahead synchronises with the device (`torch.cuda.set_sync_debug_mode("error")`
+    around each: a `torch.tensor(..., device="cuda")` or `.item()` there would make the host
+    wait for the step in flight, losing the overlap; the error names the op). A first pass
+    captures the chunk widths (a capture synchronises); the second is checked. Both return
+    each request's tokens alone."""
+    eng = cuda_draft_engine()
+    requests = [(prompt(5, seed=170), greedy(30)), (prompt(9, seed=171), greedy(30)),
+                (prompt(37, seed=172), greedy(6))]
+    want = alone(eng, requests)
+    for checked in (False, True):
+        sched = Scheduler(eng, max_num_batched_tokens=12, prefix_caching=False)
+        real = sched._chunk_ahead
+
+        def chunk_ahead(real=real) -> None:
+            torch.cuda.set_sync_debug_mode("error" if checked else 0)
+            try:
+                real()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        sched._chunk_ahead = chunk_ahead
+        try:
+            r, o = sched.submit(*requests[0]), sched.submit(*requests[1])
+            with eng.generating():
+                sched._may_run_ahead = lambda in_flight: False
+                while not (r.output_ids and o.output_ids):
+                    sched._iteration()
+                del sched._may_run_ahead
+                s = sched.submit(*requests[2])
+            stepped(eng, [r, o, s], sched)
+            assert [r.output_ids, o.output_ids, s.output_ids] == want
+            assert sched.chunks_ahead >= 3, sched.chunks_ahead
+            assert_no_leak(sched)
+        finally:
+            sched.close()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -222,7 +222,13 @@ def test_dry_run_serves_a_tiny_engine_and_compares(tmp_path: Path) -> None:
     results = json.loads((tmp_path / "serve.json").read_text())
     system = results["systems"]["fuser"]
     # --server-args reach the scheduler fuser serve would run (fuser.server.cli.make_scheduler)
-    assert system["scheduler"] == {"class": "Scheduler", "max_waiting": 77}
+    scheduler = system["scheduler"]
+    assert {k: scheduler[k] for k in ("class", "max_waiting")} == \
+        {"class": "Scheduler", "max_waiting": 77}
+    # its counters over the levels (benchmarks/serve.py `scheduler_counters`)
+    assert scheduler["steps"] > 0 and scheduler["steps_ahead"] >= 0, scheduler
+    assert set(scheduler) == {"class", "max_waiting", "steps", "steps_ahead", "chunks_ahead",
+                              "prefill_chunks", "preemptions"}, scheduler
     check_levels(system["levels"], [1, 2], 3, 6)
     assert set(system["static"]) == {"1", "2"}
     assert all(s["output_tok_s"] > 0 for s in system["static"].values())

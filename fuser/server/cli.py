@@ -27,10 +27,11 @@ PRECISION_CHOICES = ("auto", "fp32", "bf16", "fp16", "fp8")  # FuserConfig.preci
 DEFAULT_BLOCK_SIZE = 16  # --block-size: slots per KV block (vLLM's default)
 DEFAULT_GPU_MEMORY_FRACTION = 0.9  # --gpu-memory-fraction (vLLM's gpu_memory_utilization)
 # --max-num-batched-tokens: decode and prompt tokens an iteration of a paged server runs. The
-# prompt chunk runs as a graph of its own beside the decode step, so the chunk's length is what
-# an iteration's time (the running rows' ITL) grows by: 512 would bound it to a few ms on an 8B
-# model and still take 4 prompts of 128 tokens at once beside 64 decoding rows. Off (0) until
-# a GPU run shows it pays: the chunk step runs uncaptured on CUDA (docs/paged-kv.md).
+# prompt chunk runs as a graph of its own beside the decode step (queued ahead of the read-back
+# with it, as steps are), so the chunk's length is what an iteration's time (the running rows'
+# ITL) grows by: 512 would bound it to a few ms on an 8B model and still take 4 prompts of 128
+# tokens at once beside 64 decoding rows. Off (0) until a GPU run shows it pays against
+# whole-prompt admission (docs/paged-kv.md).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 0
 WARM_UP_SECONDS = 600.0
 
