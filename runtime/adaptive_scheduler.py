@@ -45,7 +45,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -244,23 +244,26 @@ class AdaptiveScheduler(Scheduler):
         prefix cache's draft halves stale (`draft_weights_changed`), so a hit prefills the
         new draft over its blocks and keeps the target's k/v. (`WeightSwap.apply` counts
         swaps under the same lock.)"""
-        if self.swap is None:
-            super()._admit()
-            return
-        with self.swap.lock:
-            self._see_swaps()
+        with self._swap_seen():
             super()._admit()
 
     def _chunk_ahead(self) -> None:
         """A chunk queued ahead of a read-back (Scheduler._chunk_ahead) holds the swap's lock
         too, as a chunk run at admission does: its draft k/v are one draft's, and a swap
         since the last look makes the cached draft halves stale first."""
-        if self.swap is None:
+        with self._swap_seen():
             super()._chunk_ahead()
+
+    @contextlib.contextmanager
+    def _swap_seen(self) -> Iterator[None]:
+        """Hold the swap's lock (where the draft adapts), a swap since the last look seen
+        first (`_see_swaps`)."""
+        if self.swap is None:
+            yield
             return
         with self.swap.lock:
             self._see_swaps()
-            super()._chunk_ahead()
+            yield
 
     def _see_swaps(self) -> None:
         """A swap since the last look: the cached blocks' draft halves are stale from now on

@@ -865,6 +865,15 @@ def test_a_group_in_prefill_is_preempted_first_and_resumes() -> None:
 # -- chunks queued ahead of the read-back (run-ahead during a chunked prefill) ------------------
 
 
+def decode_first_tokens(sched: Scheduler, streams: list) -> None:
+    """Step `sched` by hand, one step an iteration (nothing queued ahead), until every stream
+    has its first token (inside `eng.generating()`)."""
+    sched._may_run_ahead = lambda in_flight: False
+    while not all(s.output_ids for s in streams):
+        sched._iteration()
+    del sched._may_run_ahead
+
+
 def stepped(eng: fuser.Engine, streams: list, sched: Scheduler) -> None:
     """Step `sched` by hand until every stream is done, then retire."""
     with eng.generating():
@@ -947,10 +956,7 @@ def test_adaptive_chunks_ahead_hold_the_swap_lock_and_see_swaps(
     try:
         r, o = sched.submit(*runner), sched.submit(*other)
         with eng.generating():
-            sched._may_run_ahead = lambda in_flight: False
-            while not (r.output_ids and o.output_ids):
-                sched._iteration()
-            del sched._may_run_ahead
+            decode_first_tokens(sched, [r, o])
             s = sched.submit(*long)
             real_collect = sched._collect
 
@@ -986,10 +992,7 @@ def test_cancel_while_chunks_run_ahead(victim: str) -> None:
     try:
         r = sched.submit(*runner)
         with eng.generating():
-            sched._may_run_ahead = lambda in_flight: False
-            while not r.output_ids:
-                sched._iteration()
-            del sched._may_run_ahead
+            decode_first_tokens(sched, [r])
             streams = [sched.submit(p, params) for p, params in group]
             target = streams[0] if victim == "group" else r
             real = sched._chunk_ahead
@@ -1029,10 +1032,7 @@ def test_preempted_while_chunks_run_ahead() -> None:
     try:
         r = sched.submit(*runner)
         with eng.generating():
-            sched._may_run_ahead = lambda in_flight: False
-            while not r.output_ids:
-                sched._iteration()
-            del sched._may_run_ahead
+            decode_first_tokens(sched, [r])
             s = sched.submit(*long)
             while not s.preemptions:
                 ahead = sched.chunks_ahead
@@ -1192,10 +1192,7 @@ def test_gpu_chunks_ahead_do_not_wait_for_the_device() -> None:
         try:
             r, o = sched.submit(*requests[0]), sched.submit(*requests[1])
             with eng.generating():
-                sched._may_run_ahead = lambda in_flight: False
-                while not (r.output_ids and o.output_ids):
-                    sched._iteration()
-                del sched._may_run_ahead
+                decode_first_tokens(sched, [r, o])
                 s = sched.submit(*requests[2])
             stepped(eng, [r, o, s], sched)
             assert [r.output_ids, o.output_ids, s.output_ids] == want
