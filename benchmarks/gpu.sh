@@ -46,6 +46,9 @@
 #             the 8B shape, tp=1 against tp=2 (tensor_parallel.py; TP_SIZES, default 1,2;
 #             TP_ONE_SHOT=1 adds the one-shot all-reduce rows)
 #   tests     the GPU tests: pytest -k "gpu or cuda" over TESTS (default: tests), JOBS workers
+#   suffix    the suffix index's C core (runtime/suffix_native.c) on this machine's host: its
+#             tests, compiled with this host's C compiler (a native case skipped fails the suite),
+#             then the host time of a step for 64 rows (suffix_index.py --min-match 4)  ~1 min
 #
 # Each suite writes its full logs and JSON under $OUT/<suite>/ and ends with a short table; the
 # tables of every suite come again at the end. Environment: OUT (default /tmp/fuser-out),
@@ -59,7 +62,7 @@ export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fuser-out}
 BUDGET=${BUDGET:-580}
-SUITES="decode verify spec fallback files ops accuracy serve serve256 serve256fp8 build256 build256base servepaged serverate servelong adapt adapt8b paged prefix allreduce tp tests"
+SUITES="decode verify spec fallback files ops accuracy serve serve256 serve256fp8 build256 build256base servepaged serverate servelong adapt adapt8b paged prefix allreduce tp suffix tests"
 PAGED_ARGS=${PAGED_ARGS---config kv_block_size=16 --config kv_memory_fraction=0.9}
 if [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ]; then
   sed -n '2,/^set -o/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
@@ -244,6 +247,21 @@ for suite in "$@"; do
         table "tp: the 70B shape (random weights per rank), batch 1, bf16" \
           "$(sed -n '/^system /,$p' "$DIR/tp70_decode.log")"
       fi ;;
+    suffix)
+      export FUSER_CACHE_DIR=${FUSER_CACHE_DIR:-$DIR/cache}
+      step suffix_tests 120 python3 -m pytest -q -p no:cacheprovider -rs \
+        tests/test_suffix_native.py tests/test_suffix.py tests/test_suffix_batched.py
+      if grep -q "^SKIPPED" "$DIR/suffix_tests.log"; then  # (none skips where the C builds)
+        echo "FAILED: native cases skipped (the C core did not build here)" >> "$DIR/suffix_tests.log"
+      fi
+      for case in "" "--follow" "--tokens 7 --vary"; do
+        # shellcheck disable=SC2086  # case: flags, word-split on purpose
+        python3 benchmarks/suffix_index.py --rows 64 --min-match 4 $case 2>&1 | tail -n 1 \
+          >> "$DIR/suffix_index.log"
+      done
+      table "suffix: the suffix index's C core on this host (tests; 64 rows, --min-match 4: none, --follow, --tokens 7 --vary)" \
+        "$(grep -E '^FAILED|passed|failed' "$DIR/suffix_tests.log" | tail -n 4)" \
+        "$(cat "$DIR/suffix_index.log")" ;;
     tests)
       # shellcheck disable=SC2086  # TESTS: paths, word-split on purpose
       # JOBS pytest-xdist workers share the one GPU (default 8 of the machine's 16 cores: the
