@@ -182,3 +182,102 @@ class RunningGraph:
                  starts: torch.Tensor) -> torch.Tensor:
         self.replays += 1
         return self.fn(tokens, positions, seq_lens, starts)
+
+
+def checking_issues_ahead(sched: object, set_mode: object) -> dict[str, int]:
+    """Make `sched` (a runtime/scheduler.py Scheduler, driven by hand) run everything between
+    its decision to queue a step ahead of a read-back (`_may_run_ahead` true) and that step's
+    issue under set_mode("error"), and set_mode(0) again after: on CUDA,
+    `torch.cuda.set_sync_debug_mode`, so that an op there which makes the host wait for the
+    device (an `.item()`, a `torch.tensor(..., device="cuda")`) raises, naming itself, where it
+    would silently cost the overlap. Returns counts: "checked" (steps issued under the mode),
+    "collected" (read-backs, each asserted to run with the mode off)."""
+    counts = {"checked": 0, "collected": 0}
+    on = [False]
+    may, grow, issue, collect = sched._may_run_ahead, sched._grow_rows, sched._issue, \
+        sched._collect
+
+    def switch(value: bool) -> None:
+        on[0] = value
+        set_mode("error" if value else 0)
+
+    def may_run_ahead(in_flight: object) -> bool:
+        ahead = may(in_flight)
+        if ahead:
+            switch(True)
+        return ahead
+
+    def grow_rows(steps: int = 1) -> bool:
+        grown = grow(steps)
+        if not grown and on[0]:  # nothing is queued ahead after all
+            switch(False)
+        return grown
+
+    def issue_step() -> object:
+        checked = on[0]
+        try:
+            return issue()
+        finally:
+            if checked:
+                switch(False)
+                counts["checked"] += 1
+
+    def collect_step(step: object) -> None:
+        assert not on[0], "a read-back ran under the sync check"
+        counts["collected"] += 1
+        collect(step)
+
+    sched._may_run_ahead, sched._grow_rows = may_run_ahead, grow_rows
+    sched._issue, sched._collect = issue_step, collect_step
+    return counts
+
+
+class SyncMode:
+    """A `torch.cuda.set_sync_debug_mode` stand-in that keeps the mode it was last given (and
+    passes it on to `forward`, on CUDA)."""
+
+    def __init__(self, forward: object = None) -> None:
+        self.mode: object = 0
+        self.forward = forward
+
+    def __call__(self, mode: object) -> None:
+        self.mode = mode
+        if self.forward is not None:
+            self.forward(mode)
+
+
+def adaptive_rounds_checked(built: fuser.Engine, batch: list[list[int]], max_tokens: int,
+                            sync: SyncMode, costs: dict | None = None
+                            ) -> tuple[list[list[list[int]]], dict[str, int], dict]:
+    """The adaptive scheduler (suffix proposals from min_match 2, no distillation), driven by
+    hand, over `batch` twice (the second time its answers are recent outputs: mixed steps),
+    every step it queues ahead checked by `checking_issues_ahead` through `sync`. Returns the
+    outputs per round, the counts (with "mixed": mixed steps issued under the check) and the
+    snapshot."""
+    from fuser import SamplingParams
+    from fuser.runtime.adaptive_scheduler import AdaptiveScheduler
+
+    sched = AdaptiveScheduler(built, suffix=True, adapt_draft=False, background=False,
+                              suffix_min_match=2, costs=costs,
+                              controller_options=dict(probe_share=0.2, refresh=8))
+    counts = checking_issues_ahead(sched, sync)
+    counts["mixed"] = 0
+    run_suffix = sched._run_suffix
+
+    def run_mixed(*args: object) -> torch.Tensor:
+        counts["mixed"] += sync.mode == "error"
+        return run_suffix(*args)
+    sched._run_suffix = run_mixed
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outputs = []
+    try:
+        with built.generating():
+            for _ in range(2):
+                streams = [sched.submit(p, params) for p in batch]
+                while not all(s.done for s in streams):
+                    sched._iteration()
+                sched._retire()
+                outputs.append([s.output_ids for s in streams])
+        return outputs, counts, sched.snapshot()
+    finally:
+        sched.close()

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import fuser
-from engines import VOCAB, assert_greedy_matches, hf_greedy, llama_target, perturbed, prompts
+from engines import VOCAB, SyncMode, adaptive_rounds_checked, assert_greedy_matches, \
+    hf_greedy, llama_target, perturbed, prompts
 from fuser.numerics import LOGITS_TOLERANCE, relative_error
 from fuser.runtime import speculative
 from fuser.runtime.prompts import check_prompts, pad_batch
@@ -169,10 +170,52 @@ def test_sampling_with_mixed_rows_runs_and_stays_in_the_vocabulary() -> None:
     assert first.shape == (BATCH, first.shape[1]) and int(first.max()) < VOCAB
 
 
+# -- the adaptive scheduler's steps queued ahead -----------------------------------------------
+
+
+@functools.cache
+def cuda_pair() -> tuple[torch.nn.Module, fuser.Engine, list[list[int]]]:
+    """fp32 on CUDA: a tiny Llama target, a one-layer random draft, their engine (gamma auto
+    over 1 and 3, batch 4) and templated traffic: four prompts each holding a span the
+    answer is likely to repeat (its own 12 tokens, twice)."""
+    from tiny import tiny_model
+
+    target = tiny_model("llama", layers=2, dtype=torch.float32).to("cuda")
+    draft = tiny_model("llama", layers=1, seed=1, dtype=torch.float32).to("cuda")
+    config = fuser.FuserConfig(max_seq_len=128, max_batch_size=4, gamma="auto",
+                               gamma_candidates=(1, 3), compile="fx")
+    built = fuser.optimize(target, draft=draft, config=config)
+    generator = torch.Generator().manual_seed(3)
+    texts = [torch.randint(3, target.config.vocab_size, (12,), generator=generator).tolist()
+             for _ in range(4)]
+    return target, built, [t + t for t in texts]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.xdist_group("cuda_pair")
+def test_cuda_steps_queued_ahead_do_not_wait_for_the_device() -> None:
+    """fp32 on CUDA, the adaptive scheduler's own clock: nothing between the decision to queue
+    a step ahead of a read-back and its issue (the controller's choice, the suffix index's
+    proposals and their copy, a resync, the captured step, mixed ones included) makes the
+    host wait for the device (`torch.cuda.set_sync_debug_mode("error")`: such an op raises,
+    naming itself, where it would silently cost the overlap). A first pass captures the
+    mixed steps (a capture synchronises); the second is checked."""
+    _, built, batch = cuda_pair()
+    adaptive_rounds_checked(built, batch, 40, SyncMode())  # captures, unchecked
+    sync = SyncMode(torch.cuda.set_sync_debug_mode)
+    try:
+        outputs, counts, snap = adaptive_rounds_checked(built, batch, 40, sync)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert counts["checked"] > 0, counts
+    assert outputs[1] == outputs[0]
+
+
 # -- on CUDA: the adaptive scheduler's captured mixed steps ----------------------------------
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.xdist_group("cuda_pair")
 def test_cuda_adaptive_scheduler_mixed_steps_are_captured_and_lossless() -> None:
     """fp32 on CUDA: templated traffic through the adaptive scheduler runs mixed steps as
     captured graphs, queued ahead of the read-back; every output equals the target's greedy
@@ -185,18 +228,8 @@ def test_cuda_adaptive_scheduler_mixed_steps_are_captured_and_lossless() -> None
     this test flipped a near-tie in one of three runs on the H200 (benchmarks/RESULTS.md)."""
     from fuser import SamplingParams
     from fuser.runtime.adaptive_scheduler import AdaptiveScheduler
-    from tiny import tiny_model
 
-    target = tiny_model("llama", layers=2, dtype=torch.float32).to("cuda")
-    draft = tiny_model("llama", layers=1, seed=1, dtype=torch.float32).to("cuda")
-    config = fuser.FuserConfig(max_seq_len=128, max_batch_size=4, gamma="auto",
-                               gamma_candidates=(1, 3), compile="fx")
-    built = fuser.optimize(target, draft=draft, config=config)
-    vocab = target.config.vocab_size
-    generator = torch.Generator().manual_seed(3)
-    texts = [torch.randint(3, vocab, (12,), generator=generator).tolist() for _ in range(4)]
-    # The prompt holds a span the answer is likely to repeat (its own tokens, twice).
-    batch = [t + t for t in texts]
+    target, built, batch = cuda_pair()
     target.generation_config.eos_token_id = None  # the requests ignore eos: 40 tokens each
     references = [hf_greedy(target, torch.tensor([p], device="cuda"),
                             torch.ones(1, len(p), dtype=torch.long, device="cuda"), 40)

@@ -20,7 +20,8 @@ import torch
 import fuser
 from fuser import SamplingParams, Scheduler
 from fuser.runtime import speculative
-from engines import MAX_SEQ_LEN, RunningGraph, llama_target, paged_engine, perturbed
+from engines import MAX_SEQ_LEN, RunningGraph, SyncMode, adaptive_rounds_checked, llama_target, \
+    paged_engine, perturbed
 
 VOCAB = 160
 BLOCK = 4  # paged_engine's block size
@@ -415,6 +416,28 @@ def test_keyed_blocks_under_the_adaptive_schedulers_mixed_steps() -> None:
         assert_no_leak(sched)
     finally:
         sched.close()
+
+
+@pytest.mark.xdist_group("paged_draft_engine")
+def test_the_adaptive_scheduler_queues_its_mixed_steps_ahead() -> None:
+    """Scripted costs (the draft pays): templated traffic, each prompt twice, through the
+    adaptive scheduler stepped by hand on the draft engine: steps, mixed ones among them, are
+    queued ahead of the read-back, each inside `checking_issues_ahead`'s check (here it only
+    records the mode; tests/test_mixed_step.py's CUDA test makes it raise on a sync), no
+    read-back runs inside the check, and both rounds return each request's tokens alone."""
+    from fuser.runtime.controller import DRAFT, SUFFIX
+
+    eng = draft_engine()
+    texts = [prompt(8, seed=140 + i) for i in range(4)]
+    batch = [t + t for t in texts]
+    want = alone(eng, [(p, greedy(20)) for p in batch])
+    sync = SyncMode()
+    outputs, counts, snap = adaptive_rounds_checked(eng, batch, 20, sync,
+                                                    costs={"decode": 1.0, DRAFT: {3: 1.3}})
+    assert sync.mode == 0
+    assert counts["checked"] > 0 and counts["mixed"] > 0, counts
+    assert snap["rows"][SUFFIX] > 0, snap
+    assert outputs == [want, want]
 
 
 @pytest.mark.xdist_group("paged_draft_engine")
