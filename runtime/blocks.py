@@ -57,6 +57,8 @@ from typing import Sequence
 
 import torch
 
+from fuser.runtime.host_copies import copy_from_host
+
 NULL_BLOCK = 0
 
 
@@ -157,7 +159,6 @@ class BlockManager:
         self.table = (self.host_table if device.type == "cpu"
                       else table if table is not None
                       else torch.zeros((rows, max_blocks), dtype=torch.int32, device=device))
-        self._pinned = device.type == "cuda"  # (`sync_table` copies through pinned memory)
         self._free: list[int] = list(range(num_blocks - 1, NULL_BLOCK, -1))  # pop() -> 1, 2, ...
         self._refs = [0] * num_blocks
         self._key_of: dict[int, bytes] = {}          # cached block -> its key
@@ -431,11 +432,8 @@ class BlockManager:
             if hidden:
                 self.host_table[:hidden].fill_(NULL_BLOCK)
         elif self._dirty or hidden != self._hidden:
-            # Through pinned memory: queued on the stream behind the steps still reading the
-            # table (the scheduler syncs while steps are in flight), where a copy from pageable
-            # memory may wait for them; the pinned block is kept until the copy has run.
-            self.table.copy_(self.host_table.pin_memory() if self._pinned else self.host_table,
-                             non_blocking=True)
+            # (the scheduler syncs while steps are in flight: the copy must not wait for them)
+            copy_from_host(self.table, self.host_table)
             if hidden:
                 self.table[:hidden].fill_(NULL_BLOCK)
         self._hidden = hidden

@@ -807,7 +807,7 @@ class Scheduler:
           (suffix index, mixed steps) only for the rows past the group (`_proposals`) and its
           controller counts only those (`_Step.prefilling`), as for any step.
         - Read-back. The chunk reads nothing back and waits for nothing on the device (its
-          lengths and the table go through pinned memory: `speculative._to_device`,
+          lengths and the table go through runtime/host_copies.py: `to_device`,
           `BlockManager.sync_table`); the last chunk, which reads back, never runs ahead.
         """
         if self._part_width() is None:

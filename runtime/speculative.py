@@ -36,6 +36,7 @@ from fuser.ops.argmax import argmax
 from fuser.runtime.branches import run_concurrently
 from fuser.runtime.draft_kernels import (catchup_inputs, draft_advance, overlap_catchup_inputs,
                                          verify_inputs)
+from fuser.runtime.host_copies import to_device
 from fuser.runtime.steps import (CATCHUP, CHUNK, DECODE, PREFILL, RESYNC, ModelSteps,
                                  verify as verify_step)
 from fuser.runtime.prompts import Prompts
@@ -292,21 +293,9 @@ def _chunk(tokens: torch.Tensor, progress: list[int], width: int
     """(lengths [B], slots [B, W], chunk [B, W]) of a prompt chunk of `width` tokens a row
     from slot progress[b] of the prompts `tokens` [B, T] (a row whose prompt ends inside the
     chunk feeds its last token again past its end)."""
-    lengths = _to_device(progress, tokens.device)  # [B]
+    lengths = to_device(progress, tokens.device)  # [B] (no wait: `host_copies`)
     slots = lengths[:, None] + torch.arange(width, device=tokens.device)  # [B, W]
     return lengths, slots, tokens.gather(1, slots.clamp(max=tokens.shape[1] - 1))
-
-
-def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """`values` as an int64 tensor on `device`, without waiting for the device: on CUDA through
-    pinned memory and a copy queued on the current stream (`torch.tensor(..., device=cuda)`
-    would synchronise the stream, so a chunk issued while a step is in flight, the
-    scheduler's run-ahead, would wait for that step). The caching host allocator keeps the
-    pinned block until the copy has run."""
-    host = torch.tensor(values, dtype=torch.long)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def prefill_part(target: ModelSteps | None, draft: ModelSteps | None, tokens: torch.Tensor,
@@ -322,7 +311,7 @@ def prefill_part(target: ModelSteps | None, draft: ModelSteps | None, tokens: to
     a captured width where chunks are captured, `_chunk_width`). A row whose prompt ends inside
     the chunk feeds its last token again past its end (slots written, later overwritten, as in
     `prefill_chunk`). The caches' lengths are left at progress + width (the next chunk sets
-    its own). Nothing is read back and nothing waits for the device (`_to_device`): the
+    its own). Nothing is read back and nothing waits for the device (runtime/host_copies.py): the
     scheduler queues a chunk while a decode step is still in flight (its run-ahead).
     """
     B = tokens.shape[0]

@@ -26,6 +26,7 @@ import torch
 
 from fuser.ops.argmax import argmax
 from fuser.runtime import speculative
+from fuser.runtime.host_copies import copy_from_host
 from fuser.runtime.sampling import PURPOSE_RESIDUAL, acceptance_uniforms, accepted_prefix, \
     draw_keys, sample
 from fuser.runtime.step_kernels import fused_by_default
@@ -180,9 +181,7 @@ class SuffixProposals:
         host[:n, K] = counts
         if anchors is not None:
             host[:n, K + 1] = np.asarray(anchors[:n], np.int64)
-        cuda = self.packed.device.type == "cuda"
-        host = torch.from_numpy(host)
-        self.packed.copy_(host.pin_memory() if cuda else host, non_blocking=cuda)
+        copy_from_host(self.packed, torch.from_numpy(host))
 
     def aligned(self, target: ModelSteps, state: speculative.DecodeState, gamma: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -329,29 +329,24 @@ class _Context(ctypes.Structure):
                 ("resume", ctypes.c_int64)]
 
 
-_LIBRARY: list[ctypes.CDLL | None] = []  # the compiled core, once a process (`_library`)
 _ZERO = array.array("q", [0])
 
 
 def _library() -> ctypes.CDLL | None:
-    """runtime/suffix_native.c compiled and loaded, its functions typed; None where native
-    code is off or cannot be built (runtime/native.py warns once why)."""
-    if not _native_build.enabled():
-        return None
-    if not _LIBRARY:
-        lib = _native_build.library("suffix_native")
-        if lib is not None:
-            i64, ptr = ctypes.c_int64, ctypes.c_void_p
-            for name, args in (("sfx_flush", [ptr, i64, ptr, ptr, ptr, i64, i64]),
-                               ("sfx_search", [ptr, i64, ptr, i64, i64, ptr, ptr, ptr]),
-                               ("sfx_remove_own", [ptr, i64]),
-                               ("sfx_pool", [ptr, i64, i64, ctypes.c_int]),
-                               ("sfx_rehash", [ptr, ptr, i64])):
-                function = getattr(lib, name)
-                function.argtypes = args
-                function.restype = None if name in ("sfx_search", "sfx_rehash") else i64
-        _LIBRARY.append(lib)
-    return _LIBRARY[0]
+    """runtime/suffix_native.c compiled and loaded (runtime/native.py keeps it, once a process),
+    its functions typed; None where native code is off or cannot be built (native.py warns
+    once why)."""
+    lib = _native_build.library("suffix_native")
+    if lib is not None:
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        for name, args, result in (("sfx_flush", [ptr, i64, ptr, ptr, ptr, i64, i64], i64),
+                                   ("sfx_search", [ptr, i64, ptr, i64, i64, ptr, ptr, ptr], None),
+                                   ("sfx_remove_own", [ptr, i64], i64),
+                                   ("sfx_pool", [ptr, i64, i64, ctypes.c_int], i64),
+                                   ("sfx_rehash", [ptr, ptr, i64], None)):
+            function = getattr(lib, name)
+            function.argtypes, function.restype = args, result
+    return lib
 
 
 def _address(a: np.ndarray) -> int:

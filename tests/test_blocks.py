@@ -440,7 +440,8 @@ def test_sync_copies_only_a_changed_table() -> None:
     m = BlockManager(num_blocks=6, block_size=2, rows=2, max_blocks=3, device="meta")
     m.sync_table()
     copies = []
-    m.table = type("Spy", (), {"copy_": lambda self, *a, **k: copies.append(1)})()
+    m.table = type("Spy", (), {"device": torch.device("meta"),
+                               "copy_": lambda self, *a, **k: copies.append(1)})()
     m.sync_table()
     assert copies == []                                   # nothing changed since
     m.admit(0, [1, 2, 3])

@@ -123,7 +123,6 @@ def fresh_build(monkeypatch, tmp_path):
     """No library loaded in this process yet, and an empty cache: the next index builds."""
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setattr(native, "_reasons", {})
-    monkeypatch.setattr(suffix_index, "_LIBRARY", [])
     monkeypatch.setenv("FUSER_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("FUSER_NATIVE", raising=False)
     monkeypatch.delenv("FUSER_NATIVE_CFLAGS", raising=False)
@@ -176,7 +175,6 @@ def test_a_machine_compiles_once(fresh_build, monkeypatch):
     built = list((fresh_build / "native").iterdir())
     assert len(compiles) == 1 and [p.suffix for p in built] == [".so"]
     monkeypatch.setattr(native, "_loaded", {})
-    monkeypatch.setattr(suffix_index, "_LIBRARY", [])
     assert SuffixIndex().native
     assert len(compiles) == 1 and list((fresh_build / "native").iterdir()) == built
 
