@@ -25,6 +25,7 @@ CUDA (not --dry-run).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -77,10 +78,35 @@ def ids(count: int, seed: int, vocab: int) -> list[int]:
     return torch.randint(3, vocab, (count,), generator=generator).tolist()
 
 
+def profile_one(sched: Scheduler, prompt: list[int], params: SamplingParams, path: Path) -> None:
+    """One more request under torch.profiler (host and device): the table of the ops and
+    kernels that took the most time goes to `path`, with the request's TTFT, and the
+    timeline beside it (`.trace.json`, chrome://tracing)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    try:  # (the scheduler's own thread runs the steps)
+        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except TypeError:  # a torch without it: the submitting thread only
+        config = None
+    with profile(activities=activities, experimental_config=config) as prof:
+        stream = sched.submit(prompt, dataclasses.replace(params, max_tokens=1))
+        stream.result(TIMEOUT)
+    ttft = stream.first_token_time - stream.arrival_time
+    prof.export_chrome_trace(str(path.with_suffix(".trace.json")))
+    events = prof.key_averages()
+    path.write_text(f"TTFT {1e3 * ttft:.2f} ms (one token, under the profiler)\n"
+                    + events.table(sort_by="self_cuda_time_total", row_limit=30) + "\n"
+                    + events.table(sort_by="self_cpu_time_total", row_limit=30))
+    log(f"profile of one request (TTFT {1e3 * ttft:.2f} ms under the profiler): {path}")
+
+
 def run(engine: fuser.Engine, prompts: list[list[int]], warm: list[list[int]],
-        caching: bool, output_len: int) -> dict[str, object]:
+        caching: bool, output_len: int, profile_to: Path | None = None) -> dict[str, object]:
     """One scheduler: `warm` requests first (untimed), then `prompts` one at a time (TTFT)
-    and all at once (tok/s)."""
+    and all at once (tok/s); with `profile_to`, then one more request under the profiler."""
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     sched = Scheduler(engine, max_waiting=len(prompts) + 8, prefix_caching=caching)
     sched.start()
@@ -97,6 +123,8 @@ def run(engine: fuser.Engine, prompts: list[list[int]], warm: list[list[int]],
         together = [s.result(TIMEOUT) for s in streams]
         seconds = time.perf_counter() - start
         assert sched.wait_idle(TIMEOUT)
+        if profile_to is not None:
+            profile_one(sched, prompts[0], params, profile_to)
         blocks = sched.blocks
         return {"ttft_s": ttft, "outputs": outputs, "together_same": together == outputs,
                 "tok_per_s": len(prompts) * output_len / seconds,
@@ -126,6 +154,9 @@ def main() -> int:
     parser.add_argument("--max-ratio", type=float, default=0.25,
                         help="fail when TTFT p50 with the cache / without exceeds this")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="after each scheduler's timed requests, one more under "
+                             "torch.profiler: its top ops and kernels in DIR/profile_{off,on}.txt")
     parser.add_argument("--dry-run", action="store_true",
                         help="CPU, the tiny random Llama, short prompts, fp32: the plumbing")
     args = parser.parse_args()
@@ -151,7 +182,8 @@ def main() -> int:
     for name, caching in (("off", False), ("on", True)):
         log(f"prefix caching {name}: {args.requests} requests of {args.prefix_len} + "
             f"{args.own_len} tokens ...")
-        results[name] = run(engine, prompts, warm, caching, args.output_len)
+        profile_to = Path(args.profile) / f"profile_{name}.txt" if args.profile else None
+        results[name] = run(engine, prompts, warm, caching, args.output_len, profile_to)
     off, on = results["off"], results["on"]
     same = sum(a == b for a, b in zip(off["outputs"], on["outputs"]))
     p50 = {name: statistics.median(r["ttft_s"]) for name, r in results.items()}
