@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import subprocess
 import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -201,9 +202,10 @@ def settle_triton_toolchain(device: torch.device) -> None:
 
     Triton's cache key of a kernel includes the ptxas version its backend sees and the hash of
     the libdevice file in its options, so a switch part-way through a process could key one
-    kernel two ways in a build and a load. Settled first in both, it cannot. (On the H200 the
-    load's recompiles had other causes: benchmarks/RESULTS.md, "GPU tests".) CUDA
-    only; a torch without these hooks changes nothing."""
+    kernel two ways in a build and a load. Settled first in both, it cannot; where this process
+    already compiled fuser's kernels under another ptxas, they are compiled again under the
+    settled one at their next launch (`_ptxas_version_stale`). CUDA only; a torch without
+    these hooks changes nothing."""
     if device.type != "cuda":
         return
     try:
@@ -214,6 +216,57 @@ def settle_triton_toolchain(device: torch.device) -> None:
         hook = getattr(compile_tasks, name, None)
         if hook is not None:
             hook()
+    if _ptxas_version_stale(device):
+        _recompile_fuser_kernels()
+
+
+# Kernels compiled in this process under another toolchain than the settled one: kept alive
+# (a CUDA graph captured with one still launches its module, which Triton unloads when the
+# kernel object goes), never launched again.
+_RETIRED: list[object] = []
+
+
+def _ptxas_version_stale(device: torch.device) -> bool:
+    """Whether Triton already keyed kernels in this process with the version of another ptxas
+    than the one it finds now. Triton asks ptxas for its version once a process
+    (`get_ptxas_version`, cached) and puts it in every kernel's cache key: a process that
+    compiled a Triton kernel before the toolchain was settled (a test process that ran fuser's
+    ops first) would key the engine's kernels under that first ptxas, and a fresh process
+    loading the engine, settled first, would find none of them. Where it is stale the cached
+    version is forgotten, and the backend's hash with it."""
+    try:
+        from triton.backends.nvidia import compiler
+    except ImportError:  # pragma: no cover - a Triton without the NVIDIA backend
+        return False
+    version = getattr(compiler, "get_ptxas_version", None)
+    fresh = getattr(version, "__wrapped__", None)
+    if fresh is None or not hasattr(version, "cache_info") or version.cache_info().currsize == 0:
+        return False  # nothing keyed yet: every kernel will be keyed with the settled ptxas
+    major, minor = torch.cuda.get_device_capability(device)
+    arch = 10 * major + minor
+    try:
+        stale = version(arch) != fresh(arch)
+    except (OSError, subprocess.SubprocessError):  # no ptxas to ask: nothing to compare
+        return False
+    if stale:
+        version.cache_clear()
+        backend_hash = getattr(getattr(compiler, "CUDABackend", None), "hash", None)
+        if hasattr(backend_hash, "cache_clear"):
+            backend_hash.cache_clear()
+    return stale
+
+
+def _recompile_fuser_kernels() -> None:
+    """Forget fuser's compiled Triton kernels in this process, so that each compiles (or is
+    found in Triton's cache) again under the settled toolchain's key at its next launch: the
+    binaries an engine directory keeps are then found by a load (`triton_kernel_files`)."""
+    modules = [m for name, m in sorted(sys.modules.items())
+               if name.startswith("fuser.") and m is not None]
+    for fn in _triton_functions(modules):
+        caches = getattr(fn, "device_caches", None)
+        if caches:
+            _RETIRED.append(dict(caches))
+            caches.clear()
 
 
 def seed(directory: Path, names: Iterable[str], device: torch.device) -> int:

@@ -215,6 +215,56 @@ def test_cuda_engine_loads_compiling_nothing(tmp_path: Path) -> None:
     assert got["compile_count"] == 0
 
 
+
+BUILD_AFTER_AN_OP = """
+import json, sys, warnings, torch
+sys.path.insert(0, "tests")
+from fuser.ops.rmsnorm import rms_norm_triton
+x = torch.randn(2, 64, device="cuda", dtype=torch.bfloat16)
+rms_norm_triton(x, torch.ones(64, device="cuda", dtype=torch.bfloat16), 1e-6)  # Triton's ptxas
+torch.cuda.synchronize()
+import fuser
+from engines import prompts
+from test_engine_load_compiles_nothing import SHAPE
+from tiny import tiny_model
+config = fuser.FuserConfig(max_batch_size=2, batch_buckets=(1, 2), max_seq_len=64,
+                           compile="inductor")
+model = tiny_model("llama", seed=0, **SHAPE).to(torch.bfloat16).cuda()
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    engine = fuser.optimize(model, config=config)
+engine.save(sys.argv[1])
+ids, mask = prompts([5, 3], seed=7)
+print(json.dumps(engine.generate(ids.cuda(), 12, attention_mask=mask.cuda()).tolist()))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_engine_built_after_an_unsettled_kernel_loads_compiling_nothing(
+        tmp_path: Path) -> None:
+    """A build in a process that launched one of fuser's Triton kernels before the toolchain
+    was settled (no TRITON_PTXAS_PATH yet: Triton's own ptxas), as a test process that ran
+    the ops first does: a fresh process still loads its engine with every Triton compile a
+    cache hit (`kernel_store._ptxas_version_stale`)."""
+    import os
+    import subprocess
+    import sys
+
+    from engine_dirs import ROOT, load_compiling_nothing
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_PTXAS_PATH"}
+    env.update(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+               TRITON_CACHE_DIR=str(tmp_path / "triton"))
+    done = subprocess.run([sys.executable, "-c", BUILD_AFTER_AN_OP, str(tmp_path / "engine")],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    want = json.loads(done.stdout.strip().splitlines()[-1])
+    ids, mask = prompts([5, 3], seed=7)
+    got = load_compiling_nothing(tmp_path / "engine", ids, mask, 12, tmp_path / "fresh")
+    assert got["tokens"] == want
+    assert got["compile_count"] == 0
+
 def test_seeded_triton_kernels_are_found_by_tritons_own_lookup(tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch
                                                                ) -> None:
@@ -257,6 +307,60 @@ def test_triton_toolchain_is_settled_on_cuda_only(monkeypatch: pytest.MonkeyPatc
     assert calls == []
     kernel_store.settle_triton_toolchain(torch.device("cuda", 0))
     assert calls == ["_set_triton_ptxas_path", "_set_triton_libdevice_path"]
+
+
+
+def _kernel_for_the_stale_check(x_ptr):  # (a Triton kernel of a stand-in fuser module)
+    pass
+
+
+@pytest.mark.parametrize("ptxas_changed", [True, False])
+def test_kernels_keyed_under_another_ptxas_are_compiled_again(
+        monkeypatch: pytest.MonkeyPatch, ptxas_changed: bool) -> None:
+    """A process that compiled fuser's Triton kernels before the toolchain was settled (a test
+    process that ran fuser's ops first) had them keyed under the first ptxas Triton asked; a
+    fresh process loading the engine, settled first, would find none of them (on the H100 it
+    compiled every kernel again). Settling then forgets Triton's cached ptxas version and
+    fuser's compiled kernels, keeping them alive (CUDA graphs may launch them), so that the
+    engine's kernels compile under the settled key; where ptxas is unchanged nothing is
+    dropped."""
+    import functools
+    import sys
+    import types
+
+    from torch._inductor.runtime import compile_tasks
+    from triton.backends.nvidia import compiler
+    from triton.runtime.jit import JITFunction
+
+    from fuser import kernel_store
+
+    ptxas = {"version": "ptxas 12.8"}
+
+    @functools.lru_cache
+    def get_ptxas_version(arch: int = 80) -> str:
+        return f"{ptxas['version']} sm_{arch}"
+
+    monkeypatch.setattr(compiler, "get_ptxas_version", get_ptxas_version)
+    for name in ("_set_triton_ptxas_path", "_set_triton_libdevice_path"):
+        monkeypatch.setattr(compile_tasks, name, lambda: None, raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    module = types.ModuleType("fuser.stand_in_ops")
+    module.kernel = JITFunction(_kernel_for_the_stale_check)  # (compiled, not interpreted)
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    compiled = {"kernel": "compiled under the first ptxas"}
+    module.kernel.device_caches[0] = compiled
+    assert get_ptxas_version(90) == "ptxas 12.8 sm_90"  # keyed in this process
+    retired = len(kernel_store._RETIRED)
+    if ptxas_changed:
+        ptxas["version"] = "ptxas 13.0"  # settling points Triton at another ptxas
+    kernel_store.settle_triton_toolchain(torch.device("cuda", 0))
+    if ptxas_changed:
+        assert get_ptxas_version(90) == "ptxas 13.0 sm_90"  # asked again
+        assert 0 not in module.kernel.device_caches  # compiled again at the next launch
+        assert kernel_store._RETIRED[retired:] == [{0: compiled}]  # and the old kept alive
+    else:
+        assert module.kernel.device_caches[0] is compiled
+        assert len(kernel_store._RETIRED) == retired
 
 
 NO_GLOBAL_CONSTEXPR = """
