@@ -245,8 +245,8 @@ def _ptxas_version_stale(device: torch.device) -> bool:
     major, minor = torch.cuda.get_device_capability(device)
     arch = 10 * major + minor
     try:
-        stale = version(arch) != fresh(arch)
-    except (OSError, subprocess.SubprocessError):  # no ptxas to ask: nothing to compare
+        stale = _for_arch(version, arch) != _for_arch(fresh, arch)
+    except (OSError, subprocess.SubprocessError, RuntimeError):  # no ptxas to ask
         return False
     if stale:
         version.cache_clear()
@@ -254,6 +254,14 @@ def _ptxas_version_stale(device: torch.device) -> bool:
         if hasattr(backend_hash, "cache_clear"):
             backend_hash.cache_clear()
     return stale
+
+
+def _for_arch(get_version: Any, arch: int) -> str:
+    """`get_version(arch)`, or `get_version()` where Triton's takes no architecture."""
+    try:
+        return get_version(arch)
+    except TypeError:
+        return get_version()
 
 
 def _recompile_fuser_kernels() -> None:
