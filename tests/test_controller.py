@@ -216,6 +216,42 @@ class _Pinned:
         pass
 
 
+
+class FirstRunScript(Script):
+    """A Script whose arms each pay `first` times their cost on their first step (a CUDA
+    graph's upload at its first replay, lazy initialisation)."""
+
+    def __init__(self, *args: object, first: float, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.first, self.seen = first, set()
+
+    def step(self, ctl: Controller) -> Choice:
+        choice = ctl.choose()
+        factor = 1.0 if choice.arm in self.seen else self.first
+        self.seen.add(choice.arm)
+        self.clock.now += self.seconds[choice.arm] * factor
+        ctl.update(self.accepted(choice), choice.gamma)
+        return choice
+
+
+@pytest.mark.parametrize("first", [1.0, 20.0, 100.0])
+def test_a_first_step_that_costs_more_does_not_rank_its_arm(first: float) -> None:
+    """Each arm's first step costs `first` times the rest: the controller still settles on
+    the truly best arm (here draft gamma 2, not the first arm run, gamma 1) and runs it on
+    nearly every step that is not a probe. (Kept, a first sample 100x too high backed its arm
+    off to a probe every 2**MAX_BACKOFF * refresh steps.)"""
+    seconds = {(TARGET, 0): 1.0, (DRAFT, 1): 1.1, (DRAFT, 2): 1.2, (DRAFT, 4): 2.4,
+               (DRAFT, 6): 3.4}  # per token, at alpha 0.8: 1.0, 0.61, 0.49, 0.71, 0.86
+    alpha = {DRAFT: 0.8}
+    script = FirstRunScript(seconds, alpha, seed=3, first=first)
+    ctl = Controller({DRAFT: GAMMAS}, clock=script.clock)
+    script.run(ctl, 3000)
+    best = min(seconds, key=lambda arm: true_cost(script, arm))
+    assert best == (DRAFT, 2)
+    assert ctl.best() == best, ctl.reason
+    chosen = [c.arm for c in script.run(ctl, 500) if not c.probe]
+    assert chosen.count(best) >= 0.95 * len(chosen)  # (acceptance noise may swap a step)
+
 def test_scripted_costs_replace_the_clock() -> None:
     seconds = draft_seconds(1.0, 0.1)
     ctl = Controller({DRAFT: GAMMAS}, costs=seconds, clock=lambda: 0.0)
