@@ -55,8 +55,8 @@ from torch import nn
 from fuser.runtime.bucket_capture import stepping
 from fuser.runtime.controller import DRAFT, SUFFIX, TARGET, Choice, Controller, \
     ControllerCollector
-from fuser.runtime.distill import DistillConfig, Distiller, UpdateResult, WeightSwap, \
-    draft_module, target_module
+from fuser.runtime.distill import SERVING_DUTY, DistillConfig, Distiller, UpdateResult, \
+    WeightSwap, draft_module, target_module
 from fuser.runtime.generate import ReadBack
 from fuser.runtime.scheduler import RequestStream, Scheduler, _Step
 from fuser.runtime.step_graphs import PLAIN, IterationGraph
@@ -413,7 +413,10 @@ class AdaptiveScheduler(Scheduler):
         try:
             cuda = self.engine.device.type == "cuda"
             side = torch.cuda.Stream(self.engine.device) if cuda else None
-            result = self.distiller.update(self.engine.config.distill_budget_s, stream=side)
+            # Beside serving (a background thread) the update is paced: SERVING_DUTY.
+            duty = self.distiller.config.duty or (SERVING_DUTY if self.background else 1.0)
+            result = self.distiller.update(self.engine.config.distill_budget_s, stream=side,
+                                           duty=duty)
             if result.accepted:
                 with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                     self.distiller.swap_into(self.swap)

@@ -72,8 +72,8 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,11 +85,18 @@ from fuser.ops.fp8 import quantize_weight
 from fuser.passes.fp8 import CODES_PREFIX, SCALE_PREFIX
 from fuser.passes.projections import MERGED_PREFIX
 
-__all__ = ["DistillConfig", "Distiller", "Evaluation", "Gate", "Record", "UpdateResult",
-           "WeightSwap", "WeightTarget", "draft_weight_targets", "gate", "rebuild_draft",
-           "rebuild_target", "target_module", "topk_targets"]
+__all__ = ["SERVING_DUTY", "DistillConfig", "Distiller", "Evaluation", "Gate", "Pacer", "Record",
+           "UpdateResult", "WeightSwap", "WeightTarget", "draft_weight_targets", "gate",
+           "rebuild_draft", "rebuild_target", "target_module", "topk_targets"]
 
 log = logging.getLogger("fuser")
+
+# The share of wall time a draft update works where it runs beside serving (the adaptive
+# scheduler's background updates, unless DistillConfig.duty says otherwise): an unpaced update
+# on an H100 ran during the bundled pair's slowest windows of adaptive serving
+# (benchmarks/RESULTS.md, "Adaptive speculation"); paced, it takes the host and GPU a tenth of
+# the time, for ten times as long.
+SERVING_DUTY = 0.1
 
 
 # -- the tensors the compiled draft reads -------------------------------------------------------
@@ -564,6 +571,35 @@ class Record:
         return self.tokens.shape[0] - self.start
 
 
+class Pacer:
+    """Work spread over the wall clock: each `piece()` of work is timed, then followed by a
+    sleep long enough that the work is at most `duty` of the time since the pacer began.
+    `worked`: the work's seconds so far. A distillation update runs beside the serving thread;
+    its sleeps give that thread the host (the GIL) and the GPU back."""
+
+    def __init__(self, duty: float, clock: Callable[[], float] | None = None,
+                 sleep: Callable[[float], None] | None = None) -> None:
+        if not 0.0 < duty <= 1.0:
+            raise ValueError(f"duty={duty!r} must be in (0, 1]")
+        self.duty = duty
+        self.clock = clock or time.perf_counter
+        self.sleep = sleep or time.sleep
+        self.worked = 0.0
+        self.began = self.clock()
+
+    @contextmanager
+    def piece(self) -> Iterator[None]:
+        start = self.clock()
+        try:
+            yield
+        finally:
+            self.worked += self.clock() - start
+            if self.duty < 1.0:
+                wait = self.began + self.worked / self.duty - self.clock()
+                if wait > 0:
+                    self.sleep(wait)
+
+
 @dataclass(frozen=True)
 class DistillConfig:
     """Settings of a `Distiller`.
@@ -594,6 +630,11 @@ class DistillConfig:
         topk: label width kept per position (soft labels are cut to it).
         max_steps: at most this many optimizer steps per update (None: the time budget only).
         seed: minibatch order.
+        duty: the share of wall time an update works (labelling and training steps, each
+            followed by a sleep: `Pacer`); the time budget counts the work, so an update takes
+            about budget / duty seconds. None: 1.0 (unpaced) for an update called directly,
+            SERVING_DUTY where the adaptive scheduler runs it beside serving, which needs the
+            same host (the GIL) and GPU.
     """
 
     lr: float = 1e-4
@@ -612,6 +653,7 @@ class DistillConfig:
     topk: int = 8
     max_steps: int | None = None
     seed: int = 0
+    duty: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch_tokens", "max_context", "max_records", "max_tokens", "min_holdout",
@@ -624,6 +666,8 @@ class DistillConfig:
             raise ValueError(f"max_steps={self.max_steps!r} must be None or a positive int")
         if not self.lr > 0:
             raise ValueError(f"lr={self.lr!r} must be > 0")
+        if self.duty is not None and not 0.0 < self.duty <= 1.0:
+            raise ValueError(f"duty={self.duty!r} must be None or in (0, 1]")
         if not self.weight_decay >= 0:
             raise ValueError(f"weight_decay={self.weight_decay!r} must be >= 0")
         if not 0.0 < self.holdout_fraction < 1.0:
@@ -981,42 +1025,49 @@ class Distiller:
         return Evaluation(means[0], means[1], means[2], positions, per_record)
 
     @torch.no_grad()
-    def _label(self, records: Sequence[Record], deadline: float) -> int:
+    def _label(self, records: Sequence[Record], pacer: Pacer, limit: float) -> int:
         """Give records that carry only tokens the target's top-k at each labelled position
-        (one target forward per batch of records), until `deadline` (perf_counter); how many
-        were labelled."""
+        (one target forward per batch of records, each a piece of `pacer`'s work), until the
+        pacer has worked `limit` seconds; how many were labelled."""
         todo = [r for r in records if r.topk_ids is None]
         if self._target is None or not todo:
             return 0
         device = next(self._target.parameters()).device
         done = 0
         for group in self._batches(todo):
-            if time.perf_counter() >= deadline:
+            if pacer.worked >= limit:
                 break
-            length = max(r.tokens.shape[0] for r in group)
-            ids = torch.zeros(len(group), length, dtype=torch.long)
-            mask = torch.zeros(len(group), length, dtype=torch.long)
-            for i, r in enumerate(group):
-                ids[i, :r.tokens.shape[0]] = r.tokens
-                mask[i, :r.tokens.shape[0]] = 1
-            logits = self._target(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                  use_cache=False).logits[..., : self.vocab_size]
-            top_ids, top_probs = topk_targets(logits, self.config.topk)  # [b, T, k]
-            top_ids, top_probs = top_ids.cpu(), top_probs.cpu()
-            for i, r in enumerate(group):  # logits at p - 1 predict position p
-                rows = slice(r.start - 1, r.tokens.shape[0] - 1)
-                r.topk_ids, r.topk_probs = top_ids[i, rows].clone(), top_probs[i, rows].clone()
+            with pacer.piece():
+                self._label_group(group, device)
             done += len(group)
         return done
+
+    def _label_group(self, group: list[Record], device: torch.device) -> None:
+        """`_label` for one batch of records."""
+        length = max(r.tokens.shape[0] for r in group)
+        ids = torch.zeros(len(group), length, dtype=torch.long)
+        mask = torch.zeros(len(group), length, dtype=torch.long)
+        for i, r in enumerate(group):
+            ids[i, :r.tokens.shape[0]] = r.tokens
+            mask[i, :r.tokens.shape[0]] = 1
+        logits = self._target(input_ids=ids.to(device), attention_mask=mask.to(device),
+                              use_cache=False).logits[..., : self.vocab_size]
+        top_ids, top_probs = topk_targets(logits, self.config.topk)  # [b, T, k]
+        top_ids, top_probs = top_ids.cpu(), top_probs.cpu()
+        for i, r in enumerate(group):  # logits at p - 1 predict position p
+            rows = slice(r.start - 1, r.tokens.shape[0] - 1)
+            r.topk_ids, r.topk_probs = top_ids[i, rows].clone(), top_probs[i, rows].clone()
+
 
     # -- the update ------------------------------------------------------------------------------
 
     def update(self, time_budget_s: float, max_steps: int | None = None,
-               stream: object | None = None) -> UpdateResult:
-        """Fine-tune a candidate on the buffer for at most time_budget_s seconds (and at most
-        max_steps optimizer steps; default: the config's), then accept it only if it agrees
-        better with the target on the held-out newest records (see the module docstring).
-        stream: a CUDA stream to train on (default: the current one)."""
+               stream: object | None = None, duty: float | None = None) -> UpdateResult:
+        """Fine-tune a candidate on the buffer for at most time_budget_s seconds of work (and
+        at most max_steps optimizer steps; default: the config's), then accept it only if it
+        agrees better with the target on the held-out newest records (see the module
+        docstring). stream: a CUDA stream to train on (default: the current one). duty: the
+        share of wall time it works (`DistillConfig.duty`; default: the config's, else 1.0)."""
         if not time_budget_s > 0:
             raise ValueError(f"time_budget_s={time_budget_s!r} must be > 0")
         if max_steps is None:
@@ -1026,7 +1077,8 @@ class Distiller:
             self._requests_at_update = self.requests_seen
             context = torch.cuda.stream(stream) if stream is not None else nullcontext()
             with context:
-                result = self._update(time_budget_s, max_steps, start)
+                duty = duty if duty is not None else self.config.duty
+                result = self._update(time_budget_s, max_steps, Pacer(duty or 1.0))
             result.seconds = time.perf_counter() - start
             self.update_seconds += result.seconds
             if result.before is not None:
@@ -1036,7 +1088,8 @@ class Distiller:
                      sum(self.updates.values()), result.seconds, result.labelled, result.reason)
             return result
 
-    def _update(self, budget: float, max_steps: int | None, start: float) -> UpdateResult:
+    def _update(self, budget: float, max_steps: int | None, pacer: Pacer) -> UpdateResult:
+        """`update`'s work: `budget` seconds of it (labelling, then training), paced."""
         cfg = self.config
         with self._buffer_lock:
             records = list(self._records)
@@ -1044,7 +1097,7 @@ class Distiller:
         if len(records) <= held:
             return UpdateResult(False, f"too few records ({len(records)}) to hold "
                                 f"{held} out and train on the rest")
-        labelled = self._label(records, start + budget / 2)  # at most half the budget
+        labelled = self._label(records, pacer, budget / 2)  # at most half the budget
         if self._target is not None:  # train and decide on labels of one kind
             records = [r for r in records if r.topk_ids is not None]
             # The split is of the records labelled so far (labelling may lag behind the
@@ -1067,8 +1120,7 @@ class Distiller:
         result = UpdateResult(False, "", train_records=len(train), holdout_records=len(holdout),
                               before=before, labelled=labelled)
         order: list[Record] = []
-        while time.perf_counter() - start < budget and (max_steps is None
-                                                        or result.steps < max_steps):
+        while pacer.worked < budget and (max_steps is None or result.steps < max_steps):
             if not order:
                 order = list(train)
                 self._rng.shuffle(order)
@@ -1076,12 +1128,13 @@ class Distiller:
             del order[: len(group)]
             for r in group:
                 r.trained = True
-            loss, _, _, labeled = self._scores(group)
-            mean = loss[labeled].mean()
-            self._optimizer.zero_grad(set_to_none=True)
-            mean.backward()
-            self._optimizer.step()
-            result.losses.append(float(mean.detach()))
+            with pacer.piece():
+                loss, _, _, labeled = self._scores(group)
+                mean = loss[labeled].mean()
+                self._optimizer.zero_grad(set_to_none=True)
+                mean.backward()
+                self._optimizer.step()
+                result.losses.append(float(mean.detach()))  # (waits for the step's kernels)
             result.steps += 1
         if result.losses:
             result.first_loss, result.last_loss = result.losses[0], result.losses[-1]

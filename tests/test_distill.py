@@ -484,7 +484,8 @@ def test_the_held_out_share_is_of_the_labelled_records(monkeypatch):
         distiller.add(sequence, start=8)
     label = Distiller._label
     monkeypatch.setattr(Distiller, "_label",
-                        lambda self, records, deadline: label(self, records[:10], deadline))
+                        lambda self, records, pacer, limit: label(self, records[:10], pacer,
+                                                                  limit))
     result = distiller.update(time_budget_s=math.inf, max_steps=1)
     assert result.labelled == 10
     assert (result.train_records, result.holdout_records) == (8, 2), result.reason
@@ -535,3 +536,49 @@ def test_a_worse_candidate_is_not_carried():
     result = distiller.update(time_budget_s=math.inf, max_steps=5)
     assert not result.accepted and not distiller.carried
     assert not result.reason.endswith("the candidate trains on"), result.reason
+
+
+def test_a_paced_update_works_its_duty_of_the_wall_clock() -> None:
+    """`Pacer`: after each piece of work it sleeps until the work is `duty` of the time since
+    it began (an update beside serving takes the host and the GPU a tenth of the time); at 1.0
+    it never sleeps. The budget counts the work, not the sleeps."""
+    from fuser.runtime.distill import Pacer
+
+    now = [0.0]
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        now[0] += seconds
+
+    pacer = Pacer(0.1, clock=lambda: now[0], sleep=sleep)
+    for work in (0.2, 0.05, 0.3):
+        with pacer.piece():
+            now[0] += work
+    assert pacer.worked == pytest.approx(0.55)
+    assert now[0] == pytest.approx(0.55 / 0.1)  # work is a tenth of the wall clock
+    assert slept == pytest.approx([1.8, 0.45, 2.7])
+    unpaced = Pacer(1.0, clock=lambda: now[0], sleep=sleep)
+    with unpaced.piece():
+        now[0] += 1.0
+    assert unpaced.worked == pytest.approx(1.0) and len(slept) == 3
+    with pytest.raises(ValueError, match="duty"):
+        Pacer(0.0)
+
+
+def test_an_update_sleeps_between_its_steps_at_its_duty(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """`Distiller.update(duty=...)`: each training step is followed by a sleep (through the
+    module's clock), and none at the default duty of a direct call."""
+    import fuser.runtime.distill as distill
+
+    slept: list[float] = []
+    monkeypatch.setattr(distill.time, "sleep", slept.append)
+    distiller = Distiller(mistral(seed=2), config=DistillConfig(lr=1e-3, batch_tokens=256))
+    generator = torch.Generator().manual_seed(4)
+    for sequence in torch.randint(0, VOCAB, (12, 16), generator=generator):
+        distiller.add(sequence, start=4)
+    distiller.update(time_budget_s=math.inf, max_steps=3)
+    assert slept == []
+    distiller.update(time_budget_s=math.inf, max_steps=3, duty=0.5)
+    assert len(slept) >= 3 and all(s > 0 for s in slept)
