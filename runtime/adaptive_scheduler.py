@@ -155,6 +155,7 @@ class AdaptiveScheduler(Scheduler):
             self.swap = WeightSwap.for_engine(engine, module)
         self.background = background
         self._updating = threading.Event()
+        self._closing = threading.Event()
         self._new_draft = threading.Event()  # set by an accepted update, read by the loop
         self.update_results: list[UpdateResult] = []
         self._swaps_seen = 0  # the swap's count when admission last looked
@@ -171,6 +172,7 @@ class AdaptiveScheduler(Scheduler):
             log.warning("fuser: adaptive speculation's metrics not registered: %s", e)
 
     def close(self) -> None:
+        self._closing.set()  # a paced update in flight ends its training now
         super().close()
         self.wait_update()
         if self._registry is not None:
@@ -416,7 +418,7 @@ class AdaptiveScheduler(Scheduler):
             # Beside serving (a background thread) the update is paced: SERVING_DUTY.
             duty = self.distiller.config.duty or (SERVING_DUTY if self.background else 1.0)
             result = self.distiller.update(self.engine.config.distill_budget_s, stream=side,
-                                           duty=duty)
+                                           duty=duty, stop=self._closing)
             if result.accepted:
                 with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                     self.distiller.swap_into(self.swap)

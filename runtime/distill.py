@@ -574,18 +574,26 @@ class Record:
 class Pacer:
     """Work spread over the wall clock: each `piece()` of work is timed, then followed by a
     sleep long enough that the work is at most `duty` of the time since the pacer began.
-    `worked`: the work's seconds so far. A distillation update runs beside the serving thread;
-    its sleeps give that thread the host (the GIL) and the GPU back."""
+    `worked`: the work's seconds so far; `stopped`: whether `stop` (an event) was set, after
+    which the work should end. A distillation update runs beside the serving thread; its sleeps
+    give that thread the host (the GIL) and the GPU back."""
 
     def __init__(self, duty: float, clock: Callable[[], float] | None = None,
-                 sleep: Callable[[float], None] | None = None) -> None:
+                 sleep: Callable[[float], None] | None = None,
+                 stop: threading.Event | None = None) -> None:
         if not 0.0 < duty <= 1.0:
             raise ValueError(f"duty={duty!r} must be in (0, 1]")
         self.duty = duty
         self.clock = clock or time.perf_counter
-        self.sleep = sleep or time.sleep
+        self.stop = stop
+        # (a stop event ends a sleep at once: a closing scheduler does not wait out the pacing)
+        self.sleep = sleep or (stop.wait if stop is not None else time.sleep)
         self.worked = 0.0
         self.began = self.clock()
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop is not None and self.stop.is_set()
 
     @contextmanager
     def piece(self) -> Iterator[None]:
@@ -594,7 +602,7 @@ class Pacer:
             yield
         finally:
             self.worked += self.clock() - start
-            if self.duty < 1.0:
+            if self.duty < 1.0 and not self.stopped:
                 wait = self.began + self.worked / self.duty - self.clock()
                 if wait > 0:
                     self.sleep(wait)
@@ -1035,7 +1043,7 @@ class Distiller:
         device = next(self._target.parameters()).device
         done = 0
         for group in self._batches(todo):
-            if pacer.worked >= limit:
+            if pacer.worked >= limit or pacer.stopped:
                 break
             with pacer.piece():
                 self._label_group(group, device)
@@ -1062,12 +1070,15 @@ class Distiller:
     # -- the update ------------------------------------------------------------------------------
 
     def update(self, time_budget_s: float, max_steps: int | None = None,
-               stream: object | None = None, duty: float | None = None) -> UpdateResult:
+               stream: object | None = None, duty: float | None = None,
+               stop: threading.Event | None = None) -> UpdateResult:
         """Fine-tune a candidate on the buffer for at most time_budget_s seconds of work (and
         at most max_steps optimizer steps; default: the config's), then accept it only if it
         agrees better with the target on the held-out newest records (see the module
         docstring). stream: a CUDA stream to train on (default: the current one). duty: the
-        share of wall time it works (`DistillConfig.duty`; default: the config's, else 1.0)."""
+        share of wall time it works (`DistillConfig.duty`; default: the config's, else 1.0).
+        stop: an event that ends the labelling and training early (a closing scheduler); the
+        candidate trained so far is still evaluated and gated."""
         if not time_budget_s > 0:
             raise ValueError(f"time_budget_s={time_budget_s!r} must be > 0")
         if max_steps is None:
@@ -1078,7 +1089,7 @@ class Distiller:
             context = torch.cuda.stream(stream) if stream is not None else nullcontext()
             with context:
                 duty = duty if duty is not None else self.config.duty
-                result = self._update(time_budget_s, max_steps, Pacer(duty or 1.0))
+                result = self._update(time_budget_s, max_steps, Pacer(duty or 1.0, stop=stop))
             result.seconds = time.perf_counter() - start
             self.update_seconds += result.seconds
             if result.before is not None:
@@ -1120,7 +1131,8 @@ class Distiller:
         result = UpdateResult(False, "", train_records=len(train), holdout_records=len(holdout),
                               before=before, labelled=labelled)
         order: list[Record] = []
-        while pacer.worked < budget and (max_steps is None or result.steps < max_steps):
+        while pacer.worked < budget and not pacer.stopped and (
+                max_steps is None or result.steps < max_steps):
             if not order:
                 order = list(train)
                 self._rng.shuffle(order)

@@ -582,3 +582,26 @@ def test_an_update_sleeps_between_its_steps_at_its_duty(monkeypatch: pytest.Monk
     assert slept == []
     distiller.update(time_budget_s=math.inf, max_steps=3, duty=0.5)
     assert len(slept) >= 3 and all(s > 0 for s in slept)
+
+
+def test_a_stop_ends_a_paced_update_without_waiting_out_its_pacing() -> None:
+    """A closing scheduler sets the update's stop event: the pacer's sleep ends at once and no
+    more steps run; what was trained is still gated (a result comes back)."""
+    import threading
+    import time
+
+    from fuser.runtime.distill import Pacer
+
+    stop = threading.Event()
+    pacer = Pacer(0.001, stop=stop)
+    threading.Timer(0.05, stop.set).start()
+    start = time.perf_counter()
+    with pacer.piece():
+        time.sleep(0.01)  # paced at 0.001 it would then sleep ~10 s
+    assert time.perf_counter() - start < 5.0 and pacer.stopped
+    distiller = Distiller(mistral(seed=2), config=DistillConfig(lr=1e-3, batch_tokens=256))
+    generator = torch.Generator().manual_seed(4)
+    for sequence in torch.randint(0, VOCAB, (12, 16), generator=generator):
+        distiller.add(sequence, start=4)
+    result = distiller.update(time_budget_s=math.inf, max_steps=50, duty=0.001, stop=stop)
+    assert result.steps == 0 and result.before is not None and not result.accepted
