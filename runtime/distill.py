@@ -92,10 +92,10 @@ __all__ = ["SERVING_DUTY", "DistillConfig", "Distiller", "Evaluation", "Gate", "
 log = logging.getLogger("fuser")
 
 # The share of wall time a draft update works where it runs beside serving (the adaptive
-# scheduler's background updates, unless DistillConfig.duty says otherwise): an unpaced update
-# on an H100 ran during the bundled pair's slowest windows of adaptive serving
-# (benchmarks/RESULTS.md, "Adaptive speculation"); paced, it takes the host and GPU a tenth of
-# the time, for ten times as long.
+# scheduler's background updates, unless DistillConfig.duty says otherwise). On an H100 the
+# bundled pair's adaptive serving was at its slowest (0.61-0.69x of without) in the windows an
+# unpaced 5 s update most likely overlapped (benchmarks/RESULTS.md, "Adaptive speculation"):
+# paced, an update takes the host and the GPU a tenth of the time, for ten times as long.
 SERVING_DUTY = 0.1
 
 
