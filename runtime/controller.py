@@ -25,9 +25,9 @@ probe is due. A probe runs another arm once, to re-measure it: the arm unmeasure
 the longest ago, and only once `refresh` steps have passed since its last measurement (an arm
 whose probe found it more than FAR_BEHIND times the best's cost waits twice as long each time,
 up to 2**MAX_BACKOFF times: hopeless arms cost fewer probes). An arm's first sample is
-provisional: its second replaces it, and only then may it back off. A first step pays what only
-a first run does (a CUDA graph's upload at its first replay); kept, and backed off, it would
-rank the arm for thousands of steps. (On an H100 the bundled pair's probed arms measured 4-16x
+provisional: its second replaces it. A first step pays what only a first run does (a CUDA
+graph's upload at its first replay); averaged in, and the arm backed off, it would rank the arm
+for thousands of steps. (On an H100 the bundled pair's probed arms measured 4-16x
 the arm in use, costs the throughput did not bear out: benchmarks/RESULTS.md, "Adaptive
 speculation"; first-run costs are one explanation, not yet confirmed there.) Probes are
 bounded: a probe is issued only while
@@ -176,7 +176,7 @@ class _Measure:
     def add(self, seconds: float, tokens: float, weight: float, step: int) -> None:
         # The first sample is provisional: the second replaces it. An arm's first step pays
         # what only a first run does (a CUDA graph's upload at its first replay, lazy
-        # initialisation), and a probed arm is not measured again for `refresh` steps.
+        # initialisation), and a probed arm is not measured again for `refresh` steps or more.
         w = 1.0 if self.samples <= 1 else weight
         self.seconds += w * (seconds - self.seconds)
         self.tokens += w * (tokens - self.tokens)
@@ -467,7 +467,7 @@ class Controller:
                 measure.tokens = max(measure.tokens * self._drift(choice.arm), 1.0)
             measure.add(seconds, tokens, weight, self.step_count)
             measure.expected = expected
-            if choice.probe and measure.samples > 1:  # far behind the best: probed less
+            if choice.probe:  # far behind the best: probed less
                 far = self.cost(*choice.arm) > FAR_BEHIND * self.cost(*self.best())
                 measure.backoff = min(measure.backoff + 1, MAX_BACKOFF) if far else 0
         return choice

@@ -238,8 +238,8 @@ class FirstRunScript(Script):
 def test_a_first_step_that_costs_more_does_not_rank_its_arm(first: float) -> None:
     """Each arm's first step costs `first` times the rest: the controller still settles on
     the truly best arm (here draft gamma 2, not the first arm run, gamma 1) and runs it on
-    nearly every step that is not a probe. (Kept, a first sample 100x too high backed its arm
-    off to a probe every 2**MAX_BACKOFF * refresh steps.)"""
+    nearly every step that is not a probe. (Averaged in, a first sample 100x too high kept its
+    arm backed off to a probe every 2**MAX_BACKOFF * refresh steps, each moving it halfway.)"""
     seconds = {(TARGET, 0): 1.0, (DRAFT, 1): 1.1, (DRAFT, 2): 1.2, (DRAFT, 4): 2.4,
                (DRAFT, 6): 3.4}  # per token, at alpha 0.8: 1.0, 0.61, 0.49, 0.71, 0.86
     alpha = {DRAFT: 0.8}
