@@ -467,7 +467,7 @@ class Controller:
                 measure.tokens = max(measure.tokens * self._drift(choice.arm), 1.0)
             measure.add(seconds, tokens, weight, self.step_count)
             measure.expected = expected
-            if choice.probe:  # far behind the best: probed less
+            if choice.probe:  # far behind the best: probed less often (at most MAX_BACKOFF)
                 far = self.cost(*choice.arm) > FAR_BEHIND * self.cost(*self.best())
                 measure.backoff = min(measure.backoff + 1, MAX_BACKOFF) if far else 0
         return choice

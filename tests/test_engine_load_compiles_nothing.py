@@ -197,45 +197,39 @@ def test_cuda_engine_loads_compiling_nothing(tmp_path: Path) -> None:
     compile, and generates the built engine's tokens."""
     from engine_dirs import load_compiling_nothing
 
+    want = build_saved_cuda_engine(tmp_path / "engine")
+    manifest = json.loads((tmp_path / "engine" / "manifest.json").read_text())
+    assert any(name.startswith("kernels/triton/") for name in manifest["extra"])
+    ids, mask = prompts([5, 3], seed=7)
+    got = load_compiling_nothing(tmp_path / "engine", ids, mask, 12, tmp_path / "fresh")
+    assert got["tokens"] == want
+    assert got["compile_count"] == 0
+
+
+def build_saved_cuda_engine(path: Path) -> list[list[int]]:
+    """The CUDA load tests' engine: the tiny Llama in bf16, two batch buckets, its fixed-T
+    steps compiled by Inductor, saved at `path`; its greedy tokens for two prompts."""
     config = fuser.FuserConfig(max_batch_size=2, batch_buckets=(1, 2), max_seq_len=64,
                                compile="inductor")
     model = tiny_model("llama", seed=0, **SHAPE).to(torch.bfloat16).cuda()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         engine = fuser.optimize(model, config=config)
-    engine.save(tmp_path / "engine")
-    manifest = json.loads((tmp_path / "engine" / "manifest.json").read_text())
-    assert any(name.startswith("kernels/triton/") for name in manifest["extra"])
+    engine.save(path)
     ids, mask = prompts([5, 3], seed=7)
-    ids, mask = ids.cuda(), mask.cuda()
-    want = engine.generate(ids, 12, attention_mask=mask)
-    got = load_compiling_nothing(tmp_path / "engine", ids.cpu(), mask.cpu(), 12,
-                                 tmp_path / "fresh")
-    assert got["tokens"] == want.tolist()
-    assert got["compile_count"] == 0
-
+    return engine.generate(ids.cuda(), 12, attention_mask=mask.cuda()).tolist()
 
 
 BUILD_AFTER_AN_OP = """
-import json, sys, warnings, torch
+import json, sys, torch
 sys.path.insert(0, "tests")
 from fuser.ops.rmsnorm import rms_norm_triton
 x = torch.randn(2, 64, device="cuda", dtype=torch.bfloat16)
 rms_norm_triton(x, torch.ones(64, device="cuda", dtype=torch.bfloat16), 1e-6)  # Triton's ptxas
 torch.cuda.synchronize()
-import fuser
-from engines import prompts
-from test_engine_load_compiles_nothing import SHAPE
-from tiny import tiny_model
-config = fuser.FuserConfig(max_batch_size=2, batch_buckets=(1, 2), max_seq_len=64,
-                           compile="inductor")
-model = tiny_model("llama", seed=0, **SHAPE).to(torch.bfloat16).cuda()
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    engine = fuser.optimize(model, config=config)
-engine.save(sys.argv[1])
-ids, mask = prompts([5, 3], seed=7)
-print(json.dumps(engine.generate(ids.cuda(), 12, attention_mask=mask.cuda()).tolist()))
+from pathlib import Path
+from test_engine_load_compiles_nothing import build_saved_cuda_engine
+print(json.dumps(build_saved_cuda_engine(Path(sys.argv[1]))))
 """
 
 
