@@ -79,6 +79,10 @@ class IterationGraph:
     initialisation, autotuning: not under capture); default: with `reset()` before each run.
     The background capture passes its own (under the step gate, undone afterwards:
     runtime/bucket_capture.py).
+    reset: with the default warm-up (and no mirror), the graph is also replayed once right
+    after its capture, between two resets: a graph's first replay uploads it to the device,
+    a one-time cost that the first step served (its latency, and the controller's first
+    sample of an arm: runtime/controller.py) would otherwise pay.
     mirror: the processes that capture their own part of `fn` at the same time (told when
     the capture begins and ends) and replay it with every replay of this graph (tensor
     parallel: fuser/distributed.py)."""
@@ -104,6 +108,10 @@ class IterationGraph:
         finally:
             if mirror is not None and self.key >= 0:
                 mirror.end(failed)
+        if reset is not None and warm_up is None and mirror is None:
+            reset()
+            self.graph.replay()
+            reset()
         self.replays = 0
 
     def __call__(self) -> torch.Tensor:
