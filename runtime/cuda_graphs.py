@@ -46,10 +46,29 @@ def capture_graph(graph: torch.cuda.CUDAGraph, fn: Callable[[], Any], pool: obje
     own stream, in "thread_local" mode (only this thread is barred from unsafe calls such as
     syncs and cudaMalloc; the serving thread's are not errors and do not end the capture), and
     the pool's allocator routes only this stream's allocations into the graph's pool."""
-    with CAPTURE_LOCK, torch.no_grad(), torch.cuda.graph(graph, pool=pool,
-                                                         stream=capture_stream(device),
-                                                         capture_error_mode="thread_local"):
-        return fn()
+    with CAPTURE_LOCK:
+        try:
+            with torch.no_grad(), torch.cuda.graph(graph, pool=pool,
+                                                   stream=capture_stream(device),
+                                                   capture_error_mode="thread_local"):
+                return fn()
+        except BaseException:
+            release_generator(device)
+            raise
+
+
+def release_generator(device: torch.device) -> None:
+    """After a failed capture: the device's default CUDA generator out of capture mode.
+
+    A capture puts the generator's state in capture mode at its start and takes it out at its
+    end, but a capture whose end fails (an invalidated capture: the usual way one fails) never
+    does, and from then on every random number the process draws outside a capture raises
+    "Offset increment outside graph capture encountered unexpectedly" (torch.randn, sampling,
+    Inductor's autotuning inputs). The state is replaced by a copy of itself (same seed and
+    offset), which is not capturing. Call holding CAPTURE_LOCK (no capture under way)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    generator = torch.cuda.default_generators[index]
+    generator.graphsafe_set_state(generator.clone_state())
 
 
 def capture_failed(e: Exception) -> str:

@@ -116,3 +116,18 @@ def norm_stats_on():
 def norm_stats_off():
     """Both switched off for the test: the norm kernels' arithmetic at every row count."""
     yield from _pin_norm_stats(False)
+
+
+@pytest.fixture(autouse=True)
+def no_background_capture_outlives_its_test():
+    """Every background bucket capture a test started is stopped when the test ends: while a
+    CUDA graph is captured on any thread, PyTorch's default CUDA generator counts offsets for
+    that capture only, and random numbers drawn outside it (a later test's Inductor autotuning
+    inputs, on the same xdist worker) fail with "Offset increment outside graph capture
+    encountered unexpectedly"."""
+    yield
+    if torch.cuda.is_available():
+        from fuser.runtime import bucket_capture
+
+        for job in list(bucket_capture._running):
+            job.stop(timeout=120.0)
