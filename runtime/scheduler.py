@@ -566,7 +566,10 @@ class Scheduler:
     def _may_run_ahead(self, in_flight: _Step) -> bool:
         """Whether to queue another step before `in_flight` is read back: only while the rows
         stay as they are (nothing to admit or cancel) and some decoding row still needs
-        tokens after the step in flight (each gives every active row at least one).
+        tokens after the step in flight (each gives every active row at least one). A
+        finished row counts as free: while requests wait, it ends the run so that they are
+        admitted into its row (otherwise it rode along in every step until the whole batch
+        had finished, and a waiting request waited for the longest running one).
 
         While a group is in chunked prefill, the step ahead is its next chunk and then the
         decode step (`_chunk_ahead`), unless that chunk is the last one: the last chunk
@@ -580,8 +583,9 @@ class Scheduler:
         if prefilling:
             if self._part_width() is None:  # the next chunk ends the prompts
                 return False
-        elif self._waiting and len(self._running) < self.max_slots:
-            return False
+        elif self._waiting and (len(self._running) < self.max_slots
+                                or any(s.done for s in self._running)):
+            return False  # a free row, or a finished one (retired next): admit into it
         # (A done row has nothing left to stop: a cancelled row of the group, ended at a
         # retire, rides along to the group's last chunk.)
         return all(s.stop_requested is None or s.done for s in self._running) and any(

@@ -128,6 +128,24 @@ def test_cancel_frees_the_slot_and_the_others_go_on(scheduler: Scheduler) -> Non
     assert scheduler.wait_idle(TIMEOUT) and scheduler.slots_used == 0
 
 
+def test_a_waiting_request_takes_a_finished_rows_slot_while_the_others_decode(
+        scheduler: Scheduler) -> None:
+    """Continuous batching: a request that waits for a row gets the first one that finishes,
+    and finishes long before its neighbours do. (Finished rows used to ride along in every
+    step queued ahead until the whole batch had finished: the waiting request then finished
+    with the longest running one.)"""
+    long = SamplingParams(max_tokens=MAX_SEQ_LEN - 12, temperature=0.0, ignore_eos=True)
+    short = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    run_alone(scheduler, prompt(5, seed=1), short)  # (the steps compiled, the loop idle)
+    longs = [scheduler.submit(prompt(5, seed=10 + i), long) for i in range(3)]
+    first = scheduler.submit(prompt(5, seed=20), short)  # the engine's 4th and last row
+    late = scheduler.submit(prompt(5, seed=21), short)  # waits for a row
+    assert len(late.result(TIMEOUT)) == 2 and len(first.result(TIMEOUT)) == 2
+    for stream in longs:
+        assert len(stream.result(TIMEOUT)) == long.max_tokens
+    assert late.finish_time < min(s.finish_time for s in longs)
+
+
 def test_bad_requests_raise_value_errors_that_name_the_problem(scheduler: Scheduler) -> None:
     cases = [
         ([], SamplingParams(), "empty"),
