@@ -201,3 +201,69 @@ def test_an_overlapped_round_is_accounted_as_the_drafts_not_as_suffix_counts(
         assert {1, 2, 3} <= set(codes), codes  # (a row that streamed, one that guessed right)
     finally:
         scheduler.close()
+
+
+def stepped_rounds(scheduler: AdaptiveScheduler, rounds: int) -> list[tuple[bool, bool]]:
+    """Every prompt, `rounds` times, the scheduler stepped by hand (the same steps every run);
+    each output must be the target's greedy one. Returns per issued decode step (matched: some
+    row's suffix matched, mixed: the step ran over the proposals buffer)."""
+    steps: list[tuple[bool, bool]] = []
+    issue = scheduler._issue
+
+    def issued():
+        # (the scheduler looks the index up only when a suffix arm could be chosen: looked
+        # up here for every step, which changes nothing)
+        matched = bool(scheduler._proposals(list(scheduler._running))[1].any())
+        step = issue()
+        steps.append((matched, step.over_proposals))
+        return step
+
+    scheduler._issue = issued
+    eng = scheduler.engine
+    with eng.generating():
+        for _ in range(rounds):
+            streams = [scheduler.submit(p, GREEDY) for p in PROMPTS]
+            while not all(s.done for s in streams):
+                scheduler._iteration()
+            scheduler._retire()
+            assert [s.output_ids for s in streams] == references()
+    return steps
+
+
+@pytest.mark.parametrize("mixed_pays", [False, True], ids=["draft-pays", "mixed-pays"])
+def test_the_controller_chooses_between_the_drafts_step_and_the_mixed_step(mixed_pays: bool):
+    """With a draft and the suffix index, the draft's arms run the plain Scheduler's step (no
+    proposals buffer) and the suffix's arms the mixed step, usable when some row matched.
+    Scripted costs: where a mixed step costs more per emitted token than the draft's step
+    (4 s for at most gamma + 1 = 5 tokens a row, against at most 0.6 s for at least one), the
+    controller settles on the draft's arms: rows that match still run the draft's step, and
+    mixed steps are probes; where it costs less, matched steps run mixed. Every request's
+    tokens are target-only greedy decoding's either way."""
+    references()
+    draft_costs = {2: 0.5, 4: 0.6}
+    mixed_costs = {2: 0.1, 4: 0.12} if mixed_pays else {2: 4.0, 4: 4.0}
+    scheduler = AdaptiveScheduler(engine(), adapt_draft=False, background=False,
+                                  costs={"decode": 1.0, DRAFT: draft_costs,
+                                         SUFFIX: mixed_costs},
+                                  controller_options=dict(probe_share=0.05))
+    try:
+        steps = stepped_rounds(scheduler, 3)
+        controllers = scheduler.controllers.values()
+        matched = [mixed for m, mixed in steps if m]
+        mixed = sum(mixed for _, mixed in steps)
+        snap = scheduler.snapshot()
+        assert snap["steps"][SUFFIX] == mixed, (snap, steps)  # a mixed step counts as "suffix"
+        assert snap["steps"][TARGET] + snap["steps"][DRAFT] == len(steps) - mixed, snap
+        assert snap["rows"][SUFFIX] > 0, snap
+        probes = sum(c.probes for c in controllers)
+        assert probes <= 0.05 * len(steps) + sum(len(c.arms) for c in controllers), snap
+        if mixed_pays:
+            assert len(matched) > 8 and sum(matched) >= 0.75 * len(matched), steps
+            assert scheduler.controllers[4].best()[0] == SUFFIX, snap
+        else:
+            # Matched steps ran the draft's plain step but for the suffix arms' probes.
+            assert len(matched) > 8 and 0 < mixed <= probes, (steps, snap)
+            assert scheduler.controllers[4].best()[0] == DRAFT, snap
+            assert snap["rows"][DRAFT] > snap["rows"][SUFFIX], snap
+    finally:
+        scheduler.close()
