@@ -83,9 +83,10 @@ def test_templated_traffic_uses_every_source_and_distils_the_draft():
         run_rounds(scheduler, 3)
         snap = scheduler.snapshot()
         # Repeated prompts: rows verify proposals from recent outputs, others the draft's, in
-        # the draft's steps (mixed); the draft never falls behind but after target-only steps.
+        # mixed steps (the suffix's arms, scripted cheaper than the draft's plain steps, which
+        # run where no row matched); the draft never falls behind but after target-only steps.
         assert snap["rows"][SUFFIX] > 0 and snap["steps"][DRAFT] > 0, snap
-        assert snap["rows"][DRAFT] > 0 and snap["steps"][SUFFIX] == 0, snap
+        assert snap["rows"][DRAFT] > 0 and snap["steps"][SUFFIX] > 0, snap
         assert snap["resyncs"] <= snap["steps"][TARGET], snap
         assert snap["recent_outputs"] == 4 * 3
         # 12 finished requests, distill_every 8: one update, on requests it then sees again.
