@@ -155,19 +155,15 @@ def test_without_a_draft_suffix_proposals_alone():
         scheduler.close()
 
 
-def test_an_overlapped_round_is_accounted_as_the_drafts_not_as_suffix_counts(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """FuserConfig.overlap (CPU): the draft's greedy steps are overlapped rounds, whose packed
-    result is gamma + 3 wide as a suffix or mixed step's, with each row's mode code
-    (runtime/speculative.py `overlapped_step`) in the column where those carry the row's
-    suffix proposal count. Without a suffix index every row is the draft's, proposing gamma:
-    a mode code read as a count would make rows the suffix's (or a count above gamma, which
-    the controller refuses, failing the step). The outputs are target-only greedy decoding's."""
+@functools.cache
+def overlap_engine() -> tuple[fuser.Engine, list[list[int]]]:
+    """FuserConfig.overlap on CPU (rows 4, buckets 1 and 4, gamma 2; a draft close to the
+    target: rounds stream on) and each prompt's target-only greedy output."""
     target = llama_target()
     config = fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=4, batch_buckets=(1, 4),
                                gamma=2, compile="fx", overlap=True)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (a draft close to the target: rounds stream on)
+        warnings.simplefilter("ignore")
         eng = fuser.optimize(target, draft=perturbed(target, 0.05, seed=3), config=config)
     assert all(b.overlap for b in eng.buckets.values())
     eng.fix_gamma(0)
@@ -176,6 +172,18 @@ def test_an_overlapped_round_is_accounted_as_the_drafts_not_as_suffix_counts(
                     for p in PROMPTS]
     finally:
         eng.fix_gamma(None)
+    return eng, expected
+
+
+def test_an_overlapped_round_is_accounted_as_the_drafts_not_as_suffix_counts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """FuserConfig.overlap (CPU): the draft's greedy steps are overlapped rounds, whose packed
+    result is gamma + 3 wide as a suffix or mixed step's, with each row's mode code
+    (runtime/speculative.py `overlapped_step`) in the column where those carry the row's
+    suffix proposal count. Without a suffix index every row is the draft's, proposing gamma:
+    a mode code read as a count would make rows the suffix's (or a count above gamma, which
+    the controller refuses, failing the step). The outputs are target-only greedy decoding's."""
+    eng, expected = overlap_engine()
     codes: list[int] = []
     real = speculative.overlapped_step
 
@@ -266,5 +274,52 @@ def test_the_controller_chooses_between_the_drafts_step_and_the_mixed_step(mixed
             assert len(matched) > 8 and 0 < mixed <= probes, (steps, snap)
             assert scheduler.controllers[4].best()[0] == DRAFT, snap
             assert snap["rows"][DRAFT] > snap["rows"][SUFFIX], snap
+    finally:
+        scheduler.close()
+
+
+def test_the_drafts_arm_is_the_plain_step_overlapped_rounds_included(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """FuserConfig.overlap with the suffix index on: the draft's arm runs what the plain
+    Scheduler runs, an overlapped round (greedy rows), also in steps where rows matched the
+    index; the mixed step, scripted far dearer per emitted token, runs only as the suffix
+    arm's probes. Outputs are target-only greedy decoding's."""
+    eng, expected = overlap_engine()
+    rounds = [0]
+    real = speculative.overlapped_step
+
+    def spy(*args, **kwargs):
+        rounds[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(speculative, "overlapped_step", spy)
+    scheduler = AdaptiveScheduler(eng, suffix=True, adapt_draft=False, suffix_min_match=2,
+                                  costs={"decode": 1.0, DRAFT: {2: 0.9}, SUFFIX: {2: 50.0}})
+    steps: list[tuple[bool, str, int]] = []  # (matched, source, overlapped rounds it ran)
+    issue = scheduler._issue
+
+    def issued():
+        matched = bool(scheduler._proposals(list(scheduler._running))[1].any())
+        before = rounds[0]
+        step = issue()
+        steps.append((matched, step.choice.source, rounds[0] - before))
+        return step
+
+    scheduler._issue = issued
+    try:
+        with eng.generating():  # stepped by hand: the same steps every run
+            for _ in range(2):  # (the second time the answers are recent outputs)
+                streams = [scheduler.submit(p, GREEDY) for p in PROMPTS]
+                while not all(s.done for s in streams):
+                    scheduler._iteration()
+                scheduler._retire()
+                assert [s.output_ids for s in streams] == expected
+        controller = scheduler.controllers[4]
+        plain_matched = [n for matched, source, n in steps if matched and source == DRAFT]
+        mixed = [n for _, source, n in steps if source == SUFFIX]
+        assert len(plain_matched) > 4 and all(n == 1 for n in plain_matched), steps
+        assert mixed and not any(mixed), steps  # (a mixed step is no overlapped round)
+        assert len(mixed) <= sum(c.probes for c in scheduler.controllers.values()), steps
+        assert controller.best() == (DRAFT, 2), controller.reason
     finally:
         scheduler.close()
