@@ -323,3 +323,19 @@ def test_the_drafts_arm_is_the_plain_step_overlapped_rounds_included(
         assert controller.best() == (DRAFT, 2), controller.reason
     finally:
         scheduler.close()
+
+
+def test_scripted_costs_of_a_draft_engine_default_the_mixed_steps_to_the_drafts():
+    """A draft engine's scripted costs without a "suffix" entry give the mixed steps the
+    draft's seconds; a gamma missing from an entry is named."""
+    scheduler = AdaptiveScheduler(engine(), adapt_draft=False,
+                                  costs={"decode": 1.0, DRAFT: {2: 0.5, 4: 0.6}})
+    try:
+        assert scheduler.controllers[4].costs == {
+            (TARGET, 0): 1.0, (DRAFT, 2): 0.5, (DRAFT, 4): 0.6, (SUFFIX, 2): 0.5,
+            (SUFFIX, 4): 0.6}
+    finally:
+        scheduler.close()
+    with pytest.raises(ValueError, match=r"costs\['suffix'\] has no seconds for gamma \[4\]"):
+        AdaptiveScheduler(engine(), adapt_draft=False,
+                          costs={"decode": 1.0, DRAFT: {2: 0.5, 4: 0.6}, SUFFIX: {2: 0.1}})
