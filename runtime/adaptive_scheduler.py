@@ -89,7 +89,11 @@ class _SourceStep(_Step):
 
 class AdaptiveScheduler(Scheduler):
     """runtime/scheduler.py's Scheduler with the suffix index, the controller over sources and
-    online draft distillation (see the module docstring).
+    online draft distillation (see the module docstring). Each bucket's controller chooses
+    among target-only, the draft's arms (the plain Scheduler's speculative step at each of the
+    draft's gammas) and the suffix's arms (with a draft: the mixed step at those gammas, in
+    steps where some row matched; without one: the index's proposals verified alone), so with
+    the draft's arms the cheapest it always has what the plain Scheduler runs.
 
     Args (beyond Scheduler's):
         suffix: propose from the suffix index (default: FuserConfig.suffix_speculation).
