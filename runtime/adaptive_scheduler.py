@@ -93,7 +93,8 @@ class AdaptiveScheduler(Scheduler):
     among target-only, the draft's arms (the plain Scheduler's speculative step at each of the
     draft's gammas) and the suffix's arms (with a draft: the mixed step at those gammas, in
     steps where some row matched; without one: the index's proposals verified alone), so with
-    the draft's arms the cheapest it always has what the plain Scheduler runs.
+    the draft's arms the cheapest it runs what the plain Scheduler runs, but for the
+    controller's probes (about 5% of steps).
 
     Args (beyond Scheduler's):
         suffix: propose from the suffix index (default: FuserConfig.suffix_speculation).
