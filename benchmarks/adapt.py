@@ -342,6 +342,25 @@ def updates_of(scheduler: object) -> dict[str, int]:
     return dict(distiller.updates) if distiller is not None else {"accepted": 0, "rejected": 0}
 
 
+def arms_of(scheduler: object) -> str:
+    """ON: the controllers' steps per source so far (draft: the plain speculative step;
+    suffix: the mixed step, the draft's rows beside the index's) and each bucket's best arm
+    with its measured ms per emitted token; OFF: ''."""
+    snapshot = getattr(scheduler, "snapshot", None)
+    if snapshot is None:
+        return ""
+    snap = snapshot()
+    steps = " ".join(f"{s} {n}" for s, n in snap["steps"].items())
+    best = []
+    for size, b in snap["buckets"].items():
+        if not b["chosen"]:
+            continue
+        source, gamma = b["best"]
+        ms = b["seconds_per_token"].get(f"{source}:{gamma}")
+        best.append(f"{size}: {source} {gamma}" + (f" {1e3 * ms:.3g} ms" if ms else ""))
+    return f", steps {steps}; best {', '.join(best) or '-'}"
+
+
 def windows(records: list[dict], size: int) -> list[dict]:
     """Per window of `size` completions: output tok/s (tokens over the time since the previous
     window's last completion), per source acceptance and steps within the window, updates."""
@@ -495,7 +514,7 @@ def run_mode(engine: object, on: bool, phases: list[tuple[str, list[list[int]], 
             records = serve(scheduler, prompts, max_tokens, args.concurrency)
             out[name] = records
             log(f"  {mode:>3} {name}: {len(records)} requests, {tok_s(records):,.0f} tok/s, "
-                f"updates {updates_of(scheduler)}")
+                f"updates {updates_of(scheduler)}{arms_of(scheduler)}")
         if on and getattr(scheduler, "snapshot", None) is not None:
             out["snapshot"] = json.loads(json.dumps(scheduler.snapshot(), default=str))
             out["update_reasons"] = [r.reason for r in getattr(scheduler, "update_results", [])]

@@ -5,14 +5,20 @@ controller (runtime/controller.py) and online draft distillation plugged in
 What it adds to runtime/scheduler.py's loop, on the scheduler's thread:
     admit    each request's prompt goes into the suffix index (runtime/suffix.py), and every
              token it is given afterwards (`_deliver`);
-    issue    per batch bucket, a Controller picks target-only or the draft at some gamma (an
-             engine without a draft: the index's proposals alone at some gamma) by the wall
-             time per emitted token it measured of each. Rows whose tokens end in a match of
-             at least `suffix_min_match` tokens get the index's proposals; a draft step with
-             such rows is a mixed step (runtime/suffix.py `mixed_step`): those rows verify the
-             index's proposals, the others the draft's, in the same verify, and the draft, fed
-             the verified tokens, stays in step with the target (no resync follows). A step is
-             issued holding the weight swap's lock;
+    issue    per batch bucket, a Controller picks an arm by the wall time per emitted token
+             it measured of each: target-only; (draft, g), exactly the plain Scheduler's
+             speculative step at gamma g (overlapped rounds where the bucket overlaps and no
+             row samples, the draft's catch-up where it is behind, no proposals buffer); and
+             (suffix, g), the index's proposals. With a draft, a suffix arm is the mixed step
+             at one of the draft's gammas (runtime/suffix.py `mixed_step`): rows whose tokens
+             end in a match of at least `suffix_min_match` tokens verify the index's
+             proposals, the others the draft's, in the same verify, and the draft, fed the
+             verified tokens, stays in step with the target (no resync follows). Without a
+             draft it is the target verifying the index's proposals alone, at gammas of its
+             own. A suffix arm is usable only when some row matched (the index is looked up
+             only when the controller could choose one), so adaptation can always run what
+             plain speculation runs, and falls back to it when the mixed step does not pay.
+             A step is issued holding the weight swap's lock;
     collect  the step's tokens go to the index, its wall time and tokens per row to the
              controller, its acceptance per row to the source that proposed for the row;
     retire   a finished request's output leaves the index for its pool of recent outputs and
@@ -72,15 +78,23 @@ class _SourceStep(_Step):
     """An issued step with its choice (the controller's arm)."""
 
     choice: Choice = field(default_factory=lambda: Choice(TARGET, 0))
-    # The step ran over the proposals buffer (suffix or mixed): its packed result carries each
-    # row's suffix proposal count in column gamma + 1. An overlapped round's is as wide, with
-    # its mode code there instead; other kinds are gamma + 2 wide.
+    # The step ran over the proposals buffer (a suffix arm: mixed, or the index alone): its
+    # packed result carries each row's suffix proposal count in column gamma + 1. A draft arm's
+    # overlapped round is as wide, with its mode code there instead; other kinds are gamma + 2
+    # wide.
     over_proposals: bool = False
+    # Of those, a mixed step: a row without suffix proposals verified the draft's gamma.
+    mixed: bool = False
 
 
 class AdaptiveScheduler(Scheduler):
     """runtime/scheduler.py's Scheduler with the suffix index, the controller over sources and
-    online draft distillation (see the module docstring).
+    online draft distillation (see the module docstring). Each bucket's controller chooses
+    among target-only, the draft's arms (the plain Scheduler's speculative step at each of the
+    draft's gammas) and the suffix's arms (with a draft: the mixed step at those gammas, in
+    steps where some row matched; without one: the index's proposals verified alone), so with
+    the draft's arms the cheapest it runs what the plain Scheduler runs, but for the
+    controller's probes (about 5% of steps).
 
     Args (beyond Scheduler's):
         suffix: propose from the suffix index (default: FuserConfig.suffix_speculation).
@@ -88,7 +102,10 @@ class AdaptiveScheduler(Scheduler):
             and the module it was built from, the engine's own unless `module` is given).
         costs: {"decode": seconds, "draft": {gamma: seconds}, "suffix": {gamma: seconds}} for
             every bucket: a step's seconds for the controllers instead of the wall clock
-            (tests; costs measured elsewhere). "suffix" is used by engines without a draft.
+            (tests; costs measured elsewhere). "draft" is the plain speculative step's,
+            "suffix" the mixed step's (with a draft; default: the draft's seconds, at the
+            draft's gammas) or the index's proposals verified alone (without a draft; its
+            gammas are the suffix arms').
         index: the SuffixIndex to use (default: a new one, from suffix_min_match tokens).
         distill: DistillConfig of the distiller.
         module: the draft module to distil (a loaded engine has none of its own).
@@ -183,22 +200,32 @@ class AdaptiveScheduler(Scheduler):
 
     def _controller(self, size: int, costs: Mapping[str, object] | None,
                     options: dict) -> Controller:
-        """The bucket's controller over target-only, the draft's gammas and the suffix's;
-        `costs` ({"decode": s, "draft": {g: s}, "suffix": {g: s}}) scripted instead of the
-        wall clock."""
+        """The bucket's controller over target-only, the draft's plain steps and the suffix's
+        (with a draft: mixed steps at the draft's gammas); `costs` ({"decode": s, "draft":
+        {g: s}, "suffix": {g: s}}) scripted instead of the wall clock (a draft engine's
+        "suffix" defaults to its "draft")."""
         arms: dict[str, tuple[int, ...]] = {}
-        if self.draft_gammas and self.engine.buckets[size].draft is not None:
+        drafted = bool(self.draft_gammas) and self.engine.buckets[size].draft is not None
+        if drafted:
             arms[DRAFT] = self.draft_gammas
-        if self.suffix_gammas:
+        if self.suffix and drafted:
+            arms[SUFFIX] = self.draft_gammas  # mixed steps
+        elif self.suffix_gammas:
             arms[SUFFIX] = self.suffix_gammas
         scripted = None
         if costs is not None:
             scripted = {(TARGET, 0): float(costs["decode"])}
             for source, gammas in arms.items():
                 given = costs.get(source)
+                if given is None and source == SUFFIX and drafted:
+                    given = costs.get(DRAFT)  # (a mixed step at the plain step's seconds)
                 if given is None:
                     raise ValueError(f"costs has no {source!r} entry; it needs one per source "
                                      f"({sorted(arms)})")
+                missing = [g for g in gammas if g not in given]
+                if missing:
+                    raise ValueError(f"costs[{source!r}] has no seconds for gamma {missing} "
+                                     f"(it needs {list(gammas)})")
                 scripted.update({(source, g): float(given[g]) for g in gammas})
         return Controller(arms, costs=scripted, **options)
 
@@ -353,24 +380,29 @@ class AdaptiveScheduler(Scheduler):
         bucket = engine.bucket(len(rows))
         controller = self.controllers[bucket.batch]
         matched = False
-        if self.index is not None:
+        # The index is looked up only when a suffix arm could be chosen (the best arm, or one
+        # due a probe): without a match none is usable, so a step that could not choose one
+        # skips the host's lookup, as the plain Scheduler's step does.
+        if self.index is not None and controller.may_choose(SUFFIX):
             tokens, counts, anchors = self._proposals(rows)
             matched = bool(counts.any())
         choice = controller.choose(lambda arm: arm[0] != SUFFIX or matched)
         do_sample = any(not s.params.greedy for s in rows)
         gamma = choice.gamma
         start = time.perf_counter()
-        over_proposals = choice.source != TARGET and matched
+        over_proposals = choice.source == SUFFIX  # (usable: some row matched)
+        mixed = over_proposals and bucket.draft is not None
         with self.swap.lock if self.swap is not None else contextlib.nullcontext():
-            if over_proposals:
-                if choice.source == DRAFT and self._draft_behind:
+            if over_proposals:  # mixed (the draft's rows beside the index's), or the index's
+                if mixed and self._draft_behind:
                     bucket.resync(self._draft_behind)
                     self.resyncs += 1
+                if mixed:
                     self._draft_behind = 0
                 self._buffers[bucket.batch].load_arrays(tokens, counts, anchors=anchors)
                 self._streams_from(gamma, False)
                 packed = self._run_suffix(bucket, gamma, do_sample)  # [bucket, gamma + 3]
-            elif choice.source == DRAFT:
+            elif choice.source == DRAFT:  # the plain Scheduler's speculative step
                 if self._draft_behind:
                     bucket.resync(self._draft_behind)
                     self.resyncs += 1
@@ -383,7 +415,7 @@ class AdaptiveScheduler(Scheduler):
                 packed = bucket.run(PLAIN, do_sample)
             read_back = ReadBack(packed)
         controller.sent()
-        return _SourceStep(rows, gamma, None, read_back, start, choice, over_proposals,
+        return _SourceStep(rows, gamma, None, read_back, start, choice, over_proposals, mixed,
                            prefilling=self._prefilling())
 
     def _collect(self, step: _SourceStep) -> None:
@@ -392,14 +424,17 @@ class AdaptiveScheduler(Scheduler):
         n_rows, gamma = len(step.rows), step.gamma
         accepted = [min(n, gamma) for n in host[:n_rows, -1].tolist()]
         # Steps over the proposals buffer carry each row's suffix proposals before n (known by
-        # the step's kind: an overlapped round is as wide, its mode code in that column).
+        # the step's kind: a draft arm's overlapped round is as wide, its mode code in that
+        # column). A mixed step's row without any verified the draft's gamma; without a draft
+        # every row of a suffix step is the index's (proposing its count, maybe 0).
         counts = host[:n_rows, gamma + 1].tolist() if step.over_proposals else [0] * n_rows
         live = [i for i, active in enumerate(was_active) if active]
         controller = self.controllers[self.engine.bucket(n_rows).batch]
         if step.choice.source == TARGET:
             controller.update([accepted[i] for i in live], gamma)
         else:
-            suffix_rows = [counts[i] > 0 or step.choice.source == SUFFIX for i in live]
+            alone = step.over_proposals and not step.mixed
+            suffix_rows = [counts[i] > 0 or alone for i in live]
             controller.update([accepted[i] for i in live], gamma,
                               proposed=[counts[i] if s else gamma
                                         for i, s in zip(live, suffix_rows)],

@@ -3,9 +3,12 @@ chosen by the measured wall time per emitted token. `engine.generate` (gamma="au
 adaptive scheduler (runtime/adaptive_scheduler.py) both use it.
 
 Arms. An arm is a (source, gamma) pair: (TARGET, 0) is target-only decoding; (DRAFT, g) a
-speculative step at draft length g (in the adaptive scheduler, rows with a long suffix match
-verify the suffix index's proposals in that same step: runtime/speculative.py `mixed_step`);
-(SUFFIX, g) a step that verifies the index's proposals alone (engines without a draft).
+speculative step at draft length g, the plain one (runtime/scheduler.py's, overlapped rounds
+included); (SUFFIX, g) a step over the suffix index's proposals: with a draft, the mixed step
+at the draft's gamma g (rows with a long suffix match verify the index's proposals, the others
+the draft's, in one verify: runtime/suffix.py `mixed_step`), without one the target verifying
+the index's proposals alone. The adaptive scheduler offers the suffix's arms only to steps in
+which some row matched (`choose`'s `usable`), so it can always run the plain draft step.
 
 What is measured. Per arm, exponentially weighted averages of
 
@@ -53,7 +56,8 @@ What it did stays readable: `reason` (one line), `steps` (per source), `acceptan
 updates accepted and rejected), `snapshot()` for engine.stats, and `ControllerCollector` for
 Prometheus:
 
-    fuser_spec_steps_total{source}              steps per source ("target", "draft", "suffix")
+    fuser_spec_steps_total{source}              steps per source ("target", "draft", "suffix";
+                                                a mixed step counts as "suffix")
     fuser_spec_rows_total{source}               rows given proposals per source ("draft",
                                                 "suffix"; a mixed step counts both)
     fuser_spec_acceptance_window{source}        acceptance_window(source), gauge
@@ -539,7 +543,8 @@ class ControllerCollector:
 
         controllers = list(self.controllers())
         steps = CounterMetricFamily("fuser_spec_steps_total", "Decoding steps per source of "
-                                    "proposals.", labels=["source"])
+                                    "proposals (a mixed step, the draft's rows beside the "
+                                    "index's: suffix).", labels=["source"])
         for source in SOURCES:
             steps.add_metric([source], sum(c.steps[source] for c in controllers))
         yield steps

@@ -83,9 +83,10 @@ def test_templated_traffic_uses_every_source_and_distils_the_draft():
         run_rounds(scheduler, 3)
         snap = scheduler.snapshot()
         # Repeated prompts: rows verify proposals from recent outputs, others the draft's, in
-        # the draft's steps (mixed); the draft never falls behind but after target-only steps.
+        # mixed steps (the suffix's arms, scripted cheaper than the draft's plain steps, which
+        # run where no row matched); the draft never falls behind but after target-only steps.
         assert snap["rows"][SUFFIX] > 0 and snap["steps"][DRAFT] > 0, snap
-        assert snap["rows"][DRAFT] > 0 and snap["steps"][SUFFIX] == 0, snap
+        assert snap["rows"][DRAFT] > 0 and snap["steps"][SUFFIX] > 0, snap
         assert snap["resyncs"] <= snap["steps"][TARGET], snap
         assert snap["recent_outputs"] == 4 * 3
         # 12 finished requests, distill_every 8: one update, on requests it then sees again.
@@ -154,19 +155,15 @@ def test_without_a_draft_suffix_proposals_alone():
         scheduler.close()
 
 
-def test_an_overlapped_round_is_accounted_as_the_drafts_not_as_suffix_counts(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """FuserConfig.overlap (CPU): the draft's greedy steps are overlapped rounds, whose packed
-    result is gamma + 3 wide as a suffix or mixed step's, with each row's mode code
-    (runtime/speculative.py `overlapped_step`) in the column where those carry the row's
-    suffix proposal count. Without a suffix index every row is the draft's, proposing gamma:
-    a mode code read as a count would make rows the suffix's (or a count above gamma, which
-    the controller refuses, failing the step). The outputs are target-only greedy decoding's."""
+@functools.cache
+def overlap_engine() -> tuple[fuser.Engine, list[list[int]]]:
+    """FuserConfig.overlap on CPU (rows 4, buckets 1 and 4, gamma 2; a draft close to the
+    target: rounds stream on) and each prompt's target-only greedy output."""
     target = llama_target()
     config = fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=4, batch_buckets=(1, 4),
                                gamma=2, compile="fx", overlap=True)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (a draft close to the target: rounds stream on)
+        warnings.simplefilter("ignore")
         eng = fuser.optimize(target, draft=perturbed(target, 0.05, seed=3), config=config)
     assert all(b.overlap for b in eng.buckets.values())
     eng.fix_gamma(0)
@@ -175,6 +172,18 @@ def test_an_overlapped_round_is_accounted_as_the_drafts_not_as_suffix_counts(
                     for p in PROMPTS]
     finally:
         eng.fix_gamma(None)
+    return eng, expected
+
+
+def test_an_overlapped_round_is_accounted_as_the_drafts_not_as_suffix_counts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """FuserConfig.overlap (CPU): the draft's greedy steps are overlapped rounds, whose packed
+    result is gamma + 3 wide as a suffix or mixed step's, with each row's mode code
+    (runtime/speculative.py `overlapped_step`) in the column where those carry the row's
+    suffix proposal count. Without a suffix index every row is the draft's, proposing gamma:
+    a mode code read as a count would make rows the suffix's (or a count above gamma, which
+    the controller refuses, failing the step). The outputs are target-only greedy decoding's."""
+    eng, expected = overlap_engine()
     codes: list[int] = []
     real = speculative.overlapped_step
 
@@ -201,3 +210,132 @@ def test_an_overlapped_round_is_accounted_as_the_drafts_not_as_suffix_counts(
         assert {1, 2, 3} <= set(codes), codes  # (a row that streamed, one that guessed right)
     finally:
         scheduler.close()
+
+
+def stepped_rounds(scheduler: AdaptiveScheduler, rounds: int) -> list[tuple[bool, bool]]:
+    """Every prompt, `rounds` times, the scheduler stepped by hand (the same steps every run);
+    each output must be the target's greedy one. Returns per issued decode step (matched: some
+    row's suffix matched, mixed: the step ran over the proposals buffer)."""
+    steps: list[tuple[bool, bool]] = []
+    issue = scheduler._issue
+
+    def issued():
+        # (the scheduler looks the index up only when a suffix arm could be chosen: looked
+        # up here for every step, which changes nothing)
+        matched = bool(scheduler._proposals(list(scheduler._running))[1].any())
+        step = issue()
+        steps.append((matched, step.over_proposals))
+        return step
+
+    scheduler._issue = issued
+    eng = scheduler.engine
+    with eng.generating():
+        for _ in range(rounds):
+            streams = [scheduler.submit(p, GREEDY) for p in PROMPTS]
+            while not all(s.done for s in streams):
+                scheduler._iteration()
+            scheduler._retire()
+            assert [s.output_ids for s in streams] == references()
+    return steps
+
+
+@pytest.mark.parametrize("mixed_pays", [False, True], ids=["draft-pays", "mixed-pays"])
+def test_the_controller_chooses_between_the_drafts_step_and_the_mixed_step(mixed_pays: bool):
+    """With a draft and the suffix index, the draft's arms run the plain Scheduler's step (no
+    proposals buffer) and the suffix's arms the mixed step, usable when some row matched.
+    Scripted costs: where a mixed step costs more per emitted token than the draft's step
+    (4 s for at most gamma + 1 = 5 tokens a row, against at most 0.6 s for at least one), the
+    controller settles on the draft's arms: rows that match still run the draft's step, and
+    mixed steps are probes; where it costs less, matched steps run mixed. Every request's
+    tokens are target-only greedy decoding's either way."""
+    references()
+    draft_costs = {2: 0.5, 4: 0.6}
+    mixed_costs = {2: 0.1, 4: 0.12} if mixed_pays else {2: 4.0, 4: 4.0}
+    scheduler = AdaptiveScheduler(engine(), adapt_draft=False, background=False,
+                                  costs={"decode": 1.0, DRAFT: draft_costs,
+                                         SUFFIX: mixed_costs},
+                                  controller_options=dict(probe_share=0.05))
+    try:
+        steps = stepped_rounds(scheduler, 3)
+        controllers = scheduler.controllers.values()
+        matched = [mixed for m, mixed in steps if m]
+        mixed = sum(mixed for _, mixed in steps)
+        snap = scheduler.snapshot()
+        assert snap["steps"][SUFFIX] == mixed, (snap, steps)  # a mixed step counts as "suffix"
+        assert snap["steps"][TARGET] + snap["steps"][DRAFT] == len(steps) - mixed, snap
+        assert snap["rows"][SUFFIX] > 0, snap
+        probes = sum(c.probes for c in controllers)
+        assert probes <= 0.05 * len(steps) + sum(len(c.arms) for c in controllers), snap
+        if mixed_pays:
+            assert len(matched) > 8 and sum(matched) >= 0.75 * len(matched), steps
+            assert scheduler.controllers[4].best()[0] == SUFFIX, snap
+        else:
+            # Matched steps ran the draft's plain step but for the suffix arms' probes.
+            assert len(matched) > 8 and 0 < mixed <= probes, (steps, snap)
+            assert scheduler.controllers[4].best()[0] == DRAFT, snap
+            assert snap["rows"][DRAFT] > snap["rows"][SUFFIX], snap
+    finally:
+        scheduler.close()
+
+
+def test_the_drafts_arm_is_the_plain_step_overlapped_rounds_included(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """FuserConfig.overlap with the suffix index on: the draft's arm runs what the plain
+    Scheduler runs, an overlapped round (greedy rows), also in steps where rows matched the
+    index; the mixed step, scripted far dearer per emitted token, runs only as the suffix
+    arm's probes. Outputs are target-only greedy decoding's."""
+    eng, expected = overlap_engine()
+    rounds = [0]
+    real = speculative.overlapped_step
+
+    def spy(*args, **kwargs):
+        rounds[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(speculative, "overlapped_step", spy)
+    scheduler = AdaptiveScheduler(eng, suffix=True, adapt_draft=False, suffix_min_match=2,
+                                  costs={"decode": 1.0, DRAFT: {2: 0.9}, SUFFIX: {2: 50.0}})
+    steps: list[tuple[bool, str, int]] = []  # (matched, source, overlapped rounds it ran)
+    issue = scheduler._issue
+
+    def issued():
+        matched = bool(scheduler._proposals(list(scheduler._running))[1].any())
+        before = rounds[0]
+        step = issue()
+        steps.append((matched, step.choice.source, rounds[0] - before))
+        return step
+
+    scheduler._issue = issued
+    try:
+        with eng.generating():  # stepped by hand: the same steps every run
+            for _ in range(2):  # (the second time the answers are recent outputs)
+                streams = [scheduler.submit(p, GREEDY) for p in PROMPTS]
+                while not all(s.done for s in streams):
+                    scheduler._iteration()
+                scheduler._retire()
+                assert [s.output_ids for s in streams] == expected
+        controller = scheduler.controllers[4]
+        plain_matched = [n for matched, source, n in steps if matched and source == DRAFT]
+        mixed = [n for _, source, n in steps if source == SUFFIX]
+        assert len(plain_matched) > 4 and all(n == 1 for n in plain_matched), steps
+        assert mixed and not any(mixed), steps  # (a mixed step is no overlapped round)
+        assert len(mixed) <= sum(c.probes for c in scheduler.controllers.values()), steps
+        assert controller.best() == (DRAFT, 2), controller.reason
+    finally:
+        scheduler.close()
+
+
+def test_scripted_costs_of_a_draft_engine_default_the_mixed_steps_to_the_drafts():
+    """A draft engine's scripted costs without a "suffix" entry give the mixed steps the
+    draft's seconds; a gamma missing from an entry is named."""
+    scheduler = AdaptiveScheduler(engine(), adapt_draft=False,
+                                  costs={"decode": 1.0, DRAFT: {2: 0.5, 4: 0.6}})
+    try:
+        assert scheduler.controllers[4].costs == {
+            (TARGET, 0): 1.0, (DRAFT, 2): 0.5, (DRAFT, 4): 0.6, (SUFFIX, 2): 0.5,
+            (SUFFIX, 4): 0.6}
+    finally:
+        scheduler.close()
+    with pytest.raises(ValueError, match=r"costs\['suffix'\] has no seconds for gamma \[4\]"):
+        AdaptiveScheduler(engine(), adapt_draft=False,
+                          costs={"decode": 1.0, DRAFT: {2: 0.5, 4: 0.6}, SUFFIX: {2: 0.1}})
