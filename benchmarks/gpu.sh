@@ -145,7 +145,7 @@ for suite in "$@"; do
         --engine-dir "$DIR/engine" --out "$DIR/engine_files.json" ${FILES_ARGS:-}
       rm -rf "$DIR/engine"
       table "files: 8B + 1B-draft engine directory, load and fuser serve" \
-        "$(grep -v -i warn "$DIR/engine_files.log" | grep -v '^\[engine_files\]' | tail -n 24)" ;;
+        "$(grep -v -i warn "$DIR/engine_files.log" | grep -v '^\[engine_files\]' | tail -n 26)" ;;
     ops)
       step ops 300 python3 benchmarks/ops.py --out "$DIR/ops.json"
       step fp8_ops 240 python3 benchmarks/fp8_ops.py --out "$DIR/fp8_ops.json"
