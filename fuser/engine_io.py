@@ -446,17 +446,13 @@ def model_steps(role: str, info: dict[str, Any], cache: KVCache,
     return out
 
 
-def import_step_runtime(compiled: bool) -> None:
-    """Import what running the loaded steps needs (on a thread, while the weights are read; a
-    failure shows where the steps load or first run): Dynamo, which torch.library imports at
-    the first call of each custom op (its kernels are wrapped in `torch._disable_dynamo`:
-    every fused op, in the first run or the warm-up), and with `compiled`, what loading a
-    compiled step's artifact needs of Inductor (which imports Dynamo too)."""
+def import_inductor() -> None:
+    """Import what loading a compiled step's artifact needs of Inductor (on a thread, while the
+    weights are read; a failure shows where the artifacts load)."""
     import importlib
 
-    modules = ("torch._inductor.standalone_compile", "torch._inductor.codecache",
-               "torch._inductor.output_code") if compiled else ("torch._dynamo",)
-    for module in modules:
+    for module in ("torch._inductor.standalone_compile", "torch._inductor.codecache",
+                   "torch._inductor.output_code"):
         try:
             importlib.import_module(module)
         except Exception:  # noqa: BLE001 -- the load's own import reports it
@@ -536,12 +532,13 @@ def open_engine(path: str | Path, device: str | torch.device | None = None, *,
     info = manifest["info"]
     any_compiled = any(g["compiled"] for m in info["models"].values()
                        for g in m["graphs"].values())
-    # The tokenizer (transformers' import: seconds) loads on a thread meanwhile, and so do
-    # the imports of Dynamo and, where compiled steps will need it, Inductor: the weights'
-    # reading leaves the interpreter mostly free.
+    # The tokenizer (transformers' import: seconds) loads on a thread meanwhile, and so does
+    # Inductor's import where compiled steps will need it: the weights' reading leaves the
+    # interpreter mostly free.
     extras = ThreadPoolExecutor(2)
     extras_loaded = extras.submit(load_extras, directory, tokenizer)
-    extras.submit(import_step_runtime, any_compiled)
+    if any_compiled:
+        extras.submit(import_inductor)
     extras.shutdown(wait=False)
     try:
         return _open_engine(directory, device, manifest, any_compiled, extras_loaded, say)
