@@ -12,6 +12,8 @@
 #   files     engine files: build, save and load of the 8B + 1B engine, then `fuser serve` of
 #             it: launch -> /health, first-request TTFT, tokens (engine_files.py --serve;
 #             FILES_ARGS adds flags, e.g. "--max-batch-size 4")
+#   imports   fuser serve's launch up to its load, step by step, in fresh processes, and the
+#             largest imports (serve_imports.py); -X importtime of the serve entry point  ~1 min
 #   ops       per-op tables: bf16 ops (ops.py), FP8 GEMVs and prefill GEMMs (fp8_ops.py)
 #   accuracy  FP8 against bf16 on the bundled pair, on the GPU (fp8_accuracy.py)
 #   serve     the OpenAI-compatible server under load (serve.py --preset llama-3-8b;
@@ -62,7 +64,7 @@ export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fuser-out}
 BUDGET=${BUDGET:-580}
-SUITES="decode verify spec fallback files ops accuracy serve serve256 serve256fp8 build256 build256base servepaged serverate servelong adapt adapt8b paged prefix allreduce tp suffix tests"
+SUITES="decode verify spec fallback files imports ops accuracy serve serve256 serve256fp8 build256 build256base servepaged serverate servelong adapt adapt8b paged prefix allreduce tp suffix tests"
 PAGED_ARGS=${PAGED_ARGS---config kv_block_size=16 --config kv_memory_fraction=0.9}
 if [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ]; then
   sed -n '2,/^set -o/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
@@ -145,7 +147,14 @@ for suite in "$@"; do
         --engine-dir "$DIR/engine" --out "$DIR/engine_files.json" ${FILES_ARGS:-}
       rm -rf "$DIR/engine"
       table "files: 8B + 1B-draft engine directory, load and fuser serve" \
-        "$(grep -v -i warn "$DIR/engine_files.log" | grep -v '^\[engine_files\]' | tail -n 24)" ;;
+        "$(grep -v -i warn "$DIR/engine_files.log" | grep -v '^\[engine_files\]' | tail -n 26)" ;;
+    imports)
+      step serve_imports 240 python3 benchmarks/serve_imports.py --runs 3 \
+        --out "$DIR/serve_imports.json"
+      step importtime 60 bash -c 'python3 -X importtime -c "import fuser.server.cli" 2>&1 | tail -1'
+      table "imports: fuser serve before its load (median of 3 fresh processes)" \
+        "$(grep -v -i warn "$DIR/serve_imports.log")" \
+        "-X importtime, import fuser.server.cli (us): $(tail -n 1 "$DIR/importtime.log")" ;;
     ops)
       step ops 300 python3 benchmarks/ops.py --out "$DIR/ops.json"
       step fp8_ops 240 python3 benchmarks/fp8_ops.py --out "$DIR/fp8_ops.json"

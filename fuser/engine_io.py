@@ -459,10 +459,25 @@ def import_inductor() -> None:
             return
 
 
-def load_extras(directory: Path) -> tuple[object | None, object | None]:
-    """(tokenizer, generation config) stored in engine `directory`, None where absent."""
+class TokenizerError(ValueError):
+    """A tokenizer directory given in place of an engine's own (`fuser.load(tokenizer=...)`)
+    that transformers cannot load; the message names the directory."""
+
+
+def load_extras(directory: Path, tokenizer_dir: str | Path | None = None
+                ) -> tuple[object | None, object | None]:
+    """(tokenizer, generation config) stored in engine `directory`, None where absent;
+    `tokenizer_dir`: a tokenizer directory loaded in place of the stored tokenizer (refused
+    with TokenizerError)."""
     tokenizer = generation_config = None
-    if (directory / TOKENIZER_DIR).is_dir():
+    if tokenizer_dir is not None:
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        except (OSError, ValueError) as e:
+            raise TokenizerError(f"{tokenizer_dir}: cannot load a tokenizer ({e})") from None
+    elif (directory / TOKENIZER_DIR).is_dir():
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(directory / TOKENIZER_DIR))
@@ -498,14 +513,16 @@ class EngineParts:
 
 
 def open_engine(path: str | Path, device: str | torch.device | None = None, *,
-                log: Log | None = None) -> EngineParts:
+                log: Log | None = None, tokenizer: str | Path | None = None) -> EngineParts:
     """Read the engine directory at `path` onto `device`: its steps in every bucket (compiled
     ones from their artifacts), config, tokenizer and measured costs. Runs no capture, pass,
     Dynamo or Inductor compilation.
 
     Refuses (EngineFileError, a ValueError) an engine built elsewhere (versions, device, GPU,
     passes or kernel sources) or a missing, truncated, altered or half-written file, naming
-    what differs. `log` receives a line per long step.
+    what differs. `log` receives a line per long step. `tokenizer`: a tokenizer directory
+    loaded in place of the engine's own (TokenizerError if it cannot be), beside the reading
+    as the engine's own would be.
     """
     say = log or (lambda message: None)
     directory = Path(path)
@@ -519,7 +536,7 @@ def open_engine(path: str | Path, device: str | torch.device | None = None, *,
     # Inductor's import where compiled steps will need it: the weights' reading leaves the
     # interpreter mostly free.
     extras = ThreadPoolExecutor(2)
-    extras_loaded = extras.submit(load_extras, directory)
+    extras_loaded = extras.submit(load_extras, directory, tokenizer)
     if any_compiled:
         extras.submit(import_inductor)
     extras.shutdown(wait=False)
@@ -580,5 +597,5 @@ def _open_engine(directory: Path, device: torch.device, manifest: dict, any_comp
                        timings)
 
 
-__all__ = ["DetachedModel", "EngineFileError", "EngineParts", "SavableEngine", "open_engine",
-           "save"]
+__all__ = ["DetachedModel", "EngineFileError", "EngineParts", "SavableEngine", "TokenizerError",
+           "open_engine", "save"]

@@ -393,7 +393,7 @@ def _start_followers(target: nn.Module, config: FuserConfig, kinds: list[StepKin
 @_stop_followers_on_error
 def load(path: str | Path, device: str | torch.device | None = None, *,
          log: Log | None = None, wait_for_graphs: bool = False,
-         tensor_parallel: int | None = None) -> Engine:
+         tensor_parallel: int | None = None, tokenizer: str | Path | None = None) -> Engine:
     """The Engine saved at `path` (`engine.save`), without capture, passes or compilation:
     every batch bucket's steps, compiled ones from their saved code, and, with
     gamma="auto", the iteration costs measured at build time.
@@ -406,6 +406,9 @@ def load(path: str | Path, device: str | torch.device | None = None, *,
     A tensor-parallel engine directory (rank0/, rank1/, ...) starts its follower processes,
     each loading its own rank. tensor_parallel: the world size to load at (None: the saved
     one); another than the saved one is refused, as is a rank directory loaded alone.
+    tokenizer: a tokenizer directory loaded in place of the engine's own (for an engine saved
+    without one; `fuser.engine_io.TokenizerError`, a ValueError, names it if it cannot be
+    loaded), on a thread while the weights are read, as the engine's own is.
 
     Refuses (fuser.EngineFileError, a ValueError) an engine built elsewhere (versions, device,
     GPU, passes or kernel sources) or a missing, truncated, altered or half-written file,
@@ -416,7 +419,7 @@ def load(path: str | Path, device: str | torch.device | None = None, *,
     group = None
     if saved_world_size(path, tensor_parallel) > 1:  # rank 0 here, the others started
         group, path, device = _start_loading(Path(path), device)
-    parts = open_engine(path, device, log=say)
+    parts = open_engine(path, device, log=say, tokenizer=tokenizer)
     info = parts.manifest["info"]["engine"]
     target, draft = parts.models["target"], parts.models.get("draft", {})
     if group is not None:

@@ -17,7 +17,6 @@ Newer transformers write the multiply themselves; the pass then finds nothing.
 from __future__ import annotations
 
 import torch
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fuser.passes.base import GraphPass, PassContext
 
@@ -25,6 +24,10 @@ aten = torch.ops.aten
 
 
 def _one(size: object) -> bool:
+    # Imported here: symbolic_shapes imports sympy (seconds), loaded already while a build
+    # rewrites graphs; a load imports the passes for their names only.
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
     return statically_known_true(size == 1)  # type: ignore[operator]
 
 

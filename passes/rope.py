@@ -24,7 +24,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import fuser.ops  # noqa: F401  (registers torch.ops.fuser.*)
 from fuser.passes.base import PatternPass, Replacement
@@ -68,6 +67,10 @@ def rotary_replace(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 
 def _same(a: object, b: object) -> bool:
     """Sizes certainly equal (a dynamic T equals itself; nothing is guarded on)."""
+    # Imported here: symbolic_shapes imports sympy (seconds), loaded already while a build
+    # rewrites graphs; a load imports the passes for their names only.
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
     return bool(statically_known_true(a == b))
 
 

@@ -218,3 +218,23 @@ def test_build_profile_times_each_bucket(tmp_path: Path) -> None:
     assert passes == {"1", "2"}  # the decode step rewritten once per bucket
     assert {r["rows"] for r in rows if r["phase"] == "warm_up"} == {"1", "2"}
     assert "fallbacks: none" in proc.stdout
+
+
+def test_serve_imports_times_the_launch_before_the_load(tmp_path: Path) -> None:
+    """benchmarks/serve_imports.py on CPU: every phase of `fuser serve`'s launch up to the load
+    timed in a fresh process, the largest imports listed, and no compiler module imported
+    before the load (sympy, Dynamo, Inductor, transformers)."""
+    out = tmp_path / "serve_imports.json"
+    proc = subprocess.run([sys.executable, "benchmarks/serve_imports.py", "--runs", "1", "--top",
+                           "5", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert list(result["phases"]) == [
+        "interpreter start", "import fuser.cli", "parser, threads",
+        "fastapi, uvicorn, prometheus_client", "app, runner imports",
+        "bind, app, HTTP server start", "open_engine's imports"]
+    assert all(seconds >= 0 for seconds in result["phases"].values())
+    assert len(result["imports"]) == 5 and ["torch", "fuser.config"] == \
+        [row for row in result["imports"] if row[0] == "torch"][0][::2]
+    assert result["compiler_modules"] == []

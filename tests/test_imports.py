@@ -113,3 +113,39 @@ def test_a_cycle_is_found() -> None:
 def test_no_import_cycles() -> None:
     found = cycles(import_graph())
     assert not found, "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+# What `fuser serve ENGINE_DIR` imports before it loads: the `fuser` command, the serve entry
+# point, the HTTP app and its runner, and the load path (fuser.load and what it reads with).
+SERVE_MODULES = ["fuser.cli", "fuser.server.cli", "fuser.server.app", "fuser.server.runner",
+                 "fuser.launch", "fuser.pipeline", "fuser.engine_io", "fuser.engine_file",
+                 "fuser.kernel_store"]
+# What serving a loaded engine does not need at import: sympy (through torch.fx's
+# symbolic_shapes: seconds), Dynamo and Inductor (a load imports Inductor's artifact loading on
+# a thread, only where a step was compiled), and transformers (the engine directory's
+# tokenizer loads on the load's thread).
+NOT_IMPORTED = ["sympy", "torch.fx.experimental.symbolic_shapes", "torch._dynamo",
+                "torch._inductor", "transformers"]
+IMPORTED = """
+import importlib, json, sys
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+print(json.dumps(sorted(sys.modules)))
+"""
+
+
+def test_serving_imports_no_compiler() -> None:
+    """Importing what `fuser serve ENGINE_DIR` runs before its load imports none of
+    NOT_IMPORTED, in a fresh interpreter (an import of this process's tests may have)."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", IMPORTED, *SERVE_MODULES],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    modules = set(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert set(SERVE_MODULES) <= modules  # the check sees the imports
+    assert "torch" in modules and "fastapi" in modules
+    found = sorted(name for name in NOT_IMPORTED if name in modules)
+    assert not found, f"importing {SERVE_MODULES} imports {found}"

@@ -565,3 +565,39 @@ def test_gpu_a_model_directory_serves_a_pool_sized_from_free_memory(tiny_model_d
         scheduler.close()
     replays = engine.report().graph_replays
     assert sum(v for k, v in replays.items() if k.startswith("step.b")) >= scheduler.steps > 0
+
+
+def test_a_tokenizer_for_an_engine_saved_without_one_loads_beside_the_weights(
+        tiny_engine_dir, tmp_path, monkeypatch, capsys):
+    """--tokenizer for an engine directory saved without a tokenizer loads on the load's thread
+    while the weights are read, not on the main thread after the load (transformers' tokenizer
+    import and its files: seconds before /health). The engine keeps none (what --adapt-draft
+    saves back is as saved), and a directory without a tokenizer is an error naming it, as
+    when it loaded after the engine."""
+    from transformers import AutoTokenizer
+
+    from fuser.server import cli
+
+    engine = fuser.load(tiny_engine_dir)
+    engine.tokenizer = None
+    path = tmp_path / "no-tokenizer"
+    engine.save(path)
+    real = AutoTokenizer.from_pretrained
+    on_main: list[bool] = []
+
+    def recording(*args: object, **kwargs: object) -> object:
+        on_main.append(threading.current_thread() is threading.main_thread())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", recording)
+    args = build_parser().parse_args(["serve", str(path), "--tokenizer", str(TARGET_PATH)])
+    loaded = cli.open_engine(args)
+    tokenizer = cli.load_tokenizer(args, loaded)
+    assert on_main == [False]  # once, on the load's thread
+    assert loaded.tokenizer is None
+    assert tokenizer("def f(x):")["input_ids"] == real(str(TARGET_PATH))("def f(x):")["input_ids"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, err = _run(["serve", str(path), "--port", "0", "--tokenizer", str(empty)], capsys)
+    assert code == 2
+    assert f"fuser: error: --tokenizer {empty}: cannot load a tokenizer (" in err

@@ -43,7 +43,6 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fuser.ops.paged import paged_slots
 from fuser.ops.pdl import pdl_launch, wait_for_inputs
@@ -197,6 +196,12 @@ def _rotary_kernel(
 def _differs(a: object, b: object) -> bool:
     # Certainly different: ints compare as ints; a symbolic size (the fake implementation under
     # a dynamic T) is never guarded on, only refused where it cannot be equal.
+    if isinstance(a, int) and isinstance(b, int):
+        return a != b
+    # Imported here: symbolic_shapes imports sympy (seconds), and a symbolic size exists only
+    # while a graph is traced, when it is loaded already; serving a loaded engine needs neither.
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
     return bool(statically_known_true(a != b))
 
 

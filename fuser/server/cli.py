@@ -233,8 +233,7 @@ def open_engine(args: argparse.Namespace, cold: ColdStart | None = None) -> Any:
                              "(--draft applies to model directories)")
         check_engine_precision(args.path, getattr(args, "precision", None))
         progress(f"loading the engine {args.path} ...")
-        engine = fuser.load(args.path, log=progress,
-                            tensor_parallel=getattr(args, "tensor_parallel_size", None))
+        engine = load_engine_dir(args)
         behind = [s for s, status in engine.graphs_status.items() if status != "ready"]
         parts = {("capture (bucket 1)" if k == "capture" and behind else LOAD_PARTS[k]): v
                  for k, v in engine.load_timings.items() if k in LOAD_PARTS}
@@ -273,6 +272,30 @@ def open_engine(args: argparse.Namespace, cold: ColdStart | None = None) -> Any:
     return engine
 
 
+def load_engine_dir(args: argparse.Namespace) -> Any:
+    """`fuser.load` of the engine directory PATH. A --tokenizer for an engine saved without one
+    loads on the load's thread while the weights are read (transformers' tokenizer import and
+    its files take seconds, which after the load would delay /health): kept as
+    `args.loaded_tokenizer` for `load_tokenizer`, the engine keeping none, as saved."""
+    import fuser
+    from fuser.engine_file import MANIFEST
+    from fuser.engine_io import TOKENIZER_DIR, TokenizerError
+
+    path = Path(args.path)
+    tokenizer = getattr(args, "tokenizer", None)
+    beside = tokenizer is not None and (path / MANIFEST).is_file() \
+        and not (path / TOKENIZER_DIR).is_dir()  # one rank's directory, no tokenizer of its own
+    try:
+        engine = fuser.load(args.path, log=progress,
+                            tensor_parallel=getattr(args, "tensor_parallel_size", None),
+                            **({"tokenizer": tokenizer} if beside else {}))
+    except TokenizerError as e:
+        raise ValueError(f"--tokenizer {e}") from None
+    if beside:
+        args.loaded_tokenizer, engine.tokenizer = engine.tokenizer, None
+    return engine
+
+
 def check_engine_precision(path: str, precision: str | None) -> None:
     """Refuse `--precision` for the engine directory `path` unless it names the precision the
     engine was built with: the one its config records, or, for a non-FP8 engine, the dtype
@@ -297,6 +320,10 @@ def check_engine_precision(path: str, precision: str | None) -> None:
 
 
 def load_tokenizer(args: argparse.Namespace, engine: Any) -> Any:
+    """The tokenizer to serve with: --tokenizer (which an engine directory's load may have
+    loaded already, `load_engine_dir`), else the engine's own."""
+    if getattr(args, "loaded_tokenizer", None) is not None:
+        return args.loaded_tokenizer
     if args.tokenizer is not None:
         from transformers import AutoTokenizer
 
@@ -512,6 +539,8 @@ def run_serve(args: argparse.Namespace) -> int:
         cold = ColdStart()
         engine = open_engine(args, cold)
         tokenizer = load_tokenizer(args, engine)
+        cold.mark("tokenizer")  # ~0 where the load read it (an engine directory's own, or
+        # --tokenizer for one saved without: `load_engine_dir`)
         started = make_scheduler(engine, args)
         started.start()
         scheduler = started
