@@ -41,6 +41,10 @@ from fuser.ops.paged import _cache_rows
 
 LOG2E = math.log2(math.e)
 MIN_BLOCK = 16  # tl.dot's smallest tile side
+TARGET_PROGRAMS = 264  # two programs per SM of an H100 / H200 (132 SMs), as decode's split-K
+MIN_SPLIT_BLOCKS = 2  # key blocks a split gets at least (of the most the shapes allow)
+MAX_SPLITS = 16
+COMBINE_ROWS = 16  # query rows per program of the combine on the GPU ([16, D] fp32 tiles)
 
 
 @triton.jit
@@ -98,6 +102,8 @@ def _flash_prefill_kernel(
                                       # (PAGE > 0: k/v pools [num_blocks, PAGE, KV, D])
     slots_ptr, starts_ptr,            # query_slots [B, T] int64 (contiguous), starts [B] int64
     table_ptr,                        # PAGE > 0: block table [B, max_blocks] int32 (else unused)
+    acc_ptr, ml_ptr,                  # SPLITS > 1: fp32 scratch acc [B * H, SPLITS, T, D] and
+                                      # ml [B * H, SPLITS, 2, T] (else unused)
     sq_b, sq_h, sq_t,                 # q strides (d stride 1)
     sk_b, sk_h, sk_t,                 # k strides (d stride 1)
     sv_b, sv_h, sv_t,                 # v strides (d stride 1)
@@ -115,6 +121,8 @@ def _flash_prefill_kernel(
                                       # interpreter, whose bf16 dot is wrong)
     MASK_ALL: tl.constexpr,           # mask every key block (else only the blocks that need it)
     PAGE: tl.constexpr = 0,           # slots per block of a paged cache; 0: k, v as they are
+    SPLITS: tl.constexpr = 1,         # programs per (query block, b, h), each over its share of
+                                      # the key blocks; 1: out directly, else partials to scratch
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -138,6 +146,13 @@ def _flash_prefill_kernel(
         lo = tl.maximum(lo, lowest - WINDOW + 1)
     lo = tl.maximum(lo, 0)
     lo = (lo // BLOCK_N) * BLOCK_N
+    if SPLITS > 1:
+        # This split's share of [lo, hi): a run of `per` whole key blocks (the last share may be
+        # shorter, or empty). The online softmax below runs over it alone.
+        split = tl.program_id(2)
+        per = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N), SPLITS) * BLOCK_N
+        lo = tl.minimum(lo + split * per, hi)
+        hi = tl.minimum(lo + per, hi)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -175,8 +190,56 @@ def _flash_prefill_kernel(
             acc, m_i, l_i = _attend(acc, m_i, l_i, q, qi, start, n0, k_base, v_base, sk_t, sv_t,
                                     offs_d, N_KEYS, qk_scale, softcap, table_row, True, WINDOW,
                                     SOFTCAP, BLOCK_N, FP32_DOTS, PAGE)
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    out_rows = out_ptr + ((b * T + offs_m[:, None]) * H + h) * D + offs_d[None, :]
+    if SPLITS > 1:
+        part = bh.to(tl.int64) * SPLITS + tl.program_id(2)              # [B * H, SPLITS] slot
+        tl.store(acc_ptr + (part * T + offs_m[:, None]) * D + offs_d[None, :], acc,
+                 mask=row_ok[:, None])
+        tl.store(ml_ptr + part * 2 * T + offs_m, m_i, mask=row_ok)
+        tl.store(ml_ptr + part * 2 * T + T + offs_m, l_i, mask=row_ok)
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        out_rows = out_ptr + ((b * T + offs_m[:, None]) * H + h) * D + offs_d[None, :]
+        tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _combine_splits_kernel(
+    acc_ptr, ml_ptr,                  # the split programs' scratch (see _flash_prefill_kernel)
+    out_ptr,                          # [B, T, H, D] contiguous
+    T, H,
+    SPLITS: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """Per (block of BLOCK_T query rows, b * H + h): out = sum_s 2^(m_s - m) acc_s /
+    sum_s 2^(m_s - m) l_s with m = max_s m_s (the scores are in base 2). A row no split saw a
+    key for (m = -inf everywhere: left padding) gets 0, as the unsplit kernel writes."""
+    pid_t = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, D)
+    row_ok = offs_t < T
+    m = tl.full([BLOCK_T], float("-inf"), dtype=tl.float32)
+    for s in range(SPLITS):
+        m_s = tl.load(ml_ptr + (bh * SPLITS + s) * 2 * T + offs_t, mask=row_ok,
+                      other=float("-inf"))
+        m = tl.maximum(m, m_s)
+    m = tl.where(m == float("-inf"), 0.0, m)  # no key anywhere: every weight below is 0
+    acc = tl.zeros([BLOCK_T, D], dtype=tl.float32)
+    l = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for s in range(SPLITS):
+        part = bh * SPLITS + s
+        m_s = tl.load(ml_ptr + part * 2 * T + offs_t, mask=row_ok, other=float("-inf"))
+        l_s = tl.load(ml_ptr + part * 2 * T + T + offs_t, mask=row_ok, other=0.0)
+        w = tl.math.exp2(m_s - m)                                        # empty split: 0
+        acc_s = tl.load(acc_ptr + (part * T + offs_t[:, None]) * D + offs_d[None, :],
+                        mask=row_ok[:, None], other=0.0)
+        acc += acc_s * w[:, None]
+        l += l_s * w
+    out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+    out_rows = out_ptr + ((b * T + offs_t[:, None]) * H + h) * D + offs_d[None, :]
     tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
@@ -200,9 +263,20 @@ def _blocks(D: int, dtype: torch.dtype, on_gpu: bool) -> tuple[int, int, int, in
     return 128, 64, 8, 3
 
 
+def prefill_splits(programs: int, key_blocks: int, target_programs: int = TARGET_PROGRAMS) -> int:
+    """How many programs share each (query block, b, h)'s key blocks: enough that programs *
+    splits reaches target_programs, but at least MIN_SPLIT_BLOCKS key blocks a split (of the
+    key_blocks the shapes allow) and at most MAX_SPLITS; 1 where the grid already fills the GPU.
+    Depends on shapes only, so a CUDA graph captured once stays valid for any slots."""
+    if programs >= target_programs:
+        return 1
+    return max(1, min(triton.cdiv(target_programs, programs), key_blocks // MIN_SPLIT_BLOCKS,
+                      MAX_SPLITS))
+
+
 def flash_prefill(q: Tensor, k: Tensor, v: Tensor, query_slots: Tensor, starts: Tensor,
                   scale: float, window: int, softcap: float, block_table: Tensor | None = None,
-                  *, mask_all: bool = True) -> Tensor:
+                  *, mask_all: bool = True, splits: int | None = None) -> Tensor:
     """q [B, H, T, D], k/v [B, KV, T, D] (key t at slot t), query_slots [B, T], starts [B]
     -> [B, T, H, D] contiguous in q's dtype. See the module's docstring. With block_table
     [B, max_blocks] int32, k/v are pools [num_blocks, PAGE, KV, D] (contiguous) holding every
@@ -210,7 +284,11 @@ def flash_prefill(q: Tensor, k: Tensor, v: Tensor, query_slots: Tensor, starts: 
 
     mask_all=False masks only the key blocks that straddle a row's start, window edge or
     diagonal (the Triton fused-attention tutorial's split): the same result, less work per
-    fully visible block. Not yet timed on a GPU, so not the default."""
+    fully visible block. Not yet timed on a GPU, so not the default.
+
+    splits: programs per (query block, b, h), each over an equal share of the key blocks its
+    queries may see, combined by `_combine_splits_kernel` (flash-decoding); 1 runs the single
+    kernel. None: `prefill_splits` of the grid on CUDA, 1 elsewhere (the interpreter)."""
     B, H, T, D = q.shape
     if block_table is None:
         KV, n_keys, page, max_blocks = k.shape[1], T, 0, 1
@@ -224,6 +302,8 @@ def flash_prefill(q: Tensor, k: Tensor, v: Tensor, query_slots: Tensor, starts: 
         max_blocks = table.shape[1]
         n_keys = max_blocks * page
     assert H % KV == 0, f"{H} query heads do not group over {KV} kv heads"
+    if splits is not None and splits < 1:
+        raise ValueError(f"flash_prefill: splits must be >= 1, got {splits}")
     out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
     if out.numel() == 0:
         return out
@@ -237,13 +317,26 @@ def flash_prefill(q: Tensor, k: Tensor, v: Tensor, query_slots: Tensor, starts: 
     starts = starts.to(torch.int64).contiguous()
     BLOCK_M, BLOCK_N, warps, stages = _blocks(D, q.dtype, q.is_cuda)
     grid = (triton.cdiv(T, BLOCK_M), B * H)
-    _flash_prefill_kernel[grid](
-        q, k, v, out, slots, starts, table,
+    if splits is None:
+        splits = prefill_splits(grid[0] * grid[1], triton.cdiv(n_keys, BLOCK_N)) \
+            if q.is_cuda else 1
+    if splits > 1:
+        acc = torch.empty(B * H, splits, T, D, dtype=torch.float32, device=q.device)
+        ml = torch.empty(B * H, splits, 2, T, dtype=torch.float32, device=q.device)
+    else:
+        acc = ml = out  # unused
+    _flash_prefill_kernel[grid + (splits,)](
+        q, k, v, out, slots, starts, table, acc, ml,
         q.stride(0), q.stride(1), q.stride(2),
         *strides,
         T, H, H // KV, n_keys, max_blocks, scale * LOG2E, float(softcap),
         WINDOW=int(window), SOFTCAP=bool(softcap), D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         FP32_DOTS=q.dtype == torch.float32 or not q.is_cuda, MASK_ALL=mask_all,
-        num_warps=warps, num_stages=stages, PAGE=page,
+        num_warps=warps, num_stages=stages, PAGE=page, SPLITS=splits,
     )
+    if splits > 1:
+        block_t = COMBINE_ROWS if q.is_cuda else MIN_BLOCK
+        _combine_splits_kernel[(triton.cdiv(T, block_t), B * H)](
+            acc, ml, out, T, H, SPLITS=splits, D=D, BLOCK_T=block_t, num_warps=4,
+        )
     return out
