@@ -10,7 +10,9 @@ D 128, bf16, B 1) in three cases:
   chunk512  512 queries after 1,536 cached tokens (2,048 keys), paged
   prefill   the plain 2,048-token causal prefill (contiguous k/v, no cache)
 each with splits = 1 (the single kernel), every --splits value, and the default
-(`prefill_splits`, marked `*`), every one with mask_all True and False.
+(`prefill_splits`, marked `*`), at the kernel's default query tile (BLOCK_M 128) and every
+--block-m (default 64); --mask-all-off adds the rows with mask_all=False. "vs unsplit" is the
+speedup over splits = 1 at the default tile with every key block masked (today's kernel).
 
 Time per call by CUDA-graph replay (benchmarks/timing.py: warm-up, 20 calls per graph,
 do_bench median), as the engine's step graph runs the op, so that the split path's second
@@ -19,7 +21,7 @@ the L2 (one layer's keys come from HBM in a step), q is not. Inputs are random n
 
 Each output is checked against the reference (masked_attention, fp32 scores):
 ||out - ref|| / ||ref|| in fp32, flagged above 2e-2. The table prints the time, the speedup over
-splits = 1 with the same mask_all, and the error. Exit status: 0; 1 if an error was flagged;
+today's kernel, and the error. Exit status: 0; 1 if an error was flagged;
 2 without CUDA (unless --dry-run).
 """
 
@@ -61,6 +63,7 @@ class Case:
 @dataclass
 class Row:
     case: str
+    block_m: int
     splits: int
     default: bool
     mask_all: bool
@@ -123,39 +126,42 @@ def run_case(case: Case, args: argparse.Namespace, dry: bool) -> list[Row]:
     kv_bytes = 2 * S * KV * D * (4 if dry else 2)
     copies = 2 if dry else copies_for(kv_bytes)
     arg_sets, ref = make(case, H, KV, D, device, dtype, seed=len(case.name), copies=copies)
-    block_m, block_n, _, _ = _blocks(D, dtype, not dry)
+    default_m, block_n, _, _ = _blocks(D, dtype, not dry)
     n_keys = -(-S // PAGE) * PAGE if case.paged else S
-    default = prefill_splits(triton.cdiv(case.T, block_m) * H, triton.cdiv(n_keys, block_n))
     rows: list[Row] = []
-    for mask_all in (True, False):
-        base_us = None
-        for splits in sorted({1, default, *args.splits}):
-            fns = [functools.partial(flash_prefill, *a, mask_all=mask_all, splits=splits)
-                   for a in arg_sets]
-            err = rel_err(fns[0](), ref)
-            us, method = None, "untimed"
-            if not dry:
-                t = time_us(fns)
-                us, method = t.us, t.method
-            row = Row(case.name, splits, splits == default, mask_all, us, method, err)
-            if splits == 1:
-                base_us = us
-            if us and base_us:
-                row.speedup = base_us / us
-            rows.append(row)
-            log(f"  {case.name} splits={splits}{'*' if row.default else ''} "
-                f"mask_all={mask_all}: {'-' if us is None else f'{us:.1f} us'} err {err:.2e}")
+    base_us = None  # splits = 1 at the default tiles, mask_all True: what every row is against
+    for block_m in [default_m] + [m for m in args.block_m if m != default_m and not dry]:
+        default = prefill_splits(triton.cdiv(case.T, block_m) * H, triton.cdiv(n_keys, block_n))
+        for mask_all in (True, False) if args.mask_all_off or dry else (True,):
+            for splits in sorted({1, default, *args.splits}):
+                fns = [functools.partial(flash_prefill, *a, mask_all=mask_all, splits=splits,
+                                         block_m=block_m) for a in arg_sets]
+                err = rel_err(fns[0](), ref)
+                us, method = None, "untimed"
+                if not dry:
+                    t = time_us(fns)
+                    us, method = t.us, t.method
+                row = Row(case.name, block_m, splits, splits == default, mask_all, us, method,
+                          err)
+                if splits == 1 and block_m == default_m and mask_all:
+                    base_us = us
+                if us and base_us:
+                    row.speedup = base_us / us
+                rows.append(row)
+                log(f"  {case.name} block_m={block_m} splits={splits}"
+                    f"{'*' if row.default else ''} mask_all={mask_all}: "
+                    f"{'-' if us is None else f'{us:.1f} us'} err {err:.2e}")
     return rows
 
 
 def table(rows: list[Row]) -> str:
-    lines = ["| case | splits | mask_all | us | vs splits=1 | rel err |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| case | block_m | splits | mask_all | us | vs unsplit | rel err |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         us = "-" if r.us is None else f"{r.us:.1f}" + ("" if r.method == "cuda-graph" else "~")
         sp = "-" if r.speedup is None else f"{r.speedup:.2f}x"
         flag = " FLAG" if r.rel_err > MAX_REL_ERR else ""
-        lines.append(f"| {r.case} | {r.splits}{'*' if r.default else ''} | {r.mask_all} | {us} "
+        lines.append(f"| {r.case} | {r.block_m} | {r.splits}{'*' if r.default else ''} | {r.mask_all} | {us} "
                      f"| {sp} | {r.rel_err:.1e}{flag} |")
     return "\n".join(lines)
 
@@ -165,6 +171,10 @@ def main() -> int:
     p.add_argument("--out", type=Path, help="JSON of the rows")
     p.add_argument("--splits", type=int, nargs="+", default=[2, 4, 8, 16],
                    help="split counts to time besides 1 and the default")
+    p.add_argument("--block-m", type=int, nargs="+", default=[64],
+                   help="query tiles to time besides the kernel's default (128 at D 128)")
+    p.add_argument("--mask-all-off", action="store_true",
+                   help="also time mask_all=False (only the straddling key blocks masked)")
     p.add_argument("--cases", nargs="+", choices=[c.name for c in CASES],
                    default=[c.name for c in CASES])
     p.add_argument("--dry-run", action="store_true",

@@ -360,13 +360,15 @@ def test_flash_prefill_splits_fill_a_small_grid_only():
     assert prefill_splits(1, 10_000) == MAX_SPLITS
 
 
-def test_flash_prefill_rejects_zero_splits():
+def test_flash_prefill_rejects_bad_tuning_overrides():
     from fuser.ops.flash_prefill import flash_prefill
 
     q = torch.zeros(1, 2, 4, 16)
+    args = (q, q, q, torch.arange(4)[None], torch.zeros(1, dtype=torch.long), 0.25, 0, 0.0)
     with pytest.raises(ValueError, match="splits must be >= 1"):
-        flash_prefill(q, q, q, torch.arange(4)[None], torch.zeros(1, dtype=torch.long), 0.25,
-                      0, 0.0, splits=0)
+        flash_prefill(*args, splits=0)
+    with pytest.raises(ValueError, match="block_m must be a power of two"):
+        flash_prefill(*args, block_m=48)
 
 
 def test_flash_prefill_takes_power_of_two_head_dims_only():

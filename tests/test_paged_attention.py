@@ -396,8 +396,8 @@ def test_gpu_flash_prefill_chunk_over_a_paged_cache_llama3_8b_shape() -> None:
 @needs_cuda
 def test_gpu_flash_prefill_prefix_hit_chunk_splits_by_default() -> None:
     """The 8B prefix hit's chunk (128 queries after 1,024 cached tokens, B = 1, 16-slot
-    blocks): a grid of 32 programs, so the default splits the keys; split and unsplit both
-    match the reference."""
+    blocks): a grid of 32 programs, so the default splits the keys; split and unsplit, at
+    either query tile, all match the reference."""
     from fuser.ops.flash_prefill import flash_prefill, prefill_splits
 
     B, H, KV, D, T, P = 1, 32, 8, 128, 128, 16
@@ -412,7 +412,7 @@ def test_gpu_flash_prefill_prefix_hit_chunk_splits_by_default() -> None:
     (k_pool, v_pool), table, _ = page([k_cache, v_cache], P, lens + T, 1)
     slots = lens[:, None] + torch.arange(T, device="cuda")
     ref = cache_attention_reference(q, k_cache, v_cache, lens, starts, D**-0.5, 0, 0.0)
-    for splits in (None, 1):
+    for splits, block_m in ((None, None), (1, None), (None, 64), (1, 64)):
         out = flash_prefill(q, k_pool, v_pool, slots, starts, D**-0.5, 0, 0.0, table,
-                            splits=splits)
+                            splits=splits, block_m=block_m)
         torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)

@@ -276,7 +276,8 @@ def prefill_splits(programs: int, key_blocks: int, target_programs: int = TARGET
 
 def flash_prefill(q: Tensor, k: Tensor, v: Tensor, query_slots: Tensor, starts: Tensor,
                   scale: float, window: int, softcap: float, block_table: Tensor | None = None,
-                  *, mask_all: bool = True, splits: int | None = None) -> Tensor:
+                  *, mask_all: bool = True, splits: int | None = None,
+                  block_m: int | None = None) -> Tensor:
     """q [B, H, T, D], k/v [B, KV, T, D] (key t at slot t), query_slots [B, T], starts [B]
     -> [B, T, H, D] contiguous in q's dtype. See the module's docstring. With block_table
     [B, max_blocks] int32, k/v are pools [num_blocks, PAGE, KV, D] (contiguous) holding every
@@ -288,7 +289,9 @@ def flash_prefill(q: Tensor, k: Tensor, v: Tensor, query_slots: Tensor, starts: 
 
     splits: programs per (query block, b, h), each over an equal share of the key blocks its
     queries may see, combined by `_combine_splits_kernel` (flash-decoding); 1 runs the single
-    kernel. None: `prefill_splits` of the grid on CUDA, 1 elsewhere (the interpreter)."""
+    kernel. None: `prefill_splits` of the grid on CUDA, 1 elsewhere (the interpreter).
+    block_m: query rows per program on the GPU (a tuning override: 64 halves a chunk's
+    programs' work where 128 leaves the GPU idle; 4 warps then)."""
     B, H, T, D = q.shape
     if block_table is None:
         KV, n_keys, page, max_blocks = k.shape[1], T, 0, 1
@@ -316,6 +319,11 @@ def flash_prefill(q: Tensor, k: Tensor, v: Tensor, query_slots: Tensor, starts: 
     slots = query_slots.to(torch.int64).expand(B, T).contiguous()
     starts = starts.to(torch.int64).contiguous()
     BLOCK_M, BLOCK_N, warps, stages = _blocks(D, q.dtype, q.is_cuda)
+    if block_m is not None and (block_m < MIN_BLOCK or block_m & (block_m - 1)):
+        raise ValueError(f"flash_prefill: block_m must be a power of two >= {MIN_BLOCK}, "
+                         f"got {block_m}")
+    if block_m is not None and q.is_cuda and block_m != BLOCK_M:
+        BLOCK_M, warps = block_m, 4 if block_m <= 64 else warps
     grid = (triton.cdiv(T, BLOCK_M), B * H)
     if splits is None:
         splits = prefill_splits(grid[0] * grid[1], triton.cdiv(n_keys, BLOCK_N)) \
