@@ -16,6 +16,15 @@ memory. Scores in fp32 (exp2 of the scores times scale * log2(e)); probabilities
 dtype before P @ V, as the reference rounds them. A kv head serves its group of query heads by
 index (h // (H / kv_heads)): no repeated k/v copies.
 
+A small grid (a prefix hit's chunk: 128 queries, B = 1, 32 heads -> 32 programs on a 132-SM
+GPU, each walking every key block in turn) splits the key range as flash-decoding does: a
+third grid axis of SPLITS programs per (query block, b, h), each running the online softmax
+over an equal share of its query block's key blocks and writing fp32 partials (acc [T, D],
+running max and sum [T]) to scratch; `_combine_splits_kernel` merges them (log-sum-exp
+rescaling) into [B, T, H, D]. `prefill_splits` picks SPLITS from the shapes alone (so a captured
+graph holds for any slots): ~TARGET_PROGRAMS programs, >= MIN_SPLIT_BLOCKS key blocks a split;
+SPLITS = 1 is the single kernel as before.
+
 Left-padding rows (query_slots < starts) see no key; their output is 0, where the reference
 averages every value: no real row reads a padding row's output (its key is never visible to
 one), and both are finite.
