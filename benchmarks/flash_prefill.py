@@ -4,11 +4,12 @@
     python benchmarks/flash_prefill.py --dry-run     # CPU (Triton interpreter), tiny shapes, untimed
 
 `fuser.ops.flash_prefill.flash_prefill` at the Llama-3-8B shape (32 query heads, 8 kv heads,
-D 128, bf16, B 1) in three cases:
+D 128, bf16, B 1) in four cases:
   hit128    a prefix-cache hit's chunk: 128 queries after 1,024 cached tokens (1,152 keys),
             paged (16-slot blocks scattered over the pool), as the chunk step runs it
   chunk512  512 queries after 1,536 cached tokens (2,048 keys), paged
-  prefill   the plain 2,048-token causal prefill (contiguous k/v, no cache)
+  prefill   the plain 2,048-token causal prefill (contiguous k/v, no cache): 512 programs
+  prefill1k the same at 1,024 tokens: 256 programs, two waves, not split by default
 each with splits = 1 (the single kernel), every --splits value, and the default
 (`prefill_splits`, marked `*`), at the kernel's default query tile (BLOCK_M 128) and every
 --block-m (default 64); --mask-all-off adds the rows with mask_all=False. "vs unsplit" is the
@@ -74,9 +75,9 @@ class Row:
 
 
 CASES = [Case("hit128", 128, 1024, True), Case("chunk512", 512, 1536, True),
-         Case("prefill", 2048, 0, False)]
+         Case("prefill", 2048, 0, False), Case("prefill1k", 1024, 0, False)]
 DRY_CASES = [Case("hit128", 24, 40, True), Case("chunk512", 40, 60, True),
-             Case("prefill", 50, 0, False)]
+             Case("prefill", 50, 0, False), Case("prefill1k", 33, 0, False)]
 
 
 def make(case: Case, H: int, KV: int, D: int, device: str, dtype: torch.dtype, seed: int,

@@ -39,7 +39,7 @@
 #             scheduler's GPU tests
 #   flashprefill  the prefill's flash attention with the key range split over programs
 #             against unsplit, 8B shape, bf16: a prefix hit's 128-token chunk over 1,152 keys,
-#             512 over 2,048 (paged), the 2,048-token prefill (flash_prefill.py), and the
+#             512 over 2,048 (paged), 2,048- and 1,024-token prefills (flash_prefill.py), the
 #             kernel's GPU tests                                                        ~2 min
 #   prefix    prefix caching through the scheduler, 8B shape, bf16: TTFT p50 of requests
 #             sharing a 1,024-token opening with the cache and without (prefix_cache.py;

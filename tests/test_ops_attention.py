@@ -350,12 +350,14 @@ def test_flash_prefill_split_keys_equal_the_reference_on_real_rows(B, T, heads, 
 
 
 def test_flash_prefill_splits_fill_a_small_grid_only():
-    # The default rule: ~TARGET_PROGRAMS programs, >= 2 key blocks a split, at most MAX_SPLITS.
+    # The default rule: below a full grid, ~TARGET_PROGRAMS programs, >= 2 key blocks a
+    # split, at most MAX_SPLITS.
     from fuser.ops.flash_prefill import MAX_SPLITS, prefill_splits
 
     assert prefill_splits(32, 18) == 9      # the 8B prefix hit: 128 queries x 1,152 keys
     assert prefill_splits(128, 32) == 3     # 512 queries over 2,048 keys
     assert prefill_splits(512, 32) == 1     # a 2,048-token prefill fills the GPU already
+    assert prefill_splits(256, 16) == 1     # ... and a 1,024-token one (two waves)
     assert prefill_splits(32, 3) == 1       # too few key blocks to share
     assert prefill_splits(1, 10_000) == MAX_SPLITS
 

@@ -22,8 +22,8 @@ third grid axis of SPLITS programs per (query block, b, h), each running the onl
 over an equal share of its query block's key blocks and writing fp32 partials (acc [T, D],
 running max and sum [T]) to scratch; `_combine_splits_kernel` merges them (log-sum-exp
 rescaling) into [B, T, H, D]. `prefill_splits` picks SPLITS from the shapes alone (so a captured
-graph holds for any slots): ~TARGET_PROGRAMS programs, >= MIN_SPLIT_BLOCKS key blocks a split;
-SPLITS = 1 is the single kernel as before.
+graph holds for any slots): none from FULL_GRID programs up, else ~TARGET_PROGRAMS programs with
+>= MIN_SPLIT_BLOCKS key blocks a split; SPLITS = 1 is the single kernel as before.
 
 Left-padding rows (query_slots < starts) see no key; their output is 0, where the reference
 averages every value: no real row reads a padding row's output (its key is never visible to
@@ -50,7 +50,13 @@ from fuser.ops.paged import _cache_rows
 
 LOG2E = math.log2(math.e)
 MIN_BLOCK = 16  # tl.dot's smallest tile side
-TARGET_PROGRAMS = 264  # two programs per SM of an H100 / H200 (132 SMs), as decode's split-K
+# The split rule's GPU: 132 SMs (H100 SXM, H200). At the D = 128 bf16 tiles (BLOCK_M 128,
+# 8 warps, 3 stages: ~130 KB of shared memory) one program fits an SM, so a grid of FULL_GRID
+# programs already keeps every SM busy and is never split (splitting would only add the
+# scratch's traffic); a smaller one is split towards TARGET_PROGRAMS, two waves, as decode's
+# split-K, so that the programs' uneven key ranges even out.
+FULL_GRID = 132
+TARGET_PROGRAMS = 264
 MIN_SPLIT_BLOCKS = 2  # key blocks a split gets at least (of the most the shapes allow)
 MAX_SPLITS = 16
 COMBINE_ROWS = 16  # query rows per program of the combine on the GPU ([16, D] fp32 tiles)
@@ -272,12 +278,14 @@ def _blocks(D: int, dtype: torch.dtype, on_gpu: bool) -> tuple[int, int, int, in
     return 128, 64, 8, 3
 
 
-def prefill_splits(programs: int, key_blocks: int, target_programs: int = TARGET_PROGRAMS) -> int:
-    """How many programs share each (query block, b, h)'s key blocks: enough that programs *
-    splits reaches target_programs, but at least MIN_SPLIT_BLOCKS key blocks a split (of the
-    key_blocks the shapes allow) and at most MAX_SPLITS; 1 where the grid already fills the GPU.
-    Depends on shapes only, so a CUDA graph captured once stays valid for any slots."""
-    if programs >= target_programs:
+def prefill_splits(programs: int, key_blocks: int, full_grid: int = FULL_GRID,
+                   target_programs: int = TARGET_PROGRAMS) -> int:
+    """How many programs share each (query block, b, h)'s key blocks: 1 where the grid of
+    `programs` already fills the GPU (>= full_grid); else enough that programs * splits
+    reaches target_programs, but at least MIN_SPLIT_BLOCKS key blocks a split (of the
+    `key_blocks` the shapes allow) and at most MAX_SPLITS. Depends on shapes only, so a CUDA
+    graph captured once stays valid for any slots."""
+    if programs >= full_grid:
         return 1
     return max(1, min(triton.cdiv(target_programs, programs), key_blocks // MIN_SPLIT_BLOCKS,
                       MAX_SPLITS))
