@@ -1,6 +1,6 @@
 """The prefill's flash attention with its key range split over programs, against unsplit, on the GPU.
 
-    python benchmarks/flash_prefill.py [--out flash_prefill.json] [--splits 1 2 4 8 16]
+    python benchmarks/flash_prefill.py [--out flash_prefill.json] [--splits 2 4 8] [--block-m 64]
     python benchmarks/flash_prefill.py --dry-run     # CPU (Triton interpreter), tiny shapes, untimed
 
 `fuser.ops.flash_prefill.flash_prefill` at the Llama-3-8B shape (32 query heads, 8 kv heads,
@@ -170,7 +170,7 @@ def table(rows: list[Row]) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, help="JSON of the rows")
-    p.add_argument("--splits", type=int, nargs="+", default=[2, 4, 8, 16],
+    p.add_argument("--splits", type=int, nargs="+", default=[2, 4, 8],
                    help="split counts to time besides 1 and the default")
     p.add_argument("--block-m", type=int, nargs="+", default=[64],
                    help="query tiles to time besides the kernel's default (128 at D 128)")

@@ -224,9 +224,9 @@ for suite in "$@"; do
         "$(grep -E '^(FAILED|ERROR)|passed|failed' "$DIR/paged_tests.log" | tail -n 4)" \
         "$(grep -v -i warn "$DIR/paged_attention.log" | tail -n 14)" ;;
     flashprefill)
-      step flashprefill_tests 240 python3 -m pytest -q -p no:cacheprovider -rf \
+      step flashprefill_tests 150 python3 -m pytest -q -p no:cacheprovider -rf \
         tests/test_ops_attention.py tests/test_paged_attention.py -k "gpu_flash_prefill"
-      step flash_prefill 300 python3 benchmarks/flash_prefill.py --out "$DIR/flash_prefill.json"
+      step flash_prefill 420 python3 benchmarks/flash_prefill.py --out "$DIR/flash_prefill.json"
       table "flashprefill: split / unsplit flash prefill attention, 8B shape, bf16 (us per call)" \
         "$(grep -E '^(FAILED|ERROR)|passed|failed' "$DIR/flashprefill_tests.log" | tail -n 4)" \
         "$(grep -v -i warn "$DIR/flash_prefill.log" | grep -E '^\||rows' | tail -n 44)" ;;
