@@ -1,7 +1,7 @@
-"""The prefill's flash attention with its key range split over programs, against unsplit, on the GPU.
+"""The prefill's flash attention with its key range split over programs against unsplit (GPU).
 
     python benchmarks/flash_prefill.py [--out flash_prefill.json] [--splits 2 4 8] [--block-m 64]
-    python benchmarks/flash_prefill.py --dry-run     # CPU (Triton interpreter), tiny shapes, untimed
+    python benchmarks/flash_prefill.py --dry-run   # CPU (Triton interpreter), tiny, untimed
 
 `fuser.ops.flash_prefill.flash_prefill` at the Llama-3-8B shape (32 query heads, 8 kv heads,
 D 128, bf16, B 1) in four cases:
@@ -162,7 +162,8 @@ def table(rows: list[Row]) -> str:
         us = "-" if r.us is None else f"{r.us:.1f}" + ("" if r.method == "cuda-graph" else "~")
         sp = "-" if r.speedup is None else f"{r.speedup:.2f}x"
         flag = " FLAG" if r.rel_err > MAX_REL_ERR else ""
-        lines.append(f"| {r.case} | {r.block_m} | {r.splits}{'*' if r.default else ''} | {r.mask_all} | {us} "
+        mark = "*" if r.default else ""
+        lines.append(f"| {r.case} | {r.block_m} | {r.splits}{mark} | {r.mask_all} | {us} "
                      f"| {sp} | {r.rel_err:.1e}{flag} |")
     return "\n".join(lines)
 
