@@ -52,10 +52,9 @@ LOG2E = math.log2(math.e)
 MIN_BLOCK = 16  # tl.dot's smallest tile side
 # The split rule's GPU: 132 SMs (H100 SXM, H200). At the D = 128 bf16 tiles (BLOCK_M 128,
 # 8 warps: 255 registers a thread for sm_90, the whole register file) one program fits an
-# SM, so a grid of FULL_GRID
-# programs already keeps every SM busy and is never split (splitting would only add the
-# scratch's traffic); a smaller one is split towards TARGET_PROGRAMS, two waves, as decode's
-# split-K, so that the programs' uneven key ranges even out.
+# SM, so a grid of FULL_GRID programs already keeps every SM busy and is never split
+# (splitting would only add the scratch's traffic); a smaller one is split towards
+# TARGET_PROGRAMS, two waves, as decode's split-K, so that uneven key ranges even out.
 FULL_GRID = 132
 TARGET_PROGRAMS = 264
 MIN_SPLIT_BLOCKS = 2  # key blocks a split gets at least (of the most the shapes allow)
