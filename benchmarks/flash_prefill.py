@@ -47,7 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import copies_for, log, missing_gpu, time_us  # noqa: E402
 
 from fuser.ops.attention import cache_attention_reference, prefill_attention_reference  # noqa: E402
-from fuser.ops.flash_prefill import _blocks, flash_prefill, prefill_splits  # noqa: E402
+from fuser.ops.flash_prefill import (_blocks, default_splits, flash_prefill,  # noqa: E402
+                                     prefill_splits)
 
 PAGE = 16
 MAX_REL_ERR = 2e-2
@@ -132,7 +133,8 @@ def run_case(case: Case, args: argparse.Namespace, dry: bool) -> list[Row]:
     rows: list[Row] = []
     base_us = None  # splits = 1 at the default tiles, mask_all True: what every row is against
     for block_m in [default_m] + [m for m in args.block_m if m != default_m and not dry]:
-        default = prefill_splits(triton.cdiv(case.T, block_m) * H, triton.cdiv(n_keys, block_n))
+        default = default_splits(1, H, case.T, n_keys, D, dtype, block_m) if not dry else \
+            prefill_splits(triton.cdiv(case.T, block_m) * H, triton.cdiv(n_keys, block_n))
         for mask_all in (True, False) if args.mask_all_off or dry else (True,):
             for splits in sorted({1, default, *args.splits}):
                 fns = [functools.partial(flash_prefill, *a, mask_all=mask_all, splits=splits,

@@ -350,16 +350,23 @@ def test_flash_prefill_split_keys_equal_the_reference_on_real_rows(B, T, heads, 
 
 
 def test_flash_prefill_splits_fill_a_small_grid_only():
-    # The default rule: below a full grid, ~TARGET_PROGRAMS programs, >= 2 key blocks a
+    # The default rule: one wave of resident programs (132: one an SM), >= 2 key blocks a
     # split, at most MAX_SPLITS.
-    from fuser.ops.flash_prefill import MAX_SPLITS, prefill_splits
+    from fuser.ops.flash_prefill import MAX_SPLITS, default_splits, prefill_splits
 
-    assert prefill_splits(32, 18) == 9      # the 8B prefix hit: 128 queries x 1,152 keys
-    assert prefill_splits(128, 32) == 3     # 512 queries over 2,048 keys
-    assert prefill_splits(512, 32) == 1     # a 2,048-token prefill fills the GPU already
-    assert prefill_splits(256, 16) == 1     # ... and a 1,024-token one (two waves)
+    assert prefill_splits(32, 18) == 4      # the 8B prefix hit: 128 queries x 1,152 keys
+    assert prefill_splits(64, 18, 264) == 4  # ... in 64-row tiles, two programs an SM
+    assert prefill_splits(4, 18) == 9       # a few programs: 2 key blocks a split
+    assert prefill_splits(128, 32) == 1     # 512 queries over 2,048 keys: one wave already
+    assert prefill_splits(512, 32) == 1     # a 2,048-token prefill: four waves
     assert prefill_splits(32, 3) == 1       # too few key blocks to share
     assert prefill_splits(1, 10_000) == MAX_SPLITS
+    # ... as flash_prefill applies it to the 8B shape's GPU tiles (128 rows, 8 warps; 64, 4)
+    bf16 = torch.bfloat16
+    assert default_splits(1, 32, 128, 1152, 128, bf16) == 4
+    assert default_splits(1, 32, 128, 1152, 128, bf16, block_m=64) == 4
+    assert default_splits(1, 32, 2048, 2048, 128, bf16) == 1
+    assert default_splits(8, 32, 128, 1152, 128, bf16) == 1     # 8 rows' chunks fill the GPU
 
 
 def test_flash_prefill_rejects_bad_tuning_overrides():

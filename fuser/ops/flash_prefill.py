@@ -22,8 +22,8 @@ third grid axis of SPLITS programs per (query block, b, h), each running the onl
 over an equal share of its query block's key blocks and writing fp32 partials (acc [T, D],
 running max and sum [T]) to scratch; `_combine_splits_kernel` merges them (log-sum-exp
 rescaling) into [B, T, H, D]. `prefill_splits` picks SPLITS from the shapes alone (so a captured
-graph holds for any slots): none from FULL_GRID programs up, else ~TARGET_PROGRAMS programs with
->= MIN_SPLIT_BLOCKS key blocks a split; SPLITS = 1 is the single kernel as before.
+graph holds for any slots): as many as fill one wave of the GPU's programs (SMS), with >=
+MIN_SPLIT_BLOCKS key blocks a split; SPLITS = 1 is the single kernel as before.
 
 Left-padding rows (query_slots < starts) see no key; their output is 0, where the reference
 averages every value: no real row reads a padding row's output (its key is never visible to
@@ -51,12 +51,13 @@ from fuser.ops.paged import _cache_rows
 LOG2E = math.log2(math.e)
 MIN_BLOCK = 16  # tl.dot's smallest tile side
 # The split rule's GPU: 132 SMs (H100 SXM, H200). At the D = 128 bf16 tiles (BLOCK_M 128,
-# 8 warps: 255 registers a thread for sm_90, the whole register file) one program fits an
-# SM, so a grid of FULL_GRID programs already keeps every SM busy and is never split
-# (splitting would only add the scratch's traffic); a smaller one is split towards
-# TARGET_PROGRAMS, two waves, as decode's split-K, so that uneven key ranges even out.
-FULL_GRID = 132
-TARGET_PROGRAMS = 264
+# 8 warps) a program takes 255 registers a thread for sm_90, the whole register file: one
+# program an SM (two at 4 warps). The time of a grid is then about its waves times the longest
+# program's key blocks, so the split fills ONE wave (RESIDENT programs), not more: e.g. 32
+# programs over 18 key blocks take 4 splits of 4-5 blocks in one wave, where 8 splits of 2-3
+# blocks would run in two waves (and write twice the scratch). A grid of a wave or more is
+# never split.
+SMS = 132
 MIN_SPLIT_BLOCKS = 2  # key blocks a split gets at least (of the most the shapes allow)
 MAX_SPLITS = 16
 COMBINE_ROWS = 16  # query rows per program of the combine on the GPU ([16, D] fp32 tiles)
@@ -162,12 +163,14 @@ def _flash_prefill_kernel(
     lo = tl.maximum(lo, 0)
     lo = (lo // BLOCK_N) * BLOCK_N
     if SPLITS > 1:
-        # This split's share of [lo, hi): a run of `per` whole key blocks (the last share may be
-        # shorter, or empty). The online softmax below runs over it alone.
+        # This split's share of the n key blocks of [lo, hi): blocks [split * n // SPLITS,
+        # (split + 1) * n // SPLITS), so shares differ by one block at most (empty where
+        # n < SPLITS). The online softmax below runs over it alone.
         split = tl.program_id(2)
-        per = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N), SPLITS) * BLOCK_N
-        lo = tl.minimum(lo + split * per, hi)
-        hi = tl.minimum(lo + per, hi)
+        n = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
+        first = lo + (split * n // SPLITS) * BLOCK_N
+        hi = tl.minimum(lo + ((split + 1) * n // SPLITS) * BLOCK_N, hi)
+        lo = first
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -278,17 +281,34 @@ def _blocks(D: int, dtype: torch.dtype, on_gpu: bool) -> tuple[int, int, int, in
     return 128, 64, 8, 3
 
 
-def prefill_splits(programs: int, key_blocks: int, full_grid: int = FULL_GRID,
-                   target_programs: int = TARGET_PROGRAMS) -> int:
-    """How many programs share each (query block, b, h)'s key blocks: 1 where the grid of
-    `programs` already fills the GPU (>= full_grid); else enough that programs * splits
-    reaches target_programs, but at least MIN_SPLIT_BLOCKS key blocks a split (of the
-    `key_blocks` the shapes allow) and at most MAX_SPLITS. Depends on shapes only, so a CUDA
-    graph captured once stays valid for any slots."""
-    if programs >= full_grid:
-        return 1
-    return max(1, min(triton.cdiv(target_programs, programs), key_blocks // MIN_SPLIT_BLOCKS,
-                      MAX_SPLITS))
+def _tiles(D: int, dtype: torch.dtype, on_gpu: bool, block_m: int | None
+           ) -> tuple[int, int, int, int]:
+    """`_blocks`, with the block_m override (GPU only; 4 warps from 64 rows down)."""
+    if block_m is not None and (block_m < MIN_BLOCK or block_m & (block_m - 1)):
+        raise ValueError(f"flash_prefill: block_m must be a power of two >= {MIN_BLOCK}, "
+                         f"got {block_m}")
+    BLOCK_M, BLOCK_N, warps, stages = _blocks(D, dtype, on_gpu)
+    if block_m is not None and on_gpu and block_m != BLOCK_M:
+        BLOCK_M, warps = block_m, 4 if block_m <= 64 else warps
+    return BLOCK_M, BLOCK_N, warps, stages
+
+
+def default_splits(B: int, H: int, T: int, n_keys: int, D: int, dtype: torch.dtype,
+                   block_m: int | None = None) -> int:
+    """The splits `flash_prefill` runs on the GPU by default for T queries over n_keys slots
+    (`prefill_splits` of its grid; an SM holds one program of 8 warps, two of 4)."""
+    BLOCK_M, BLOCK_N, warps, _ = _tiles(D, dtype, True, block_m)
+    return prefill_splits(triton.cdiv(T, BLOCK_M) * B * H, triton.cdiv(n_keys, BLOCK_N),
+                          SMS * max(1, 8 // warps))
+
+
+def prefill_splits(programs: int, key_blocks: int, resident: int = SMS) -> int:
+    """How many programs share each (query block, b, h)'s key blocks: as many as keep the
+    grid within one wave of `resident` programs (1 where `programs` fill it already), with
+    at least MIN_SPLIT_BLOCKS key blocks a split (of the `key_blocks` the shapes allow) and at
+    most MAX_SPLITS. Depends on shapes only, so a CUDA graph captured once stays valid for any
+    slots."""
+    return max(1, min(resident // programs, key_blocks // MIN_SPLIT_BLOCKS, MAX_SPLITS))
 
 
 def flash_prefill(q: Tensor, k: Tensor, v: Tensor, query_slots: Tensor, starts: Tensor,
@@ -335,16 +355,10 @@ def flash_prefill(q: Tensor, k: Tensor, v: Tensor, query_slots: Tensor, starts: 
         strides = (0, D, KV * D, 0, D, KV * D)  # pool rows of KV * D; kv head h at h * D
     slots = query_slots.to(torch.int64).expand(B, T).contiguous()
     starts = starts.to(torch.int64).contiguous()
-    BLOCK_M, BLOCK_N, warps, stages = _blocks(D, q.dtype, q.is_cuda)
-    if block_m is not None and (block_m < MIN_BLOCK or block_m & (block_m - 1)):
-        raise ValueError(f"flash_prefill: block_m must be a power of two >= {MIN_BLOCK}, "
-                         f"got {block_m}")
-    if block_m is not None and q.is_cuda and block_m != BLOCK_M:
-        BLOCK_M, warps = block_m, 4 if block_m <= 64 else warps
+    BLOCK_M, BLOCK_N, warps, stages = _tiles(D, q.dtype, q.is_cuda, block_m)
     grid = (triton.cdiv(T, BLOCK_M), B * H)
     if splits is None:
-        splits = prefill_splits(grid[0] * grid[1], triton.cdiv(n_keys, BLOCK_N)) \
-            if q.is_cuda else 1
+        splits = default_splits(B, H, T, n_keys, D, q.dtype, block_m) if q.is_cuda else 1
     if splits > 1:
         acc = torch.empty(B * H, splits, T, D, dtype=torch.float32, device=q.device)
         ml = torch.empty(B * H, splits, 2, T, dtype=torch.float32, device=q.device)
