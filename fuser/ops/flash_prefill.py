@@ -52,11 +52,11 @@ LOG2E = math.log2(math.e)
 MIN_BLOCK = 16  # tl.dot's smallest tile side
 # The split rule's GPU: 132 SMs (H100 SXM, H200). At the D = 128 bf16 tiles (BLOCK_M 128,
 # 8 warps) a program takes ~200-215 registers a thread for sm_90 (paged or not, split or
-# not; 184 at 64 rows and 4 warps): one program an SM's 64K registers hold (two at 4 warps). The time of a grid is then about its waves times the longest
-# program's key blocks, so the split fills ONE wave (RESIDENT programs), not more: e.g. 32
-# programs over 18 key blocks take 4 splits of 4-5 blocks in one wave, where 8 splits of 2-3
-# blocks would run in two waves (and write twice the scratch). A grid of a wave or more is
-# never split.
+# not; 184 at 64 rows and 4 warps): an SM's 64K registers hold one program (two at 4 warps).
+# A grid's time is then about its waves times the longest program's key blocks, so the split
+# fills ONE wave of SMS resident programs, not more: 32 programs over 18 key blocks take 4
+# splits of 4-5 blocks in one wave, where 8 splits of 2-3 blocks would run in two waves (and
+# write twice the scratch). A grid of a wave or more is never split.
 SMS = 132
 MIN_SPLIT_BLOCKS = 2  # key blocks a split gets at least (of the most the shapes allow)
 MAX_SPLITS = 16
