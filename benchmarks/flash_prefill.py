@@ -9,11 +9,12 @@ D 128, bf16, B 1) in four cases:
             paged (16-slot blocks scattered over the pool), as the chunk step runs it
   chunk512  512 queries after 1,536 cached tokens (2,048 keys), paged
   prefill   the plain 2,048-token causal prefill (contiguous k/v, no cache): 512 programs
-  prefill1k the same at 1,024 tokens: 256 programs, two waves, not split by default
-each with splits = 1 (the single kernel), every --splits value, and the default
-(`prefill_splits`, marked `*`), at the kernel's default query tile (BLOCK_M 128) and every
---block-m (default 64); --mask-all-off adds the rows with mask_all=False. "vs unsplit" is the
-speedup over splits = 1 at the default tile with every key block masked (today's kernel).
+  prefill1k the same at 1,024 tokens: 256 programs, two waves
+each with splits = 1 (the single kernel), every --splits value, and the default (what
+flash_prefill runs, marked `*`: `default_splits` over a paged cache, 1 for contiguous k/v), at
+the kernel's default query tile (BLOCK_M 128) and every --block-m (default 64);
+--mask-all-off adds the rows with mask_all=False. "vs unsplit" is the speedup over splits = 1
+at the default tile with every key block masked (today's kernel).
 
 Time per call by CUDA-graph replay (benchmarks/timing.py: warm-up, 20 calls per graph,
 do_bench median), as the engine's step graph runs the op, so that the split path's second
@@ -133,8 +134,14 @@ def run_case(case: Case, args: argparse.Namespace, dry: bool) -> list[Row]:
     rows: list[Row] = []
     base_us = None  # splits = 1 at the default tiles, mask_all True: what every row is against
     for block_m in [default_m] + [m for m in args.block_m if m != default_m and not dry]:
-        default = default_splits(1, H, case.T, n_keys, D, dtype, block_m) if not dry else \
-            prefill_splits(triton.cdiv(case.T, block_m) * H, triton.cdiv(n_keys, block_n))
+        # (flash_prefill splits by default only over a paged cache)
+        if not case.paged:
+            default = 1
+        elif dry:
+            default = prefill_splits(triton.cdiv(case.T, block_m) * H,
+                                     triton.cdiv(n_keys, block_n))
+        else:
+            default = default_splits(1, H, case.T, n_keys, D, dtype, block_m)
         for mask_all in (True, False) if args.mask_all_off or dry else (True,):
             for splits in sorted({1, default, *args.splits}):
                 fns = [functools.partial(flash_prefill, *a, mask_all=mask_all, splits=splits,

@@ -18,12 +18,13 @@ index (h // (H / kv_heads)): no repeated k/v copies.
 
 A small grid (a prefix hit's chunk: 128 queries, B = 1, 32 heads -> 32 programs on a 132-SM
 GPU, each walking every key block in turn) splits the key range as flash-decoding does: a
-third grid axis of SPLITS programs per (query block, b, h), each running the online softmax
+third grid axis of `splits` programs per (query block, b, h), each running the online softmax
 over an equal share of its query block's key blocks and writing fp32 partials (acc [T, D],
 running max and sum [T]) to scratch; `_combine_splits_kernel` merges them (log-sum-exp
-rescaling) into [B, T, H, D]. `prefill_splits` picks SPLITS from the shapes alone (so a captured
+rescaling) into [B, T, H, D]. `prefill_splits` picks the count from the shapes alone (so a captured
 graph holds for any slots): as many as fill one wave of the GPU's programs (SMS), with >=
-MIN_SPLIT_BLOCKS key blocks a split; SPLITS = 1 is the single kernel as before.
+MIN_SPLIT_BLOCKS key blocks a split; 1 is the single kernel as before. The count is a runtime
+argument of one compiled split kernel, so a build that ran one count compiled them all.
 
 Left-padding rows (query_slots < starts) see no key; their output is 0, where the reference
 averages every value: no real row reads a padding row's output (its key is never visible to
@@ -112,20 +113,22 @@ def _attend(acc, m_i, l_i, q, qi, start, n0, k_base, v_base, sk_t, sv_t, offs_d,
     return acc * alpha[:, None] + pv, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def _flash_prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr,     # q [B, H, T, D], k/v [B, KV, T, D], out [B, T, H, D]
                                       # (PAGE > 0: k/v pools [num_blocks, PAGE, KV, D])
     slots_ptr, starts_ptr,            # query_slots [B, T] int64 (contiguous), starts [B] int64
     table_ptr,                        # PAGE > 0: block table [B, max_blocks] int32 (else unused)
-    acc_ptr, ml_ptr,                  # SPLITS > 1: fp32 scratch acc [B * H, SPLITS, T, D] and
-                                      # ml [B * H, SPLITS, 2, T] (else unused)
+    acc_ptr, ml_ptr,                  # SPLIT: fp32 scratch acc [B * H, splits, T, D] and
+                                      # ml [B * H, splits, 2, T] (else unused)
     sq_b, sq_h, sq_t,                 # q strides (d stride 1)
     sk_b, sk_h, sk_t,                 # k strides (d stride 1)
     sv_b, sv_h, sv_t,                 # v strides (d stride 1)
     T, H, GROUP,                      # GROUP = H // KV: query heads per kv head
     N_KEYS,                           # keys at slots 0..N_KEYS-1: T, or max_blocks * PAGE
     max_blocks,                       # PAGE > 0: the table's row stride
+    splits,                           # SPLIT: programs per (query block, b, h) (grid axis 2),
+                                      # a runtime value: one compiled kernel for every count
     qk_scale,                         # scale * log2(e): scores in base 2
     softcap,                          # 0: none; else softcap * tanh(score / softcap)
     WINDOW: tl.constexpr,             # 0: none
@@ -137,8 +140,8 @@ def _flash_prefill_kernel(
                                       # interpreter, whose bf16 dot is wrong)
     MASK_ALL: tl.constexpr,           # mask every key block (else only the blocks that need it)
     PAGE: tl.constexpr = 0,           # slots per block of a paged cache; 0: k, v as they are
-    SPLITS: tl.constexpr = 1,         # programs per (query block, b, h), each over its share of
-                                      # the key blocks; 1: out directly, else partials to scratch
+    SPLIT: tl.constexpr = False,      # each program over its share of the key blocks, partials
+                                      # to scratch; else the whole range, out directly
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -162,14 +165,14 @@ def _flash_prefill_kernel(
         lo = tl.maximum(lo, lowest - WINDOW + 1)
     lo = tl.maximum(lo, 0)
     lo = (lo // BLOCK_N) * BLOCK_N
-    if SPLITS > 1:
-        # This split's share of the n key blocks of [lo, hi): blocks [split * n // SPLITS,
-        # (split + 1) * n // SPLITS), so shares differ by one block at most (empty where
-        # n < SPLITS). The online softmax below runs over it alone.
+    if SPLIT:
+        # This split's share of the n key blocks of [lo, hi): blocks [split * n // splits,
+        # (split + 1) * n // splits), so shares differ by one block at most (empty where
+        # n < splits). The online softmax below runs over it alone.
         split = tl.program_id(2)
         n = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
-        first = lo + (split * n // SPLITS) * BLOCK_N
-        hi = tl.minimum(lo + ((split + 1) * n // SPLITS) * BLOCK_N, hi)
+        first = lo + (split * n // splits) * BLOCK_N
+        hi = tl.minimum(lo + ((split + 1) * n // splits) * BLOCK_N, hi)
         lo = first
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -208,8 +211,8 @@ def _flash_prefill_kernel(
             acc, m_i, l_i = _attend(acc, m_i, l_i, q, qi, start, n0, k_base, v_base, sk_t, sv_t,
                                     offs_d, N_KEYS, qk_scale, softcap, table_row, True, WINDOW,
                                     SOFTCAP, BLOCK_N, FP32_DOTS, PAGE)
-    if SPLITS > 1:
-        part = bh.to(tl.int64) * SPLITS + tl.program_id(2)              # [B * H, SPLITS] slot
+    if SPLIT:
+        part = bh.to(tl.int64) * splits + tl.program_id(2)              # [B * H, splits] slot
         tl.store(acc_ptr + (part * T + offs_m[:, None]) * D + offs_d[None, :], acc,
                  mask=row_ok[:, None])
         tl.store(ml_ptr + part * 2 * T + offs_m, m_i, mask=row_ok)
@@ -220,12 +223,12 @@ def _flash_prefill_kernel(
         tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def _combine_splits_kernel(
     acc_ptr, ml_ptr,                  # the split programs' scratch (see _flash_prefill_kernel)
     out_ptr,                          # [B, T, H, D] contiguous
     T, H,
-    SPLITS: tl.constexpr,
+    splits,                           # the split programs' count (runtime: one kernel for all)
     D: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
@@ -240,15 +243,15 @@ def _combine_splits_kernel(
     offs_d = tl.arange(0, D)
     row_ok = offs_t < T
     m = tl.full([BLOCK_T], float("-inf"), dtype=tl.float32)
-    for s in range(SPLITS):
-        m_s = tl.load(ml_ptr + (bh * SPLITS + s) * 2 * T + offs_t, mask=row_ok,
+    for s in range(splits):
+        m_s = tl.load(ml_ptr + (bh * splits + s) * 2 * T + offs_t, mask=row_ok,
                       other=float("-inf"))
         m = tl.maximum(m, m_s)
     m = tl.where(m == float("-inf"), 0.0, m)  # no key anywhere: every weight below is 0
     acc = tl.zeros([BLOCK_T, D], dtype=tl.float32)
     l = tl.zeros([BLOCK_T], dtype=tl.float32)
-    for s in range(SPLITS):
-        part = bh * SPLITS + s
+    for s in range(splits):
+        part = bh * splits + s
         m_s = tl.load(ml_ptr + part * 2 * T + offs_t, mask=row_ok, other=float("-inf"))
         l_s = tl.load(ml_ptr + part * 2 * T + T + offs_t, mask=row_ok, other=0.0)
         w = tl.math.exp2(m_s - m)                                        # empty split: 0
@@ -326,7 +329,10 @@ def flash_prefill(q: Tensor, k: Tensor, v: Tensor, query_slots: Tensor, starts: 
 
     splits: programs per (query block, b, h), each over an equal share of the key blocks its
     queries may see, combined by `_combine_splits_kernel` (flash-decoding); 1 runs the single
-    kernel. None: `prefill_splits` of the grid on CUDA, 1 elsewhere (the interpreter).
+    kernel. None: on CUDA over a paged cache (a prefix hit's chunk) `default_splits`; else 1:
+    the contiguous prefill, whose small grids are short prompts (and whose build warm-up,
+    at T <= 32, never splits: a split there would compile at the first long enough prompt;
+    a chunk's warm-up splits wherever a bucket's chunks can), and the interpreter.
     block_m: query rows per program on the GPU (a tuning override: 64 halves a chunk's
     programs' work where 128 leaves the GPU idle; 4 warps then)."""
     B, H, T, D = q.shape
@@ -358,7 +364,8 @@ def flash_prefill(q: Tensor, k: Tensor, v: Tensor, query_slots: Tensor, starts: 
     BLOCK_M, BLOCK_N, warps, stages = _tiles(D, q.dtype, q.is_cuda, block_m)
     grid = (triton.cdiv(T, BLOCK_M), B * H)
     if splits is None:
-        splits = default_splits(B, H, T, n_keys, D, q.dtype, block_m) if q.is_cuda else 1
+        splits = default_splits(B, H, T, n_keys, D, q.dtype, block_m) \
+            if q.is_cuda and block_table is not None else 1
     if splits > 1:
         acc = torch.empty(B * H, splits, T, D, dtype=torch.float32, device=q.device)
         ml = torch.empty(B * H, splits, 2, T, dtype=torch.float32, device=q.device)
@@ -368,14 +375,14 @@ def flash_prefill(q: Tensor, k: Tensor, v: Tensor, query_slots: Tensor, starts: 
         q, k, v, out, slots, starts, table, acc, ml,
         q.stride(0), q.stride(1), q.stride(2),
         *strides,
-        T, H, H // KV, n_keys, max_blocks, scale * LOG2E, float(softcap),
+        T, H, H // KV, n_keys, max_blocks, splits, scale * LOG2E, float(softcap),
         WINDOW=int(window), SOFTCAP=bool(softcap), D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         FP32_DOTS=q.dtype == torch.float32 or not q.is_cuda, MASK_ALL=mask_all,
-        num_warps=warps, num_stages=stages, PAGE=page, SPLITS=splits,
+        num_warps=warps, num_stages=stages, PAGE=page, SPLIT=splits > 1,
     )
     if splits > 1:
         block_t = COMBINE_ROWS if q.is_cuda else MIN_BLOCK
         _combine_splits_kernel[(triton.cdiv(T, block_t), B * H)](
-            acc, ml, out, T, H, SPLITS=splits, D=D, BLOCK_T=block_t, num_warps=4,
+            acc, ml, out, T, H, splits, D=D, BLOCK_T=block_t, num_warps=4,
         )
     return out
