@@ -411,3 +411,8 @@ def test_gpu_flash_prefill_llama3_shape(T, pad):
     fewer_masks = flash_prefill(*args, mask_all=False)
     torch.testing.assert_close(fewer_masks[0, pad:].float(), sdpa[0, pad:].float(), rtol=2e-2,
                                atol=2e-2)
+    for mask_all in (True, False):  # the key range split over 3 programs (GPU tiles)
+        split = flash_prefill(*args, mask_all=mask_all, splits=3)
+        torch.testing.assert_close(split[0, pad:].float(), sdpa[0, pad:].float(), rtol=2e-2,
+                                   atol=2e-2)
+        assert (split[0, :pad] == 0).all()
