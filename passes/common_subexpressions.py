@@ -17,7 +17,8 @@ change while the graph runs are merged:
 - no input depends on a tensor that some node writes: the arguments an op's schema marks
   written (`index_put_`'s and `copy_`'s self, a custom op's `mutates_args`), followed back
   through views to what they view, and every argument of a call that is not an op with a
-  schema (but getitem and the arithmetic of symbolic sizes, `SIZE_ARITHMETIC`). A read of a cache before its write and one after it
+  schema (but getitem and the arithmetic of symbolic sizes, `SIZE_ARITHMETIC`). A written
+  tensor's sizes (`SIZES`) stay clean: no write changes them. A read of a cache before its write and one after it
   differ, so nothing derived from a written tensor is ever merged.
 """
 
@@ -38,6 +39,11 @@ SIZE_ARITHMETIC = {operator.add, operator.sub, operator.mul, operator.floordiv, 
                    operator.mod, operator.pow, operator.neg, operator.eq, operator.ne,
                    operator.lt, operator.le, operator.gt, operator.ge, operator.getitem,
                    torch.sym_max, torch.sym_min, torch.sym_int, torch.sym_float, torch.sym_not}
+
+# A tensor's sizes, which no write changes: clean even where the tensor is written (a batch
+# size read from the cache the graph writes).
+SIZES = {aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default,
+         aten.sym_storage_offset.default}
 
 # Allocations whose contents are undefined: two of them are two buffers, never one.
 UNINITIALIZED = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
@@ -122,7 +128,8 @@ def merge_common_subexpressions(gm: GraphModule, context: PassContext) -> int:
     first: dict[Any, Node] = {}
     merged = 0
     for node in list(graph.nodes):
-        if node in dirty or any(i in dirty for i in node.all_input_nodes):
+        if node.target not in SIZES and (
+                node in dirty or any(i in dirty for i in node.all_input_nodes)):
             dirty.add(node)
             continue
         if not _mergeable(node):

@@ -58,6 +58,26 @@ def test_index_math_merges_and_reads_of_a_written_cache_do_not() -> None:
     assert [float(x) for x in got[:4:3]] == [0.0, 6.0]  # layer 2 reads layer 1's write
 
 
+def test_the_sizes_of_a_written_cache_stay_mergeable() -> None:
+    # rows = arange(cache.shape[0]) in each layer, after a write into the cache: one size read,
+    # one arange.
+    graph = torch.fx.Graph()
+    cache, values = graph.placeholder("cache"), graph.placeholder("values")
+    outs = []
+    for _ in range(2):
+        rows = graph.call_function(aten.sym_size.int, (cache, 0))
+        index = graph.call_function(aten.arange.start_step, (0, rows), {"dtype": torch.int64})
+        graph.call_function(aten.index_put_.default, (cache, [index], values))
+        outs.append(index)
+    graph.output(tuple(outs))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    assert merge_common_subexpressions(gm, pass_context("target.prefill", PREFILL)) == 2
+    assert count_targets(gm, aten.arange.start_step) == count_targets(gm, aten.sym_size.int) == 1
+    cache = torch.zeros(3)
+    got = gm(cache, torch.ones(3))
+    assert torch.equal(got[0], torch.arange(3)) and torch.equal(cache, torch.ones(3))
+
+
 def test_scalars_of_another_type_and_random_ops_are_not_merged() -> None:
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
