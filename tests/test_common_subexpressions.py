@@ -125,16 +125,21 @@ def test_the_paged_chunk_graph_computes_its_indices_once_and_the_same_values() -
     seq_lens = torch.full((B,), prefix, dtype=torch.long)
     starts = torch.zeros(B, dtype=torch.long)
     pools = [*cache.k, *cache.v]
-    for pool in pools:
-        pool.copy_(torch.randn(pool.shape, generator=g).to(pool.dtype))
-    before = [p.clone() for p in pools]
-    outs, after = [], []
-    for gm in (chunk.rewritten, unmerged):
-        for pool, old in zip(pools, before):
+    kept = [p.clone() for p in pools]  # the shared engine's pools, put back at the end
+    try:
+        for pool in pools:
+            pool.copy_(torch.randn(pool.shape, generator=g).to(pool.dtype))
+        before = [p.clone() for p in pools]
+        outs, after = [], []
+        for gm in (chunk.rewritten, unmerged):
+            for pool, old in zip(pools, before):
+                pool.copy_(old)
+            with torch.no_grad():
+                outs.append(gm(tokens, positions, seq_lens, starts))
+            after.append([p.clone() for p in pools])
+    finally:
+        for pool, old in zip(pools, kept):
             pool.copy_(old)
-        with torch.no_grad():
-            outs.append(gm(tokens, positions, seq_lens, starts))
-        after.append([p.clone() for p in pools])
     assert torch.equal(outs[0], outs[1])
     assert all(torch.equal(a, b) for a, b in zip(*after))
     assert not all(torch.equal(a, b) for a, b in zip(after[0], before))  # the chunk was written
