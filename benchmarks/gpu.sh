@@ -39,6 +39,10 @@
 #   paged     paged against contiguous decode/verify attention at the 8B shape
 #             (paged_attention.py; fails above 1.05x), the paged kernels', engine's and
 #             scheduler's GPU tests
+#   flashprefill  the prefill's flash attention with the key range split over programs
+#             against unsplit, 8B shape, bf16: a prefix hit's 128-token chunk over 1,152 keys,
+#             512 over 2,048 (paged), 2,048- and 1,024-token prefills (flash_prefill.py), the
+#             kernel's GPU tests                                                        ~2 min
 #   prefix    prefix caching through the scheduler, 8B shape, bf16: TTFT p50 of requests
 #             sharing a 1,024-token opening with the cache and without (prefix_cache.py;
 #             fails above 0.25x), and whether their tokens agree
@@ -64,7 +68,7 @@ export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fuser-out}
 BUDGET=${BUDGET:-580}
-SUITES="decode verify spec fallback files imports ops accuracy serve serve256 serve256fp8 build256 build256base servepaged serverate servelong adapt adapt8b paged prefix allreduce tp suffix tests"
+SUITES="decode verify spec fallback files imports ops accuracy serve serve256 serve256fp8 build256 build256base servepaged serverate servelong adapt adapt8b paged flashprefill prefix allreduce tp suffix tests"
 PAGED_ARGS=${PAGED_ARGS---config kv_block_size=16 --config kv_memory_fraction=0.9}
 if [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ]; then
   sed -n '2,/^set -o/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
@@ -229,6 +233,13 @@ for suite in "$@"; do
       table "paged: paged / contiguous attention, 8B shape, bf16, 16-slot blocks (scattered)" \
         "$(grep -E '^(FAILED|ERROR)|passed|failed' "$DIR/paged_tests.log" | tail -n 4)" \
         "$(grep -v -i warn "$DIR/paged_attention.log" | tail -n 14)" ;;
+    flashprefill)
+      step flashprefill_tests 150 python3 -m pytest -q -p no:cacheprovider -rf \
+        tests/test_ops_attention.py tests/test_paged_attention.py -k "gpu_flash_prefill"
+      step flash_prefill 420 python3 benchmarks/flash_prefill.py --out "$DIR/flash_prefill.json"
+      table "flashprefill: split / unsplit flash prefill attention, 8B shape, bf16 (us per call)" \
+        "$(grep -E '^(FAILED|ERROR)|passed|failed' "$DIR/flashprefill_tests.log" | tail -n 4)" \
+        "$(grep -v -i warn "$DIR/flash_prefill.log" | grep -E '^\||rows' | tail -n 44)" ;;
     prefix)
       step prefix 560 python3 benchmarks/prefix_cache.py --out "$DIR/prefix.json"
       table "prefix: TTFT with and without the prefix cache, 8B shape, bf16" \

@@ -15,6 +15,7 @@ from fuser.passes.attention import ATTENTION
 from fuser.passes.base import (GraphRewrite, PassContext, deferred_recompile, dump_dir,
                                dump_graph)
 from fuser.passes.cache_writes import CACHE_WRITES
+from fuser.passes.common_subexpressions import COMMON_SUBEXPRESSIONS
 from fuser.passes.fp8 import FP8_LINEAR
 from fuser.passes.fx import count_fuser_ops, prepare_graph
 from fuser.passes.gated_linear import GATED_LINEAR
@@ -50,6 +51,8 @@ PASSES: list[GraphRewrite] = [
     NORM_STATS,  # after norm_linear: at several rows, its norm moves into the GEMVs around it
     # (norm_stats.ENABLED, on by default with gemv_tables.ONE_ROW_NORM_AFTER)
     CACHE_WRITES,  # prefill and chunk steps (run uncompiled): the KV-cache writes in place
+    COMMON_SUBEXPRESSIONS,  # prefill and chunk steps: every layer's copy of the cache indices
+    # as one; last, after cache_writes (its in-place writes are what keeps the caches' reads)
 ]
 
 

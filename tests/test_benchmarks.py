@@ -185,6 +185,22 @@ def test_adapt_benchmark_dry_run(tmp_path: Path) -> None:
     assert sum(line.lstrip().startswith(("PASS", "FAIL", "n/a")) for line in lines) == 7
 
 
+def test_flash_prefill_benchmark_dry_run(tmp_path: Path) -> None:
+    """benchmarks/flash_prefill.py's plumbing: the four cases, splits 1, 2, 4 and the default
+    with either mask_all, each checked against the reference (interpreted, fp32)."""
+    out = tmp_path / "flash_prefill.json"
+    proc = run("flash_prefill.py", out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    cases = {"hit128", "chunk512", "prefill", "prefill1k"}
+    assert {r["case"] for r in rows} == cases
+    assert all(r["rel_err"] < 1e-5 for r in rows)
+    for case in cases:
+        splits = {r["splits"] for r in rows if r["case"] == case}
+        assert {1, 2, 4} <= splits and sum(r["default"] for r in rows if r["case"] == case) == 2
+    assert proc.stdout.strip().splitlines()[-1].endswith("0 flagged (rel err > 0.02)")
+
+
 def test_all_reduce_dry_run(tmp_path: Path) -> None:
     """benchmarks/all_reduce.py's plumbing: 2 gloo processes, one row per size."""
     out = tmp_path / "all_reduce.json"

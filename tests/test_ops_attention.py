@@ -301,9 +301,9 @@ def test_flash_prefill_fails_the_check_when_padding_keys_leak():
     q, k, v = (torch.randn(1, 2, 20, 16, generator=g) for _ in range(3))
     slots, starts = torch.arange(20)[None], torch.tensor([6])
     ref = prefill_attention_reference(q, k, v, slots, starts, 0.25, 0, 0.0)
-    for mask_all in (True, False):
+    for mask_all, splits in ((True, 1), (False, 1), (True, 3)):
         leaky = flash_prefill(q, k, v, slots, torch.zeros(1, dtype=torch.long), 0.25, 0, 0.0,
-                              mask_all=mask_all)
+                              mask_all=mask_all, splits=splits)
         assert not torch.allclose(leaky[0, 6:], ref[0, 6:], atol=1e-3)
 
 
@@ -316,9 +316,68 @@ def test_flash_prefill_unmasked_blocks_agree_with_masked_ones():
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(2, 4, 64, 16, generator=g) for _ in range(3))
     slots, starts = torch.arange(64)[None].expand(2, 64), torch.tensor([0, 19])
-    for window in (0, 20):
+    for window, splits in ((0, 1), (20, 1), (0, 3)):
         args = (q, k[:, :2], v[:, :2], slots, starts, 0.25, window, 0.0)
-        assert torch.equal(flash_prefill(*args, mask_all=False), flash_prefill(*args))
+        assert torch.equal(flash_prefill(*args, mask_all=False, splits=splits),
+                           flash_prefill(*args, splits=splits))
+
+
+@settings(max_examples=15, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(**PREFILL_CASES, softcap=st.sampled_from([0.0, 0.0, 5.0]), mask_all=st.booleans(),
+       splits=st.integers(2, 6))
+def test_flash_prefill_split_keys_equal_the_reference_on_real_rows(B, T, heads, D, pad, window,
+                                                                   softcap, dtype, mask_all,
+                                                                   splits, seed):
+    """The key range split over `splits` programs (fp32 partials, then the log-sum-exp
+    combine; splits with no key block, rows with no key in a split) against masked_attention,
+    as the unsplit kernel is held: close on every row that sees a key, zeros on the
+    left-padding rows."""
+    from fuser.ops.attention import prefill_attention_reference
+    from fuser.ops.flash_prefill import flash_prefill
+
+    H = heads[0]
+    q, k, v, slots, starts = prefill_inputs(B, T, heads, D, pad, dtype, seed, q_scale=2.0,
+                                            strided_q=True)
+    args = (q, k, v, slots, starts, D**-0.5, window, softcap)
+    out = flash_prefill(*args, mask_all=mask_all, splits=splits)
+    ref = prefill_attention_reference(*args)
+    assert out.shape == ref.shape == (B, T, H, D) and out.dtype == dtype and out.is_contiguous()
+    real = slots >= starts[:, None]
+    assert torch.isfinite(out).all() and (out[~real] == 0).all()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[real].float(), ref[real].float(), rtol=tol, atol=tol)
+
+
+def test_flash_prefill_splits_fill_a_small_grid_only():
+    # The default rule: one wave of resident programs (132: one an SM), >= 2 key blocks a
+    # split, at most MAX_SPLITS.
+    from fuser.ops.flash_prefill import MAX_SPLITS, default_splits, prefill_splits
+
+    assert prefill_splits(32, 18) == 4      # the 8B prefix hit: 128 queries x 1,152 keys
+    assert prefill_splits(64, 18, 264) == 4  # ... in 64-row tiles, two programs an SM
+    assert prefill_splits(4, 18) == 9       # a few programs: 2 key blocks a split
+    assert prefill_splits(128, 32) == 1     # 512 queries over 2,048 keys: one wave already
+    assert prefill_splits(512, 32) == 1     # a 2,048-token prefill: four waves
+    assert prefill_splits(32, 3) == 1       # too few key blocks to share
+    assert prefill_splits(1, 10_000) == MAX_SPLITS
+    # ... as flash_prefill applies it to the 8B shape's GPU tiles (128 rows, 8 warps; 64, 4)
+    bf16 = torch.bfloat16
+    assert default_splits(1, 32, 128, 1152, 128, bf16) == 4
+    assert default_splits(1, 32, 128, 1152, 128, bf16, block_m=64) == 4
+    assert default_splits(1, 32, 2048, 2048, 128, bf16) == 1
+    assert default_splits(8, 32, 128, 1152, 128, bf16) == 1     # 8 rows' chunks fill the GPU
+
+
+def test_flash_prefill_rejects_bad_tuning_overrides():
+    from fuser.ops.flash_prefill import flash_prefill
+
+    q = torch.zeros(1, 2, 4, 16)
+    args = (q, q, q, torch.arange(4)[None], torch.zeros(1, dtype=torch.long), 0.25, 0, 0.0)
+    with pytest.raises(ValueError, match="splits must be >= 1"):
+        flash_prefill(*args, splits=0)
+    with pytest.raises(ValueError, match="block_m must be a power of two"):
+        flash_prefill(*args, block_m=48)
 
 
 def test_flash_prefill_takes_power_of_two_head_dims_only():
@@ -352,3 +411,8 @@ def test_gpu_flash_prefill_llama3_shape(T, pad):
     fewer_masks = flash_prefill(*args, mask_all=False)
     torch.testing.assert_close(fewer_masks[0, pad:].float(), sdpa[0, pad:].float(), rtol=2e-2,
                                atol=2e-2)
+    for mask_all in (True, False):  # the key range split over 3 programs (GPU tiles)
+        split = flash_prefill(*args, mask_all=mask_all, splits=3)
+        torch.testing.assert_close(split[0, pad:].float(), sdpa[0, pad:].float(), rtol=2e-2,
+                                   atol=2e-2)
+        assert (split[0, :pad] == 0).all()

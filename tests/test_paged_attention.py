@@ -208,6 +208,46 @@ def test_flash_prefill_chunk_over_a_paged_cache(dtype, batch, heads, head_dim, c
     torch.testing.assert_close(out[seen].float(), ref[seen].float(), rtol=tol, atol=tol)
 
 
+@settings(max_examples=12, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(dtype=st.sampled_from([torch.float32, torch.bfloat16]), batch=st.integers(1, 2),
+       heads=st.sampled_from([(4, 4), (4, 2), (8, 2)]), chunk=st.integers(1, 40),
+       page_size=st.sampled_from([1, 4, 16, 64]), window=st.sampled_from([0, 0, 7]),
+       softcap=st.sampled_from([0.0, 0.0, 5.0]), mask_all=st.booleans(),
+       splits=st.integers(2, 6), data=st.data())
+def test_flash_prefill_split_chunk_over_a_paged_cache(dtype, batch, heads, chunk, page_size,
+                                                      window, softcap, mask_all, splits,
+                                                      data) -> None:
+    """A prefix-cache hit's chunk with its key range split over `splits` programs (partials
+    combined by log-sum-exp), through the table, against the reference over the contiguous
+    cache: the same bar as the unsplit kernel's test above."""
+    from fuser.ops.flash_prefill import flash_prefill
+
+    H, KV = heads
+    D = 16
+    prefix = data.draw(st.lists(st.integers(0, 60), min_size=batch, max_size=batch))
+    pad = [data.draw(st.integers(0, n + chunk - 1)) for n in prefix]
+    seed = data.draw(st.integers(0, 2**16))
+    S = max(prefix) + chunk + data.draw(st.integers(0, 9))
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(batch, chunk, H, D, generator=g) * 2).to(dtype).to(DEVICE).transpose(1, 2)
+    k_cache = torch.randn(batch, S, KV, D, generator=g).to(dtype).to(DEVICE)
+    v_cache = torch.randn(batch, S, KV, D, generator=g).to(dtype).to(DEVICE)
+    lens = torch.tensor(prefix, dtype=torch.int64, device=DEVICE)
+    starts = torch.tensor(pad, dtype=torch.int64, device=DEVICE)
+    (k_pool, v_pool), table, _ = page([k_cache, v_cache], page_size, lens + chunk, seed)
+    slots = lens[:, None] + torch.arange(chunk, device=DEVICE)        # [B, T] query slots
+    out = flash_prefill(q, k_pool, v_pool, slots, starts, D**-0.5, window, softcap, table,
+                        mask_all=mask_all, splits=splits)
+    ref = cache_attention_reference(q, k_cache, v_cache, lens, starts, D**-0.5, window, softcap)
+    assert out.shape == ref.shape == (batch, chunk, H, D) and out.is_contiguous()
+    out, ref = out.cpu(), ref.cpu()
+    seen = visible_queries(lens.cpu(), starts.cpu(), chunk, S, window)
+    assert torch.isfinite(out).all() and (out[~seen] == 0).all()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[seen].float(), ref[seen].float(), rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("tokens,page_size", [(1, 4), (5, 3), (40, 16)])
 def test_paged_cache_write_lands_in_its_block_and_slot(tokens: int, page_size: int) -> None:
     """rotary_cache_write through a table (decode, verify and a prefill's T): each new token
@@ -346,8 +386,33 @@ def test_gpu_flash_prefill_chunk_over_a_paged_cache_llama3_8b_shape() -> None:
     lens, starts = prefix.cuda(), torch.tensor([0, 5]).cuda()
     (k_pool, v_pool), table, _ = page([k_cache, v_cache], P, lens + T, 0)
     slots = lens[:, None] + torch.arange(T, device="cuda")
-    for mask_all in (True, False):
+    ref = cache_attention_reference(q, k_cache, v_cache, lens, starts, D**-0.5, 0, 0.0)
+    for mask_all, splits in ((True, None), (False, None), (True, 1), (True, 4), (False, 7)):
         out = flash_prefill(q, k_pool, v_pool, slots, starts, D**-0.5, 0, 0.0, table,
-                            mask_all=mask_all)
-        ref = cache_attention_reference(q, k_cache, v_cache, lens, starts, D**-0.5, 0, 0.0)
+                            mask_all=mask_all, splits=splits)
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+@needs_cuda
+def test_gpu_flash_prefill_prefix_hit_chunk_splits_by_default() -> None:
+    """The 8B prefix hit's chunk (128 queries after 1,024 cached tokens, B = 1, 16-slot
+    blocks): a grid of 32 programs, so the default splits the keys; split and unsplit, at
+    either query tile, all match the reference."""
+    from fuser.ops.flash_prefill import flash_prefill, prefill_splits
+
+    B, H, KV, D, T, P = 1, 32, 8, 128, 128, 16
+    lens = torch.tensor([1024], device="cuda")
+    S = 1024 + T
+    assert prefill_splits(B * H, S // 64) > 1
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(B, T, H, D, generator=g).to(torch.bfloat16).cuda().transpose(1, 2)
+    k_cache = torch.randn(B, S, KV, D, generator=g).to(torch.bfloat16).cuda()
+    v_cache = torch.randn(B, S, KV, D, generator=g).to(torch.bfloat16).cuda()
+    starts = torch.zeros(1, dtype=torch.int64, device="cuda")
+    (k_pool, v_pool), table, _ = page([k_cache, v_cache], P, lens + T, 1)
+    slots = lens[:, None] + torch.arange(T, device="cuda")
+    ref = cache_attention_reference(q, k_cache, v_cache, lens, starts, D**-0.5, 0, 0.0)
+    for splits, block_m in ((None, None), (1, None), (None, 64), (1, 64)):
+        out = flash_prefill(q, k_pool, v_pool, slots, starts, D**-0.5, 0, 0.0, table,
+                            splits=splits, block_m=block_m)
         torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)

@@ -16,6 +16,16 @@ memory. Scores in fp32 (exp2 of the scores times scale * log2(e)); probabilities
 dtype before P @ V, as the reference rounds them. A kv head serves its group of query heads by
 index (h // (H / kv_heads)): no repeated k/v copies.
 
+A small grid (a prefix hit's chunk: 128 queries, B = 1, 32 heads -> 32 programs on a 132-SM
+GPU, each walking every key block in turn) splits the key range as flash-decoding does: a
+third grid axis of `splits` programs per (query block, b, h), each running the online softmax
+over an equal share of its query block's key blocks and writing fp32 partials (acc [T, D],
+running max and sum [T]) to scratch; `_combine_splits_kernel` merges them (log-sum-exp
+rescaling) into [B, T, H, D]. `prefill_splits` picks the count from the shapes alone (so a captured
+graph holds for any slots): as many as fill one wave of the GPU's programs (SMS), with >=
+MIN_SPLIT_BLOCKS key blocks a split; 1 is the single kernel as before. The count is a runtime
+argument of one compiled split kernel, so a build that ran one count compiled them all.
+
 Left-padding rows (query_slots < starts) see no key; their output is 0, where the reference
 averages every value: no real row reads a padding row's output (its key is never visible to
 one), and both are finite.
@@ -41,6 +51,17 @@ from fuser.ops.paged import _cache_rows
 
 LOG2E = math.log2(math.e)
 MIN_BLOCK = 16  # tl.dot's smallest tile side
+# The split rule's GPU: 132 SMs (H100 SXM, H200). At the D = 128 bf16 tiles (BLOCK_M 128,
+# 8 warps) a program takes ~200-215 registers a thread for sm_90 (paged or not, split or
+# not; 184 at 64 rows and 4 warps): an SM's 64K registers hold one program (two at 4 warps).
+# A grid's time is then about its waves times the longest program's key blocks, so the split
+# fills ONE wave of SMS resident programs, not more: 32 programs over 18 key blocks take 4
+# splits of 4-5 blocks in one wave, where 8 splits of 2-3 blocks would run in two waves (and
+# write twice the scratch). A grid of a wave or more is never split.
+SMS = 132
+MIN_SPLIT_BLOCKS = 2  # key blocks a split gets at least (of the most the shapes allow)
+MAX_SPLITS = 16
+COMBINE_ROWS = 16  # query rows per program of the combine on the GPU ([16, D] fp32 tiles)
 
 
 @triton.jit
@@ -92,18 +113,22 @@ def _attend(acc, m_i, l_i, q, qi, start, n0, k_base, v_base, sk_t, sv_t, offs_d,
     return acc * alpha[:, None] + pv, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def _flash_prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr,     # q [B, H, T, D], k/v [B, KV, T, D], out [B, T, H, D]
                                       # (PAGE > 0: k/v pools [num_blocks, PAGE, KV, D])
     slots_ptr, starts_ptr,            # query_slots [B, T] int64 (contiguous), starts [B] int64
     table_ptr,                        # PAGE > 0: block table [B, max_blocks] int32 (else unused)
+    acc_ptr, ml_ptr,                  # SPLIT: fp32 scratch acc [B * H, splits, T, D] and
+                                      # ml [B * H, splits, 2, T] (else unused)
     sq_b, sq_h, sq_t,                 # q strides (d stride 1)
     sk_b, sk_h, sk_t,                 # k strides (d stride 1)
     sv_b, sv_h, sv_t,                 # v strides (d stride 1)
     T, H, GROUP,                      # GROUP = H // KV: query heads per kv head
     N_KEYS,                           # keys at slots 0..N_KEYS-1: T, or max_blocks * PAGE
     max_blocks,                       # PAGE > 0: the table's row stride
+    splits,                           # SPLIT: programs per (query block, b, h) (grid axis 2),
+                                      # a runtime value: one compiled kernel for every count
     qk_scale,                         # scale * log2(e): scores in base 2
     softcap,                          # 0: none; else softcap * tanh(score / softcap)
     WINDOW: tl.constexpr,             # 0: none
@@ -115,6 +140,8 @@ def _flash_prefill_kernel(
                                       # interpreter, whose bf16 dot is wrong)
     MASK_ALL: tl.constexpr,           # mask every key block (else only the blocks that need it)
     PAGE: tl.constexpr = 0,           # slots per block of a paged cache; 0: k, v as they are
+    SPLIT: tl.constexpr = False,      # each program over its share of the key blocks, partials
+                                      # to scratch; else the whole range, out directly
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -138,6 +165,15 @@ def _flash_prefill_kernel(
         lo = tl.maximum(lo, lowest - WINDOW + 1)
     lo = tl.maximum(lo, 0)
     lo = (lo // BLOCK_N) * BLOCK_N
+    if SPLIT:
+        # This split's share of the n key blocks of [lo, hi): blocks [split * n // splits,
+        # (split + 1) * n // splits), so shares differ by one block at most (empty where
+        # n < splits). The online softmax below runs over it alone.
+        split = tl.program_id(2)
+        n = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
+        first = lo + (split * n // splits) * BLOCK_N
+        hi = tl.minimum(lo + ((split + 1) * n // splits) * BLOCK_N, hi)
+        lo = first
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -175,8 +211,56 @@ def _flash_prefill_kernel(
             acc, m_i, l_i = _attend(acc, m_i, l_i, q, qi, start, n0, k_base, v_base, sk_t, sv_t,
                                     offs_d, N_KEYS, qk_scale, softcap, table_row, True, WINDOW,
                                     SOFTCAP, BLOCK_N, FP32_DOTS, PAGE)
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    out_rows = out_ptr + ((b * T + offs_m[:, None]) * H + h) * D + offs_d[None, :]
+    if SPLIT:
+        part = bh.to(tl.int64) * splits + tl.program_id(2)              # [B * H, splits] slot
+        tl.store(acc_ptr + (part * T + offs_m[:, None]) * D + offs_d[None, :], acc,
+                 mask=row_ok[:, None])
+        tl.store(ml_ptr + part * 2 * T + offs_m, m_i, mask=row_ok)
+        tl.store(ml_ptr + part * 2 * T + T + offs_m, l_i, mask=row_ok)
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        out_rows = out_ptr + ((b * T + offs_m[:, None]) * H + h) * D + offs_d[None, :]
+        tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit(do_not_specialize=["splits"])
+def _combine_splits_kernel(
+    acc_ptr, ml_ptr,                  # the split programs' scratch (see _flash_prefill_kernel)
+    out_ptr,                          # [B, T, H, D] contiguous
+    T, H,
+    splits,                           # the split programs' count (runtime: one kernel for all)
+    D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """Per (block of BLOCK_T query rows, b * H + h): out = sum_s 2^(m_s - m) acc_s /
+    sum_s 2^(m_s - m) l_s with m = max_s m_s (the scores are in base 2). A row no split saw a
+    key for (m = -inf everywhere: left padding) gets 0, as the unsplit kernel writes."""
+    pid_t = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, D)
+    row_ok = offs_t < T
+    m = tl.full([BLOCK_T], float("-inf"), dtype=tl.float32)
+    for s in range(splits):
+        m_s = tl.load(ml_ptr + (bh * splits + s) * 2 * T + offs_t, mask=row_ok,
+                      other=float("-inf"))
+        m = tl.maximum(m, m_s)
+    m = tl.where(m == float("-inf"), 0.0, m)  # no key anywhere: every weight below is 0
+    acc = tl.zeros([BLOCK_T, D], dtype=tl.float32)
+    l = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for s in range(splits):
+        part = bh * splits + s
+        m_s = tl.load(ml_ptr + part * 2 * T + offs_t, mask=row_ok, other=float("-inf"))
+        l_s = tl.load(ml_ptr + part * 2 * T + T + offs_t, mask=row_ok, other=0.0)
+        w = tl.math.exp2(m_s - m)                                        # empty split: 0
+        acc_s = tl.load(acc_ptr + (part * T + offs_t[:, None]) * D + offs_d[None, :],
+                        mask=row_ok[:, None], other=0.0)
+        acc += acc_s * w[:, None]
+        l += l_s * w
+    out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+    out_rows = out_ptr + ((b * T + offs_t[:, None]) * H + h) * D + offs_d[None, :]
     tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
@@ -200,9 +284,40 @@ def _blocks(D: int, dtype: torch.dtype, on_gpu: bool) -> tuple[int, int, int, in
     return 128, 64, 8, 3
 
 
+def _tiles(D: int, dtype: torch.dtype, on_gpu: bool, block_m: int | None
+           ) -> tuple[int, int, int, int]:
+    """`_blocks`, with the block_m override (GPU only; 4 warps from 64 rows down)."""
+    if block_m is not None and (block_m < MIN_BLOCK or block_m & (block_m - 1)):
+        raise ValueError(f"flash_prefill: block_m must be a power of two >= {MIN_BLOCK}, "
+                         f"got {block_m}")
+    BLOCK_M, BLOCK_N, warps, stages = _blocks(D, dtype, on_gpu)
+    if block_m is not None and on_gpu and block_m != BLOCK_M:
+        BLOCK_M, warps = block_m, 4 if block_m <= 64 else warps
+    return BLOCK_M, BLOCK_N, warps, stages
+
+
+def default_splits(B: int, H: int, T: int, n_keys: int, D: int, dtype: torch.dtype,
+                   block_m: int | None = None) -> int:
+    """The splits `flash_prefill` runs on the GPU by default for T queries over n_keys slots
+    (`prefill_splits` of its grid; an SM holds one program of 8 warps, two of 4)."""
+    BLOCK_M, BLOCK_N, warps, _ = _tiles(D, dtype, True, block_m)
+    return prefill_splits(triton.cdiv(T, BLOCK_M) * B * H, triton.cdiv(n_keys, BLOCK_N),
+                          SMS * max(1, 8 // warps))
+
+
+def prefill_splits(programs: int, key_blocks: int, resident: int = SMS) -> int:
+    """How many programs share each (query block, b, h)'s key blocks: as many as keep the
+    grid within one wave of `resident` programs (1 where `programs` fill it already), with
+    at least MIN_SPLIT_BLOCKS key blocks a split (of the `key_blocks` the shapes allow) and at
+    most MAX_SPLITS. Depends on shapes only, so a CUDA graph captured once stays valid for any
+    slots."""
+    return max(1, min(resident // programs, key_blocks // MIN_SPLIT_BLOCKS, MAX_SPLITS))
+
+
 def flash_prefill(q: Tensor, k: Tensor, v: Tensor, query_slots: Tensor, starts: Tensor,
                   scale: float, window: int, softcap: float, block_table: Tensor | None = None,
-                  *, mask_all: bool = True) -> Tensor:
+                  *, mask_all: bool = True, splits: int | None = None,
+                  block_m: int | None = None) -> Tensor:
     """q [B, H, T, D], k/v [B, KV, T, D] (key t at slot t), query_slots [B, T], starts [B]
     -> [B, T, H, D] contiguous in q's dtype. See the module's docstring. With block_table
     [B, max_blocks] int32, k/v are pools [num_blocks, PAGE, KV, D] (contiguous) holding every
@@ -210,7 +325,16 @@ def flash_prefill(q: Tensor, k: Tensor, v: Tensor, query_slots: Tensor, starts: 
 
     mask_all=False masks only the key blocks that straddle a row's start, window edge or
     diagonal (the Triton fused-attention tutorial's split): the same result, less work per
-    fully visible block. Not yet timed on a GPU, so not the default."""
+    fully visible block. Not yet timed on a GPU, so not the default.
+
+    splits: programs per (query block, b, h), each over an equal share of the key blocks its
+    queries may see, combined by `_combine_splits_kernel` (flash-decoding); 1 runs the single
+    kernel. None: on CUDA over a paged cache (a prefix hit's chunk) `default_splits`; else 1:
+    the contiguous prefill, whose small grids are short prompts (and whose build warm-up,
+    at T <= 32, never splits: a split there would compile at the first long enough prompt;
+    a chunk's warm-up splits wherever a bucket's chunks can), and the interpreter.
+    block_m: query rows per program on the GPU (a tuning override: 64 halves a chunk's
+    programs' work where 128 leaves the GPU idle; 4 warps then)."""
     B, H, T, D = q.shape
     if block_table is None:
         KV, n_keys, page, max_blocks = k.shape[1], T, 0, 1
@@ -224,6 +348,8 @@ def flash_prefill(q: Tensor, k: Tensor, v: Tensor, query_slots: Tensor, starts: 
         max_blocks = table.shape[1]
         n_keys = max_blocks * page
     assert H % KV == 0, f"{H} query heads do not group over {KV} kv heads"
+    if splits is not None and splits < 1:
+        raise ValueError(f"flash_prefill: splits must be >= 1, got {splits}")
     out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
     if out.numel() == 0:
         return out
@@ -235,15 +361,28 @@ def flash_prefill(q: Tensor, k: Tensor, v: Tensor, query_slots: Tensor, starts: 
         strides = (0, D, KV * D, 0, D, KV * D)  # pool rows of KV * D; kv head h at h * D
     slots = query_slots.to(torch.int64).expand(B, T).contiguous()
     starts = starts.to(torch.int64).contiguous()
-    BLOCK_M, BLOCK_N, warps, stages = _blocks(D, q.dtype, q.is_cuda)
+    BLOCK_M, BLOCK_N, warps, stages = _tiles(D, q.dtype, q.is_cuda, block_m)
     grid = (triton.cdiv(T, BLOCK_M), B * H)
-    _flash_prefill_kernel[grid](
-        q, k, v, out, slots, starts, table,
+    if splits is None:
+        splits = default_splits(B, H, T, n_keys, D, q.dtype, block_m) \
+            if q.is_cuda and block_table is not None else 1
+    if splits > 1:
+        acc = torch.empty(B * H, splits, T, D, dtype=torch.float32, device=q.device)
+        ml = torch.empty(B * H, splits, 2, T, dtype=torch.float32, device=q.device)
+    else:
+        acc = ml = out  # unused
+    _flash_prefill_kernel[grid + (splits,)](
+        q, k, v, out, slots, starts, table, acc, ml,
         q.stride(0), q.stride(1), q.stride(2),
         *strides,
-        T, H, H // KV, n_keys, max_blocks, scale * LOG2E, float(softcap),
+        T, H, H // KV, n_keys, max_blocks, splits, scale * LOG2E, float(softcap),
         WINDOW=int(window), SOFTCAP=bool(softcap), D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         FP32_DOTS=q.dtype == torch.float32 or not q.is_cuda, MASK_ALL=mask_all,
-        num_warps=warps, num_stages=stages, PAGE=page,
+        num_warps=warps, num_stages=stages, PAGE=page, SPLIT=splits > 1,
     )
+    if splits > 1:
+        block_t = COMBINE_ROWS if q.is_cuda else MIN_BLOCK
+        _combine_splits_kernel[(triton.cdiv(T, block_t), B * H)](
+            acc, ml, out, T, H, splits, D=D, BLOCK_T=block_t, num_warps=4,
+        )
     return out
