@@ -542,6 +542,8 @@ class Scheduler:
         the last one (`_may_run_ahead`, `_chunk_ahead`)."""
         self._retire()
         self._admit()
+        if any(s.done for s in self._running):
+            self._retire()  # rows that ended at their prefill (one token, or eos first)
         if len(self._running) == self._prefilling():
             return  # nothing decodes (no rows, or only a group in prefill: its next chunk)
         if self.blocks is not None:

@@ -146,6 +146,17 @@ def test_a_waiting_request_takes_a_finished_rows_slot_while_the_others_decode(
     assert late.finish_time < min(s.finish_time for s in longs)
 
 
+def test_a_request_that_ends_at_its_prefill_runs_no_decode_step(scheduler: Scheduler) -> None:
+    """One token is the prefill's: the request ends there, and its row leaves before any
+    decode step is issued (it used to ride along in one)."""
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    run_alone(scheduler, prompt(5, seed=1), one)  # (the steps compiled, the loop idle)
+    assert scheduler.wait_idle(TIMEOUT)
+    steps = scheduler.steps
+    assert len(run_alone(scheduler, prompt(6, seed=2), one)) == 1
+    assert scheduler.wait_idle(TIMEOUT) and scheduler.steps == steps
+
+
 def test_bad_requests_raise_value_errors_that_name_the_problem(scheduler: Scheduler) -> None:
     cases = [
         ([], SamplingParams(), "empty"),
