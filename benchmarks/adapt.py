@@ -361,6 +361,31 @@ def arms_of(scheduler: object) -> str:
     return f", steps {steps}; best {', '.join(best) or '-'}"
 
 
+def measured_of(scheduler: object, engine: object) -> dict[str, dict[str, dict[str, float]]]:
+    """Per bucket with measured steps, its controller's `measured()` (ON: the adaptive
+    scheduler's controllers; OFF: the engine's, gamma auto): per arm what its cost counted
+    against the wall time between read-backs."""
+    controllers = getattr(scheduler, "controllers", None) or {
+        size: engine.controller(size) for size in engine.buckets}
+    return {str(size): c.measured() for size, c in controllers.items()
+            if c is not None and c.trace}
+
+
+def measured_lines(mode: str, measured: dict[str, dict[str, dict[str, float]]],
+                   min_steps: int = 20) -> list[str]:
+    """One line per (bucket, arm) with at least `min_steps` measured steps."""
+    lines = []
+    for size, arms in measured.items():
+        for name, m in arms.items():
+            if m["steps"] >= min_steps:
+                lines.append(
+                    f"  {mode:>3} measured bucket {size} {name}: {m['steps']} steps "
+                    f"({m['probes']} probes), counted {1e3 * m['seconds']:.3g} ms, read-back "
+                    f"interval {1e3 * m['interval']:.3g} ms, host {1e3 * m['host']:.3g} ms, "
+                    f"tokens/row {m['tokens']:.2f}")
+    return lines
+
+
 def windows(records: list[dict], size: int) -> list[dict]:
     """Per window of `size` completions: output tok/s (tokens over the time since the previous
     window's last completion), per source acceptance and steps within the window, updates."""
@@ -515,6 +540,9 @@ def run_mode(engine: object, on: bool, phases: list[tuple[str, list[list[int]], 
             out[name] = records
             log(f"  {mode:>3} {name}: {len(records)} requests, {tok_s(records):,.0f} tok/s, "
                 f"updates {updates_of(scheduler)}{arms_of(scheduler)}")
+        out["measured"] = measured_of(scheduler, engine)
+        for line in measured_lines(mode, out["measured"]):
+            log(line)
         if on and getattr(scheduler, "snapshot", None) is not None:
             out["snapshot"] = json.loads(json.dumps(scheduler.snapshot(), default=str))
             out["update_reasons"] = [r.reason for r in getattr(scheduler, "update_results", [])]
@@ -582,7 +610,8 @@ def shifted(args: argparse.Namespace, engine: object, tokenizer: object) -> None
     for mode in ("off", "on"):
         result[mode] = {"windows": windows(runs[mode]["stream"], args.window),
                         "tok_s": {p: tok_s(runs[mode][p]) for p, _, _ in phases},
-                        "setup_seconds": runs[mode]["setup_seconds"]}
+                        "setup_seconds": runs[mode]["setup_seconds"],
+                        "measured": runs[mode].get("measured")}
     result["on"]["snapshot"] = runs["on"].get("snapshot")
     result["on"]["update_reasons"] = runs["on"].get("update_reasons")
     RESULTS["workloads"]["shifted"] = result

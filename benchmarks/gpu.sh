@@ -225,6 +225,7 @@ for suite in "$@"; do
       table "$suite: benchmarks/adapt.py --workloads $workloads (on / off; criteria of issue 44)" \
         "$(grep -E '^(python_|stream:)' "$DIR/$suite.log" | sort -u)" \
         "$(grep -E '^ +on [a-z_]+: .*steps ' "$DIR/$suite.log")" \
+        "$(grep -E '^ +(on|off) measured ' "$DIR/$suite.log" | head -n 16)" \
         "$(sed -n '/^--- criteria/,$p' "$DIR/$suite.log" | grep -E '^ *(PASS|FAIL|n/a) ')" ;;
     paged)
       step paged_tests 300 python3 -m pytest -q -p no:cacheprovider -rf tests/test_paged_attention.py \

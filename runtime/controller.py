@@ -83,7 +83,8 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["DRAFT", "SOURCES", "SUFFIX", "TARGET", "Choice", "Controller", "ControllerCollector",
-           "expected_tokens_per_round", "expected_tokens_per_step", "leviathan_speedup"]
+           "StepSample", "expected_tokens_per_round", "expected_tokens_per_step",
+           "leviathan_speedup"]
 
 TARGET, DRAFT, SUFFIX = "target", "draft", "suffix"
 SOURCES = (TARGET, DRAFT, SUFFIX)
@@ -149,6 +150,23 @@ def expected_tokens_per_round(alphas: Sequence[float], gamma: int) -> float:
 # -- the controller ---------------------------------------------------------------------------
 
 Arm = tuple[str, int]
+
+
+TRACE_STEPS = 4096  # measured steps a controller keeps in `trace`
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One measured step: its arm, whether it was a probe, the seconds its cost counted, the
+    wall time from the previous read-back to its own (None for a loop's first step), the host
+    seconds spent issuing it, and the tokens per row it emitted."""
+
+    arm: tuple[str, int]
+    probe: bool
+    seconds: float
+    interval: float | None
+    host: float
+    tokens: float
 
 
 @dataclass(frozen=True)
@@ -268,6 +286,8 @@ class Controller:
         self.updates = {"accepted": 0, "rejected": 0}
         self.last = Choice(*first)
         self.reason = "no step yet"
+        # The last TRACE_STEPS measured steps: what each arm's cost is made of (`measured`).
+        self.trace: deque[StepSample] = deque(maxlen=TRACE_STEPS)
 
     # -- reading the measurements -------------------------------------------------------------
 
@@ -418,6 +438,7 @@ class Controller:
                                  f"{self.arms}")
             choice = Choice(source, gamma, False, None)
         host = self._host.pop(id(choice), 0.0)
+        interval = None if self._last_done is None else now - self._last_done
         start = self._last_done if choice.issued is None else (
             choice.issued if self._last_done is None else max(self._last_done, choice.issued))
         seconds = None
@@ -470,6 +491,8 @@ class Controller:
             if measure.samples:  # what it measured before, at the source's acceptance now
                 measure.tokens = max(measure.tokens * self._drift(choice.arm), 1.0)
             measure.add(seconds, tokens, weight, self.step_count)
+            self.trace.append(StepSample(choice.arm, choice.probe, seconds, interval, host,
+                                         tokens))
             measure.expected = expected
             if choice.probe:  # far behind the best: probed less often (at most MAX_BACKOFF)
                 far = self.cost(*choice.arm) > FAR_BEHIND * self.cost(*self.best())
@@ -509,6 +532,30 @@ class Controller:
         """(accepted, proposed) tokens in the source's last `window` steps."""
         steps = self._window.get(source) or ()
         return sum(n for n, _ in steps), sum(p for _, p in steps)
+
+    def measured(self) -> dict[str, dict[str, float]]:
+        """Per arm over the steps in `trace` ("target-only", "draft gamma 4", ...): steps,
+        probes, and the medians of the seconds its cost counted, of the wall time between
+        read-backs, of the host's issuing time and of the tokens per row. Where the counted
+        seconds and the read-back intervals part, the costs do not follow the throughput."""
+        by_arm: dict[tuple[str, int], list[StepSample]] = {}
+        for sample in self.trace:
+            by_arm.setdefault(sample.arm, []).append(sample)
+
+        def median(values: list[float]) -> float:
+            values = sorted(values)
+            return values[len(values) // 2] if values else float("nan")
+
+        out: dict[str, dict[str, float]] = {}
+        for arm, samples in sorted(by_arm.items()):
+            name = "target-only" if arm[0] == TARGET else f"{arm[0]} gamma {arm[1]}"
+            out[name] = {
+                "steps": len(samples), "probes": sum(s.probe for s in samples),
+                "seconds": median([s.seconds for s in samples]),
+                "interval": median([s.interval for s in samples if s.interval is not None]),
+                "host": median([s.host for s in samples]),
+                "tokens": median([s.tokens for s in samples])}
+        return out
 
     def snapshot(self) -> dict[str, Any]:
         """What engine.stats shows: the last choice, why, steps per source, the measured cost

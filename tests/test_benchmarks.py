@@ -178,6 +178,9 @@ def test_adapt_benchmark_dry_run(tmp_path: Path) -> None:
     shifted = result["workloads"]["shifted"]
     assert shifted["last_window_files_new"]
     assert len(shifted["on"]["windows"]) == len(shifted["off"]["windows"]) == 3
+    arms = next(iter(shifted["on"]["measured"].values()))  # the controller's costs, taken apart
+    assert sum(m["steps"] for m in arms.values()) > 0
+    assert all(m["seconds"] >= 0 and m["tokens"] >= 1 for m in arms.values())
     assert len(result["criteria"]) == 7
     assert (tmp_path / "adapt.png").is_file()
     lines = proc.stdout.splitlines()

@@ -393,3 +393,30 @@ def test_leviathan_known_values_and_alpha_one() -> None:
     for bad in [(-0.1, 1, 0.1), (1.1, 1, 0.1), (0.5, -1, 0.1), (0.5, 1.5, 0.1), (0.5, 1, -1)]:
         with pytest.raises(ValueError):
             leviathan_speedup(*bad)
+
+
+def test_measured_reports_each_arms_counted_seconds_beside_its_read_back_intervals() -> None:
+    """`measured()` (what benchmarks print to check the costs against the throughput): per arm
+    the steps and probes, and the medians of the seconds counted, of the wall time between
+    read-backs, of the host's issuing time and of the tokens per row. Steps one at a time, 2 ms
+    of host before each is queued and its device time after: counted seconds and intervals
+    agree."""
+    script = Script({(TARGET, 0): 0.004, **{(DRAFT, g): 0.002 * (1 + g) for g in GAMMAS}},
+                    {DRAFT: 0.6}, rows=4)
+    ctl = Controller({DRAFT: GAMMAS}, clock=script.clock)
+    for _ in range(300):
+        choice = ctl.choose()
+        script.clock.now += 0.002  # the host issues it
+        ctl.sent()
+        script.clock.now += script.seconds[choice.arm]
+        ctl.update(script.accepted(choice), choice.gamma)
+    measured = ctl.measured()
+    assert sum(m["steps"] for m in measured.values()) == 300
+    assert sum(m["probes"] for m in measured.values()) == ctl.probes
+    best = ctl.best()
+    name = "target-only" if best[0] == TARGET else f"{best[0]} gamma {best[1]}"
+    row = measured[name]
+    assert row["host"] == pytest.approx(0.002)
+    assert row["seconds"] == pytest.approx(0.002 + script.seconds[best])
+    assert row["interval"] == pytest.approx(row["seconds"])
+    assert 1.0 <= row["tokens"] <= 1 + best[1]
