@@ -288,9 +288,12 @@ def _attr(root: torch.nn.Module, target: str) -> Any:
 
 def _version(module: str) -> str | None:
     """The installed version of `module`; from package metadata where the module is not
-    imported yet (importing transformers only to read its version costs seconds)."""
-    if module in sys.modules:
-        return getattr(sys.modules[module], "__version__", None)
+    imported yet (importing transformers only to read its version costs seconds), or not yet
+    far enough to have a `__version__` (a load imports transformers on another thread while
+    it checks the environment: fuser/engine_io.py)."""
+    version = getattr(sys.modules.get(module), "__version__", None)
+    if version is not None:
+        return version
     try:
         return importlib.metadata.version(module)
     except importlib.metadata.PackageNotFoundError:

@@ -226,3 +226,18 @@ def test_pack_keeps_views_of_one_storage() -> None:
     for name, t in tensors.items():
         assert torch.equal(out[name], t)
     assert out["k"].untyped_storage().data_ptr() == out["merged"].untyped_storage().data_ptr()
+
+
+def test_a_module_still_being_imported_has_its_installed_version(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The environment check reads transformers' version while a load may still be importing
+    it on another thread: a module in sys.modules without `__version__` yet gives the
+    installed version from its metadata, not None (which refused every engine as built for
+    another environment)."""
+    import importlib.metadata
+    import sys
+    import types
+
+    installed = importlib.metadata.version("transformers")
+    monkeypatch.setitem(sys.modules, "transformers", types.ModuleType("transformers"))
+    assert ef.environment(torch.device("cpu"))["transformers"] == installed
