@@ -62,6 +62,12 @@ def always(context: PassContext) -> bool:
     return True
 
 
+def uncompiled(context: PassContext) -> bool:
+    """A pass for the dynamic-T steps (prefill, chunk) only: they run as FX graphs, where
+    the fixed-T steps are compiled by Inductor, which does such rewrites itself."""
+    return not context.kind.fixed
+
+
 # While set (`deferred_recompile`), a pass leaves its graph's Python code stale: `run_passes`
 # regenerates it once after the last pass. Each regeneration walks the whole graph; one per pass
 # was a fifth of the passes' time on a 24-layer step graph, and a multi-bucket build runs the

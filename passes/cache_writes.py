@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from fuser.passes.base import GraphPass, PassContext
+from fuser.passes.base import GraphPass, PassContext, uncompiled
 
 aten = torch.ops.aten
 
@@ -72,9 +72,5 @@ def write_caches_in_place(gm: GraphModule, context: PassContext) -> int:
     return count
 
 
-def _dynamic_t(context: PassContext) -> bool:
-    # Fixed-T steps are compiled (Inductor reinplaces their writes) or take rotary_cache's op.
-    return not context.kind.fixed
-
-
-CACHE_WRITES = GraphPass("cache_writes", write_caches_in_place, when=_dynamic_t)
+# (The fixed-T steps: Inductor reinplaces their writes, or rotary_cache's op does them.)
+CACHE_WRITES = GraphPass("cache_writes", write_caches_in_place, when=uncompiled)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from fuser.passes.base import GraphPass, PassContext
+from fuser.passes.base import GraphPass, PassContext, uncompiled
 
 aten = torch.ops.aten
 
@@ -146,10 +146,5 @@ def merge_common_subexpressions(gm: GraphModule, context: PassContext) -> int:
     return merged
 
 
-def _dynamic_t(context: PassContext) -> bool:
-    # Fixed-T steps are compiled: Inductor merges their common subexpressions itself.
-    return not context.kind.fixed
-
-
 COMMON_SUBEXPRESSIONS = GraphPass("common_subexpressions", merge_common_subexpressions,
-                                  when=_dynamic_t)
+                                  when=uncompiled)

@@ -276,6 +276,13 @@ def test_flash_prefill_equals_the_reference_on_real_rows(B, T, heads, D, pad, wi
     whole blocks skipped for the padding and the window; every block masked, or only those
     that need it) against masked_attention: close on every row that sees a key, zeros on the
     left-padding rows that see none."""
+    check_flash_prefill(B, T, heads, D, pad, window, softcap, dtype, mask_all, seed)
+
+
+def check_flash_prefill(B, T, heads, D, pad, window, softcap, dtype, mask_all, seed,
+                        splits: int | None = None) -> None:
+    """flash_prefill (`splits` programs a query block, or the default) against
+    masked_attention: close on every row that sees a key, zeros on the left-padding rows."""
     from fuser.ops.attention import prefill_attention_reference
     from fuser.ops.flash_prefill import flash_prefill
 
@@ -283,7 +290,8 @@ def test_flash_prefill_equals_the_reference_on_real_rows(B, T, heads, D, pad, wi
     q, k, v, slots, starts = prefill_inputs(B, T, heads, D, pad, dtype, seed, q_scale=2.0,
                                             strided_q=True)
     args = (q, k, v, slots, starts, D**-0.5, window, softcap)
-    out, ref = flash_prefill(*args, mask_all=mask_all), prefill_attention_reference(*args)
+    out = flash_prefill(*args, mask_all=mask_all, splits=splits)
+    ref = prefill_attention_reference(*args)
     assert out.shape == ref.shape == (B, T, H, D) and out.dtype == dtype and out.is_contiguous()
     real = slots >= starts[:, None]
     assert torch.isfinite(out).all() and (out[~real] == 0).all()
@@ -333,20 +341,7 @@ def test_flash_prefill_split_keys_equal_the_reference_on_real_rows(B, T, heads, 
     combine; splits with no key block, rows with no key in a split) against masked_attention,
     as the unsplit kernel is held: close on every row that sees a key, zeros on the
     left-padding rows."""
-    from fuser.ops.attention import prefill_attention_reference
-    from fuser.ops.flash_prefill import flash_prefill
-
-    H = heads[0]
-    q, k, v, slots, starts = prefill_inputs(B, T, heads, D, pad, dtype, seed, q_scale=2.0,
-                                            strided_q=True)
-    args = (q, k, v, slots, starts, D**-0.5, window, softcap)
-    out = flash_prefill(*args, mask_all=mask_all, splits=splits)
-    ref = prefill_attention_reference(*args)
-    assert out.shape == ref.shape == (B, T, H, D) and out.dtype == dtype and out.is_contiguous()
-    real = slots >= starts[:, None]
-    assert torch.isfinite(out).all() and (out[~real] == 0).all()
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out[real].float(), ref[real].float(), rtol=tol, atol=tol)
+    check_flash_prefill(B, T, heads, D, pad, window, softcap, dtype, mask_all, seed, splits)
 
 
 def test_flash_prefill_splits_fill_a_small_grid_only():

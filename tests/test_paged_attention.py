@@ -180,32 +180,8 @@ def test_flash_prefill_chunk_over_a_paged_cache(dtype, batch, heads, head_dim, c
     """A prefill chunk after a cached prefix (a prefix-cache hit): T queries at slots
     prefix + t over a paged cache that already holds the prefix and the chunk's own keys,
     by the flash kernel through the table, against the reference over the contiguous cache."""
-    from fuser.ops.flash_prefill import flash_prefill
-
-    H, KV = heads
-    prefix = data.draw(st.lists(st.integers(0, 40), min_size=batch, max_size=batch))
-    pad = [data.draw(st.integers(0, n + chunk - 1)) for n in prefix]
-    seed = data.draw(st.integers(0, 2**16))
-    S = max(prefix) + chunk + data.draw(st.integers(0, 9))
-    g = torch.Generator().manual_seed(seed)
-    q = (torch.randn(batch, chunk, H, head_dim, generator=g) * 2).to(dtype).to(DEVICE)
-    q = q.transpose(1, 2)
-    k_cache = torch.randn(batch, S, KV, head_dim, generator=g).to(dtype).to(DEVICE)
-    v_cache = torch.randn(batch, S, KV, head_dim, generator=g).to(dtype).to(DEVICE)
-    lens = torch.tensor(prefix, dtype=torch.int64, device=DEVICE)
-    starts = torch.tensor(pad, dtype=torch.int64, device=DEVICE)
-    (k_pool, v_pool), table, _ = page([k_cache, v_cache], page_size, lens + chunk, seed)
-    slots = lens[:, None] + torch.arange(chunk, device=DEVICE)        # [B, T] query slots
-    scale = head_dim**-0.5
-    out = flash_prefill(q, k_pool, v_pool, slots, starts, scale, window, softcap, table,
-                        mask_all=mask_all)
-    ref = cache_attention_reference(q, k_cache, v_cache, lens, starts, scale, window, softcap)
-    assert out.shape == ref.shape == (batch, chunk, H, head_dim) and out.is_contiguous()
-    out, ref = out.cpu(), ref.cpu()
-    seen = visible_queries(lens.cpu(), starts.cpu(), chunk, S, window)
-    assert torch.isfinite(out).all() and (out[~seen] == 0).all()
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out[seen].float(), ref[seen].float(), rtol=tol, atol=tol)
+    check_paged_chunk(dtype, batch, heads, head_dim, chunk, page_size, window, softcap,
+                      mask_all, data, max_prefix=40)
 
 
 @settings(max_examples=12, deadline=None, derandomize=True,
@@ -221,26 +197,36 @@ def test_flash_prefill_split_chunk_over_a_paged_cache(dtype, batch, heads, chunk
     """A prefix-cache hit's chunk with its key range split over `splits` programs (partials
     combined by log-sum-exp), through the table, against the reference over the contiguous
     cache: the same bar as the unsplit kernel's test above."""
+    check_paged_chunk(dtype, batch, heads, 16, chunk, page_size, window, softcap, mask_all,
+                      data, max_prefix=60, splits=splits)
+
+
+def check_paged_chunk(dtype, batch, heads, head_dim, chunk, page_size, window, softcap,
+                      mask_all, data, max_prefix: int, splits: int | None = None) -> None:
+    """flash_prefill of a chunk after drawn prefixes of up to max_prefix slots, through a
+    paged table (`splits` programs a query block, or the default), against the reference over
+    the contiguous cache: finite, 0 where no key is visible, close where one is."""
     from fuser.ops.flash_prefill import flash_prefill
 
     H, KV = heads
-    D = 16
-    prefix = data.draw(st.lists(st.integers(0, 60), min_size=batch, max_size=batch))
+    prefix = data.draw(st.lists(st.integers(0, max_prefix), min_size=batch, max_size=batch))
     pad = [data.draw(st.integers(0, n + chunk - 1)) for n in prefix]
     seed = data.draw(st.integers(0, 2**16))
     S = max(prefix) + chunk + data.draw(st.integers(0, 9))
     g = torch.Generator().manual_seed(seed)
-    q = (torch.randn(batch, chunk, H, D, generator=g) * 2).to(dtype).to(DEVICE).transpose(1, 2)
-    k_cache = torch.randn(batch, S, KV, D, generator=g).to(dtype).to(DEVICE)
-    v_cache = torch.randn(batch, S, KV, D, generator=g).to(dtype).to(DEVICE)
+    q = (torch.randn(batch, chunk, H, head_dim, generator=g) * 2).to(dtype).to(DEVICE)
+    q = q.transpose(1, 2)
+    k_cache = torch.randn(batch, S, KV, head_dim, generator=g).to(dtype).to(DEVICE)
+    v_cache = torch.randn(batch, S, KV, head_dim, generator=g).to(dtype).to(DEVICE)
     lens = torch.tensor(prefix, dtype=torch.int64, device=DEVICE)
     starts = torch.tensor(pad, dtype=torch.int64, device=DEVICE)
     (k_pool, v_pool), table, _ = page([k_cache, v_cache], page_size, lens + chunk, seed)
     slots = lens[:, None] + torch.arange(chunk, device=DEVICE)        # [B, T] query slots
-    out = flash_prefill(q, k_pool, v_pool, slots, starts, D**-0.5, window, softcap, table,
+    scale = head_dim**-0.5
+    out = flash_prefill(q, k_pool, v_pool, slots, starts, scale, window, softcap, table,
                         mask_all=mask_all, splits=splits)
-    ref = cache_attention_reference(q, k_cache, v_cache, lens, starts, D**-0.5, window, softcap)
-    assert out.shape == ref.shape == (batch, chunk, H, D) and out.is_contiguous()
+    ref = cache_attention_reference(q, k_cache, v_cache, lens, starts, scale, window, softcap)
+    assert out.shape == ref.shape == (batch, chunk, H, head_dim) and out.is_contiguous()
     out, ref = out.cpu(), ref.cpu()
     seen = visible_queries(lens.cpu(), starts.cpu(), chunk, S, window)
     assert torch.isfinite(out).all() and (out[~seen] == 0).all()
