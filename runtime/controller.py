@@ -83,7 +83,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["DRAFT", "SOURCES", "SUFFIX", "TARGET", "Choice", "Controller", "ControllerCollector",
-           "StepSample", "expected_tokens_per_round", "expected_tokens_per_step",
+           "StepSample", "arm_name", "expected_tokens_per_round", "expected_tokens_per_step",
            "leviathan_speedup"]
 
 TARGET, DRAFT, SUFFIX = "target", "draft", "suffix"
@@ -155,13 +155,18 @@ Arm = tuple[str, int]
 TRACE_STEPS = 4096  # measured steps a controller keeps in `trace`
 
 
+def arm_name(arm: Arm) -> str:
+    """"target-only", or "<source> gamma <g>": an arm as `reason` and `measured` name it."""
+    return "target-only" if arm[0] == TARGET else f"{arm[0]} gamma {arm[1]}"
+
+
 @dataclass(frozen=True)
 class StepSample:
     """One measured step: its arm, whether it was a probe, the seconds its cost counted, the
     wall time from the previous read-back to its own (None for a loop's first step), the host
     seconds spent issuing it, and the tokens per row it emitted."""
 
-    arm: tuple[str, int]
+    arm: Arm
     probe: bool
     seconds: float
     interval: float | None
@@ -344,18 +349,19 @@ class Controller:
         could be probed now."""
         if source not in self.sources:
             return False
-        if self.best()[0] == source:
+        best = self.best()
+        if best[0] == source:
             return True
-        return any(a[0] == source for a in self._due()) and self._budget()
+        return any(a[0] == source for a in self._due(best)) and self._budget()
 
     # -- the choice --------------------------------------------------------------------------
 
     def _budget(self) -> bool:
         return self.probes < self.probe_share * self.step_count + self._allowance
 
-    def _due(self) -> list[Arm]:
-        """Arms due a probe, the unmeasured first, then the longest unmeasured."""
-        best = self.best()
+    def _due(self, best: Arm) -> list[Arm]:
+        """Arms other than `best` (the best arm now) due a probe, the unmeasured first, then
+        the longest unmeasured."""
         pending = {c.arm for c in self._issued if c.probe}  # probed, not yet read back
         due = [a for a in self.arms if a != best and a not in pending and (
             not self._measures[a].samples or self.step_count - self._measures[a].at
@@ -369,7 +375,7 @@ class Controller:
         the best arm runs if no usable arm is due a probe.
         """
         best = self.best()
-        due = [a for a in self._due() if usable is None or usable(a)]
+        due = [a for a in self._due(best) if usable is None or usable(a)]
         probe = bool(due) and self._budget()
         arm = due[0] if probe else best
         if usable is not None and not usable(arm):
@@ -394,19 +400,16 @@ class Controller:
             self._host[id(last)] = max(self.clock() - last.issued, 0.0)
 
     def _describe(self, choice: Choice) -> str:
-        def name(arm: Arm) -> str:
-            return "target-only" if arm[0] == TARGET else f"{arm[0]} gamma {arm[1]}"
-
         measured = sorted((a for a in self.arms if self._measures[a].samples),
                           key=lambda a: self.cost(*a))
-        notes = ", ".join(f"{name(a)} {1e3 * self.cost(*a):.3g} ms"
+        notes = ", ".join(f"{arm_name(a)} {1e3 * self.cost(*a):.3g} ms"
                           for a in measured) or "nothing measured yet"
         if choice.probe:
-            what = f"probing {name(choice.arm)}"
+            what = f"probing {arm_name(choice.arm)}"
         elif choice.source == TARGET:
             what = "target-only: speculation off"
         else:
-            what = name(choice.arm)
+            what = arm_name(choice.arm)
         return (f"{what} (measured per emitted token: {notes}; probes {self.probes} of "
                 f"{self.step_count} steps)")
 
@@ -548,8 +551,7 @@ class Controller:
 
         out: dict[str, dict[str, float]] = {}
         for arm, samples in sorted(by_arm.items()):
-            name = "target-only" if arm[0] == TARGET else f"{arm[0]} gamma {arm[1]}"
-            out[name] = {
+            out[arm_name(arm)] = {
                 "steps": len(samples), "probes": sum(s.probe for s in samples),
                 "seconds": median([s.seconds for s in samples]),
                 "interval": median([s.interval for s in samples if s.interval is not None]),
