@@ -909,8 +909,9 @@ def make_source(args: argparse.Namespace) -> Source:
                            "max_batch_size": engine.config.max_batch_size}
         log(f"loaded in {seconds:.1f} s (max_batch_size {engine.config.max_batch_size})")
         model = None
-        if args.preset:  # the same random shape for Hugging Face (the engine's own weights
-            # are not a transformers model once loaded)
+        if args.preset and not args.no_hf:  # the same random shape for Hugging Face (the
+            # engine's own weights are not a transformers model once loaded); not built when
+            # unused: beside a paged engine's KV blocks it may not fit
             model = load_models(argparse.Namespace(**{**vars(args), "model": None}))[0]
         vocab = engine.vocab_size
         return Source(engine, model, None, engine.tokenizer, Path(args.model).name, vocab)

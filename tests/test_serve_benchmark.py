@@ -387,3 +387,30 @@ def test_a_streamed_requests_ttft_does_not_count_making_a_client(
         result = serve.streamed_request(client, "http://127.0.0.1:1", "m", [1, 2], 2, 10.0)
     assert result["text"] == " t5 t6" and result["output_tokens"] == 2
     assert result["ttft"] < 0.2
+
+
+@pytest.mark.parametrize("no_hf", [True, False])
+def test_a_loaded_engine_builds_the_presets_model_only_for_hugging_face(monkeypatch, no_hf
+                                                                        ) -> None:
+    """--engine DIR --preset: the random transformers model of the preset's shape is built only
+    when Hugging Face's generate will run (beside a paged engine's KV blocks it may not fit on
+    the GPU; with --no-hf it ran out of memory there)."""
+    import types
+
+    import fuser
+    import fuser.cli
+    import fuser.server.cli
+
+    built: list[str] = []
+    engine = types.SimpleNamespace(config=types.SimpleNamespace(max_batch_size=4),
+                                   vocab_size=99, tokenizer=None)
+    monkeypatch.setattr(fuser.cli, "is_engine_dir", lambda path: True)
+    monkeypatch.setattr(fuser.server.cli, "check_engine_precision", lambda *a: None)
+    monkeypatch.setattr(fuser, "load", lambda path, **kw: engine)
+    monkeypatch.setattr(serve, "load_models", lambda args: built.append(args.preset) or
+                        ("model", None, None, "name"))
+    argv = ["--engine", "/nowhere/e", "--preset", "tiny-random-llama"] + (["--no-hf"] * no_hf)
+    source = serve.make_source(serve.parse_args(argv))
+    assert source.engine is engine and source.vocab_size == 99
+    assert built == ([] if no_hf else ["tiny-random-llama"])
+    assert source.model == (None if no_hf else "model")
