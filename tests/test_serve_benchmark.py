@@ -414,3 +414,30 @@ def test_a_loaded_engine_builds_the_presets_model_only_for_hugging_face(monkeypa
     assert source.engine is engine and source.vocab_size == 99
     assert built == ([] if no_hf else ["tiny-random-llama"])
     assert source.model == (None if no_hf else "model")
+
+
+def test_each_level_sends_prompts_no_earlier_level_sent(monkeypatch) -> None:
+    """A prompt sent again is a prefix-cache hit: every level's requests and warm-up take
+    prompts of their own, and `requests_of` counts them all."""
+    from concurrent.futures import Future
+
+    sent: list[list[list[int]]] = []
+
+    class Pool:
+        def submit(self, fn, url, model, prompts, c, n, *rest):
+            sent.append(prompts)
+            done: Future = Future()
+            done.set_result({"duration": 1.0, "warmup_errors": [],
+                             "records": [dict(record(0.01, 0.1, 4, [0.03] * 3), prompt=p[0])
+                                         for p in prompts[:n]]})
+            return done
+
+    monkeypatch.setattr(serve, "scrape_text", lambda url: "")
+    monkeypatch.setattr(serve, "scrape_gauges", lambda url, *a, **kw: {})
+    args = serve.parse_args(["--concurrency", "1,4,16", "--output-len", "4"])
+    prompts = [[i, i] for i in range(serve.requests_of(args, args.levels))]
+    assert len(prompts) == (8 + 1) + (8 + 4) + (32 + 16)
+    serve.run_levels(Pool(), "http://127.0.0.1:1", "m", prompts, args, "fuser")
+    assert [len(p) for p in sent] == [9, 12, 48]
+    firsts = [p[0] for level in sent for p in level]
+    assert sorted(firsts) == list(range(len(prompts)))  # every prompt once
