@@ -380,13 +380,16 @@ class AdaptiveScheduler(Scheduler):
         bucket = engine.bucket(len(rows))
         controller = self.controllers[bucket.batch]
         matched = False
+        # The step's host work begins here: the lookup is the step's (the controller counts
+        # it in the step's own seconds, not in those of the step in flight).
+        started = controller.clock()
         # The index is looked up only when a suffix arm could be chosen (the best arm, or one
-        # due a probe): without a match none is usable, so a step that could not choose one
-        # skips the host's lookup, as the plain Scheduler's step does.
+        # being probed or due a probe): without a match none is usable, so a step that could
+        # not choose one skips the host's lookup, as the plain Scheduler's step does.
         if self.index is not None and controller.may_choose(SUFFIX):
             tokens, counts, anchors = self._proposals(rows)
             matched = bool(counts.any())
-        choice = controller.choose(lambda arm: arm[0] != SUFFIX or matched)
+        choice = controller.choose(lambda arm: arm[0] != SUFFIX or matched, started=started)
         do_sample = any(not s.params.greedy for s in rows)
         gamma = choice.gamma
         start = time.perf_counter()
