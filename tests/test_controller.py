@@ -325,6 +325,29 @@ def test_host_work_of_a_step_is_its_own() -> None:
     assert ctl._measures[b.arm].seconds == pytest.approx(0.5 + 0.7)
 
 
+def test_a_lookup_before_the_choice_is_the_steps_own_host_work() -> None:
+    """The adaptive scheduler looks the suffix index up before `choose` (the lookup decides
+    which arms are usable): `choose(started=)` makes that host time the new step's, not the
+    step in flight's (whose seconds count from the read-back before it to its own)."""
+    clock = Clock()
+    ctl = Controller({DRAFT: (2,), SUFFIX: (2,)}, clock=clock, probe_steps=2)
+    a = ctl.choose()
+    clock.now += 0.1
+    ctl.sent()
+    started = clock.now
+    clock.now += 0.5  # b's lookup, queued behind a
+    b = ctl.choose(started=started)
+    clock.now += 0.2  # b's issue
+    ctl.sent()
+    clock.now = 1.0  # a read back
+    ctl.update([0], a.gamma)
+    assert ctl.trace[-1].seconds == pytest.approx(1.0 - 0.7)
+    clock.now = 1.5  # b read back: its device time 0.5 after a's, and its host work 0.7
+    ctl.update([0], b.gamma)
+    assert ctl.trace[-1].seconds == pytest.approx(0.5 + 0.7)
+    assert ctl.trace[-1].host == pytest.approx(0.7)
+
+
 def test_windows_snapshot_and_metrics() -> None:
     pytest.importorskip("prometheus_client")
     from prometheus_client import CollectorRegistry, generate_latest
