@@ -91,11 +91,12 @@ __all__ = ["SERVING_DUTY", "DistillConfig", "Distiller", "Evaluation", "Gate", "
 
 log = logging.getLogger("fuser")
 
-# The share of wall time a draft update works where it runs beside serving (the adaptive
-# scheduler's background updates, unless DistillConfig.duty says otherwise). On an H100 the
-# bundled pair's adaptive serving was at its slowest (0.61-0.69x of without) in the windows an
-# unpaced 5 s update most likely overlapped (benchmarks/RESULTS.md, "Adaptive speculation"):
-# paced, an update takes the host and the GPU a tenth of the time, for ten times as long.
+# A share of wall time for a draft update to work beside serving under load (DistillConfig.
+# duty; the adaptive scheduler's background updates otherwise work only while it idles). On an
+# H100 the bundled pair's adaptive serving was at its slowest (0.61-0.69x of without) in the
+# windows an unpaced 5 s update most likely overlapped (benchmarks/RESULTS.md, "Adaptive
+# speculation"): paced, an update takes the host and the GPU a tenth of the time, for ten
+# times as long (50 s for a 5 s budget: longer than the benchmark's whole stream).
 SERVING_DUTY = 0.1
 # How often a Pacer waiting for `ready` asks again (seconds).
 READY_POLL_S = 0.005
@@ -652,9 +653,11 @@ class DistillConfig:
         seed: minibatch order.
         duty: the share of wall time an update works (labelling and training steps, each
             followed by a sleep: `Pacer`); the time budget counts the work, so an update takes
-            about budget / duty seconds. None: 1.0 (unpaced) for an update called directly,
-            SERVING_DUTY where the adaptive scheduler runs it beside serving, which needs the
-            same host (the GIL) and GPU.
+            about budget / duty seconds. None: 1.0 (unpaced) for an update called directly;
+            where the adaptive scheduler runs it beside serving, unpaced but only while no
+            request runs or waits (serving needs the same host, the GIL, and GPU: any share
+            of them an update takes under load is throughput lost). Set (e.g. SERVING_DUTY)
+            to distil under load too, at about that share of the throughput while it runs.
     """
 
     lr: float = 1e-4
