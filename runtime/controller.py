@@ -24,25 +24,43 @@ of the captured graphs' GPU time enters the choice: a lookup that costs host tim
 stops the pipeline shows up in the seconds, a proposal the target rejects in the tokens.
 
 The choice. The best arm is the measured one with the lowest cost; every step runs it unless a
-probe is due. A probe runs another arm once, to re-measure it: the arm unmeasured, or measured
-the longest ago, and only once `refresh` steps have passed since its last measurement (an arm
-whose probe found it more than FAR_BEHIND times the best's cost waits twice as long each time,
-up to 2**MAX_BACKOFF times: hopeless arms cost fewer probes). An arm's first sample is
-provisional: its second replaces it. A first step pays what only a first run does (a CUDA
-graph's upload at its first replay); averaged in, and the arm backed off, it would rank the arm
-for thousands of steps. (On an H100 the bundled pair's probed arms measured 4-16x
-the arm in use, costs the throughput did not bear out: benchmarks/RESULTS.md, "Adaptive
-speculation"; first-run costs are one explanation, not yet confirmed there.) Probes are
-bounded: a probe is issued only while
+probe is due. A probe runs another arm for `probe_steps` (PROBE_STEPS) steps in a row, to
+measure it: the arm unmeasured, or measured cheaper than the best but not surely enough (below),
+or measured the longest ago once `refresh` steps have passed since (an arm whose probe found it
+more than FAR_BEHIND times the best's cost waits twice as long each time, up to 2**MAX_BACKOFF
+times: hopeless arms cost fewer probes).
 
-    probes so far < probe_share * steps so far + allowance,
+Switches. A step that follows a step of another arm pays for the change: an overlapped draft
+round starts over by drafting, a graph not replayed for a while runs cold, the draft catches up.
+On an H100 the bundled pair's draft gamma 6 ran 0.70 ms a step in a row and 2.15 ms as lone
+probes among suffix steps (benchmarks/adapt.py's "measured" lines): probed one step at a time,
+every arm but the one in use looked three times dearer than it is, and the best was never
+taken. So a step whose arm's policy (below) differs from the step before's is a `switch`: it is
+traced, but not averaged into any arm's cost. The switches' cost is real, and it is why the
+steps leave the arm they run (`best`) only for one measured at least HOLD cheaper and cheaper
+by CONFIDENCE standard errors of the two costs (from the variance of the tokens per row over
+each step's rows; an arm measured MAX_HOLD cheaper is taken whatever the errors): arms a few
+percent apart otherwise trade places on noise, paying a switch each time.
 
-where the allowance is one probe per arm (each must be measured once) plus one per arm dropped
-by `forget`. Over a long run at most about probe_share (5%) of the steps are probes. The arm in
-use is measured at every step, so when it gets slower than another arm's last measurement the
-choice moves there at once, and it never stays on an arm slower than the best measured one; an
-arm that got faster is found by its next probe (a probe's sample weighs `probe_weight` in its
-averages, so one or two probes move it).
+Stand-ins. An arm that cannot run where its turn comes (the suffix's, in a step where no row
+matched: `choose`'s `usable`) gives the step to the cheapest usable measured arm, and the step
+is counted in the cost of the arm it stood in for (its policy): what choosing the suffix costs
+includes the draft steps run in its place and the switches between the two.
+
+An arm's first averaged sample is provisional: its second replaces it (a first run pays what
+only a first run does, a CUDA graph's upload at its first replay). Its tokens per row are
+averaged over more steps than its seconds (`token_memory`: they vary far more from step to step)
+unless the two part by SURPRISE standard errors (the acceptance moved). Probes are bounded: a
+probe starts only while
+
+    probes so far + probe_steps <= probe_share * steps so far + allowance,
+
+where the allowance is one probe of each arm (each must be measured once) plus one per arm
+dropped by `forget`: every arm is measured within the first (arms - 1) * probe_steps steps (a
+suffix arm: its first steps where some row matched). Over a long run at most about probe_share
+(5%) of the steps are probes. The arm in use is measured at every step, so when it gets surely
+slower than another arm's measurement the choice moves there; an arm that got faster is found
+by its next probe.
 
 Scripted costs. `costs` ({(source, gamma): seconds}) replace the clock: a step's seconds are
 its arm's scripted cost (tests; costs measured elsewhere). `clock` replaces time.perf_counter.
