@@ -386,7 +386,8 @@ class Controller:
         self._window = {s: deque(maxlen=window) for s in (DRAFT, SUFFIX)}
         self.updates = {"accepted": 0, "rejected": 0}
         self.last = Choice(*first)
-        self.reason = "no step yet"
+        self._chose = False  # (`reason`: "no step yet" before the first choice)
+        self._costs: dict[Arm, float] = {}  # cost() per arm, until a sample or a step moves it
         # The last TRACE_STEPS measured steps: what each arm's cost is made of (`measured`).
         self.trace: deque[StepSample] = deque(maxlen=TRACE_STEPS)
 
@@ -407,10 +408,13 @@ class Controller:
         (steps of the source's other gammas measure that): a drop in acceptance seen at one
         gamma makes every gamma of the source look worse at once."""
         arm = (source, gamma)
-        measure = self._measures[arm]
-        if not measure.samples:
-            return math.inf
-        return measure.seconds / max(measure.tokens * self._drift(arm), 1.0)
+        cost = self._costs.get(arm)
+        if cost is None:
+            measure = self._measures[arm]
+            cost = math.inf if not measure.samples else \
+                measure.seconds / max(measure.tokens * self._drift(arm), 1.0)
+            self._costs[arm] = cost
+        return cost
 
     def _drift(self, arm: Arm) -> float:
         """How the arm's expected tokens moved since its last sample (a ratio; 1.0 inside
@@ -529,8 +533,14 @@ class Controller:
                         None if arm == policy else policy, switch)
         self._issued.append(choice)
         self.last = choice
-        self.reason = self._describe(choice)
+        self._chose = True
+        self._costs.clear()  # (an arm's drift depends on the steps since its last sample)
         return choice
+
+    @property
+    def reason(self) -> str:
+        """One line: the last choice and the measured costs behind it."""
+        return self._describe(self.last) if self._chose else "no step yet"
 
     def sent(self) -> None:
         """The last chosen step is queued: the host's work issuing it (lookups, copies,
@@ -630,6 +640,7 @@ class Controller:
                 if x == s and p:
                     totals[0] += min(n, p)
                     totals[1] += min(n + 1, p)
+        self._costs.clear()  # (the acceptance moves the stale arms' costs)
         if num_accepted and seconds is not None:
             tokens = 1.0 + sum(num_accepted) / len(num_accepted)
             counted = choice.counted
@@ -646,6 +657,7 @@ class Controller:
                     measure.fast = max(measure.fast * drift, 1.0)
                 measure.add(seconds, tokens, _noise(num_accepted), weight, token_weight,
                             self.step_count)
+                self._costs.clear()
                 measure.expected = expected
                 if choice.probe:  # far behind the best: probed less often (up to MAX_BACKOFF)
                     far = self.cost(*counted) > FAR_BEHIND * self.cost(*self.best())
@@ -667,6 +679,7 @@ class Controller:
         for arm in self.arms:
             if arm[0] == source:
                 self._measures[arm] = _Measure()
+                self._costs.pop(arm, None)
                 self._allowance += self.probe_steps
         if source in self._window:
             self._window[source].clear()
