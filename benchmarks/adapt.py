@@ -549,6 +549,15 @@ def run_mode(engine: object, on: bool, phases: list[tuple[str, list[list[int]], 
         out["measured"] = measured_of(scheduler, engine)
         for line in measured_lines(mode, out["measured"]):
             log(line)
+        # Steps that ran uncaptured (a graph missing, or a bucket still being captured):
+        # host-bound steps whose costs would mislead the controllers.
+        out["uncaptured_runs"] = {
+            str(size): {f"gamma {g} {'sample' if sample else 'greedy'}": n
+                        for (g, sample), n in bucket.uncaptured_runs.items()}
+            for size, bucket in engine.buckets.items() if bucket.uncaptured_runs}
+        if out["uncaptured_runs"]:
+            log(f"  {mode:>3} uncaptured steps (cumulative, both modes): "
+                f"{out['uncaptured_runs']}")
         if on and getattr(scheduler, "snapshot", None) is not None:
             out["snapshot"] = json.loads(json.dumps(scheduler.snapshot(), default=str))
             out["update_reasons"] = [r.reason for r in getattr(scheduler, "update_results", [])]
