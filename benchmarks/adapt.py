@@ -372,15 +372,21 @@ def measured_of(scheduler: object, engine: object) -> dict[str, dict[str, dict[s
 
 
 def measured_lines(mode: str, measured: dict[str, dict[str, dict[str, float]]],
-                   min_steps: int = 20) -> list[str]:
-    """One line per (bucket, arm) with at least `min_steps` measured steps."""
+                   min_steps: int = 1) -> list[str]:
+    """One line per (bucket, arm) with at least `min_steps` measured steps: its steps, probes,
+    switches (steps after one of another arm's policy: not averaged) and fallbacks (steps run
+    for another arm, e.g. the suffix's where no row matched), the median counted seconds of
+    all its steps and of its steady ones (neither), the read-back interval, the host's issuing
+    time and the tokens per row."""
     lines = []
     for size, arms in measured.items():
         for name, m in arms.items():
             if m["steps"] >= min_steps:
                 lines.append(
                     f"  {mode:>3} measured bucket {size} {name}: {m['steps']} steps "
-                    f"({m['probes']} probes), counted {1e3 * m['seconds']:.3g} ms, read-back "
+                    f"({m['probes']} probes, {m.get('switches', 0)} switches, "
+                    f"{m.get('fallbacks', 0)} fallbacks), counted {1e3 * m['seconds']:.3g} ms "
+                    f"(steady {1e3 * m.get('steady', float('nan')):.3g} ms), read-back "
                     f"interval {1e3 * m['interval']:.3g} ms, host {1e3 * m['host']:.3g} ms, "
                     f"tokens/row {m['tokens']:.2f}")
     return lines
@@ -513,8 +519,8 @@ def make_scheduler(engine: object, on: bool, args: argparse.Namespace) -> object
 
     engine.config = dataclasses.replace(engine.config, distill_every=args.distill_every,
                                         distill_budget_s=args.distill_budget_s)
-    distill = DistillConfig(lr=args.lr, **({"batch_tokens": 256, "max_steps": 4}
-                                           if args.dry_run else {}))
+    distill = DistillConfig(lr=args.lr, duty=args.distill_duty,
+                            **({"batch_tokens": 256, "max_steps": 4} if args.dry_run else {}))
     return AdaptiveScheduler(engine, max_waiting=max(256, args.concurrency), suffix=True,
                              adapt_draft=True, distill=distill)
 
@@ -543,6 +549,15 @@ def run_mode(engine: object, on: bool, phases: list[tuple[str, list[list[int]], 
         out["measured"] = measured_of(scheduler, engine)
         for line in measured_lines(mode, out["measured"]):
             log(line)
+        # Steps that ran uncaptured (a graph missing, or a bucket still being captured):
+        # host-bound steps whose costs would mislead the controllers.
+        out["uncaptured_runs"] = {
+            str(size): {f"gamma {g} {'sample' if sample else 'greedy'}": n
+                        for (g, sample), n in bucket.uncaptured_runs.items()}
+            for size, bucket in engine.buckets.items() if bucket.uncaptured_runs}
+        if out["uncaptured_runs"]:
+            log(f"  {mode:>3} uncaptured steps (cumulative, both modes): "
+                f"{out['uncaptured_runs']}")
         if on and getattr(scheduler, "snapshot", None) is not None:
             out["snapshot"] = json.loads(json.dumps(scheduler.snapshot(), default=str))
             out["update_reasons"] = [r.reason for r in getattr(scheduler, "update_results", [])]
@@ -781,6 +796,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--distill-budget-s", type=float, default=5.0,
                    help="ON: seconds of fine-tuning per draft update (default: %(default)s)")
     p.add_argument("--lr", type=float, default=1e-4, help="ON: the distiller's learning rate")
+    p.add_argument("--distill-duty", type=float, default=None,
+                   help="ON: DistillConfig.duty, the share of the wall clock an update works "
+                        "beside serving under load (default: none; updates work only while "
+                        "the server idles, between phases)")
     args = p.parse_args(argv)
     if args.dry_run:
         args.concurrency, args.requests, args.window, args.max_tokens = 2, 12, 4, 4

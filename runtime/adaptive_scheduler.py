@@ -24,7 +24,9 @@ What it adds to runtime/scheduler.py's loop, on the scheduler's thread:
     retire   a finished request's output leaves the index for its pool of recent outputs and
              joins the distiller's buffer (the emitted tokens are the target's own choices).
              Every FuserConfig.distill_every finished requests a background thread fine-tunes
-             a copy of the draft for distill_budget_s seconds (a side CUDA stream) and, if the
+             a copy of the draft for distill_budget_s seconds of work (a side CUDA stream),
+             done while no request runs or waits (DistillConfig.duty: that share of the wall
+             clock instead, under load too), and, if the
              copy agrees better with the target on held-out recent requests, swaps it into the
              engine's draft tensors between two steps (runtime/distill.py); the controllers
              then forget what they measured of the old draft and probe the new one, and the
@@ -61,8 +63,8 @@ from torch import nn
 from fuser.runtime.bucket_capture import stepping
 from fuser.runtime.controller import DRAFT, SUFFIX, TARGET, Choice, Controller, \
     ControllerCollector
-from fuser.runtime.distill import SERVING_DUTY, DistillConfig, Distiller, UpdateResult, \
-    WeightSwap, draft_module, target_module
+from fuser.runtime.distill import DistillConfig, Distiller, UpdateResult, WeightSwap, \
+    draft_module, target_module
 from fuser.runtime.generate import ReadBack
 from fuser.runtime.scheduler import RequestStream, Scheduler, _Step
 from fuser.runtime.step_graphs import PLAIN, IterationGraph
@@ -380,13 +382,16 @@ class AdaptiveScheduler(Scheduler):
         bucket = engine.bucket(len(rows))
         controller = self.controllers[bucket.batch]
         matched = False
+        # The step's host work begins here: the lookup is the step's (the controller counts
+        # it in the step's own seconds, not in those of the step in flight).
+        started = controller.clock()
         # The index is looked up only when a suffix arm could be chosen (the best arm, or one
-        # due a probe): without a match none is usable, so a step that could not choose one
-        # skips the host's lookup, as the plain Scheduler's step does.
+        # being probed or due a probe): without a match none is usable, so a step that could
+        # not choose one skips the host's lookup, as the plain Scheduler's step does.
         if self.index is not None and controller.may_choose(SUFFIX):
             tokens, counts, anchors = self._proposals(rows)
             matched = bool(counts.any())
-        choice = controller.choose(lambda arm: arm[0] != SUFFIX or matched)
+        choice = controller.choose(lambda arm: arm[0] != SUFFIX or matched, started=started)
         do_sample = any(not s.params.greedy for s in rows)
         gamma = choice.gamma
         start = time.perf_counter()
@@ -450,10 +455,15 @@ class AdaptiveScheduler(Scheduler):
         try:
             cuda = self.engine.device.type == "cuda"
             side = torch.cuda.Stream(self.engine.device) if cuda else None
-            # Beside serving (a background thread) the update is paced: SERVING_DUTY.
-            duty = self.distiller.config.duty or (SERVING_DUTY if self.background else 1.0)
+            # Beside serving (a background thread), by default the update works only while
+            # no request is running or waiting: serving is bound by the host's loop, and any
+            # work beside it takes the GIL and the GPU from it (the module docstring). With
+            # DistillConfig.duty given it works that share of the wall clock, whatever the load.
+            duty, ready = self.distiller.config.duty, None
+            if duty is None and self.background:
+                ready = self.idle
             result = self.distiller.update(self.engine.config.distill_budget_s, stream=side,
-                                           duty=duty, stop=self._closing)
+                                           duty=duty or 1.0, stop=self._closing, ready=ready)
             if result.accepted:
                 with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                     self.distiller.swap_into(self.swap)
@@ -463,6 +473,10 @@ class AdaptiveScheduler(Scheduler):
             log.exception("fuser: a draft update failed; the draft is unchanged")
         finally:
             self._updating.clear()
+
+    def idle(self) -> bool:
+        """Whether no request is running or waiting (read from any thread)."""
+        return not self._running and not self._waiting
 
     def wait_update(self, timeout: float | None = None) -> bool:
         """Block until no draft update runs; False after `timeout` seconds."""

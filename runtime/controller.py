@@ -24,25 +24,43 @@ of the captured graphs' GPU time enters the choice: a lookup that costs host tim
 stops the pipeline shows up in the seconds, a proposal the target rejects in the tokens.
 
 The choice. The best arm is the measured one with the lowest cost; every step runs it unless a
-probe is due. A probe runs another arm once, to re-measure it: the arm unmeasured, or measured
-the longest ago, and only once `refresh` steps have passed since its last measurement (an arm
-whose probe found it more than FAR_BEHIND times the best's cost waits twice as long each time,
-up to 2**MAX_BACKOFF times: hopeless arms cost fewer probes). An arm's first sample is
-provisional: its second replaces it. A first step pays what only a first run does (a CUDA
-graph's upload at its first replay); averaged in, and the arm backed off, it would rank the arm
-for thousands of steps. (On an H100 the bundled pair's probed arms measured 4-16x
-the arm in use, costs the throughput did not bear out: benchmarks/RESULTS.md, "Adaptive
-speculation"; first-run costs are one explanation, not yet confirmed there.) Probes are
-bounded: a probe is issued only while
+probe is due. A probe runs another arm for `probe_steps` (PROBE_STEPS) steps in a row, to
+measure it: the arm unmeasured, or measured cheaper than the best but not surely enough (below),
+or measured the longest ago once `refresh` steps have passed since (an arm whose probe found it
+more than FAR_BEHIND times the best's cost waits twice as long each time, up to 2**MAX_BACKOFF
+times: hopeless arms cost fewer probes).
 
-    probes so far < probe_share * steps so far + allowance,
+Switches. A step that follows a step of another arm pays for the change: an overlapped draft
+round starts over by drafting, a graph not replayed for a while runs cold, the draft catches up.
+On an H100 the bundled pair's draft gamma 6 ran 0.70 ms a step in a row and 2.15 ms as lone
+probes among suffix steps (benchmarks/adapt.py's "measured" lines): probed one step at a time,
+every arm but the one in use looked three times dearer than it is, and the best was never
+taken. So a step whose arm's policy (below) differs from the step before's is a `switch`: it is
+traced, but not averaged into any arm's cost. The switches' cost is real, and it is why the
+steps leave the arm they run (`best`) only for one measured at least HOLD cheaper and cheaper
+by CONFIDENCE standard errors of the two costs (from the variance of the tokens per row over
+each step's rows; an arm measured MAX_HOLD cheaper is taken whatever the errors): arms a few
+percent apart otherwise trade places on noise, paying a switch each time.
 
-where the allowance is one probe per arm (each must be measured once) plus one per arm dropped
-by `forget`. Over a long run at most about probe_share (5%) of the steps are probes. The arm in
-use is measured at every step, so when it gets slower than another arm's last measurement the
-choice moves there at once, and it never stays on an arm slower than the best measured one; an
-arm that got faster is found by its next probe (a probe's sample weighs `probe_weight` in its
-averages, so one or two probes move it).
+Stand-ins. An arm that cannot run where its turn comes (the suffix's, in a step where no row
+matched: `choose`'s `usable`) gives the step to the cheapest usable measured arm, and the step
+is counted in the cost of the arm it stood in for (its policy): what choosing the suffix costs
+includes the draft steps run in its place and the switches between the two.
+
+An arm's first averaged sample is provisional: its second replaces it (a first run pays what
+only a first run does, a CUDA graph's upload at its first replay). Its tokens per row are
+averaged over more steps than its seconds (`token_memory`: they vary far more from step to step)
+unless the two part by SURPRISE standard errors (the acceptance moved). Probes are bounded: a
+probe starts only while
+
+    probes so far + probe_steps <= probe_share * steps so far + allowance,
+
+where the allowance is one probe of each arm (each must be measured once) plus one per arm
+dropped by `forget`: every arm is measured within the first (arms - 1) * probe_steps steps (a
+suffix arm: its first steps where some row matched). Over a long run at most about probe_share
+(5%) of the steps are probes. The arm in use is measured at every step, so when it gets surely
+slower than another arm's measurement the choice moves there; an arm that got faster is found
+by its next probe.
 
 Scripted costs. `costs` ({(source, gamma): seconds}) replace the clock: a step's seconds are
 its arm's scripted cost (tests; costs measured elsewhere). `clock` replaces time.perf_counter.
@@ -92,12 +110,28 @@ SOURCES = (TARGET, DRAFT, SUFFIX)
 # arm's wait before the next probe, up to 2**MAX_BACKOFF times `refresh`; one within resets it.
 FAR_BEHIND = 1.5
 MAX_BACKOFF = 3
+# Steps of one probe (the first pays the switch and is not averaged; `Controller`).
+PROBE_STEPS = 4
+# The steps leave the arm they run for another only when it costs at least HOLD less, and
+# less by CONFIDENCE standard errors of the two costs' difference: each change pays a switch,
+# and arms a few percent apart trade places on the noise of their tokens alone. An arm
+# measured at MAX_HOLD or more below it is taken whatever the errors.
+HOLD = 0.05
+CONFIDENCE = 2.0
+MAX_HOLD = 0.5
+# An arm's slow average of tokens per row jumps to its fast one where they part by SURPRISE
+# standard errors of the fast one.
+SURPRISE = 3.0
+# A step of one row tells nothing of its spread: its tokens count as this uncertain (a
+# relative standard deviation).
+ONE_ROW_NOISE = 0.5
 # Per step of a source, the weight its acceptance counts keep (a step counts every row's
 # proposals: a handful of steps are evidence enough to rescale its other gammas).
 ACCEPT_MEMORY = 0.6
 # An arm's stale tokens per row are rescaled by its source's acceptance only past this change
 # (log ratio): smaller moves are the noise of a few steps and would only make arms trade places.
 DRIFT_DEADBAND = 0.15
+FRESH = 16
 
 
 # -- the acceptance model ---------------------------------------------------------------------
@@ -149,6 +183,16 @@ def expected_tokens_per_round(alphas: Sequence[float], gamma: int) -> float:
 
 # -- the controller ---------------------------------------------------------------------------
 
+
+def _noise(accepted: Sequence[int]) -> float:
+    """The squared standard error of a step's mean tokens per row: its rows' variance over
+    their number (one row: ONE_ROW_NOISE of its tokens, squared)."""
+    rows = len(accepted)
+    mean = sum(accepted) / rows
+    if rows < 2:
+        return (ONE_ROW_NOISE * (1.0 + mean)) ** 2
+    return sum((n - mean) ** 2 for n in accepted) / (rows - 1) / rows
+
 Arm = tuple[str, int]
 
 
@@ -164,7 +208,9 @@ def arm_name(arm: Arm) -> str:
 class StepSample:
     """One measured step: its arm, whether it was a probe, the seconds its cost counted, the
     wall time from the previous read-back to its own (None for a loop's first step), the host
-    seconds spent issuing it, and the tokens per row it emitted."""
+    seconds spent issuing it, the tokens per row it emitted, the arm it was counted for (its
+    policy: another arm's where it ran as that arm's fallback) and whether it followed a step
+    of another policy (a switch: not averaged)."""
 
     arm: Arm
     probe: bool
@@ -172,44 +218,78 @@ class StepSample:
     interval: float | None
     host: float
     tokens: float
+    policy: Arm | None = None
+    switch: bool = False
 
 
 @dataclass(frozen=True)
 class Choice:
     """The next step: `source` proposes `gamma` tokens a row (target: gamma 0); `probe`: run
-    to re-measure the arm, not because it is the best; `issued`: the clock when chosen."""
+    to re-measure an arm, not because it is the best; `issued`: the clock when its host work
+    began. `policy`: the arm whose measurement the step counts in (None: its own arm): the arm
+    the controller meant to run, where this step had to run another (`choose`'s fallback,
+    e.g. no suffix match); `switch`: the step follows one of another policy (its seconds pay
+    the change: they are not averaged)."""
 
     source: str
     gamma: int
     probe: bool = False
     issued: float | None = None
+    policy: Arm | None = None
+    switch: bool = False
 
     @property
     def arm(self) -> Arm:
         return (self.source, self.gamma)
 
+    @property
+    def counted(self) -> Arm:
+        """The arm whose measurement this step counts in: its policy, else its own arm."""
+        return self.policy if self.policy is not None else self.arm
+
 
 class _Measure:
-    """Exponentially weighted seconds per step and tokens per row of one arm."""
+    """Exponentially weighted seconds per step and tokens per row of one arm, and the squared
+    standard error of a step's tokens per row (its rows' variance over their number)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
         self.tokens = 0.0
+        self.fast = 0.0  # the tokens per row averaged as the seconds are
+        self.noise = 0.0
         self.samples = 0
         self.at = -1  # the controller's step count at the last sample
         self.backoff = 0  # its probes wait refresh * 2**backoff steps (far behind: it grows)
         self.expected = 1.0  # the model's tokens per row for the arm at the last sample
 
-    def add(self, seconds: float, tokens: float, weight: float, step: int) -> None:
+    def add(self, seconds: float, tokens: float, noise: float, weight: float,
+            token_weight: float, step: int) -> None:
+        """One step: its seconds and tokens per row averaged at `weight`, the tokens also
+        at `token_weight` (what the cost reads: they vary far more from step to step), and
+        their squared standard error `noise`. Where the two averages of the tokens part by
+        more than SURPRISE standard errors of the first, the acceptance moved: the second
+        takes the first's value."""
         # The first sample is provisional: the second replaces it. An arm's first step pays
         # what only a first run does (a CUDA graph's upload at its first replay, lazy
         # initialisation), and a probed arm is not measured again for `refresh` steps or more.
-        w = 1.0 if self.samples <= 1 else weight
+        first = self.samples <= 1
+        w = 1.0 if first else weight
+        v = 1.0 if first else max(token_weight, 1.0 / (self.samples + 1))
         self.seconds += w * (seconds - self.seconds)
-        self.tokens += w * (tokens - self.tokens)
+        self.fast += w * (tokens - self.fast)
+        self.tokens += v * (tokens - self.tokens)
+        self.noise += max(v, 1.0 / (self.samples + 1)) * (noise - self.noise)
+        if abs(self.fast - self.tokens) > SURPRISE * math.sqrt(self.noise * w / (2.0 - w)):
+            self.tokens = self.fast
         self.samples += 1
         self.at = step
 
+    def error(self, memory: float) -> float:
+        """The relative standard error of the arm's tokens per row (so of its cost: a step's
+        seconds vary far less than the tokens its rows happen to accept), over the samples
+        its average holds (at most those of an exponential average of weight 1 - memory)."""
+        held = min(self.samples, (1.0 + memory) / (1.0 - memory))
+        return math.sqrt(self.noise / held) / max(self.tokens, 1.0)
 
 
 class Controller:
@@ -219,10 +299,14 @@ class Controller:
         arms: source -> the gammas it may run at (DRAFT and/or SUFFIX); target-only is always
             an arm.
         probe_share: the share of steps probes may take over a long run (0.05: 5%).
-        memory: the weight an old sample keeps per new one while an arm is in use.
+        probe_steps: steps of one probe: the arm runs this many steps in a row, the first
+            not averaged (it pays the change from the arm before: `switch`).
+        memory: the weight an old sample of seconds keeps per new one while an arm is in use.
+        token_memory: the same for the tokens per row (they vary far more from step to step;
+            a step SURPRISE standard errors away from the average moves it more).
         probe_weight: the weight of a probe's sample in its arm's averages.
-        refresh: steps before a measured arm is due a probe again (default: the number of
-            other arms over probe_share, so the probe budget is spread over them).
+        refresh: steps before a measured arm is due a probe again (default: the other arms'
+            probe steps over probe_share, so the probe budget is spread over them).
         window: steps per source kept for `acceptance_window`.
         costs: {(source, gamma): seconds per step} scripted instead of the clock.
         clock: seconds now (default time.perf_counter).
@@ -231,7 +315,9 @@ class Controller:
     """
 
     def __init__(self, arms: Mapping[str, Iterable[int]], *, probe_share: float = 0.05,
-                 memory: float = 0.8, probe_weight: float = 0.5, refresh: int | None = None,
+                 probe_steps: int = PROBE_STEPS, memory: float = 0.8,
+                 token_memory: float = 0.95,
+                 probe_weight: float = 0.5, refresh: int | None = None,
                  window: int = 64, costs: Mapping[Arm, float] | None = None,
                  clock: Callable[[], float] = time.perf_counter, first: Arm | None = None
                  ) -> None:
@@ -245,8 +331,13 @@ class Controller:
                 listed.append((source, g))
         if not 0.0 < probe_share < 1.0:
             raise ValueError(f"probe_share={probe_share!r} must be in (0, 1)")
+        if isinstance(probe_steps, bool) or not isinstance(probe_steps, int) or probe_steps < 2:
+            raise ValueError(f"probe_steps={probe_steps!r} must be an int >= 2 (its first step "
+                             "is not averaged)")
         if not 0.0 <= memory < 1.0:
             raise ValueError(f"memory={memory!r} must be in [0, 1)")
+        if not 0.0 <= token_memory < 1.0:
+            raise ValueError(f"token_memory={token_memory!r} must be in [0, 1)")
         if not 0.0 < probe_weight <= 1.0:
             raise ValueError(f"probe_weight={probe_weight!r} must be in (0, 1]")
         if refresh is not None and (isinstance(refresh, bool) or not isinstance(refresh, int)
@@ -265,8 +356,10 @@ class Controller:
         self.arms: tuple[Arm, ...] = tuple(listed)
         self.sources = {s for s, _ in listed}
         self.probe_share, self.memory, self.probe_weight = probe_share, memory, probe_weight
+        self.token_memory = token_memory
+        self.probe_steps = probe_steps
         self.refresh = refresh if refresh is not None else \
-            max(1, math.ceil((len(listed) - 1) / probe_share))
+            max(1, math.ceil((len(listed) - 1) * probe_steps / probe_share))
         self.costs = dict(costs) if costs is not None else None
         self.clock = clock
         if first is None:
@@ -282,7 +375,10 @@ class Controller:
         # trial at positions 1..min(n + 1, p), a success at 1..n): its acceptance rate alpha.
         self._accepts = {s: [0.0, 0.0] for s in (DRAFT, SUFFIX)}
         self._last_done: float | None = None
-        self._allowance = len(listed)
+        self._allowance = probe_steps * len(listed)  # one probe of each arm at once
+        self._run: list = []  # the probe under way: [its arm, steps of it left to issue]
+        self._last_policy: Arm | None = None  # the policy of the step issued last
+        self._settled: Arm | None = None  # the arm the steps run between probes
         self.step_count = 0  # steps chosen
         self.probes = 0  # of them, probes
         self.steps = {s: 0 for s in SOURCES}  # steps read back, per source
@@ -290,7 +386,8 @@ class Controller:
         self._window = {s: deque(maxlen=window) for s in (DRAFT, SUFFIX)}
         self.updates = {"accepted": 0, "rejected": 0}
         self.last = Choice(*first)
-        self.reason = "no step yet"
+        self._chose = False  # (`reason`: "no step yet" before the first choice)
+        self._costs: dict[Arm, float] = {}  # cost() per arm, until a sample or a step moves it
         # The last TRACE_STEPS measured steps: what each arm's cost is made of (`measured`).
         self.trace: deque[StepSample] = deque(maxlen=TRACE_STEPS)
 
@@ -311,23 +408,42 @@ class Controller:
         (steps of the source's other gammas measure that): a drop in acceptance seen at one
         gamma makes every gamma of the source look worse at once."""
         arm = (source, gamma)
-        measure = self._measures[arm]
-        if not measure.samples:
-            return math.inf
-        return measure.seconds / max(measure.tokens * self._drift(arm), 1.0)
+        cost = self._costs.get(arm)
+        if cost is None:
+            measure = self._measures[arm]
+            cost = math.inf if not measure.samples else \
+                measure.seconds / max(measure.tokens * self._drift(arm), 1.0)
+            self._costs[arm] = cost
+        return cost
 
     def _drift(self, arm: Arm) -> float:
         """How the arm's expected tokens moved since its last sample (a ratio; 1.0 inside
-        the DRIFT_DEADBAND, where it is the noise of a few steps' acceptance)."""
-        drift = self._expected(arm) / self._measures[arm].expected
-        return drift if abs(math.log(drift)) > DRIFT_DEADBAND else 1.0
+        the DRIFT_DEADBAND, where it is the noise of a few steps' acceptance, above 1.0 (the
+        source's acceptance over a few steps, of its other gammas, is noisy: an arm that looked
+        better by it would be taken on noise; a probe finds an arm that got better), and for an arm
+        measured in the last FRESH steps: its own samples say more than the source's
+        acceptance over a few steps; rescaled by that at every step, its tokens would walk
+        away from what its steps emit)."""
+        measure = self._measures[arm]
+        if self.step_count - measure.at <= FRESH:
+            return 1.0
+        drift = self._expected(arm) / measure.expected
+        return drift if math.log(drift) < -DRIFT_DEADBAND else 1.0
 
     def best(self) -> Arm:
-        """The measured arm of lowest cost (`first` while none is measured)."""
+        """The measured arm of lowest cost (`first` while none is measured), but the arm the
+        steps run now while the lowest is within HOLD of it."""
         measured = [a for a in self.arms if self._measures[a].samples]
         if not measured:
             return self.first
-        return min(measured, key=lambda a: (self.cost(*a), a[1]))
+        lowest = min(measured, key=lambda a: (self.cost(*a), a[1]))
+        held = self._settled
+        if held is None or held == lowest or not self._measures[held].samples:
+            return lowest
+        error = math.hypot(self._measures[lowest].error(self.token_memory),
+                           self._measures[held].error(self.token_memory))
+        margin = min(HOLD + CONFIDENCE * error, MAX_HOLD)
+        return held if self.cost(*lowest) > (1.0 - margin) * self.cost(*held) else lowest
 
     @property
     def gamma(self) -> int:
@@ -345,10 +461,12 @@ class Controller:
         return self.last.probe
 
     def may_choose(self, source: str) -> bool:
-        """Whether a coming step could use `source`: it is the best arm's, or one of its arms
-        could be probed now."""
+        """Whether a coming step could use `source`: it is the best arm's, one of its arms is
+        being probed, or one could be probed now."""
         if source not in self.sources:
             return False
+        if self._run:
+            return self._run[0][0] == source
         best = self.best()
         if best[0] == source:
             return True
@@ -357,38 +475,72 @@ class Controller:
     # -- the choice --------------------------------------------------------------------------
 
     def _budget(self) -> bool:
-        return self.probes < self.probe_share * self.step_count + self._allowance
+        """Whether a whole probe (probe_steps steps) fits the probes' share."""
+        return self.probes + self.probe_steps <= \
+            self.probe_share * self.step_count + self._allowance
 
     def _due(self, best: Arm) -> list[Arm]:
-        """Arms other than `best` (the best arm now) due a probe, the unmeasured first, then
-        the longest unmeasured."""
-        pending = {c.arm for c in self._issued if c.probe}  # probed, not yet read back
-        due = [a for a in self.arms if a != best and a not in pending and (
-            not self._measures[a].samples or self.step_count - self._measures[a].at
-            >= self.refresh << self._measures[a].backoff)]
-        return sorted(due, key=lambda a: (self._measures[a].samples > 0, self._measures[a].at))
+        """Arms other than `best` (the best arm now) due a probe: the unmeasured first, then
+        those measured cheaper than `best` (not surely enough to be taken: `best`), due again
+        after a quarter of `refresh`, then the longest unmeasured."""
+        pending = {c.counted for c in self._issued if c.probe}  # probed, not yet read back
+        bound = self.cost(*best)
 
-    def choose(self, usable: Callable[[Arm], bool] | None = None) -> Choice:
-        """The next step's arm; recorded as issued (now, on the clock) until its `update`.
+        def waited(a: Arm) -> int:
+            return self.step_count - self._measures[a].at
+
+        due = [a for a in self.arms if a != best and a not in pending and (
+            not self._measures[a].samples
+            or (self.cost(*a) < bound and waited(a) >= self.refresh >> 2)
+            or waited(a) >= self.refresh << self._measures[a].backoff)]
+        return sorted(due, key=lambda a: (self._measures[a].samples > 0,
+                                          self.cost(*a) >= bound, self._measures[a].at))
+
+    def choose(self, usable: Callable[[Arm], bool] | None = None, *,
+               started: float | None = None) -> Choice:
+        """The next step's arm; recorded as issued until its `update`.
 
         usable: which arms this step may run (e.g. the suffix only when some row has a match);
-        the best arm runs if no usable arm is due a probe.
+        the best arm runs if no usable arm is due a probe. An arm that is not usable where its
+        turn came (the best, or one being probed) gives the step to the cheapest usable
+        measured arm, and the step counts in the arm it stood in for (its policy): what that
+        arm costs includes the steps it could not run. started: the clock when the step's host
+        work began (before the lookups that `usable` needed; default: now).
         """
-        best = self.best()
-        due = [a for a in self._due(best) if usable is None or usable(a)]
-        probe = bool(due) and self._budget()
-        arm = due[0] if probe else best
+        if self._run:  # a probe under way: its next step
+            policy, probe = self._run[0], True
+            self._run[1] -= 1
+            if not self._run[1]:
+                self._run = []
+        else:
+            best = self.best()
+            due = [a for a in self._due(best) if usable is None or usable(a)]
+            probe = bool(due) and self._budget()
+            policy = due[0] if probe else best
+            self._settled = best
+            if probe and self.probe_steps > 1:
+                self._run = [policy, self.probe_steps - 1]
+        arm = policy
         if usable is not None and not usable(arm):
             fallback = [a for a in self.arms if usable(a) and self._measures[a].samples]
             arm = min(fallback, key=lambda a: self.cost(*a)) if fallback \
                 else (TARGET, 0)
+        switch = self._last_policy is not None and policy != self._last_policy
+        self._last_policy = policy
         self.step_count += 1
         self.probes += probe
-        choice = Choice(arm[0], arm[1], probe, self.clock())
+        choice = Choice(arm[0], arm[1], probe, self.clock() if started is None else started,
+                        None if arm == policy else policy, switch)
         self._issued.append(choice)
         self.last = choice
-        self.reason = self._describe(choice)
+        self._chose = True
+        self._costs.clear()  # (an arm's drift depends on the steps since its last sample)
         return choice
+
+    @property
+    def reason(self) -> str:
+        """One line: the last choice and the measured costs behind it."""
+        return self._describe(self.last) if self._chose else "no step yet"
 
     def sent(self) -> None:
         """The last chosen step is queued: the host's work issuing it (lookups, copies,
@@ -405,11 +557,13 @@ class Controller:
         notes = ", ".join(f"{arm_name(a)} {1e3 * self.cost(*a):.3g} ms"
                           for a in measured) or "nothing measured yet"
         if choice.probe:
-            what = f"probing {arm_name(choice.arm)}"
+            what = f"probing {arm_name(choice.counted)}"
         elif choice.source == TARGET:
             what = "target-only: speculation off"
         else:
             what = arm_name(choice.arm)
+        if choice.policy is not None:
+            what += f" (standing in for {arm_name(choice.policy)})"
         return (f"{what} (measured per emitted token: {notes}; probes {self.probes} of "
                 f"{self.step_count} steps)")
 
@@ -486,20 +640,28 @@ class Controller:
                 if x == s and p:
                     totals[0] += min(n, p)
                     totals[1] += min(n + 1, p)
+        self._costs.clear()  # (the acceptance moves the stale arms' costs)
         if num_accepted and seconds is not None:
             tokens = 1.0 + sum(num_accepted) / len(num_accepted)
-            weight = self.probe_weight if choice.probe else 1.0 - self.memory
-            measure = self._measures[choice.arm]
-            expected = self._expected(choice.arm)
-            if measure.samples:  # what it measured before, at the source's acceptance now
-                measure.tokens = max(measure.tokens * self._drift(choice.arm), 1.0)
-            measure.add(seconds, tokens, weight, self.step_count)
+            counted = choice.counted
             self.trace.append(StepSample(choice.arm, choice.probe, seconds, interval, host,
-                                         tokens))
-            measure.expected = expected
-            if choice.probe:  # far behind the best: probed less often (at most MAX_BACKOFF)
-                far = self.cost(*choice.arm) > FAR_BEHIND * self.cost(*self.best())
-                measure.backoff = min(measure.backoff + 1, MAX_BACKOFF) if far else 0
+                                         tokens, choice.policy, choice.switch))
+            if not choice.switch:  # (a switch's seconds pay the change, not the arm)
+                weight = self.probe_weight if choice.probe else 1.0 - self.memory
+                token_weight = self.probe_weight if choice.probe else 1.0 - self.token_memory
+                measure = self._measures[counted]
+                expected = self._expected(counted)
+                if measure.samples:  # what it measured before, at the source's acceptance now
+                    drift = self._drift(counted)
+                    measure.tokens = max(measure.tokens * drift, 1.0)
+                    measure.fast = max(measure.fast * drift, 1.0)
+                measure.add(seconds, tokens, _noise(num_accepted), weight, token_weight,
+                            self.step_count)
+                self._costs.clear()
+                measure.expected = expected
+                if choice.probe:  # far behind the best: probed less often (up to MAX_BACKOFF)
+                    far = self.cost(*counted) > FAR_BEHIND * self.cost(*self.best())
+                    measure.backoff = min(measure.backoff + 1, MAX_BACKOFF) if far else 0
         return choice
 
     def pause(self) -> None:
@@ -508,6 +670,8 @@ class Controller:
         self._last_done = None
         self._issued.clear()
         self._host.clear()
+        self._run = []  # (a probe cut short is due again)
+        self._last_policy = None
 
     def forget(self, source: str) -> None:
         """Drop what was measured of `source`'s arms (its proposals changed: a new draft was
@@ -515,7 +679,8 @@ class Controller:
         for arm in self.arms:
             if arm[0] == source:
                 self._measures[arm] = _Measure()
-                self._allowance += 1
+                self._costs.pop(arm, None)
+                self._allowance += self.probe_steps
         if source in self._window:
             self._window[source].clear()
             self._accepts[source] = [0.0, 0.0]
@@ -539,8 +704,12 @@ class Controller:
     def measured(self) -> dict[str, dict[str, float]]:
         """Per arm over the steps in `trace` ("target-only", "draft gamma 4", ...): steps,
         probes, and the medians of the seconds its cost counted, of the wall time between
-        read-backs, of the host's issuing time and of the tokens per row. Where the counted
-        seconds and the read-back intervals part, the costs do not follow the throughput."""
+        read-backs, of the host's issuing time and of the tokens per row; "switches": its
+        steps that followed a step of another policy, "fallbacks": its steps run for another
+        arm (`choose`'s fallback), and "steady": the median seconds of its other steps, what
+        its cost averages. Where the counted seconds and the read-back intervals part, the
+        costs do not follow the throughput; where "seconds" and "steady" part, switching
+        costs."""
         by_arm: dict[tuple[str, int], list[StepSample]] = {}
         for sample in self.trace:
             by_arm.setdefault(sample.arm, []).append(sample)
@@ -556,7 +725,11 @@ class Controller:
                 "seconds": median([s.seconds for s in samples]),
                 "interval": median([s.interval for s in samples if s.interval is not None]),
                 "host": median([s.host for s in samples]),
-                "tokens": median([s.tokens for s in samples])}
+                "tokens": median([s.tokens for s in samples]),
+                "switches": sum(s.switch for s in samples),
+                "fallbacks": sum(s.policy is not None for s in samples),
+                "steady": median([s.seconds for s in samples
+                                  if not s.switch and s.policy is None])}
         return out
 
     def snapshot(self) -> dict[str, Any]:

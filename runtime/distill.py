@@ -91,12 +91,15 @@ __all__ = ["SERVING_DUTY", "DistillConfig", "Distiller", "Evaluation", "Gate", "
 
 log = logging.getLogger("fuser")
 
-# The share of wall time a draft update works where it runs beside serving (the adaptive
-# scheduler's background updates, unless DistillConfig.duty says otherwise). On an H100 the
-# bundled pair's adaptive serving was at its slowest (0.61-0.69x of without) in the windows an
-# unpaced 5 s update most likely overlapped (benchmarks/RESULTS.md, "Adaptive speculation"):
-# paced, an update takes the host and the GPU a tenth of the time, for ten times as long.
+# A share of wall time for a draft update to work beside serving under load (DistillConfig.
+# duty; the adaptive scheduler's background updates otherwise work only while it idles). On an
+# H100 the bundled pair's adaptive serving was at its slowest (0.61-0.69x of without) in the
+# windows an unpaced 5 s update most likely overlapped (benchmarks/RESULTS.md, "Adaptive
+# speculation"): paced, an update takes the host and the GPU a tenth of the time, for ten
+# times as long (50 s for a 5 s budget: longer than the benchmark's whole stream).
 SERVING_DUTY = 0.1
+# How often a Pacer waiting for `ready` asks again (seconds).
+READY_POLL_S = 0.005
 
 
 # -- the tensors the compiled draft reads -------------------------------------------------------
@@ -576,11 +579,14 @@ class Pacer:
     sleep long enough that the work is at most `duty` of the time since the pacer began.
     `worked`: the work's seconds so far; `stopped`: whether `stop` (an event) was set, after
     which the work should end. A distillation update runs beside the serving thread; its sleeps
-    give that thread the host (the GIL) and the GPU back."""
+    give that thread the host (the GIL) and the GPU back. `ready` (optional): a piece starts
+    only once it returns True (polled every READY_POLL_S seconds; a stop ends the wait), e.g.
+    while the server is idle, so that the work takes no time from serving at all."""
 
     def __init__(self, duty: float, clock: Callable[[], float] | None = None,
                  sleep: Callable[[float], None] | None = None,
-                 stop: threading.Event | None = None) -> None:
+                 stop: threading.Event | None = None,
+                 ready: Callable[[], bool] | None = None) -> None:
         if not 0.0 < duty <= 1.0:
             raise ValueError(f"duty={duty!r} must be in (0, 1]")
         self.duty = duty
@@ -588,6 +594,7 @@ class Pacer:
         self.stop = stop
         # (a stop event ends a sleep at once: a closing scheduler does not wait out the pacing)
         self.sleep = sleep or (stop.wait if stop is not None else time.sleep)
+        self.ready = ready
         self.worked = 0.0
         self.began = self.clock()
 
@@ -595,8 +602,14 @@ class Pacer:
     def stopped(self) -> bool:
         return self.stop is not None and self.stop.is_set()
 
+    def wait(self) -> None:
+        """Until `ready` (if given) returns True, or a stop."""
+        while self.ready is not None and not self.stopped and not self.ready():
+            self.sleep(READY_POLL_S)
+
     @contextmanager
     def piece(self) -> Iterator[None]:
+        self.wait()
         start = self.clock()
         try:
             yield
@@ -640,9 +653,11 @@ class DistillConfig:
         seed: minibatch order.
         duty: the share of wall time an update works (labelling and training steps, each
             followed by a sleep: `Pacer`); the time budget counts the work, so an update takes
-            about budget / duty seconds. None: 1.0 (unpaced) for an update called directly,
-            SERVING_DUTY where the adaptive scheduler runs it beside serving, which needs the
-            same host (the GIL) and GPU.
+            about budget / duty seconds. None: 1.0 (unpaced) for an update called directly;
+            where the adaptive scheduler runs it beside serving, unpaced but only while no
+            request runs or waits (serving needs the same host, the GIL, and GPU: any share
+            of them an update takes under load is throughput lost). Set (e.g. SERVING_DUTY)
+            to distil under load too, at about that share of the throughput while it runs.
     """
 
     lr: float = 1e-4
@@ -1071,14 +1086,16 @@ class Distiller:
 
     def update(self, time_budget_s: float, max_steps: int | None = None,
                stream: object | None = None, duty: float | None = None,
-               stop: threading.Event | None = None) -> UpdateResult:
+               stop: threading.Event | None = None,
+               ready: Callable[[], bool] | None = None) -> UpdateResult:
         """Fine-tune a candidate on the buffer for at most time_budget_s seconds of work (and
         at most max_steps optimizer steps; default: the config's), then accept it only if it
         agrees better with the target on the held-out newest records (see the module
         docstring). stream: a CUDA stream to train on (default: the current one). duty: the
         share of wall time it works (`DistillConfig.duty`; default: the config's, else 1.0).
         stop: an event that ends the labelling and training early (a closing scheduler); the
-        candidate trained so far is still evaluated and gated."""
+        candidate trained so far is still evaluated and gated. ready: each piece of work
+        (labelling, a training step, an evaluation) waits until it returns True (`Pacer`)."""
         if not time_budget_s > 0:
             raise ValueError(f"time_budget_s={time_budget_s!r} must be > 0")
         if max_steps is None:
@@ -1089,7 +1106,8 @@ class Distiller:
             context = torch.cuda.stream(stream) if stream is not None else nullcontext()
             with context:
                 duty = duty if duty is not None else self.config.duty
-                result = self._update(time_budget_s, max_steps, Pacer(duty or 1.0, stop=stop))
+                result = self._update(time_budget_s, max_steps,
+                                      Pacer(duty or 1.0, stop=stop, ready=ready))
             result.seconds = time.perf_counter() - start
             self.update_seconds += result.seconds
             if result.before is not None:
@@ -1127,6 +1145,7 @@ class Distiller:
         holdout = fresh[-held:]
         kept = {id(r) for r in holdout}
         train = [r for r in records if id(r) not in kept]
+        pacer.wait()  # (an evaluation is no work of the budget's, but waits its turn)
         before = self._evaluate_accepted(holdout)
         result = UpdateResult(False, "", train_records=len(train), holdout_records=len(holdout),
                               before=before, labelled=labelled)
@@ -1150,6 +1169,7 @@ class Distiller:
             result.steps += 1
         if result.losses:
             result.first_loss, result.last_loss = result.losses[0], result.losses[-1]
+        pacer.wait()
         after = self.evaluate(holdout)
         result.after = after
         finite = all(bool(torch.isfinite(p).all()) for p in self._params.values())

@@ -566,6 +566,35 @@ def test_a_paced_update_works_its_duty_of_the_wall_clock() -> None:
         Pacer(0.0)
 
 
+def test_a_piece_of_work_waits_until_it_is_ready() -> None:
+    """`Pacer(ready=...)`: a piece starts only once `ready()` holds (the adaptive scheduler's
+    default: no request running or waiting), polling every READY_POLL_S; the wait is no
+    work of the budget's, and a stop ends it."""
+    import threading
+
+    from fuser.runtime.distill import READY_POLL_S, Pacer
+
+    now = [0.0]
+    polls: list[float] = []
+    ready = [False]
+
+    def sleep(seconds: float) -> None:
+        polls.append(seconds)
+        now[0] += seconds
+        ready[0] = len(polls) >= 3  # the server goes idle after three polls
+
+    pacer = Pacer(1.0, clock=lambda: now[0], sleep=sleep, ready=lambda: ready[0])
+    with pacer.piece():
+        now[0] += 0.2
+    assert polls == [READY_POLL_S] * 3 and pacer.worked == pytest.approx(0.2)
+    stop = threading.Event()
+    never = Pacer(1.0, clock=lambda: now[0], sleep=lambda s: stop.set(), stop=stop,
+                  ready=lambda: False)
+    with never.piece():  # (a stop ends the wait; the caller sees `stopped`)
+        pass
+    assert never.stopped
+
+
 def test_an_update_sleeps_between_its_steps_at_its_duty(monkeypatch: pytest.MonkeyPatch
                                                           ) -> None:
     """`Distiller.update(duty=...)`: each training step is followed by a sleep (through the
