@@ -301,9 +301,9 @@ class AdaptiveScheduler(Scheduler):
             self._swaps_seen = self.swap.swaps
             self.draft_weights_changed()
 
-    def _prefill(self, group: list[RequestStream]) -> None:
+    def _prefill(self, group: list[RequestStream], rows: int | None = None) -> None:
         self._index(group)
-        super()._prefill(group)
+        super()._prefill(group, rows)
 
     def _start_chunks(self, group: list[RequestStream]) -> None:
         self._index(group)
