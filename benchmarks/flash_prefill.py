@@ -182,8 +182,8 @@ def main() -> int:
     p.add_argument("--out", type=Path, help="JSON of the rows")
     p.add_argument("--splits", type=int, nargs="+", default=[2, 4, 8],
                    help="split counts to time besides 1 and the default")
-    p.add_argument("--block-m", type=int, nargs="+", default=[64],
-                   help="query tiles to time besides the kernel's default (128 at D 128)")
+    p.add_argument("--block-m", type=int, nargs="+", default=[128],
+                   help="query tiles to time besides the kernel's default (64 at D 128 in 16-bit)")
     p.add_argument("--mask-all-off", action="store_true",
                    help="also time mask_all=False (only the straddling key blocks masked)")
     p.add_argument("--cases", nargs="+", choices=[c.name for c in CASES],

@@ -909,8 +909,9 @@ def make_source(args: argparse.Namespace) -> Source:
                            "max_batch_size": engine.config.max_batch_size}
         log(f"loaded in {seconds:.1f} s (max_batch_size {engine.config.max_batch_size})")
         model = None
-        if args.preset:  # the same random shape for Hugging Face (the engine's own weights
-            # are not a transformers model once loaded)
+        if args.preset and not args.no_hf:  # the same random shape for Hugging Face (the
+            # engine's own weights are not a transformers model once loaded); not built when
+            # unused: beside a paged engine's KV blocks it may not fit
             model = load_models(argparse.Namespace(**{**vars(args), "model": None}))[0]
         vocab = engine.vocab_size
         return Source(engine, model, None, engine.tokenizer, Path(args.model).name, vocab)
@@ -952,11 +953,12 @@ def tokenizer_of(path: str | None) -> object:
     return AutoTokenizer.from_pretrained(path or TARGET_PATH)
 
 
-def make_prompts(tokenizer: object | None, vocab_size: int, length: int, count: int
-                 ) -> list[list[int]]:
+def make_prompts(tokenizer: object | None, vocab_size: int, length: int, count: int,
+                 fewer: bool = False) -> list[list[int]]:
     """`count` prompts of exactly `length` token ids: windows of the held-out sample's files
     (each file's first window, then each file's second, ...) when there is a tokenizer, else
-    random ids in [3, vocab_size) (seeded)."""
+    random ids in [3, vocab_size) (seeded). fewer: where the sample has fewer windows, all it
+    has (said on stderr), else ValueError."""
     import torch
 
     if tokenizer is None:
@@ -970,6 +972,10 @@ def make_prompts(tokenizer: object | None, vocab_size: int, length: int, count: 
     while len(prompts) < count:
         row = [ids[window * length:(window + 1) * length] for ids in files
                if len(ids) >= (window + 1) * length]
+        if not row and fewer and prompts:
+            log(f"note: the held-out sample has {len(prompts)} {length}-token windows, not "
+                f"{count}: later levels send some prompts again (prefix-cache hits)")
+            break
         if not row:
             raise ValueError(f"the held-out sample has too few {length}-token windows for "
                              f"{count} prompts")
@@ -1083,9 +1089,13 @@ def run_levels(pool: ProcessPoolExecutor, url: str, model: str, prompts: list[li
     out = []
     kept = ("ok", "start", "ttft", "e2e", "output_tokens", "prompt_tokens", "error") + \
         (("text",) if keep_text else ())
+    offset = 0  # each level's requests and warm-up take prompts no earlier level sent: a
+    # prompt sent again would be a prefix-cache hit (`requests_of` sizes the prompts so)
     for c in levels or args.levels:
         n = args.num_requests or max(2 * c, 8)
-        raw = pool.submit(drive_level, url, model, prompts, c, n, args.output_len,
+        fresh = [prompts[(offset + i) % len(prompts)] for i in range(n + c)]
+        offset += n + c
+        raw = pool.submit(drive_level, url, model, fresh, c, n, args.output_len,
                           args.ignore_eos, min(8, args.output_len), args.api_key,
                           args.timeout, keep_text).result()
         metrics = summarize(raw["records"], raw["duration"], c)
@@ -1188,8 +1198,9 @@ def server_for(source: Source, engine: object, args: argparse.Namespace,
 
 
 def requests_of(args: argparse.Namespace, levels: list[int]) -> int:
-    """Prompts a set of levels needs: its largest level's requests plus its warm-up."""
-    return max(args.num_requests or max(2 * c, 8) for c in levels) + max(levels)
+    """Prompts a set of levels needs, none sent twice (`run_levels`): each level's requests
+    plus its warm-up."""
+    return sum((args.num_requests or max(2 * c, 8)) + c for c in levels)
 
 
 def shared_prefix_case(pool: ProcessPoolExecutor, source: Source, engine: object,
@@ -1839,8 +1850,8 @@ def main(argv: list[str] | None = None) -> None:
     if serve_here:
         source = make_source(args)
         RESULTS["env"]["source"] = source.name
-        most = max(args.num_requests or max(2 * c, 8) for c in args.levels) + max(args.levels)
-        prompts = make_prompts(source.tokenizer, source.vocab_size, args.prompt_len, most)
+        prompts = make_prompts(source.tokenizer, source.vocab_size, args.prompt_len,
+                               requests_of(args, args.levels), fewer=True)
         # Spawned, not forked: a fork of a process holding CUDA and threads is unsafe.
         import multiprocessing
 

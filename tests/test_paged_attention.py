@@ -398,7 +398,7 @@ def test_gpu_flash_prefill_prefix_hit_chunk_splits_by_default() -> None:
     (k_pool, v_pool), table, _ = page([k_cache, v_cache], P, lens + T, 1)
     slots = lens[:, None] + torch.arange(T, device="cuda")
     ref = cache_attention_reference(q, k_cache, v_cache, lens, starts, D**-0.5, 0, 0.0)
-    for splits, block_m in ((None, None), (1, None), (None, 64), (1, 64)):
+    for splits, block_m in ((None, None), (1, None), (None, 128), (1, 128)):
         out = flash_prefill(q, k_pool, v_pool, slots, starts, D**-0.5, 0, 0.0, table,
                             splits=splits, block_m=block_m)
         torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)

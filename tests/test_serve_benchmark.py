@@ -387,3 +387,57 @@ def test_a_streamed_requests_ttft_does_not_count_making_a_client(
         result = serve.streamed_request(client, "http://127.0.0.1:1", "m", [1, 2], 2, 10.0)
     assert result["text"] == " t5 t6" and result["output_tokens"] == 2
     assert result["ttft"] < 0.2
+
+
+@pytest.mark.parametrize("no_hf", [True, False])
+def test_a_loaded_engine_builds_the_presets_model_only_for_hugging_face(monkeypatch, no_hf
+                                                                        ) -> None:
+    """--engine DIR --preset: the random transformers model of the preset's shape is built only
+    when Hugging Face's generate will run (beside a paged engine's KV blocks it may not fit on
+    the GPU; with --no-hf it ran out of memory there)."""
+    import types
+
+    import fuser
+    import fuser.cli
+    import fuser.server.cli
+
+    built: list[str] = []
+    engine = types.SimpleNamespace(config=types.SimpleNamespace(max_batch_size=4),
+                                   vocab_size=99, tokenizer=None)
+    monkeypatch.setattr(fuser.cli, "is_engine_dir", lambda path: True)
+    monkeypatch.setattr(fuser.server.cli, "check_engine_precision", lambda *a: None)
+    monkeypatch.setattr(fuser, "load", lambda path, **kw: engine)
+    monkeypatch.setattr(serve, "load_models", lambda args: built.append(args.preset) or
+                        ("model", None, None, "name"))
+    argv = ["--engine", "/nowhere/e", "--preset", "tiny-random-llama"] + (["--no-hf"] * no_hf)
+    source = serve.make_source(serve.parse_args(argv))
+    assert source.engine is engine and source.vocab_size == 99
+    assert built == ([] if no_hf else ["tiny-random-llama"])
+    assert source.model == (None if no_hf else "model")
+
+
+def test_each_level_sends_prompts_no_earlier_level_sent(monkeypatch) -> None:
+    """A prompt sent again is a prefix-cache hit: every level's requests and warm-up take
+    prompts of their own, and `requests_of` counts them all."""
+    from concurrent.futures import Future
+
+    sent: list[list[list[int]]] = []
+
+    class Pool:
+        def submit(self, fn, url, model, prompts, c, n, *rest):
+            sent.append(prompts)
+            done: Future = Future()
+            done.set_result({"duration": 1.0, "warmup_errors": [],
+                             "records": [dict(record(0.01, 0.1, 4, [0.03] * 3), prompt=p[0])
+                                         for p in prompts[:n]]})
+            return done
+
+    monkeypatch.setattr(serve, "scrape_text", lambda url: "")
+    monkeypatch.setattr(serve, "scrape_gauges", lambda url, *a, **kw: {})
+    args = serve.parse_args(["--concurrency", "1,4,16", "--output-len", "4"])
+    prompts = [[i, i] for i in range(serve.requests_of(args, args.levels))]
+    assert len(prompts) == (8 + 1) + (8 + 4) + (32 + 16)
+    serve.run_levels(Pool(), "http://127.0.0.1:1", "m", prompts, args, "fuser")
+    assert [len(p) for p in sent] == [9, 12, 48]
+    firsts = [p[0] for level in sent for p in level]
+    assert sorted(firsts) == list(range(len(prompts)))  # every prompt once

@@ -51,13 +51,12 @@ from fuser.ops.paged import _cache_rows
 
 LOG2E = math.log2(math.e)
 MIN_BLOCK = 16  # tl.dot's smallest tile side
-# The split rule's GPU: 132 SMs (H100 SXM, H200). At the D = 128 bf16 tiles (BLOCK_M 128,
-# 8 warps) a program takes ~200-215 registers a thread for sm_90 (paged or not, split or
-# not; 184 at 64 rows and 4 warps): an SM's 64K registers hold one program (two at 4 warps).
-# A grid's time is then about its waves times the longest program's key blocks, so the split
-# fills ONE wave of SMS resident programs, not more: 32 programs over 18 key blocks take 4
-# splits of 4-5 blocks in one wave, where 8 splits of 2-3 blocks would run in two waves (and
-# write twice the scratch). A grid of a wave or more is never split.
+# The split rule's GPU: 132 SMs (H100 SXM, H200). At the D = 128 bf16 tiles (BLOCK_M 64,
+# 4 warps) a program takes ~184 registers a thread for sm_90 (~200-215 at 128 rows and 8
+# warps): an SM's 64K registers hold two programs (one at 8 warps). A grid's time is then
+# about its waves times the longest program's key blocks, so the split fills ONE wave of the
+# resident programs, not more (more splits of fewer blocks run in two waves and write twice
+# the scratch). A grid of a wave or more is never split.
 SMS = 132
 MIN_SPLIT_BLOCKS = 2  # key blocks a split gets at least (of the most the shapes allow)
 MAX_SPLITS = 16
@@ -274,25 +273,28 @@ def flash_prefill_supported(q: Tensor, k: Tensor) -> bool:
 
 
 def _blocks(D: int, dtype: torch.dtype, on_gpu: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages). On the GPU the Triton fused-attention
-    tutorial's Hopper shapes for D <= 128 (fp32 operands and D = 256 take smaller tiles to fit
-    shared memory); under the interpreter the smallest tiles, for speed."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages). On the GPU, for D <= 128 in 16-bit, 64
+    query rows over 64 keys at 4 warps: on an H100 at the 8B shape it beat 128 rows at 8 warps
+    in every case of benchmarks/flash_prefill.py, split or not (1.12x on a 2,048-token prompt,
+    1.23x at 1,024, 1.18x on a 512-token chunk, 1.13x on a 128-token prefix hit split 4 ways;
+    benchmarks/RESULTS.md). fp32 operands and D = 256 take smaller key tiles to fit shared
+    memory; under the interpreter the smallest tiles, for speed."""
     if not on_gpu:
         return MIN_BLOCK, MIN_BLOCK, 1, 1
     if dtype == torch.float32 or D > 128:
         return 64, 32, 4, 2
-    return 128, 64, 8, 3
+    return 64, 64, 4, 3
 
 
 def _tiles(D: int, dtype: torch.dtype, on_gpu: bool, block_m: int | None
            ) -> tuple[int, int, int, int]:
-    """`_blocks`, with the block_m override (GPU only; 4 warps from 64 rows down)."""
+    """`_blocks`, with the block_m override (GPU only; 4 warps from 64 rows down, 8 above)."""
     if block_m is not None and (block_m < MIN_BLOCK or block_m & (block_m - 1)):
         raise ValueError(f"flash_prefill: block_m must be a power of two >= {MIN_BLOCK}, "
                          f"got {block_m}")
     BLOCK_M, BLOCK_N, warps, stages = _blocks(D, dtype, on_gpu)
     if block_m is not None and on_gpu and block_m != BLOCK_M:
-        BLOCK_M, warps = block_m, 4 if block_m <= 64 else warps
+        BLOCK_M, warps = block_m, 4 if block_m <= 64 else 8
     return BLOCK_M, BLOCK_N, warps, stages
 
 
@@ -333,8 +335,8 @@ def flash_prefill(q: Tensor, k: Tensor, v: Tensor, query_slots: Tensor, starts: 
     the contiguous prefill, whose small grids are short prompts (and whose build warm-up,
     at T <= 32, never splits: a split there would compile at the first long enough prompt;
     a chunk's warm-up splits wherever a bucket's chunks can), and the interpreter.
-    block_m: query rows per program on the GPU (a tuning override: 64 halves a chunk's
-    programs' work where 128 leaves the GPU idle; 4 warps then)."""
+    block_m: query rows per program on the GPU (a tuning override of `_blocks`' 64; 8 warps
+    above 64 rows)."""
     B, H, T, D = q.shape
     if block_table is None:
         KV, n_keys, page, max_blocks = k.shape[1], T, 0, 1
