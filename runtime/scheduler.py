@@ -11,12 +11,20 @@ Between two steps, on the host:
     retire  a finished or cancelled request leaves; the last running row moves into its slot
             (`_move_row`: its KV rows in both caches, its lengths and its state row), so the rows
             stay packed;
-    admit   waiting requests join, k at a time (k a batch bucket; prompts of one length): the
-            requests in rows [0, k) move to free rows, and the prompts are prefilled into rows
-            [0, k) through the bucket of k's prefill (its captured graphs on CUDA), which writes
-            those rows only; their first tokens are chosen there (time to first token).
+    admit   waiting requests join in groups of one prompt length: the prompts are prefilled
+            into rows [0, k) through the prefill of the smallest bucket b >= k (its captured
+            graphs on CUDA; rows [k, b) dummies, free rows, where those fit and are few,
+            else the largest bucket <= k), which writes those rows only; the running requests
+            in rows [0, b) move to free rows past them first, and back next to the group after
+            (`_place`, `_pack`). The first tokens are chosen there (time to first token).
             Admissions per step are bounded by `prefill_tokens` so that running rows wait at
-            most about one prefill of that size;
+            most about one prefill of that size; while nothing decodes, groups follow one
+            another until the rows are full. Requests arriving together join together
+            (`_admission_due`): an idle loop gathers a burst until it ends (ADMISSION_QUIET
+            without an arrival) or fills the rows, and beside decoding rows waiting requests
+            are admitted as a batch (ADMISSION_BATCH of the rows) or once the oldest waited
+            ADMISSION_STEPS steps, each admission draining the steps queued ahead once;
+
     step    one iteration of the bucket (target-only, or draft + verify with the adaptive
             gamma), then one read-back of the packed tokens: each row keeps n + 1 tokens up to
             its eos and budget, exactly as `generate` does.
@@ -309,7 +317,13 @@ class Scheduler:
     in chunks between decode steps, each iteration at most that many tokens of decode and
     prompt together (a row in prefill takes at least 2 a chunk, the chunk step's least), so
     running rows get a token every iteration; None or 0: each group's whole prompts at once.
+
+    `admission_wait` (seconds; None: ADMISSION_STEPS decode steps as measured) is the longest
+    a waiting request is held back for others to share its prefill, and `admission_quiet`
+    (seconds) the pause in arrivals that ends a burst on an idle scheduler
+    (`_admission_due`); 0 and 0 admit as soon as a request waits.
     """
+
 
     def __init__(self, engine: Engine, *, max_waiting: int = 256,
                  prefill_tokens: int = 2048, prefix_caching: bool = True,
@@ -576,8 +590,10 @@ class Scheduler:
         arriving: `_admission_due`), sleep until it is due or another request arrives; True
         when it slept (the loop looks again)."""
         with self._lock:
-            if self._running or not self._waiting or self._stop:
-                return False
+            if self._running or not self._waiting or self._stop \
+                    or any(s.stop_requested is not None for s in self._waiting):
+                return False  # (a cancelled request ends at once, in the iteration's retire)
+
             left = self._admission_due_in()
             if left <= 0:
                 return False
@@ -672,10 +688,11 @@ class Scheduler:
     def _may_run_ahead(self, in_flight: _Step) -> bool:
         """Whether to queue another step before `in_flight` is read back: only while the rows
         stay as they are (nothing to admit or cancel) and some decoding row still needs
-        tokens after the step in flight (each gives every active row at least one). A
-        finished row counts as free: while requests wait, it ends the run so that they are
-        admitted into its row (otherwise it rode along in every step until the whole batch
-        had finished, and a waiting request waited for the longest running one).
+        tokens after the step in flight (each gives every active row at least one). Waiting
+        requests end the run once their admission is due (`_admission_due`: a batch of them,
+        or the oldest waited about two steps), into free rows or finished ones (a finished
+        row counts as free; otherwise it rode along in every step until the whole batch had
+        finished, and a waiting request waited for the longest running one).
 
         While a group is in chunked prefill, the step ahead is its next chunk and then the
         decode step (`_chunk_ahead`), unless that chunk is the last one: the last chunk
@@ -749,17 +766,18 @@ class Scheduler:
         return 0 if self._chunking is None else len(self._chunking.group)
 
     def _admit(self) -> None:
-        """Prefill waiting requests into free rows, a group at a time, once admission is due
-        (`_admission_due`). While rows decode, the groups' prompts together fit
-        `prefill_tokens` (at least one request), so that running rows wait at most about one
-        prefill of that size; while none do, nobody waits on the prefills and groups of that
-        size follow one another until the rows are full or nobody waits. With
-        `max_num_batched_tokens`: one group at a time, a chunk per iteration
-        (`_admit_chunked`)."""
+        """Prefill waiting requests into free rows, a group at a time. (An iteration starts,
+        and admits, when admission is due: the loop gathers a burst while nothing runs, and
+        the steps queued ahead end for it, `_admission_due`; or when those end for another
+        reason, the pipeline drained already.) While rows decode, the groups' prompts
+        together fit `prefill_tokens` (at least one request), so that running rows wait at
+        most about one prefill of that size; while none do, nobody waits on the prefills and
+        groups of that size follow one another until the requests waiting at the start are
+        in or the rows are full. With `max_num_batched_tokens`: one group at a time, a chunk
+        per iteration (`_admit_chunked`)."""
+
         if self.max_num_batched_tokens is not None:
             self._admit_chunked()
-            return
-        if not self._admission_due():
             return
         decoding = any(not s.done for s in self._running)
         budget = self.prefill_tokens
@@ -828,8 +846,7 @@ class Scheduler:
     def _admit_chunked(self) -> None:
         """Admit a group when none is in prefill (its rows inactive, its blocks given), then
         run the next chunk of the group in prefill."""
-        if self._chunking is None and len(self._running) < self.max_slots \
-                and self._admission_due():
+        if self._chunking is None and len(self._running) < self.max_slots:
             with self._lock:
                 group, _ = self._take_group(self.prefill_tokens, pad=False)
                 if group:
