@@ -1179,7 +1179,6 @@ def format_counters(counters: dict[str, int]) -> str:
     return ", ".join(f"{name} {value}" for name, value in counters.items())
 
 
-
 # -- the cases beyond the concurrency levels (issue #45) ---------------------------------------
 
 GPU_GAUGES = ("fuser_gpu_memory_used_bytes", "fuser_gpu_utilization_perc")

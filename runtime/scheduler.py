@@ -24,7 +24,6 @@ Between two steps, on the host:
             without an arrival) or fills the rows, and beside decoding rows waiting requests
             are admitted as a batch (ADMISSION_BATCH of the rows) or once the oldest waited
             ADMISSION_STEPS steps, each admission draining the steps queued ahead once;
-
     step    one iteration of the bucket (target-only, or draft + verify with the adaptive
             gamma), then one read-back of the packed tokens: each row keeps n + 1 tokens up to
             its eos and budget, exactly as `generate` does.
@@ -110,7 +109,6 @@ log = logging.getLogger("fuser")
 # arrive well under a millisecond apart; one request alone then waits only that long).
 ADMISSION_STEPS = 2
 ADMISSION_BATCH = 0.25
-
 DEFAULT_STEP_SECONDS = 0.005
 ADMISSION_QUIET = 0.002
 # A group of k prompts prefills through the smallest bucket that holds it when its extra rows
@@ -323,7 +321,6 @@ class Scheduler:
     (seconds) the pause in arrivals that ends a burst on an idle scheduler
     (`_admission_due`); 0 and 0 admit as soon as a request waits.
     """
-
 
     def __init__(self, engine: Engine, *, max_waiting: int = 256,
                  prefill_tokens: int = 2048, prefix_caching: bool = True,
@@ -593,7 +590,6 @@ class Scheduler:
             if self._running or not self._waiting or self._stop \
                     or any(s.stop_requested is not None for s in self._waiting):
                 return False  # (a cancelled request ends at once, in the iteration's retire)
-
             left = self._admission_due_in()
             if left <= 0:
                 return False
