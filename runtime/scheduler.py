@@ -106,11 +106,13 @@ log = logging.getLogger("fuser")
 # ADMISSION_STEPS decode steps (the step time measured as the scheduler runs; DEFAULT_STEP_SECONDS
 # before the first) so that requests arriving close together share one prefill. While nothing
 # runs, they wait until ADMISSION_QUIET seconds pass without a new arrival (a burst's requests
-# arrive well under a millisecond apart; one request alone then waits only that long).
+# arrive well under a millisecond apart; one request alone then waits only that long), at most
+# ADMISSION_GATHER.
 ADMISSION_STEPS = 2
 ADMISSION_BATCH = 0.25
 DEFAULT_STEP_SECONDS = 0.005
 ADMISSION_QUIET = 0.002
+ADMISSION_GATHER = 0.05  # the longest an idle scheduler gathers arrivals that never pause
 # A group of k prompts prefills through the smallest bucket that holds it when its extra rows
 # (dummies, computed for nothing) are at most MAX_DUMMIES x k: one prefill reads the weights
 # once and syncs once, where the buckets k splits into (15 = 8 + 4 + 2 + 1) would each do both.
@@ -613,10 +615,11 @@ class Scheduler:
             of clients sends, would otherwise stall the batch at every finish);
           - nothing runs, and the waiting requests fill every free row (nobody else can
             join), or no request arrived for `admission_quiet` seconds (a burst has ended;
-            a lone request on an idle server waits only that long);
-          - the oldest has waited `admission_wait` (default ADMISSION_STEPS steps: a
-            request's first token comes at most that much later, and while requests trickle
-            in, rows decode about that many steps between two stalls)."""
+            a lone request on an idle server waits only that long), or the oldest waited
+            ADMISSION_GATHER (or `admission_wait` if longer: arrivals that never pause);
+          - rows decode, and the oldest has waited `admission_wait` (default ADMISSION_STEPS
+            steps: a request's first token comes at most that much later, and while
+            requests trickle in, rows decode about that many steps between two stalls)."""
         return self._admission_due_in() <= 0
 
     def _admission_due_in(self) -> float:
@@ -636,10 +639,12 @@ class Scheduler:
         elif len(waiting) >= free:
             return 0.0
         now = time.perf_counter()
-        left = waiting[0].arrival_time + self._admission_wait() - now  # (requeued: at once)
-        if not live:
-            left = min(left, max(s.arrival_time for s in waiting) + self.admission_quiet - now)
-        return left
+        wait = self._admission_wait()
+        if live:
+            return waiting[0].arrival_time + wait - now  # (a requeued request: at once)
+        # Idle: nobody waits on the prefill but the burst itself, gathered until it pauses.
+        return min(waiting[0].arrival_time + max(wait, ADMISSION_GATHER),
+                   max(s.arrival_time for s in waiting) + self.admission_quiet) - now
 
     def _timed(self, read: float) -> None:
         """A step was read back at `read` (perf_counter): the interval since the read-back
