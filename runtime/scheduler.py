@@ -776,7 +776,6 @@ class Scheduler:
         groups of that size follow one another until the requests waiting at the start are
         in or the rows are full. With `max_num_batched_tokens`: one group at a time, a chunk
         per iteration (`_admit_chunked`)."""
-
         if self.max_num_batched_tokens is not None:
             self._admit_chunked()
             return
