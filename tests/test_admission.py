@@ -4,7 +4,9 @@ that join a running batch one finish at a time are admitted in batches, each req
 as it runs alone (fp32 on the CPU).
 
 Engine: the tests/engines.py Llama target over a paged cache of 4-slot blocks, 16 rows,
-buckets 1, 2, 4, 8, 16 ("fx": built in a few seconds, shared by the module's tests).
+buckets 1, 2, 4, 8, 16 ("fx": built in a few seconds, shared by the module's tests); for the
+padded groups also over a contiguous cache with a draft (the target with 5% weight noise,
+gamma 3), whose row moves copy both caches' slots.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 import fuser
 from fuser import SamplingParams, Scheduler
 from fuser.runtime import scheduler as scheduler_module
-from engines import MAX_SEQ_LEN, llama_target
+from engines import MAX_SEQ_LEN, llama_target, perturbed
 
 VOCAB = 160
 ROWS = 16
@@ -32,14 +34,18 @@ pytestmark = [pytest.mark.usefixtures("one_intra_op_thread"),
 
 
 @functools.cache
-def engine() -> fuser.Engine:
+def engine(kind: str = "paged") -> fuser.Engine:
+    """kind "paged" (target-only) or "contiguous-draft" (see the module docstring)."""
+    paged = kind == "paged"
     config = fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=ROWS,
-                               batch_buckets=(1, 2, 4, 8, 16), gamma=0, compile="fx",
-                               kv_block_size=4)
+                               batch_buckets=(1, 2, 4, 8, 16), gamma=0 if paged else 3,
+                               compile="fx", kv_block_size=4 if paged else 0)
+    target = llama_target()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        built = fuser.optimize(llama_target(), config=config)
-    assert built.target.cache.paged
+        built = fuser.optimize(target, draft=None if paged else perturbed(target, 0.05, seed=3),
+                               config=config)
+    assert built.target.cache.paged is paged
     return built
 
 
@@ -52,9 +58,15 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def alone(requests: list[tuple[list[int], SamplingParams]]) -> list[list[int]]:
+def sampled(max_tokens: int, seed: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.9, top_k=30, seed=seed,
+                          ignore_eos=True)
+
+
+def alone(requests: list[tuple[list[int], SamplingParams]], kind: str = "paged"
+          ) -> list[list[int]]:
     """Each request by itself, prefix caching off (every prompt prefilled whole)."""
-    sched = Scheduler(engine(), max_waiting=256, prefix_caching=False)
+    sched = Scheduler(engine(kind), max_waiting=256, prefix_caching=False)
     sched.start()
     try:
         return [sched.submit(p, params).result(TIMEOUT) for p, params in requests]
@@ -100,20 +112,24 @@ def test_requests_arriving_together_prefill_as_one_group(
         sched.close()
 
 
+@pytest.mark.parametrize("kind", ["paged", "contiguous-draft"])
 def test_a_group_pads_to_its_bucket_beside_running_rows(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Stepped by hand: 3 requests decode; 7 more wait (4 of them prefix-cache hits). They
-    are prefilled in one call of bucket 8 (a dummy row, a free one: the running rows move
-    past the bucket, and one comes back after), not as 4 + 2 + 1 split by hits and misses,
-    and every request returns what it returns alone."""
-    eng = engine()
-    running = [(prompt(12, seed=40 + i), greedy(20)) for i in range(3)]
-    joining = [(prompt(12, seed=60 + i), greedy(5 + i % 4)) for i in range(7)]
-    want = alone(running + joining)
+        kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stepped by hand: 3 requests decode; 7 more wait (on the paged cache 4 of them
+    prefix-cache hits). They are prefilled in one call of bucket 8 (a dummy row, a free one:
+    the running rows move past the bucket, and one comes back after), not as 4 + 2 + 1 (split
+    by hits and misses), and every request returns what it returns alone: greedy and seeded
+    sampling, with a draft over the contiguous cache."""
+    eng = engine(kind)
+    running = [(prompt(12, seed=40 + i), greedy(20) if i != 1 else sampled(20, seed=9))
+               for i in range(3)]
+    joining = [(prompt(12, seed=60 + i), greedy(5 + i % 4) if i % 3 else sampled(7, seed=i))
+               for i in range(7)]
+    want = alone(running + joining, kind)
     sched = Scheduler(eng, max_waiting=256, admission_wait=0.0)
     try:
         with eng.generating():
-            for p, _ in joining[:4]:  # hits
+            for p, _ in joining[:4]:  # hits (on the paged cache)
                 sched.submit(p, greedy(1))
             while sched.num_waiting or sched.slots_used:
                 sched._iteration()
@@ -130,7 +146,7 @@ def test_a_group_pads_to_its_bucket_beside_running_rows(
                 sched._iteration()
             sched._retire()
         assert [s.output_ids for s in first + streams] == want
-        assert sched.blocks.active_rows() == []
+        assert sched.slots_used == 0 and (sched.blocks is None or not sched.blocks.active_rows())
     finally:
         sched.close()
 
