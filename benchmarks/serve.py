@@ -1083,9 +1083,11 @@ def hf_sequential(model: object, prompts: list[list[int]], output_len: int, requ
 
 def run_levels(pool: ProcessPoolExecutor, url: str, model: str, prompts: list[list[int]],
                args: argparse.Namespace, label: str, levels: list[int] | None = None,
-               keep_text: bool = False) -> list[dict]:
+               keep_text: bool = False, scheduler: object | None = None) -> list[dict]:
     """Each concurrency level (default --concurrency) through `drive_level`, summarized and
-    printed. keep_text: each request's record keeps its text."""
+    printed. keep_text: each request's record keeps its text. scheduler (an in-process
+    server's): each level records and prints what its counters moved by (`scheduler_counters`:
+    the level's warm-up round included)."""
     out = []
     kept = ("ok", "start", "ttft", "e2e", "output_tokens", "prompt_tokens", "error") + \
         (("text",) if keep_text else ())
@@ -1095,6 +1097,7 @@ def run_levels(pool: ProcessPoolExecutor, url: str, model: str, prompts: list[li
         n = args.num_requests or max(2 * c, 8)
         fresh = [prompts[(offset + i) % len(prompts)] for i in range(n + c)]
         offset += n + c
+        before = scheduler_counters(scheduler) if scheduler is not None else {}
         raw = pool.submit(drive_level, url, model, fresh, c, n, args.output_len,
                           args.ignore_eos, min(8, args.output_len), args.api_key,
                           args.timeout, keep_text).result()
@@ -1116,6 +1119,10 @@ def run_levels(pool: ProcessPoolExecutor, url: str, model: str, prompts: list[li
                 f"{gpu.get(GPU_GAUGES[1], 0):.0f}%")
         if any(metrics["gauges_after"].values()):
             log(f"  gauges after the level (should be 0): {metrics['gauges_after']}")
+        if scheduler is not None:
+            moved = {k: v - before.get(k, 0) for k, v in scheduler_counters(scheduler).items()}
+            metrics["scheduler"] = moved
+            log(f"  scheduler over the level (warm-up included): {format_counters(moved)}")
         out.append(metrics)
         save(args.json)
     return out
@@ -1143,7 +1150,7 @@ def serve_engine(pool: ProcessPoolExecutor, source: Source, engine: object, labe
                 server.scheduler.max_num_batched_tokens
         engine.stats.reset()
         result["levels"] = run_levels(pool, server.url, served_model(server.url, None), prompts,
-                                      args, label)
+                                      args, label, scheduler=server.scheduler)
         result["scheduler"].update(scheduler_counters(server.scheduler))
         log(f"[{label}] scheduler over the levels: {result['scheduler']}")
     if engine.draft is not None:  # what speculation did over every level's requests
@@ -1158,9 +1165,18 @@ def serve_engine(pool: ProcessPoolExecutor, source: Source, engine: object, labe
 def scheduler_counters(scheduler: object) -> dict[str, int]:
     """The scheduler's counts over its life (the warm-up's few requests included): steps
     read back, steps queued before the previous one was read back (`steps_ahead`), of which
-    after a prompt chunk (`chunks_ahead`), prompt chunks run, preemptions."""
-    names = ("steps", "steps_ahead", "chunks_ahead", "prefill_chunks", "preemptions")
+    after a prompt chunk (`chunks_ahead`), prompt chunks run, preemptions; admissions (each
+    a stop of the steps queued ahead), of which while rows decoded (`admission_drains`: each
+    stalled them), the whole-prompt prefills they ran (`prefill_groups`) and the dummy rows
+    those ran to fill their buckets (`padded_rows`)."""
+    names = ("steps", "steps_ahead", "chunks_ahead", "prefill_chunks", "preemptions",
+             "admissions", "admission_drains", "prefill_groups", "padded_rows")
     return {name: int(getattr(scheduler, name)) for name in names if hasattr(scheduler, name)}
+
+
+def format_counters(counters: dict[str, int]) -> str:
+    """One line of `scheduler_counters` (or their change over a level)."""
+    return ", ".join(f"{name} {value}" for name, value in counters.items())
 
 
 # -- the cases beyond the concurrency levels (issue #45) ---------------------------------------

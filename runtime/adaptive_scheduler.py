@@ -66,7 +66,7 @@ from fuser.runtime.controller import DRAFT, SUFFIX, TARGET, Choice, Controller, 
 from fuser.runtime.distill import DistillConfig, Distiller, UpdateResult, WeightSwap, \
     draft_module, target_module
 from fuser.runtime.generate import ReadBack
-from fuser.runtime.scheduler import RequestStream, Scheduler, _Step
+from fuser.runtime.scheduler import ADMISSION_QUIET, RequestStream, Scheduler, _Step
 from fuser.runtime.step_graphs import PLAIN, IterationGraph
 from fuser.runtime.suffix import SuffixIndex, SuffixProposals, add_verify_steps
 
@@ -117,6 +117,7 @@ class AdaptiveScheduler(Scheduler):
         suffix_min_match: a row verifies the index's proposals when its tokens end in a match
             of at least this many tokens (shorter matches are mostly chance: the draft's
             proposals are better bets).
+        admission_wait, admission_quiet: the Scheduler's (when requests are admitted).
     """
 
     def __init__(self, engine: object, *, max_waiting: int = 256, prefill_tokens: int = 2048,
@@ -125,10 +126,12 @@ class AdaptiveScheduler(Scheduler):
                  costs: Mapping[str, object] | None = None, index: SuffixIndex | None = None,
                  distill: DistillConfig | None = None, module: nn.Module | None = None,
                  background: bool = True, controller_options: Mapping[str, object] | None = None,
-                 suffix_min_match: int = 4) -> None:
+                 suffix_min_match: int = 4, admission_wait: float | None = None,
+                 admission_quiet: float = ADMISSION_QUIET) -> None:
         super().__init__(engine, max_waiting=max_waiting, prefill_tokens=prefill_tokens,
                          prefix_caching=prefix_caching,
-                         max_num_batched_tokens=max_num_batched_tokens)
+                         max_num_batched_tokens=max_num_batched_tokens,
+                         admission_wait=admission_wait, admission_quiet=admission_quiet)
         config = engine.config
         has_draft = any(b.draft is not None for b in engine.buckets.values())
         self.suffix = config.suffix_speculation if suffix is None else suffix
@@ -303,9 +306,9 @@ class AdaptiveScheduler(Scheduler):
             self._swaps_seen = self.swap.swaps
             self.draft_weights_changed()
 
-    def _prefill(self, group: list[RequestStream]) -> None:
+    def _prefill(self, group: list[RequestStream], rows: int | None = None) -> None:
         self._index(group)
-        super()._prefill(group)
+        super()._prefill(group, rows)
 
     def _start_chunks(self, group: list[RequestStream]) -> None:
         self._index(group)

@@ -11,12 +11,19 @@ Between two steps, on the host:
     retire  a finished or cancelled request leaves; the last running row moves into its slot
             (`_move_row`: its KV rows in both caches, its lengths and its state row), so the rows
             stay packed;
-    admit   waiting requests join, k at a time (k a batch bucket; prompts of one length): the
-            requests in rows [0, k) move to free rows, and the prompts are prefilled into rows
-            [0, k) through the bucket of k's prefill (its captured graphs on CUDA), which writes
-            those rows only; their first tokens are chosen there (time to first token).
+    admit   waiting requests join in groups of one prompt length: the prompts are prefilled
+            into rows [0, k) through the prefill of the smallest bucket b >= k (its captured
+            graphs on CUDA; rows [k, b) dummies, free rows, where those fit and are few,
+            else the largest bucket <= k), which writes those rows only; the running requests
+            in rows [0, b) move to free rows past them first, and back next to the group after
+            (`_place`, `_pack`). The first tokens are chosen there (time to first token).
             Admissions per step are bounded by `prefill_tokens` so that running rows wait at
-            most about one prefill of that size;
+            most about one prefill of that size; while nothing decodes, groups follow one
+            another until the rows are full. Requests arriving together join together
+            (`_admission_due`): an idle loop gathers a burst until it ends (ADMISSION_QUIET
+            without an arrival) or fills the rows, and beside decoding rows waiting requests
+            are admitted as a batch (ADMISSION_BATCH of the rows) or once the oldest waited
+            ADMISSION_STEPS steps, each admission draining the steps queued ahead once;
     step    one iteration of the bucket (target-only, or draft + verify with the adaptive
             gamma), then one read-back of the packed tokens: each row keeps n + 1 tokens up to
             its eos and budget, exactly as `generate` does.
@@ -93,6 +100,24 @@ if TYPE_CHECKING:
 __all__ = ["QueueFull", "RequestStream", "SamplingParams", "Scheduler", "SchedulerClosed"]
 
 log = logging.getLogger("fuser")
+
+# Admission (`Scheduler._admission_due`). Beside decoding rows, a batch of ADMISSION_BATCH of
+# the rows' count is admitted at once; fewer waiting requests are held back at most
+# ADMISSION_STEPS decode steps (the step time measured as the scheduler runs; DEFAULT_STEP_SECONDS
+# before the first) so that requests arriving close together share one prefill. While nothing
+# runs, they wait until ADMISSION_QUIET seconds pass without a new arrival (a burst's requests
+# arrive well under a millisecond apart; one request alone then waits only that long), at most
+# ADMISSION_GATHER.
+ADMISSION_STEPS = 2
+ADMISSION_BATCH = 0.25
+DEFAULT_STEP_SECONDS = 0.005
+ADMISSION_QUIET = 0.002
+ADMISSION_GATHER = 0.05  # the longest an idle scheduler gathers arrivals that never pause
+# A group of k prompts prefills through the smallest bucket that holds it when its extra rows
+# (dummies, computed for nothing) are at most MAX_DUMMIES x k: one prefill reads the weights
+# once and syncs once, where the buckets k splits into (15 = 8 + 4 + 2 + 1) would each do both.
+MAX_DUMMIES = 0.5
+STEP_AVERAGING = 0.2  # weight of a new read-back interval in the step time's moving average
 
 
 class QueueFull(Exception):
@@ -292,11 +317,18 @@ class Scheduler:
     in chunks between decode steps, each iteration at most that many tokens of decode and
     prompt together (a row in prefill takes at least 2 a chunk, the chunk step's least), so
     running rows get a token every iteration; None or 0: each group's whole prompts at once.
+
+    `admission_wait` (seconds; None: ADMISSION_STEPS decode steps as measured) is the longest
+    a waiting request is held back for others to share its prefill, and `admission_quiet`
+    (seconds) the pause in arrivals that ends a burst on an idle scheduler
+    (`_admission_due`); 0 and 0 admit as soon as a request waits.
     """
 
     def __init__(self, engine: Engine, *, max_waiting: int = 256,
                  prefill_tokens: int = 2048, prefix_caching: bool = True,
-                 max_num_batched_tokens: int | None = None) -> None:
+                 max_num_batched_tokens: int | None = None,
+                 admission_wait: float | None = None,
+                 admission_quiet: float = ADMISSION_QUIET) -> None:
         if engine.target is None:
             raise ValueError("the scheduler needs an engine whose target was captured; this one "
                              "runs the model in eager Hugging Face (see engine.report().fallbacks)")
@@ -307,6 +339,11 @@ class Scheduler:
                 "(CUDA engines have it by default)")
         if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 0:
             raise ValueError(f"max_waiting={max_waiting!r} must be an int >= 0")
+        for name, value in (("admission_wait", admission_wait),
+                            ("admission_quiet", admission_quiet)):
+            if value is not None and (isinstance(value, bool) or not isinstance(
+                    value, (int, float)) or not value >= 0):
+                raise ValueError(f"{name}={value!r} must be a number of seconds >= 0")
         self.engine = engine
         self.max_waiting = max_waiting
         self.prefill_tokens = prefill_tokens
@@ -358,6 +395,17 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens or None
         self._chunking: _ChunkedPrefill | None = None  # the group in chunked prefill, rows [0, k)
         self.prefill_chunks = 0  # chunks run (the last of each prompt included)
+        # Admission (`_admission_due`): how long a waiting request may be held back so that
+        # others join its prefill (None: ADMISSION_STEPS steps of the running bucket, measured),
+        # and, while nothing runs, the quiet time after the last arrival that closes a burst.
+        self.admission_wait = admission_wait
+        self.admission_quiet = admission_quiet
+        self._step_seconds = DEFAULT_STEP_SECONDS  # between read-backs, averaged (`_timed`)
+        self._last_read: float | None = None  # the last read-back of the current run of steps
+        self.admissions = 0  # admissions that prefilled at least one group
+        self.admission_drains = 0  # of which while rows were decoding (each stalls them)
+        self.prefill_groups = 0  # groups prefilled whole (one prefill call each)
+        self.padded_rows = 0  # dummy rows those groups ran to fill their bucket
 
     # -- public ----------------------------------------------------------------------------------
 
@@ -525,6 +573,8 @@ class Scheduler:
             try:
                 with self.engine.generating():
                     while not self._stop and (self._running or self._waiting):
+                        if self._gathering():
+                            continue
                         with stepping(self.engine):  # a background capture's warm-up waits
                             self._iteration()
             except Exception as e:  # noqa: BLE001 -- a failed step ends its requests, not the server
@@ -533,6 +583,75 @@ class Scheduler:
             with self._lock:
                 self._busy = False
                 self._lock.notify_all()  # wait_idle() and drain() wait for this
+
+    def _gathering(self) -> bool:
+        """While nothing runs and requests wait whose admission is not due yet (a burst still
+        arriving: `_admission_due`), sleep until it is due or another request arrives; True
+        when it slept (the loop looks again)."""
+        with self._lock:
+            if self._running or not self._waiting or self._stop \
+                    or any(s.stop_requested is not None for s in self._waiting):
+                return False  # (a cancelled request ends at once, in the iteration's retire)
+            left = self._admission_due_in()
+            if left <= 0:
+                return False
+            self._lock.wait(left)
+        return True
+
+    def _admission_wait(self) -> float:
+        """How long the oldest waiting request may be held back for others to join it."""
+        if self.admission_wait is not None:
+            return self.admission_wait
+        return ADMISSION_STEPS * self._step_seconds
+
+    def _admission_due(self) -> bool:
+        """Whether waiting requests are to be admitted now (`_admit`; the run of steps queued
+        ahead ends for them). Each admission stalls the running rows for a prefill and ends
+        the run-ahead, and a prefill of k prompts reads the weights once for all k, so
+        requests arriving close together are admitted together. With a row free (a finished
+        row counts as free), admission is due when
+          - rows decode, and ADMISSION_BATCH of the rows' count wait, or their prompts fill
+            the prefill budget: a batch worth a stall (one request a finish, as a closed loop
+            of clients sends, would otherwise stall the batch at every finish);
+          - nothing runs, and the waiting requests fill every free row (nobody else can
+            join), or no request arrived for `admission_quiet` seconds (a burst has ended;
+            a lone request on an idle server waits only that long), or the oldest waited
+            ADMISSION_GATHER (or `admission_wait` if longer: arrivals that never pause);
+          - rows decode, and the oldest has waited `admission_wait` (default ADMISSION_STEPS
+            steps: a request's first token comes at most that much later, and while
+            requests trickle in, rows decode about that many steps between two stalls)."""
+        return self._admission_due_in() <= 0
+
+    def _admission_due_in(self) -> float:
+        """Seconds until admission is due (`_admission_due`): <= 0 when due now, inf while
+        no request waits or no row can take one."""
+        waiting = self._waiting
+        if not waiting:
+            return float("inf")
+        live = sum(not s.done for s in self._running)
+        free = self.max_slots - live
+        if free <= 0:
+            return float("inf")  # (rows free up at a finish: a step's read-back looks again)
+        if live:  # an admission stalls them: worth it for a batch, or after the wait
+            if len(waiting) >= max(1, int(ADMISSION_BATCH * self.max_slots)) \
+                    or sum(len(_tokens(s)) for s in waiting) >= self.prefill_tokens:
+                return 0.0
+        elif len(waiting) >= free:
+            return 0.0
+        now = time.perf_counter()
+        wait = self._admission_wait()
+        if live:
+            return waiting[0].arrival_time + wait - now  # (a requeued request: at once)
+        # Idle: nobody waits on the prefill but the burst itself, gathered until it pauses.
+        return min(waiting[0].arrival_time + max(wait, ADMISSION_GATHER),
+                   max(s.arrival_time for s in waiting) + self.admission_quiet) - now
+
+    def _timed(self, read: float) -> None:
+        """A step was read back at `read` (perf_counter): the interval since the read-back
+        before it in the same run of steps updates the average step time."""
+        if self._last_read is not None:
+            self._step_seconds += STEP_AVERAGING * (read - self._last_read - self._step_seconds)
+        self._last_read = read
 
     def _iteration(self) -> None:
         """Retire and admit (no step in flight), then step; while nothing is to retire or admit,
@@ -550,6 +669,7 @@ class Scheduler:
             self._make_room()  # (preempts rows when blocks ran out)
         self._sync_table()
         in_flight = self._issue()
+        self._last_read = None  # (a step issued after a stall times the stall, not a step)
         while True:
             ahead = None
             if self._may_run_ahead(in_flight) and self._grow_rows(steps=2):
@@ -559,6 +679,7 @@ class Scheduler:
                 ahead = self._issue()
                 self.steps_ahead += 1
             self._collect(in_flight)
+            self._timed(time.perf_counter())
             self.steps += 1
             if ahead is None:
                 break
@@ -568,10 +689,11 @@ class Scheduler:
     def _may_run_ahead(self, in_flight: _Step) -> bool:
         """Whether to queue another step before `in_flight` is read back: only while the rows
         stay as they are (nothing to admit or cancel) and some decoding row still needs
-        tokens after the step in flight (each gives every active row at least one). A
-        finished row counts as free: while requests wait, it ends the run so that they are
-        admitted into its row (otherwise it rode along in every step until the whole batch
-        had finished, and a waiting request waited for the longest running one).
+        tokens after the step in flight (each gives every active row at least one). Waiting
+        requests end the run once their admission is due (`_admission_due`: a batch of them,
+        or the oldest waited about two steps), into free rows or finished ones (a finished
+        row counts as free; otherwise it rode along in every step until the whole batch had
+        finished, and a waiting request waited for the longest running one).
 
         While a group is in chunked prefill, the step ahead is its next chunk and then the
         decode step (`_chunk_ahead`), unless that chunk is the last one: the last chunk
@@ -585,9 +707,8 @@ class Scheduler:
         if prefilling:
             if self._part_width() is None:  # the next chunk ends the prompts
                 return False
-        elif self._waiting and (len(self._running) < self.max_slots
-                                or any(s.done for s in self._running)):
-            return False  # a free row, or a finished one (retired next): admit into it
+        elif self._admission_due():
+            return False  # into a free row, or a finished one (retired next)
         # (A done row has nothing left to stop: a cancelled row of the group, ended at a
         # retire, rides along to the group's last chunk.)
         return all(s.stop_requested is None or s.done for s in self._running) and any(
@@ -646,40 +767,88 @@ class Scheduler:
         return 0 if self._chunking is None else len(self._chunking.group)
 
     def _admit(self) -> None:
-        """Prefill waiting requests into free rows, a group at a time (at least one request when
-        a slot is free, then while the prompts fit `prefill_tokens`). With
-        `max_num_batched_tokens`: one group at a time, a chunk per iteration
-        (`_admit_chunked`)."""
+        """Prefill waiting requests into free rows, a group at a time. (An iteration starts,
+        and admits, when admission is due: the loop gathers a burst while nothing runs, and
+        the steps queued ahead end for it, `_admission_due`; or when those end for another
+        reason, the pipeline drained already.) While rows decode, the groups' prompts
+        together fit `prefill_tokens` (at least one request), so that running rows wait at
+        most about one prefill of that size; while none do, nobody waits on the prefills and
+        groups of that size follow one another until the requests waiting at the start are
+        in or the rows are full. With `max_num_batched_tokens`: one group at a time, a chunk
+        per iteration (`_admit_chunked`)."""
         if self.max_num_batched_tokens is not None:
             self._admit_chunked()
             return
+        decoding = any(not s.done for s in self._running)
         budget = self.prefill_tokens
-        while len(self._running) < self.max_slots:
+        groups, left = 0, len(self._waiting)  # (later arrivals: the next admission's)
+        while len(self._running) < self.max_slots and left > 0:
             with self._lock:
-                group = self._take_group(budget)
+                group, rows = self._take_group(budget if decoding else self.prefill_tokens)
                 if not group:
-                    return
-                self._place(group)
+                    break
+                left -= len(group)
+                moves = self._place(group, rows)
             budget -= len(group) * len(_tokens(group[0]))
-            self._prefill(group)
+            self._prefill(group, rows)
+            with self._lock:
+                self._pack(moves)
+            groups += 1
+            self.padded_rows += rows - len(group)
+        if groups:
+            self.admissions += 1
+            self.admission_drains += decoding
+            self.prefill_groups += groups
 
-    def _place(self, group: list[RequestStream]) -> None:
-        """Rows [0, k) take the new prompts (the bucket of k prefills exactly those); the
-        requests there move to free rows past both (lock held)."""
+    def _place(self, group: list[RequestStream], rows: int | None = None
+               ) -> list[tuple[int, int]]:
+        """Rows [0, k) take the new prompts, and rows [k, rows) are left free for the dummy
+        rows that fill the group's bucket (`rows`, default k: the bucket of k prefills exactly
+        those); the running requests there move to free rows past both (lock held). Returns
+        the moves that pack the rows again after the prefill (`_pack`): until then
+        `_running[i]` is the request that row i will hold, and the rows moved out hold the
+        requests bound for rows [k, rows)."""
         running, k = self._running, len(group)
-        n, base = len(running), max(len(running), len(group))
-        rows: list[RequestStream] = list(group) + running[k:n] + [None] * min(n, k)
-        for i in range(min(n, k)):
+        rows = k if rows is None else rows
+        n = len(running)
+        base, out = max(n, rows), min(n, rows)
+        if n + rows > self.max_slots and rows > k:
+            raise RuntimeError(f"a group of {k} padded to {rows} rows does not fit beside {n} "
+                               f"running rows of {self.max_slots}")
+        where = {i: i for i in range(out, n)}  # running index -> device row
+        for i in range(out):
             self._move_row(i, base + i)
-            rows[base + i] = running[i]
-        self._running = rows
+            where[i] = base + i
+        # Packed: the group, then the running requests; those past the group's rows keep
+        # theirs where they can, and the rest take the rows left free.
+        final: list[RequestStream | None] = list(group) + [None] * n
+        stray = []
+        for i, row in sorted(where.items(), key=lambda item: item[1]):
+            if k <= row < k + n and final[row] is None:
+                final[row] = running[i]
+            else:
+                stray.append((i, row))
+        holes = [row for row in range(k, k + n) if final[row] is None]
+        moves = []
+        for (i, row), hole in zip(stray, holes):
+            final[hole] = running[i]
+            moves.append((row, hole))
+        self._running = final  # (every entry set: as many holes as strays)
+        return moves
+
+    def _pack(self, moves: list[tuple[int, int]]) -> None:
+        """After a group's prefill: the running rows that `_place` moved past the group's
+        bucket go to the rows that keep the batch packed (lock held)."""
+        for src, dst in moves:
+            self._move_row(src, dst)
+            self._state.active[src] = False
 
     def _admit_chunked(self) -> None:
         """Admit a group when none is in prefill (its rows inactive, its blocks given), then
         run the next chunk of the group in prefill."""
         if self._chunking is None and len(self._running) < self.max_slots:
             with self._lock:
-                group = self._take_group(self.prefill_tokens)
+                group, _ = self._take_group(self.prefill_tokens, pad=False)
                 if group:
                     self._place(group)
                     self._start_chunks(group)
@@ -835,42 +1004,48 @@ class Scheduler:
                 self.preemptions += 1
                 self._waiting.appendleft(stream)
 
-    def _take_group(self, budget: int) -> list[RequestStream]:
+    def _take_group(self, budget: int, pad: bool = True) -> tuple[list[RequestStream], int]:
         """Take from the queue the first waiting request and, behind it, more of the same
-        prompt length: as many as a batch bucket holds within the free rows and the token
-        budget (prompts of one length need no padding, so each row's prefill is the one it
-        would get alone). Call with the lock held."""
+        prompt length: as many as the free rows and the token budget hold (prompts of one
+        length need no padding, so each row's prefill is the one it would get alone), and
+        the rows its prefill runs: the smallest batch bucket that holds them, its extra rows
+        dummies (free rows), where those fit beside the running rows, are at most
+        MAX_DUMMIES of the group's and `pad`; else as many as the largest bucket they fill
+        (the rest go in the next group). Returns (group, rows); ([], 0) when none is taken.
+        Call with the lock held."""
         if not self._waiting:
-            return []
+            return [], 0
         T = len(_tokens(self._waiting[0]))
         if budget < T and budget != self.prefill_tokens:
-            return []
-        limit = min(self.max_slots - len(self._running), max(1, budget // T))
+            return [], 0
+        free = self.max_slots - len(self._running)
+        limit = min(free, max(1, budget // T))
         same = [s for s in itertools.islice(self._waiting, 4 * self.max_slots)
                 if len(_tokens(s)) == T]
         if self.blocks is not None:
             same = self._with_blocks(same[:limit])
             if not same:
-                return []  # the first waiting request waits for blocks (FCFS)
+                return [], 0  # the first waiting request waits for blocks (FCFS)
         same = same[:limit]
-        k = max(b for b in self.engine.buckets if b <= len(same))
-        for stream in same[:k]:
+        buckets = self.engine.buckets
+        rows = min((b for b in buckets if b >= len(same)), default=0)
+        if not pad or rows == 0 or rows > free or rows - len(same) > MAX_DUMMIES * len(same):
+            rows = max(b for b in buckets if b <= len(same))
+            same = same[:rows]
+        for stream in same:
             self._waiting.remove(stream)
-        return same[:k]
+        return same, rows
 
     def _with_blocks(self, same: list[RequestStream]) -> list[RequestStream]:
-        """The leading requests of `same` (one length) whose blocks are available now, all
-        with a prefix-cache hit or all without as the first has (a group prefills through one
-        step kind), keeping a block of headroom per running row for its next step."""
+        """The leading requests of `same` (one length) whose blocks are available now, keeping
+        a block of headroom per running row for its next step. Prefix-cache hits and misses
+        go together (a group with a hit prefills through the CHUNK step, a miss's from slot
+        0: `_prefill_paged`)."""
         blocks = self.blocks
-        first_hit = blocks.cached_prefix(_tokens(same[0])) > 0
         spare = blocks.available_blocks - len(self._running)
         taken = []
         for stream in same:
-            tokens = _tokens(stream)
-            if (blocks.cached_prefix(tokens) > 0) != first_hit:
-                continue
-            cost = blocks.admission_cost(tokens, self._admission_slots(stream))
+            cost = blocks.admission_cost(_tokens(stream), self._admission_slots(stream))
             if cost > spare:
                 break
             spare -= cost
@@ -888,12 +1063,14 @@ class Scheduler:
                                  None if greedy else params.top_p, self.engine.vocab_size,
                                  stream.seed)
 
-    def _prefill(self, group: list[RequestStream]) -> None:
-        """Prefill the group's prompts (one length) into rows [0, k) through the bucket of k;
-        deliver each first token (and finish those that get no more)."""
+    def _prefill(self, group: list[RequestStream], rows: int | None = None) -> None:
+        """Prefill the group's prompts (one length) into rows [0, k) through the bucket of
+        `rows` (default k; rows [k, rows) dummies: free rows, `_place`); deliver each first
+        token (and finish those that get no more)."""
         engine = self.engine
         k, T = len(group), len(_tokens(group[0]))
-        bucket = engine.buckets[k]
+        rows = k if rows is None else rows
+        bucket = engine.buckets[rows]
         self._load_rows(group)
         device = self._state.pending.device
         if self.blocks is None:
@@ -901,7 +1078,7 @@ class Scheduler:
                                   device=device)  # [k, T]
             prompts = Prompts(tokens=tokens,
                               starts=torch.zeros(k, dtype=torch.long, device=device), batch=k)
-            padded = pad_batch(prompts, k, min_length=bucket.prefill_length(T))
+            padded = pad_batch(prompts, rows, min_length=bucket.prefill_length(T))
             do_sample = any(not s.params.greedy for s in group)
             result = speculative.prefill(bucket.target, bucket.draft, bucket.state, padded, T,
                                          engine.vocab_size, do_sample)
@@ -916,10 +1093,12 @@ class Scheduler:
                        ) -> speculative.StepResult:
         """`_prefill` on a paged engine: rows [0, k) are given their blocks (`admit`, which
         `_with_blocks` checked), the prompts (with the tokens a preempted request already
-        emitted) are prefilled, those after a cached prefix by the CHUNK step, and their full
-        blocks are keyed for later requests (`commit`)."""
+        emitted) are prefilled, those of a group with a prefix-cache hit by the CHUNK step
+        after each row's cached tokens (a miss's from slot 0), and their full blocks are keyed
+        for later requests (`commit`). The bucket's rows past k are dummies: free rows, whose
+        null table rows take their writes, inactive after."""
         blocks = self.blocks
-        k = len(group)
+        k, B = len(group), bucket.batch
         token_lists = [_tokens(s) for s in group]
         cached = []
         for row, (stream, tokens) in enumerate(zip(group, token_lists)):
@@ -931,20 +1110,24 @@ class Scheduler:
         self._sync_table()
         device = self._state.pending.device
         T = len(token_lists[0])
-        tokens = torch.tensor(token_lists, dtype=torch.long, device=device)  # [k, T]
-        self._refresh_draft(bucket, tokens, cached)
+        dummies = B - k
+        tokens = torch.tensor(token_lists + [[0] * T] * dummies, dtype=torch.long,
+                              device=device)  # [B, T]
+        starts = cached + [min(cached)] * dummies  # (a dummy widens no chunk)
+        self._refresh_draft(bucket, tokens, starts)
         emitted = None
         if any(s.output_ids for s in group):  # resumed after preemption
-            emitted = torch.tensor([len(s.output_ids) for s in group], dtype=torch.long,
-                                   device=device)
+            emitted = torch.tensor([len(s.output_ids) for s in group] + [0] * dummies,
+                                   dtype=torch.long, device=device)
         do_sample = any(not s.params.greedy for s in group)
         if any(cached):
             result = speculative.prefill_chunk(bucket.target, bucket.draft, bucket.state, tokens,
-                                               cached, self.engine.vocab_size, do_sample, emitted)
+                                               starts, self.engine.vocab_size, do_sample, emitted)
+            bucket.state.active[k:] = False  # (the chunk starts every row it runs)
         else:
-            prompts = Prompts(tokens=tokens,
+            prompts = Prompts(tokens=tokens[:k],
                               starts=torch.zeros(k, dtype=torch.long, device=device), batch=k)
-            padded = pad_batch(prompts, k, min_length=bucket.prefill_length(T))
+            padded = pad_batch(prompts, B, min_length=bucket.prefill_length(T))
             result = speculative.prefill(bucket.target, bucket.draft, bucket.state, padded, T,
                                          self.engine.vocab_size, do_sample, emitted)
         for row, (stream, tokens, hit) in enumerate(zip(group, token_lists, cached)):

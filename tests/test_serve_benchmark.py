@@ -228,8 +228,15 @@ def test_dry_run_serves_a_tiny_engine_and_compares(tmp_path: Path) -> None:
     # its counters over the levels (benchmarks/serve.py `scheduler_counters`)
     assert scheduler["steps"] > 0 and scheduler["steps_ahead"] >= 0, scheduler
     assert set(scheduler) == {"class", "max_waiting", "steps", "steps_ahead", "chunks_ahead",
-                              "prefill_chunks", "preemptions"}, scheduler
+                              "prefill_chunks", "preemptions", "admissions",
+                              "admission_drains", "prefill_groups", "padded_rows"}, scheduler
     check_levels(system["levels"], [1, 2], 3, 6)
+    # each level's part of them: its requests (3) and warm-up (c) all prefilled whole
+    for level in system["levels"]:
+        moved = level["scheduler"]
+        assert set(moved) == set(scheduler) - {"class", "max_waiting"}, moved
+        assert 1 <= moved["prefill_groups"] <= 3 + level["concurrency"], moved
+        assert moved["admission_drains"] <= moved["admissions"] <= moved["prefill_groups"]
     assert set(system["static"]) == {"1", "2"}
     assert all(s["output_tok_s"] > 0 for s in system["static"].values())
     for key in ("first_token_ms", "per_token_ms"):

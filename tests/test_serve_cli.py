@@ -472,8 +472,16 @@ def test_a_model_directory_serves_a_paged_cache_with_prefix_caching(tiny_model_d
         try:
             assert scheduler.blocks is not None and scheduler.blocks.prefix_caching is sharing
             assert scheduler.max_num_batched_tokens == budget
+            # admission: two measured steps at most, a 2 ms pause ending a burst (defaults)
+            assert (scheduler.admission_wait, scheduler.admission_quiet) == (None, 0.002)
         finally:
             scheduler.close()
+    scheduler = make_scheduler(engine, _serve_args("--admission-wait-ms", "0",
+                                                   "--admission-quiet-ms", "3"))
+    try:
+        assert (scheduler.admission_wait, scheduler.admission_quiet) == (0.0, 0.003)
+    finally:
+        scheduler.close()
     assert kv_cache_config(_serve_args("--block-size", "0")) == {}
     assert kv_cache_config(_serve_args("--gpu-memory-fraction", "0.5")) == \
         dict(kv_block_size=16, kv_memory_fraction=0.5)
@@ -499,13 +507,22 @@ def test_adaptation_keeps_the_kv_cache_flags(tiny_model_dir):
             assert scheduler.max_num_batched_tokens == budget
         finally:
             scheduler.close()
+    # the admission times reach it too (milliseconds to seconds)
+    scheduler = make_scheduler(engine, _serve_args("--adapt-draft", "--admission-wait-ms", "7",
+                                                   "--admission-quiet-ms", "0.5"))
+    try:
+        assert (scheduler.admission_wait, scheduler.admission_quiet) == (0.007, 0.0005)
+    finally:
+        scheduler.close()
 
 
 def test_kv_cache_flag_mistakes_are_one_line(tiny_model_dir, capsys):
     for flags, word in ((["--block-size", "-1"], "--block-size"),
                         (["--max-num-batched-tokens", "-1"], "--max-num-batched-tokens"),
                         (["--gpu-memory-fraction", "1.5"], "--gpu-memory-fraction"),
-                        (["--block-size", "0", "--gpu-memory-fraction", "0.5"], "not with")):
+                        (["--block-size", "0", "--gpu-memory-fraction", "0.5"], "not with"),
+                        (["--admission-wait-ms", "-1"], "--admission-wait-ms"),
+                        (["--admission-quiet-ms", "-0.5"], "--admission-quiet-ms")):
         code, err = _run(["serve", str(tiny_model_dir), "--port", "0", *flags], capsys)
         assert code == 2 and err.count("\n") == 1 and word in err, err
 

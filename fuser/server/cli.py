@@ -134,6 +134,14 @@ def add_kv_cache_arguments(serve: argparse.ArgumentParser) -> None:
                             "(default, until measured on a GPU): each prompt whole at "
                             "admission while running requests wait (a contiguous cache, "
                             "always)")
+    serve.add_argument("--admission-wait-ms", type=float, default=None,
+                       help="the longest a waiting request is held back so that requests "
+                            "arriving close together share one prefill (default: two decode "
+                            "steps, as measured; a quarter of the rows waiting, or the rows "
+                            "filled on an idle server, admits at once); 0: at once")
+    serve.add_argument("--admission-quiet-ms", type=float, default=None,
+                       help="on an idle server, the pause in arrivals that ends a burst of "
+                            "requests admitted together (default: 2)")
 
 
 def kv_cache_config(args: argparse.Namespace) -> dict[str, object]:
@@ -199,6 +207,10 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError("--api-key must not be empty")
     if block_size(args) < 0:
         raise ValueError(f"--block-size {args.block_size} must be at least 0 (0: contiguous)")
+    for flag in ("admission_wait_ms", "admission_quiet_ms"):
+        value = getattr(args, flag, None)
+        if value is not None and not value >= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} {value:g} must be at least 0")
     if getattr(args, "max_num_batched_tokens", 0) < 0:
         raise ValueError(f"--max-num-batched-tokens {args.max_num_batched_tokens} must be at "
                          "least 0 (0: whole prompts)")
@@ -375,7 +387,8 @@ def make_scheduler(engine: Any, args: argparse.Namespace) -> Any:
             scheduler = AdaptiveScheduler(engine, max_waiting=args.max_waiting, suffix=True,
                                           adapt_draft=bool(engine.gammas), module=module,
                                           prefix_caching=getattr(args, "prefix_caching", True),
-                                          max_num_batched_tokens=_chunk_budget(engine, args))
+                                          max_num_batched_tokens=_chunk_budget(engine, args),
+                                          **_admission(args))
         except (ValueError, RuntimeError, NotImplementedError) as e:
             hint = "; rebuild it with fuser build --suffix-steps" \
                 if "no verify step for gamma" in str(e) else ""
@@ -394,7 +407,15 @@ def make_scheduler(engine: Any, args: argparse.Namespace) -> Any:
             return scheduler
     return Scheduler(engine, max_waiting=args.max_waiting,
                      prefix_caching=getattr(args, "prefix_caching", True),
-                     max_num_batched_tokens=_chunk_budget(engine, args))
+                     max_num_batched_tokens=_chunk_budget(engine, args), **_admission(args))
+
+
+def _admission(args: argparse.Namespace) -> dict[str, float]:
+    """The scheduler's admission times (seconds) that --admission-wait-ms and
+    --admission-quiet-ms set (those left out: the scheduler's defaults)."""
+    times = {"admission_wait": getattr(args, "admission_wait_ms", None),
+             "admission_quiet": getattr(args, "admission_quiet_ms", None)}
+    return {name: ms / 1e3 for name, ms in times.items() if ms is not None}
 
 
 def _chunk_budget(engine: Any, args: argparse.Namespace) -> int | None:
