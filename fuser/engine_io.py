@@ -45,7 +45,7 @@ from typing import Any, Protocol
 import torch
 
 from fuser import engine_file as ef
-from fuser import kernel_store
+from fuser import kernel_store, load_profile
 from fuser.build import warm_up
 from fuser.compile import CompiledStep
 from fuser.config import FuserConfig
@@ -564,7 +564,9 @@ def _open_engine(directory: Path, device: torch.device, manifest: dict, any_comp
     start = time.perf_counter()
     kernel_store.settle_triton_toolchain(device)  # as the build did: the kernels' cache keys
     seeded = kernel_store.seed(directory, manifest["extra"], device)
-    with kernel_store.loading(device, any_compiled):
+    detail = load_profile.enabled()
+    with kernel_store.loading(device, any_compiled), \
+            load_profile.kernel_work(device, detail) as code_work:
         if device.type == "cpu" and any_compiled:
             kernel_store.check_isa(info["engine"].get("vector_isa"), directory)
         models = {role: model_steps(role, info["models"][role], caches[role],
@@ -573,19 +575,27 @@ def _open_engine(directory: Path, device: torch.device, manifest: dict, any_comp
         compiled = sum(g.compiled is not None for buckets in models.values()
                        for steps in buckets.values() for g in steps.steps.values())
         timings["code"] = time.perf_counter() - start
-        say(f"loaded the compiled code of {compiled} steps in {timings['code']:.1f} s"
-            f" ({seeded} kernel binaries put in the caches)")
-        # (A tensor-parallel rank's steps run collectives: its first runs wait for the
-        # process group, fuser/pipeline.py `_load_parallel`.)
-        if device.type == "cuda" and manifest["config"].get("tensor_parallel", 1) == 1:
-            # The fused ops' Triton kernels load (from Triton's cache, seeded above) on their
-            # first launch: now, not in the first request. Smaller buckets launch the same
-            # kernels.
-            start = time.perf_counter()
+    say(f"loaded the compiled code of {compiled} steps in {timings['code']:.1f} s"
+        f" ({seeded} kernel binaries put in the caches)")
+    if code_work is not None:
+        say(f"  in the code load: {code_work.line()}")
+    # (A tensor-parallel rank's steps run collectives: its first runs wait for the
+    # process group, fuser/pipeline.py `_load_parallel`.)
+    if device.type == "cuda" and manifest["config"].get("tensor_parallel", 1) == 1:
+        # The fused ops' Triton kernels load (from Triton's cache, seeded above) on their
+        # first launch: now, not in the first request. Smaller buckets launch the same
+        # kernels.
+        start = time.perf_counter()
+        steps_timed = load_profile.StepTimes(device, again=detail)
+        with kernel_store.loading(device, any_compiled), \
+                load_profile.kernel_work(device, detail) as run_work:
             for role_buckets in models.values():
-                warm_up(role_buckets[max(role_buckets)])
-            timings["first_run"] = time.perf_counter() - start
-            say(f"ran every step once in {timings['first_run']:.1f} s")
+                warm_up(role_buckets[max(role_buckets)], steps_timed)
+        timings["first_run"] = time.perf_counter() - start
+        say(f"ran every step once in {timings['first_run']:.1f} s")
+        say("  " + steps_timed.line("first run by step:"))
+        if run_work is not None:
+            say(f"  in the first run: {run_work.line()}")
     # JSON gave lists where the config holds tuples (gamma_candidates, batch_buckets).
     saved = {k: tuple(v) if isinstance(v, list) else v for k, v in manifest["config"].items()}
     config = FuserConfig(**{**saved, "device": str(device)})
