@@ -153,9 +153,9 @@ class Engine:
                 for message in failures:
                     warnings.warn(f"fuser: {message}", stacklevel=2)
                 if background is None and say is not None and bucket.capture_seconds:
-                    say(f"  bucket {bucket.batch} by graph: {bucket.capture_line()}")
+                    say(f"capture of bucket {bucket.batch} by graph: {bucket.capture_line()}")
                     if work is not None:
-                        say(f"  in bucket {bucket.batch}'s capture: {work.line()}")
+                        say(f"kernel work in bucket {bucket.batch}'s capture: {work.line()}")
                 return failures
 
             # (Tensor parallel: the followers capture and replay their part of each iteration

@@ -618,7 +618,7 @@ def load_engine(path: str | Path, device: torch.device | str | None = None, *, p
         f"checked {checked - read:.1f} s later")
     per_file = ", ".join(f"{name} {r.bytes / 2**30:.2f} GiB by {r.seconds:.1f} s"
                          for name, r in reads.items())
-    say(f"  weights {weight_bytes / 2**30:.2f} GiB in {read - parsing:.1f} s "
+    say(f"read: weights {weight_bytes / 2**30:.2f} GiB in {read - parsing:.1f} s "
         f"({weight_bytes / max(read - parsing, 1e-9) / 1e9:.1f} GB/s, hashed as read: "
         f"{per_file}); {sum(len(g) for g in shells.values())} graphs parsed in "
         f"{parsed - parsing:.1f} s beside the reading; checks before it "

@@ -578,7 +578,7 @@ def _open_engine(directory: Path, device: torch.device, manifest: dict, any_comp
     say(f"loaded the compiled code of {compiled} steps in {timings['code']:.1f} s"
         f" ({seeded} kernel binaries put in the caches)")
     if code_work is not None:
-        say(f"  in the code load: {code_work.line()}")
+        say(f"kernel work in the code load: {code_work.line()}")
     # (A tensor-parallel rank's steps run collectives: its first runs wait for the
     # process group, fuser/pipeline.py `_load_parallel`.)
     if device.type == "cuda" and manifest["config"].get("tensor_parallel", 1) == 1:
@@ -593,9 +593,9 @@ def _open_engine(directory: Path, device: torch.device, manifest: dict, any_comp
                 warm_up(role_buckets[max(role_buckets)], steps_timed)
         timings["first_run"] = time.perf_counter() - start
         say(f"ran every step once in {timings['first_run']:.1f} s")
-        say("  " + steps_timed.line("first run by step:"))
+        say(steps_timed.line("first run by step:"))
         if run_work is not None:
-            say(f"  in the first run: {run_work.line()}")
+            say(f"kernel work in the first run: {run_work.line()}")
     # JSON gave lists where the config holds tuples (gamma_candidates, batch_buckets).
     saved = {k: tuple(v) if isinstance(v, list) else v for k, v in manifest["config"].items()}
     config = FuserConfig(**{**saved, "device": str(device)})

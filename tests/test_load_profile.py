@@ -130,9 +130,9 @@ def test_cuda_load_prints_where_its_time_goes(tmp_path: Path,
     engine = fuser.load(tmp_path / "engine", log=lines.append, wait_for_graphs=True)
     text = "\n".join(lines)
     assert "first run by step:" in text and "target.decode T=1" in text and "(again " in text
-    assert "in the first run:" in text and "in the code load:" in text
+    assert "kernel work in the first run:" in text and "kernel work in the code load:" in text
     assert "triton compiles" not in text and "autotuning benchmarks" not in text, text
-    assert "bucket 1 by graph: " in text and "plain.greedy" in text
+    assert "capture of bucket 1 by graph: " in text and "plain.greedy" in text
     assert "first replay" in text
     for bucket in engine.buckets.values():
         for parts in bucket.capture_seconds.values():
