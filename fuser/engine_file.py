@@ -44,7 +44,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from fuser.weight_reader import HASH_CHUNK, FileRead, digest_of_chunks, read_files
+from fuser.weight_reader import HASH_CHUNK, PHASES, digest_of_chunks, read_files
 
 FORMAT = "fuser-engine"
 FORMAT_VERSION = 2  # 2: every batch bucket's graphs, compiled code per graph
@@ -583,8 +583,9 @@ def load_engine(path: str | Path, device: torch.device | str | None = None, *, p
     weights = {name: f"{name}/{entry['weights']}" for name, entry in models.items()}
     others = {rel: r for rel, r in manifest["files"].items() if rel not in weights.values()}
     background = ThreadPoolExecutor(2, thread_name_prefix="fuser-load")
+    phases: dict[str, float] = {}
     reading = background.submit(read_files, [directory / rel for rel in weights.values()],
-                                device)
+                                device, phases=phases)
     hashed = background.submit(check_hashes, directory, others) if verify_hash else None
     graphs, runtime = {}, {}
     try:
@@ -623,6 +624,9 @@ def load_engine(path: str | Path, device: torch.device | str | None = None, *, p
         f"{per_file}); {sum(len(g) for g in shells.values())} graphs parsed in "
         f"{parsed - parsing:.1f} s beside the reading; checks before it "
         f"{parsing - start:.1f} s")
+    if phases:
+        spent = ", ".join(f"{phase} {phases.get(phase, 0.0):.1f}" for phase in PHASES)
+        say(f"read: the {phases['threads']:.0f} reading threads' seconds: {spent}")
     extra = {rel: directory / rel for rel in manifest["extra"]}
     return LoadedEngine(manifest, graphs, runtime, extra)
 

@@ -45,6 +45,9 @@ ALIGN = 256  # bytes: each tensor's offset in the device buffer
 PIECE = 16 << 20  # bytes read and copied at a time
 HASH_CHUNK = 64 << 20  # bytes of a file per hashed chunk (fuser/engine_file.py `file_digest`)
 WORKERS = max(2, min(16, os.cpu_count() or 1))
+# What a reading thread's time goes to: waiting for its staging buffer's previous copy, the
+# disk (or page cache), issuing the copies (copying, off CUDA), hashing.
+PHASES = ("wait for copies", "disk", "copies", "hash")
 
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -142,14 +145,17 @@ class _Worker:
         self.stream = torch.cuda.Stream(device) if cuda else None
         self.events = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self.turn = 0
+        self.seconds = dict.fromkeys(PHASES, 0.0)
 
 
 def read_files(paths: Sequence[str | Path], device: torch.device | str, *,
-               workers: int = WORKERS, piece: int = PIECE,
-               chunk: int = HASH_CHUNK) -> list[FileRead]:
+               workers: int = WORKERS, piece: int = PIECE, chunk: int = HASH_CHUNK,
+               phases: dict[str, float] | None = None) -> list[FileRead]:
     """Every tensor of each safetensors file in `paths` on `device` (per file: views of one
     buffer, each at an ALIGN-byte aligned offset) and each file's sha256 over `chunk`-byte
-    chunks, read by `workers` threads in pieces of at most `piece` bytes."""
+    chunks, read by `workers` threads in pieces of at most `piece` bytes. `phases` receives
+    the threads' seconds summed per phase (`PHASES`: where a slow read spends its time) and
+    "threads"."""
     device = torch.device(device)
     piece = max(1, min(piece, chunk))
     start = time.perf_counter()
@@ -188,15 +194,20 @@ def read_files(paths: Sequence[str | Path], device: torch.device | str, *,
                 size = min(piece, last - at)
                 i = worker.turn
                 worker.turn ^= 1
+                seconds, began = worker.seconds, time.perf_counter()
                 if worker.events[i] is not None:
                     worker.events[i].synchronize()  # its previous copy is done: it is free
                 view = worker.views[i][:size]
+                waited = time.perf_counter()
+                seconds["wait for copies"] += waited - began
                 done = 0
                 while done < size:
                     n = os.preadv(f.fd, [view[done:]], at + done)
                     if n <= 0:
                         raise OSError(f"{f.path}: unexpected end of file at byte {at + done}")
                     done += n
+                read = time.perf_counter()
+                seconds["disk"] += read - waited
                 source = worker.buffers[i]
                 if worker.stream is None:
                     for s, t, n in segments(f.entries, f.begins, at, size):
@@ -206,7 +217,10 @@ def read_files(paths: Sequence[str | Path], device: torch.device | str, *,
                         for s, t, n in segments(f.entries, f.begins, at, size):
                             f.buffer[t:t + n].copy_(source[s:s + n], non_blocking=True)
                         worker.events[i].record(worker.stream)
+                copied = time.perf_counter()
+                seconds["copies"] += copied - read
                 digest.update(view)  # beside the copy: both only read the staging buffer
+                seconds["hash"] += time.perf_counter() - copied
             f.digests[c] = digest.digest()
             with lock:
                 left[id(f)] -= 1
@@ -221,6 +235,11 @@ def read_files(paths: Sequence[str | Path], device: torch.device | str, *,
             for worker in made:  # every copy done before the staging buffers may go
                 if worker.stream is not None:
                     worker.stream.synchronize()
+            if phases is not None:
+                for worker in made:
+                    for phase, spent in worker.seconds.items():
+                        phases[phase] = phases.get(phase, 0.0) + spent
+                phases["threads"] = float(len(made))
     finally:
         for f in files:
             os.close(f.fd)
@@ -240,5 +259,5 @@ def read_to_device(path: str | Path, device: torch.device | str, *, workers: int
     return read_files([path], device, workers=workers, piece=piece)[0].tensors
 
 
-__all__ = ["ALIGN", "HASH_CHUNK", "FileRead", "digest_of_chunks", "read_files", "read_header",
+__all__ = ["ALIGN", "HASH_CHUNK", "PHASES", "FileRead", "digest_of_chunks", "read_files", "read_header",
            "read_to_device"]

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from fuser.engine_file import file_digest
-from fuser.weight_reader import ALIGN, digest_of_chunks, read_files, read_to_device
+from fuser.weight_reader import (ALIGN, PHASES, digest_of_chunks, read_files,
+                                 read_to_device)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.uint8,
           torch.bool, torch.float8_e4m3fn]
@@ -71,7 +72,10 @@ def test_the_digest_is_the_files(tmp_path_factory: pytest.TempPathFactory, seed:
     paths = [root / "a.safetensors", root / "b.safetensors"]
     for i, path in enumerate(paths):
         save_file(_tensors(seed + i, count), str(path))
-    reads = read_files(paths, "cpu", workers=workers, piece=piece, chunk=chunk)
+    phases: dict[str, float] = {}
+    reads = read_files(paths, "cpu", workers=workers, piece=piece, chunk=chunk, phases=phases)
+    assert set(phases) == {*PHASES, "threads"} and 1 <= phases["threads"] <= workers
+    assert all(seconds >= 0 for seconds in phases.values())
     for path, read in zip(paths, reads):
         data = path.read_bytes()
         parts = [hashlib.sha256(data[i:i + chunk]).digest() for i in range(0, len(data), chunk)]
