@@ -24,7 +24,10 @@ is put back together:
 A loaded engine has no Hugging Face model: `Engine.user_target` is a `DetachedModel` that carries
 the generation config and raises a clear error if anything tries to run it. Loading runs
 neither `torch.export` nor the passes nor Dynamo or Inductor: compiled steps come back from
-their artifacts (`fuser.compile.compile_count()` does not move). `open_engine` reads the parts;
+their artifacts (`fuser.compile.compile_count()` does not move). `open_engine` reads the parts,
+three things at once: the weights (read and hashed by threads, the graphs parsed meanwhile,
+fuser/engine_file.py), the compiled steps' code (a thread: it needs no weight) and the
+tokenizer (a thread); then it runs every step once (CUDA), each timed (fuser/load_profile.py).
 `fuser.pipeline.load` puts the Engine together from them. This module does not import
 `fuser.engine` (which imports it for `Engine.save`), not even for types: `save` takes any
 `SavableEngine`.
@@ -499,8 +502,8 @@ def load_all_code(directory: Path, manifest: dict[str, Any], device: torch.devic
 
 
 def import_inductor() -> None:
-    """Import what loading a compiled step's artifact needs of Inductor (on a thread, while the
-    weights are read; a failure shows where the artifacts load)."""
+    """Import what loading a compiled step's artifact needs of Inductor (on the code's thread,
+    while the weights are read: `load_all_code`; a failure shows where the artifacts load)."""
     import importlib
 
     for module in ("torch._inductor.standalone_compile", "torch._inductor.codecache",
@@ -551,8 +554,9 @@ class EngineParts:
     user_target: DetachedModel
     tokenizer: object | None
     step_costs: dict[int, dict[int, float]]  # bucket -> gamma -> seconds, measured at build
-    # seconds of each part of the load: "read" (manifest, weights, graphs, hashes), "code"
-    # (kernels put in the caches, compiled steps loaded), "first_run" (CUDA: each step once)
+    # seconds of each part of the load, one after another: "read" (manifest, weights, graphs,
+    # hashes), "code" (what the code's loading beside the read took longer, and the steps put
+    # together), "first_run" (CUDA: each step once)
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
