@@ -407,6 +407,30 @@ def test_a_held_server_takes_its_own_warm_up_before_health(tokenizer):
         scheduler.close()
 
 
+def test_the_heap_is_settled_before_health():
+    """`fuser serve` collects the load's garbage and freezes what survives before /health
+    (fuser/server/cli.py `settle_heap`): a garbage cycle is gone, a live object is frozen."""
+    import gc
+    import weakref
+
+    from fuser.server.cli import settle_heap
+
+    class Node:
+        pass
+
+    cycle = Node()
+    cycle.me = cycle
+    gone = weakref.ref(cycle)
+    del cycle
+    kept = [Node()]
+    try:
+        settle_heap()
+        assert gone() is None
+        assert gc.get_freeze_count() > 0 and kept
+    finally:
+        gc.unfreeze()
+
+
 def test_metrics_names_and_counts(server, client):
     url, _ = server
     before = scrape(url)

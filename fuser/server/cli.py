@@ -350,6 +350,17 @@ def warm_up(scheduler: Any, tokenizer: Any) -> None:
         tokenizer.decode(out)
 
 
+def settle_heap() -> None:
+    """Collect the garbage the load left (a full collection of a heap of millions of objects:
+    the fx graphs, their JSON, the imports) now, before /health, rather than in whichever
+    request would trigger it, and freeze what survives: the engine's objects live as long as
+    the server, and the collections while serving need not walk them again."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def warm_up_http(server: Any, model: str, api_key: str | None, tokenizer: Any) -> str | None:
     """A streamed completion of token ids (usage included) and a whole one of text, sampled,
     through the HTTP server itself: its request parsing, routes, JSON, server-sent events and
@@ -580,6 +591,7 @@ def run_serve(args: argparse.Namespace) -> int:
         cold.mark("scheduler")
         progress("warming up ...")
         warm_up(scheduler, tokenizer)
+        settle_heap()
         # /v1 serves from here, /health only after the server's own requests went through it
         serving.attach(scheduler, tokenizer, engine, hold=True)
         failed = warm_up_http(server, name, args.api_key, tokenizer)
