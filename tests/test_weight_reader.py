@@ -106,3 +106,11 @@ def test_read_to_cuda_equals_safetensors(tmp_path: Path) -> None:
     tensors["big"] = torch.randn(3 << 20)  # 12 MiB: many pieces of 1 MiB
     save_file(tensors, str(path))
     _check(path, "cuda", 1 << 20, 4)
+    phases: dict[str, float] = {}
+    read = read_files([path], "cuda", workers=4, piece=1 << 20, chunk=4 << 20,
+                      phases=phases)[0]
+    data = path.read_bytes()
+    parts = [hashlib.sha256(data[i:i + (4 << 20)]).digest() for i in range(0, len(data), 4 << 20)]
+    assert read.sha256 == digest_of_chunks(parts)  # hashed from the pinned staging buffers
+    assert read_files([path], "cuda")[0].sha256 == file_digest(path)
+    assert phases["threads"] >= 1
