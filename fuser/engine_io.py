@@ -591,8 +591,9 @@ def open_engine(path: str | Path, device: str | torch.device | None = None, *,
     # The tokenizer (transformers' import: seconds) loads on a thread meanwhile, and so does
     # the compiled steps' code (Inductor's import first), which needs no weight: the weights'
     # reading leaves the interpreter mostly free.
-    extras = ThreadPoolExecutor(2, thread_name_prefix="fuser-load-extras")
+    extras = ThreadPoolExecutor(3, thread_name_prefix="fuser-load-extras")
     extras_loaded = extras.submit(load_extras, directory, tokenizer)
+    extras.submit(kernel_store.prime_triton_key, device)  # (its first lookup's 0.4 s)
     code = extras.submit(load_all_code, directory, manifest, device, load_profile.enabled()) \
         if any_compiled else None
     extras.shutdown(wait=False)

@@ -138,3 +138,17 @@ def test_cuda_load_prints_where_its_time_goes(tmp_path: Path,
         for parts in bucket.capture_seconds.values():
             assert parts["total"] >= parts["warm-up"] + parts["capture"] - 1e-6
     assert json.dumps(engine.load_timings)  # plain numbers
+
+
+def test_tritons_key_is_primed_for_cuda_loads_only() -> None:
+    """A CUDA load computes Triton's key (a hash of its 500 MB library) on a thread beside the
+    reading (fuser/kernel_store.py `prime_triton_key`); a CPU load leaves it alone."""
+    from triton.runtime.cache import triton_key
+
+    from fuser import kernel_store
+
+    triton_key.cache_clear()
+    kernel_store.prime_triton_key(CPU)
+    assert triton_key.cache_info().currsize == 0
+    kernel_store.prime_triton_key(torch.device("cuda"))  # (a device name: no GPU needed)
+    assert triton_key.cache_info().currsize == 1
