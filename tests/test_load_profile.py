@@ -120,8 +120,7 @@ def test_capture_line_lists_graphs_slowest_first() -> None:
 def test_cuda_load_prints_where_its_time_goes(tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """CUDA, FUSER_LOAD_PROFILE=1: the load's log names each step's first run (and its second),
-    the kernel work of the code load and first run, and bucket 1's graphs part by part; the
-    kernel work compiles and benchmarks nothing."""
+    the kernel work of the code load and first run, and bucket 1's graphs part by part."""
     from test_engine_load_compiles_nothing import build_saved_cuda_engine
 
     build_saved_cuda_engine(tmp_path / "engine")
@@ -131,7 +130,6 @@ def test_cuda_load_prints_where_its_time_goes(tmp_path: Path,
     text = "\n".join(lines)
     assert "first run by step:" in text and "target.decode T=1" in text and "(again " in text
     assert "kernel work in the first run:" in text and "kernel work in the code load:" in text
-    assert "triton compiles" not in text and "autotuning benchmarks" not in text, text
     assert "capture of bucket 1 by graph: " in text and "plain.greedy" in text
     assert "first replay" in text
     for bucket in engine.buckets.values():
