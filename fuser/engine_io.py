@@ -413,7 +413,7 @@ def model_steps(role: str, info: dict[str, Any], cache: KVCache,
                 ) -> dict[int, ModelSteps]:
     """Batch size -> the model's steps in that bucket, over the loaded rewritten graphs; each
     step compiled at build time comes back from its saved artifact (nothing is compiled), or
-    from `code` (graph key -> its code, `load_model_code`'s) where given."""
+    from `code` (graph key -> its code, `load_all_code`'s) where given."""
     source = str(directory)
     buckets = info.get("buckets", [cache.batch_size])
     top = max(buckets)
