@@ -151,7 +151,7 @@ for suite in "$@"; do
         --engine-dir "$DIR/engine" --out "$DIR/engine_files.json" ${FILES_ARGS:-}
       rm -rf "$DIR/engine"
       table "files: 8B + 1B-draft engine directory, load and fuser serve" \
-        "$(grep -v -i warn "$DIR/engine_files.log" | grep -v '^\[engine_files\]' | tail -n 26)" ;;
+        "$(grep -v -i warn "$DIR/engine_files.log" | grep -v '^\[engine_files\]' | tail -n 40)" ;;
     imports)
       step serve_imports 240 python3 benchmarks/serve_imports.py --runs 3 \
         --out "$DIR/serve_imports.json"

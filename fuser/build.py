@@ -327,20 +327,30 @@ def warm_up_lengths(kind: StepKind, slots: int, device: torch.device) -> list[in
 
 
 @torch.no_grad()
-def warm_up(steps: ModelSteps) -> None:
+def warm_up(steps: ModelSteps, timed: Callable[[str, Callable[[], object]], None] | None = None
+            ) -> None:
     """Run every step once, at each of its `warm_up_lengths`, so that compilation happens now,
     not in the first request; after each prefill, the first token's argmax as a request takes
-    it (runtime/speculative.py `first_token_logits`)."""
+    it (runtime/speculative.py `first_token_logits`). timed: runs each as `timed(name, run)`
+    ("target.prefill T=16"; fuser/load_profile.py `StepTimes` times them)."""
     cache = steps.cache
     device, B = cache.seq_lens.device, cache.batch_size
     for kind in steps.steps:
         for T in warm_up_lengths(kind, cache.slots, device):
             tokens = torch.zeros(B, T, dtype=torch.long, device=device)
             positions = torch.arange(T, device=device)[None].expand(B, T).contiguous()
-            cache.reset()
-            logits = steps.run(kind, tokens, positions)
-            if kind == PREFILL:
-                argmax(first_token_logits(logits[:, T - 1], steps.vocab_size))
+
+            def run(kind: StepKind = kind, T: int = T, tokens: torch.Tensor = tokens,
+                    positions: torch.Tensor = positions) -> None:
+                cache.reset()
+                logits = steps.run(kind, tokens, positions)
+                if kind == PREFILL:
+                    argmax(first_token_logits(logits[:, T - 1], steps.vocab_size))
+
+            if timed is None:
+                run()
+            else:
+                timed(f"{steps.steps[kind].name} T={T}", run)
     cache.reset()
 
 

@@ -24,6 +24,7 @@ Device differences:
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -81,20 +82,18 @@ class CompiledStep:
 
     @classmethod
     def from_artifact(cls, gm: torch.fx.GraphModule, path: str | Path,
-                      device: torch.device, tuning: str | Path | None = None) -> CompiledStep:
+                      device: torch.device, tuning: str | Path | None = None,
+                      loaded: LoadedCode | None = None) -> CompiledStep:
         """The step `gm` compiled before, from the artifact saved at `path`
         (`save_artifact`), and its autotuning choices from `tuning` (`save_tuning`'s file):
-        nothing is traced, generated or benchmarked."""
-        import torch._inductor
-
+        nothing is traced, generated or benchmarked. loaded: what `load_code(path, tuning)`
+        gave already (a load does that beside the weights' reading); the step then only binds
+        `gm`'s tensors."""
         step = cls.__new__(cls)
         step.module, step.tensors = None, read_tensors(gm)
         step.device = device
-        step.tuning = None
-        if tuning is not None:
-            step.tuning = Path(tuning).read_bytes()
-            torch.compiler.load_cache_artifacts(step.tuning)
-        step.artifact = torch._inductor.CompiledArtifact.load(path=str(path), format="binary")
+        code = loaded if loaded is not None else load_code(path, tuning)
+        step.artifact, step.tuning = code.artifact, code.tuning
         step.compiled = step.artifact
         return step
 
@@ -135,6 +134,28 @@ class CompiledStep:
         return True
 
 
+@dataclass(frozen=True)
+class LoadedCode:
+    """A compiled step's code loaded from its files, before any tensor is bound to it."""
+
+    artifact: CompiledArtifact
+    tuning: bytes | None  # the autotuning choices put back in Inductor's cache (None: none)
+
+
+def load_code(path: str | Path, tuning: str | Path | None = None) -> LoadedCode:
+    """The compiled code saved at `path` (`CompiledStep.save_artifact`), with its autotuning
+    choices from `tuning` put back in Inductor's autotuning cache first. Reads no weight: a
+    load runs it while the weights are read."""
+    import torch._inductor
+
+    choices = None
+    if tuning is not None:
+        choices = Path(tuning).read_bytes()
+        torch.compiler.load_cache_artifacts(choices)
+    return LoadedCode(torch._inductor.CompiledArtifact.load(path=str(path), format="binary"),
+                      choices)
+
+
 def compile_count() -> int:
     """Graphs Dynamo traced plus graphs Inductor compiled or looked up by hashing them, so far
     in this process: a load from an engine file leaves it unchanged."""
@@ -144,4 +165,5 @@ def compile_count() -> int:
             + int(counters["inductor"]["fxgraph_cache_miss"]))
 
 
-__all__ = ["CompiledStep", "compile_count", "compile_graph", "options"]
+__all__ = ["CompiledStep", "LoadedCode", "compile_count", "compile_graph", "load_code",
+           "options"]

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from fuser import load_profile
 from fuser.config import FuserConfig
 from fuser.report import Report, SpecStats
 from fuser.runtime.bucket_capture import BackgroundCapture, StepGate
@@ -146,9 +147,15 @@ class Engine:
 
             def capture(bucket: Bucket, background: tuple | None) -> list[str]:
                 usable = [g for g in kinds if g == PLAIN or bucket.draft is not None]
-                failures = bucket.capture(usable, pool, length, background=background)
+                with load_profile.kernel_work(self.device) if background is None \
+                        else nullcontext() as work:
+                    failures = bucket.capture(usable, pool, length, background=background)
                 for message in failures:
                     warnings.warn(f"fuser: {message}", stacklevel=2)
+                if background is None and say is not None and bucket.capture_seconds:
+                    say(f"capture of bucket {bucket.batch} by graph: {bucket.capture_line()}")
+                    if work is not None:
+                        say(f"kernel work in bucket {bucket.batch}'s capture: {work.line()}")
                 return failures
 
             # (Tensor parallel: the followers capture and replay their part of each iteration

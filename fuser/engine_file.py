@@ -44,13 +44,15 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
+from fuser.weight_reader import HASH_CHUNK, PHASES, digest_of_chunks, read_files
+
 FORMAT = "fuser-engine"
 FORMAT_VERSION = 2  # 2: every batch bucket's graphs, compiled code per graph
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
 # Python modules whose functions a stored graph may call (besides torch.ops overloads).
 SAFE_MODULES = ("operator", "_operator", "math")
-CHUNK = 64 << 20  # hashing unit: files are hashed as parallel 64 MiB chunks
+CHUNK = HASH_CHUNK  # hashing unit: files are hashed as parallel 64 MiB chunks
 
 
 class EngineFileError(ValueError):
@@ -358,12 +360,15 @@ def file_digest(path: Path) -> str:
     """sha256 of the per-64 MiB-chunk sha256s of `path`, chunks hashed in parallel.
 
     hashlib releases the GIL on large buffers, so a 16 GB weight file hashes at disk speed
-    instead of one core's ~1.5 GB/s.
+    instead of one core's ~1.5 GB/s. (A load hashes the weights as it reads them:
+    fuser/weight_reader.py gives the same digest.)
     """
     chunks = max(1, -(-path.stat().st_size // CHUNK))
+    if chunks == 1:
+        return digest_of_chunks([_chunk_digest(path, 0)])
     with ThreadPoolExecutor(min(chunks, os.cpu_count() or 1)) as pool:
         parts = list(pool.map(lambda i: _chunk_digest(path, i), range(chunks)))
-    return hashlib.sha256(b"".join(parts)).hexdigest()
+    return digest_of_chunks(parts)
 
 
 def file_records(directory: Path) -> dict[str, dict[str, Any]]:
@@ -413,11 +418,20 @@ def check_files(directory: Path, records: Mapping[str, Mapping[str, Any]], verif
 
 
 def check_hashes(directory: Path, records: Mapping[str, Mapping[str, Any]]) -> None:
-    """Refuse a file whose sha256 is not the manifest's."""
-    for rel, record in records.items():
-        if file_digest(directory / rel) != record["sha256"]:
-            raise EngineFileError(f"engine file {rel} is corrupted: its sha256 differs "
-                                  "from the manifest's")
+    """Refuse a file whose sha256 is not the manifest's (files hashed on several threads; the
+    first corrupted one in the manifest's order is named)."""
+    names = list(records)
+    with ThreadPoolExecutor(max(1, min(len(names), os.cpu_count() or 1))) as pool:
+        digests = list(pool.map(lambda rel: file_digest(directory / rel), names))
+    for rel, digest in zip(names, digests):
+        if digest != records[rel]["sha256"]:
+            raise corrupted(rel)
+
+
+def corrupted(rel: str) -> EngineFileError:
+    """The refusal of engine file `rel`, whose sha256 is not the manifest's."""
+    return EngineFileError(f"engine file {rel} is corrupted: its sha256 differs from the "
+                           "manifest's")
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:
@@ -550,9 +564,10 @@ def load_engine(path: str | Path, device: torch.device | str | None = None, *, p
     """Open engine `path` on `device` (default: the device type it was built for).
 
     Checks the manifest against this environment and the files' sizes against the manifest
-    before reading anything else; raises EngineFileError naming what differs. The files'
-    hashes are checked while the weights load (hashing and reading overlap; both are mostly
-    I/O and GIL-free), and before anything is returned. buffers: model -> runtime buffer name
+    before reading anything else; raises EngineFileError naming what differs. The weights are
+    read by several threads (fuser/weight_reader.py) and hashed as they are read; the other
+    files are hashed on threads meanwhile, and the graphs are parsed on this thread meanwhile;
+    every hash is checked before anything is returned. buffers: model -> runtime buffer name
     -> tensor to attach (default: zeros of the recorded shape on `device`). `log` receives
     how long each part took.
     """
@@ -564,25 +579,54 @@ def load_engine(path: str | Path, device: torch.device | str | None = None, *, p
     check_environment(manifest["environment"], environment(device))
     check_sources(manifest["sources"], passes, source_hash(source_dirs()))
     check_files(directory, manifest["files"], verify_hash=False)
-    hashing = ThreadPoolExecutor(1)
-    hashed = hashing.submit(check_hashes, directory, manifest["files"]) if verify_hash else None
+    models = manifest["models"]
+    weights = {name: f"{name}/{entry['weights']}" for name, entry in models.items()}
+    others = {rel: r for rel, r in manifest["files"].items() if rel not in weights.values()}
+    background = ThreadPoolExecutor(2, thread_name_prefix="fuser-load")
+    phases: dict[str, float] = {}
+    reading = background.submit(read_files, [directory / rel for rel in weights.values()],
+                                device, phases=phases)
+    hashed = background.submit(check_hashes, directory, others) if verify_hash else None
     graphs, runtime = {}, {}
     try:
-        for name, entry in manifest["models"].items():
+        parsing = time.perf_counter()
+        shells = {name: _graph_modules(directory / name, entry, device)
+                  for name, entry in models.items()}
+        parsed = time.perf_counter()
+        reads = dict(zip(weights, reading.result()))
+        read = time.perf_counter()
+        if verify_hash:
+            for name, rel in weights.items():
+                if reads[name].sha256 != manifest["files"][rel]["sha256"]:
+                    raise corrupted(rel)
+            hashed.result()
+        checked = time.perf_counter()
+        for name, entry in models.items():
             given = (buffers or {}).get(name)
-            graphs[name], runtime[name] = _load_model(directory / name, entry, device, given)
+            graphs[name], runtime[name] = _bind_model(directory / name, entry, shells[name],
+                                                      reads[name].tensors, device, given)
+    except EngineFileError:
+        raise
     except Exception:
-        if hashed is not None:
-            hashed.result()  # a corrupted file explains the failure better: raise that
+        if verify_hash:  # a corrupted file explains the failure better: raise that
+            check_hashes(directory, manifest["files"])
         raise
     finally:
-        hashing.shutdown(wait=False)
-    loaded = time.perf_counter()
-    if hashed is not None:
-        hashed.result()
+        background.shutdown(wait=True)  # nothing reads on once this returns or raises
     size = sum(r["size"] for r in manifest["files"].values())
-    say(f"read {size / 2**30:.2f} GiB of weights and graphs in {loaded - start:.1f} s, hashes "
-        f"checked {time.perf_counter() - loaded:.1f} s later")
+    weight_bytes = sum(r.bytes for r in reads.values())
+    say(f"read {size / 2**30:.2f} GiB of weights and graphs in {read - start:.1f} s, hashes "
+        f"checked {checked - read:.1f} s later")
+    per_file = ", ".join(f"{name} {r.bytes / 2**30:.2f} GiB by {r.seconds:.1f} s"
+                         for name, r in reads.items())
+    say(f"read: weights {weight_bytes / 2**30:.2f} GiB in {read - parsing:.1f} s "
+        f"({weight_bytes / max(read - parsing, 1e-9) / 1e9:.1f} GB/s, hashed as read: "
+        f"{per_file}); {sum(len(g) for g in shells.values())} graphs parsed in "
+        f"{parsed - parsing:.1f} s beside the reading; checks before it "
+        f"{parsing - start:.1f} s")
+    if phases:
+        spent = ", ".join(f"{phase} {phases.get(phase, 0.0):.1f}" for phase in PHASES)
+        say(f"read: the {phases['threads']:.0f} reading threads' seconds: {spent}")
     extra = {rel: directory / rel for rel in manifest["extra"]}
     return LoadedEngine(manifest, graphs, runtime, extra)
 
@@ -594,19 +638,26 @@ def _load_device(manifest: Mapping[str, Any], device: torch.device | str | None)
     return torch.device("cuda", torch.cuda.current_device()) if built == "cuda" else torch.device(built)
 
 
-def _load_model(directory: Path, entry: Mapping[str, Any], device: torch.device,
+_UNBOUND = torch.empty(0)  # what a get_attr of a graph module reads until its weights are read
+
+
+def _graph_modules(directory: Path, entry: Mapping[str, Any], device: torch.device
+                   ) -> dict[str, fx.GraphModule]:
+    """One model's stored graphs as modules (their code generated), every get_attr bound to a
+    stand-in tensor: what can be done before the weights are read (`_bind_model` binds them)."""
+    out = {}
+    for name, rel in entry["graphs"].items():
+        graph = graph_from_json(json.loads((directory / rel).read_text()), device)
+        unbound = {n.target: _UNBOUND for n in graph.nodes if n.op == "get_attr"}
+        out[name] = fx.GraphModule(unbound, graph, class_name="LoadedStep")
+    return out
+
+
+def _bind_model(directory: Path, entry: Mapping[str, Any], modules: dict[str, fx.GraphModule],
+                bases: dict[str, torch.Tensor], device: torch.device,
                 given: Mapping[str, torch.Tensor] | None
                 ) -> tuple[dict[str, fx.GraphModule], dict[str, torch.Tensor]]:
-    """One model's graphs over its loaded weights and its runtime buffers."""
-    from safetensors.torch import load_file
-
-    if device.type == "cuda":  # several threads, pinned staging, copies overlapped with reads
-        from fuser.weight_reader import read_to_device
-
-        bases = read_to_device(directory / entry["weights"], device)
-    else:
-        bases = {k: _aligned(t) for k, t in load_file(str(directory / entry["weights"]),
-                                                     device=str(device)).items()}
+    """One model's graph modules over its read weights (`bases`) and its runtime buffers."""
     views = {k: View.from_json(v) for k, v in entry["views"].items()}
     missing = sorted({v.base for v in views.values()} - bases.keys())
     if missing:
@@ -614,22 +665,15 @@ def _load_model(directory: Path, entry: Mapping[str, Any], device: torch.device,
     tensors = unpack_tensors(bases, views)
     runtime = _runtime_buffers(entry["runtime_buffers"], given, device)
     tensors.update(runtime)
-    graphs = {}
-    for name, rel in entry["graphs"].items():
-        graph = graph_from_json(json.loads((directory / rel).read_text()), device)
-        used = {n.target: tensors[n.target] for n in graph.nodes if n.op == "get_attr"}
-        graphs[name] = fx.GraphModule(used, graph, class_name="LoadedStep")
-    return graphs, runtime
-
-
-def _aligned(t: torch.Tensor, alignment: int = 64) -> torch.Tensor:
-    """`t`, copied when its data is not `alignment`-byte aligned.
-
-    safetensors' CPU tensors point into the file's mapping at 8-byte offsets; CPU GEMMs pick a
-    different kernel for such data and results differ in the last bits (measured: 8e-6 in
-    logits), so a loaded engine would not reproduce the saved one exactly.
-    """
-    return t.clone() if t.data_ptr() % alignment else t
+    for gm in modules.values():
+        for node in gm.graph.nodes:
+            if node.op == "get_attr":
+                if node.target not in tensors:
+                    raise EngineFileError(f"{directory}: a stored graph reads {node.target}, "
+                                          "which the weights and runtime buffers lack")
+                owner, _, field = node.target.rpartition(".")
+                setattr(gm.get_submodule(owner) if owner else gm, field, tensors[node.target])
+    return modules, runtime
 
 
 def _runtime_buffers(specs: Mapping[str, Mapping[str, Any]], given: Mapping[str, torch.Tensor] | None,

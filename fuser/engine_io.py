@@ -24,7 +24,10 @@ is put back together:
 A loaded engine has no Hugging Face model: `Engine.user_target` is a `DetachedModel` that carries
 the generation config and raises a clear error if anything tries to run it. Loading runs
 neither `torch.export` nor the passes nor Dynamo or Inductor: compiled steps come back from
-their artifacts (`fuser.compile.compile_count()` does not move). `open_engine` reads the parts;
+their artifacts (`fuser.compile.compile_count()` does not move). `open_engine` reads the parts,
+three things at once: the weights (read and hashed by threads, the graphs parsed meanwhile,
+fuser/engine_file.py), the compiled steps' code (a thread: it needs no weight) and the
+tokenizer (a thread); then it runs every step once (CUDA), each timed (fuser/load_profile.py).
 `fuser.pipeline.load` puts the Engine together from them. This module does not import
 `fuser.engine` (which imports it for `Engine.save`), not even for types: `save` takes any
 `SavableEngine`.
@@ -32,6 +35,7 @@ their artifacts (`fuser.compile.compile_count()` does not move). `open_engine` r
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import sys
@@ -45,9 +49,9 @@ from typing import Any, Protocol
 import torch
 
 from fuser import engine_file as ef
-from fuser import kernel_store
+from fuser import kernel_store, load_profile
 from fuser.build import warm_up
-from fuser.compile import CompiledStep
+from fuser.compile import CompiledStep, LoadedCode, load_code
 from fuser.config import FuserConfig
 from fuser.engine_file import EngineFileError
 from fuser.runtime.kv_cache import KVCache
@@ -405,9 +409,11 @@ def no_eager(name: str, source: str) -> Callable[..., torch.Tensor]:
 
 def model_steps(role: str, info: dict[str, Any], cache: KVCache,
                 graphs: dict[str, torch.fx.GraphModule], directory: Path,
-                device: torch.device) -> dict[int, ModelSteps]:
+                device: torch.device, code: dict[str, LoadedCode] | None = None
+                ) -> dict[int, ModelSteps]:
     """Batch size -> the model's steps in that bucket, over the loaded rewritten graphs; each
-    step compiled at build time comes back from its saved artifact (nothing is compiled)."""
+    step compiled at build time comes back from its saved artifact (nothing is compiled), or
+    from `code` (graph key -> its code, `load_all_code`'s) where given."""
     source = str(directory)
     buckets = info.get("buckets", [cache.batch_size])
     top = max(buckets)
@@ -427,28 +433,77 @@ def model_steps(role: str, info: dict[str, Any], cache: KVCache,
                               matches=dict(recorded["matches"]),
                               fused_ops=dict(recorded["fused_ops"]))
             if recorded["compiled"]:
-                artifact = directory / role / COMPILED_DIR / f"{key}.bin"
-                if not artifact.is_file():
-                    raise EngineFileError(f"{directory}: the compiled code of {role} {key} "
-                                          f"({artifact.relative_to(directory)}) is missing")
-                tuning = artifact.with_suffix(TUNING_SUFFIX)
-                try:
-                    graph.compiled = CompiledStep.from_artifact(
-                        graph.rewritten, artifact, device,
-                        tuning=tuning if tuning.is_file() else None)
-                except Exception as e:  # noqa: BLE001 -- never compile instead: refuse
-                    raise EngineFileError(
-                        f"{directory}: the compiled code of {role} {key} cannot be loaded by "
-                        f"this torch ({type(e).__name__}: {str(e)[:200]}); rebuild the engine "
-                        "here (fuser build)") from e
+                artifact, tuning = code_files(directory, role, key)
+                loaded = (code or {}).get(key) or load_step_code(directory, role, key)
+                graph.compiled = CompiledStep.from_artifact(graph.rewritten, artifact, device,
+                                                            tuning, loaded=loaded)
             steps.steps[kind] = graph
         out[size] = steps
     return out
 
 
+def code_files(directory: Path, role: str, key: str) -> tuple[Path, Path | None]:
+    """(the compiled code of `role`'s graph `key`, its autotuning choices or None); refuses a
+    missing code file."""
+    artifact = directory / role / COMPILED_DIR / f"{key}.bin"
+    if not artifact.is_file():
+        raise EngineFileError(f"{directory}: the compiled code of {role} {key} "
+                              f"({artifact.relative_to(directory)}) is missing")
+    tuning = artifact.with_suffix(TUNING_SUFFIX)
+    return artifact, tuning if tuning.is_file() else None
+
+
+def load_step_code(directory: Path, role: str, key: str) -> LoadedCode:
+    """The compiled code of `role`'s graph `key` loaded (`fuser.compile.load_code`); code this
+    torch cannot load is refused, never compiled instead."""
+    artifact, tuning = code_files(directory, role, key)
+    try:
+        return load_code(artifact, tuning)
+    except Exception as e:  # noqa: BLE001 -- never compile instead: refuse
+        raise EngineFileError(
+            f"{directory}: the compiled code of {role} {key} cannot be loaded by "
+            f"this torch ({type(e).__name__}: {str(e)[:200]}); rebuild the engine "
+            "here (fuser build)") from e
+
+
+@dataclasses.dataclass
+class CodeLoad:
+    """What `load_all_code` did: every compiled graph's code (role -> graph key -> code), the
+    kernel binaries it put in the caches, its seconds, and its kernel work (profiled loads)."""
+
+    code: dict[str, dict[str, LoadedCode]]
+    seeded: int
+    seconds: float
+    work: str | None = None
+
+
+def load_all_code(directory: Path, manifest: dict[str, Any], device: torch.device,
+                  profile: bool) -> CodeLoad:
+    """Put the engine's kernel binaries in Triton's and Inductor's caches and load the code
+    of every graph compiled at build time: what needs none of the weights, so a load runs it
+    on a thread while they are read (Inductor imported on that thread first)."""
+    start = time.perf_counter()
+    import_inductor()
+    info = manifest["info"]
+    code: dict[str, dict[str, LoadedCode]] = {}
+    on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with on_device:
+        kernel_store.settle_triton_toolchain(device)  # as the build did: the kernels' keys
+        seeded = kernel_store.seed(directory, manifest["extra"], device)
+        with kernel_store.loading(device, True), \
+                load_profile.kernel_work(device, profile) as work:
+            if device.type == "cpu":
+                kernel_store.check_isa(info["engine"].get("vector_isa"), directory)
+            for role, model in info["models"].items():
+                code[role] = {key: load_step_code(directory, role, key)
+                              for key, g in model["graphs"].items() if g["compiled"]}
+    return CodeLoad(code, seeded, time.perf_counter() - start,
+                    work.line() if work is not None else None)
+
+
 def import_inductor() -> None:
-    """Import what loading a compiled step's artifact needs of Inductor (on a thread, while the
-    weights are read; a failure shows where the artifacts load)."""
+    """Import what loading a compiled step's artifact needs of Inductor (on the code's thread,
+    while the weights are read: `load_all_code`; a failure shows where the artifacts load)."""
     import importlib
 
     for module in ("torch._inductor.standalone_compile", "torch._inductor.codecache",
@@ -499,8 +554,9 @@ class EngineParts:
     user_target: DetachedModel
     tokenizer: object | None
     step_costs: dict[int, dict[int, float]]  # bucket -> gamma -> seconds, measured at build
-    # seconds of each part of the load: "read" (manifest, weights, graphs, hashes), "code"
-    # (kernels put in the caches, compiled steps loaded), "first_run" (CUDA: each step once)
+    # seconds of each part of the load, one after another: "read" (manifest, weights, graphs,
+    # hashes), "code" (what the code's loading beside the read took longer, and the steps put
+    # together), "first_run" (CUDA: each step once)
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
@@ -533,15 +589,16 @@ def open_engine(path: str | Path, device: str | torch.device | None = None, *,
     any_compiled = any(g["compiled"] for m in info["models"].values()
                        for g in m["graphs"].values())
     # The tokenizer (transformers' import: seconds) loads on a thread meanwhile, and so does
-    # Inductor's import where compiled steps will need it: the weights' reading leaves the
-    # interpreter mostly free.
-    extras = ThreadPoolExecutor(2)
+    # the compiled steps' code (Inductor's import first), which needs no weight: the weights'
+    # reading leaves the interpreter mostly free.
+    extras = ThreadPoolExecutor(3, thread_name_prefix="fuser-load-extras")
     extras_loaded = extras.submit(load_extras, directory, tokenizer)
-    if any_compiled:
-        extras.submit(import_inductor)
+    extras.submit(kernel_store.prime_triton_key, device)  # (its first lookup's 0.4 s)
+    code = extras.submit(load_all_code, directory, manifest, device, load_profile.enabled()) \
+        if any_compiled else None
     extras.shutdown(wait=False)
     try:
-        return _open_engine(directory, device, manifest, any_compiled, extras_loaded, say)
+        return _open_engine(directory, device, manifest, code, extras_loaded, say)
     except BaseException:
         # A refused load leaves no import half done on the threads: the caller may import
         # transformers next (`fuser demo` rebuilds), and a module another thread is still
@@ -550,42 +607,60 @@ def open_engine(path: str | Path, device: str | torch.device | None = None, *,
         raise
 
 
-def _open_engine(directory: Path, device: torch.device, manifest: dict, any_compiled: bool,
-                 extras_loaded: Future, say: Log) -> EngineParts:
-    """`open_engine` once its threads run: the weights, code and steps read."""
+def _open_engine(directory: Path, device: torch.device, manifest: dict,
+                 code_loading: Future | None, extras_loaded: Future, say: Log) -> EngineParts:
+    """`open_engine` once its threads run: the weights read, the code (loading on a thread
+    where steps were compiled) and steps put together, each step run once (CUDA)."""
     info = manifest["info"]
+    any_compiled = code_loading is not None
     timings: dict[str, float] = {}
     start = time.perf_counter()
     caches = allocate_caches(info, device)
     say(f"checking and reading {directory} ...")
-    loaded = ef.load_engine(directory, device, passes=pass_names(),
-                            buffers=cache_buffers(info, caches), log=say)
+    try:
+        loaded = ef.load_engine(directory, device, passes=pass_names(),
+                                buffers=cache_buffers(info, caches), log=say)
+    except BaseException:
+        if code_loading is not None:
+            code_loading.exception()  # its thread done (its failure, if any, explains less)
+        raise
     timings["read"] = time.perf_counter() - start
     start = time.perf_counter()
-    kernel_store.settle_triton_toolchain(device)  # as the build did: the kernels' cache keys
-    seeded = kernel_store.seed(directory, manifest["extra"], device)
-    with kernel_store.loading(device, any_compiled):
-        if device.type == "cpu" and any_compiled:
-            kernel_store.check_isa(info["engine"].get("vector_isa"), directory)
-        models = {role: model_steps(role, info["models"][role], caches[role],
-                                    loaded.graphs[role], directory, device)
-                  for role in loaded.graphs}
-        compiled = sum(g.compiled is not None for buckets in models.values()
-                       for steps in buckets.values() for g in steps.steps.values())
-        timings["code"] = time.perf_counter() - start
-        say(f"loaded the compiled code of {compiled} steps in {timings['code']:.1f} s"
-            f" ({seeded} kernel binaries put in the caches)")
-        # (A tensor-parallel rank's steps run collectives: its first runs wait for the
-        # process group, fuser/pipeline.py `_load_parallel`.)
-        if device.type == "cuda" and manifest["config"].get("tensor_parallel", 1) == 1:
-            # The fused ops' Triton kernels load (from Triton's cache, seeded above) on their
-            # first launch: now, not in the first request. Smaller buckets launch the same
-            # kernels.
-            start = time.perf_counter()
+    if code_loading is not None:  # the code loaded beside the reading
+        code = code_loading.result()
+    else:  # an engine of FX graphs: its Triton kernels' binaries alone, now
+        kernel_store.settle_triton_toolchain(device)  # as the build did: the kernels' keys
+        code = CodeLoad({}, kernel_store.seed(directory, manifest["extra"], device), 0.0)
+    waited = time.perf_counter() - start
+    models = {role: model_steps(role, info["models"][role], caches[role],
+                                loaded.graphs[role], directory, device, code.code.get(role))
+              for role in loaded.graphs}
+    compiled = sum(g.compiled is not None for buckets in models.values()
+                   for steps in buckets.values() for g in steps.steps.values())
+    timings["code"] = time.perf_counter() - start  # what the read did not hide
+    say(f"loaded the compiled code of {compiled} steps in {code.seconds:.1f} s beside the "
+        f"reading, {waited:.1f} s of it after ({code.seeded} kernel binaries put in the "
+        "caches)")
+    if code.work is not None:
+        say(f"kernel work in the code load: {code.work}")
+    # (A tensor-parallel rank's steps run collectives: its first runs wait for the
+    # process group, fuser/pipeline.py `_load_parallel`.)
+    if device.type == "cuda" and manifest["config"].get("tensor_parallel", 1) == 1:
+        # The fused ops' Triton kernels load (from Triton's cache, seeded above) on their
+        # first launch: now, not in the first request. Smaller buckets launch the same
+        # kernels.
+        detail = load_profile.enabled()
+        start = time.perf_counter()
+        steps_timed = load_profile.StepTimes(device, again=detail)
+        with kernel_store.loading(device, any_compiled), \
+                load_profile.kernel_work(device, detail) as run_work:
             for role_buckets in models.values():
-                warm_up(role_buckets[max(role_buckets)])
-            timings["first_run"] = time.perf_counter() - start
-            say(f"ran every step once in {timings['first_run']:.1f} s")
+                warm_up(role_buckets[max(role_buckets)], steps_timed)
+        timings["first_run"] = time.perf_counter() - start
+        say(f"ran every step once in {timings['first_run']:.1f} s")
+        say(steps_timed.line("first run by step:"))
+        if run_work is not None:
+            say(f"kernel work in the first run: {run_work.line()}")
     # JSON gave lists where the config holds tuples (gamma_candidates, batch_buckets).
     saved = {k: tuple(v) if isinstance(v, list) else v for k, v in manifest["config"].items()}
     config = FuserConfig(**{**saved, "device": str(device)})

@@ -220,6 +220,20 @@ def settle_triton_toolchain(device: torch.device) -> None:
         _recompile_fuser_kernels()
 
 
+def prime_triton_key(device: torch.device) -> None:
+    """Compute Triton's own key now (a hash of its sources and its 500 MB compiler library,
+    ~0.4 s; computed once a process, by the first kernel looked up in its cache), on the thread
+    that calls this: a load runs it beside the weights' reading rather than in the first run.
+    CUDA only; a Triton without it is left alone."""
+    if device.type != "cuda":
+        return
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:  # pragma: no cover - another Triton
+        return
+    triton_key()
+
+
 # Kernels compiled in this process under another toolchain than the settled one: kept alive
 # (a CUDA graph captured with one still launches its module, which Triton unloads when the
 # kernel object goes), never launched again.
@@ -350,5 +364,5 @@ def check_isa(built: str | None, directory: Path) -> None:
                               f"ISA, this CPU's is {here}; rebuild the engine here (fuser build)")
 
 
-__all__ = ["KERNELS_DIR", "check_isa", "cpp_kernel_files", "kernel_files", "loading", "seed",
-           "settle_triton_toolchain", "triton_kernel_files", "vector_isa"]
+__all__ = ["KERNELS_DIR", "check_isa", "cpp_kernel_files", "kernel_files", "loading",
+           "prime_triton_key", "seed", "settle_triton_toolchain", "triton_kernel_files", "vector_isa"]

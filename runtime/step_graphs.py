@@ -92,7 +92,17 @@ class IterationGraph:
                  warm_up: Callable[[Callable[[], torch.Tensor], int], None] | None = None,
                  mirror: CaptureMirror | None = None) -> None:
         device = torch.device("cuda", torch.cuda.current_device())
-        (warm_up or _warm_up_with(reset))(fn, warmup)
+        # Seconds of each part: "warm-up" (its runs: `warm_up_runs`, the foreground's each),
+        # "capture", "first replay" (the foreground's upload).
+        self.seconds: dict[str, float] = {}
+        self.warm_up_runs: list[float] = []
+        start = time.perf_counter()
+        if warm_up is None:
+            _warm_up_with(reset, self.warm_up_runs)(fn, warmup)
+        else:
+            warm_up(fn, warmup)
+        captured = time.perf_counter()
+        self.seconds["warm-up"] = captured - start
         self.graph = torch.cuda.CUDAGraph()
         self.mirror, self.key = mirror, -1
 
@@ -108,10 +118,14 @@ class IterationGraph:
         finally:
             if mirror is not None and self.key >= 0:
                 mirror.end(failed)
+        replayed = time.perf_counter()
+        self.seconds["capture"] = replayed - captured
         if reset is not None and warm_up is None and mirror is None:
             reset()
             self.graph.replay()
             reset()
+            torch.cuda.current_stream(device).synchronize()
+            self.seconds["first replay"] = time.perf_counter() - replayed
         self.replays = 0
 
     def __call__(self) -> torch.Tensor:
@@ -122,19 +136,24 @@ class IterationGraph:
         return self.output
 
 
-def _warm_up_with(reset: Callable[[], None] | None
+def _warm_up_with(reset: Callable[[], None] | None, seconds: list[float] | None = None
                   ) -> Callable[[Callable[[], torch.Tensor], int], None]:
     """The foreground warm-up: `fn` run `times` times on a side stream, `reset()` before each
-    (each warm-up step from the same lengths: the cache stays in bounds)."""
+    (each warm-up step from the same lengths: the cache stays in bounds); each run's seconds
+    (the side stream synchronized after it) appended to `seconds`."""
     def warm_up(fn: Callable[[], torch.Tensor], times: int) -> None:
         device = torch.device("cuda", torch.cuda.current_device())
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side), torch.no_grad():
             for _ in range(times):
+                start = time.perf_counter()
                 if reset is not None:
                     reset()
                 fn()
+                if seconds is not None:
+                    side.synchronize()
+                    seconds.append(time.perf_counter() - start)
         torch.cuda.current_stream(device).wait_stream(side)
     return warm_up
 
@@ -197,6 +216,9 @@ class Bucket:
         self.resync_graph: IterationGraph | None = None  # one `resync_chunk`, when captured
         self.uncaptured_runs: dict[tuple[int, bool], int] = {}
         self.prefills: list[PrefillGraphs] = []
+        # The last `capture`'s seconds per graph ("plain.greedy", ..., "resync"), whole and
+        # by part (IterationGraph.seconds, and the warm-up's runs where timed one by one).
+        self.capture_seconds: dict[str, dict[str, float]] = {}
 
     def capture_prefills(self, pool: object) -> None:
         """From now on, prefill at padded lengths through CUDA graphs captured on first use
@@ -286,14 +308,18 @@ class Bucket:
         warm-up runs from the rows' own state and is undone, nothing is reset, and a set `stop`
         ends the capture between two graphs (CaptureStopped)."""
         failures = []
+        self.capture_seconds = {}
         for gamma in gammas:
             for do_sample in (False, True):
                 if background is not None and background[1].is_set():
                     raise CaptureStopped
+                start = time.perf_counter()
                 try:
-                    self.graphs[(gamma, do_sample)] = self._graph(
-                        self.function(gamma, do_sample), pool, timing_length, background,
-                        mirror=getattr(self.target, "capture_mirror", None))
+                    graph = self._graph(self.function(gamma, do_sample), pool, timing_length,
+                                        background,
+                                        mirror=getattr(self.target, "capture_mirror", None))
+                    self.graphs[(gamma, do_sample)] = graph
+                    self._timed(_name(gamma, do_sample), graph, start)
                 except CaptureStopped:
                     raise
                 except Exception as e:  # noqa: BLE001 -- a shape that cannot be captured
@@ -328,13 +354,34 @@ class Bucket:
         def chunk() -> None:
             speculative.resync_chunk(self.draft, self.target, self.state)
 
+        start = time.perf_counter()
         try:
             self.resync_graph = self._graph(chunk, pool, timing_length, background)
+            self._timed("resync", self.resync_graph, start)
         except CaptureStopped:
             raise
         except Exception as e:  # noqa: BLE001 -- then the chunks run uncaptured
             return [f"bucket {self.batch}, resync: {capture_failed(e)}; it runs uncaptured"]
         return []
+
+    def _timed(self, name: str, graph: IterationGraph, start: float) -> None:
+        """Keep graph `name`'s capture seconds (since `start`, and by part)."""
+        parts = {"total": time.perf_counter() - start, **getattr(graph, "seconds", {})}
+        for i, seconds in enumerate(getattr(graph, "warm_up_runs", [])):
+            parts[f"warm-up run {i + 1}"] = seconds
+        self.capture_seconds[name] = parts
+
+    def capture_line(self) -> str:
+        """The last capture's seconds per graph, slowest first: "gamma4.greedy 0.81 s
+        (warm-up 0.70 = 0.65 + 0.05, capture 0.08, first replay 0.03), ..." ("" if none)."""
+        parts = []
+        for name, p in sorted(self.capture_seconds.items(), key=lambda item: -item[1]["total"]):
+            runs = [p[k] for k in sorted(p) if k.startswith("warm-up run ")]
+            split = f" = {' + '.join(f'{r:.2f}' for r in runs)}" if len(runs) > 1 else ""
+            inner = [f"warm-up {p.get('warm-up', 0.0):.2f}{split}"]
+            inner += [f"{k} {p[k]:.2f}" for k in ("capture", "first replay") if k in p]
+            parts.append(f"{name} {p['total']:.2f} s ({', '.join(inner)})")
+        return ", ".join(parts)
 
     @torch.no_grad()
     def measure(self, gamma: int, length: int, reps: int) -> float:

@@ -175,6 +175,39 @@ def test_damaged_file_is_refused(built: dict[str, object], tmp_path: Path, damag
         ef.load_engine(tmp_path / "e", CPU, passes=PASS_NAMES)
 
 
+@pytest.mark.parametrize("where", ["header", "middle"])
+def test_corrupted_weights_are_refused_before_use(built: dict[str, object], tmp_path: Path,
+                                                   where: str) -> None:
+    """The weights are hashed as they are read: a byte flipped in their JSON header (which the
+    reader cannot parse) or among the tensors is refused as corrupted, naming the file."""
+    save(built, tmp_path / "e")
+    path = tmp_path / "e" / "target" / ef.WEIGHTS
+    data = bytearray(path.read_bytes())
+    at = 8 + 2 if where == "header" else len(data) // 2  # the header's opening '{"'
+    data[at] ^= 0x40
+    path.write_bytes(bytes(data))
+    with pytest.raises(ef.EngineFileError, match=r"target/weights\.safetensors is corrupted"):
+        ef.load_engine(tmp_path / "e", CPU, passes=PASS_NAMES)
+
+
+def test_the_weights_are_read_once(built: dict[str, object], tmp_path: Path,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load hashes the weights as it reads them (fuser/weight_reader.py): no second pass of
+    `file_digest` over them, while every other file is still hashed."""
+    save(built, tmp_path / "e")
+    hashed: list[str] = []
+    digest = ef.file_digest
+
+    def recording(path: Path) -> str:
+        hashed.append(path.relative_to(tmp_path / "e").as_posix())
+        return digest(path)
+
+    monkeypatch.setattr(ef, "file_digest", recording)
+    ef.load_engine(tmp_path / "e", CPU, passes=PASS_NAMES)
+    files = json.loads((tmp_path / "e" / ef.MANIFEST).read_text())["files"]
+    assert sorted(hashed) == sorted(rel for rel in files if not rel.endswith(ef.WEIGHTS))
+
+
 def test_manifest_problems_are_refused(built: dict[str, object], tmp_path: Path) -> None:
     with pytest.raises(ef.EngineFileError, match="not a directory"):
         ef.load_engine(tmp_path / "nothing", CPU, passes=PASS_NAMES)

@@ -129,6 +129,64 @@ def test_unloadable_compiled_code_is_refused_not_recompiled(built, tmp_path: Pat
     assert compile_count() == before
 
 
+def test_a_corrupted_compiled_step_is_refused_as_corrupted(built, tmp_path: Path) -> None:
+    """The compiled code loads on a thread beside the weights' reading, before the hashes are
+    all checked; a byte flipped in it is still refused by its hash, before the engine exists."""
+    import shutil
+
+    _, path = built
+    copy = tmp_path / "engine"
+    shutil.copytree(path, copy)
+    artifact = copy / "target" / "compiled" / "decode1.b1.bin"
+    data = bytearray(artifact.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    artifact.write_bytes(bytes(data))
+    with pytest.raises(fuser.EngineFileError,
+                       match=r"target/compiled/decode1\.b1\.bin is corrupted"):
+        fuser.load(copy)
+
+
+def test_the_compiled_code_loads_beside_the_weights(built, monkeypatch: pytest.MonkeyPatch
+                                                    ) -> None:
+    """Every compiled step's code loads on another thread than the load's, while the weights
+    are read there (it needs none of them), and the steps bind it without loading it again."""
+    import threading
+
+    from fuser import engine_file, engine_io
+
+    engine, path = built
+    events: list[tuple[str, str]] = []
+    load_code, read_files = engine_io.load_code, engine_file.read_files
+
+    code_began = threading.Event()
+
+    def loading_code(*args: object, **kwargs: object) -> object:
+        events.append(("code", threading.current_thread().name))
+        code_began.set()
+        return load_code(*args, **kwargs)
+
+    def reading(*args: object, **kwargs: object) -> object:
+        events.append(("read start", threading.current_thread().name))
+        out = read_files(*args, **kwargs)
+        code_began.wait(30)  # a read slower than the code's start: it must start meanwhile
+        events.append(("read end", threading.current_thread().name))
+        return out
+
+    monkeypatch.setattr(engine_io, "load_code", loading_code)
+    monkeypatch.setattr(engine_file, "read_files", reading)
+    main = threading.current_thread().name
+    loaded = fuser.load(path)
+    kinds = [kind for kind, _ in events]
+    compiled = [g for b in loaded.buckets.values() for g in b.target.steps.values()
+                if g.compiled is not None]
+    assert kinds.count("code") == len(compiled) > 0  # once each, none again in model_steps
+    assert kinds.index("code") < kinds.index("read end")
+    assert all(thread != main for kind, thread in events if kind == "code")
+    ids, mask = prompts([5, 3], seed=2)
+    assert torch.equal(loaded.generate(ids, 12, attention_mask=mask),
+                       engine.generate(ids, 12, attention_mask=mask))
+
+
 def _without_kernels(path: Path, copy: Path) -> None:
     """A copy of engine `path` whose kernels/ directory (and its manifest entries) is gone."""
     import json

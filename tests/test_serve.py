@@ -369,6 +369,68 @@ def test_health_loading_ready_draining(tokenizer):
         scheduler.close()
 
 
+def test_a_held_server_takes_its_own_warm_up_before_health(tokenizer):
+    """`fuser serve`'s HTTP warm-up (fuser/server/cli.py `warm_up_http`): attached with
+    hold=True, /v1 serves (a streamed and a whole completion) while /health still answers 503,
+    and none of it is metered; released, /health answers 200."""
+    from fuser.server.cli import warm_up_http
+
+    scheduler = FakeScheduler()
+    scheduler.start()
+    app = create_app(None, None, MODEL)
+    try:
+        with serving(app) as running:
+            url = running.url
+            app.state.serving.attach(scheduler, tokenizer, hold=True)
+            assert httpx.get(f"{url}/health", timeout=TIMEOUT).status_code == 503
+            submitted = []
+            submit = scheduler.submit
+            scheduler.submit = lambda ids, params: (submitted.append(params.temperature),
+                                                    submit(ids, params))[1]
+            assert warm_up_http(running, MODEL, None, tokenizer) is None
+            assert submitted == [0.0, 1.0]  # the greedy streamed one, the sampled whole one
+            assert httpx.get(f"{url}/health", timeout=TIMEOUT).status_code == 503
+            text = scrape(url)
+            assert metric(text, "fuser_prompt_tokens_total") in (None, 0.0)
+            assert metric(text, "fuser_time_to_first_token_seconds_count") in (None, 0.0)
+            assert not any(line.startswith("fuser_request_success_total{")
+                           and not line.endswith(" 0.0") for line in text.splitlines()), text
+            app.state.serving.release()
+            assert httpx.get(f"{url}/health", timeout=TIMEOUT).status_code == 200
+            assert httpx.post(f"{url}/v1/completions", json=GOOD,
+                              timeout=TIMEOUT).status_code == 200
+            wait_for(lambda: metric(scrape(url), "fuser_time_to_first_token_seconds_count")
+                     == 1.0, 10, "the one metered request")
+            # a wrong model name is what the warm-up reports, never raises
+            assert "404" in warm_up_http(running, "no-such-model", None, tokenizer)
+    finally:
+        scheduler.close()
+
+
+def test_the_heap_is_settled_before_health():
+    """`fuser serve` collects the load's garbage and freezes what survives before /health
+    (fuser/server/cli.py `settle_heap`): a garbage cycle is gone, a live object is frozen."""
+    import gc
+    import weakref
+
+    from fuser.server.cli import settle_heap
+
+    class Node:
+        pass
+
+    cycle = Node()
+    cycle.me = cycle
+    gone = weakref.ref(cycle)
+    del cycle
+    kept = [Node()]
+    try:
+        settle_heap()
+        assert gone() is None
+        assert gc.get_freeze_count() > 0 and kept
+    finally:
+        gc.unfreeze()
+
+
 def test_metrics_names_and_counts(server, client):
     url, _ = server
     before = scrape(url)

@@ -4,6 +4,7 @@ on per-thread streams, in the gpu test)."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from fuser.weight_reader import ALIGN, read_to_device
+from fuser.engine_file import file_digest
+from fuser.weight_reader import (ALIGN, PHASES, digest_of_chunks, read_files,
+                                 read_to_device)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.uint8,
           torch.bool, torch.float8_e4m3fn]
@@ -56,6 +59,35 @@ def test_read_equals_safetensors(tmp_path_factory: pytest.TempPathFactory, seed:
     _check(path, "cpu", piece, workers)
 
 
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 10_000), count=st.integers(1, 8),
+       chunk=st.sampled_from([64, 1000, 4096, 1 << 26]), piece=st.sampled_from([1, 100, 1 << 20]),
+       workers=st.integers(1, 3))
+def test_the_digest_is_the_files(tmp_path_factory: pytest.TempPathFactory, seed: int,
+                                 count: int, chunk: int, piece: int, workers: int) -> None:
+    """The digest made while reading is the sha256 over the file's `chunk`-byte chunks'
+    sha256s, whatever the pieces and threads; at the default chunk, `file_digest`'s (what the
+    manifest records). Two files in one call: each its own tensors and digest."""
+    root = tmp_path_factory.mktemp("weights")
+    paths = [root / "a.safetensors", root / "b.safetensors"]
+    for i, path in enumerate(paths):
+        save_file(_tensors(seed + i, count), str(path))
+    phases: dict[str, float] = {}
+    reads = read_files(paths, "cpu", workers=workers, piece=piece, chunk=chunk, phases=phases)
+    assert set(phases) == {*PHASES, "threads"} and 1 <= phases["threads"] <= workers
+    assert all(seconds >= 0 for seconds in phases.values())
+    for path, read in zip(paths, reads):
+        data = path.read_bytes()
+        parts = [hashlib.sha256(data[i:i + chunk]).digest() for i in range(0, len(data), chunk)]
+        assert read.sha256 == digest_of_chunks(parts)
+        assert read.bytes == len(data)
+        want = load_file(str(path))
+        assert sorted(read.tensors) == sorted(want)
+        for name, t in want.items():
+            assert torch.equal(read.tensors[name].view(torch.uint8), t.view(torch.uint8)), name
+    assert read_files(paths[:1], "cpu")[0].sha256 == file_digest(paths[0])
+
+
 def test_a_truncated_file_is_an_error(tmp_path: Path) -> None:
     path = tmp_path / "w.safetensors"
     save_file({"a": torch.ones(1000)}, str(path))
@@ -74,3 +106,11 @@ def test_read_to_cuda_equals_safetensors(tmp_path: Path) -> None:
     tensors["big"] = torch.randn(3 << 20)  # 12 MiB: many pieces of 1 MiB
     save_file(tensors, str(path))
     _check(path, "cuda", 1 << 20, 4)
+    phases: dict[str, float] = {}
+    read = read_files([path], "cuda", workers=4, piece=1 << 20, chunk=4 << 20,
+                      phases=phases)[0]
+    data = path.read_bytes()
+    parts = [hashlib.sha256(data[i:i + (4 << 20)]).digest() for i in range(0, len(data), 4 << 20)]
+    assert read.sha256 == digest_of_chunks(parts)  # hashed from the pinned staging buffers
+    assert read_files([path], "cuda")[0].sha256 == file_digest(path)
+    assert phases["threads"] >= 1

@@ -50,7 +50,10 @@ class ServingState:
     """What the app serves, and whether it serves now.
 
     ready: the engine is loaded and warmed (`attach`); draining: SIGTERM arrived (`drain`).
-    /health answers 200 only when ready and not draining; /v1 answers 503 otherwise."""
+    /health answers 200 only when ready and not draining; /v1 answers 503 before `attach` and
+    while draining. held: attached with /health still 503 (`attach(hold=True)` until
+    `release`), while the server's own warm-up requests go through /v1; requests admitted then
+    are not metered."""
 
     model_name: str
     api_key: str | None = None
@@ -58,6 +61,7 @@ class ServingState:
     tokenizer: Any = None
     engine: Any = None
     draining: bool = False
+    held: bool = False
     adapt_draft: bool = False  # `fuser serve --adapt-draft`
     created: int = field(default_factory=lambda: int(time.time()))
     metrics: ServingMetrics = field(init=False)
@@ -66,13 +70,22 @@ class ServingState:
         self.metrics = ServingMetrics(lambda: self.scheduler)
 
     @property
-    def ready(self) -> bool:
+    def attached(self) -> bool:
+        """Whether /v1 serves (a scheduler and tokenizer are attached)."""
         return self.scheduler is not None and self.tokenizer is not None
 
-    def attach(self, scheduler: Any, tokenizer: Any, engine: Any = None) -> None:
-        """Serve `scheduler` (started, warmed) with `tokenizer`: /health turns 200."""
+    @property
+    def ready(self) -> bool:
+        """Whether /health answers 200 (attached, not held)."""
+        return self.attached and not self.held
+
+    def attach(self, scheduler: Any, tokenizer: Any, engine: Any = None, *,
+               hold: bool = False) -> None:
+        """Serve `scheduler` (started, warmed) with `tokenizer`: /health turns 200, or with
+        `hold` once `release` is called (/v1 serves already)."""
         if tokenizer is None:
             raise ValueError("the server needs a tokenizer (the engine has none)")
+        self.held = hold
         if engine is not None:
             self.metrics.bind_engine(engine.metrics_text)
         else:
@@ -80,6 +93,15 @@ class ServingState:
         self.engine = engine
         self.tokenizer = tokenizer
         self.scheduler = scheduler
+
+    @property
+    def metered(self) -> bool:
+        """Whether a request admitted now counts in the metrics (not while held)."""
+        return not self.held
+
+    def release(self) -> None:
+        """After `attach(hold=True)`: /health answers 200 from now on."""
+        self.held = False
 
     def drain(self) -> None:
         """Stop taking requests: /health and /v1 answer 503 from now on."""
@@ -89,7 +111,7 @@ class ServingState:
         if self.draining:
             return APIError(503, "the server is shutting down (draining); retry on another "
                             "replica", "service_unavailable", code="draining")
-        if not self.ready:
+        if not self.attached:
             return APIError(503, "the model is loading; retry when GET /health answers 200",
                             "service_unavailable", code="not_ready")
         return None
@@ -118,7 +140,7 @@ class Generation:
         self.stops = StopChecker(stops)
         self.completion_tokens = 0
         self.finish_reason: str | None = None
-        self._recorded = False
+        self._recorded = not state.metered  # the server's own warm-up: never recorded
 
     @property
     def text(self) -> str:
@@ -224,7 +246,8 @@ def _submit(state: ServingState, prompt_ids: list[int], params: SamplingParams) 
                        code="draining") from None
     except ValueError as e:
         raise bad_request(str(e)) from None
-    state.metrics.admitted(len(prompt_ids))
+    if state.metered:
+        state.metrics.admitted(len(prompt_ids))
     return stream
 
 

@@ -1,0 +1,202 @@
+"""Where a load's first run and capture spend their time: per step, per graph, per kind of
+kernel work.
+
+`fuser.load` runs every step once (the kernels load on their first launch: now, not in the
+first request) and then captures batch bucket 1's iteration graphs. Both take seconds on an 8B
+engine; this module says which step or graph took them, and what part of that was loading code
+rather than running it:
+
+- `StepTimes`: each step's first run timed between two device synchronizations; with `again`,
+  a second run of it too (the launch and the work alone: the first run's excess over it is
+  code loading and other first-call work).
+- `KernelWork`: while active, what Triton and Inductor did to bring kernels in (Triton's cache
+  lookups and compilations, kernel modules loaded onto the GPU, Inductor's precompilation and
+  autotuning benchmarks), counted and timed through Triton's hooks and around Inductor's
+  methods. A load that finds every binary compiles nothing and benchmarks nothing; this is
+  what shows it.
+
+Per-step and per-graph seconds are kept always; `FUSER_LOAD_PROFILE=1` adds the second runs
+and the kernel work (`enabled()`), which benchmarks/engine_files.py asks for in its loading
+process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+ENV = "FUSER_LOAD_PROFILE"
+
+
+def enabled() -> bool:
+    """Whether the load profiles in detail (FUSER_LOAD_PROFILE=1)."""
+    return os.environ.get(ENV, "") not in ("", "0")
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for `device`'s current stream (nothing off CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+class StepTimes:
+    """Seconds of each named run `__call__` is given, the device synchronized around it;
+    with `again`, a second run's too."""
+
+    def __init__(self, device: torch.device, again: bool = False) -> None:
+        self.device = device
+        self.again = again
+        self.first: dict[str, float] = {}
+        self.second: dict[str, float] = {}
+
+    def __call__(self, name: str, run: Callable[[], object]) -> None:
+        synchronize(self.device)
+        start = time.perf_counter()
+        run()
+        synchronize(self.device)
+        self.first[name] = self.first.get(name, 0.0) + time.perf_counter() - start
+        if self.again:
+            start = time.perf_counter()
+            run()
+            synchronize(self.device)
+            self.second[name] = self.second.get(name, 0.0) + time.perf_counter() - start
+
+    def line(self, title: str, top: int = 12) -> str:
+        """`title`: the slowest `top` runs, "name 1.23 s (again 0.012 s)", and the rest summed."""
+        ranked = sorted(self.first.items(), key=lambda item: -item[1])
+        parts = []
+        for name, seconds in ranked[:top]:
+            again = f" (again {self.second[name]:.3f} s)" if name in self.second else ""
+            parts.append(f"{name} {seconds:.2f} s{again}")
+        if len(ranked) > top:
+            rest = ranked[top:]
+            parts.append(f"{len(rest)} more {sum(s for _, s in rest):.2f} s")
+        total = sum(self.first.values())
+        again = (f"; run again: {sum(self.second.values()):.2f} s in all" if self.second
+                 else "")
+        return f"{title} {total:.1f} s: " + ", ".join(parts) + again
+
+
+class KernelWork:
+    """Kernel work done on any thread while entered: counts and seconds per kind.
+
+    Kinds: "triton lookups" (a kernel found in Triton's cache), "triton compiles" (one that was
+    not), "modules loaded" (a Triton kernel's binary loaded onto the GPU), "inductor
+    precompiles" (an Inductor kernel's launchers made, its binaries loaded) and "autotuning
+    benchmarks" (an Inductor kernel's configurations timed: none where the engine's tuning
+    choices were put back). Hooks that this Triton or torch lacks are skipped."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self.seconds: defaultdict[str, float] = defaultdict(float)
+        self._lock = threading.Lock()
+        self._stack = contextlib.ExitStack()
+        self._loading: dict[int, float] = {}
+
+    def add(self, kind: str, seconds: float) -> None:
+        with self._lock:
+            self.counts[kind] += 1
+            self.seconds[kind] += seconds
+
+    def __enter__(self) -> KernelWork:
+        self._stack.__enter__()
+        for install in (self._triton_hooks, self._inductor_methods):
+            try:
+                self._stack.enter_context(install())
+            except (ImportError, AttributeError):  # pragma: no cover - another version
+                continue
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.__exit__(*exc)
+
+    @contextlib.contextmanager
+    def _triton_hooks(self) -> Iterator[None]:
+        from triton import knobs
+
+        previous = knobs.compilation.listener
+
+        def listen(*, src: Any, metadata: dict, metadata_group: dict, times: Any,
+                   cache_hit: bool) -> None:
+            micros = times.ir_initialization + sum(d for _, d in times.lowering_stages) \
+                + times.store_results
+            self.add("triton lookups" if cache_hit else "triton compiles", micros * 1e-6)
+            if previous is not None:
+                previous(src=src, metadata=metadata, metadata_group=metadata_group,
+                         times=times, cache_hit=cache_hit)
+
+        def load_start(*args: object) -> None:
+            self._loading[threading.get_ident()] = time.perf_counter()
+
+        def load_end(*args: object) -> None:
+            begun = self._loading.pop(threading.get_ident(), None)
+            if begun is not None:
+                self.add("modules loaded", time.perf_counter() - begun)
+
+        starts, ends = knobs.runtime.kernel_load_start_hook, knobs.runtime.kernel_load_end_hook
+        if not (hasattr(starts, "add") and hasattr(ends, "add")):
+            raise AttributeError("this Triton's kernel load hooks are not chains")
+        knobs.compilation.listener = listen
+        starts.add(load_start)
+        ends.add(load_end)
+        try:
+            yield
+        finally:
+            knobs.compilation.listener = previous
+            starts.remove(load_start)
+            ends.remove(load_end)
+
+    @contextlib.contextmanager
+    def _inductor_methods(self) -> Iterator[None]:
+        from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+        timed = {"precompile": "inductor precompiles",
+                 "benchmark_all_configs": "autotuning benchmarks"}
+        originals = {name: getattr(CachingAutotuner, name) for name in timed}
+
+        def timing(name: str) -> Callable[..., Any]:
+            original = originals[name]
+
+            def method(tuner: Any, *args: Any, **kwargs: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return original(tuner, *args, **kwargs)
+                finally:
+                    self.add(timed[name], time.perf_counter() - start)
+            return method
+
+        for name in timed:
+            setattr(CachingAutotuner, name, timing(name))
+        try:
+            yield
+        finally:
+            for name, original in originals.items():
+                setattr(CachingAutotuner, name, original)
+
+    def line(self) -> str:
+        """"triton lookups 120 in 0.41 s, modules loaded 300 in 1.20 s, ..." (kinds seen)."""
+        if not self.counts:
+            return "no kernel work"
+        return ", ".join(f"{kind} {self.counts[kind]} in {self.seconds[kind]:.2f} s"
+                         for kind in sorted(self.counts))
+
+
+@contextlib.contextmanager
+def kernel_work(device: torch.device, on: bool | None = None) -> Iterator[KernelWork | None]:
+    """A `KernelWork` entered where `on` (default: `enabled()`) and `device` is CUDA; else
+    None."""
+    if device.type != "cuda" or not (enabled() if on is None else on):
+        yield None
+        return
+    with KernelWork() as work:
+        yield work
+
+
+__all__ = ["ENV", "KernelWork", "StepTimes", "enabled", "kernel_work", "synchronize"]
