@@ -309,3 +309,34 @@ def test_requests_submitted_from_threads_at_once_share_prefills(
         assert len(calls) <= 2
     finally:
         sched.close()
+
+
+def test_admission_due_beside_a_submit_from_another_thread(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`_admission_due` runs on the stepping thread without the lock (the run-ahead asks it
+    between steps) while clients' threads `submit`: it must not read the waiting queue as it
+    changes. Here a client submits exactly while it counts the waiting prompts' tokens
+    (before: "deque mutated during iteration", which ended every running request)."""
+    sched = Scheduler(engine(), max_waiting=256, admission_wait=30.0)
+    try:
+        for seed in range(2):
+            sched.submit(prompt(8, seed=seed), greedy(4))
+        sched._running = [types.SimpleNamespace(done=False)] * (ROWS - 4)  # decoding rows
+        real, clients = scheduler_module._tokens, []
+
+        def tokens(stream):  # noqa: ANN001, ANN202
+            if not clients:  # once: a client arrives in the middle of the count
+                client = threading.Thread(target=sched.submit, args=(prompt(8, seed=9),
+                                                                     greedy(4)))
+                clients.append(client)
+                client.start()
+                client.join(0.5)  # (where the queue is read under the lock, it waits)
+            return real(stream)
+
+        monkeypatch.setattr(scheduler_module, "_tokens", tokens)
+        assert not sched._admission_due()
+        clients[0].join(TIMEOUT)
+        assert sched.num_waiting == 3
+    finally:
+        sched._running = []
+        sched.close()
