@@ -136,13 +136,19 @@ class _File:
 
 
 class _Worker:
-    """One reading thread's two staging buffers, its CUDA stream and an event per buffer."""
+    """One reading thread's two staging buffers, its CUDA stream and an event per buffer.
+    `home`: the stream the file buffers were allocated on (CUDA), whose queued work the copies
+    follow: the caching allocator may have given them memory of tensors freed while kernels
+    that write them were still queued there."""
 
-    def __init__(self, piece: int, device: torch.device) -> None:
+    def __init__(self, piece: int, device: torch.device,
+                 home: torch.cuda.Stream | None = None) -> None:
         cuda = device.type == "cuda"
         self.buffers = [torch.empty(piece, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
         self.views = [memoryview(b.numpy()) for b in self.buffers]
         self.stream = torch.cuda.Stream(device) if cuda else None
+        if self.stream is not None and home is not None:
+            self.stream.wait_stream(home)
         self.events = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self.turn = 0
         self.seconds = dict.fromkeys(PHASES, 0.0)
@@ -158,6 +164,7 @@ def read_files(paths: Sequence[str | Path], device: torch.device | str, *,
     "threads"."""
     device = torch.device(device)
     piece = max(1, min(piece, chunk))
+    home = torch.cuda.current_stream(device) if device.type == "cuda" else None
     start = time.perf_counter()
     files: list[_File] = []
     try:
@@ -185,7 +192,7 @@ def read_files(paths: Sequence[str | Path], device: torch.device | str, *,
             f, c = item
             worker = getattr(local, "worker", None)
             if worker is None:
-                worker = local.worker = _Worker(max(1, staging), device)
+                worker = local.worker = _Worker(max(1, staging), device, home)
                 with lock:
                     made.append(worker)
             digest = hashlib.sha256()

@@ -619,12 +619,15 @@ class Scheduler:
             ADMISSION_GATHER (or `admission_wait` if longer: arrivals that never pause);
           - rows decode, and the oldest has waited `admission_wait` (default ADMISSION_STEPS
             steps: a request's first token comes at most that much later, and while
-            requests trickle in, rows decode about that many steps between two stalls)."""
-        return self._admission_due_in() <= 0
+            requests trickle in, rows decode about that many steps between two stalls).
+        The lock is taken: the run-ahead asks between steps while clients submit, and the
+        waiting queue is read whole (a deque changed while iterated raises)."""
+        with self._lock:
+            return self._admission_due_in() <= 0
 
     def _admission_due_in(self) -> float:
         """Seconds until admission is due (`_admission_due`): <= 0 when due now, inf while
-        no request waits or no row can take one."""
+        no request waits or no row can take one (lock held)."""
         waiting = self._waiting
         if not waiting:
             return float("inf")

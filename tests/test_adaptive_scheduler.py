@@ -368,3 +368,64 @@ def test_scripted_costs_of_a_draft_engine_default_the_mixed_steps_to_the_drafts(
     with pytest.raises(ValueError, match=r"costs\['suffix'\] has no seconds for gamma \[4\]"):
         AdaptiveScheduler(engine(), adapt_draft=False,
                           costs={"decode": 1.0, DRAFT: {2: 0.5, 4: 0.6}, SUFFIX: {2: 0.1}})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_a_background_update_distils_while_idle_and_swaps_into_the_captured_draft():
+    """On CUDA in fp32 (captured steps, mixed steps and prefills; the update on a side stream),
+    the adaptive scheduler's background update as `fuser serve --adapt-draft` runs it: its work
+    waits for the server to idle (no DistillConfig.duty), then distils the draft on what it
+    served, is accepted (the prompts come back: memorised) and is swapped into the live draft
+    that the captured graphs read; the requests after it, with the new draft, still return
+    the target's greedy output (Hugging Face's, up to a near-tie), as those before it did."""
+    import copy
+
+    from engines import assert_greedy_matches, hf_greedy
+
+    target = copy.deepcopy(llama_target()).cuda()
+    draft = tiny_model("mistral", seed=2, vocab=VOCAB, heads=2, kv_heads=1, head_dim=16,
+                       intermediate=64, layers=1, init_range=0.3, **NO_SPECIAL).cuda()
+    config = fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=4, batch_buckets=(1, 4),
+                               gamma="auto", gamma_candidates=(2, 4), compile="fx",
+                               precision="fp32", suffix_speculation=True, adapt_draft=True,
+                               distill_every=8, distill_budget_s=60.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eng = fuser.optimize(target, draft=draft, config=config)
+    references = [hf_greedy(target, torch.tensor([p], device="cuda"),
+                            torch.ones(1, len(p), dtype=torch.long, device="cuda"), 24)
+                  for p in PROMPTS]
+
+    def rounds(scheduler: AdaptiveScheduler, count: int) -> None:
+        for _ in range(count):
+            streams = [scheduler.submit(p, GREEDY) for p in PROMPTS]
+            for p, stream, (ref, near_tie) in zip(PROMPTS, streams, references, strict=True):
+                ids = torch.tensor([p])
+                assert_greedy_matches(torch.tensor([p + stream.result(TIMEOUT)]), ref.cpu(),
+                                      near_tie.cpu(), ids, [])
+            assert scheduler.wait_idle(TIMEOUT)
+
+    scheduler = AdaptiveScheduler(
+        eng, costs=COSTS, background=True,
+        distill=DistillConfig(lr=3e-3, batch_tokens=256, holdout_fraction=0.5, max_steps=30),
+        controller_options=dict(probe_share=0.2, refresh=8))
+    assert scheduler.distiller.config.duty is None  # idle-only, the serving default
+    scheduler.start()
+    try:
+        rounds(scheduler, 3)  # the update starts at the 8th finished request
+        assert scheduler.wait_update(TIMEOUT)  # (it works while the server idles)
+        assert len(scheduler.update_results) == 1
+        result = scheduler.update_results[0]
+        assert result.accepted, result.reason
+        assert scheduler.swap.swaps == 1 and scheduler.snapshot()["draft_version"] == 1
+        def replayed() -> int:  # the captured iterations: plain and speculative, mixed
+            return sum(v for k, v in eng.report().graph_replays.items()
+                       if k.startswith("step.")) + sum(g.replays
+                                                       for g in scheduler._graphs.values())
+
+        before = replayed()
+        rounds(scheduler, 2)  # with the distilled draft
+        assert replayed() > before
+    finally:
+        scheduler.close()

@@ -5,12 +5,14 @@ as it runs alone (fp32 on the CPU).
 
 Engine: the tests/engines.py Llama target over a paged cache of 4-slot blocks, 16 rows,
 buckets 1, 2, 4, 8, 16 ("fx": built in a few seconds, shared by the module's tests); for the
-padded groups also over a contiguous cache with a draft (the target with 5% weight noise,
-gamma 3), whose row moves copy both caches' slots.
+padded groups also with a draft (the target with 5% weight noise, gamma 3) over a contiguous
+cache, whose row moves copy both caches' slots, and over the paged one; and the same on CUDA
+in fp32 (the `cuda` tests: captured graphs with the group's dummy row in them).
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import threading
 import time
@@ -35,17 +37,23 @@ pytestmark = [pytest.mark.usefixtures("one_intra_op_thread"),
 
 @functools.cache
 def engine(kind: str = "paged") -> fuser.Engine:
-    """kind "paged" (target-only) or "contiguous-draft" (see the module docstring)."""
-    paged = kind == "paged"
+    """kind "paged" (target-only), "contiguous-draft" or "paged-draft" (see the module
+    docstring); "cuda-" before one: built on CUDA in fp32 (captured step, prefill and chunk
+    graphs)."""
+    cuda = kind.startswith("cuda-")
+    paged, draft = kind.removeprefix("cuda-").startswith("paged"), kind.endswith("-draft")
     config = fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=ROWS,
-                               batch_buckets=(1, 2, 4, 8, 16), gamma=0 if paged else 3,
-                               compile="fx", kv_block_size=4 if paged else 0)
-    target = llama_target()
+                               batch_buckets=(1, 2, 4, 8, 16), gamma=3 if draft else 0,
+                               compile="fx", kv_block_size=4 if paged else 0,
+                               precision="fp32" if cuda else "auto")
+    target = copy.deepcopy(llama_target()).cuda() if cuda else llama_target()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        built = fuser.optimize(target, draft=None if paged else perturbed(target, 0.05, seed=3),
+        built = fuser.optimize(target, draft=perturbed(target, 0.05, seed=3) if draft else None,
                                config=config)
-    assert built.target.cache.paged is paged
+    assert built.target.cache.paged is paged and (built.draft is not None) is draft
+    if cuda:
+        built.wait_for_graphs()
     return built
 
 
@@ -112,15 +120,44 @@ def test_requests_arriving_together_prefill_as_one_group(
         sched.close()
 
 
-@pytest.mark.parametrize("kind", ["paged", "contiguous-draft"])
+@pytest.mark.parametrize("kind", ["paged", "contiguous-draft", "paged-draft"])
 def test_a_group_pads_to_its_bucket_beside_running_rows(
         kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Stepped by hand: 3 requests decode; 7 more wait (on the paged cache 4 of them
     prefix-cache hits). They are prefilled in one call of bucket 8 (a dummy row, a free one:
     the running rows move past the bucket, and one comes back after), not as 4 + 2 + 1 (split
     by hits and misses), and every request returns what it returns alone: greedy and seeded
-    sampling, with a draft over the contiguous cache."""
+    sampling, with a draft over either cache (row moves copy both caches' slots, or move the
+    table row both share)."""
+    pads_beside_running_rows(engine(kind), kind, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", ["cuda-paged-draft", "cuda-contiguous-draft"])
+def test_cuda_a_group_pads_to_its_bucket_beside_running_rows(
+        kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`test_a_group_pads_to_its_bucket_beside_running_rows` on CUDA in fp32, with a draft:
+    the group's prefill (the CHUNK step where hits join misses on the paged cache, else the
+    prefill) replays bucket 8's captured graphs of both models with the dummy row in them
+    (its table row null, or a free row's slots), the running rows decode in captured steps
+    before and after their moves, and every request returns its tokens alone."""
     eng = engine(kind)
+    step = "chunk" if kind.startswith("cuda-paged") else "prefill"
+    before = dict(eng.report().graph_replays)
+    pads_beside_running_rows(eng, kind, monkeypatch)
+    after = eng.report().graph_replays
+    grown = {k for k, v in after.items() if v > before.get(k, 0)}
+    assert {k.split(".")[2] for k in grown if k.startswith(f"{step}.b8.")} \
+        == {"target", "draft"}, after
+    assert any(k.startswith("step.b16") for k in grown), after  # (10 rows decode in 16)
+    uncaptured = {size: b.uncaptured_runs for size, b in eng.buckets.items()}
+    assert all(n == 0 for runs in uncaptured.values() for n in runs.values()), uncaptured
+
+
+def pads_beside_running_rows(eng: fuser.Engine, kind: str,
+                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The padded group's scenario (the tests above) on engine `kind`."""
     running = [(prompt(12, seed=40 + i), greedy(20) if i != 1 else sampled(20, seed=9))
                for i in range(3)]
     joining = [(prompt(12, seed=60 + i), greedy(5 + i % 4) if i % 3 else sampled(7, seed=i))
@@ -147,6 +184,8 @@ def test_a_group_pads_to_its_bucket_beside_running_rows(
             sched._retire()
         assert [s.output_ids for s in first + streams] == want
         assert sched.slots_used == 0 and (sched.blocks is None or not sched.blocks.active_rows())
+        if sched.blocks is not None:
+            assert sched.blocks.prefix_hits >= 4
     finally:
         sched.close()
 
@@ -308,4 +347,35 @@ def test_requests_submitted_from_threads_at_once_share_prefills(
         assert [out[i] for i in range(len(requests))] == want
         assert len(calls) <= 2
     finally:
+        sched.close()
+
+
+def test_admission_due_beside_a_submit_from_another_thread(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`_admission_due` runs on the stepping thread without the lock (the run-ahead asks it
+    between steps) while clients' threads `submit`: it must not read the waiting queue as it
+    changes. Here a client submits exactly while it counts the waiting prompts' tokens
+    (before: "deque mutated during iteration", which ended every running request)."""
+    sched = Scheduler(engine(), max_waiting=256, admission_wait=30.0)
+    try:
+        for seed in range(2):
+            sched.submit(prompt(8, seed=seed), greedy(4))
+        sched._running = [types.SimpleNamespace(done=False)] * (ROWS - 4)  # decoding rows
+        real, clients = scheduler_module._tokens, []
+
+        def tokens(stream):  # noqa: ANN001, ANN202
+            if not clients:  # once: a client arrives in the middle of the count
+                client = threading.Thread(target=sched.submit, args=(prompt(8, seed=9),
+                                                                     greedy(4)))
+                clients.append(client)
+                client.start()
+                client.join(0.5)  # (where the queue is read under the lock, it waits)
+            return real(stream)
+
+        monkeypatch.setattr(scheduler_module, "_tokens", tokens)
+        assert not sched._admission_due()
+        clients[0].join(TIMEOUT)
+        assert sched.num_waiting == 3
+    finally:
+        sched._running = []
         sched.close()

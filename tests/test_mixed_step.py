@@ -257,3 +257,49 @@ def test_cuda_adaptive_scheduler_mixed_steps_are_captured_and_lossless() -> None
         assert replays > 0
     finally:
         scheduler.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.xdist_group("cuda_pair")
+def test_cuda_adaptive_probes_and_stand_ins_replay_captured_graphs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp32 on CUDA, the adaptive scheduler's own clock, probes of 4 steps in a row: every arm
+    of the bucket the traffic runs in is tried (each is due a probe once: target-only, the
+    draft's and the mixed steps at gammas 1 and 3), steps where a suffix arm's turn came
+    without a match run a stand-in, and every step, probe or stand-in, replays a captured
+    graph: none ran uncaptured (an arm chosen at a gamma or bucket whose graph was never
+    captured would, at many times a replay's host cost)."""
+    from fuser import SamplingParams
+    from fuser.runtime.adaptive_scheduler import AdaptiveScheduler
+    from fuser.runtime.controller import SUFFIX, Controller
+
+    _, built, batch = cuda_pair()
+    chosen: list[tuple[int, object]] = []
+    real = Controller.choose
+
+    def choose(self, usable=None, *, started=None):  # noqa: ANN001, ANN202
+        choice = real(self, usable, started=started)
+        chosen.append((self, choice))
+        return choice
+
+    monkeypatch.setattr(Controller, "choose", choose)
+    scheduler = AdaptiveScheduler(built, suffix=True, adapt_draft=False, suffix_min_match=2,
+                                  controller_options={"probe_steps": 4})
+    scheduler.start()
+    try:
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        for _ in range(3):
+            streams = [scheduler.submit(p, params) for p in batch]
+            assert all(len(s.result(120)) == 40 for s in streams)
+            assert scheduler.wait_idle(120)
+    finally:
+        scheduler.close()
+    controller = scheduler.controllers[4]
+    counted = {c.counted for owner, c in chosen if owner is controller}
+    assert set(controller.arms) <= counted, (controller.arms, counted)
+    assert any(c.probe for _, c in chosen)
+    uncaptured = {size: b.uncaptured_runs for size, b in built.buckets.items()}
+    assert all(n == 0 for runs in uncaptured.values() for n in runs.values()), uncaptured
+    suffix_run = {c.gamma for owner, c in chosen if owner is controller and c.source == SUFFIX}
+    assert suffix_run and all((4, g, False) in scheduler._graphs for g in suffix_run), \
+        (suffix_run, sorted(scheduler._graphs))  # (the mixed steps' own graphs)

@@ -407,6 +407,35 @@ def test_a_held_server_takes_its_own_warm_up_before_health(tokenizer):
         scheduler.close()
 
 
+def test_the_http_warm_up_reports_a_malformed_answer_never_raises():
+    """`warm_up_http` against a socket that answers no HTTP (http.client's HTTPException, not
+    an OSError): it returns what failed, so that `fuser serve` still releases /health."""
+    import socket
+    import threading
+    import types
+
+    from fuser.server.cli import warm_up_http
+
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def answer() -> None:
+        for _ in range(2):
+            connection, _ = listener.accept()
+            with connection:
+                connection.recv(65536)
+                connection.sendall(b"not http at all\r\n\r\n")
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        fake = types.SimpleNamespace(host="127.0.0.1", port=listener.getsockname()[1])
+        tokenizer = lambda text: {"input_ids": [1, 2]}  # noqa: E731
+        failed = warm_up_http(fake, MODEL, None, tokenizer)
+        assert failed is not None and "BadStatusLine" in failed, failed
+    finally:
+        listener.close()
+
+
 def test_the_heap_is_settled_before_health():
     """`fuser serve` collects the load's garbage and freezes what survives before /health
     (fuser/server/cli.py `settle_heap`): a garbage cycle is gone, a live object is frozen."""

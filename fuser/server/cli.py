@@ -399,7 +399,7 @@ def warm_up_http(server: Any, model: str, api_key: str | None, tokenizer: Any) -
             data = response.read()
             if response.status != 200:
                 return f"HTTP {response.status}: {data[:200]!r}"
-        except OSError as e:
+        except (OSError, http.client.HTTPException) as e:  # (a malformed answer: the latter)
             return f"{type(e).__name__}: {e}"
         finally:
             connection.close()
