@@ -645,7 +645,10 @@ class Scheduler:
                 self._busy = True
                 self._capturing = capturing
             if capturing:
-                self._capture_idle()
+                try:
+                    self._capture_idle()
+                except Exception:  # noqa: BLE001 -- never the loop's end: serving goes on
+                    log.exception("fuser: an idle capture failed")
                 with self._lock:
                     self._busy = self._capturing = False
                     self._lock.notify_all()
