@@ -334,5 +334,5 @@ def test_gpu_a_new_prompt_length_is_served_uncaptured_and_captured_at_idle(
         sched.close()
     assert eng.report().fallbacks == []
     for ids_, out in ((ids, first), (prompt(70, seed=6), other)):
-        want = eng.generate(torch.tensor([ids_], device="cuda"), max_new_tokens=12)
+        want = eng.generate(torch.tensor([ids_], device="cuda"), 12, eos_token_id=[])
         assert want[0, len(ids_):].tolist() == out
