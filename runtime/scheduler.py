@@ -713,6 +713,12 @@ class Scheduler:
                     self._captures.plan.appendleft(shape)
                 return
             held.enter_context(stepping(self.engine))
+            with self._lock:
+                arrived = bool(self._running or self._waiting)
+            if arrived:  # (while it waited for the gate): the request goes first
+                if planned:
+                    self._captures.plan.appendleft(shape)
+                return
             try:
                 with self._capture_rows(shape[0]):
                     self._captures.capture(shape, planned)
