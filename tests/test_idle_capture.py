@@ -107,15 +107,17 @@ def test_the_plan_takes_bucket_one_and_a_bursts_bucket_at_each_short_length() ->
 def install_recorded_graphs(monkeypatch: pytest.MonkeyPatch, eng: fuser.Engine,
                             sched: list[Scheduler]) -> list[tuple[bool, int]]:
     """Every bucket's prefills and chunks through stand-in graphs; each capture records
-    (whether the scheduler `sched[0]` was capturing while idle, its running rows then)."""
+    (whether the scheduler `sched[0]` was capturing while idle with its rows' lengths at 0,
+    where the warm-up writes nothing a request holds; its running rows then)."""
     made: list[tuple[bool, int]] = []
 
     class Recorded(RunningGraph):
-        def __init__(self, *args: object, **kwargs: object) -> None:
+        def __init__(self, fn: object, batch: int, T: int, seq_lens: torch.Tensor,
+                     starts: torch.Tensor, pool: object = None) -> None:
             s = sched[0]
-            made.append((s._capturing and threading.current_thread() is s._thread,
-                         len(s._running)))
-            super().__init__(*args, **kwargs)
+            made.append((s._capturing and threading.current_thread() is s._thread
+                         and not seq_lens.any(), len(s._running)))
+            super().__init__(fn, batch, T, seq_lens, starts, pool)
 
     monkeypatch.setattr(prefill_graphs, "CudaGraphStep", Recorded)
     for bucket in eng.buckets.values():
