@@ -115,26 +115,30 @@ class IdleCaptures:
 
     def plan_likely(self, buckets: dict[int, Any], prefill_tokens: int, seconds: float,
                     longest: int = SHORT_PREFILL_TOKENS) -> int:
-        """Plan the likeliest shapes for `seconds` of captures (replacing any plan): at each
-        captured length T up to `longest`, bucket 1 (a lone request) and the bucket of a burst
-        of T-token prompts (the largest bucket of at most `prefill_tokens` // T rows: the
-        most a scheduler prefills together), prefills first and then chunks, each the
-        target's and the draft's. Returns how many shapes were planned (0 where nothing is
-        captured: CPU engines)."""
+        """Plan the likeliest shapes for `seconds` of captures (replacing any plan), at the
+        captured lengths T up to `longest`: first bucket 1 (a lone request) and the bucket of
+        a burst of T-token prompts (the largest of at most `prefill_tokens` // T rows: the
+        most a scheduler prefills together), prefills and then chunks; then the buckets
+        between them, likewise. Each shape of the target's graphs and of the draft's.
+        Returns how many shapes were planned (0 where nothing is captured: CPU engines)."""
         if seconds <= 0:
             self.plan.clear()
             self.plan_budget = 0.0
             return 0
         sizes = sorted(buckets)
-        by_bucket = {size: list(getattr(buckets[size], "prefills", [])) for size in sizes}
+        graphs = {size: list(getattr(buckets[size], "prefills", [])) for size in sizes}
         lengths = sorted({padded_length(t, 10**9) for t in range(1, longest + 1)})
+        likeliest: list[tuple[int, int]] = []  # (bucket, T)
+        between: list[tuple[int, int]] = []
+        for T in lengths:
+            fits = [b for b in sizes if b <= max(1, prefill_tokens // T)] or sizes[:1]
+            likeliest += [(b, T) for b in dict.fromkeys((sizes[0], fits[-1]))]
+            between += [(b, T) for b in fits[1:-1]]
         plan: list[Shape] = []
-        for prefill in (True, False):
-            for T in lengths:
-                burst = max([b for b in sizes if b <= max(1, prefill_tokens // T)] or sizes[:1])
-                for size in dict.fromkeys((sizes[0], burst)):
-                    plan += [(g, T) for g in by_bucket[size]
-                             if (g.kind == PREFILL) == prefill and g.capturable(T)]
+        for tier in (likeliest, between):
+            for prefill in (True, False):
+                plan += [(g, T) for size, T in tier for g in graphs[size]
+                         if (g.kind == PREFILL) == prefill and g.capturable(T)]
         self.plan = deque(plan)
         self.plan_budget = seconds
         return len(plan)

@@ -475,7 +475,8 @@ class Scheduler:
     def precapture(self, seconds: float, longest: int = 512) -> int:
         """Plan captures of the likeliest prefill and chunk shapes for idle time, at most
         `seconds` of them (runtime/idle_capture.py `IdleCaptures.plan_likely`: bucket 1 and
-        a burst's bucket at each captured length up to `longest` tokens). They run after
+        a burst's bucket at each captured length up to `longest` tokens first, then the
+        buckets between). They run after
         PLAN_QUIET seconds with nothing served, one at a time, after the shapes requests
         needed; a request that arrives waits for at most the capture under way. Returns how
         many shapes were planned (0 where nothing is captured, or without `capture_at_idle`).

@@ -81,9 +81,10 @@ def test_deferred_lengths_wait_for_capture_now() -> None:
     assert (graphs.captured_on_path, graphs.captured_idle) == (1, 1)
 
 
-def test_the_plan_takes_bucket_one_and_a_bursts_bucket_at_each_short_length() -> None:
-    """`plan_likely`: prefills before chunks; at each captured length up to 512, bucket 1 and
-    the largest bucket of at most 2048 // T rows (a burst the scheduler prefills together)."""
+def test_the_plan_takes_bucket_one_and_a_bursts_bucket_first() -> None:
+    """`plan_likely`: at each captured length up to 512, bucket 1 and the largest bucket of
+    at most 2048 // T rows (a burst the scheduler prefills together), prefills and then
+    chunks; then the buckets between, likewise."""
     sizes = (1, 2, 4, 8, 16, 32, 64)
     buckets = {b: SimpleNamespace(prefills=[fake_graphs(batch=b), fake_graphs(batch=b),
                                             fake_graphs(batch=b, kind=ChunkGraphs)])
@@ -91,16 +92,17 @@ def test_the_plan_takes_bucket_one_and_a_bursts_bucket_at_each_short_length() ->
     queue = IdleCaptures(g for b in buckets.values() for g in b.prefills)
     count = queue.plan_likely(buckets, prefill_tokens=2048, seconds=5.0)
     plan = [(g.kind.name, g.model.cache.batch_size, T) for g, T in queue.plan]
-    # 16 lengths, 2 buckets each (the burst's is never 1 here), 3 graph sets a bucket
-    assert count == len(plan) == 16 * 2 * 3
-    # bucket 1 and the burst's (at 64: 32; at 128: 16; at 512: 4; at 32: 64 = the largest)
-    assert plan[:4] == [("prefill", 1, 32), ("prefill", 1, 32), ("prefill", 64, 32),
-                        ("prefill", 64, 32)]
-    assert ("prefill", 16, 128) in plan and ("prefill", 4, 512) in plan
-    assert ("prefill", 8, 128) not in plan
-    kinds = [k for k, _, _ in plan]
+    assert count == len(plan) == len(set(plan)) + count // 3  # (two prefill graph sets)
+    first = plan[:16 * 2 * 3]  # 16 lengths, 2 buckets (a burst's is never 1 here), 3 sets
+    assert first[:4] == [("prefill", 1, 32), ("prefill", 1, 32), ("prefill", 64, 32),
+                         ("prefill", 64, 32)]
+    assert {("prefill", 16, 128), ("prefill", 4, 512), ("chunk", 8, 256)} <= set(first)
+    assert ("prefill", 8, 128) not in first and ("prefill", 8, 128) in plan
+    kinds = [k for k, _, _ in first]
     assert kinds == sorted(kinds, key=lambda k: k != "prefill")  # prefills first
-    assert {T for _, _, T in plan} == set(range(32, 513, 32))
+    # every bucket of a group that fits the budget, and no other
+    assert {(b, T) for _, b, T in plan} == {(b, T) for b in sizes for T in range(32, 513, 32)
+                                            if b == 1 or b * T <= 2048}
     assert queue.plan_likely(buckets, 2048, seconds=0) == 0 and not queue.planned()
 
 
@@ -234,9 +236,9 @@ def test_precapture_yields_to_a_request_and_keeps_its_budget(
         sched.start()
         try:
             planned = sched.precapture(60.0)
-            # buckets 1 and 4 (2048 // T rows: all four) at 32 and 64 (the cache's lengths),
-            # prefill and chunk, target and draft
-            assert planned == 2 * 2 * 2 * 2
+            # buckets 1, 4 (2048 // T rows: all four) and 2 at 32 and 64 (the cache's
+            # lengths), prefill and chunk, target and draft
+            assert planned == 3 * 2 * 2 * 2
             deadline = time.perf_counter() + TIMEOUT
             while not started and time.perf_counter() < deadline:
                 time.sleep(0.001)
