@@ -67,8 +67,9 @@ class PrefillGraphs:
     `failures` (report().fallbacks) with a warning, once. capture=False (the CPU): the same
     padded lengths, uncaptured.
 
-    defer: a length not captured yet runs uncaptured and joins `pending` (in order of first
-    need) instead of being captured on the caller's path; `capture_now` captures it later.
+    defer: a length not captured yet runs uncaptured and joins `pending` (the most recently
+    needed last; of the lengths above SHORT_PREFILL_TOKENS, the MAX_LONG_GRAPHS most recent)
+    instead of being captured on the caller's path; `capture_now` captures it later.
     Counters: `captured_on_path` (captures made by `run`), `deferred_runs` (runs uncaptured
     while their length waited for its capture), `captured_idle` (captures by `capture_now`).
     """
@@ -117,13 +118,23 @@ class PrefillGraphs:
             self.graphs[T] = self.graphs.pop(T)
         elif self.capturable(T):
             if self.defer:
-                self.pending[T] = None
+                self._wait_for_capture(T)
                 self.deferred_runs += 1
                 return None
             self._make_room(T)
             graph = self._capture(T)
             self.captured_on_path += graph is not None
         return graph
+
+    def _wait_for_capture(self, T: int) -> None:
+        """T joins `pending` as its most recently needed length; of the long ones (above
+        SHORT_PREFILL_TOKENS) only the MAX_LONG_GRAPHS most recent stay, as many as are kept
+        captured (capturing more would drop the others again)."""
+        self.pending.pop(T, None)
+        self.pending[T] = None
+        long = [length for length in self.pending if length > SHORT_PREFILL_TOKENS]
+        for length in long[:max(0, len(long) - MAX_LONG_GRAPHS)]:
+            del self.pending[length]
 
     def capturable(self, T: int) -> bool:
         """Whether T tokens is a captured length (of this cache) with no graph and no failed

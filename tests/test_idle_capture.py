@@ -19,7 +19,7 @@ import fuser
 from fuser import SamplingParams, Scheduler
 from fuser.runtime import prefill_graphs, scheduler as scheduler_module
 from fuser.runtime.idle_capture import IdleCaptures
-from fuser.runtime.prefill_graphs import ChunkGraphs, PrefillGraphs
+from fuser.runtime.prefill_graphs import MAX_LONG_GRAPHS, ChunkGraphs, PrefillGraphs
 from engines import RunningGraph, llama_target, paged_engine, perturbed
 
 VOCAB = 160
@@ -71,7 +71,7 @@ def test_deferred_lengths_wait_for_capture_now() -> None:
     for T in (64, 32, 64):
         run(graphs, T)
     assert ran == [64, 32, 64] and graphs.graphs == {}
-    assert list(graphs.pending) == [64, 32] and graphs.deferred_runs == 3
+    assert list(graphs.pending) == [32, 64] and graphs.deferred_runs == 3  # (recent last)
     assert graphs.capture_now(64) and list(graphs.pending) == [32]
     assert not graphs.capture_now(64)  # (captured already)
     assert not graphs.capture_now(33)  # (not a captured length)
@@ -79,6 +79,11 @@ def test_deferred_lengths_wait_for_capture_now() -> None:
     graphs.defer = False
     assert run(graphs, 96) == 96  # captured on the caller's path
     assert (graphs.captured_on_path, graphs.captured_idle) == (1, 1)
+    # Long lengths: no more wait than are kept captured (MAX_LONG_GRAPHS, the most recent).
+    graphs.defer = True
+    for T in (1024, 1152, 1280, 32, 1408, 1536, 1664):
+        run(graphs, T)
+    assert list(graphs.pending) == [1280, 32, 1408, 1536, 1664] and MAX_LONG_GRAPHS == 4
 
 
 def test_the_plan_takes_bucket_one_and_a_bursts_bucket_first() -> None:
