@@ -35,7 +35,7 @@ DEFAULT_GPU_MEMORY_FRACTION = 0.9  # --gpu-memory-fraction (vLLM's gpu_memory_ut
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 0
 WARM_UP_SECONDS = 600.0
 # --precapture-seconds: after /health, idle time spent capturing the likeliest prefill and
-# chunk graphs (runtime/idle_capture.py; 120-250 ms each at the 8B shape, ~130 shapes at most).
+# chunk graphs (runtime/idle_capture.py; 120-250 ms each at the 8B shape, the likeliest first).
 DEFAULT_PRECAPTURE_SECONDS = 30.0
 
 
