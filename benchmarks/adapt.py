@@ -503,6 +503,7 @@ def warm_up(engine: object, prompts: Sequence[list[int]], concurrency: int) -> N
     try:
         scheduler.tally = Tally()
         serve(scheduler, list(lengths.values()), 2, concurrency)
+        scheduler.wait_idle(600.0)  # (the prefill graphs they ran uncaptured: captured now)
     finally:
         scheduler.close()
 

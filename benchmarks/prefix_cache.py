@@ -113,6 +113,7 @@ def run(engine: fuser.Engine, prompts: list[list[int]], warm: list[list[int]],
     try:
         for prompt in warm:
             sched.submit(prompt, params).result(TIMEOUT)
+        assert sched.wait_idle(TIMEOUT)  # (the graphs of their shapes: captured while idle)
         ttft, outputs = [], []
         for prompt in prompts:
             stream = sched.submit(prompt, params)

@@ -566,13 +566,16 @@ class InProcessServer:
 
     def __enter__(self) -> InProcessServer:
         from fuser.server import create_app
-        from fuser.server.cli import make_scheduler, warm_up
+        from fuser.server.cli import make_scheduler, precapture, warm_up
         from fuser.server.runner import ServerThread
 
         try:
             self.scheduler = make_scheduler(self.engine, self.serve_args)
             self.scheduler.start()
             warm_up(self.scheduler, self.tokenizer)
+            # (its idle-time captures of likely shapes done before the levels: --server-args
+            # "--precapture-seconds 0" leaves every shape to the captures requests cause)
+            precapture(self.scheduler, self.serve_args, wait=True)
             app = create_app(self.scheduler, self.tokenizer, self.model_name, engine=self.engine)
             self.server = ServerThread(app, "127.0.0.1", 0).start()
             self.url = self.server.url
@@ -1168,9 +1171,13 @@ def scheduler_counters(scheduler: object) -> dict[str, int]:
     after a prompt chunk (`chunks_ahead`), prompt chunks run, preemptions; admissions (each
     a stop of the steps queued ahead), of which while rows decoded (`admission_drains`: each
     stalled them), the whole-prompt prefills they ran (`prefill_groups`) and the dummy rows
-    those ran to fill their buckets (`padded_rows`)."""
+    those ran to fill their buckets (`padded_rows`); prefill and chunk CUDA graphs captured
+    on a request's path (`graphs_captured_on_path`, 0 unless the scheduler captures there),
+    prefills and chunks run uncaptured while their shape waited for its capture
+    (`graphs_run_uncaptured`), and graphs captured while idle (`graphs_captured_idle`)."""
     names = ("steps", "steps_ahead", "chunks_ahead", "prefill_chunks", "preemptions",
-             "admissions", "admission_drains", "prefill_groups", "padded_rows")
+             "admissions", "admission_drains", "prefill_groups", "padded_rows",
+             "graphs_captured_on_path", "graphs_run_uncaptured", "graphs_captured_idle")
     return {name: int(getattr(scheduler, name)) for name in names if hasattr(scheduler, name)}
 
 

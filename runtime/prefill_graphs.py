@@ -22,6 +22,11 @@ Padding is safe because prefill attention is causal and a row's padding slots li
 they are written, then overwritten by the decode steps (runtime/prompts.py `pad_batch`). All
 prefill graphs of an engine share one memory pool (they run one at a time, and each graph's
 output stays its own).
+
+Off a request's path (`defer`, set by the scheduler while it serves: runtime/idle_capture.py):
+a captured length without its graph yet runs uncaptured and waits in `pending`; the scheduler
+captures it when nothing runs or waits (`capture_now`). Otherwise (`generate`) a length is
+captured the first time a call needs it.
 """
 
 from __future__ import annotations
@@ -61,6 +66,12 @@ class PrefillGraphs:
     A length whose capture fails runs uncaptured from then on; the failure is recorded in
     `failures` (report().fallbacks) with a warning, once. capture=False (the CPU): the same
     padded lengths, uncaptured.
+
+    defer: a length not captured yet runs uncaptured and joins `pending` (the most recently
+    needed last; of the lengths above SHORT_PREFILL_TOKENS, the MAX_LONG_GRAPHS most recent)
+    instead of being captured on the caller's path; `capture_now` captures it later.
+    Counters: `captured_on_path` (captures made by `run`), `deferred_runs` (runs uncaptured
+    while their length waited for its capture), `captured_idle` (captures by `capture_now`).
     """
 
     kind = PREFILL
@@ -72,6 +83,11 @@ class PrefillGraphs:
         self.graphs: dict[int, CudaGraphStep] = {}
         self.failed: set[int] = set()
         self.failures: list[str] = []
+        self.defer = False
+        self.pending: dict[int, None] = {}  # lengths waiting for `capture_now` (ordered)
+        self.captured_on_path = 0
+        self.deferred_runs = 0
+        self.captured_idle = 0
         cache = model.cache
         # The position per row whose logits a graph returns (static: set before a replay).
         self.last = torch.zeros(cache.batch_size, dtype=torch.long, device=cache.seq_lens.device)
@@ -95,16 +111,54 @@ class PrefillGraphs:
         return graph(tokens, positions, cache.seq_lens, cache.starts)
 
     def _graph(self, T: int) -> CudaGraphStep | None:
-        """The graph for T tokens, captured now if T is a captured length never tried; None:
-        run uncaptured."""
+        """The graph for T tokens, captured now if T is a captured length never tried (with
+        `defer`: queued in `pending` instead); None: run uncaptured."""
         graph = self.graphs.get(T)
         if graph is not None:  # most recently used last (dicts keep insertion order)
             self.graphs[T] = self.graphs.pop(T)
-        elif self.capture and T not in self.failed \
-                and padded_length(T, self.model.cache.slots) == T:
+        elif self.capturable(T):
+            if self.defer:
+                self._wait_for_capture(T)
+                self.deferred_runs += 1
+                return None
             self._make_room(T)
             graph = self._capture(T)
+            self.captured_on_path += graph is not None
         return graph
+
+    def _wait_for_capture(self, T: int) -> None:
+        """T joins `pending` as its most recently needed length; of the long ones (above
+        SHORT_PREFILL_TOKENS) only the MAX_LONG_GRAPHS most recent stay, as many as are kept
+        captured (capturing more would drop the others again)."""
+        self.pending.pop(T, None)
+        self.pending[T] = None
+        long = [length for length in self.pending if length > SHORT_PREFILL_TOKENS]
+        for length in long[:max(0, len(long) - MAX_LONG_GRAPHS)]:
+            del self.pending[length]
+
+    def capturable(self, T: int) -> bool:
+        """Whether T tokens is a captured length (of this cache) with no graph and no failed
+        capture yet."""
+        return self.capture and T not in self.graphs and T not in self.failed \
+            and padded_length(T, self.model.cache.slots) == T
+
+    def capture_now(self, T: int) -> bool:
+        """Capture the graph for T tokens now, off a request's path (it leaves `pending`);
+        True when captured, False when T is not `capturable` or its capture failed (then it
+        runs uncaptured, as `run`'s failures do).
+
+        The capture's warm-up runs write the cache's rows at slots [seq_lens, seq_lens + T)
+        (a paged cache's: through the device block table): the caller sees that those rows
+        hold no request and that their writes land nowhere that matters
+        (runtime/scheduler.py `Scheduler._capture_rows`: lengths 0, null table rows)."""
+        self.pending.pop(T, None)
+        if not self.capturable(T):
+            return False
+        self._make_room(T)
+        self.last.zero_()  # (the warm-up runs read it: a position inside [0, T))
+        graph = self._capture(T)
+        self.captured_idle += graph is not None
+        return graph is not None
 
     def _make_room(self, T: int) -> None:
         """Before capturing a long length: drop the least recently used long graphs so that

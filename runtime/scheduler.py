@@ -66,6 +66,14 @@ draws from the row's own seed and output index (runtime/sampling.py `draw_keys`)
 which some rows sample runs the sampling iteration; its greedy rows then have top_k = 1, which
 picks the argmax (and accepts a draft exactly when it is the target's argmax).
 
+Prefill and chunk graphs are never captured on a request's path (`capture_at_idle`, the
+default; runtime/idle_capture.py): while the loop serves, a (bucket, padded length) without its
+graph runs uncaptured and is queued, and the loop captures the queued shapes one at a time when
+no request runs or waits (`_capture_idle`: holding the engine, on free rows whose writes land
+nowhere that matters, `_capture_rows`); a request arriving meanwhile waits for at most the
+capture under way. `precapture` plans the likeliest shapes for idle time as well.
+`graphs_captured_on_path`, `graphs_run_uncaptured` and `graphs_captured_idle` count them.
+
 The stepping runs on one background thread; `submit` and `RequestStream.cancel` are safe from
 any thread, and a `RequestStream` is read with a blocking iterator or `async for`.
 """
@@ -73,6 +81,7 @@ any thread, and a `RequestStream` is read with a blocking iterator or `async for
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import random
@@ -89,6 +98,7 @@ from fuser.runtime import speculative
 from fuser.runtime.blocks import BlockManager
 from fuser.runtime.bucket_capture import capture_waiting, stepping
 from fuser.runtime.generate import ReadBack
+from fuser.runtime.idle_capture import PLAN_QUIET, IdleCaptures
 from fuser.runtime.prompts import Prompts, pad_batch
 from fuser.runtime.speculative import EOS_SLOTS
 from fuser.runtime.step_graphs import PLAIN
@@ -118,6 +128,7 @@ ADMISSION_GATHER = 0.05  # the longest an idle scheduler gathers arrivals that n
 # once and syncs once, where the buckets k splits into (15 = 8 + 4 + 2 + 1) would each do both.
 MAX_DUMMIES = 0.5
 STEP_AVERAGING = 0.2  # weight of a new read-back interval in the step time's moving average
+IDLE_CAPTURE_RETRY = 0.05  # seconds before an idle capture tries again (another holds the engine)
 
 
 class QueueFull(Exception):
@@ -322,13 +333,19 @@ class Scheduler:
     a waiting request is held back for others to share its prefill, and `admission_quiet`
     (seconds) the pause in arrivals that ends a burst on an idle scheduler
     (`_admission_due`); 0 and 0 admit as soon as a request waits.
+
+    `capture_at_idle` (default True; where prefills and chunks replay CUDA graphs): a shape
+    whose graph is not captured yet runs uncaptured and is captured while nothing runs or
+    waits, never on a request's path (the module docstring); False: captured on the path of
+    the first request that needs it, as `generate` does.
     """
 
     def __init__(self, engine: Engine, *, max_waiting: int = 256,
                  prefill_tokens: int = 2048, prefix_caching: bool = True,
                  max_num_batched_tokens: int | None = None,
                  admission_wait: float | None = None,
-                 admission_quiet: float = ADMISSION_QUIET) -> None:
+                 admission_quiet: float = ADMISSION_QUIET,
+                 capture_at_idle: bool = True) -> None:
         if engine.target is None:
             raise ValueError("the scheduler needs an engine whose target was captured; this one "
                              "runs the model in eager Hugging Face (see engine.report().fallbacks)")
@@ -406,6 +423,13 @@ class Scheduler:
         self.admission_drains = 0  # of which while rows were decoding (each stalls them)
         self.prefill_groups = 0  # groups prefilled whole (one prefill call each)
         self.padded_rows = 0  # dummy rows those groups ran to fill their bucket
+        # Prefill and chunk graphs captured while idle, not on a request's path.
+        self.capture_at_idle = bool(capture_at_idle)
+        self._captures = IdleCaptures(
+            g for b in engine.buckets.values() for g in getattr(b, "prefills", []))
+        self._served_at = time.perf_counter()  # when the loop last let go of the engine
+        self._capture_retry_at = 0.0
+        self._capturing = False  # the loop holds the engine for an idle capture
 
     # -- public ----------------------------------------------------------------------------------
 
@@ -432,6 +456,48 @@ class Scheduler:
         if self.blocks is not None:
             return self.blocks.usage()
         return len(self._running) / self.max_slots
+
+    @property
+    def graphs_captured_on_path(self) -> int:
+        """Prefill and chunk graphs captured on a request's path (0 with `capture_at_idle`)."""
+        return self._captures.captured_on_path
+
+    @property
+    def graphs_run_uncaptured(self) -> int:
+        """Prefills and chunks run uncaptured because their shape waited for its capture."""
+        return self._captures.run_uncaptured
+
+    @property
+    def graphs_captured_idle(self) -> int:
+        """Prefill and chunk graphs captured while nothing ran or waited."""
+        return self._captures.captured_idle
+
+    def precapture(self, seconds: float, longest: int = 512) -> int:
+        """Plan captures of the likeliest prefill and chunk shapes for idle time, at most
+        `seconds` of them (runtime/idle_capture.py `IdleCaptures.plan_likely`: bucket 1 and
+        a burst's bucket at each captured length up to `longest` tokens first, then the
+        buckets between). They run after
+        PLAN_QUIET seconds with nothing served, one at a time, after the shapes requests
+        needed; a request that arrives waits for at most the capture under way. Returns how
+        many shapes were planned (0 where nothing is captured, or without `capture_at_idle`).
+        seconds <= 0 drops the plan."""
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+            raise ValueError(f"seconds={seconds!r} must be a number")
+        if not self.capture_at_idle:
+            return 0
+        with self._lock:
+            count = self._captures.plan_likely(self.engine.buckets, self.prefill_tokens,
+                                               float(seconds), longest)
+            self._lock.notify_all()
+        return count
+
+    def wait_captures(self, timeout: float | None = None, planned: bool = False) -> bool:
+        """Block until no shape a request needed waits for its capture (and, with `planned`,
+        the `precapture` plan is done or out of budget); False after `timeout` s."""
+        with self._lock:
+            return self._lock.wait_for(
+                lambda: not self._busy_capturing() and not self._captures.pending()
+                and not (planned and self._captures.planned()), timeout)
 
     def start(self) -> None:
         """Start the stepping thread (once)."""
@@ -484,10 +550,13 @@ class Scheduler:
             self.blocks.draft_changed()
 
     def wait_idle(self, timeout: float | None = None) -> bool:
-        """Block until nothing runs or waits (every slot free); False after `timeout` s."""
+        """Block until nothing runs or waits (every slot free) and no shape a request needed
+        waits for its idle capture (the loop holds the engine while it captures one); False
+        after `timeout` s."""
         with self._lock:
             return self._lock.wait_for(
-                lambda: not self._running and not self._waiting and not self._busy, timeout)
+                lambda: not self._running and not self._waiting and not self._busy
+                and not (self.capture_at_idle and self._captures.pending()), timeout)
 
     def drain(self, timeout: float | None = None) -> bool:
         """Take no new requests; let the running and waiting ones finish (aborting what still
@@ -566,12 +635,27 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                self._lock.wait_for(lambda: self._stop or self._running or self._waiting)
+                while not (self._stop or self._running or self._waiting):
+                    due = self._idle_capture_in()
+                    if due <= 0:
+                        break
+                    self._lock.wait(None if due == float("inf") else due)
                 if self._stop:
                     return
+                capturing = not (self._running or self._waiting)
                 self._busy = True
+                self._capturing = capturing
+            if capturing:
+                try:
+                    self._capture_idle()
+                except Exception:  # noqa: BLE001 -- never the loop's end: serving goes on
+                    log.exception("fuser: an idle capture failed")
+                with self._lock:
+                    self._busy = self._capturing = False
+                    self._lock.notify_all()
+                continue
             try:
-                with self.engine.generating():
+                with self.engine.generating(), self._deferring():
                     while not self._stop and (self._running or self._waiting):
                         if self._gathering():
                             continue
@@ -582,7 +666,86 @@ class Scheduler:
                 self._fail_all(f"error: {type(e).__name__}: {e}")
             with self._lock:
                 self._busy = False
+                self._served_at = time.perf_counter()
                 self._lock.notify_all()  # wait_idle() and drain() wait for this
+
+    # -- captures while idle ---------------------------------------------------------------------
+
+    def _deferring(self) -> contextlib.AbstractContextManager[None]:
+        """While serving: prefill and chunk shapes without a graph run uncaptured and wait
+        for an idle capture (`capture_at_idle`)."""
+        return self._captures.deferring() if self.capture_at_idle \
+            else contextlib.nullcontext()
+
+    def _busy_capturing(self) -> bool:
+        """Whether the loop is capturing a shape now (lock held)."""
+        return self._busy and self._capturing
+
+    def _idle_capture_in(self) -> float:
+        """Seconds until the idle loop should capture (lock held; nothing runs or waits):
+        <= 0 now (a shape a request needed waits; or planned shapes are left and nothing was
+        served for PLAN_QUIET s), inf when there is nothing to capture."""
+        if not self.capture_at_idle:
+            return float("inf")
+        now = time.perf_counter()
+        if self._captures.pending():
+            return self._capture_retry_at - now
+        if self._captures.planned():
+            return max(self._served_at + PLAN_QUIET, self._capture_retry_at) - now
+        return float("inf")
+
+    def _capture_idle(self) -> None:
+        """Capture one queued shape (`IdleCaptures.next`) while nothing runs or waits,
+        holding the engine (an `engine.generate` elsewhere makes it try again shortly) and the
+        step gate (a background bucket capture's warm-up waits), on rows made safe for it
+        (`_capture_rows`). A capture that fails is recorded by its graphs (the shape runs
+        uncaptured); anything else is logged, and the shape is not tried again."""
+        plan = time.perf_counter() >= self._served_at + PLAN_QUIET
+        job = self._captures.next(plan)
+        if job is None:
+            return
+        shape, planned = job
+        with contextlib.ExitStack() as held:
+            try:
+                held.enter_context(self.engine.generating())
+            except RuntimeError:  # a generation from another thread holds the engine
+                self._capture_retry_at = time.perf_counter() + IDLE_CAPTURE_RETRY
+                if planned:  # (a pending shape stays pending: `next` left it there)
+                    self._captures.plan.appendleft(shape)
+                return
+            held.enter_context(stepping(self.engine))
+            with self._lock:
+                arrived = bool(self._running or self._waiting)
+            if arrived:  # (while it waited for the gate): the request goes first
+                if planned:
+                    self._captures.plan.appendleft(shape)
+                return
+            try:
+                with self._capture_rows(shape[0]):
+                    self._captures.capture(shape, planned)
+            except Exception:  # noqa: BLE001 -- a capture off the path never ends the server
+                shape[0].pending.pop(shape[1], None)
+                log.exception("fuser: an idle capture of %s at %d tokens failed",
+                              type(shape[0]).__name__, shape[1])
+
+    @contextlib.contextmanager
+    def _capture_rows(self, graphs: object) -> Iterator[None]:
+        """Rows [:B] of `graphs`' cache made safe for a capture's warm-up runs, which write
+        slots [seq_lens, seq_lens + T) of each (nothing runs or waits: every row is free):
+        lengths 0 (put back after), and a paged cache's device table all null rows (free
+        rows' table rows may still name freed blocks there, cached ones among them, until the
+        next step's `sync_table`; null, their writes land in the null block)."""
+        cache = graphs.model.cache
+        if self.blocks is not None:
+            self.blocks.sync_table(self.max_slots)
+        saved = [(t, t.clone()) for t in (cache.seq_lens, cache.starts) if t is not None]
+        for tensor, _ in saved:
+            tensor.zero_()
+        try:
+            yield
+        finally:
+            for tensor, value in saved:
+                tensor.copy_(value)
 
     def _gathering(self) -> bool:
         """While nothing runs and requests wait whose admission is not due yet (a burst still

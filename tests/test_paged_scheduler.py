@@ -223,7 +223,7 @@ def test_speculative_paged_scheduler_with_preemption_and_prefix_hits() -> None:
     shared = prompt(8, seed=60)
     requests = [(shared + prompt(4, seed=61 + i), greedy(18)) for i in range(5)]
     want = alone(eng, requests)
-    sched = started(eng)
+    sched = started(eng, capture_at_idle=False)  # (every chunk replays, the first's captured)
     try:
         streams = [sched.submit(p, params) for p, params in requests]
         assert [s.result(TIMEOUT) for s in streams] == want
@@ -706,7 +706,9 @@ def test_chunks_at_captured_widths_return_what_each_returns_alone(
     for bucket in eng.buckets.values():
         bucket.target.chunk_graphs.run = recorded(bucket.target.chunk_graphs)
     try:
-        sched = started(eng, max_num_batched_tokens=6)
+        # (captured on the path of the request that first needs a width, so that this one's
+        # chunks replay: tests/test_idle_capture.py covers the captures at idle)
+        sched = started(eng, max_num_batched_tokens=6, capture_at_idle=False)
         try:
             got = [sched.submit(p, params).result(TIMEOUT) for p, params in requests]
             assert got == want
@@ -1124,7 +1126,7 @@ def test_gpu_paged_scheduler_replays_graphs_over_the_managed_table() -> None:
     shared = prompt(20, seed=80)
     requests = [(shared + prompt(18, seed=81 + i), greedy(12)) for i in range(5)]
     want = alone(eng, requests)
-    sched = started(eng)
+    sched = started(eng, capture_at_idle=False)  # (every chunk replays, the first's captured)
     try:
         streams = [sched.submit(p, params) for p, params in requests]
         assert [s.result(TIMEOUT) for s in streams] == want
@@ -1169,7 +1171,8 @@ def test_gpu_chunked_prefill_between_captured_steps() -> None:
         before = sum(v for k, v in eng.report().graph_replays.items() if k.startswith("step.b"))
         chunks_before = sum(v for k, v in eng.report().graph_replays.items()
                             if k.startswith("chunk."))
-        sched = started(eng, max_num_batched_tokens=budget)
+        # (every chunk replays: the first of a width captures it on its path)
+        sched = started(eng, max_num_batched_tokens=budget, capture_at_idle=False)
         try:
             streams = [sched.submit(p, params) for p, params in requests]
             assert [s.result(TIMEOUT) for s in streams] == want, budget

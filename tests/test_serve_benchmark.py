@@ -229,7 +229,9 @@ def test_dry_run_serves_a_tiny_engine_and_compares(tmp_path: Path) -> None:
     assert scheduler["steps"] > 0 and scheduler["steps_ahead"] >= 0, scheduler
     assert set(scheduler) == {"class", "max_waiting", "steps", "steps_ahead", "chunks_ahead",
                               "prefill_chunks", "preemptions", "admissions",
-                              "admission_drains", "prefill_groups", "padded_rows"}, scheduler
+                              "admission_drains", "prefill_groups", "padded_rows",
+                              "graphs_captured_on_path", "graphs_run_uncaptured",
+                              "graphs_captured_idle"}, scheduler
     check_levels(system["levels"], [1, 2], 3, 6)
     # each level's part of them: its requests (3) and warm-up (c) all prefilled whole
     for level in system["levels"]:

@@ -487,6 +487,32 @@ def test_a_model_directory_serves_a_paged_cache_with_prefix_caching(tiny_model_d
         dict(kv_block_size=16, kv_memory_fraction=0.5)
 
 
+def test_precapture_plans_the_flags_seconds():
+    """After /health, `fuser serve` plans --precapture-seconds (default 30) of idle-time
+    captures (runtime/idle_capture.py); the benchmark's in-process server waits for them;
+    0 plans none."""
+    from fuser.server.cli import precapture
+
+    calls: list[object] = []
+
+    class Planned:
+        def precapture(self, seconds: float) -> int:
+            calls.append(seconds)
+            return 3
+
+        def wait_captures(self, timeout: float, planned: bool = False) -> bool:
+            calls.append(("wait", planned))
+            return True
+
+    assert precapture(Planned(), _serve_args()) == 3 and calls == [30.0]
+    calls.clear()
+    assert precapture(Planned(), _serve_args("--precapture-seconds", "5"), wait=True) == 3
+    assert calls == [5.0, ("wait", True)]
+    calls.clear()
+    assert precapture(Planned(), _serve_args("--precapture-seconds", "0"), wait=True) == 0
+    assert calls == []
+
+
 def test_adaptation_keeps_the_kv_cache_flags(tiny_model_dir):
     """`--adapt-draft` with --no-prefix-caching or --max-num-batched-tokens on a paged cache:
     both reach the adaptive scheduler, as they reach the plain one."""
@@ -522,7 +548,8 @@ def test_kv_cache_flag_mistakes_are_one_line(tiny_model_dir, capsys):
                         (["--gpu-memory-fraction", "1.5"], "--gpu-memory-fraction"),
                         (["--block-size", "0", "--gpu-memory-fraction", "0.5"], "not with"),
                         (["--admission-wait-ms", "-1"], "--admission-wait-ms"),
-                        (["--admission-quiet-ms", "-0.5"], "--admission-quiet-ms")):
+                        (["--admission-quiet-ms", "-0.5"], "--admission-quiet-ms"),
+                        (["--precapture-seconds", "-1"], "--precapture-seconds")):
         code, err = _run(["serve", str(tiny_model_dir), "--port", "0", *flags], capsys)
         assert code == 2 and err.count("\n") == 1 and word in err, err
 

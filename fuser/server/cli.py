@@ -34,6 +34,9 @@ DEFAULT_GPU_MEMORY_FRACTION = 0.9  # --gpu-memory-fraction (vLLM's gpu_memory_ut
 # whole-prompt admission (docs/paged-kv.md).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 0
 WARM_UP_SECONDS = 600.0
+# --precapture-seconds: after /health, idle time spent capturing the likeliest prefill and
+# chunk graphs (runtime/idle_capture.py; 120-250 ms each at the 8B shape, the likeliest first).
+DEFAULT_PRECAPTURE_SECONDS = 30.0
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -142,6 +145,13 @@ def add_kv_cache_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--admission-quiet-ms", type=float, default=None,
                        help="on an idle server, the pause in arrivals that ends a burst of "
                             "requests admitted together (default: 2)")
+    serve.add_argument("--precapture-seconds", type=float, default=DEFAULT_PRECAPTURE_SECONDS,
+                       help="after /health, spend at most this many seconds of idle time "
+                            "capturing the likeliest prefill and chunk CUDA graphs (prompts "
+                            "up to 512 tokens, alone and in bursts); a request that arrives "
+                            "waits for at most the capture under way. Shapes requests meet "
+                            "are captured in idle time anyway, never on a request's path "
+                            f"(default: {DEFAULT_PRECAPTURE_SECONDS:g}; 0: off)")
 
 
 def kv_cache_config(args: argparse.Namespace) -> dict[str, object]:
@@ -207,7 +217,7 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError("--api-key must not be empty")
     if block_size(args) < 0:
         raise ValueError(f"--block-size {args.block_size} must be at least 0 (0: contiguous)")
-    for flag in ("admission_wait_ms", "admission_quiet_ms"):
+    for flag in ("admission_wait_ms", "admission_quiet_ms", "precapture_seconds"):
         value = getattr(args, flag, None)
         if value is not None and not value >= 0:
             raise ValueError(f"--{flag.replace('_', '-')} {value:g} must be at least 0")
@@ -360,6 +370,25 @@ def warm_up(scheduler: Any, tokenizer: Any) -> None:
                    SamplingParams(max_tokens=2, temperature=1.0, seed=0, ignore_eos=True)):
         out = scheduler.submit(ids, params).result(WARM_UP_SECONDS)
         tokenizer.decode(out)
+    # The prefill graphs these requests ran uncaptured are captured in idle time
+    # (runtime/idle_capture.py): before /health, not while the first client waits.
+    wait = getattr(scheduler, "wait_captures", None)
+    if wait is not None:
+        wait(WARM_UP_SECONDS)
+
+
+def precapture(scheduler: Any, args: argparse.Namespace, wait: bool = False) -> int:
+    """Plan --precapture-seconds of idle-time captures of the likeliest prefill and chunk
+    shapes (`Scheduler.precapture`); wait: until they are done (the benchmark's in-process
+    server, before its levels). Returns how many shapes were planned."""
+    seconds = getattr(args, "precapture_seconds", DEFAULT_PRECAPTURE_SECONDS)
+    plan = getattr(scheduler, "precapture", None)
+    if plan is None or not seconds:
+        return 0
+    count = plan(seconds)
+    if count and wait:
+        scheduler.wait_captures(seconds + WARM_UP_SECONDS, planned=True)
+    return count
 
 
 def settle_heap() -> None:
@@ -623,6 +652,10 @@ def run_serve(args: argparse.Namespace) -> int:
         for line in cold.table().splitlines():
             progress(line)
         say(f"fuser serve: ready at {server.url} (model {name})")
+        planned = precapture(scheduler, args)
+        if planned:
+            progress(f"capturing up to {planned} likely prefill and chunk graphs in idle time "
+                     f"(at most {args.precapture_seconds:g} s; --precapture-seconds)")
         while not stop.wait(0.5):
             if not server.alive:
                 raise RuntimeError(f"the HTTP server stopped ({server.error!r})")
