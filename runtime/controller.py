@@ -117,6 +117,11 @@ PROBE_STEPS = 4
 # and arms a few percent apart trade places on the noise of their tokens alone. An arm
 # measured at MAX_HOLD or more below it is taken whatever the errors.
 HOLD = 0.05
+# The hold scales with what a switch is measured to cost: a switch step's seconds over its
+# arm's steady ones, less 1 (averaged at SWITCH_MEMORY), as a share of SWITCH_FULL: where
+# switching costs nothing (no overlap to restart) the steps take any surely cheaper arm.
+SWITCH_FULL = 0.5
+SWITCH_MEMORY = 0.8
 CONFIDENCE = 2.0
 MAX_HOLD = 0.5
 # An arm's slow average of tokens per row jumps to its fast one where they part by SURPRISE
@@ -378,6 +383,9 @@ class Controller:
         self._allowance = probe_steps * len(listed)  # one probe of each arm at once
         self._run: list = []  # the probe under way: [its arm, steps of it left to issue]
         self._last_policy: Arm | None = None  # the policy of the step issued last
+        # A switch's seconds over its arm's steady ones, less 1 (None: no switch measured yet,
+        # the whole HOLD applies)
+        self._switch_premium: float | None = None
         self._settled: Arm | None = None  # the arm the steps run between probes
         self.step_count = 0  # steps chosen
         self.probes = 0  # of them, probes
@@ -442,8 +450,16 @@ class Controller:
             return lowest
         error = math.hypot(self._measures[lowest].error(self.token_memory),
                            self._measures[held].error(self.token_memory))
-        margin = min(HOLD + CONFIDENCE * error, MAX_HOLD)
+        margin = min(self.hold + CONFIDENCE * error, MAX_HOLD)
         return held if self.cost(*lowest) > (1.0 - margin) * self.cost(*held) else lowest
+
+    @property
+    def hold(self) -> float:
+        """How much cheaper another arm must be measured to leave the one the steps run
+        (before the errors): HOLD times the measured switch premium's share of SWITCH_FULL."""
+        if self._switch_premium is None:
+            return HOLD
+        return HOLD * min(max(self._switch_premium, 0.0) / SWITCH_FULL, 1.0)
 
     @property
     def gamma(self) -> int:
@@ -646,6 +662,13 @@ class Controller:
             counted = choice.counted
             self.trace.append(StepSample(choice.arm, choice.probe, seconds, interval, host,
                                          tokens, choice.policy, choice.switch))
+            measured = self._measures[choice.counted]
+            if choice.switch and measured.samples > 1 and measured.seconds > 0:
+                premium = seconds / measured.seconds - 1.0
+                self._switch_premium = premium if self._switch_premium is None else \
+                    self._switch_premium + (1.0 - SWITCH_MEMORY) * (premium -
+                                                                    self._switch_premium)
+                self._costs.clear()
             if not choice.switch:  # (a switch's seconds pay the change, not the arm)
                 weight = self.probe_weight if choice.probe else 1.0 - self.memory
                 token_weight = self.probe_weight if choice.probe else 1.0 - self.token_memory

@@ -273,7 +273,9 @@ def test_forget_reprobes_the_source_at_once() -> None:
     assert [c.arm for c in nxt] == [(DRAFT, g) for g in GAMMAS for _ in range(ctl.probe_steps)]
     assert all(c.probe for c in nxt)
     assert ctl.best()[0] == DRAFT  # (gammas 4 and 6 are 11% apart: a few steps' noise)
-    script.run(ctl, 100)
+    # Held on gamma 4, the steps take gamma 6 once it is measured surely cheaper: its probes
+    # (every quarter of `refresh`) bring its error down
+    script.run(ctl, 300)
     assert ctl.best() == (DRAFT, 6), ctl.reason
 
 
@@ -544,3 +546,25 @@ def test_an_arm_that_runs_only_where_a_row_matched_pays_for_the_steps_it_cannot_
     measured = ctl.measured()
     assert measured[arm_name(ctl.best())]["steady"] == pytest.approx(seconds[ctl.best()])
     assert sum(m["fallbacks"] for m in measured.values()) > 0  # (the suffix's stand-ins)
+
+
+@pytest.mark.parametrize("switch_seconds", [0.0, 1.4])
+def test_the_hold_follows_what_a_switch_is_measured_to_cost(switch_seconds: float) -> None:
+    """Where a switch step costs what a steady one does, nothing holds the steps on an arm that
+    is measured surely cheaper to leave; where it costs 2x and more, the whole HOLD applies."""
+    from fuser.runtime.controller import HOLD
+
+    script = Script(draft_seconds(1.0, 0.3), {DRAFT: 0.7}, seed=3)
+    ctl = Controller({DRAFT: GAMMAS}, clock=script.clock)
+    assert ctl.hold == HOLD  # no switch measured yet
+    last = None
+    for _ in range(400):
+        choice = ctl.choose()
+        extra = switch_seconds if last is not None and choice.arm != last else 0.0
+        script.clock.now += script.seconds[choice.arm] + extra
+        ctl.update(script.accepted(choice), choice.gamma)
+        last = choice.arm
+    if switch_seconds:
+        assert ctl.hold == pytest.approx(HOLD)
+    else:
+        assert ctl.hold < 0.1 * HOLD
