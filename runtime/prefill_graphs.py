@@ -42,6 +42,11 @@ PREFILL_BLOCK = 32  # padded prompt lengths up to SHORT_PREFILL_TOKENS are multi
 SHORT_PREFILL_TOKENS = 512  # beyond: steps of 1/8 of the length's power of two
 PREFILL_GRAPH_MAX_TOKENS = 4096  # longer prompts run uncaptured
 MAX_LONG_GRAPHS = 4  # captured lengths above SHORT_PREFILL_TOKENS kept at once (LRU)
+# With `defer`, a length runs uncaptured at most this many times before it is captured on the
+# caller's path after all: a server that never idles would otherwise run it uncaptured for
+# good (an uncaptured 8B prefill is host-bound: ~3 ms a layer of launches in FP8, above), and
+# a prompt's chunks of one width run several times in a row.
+DEFER_RUNS = 8
 
 
 def padded_length(tokens: int, slots: int) -> int | None:
@@ -69,7 +74,8 @@ class PrefillGraphs:
 
     defer: a length not captured yet runs uncaptured and joins `pending` (the most recently
     needed last; of the lengths above SHORT_PREFILL_TOKENS, the MAX_LONG_GRAPHS most recent)
-    instead of being captured on the caller's path; `capture_now` captures it later.
+    instead of being captured on the caller's path; `capture_now` captures it later. A length
+    that ran uncaptured DEFER_RUNS times is captured on the caller's path at its next run.
     Counters: `captured_on_path` (captures made by `run`), `deferred_runs` (runs uncaptured
     while their length waited for its capture), `captured_idle` (captures by `capture_now`).
     """
@@ -88,6 +94,7 @@ class PrefillGraphs:
         self.captured_on_path = 0
         self.deferred_runs = 0
         self.captured_idle = 0
+        self._deferred: dict[int, int] = {}  # length -> its runs uncaptured while deferred
         cache = model.cache
         # The position per row whose logits a graph returns (static: set before a replay).
         self.last = torch.zeros(cache.batch_size, dtype=torch.long, device=cache.seq_lens.device)
@@ -117,10 +124,12 @@ class PrefillGraphs:
         if graph is not None:  # most recently used last (dicts keep insertion order)
             self.graphs[T] = self.graphs.pop(T)
         elif self.capturable(T):
-            if self.defer:
+            if self.defer and self._deferred.get(T, 0) < DEFER_RUNS:
                 self._wait_for_capture(T)
+                self._deferred[T] = self._deferred.get(T, 0) + 1
                 self.deferred_runs += 1
                 return None
+            self.pending.pop(T, None)
             self._make_room(T)
             graph = self._capture(T)
             self.captured_on_path += graph is not None
