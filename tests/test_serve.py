@@ -417,10 +417,17 @@ def test_the_http_warm_up_reports_a_malformed_answer_never_raises():
     from fuser.server.cli import warm_up_http
 
     listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    done = threading.Event()
 
     def answer() -> None:
-        for _ in range(2):
-            connection, _ = listener.accept()
+        answered = 0
+        while answered < 2 and not done.is_set():  # (the warm-up may stop at its first failure)
+            try:
+                connection, _ = listener.accept()
+            except TimeoutError:
+                continue
+            answered += 1
             with connection:
                 connection.recv(65536)
                 connection.sendall(b"not http at all\r\n\r\n")
@@ -433,7 +440,10 @@ def test_the_http_warm_up_reports_a_malformed_answer_never_raises():
         failed = warm_up_http(fake, MODEL, None, tokenizer)
         assert failed is not None and "BadStatusLine" in failed, failed
     finally:
+        done.set()
+        thread.join(timeout=10)
         listener.close()
+    assert not thread.is_alive()
 
 
 def test_the_heap_is_settled_before_health():
