@@ -257,3 +257,30 @@ def test_serve_imports_times_the_launch_before_the_load(tmp_path: Path) -> None:
     assert len(result["imports"]) == 5 and ["torch", "fuser.config"] == \
         [row for row in result["imports"] if row[0] == "torch"][0][::2]
     assert result["compiler_modules"] == []
+
+
+@pytest.mark.parametrize("accepted", [0, 1])
+def test_adapt_acceptance_criterion_needs_an_accepted_update(accepted: int) -> None:
+    """benchmarks/adapt.py's acceptance criterion: a rise of 0.15 with no accepted draft update
+    is window-to-window noise (the rows the draft keeps follow the suffix index), not a pass."""
+    adapt = _adapt_module()
+
+    def window(acceptance: float, updates: int) -> dict:
+        return {"tok_s": 100.0, "sources": {"draft": {"acceptance": acceptance}},
+                "updates": {"accepted": updates, "rejected": 0}}
+
+    saved = dict(adapt.RESULTS)
+    try:
+        adapt.RESULTS.clear()
+        adapt.RESULTS.update(criteria=[], workloads={"shifted": {
+            "off": {"windows": [window(0.47, 0), window(0.57, 0)],
+                    "tok_s": {"python_before": 1.0, "python_after": 1.0}},
+            "on": {"windows": [window(0.39, 0), window(0.57, accepted)],
+                   "tok_s": {"python_before": 1.0, "python_after": 1.0}}}})
+        adapt.shifted_criteria()
+        (row,) = [c for c in adapt.RESULTS["criteria"] if "draft acceptance" in c["criterion"]]
+        assert row["pass"] is bool(accepted), row
+        assert f"{accepted} updates accepted (off 0.47 -> 0.57)" in row["value"]
+    finally:
+        adapt.RESULTS.clear()
+        adapt.RESULTS.update(saved)
