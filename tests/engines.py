@@ -150,6 +150,21 @@ def check_stats(engine: fuser.Engine) -> fuser.SpecStats:
     return stats
 
 
+def prompt(length: int, seed: int) -> list[int]:
+    """A seeded prompt of `length` ids in [3, VOCAB)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (length,), generator=generator).tolist()
+
+
+def greedy(max_tokens: int) -> fuser.SamplingParams:
+    return fuser.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def sampled(max_tokens: int, seed: int) -> fuser.SamplingParams:
+    return fuser.SamplingParams(max_tokens=max_tokens, temperature=0.9, top_k=30, seed=seed,
+                                ignore_eos=True)
+
+
 @functools.cache
 def paged_engine(blocks: int = 0, draft: bool = False) -> fuser.Engine:
     """The Llama target over a paged cache of 4-slot blocks: 4 rows, buckets 1, 2, 4, "fx";

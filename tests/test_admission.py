@@ -25,9 +25,8 @@ import torch
 import fuser
 from fuser import SamplingParams, Scheduler
 from fuser.runtime import scheduler as scheduler_module
-from engines import MAX_SEQ_LEN, llama_target, perturbed
+from engines import MAX_SEQ_LEN, greedy, llama_target, perturbed, prompt, sampled
 
-VOCAB = 160
 ROWS = 16
 TIMEOUT = 120.0
 
@@ -55,20 +54,6 @@ def engine(kind: str = "paged") -> fuser.Engine:
     if cuda:
         built.wait_for_graphs()
     return built
-
-
-def prompt(length: int, seed: int) -> list[int]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(3, VOCAB, (length,), generator=generator).tolist()
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-
-
-def sampled(max_tokens: int, seed: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.9, top_k=30, seed=seed,
-                          ignore_eos=True)
 
 
 def alone(requests: list[tuple[list[int], SamplingParams]], kind: str = "paged"

@@ -16,25 +16,15 @@ import pytest
 import torch
 
 import fuser
-from fuser import SamplingParams, Scheduler
+from fuser import Scheduler
 from fuser.runtime import prefill_graphs, scheduler as scheduler_module
 from fuser.runtime.idle_capture import IdleCaptures
 from fuser.runtime.prefill_graphs import DEFER_RUNS, MAX_LONG_GRAPHS, ChunkGraphs, PrefillGraphs
-from engines import RunningGraph, llama_target, paged_engine, perturbed
+from engines import RunningGraph, greedy, llama_target, paged_engine, perturbed, prompt
 
-VOCAB = 160
 TIMEOUT = 120.0
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
-
-
-def prompt(length: int, seed: int) -> list[int]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(3, VOCAB, (length,), generator=generator).tolist()
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
 def fake_graphs(T: int = 10**6, batch: int = 1, kind: type = PrefillGraphs) -> PrefillGraphs:

@@ -20,10 +20,9 @@ import torch
 import fuser
 from fuser import SamplingParams, Scheduler
 from fuser.runtime import speculative
-from engines import MAX_SEQ_LEN, RunningGraph, SyncMode, adaptive_rounds_checked, llama_target, \
-    paged_engine, perturbed
+from engines import MAX_SEQ_LEN, VOCAB, RunningGraph, SyncMode, adaptive_rounds_checked, greedy, \
+    llama_target, paged_engine, perturbed, prompt, sampled
 
-VOCAB = 160
 BLOCK = 4  # paged_engine's block size
 SMALL_POOL = 14  # blocks, the null block included
 TIMEOUT = 120.0
@@ -32,20 +31,6 @@ pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 engine = paged_engine  # (tests/engines.py: shared with tests/test_paged_engine.py)
-
-
-def prompt(length: int, seed: int) -> list[int]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(3, VOCAB, (length,), generator=generator).tolist()
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-
-
-def sampled(max_tokens: int, seed: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.9, top_k=30, seed=seed,
-                          ignore_eos=True)
 
 
 # Greedy and seeded sampling, prompts of a few lengths (several of one length: they prefill
