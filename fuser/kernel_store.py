@@ -11,6 +11,11 @@ what a load in a fresh process would otherwise compile again:
   on their first launch and looked up in Triton's cache directory under the hash of source,
   options and GPU target. Inductor's autotuning choices (which launch configuration of a kernel won) come
   with the compiled step (`CompiledStep.tuning`), so a load does not benchmark them again.
+- CUDA: the C extension modules Triton builds with the host's C compiler and keeps in the same
+  cache: its driver's utilities (`cuda_utils`, once per cache directory) and, up to Triton 3.6,
+  a launcher per kernel signature (`__triton_launcher`, on a kernel's first launch). In a fresh
+  cache each is a `gcc -O3` run of about half a second, in the first run of the steps
+  (`triton_module_files`).
 
 An engine directory keeps both under `kernels/` (`kernels/inductor/<path in Inductor's cache>`,
 `kernels/triton/<cache key>/<file>`); `seed` copies them into this process's caches before the
@@ -24,10 +29,12 @@ and the ISA picked at load is checked against the one the kernels were built for
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -124,6 +131,28 @@ def triton_kernel_files(device: torch.device) -> list[Path]:
     return sorted({p for p in files if p.is_file()})
 
 
+def triton_module_files(cache_dirs: Iterable[Path]) -> list[Path]:
+    """The C extension modules this process loaded from Triton's cache directories `cache_dirs`
+    (each `<dir>/<cache key>/<name><EXT_SUFFIX>`): the driver's utilities and the kernels'
+    launchers, which Triton compiles from C on first use where its cache lacks them and keeps
+    loaded while a kernel can launch. Found among the live module objects (Triton loads them
+    without `sys.modules`), so every launcher of this process is kept, fuser's kernels' and any
+    of Inductor's that do not use its static launcher."""
+    roots = [Path(d).resolve() for d in cache_dirs]
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    files = set()
+    for obj in gc.get_objects():
+        if type(obj) is not ModuleType:
+            continue
+        path = getattr(obj, "__file__", None)
+        if not isinstance(path, str) or not path.endswith(suffix):
+            continue
+        resolved = Path(path).resolve()
+        if resolved.parent.parent in roots and resolved.is_file():
+            files.add(resolved)
+    return sorted(files)
+
+
 ISA_PROBE_MARK = "_chk_kernel"
 
 
@@ -143,8 +172,8 @@ def isa_probe_files() -> list[Path]:
 
 def kernel_files(artifacts: Iterable[object], device: torch.device) -> dict[str, Path]:
     """Engine-directory name (`kernels/...`) -> file, for every kernel binary a load would
-    otherwise compile: C++ kernels of the compiled steps' `artifacts` (CPU) and fuser's Triton
-    kernels (CUDA)."""
+    otherwise compile: C++ kernels of the compiled steps' `artifacts` (CPU); fuser's Triton
+    kernels and the C modules Triton launches them through (CUDA)."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     root = Path(cache_dir()).resolve()
@@ -154,7 +183,10 @@ def kernel_files(artifacts: Iterable[object], device: torch.device) -> dict[str,
         libraries += isa_probe_files()
     for path in libraries:
         out[f"{KERNELS_DIR}/{INDUCTOR}/{path.relative_to(root).as_posix()}"] = path
-    for path in triton_kernel_files(device):
+    triton_files = triton_kernel_files(device)
+    if device.type == "cuda":
+        triton_files += triton_module_files(triton_cache_dirs(device))
+    for path in triton_files:
         out[f"{KERNELS_DIR}/{TRITON}/{path.parent.name}/{path.name}"] = path
     return out
 
@@ -365,4 +397,5 @@ def check_isa(built: str | None, directory: Path) -> None:
 
 
 __all__ = ["KERNELS_DIR", "check_isa", "cpp_kernel_files", "kernel_files", "loading",
-           "prime_triton_key", "seed", "settle_triton_toolchain", "triton_kernel_files", "vector_isa"]
+           "prime_triton_key", "seed", "settle_triton_toolchain", "triton_kernel_files",
+           "triton_module_files", "vector_isa"]

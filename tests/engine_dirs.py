@@ -100,7 +100,7 @@ def load_in_fresh_process(built: BuiltEngine, scratch: Path) -> dict[str, object
 
 # Every entry point that traces, generates, compiles or autotunes code, made to raise in the
 # process that loads; on CUDA, Triton's compile is called for each kernel's first launch and must
-# find the binary in the cache (a miss raises).
+# find the binary in the cache (a miss is counted), and its C compiler raises.
 LOAD_COMPILING_NOTHING = """
 import json, sys, torch
 
@@ -129,6 +129,10 @@ if torch.cuda.is_available():
         if not cache_hit:
             misses.append(metadata.get("name"))
     triton.knobs.compilation.listener = listen
+    # Triton's C modules (its driver's utilities, the kernels' launchers) come from the engine
+    # directory too: the host's C compiler never runs.
+    import triton.runtime.build
+    triton.runtime.build._build = forbidden("triton.runtime.build._build")
 else:
     triton.compile = triton.compiler.compiler.compile = forbidden("triton.compile")
 

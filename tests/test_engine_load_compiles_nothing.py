@@ -343,6 +343,45 @@ def test_seeded_triton_kernels_are_found_by_tritons_own_lookup(tmp_path: Path,
     assert all(Path(p).read_bytes() == n.encode() for n, p in group.items())
 
 
+# A C extension module as Triton builds its launchers and driver utilities from C source.
+TRITON_MODULE_SOURCE = """
+#include <Python.h>
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "__triton_launcher", NULL, -1, NULL};
+PyMODINIT_FUNC PyInit___triton_launcher(void) { return PyModule_Create(&module); }
+"""
+
+
+def test_tritons_c_modules_are_kept_and_load_without_the_c_compiler(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C modules Triton compiles into its cache (a launcher per kernel signature up to
+    Triton 3.6, its driver's utilities) are found among the process's live modules, kept as
+    engine-directory files, and, seeded into a fresh cache, load through Triton's own
+    `compile_module_from_src` with its C compiler made to raise."""
+    import triton.runtime.build as build
+
+    from fuser import kernel_store
+
+    built_cache, fresh_cache = tmp_path / "built", tmp_path / "fresh"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(built_cache))
+    module = build.compile_module_from_src(TRITON_MODULE_SOURCE, "__triton_launcher")
+    files = kernel_store.triton_module_files([built_cache])
+    assert files == [Path(module.__file__).resolve()]
+    assert kernel_store.triton_module_files([fresh_cache]) == []  # another cache's: not kept
+    key = files[0].parent.name
+    name = f"{kernel_store.KERNELS_DIR}/{kernel_store.TRITON}/{key}/{files[0].name}"
+    engine_dir = tmp_path / "engine"
+    (engine_dir / name).parent.mkdir(parents=True)
+    (engine_dir / name).write_bytes(files[0].read_bytes())
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(fresh_cache))
+    monkeypatch.setattr(build, "_build", forbidden("triton.runtime.build._build"))
+    with pytest.raises(AssertionError, match="_build"):  # a fresh cache compiles it
+        build.compile_module_from_src(TRITON_MODULE_SOURCE, "__triton_launcher")
+    assert kernel_store.seed(engine_dir, [name], torch.device("cuda")) == 1
+    again = build.compile_module_from_src(TRITON_MODULE_SOURCE, "__triton_launcher")
+    assert Path(again.__file__).resolve() == (fresh_cache / key / files[0].name).resolve()
+
+
 def test_triton_toolchain_is_settled_on_cuda_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """`settle_triton_toolchain` applies Inductor's ptxas and libdevice settings for a CUDA
     device (a build and a load both call it before their first kernel, so that every kernel is
