@@ -23,8 +23,8 @@ import asyncio
 import hmac
 import json
 import logging
+import random
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -151,11 +151,11 @@ class Generation:
         sent = 0
         try:
             async for ids in self.stream:
-                for token in ids:
-                    self.completion_tokens += 1
-                    if self.stops.feed(self.detok.add(token)):
-                        self.stream.finish("stop")  # the slot frees at the next step boundary
-                        break
+                if self.stops.stops:
+                    self._feed_each(ids)
+                else:  # a step's tokens at once: one decode
+                    self.completion_tokens += len(ids)
+                    self.stops.feed(self.detok.extend(ids))
                 if self.stops.stopped:
                     break
                 n = self.stops.releasable(finished=False)
@@ -174,6 +174,15 @@ class Generation:
                                                                     or "abort")
         finally:
             self.close()
+
+    def _feed_each(self, ids: list[int]) -> None:
+        """A step's tokens one at a time, so that the count ends at the token that completes a
+        stop string."""
+        for token in ids:
+            self.completion_tokens += 1
+            if self.stops.feed(self.detok.add(token)):
+                self.stream.finish("stop")  # the slot frees at the next step boundary
+                return
 
     def close(self) -> None:
         """The response is over (complete, or its client left): free the slot if the request
@@ -357,7 +366,7 @@ def create_app(scheduler: Any = None, tokenizer: Any = None, model_name: str = "
                       chat: bool, echo: str = "") -> Response:
         stream = _submit(state, prompt_ids, sampling_params(body, max_tokens))
         generation = Generation(state, stream, body.stops, body.skip_special_tokens)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{random.getrandbits(128):032x}"
         created = int(time.time())
         if body.stream:
             return EventStream(_events(generation, rid, created, chat, echo, body.include_usage),

@@ -15,11 +15,40 @@ exactly the non-streamed text.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 REPLACEMENT = "\ufffd"
+
+# Where transformers' fast tokenizers define the decode that `decoder` may bypass.
+_BASE_DECODE = ("transformers.tokenization_utils_base", "decode")
+_BACKEND_DECODE = ("transformers.tokenization_utils_tokenizers", "_decode")
+
+
+def _defined_in(cls: type, name: str) -> tuple[str, str]:
+    method = getattr(cls, name, None)
+    return getattr(method, "__module__", ""), getattr(method, "__name__", "")
+
+
+def decoder(tokenizer: object, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """`tokenizer.decode(ids, skip_special_tokens=...)` as a function of a list of ids.
+
+    For a fast tokenizer whose decode is the Rust tokenizer's own (transformers' `decode` and
+    `_decode` not overridden, no clean-up of tokenization spaces), it calls the Rust tokenizer
+    directly: transformers' Python around it (argument conversion, batching checks) cost more
+    than the decoding itself, twice per token of every request. Any other tokenizer decodes
+    through its own `decode`."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    cls = type(tokenizer)
+    if (backend is not None and hasattr(backend, "decode")
+            and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
+            and _defined_in(cls, "decode") == _BASE_DECODE
+            and _defined_in(cls, "_decode") == _BACKEND_DECODE):
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 class IncrementalDetokenizer:
-    """Text of a growing list of token ids, one token at a time."""
+    """Text of a growing list of token ids, a step's tokens at a time."""
 
     def __init__(self, tokenizer: object, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
@@ -28,21 +57,37 @@ class IncrementalDetokenizer:
         self.text = ""
         self._prefix = 0  # ids[_prefix:_read] decode to the tail of `text` (context for the next)
         self._read = 0
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        self._decode = decoder(tokenizer, skip_special_tokens)
 
     def add(self, token: int) -> str:
         """Append one token; returns the text it completes ("" while a character is partial)."""
-        self.ids.append(int(token))
+        return self.extend((token,))
+
+    def extend(self, tokens: Iterable[int]) -> str:
+        """Append tokens (a step's); returns the text they complete ("" while a character is
+        partial), as adding them one at a time would: one decode of the window, or one a
+        token where the last leaves a character partial (the text before it is due now)."""
+        tokens = [int(t) for t in tokens]
+        start = len(self.ids)
+        self.ids.extend(tokens)
+        delta, partial = self._advance()
+        if partial and len(tokens) > 1:
+            del self.ids[start:]  # (the window did not move)
+            return "".join(self.extend((t,)) for t in tokens)
+        return delta
+
+    def _advance(self) -> tuple[str, bool]:
+        """Move the window over the ids added: (the new text, whether a character is partial)."""
         before = self._decode(self.ids[self._prefix:self._read])
         after = self._decode(self.ids[self._prefix:])
-        if len(after) <= len(before) or after.endswith(REPLACEMENT):
-            return ""
+        if after.endswith(REPLACEMENT):
+            return "", True
+        if len(after) <= len(before):
+            return "", False
         delta = after[len(before):]
         self._prefix, self._read = self._read, len(self.ids)
         self.text += delta
-        return delta
+        return delta, False
 
     def flush(self) -> str:
         """At the end: whatever the window still holds (a trailing partial character too)."""
