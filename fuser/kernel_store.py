@@ -185,7 +185,7 @@ def kernel_files(artifacts: Iterable[object], device: torch.device) -> dict[str,
         out[f"{KERNELS_DIR}/{INDUCTOR}/{path.relative_to(root).as_posix()}"] = path
     triton_files = triton_kernel_files(device)
     if device.type == "cuda":
-        triton_files += triton_module_files(triton_cache_dirs(device))
+        triton_files += triton_module_files(triton_module_dirs(device))
     for path in triton_files:
         out[f"{KERNELS_DIR}/{TRITON}/{path.parent.name}/{path.name}"] = path
     return out
@@ -224,6 +224,20 @@ def triton_cache_dirs(device: torch.device) -> list[Path]:
 
         dirs.append(Path(triton_cache_dir(device.index or 0)))
     return list(dict.fromkeys(dirs))
+
+
+def triton_module_dirs(device: torch.device) -> list[Path]:
+    """Where this process's Triton may have put the C modules it loaded: where it looks now
+    (`triton_cache_dirs`) and its default directory (<TRITON_HOME>/.triton/cache). A process
+    started without TRITON_CACHE_DIR loads its driver's utilities there (Inductor's code
+    generation asks the driver for the GPU target), and the launchers of the kernels it
+    launches before Inductor makes its first kernel object, which points TRITON_CACHE_DIR at
+    Inductor's own directory (`CachingAutotuner.__init__`): `triton_cache_dirs` then names
+    only that one."""
+    import triton
+
+    default = Path(triton.knobs.cache.get_triton_dir("cache"))
+    return list(dict.fromkeys([*triton_cache_dirs(device), default]))
 
 
 def settle_triton_toolchain(device: torch.device) -> None:
@@ -398,4 +412,4 @@ def check_isa(built: str | None, directory: Path) -> None:
 
 __all__ = ["KERNELS_DIR", "check_isa", "cpp_kernel_files", "kernel_files", "loading",
            "prime_triton_key", "seed", "settle_triton_toolchain", "triton_kernel_files",
-           "triton_module_files", "vector_isa"]
+           "triton_module_dirs", "triton_module_files", "vector_isa"]

@@ -382,6 +382,25 @@ def test_tritons_c_modules_are_kept_and_load_without_the_c_compiler(
     assert Path(again.__file__).resolve() == (fresh_cache / key / files[0].name).resolve()
 
 
+def test_tritons_c_modules_loaded_before_inductor_moved_its_cache_are_kept(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A build process started without TRITON_CACHE_DIR loads Triton's driver utilities (at
+    Inductor's code generation, which asks the driver for the GPU target) from Triton's default
+    cache directory; Inductor's first kernel object then points TRITON_CACHE_DIR at its own
+    directory (`CachingAutotuner.__init__`). The modules loaded before are still kept."""
+    import triton.runtime.build as build
+
+    from fuser import kernel_store
+
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TRITON_HOME", str(tmp_path / "home"))  # the default: <home>/.triton/cache
+    module = build.compile_module_from_src(TRITON_MODULE_SOURCE, "__triton_launcher")
+    assert Path(module.__file__).resolve().is_relative_to((tmp_path / "home").resolve())
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "inductor" / "triton" / "0"))
+    kept = kernel_store.kernel_files([], torch.device("cuda")).values()
+    assert Path(module.__file__).resolve() in kept
+
+
 def test_triton_toolchain_is_settled_on_cuda_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """`settle_triton_toolchain` applies Inductor's ptxas and libdevice settings for a CUDA
     device (a build and a load both call it before their first kernel, so that every kernel is

@@ -259,6 +259,7 @@ def test_cuda_adaptive_scheduler_mixed_steps_are_captured_and_lossless() -> None
         scheduler.close()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.xdist_group("cuda_pair")
 def test_cuda_adaptive_probes_and_stand_ins_replay_captured_graphs(
@@ -271,10 +272,10 @@ def test_cuda_adaptive_probes_and_stand_ins_replay_captured_graphs(
     captured would, at many times a replay's host cost)."""
     from fuser import SamplingParams
     from fuser.runtime.adaptive_scheduler import AdaptiveScheduler
-    from fuser.runtime.controller import SUFFIX, Controller
+    from fuser.runtime.controller import SUFFIX, Choice, Controller
 
     _, built, batch = cuda_pair()
-    chosen: list[tuple[int, object]] = []
+    chosen: list[tuple[Controller, Choice]] = []
     real = Controller.choose
 
     def choose(self, usable=None, *, started=None):  # noqa: ANN001, ANN202
