@@ -385,11 +385,11 @@ def test_scripted_costs_of_a_draft_engine_default_the_mixed_steps_to_the_drafts(
 # -- the long suffix arms: the index's proposals verified alone, the draft caught up after ----
 
 
-def remember(scheduler: AdaptiveScheduler) -> None:
-    """Each prompt with its greedy output as a finished request of the index (its output in
-    the pool of recent outputs): the prompts' rows match from their second output token on
+def remember(scheduler: AdaptiveScheduler, outputs: list[list[int]]) -> None:
+    """Each prompt with its output as a finished request of the index (the output in the pool
+    of recent outputs): the prompts' rows match from their second output token on
     (repetitive traffic)."""
-    for i, (p, output) in enumerate(zip(PROMPTS, references())):
+    for i, (p, output) in enumerate(zip(PROMPTS, outputs)):
         scheduler.index.add_request(("seen", i), p)
         scheduler.index.extend(("seen", i), output)
         scheduler.index.finish(("seen", i))
@@ -415,16 +415,14 @@ def script_arms(scheduler: AdaptiveScheduler, arms: list[tuple[str, int]]
     return ran
 
 
-def serve_stepped(scheduler: AdaptiveScheduler, rounds: int = 1) -> None:
-    """Every prompt, `rounds` times, the scheduler stepped by hand; each output must be the
-    target's greedy one."""
+def serve_stepped(scheduler: AdaptiveScheduler) -> list[list[int]]:
+    """Every prompt once, the scheduler stepped by hand; -> the outputs."""
     with scheduler.engine.generating():
-        for _ in range(rounds):
-            streams = [scheduler.submit(p, GREEDY) for p in PROMPTS]
-            while not all(s.done for s in streams):
-                scheduler._iteration()
-            scheduler._retire()
-            assert [s.output_ids for s in streams] == references()
+        streams = [scheduler.submit(p, GREEDY) for p in PROMPTS]
+        while not all(s.done for s in streams):
+            scheduler._iteration()
+        scheduler._retire()
+    return [s.output_ids for s in streams]
 
 
 ARMS = [(TARGET, 0), (DRAFT, 2), (DRAFT, 4), (SUFFIX, 2), (SUFFIX, 4), (SUFFIX, LONG)]
@@ -443,9 +441,9 @@ def test_long_suffix_steps_in_any_order_keep_the_targets_tokens(arms: list[tuple
     try:
         assert scheduler.suffix_gammas == (LONG,)
         assert scheduler.controllers[4].arms[-1] == (SUFFIX, LONG)
-        remember(scheduler)
+        remember(scheduler, references())
         ran = script_arms(scheduler, arms)
-        serve_stepped(scheduler)
+        assert serve_stepped(scheduler) == references()
         if (SUFFIX, LONG) in arms:
             assert (SUFFIX, LONG) in ran, ran
         after_behind = sum(1 for before, arm in zip(ran, ran[1:])
@@ -487,9 +485,9 @@ def test_after_long_suffix_steps_the_draft_is_caught_up_exactly(monkeypatch: pyt
     for bucket in engine().buckets.values():
         monkeypatch.setattr(bucket, "resync", checking(bucket))
     try:
-        remember(scheduler)
+        remember(scheduler, references())
         ran = script_arms(scheduler, [(SUFFIX, LONG)] * 2 + [(DRAFT, 2)])
-        serve_stepped(scheduler)
+        assert serve_stepped(scheduler) == references()
         assert ran.count((SUFFIX, LONG)) >= 2 and checked, ran
         assert max(checked) == 2 * (LONG + 1), checked
     finally:
@@ -510,8 +508,9 @@ def test_the_long_suffix_arm_pays_for_the_drafts_catch_up(per_token: float) -> N
     scheduler = AdaptiveScheduler(engine(), adapt_draft=False, suffix_min_match=2, costs=costs,
                                   controller_options=dict(probe_share=0.2, refresh=8))
     try:
-        remember(scheduler)
-        serve_stepped(scheduler, rounds=4)
+        remember(scheduler, references())
+        for _ in range(4):
+            assert serve_stepped(scheduler) == references()
         controller = scheduler.controllers[4]
         if per_token:
             assert controller.best() != (SUFFIX, LONG), controller.reason
@@ -520,6 +519,28 @@ def test_the_long_suffix_arm_pays_for_the_drafts_catch_up(per_token: float) -> N
         else:
             assert controller.best() == (SUFFIX, LONG), controller.reason
         assert scheduler.resyncs > 0
+    finally:
+        scheduler.close()
+
+
+def test_an_engine_directory_keeps_the_long_suffix_steps(tmp_path) -> None:
+    """engine.save writes the long suffix arm's verify steps; the loaded engine has them, its
+    draft gammas do not count them, and its adaptive scheduler runs the long arm: the
+    target's tokens."""
+    from fuser.runtime.steps import verify
+
+    references()
+    engine().save(tmp_path / "engine")
+    loaded = fuser.load(tmp_path / "engine")
+    assert loaded.gammas == (2, 4)
+    assert all(verify(LONG) in b.target for b in loaded.buckets.values())
+    scheduler = AdaptiveScheduler(loaded, adapt_draft=False, suffix_min_match=2)
+    try:
+        assert scheduler.suffix_gammas == (LONG,)
+        remember(scheduler, references())
+        ran = script_arms(scheduler, [(SUFFIX, LONG), (DRAFT, 4)])
+        assert serve_stepped(scheduler) == references()
+        assert (SUFFIX, LONG) in ran and scheduler.resyncs > 0, ran
     finally:
         scheduler.close()
 
@@ -596,5 +617,43 @@ def test_cuda_a_background_update_distils_while_idle_and_swaps_into_the_captured
         before = replayed()
         rounds(scheduler, 2)  # with the distilled draft
         assert replayed() > before
+    finally:
+        scheduler.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_a_long_suffix_step_is_captured_and_keeps_the_targets_tokens():
+    """On CUDA in fp32: the long suffix arm's step is captured as a CUDA graph per bucket
+    (greedy and sampling) and replayed, the draft caught up after it before the draft's
+    steps; every request's tokens are the target's greedy ones (Hugging Face's, up to a
+    near-tie: fp32 kernels at varying batch sizes)."""
+    import copy
+
+    from engines import assert_greedy_matches, hf_greedy
+
+    target = copy.deepcopy(llama_target()).cuda()
+    config = fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=4, batch_buckets=(1, 4),
+                               gamma="auto", gamma_candidates=(2,), compile="fx",
+                               precision="fp32", suffix_speculation=True,
+                               long_suffix_gammas=(LONG,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eng = fuser.optimize(target, draft=perturbed(target, 0.05, seed=3), config=config)
+    references = [hf_greedy(target, torch.tensor([p], device="cuda"),
+                            torch.ones(1, len(p), dtype=torch.long, device="cuda"), 24)
+                  for p in PROMPTS]
+    scheduler = AdaptiveScheduler(eng, adapt_draft=False, suffix_min_match=2)
+    try:
+        assert {(4, LONG, False), (4, LONG, True)} <= set(scheduler._graphs)
+        remember(scheduler, [ref[0, len(p):].tolist() for p, (ref, _) in zip(PROMPTS,
+                                                                              references)])
+        ran = script_arms(scheduler, [(SUFFIX, LONG)] * 2 + [(DRAFT, 2)])
+        outputs = serve_stepped(scheduler)
+        for p, out, (ref, near_tie) in zip(PROMPTS, outputs, references, strict=True):
+            assert_greedy_matches(torch.tensor([p + out]), ref.cpu(), near_tie.cpu(),
+                                  torch.tensor([p]), [])
+        assert (SUFFIX, LONG) in ran and scheduler.resyncs > 0, ran
+        assert scheduler._graphs[(4, LONG, False)].replays > 0
     finally:
         scheduler.close()
