@@ -17,13 +17,14 @@ What it adds to runtime/scheduler.py's loop, on the scheduler's thread:
              draft it is the target verifying the index's proposals alone, at gammas of its
              own; with one, such steps are the long suffix arms, at gammas longer than the
              draft's (FuserConfig.long_suffix_gammas: where a row's text repeats, a step
-             emits up to gamma + 1 tokens, and the draft's gammas stop at 15): the draft does
-             not run in them, and the next draft or mixed step first catches it up
-             (`resync_draft`, by the most tokens a row moved since it last ran), its seconds
-             charged to the arms whose steps left it behind (runtime/controller.py `update`'s
-             `behind` and `resync`), not to the step that pays them. A row without a match
-             emits one token in a long step. A suffix arm is usable only when some row matched (the index is looked up
-             only when the controller could choose one), so adaptation can always run what
+             emits up to gamma + 1 tokens, and the draft's gammas stop at 15; a row without
+             a match emits one). The draft does not run in them: the next draft or mixed step
+             first catches it up (`resync_draft`, by the most tokens a row moved since it
+             last ran), and the catch-up's seconds are charged to the arms whose steps left
+             it behind (runtime/controller.py `update`'s `behind` and `resync`), not to the
+             step that pays them. A suffix arm is usable only when some row matched (the
+             index is looked up only when the controller could choose one), so adaptation
+             can always run what
              plain speculation runs, and falls back to it when the mixed step does not pay.
              A step is issued holding the weight swap's lock;
     collect  the step's tokens go to the index, its wall time and tokens per row to the
@@ -479,20 +480,19 @@ class AdaptiveScheduler(Scheduler):
         if not behind:
             return lambda: 0.0
         self.resyncs += 1
-        if self.engine.device.type == "cuda":
+        cuda = self.engine.device.type == "cuda"
+        if cuda:
             begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
             begin.record()
-            bucket.resync(behind)
-            end.record()
-            seconds = lambda: begin.elapsed_time(end) / 1e3  # noqa: E731 (read after the step)
-        else:
-            start = time.perf_counter()
-            bucket.resync(behind)
-            took = time.perf_counter() - start
-            seconds = lambda: took  # noqa: E731
+        start = time.perf_counter()
+        bucket.resync(behind)
+        took = time.perf_counter() - start
         if self._resync_cost is not None:
             return lambda: self._resync_cost * behind
-        return seconds
+        if cuda:
+            end.record()
+            return lambda: begin.elapsed_time(end) / 1e3  # (done once the step is read back)
+        return lambda: took
 
     def _collect(self, step: _SourceStep) -> None:
         was_active = [not s.done and row >= step.prefilling for row, s in enumerate(step.rows)]
