@@ -497,13 +497,13 @@ def test_after_long_suffix_steps_the_draft_is_caught_up_exactly(monkeypatch: pyt
 @pytest.mark.parametrize("per_token", [0.0, 1.0], ids=["cheap-catch-up", "dear-catch-up"])
 def test_the_long_suffix_arm_pays_for_the_drafts_catch_up(per_token: float) -> None:
     """Repetitive traffic (the rows match from their second output token), scripted costs: a
-    long suffix step (0.3 s, up to LONG + 1 tokens a row) is the cheapest per emitted token
+    long suffix step (0.1 s, up to LONG + 1 tokens a row) is the cheapest per emitted token
     while the draft's catch-up after it costs nothing, and the controller settles on it; at
     1 s a token behind, the catch-up that the next draft or mixed step runs first is the long
     arm's cost (LONG + 1 s a step), and the controller settles elsewhere. The tokens are the
     target's either way."""
     references()
-    costs = {"decode": 1.0, DRAFT: {2: 0.5, 4: 0.6}, SUFFIX: {2: 0.5, 4: 0.6, LONG: 0.3},
+    costs = {"decode": 1.0, DRAFT: {2: 0.5, 4: 0.6}, SUFFIX: {2: 0.5, 4: 0.6, LONG: 0.1},
              "resync": per_token}
     scheduler = AdaptiveScheduler(engine(), adapt_draft=False, suffix_min_match=2, costs=costs,
                                   controller_options=dict(probe_share=0.2, refresh=8))
