@@ -377,7 +377,9 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._busy = False  # the loop holds the engine (`Engine.generating`)
         self._ids = itertools.count()
-        self._draft_behind = 0  # target-only steps since the draft last ran (`generate`'s)
+        # the most tokens a row moved since the draft last ran (`resync_draft`'s `behind`): one
+        # a target-only step
+        self._draft_behind = 0
         self._overlapped: int | None = None  # gamma of the last step if an overlapped round
         self._rng = random.Random()
         generation_config = getattr(engine.user_target, "generation_config", None)
