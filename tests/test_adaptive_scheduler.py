@@ -428,14 +428,14 @@ def serve_stepped(scheduler: AdaptiveScheduler) -> list[list[int]]:
 ARMS = [(TARGET, 0), (DRAFT, 2), (DRAFT, 4), (SUFFIX, 2), (SUFFIX, 4), (SUFFIX, LONG)]
 
 
-@settings(max_examples=6, deadline=None, derandomize=True)
+@settings(max_examples=12, deadline=None, derandomize=True)
 @given(arms=st.lists(st.sampled_from(ARMS), min_size=1, max_size=6))
 def test_long_suffix_steps_in_any_order_keep_the_targets_tokens(arms: list[tuple[str, int]]
                                                                 ) -> None:
     """Long suffix steps (the index's proposals verified alone, the draft not run), the
     draft's steps, mixed steps and target-only steps, in whatever order: every request's
-    tokens are target-only greedy decoding's, and every step that runs the draft after steps
-    that did not catches it up first."""
+    tokens are target-only greedy decoding's, and a step that runs the draft after steps that
+    did not catches it up first (once)."""
     references()
     scheduler = AdaptiveScheduler(engine(), adapt_draft=False, suffix_min_match=2)
     try:
@@ -449,7 +449,7 @@ def test_long_suffix_steps_in_any_order_keep_the_targets_tokens(arms: list[tuple
         after_behind = sum(1 for before, arm in zip(ran, ran[1:])
                            if (before[0] == TARGET or before == (SUFFIX, LONG))
                            and arm[0] != TARGET and arm != (SUFFIX, LONG))
-        assert scheduler.resyncs >= after_behind, (ran, scheduler.resyncs)
+        assert scheduler.resyncs == after_behind, (ran, scheduler.resyncs)
     finally:
         scheduler.close()
 
