@@ -377,7 +377,9 @@ def measured_lines(mode: str, measured: dict[str, dict[str, dict[str, float]]],
     switches (steps after one of another arm's policy: not averaged) and fallbacks (steps run
     for another arm, e.g. the suffix's where no row matched), the median counted seconds of
     all its steps and of its steady ones (neither), the read-back interval, the host's issuing
-    time and the tokens per row."""
+    time, the tokens per row, and the draft's catch-up seconds per step charged to it (the
+    steps that did not run the draft: target-only, the long suffix arms) with the steps of
+    its own that ran a catch-up first (not in their seconds)."""
     lines = []
     for size, arms in measured.items():
         for name, m in arms.items():
@@ -388,7 +390,8 @@ def measured_lines(mode: str, measured: dict[str, dict[str, dict[str, float]]],
                     f"{m.get('fallbacks', 0)} fallbacks), counted {1e3 * m['seconds']:.3g} ms "
                     f"(steady {1e3 * m.get('steady', float('nan')):.3g} ms), read-back "
                     f"interval {1e3 * m['interval']:.3g} ms, host {1e3 * m['host']:.3g} ms, "
-                    f"tokens/row {m['tokens']:.2f}")
+                    f"tokens/row {m['tokens']:.2f}, catch-up {1e3 * m.get('catch_up', 0.0):.3g} "
+                    f"ms a step charged, {m.get('resyncs', 0)} run first")
     return lines
 
 
@@ -436,8 +439,11 @@ def build(target: torch.nn.Module, draft: torch.nn.Module, tokenizer: object | N
     device, _ = device_and_dtype()
     buckets = "auto" if device.type == "cuda" else (1, args.concurrency)
     candidates = args.gamma_candidates or ((1, 2) if args.dry_run else None)
+    # suffix_speculation: the target's verify steps at the long suffix gammas too (ON's long
+    # suffix arms; OFF never runs them).
     config = fuser.FuserConfig(max_batch_size=args.concurrency, max_seq_len=args.max_seq_len,
                                batch_buckets=buckets, compile=args.compile,
+                               suffix_speculation=True,
                                **({"gamma_candidates": candidates} if candidates else {}))
     log(f"building the {what} engine ({args.concurrency} rows, max_seq_len {args.max_seq_len}, "
         f"compile {args.compile}) ...")

@@ -439,9 +439,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="most tokens per sequence, prompt plus generated "
                             "(default: %(default)s)")
     build.add_argument("--suffix-steps", action="store_true",
-                       help="without --draft: also build the target's verify steps for the "
-                            "gamma candidates, which suffix speculation needs (fuser serve "
-                            "ENGINE_DIR --adapt-draft); an engine with a draft has them")
+                       help="also build the target's verify steps that suffix speculation "
+                            "needs (fuser serve ENGINE_DIR --adapt-draft): without --draft for "
+                            "the gamma candidates, with one for the long suffix gammas 16 and "
+                            "32 (the index's proposals verified alone)")
     build.add_argument("--block-size", type=int, default=0,
                        help="page the KV cache in blocks of this many slots (fuser serve "
                             "ENGINE_DIR then gives blocks as requests need them, with prefix "

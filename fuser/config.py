@@ -24,6 +24,13 @@ MAX_GAMMA = 15
 # the best gamma at 1 for alpha ~ 0.5, 2-4 for alpha ~ 0.7-0.8 and 4-6 for alpha ~ 0.9, and
 # the curve is flat enough near its top that the gaps cost a few percent at most.
 AUTO_GAMMAS = (1, 2, 4, 6)
+# With a draft and suffix speculation, the suffix index's proposals are also verified alone at
+# these lengths (FuserConfig.long_suffix_gammas): at the draft's gammas a step emits at most
+# gamma + 1 tokens a row, where repetitive text (an answer that repeats its prompt) offers
+# dozens. Each is one more compiled verify graph per batch bucket and widens every row's KV
+# cache by its length + 1 slots.
+LONG_SUFFIX_GAMMAS = (16, 32)
+MAX_SUFFIX_GAMMA = 64
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,11 @@ class FuserConfig:
         suffix_speculation: also propose tokens from the request's own context and recent
             outputs (runtime/suffix.py); the scheduler's controller picks target-only, draft or
             suffix per step (runtime/controller.py).
+        long_suffix_gammas: with a draft and suffix_speculation, the target's verify steps
+            built for the suffix index's proposals alone (ints above every draft gamma, up
+            to 64; () for none): the adaptive scheduler's long suffix arms
+            (runtime/adaptive_scheduler.py), after which the draft catches up. Ignored
+            without a draft (the suffix arms are then the gammas' own).
         distill_every: finished requests between two draft updates.
         distill_budget_s: seconds of fine-tuning per draft update.
         kv_block_size: 0 (the default) keeps each row's KV slots contiguous; N > 0 pages the
@@ -120,6 +132,7 @@ class FuserConfig:
     overlap: bool = False
     adapt_draft: bool = False
     suffix_speculation: bool = False
+    long_suffix_gammas: tuple[int, ...] = LONG_SUFFIX_GAMMAS
     distill_every: int = 1000
     distill_budget_s: float = 10.0
     kv_block_size: int = 0
@@ -171,6 +184,13 @@ class FuserConfig:
                 for g in self.gamma_candidates):
             raise ValueError(f"gamma_candidates={self.gamma_candidates!r} must be a non-empty "
                              f"tuple of ints in 1..{MAX_GAMMA}")
+        if not isinstance(self.long_suffix_gammas, tuple) or any(
+                isinstance(g, bool) or not isinstance(g, int)
+                or not self.resolved_gamma < g <= MAX_SUFFIX_GAMMA
+                for g in self.long_suffix_gammas):
+            raise ValueError(f"long_suffix_gammas={self.long_suffix_gammas!r} must be a tuple of "
+                             f"ints in {self.resolved_gamma + 1}..{MAX_SUFFIX_GAMMA} (longer "
+                             "than every draft gamma)")
         if self.batch_buckets != "auto":
             if not isinstance(self.batch_buckets, tuple) or any(
                     isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= self.max_batch_size

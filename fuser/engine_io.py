@@ -561,11 +561,13 @@ class EngineParts:
 
     @property
     def gammas(self) -> tuple[int, ...]:
-        """The draft lengths with stored verify steps (none without a draft)."""
+        """The draft lengths with stored verify steps (none without a draft; the suffix
+        index's long verify steps, FuserConfig.long_suffix_gammas, are not the draft's)."""
         if "draft" not in self.models:
             return ()
         target = self.models["target"][max(self.models["target"])]
-        return tuple(sorted(k.tokens - 1 for k in target.steps if k.name == "verify"))
+        return tuple(sorted(k.tokens - 1 for k in target.steps if k.name == "verify"
+                            and k.tokens - 1 not in self.config.long_suffix_gammas))
 
 
 def open_engine(path: str | Path, device: str | torch.device | None = None, *,

@@ -194,14 +194,17 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
     # Without a draft, suffix speculation (runtime/suffix.py) still needs the target's verify
     # steps: built with the engine, so that a saved engine directory has them.
     suffix_gammas = config.gammas if draft is None and config.suffix_speculation else ()
-    gamma = max(gammas + suffix_gammas, default=0)
+    # With a draft, the suffix index's proposals verified alone at longer gammas (the
+    # adaptive scheduler's long suffix arms).
+    long_gammas = config.long_suffix_gammas if gammas and config.suffix_speculation else ()
+    gamma = max(gammas + suffix_gammas + long_gammas, default=0)
     vocab_size = _check_draft_vocab(target, draft) if draft is not None else target.config.vocab_size
     # Slots per row: max_seq_len plus the gamma + 1 positions a verify step may write, for the
     # largest gamma in use.
     slots = config.max_seq_len + gamma + 1
-    # The overlapped step's draft runs gamma slots ahead of the verified ones
+    # The overlapped step's draft runs its gamma slots ahead of the verified ones
     # (runtime/speculative.py `overlapped_step`).
-    draft_slots = slots + (gamma if config.overlap else 0)
+    draft_slots = slots + (max(gammas, default=0) if config.overlap else 0)
     sizes = config.buckets_for(device)
     num_blocks = 0
     if config.kv_block_size:
@@ -255,8 +258,8 @@ def build_engine(target: nn.Module, draft: nn.Module | None, config: FuserConfig
                                   progress=_progress)
 
     paged = bool(config.kv_block_size)
-    target_kinds = target_steps(0, paged) + [verify(g)
-                                             for g in sorted(set(gammas + suffix_gammas))]
+    target_kinds = target_steps(0, paged) + [
+        verify(g) for g in sorted(set(gammas + suffix_gammas + long_gammas))]
     group = _start_followers(target, config, target_kinds, sizes, slots, dtype, device, weights,
                              num_blocks)
     target_built = prepare("target", target, target_kinds, slots)

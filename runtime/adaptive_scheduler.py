@@ -15,8 +15,16 @@ What it adds to runtime/scheduler.py's loop, on the scheduler's thread:
              proposals, the others the draft's, in the same verify, and the draft, fed the
              verified tokens, stays in step with the target (no resync follows). Without a
              draft it is the target verifying the index's proposals alone, at gammas of its
-             own. A suffix arm is usable only when some row matched (the index is looked up
-             only when the controller could choose one), so adaptation can always run what
+             own; with one, such steps are the long suffix arms, at gammas longer than the
+             draft's (FuserConfig.long_suffix_gammas: where a row's text repeats, a step
+             emits up to gamma + 1 tokens, and the draft's gammas stop at 15; a row without
+             a match emits one). The draft does not run in them: the next draft or mixed step
+             first catches it up (`resync_draft`, by the most tokens a row moved since it
+             last ran), and the catch-up's seconds are charged to the arms whose steps left
+             it behind (runtime/controller.py `update`'s `behind` and `resync`), not to the
+             step that pays them. A suffix arm is usable only when some row matched (the
+             index is looked up only when the controller could choose one), so adaptation
+             can always run what
              plain speculation runs, and falls back to it when the mixed step does not pay.
              A step is issued holding the weight swap's lock;
     collect  the step's tokens go to the index, its wall time and tokens per row to the
@@ -53,7 +61,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -68,6 +76,7 @@ from fuser.runtime.distill import DistillConfig, Distiller, UpdateResult, Weight
 from fuser.runtime.generate import ReadBack
 from fuser.runtime.scheduler import ADMISSION_QUIET, RequestStream, Scheduler, _Step
 from fuser.runtime.step_graphs import PLAIN, IterationGraph
+from fuser.runtime.steps import verify as verify_kind
 from fuser.runtime.suffix import SuffixIndex, SuffixProposals, add_verify_steps
 
 __all__ = ["AdaptiveScheduler"]
@@ -87,6 +96,11 @@ class _SourceStep(_Step):
     over_proposals: bool = False
     # Of those, a mixed step: a row without suffix proposals verified the draft's gamma.
     mixed: bool = False
+    # The most tokens a row's draft fell behind in the step (it did not run the draft:
+    # target-only, or the index's proposals alone, where there is a draft)
+    behind: int = 0
+    # The seconds of the draft's catch-up the step ran first (read after its read-back)
+    resync: Callable[[], float] = field(default=lambda: 0.0)
 
 
 class AdaptiveScheduler(Scheduler):
@@ -102,12 +116,13 @@ class AdaptiveScheduler(Scheduler):
         suffix: propose from the suffix index (default: FuserConfig.suffix_speculation).
         adapt_draft: distil the draft online (default: FuserConfig.adapt_draft; needs a draft
             and the module it was built from, the engine's own unless `module` is given).
-        costs: {"decode": seconds, "draft": {gamma: seconds}, "suffix": {gamma: seconds}} for
-            every bucket: a step's seconds for the controllers instead of the wall clock
-            (tests; costs measured elsewhere). "draft" is the plain speculative step's,
-            "suffix" the mixed step's (with a draft; default: the draft's seconds, at the
-            draft's gammas) or the index's proposals verified alone (without a draft; its
-            gammas are the suffix arms').
+        costs: {"decode": seconds, "draft": {gamma: seconds}, "suffix": {gamma: seconds},
+            "resync": seconds} for every bucket: a step's seconds for the controllers instead
+            of the wall clock (tests; costs measured elsewhere). "draft" is the plain
+            speculative step's, "suffix" the mixed step's at the draft's gammas (with a draft;
+            default: the draft's seconds) and the index's proposals verified alone at the long
+            suffix gammas (with a draft), or at its own (without one: its gammas are the
+            suffix arms'); "resync" the draft's catch-up per token it is behind (default 0).
         index: the SuffixIndex to use (default: a new one, from suffix_min_match tokens).
         distill: DistillConfig of the distiller.
         module: the draft module to distil (a loaded engine has none of its own).
@@ -117,6 +132,10 @@ class AdaptiveScheduler(Scheduler):
         suffix_min_match: a row verifies the index's proposals when its tokens end in a match
             of at least this many tokens (shorter matches are mostly chance: the draft's
             proposals are better bets).
+        long_suffix_gammas: with a draft, the gammas of the long suffix arms (the index's
+            proposals verified alone; default: FuserConfig.long_suffix_gammas). An arm whose
+            verify step the engine lacks (built without suffix_speculation, or an engine
+            directory saved without it) is left out, with a log line.
         admission_wait, admission_quiet: the Scheduler's (when requests are admitted).
     """
 
@@ -126,7 +145,8 @@ class AdaptiveScheduler(Scheduler):
                  costs: Mapping[str, object] | None = None, index: SuffixIndex | None = None,
                  distill: DistillConfig | None = None, module: nn.Module | None = None,
                  background: bool = True, controller_options: Mapping[str, object] | None = None,
-                 suffix_min_match: int = 4, admission_wait: float | None = None,
+                 suffix_min_match: int = 4, long_suffix_gammas: Sequence[int] | None = None,
+                 admission_wait: float | None = None,
                  admission_quiet: float = ADMISSION_QUIET) -> None:
         super().__init__(engine, max_waiting=max_waiting, prefill_tokens=prefill_tokens,
                          prefix_caching=prefix_caching,
@@ -143,10 +163,14 @@ class AdaptiveScheduler(Scheduler):
             raise ValueError(f"suffix_min_match={suffix_min_match!r} must be an int >= 1")
         self.suffix_min_match = suffix_min_match
         self.draft_gammas = tuple(engine.gammas) if has_draft else ()
-        # With a draft the index's proposals ride in the draft's steps (its gammas); without,
-        # they are verified alone, at gammas of their own.
+        # With a draft the index's proposals ride in the draft's steps (its gammas), and are
+        # verified alone at the long suffix gammas; without, they are verified alone, at
+        # gammas of their own.
         self.suffix_gammas: tuple[int, ...] = ()
-        if self.suffix and not has_draft:
+        if self.suffix and has_draft:
+            self.suffix_gammas = self._long_gammas(
+                config.long_suffix_gammas if long_suffix_gammas is None else long_suffix_gammas)
+        elif self.suffix:
             given = (costs or {}).get(SUFFIX)
             self.suffix_gammas = tuple(sorted(given)) if given else \
                 tuple(config.gammas or config.gamma_candidates)
@@ -161,7 +185,9 @@ class AdaptiveScheduler(Scheduler):
         self._buffers = {size: SuffixProposals(size, longest, engine.device)
                          for size in engine.buckets} if self.suffix else {}
         self._graphs: dict[tuple[int, int, bool], IterationGraph] = {}
-        self.resyncs = 0  # the draft's catch-ups (each after target-only steps)
+        self.resyncs = 0  # the draft's catch-ups (each after steps that did not run it)
+        self._resync_cost = float((costs or {}).get("resync", 0.0)) if costs is not None \
+            else None  # scripted: seconds per token behind
         if self.suffix and engine.device.type == "cuda" and config.cuda_graphs:
             with stepping(engine):  # its warm-ups reset the rows: not beside a capture's
                 self._capture_suffix()
@@ -201,20 +227,37 @@ class AdaptiveScheduler(Scheduler):
             self._registry.unregister(self._collector)
             self._registry = None
 
+    def _long_gammas(self, given: Sequence[int]) -> tuple[int, ...]:
+        """The long suffix arms' gammas of `given` whose verify step every drafted bucket's
+        target has (the others are logged and left out); each must exceed the draft's."""
+        gammas = tuple(sorted(set(given)))
+        if any(isinstance(g, bool) or not isinstance(g, int) or g <= max(self.draft_gammas)
+               for g in gammas):
+            raise ValueError(f"long_suffix_gammas={tuple(given)!r} must be ints above every "
+                             f"draft gamma {self.draft_gammas}")
+        targets = [b.target for b in self.engine.buckets.values() if b.draft is not None]
+        built = tuple(g for g in gammas if all(verify_kind(g) in t for t in targets))
+        if built != gammas:
+            log.info("fuser: long suffix arms gamma %s left out: the engine has no verify step "
+                     "for them (build it with suffix speculation: FuserConfig."
+                     "suffix_speculation, fuser build --suffix-steps)",
+                     sorted(set(gammas) - set(built)))
+        return built
+
     # -- costs and controllers -------------------------------------------------------------------
 
     def _controller(self, size: int, costs: Mapping[str, object] | None,
                     options: dict) -> Controller:
         """The bucket's controller over target-only, the draft's plain steps and the suffix's
-        (with a draft: mixed steps at the draft's gammas); `costs` ({"decode": s, "draft":
-        {g: s}, "suffix": {g: s}}) scripted instead of the wall clock (a draft engine's
-        "suffix" defaults to its "draft")."""
+        (with a draft: mixed steps at the draft's gammas, and the long ones); `costs`
+        ({"decode": s, "draft": {g: s}, "suffix": {g: s}}) scripted instead of the wall clock
+        (a draft engine's "suffix" defaults to its "draft", where it has no long arms)."""
         arms: dict[str, tuple[int, ...]] = {}
         drafted = bool(self.draft_gammas) and self.engine.buckets[size].draft is not None
         if drafted:
             arms[DRAFT] = self.draft_gammas
         if self.suffix and drafted:
-            arms[SUFFIX] = self.draft_gammas  # mixed steps
+            arms[SUFFIX] = self.draft_gammas + self.suffix_gammas  # mixed steps, long ones
         elif self.suffix_gammas:
             arms[SUFFIX] = self.suffix_gammas
         scripted = None
@@ -234,24 +277,31 @@ class AdaptiveScheduler(Scheduler):
                 scripted.update({(source, g): float(given[g]) for g in gammas})
         return Controller(arms, costs=scripted, **options)
 
+    def _mixed(self, bucket: object, gamma: int) -> bool:
+        """Whether the bucket's suffix step at `gamma` is the mixed step (the draft's gammas,
+        with a draft) rather than the target verifying the index's proposals alone."""
+        return bucket.draft is not None and gamma in self.draft_gammas
+
     def _suffix_function(self, bucket: object, gamma: int, do_sample: bool
                          ) -> Callable[[], torch.Tensor]:
-        """The bucket's step over the proposals buffer: the mixed step (with a draft) or the
-        target verifying the proposals alone; () -> packed [bucket, gamma + 3]."""
+        """The bucket's step over the proposals buffer: the mixed step (with a draft, at its
+        gammas) or the target verifying the proposals alone; () -> packed [bucket,
+        gamma + 3]."""
         buffer = self._buffers[bucket.batch]
-        if bucket.draft is not None:
+        if self._mixed(bucket, gamma):
             return buffer.mixed_iteration(bucket.target, bucket.draft, bucket.state, gamma,
                                           self.engine.vocab_size, do_sample)
         return buffer.iteration(bucket.target, bucket.state, gamma, self.engine.vocab_size,
                                 do_sample)
 
     def _capture_suffix(self) -> None:
-        """Each bucket's suffix or mixed step per gamma and greedy/sampling as one CUDA graph
-        (a shape that fails runs uncaptured, with a warning)."""
+        """Each bucket's suffix or mixed step per gamma (the long ones too) and greedy/sampling
+        as one CUDA graph (a shape that fails runs uncaptured, with a warning)."""
         pool = torch.cuda.graph_pool_handle()
         length = min(128, self.engine.config.max_seq_len // 2)
         for size, bucket in self.engine.buckets.items():
-            gammas = self.draft_gammas if bucket.draft is not None else self.suffix_gammas
+            gammas = self.draft_gammas + self.suffix_gammas if bucket.draft is not None \
+                else self.suffix_gammas
             for gamma in gammas:
                 for do_sample in (False, True):
                     fn = self._suffix_function(bucket, gamma, do_sample)
@@ -399,32 +449,50 @@ class AdaptiveScheduler(Scheduler):
         gamma = choice.gamma
         start = time.perf_counter()
         over_proposals = choice.source == SUFFIX  # (usable: some row matched)
-        mixed = over_proposals and bucket.draft is not None
+        mixed = over_proposals and self._mixed(bucket, gamma)
+        runs_draft = mixed or choice.source == DRAFT
+        # A step without the draft moves a row on by at most gamma + 1 tokens (target-only: 1)
+        behind = gamma + 1 if bucket.draft is not None and not runs_draft else 0
         with self.swap.lock if self.swap is not None else contextlib.nullcontext():
+            resync = self._catch_up(bucket) if runs_draft else (lambda: 0.0)
+            self._draft_behind += behind
             if over_proposals:  # mixed (the draft's rows beside the index's), or the index's
-                if mixed and self._draft_behind:
-                    bucket.resync(self._draft_behind)
-                    self.resyncs += 1
-                if mixed:
-                    self._draft_behind = 0
                 self._buffers[bucket.batch].load_arrays(tokens, counts, anchors=anchors)
                 self._streams_from(gamma, False)
                 packed = self._run_suffix(bucket, gamma, do_sample)  # [bucket, gamma + 3]
             elif choice.source == DRAFT:  # the plain Scheduler's speculative step
-                if self._draft_behind:
-                    bucket.resync(self._draft_behind)
-                    self.resyncs += 1
-                self._draft_behind = 0
                 self._streams_from(gamma, bucket.overlap and not do_sample)
                 packed = bucket.run(gamma, do_sample)  # [bucket, gamma + 2]
             else:
-                self._draft_behind += 1
                 self._streams_from(PLAIN, False)
                 packed = bucket.run(PLAIN, do_sample)
             read_back = ReadBack(packed)
         controller.sent()
         return _SourceStep(rows, gamma, None, read_back, start, choice, over_proposals, mixed,
-                           prefilling=self._prefilling())
+                           behind, resync, prefilling=self._prefilling())
+
+    def _catch_up(self, bucket: object) -> Callable[[], float]:
+        """Before a step that runs the draft: catch it up where steps without it left it
+        behind (`bucket.resync`, by the most tokens a row moved since); -> the catch-up's
+        seconds, to read once the step is read back (CUDA events around it on CUDA; scripted
+        costs: their "resync" per token behind)."""
+        behind, self._draft_behind = self._draft_behind, 0
+        if not behind:
+            return lambda: 0.0
+        self.resyncs += 1
+        cuda = self.engine.device.type == "cuda"
+        if cuda:
+            begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            begin.record()
+        start = time.perf_counter()
+        bucket.resync(behind)
+        took = time.perf_counter() - start
+        if self._resync_cost is not None:
+            return lambda: self._resync_cost * behind
+        if cuda:
+            end.record()
+            return lambda: begin.elapsed_time(end) / 1e3  # (done once the step is read back)
+        return lambda: took
 
     def _collect(self, step: _SourceStep) -> None:
         was_active = [not s.done and row >= step.prefilling for row, s in enumerate(step.rows)]
@@ -438,17 +506,24 @@ class AdaptiveScheduler(Scheduler):
         counts = host[:n_rows, gamma + 1].tolist() if step.over_proposals else [0] * n_rows
         live = [i for i, active in enumerate(was_active) if active]
         controller = self.controllers[self.engine.bucket(n_rows).batch]
+        resync = step.resync()
         if step.choice.source == TARGET:
-            controller.update([accepted[i] for i in live], gamma)
+            controller.update([accepted[i] for i in live], gamma, behind=step.behind,
+                              resync=resync)
         else:
             alone = step.over_proposals and not step.mixed
             suffix_rows = [counts[i] > 0 or alone for i in live]
             controller.update([accepted[i] for i in live], gamma,
                               proposed=[counts[i] if s else gamma
                                         for i, s in zip(live, suffix_rows)],
-                              row_sources=[SUFFIX if s else DRAFT for s in suffix_rows])
+                              row_sources=[SUFFIX if s else DRAFT for s in suffix_rows],
+                              behind=step.behind, resync=resync)
         super()._collect(step)
         self.engine.stats.gamma = gamma
+
+    def _draft_ran(self, step: _SourceStep) -> bool:
+        """A draft or mixed step ran the draft; target-only and long suffix steps did not."""
+        return len(self._caches) > 1 and (step.choice.source == DRAFT or step.mixed)
 
     # -- the draft's updates ---------------------------------------------------------------------
 

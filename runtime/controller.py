@@ -15,11 +15,18 @@ What is measured. Per arm, exponentially weighted averages of
     seconds per step    from the moment the step could start (its issue, or the previous
                         step's read-back when it was queued ahead of it) to its own read-back:
                         the device's time, the host's work around it (lookups, bookkeeping),
-                        the overlap the loop lost and the draft's catch-up (`resync_draft`)
-                        the step had to run first, all included;
+                        and the overlap the loop lost, all included;
     tokens per row      the tokens each active row emitted (accepted proposals + 1),
+    catch-up per step   the seconds of the draft's catch-up (`resync_draft`) that the arm's
+                        steps left to a later step (`update`'s `behind` and `resync`): the
+                        steps that did not run the draft (target-only, the suffix index's
+                        proposals verified alone) put it behind, and the draft or mixed step
+                        that catches it up first reports the catch-up's seconds, taken out of
+                        its own and charged to the arms behind it, in proportion to the
+                        tokens each put the draft behind, per step of each,
 
-and the arm's cost is their ratio, seconds per emitted token per row. No model of acceptance or
+and the arm's cost is (seconds + catch-up) per step over tokens per row, seconds per emitted
+token per row. No model of acceptance or
 of the captured graphs' GPU time enters the choice: a lookup that costs host time or a step that
 stops the pipeline shows up in the seconds, a proposal the target rejects in the tokens.
 
@@ -214,8 +221,9 @@ class StepSample:
     """One measured step: its arm, whether it was a probe, the seconds its cost counted, the
     wall time from the previous read-back to its own (None for a loop's first step), the host
     seconds spent issuing it, the tokens per row it emitted, the arm it was counted for (its
-    policy: another arm's where it ran as that arm's fallback) and whether it followed a step
-    of another policy (a switch: not averaged)."""
+    policy: another arm's where it ran as that arm's fallback), whether it followed a step
+    of another policy (a switch: not averaged) and the seconds of the draft's catch-up it ran
+    first (not in its counted seconds: charged to the arms that left the draft behind)."""
 
     arm: Arm
     probe: bool
@@ -225,6 +233,7 @@ class StepSample:
     tokens: float
     policy: Arm | None = None
     switch: bool = False
+    resync: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -266,6 +275,10 @@ class _Measure:
         self.at = -1  # the controller's step count at the last sample
         self.backoff = 0  # its probes wait refresh * 2**backoff steps (far behind: it grows)
         self.expected = 1.0  # the model's tokens per row for the arm at the last sample
+        # The draft's catch-up charged to the arm: decayed sums of its seconds and of the
+        # arm's steps they were charged over (`charge`)
+        self.resync_seconds = 0.0
+        self.resync_steps = 0.0
 
     def add(self, seconds: float, tokens: float, noise: float, weight: float,
             token_weight: float, step: int) -> None:
@@ -288,6 +301,18 @@ class _Measure:
             self.tokens = self.fast
         self.samples += 1
         self.at = step
+
+    def charge(self, seconds: float, steps: float, memory: float) -> None:
+        """A catch-up's `seconds`, over the arm's `steps` that left the draft behind since the
+        one before; earlier charges keep `memory` of their weight."""
+        keep = memory if self.resync_steps else 0.0
+        self.resync_seconds = keep * self.resync_seconds + seconds
+        self.resync_steps = keep * self.resync_steps + steps
+
+    @property
+    def catch_up(self) -> float:
+        """The draft's catch-up seconds per step of the arm (0.0: none charged)."""
+        return self.resync_seconds / self.resync_steps if self.resync_steps else 0.0
 
     def error(self, memory: float) -> float:
         """The relative standard error of the arm's tokens per row (so of its cost: a step's
@@ -387,6 +412,9 @@ class Controller:
         # the whole HOLD applies)
         self._switch_premium: float | None = None
         self._settled: Arm | None = None  # the arm the steps run between probes
+        # Per arm, its steps read back since the draft's last catch-up that left the draft
+        # behind, and the tokens per row they put it behind (`update`'s `behind`)
+        self._behind: dict[Arm, list[int]] = {}
         self.step_count = 0  # steps chosen
         self.probes = 0  # of them, probes
         self.steps = {s: 0 for s in SOURCES}  # steps read back, per source
@@ -411,7 +439,8 @@ class Controller:
         return expected_tokens_per_step([accepted / trials] * gamma, gamma)
 
     def cost(self, source: str, gamma: int) -> float:
-        """Measured seconds per emitted token per row of an arm (inf: not measured). An arm
+        """Measured seconds per emitted token per row of an arm (inf: not measured), the
+        draft's catch-up its steps left to others included (`update`'s `resync`). An arm
         measured a while ago has its tokens scaled by how its source's acceptance moved since
         (steps of the source's other gammas measure that): a drop in acceptance seen at one
         gamma makes every gamma of the source look worse at once."""
@@ -420,7 +449,7 @@ class Controller:
         if cost is None:
             measure = self._measures[arm]
             cost = math.inf if not measure.samples else \
-                measure.seconds / max(measure.tokens * self._drift(arm), 1.0)
+                (measure.seconds + measure.catch_up) / max(measure.tokens * self._drift(arm), 1.0)
             self._costs[arm] = cost
         return cost
 
@@ -585,7 +614,8 @@ class Controller:
 
     def update(self, num_accepted: Sequence[int], gamma: int | None = None, *,
                proposed: Sequence[int] | None = None,
-               row_sources: Sequence[str] | None = None) -> Choice:
+               row_sources: Sequence[str] | None = None, behind: int = 0,
+               resync: float = 0.0) -> Choice:
         """Account for the oldest issued step, now read back; -> its choice.
 
         num_accepted: accepted proposals n of each row that was generating (each emitted
@@ -594,8 +624,16 @@ class Controller:
         the arm of that gamma: DRAFT, else SUFFIX, 0 target-only). proposed: real proposals
         per row (default gamma each); a row may accept past them (padding that matched):
         counted up to them. row_sources: which source proposed each row's tokens (default:
-        the step's), for the acceptance windows.
+        the step's), for the acceptance windows. behind: the most tokens a row's draft fell
+        behind in this step (it did not run the draft: target-only, the index's proposals
+        verified alone; 0: it ran the draft, or there is none). resync: seconds of the draft's
+        catch-up this step ran first, for the steps before it that left the draft behind: out
+        of its own seconds (where the clock measured them: scripted costs have none of it),
+        charged to those steps' arms (their policies) in proportion to the tokens each put
+        the draft behind, per step of each (`cost`).
         """
+        if behind < 0 or resync < 0:
+            raise ValueError(f"behind={behind!r} and resync={resync!r} must be >= 0")
         now = self.clock()
         if self._issued and gamma is not None and self._issued[0].gamma != gamma:
             self._issued.clear()  # the loop ran another gamma than chosen: those are stale
@@ -626,9 +664,14 @@ class Controller:
                     seconds -= self._host.get(id(later), 0.0)
             if choice.issued is not None and choice.issued < start:
                 seconds += host
-            seconds = max(seconds, 0.0)
+            seconds = max(seconds - resync, 0.0)
         self._last_done = now
         self.steps[choice.source] += 1
+        if resync:
+            self._charge(resync)
+        if behind:
+            steps, tokens = self._behind.setdefault(choice.counted, [0, 0])
+            self._behind[choice.counted] = [steps + 1, tokens + behind]
         g = choice.gamma
         if proposed is None:
             proposed = [g] * len(num_accepted)
@@ -661,7 +704,7 @@ class Controller:
             tokens = 1.0 + sum(num_accepted) / len(num_accepted)
             counted = choice.counted
             self.trace.append(StepSample(choice.arm, choice.probe, seconds, interval, host,
-                                         tokens, choice.policy, choice.switch))
+                                         tokens, choice.policy, choice.switch, resync))
             measured = self._measures[choice.counted]
             if choice.switch and measured.samples > 1 and measured.seconds > 0:
                 premium = seconds / measured.seconds - 1.0
@@ -686,6 +729,15 @@ class Controller:
                     far = self.cost(*counted) > FAR_BEHIND * self.cost(*self.best())
                     measure.backoff = min(measure.backoff + 1, MAX_BACKOFF) if far else 0
         return choice
+
+    def _charge(self, seconds: float) -> None:
+        """A catch-up of `seconds`: charged to the arms whose steps left the draft behind since
+        the last one, in proportion to the tokens each put it behind, over its steps."""
+        total = sum(tokens for _, tokens in self._behind.values())
+        for arm, (steps, tokens) in self._behind.items():
+            self._measures[arm].charge(seconds * tokens / total, steps, self.memory)
+        self._behind.clear()
+        self._costs.clear()
 
     def pause(self) -> None:
         """A decoding loop starts (or was left with steps never read back: a generator not
@@ -730,7 +782,9 @@ class Controller:
         read-backs, of the host's issuing time and of the tokens per row; "switches": its
         steps that followed a step of another policy, "fallbacks": its steps run for another
         arm (`choose`'s fallback), and "steady": the median seconds of its other steps, what
-        its cost averages. Where the counted seconds and the read-back intervals part, the
+        its cost averages; "catch_up": the draft's catch-up seconds per step charged to it
+        (`update`'s `resync`), "resyncs": its steps that ran a catch-up first (out of their
+        seconds). Where the counted seconds and the read-back intervals part, the
         costs do not follow the throughput; where "seconds" and "steady" part, switching
         costs."""
         by_arm: dict[tuple[str, int], list[StepSample]] = {}
@@ -752,7 +806,9 @@ class Controller:
                 "switches": sum(s.switch for s in samples),
                 "fallbacks": sum(s.policy is not None for s in samples),
                 "steady": median([s.seconds for s in samples
-                                  if not s.switch and s.policy is None])}
+                                  if not s.switch and s.policy is None]),
+                "catch_up": self._measures[arm].catch_up,
+                "resyncs": sum(s.resync > 0 for s in samples)}
         return out
 
     def snapshot(self) -> dict[str, Any]:

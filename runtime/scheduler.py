@@ -377,7 +377,9 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._busy = False  # the loop holds the engine (`Engine.generating`)
         self._ids = itertools.count()
-        self._draft_behind = 0  # target-only steps since the draft last ran (`generate`'s)
+        # the most tokens a row moved since the draft last ran (`resync_draft`'s `behind`): one
+        # a target-only step
+        self._draft_behind = 0
         self._overlapped: int | None = None  # gamma of the last step if an overlapped round
         self._rng = random.Random()
         generation_config = getattr(engine.user_target, "generation_config", None)
@@ -1328,12 +1330,12 @@ class Scheduler:
 
     def _set_step_room(self) -> None:
         """Slots a step may write past a row's length: gamma + 1 for the longest verify step
-        the engine has (a draft's, or the suffix index's), and gamma more where the draft runs
-        ahead (overlapped rounds). Call again when verify steps are added."""
+        the engine has (a draft's, or the suffix index's), or, where the draft runs ahead
+        (overlapped rounds), 2 x its gamma + 1. Call again when verify steps are added."""
         top = self.engine.buckets[self.max_slots]
-        gamma = max([k.tokens - 1 for k in top.target.steps if k.name == "verify"]
-                    + [self.engine.config.resolved_gamma, *self.engine.gammas])
-        self._step_room = gamma + 1 + (gamma if top.overlap else 0)
+        drafted = max([self.engine.config.resolved_gamma, *self.engine.gammas])
+        gamma = max([k.tokens - 1 for k in top.target.steps if k.name == "verify"] + [drafted])
+        self._step_room = max(gamma + 1, 2 * drafted + 1 if top.overlap else 0)
         self._step_tokens = gamma + 1
 
     def _admission_slots(self, stream: RequestStream) -> int:
@@ -1414,6 +1416,10 @@ class Scheduler:
                 tokens = stream.prompt_ids + stream.output_ids[:-1]
                 self.blocks.commit(row, tokens[have:written])
 
+    def _draft_ran(self, step: _Step) -> bool:
+        """Whether the step ran the draft (a speculative step: target-only steps do not)."""
+        return step.gamma > PLAIN and len(self._caches) > 1
+
     @staticmethod
     def _draft_advanced(stream: RequestStream, gamma: int, accepted: int) -> None:
         """Before a step's tokens are delivered: the draft's valid slots of a row after a step
@@ -1481,7 +1487,7 @@ class Scheduler:
         tokens, accepted = host[:n, : step.gamma + 1].tolist(), host[:n, -1].tolist()
         was_active = [not s.done and row >= step.prefilling for row, s in enumerate(step.rows)]
         before = engine.stats.num_generated_tokens
-        draft_ran = step.gamma > PLAIN and len(self._caches) > 1
+        draft_ran = self._draft_ran(step)
         for row, stream in enumerate(step.rows):
             if not was_active[row]:  # finished, or in chunked prefill (inactive)
                 continue

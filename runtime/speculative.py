@@ -664,13 +664,15 @@ RESYNC_MAX_CHUNKS = 8
 @torch.no_grad()
 def resync_draft(draft_model: ModelSteps, target: ModelSteps, state: DecodeState, behind: int,
                  chunk: Callable[[], object] | None = None) -> None:
-    """Bring the draft's cache up to the target's after `behind` target-only steps: afterwards it
-    holds slots 0..L-1 of every row and its lengths equal the target's, which `draft`'s invariant
+    """Bring the draft's cache up to the target's after steps without it: afterwards it holds
+    slots 0..L-1 of every row and its lengths equal the target's, which `draft`'s invariant
     needs (valid up to L-2).
 
-    behind: the target-only steps run since the draft last ran (a host-side count; each moves a
-    row on by at most one token). The draft was valid up to slot L-2 after its last speculative
-    step (up to L-1 after the prompt), so every row's draft is valid below L - behind - 1.
+    behind: the most tokens a row moved since the draft last ran (a host-side count: one a
+    target-only step, up to gamma + 1 a step verifying the suffix index's proposals without
+    the draft, runtime/adaptive_scheduler.py). The draft was valid up to slot L-2 after its
+    last speculative step (up to L-1 after the prompt), so every row's draft is valid below
+    L - behind - 1.
     From there, the draft feeds each row's tokens from `state.history` RESYNC_TOKENS at a time
     (`resync_chunk`, ceil((behind + 1) / RESYNC_TOKENS) steps, nothing read on the host).
     chunk: runs one `resync_chunk` over these arguments (the bucket's captured graph of it);

@@ -272,8 +272,8 @@ class Bucket:
 
     @torch.no_grad()
     def resync(self, behind: int) -> None:
-        """Catch the draft up after `behind` target-only steps (`speculative.resync_draft`),
-        its chunks replaying `resync_graph` where it was captured."""
+        """Catch the draft up by `behind` tokens a row (`speculative.resync_draft`: one a
+        target-only step), its chunks replaying `resync_graph` where it was captured."""
         speculative.resync_draft(self.draft, self.target, self.state, behind,
                                  chunk=self.resync_graph)
 

@@ -6,16 +6,18 @@ and swaps it in, and every request still returns the target's greedy output."""
 from __future__ import annotations
 
 import functools
+import itertools
 import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 import fuser
 from fuser import SamplingParams
 from fuser.runtime.adaptive_scheduler import AdaptiveScheduler
 from fuser.runtime.distill import DistillConfig
-from fuser.runtime.controller import DRAFT, SUFFIX, TARGET
+from fuser.runtime.controller import DRAFT, SUFFIX, TARGET, Choice
 from fuser.runtime import speculative
 from engines import NO_SPECIAL, llama_target, perturbed
 from tiny import tiny_model
@@ -25,19 +27,22 @@ pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 MAX_SEQ_LEN = 64
 VOCAB = 160
 TIMEOUT = 120.0
-COSTS = {"decode": 1.0, DRAFT: {2: 1.3, 4: 1.6}, SUFFIX: {2: 1.04, 4: 1.08}}
+# (suffix gamma LONG: the index's proposals verified alone, the long suffix arm)
+LONG = 8
+COSTS = {"decode": 1.0, DRAFT: {2: 1.3, 4: 1.6}, SUFFIX: {2: 1.04, 4: 1.08, LONG: 50.0}}
 
 
 @functools.cache
 def engine() -> fuser.Engine:
     """Rows 4, buckets 1 and 4; a random draft (it agrees with the target rarely: distilling
-    it has something to gain), gamma auto over 2 and 4, adaptation on."""
+    it has something to gain), gamma auto over 2 and 4, the long suffix arm at LONG,
+    adaptation on."""
     draft = tiny_model("mistral", seed=2, vocab=VOCAB, heads=2, kv_heads=1, head_dim=16,
                        intermediate=64, layers=1, init_range=0.3, **NO_SPECIAL)
     config = fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=4, batch_buckets=(1, 4),
                                gamma="auto", gamma_candidates=(2, 4), compile="fx",
-                               suffix_speculation=True, adapt_draft=True, distill_every=8,
-                               distill_budget_s=60.0)
+                               suffix_speculation=True, long_suffix_gammas=(LONG,),
+                               adapt_draft=True, distill_every=8, distill_budget_s=60.0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return fuser.optimize(llama_target(), draft=draft, config=config)
@@ -84,10 +89,13 @@ def test_templated_traffic_uses_every_source_and_distils_the_draft():
         snap = scheduler.snapshot()
         # Repeated prompts: rows verify proposals from recent outputs, others the draft's, in
         # mixed steps (the suffix's arms, scripted cheaper than the draft's plain steps, which
-        # run where no row matched); the draft never falls behind but after target-only steps.
+        # run where no row matched); the draft never falls behind but after target-only steps
+        # and long suffix steps (probes: scripted dear).
         assert snap["rows"][SUFFIX] > 0 and snap["steps"][DRAFT] > 0, snap
         assert snap["rows"][DRAFT] > 0 and snap["steps"][SUFFIX] > 0, snap
-        assert snap["resyncs"] <= snap["steps"][TARGET], snap
+        long_steps = sum(c.measured().get(f"suffix gamma {LONG}", {}).get("steps", 0)
+                         for c in scheduler.controllers.values())
+        assert snap["resyncs"] <= snap["steps"][TARGET] + long_steps, snap
         assert snap["recent_outputs"] == 4 * 3
         # 12 finished requests, distill_every 8: one update, on requests it then sees again.
         assert sum(snap["draft_updates"].values()) == 1, snap
@@ -278,7 +286,7 @@ def test_the_controller_chooses_between_the_drafts_step_and_the_mixed_step(mixed
     tokens are target-only greedy decoding's either way."""
     references()
     draft_costs = {2: 0.5, 4: 0.6}
-    mixed_costs = {2: 0.1, 4: 0.12} if mixed_pays else {2: 4.0, 4: 4.0}
+    mixed_costs = {2: 0.1, 4: 0.12, LONG: 50.0} if mixed_pays else {2: 4.0, 4: 4.0, LONG: 50.0}
     scheduler = AdaptiveScheduler(engine(), adapt_draft=False, background=False,
                                   costs={"decode": 1.0, DRAFT: draft_costs,
                                          SUFFIX: mixed_costs},
@@ -356,8 +364,8 @@ def test_the_drafts_arm_is_the_plain_step_overlapped_rounds_included(
 
 def test_scripted_costs_of_a_draft_engine_default_the_mixed_steps_to_the_drafts():
     """A draft engine's scripted costs without a "suffix" entry give the mixed steps the
-    draft's seconds; a gamma missing from an entry is named."""
-    scheduler = AdaptiveScheduler(engine(), adapt_draft=False,
+    draft's seconds (without long suffix arms); a gamma missing from an entry is named."""
+    scheduler = AdaptiveScheduler(engine(), adapt_draft=False, long_suffix_gammas=(),
                                   costs={"decode": 1.0, DRAFT: {2: 0.5, 4: 0.6}})
     try:
         assert scheduler.controllers[4].costs == {
@@ -367,7 +375,188 @@ def test_scripted_costs_of_a_draft_engine_default_the_mixed_steps_to_the_drafts(
         scheduler.close()
     with pytest.raises(ValueError, match=r"costs\['suffix'\] has no seconds for gamma \[4\]"):
         AdaptiveScheduler(engine(), adapt_draft=False,
-                          costs={"decode": 1.0, DRAFT: {2: 0.5, 4: 0.6}, SUFFIX: {2: 0.1}})
+                          costs={"decode": 1.0, DRAFT: {2: 0.5, 4: 0.6},
+                                 SUFFIX: {2: 0.1, LONG: 0.1}})
+    with pytest.raises(ValueError, match=rf"costs\['suffix'\] has no seconds for gamma \[{LONG}\]"):
+        AdaptiveScheduler(engine(), adapt_draft=False,
+                          costs={"decode": 1.0, DRAFT: {2: 0.5, 4: 0.6}})
+
+
+# -- the long suffix arms: the index's proposals verified alone, the draft caught up after ----
+
+
+def remember(scheduler: AdaptiveScheduler, outputs: list[list[int]]) -> None:
+    """Each prompt with its output as a finished request of the index (the output in the pool
+    of recent outputs): the prompts' rows match from their second output token on
+    (repetitive traffic)."""
+    for i, (p, output) in enumerate(zip(PROMPTS, outputs)):
+        scheduler.index.add_request(("seen", i), p)
+        scheduler.index.extend(("seen", i), output)
+        scheduler.index.finish(("seen", i))
+
+
+def script_arms(scheduler: AdaptiveScheduler, arms: list[tuple[str, int]]
+                ) -> list[tuple[str, int]]:
+    """Every controller runs arms[i % len(arms)] at its i-th step (a suffix arm where no row
+    matched: draft gamma 2 instead); -> the arms run, filled in as the steps are issued."""
+    ran: list[tuple[str, int]] = []
+    for controller in scheduler.controllers.values():
+        turn = itertools.count()
+
+        def choose(usable=None, *, started=None, turn=turn):
+            arm = arms[next(turn) % len(arms)]
+            if usable is not None and not usable(arm):
+                arm = (DRAFT, 2)
+            ran.append(arm)
+            return Choice(*arm)
+
+        controller.choose = choose
+        controller.may_choose = lambda source: True
+    return ran
+
+
+def serve_stepped(scheduler: AdaptiveScheduler) -> list[list[int]]:
+    """Every prompt once, the scheduler stepped by hand; -> the outputs."""
+    with scheduler.engine.generating():
+        streams = [scheduler.submit(p, GREEDY) for p in PROMPTS]
+        while not all(s.done for s in streams):
+            scheduler._iteration()
+        scheduler._retire()
+    return [s.output_ids for s in streams]
+
+
+ARMS = [(TARGET, 0), (DRAFT, 2), (DRAFT, 4), (SUFFIX, 2), (SUFFIX, 4), (SUFFIX, LONG)]
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(arms=st.lists(st.sampled_from(ARMS), min_size=1, max_size=6))
+def test_long_suffix_steps_in_any_order_keep_the_targets_tokens(arms: list[tuple[str, int]]
+                                                                ) -> None:
+    """Long suffix steps (the index's proposals verified alone, the draft not run), the
+    draft's steps, mixed steps and target-only steps, in whatever order: every request's
+    tokens are target-only greedy decoding's, and a step that runs the draft after steps that
+    did not catches it up first (once)."""
+    references()
+    scheduler = AdaptiveScheduler(engine(), adapt_draft=False, suffix_min_match=2)
+    try:
+        assert scheduler.suffix_gammas == (LONG,)
+        assert scheduler.controllers[4].arms[-1] == (SUFFIX, LONG)
+        remember(scheduler, references())
+        ran = script_arms(scheduler, arms)
+        assert serve_stepped(scheduler) == references()
+        if (SUFFIX, LONG) in arms:
+            assert (SUFFIX, LONG) in ran, ran
+        after_behind = sum(1 for before, arm in zip(ran, ran[1:])
+                           if (before[0] == TARGET or before == (SUFFIX, LONG))
+                           and arm[0] != TARGET and arm != (SUFFIX, LONG))
+        assert scheduler.resyncs == after_behind, (ran, scheduler.resyncs)
+    finally:
+        scheduler.close()
+
+
+def test_after_long_suffix_steps_the_draft_is_caught_up_exactly(monkeypatch: pytest.MonkeyPatch
+                                                                ) -> None:
+    """Long suffix steps move a row on by up to LONG + 1 tokens each without the draft: the
+    catch-up before the next draft step goes back that far, so that afterwards the draft
+    holds every slot of every running row as a full re-prefill leaves it (counted one token
+    a step, as target-only steps are, it would take slots it never wrote as valid)."""
+    references()
+    scheduler = AdaptiveScheduler(engine(), adapt_draft=False, suffix_min_match=2)
+    checked: list[int] = []
+
+    def checking(bucket):
+        real = bucket.resync
+
+        def resync(behind: int) -> None:
+            real(behind)
+            target, draft, state = bucket.target, bucket.draft, bucket.state
+            rows = [i for i in range(len(scheduler._running)) if bool(state.active[i])]
+            assert torch.equal(draft.cache.seq_lens[rows], target.cache.seq_lens[rows])
+            got = [t.clone() for t in (*draft.cache.k, *draft.cache.v)]
+            speculative._reprefill(draft, target, state)  # (what it leaves is as good)
+            for b in rows:
+                start, end = int(target.cache.starts[b]), int(target.cache.seq_lens[b])
+                for x, y in zip(got, (*draft.cache.k, *draft.cache.v)):
+                    torch.testing.assert_close(x[b, start:end], y[b, start:end],
+                                               rtol=1e-4, atol=1e-4)
+            checked.append(behind)
+        return resync
+
+    for bucket in engine().buckets.values():
+        monkeypatch.setattr(bucket, "resync", checking(bucket))
+    try:
+        remember(scheduler, references())
+        ran = script_arms(scheduler, [(SUFFIX, LONG)] * 2 + [(DRAFT, 2)])
+        assert serve_stepped(scheduler) == references()
+        assert ran.count((SUFFIX, LONG)) >= 2 and checked, ran
+        assert max(checked) == 2 * (LONG + 1), checked
+    finally:
+        scheduler.close()
+
+
+@pytest.mark.parametrize("per_token", [0.0, 1.0], ids=["cheap-catch-up", "dear-catch-up"])
+def test_the_long_suffix_arm_pays_for_the_drafts_catch_up(per_token: float) -> None:
+    """Repetitive traffic (the rows match from their second output token), scripted costs: a
+    long suffix step (0.1 s, up to LONG + 1 tokens a row) is the cheapest per emitted token
+    while the draft's catch-up after it costs nothing, and the controller settles on it; at
+    1 s a token behind, the catch-up that the next draft or mixed step runs first is the long
+    arm's cost (LONG + 1 s a step), and the controller settles elsewhere. The tokens are the
+    target's either way."""
+    references()
+    costs = {"decode": 1.0, DRAFT: {2: 0.5, 4: 0.6}, SUFFIX: {2: 0.5, 4: 0.6, LONG: 0.1},
+             "resync": per_token}
+    scheduler = AdaptiveScheduler(engine(), adapt_draft=False, suffix_min_match=2, costs=costs,
+                                  controller_options=dict(probe_share=0.2, refresh=8))
+    try:
+        remember(scheduler, references())
+        for _ in range(4):
+            assert serve_stepped(scheduler) == references()
+        controller = scheduler.controllers[4]
+        if per_token:
+            assert controller.best() != (SUFFIX, LONG), controller.reason
+            charged = controller.measured()[f"suffix gamma {LONG}"]["catch_up"]
+            assert charged >= per_token, controller.reason
+        else:
+            assert controller.best() == (SUFFIX, LONG), controller.reason
+        assert scheduler.resyncs > 0
+    finally:
+        scheduler.close()
+
+
+def test_an_engine_directory_keeps_the_long_suffix_steps(tmp_path) -> None:
+    """engine.save writes the long suffix arm's verify steps; the loaded engine has them, its
+    draft gammas do not count them, and its adaptive scheduler runs the long arm: the
+    target's tokens."""
+    from fuser.runtime.steps import verify
+
+    references()
+    engine().save(tmp_path / "engine")
+    loaded = fuser.load(tmp_path / "engine")
+    assert loaded.gammas == (2, 4)
+    assert all(verify(LONG) in b.target for b in loaded.buckets.values())
+    scheduler = AdaptiveScheduler(loaded, adapt_draft=False, suffix_min_match=2)
+    try:
+        assert scheduler.suffix_gammas == (LONG,)
+        remember(scheduler, references())
+        ran = script_arms(scheduler, [(SUFFIX, LONG), (DRAFT, 4)])
+        assert serve_stepped(scheduler) == references()
+        assert (SUFFIX, LONG) in ran and scheduler.resyncs > 0, ran
+    finally:
+        scheduler.close()
+
+
+def test_long_suffix_arms_need_their_verify_steps() -> None:
+    """Gammas the engine built no verify step for are left out (the arms absent); gammas
+    not above the draft's are refused."""
+    scheduler = AdaptiveScheduler(engine(), adapt_draft=False, long_suffix_gammas=(LONG, 12))
+    try:
+        assert scheduler.suffix_gammas == (LONG,)
+    finally:
+        scheduler.close()
+    with pytest.raises(ValueError, match="above every draft gamma"):
+        AdaptiveScheduler(engine(), adapt_draft=False, long_suffix_gammas=(4,))
+    with pytest.raises(ValueError, match="long_suffix_gammas"):
+        fuser.FuserConfig(gamma_candidates=(2, 4), long_suffix_gammas=(4,))
 
 
 @pytest.mark.gpu
@@ -388,7 +577,8 @@ def test_cuda_a_background_update_distils_while_idle_and_swaps_into_the_captured
                        intermediate=64, layers=1, init_range=0.3, **NO_SPECIAL).cuda()
     config = fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=4, batch_buckets=(1, 4),
                                gamma="auto", gamma_candidates=(2, 4), compile="fx",
-                               precision="fp32", suffix_speculation=True, adapt_draft=True,
+                               precision="fp32", suffix_speculation=True,
+                               long_suffix_gammas=(LONG,), adapt_draft=True,
                                distill_every=8, distill_budget_s=60.0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -427,5 +617,43 @@ def test_cuda_a_background_update_distils_while_idle_and_swaps_into_the_captured
         before = replayed()
         rounds(scheduler, 2)  # with the distilled draft
         assert replayed() > before
+    finally:
+        scheduler.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_a_long_suffix_step_is_captured_and_keeps_the_targets_tokens():
+    """On CUDA in fp32: the long suffix arm's step is captured as a CUDA graph per bucket
+    (greedy and sampling) and replayed, the draft caught up after it before the draft's
+    steps; every request's tokens are the target's greedy ones (Hugging Face's, up to a
+    near-tie: fp32 kernels at varying batch sizes)."""
+    import copy
+
+    from engines import assert_greedy_matches, hf_greedy
+
+    target = copy.deepcopy(llama_target()).cuda()
+    config = fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=4, batch_buckets=(1, 4),
+                               gamma="auto", gamma_candidates=(2,), compile="fx",
+                               precision="fp32", suffix_speculation=True,
+                               long_suffix_gammas=(LONG,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eng = fuser.optimize(target, draft=perturbed(target, 0.05, seed=3), config=config)
+    references = [hf_greedy(target, torch.tensor([p], device="cuda"),
+                            torch.ones(1, len(p), dtype=torch.long, device="cuda"), 24)
+                  for p in PROMPTS]
+    scheduler = AdaptiveScheduler(eng, adapt_draft=False, suffix_min_match=2)
+    try:
+        assert {(4, LONG, False), (4, LONG, True)} <= set(scheduler._graphs)
+        remember(scheduler, [ref[0, len(p):].tolist() for p, (ref, _) in zip(PROMPTS,
+                                                                              references)])
+        ran = script_arms(scheduler, [(SUFFIX, LONG)] * 2 + [(DRAFT, 2)])
+        outputs = serve_stepped(scheduler)
+        for p, out, (ref, near_tie) in zip(PROMPTS, outputs, references, strict=True):
+            assert_greedy_matches(torch.tensor([p + out]), ref.cpu(), near_tie.cpu(),
+                                  torch.tensor([p]), [])
+        assert (SUFFIX, LONG) in ran and scheduler.resyncs > 0, ran
+        assert scheduler._graphs[(4, LONG, False)].replays > 0
     finally:
         scheduler.close()

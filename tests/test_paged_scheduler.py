@@ -1226,6 +1226,40 @@ def test_gpu_a_hit_after_a_draft_swap_gets_the_new_drafts_kv() -> None:
     assert sum(v for k, v in replays.items() if k.startswith("step.b")) > 0
 
 
+@pytest.mark.slow  # (a draft engine of its own with a long suffix verify step: ~40 s on 2 cores)
+def test_long_suffix_steps_over_a_small_pool_keep_each_requests_tokens() -> None:
+    """The adaptive scheduler's long suffix arm (gamma 8, scripted the cheapest) on a paged
+    draft engine over the small pool: rows grow by the long verify step's 9 slots, the draft
+    catches up after long steps through the shared block table, preempted requests come back,
+    and the greedy tokens are each request's alone."""
+    from fuser.runtime.adaptive_scheduler import AdaptiveScheduler
+    from fuser.runtime.controller import DRAFT, SUFFIX
+
+    target = llama_target()
+    config = fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=4, batch_buckets=(1, 2, 4),
+                               gamma=3, compile="fx", kv_block_size=BLOCK, kv_blocks=SMALL_POOL,
+                               suffix_speculation=True, long_suffix_gammas=(8,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eng = fuser.optimize(target, draft=perturbed(target, 0.05, seed=3), config=config)
+    requests = [(prompt(6, seed=90 + i % 2) * 2, greedy(20)) for i in range(6)]  # repetitive
+    want = alone(eng, requests)
+    sched = AdaptiveScheduler(eng, suffix=True, adapt_draft=False, background=False,
+                              suffix_min_match=2,
+                              costs={"decode": 1.0, DRAFT: {3: 0.9}, SUFFIX: {3: 0.9, 8: 0.3}})
+    sched.start()
+    try:
+        streams = [sched.submit(p, params) for p, params in requests]
+        assert [s.result(TIMEOUT) for s in streams] == want
+        assert sched._step_room == 9 and sched.preemptions > 0
+        long_steps = sum(c.measured().get("suffix gamma 8", {}).get("steps", 0)
+                         for c in sched.controllers.values())
+        assert long_steps > 0 and sched.resyncs > 0, sched.snapshot()
+        assert_no_leak(sched)
+    finally:
+        sched.close()
+
+
 @pytest.mark.slow  # (an engine of its own with suffix verify steps: ~35 s on a 2-core CPU)
 def test_adaptive_scheduler_with_suffix_proposals_over_a_small_pool() -> None:
     """The adaptive scheduler's suffix proposals (verify steps added after the build, gamma

@@ -281,9 +281,10 @@ def open_engine(args: argparse.Namespace, cold: ColdStart | None = None) -> Any:
         raise ValueError(f"{args.path} is neither an engine directory (manifest.json) nor a "
                          "model directory (config.json + safetensors)")
     rows = args.max_batch_size or DEFAULT_MODEL_BATCH
-    # --adapt-draft without a draft: the target's verify steps for suffix proposals are built
-    # with the engine (and its KV cache gets their headroom).
-    suffix = bool(getattr(args, "adapt_draft", False)) and args.draft is None
+    # --adapt-draft: the target's verify steps for suffix proposals are built with the engine
+    # (and its KV cache gets their headroom): without a draft at the gamma candidates, with
+    # one at the long suffix gammas (FuserConfig.long_suffix_gammas).
+    suffix = bool(getattr(args, "adapt_draft", False))
     config = fuser.FuserConfig(max_batch_size=rows, max_seq_len=args.max_seq_len,
                                batch_buckets=command_line_buckets(), suffix_speculation=suffix,
                                precision=getattr(args, "precision", None) or "auto",
