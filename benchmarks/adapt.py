@@ -524,10 +524,13 @@ def make_scheduler(engine: object, on: bool, args: argparse.Namespace) -> object
     from fuser.runtime.adaptive_scheduler import AdaptiveScheduler
     from fuser.runtime.distill import DistillConfig
 
-    engine.config = dataclasses.replace(engine.config, distill_every=args.distill_every,
-                                        distill_budget_s=args.distill_budget_s)
-    distill = DistillConfig(lr=args.lr, duty=args.distill_duty,
-                            **({"batch_tokens": 256, "max_steps": 4} if args.dry_run else {}))
+    given = {k: v for k, v in (("distill_every", args.distill_every),
+                               ("distill_budget_s", args.distill_budget_s)) if v is not None}
+    engine.config = dataclasses.replace(engine.config, **given)
+    options: dict = {"batch_tokens": 256, "max_steps": 4} if args.dry_run else {}
+    options.update({k: v for k, v in (("lr", args.lr), ("max_steps", args.distill_steps))
+                    if v is not None})
+    distill = DistillConfig(duty=args.distill_duty, **options)
     return AdaptiveScheduler(engine, max_waiting=max(256, args.concurrency), suffix=True,
                              adapt_draft=True, distill=distill)
 
@@ -803,16 +806,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    type=lambda text: tuple(int(g) for g in text.split(",")),
                    help="FuserConfig.gamma_candidates, comma-separated (default: the config's; "
                         "fewer build faster)")
-    p.add_argument("--distill-every", type=int, default=200,
-                   help="ON: finished requests between draft updates (default: %(default)s, "
-                        "one a window)")
-    p.add_argument("--distill-budget-s", type=float, default=5.0,
-                   help="ON: seconds of fine-tuning per draft update (default: %(default)s)")
-    p.add_argument("--lr", type=float, default=1e-4, help="ON: the distiller's learning rate")
+    p.add_argument("--distill-every", type=int, default=None,
+                   help="ON: finished requests between draft updates (default: "
+                        "FuserConfig.distill_every, 200: one a window)")
+    p.add_argument("--distill-budget-s", type=float, default=None,
+                   help="ON: at most this many seconds of work per draft update (default: "
+                        "FuserConfig.distill_budget_s)")
+    p.add_argument("--distill-steps", type=int, default=None,
+                   help="ON: training steps per draft update (default: DistillConfig.max_steps)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="ON: the distiller's learning rate (default: DistillConfig.lr)")
     p.add_argument("--distill-duty", type=float, default=None,
                    help="ON: DistillConfig.duty, the share of the wall clock an update works "
-                        "beside serving under load (default: none; updates work only while "
-                        "the server idles, between phases)")
+                        "whatever the load (default: none; the adaptive scheduler's "
+                        "SERVING_DUTY while requests run, unpaced while the server idles)")
     args = p.parse_args(argv)
     if args.dry_run:
         args.concurrency, args.requests, args.window, args.max_tokens = 2, 12, 4, 4

@@ -91,8 +91,13 @@ class FuserConfig:
             to 64; () for none): the adaptive scheduler's long suffix arms
             (runtime/adaptive_scheduler.py), after which the draft catches up. Ignored
             without a draft (the suffix arms are then the gammas' own).
-        distill_every: finished requests between two draft updates.
-        distill_budget_s: seconds of fine-tuning per draft update.
+        distill_every: finished requests between two draft updates (200: an update a window
+            of issue 44's stream, each DistillConfig.max_steps steps; a candidate the held-out
+            records cannot yet tell better trains on in the next update, over more of them:
+            docs/performance-notes.md).
+        distill_budget_s: at most this many seconds of work per draft update (the target's
+            labelling, training, held-out evaluation); DistillConfig.max_steps usually ends it
+            first on a GPU.
         kv_block_size: 0 (the default) keeps each row's KV slots contiguous; N > 0 pages the
             cache: one pool of N-slot blocks per model and a block table per row, read and
             written through the table by every step (runtime/kv_cache.py, runtime/blocks.py).
@@ -133,8 +138,8 @@ class FuserConfig:
     adapt_draft: bool = False
     suffix_speculation: bool = False
     long_suffix_gammas: tuple[int, ...] = LONG_SUFFIX_GAMMAS
-    distill_every: int = 1000
-    distill_budget_s: float = 10.0
+    distill_every: int = 200
+    distill_budget_s: float = 2.0
     kv_block_size: int = 0
     kv_blocks: int = 0
     kv_memory_fraction: float | None = None

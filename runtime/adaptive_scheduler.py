@@ -32,9 +32,10 @@ What it adds to runtime/scheduler.py's loop, on the scheduler's thread:
     retire   a finished request's output leaves the index for its pool of recent outputs and
              joins the distiller's buffer (the emitted tokens are the target's own choices).
              Every FuserConfig.distill_every finished requests a background thread fine-tunes
-             a copy of the draft for distill_budget_s seconds of work (a side CUDA stream),
-             done while no request runs or waits (DistillConfig.duty: that share of the wall
-             clock instead, under load too), and, if the
+             a copy of the draft for at most DistillConfig.max_steps steps and
+             distill_budget_s seconds of work (a side CUDA stream), at SERVING_DUTY of the wall
+             clock while requests run or wait and unpaced while none does
+             (DistillConfig.duty: that share of the wall clock instead), and, if the
              copy agrees better with the target on held-out recent requests, swaps it into the
              engine's draft tensors between two steps (runtime/distill.py); the controllers
              then forget what they measured of the old draft and probe the new one, and the
@@ -71,8 +72,8 @@ from torch import nn
 from fuser.runtime.bucket_capture import stepping
 from fuser.runtime.controller import DRAFT, SUFFIX, TARGET, Choice, Controller, \
     ControllerCollector
-from fuser.runtime.distill import DistillConfig, Distiller, UpdateResult, WeightSwap, \
-    draft_module, target_module
+from fuser.runtime.distill import SERVING_DUTY, DistillConfig, Distiller, UpdateResult, \
+    WeightSwap, draft_module, target_module
 from fuser.runtime.generate import ReadBack
 from fuser.runtime.scheduler import ADMISSION_QUIET, RequestStream, Scheduler, _Step
 from fuser.runtime.step_graphs import PLAIN, IterationGraph
@@ -533,15 +534,15 @@ class AdaptiveScheduler(Scheduler):
         try:
             cuda = self.engine.device.type == "cuda"
             side = torch.cuda.Stream(self.engine.device) if cuda else None
-            # Beside serving (a background thread), by default the update works only while
-            # no request is running or waiting: serving is bound by the host's loop, and any
-            # work beside it takes the GIL and the GPU from it (the module docstring). With
-            # DistillConfig.duty given it works that share of the wall clock, whatever the load.
-            duty, ready = self.distiller.config.duty, None
+            # Beside serving (a background thread), by default the update works SERVING_DUTY
+            # of the wall clock while requests run or wait (serving is bound by the host's
+            # loop: work beside it takes the GIL and the GPU from it) and unpaced while the
+            # server idles. With DistillConfig.duty given it works that share, whatever the load.
+            duty, idle = self.distiller.config.duty, None
             if duty is None and self.background:
-                ready = self.idle
+                duty, idle = SERVING_DUTY, self.idle
             result = self.distiller.update(self.engine.config.distill_budget_s, stream=side,
-                                           duty=duty or 1.0, stop=self._closing, ready=ready)
+                                           duty=duty or 1.0, stop=self._closing, idle=idle)
             if result.accepted:
                 with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                     self.distiller.swap_into(self.swap)

@@ -91,15 +91,16 @@ __all__ = ["SERVING_DUTY", "DistillConfig", "Distiller", "Evaluation", "Gate", "
 
 log = logging.getLogger("fuser")
 
-# A share of wall time for a draft update to work beside serving under load (DistillConfig.
-# duty; the adaptive scheduler's background updates otherwise work only while it idles). On an
-# H100 the bundled pair's adaptive serving was at its slowest (0.61-0.69x of without) in the
-# windows an unpaced 5 s update most likely overlapped (benchmarks/RESULTS.md, "Adaptive
-# speculation"): paced, an update takes the host and the GPU a tenth of the time, for ten
-# times as long (50 s for a 5 s budget: longer than the benchmark's whole stream).
-SERVING_DUTY = 0.1
-# How often a Pacer waiting for `ready` asks again (seconds).
-READY_POLL_S = 0.005
+# The share of wall time a draft update works beside serving under load (the adaptive
+# scheduler's default; DistillConfig.duty overrides it). On an H100 the bundled pair's adaptive
+# serving was at its slowest (0.61-0.69x of without) in the windows an unpaced 5 s update most
+# likely overlapped (benchmarks/RESULTS.md, "Adaptive speculation"). Paced, updates that follow
+# one another take at most this share of the host and the GPU from serving: issue 44 asks every
+# window of its stream to keep 0.95x of serving without adaptation. An update of
+# DistillConfig.max_steps steps is small work (5 steps of 39 GFLOP on the bundled draft, the
+# target's labelling of the records since the last update, two held-out evaluations: about 1
+# TFLOP, docs/performance-notes.md), taking its work / SERVING_DUTY of wall clock under load.
+SERVING_DUTY = 0.05
 
 
 # -- the tensors the compiled draft reads -------------------------------------------------------
@@ -579,14 +580,15 @@ class Pacer:
     sleep long enough that the work is at most `duty` of the time since the pacer began.
     `worked`: the work's seconds so far; `stopped`: whether `stop` (an event) was set, after
     which the work should end. A distillation update runs beside the serving thread; its sleeps
-    give that thread the host (the GIL) and the GPU back. `ready` (optional): a piece starts
-    only once it returns True (polled every READY_POLL_S seconds; a stop ends the wait), e.g.
-    while the server is idle, so that the work takes no time from serving at all."""
+    give that thread the host (the GIL) and the GPU back. `idle` (optional): a piece begun
+    while it returns True (no request running or waiting) is not paced: no sleep follows it,
+    and the first piece under load after it is on schedule (the work under load is `duty` of
+    the wall clock under load, with no unpaced burst spending the idle time)."""
 
     def __init__(self, duty: float, clock: Callable[[], float] | None = None,
                  sleep: Callable[[float], None] | None = None,
                  stop: threading.Event | None = None,
-                 ready: Callable[[], bool] | None = None) -> None:
+                 idle: Callable[[], bool] | None = None) -> None:
         if not 0.0 < duty <= 1.0:
             raise ValueError(f"duty={duty!r} must be in (0, 1]")
         self.duty = duty
@@ -594,31 +596,34 @@ class Pacer:
         self.stop = stop
         # (a stop event ends a sleep at once: a closing scheduler does not wait out the pacing)
         self.sleep = sleep or (stop.wait if stop is not None else time.sleep)
-        self.ready = ready
+        self.idle = idle
         self.worked = 0.0
+        self._paced = 0.0  # the work of pieces begun under load
+        self._after_idle = False  # the last piece was begun while idle
         self.began = self.clock()
 
     @property
     def stopped(self) -> bool:
         return self.stop is not None and self.stop.is_set()
 
-    def wait(self) -> None:
-        """Until `ready` (if given) returns True, or a stop."""
-        while self.ready is not None and not self.stopped and not self.ready():
-            self.sleep(READY_POLL_S)
-
     @contextmanager
     def piece(self) -> Iterator[None]:
-        self.wait()
+        unpaced = self.idle is not None and self.idle()
         start = self.clock()
+        if self._after_idle and not unpaced:  # on schedule: the idle time is no slack
+            self.began = start - self._paced / self.duty
+        self._after_idle = unpaced
         try:
             yield
         finally:
-            self.worked += self.clock() - start
-            if self.duty < 1.0 and not self.stopped:
-                wait = self.began + self.worked / self.duty - self.clock()
-                if wait > 0:
-                    self.sleep(wait)
+            took = self.clock() - start
+            self.worked += took
+            if not unpaced:
+                self._paced += took
+                if self.duty < 1.0 and not self.stopped:
+                    wait = self.began + self._paced / self.duty - self.clock()
+                    if wait > 0:
+                        self.sleep(wait)
 
 
 @dataclass(frozen=True)
@@ -633,7 +638,13 @@ class DistillConfig:
             tokens.
         max_records, max_tokens: the buffer keeps the newest records within both bounds.
         holdout_fraction: the newest share of the buffer held out of training and used to
-            decide (at least min_holdout records).
+            decide (at least min_holdout records). How much a few steps gain differs from
+            one served document to the next (on the bundled pair's shifted domain, +0.02 on
+            average with a spread of 0.1 from record to record): bounding such a gain at 99%
+            takes 100-150 held-out records, so the held-out share is large (0.4: 160 records
+            at the second update of 200 requests each), and the training share still holds
+            more than max_steps steps of batch_tokens use (5 x 4096 tokens: ~130 records of
+            160 tokens).
         min_holdout: the fewest held-out records (at least 2: the gate's bound needs two
             clusters); an update needs min_holdout + 1 records.
         min_gain: a candidate is accepted only when the lower confidence bound of its gain in
@@ -649,15 +660,21 @@ class DistillConfig:
             of greedy speculation) or "acceptance" (sum_x min(p, q) over the labels' top-k:
             speculative sampling's acceptance; needs soft labels to mean that).
         topk: label width kept per position (soft labels are cut to it).
-        max_steps: at most this many optimizer steps per update (None: the time budget only).
+        max_steps: at most this many optimizer steps per update (None: the time budget
+            only). Few steps move the bundled draft most: at lr 1e-4 and 4096-token batches,
+            2 steps raise its agreement with the target on shifted-domain documents never
+            trained on by +0.014, 5 by +0.018, 20 by +0.022 while its agreement on held-out
+            Python falls 1% (docs/performance-notes.md, `benchmarks/distill_curve.py`); an
+            accepted or carried candidate trains on in the next update, so small updates add
+            up. One step over 4096 tokens is 39 GFLOP on the bundled draft.
         seed: minibatch order.
-        duty: the share of wall time an update works (labelling and training steps, each
-            followed by a sleep: `Pacer`); the time budget counts the work, so an update takes
-            about budget / duty seconds. None: 1.0 (unpaced) for an update called directly;
-            where the adaptive scheduler runs it beside serving, unpaced but only while no
-            request runs or waits (serving needs the same host, the GIL, and GPU: any share
-            of them an update takes under load is throughput lost). Set (e.g. SERVING_DUTY)
-            to distil under load too, at about that share of the throughput while it runs.
+        duty: the share of wall time an update works (labelling, training steps and the
+            held-out evaluations, each followed by a sleep: `Pacer`); the time budget counts
+            the work, so an update takes about its work / duty seconds. None: 1.0 (unpaced)
+            for an update called directly; where the adaptive scheduler runs it beside
+            serving, SERVING_DUTY while requests run or wait (serving needs the same host, the
+            GIL, and GPU: the share an update takes under load is throughput lost) and
+            unpaced while none does. Set to pace it at that share whatever the load.
     """
 
     lr: float = 1e-4
@@ -666,7 +683,7 @@ class DistillConfig:
     max_context: int = 512
     max_records: int = 4096
     max_tokens: int = 1 << 21
-    holdout_fraction: float = 0.2
+    holdout_fraction: float = 0.4
     min_holdout: int = 2
     min_gain: float = 0.0
     confidence: float = 0.99
@@ -674,7 +691,7 @@ class DistillConfig:
     soft_labels: bool = True
     criterion: str = "agreement"
     topk: int = 8
-    max_steps: int | None = None
+    max_steps: int | None = 5
     seed: int = 0
     duty: float | None = None
 
@@ -1048,6 +1065,31 @@ class Distiller:
         return Evaluation(means[0], means[1], means[2], positions, per_record)
 
     @torch.no_grad()
+    def tokens_per_step(self, records: Sequence[Record], gamma: int) -> float:
+        """Tokens a greedy verify step at `gamma` would yield over the records' labelled
+        positions with the student as the draft: from each position the student proposes
+        gamma tokens, the run of them that agree with the target's top-1 is accepted and the
+        target adds one (each record's positions walked in such steps; its last step may be
+        cut short). Teacher-forced agreement is exact here: an accepted proposal is the
+        target's own token, so the next proposal sees the prefix the target saw."""
+        if gamma < 1:
+            raise ValueError(f"gamma={gamma!r} must be >= 1")
+        positions = steps = 0
+        for group in self._batches(records):
+            _, agreement, _, labeled = self._scores(group)
+            for row, keep in zip(agreement.bool().cpu(), labeled.cpu()):
+                agrees = row[keep].tolist()
+                i = 0
+                while i < len(agrees):
+                    run = 0
+                    while run < gamma and i + run < len(agrees) and agrees[i + run]:
+                        run += 1
+                    i += run + 1
+                    steps += 1
+                positions += len(agrees)
+        return positions / max(steps, 1)
+
+    @torch.no_grad()
     def _label(self, records: Sequence[Record], pacer: Pacer, limit: float) -> int:
         """Give records that carry only tokens the target's top-k at each labelled position
         (one target forward per batch of records, each a piece of `pacer`'s work), until the
@@ -1087,15 +1129,16 @@ class Distiller:
     def update(self, time_budget_s: float, max_steps: int | None = None,
                stream: object | None = None, duty: float | None = None,
                stop: threading.Event | None = None,
-               ready: Callable[[], bool] | None = None) -> UpdateResult:
+               idle: Callable[[], bool] | None = None) -> UpdateResult:
         """Fine-tune a candidate on the buffer for at most time_budget_s seconds of work (and
         at most max_steps optimizer steps; default: the config's), then accept it only if it
         agrees better with the target on the held-out newest records (see the module
         docstring). stream: a CUDA stream to train on (default: the current one). duty: the
         share of wall time it works (`DistillConfig.duty`; default: the config's, else 1.0).
         stop: an event that ends the labelling and training early (a closing scheduler); the
-        candidate trained so far is still evaluated and gated. ready: each piece of work
-        (labelling, a training step, an evaluation) waits until it returns True (`Pacer`)."""
+        candidate trained so far is still evaluated and gated. idle: a piece of work
+        (labelling a batch, a training step, an evaluation) begun while it returns True is
+        not paced (`Pacer`)."""
         if not time_budget_s > 0:
             raise ValueError(f"time_budget_s={time_budget_s!r} must be > 0")
         if max_steps is None:
@@ -1107,7 +1150,7 @@ class Distiller:
             with context:
                 duty = duty if duty is not None else self.config.duty
                 result = self._update(time_budget_s, max_steps,
-                                      Pacer(duty or 1.0, stop=stop, ready=ready))
+                                      Pacer(duty or 1.0, stop=stop, idle=idle))
             result.seconds = time.perf_counter() - start
             self.update_seconds += result.seconds
             if result.before is not None:
@@ -1145,8 +1188,8 @@ class Distiller:
         holdout = fresh[-held:]
         kept = {id(r) for r in holdout}
         train = [r for r in records if id(r) not in kept]
-        pacer.wait()  # (an evaluation is no work of the budget's, but waits its turn)
-        before = self._evaluate_accepted(holdout)
+        with pacer.piece():
+            before = self._evaluate_accepted(holdout)
         result = UpdateResult(False, "", train_records=len(train), holdout_records=len(holdout),
                               before=before, labelled=labelled)
         order: list[Record] = []
@@ -1169,8 +1212,8 @@ class Distiller:
             result.steps += 1
         if result.losses:
             result.first_loss, result.last_loss = result.losses[0], result.losses[-1]
-        pacer.wait()
-        after = self.evaluate(holdout)
+        with pacer.piece():
+            after = self.evaluate(holdout)
         result.after = after
         finite = all(bool(torch.isfinite(p).all()) for p in self._params.values())
         decision = gate(before, after, cfg.criterion, cfg.confidence, cfg.min_gain,

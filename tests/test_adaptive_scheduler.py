@@ -133,13 +133,14 @@ def test_updates_in_the_background_leave_outputs_alone():
         scheduler.close()
 
 
-def test_a_background_update_works_only_while_the_server_is_idle():
-    """By default a background update's pieces of work wait for `idle()` (no request running
-    or waiting: work beside the host-bound serving loop takes its GIL and GPU time); with
-    DistillConfig.duty given, it works that share of the wall clock, under load too."""
-    from fuser.runtime.distill import UpdateResult
+def test_a_background_update_works_its_serving_duty_under_load():
+    """By default a background update works SERVING_DUTY of the wall clock while requests run
+    or wait (work beside the host-bound serving loop takes its GIL and GPU time) and unpaced
+    while the server is idle (`idle()`: no request running or waiting); with DistillConfig.duty
+    given, it works that share of the wall clock, whatever the load."""
+    from fuser.runtime.distill import SERVING_DUTY, UpdateResult
 
-    for duty, paced in ((None, False), (0.25, True)):
+    for duty, given in ((None, False), (0.25, True)):
         scheduler = AdaptiveScheduler(engine(), costs=COSTS, background=True,
                                       distill=DistillConfig(duty=duty))
         calls: list[dict] = []
@@ -152,10 +153,10 @@ def test_a_background_update_works_only_while_the_server_is_idle():
             scheduler._updating.set()
             scheduler._update_draft()
             (kwargs,) = calls
-            if paced:
-                assert kwargs["ready"] is None and kwargs["duty"] == duty
+            if given:
+                assert kwargs["idle"] is None and kwargs["duty"] == duty
             else:
-                assert kwargs["ready"] == scheduler.idle and kwargs["duty"] == 1.0
+                assert kwargs["idle"] == scheduler.idle and kwargs["duty"] == SERVING_DUTY
             stream.cancel()
         finally:
             scheduler.close()
@@ -563,9 +564,9 @@ def test_long_suffix_arms_need_their_verify_steps() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_a_background_update_distils_while_idle_and_swaps_into_the_captured_draft():
     """On CUDA in fp32 (captured steps, mixed steps and prefills; the update on a side stream),
-    the adaptive scheduler's background update as `fuser serve --adapt-draft` runs it: its work
-    waits for the server to idle (no DistillConfig.duty), then distils the draft on what it
-    served, is accepted (the prompts come back: memorised) and is swapped into the live draft
+    the adaptive scheduler's background update as `fuser serve --adapt-draft` runs it (no
+    DistillConfig.duty: paced under load, unpaced once the server idles) distils the draft on
+    what it served, is accepted (the prompts come back: memorised) and is swapped into the live draft
     that the captured graphs read; the requests after it, with the new draft, still return
     the target's greedy output (Hugging Face's, up to a near-tie), as those before it did."""
     import copy
@@ -600,11 +601,11 @@ def test_cuda_a_background_update_distils_while_idle_and_swaps_into_the_captured
         eng, costs=COSTS, background=True,
         distill=DistillConfig(lr=3e-3, batch_tokens=256, holdout_fraction=0.5, max_steps=30),
         controller_options=dict(probe_share=0.2, refresh=8))
-    assert scheduler.distiller.config.duty is None  # idle-only, the serving default
+    assert scheduler.distiller.config.duty is None  # SERVING_DUTY under load: the default
     scheduler.start()
     try:
         rounds(scheduler, 3)  # the update starts at the 8th finished request
-        assert scheduler.wait_update(TIMEOUT)  # (it works while the server idles)
+        assert scheduler.wait_update(TIMEOUT)  # (unpaced once the server idles)
         assert len(scheduler.update_results) == 1
         result = scheduler.update_results[0]
         assert result.accepted, result.reason

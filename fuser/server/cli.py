@@ -92,8 +92,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                        help="with --adapt-draft: finished requests between two draft updates "
                             f"(default: {_config_default('distill_every')})")
     serve.add_argument("--distill-budget-s", type=float, default=None,
-                       help="with --adapt-draft: seconds of fine-tuning work per draft "
-                            "update, spread over ten times as long beside serving "
+                       help="with --adapt-draft: at most this many seconds of work per "
+                            "draft update (labelling, fine-tuning, held-out evaluation), at "
+                            "5%% of the wall clock while requests run "
                             f"(default: {_config_default('distill_budget_s')})")
     add_kv_cache_arguments(serve)
     serve.add_argument("--tokenizer", default=None,
