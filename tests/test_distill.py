@@ -275,7 +275,8 @@ def test_a_worse_candidate_is_rejected_and_the_old_weights_kept_bit_for_bit(capl
     the same on any machine and any load."""
     draft = mistral(seed=2)
     before = {n: p.detach().clone() for n, p in draft.named_parameters()}
-    distiller = Distiller(draft, config=DistillConfig(lr=50.0, batch_tokens=256))
+    distiller = Distiller(draft, config=DistillConfig(lr=50.0, batch_tokens=256,
+                                                      holdout_fraction=0.2))
     labelled(distiller, soft=True)
     accepted = distiller.state_dict()
     with caplog.at_level(logging.INFO, logger="fuser"):
@@ -501,8 +502,8 @@ def test_the_held_out_share_is_of_the_labelled_records(monkeypatch):
     labelled -> 8 train and 2 held out (a share of all 40 would hold out 8 and train on 2)."""
     target = tiny_model("llama", seed=0, vocab=VOCAB, heads=4, kv_heads=2, head_dim=16,
                         intermediate=128, layers=2, init_range=0.05, **NO_SPECIAL)
-    distiller = Distiller(mistral(seed=2), config=DistillConfig(lr=1e-3, batch_tokens=256),
-                          target=target)
+    distiller = Distiller(mistral(seed=2), config=DistillConfig(
+        lr=1e-3, batch_tokens=256, holdout_fraction=0.2), target=target)
     generator = torch.Generator().manual_seed(5)
     for sequence in torch.randint(0, VOCAB, (40, 16), generator=generator):
         distiller.add(sequence, start=8)
