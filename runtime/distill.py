@@ -642,9 +642,9 @@ class DistillConfig:
             one served document to the next (on the bundled pair's shifted domain, +0.02 on
             average with a spread of 0.1 from record to record): bounding such a gain at 99%
             takes 100-150 held-out records, so the held-out share is large (0.4: 160 records
-            at the second update of 200 requests each), and the training share still holds
-            more than max_steps steps of batch_tokens use (5 x 4096 tokens: ~130 records of
-            160 tokens).
+            at the second update of 200 requests each), while the training share still holds
+            about what max_steps steps of batch_tokens use (5 x 4096 tokens: ~130 records of
+            160 tokens; 120 at the first update, 240 at the second).
         min_holdout: the fewest held-out records (at least 2: the gate's bound needs two
             clusters); an update needs min_holdout + 1 records.
         min_gain: a candidate is accepted only when the lower confidence bound of its gain in
@@ -664,7 +664,8 @@ class DistillConfig:
             only). Few steps move the bundled draft most: at lr 1e-4 and 4096-token batches,
             2 steps raise its agreement with the target on shifted-domain documents never
             trained on by +0.014, 5 by +0.018, 20 by +0.022 while its agreement on held-out
-            Python falls 1% (docs/performance-notes.md, `benchmarks/distill_curve.py`); an
+            Python falls 1.2% (800 requests: docs/performance-notes.md,
+            `benchmarks/distill_curve.py`); an
             accepted or carried candidate trains on in the next update, so small updates add
             up. One step over 4096 tokens is 39 GFLOP on the bundled draft.
         seed: minibatch order.
