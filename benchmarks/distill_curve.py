@@ -15,7 +15,8 @@ start=len(prompt), topk_ids, topk_probs)`. Per configuration (requests R, lr, ba
 fresh Distiller gets the first R records and runs `update(max_steps=...)` until the steps
 so far reach each of --steps in turn (the student trains on from one update to the next: an
 accepted candidate and a rejected but no worse one keep training, a worse one is dropped, as
-served). After each update: the update's gate decision (on its own held-out share of the R
+served). With --every N, as the adaptive scheduler does instead: N more requests before each
+update, each update of the default max_steps. After each update: the update's gate decision (on its own held-out share of the R
 records), and `Distiller.evaluate` of the student on the H never-sent documents (shifted) and
 on --python held-out Python prompts (models/heldout_sample.txt) with the target's continuations:
 greedy top-1 agreement (speculation's acceptance per proposed token) and the tokens a greedy
@@ -155,8 +156,10 @@ def curve(args: argparse.Namespace, draft: torch.nn.Module, train: list[Sample],
         {"holdout_fraction": args.holdout_fraction}
     distiller = Distiller(draft, config=DistillConfig(lr=lr, batch_tokens=batch_tokens,
                                                       seed=args.seed, topk=args.topk, **options))
-    for s in train[:requests]:
-        distiller.add(s.tokens, s.start, s.topk_ids, s.topk_probs)
+    # (requests given so far, steps so far after the update; None: DistillConfig.max_steps more)
+    plan: list[tuple[int, int | None]] = [(requests, steps) for steps in args.steps] \
+        if not args.every else [(min(n + args.every, requests), None)
+                                for n in range(0, requests, args.every)]
 
     def records(group: list[Sample]) -> list[Record]:
         return [Record(torch.tensor(s.tokens), s.start, s.topk_ids, s.topk_probs)
@@ -170,10 +173,13 @@ def curve(args: argparse.Namespace, draft: torch.nn.Module, train: list[Sample],
             distiller.tokens_per_step(held_records, args.gamma)
 
     base = measure()
-    rows, done, trained, accepted = [], 0, 0, 0
-    for steps in args.steps:
-        result = distiller.update(1e9, max_steps=steps - done)
-        done = steps
+    rows, given, done, trained, accepted = [], 0, 0, 0, 0
+    for seen, steps in plan:
+        for s in train[given:seen]:
+            distiller.add(s.tokens, s.start, s.topk_ids, s.topk_probs)
+        given = seen
+        result = distiller.update(1e9, max_steps=None if steps is None else steps - done)
+        done += result.steps
         now = measure()
         gate = result.gate
         decision = "A" if result.accepted else ("C" if distiller.carried else "R")
@@ -181,7 +187,7 @@ def curve(args: argparse.Namespace, draft: torch.nn.Module, train: list[Sample],
         # the accepted weights again)
         trained = accepted if decision == "R" else trained + result.steps
         accepted = trained if decision == "A" else accepted
-        row = dict(requests=requests, lr=lr, batch_tokens=batch_tokens, steps=steps,
+        row = dict(requests=seen, lr=lr, batch_tokens=batch_tokens, steps=done,
                    trained=trained, decision=decision, gain=gate.gain if gate else None,
                    lower=gate.lower if gate else None, shifted_before=base[0],
                    shifted_after=now[0], python_before=base[1], python_after=now[1],
@@ -229,6 +235,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="DistillConfig.holdout_fraction (default: DistillConfig's)")
     p.add_argument("--gamma", type=int, default=4,
                    help="the verify step's gamma for tokens a step (default: %(default)s)")
+    p.add_argument("--every", type=int, default=0,
+                   help="as served: this many more requests before each update (as "
+                        "FuserConfig.distill_every), each of DistillConfig.max_steps steps, "
+                        "until --requests are given (--steps unused; default: all at once)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache", default=None,
                    help="a file keeping the served samples between runs (made if absent)")
