@@ -16,11 +16,12 @@ fresh Distiller gets the first R records and runs `update(max_steps=...)` until 
 so far reach each of --steps in turn (the student trains on from one update to the next: an
 accepted candidate and a rejected but no worse one keep training, a worse one is dropped, as
 served). With --every N, as the adaptive scheduler does instead: N more requests before each
-update, each update of the default max_steps. After each update: the update's gate decision (on its own held-out share of the R
-records), and `Distiller.evaluate` of the student on the H never-sent documents (shifted) and
-on --python held-out Python prompts (models/heldout_sample.txt) with the target's continuations:
-greedy top-1 agreement (speculation's acceptance per proposed token) and the tokens a greedy
-verify step at gamma --gamma yields (`Distiller.tokens_per_step`).
+update, each update of the default max_steps. After each update: the update's gate decision
+(on its own held-out share of the records given), and `Distiller.evaluate` of the student on
+the H never-sent documents (shifted) and on --python held-out Python prompts
+(models/heldout_sample.txt) with the target's continuations: greedy top-1 agreement
+(speculation's acceptance per proposed token) and the tokens a greedy verify step at gamma
+--gamma yields (`Distiller.tokens_per_step`).
 
 Prints one row per update: requests, lr, batch_tokens, steps so far, the steps behind the
 student (kept: a rejected, worse candidate is dropped), the update's gate (A accepted, C
