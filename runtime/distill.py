@@ -640,8 +640,8 @@ class DistillConfig:
         holdout_fraction: the newest share of the buffer held out of training and used to
             decide (at least min_holdout records). How much a few steps gain differs from
             one served document to the next (on the bundled pair's shifted domain, +0.02 on
-            average with a spread of 0.1 from record to record): bounding such a gain at 99%
-            takes 100-150 held-out records, so the held-out share is large (0.4: 160 records
+            average with a spread of 0.08-0.1 from record to record): bounding such a gain at
+            99% takes ~90-150 held-out records, so the held-out share is large (0.4: 160 records
             at the second update of 200 requests each), while the training share still holds
             about what max_steps steps of batch_tokens use (5 x 4096 tokens: ~130 records of
             160 tokens; 120 at the first update, 240 at the second).

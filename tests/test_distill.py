@@ -341,12 +341,12 @@ def test_the_gate_rejects_noise_and_accepts_a_real_gain():
 
 def test_the_default_held_out_share_bounds_a_small_updates_gain():
     """What a few steps gain on the bundled pair's shifted domain differs from one record to
-    the next: +0.02 over 100 never-sent documents with a 99% lower bound of -0.004, a spread
-    of ~0.105 per record (tests/test_distill_curve.py; docs/performance-notes.md). Seeded
-    simulations of a +0.03 gain with that spread (two small updates' worth) over the held-out
-    share of the second update (2 x FuserConfig.distill_every requests in the buffer): the gate
-    accepts it in at least 80% of them at the default share (at 0.2 of the buffer, about
-    half)."""
+    the next. Served as the adaptive scheduler serves it (benchmarks/distill_curve.py --every
+    200, docs/performance-notes.md), the second update's candidate gained +0.019-0.022 on the
+    gate's held-out records with a spread of ~0.08 per record (from its lower bound). Seeded
+    simulations of that gain and spread over the held-out share of the second update (2 x
+    FuserConfig.distill_every requests in the buffer): the gate accepts it in at least 65% of
+    them at the default share (at 0.2 of the buffer, 40%)."""
     records = int(2 * fuser.FuserConfig().distill_every * DistillConfig().holdout_fraction)
     generator = torch.Generator().manual_seed(2)
     trials, positions = 300, 64
@@ -354,13 +354,13 @@ def test_the_default_held_out_share_bounds_a_small_updates_gain():
     def simulated() -> tuple[Evaluation, Evaluation]:
         n = torch.full((records,), float(positions))
         before = torch.round(n * (0.6 + 0.3 * torch.rand(records, generator=generator)))
-        change = n * (0.03 + 0.105 * torch.randn(records, generator=generator))
+        change = n * (0.02 + 0.08 * torch.randn(records, generator=generator))
         after = (before + torch.round(change)).clamp(0, positions)
         return _evaluation(torch.stack([n, n, before, before], dim=1)), \
             _evaluation(torch.stack([n, 0.9 * n, after, after], dim=1))
 
     accepted = sum(gate(*simulated()).accepted for _ in range(trials))
-    assert accepted >= 0.8 * trials, (records, accepted)
+    assert accepted >= 0.65 * trials, (records, accepted)  # (71% here)
 
 
 def test_the_gate_needs_a_kl_no_worse_and_finite_weights():
