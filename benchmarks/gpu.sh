@@ -36,6 +36,9 @@
 #             2,000-request shifted-domain stream with Python before and after, and a
 #             repetitive stream (adapt.py; ADAPT_ARGS adds flags)                      ~6 min
 #   adapt8b   the same, the 8B shape with a random 1B-shape draft (adapt.py --workloads 8b)
+#   distill   one online draft update's learning curve on the bundled pair, and its seconds:
+#             updates of 2-20 steps, then updates as served, every 200 requests
+#             (distill_curve.py)
 #   paged     paged against contiguous decode/verify attention at the 8B shape
 #             (paged_attention.py; fails above 1.05x), the paged kernels', engine's and
 #             scheduler's GPU tests
@@ -68,7 +71,7 @@ export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fuser-out}
 BUDGET=${BUDGET:-580}
-SUITES="decode verify spec fallback files imports ops accuracy serve serve256 serve256fp8 build256 build256base servepaged serverate servelong adapt adapt8b paged flashprefill prefix allreduce tp suffix tests"
+SUITES="decode verify spec fallback files imports ops accuracy serve serve256 serve256fp8 build256 build256base servepaged serverate servelong adapt adapt8b distill paged flashprefill prefix allreduce tp suffix tests"
 PAGED_ARGS=${PAGED_ARGS---config kv_block_size=16 --config kv_memory_fraction=0.9}
 if [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ]; then
   sed -n '2,/^set -o/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
@@ -227,6 +230,14 @@ for suite in "$@"; do
         "$(grep -E '^ +on [a-z_]+: .*steps ' "$DIR/$suite.log")" \
         "$(grep -E '^ +(on|off) measured ' "$DIR/$suite.log" | head -n 16)" \
         "$(sed -n '/^--- criteria/,$p' "$DIR/$suite.log" | grep -E '^ *(PASS|FAIL|n/a) ')" ;;
+    distill)
+      step distill_curve 280 python3 benchmarks/distill_curve.py --requests 800,200 \
+        --steps 2,5,10,20 --cache "$DIR/records.pt" --out "$DIR/curve.json"
+      step distill_served 200 python3 benchmarks/distill_curve.py --requests 800 --every 200 \
+        --cache "$DIR/records.pt" --out "$DIR/served.json"
+      table "distill: one draft update's learning curve, the bundled pair (distill_curve.py)" \
+        "$(grep -E '^(one step|requests|  +[0-9]+ )' "$DIR/distill_curve.log")" \
+        "$(grep -E '^ +[0-9]+ ' "$DIR/distill_served.log")" ;;
     paged)
       step paged_tests 300 python3 -m pytest -q -p no:cacheprovider -rf tests/test_paged_attention.py \
         tests/test_paged_engine.py tests/test_paged_scheduler.py -k "gpu"
