@@ -270,20 +270,26 @@ def test_distillation_raises_agreement_on_a_domain_shift(soft):
 
 def test_a_worse_candidate_is_rejected_and_the_old_weights_kept_bit_for_bit(caplog):
     """A learning rate of 50 wrecks the draft in 5 steps. The held-out agreement of the wreck
-    can still rise by chance (2 -> 6 positions of 216 here: what a point estimate accepted);
-    the gate's bound and the KL both reject it. Steps are counted, not timed: the update is
-    the same on any machine and any load."""
-    draft = mistral(seed=2)
-    before = {n: p.detach().clone() for n, p in draft.named_parameters()}
-    distiller = Distiller(draft, config=DistillConfig(lr=50.0, batch_tokens=256,
-                                                      holdout_fraction=0.2))
-    labelled(distiller, soft=True)
-    accepted = distiller.state_dict()
-    with caplog.at_level(logging.INFO, logger="fuser"):
-        result = distiller.update(time_budget_s=math.inf, max_steps=5)
+    can still rise by chance (a point estimate accepted it): the first draft seed whose wreck
+    rose is taken, and the gate's bound and the KL both reject it. Steps are counted, not
+    timed: the update is the same on any machine and any load; which seed rises depends on
+    the libraries' initialisation, so the test looks for one rather than naming it."""
+    for seed in range(2, 22):
+        caplog.clear()
+        draft = mistral(seed=seed)
+        before = {n: p.detach().clone() for n, p in draft.named_parameters()}
+        distiller = Distiller(draft, config=DistillConfig(lr=50.0, batch_tokens=256,
+                                                          holdout_fraction=0.2))
+        labelled(distiller, soft=True)
+        accepted = distiller.state_dict()
+        with caplog.at_level(logging.INFO, logger="fuser"):
+            result = distiller.update(time_budget_s=math.inf, max_steps=5)
+        if result.after.agreement > result.before.agreement:  # the noise a point estimate took
+            break
+    else:
+        pytest.fail("no draft seed in 2..21 gave a wreck whose held-out agreement rose")
     assert result.steps == 5
     assert not result.accepted and result.reason.startswith("rejected"), result.reason
-    assert result.after.agreement > result.before.agreement  # the noise a point estimate took
     assert result.gate.lower <= 0 < result.gate.gain, result.reason
     assert result.after.loss > 100 * result.before.loss  # and the KL exploded
     assert distiller.updates == {"accepted": 0, "rejected": 1} and distiller.version == 0
@@ -299,8 +305,8 @@ def test_a_worse_candidate_is_rejected_and_the_old_weights_kept_bit_for_bit(capl
     # The update is logged with what decided it.
     [record] = [r for r in caplog.records if "draft update" in r.getMessage()]
     message = record.getMessage()
-    for words in ("rejected", "5 steps", "loss 6.", "held-out agreement 0.0093 -> 0.0278",
-                  "lower bound", "KL 6."):
+    agreement = f"held-out agreement {result.before.agreement:.4f} -> {result.after.agreement:.4f}"
+    for words in ("rejected", "5 steps", "loss 6.", agreement, "lower bound", "KL 6."):
         assert words in message, message
 
 
