@@ -9,8 +9,9 @@ what a load in a fresh process would otherwise compile again:
   the C++ compiler (about a second per kernel, and a precompiled header first).
 - CUDA: the binaries of fuser's own Triton kernels (fuser/ops/, runtime/), compiled by Triton
   on their first launch and looked up in Triton's cache directory under the hash of source,
-  options and GPU target. Inductor's autotuning choices (which launch configuration of a kernel won) come
-  with the compiled step (`CompiledStep.tuning`), so a load does not benchmark them again.
+  options and GPU target. Inductor's autotuning choices (which launch configuration of a
+  kernel won) come with the compiled step (`CompiledStep.tuning`), so a load does not
+  benchmark them again.
 - CUDA: the C extension modules Triton builds with the host's C compiler and keeps in the same
   cache: its driver's utilities (`cuda_utils`, once per cache directory) and, up to Triton 3.6,
   a launcher per kernel signature (`__triton_launcher`, on a kernel's first launch). In a fresh

@@ -23,7 +23,8 @@ def tokenizer():
 # Ids of the bundled byte-level BPE tokenizer, special ones and lone bytes of multi-byte
 # characters (partial characters) among them; a sample of text's ids mixed in.
 def ids_of(tokenizer) -> st.SearchStrategy[list[int]]:
-    sample = tokenizer("déjà vu: ∑ naïve → 漢字 🙂 \n\tx = 1", add_special_tokens=False)["input_ids"]
+    text = "déjà vu: ∑ naïve → 漢字 🙂 \n\tx = 1"
+    sample = tokenizer(text, add_special_tokens=False)["input_ids"]
     return st.lists(st.one_of(st.integers(0, tokenizer.vocab_size - 1), st.sampled_from(sample)),
                     min_size=1, max_size=40)
 
