@@ -1226,6 +1226,23 @@ def test_gpu_a_hit_after_a_draft_swap_gets_the_new_drafts_kv() -> None:
     assert sum(v for k, v in replays.items() if k.startswith("step.b")) > 0
 
 
+# Prompts that repeat themselves: the suffix index matches them.
+REPETITIVE = [(prompt(6, seed=90 + i % 2) * 2, greedy(20)) for i in range(6)]
+
+
+def suffix_engine(drafted: bool, **config: object) -> fuser.Engine:
+    """An engine of its own over the small pool with the suffix index's verify steps: the
+    llama target, with a perturbed copy as its draft where `drafted`."""
+    target = llama_target()
+    config = fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=4, batch_buckets=(1, 2, 4),
+                               compile="fx", kv_block_size=BLOCK, kv_blocks=SMALL_POOL,
+                               suffix_speculation=True, **config)
+    draft = perturbed(target, 0.05, seed=3) if drafted else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fuser.optimize(target, draft=draft, config=config)
+
+
 @pytest.mark.slow  # (a draft engine of its own with a long suffix verify step: ~40 s on 2 cores)
 def test_long_suffix_steps_over_a_small_pool_keep_each_requests_tokens() -> None:
     """The adaptive scheduler's long suffix arm (gamma 8, scripted the cheapest) on a paged
@@ -1235,21 +1252,14 @@ def test_long_suffix_steps_over_a_small_pool_keep_each_requests_tokens() -> None
     from fuser.runtime.adaptive_scheduler import AdaptiveScheduler
     from fuser.runtime.controller import DRAFT, SUFFIX
 
-    target = llama_target()
-    config = fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=4, batch_buckets=(1, 2, 4),
-                               gamma=3, compile="fx", kv_block_size=BLOCK, kv_blocks=SMALL_POOL,
-                               suffix_speculation=True, long_suffix_gammas=(8,))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        eng = fuser.optimize(target, draft=perturbed(target, 0.05, seed=3), config=config)
-    requests = [(prompt(6, seed=90 + i % 2) * 2, greedy(20)) for i in range(6)]  # repetitive
-    want = alone(eng, requests)
+    eng = suffix_engine(drafted=True, gamma=3, long_suffix_gammas=(8,))
+    want = alone(eng, REPETITIVE)
     sched = AdaptiveScheduler(eng, suffix=True, adapt_draft=False, background=False,
                               suffix_min_match=2,
                               costs={"decode": 1.0, DRAFT: {3: 0.9}, SUFFIX: {3: 0.9, 8: 0.3}})
     sched.start()
     try:
-        streams = [sched.submit(p, params) for p, params in requests]
+        streams = [sched.submit(p, params) for p, params in REPETITIVE]
         assert [s.result(TIMEOUT) for s in streams] == want
         assert sched._step_room == 9 and sched.preemptions > 0
         long_steps = sum(c.measured().get("suffix gamma 8", {}).get("steps", 0)
@@ -1267,19 +1277,12 @@ def test_adaptive_scheduler_with_suffix_proposals_over_a_small_pool() -> None:
     preempted request is not indexed twice, and the greedy tokens are each request's alone."""
     from fuser.runtime.adaptive_scheduler import AdaptiveScheduler
 
-    target = llama_target()
-    config = fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=4, batch_buckets=(1, 2, 4),
-                               gamma=0, compile="fx", kv_block_size=BLOCK, kv_blocks=SMALL_POOL,
-                               suffix_speculation=True, gamma_candidates=(2,))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        eng = fuser.optimize(target, config=config)
-    requests = [(prompt(6, seed=90 + i % 2) * 2, greedy(20)) for i in range(6)]  # repetitive
-    want = alone(eng, requests)
+    eng = suffix_engine(drafted=False, gamma=0, gamma_candidates=(2,))
+    want = alone(eng, REPETITIVE)
     sched = AdaptiveScheduler(eng, suffix=True, background=False)
     sched.start()
     try:
-        streams = [sched.submit(p, params) for p, params in requests]
+        streams = [sched.submit(p, params) for p, params in REPETITIVE]
         assert [s.result(TIMEOUT) for s in streams] == want
         assert sched.preemptions > 0 and sched._step_room == 3
         assert_no_leak(sched)
