@@ -88,7 +88,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -127,6 +127,13 @@ ADMISSION_GATHER = 0.05  # the longest an idle scheduler gathers arrivals that n
 # (dummies, computed for nothing) are at most MAX_DUMMIES x k: one prefill reads the weights
 # once and syncs once, where the buckets k splits into (15 = 8 + 4 + 2 + 1) would each do both.
 MAX_DUMMIES = 0.5
+# A group whose prompts have prefix-cache hits of different lengths prefills them through one
+# CHUNK step from its shortest hit: every row recomputes its cached tokens past that one. A
+# request joins the group while the cached tokens so recomputed stay within MIXED_HIT_TOKENS in
+# all; the others wait for the next group, one more prefill (a weights read: on the 8B shape
+# that costs about what prefilling ~240 prompt tokens does, from the 28.9 ms prefill of 1,152
+# tokens in benchmarks/RESULTS.md, "Prefix caching").
+MIXED_HIT_TOKENS = 256
 STEP_AVERAGING = 0.2  # weight of a new read-back interval in the step time's moving average
 IDLE_CAPTURE_RETRY = 0.05  # seconds before an idle capture tries again (another holds the engine)
 
@@ -1206,13 +1213,15 @@ class Scheduler:
 
     def _with_blocks(self, same: list[RequestStream]) -> list[RequestStream]:
         """The leading requests of `same` (one length) whose blocks are available now, keeping
-        a block of headroom per running row for its next step. Prefix-cache hits and misses
-        go together (a group with a hit prefills through the CHUNK step, a miss's from slot
-        0: `_prefill_paged`)."""
+        a block of headroom per running row for its next step, of those whose prefix-cache
+        hits go together (`alike_hits`: a group with a hit prefills through the CHUNK step from
+        its shortest hit, a miss's from slot 0, `_prefill_paged`)."""
         blocks = self.blocks
         spare = blocks.available_blocks - len(self._running)
         taken = []
-        for stream in same:
+        hits = [blocks.cached_prefix(_tokens(s)) for s in same]
+        for i in alike_hits(hits, MIXED_HIT_TOKENS):
+            stream = same[i]
             cost = blocks.admission_cost(_tokens(stream), self._admission_slots(stream))
             if cost > spare:
                 break
@@ -1526,6 +1535,21 @@ class Scheduler:
             # slots copied; a paged cache's table rows are the block manager's
             cache.move_row(src, dst, table=self.blocks is None)
         self._state.copy_row(dst, src)
+
+
+def alike_hits(hits: Sequence[int], bound: int) -> list[int]:
+    """Which requests of a group, given each one's prefix-cache hit (cached prompt tokens, in
+    queue order), prefill together: the first, and each next one that keeps the cached tokens
+    recomputed (each row's hit past the group's shortest) within `bound` in all."""
+    taken: list[int] = []
+    low, total, count = 0, 0, 0  # the shortest hit taken, the hits' sum, how many
+    for i, hit in enumerate(hits):
+        new_low = hit if not taken else min(low, hit)
+        if taken and total + hit - (count + 1) * new_low > bound:
+            continue
+        taken.append(i)
+        low, total, count = new_low, total + hit, count + 1
+    return taken
 
 
 def _tokens(stream: RequestStream) -> list[int]:

@@ -21,6 +21,8 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fuser
 from fuser import SamplingParams, Scheduler
@@ -103,6 +105,58 @@ def test_requests_arriving_together_prefill_as_one_group(
         assert calls == [(ROWS, ROWS)]
     finally:
         sched.close()
+
+
+def test_hits_that_would_recompute_their_cached_tokens_prefill_apart(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The requests of `test_requests_arriving_together_prefill_as_one_group` (9 prefix-cache
+    hits of 12 tokens, 7 misses) with MIXED_HIT_TOKENS at 0, as a long cached opening (1,024
+    tokens against the default 256) would be: the hits prefill apart from the misses, through
+    CHUNK steps that start at their hits (nothing cached recomputed), the misses from slot 0,
+    and every request returns what it returns alone. (In one group the chunk ran from slot 0
+    for all 16: 9 x 12 cached tokens recomputed.)"""
+    requests = [(prompt(16, seed=i), greedy(6 + i % 5)) for i in range(ROWS)]
+    want = alone(requests)
+    sched = Scheduler(engine(), max_waiting=256, admission_quiet=0.05)
+    sched.start()
+    try:
+        for p, params in requests[:9]:
+            sched.submit(p, greedy(1)).result(TIMEOUT)
+        monkeypatch.setattr(scheduler_module, "MIXED_HIT_TOKENS", 0)
+        calls = count_prefills(monkeypatch)
+        starts: list[list[int]] = []
+        real_chunk = scheduler_module.speculative.prefill_chunk
+
+        def prefill_chunk(target, draft, state, tokens, chunk_starts, *rest):
+            starts.append(list(chunk_starts))
+            return real_chunk(target, draft, state, tokens, chunk_starts, *rest)
+
+        monkeypatch.setattr(scheduler_module.speculative, "prefill_chunk", prefill_chunk)
+        streams = []
+        for p, params in requests:
+            streams.append(sched.submit(p, params))
+            time.sleep(0.0003)
+        assert [s.result(TIMEOUT) for s in streams] == want
+        # 9 hits: the 16-row bucket pads too much; then 7 rows are free for the misses
+        assert calls == [(8, 8), (1, 1), (4, 4), (2, 2), (1, 1)]
+        assert starts == [[12] * 8, [12]]
+    finally:
+        sched.close()
+
+
+@settings(max_examples=200, derandomize=True, deadline=None)
+@given(hits=st.lists(st.integers(0, 64), min_size=1, max_size=16), bound=st.integers(0, 128))
+def test_alike_hits_bounds_the_recomputed_tokens(hits: list[int], bound: int) -> None:
+    """`alike_hits` always takes the first request, keeps the cached tokens its group
+    recomputes (each hit past the group's shortest) within the bound, and leaves out only a
+    request that would have taken it past the bound when it came."""
+    taken = scheduler_module.alike_hits(hits, bound)
+    assert taken[0] == 0 and taken == sorted(set(taken))
+    group = [hits[i] for i in taken]
+    assert sum(group) - len(group) * min(group) <= bound
+    for j in set(range(len(hits))) - set(taken):
+        before = [hits[i] for i in taken if i < j] + [hits[j]]
+        assert sum(before) - len(before) * min(before) > bound
 
 
 @pytest.mark.parametrize("kind", ["paged", "contiguous-draft", "paged-draft"])
