@@ -89,6 +89,23 @@ def engine_and_target(name: str) -> tuple[fuser.Engine, torch.nn.Module]:
     return engine, target
 
 
+# The tensor-parallel tests' engines (tests/test_tensor_parallel_*.py): on the CPU, rows 2,
+# buckets 1 and 2.
+TP_CONFIG = dict(device="cpu", max_seq_len=MAX_SEQ_LEN, max_batch_size=2, batch_buckets=(1, 2),
+                 gamma=0, compile="fx")
+
+
+@functools.cache
+def one_rank_engine() -> fuser.Engine:
+    """The Llama target alone at tensor_parallel=1 (TP_CONFIG): the tokens, logits and held
+    bytes the tensor-parallel engines are checked against. Shared by
+    tests/test_tensor_parallel_load.py and tests/test_tensor_parallel_paged.py (xdist group
+    "tensor_parallel_engine": built once per run); never closed or changed by them."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fuser.optimize(llama_target(), None, fuser.FuserConfig(**TP_CONFIG))
+
+
 def prompts(lengths: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Random prompts of the given lengths, left-padded (pad id 0): (input_ids, attention_mask)."""
     return random_prompts(len(lengths), lengths, VOCAB, seed)
@@ -163,6 +180,22 @@ def greedy(max_tokens: int) -> fuser.SamplingParams:
 def sampled(max_tokens: int, seed: int) -> fuser.SamplingParams:
     return fuser.SamplingParams(max_tokens=max_tokens, temperature=0.9, top_k=30, seed=seed,
                                 ignore_eos=True)
+
+
+@functools.cache
+def contiguous_engine(draft: bool = False, /) -> fuser.Engine:
+    """The Llama target over a contiguous cache: 4 rows, buckets 1, 2, 4, "fx"; draft: the target
+    with 5% weight noise, gamma fixed at 3 (a fixed gamma keeps seeded sampling exactly
+    reproducible whatever the batch). Shared by tests/test_scheduler.py and
+    tests/test_bucket_capture.py (xdist group "contiguous_engine": built once per run; `draft`
+    positional only, so that every call hits the one cache entry)."""
+    target = llama_target()
+    config = fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=4, batch_buckets=(1, 2, 4),
+                               gamma=3 if draft else 0, compile="fx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fuser.optimize(target, draft=perturbed(target, 0.05, seed=3) if draft else None,
+                              config=config)
 
 
 @functools.cache

@@ -29,7 +29,9 @@ CANDIDATES = (1, 3)
 COSTS = {0: 1.0, 1: 1.3, 3: 1.9}
 
 
-pytestmark = pytest.mark.usefixtures("one_intra_op_thread")  # conftest.py
+# One xdist worker runs the module: its cached engine is built once.
+pytestmark = [pytest.mark.usefixtures("one_intra_op_thread"),  # conftest.py
+              pytest.mark.xdist_group("adaptive_engine")]
 
 
 @functools.cache

@@ -22,7 +22,9 @@ from fuser.runtime import speculative
 from engines import NO_SPECIAL, llama_target, perturbed
 from tiny import tiny_model
 
-pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+# One xdist worker runs the module: its cached engines (~15-20 s each) are built once each.
+pytestmark = [pytest.mark.usefixtures("one_intra_op_thread"),  # conftest.py
+              pytest.mark.xdist_group("adaptive_scheduler")]
 
 MAX_SEQ_LEN = 64
 VOCAB = 160

@@ -25,31 +25,24 @@ from fuser.runtime import speculative
 from fuser.runtime.bucket_capture import (CAPTURING, FAILED, PENDING, READY, STOPPED,
                                           BackgroundCapture, CaptureStopped, StepGate)
 from fuser.runtime.step_graphs import PLAIN, capture_order, warm_up_in_place
-from engines import llama_target, perturbed
+from engines import contiguous_engine, llama_target, perturbed
 
 MAX_SEQ_LEN = 64
 VOCAB = 160
 TIMEOUT = 60.0  # seconds: every wait is bounded
 THREAD = "fuser-bucket-capture"
 
-
-@functools.cache
-def built() -> fuser.Engine:
-    """Rows 4, buckets 1, 2, 4, a draft (the target with 5% noise), gamma fixed at 3: fp32 on
-    the CPU, where a row's tokens do not depend on the bucket it runs in."""
-    target = llama_target()
-    config = fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=4,
-                               batch_buckets=(1, 2, 4), gamma=3, compile="fx")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return fuser.optimize(target, draft=perturbed(target, 0.05, seed=3), config=config)
+# The engine: rows 4, buckets 1, 2, 4, a draft (the target with 5% noise), gamma fixed at 3:
+# fp32 on the CPU, where a row's tokens do not depend on the bucket it runs in
+# (tests/engines.py `contiguous_engine`, shared with tests/test_scheduler.py on one worker).
+pytestmark = pytest.mark.xdist_group("contiguous_engine")
 
 
 @pytest.fixture
 def engine() -> Iterator[fuser.Engine]:
     """The engine with every bucket ready (as built on the CPU); afterwards its capture is
     stopped and forgotten, and no capture thread is left."""
-    eng = built()
+    eng = contiguous_engine(True)
     eng._capture = None
     yield eng
     assert eng.close(TIMEOUT)

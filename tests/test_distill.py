@@ -26,7 +26,9 @@ from fuser.runtime.distill import DistillConfig, Distiller, Evaluation, WeightSw
 from fuser.runtime.steps import CATCHUP, DECODE, PREFILL, RESYNC
 from tiny import relative_error, tiny_model
 
-pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+# One xdist worker runs the module: its cached engines are built once each.
+pytestmark = [pytest.mark.usefixtures("one_intra_op_thread"),  # conftest.py
+              pytest.mark.xdist_group("distill")]
 
 PREFIX = 8  # prompt tokens run by the prefill step before the fixed-T steps
 

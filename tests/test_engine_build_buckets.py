@@ -18,6 +18,9 @@ SHAPE = dict(vocab=160, heads=4, kv_heads=2, head_dim=16, intermediate=128, laye
              init_range=0.3, bos=None, eos=None, pad=None)
 BUCKETS = (1, 2, 4)
 
+# One xdist worker runs the module: the shared engine (~20 s on a 2-core CPU) is built once.
+pytestmark = pytest.mark.xdist_group("engine_build_buckets")
+
 
 def build(buckets: tuple[int, ...], monkeypatch: pytest.MonkeyPatch | None = None
           ) -> tuple[fuser.Engine, int]:

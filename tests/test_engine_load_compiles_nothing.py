@@ -21,7 +21,9 @@ from fuser.compile import CompiledStep, compile_count
 from fuser.runtime.steps import DECODE
 from tiny import tiny_model
 
-pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+# One xdist worker runs the module: the module-scoped saved engine is built once.
+pytestmark = [pytest.mark.usefixtures("one_intra_op_thread"),  # conftest.py
+              pytest.mark.xdist_group("engine_load_compiles_nothing")]
 
 SHAPE = dict(vocab=160, heads=4, kv_heads=2, head_dim=16, intermediate=128, layers=2,
              init_range=0.3, bos=None, eos=None, pad=None)

@@ -9,7 +9,10 @@ import torch
 
 from engines import VOCAB, prompts
 
-pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+# The tests/test_generate_*.py modules and tests/test_stream.py run on one xdist worker: the
+# `engines` they share (conftest.py, ~5-15 s each) are built once, not on both workers.
+pytestmark = [pytest.mark.usefixtures("one_intra_op_thread"),
+              pytest.mark.xdist_group("generate_engines")]
 
 BAD_ARGUMENTS = [
     (dict(max_new_tokens=0), "max_new_tokens"),

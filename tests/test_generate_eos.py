@@ -9,7 +9,10 @@ import pytest
 from engines import (ENGINES, MAX_SEQ_LEN, VOCAB, assert_greedy_matches, check_stats,
                      eos_that_ends_one_row, hf_greedy, prompts)
 
-pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+# The tests/test_generate_*.py modules and tests/test_stream.py run on one xdist worker: the
+# `engines` they share (conftest.py, ~5-15 s each) are built once, not on both workers.
+pytestmark = [pytest.mark.usefixtures("one_intra_op_thread"),
+              pytest.mark.xdist_group("generate_engines")]
 
 
 @pytest.mark.parametrize("name", ENGINES)

@@ -13,7 +13,10 @@ import fuser
 import fuser.build
 from engines import ENGINES, assert_greedy_matches, hf_greedy, prompts
 
-pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+# The tests/test_generate_*.py modules and tests/test_stream.py run on one xdist worker: the
+# `engines` they share (conftest.py, ~5-15 s each) are built once, not on both workers.
+pytestmark = [pytest.mark.usefixtures("one_intra_op_thread"),
+              pytest.mark.xdist_group("generate_engines")]
 
 
 @pytest.mark.parametrize("name", ENGINES)

@@ -15,7 +15,10 @@ import fuser
 from engines import MAX_SEQ_LEN, check_stats, llama_target, perturbed, prompts
 from fuser.runtime.sampling import process_logits
 
-pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+# The tests/test_generate_*.py modules and tests/test_stream.py run on one xdist worker: the
+# `engines` they share (conftest.py, ~5-15 s each) are built once, not on both workers.
+pytestmark = [pytest.mark.usefixtures("one_intra_op_thread"),
+              pytest.mark.xdist_group("generate_engines")]
 
 
 @pytest.mark.parametrize("name", ["g1", "g4self", "g8"])

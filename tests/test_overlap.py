@@ -31,7 +31,9 @@ from fuser.runtime.kv_cache import KVCache
 from fuser.runtime.speculative import GUESS_SLOTS, DecodeState
 from fuser.runtime.steps import ModelSteps
 
-pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+# One xdist worker runs the module: its cached overlapped engines are built once each.
+pytestmark = [pytest.mark.usefixtures("one_intra_op_thread"),  # conftest.py
+              pytest.mark.xdist_group("overlap")]
 
 VOCAB = 12
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels' (interpreted on the CPU)

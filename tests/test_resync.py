@@ -33,7 +33,9 @@ from fuser.runtime.speculative import RESYNC_MAX_CHUNKS
 from fuser.runtime.step_graphs import Bucket
 from fuser.runtime.steps import PREFILL, RESYNC, RESYNC_TOKENS, ModelSteps
 
-pytestmark = pytest.mark.usefixtures("one_intra_op_thread")  # conftest.py
+# One xdist worker runs the module: its cached engine is built once.
+pytestmark = [pytest.mark.usefixtures("one_intra_op_thread"),  # conftest.py
+              pytest.mark.xdist_group("resync")]
 
 MAX_SEQ_LEN = 224  # room for a lag of more than RESYNC_MAX_CHUNKS chunks
 BATCH = 4

@@ -8,7 +8,6 @@ leave it at different steps), equal the same request run alone, and, greedy, `en
 from __future__ import annotations
 
 import asyncio
-import functools
 import threading
 import warnings
 
@@ -18,24 +17,15 @@ import torch
 import fuser
 from fuser import SamplingParams, Scheduler
 from fuser.runtime.scheduler import QueueFull, SchedulerClosed
-from engines import llama_target, perturbed
+from engines import contiguous_engine as engine, llama_target, perturbed
 
 MAX_SEQ_LEN = 64
 VOCAB = 160
 TIMEOUT = 120.0  # seconds: every wait is bounded
 
-
-@functools.cache
-def engine(draft: bool) -> fuser.Engine:
-    """Rows 4, buckets 1, 2, 4; with a draft: the target with 5% noise, gamma fixed at 3
-    (a fixed gamma keeps seeded sampling exactly reproducible whatever the batch)."""
-    target = llama_target()
-    config = fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=4,
-                               batch_buckets=(1, 2, 4), gamma=3 if draft else 0, compile="fx")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return fuser.optimize(target, draft=perturbed(target, 0.05, seed=3) if draft else None,
-                              config=config)
+# engine(draft): rows 4, buckets 1, 2, 4; with a draft, gamma fixed at 3 (tests/engines.py),
+# built once for this module and tests/test_bucket_capture.py on one xdist worker.
+pytestmark = pytest.mark.xdist_group("contiguous_engine")
 
 
 def prompt(length: int, seed: int) -> list[int]:

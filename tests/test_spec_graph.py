@@ -25,7 +25,9 @@ from tiny import random_prompts, tiny_model
 MAX_SEQ_LEN = 48
 
 
-pytestmark = pytest.mark.usefixtures("one_intra_op_thread")  # conftest.py
+# One xdist worker runs the module: its cached engine is built once.
+pytestmark = [pytest.mark.usefixtures("one_intra_op_thread"),  # conftest.py
+              pytest.mark.xdist_group("spec_graph")]
 
 
 @functools.cache

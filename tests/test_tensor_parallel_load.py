@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import fuser
-from engines import SHAPE, llama_target
+from engines import SHAPE, TP_CONFIG, llama_target, one_rank_engine
 from fuser.distributed import rank_held_bytes
 from fuser.pipeline import is_meta
 from fuser.rank_model import (DirectoryWeights, ModuleWeights, RandomWeights, rank_model,
@@ -27,8 +27,7 @@ from tiny import FAMILIES, tiny_config, tiny_model
 
 pytestmark = pytest.mark.xdist_group("tensor_parallel_engine")
 
-CONFIG = dict(device="cpu", max_seq_len=64, max_batch_size=2, batch_buckets=(1, 2), gamma=0,
-              compile="fx")
+CONFIG = TP_CONFIG
 CPU = torch.device("cpu")
 
 
@@ -114,9 +113,9 @@ def test_a_model_directory_loads_sliced(tmp_path: Path) -> None:
     weights, and greedy tokens (and logits within 1e-5) equal tensor_parallel=1's."""
     target = llama_target()
     target.save_pretrained(tmp_path / "model")
+    single = one_rank_engine()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        single = fuser.optimize(target, None, fuser.FuserConfig(**CONFIG))
         parallel = fuser.optimize(tmp_path / "model", None,
                                   fuser.FuserConfig(**CONFIG, tensor_parallel=2))
     try:
@@ -180,9 +179,7 @@ def test_fuser_build_writes_a_tensor_parallel_engine(tmp_path: Path) -> None:
              for r in range(2)]
     whole = sum(p.numel() * 4 for p in target.parameters())
     assert sizes[0] == sizes[1] and sizes[0] < whole - _sharded_bytes(target) // 3
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        single = fuser.optimize(target, None, fuser.FuserConfig(**CONFIG))
+    single = one_rank_engine()
     loaded = fuser.load(out)
     try:
         assert loaded.tensor_parallel is not None

@@ -15,21 +15,20 @@ import pytest
 import torch
 
 import fuser
-from engines import llama_target, perturbed
+from engines import TP_CONFIG, llama_target, one_rank_engine, perturbed
 from fuser import SamplingParams, Scheduler
 
 pytestmark = pytest.mark.xdist_group("tensor_parallel_engine")
 
-CONFIG = dict(device="cpu", max_seq_len=64, max_batch_size=2, batch_buckets=(1, 2), gamma=3,
-              compile="fx")
+CONFIG = dict(TP_CONFIG, gamma=3)
 
 
 def test_paged_tensor_parallel_equals_one_rank() -> None:
     target = llama_target()
     draft = perturbed(target, 0.05, seed=3)
+    single = one_rank_engine()  # (target-only: TP_CONFIG's gamma 0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        single = fuser.optimize(target, None, fuser.FuserConfig(**{**CONFIG, "gamma": 0}))
         paged = fuser.optimize(target, draft, fuser.FuserConfig(**CONFIG, tensor_parallel=2,
                                                                 kv_block_size=8))
     try:
