@@ -264,9 +264,10 @@ class BlockManager:
                              f"{self.usable_blocks}: the request could never run")
         return n
 
-    def _match_prefix(self, prompt: Sequence[int]) -> list[int]:
+    def prefix_blocks(self, prompt: Sequence[int]) -> list[int]:
         """Cached blocks holding the prompt's leading full blocks, at most up to its next-to-last
-        token (the last one is always computed: its logits start the generation)."""
+        token (the last one is always computed: its logits start the generation); nothing
+        changes."""
         if not self.prefix_caching:
             return []
         hits: list[int] = []
@@ -283,15 +284,17 @@ class BlockManager:
 
     def cached_prefix(self, prompt: Sequence[int]) -> int:
         """How many leading prompt tokens `admit` would find cached now (nothing changes)."""
-        return len(self._match_prefix(prompt)) * self.block_size
+        return len(self.prefix_blocks(prompt)) * self.block_size
 
-    def admission_cost(self, prompt: Sequence[int], slots: int | None = None) -> int:
+    def admission_cost(self, prompt: Sequence[int], slots: int | None = None,
+                       hits: Sequence[int] | None = None) -> int:
         """Blocks `admit` would take from the available ones now (new blocks, and cached hits
-        that leave the LRU list); nothing changes. Raises ValueError as `admit` does for a
-        request that can never fit."""
+        that leave the LRU list); nothing changes. `hits`: the prompt's `prefix_blocks`, where
+        the caller has them already (each is a hash per block). Raises ValueError as `admit`
+        does for a request that can never fit."""
         slots = len(prompt) if slots is None else max(slots, len(prompt))
         needed = self._check_fits(slots)
-        hits = self._match_prefix(prompt)
+        hits = self.prefix_blocks(prompt) if hits is None else hits
         return needed - len(hits) + sum(1 for b in hits if self._refs[b] == 0)
 
     def admit(self, row: int, prompt: Sequence[int], slots: int | None = None) -> int | None:
@@ -310,7 +313,7 @@ class BlockManager:
             raise ValueError("a prompt needs at least one token")
         slots = len(prompt) if slots is None else max(slots, len(prompt))
         needed = self._check_fits(slots)
-        hits = self._match_prefix(prompt)
+        hits = self.prefix_blocks(prompt)
         revived = sum(1 for b in hits if self._refs[b] == 0)  # hits that leave the LRU list
         if needed - len(hits) > self.available_blocks - revived:
             return None

@@ -1219,10 +1219,11 @@ class Scheduler:
         blocks = self.blocks
         spare = blocks.available_blocks - len(self._running)
         taken = []
-        hits = [blocks.cached_prefix(_tokens(s)) for s in same]
-        for i in alike_hits(hits, MIXED_HIT_TOKENS):
+        matched = [blocks.prefix_blocks(_tokens(s)) for s in same]
+        for i in alike_hits([len(m) * blocks.block_size for m in matched], MIXED_HIT_TOKENS):
             stream = same[i]
-            cost = blocks.admission_cost(_tokens(stream), self._admission_slots(stream))
+            cost = blocks.admission_cost(_tokens(stream), self._admission_slots(stream),
+                                         matched[i])
             if cost > spare:
                 break
             spare -= cost
