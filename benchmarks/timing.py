@@ -171,8 +171,6 @@ def missing_gpu(script: str, dry_run: bool) -> bool:
     """True (after saying why on stderr) when `script` needs a GPU it does not have."""
     if dry_run or torch.cuda.is_available():
         return False
-    import sys
-
     print(f"benchmarks/{script}: no CUDA device (torch {torch.__version__}); run it on the GPU "
           "machine, or pass --dry-run to check the plumbing on CPU", file=sys.stderr)
     return True

@@ -142,7 +142,7 @@ def test_a_background_update_works_its_serving_duty_under_load():
     given, it works that share of the wall clock, whatever the load."""
     from fuser.runtime.distill import SERVING_DUTY, UpdateResult
 
-    for duty, given in ((None, False), (0.25, True)):
+    for duty, duty_given in ((None, False), (0.25, True)):
         scheduler = AdaptiveScheduler(engine(), costs=COSTS, background=True,
                                       distill=DistillConfig(duty=duty))
         calls: list[dict] = []
@@ -155,7 +155,7 @@ def test_a_background_update_works_its_serving_duty_under_load():
             scheduler._updating.set()
             scheduler._update_draft()
             (kwargs,) = calls
-            if given:
+            if duty_given:
                 assert kwargs["idle"] is None and kwargs["duty"] == duty
             else:
                 assert kwargs["idle"] == scheduler.idle and kwargs["duty"] == SERVING_DUTY

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import fuser
-from fuser import SamplingParams, Scheduler
+from fuser import Scheduler
 from fuser.runtime import speculative
 from engines import MAX_SEQ_LEN, VOCAB, RunningGraph, SyncMode, adaptive_rounds_checked, greedy, \
     llama_target, paged_engine, perturbed, prompt, sampled

@@ -31,7 +31,7 @@ from fuser.runtime import speculative
 from fuser.runtime.prompts import check_prompts, pad_batch
 from fuser.runtime.speculative import RESYNC_MAX_CHUNKS
 from fuser.runtime.step_graphs import Bucket
-from fuser.runtime.steps import PREFILL, RESYNC, RESYNC_TOKENS, ModelSteps
+from fuser.runtime.steps import RESYNC, RESYNC_TOKENS, ModelSteps
 
 # One xdist worker runs the module: its cached engine is built once.
 pytestmark = [pytest.mark.usefixtures("one_intra_op_thread"),  # conftest.py

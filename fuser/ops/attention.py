@@ -466,7 +466,7 @@ def masked_attention(
     -inf: a NaN there would leak through 0 * NaN into later layers). Returns [B, T, H, D].
     """
     B, H, T, D = q.shape
-    kv_heads, _S = keys.shape[1], keys.shape[2]
+    kv_heads = keys.shape[1]
     # GQA: query heads grouped by their kv head, keys broadcast over the group (no copies; and
     # merging dims of an expanded view would make torch 2.11 export guard on a symbolic T).
     rep = H // kv_heads
