@@ -123,23 +123,43 @@ for owner, name in [(torch, "compile"), (torch._dynamo, "optimize"), (torch.expo
                     (heuristics.CachingAutotuner, "benchmark_all_configs"),
                     (fuser.compile, "compile_graph")]:
     setattr(owner, name, forbidden(f"{getattr(owner, '__name__', owner)}.{name}"))
-misses = []
+misses, builds, phase = [], [], ["load"]
+
+def launching():  # the Triton kernel whose launch is on the stack, and its specialization
+    frame = sys._getframe()
+    while frame is not None:
+        kernel = frame.f_locals.get("self")
+        if frame.f_code.co_name == "run" and hasattr(kernel, "device_caches"):
+            return (getattr(kernel, "__name__", "?"),
+                    str(frame.f_locals.get("specialization", "?"))[:400])
+        frame = frame.f_back
+    return ("(no kernel launch on the stack)", "")
+
 if torch.cuda.is_available():
     def listen(*, src, metadata, metadata_group, times, cache_hit):
         if not cache_hit:
-            misses.append(metadata.get("name"))
+            misses.append((phase[0], metadata.get("name"), str(getattr(src, "attrs", "?"))[:400]))
     triton.knobs.compilation.listener = listen
     # Triton's C modules (its driver's utilities, the kernels' launchers) come from the engine
-    # directory too: the host's C compiler never runs.
+    # directory too: the host's C compiler never runs. A run is recorded with the kernel that
+    # asked for it and its specialization (which the build did not launch), then let through,
+    # so that one failure names every kernel the engine directory lacks.
     import triton.runtime.build
-    triton.runtime.build._build = forbidden("triton.runtime.build._build")
+    build = triton.runtime.build._build
+    def recorded(name, *args, **kwargs):
+        builds.append((phase[0], name, *launching()))
+        return build(name, *args, **kwargs)
+    triton.runtime.build._build = recorded
 else:
     triton.compile = triton.compiler.compiler.compile = forbidden("triton.compile")
 
 engine = fuser.load(sys.argv[1])
+phase[0] = "generate"
 ids, mask = (t.to(engine.device) for t in torch.load(sys.argv[2]))
 out = engine.generate(ids, int(sys.argv[3]), attention_mask=mask)
-assert not misses, f"Triton compiled {misses} during the load"
+assert not misses and not builds, (
+    "the engine directory lacked what this process compiled: Triton kernels (phase, name, "
+    f"specialization) {misses}; C modules (phase, module, kernel, specialization) {builds}")
 print(json.dumps({"tokens": out.tolist(), "compile_count": fuser.compile.compile_count()}))
 """
 
