@@ -344,8 +344,9 @@ def updates_of(scheduler: object) -> dict[str, int]:
 
 def arms_of(scheduler: object) -> str:
     """ON: the controllers' steps per source so far (draft: the plain speculative step;
-    suffix: the mixed step, the draft's rows beside the index's) and each bucket's best arm
-    with its measured ms per emitted token; OFF: ''."""
+    suffix: the mixed step, the draft's rows beside the index's), the suffix index's lookups
+    on the steps' path, and each bucket's best arm with its measured ms per emitted token;
+    OFF: ''."""
     snapshot = getattr(scheduler, "snapshot", None)
     if snapshot is None:
         return ""
@@ -358,7 +359,8 @@ def arms_of(scheduler: object) -> str:
         source, gamma = b["best"]
         ms = b["seconds_per_token"].get(f"{source}:{gamma}")
         best.append(f"{size}: {source} {gamma}" + (f" {1e3 * ms:.3g} ms" if ms else ""))
-    return f", steps {steps}; best {', '.join(best) or '-'}"
+    lookups = f", lookups {snap['lookups']}" if "lookups" in snap else ""
+    return f", steps {steps}{lookups}; best {', '.join(best) or '-'}"
 
 
 def measured_of(scheduler: object, engine: object) -> dict[str, dict[str, dict[str, float]]]:

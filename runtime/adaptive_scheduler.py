@@ -70,8 +70,8 @@ import torch
 from torch import nn
 
 from fuser.runtime.bucket_capture import stepping
-from fuser.runtime.controller import DRAFT, SUFFIX, TARGET, Choice, Controller, \
-    ControllerCollector
+from fuser.runtime.controller import DRAFT, NEEDED, PROBE_ONLY, SUFFIX, TARGET, UNUSED, \
+    Choice, Controller, ControllerCollector
 from fuser.runtime.distill import SERVING_DUTY, DistillConfig, Distiller, UpdateResult, \
     WeightSwap, draft_module, target_module
 from fuser.runtime.generate import ReadBack
@@ -83,6 +83,42 @@ from fuser.runtime.suffix import SuffixIndex, SuffixProposals, add_verify_steps
 __all__ = ["AdaptiveScheduler"]
 
 log = logging.getLogger("fuser")
+
+
+# The most steps in a row that skip the index's lookup after lookups that found no row
+# matching, while the suffix's arms are only due a probe (`LookupBackoff`).
+LOOKUP_BACKOFF_MAX = 8
+
+
+@dataclass
+class LookupBackoff:
+    """When to look the suffix index up while its arms are only due a probe (another arm is
+    the best). A probe needs some row to match, and a lookup costs host time on the step's
+    path (on an H100, a draft step's host work was 0.165 ms with them against 0.094 without:
+    benchmarks/RESULTS.md, adaptive speculation), so after k lookups in a row that found no
+    row matching, k >= 2, the next min(2**(k-2), `longest`) steps skip theirs (1, 2, 4, 8, 8,
+    ...; one miss, as at a request's first token, skips none); a match, or new requests (whose
+    prompts may repeat), looks up at the next step again."""
+
+    longest: int = LOOKUP_BACKOFF_MAX
+    misses: int = 0  # lookups in a row that found no row matching
+    left: int = 0  # steps still to skip
+
+    def due(self) -> bool:
+        """Whether this step looks up (a step that does not counts as skipped)."""
+        if self.left:
+            self.left -= 1
+            return False
+        return True
+
+    def found(self, matched: bool) -> None:
+        """A lookup's outcome: a match resets the backoff, a miss lengthens it."""
+        self.misses = 0 if matched else self.misses + 1
+        self.left = min(1 << (self.misses - 2), self.longest) if self.misses >= 2 else 0
+
+    def reset(self) -> None:
+        """Look up at the next step (new rows may match at once)."""
+        self.misses = self.left = 0
 
 
 @dataclass
@@ -186,6 +222,8 @@ class AdaptiveScheduler(Scheduler):
         self._buffers = {size: SuffixProposals(size, longest, engine.device)
                          for size in engine.buckets} if self.suffix else {}
         self._graphs: dict[tuple[int, int, bool], IterationGraph] = {}
+        self.lookups = LookupBackoff()
+        self.lookup_count = 0  # the index's lookups on the steps' path
         self.resyncs = 0  # the draft's catch-ups (each after steps that did not run it)
         self._resync_cost = float((costs or {}).get("resync", 0.0)) if costs is not None \
             else None  # scripted: seconds per token behind
@@ -371,6 +409,7 @@ class AdaptiveScheduler(Scheduler):
             for stream in group:  # (a request resumed after preemption is indexed already)
                 if stream.request_id not in self.index:
                     self.index.add_request(stream.request_id, stream.prompt_ids)
+            self.lookups.reset()
 
     def _deliver(self, stream: RequestStream, kept: list[int], budget: int) -> None:
         before = len(stream.output_ids)
@@ -441,10 +480,15 @@ class AdaptiveScheduler(Scheduler):
         started = controller.clock()
         # The index is looked up only when a suffix arm could be chosen (the best arm, or one
         # being probed or due a probe): without a match none is usable, so a step that could
-        # not choose one skips the host's lookup, as the plain Scheduler's step does.
-        if self.index is not None and controller.may_choose(SUFFIX):
+        # not choose one skips the host's lookup, as the plain Scheduler's step does; where
+        # only a probe of the suffix's arms could use it (no other arm due), lookups that
+        # found nothing back off (`LookupBackoff`): a skipped one runs the best arm.
+        use = controller.use_of(SUFFIX) if self.index is not None else UNUSED
+        if use == NEEDED or (use == PROBE_ONLY and self.lookups.due()):
             tokens, counts, anchors = self._proposals(rows)
             matched = bool(counts.any())
+            self.lookups.found(matched)
+            self.lookup_count += 1
         choice = controller.choose(lambda arm: arm[0] != SUFFIX or matched, started=started)
         do_sample = any(not s.params.greedy for s in rows)
         gamma = choice.gamma
@@ -590,5 +634,6 @@ class AdaptiveScheduler(Scheduler):
             out["draft_version"] = d.swapped_version
         if self.index is not None:
             out["recent_outputs"] = self.index.recent_sequences
+            out["lookups"] = self.lookup_count  # the index's lookups on the steps' path
         return out
 

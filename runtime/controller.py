@@ -107,12 +107,14 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DRAFT", "SOURCES", "SUFFIX", "TARGET", "Choice", "Controller", "ControllerCollector",
-           "StepSample", "arm_name", "expected_tokens_per_round", "expected_tokens_per_step",
-           "leviathan_speedup"]
+__all__ = ["DRAFT", "NEEDED", "PROBE_ONLY", "SOURCES", "SUFFIX", "TARGET", "UNUSED", "Choice",
+           "Controller", "ControllerCollector", "StepSample", "arm_name",
+           "expected_tokens_per_round", "expected_tokens_per_step", "leviathan_speedup"]
 
 TARGET, DRAFT, SUFFIX = "target", "draft", "suffix"
 SOURCES = (TARGET, DRAFT, SUFFIX)
+# Controller.use_of: how a coming step could use a source's arms
+UNUSED, PROBE_ONLY, NEEDED = "unused", "probe only", "needed"
 # A probe that measures its arm at more than FAR_BEHIND times the best arm's cost doubles the
 # arm's wait before the next probe, up to 2**MAX_BACKOFF times `refresh`; one within resets it.
 FAR_BEHIND = 1.5
@@ -321,7 +323,6 @@ class _Measure:
         held = min(self.samples, (1.0 + memory) / (1.0 - memory))
         return math.sqrt(self.noise / held) / max(self.tokens, 1.0)
 
-
 class Controller:
     """Chooses each step's arm by measured wall time per emitted token (module docstring).
 
@@ -508,14 +509,27 @@ class Controller:
     def may_choose(self, source: str) -> bool:
         """Whether a coming step could use `source`: it is the best arm's, one of its arms is
         being probed, or one could be probed now."""
+        return self.use_of(source) != UNUSED
+
+    def use_of(self, source: str) -> str:
+        """How a coming step could use `source`'s arms, where their use needs work to know
+        whether they are usable (the suffix's need a lookup): UNUSED, it could not (not the
+        best arm's, none being probed, none due a probe now); PROBE_ONLY, only by a probe of
+        one of them, the only arms due (a step where they are not usable runs the best arm:
+        knowing it changes no other arm's turn); else NEEDED (the best arm's, a probe of one
+        under way, or a probe due now that goes to another source's arm where they are not
+        usable)."""
         if source not in self.sources:
-            return False
+            return UNUSED
         if self._run:
-            return self._run[0][0] == source
+            return NEEDED if self._run[0][0] == source else UNUSED
         best = self.best()
         if best[0] == source:
-            return True
-        return any(a[0] == source for a in self._due(best)) and self._budget()
+            return NEEDED
+        due = self._due(best)
+        if not any(a[0] == source for a in due) or not self._budget():
+            return UNUSED
+        return PROBE_ONLY if all(a[0] == source for a in due) else NEEDED
 
     # -- the choice --------------------------------------------------------------------------
 

@@ -15,9 +15,10 @@ from hypothesis import given, settings, strategies as st
 
 import fuser
 from fuser import SamplingParams
-from fuser.runtime.adaptive_scheduler import AdaptiveScheduler
+from fuser.runtime.adaptive_scheduler import LOOKUP_BACKOFF_MAX, AdaptiveScheduler, \
+    LookupBackoff
 from fuser.runtime.distill import DistillConfig
-from fuser.runtime.controller import DRAFT, SUFFIX, TARGET, Choice
+from fuser.runtime.controller import DRAFT, NEEDED, SUFFIX, TARGET, Choice
 from fuser.runtime import speculative
 from engines import NO_SPECIAL, llama_target, perturbed
 from tiny import tiny_model
@@ -414,7 +415,7 @@ def script_arms(scheduler: AdaptiveScheduler, arms: list[tuple[str, int]]
             return Choice(*arm)
 
         controller.choose = choose
-        controller.may_choose = lambda source: True
+        controller.use_of = lambda source: NEEDED  # (looked up each step)
     return ran
 
 
@@ -660,3 +661,101 @@ def test_cuda_a_long_suffix_step_is_captured_and_keeps_the_targets_tokens():
         assert scheduler._graphs[(4, LONG, False)].replays > 0
     finally:
         scheduler.close()
+
+
+@settings(max_examples=50, deadline=None, derandomize=True)
+@given(outcomes=st.lists(st.booleans(), min_size=1, max_size=40),
+       resets=st.sets(st.integers(0, 399)))
+def test_lookups_back_off_after_misses_and_resume_on_a_match(outcomes: list[bool],
+                                                             resets: set[int]) -> None:
+    """LookupBackoff: after k lookups in a row that found no row matching, k >= 2, the next
+    min(2**(k-2), LOOKUP_BACKOFF_MAX) steps skip theirs; after a match or a single miss none
+    does; a reset (new requests) looks up at that step."""
+    backoff, outcome = LookupBackoff(), iter(outcomes)
+    looked: list[tuple[int, bool]] = []  # (step, matched) of each lookup
+    for step in range(400):
+        if step in resets:
+            backoff.reset()
+        if backoff.due():
+            matched = next(outcome, None)
+            if matched is None:
+                break
+            backoff.found(matched)
+            looked.append((step, matched))
+    misses = 0
+    for (at, matched), (then, _) in zip(looked, looked[1:]):
+        misses = 0 if matched else misses + 1
+        skipped = then - at - 1
+        want = min(2 ** (misses - 2), LOOKUP_BACKOFF_MAX) if misses >= 2 else 0
+        if any(at < r <= then for r in resets):
+            assert then in resets and skipped <= want
+            misses = 0
+        else:
+            assert skipped == want, (looked, at, then)
+
+
+class NeverMatching:
+    """A suffix index (the real one) whose lookups never find a match, counted."""
+
+    def __init__(self) -> None:
+        from fuser.runtime.suffix import SuffixIndex
+
+        self.index = SuffixIndex(min_ngram=4)
+        self.lookups = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.index, name)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self.index
+
+    def propose_arrays(self, request_ids, max_tokens: int, min_match: int = 1):
+        import numpy as np
+
+        self.lookups += 1
+        return (np.zeros((len(request_ids), max_tokens), np.int64),
+                np.zeros(len(request_ids), np.int64))
+
+
+def test_a_suffix_that_never_matches_is_looked_up_on_few_steps():
+    """Where no row ever matches and the suffix's arms are only due probes (the draft's arms
+    scripted cheaper), the index is looked up on a small share of the steps (after the
+    second of the lookups in a row that found nothing, 1, 2, 4 then 8 steps skip theirs; each
+    admission looks up again), and every request returns the target's greedy tokens. Without
+    the backoff most steps look up (the arms stay due: never usable, never probed)."""
+    eng, new_tokens = engine(), 36
+    want = [eng.generate(torch.tensor([p]), max_new_tokens=new_tokens)[0, len(p):].tolist()
+            for p in PROMPTS]
+    index = NeverMatching()
+    scheduler = AdaptiveScheduler(eng, adapt_draft=False, background=False, index=index,
+                                  costs={"decode": 1.0, DRAFT: {2: 0.5, 4: 0.6},
+                                         SUFFIX: {2: 0.55, 4: 0.65, LONG: 50.0}})
+    steps = issued_steps(scheduler)
+    try:
+        with eng.generating():  # stepped by hand: one admission, then only decode steps
+            streams = [scheduler.submit(p, SamplingParams(max_tokens=new_tokens,
+                                                          temperature=0.0)) for p in PROMPTS]
+            while not all(s.done for s in streams):
+                scheduler._iteration()
+            scheduler._retire()
+    finally:
+        scheduler.close()
+    assert [s.output_ids for s in streams] == want
+    assert index.lookups == scheduler.lookup_count
+    assert len(steps) >= 15, len(steps)
+    assert 0 < index.lookups <= len(steps) // 3, (index.lookups, len(steps))
+    assert all(source != SUFFIX for source in steps)
+
+
+def issued_steps(scheduler: AdaptiveScheduler) -> list[str]:
+    """The source of every step `scheduler` issues from now on (appended as issued)."""
+    sources: list[str] = []
+    issue = scheduler._issue
+
+    def issued():
+        step = issue()
+        sources.append(step.choice.source)
+        return step
+
+    scheduler._issue = issued
+    return sources

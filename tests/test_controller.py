@@ -10,8 +10,9 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from fuser.runtime.controller import DRAFT, HOLD, MAX_BACKOFF, SUFFIX, TARGET, Choice, \
-    Controller, ControllerCollector, arm_name, expected_tokens_per_step, leviathan_speedup
+from fuser.runtime.controller import DRAFT, HOLD, MAX_BACKOFF, NEEDED, PROBE_ONLY, SUFFIX, \
+    TARGET, UNUSED, Choice, Controller, ControllerCollector, arm_name, expected_tokens_per_step, \
+    leviathan_speedup
 
 GAMMAS = (1, 2, 4, 6)
 
@@ -652,3 +653,34 @@ def test_a_catch_up_is_out_of_the_steps_own_seconds() -> None:
     assert ctl.measured()[arm_name((SUFFIX, LONG))]["catch_up"] == pytest.approx(0.9)
     with pytest.raises(ValueError, match="behind"):
         ctl.update([0], 2, behind=-1)
+
+
+def test_use_of_a_source_says_when_only_its_probe_could_use_it() -> None:
+    """Controller.use_of: where the suffix's arms are never usable (no row matches), a step
+    for which it says PROBE_ONLY starts no probe when they are left out (nothing else was
+    due), and one for which it says NEEDED does (another arm's probe was due too); once the
+    suffix is usable and cheapest and settled on, every step that runs it NEEDS it. A source
+    the controller lacks is UNUSED."""
+    script = Script({(TARGET, 0): 1.0, (DRAFT, 2): 1.2, (DRAFT, 4): 1.4, (SUFFIX, 2): 0.3,
+                     (SUFFIX, 4): 0.35}, {DRAFT: 0.6, SUFFIX: 0.9}, rows=4, seed=3)
+    ctl = Controller({DRAFT: (2, 4), SUFFIX: (2, 4)}, clock=script.clock)
+    assert Controller({DRAFT: (2,)}, clock=script.clock).use_of(SUFFIX) == UNUSED
+    seen = []
+    for _ in range(400):
+        use = ctl.use_of(SUFFIX)
+        assert ctl.may_choose(SUFFIX) == (use != UNUSED)
+        choice = ctl.choose(lambda arm: arm[0] != SUFFIX)
+        if use == PROBE_ONLY:
+            assert not choice.probe and choice.arm == ctl.best(), ctl.reason
+        if use == NEEDED:
+            assert choice.probe or choice.policy is not None, ctl.reason
+        seen.append(use)
+        script.clock.now += script.seconds[choice.arm]
+        ctl.update(script.accepted(choice), choice.gamma)
+    assert {UNUSED, PROBE_ONLY, NEEDED} <= set(seen), seen
+    script.run(ctl, 400)  # the suffix usable: it is probed, measured, settled on
+    assert ctl.best()[0] == SUFFIX, ctl.reason
+    for _ in range(50):  # (but where another source's arm is being probed)
+        use = ctl.use_of(SUFFIX)
+        if script.step(ctl).source == SUFFIX:
+            assert use == NEEDED, ctl.reason
