@@ -475,6 +475,7 @@ class CodeLoad:
     seeded: int
     seconds: float
     work: str | None = None
+    python: str | None = None  # profiled loads: where its Python seconds went (cProfile)
 
 
 def load_all_code(directory: Path, manifest: dict[str, Any], device: torch.device,
@@ -483,22 +484,24 @@ def load_all_code(directory: Path, manifest: dict[str, Any], device: torch.devic
     of every graph compiled at build time: what needs none of the weights, so a load runs it
     on a thread while they are read (Inductor imported on that thread first)."""
     start = time.perf_counter()
-    import_inductor()
-    info = manifest["info"]
     code: dict[str, dict[str, LoadedCode]] = {}
-    on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-    with on_device:
-        kernel_store.settle_triton_toolchain(device)  # as the build did: the kernels' keys
-        seeded = kernel_store.seed(directory, manifest["extra"], device)
-        with kernel_store.loading(device, True), \
-                load_profile.kernel_work(device, profile) as work:
-            if device.type == "cpu":
-                kernel_store.check_isa(info["engine"].get("vector_isa"), directory)
-            for role, model in info["models"].items():
-                code[role] = {key: load_step_code(directory, role, key)
-                              for key, g in model["graphs"].items() if g["compiled"]}
+    with load_profile.python_profile(profile) as python:
+        import_inductor()
+        info = manifest["info"]
+        on_device = torch.cuda.device(device) if device.type == "cuda" \
+            else contextlib.nullcontext()
+        with on_device:
+            kernel_store.settle_triton_toolchain(device)  # as the build did: the kernels' keys
+            seeded = kernel_store.seed(directory, manifest["extra"], device)
+            with kernel_store.loading(device, True), \
+                    load_profile.kernel_work(device, profile) as work:
+                if device.type == "cpu":
+                    kernel_store.check_isa(info["engine"].get("vector_isa"), directory)
+                for role, model in info["models"].items():
+                    code[role] = {key: load_step_code(directory, role, key)
+                                  for key, g in model["graphs"].items() if g["compiled"]}
     return CodeLoad(code, seeded, time.perf_counter() - start,
-                    work.line() if work is not None else None)
+                    work.line() if work is not None else None, python[0] if python else None)
 
 
 def import_inductor() -> None:
@@ -645,6 +648,8 @@ def _open_engine(directory: Path, device: torch.device, manifest: dict,
         "caches)")
     if code.work is not None:
         say(f"kernel work in the code load: {code.work}")
+    if code.python is not None:
+        say(f"code load, Python: {code.python}")
     # (A tensor-parallel rank's steps run collectives: its first runs wait for the
     # process group, fuser/pipeline.py `_load_parallel`.)
     if device.type == "cuda" and manifest["config"].get("tensor_parallel", 1) == 1:

@@ -14,6 +14,9 @@ rather than running it:
   autotuning benchmarks), counted and timed through Triton's hooks and around Inductor's
   methods. A load that finds every binary compiles nothing and benchmarks nothing; this is
   what shows it.
+- `python_profile`: the functions a stretch of the load (the compiled steps' code load, which
+  runs on a thread of its own) spent its seconds in, from cProfile: where that time goes when
+  no kernel work explains it.
 
 Per-step and per-graph seconds are kept always; `FUSER_LOAD_PROFILE=1` adds the second runs
 and the kernel work (`enabled()`), which benchmarks/engine_files.py asks for in its loading
@@ -23,7 +26,9 @@ process.
 from __future__ import annotations
 
 import contextlib
+import cProfile
 import os
+import pstats
 import threading
 import time
 from collections import Counter, defaultdict
@@ -200,3 +205,36 @@ def kernel_work(device: torch.device, on: bool | None = None) -> Iterator[Kernel
 
 
 __all__ = ["ENV", "KernelWork", "StepTimes", "enabled", "kernel_work", "synchronize"]
+
+
+@contextlib.contextmanager
+def python_profile(on: bool, top: int = 10) -> Iterator[list[str]]:
+    """Within, with `on`: cProfile on the calling thread; the list yielded then gets one line:
+    the `top` functions by cumulative seconds (the import machinery and module bodies left
+    out: imports show as the function that made them, `import_inductor` and the like), then
+    the `top` by their own seconds, each as "file:line(function) seconds". Off: nothing is
+    profiled, the list stays empty."""
+    lines: list[str] = []
+    if not on:
+        yield lines
+        return
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        yield lines
+    finally:
+        profiler.disable()
+        stats = pstats.Stats(profiler).stats  # {(file, line, name): (cc, nc, tt, ct, callers)}
+        skip = ("<frozen", "<module>", "__import__", "import_module", "builtins.exec",
+                "{method 'disable'")
+        files = (contextlib.__file__, __file__)  # the profiled stretch's own frames
+        rows = [(tt, ct, key) for key, (_, _, tt, ct, _) in stats.items()
+                if key[0] not in files and not any(m in f"{key[0]}{key[2]}" for m in skip)]
+
+        def name(key: tuple[str, int, str]) -> str:
+            return f"{os.path.basename(key[0])}:{key[1]}({key[2]})"
+
+        by_total = sorted(rows, key=lambda r: r[1], reverse=True)[:top]
+        by_own = sorted(rows, reverse=True)[:top]
+        lines.append("cumulative: " + ", ".join(f"{name(k)} {ct:.2f} s" for _, ct, k in by_total)
+                     + "; own: " + ", ".join(f"{name(k)} {tt:.2f} s" for tt, _, k in by_own))

@@ -86,6 +86,32 @@ def test_kernel_work_counts_through_hooks_and_puts_them_back() -> None:
         knobs.compilation.listener = old_listener
 
 
+def _busy_for(seconds: float) -> None:
+    import time
+
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_python_profile_names_where_the_seconds_went() -> None:
+    """load_profile.python_profile: off, nothing profiled and no line; on, one line whose
+    cumulative part names the function that took the stretch's seconds (module bodies and the
+    import machinery left out), and whose own part names where they were spent."""
+    with load_profile.python_profile(False) as lines:
+        _busy_for(0.01)
+    assert lines == []
+    with load_profile.python_profile(True) as lines:
+        _busy_for(0.2)
+        import importlib
+        importlib.import_module("json")  # (already imported: the import machinery, skipped)
+    assert len(lines) == 1 and lines[0].startswith("cumulative: "), lines
+    cumulative, own = lines[0].split("; own: ")
+    assert "(_busy_for)" in cumulative.split(", ")[0], lines
+    assert "<module>" not in lines[0] and "import_module" not in lines[0], lines
+    assert "perf_counter" in own or "_busy_for" in own, lines
+
+
 def test_warm_up_names_every_step_and_length() -> None:
     """`warm_up(steps, timed)` hands every step at each of its warm-up lengths to `timed`, by
     the step's name and T, and runs it there."""
@@ -120,7 +146,8 @@ def test_capture_line_lists_graphs_slowest_first() -> None:
 def test_cuda_load_prints_where_its_time_goes(tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """CUDA, FUSER_LOAD_PROFILE=1: the load's log names each step's first run (and its second),
-    the kernel work of the code load and first run, and bucket 1's graphs part by part."""
+    the kernel work of the code load and first run, where the code load's Python seconds went,
+    and bucket 1's graphs part by part."""
     from test_engine_load_compiles_nothing import build_saved_cuda_engine
 
     build_saved_cuda_engine(tmp_path / "engine")
@@ -130,6 +157,7 @@ def test_cuda_load_prints_where_its_time_goes(tmp_path: Path,
     text = "\n".join(lines)
     assert "first run by step:" in text and "target.decode T=1" in text and "(again " in text
     assert "kernel work in the first run:" in text and "kernel work in the code load:" in text
+    assert "code load, Python: cumulative: " in text and "(load_code)" in text
     assert "capture of bucket 1 by graph: " in text and "plain.greedy" in text
     assert "first replay" in text
     for bucket in engine.buckets.values():
