@@ -159,6 +159,9 @@ def main() -> None:
     parser.add_argument("--no-load-profile", dest="load_profile", action="store_false",
                         help="load without FUSER_LOAD_PROFILE=1 (which runs each step a second "
                              "time and counts the kernel work: where the load's time goes)")
+    parser.add_argument("--python-profile", action="store_true",
+                        help="the loading process also profiles its code load's Python "
+                             "(FUSER_LOAD_PROFILE=python; cProfile slows the load it times)")
     parser.add_argument("--build-only", action="store_true",
                         help="print the build time and stop (no save, load or timing)")
     parser.add_argument("--load", default=None,
@@ -219,7 +222,7 @@ def main() -> None:
         # and a second one, each graph's capture, and the kernel work behind them, in its log.
         env = fresh_caches(Path(scratch) / "load-caches")
         if args.load_profile:
-            env["FUSER_LOAD_PROFILE"] = "1"
+            env["FUSER_LOAD_PROFILE"] = "python" if args.python_profile else "1"
         done = subprocess.run(child_args, capture_output=True, text=True, env=env)
         if done.returncode != 0:
             raise SystemExit(f"the loading process failed:\n{done.stderr[-4000:]}")

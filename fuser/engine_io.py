@@ -485,7 +485,7 @@ def load_all_code(directory: Path, manifest: dict[str, Any], device: torch.devic
     on a thread while they are read (Inductor imported on that thread first)."""
     start = time.perf_counter()
     code: dict[str, dict[str, LoadedCode]] = {}
-    with load_profile.python_profile(profile) as python:
+    with load_profile.python_profile(profile and load_profile.python_enabled()) as python:
         import_inductor()
         info = manifest["info"]
         on_device = torch.cuda.device(device) if device.type == "cuda" \

@@ -16,7 +16,7 @@ rather than running it:
   what shows it.
 - `python_profile`: the functions a stretch of the load (the compiled steps' code load, which
   runs on a thread of its own) spent its seconds in, from cProfile: where that time goes when
-  no kernel work explains it.
+  no kernel work explains it (FUSER_LOAD_PROFILE=python, `python_enabled()`).
 
 Per-step and per-graph seconds are kept always; `FUSER_LOAD_PROFILE=1` adds the second runs
 and the kernel work (`enabled()`), which benchmarks/engine_files.py asks for in its loading
@@ -41,8 +41,14 @@ ENV = "FUSER_LOAD_PROFILE"
 
 
 def enabled() -> bool:
-    """Whether the load profiles in detail (FUSER_LOAD_PROFILE=1)."""
+    """Whether the load profiles in detail (FUSER_LOAD_PROFILE=1, or =python)."""
     return os.environ.get(ENV, "") not in ("", "0")
+
+
+def python_enabled() -> bool:
+    """Whether the load also profiles its code load's Python (FUSER_LOAD_PROFILE=python:
+    cProfile slows that thread, so the load's seconds are then not its own)."""
+    return os.environ.get(ENV, "") == "python"
 
 
 def synchronize(device: torch.device) -> None:

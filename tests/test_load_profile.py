@@ -37,11 +37,13 @@ def test_step_times_time_each_run_and_run_again_when_asked() -> None:
 
 def test_profile_is_asked_for_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(load_profile.ENV, raising=False)
-    assert not load_profile.enabled()
+    assert not load_profile.enabled() and not load_profile.python_enabled()
     monkeypatch.setenv(load_profile.ENV, "1")
-    assert load_profile.enabled()
+    assert load_profile.enabled() and not load_profile.python_enabled()
+    monkeypatch.setenv(load_profile.ENV, "python")
+    assert load_profile.enabled() and load_profile.python_enabled()
     monkeypatch.setenv(load_profile.ENV, "0")
-    assert not load_profile.enabled()
+    assert not load_profile.enabled() and not load_profile.python_enabled()
     with load_profile.kernel_work(CPU, on=True) as work:  # nothing to count off CUDA
         assert work is None
 
@@ -145,13 +147,13 @@ def test_capture_line_lists_graphs_slowest_first() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_load_prints_where_its_time_goes(tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """CUDA, FUSER_LOAD_PROFILE=1: the load's log names each step's first run (and its second),
-    the kernel work of the code load and first run, where the code load's Python seconds went,
-    and bucket 1's graphs part by part."""
+    """CUDA, FUSER_LOAD_PROFILE=python: the load's log names each step's first run (and its
+    second), the kernel work of the code load and first run, where the code load's Python
+    seconds went, and bucket 1's graphs part by part."""
     from test_engine_load_compiles_nothing import build_saved_cuda_engine
 
     build_saved_cuda_engine(tmp_path / "engine")
-    monkeypatch.setenv(load_profile.ENV, "1")
+    monkeypatch.setenv(load_profile.ENV, "python")
     lines: list[str] = []
     engine = fuser.load(tmp_path / "engine", log=lines.append, wait_for_graphs=True)
     text = "\n".join(lines)
