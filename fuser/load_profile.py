@@ -210,7 +210,6 @@ def kernel_work(device: torch.device, on: bool | None = None) -> Iterator[Kernel
         yield work
 
 
-__all__ = ["ENV", "KernelWork", "StepTimes", "enabled", "kernel_work", "synchronize"]
 
 
 @contextlib.contextmanager
@@ -244,3 +243,7 @@ def python_profile(on: bool, top: int = 10) -> Iterator[list[str]]:
         by_own = sorted(rows, reverse=True)[:top]
         lines.append("cumulative: " + ", ".join(f"{name(k)} {ct:.2f} s" for _, ct, k in by_total)
                      + "; own: " + ", ".join(f"{name(k)} {tt:.2f} s" for tt, _, k in by_own))
+
+
+__all__ = ["ENV", "KernelWork", "StepTimes", "enabled", "kernel_work", "python_enabled",
+           "python_profile", "synchronize"]

@@ -323,6 +323,7 @@ class _Measure:
         held = min(self.samples, (1.0 + memory) / (1.0 - memory))
         return math.sqrt(self.noise / held) / max(self.tokens, 1.0)
 
+
 class Controller:
     """Chooses each step's arm by measured wall time per emitted token (module docstring).
 
