@@ -476,16 +476,18 @@ class CodeLoad:
     seconds: float
     work: str | None = None
     python: str | None = None  # profiled loads: where its Python seconds went (cProfile)
+    alone: bool = False  # it ran before the reading, nothing beside it (profiled for Python)
 
 
 def load_all_code(directory: Path, manifest: dict[str, Any], device: torch.device,
-                  profile: bool) -> CodeLoad:
+                  profile: bool, alone: bool = False) -> CodeLoad:
     """Put the engine's kernel binaries in Triton's and Inductor's caches and load the code
     of every graph compiled at build time: what needs none of the weights, so a load runs it
-    on a thread while they are read (Inductor imported on that thread first)."""
+    on a thread while they are read (Inductor imported on that thread first). alone: it runs
+    before the reading, nothing beside it, and profiles its Python (`python_profile`)."""
     start = time.perf_counter()
     code: dict[str, dict[str, LoadedCode]] = {}
-    with load_profile.python_profile(profile and load_profile.python_enabled()) as python:
+    with load_profile.python_profile(alone) as python:
         import_inductor()
         info = manifest["info"]
         on_device = torch.cuda.device(device) if device.type == "cuda" \
@@ -501,7 +503,8 @@ def load_all_code(directory: Path, manifest: dict[str, Any], device: torch.devic
                     code[role] = {key: load_step_code(directory, role, key)
                                   for key, g in model["graphs"].items() if g["compiled"]}
     return CodeLoad(code, seeded, time.perf_counter() - start,
-                    work.line() if work is not None else None, python[0] if python else None)
+                    work.line() if work is not None else None, python[0] if python else None,
+                    alone)
 
 
 def import_inductor() -> None:
@@ -596,11 +599,18 @@ def open_engine(path: str | Path, device: str | torch.device | None = None, *,
     # The tokenizer (transformers' import: seconds) loads on a thread meanwhile, and so does
     # the compiled steps' code (Inductor's import first), which needs no weight: the weights'
     # reading leaves the interpreter mostly free.
+    # Profiled for its Python (FUSER_LOAD_PROFILE=python), the code load runs alone first:
+    # from Python 3.12 cProfile hears every thread, so beside the reading its profile would be
+    # the reading's as much as its own.
+    alone = any_compiled and load_profile.python_enabled()
+    code: Future | None = Future() if alone else None
+    if code is not None:
+        code.set_result(load_all_code(directory, manifest, device, True, alone=True))
     extras = ThreadPoolExecutor(3, thread_name_prefix="fuser-load-extras")
     extras_loaded = extras.submit(load_extras, directory, tokenizer)
     extras.submit(kernel_store.prime_triton_key, device)  # (its first lookup's 0.4 s)
-    code = extras.submit(load_all_code, directory, manifest, device, load_profile.enabled()) \
-        if any_compiled else None
+    if any_compiled and not alone:
+        code = extras.submit(load_all_code, directory, manifest, device, load_profile.enabled())
     extras.shutdown(wait=False)
     try:
         return _open_engine(directory, device, manifest, code, extras_loaded, say)
@@ -643,9 +653,13 @@ def _open_engine(directory: Path, device: torch.device, manifest: dict,
     compiled = sum(g.compiled is not None for buckets in models.values()
                    for steps in buckets.values() for g in steps.steps.values())
     timings["code"] = time.perf_counter() - start  # what the read did not hide
-    say(f"loaded the compiled code of {compiled} steps in {code.seconds:.1f} s beside the "
-        f"reading, {waited:.1f} s of it after ({code.seeded} kernel binaries put in the "
-        "caches)")
+    if code.alone:
+        say(f"loaded the compiled code of {compiled} steps in {code.seconds:.1f} s before the "
+            f"reading, alone to profile it ({code.seeded} kernel binaries put in the caches)")
+    else:
+        say(f"loaded the compiled code of {compiled} steps in {code.seconds:.1f} s beside the "
+            f"reading, {waited:.1f} s of it after ({code.seeded} kernel binaries put in the "
+            "caches)")
     if code.work is not None:
         say(f"kernel work in the code load: {code.work}")
     if code.python is not None:

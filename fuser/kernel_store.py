@@ -115,21 +115,74 @@ def _triton_functions(modules: Iterable[ModuleType]) -> list[Any]:
     return out
 
 
-def triton_kernel_files(device: torch.device) -> list[Path]:
-    """The cache files (binary, metadata) of every Triton kernel of fuser's (its ops', and the
-    runtime's per-iteration kernels) compiled in this process for `device`'s GPU: the kernels
-    an engine built here launches (possibly a few more, of another engine built in the same
-    process)."""
+def _compiled_triton_kernels(device: torch.device) -> list[Any]:
+    """Every Triton kernel of fuser's (its ops', and the runtime's per-iteration kernels)
+    compiled in this process (Triton's `CompiledKernel`s): the kernels an engine built here
+    launches (possibly a few more, of another engine built in the same process). CUDA only."""
     if device.type != "cuda":
         return []
     ops = [m for name, m in sorted(sys.modules.items())
            if name.startswith("fuser.") and m is not None]  # fuser.ops, fuser.runtime, ...
-    files = []
+    kernels = []
     for fn in _triton_functions(ops):
         for kernel_cache, *_ in list(fn.device_caches.values()):
-            for kernel in list(kernel_cache.values()):
-                files.extend(Path(p) for p in getattr(kernel, "metadata_group", {}).values())
+            kernels.extend(list(kernel_cache.values()))
+    return kernels
+
+
+def triton_kernel_files(device: torch.device) -> list[Path]:
+    """The cache files (binary, metadata) of every Triton kernel of fuser's compiled in this
+    process for `device`'s GPU (`_compiled_triton_kernels`)."""
+    files = [Path(p) for kernel in _compiled_triton_kernels(device)
+             for p in getattr(kernel, "metadata_group", {}).values()]
     return sorted({p for p in files if p.is_file()})
+
+
+def _module_of(launcher: object) -> ModuleType | None:
+    """The C extension module a Triton launcher object calls (its `launch` function's owner,
+    directly or through the wrapper Triton puts around it for tensor descriptors)."""
+    functions = [value for value in vars(launcher).values() if callable(value)]
+    for function in functions:
+        owners = [getattr(function, "__self__", None)]
+        owners += [cell.cell_contents for cell in getattr(function, "__closure__", None) or ()
+                   if cell.cell_contents is not None]
+        owners += [getattr(owner, "__self__", None) for owner in owners[1:]]
+        for owner in owners:
+            if isinstance(owner, ModuleType) and isinstance(getattr(owner, "__file__", None), str):
+                return owner
+    return None
+
+
+def _launcher_cls() -> Any:
+    """The class Triton's active driver launches a compiled kernel through."""
+    from triton.runtime import driver
+
+    return driver.active.launcher_cls
+
+
+def triton_launcher_files(device: torch.device) -> list[Path]:
+    """The C launcher module (`__triton_launcher`, Triton up to 3.6: one per kernel signature,
+    built from C with the host's compiler) of every Triton kernel of fuser's compiled in this
+    process, each looked up in Triton's cache as it is now, and built there where absent.
+
+    Made for each kernel here rather than found among the launchers this process loaded
+    (`triton_module_files`): a kernel compiled but never launched in the build has none, and
+    one launched while Triton's cache pointed elsewhere (a test's directory since removed)
+    has its module there. A load meets both (measured on an H100: the load built the
+    launchers of `_rotary_split_kernel` and attention's `_combine_kernel`, recorded in
+    benchmarks/RESULTS.md). A Triton whose launchers are not C modules gives none."""
+    files = set()
+    kernels = _compiled_triton_kernels(device)
+    launcher_cls = _launcher_cls() if kernels else None
+    for kernel in kernels:
+        try:
+            launcher = launcher_cls(kernel.src, kernel.metadata)
+        except Exception:  # noqa: BLE001 -- a kernel Triton cannot launch here: nothing to keep
+            continue
+        module = _module_of(launcher)
+        if module is not None and Path(module.__file__).is_file():
+            files.add(Path(module.__file__).resolve())
+    return sorted(files)
 
 
 def triton_module_files(cache_dirs: Iterable[Path]) -> list[Path]:
@@ -187,6 +240,7 @@ def kernel_files(artifacts: Iterable[object], device: torch.device) -> dict[str,
     triton_files = triton_kernel_files(device)
     if device.type == "cuda":
         triton_files += triton_module_files(triton_module_dirs(device))
+        triton_files += triton_launcher_files(device)
     for path in triton_files:
         out[f"{KERNELS_DIR}/{TRITON}/{path.parent.name}/{path.name}"] = path
     return out

@@ -14,9 +14,12 @@ rather than running it:
   autotuning benchmarks), counted and timed through Triton's hooks and around Inductor's
   methods. A load that finds every binary compiles nothing and benchmarks nothing; this is
   what shows it.
-- `python_profile`: the functions a stretch of the load (the compiled steps' code load, which
-  runs on a thread of its own) spent its seconds in, from cProfile: where that time goes when
-  no kernel work explains it (FUSER_LOAD_PROFILE=python, `python_enabled()`).
+- `python_profile`: the functions a stretch of the load (the compiled steps' code load) spent
+  its seconds in, from cProfile: where that time goes when no kernel work explains it
+  (FUSER_LOAD_PROFILE=python, `python_enabled()`). The code load then runs alone before the
+  weights' reading rather than beside it: from Python 3.12 cProfile hears every thread, and
+  an 8B load profiled beside its 16 reading threads credited 228 s to one function in a
+  25 s code load (benchmarks/RESULTS.md).
 
 Per-step and per-graph seconds are kept always; `FUSER_LOAD_PROFILE=1` adds the second runs
 and the kernel work (`enabled()`), which benchmarks/engine_files.py asks for in its loading

@@ -189,6 +189,43 @@ def test_the_compiled_code_loads_beside_the_weights(built, monkeypatch: pytest.M
                        engine.generate(ids, 12, attention_mask=mask))
 
 
+def test_the_code_load_profiled_for_its_python_runs_alone_before_the_reading(
+        built, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FUSER_LOAD_PROFILE=python: the code load runs before the weights' reading, with nothing
+    beside it (cProfile hears every thread from Python 3.12), and the log names where its
+    Python seconds went and that it ran alone."""
+    import threading
+
+    from fuser import engine_file, engine_io, load_profile
+
+    engine, path = built
+    events: list[tuple[str, str]] = []
+    load_code, read_files = engine_io.load_code, engine_file.read_files
+
+    def loading_code(*args: object, **kwargs: object) -> object:
+        events.append(("code", threading.current_thread().name))
+        return load_code(*args, **kwargs)
+
+    def reading(*args: object, **kwargs: object) -> object:
+        events.append(("read start", threading.current_thread().name))
+        return read_files(*args, **kwargs)
+
+    monkeypatch.setattr(engine_io, "load_code", loading_code)
+    monkeypatch.setattr(engine_file, "read_files", reading)
+    monkeypatch.setenv(load_profile.ENV, "python")
+    lines: list[str] = []
+    loaded = fuser.load(path, log=lines.append)
+    kinds = [kind for kind, _ in events]
+    assert "code" in kinds and max(i for i, k in enumerate(kinds) if k == "code") \
+        < kinds.index("read start")
+    text = "\n".join(lines)
+    assert "before the reading, alone to profile it" in text
+    assert "code load, Python: cumulative: " in text and "(load_code)" in text
+    ids, mask = prompts([5, 3], seed=2)
+    assert torch.equal(loaded.generate(ids, 12, attention_mask=mask),
+                       engine.generate(ids, 12, attention_mask=mask))
+
+
 def _without_kernels(path: Path, copy: Path) -> None:
     """A copy of engine `path` whose kernels/ directory (and its manifest entries) is gone."""
     import json
@@ -401,6 +438,61 @@ def test_tritons_c_modules_loaded_before_inductor_moved_its_cache_are_kept(
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "inductor" / "triton" / "0"))
     kept = kernel_store.kernel_files([], torch.device("cuda")).values()
     assert Path(module.__file__).resolve() in kept
+
+
+# A launcher module as Triton (up to 3.6) builds one per kernel signature: a `launch` function.
+LAUNCHER_SOURCE = """
+#include <Python.h>
+static PyObject *launch(PyObject *self, PyObject *args) { Py_RETURN_NONE; }
+static PyMethodDef methods[] = {{"launch", launch, METH_VARARGS, NULL}, {NULL, NULL, 0, NULL}};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "__triton_launcher", NULL, -1, methods};
+PyMODINIT_FUNC PyInit___triton_launcher(void) { return PyModule_Create(&module); }
+"""
+
+
+class FakeLauncher:
+    """Triton's CUDA launcher as far as the engine directory sees it: built from the kernel's
+    source and metadata, it builds (or finds in Triton's cache) its C module and keeps its
+    `launch` function; `made` counts the launchers made."""
+
+    made = 0
+
+    def __init__(self, src: object, metadata: object) -> None:
+        import triton.runtime.build as build
+
+        FakeLauncher.made += 1
+        self.launch = build.compile_module_from_src(LAUNCHER_SOURCE + f"// {src}\n",
+                                                    "__triton_launcher").launch
+
+
+def test_the_launcher_of_a_kernel_never_launched_in_the_build_is_kept(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every compiled kernel's launcher goes into the engine directory, made for the kernel
+    where the build never launched it (its C module then built into Triton's cache as it is
+    now) or launched it while Triton's cache pointed at a directory since removed: an H100 load
+    built the launchers of two kernels whose binaries the engine directory held."""
+    import shutil
+    import types
+
+    from fuser import kernel_store
+
+    old_cache, cache = tmp_path / "old", tmp_path / "now"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(old_cache))
+    launched = FakeLauncher("launched", None)  # its module in a cache directory since removed
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    shutil.rmtree(old_cache)
+    kernels = [types.SimpleNamespace(src=name, metadata=None, metadata_group={})
+               for name in ("launched", "never launched")]
+    monkeypatch.setattr(kernel_store, "_compiled_triton_kernels", lambda device: kernels)
+    monkeypatch.setattr(kernel_store, "_launcher_cls", lambda: FakeLauncher)
+    FakeLauncher.made = 0
+    kept = kernel_store.kernel_files([], torch.device("cuda"))
+    launchers = sorted(p for p in kept.values() if p.name.startswith("__triton_launcher"))
+    assert FakeLauncher.made == 2 and len(launchers) == 2
+    assert all(p.is_file() and p.parent.parent == cache.resolve() for p in launchers)
+    assert all(name == f"{kernel_store.KERNELS_DIR}/{kernel_store.TRITON}/{p.parent.name}/{p.name}"
+               for name, p in kept.items() if p in launchers)
+    del launched  # (loaded until here, as a launched kernel's launcher stays)
 
 
 def test_triton_toolchain_is_settled_on_cuda_only(monkeypatch: pytest.MonkeyPatch) -> None:

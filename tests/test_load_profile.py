@@ -159,7 +159,10 @@ def test_cuda_load_prints_where_its_time_goes(tmp_path: Path,
     text = "\n".join(lines)
     assert "first run by step:" in text and "target.decode T=1" in text and "(again " in text
     assert "kernel work in the first run:" in text and "kernel work in the code load:" in text
-    assert "code load, Python: cumulative: " in text and "(load_code)" in text
+    # (the code load's own function is among the 10 slowest on CPU, not on CUDA, where
+    # Inductor's and Triton's functions take the places: test_engine_load_compiles_nothing)
+    assert "code load, Python: cumulative: " in text and "; own: " in text
+    assert "before the reading, alone to profile it" in text
     assert "capture of bucket 1 by graph: " in text and "plain.greedy" in text
     assert "first replay" in text
     for bucket in engine.buckets.values():
