@@ -426,6 +426,10 @@ class Controller:
         self.last = Choice(*first)
         self._chose = False  # (`reason`: "no step yet" before the first choice)
         self._costs: dict[Arm, float] = {}  # cost() per arm, until a sample or a step moves it
+        # best() and _due(best), until a sample, a step or a choice moves them (`_changed`):
+        # a step asks for both in `use_of` and again in `choose`
+        self._best: Arm | None = None
+        self._due_of: tuple[Arm, list[Arm]] | None = None
         # The last TRACE_STEPS measured steps: what each arm's cost is made of (`measured`).
         self.trace: deque[StepSample] = deque(maxlen=TRACE_STEPS)
 
@@ -472,6 +476,11 @@ class Controller:
     def best(self) -> Arm:
         """The measured arm of lowest cost (`first` while none is measured), but the arm the
         steps run now while the lowest is within HOLD of it."""
+        if self._best is None:
+            self._best = self._find_best()
+        return self._best
+
+    def _find_best(self) -> Arm:
         measured = [a for a in self.arms if self._measures[a].samples]
         if not measured:
             return self.first
@@ -483,6 +492,13 @@ class Controller:
                            self._measures[held].error(self.token_memory))
         margin = min(self.hold + CONFIDENCE * error, MAX_HOLD)
         return held if self.cost(*lowest) > (1.0 - margin) * self.cost(*held) else lowest
+
+    def _changed(self) -> None:
+        """A sample, a step or a choice moved what `cost`, `best` and `_due` give: computed
+        again at their next call."""
+        self._costs.clear()
+        self._best = None
+        self._due_of = None
 
     @property
     def hold(self) -> float:
@@ -543,6 +559,8 @@ class Controller:
         """Arms other than `best` (the best arm now) due a probe: the unmeasured first, then
         those measured cheaper than `best` (not surely enough to be taken: `best`), due again
         after a quarter of `refresh`, then the longest unmeasured."""
+        if self._due_of is not None and self._due_of[0] == best:
+            return list(self._due_of[1])
         pending = {c.counted for c in self._issued if c.probe}  # probed, not yet read back
         bound = self.cost(*best)
 
@@ -553,8 +571,10 @@ class Controller:
             not self._measures[a].samples
             or (self.cost(*a) < bound and waited(a) >= self.refresh >> 2)
             or waited(a) >= self.refresh << self._measures[a].backoff)]
-        return sorted(due, key=lambda a: (self._measures[a].samples > 0,
-                                          self.cost(*a) >= bound, self._measures[a].at))
+        due.sort(key=lambda a: (self._measures[a].samples > 0, self.cost(*a) >= bound,
+                                self._measures[a].at))
+        self._due_of = (best, due)
+        return list(due)
 
     def choose(self, usable: Callable[[Arm], bool] | None = None, *,
                started: float | None = None) -> Choice:
@@ -577,7 +597,7 @@ class Controller:
             due = [a for a in self._due(best) if usable is None or usable(a)]
             probe = bool(due) and self._budget()
             policy = due[0] if probe else best
-            self._settled = best
+            self._settled = best  # (best() gives it again until `_changed` below)
             if probe and self.probe_steps > 1:
                 self._run = [policy, self.probe_steps - 1]
         arm = policy
@@ -594,7 +614,7 @@ class Controller:
         self._issued.append(choice)
         self.last = choice
         self._chose = True
-        self._costs.clear()  # (an arm's drift depends on the steps since its last sample)
+        self._changed()  # (an arm's drift depends on the steps since its last sample)
         return choice
 
     @property
@@ -693,28 +713,32 @@ class Controller:
         if len(proposed) != len(num_accepted):
             raise ValueError(f"proposed has {len(proposed)} rows, num_accepted "
                              f"{len(num_accepted)}")
-        sources = list(row_sources) if row_sources is not None else \
+        sources = row_sources if row_sources is not None else \
             [choice.source] * len(num_accepted)
-        counts = {s: [0, 0] for s in self._window}
+        # Per source of proposals: [accepted, proposed, trials, rows]; trials for `_accepts`
+        # (a row that accepted n of p tried positions 1..min(n + 1, p)). One pass over the rows.
+        counts: dict[str, list[int]] = {}
         for n, p, s in zip(num_accepted, proposed, sources):
             if not 0 <= n <= g or not 0 <= p <= g:
                 raise ValueError(f"num_accepted {n} and proposed {p} must be in 0..{g}")
-            if s in counts and p:
-                counts[s][0] += min(n, p)
-                counts[s][1] += p
-                self.rows[s] += 1
-        for s, (n, p) in counts.items():
+            if s not in self._window:
+                continue
+            c = counts.get(s)
+            if c is None:
+                c = counts[s] = [0, 0, 0, 0]
+            if p:
+                c[0] += min(n, p)
+                c[1] += p
+                c[2] += min(n + 1, p)
+                c[3] += 1
+        for s, (n, p, trials, rows) in counts.items():
             if p:
                 self._window[s].append((n, p))
-        for s in {x for x in sources if x in self._accepts}:
-            totals = self._accepts[s]
-            totals[0] *= ACCEPT_MEMORY
-            totals[1] *= ACCEPT_MEMORY
-            for n, p, x in zip(num_accepted, proposed, sources):
-                if x == s and p:
-                    totals[0] += min(n, p)
-                    totals[1] += min(n + 1, p)
-        self._costs.clear()  # (the acceptance moves the stale arms' costs)
+                self.rows[s] += rows
+            totals = self._accepts[s]  # (decayed where the source had rows, proposing or not)
+            totals[0] = totals[0] * ACCEPT_MEMORY + n
+            totals[1] = totals[1] * ACCEPT_MEMORY + trials
+        self._changed()  # (the acceptance moves the stale arms' costs)
         if num_accepted and seconds is not None:
             tokens = 1.0 + sum(num_accepted) / len(num_accepted)
             counted = choice.counted
@@ -726,7 +750,7 @@ class Controller:
                 self._switch_premium = premium if self._switch_premium is None else \
                     self._switch_premium + (1.0 - SWITCH_MEMORY) * (premium -
                                                                     self._switch_premium)
-                self._costs.clear()
+                self._changed()
             if not choice.switch:  # (a switch's seconds pay the change, not the arm)
                 weight = self.probe_weight if choice.probe else 1.0 - self.memory
                 token_weight = self.probe_weight if choice.probe else 1.0 - self.token_memory
@@ -738,7 +762,7 @@ class Controller:
                     measure.fast = max(measure.fast * drift, 1.0)
                 measure.add(seconds, tokens, _noise(num_accepted), weight, token_weight,
                             self.step_count)
-                self._costs.clear()
+                self._changed()
                 measure.expected = expected
                 if choice.probe:  # far behind the best: probed less often (up to MAX_BACKOFF)
                     far = self.cost(*counted) > FAR_BEHIND * self.cost(*self.best())
@@ -752,13 +776,14 @@ class Controller:
         for arm, (steps, tokens) in self._behind.items():
             self._measures[arm].charge(seconds * tokens / total, steps, self.memory)
         self._behind.clear()
-        self._costs.clear()
+        self._changed()
 
     def pause(self) -> None:
         """A decoding loop starts (or was left with steps never read back: a generator not
         consumed to its end): forget the issued steps, and time the next from its own issue."""
         self._last_done = None
         self._issued.clear()
+        self._changed()  # (probes pending no more)
         self._host.clear()
         self._run = []  # (a probe cut short is due again)
         self._last_policy = None
@@ -769,7 +794,7 @@ class Controller:
         for arm in self.arms:
             if arm[0] == source:
                 self._measures[arm] = _Measure()
-                self._costs.pop(arm, None)
+                self._changed()
                 self._allowance += self.probe_steps
         if source in self._window:
             self._window[source].clear()

@@ -684,3 +684,68 @@ def test_use_of_a_source_says_when_only_its_probe_could_use_it() -> None:
         use = ctl.use_of(SUFFIX)
         if script.step(ctl).source == SUFFIX:
             assert use == NEEDED, ctl.reason
+
+
+class Uncached(Controller):
+    """The controller computing `best` and `_due` afresh at every call (no memo between the
+    state's changes)."""
+
+    def best(self) -> tuple[str, int]:
+        self._best = None
+        return super().best()
+
+    def _due(self, best: tuple[str, int]) -> list[tuple[str, int]]:
+        self._due_of = None
+        return super()._due(best)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 10_000), alpha=st.floats(0.1, 0.95),
+       usable_share=st.sampled_from([0.0, 0.3, 1.0]), noise=st.sampled_from([0.0, 0.2]))
+def test_the_memo_of_the_best_arm_and_the_due_probes_changes_no_choice(
+        seed: int, alpha: float, usable_share: float, noise: float) -> None:
+    """`best` and `_due` are kept between the state's changes (a step asks for both in
+    `use_of`, then in `choose`): over scripted steps, one or two in flight as the
+    schedulers queue them, with forgotten sources, catch-ups and pauses, every choice,
+    `use_of` answer and cost equals the controller's that computes them afresh at every
+    call."""
+    seconds = {(TARGET, 0): 1.0, (DRAFT, 2): 1.2, (DRAFT, 4): 1.5, (SUFFIX, 2): 0.9,
+               (SUFFIX, 4): 1.1, (SUFFIX, 16): 2.0}
+    runs = []
+    for cls in (Controller, Uncached):
+        script = Script(seconds, {DRAFT: alpha, SUFFIX: min(alpha + 0.1, 0.99)}, rows=4,
+                        noise=noise, seed=seed)
+        ctl = cls({DRAFT: (2, 4), SUFFIX: (2, 4, 16)}, clock=script.clock, probe_steps=2)
+        events = random.Random(seed)
+        trace, in_flight = [], []
+
+        def issue() -> None:
+            use = ctl.use_of(SUFFIX)
+            matched = events.random() < usable_share
+            choice = ctl.choose(lambda arm: arm[0] != SUFFIX or matched)
+            ctl.sent()
+            in_flight.append(choice)
+            trace.append((use, choice, ctl.best(), [ctl.cost(*a) for a in ctl.arms]))
+
+        def read_back() -> None:
+            choice = in_flight.pop(0)
+            script.clock.now += seconds[choice.arm] * (1.0 + noise * events.random())
+            behind = choice.gamma + 1 if choice.source == SUFFIX and choice.gamma == 16 else 0
+            resync = 0.05 if choice.source == DRAFT and events.random() < 0.2 else 0.0
+            ctl.update(script.accepted(choice), choice.gamma, behind=behind, resync=resync)
+            trace.append((ctl.best(), [ctl.cost(*a) for a in ctl.arms]))
+
+        issue()
+        for i in range(300):
+            if events.random() < 0.7:  # the next step queued before this one's read-back
+                issue()
+            read_back()
+            if i % 47 == 46:
+                ctl.forget(DRAFT)
+            if i % 61 == 60:  # (a loop that stops with a step in flight never reads it back)
+                ctl.pause()
+                in_flight.clear()
+            if not in_flight:
+                issue()
+        runs.append(trace)
+    assert runs[0] == runs[1]
