@@ -345,7 +345,8 @@ def updates_of(scheduler: object) -> dict[str, int]:
 def arms_of(scheduler: object) -> str:
     """ON: the controllers' steps per source so far (draft: the plain speculative step;
     suffix: the mixed step, the draft's rows beside the index's), the suffix index's lookups
-    on the steps' path, and each bucket's best arm with its measured ms per emitted token;
+    on the steps' path, each bucket's best arm with its measured ms per emitted token, and
+    the draft update under way (its phase, and the seconds it worked in the wall clock's);
     OFF: ''."""
     snapshot = getattr(scheduler, "snapshot", None)
     if snapshot is None:
@@ -360,7 +361,12 @@ def arms_of(scheduler: object) -> str:
         ms = b["seconds_per_token"].get(f"{source}:{gamma}")
         best.append(f"{size}: {source} {gamma}" + (f" {1e3 * ms:.3g} ms" if ms else ""))
     lookups = f", lookups {snap['lookups']}" if "lookups" in snap else ""
-    return f", steps {steps}{lookups}; best {', '.join(best) or '-'}"
+    flight = snap.get("update_in_flight")
+    update = "" if flight is None else (
+        f"; an update {flight['phase']} ({flight['labelled']} records labelled, "
+        f"{flight['steps']} steps; worked {flight['worked_s']:.2f} s in "
+        f"{flight['wall_s']:.1f} s)")
+    return f", steps {steps}{lookups}; best {', '.join(best) or '-'}{update}"
 
 
 def measured_of(scheduler: object, engine: object) -> dict[str, dict[str, dict[str, float]]]:

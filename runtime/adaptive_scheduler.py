@@ -632,6 +632,7 @@ class AdaptiveScheduler(Scheduler):
             out["update_seconds"] = d.update_seconds
             out["distill_records"] = d.records
             out["draft_version"] = d.swapped_version
+            out["update_in_flight"] = d.progress()  # (None: none runs)
         if self.index is not None:
             out["recent_outputs"] = self.index.recent_sequences
             out["lookups"] = self.lookup_count  # the index's lookups on the steps' path

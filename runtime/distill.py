@@ -911,6 +911,8 @@ class Distiller:
         self._params = dict(self.student.named_parameters())
         self._accepted = {n: p.detach().clone() for n, p in self._params.items()}
         self.carried = False  # the student holds a rejected, no-worse candidate
+        # The update under way (`progress`): its phase, records labelled, steps, and pacer
+        self._progress: dict[str, object] | None = None
         self._optimizer = self._new_optimizer()
         self._records: deque[Record] = deque()
         self._tokens = 0
@@ -1106,7 +1108,28 @@ class Distiller:
             with pacer.piece():
                 self._label_group(group, device)
             done += len(group)
+            self._note(labelled=done)
         return done
+
+    def _note(self, **changes: object) -> None:
+        """The update under way moved on (`progress`)."""
+        progress = self._progress
+        if progress is not None:
+            progress.update(changes)
+
+    def progress(self) -> dict[str, object] | None:
+        """Where the update under way is (None: none runs), read from any thread: its phase
+        ("labelling", "evaluating before", "training", "evaluating after"), the records the
+        target labelled, the training steps taken, the seconds it worked (`Pacer.worked`) and
+        the wall-clock seconds since it began: an update paced under load may take many times
+        its work."""
+        progress = self._progress
+        if progress is None:
+            return None
+        pacer = progress["pacer"]
+        return {"phase": progress["phase"], "labelled": progress["labelled"],
+                "steps": progress["steps"], "worked_s": pacer.worked,
+                "wall_s": time.perf_counter() - progress["began"]}
 
     def _label_group(self, group: list[Record], device: torch.device) -> None:
         """`_label` for one batch of records."""
@@ -1150,8 +1173,13 @@ class Distiller:
             context = torch.cuda.stream(stream) if stream is not None else nullcontext()
             with context:
                 duty = duty if duty is not None else self.config.duty
-                result = self._update(time_budget_s, max_steps,
-                                      Pacer(duty or 1.0, stop=stop, idle=idle))
+                pacer = Pacer(duty or 1.0, stop=stop, idle=idle)
+                self._progress = {"phase": "labelling", "labelled": 0, "steps": 0,
+                                  "pacer": pacer, "began": start}
+                try:
+                    result = self._update(time_budget_s, max_steps, pacer)
+                finally:
+                    self._progress = None
             result.seconds = time.perf_counter() - start
             self.update_seconds += result.seconds
             if result.before is not None:
@@ -1189,8 +1217,10 @@ class Distiller:
         holdout = fresh[-held:]
         kept = {id(r) for r in holdout}
         train = [r for r in records if id(r) not in kept]
+        self._note(phase="evaluating before")
         with pacer.piece():
             before = self._evaluate_accepted(holdout)
+        self._note(phase="training")
         result = UpdateResult(False, "", train_records=len(train), holdout_records=len(holdout),
                               before=before, labelled=labelled)
         order: list[Record] = []
@@ -1211,8 +1241,10 @@ class Distiller:
                 self._optimizer.step()
                 result.losses.append(float(mean.detach()))  # (waits for the step's kernels)
             result.steps += 1
+            self._note(steps=result.steps)
         if result.losses:
             result.first_loss, result.last_loss = result.losses[0], result.losses[-1]
+        self._note(phase="evaluating after")
         with pacer.piece():
             after = self.evaluate(holdout)
         result.after = after

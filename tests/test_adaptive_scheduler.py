@@ -156,6 +156,7 @@ def test_a_background_update_works_its_serving_duty_under_load():
             scheduler._updating.set()
             scheduler._update_draft()
             (kwargs,) = calls
+            assert scheduler.snapshot()["update_in_flight"] is None  # (the update ended)
             if duty_given:
                 assert kwargs["idle"] is None and kwargs["duty"] == duty
             else:

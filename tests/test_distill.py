@@ -701,3 +701,36 @@ def test_tokens_per_step_walks_the_greedy_verify_steps():
         == pytest.approx(22 / 15)
     with pytest.raises(ValueError, match="gamma"):
         distiller.tokens_per_step([record(scripted)], 0)
+
+
+def test_an_update_under_way_says_where_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`Distiller.progress()`: None while no update runs; during one, read at each piece of
+    its work, its phases in order (labelling by the target, the held-out evaluation before,
+    training, the evaluation after), the records labelled and steps taken so far, and the
+    seconds it worked within those of the wall clock (paced: the sleeps count in the wall
+    clock only)."""
+    import fuser.runtime.distill as distill
+
+    monkeypatch.setattr(distill.time, "sleep", lambda seconds: None)
+    target = tiny_model("llama", seed=0, vocab=VOCAB, heads=4, kv_heads=2, head_dim=16,
+                        intermediate=128, layers=1, init_range=0.05, **NO_SPECIAL)
+    distiller = Distiller(mistral(seed=2), config=DistillConfig(lr=1e-3, batch_tokens=256),
+                          target=target)
+    generator = torch.Generator().manual_seed(4)
+    for sequence in torch.randint(0, VOCAB, (12, 16), generator=generator):
+        distiller.add(sequence, start=4)
+    seen: list[dict] = []
+    for name in ("_label_group", "_scores", "evaluate"):
+        real = getattr(distiller, name)
+        monkeypatch.setattr(distiller, name, lambda *a, _real=real, **k: (
+            seen.append(distiller.progress()), _real(*a, **k))[1])
+    assert distiller.progress() is None
+    result = distiller.update(time_budget_s=math.inf, max_steps=3, duty=0.5)
+    assert distiller.progress() is None and result.steps == 3 and result.labelled == 12
+    phases = [p["phase"] for p in seen]
+    order = ["labelling", "evaluating before", "training", "evaluating after"]
+    assert [p for i, p in enumerate(phases) if i == 0 or phases[i - 1] != p] == order, phases
+    training = [p for p in seen if p["phase"] == "training"]
+    assert [p["steps"] for p in training] == [0, 1, 2]
+    assert all(p["labelled"] == 12 for p in seen if p["phase"] != "labelling")
+    assert all(0 <= p["worked_s"] <= p["wall_s"] for p in seen)
