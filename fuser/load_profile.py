@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 ENV = "FUSER_LOAD_PROFILE"
+CALLERS_OF = 3  # python_profile: the callers of the 3 slowest functions by own time, 3 each
 
 
 def enabled() -> bool:
@@ -220,8 +221,9 @@ def python_profile(on: bool, top: int = 10) -> Iterator[list[str]]:
     """Within, with `on`: cProfile on the calling thread; the list yielded then gets one line:
     the `top` functions by cumulative seconds (the import machinery and module bodies left
     out: imports show as the function that made them, `import_inductor` and the like), then
-    the `top` by their own seconds, each as "file:line(function) seconds". Off: nothing is
-    profiled, the list stays empty."""
+    the `top` by their own seconds, each as "file:line(function) seconds", then the callers
+    of the CALLERS_OF slowest by own seconds (the seconds of it each call site spent). Off:
+    nothing is profiled, the list stays empty."""
     lines: list[str] = []
     if not on:
         yield lines
@@ -244,8 +246,16 @@ def python_profile(on: bool, top: int = 10) -> Iterator[list[str]]:
 
         by_total = sorted(rows, key=lambda r: r[1], reverse=True)[:top]
         by_own = sorted(rows, reverse=True)[:top]
+        callers = []
+        for _, _, key in by_own[:CALLERS_OF]:  # where the slowest own time was called from
+            of = sorted(((entry[2], caller) for caller, entry in stats[key][4].items()),
+                        reverse=True)[:CALLERS_OF]
+            if of:
+                callers.append(f"{name(key)} from " + ", ".join(
+                    f"{name(caller)} {tt:.2f} s" for tt, caller in of))
         lines.append("cumulative: " + ", ".join(f"{name(k)} {ct:.2f} s" for _, ct, k in by_total)
-                     + "; own: " + ", ".join(f"{name(k)} {tt:.2f} s" for tt, _, k in by_own))
+                     + "; own: " + ", ".join(f"{name(k)} {tt:.2f} s" for tt, _, k in by_own)
+                     + ("; callers: " + "; ".join(callers) if callers else ""))
 
 
 __all__ = ["ENV", "KernelWork", "StepTimes", "enabled", "kernel_work", "python_enabled",

@@ -5,6 +5,8 @@ bucket it was built with, as the built engine did."""
 from __future__ import annotations
 
 import json
+import os
+import platform
 import warnings
 from pathlib import Path
 
@@ -259,9 +261,9 @@ def test_fresh_process_with_empty_caches_compiles_nothing(built, tmp_path: Path,
     ids, mask = prompts([5, 3], seed=7)
     want = engine.generate(ids, 12, attention_mask=mask)
     if kernels == "removed":
-        # (a raising C++ builder fails Inductor's ISA probes first: no ISA to compile for)
-        with pytest.raises(AssertionError, match="the load called|vector ISA, this CPU's is "
-                                                 "INVALID"):
+        # (a raising C++ builder fails Inductor's ISA checks first: the ISA they leave, if
+        # any, is not the one the kernels were built for)
+        with pytest.raises(AssertionError, match="the load called|vector ISA, this CPU's is "):
             load_compiling_nothing(path, ids, mask, 12, tmp_path)
         return
     got = load_compiling_nothing(path, ids, mask, 12, tmp_path)
@@ -605,3 +607,53 @@ def test_no_triton_kernel_reads_a_global_constexpr() -> None:
                           text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+
+
+ISA_CHECK = """
+import json, sys
+from pathlib import Path
+from torch._inductor import cpu_vec_isa
+from fuser import kernel_store
+from fuser.engine_file import EngineFileError
+probes = []
+check_build = cpu_vec_isa.VecISA.check_build
+def probe(self, code):
+    probes.append(str(self))
+    return check_build(self, code)
+cpu_vec_isa.VecISA.check_build = probe
+try:
+    kernel_store.check_isa(sys.argv[1], Path("engine"))
+    refused = None
+except EngineFileError as e:
+    refused = str(e)
+print(json.dumps({"probes": probes, "refused": refused, "here": kernel_store.vector_isa()}))
+"""
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 ISAs")
+def test_the_isa_of_a_cpu_engine_is_checked_without_probes_where_the_flags_give_it(
+        tmp_path: Path) -> None:
+    """A CPU load checks the vector ISA its C++ kernels were built for against Inductor's pick:
+    where this CPU's flags alone give that ISA, Inductor's probe of each ISA's common code (a
+    compile and a new Python process that loads it) does not run, only the extra checks of its
+    AMX and AVX512-VNNI variants; where they give another, the probes decide as before, and
+    the load is refused with the ISA they picked. Fresh processes: Inductor keeps its pick."""
+    import subprocess
+    import sys
+
+    from engine_dirs import ROOT
+
+    def run(built: str, mode: str) -> dict:
+        done = subprocess.run([sys.executable, "-c", ISA_CHECK, built, mode], capture_output=True,
+                              text=True, timeout=300, cwd=ROOT,
+                              env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    probed = run("(none)", "allow")  # an ISA no build records: the probes pick
+    assert probed["probes"] and probed["refused"] is not None
+    here = probed["here"]
+    assert here in probed["refused"]
+    trusted = run(here, "allow")
+    assert trusted["refused"] is None and trusted["here"] == here
+    assert len(trusted["probes"]) < len(probed["probes"]), (trusted, probed)

@@ -99,7 +99,8 @@ def _busy_for(seconds: float) -> None:
 def test_python_profile_names_where_the_seconds_went() -> None:
     """load_profile.python_profile: off, nothing profiled and no line; on, one line whose
     cumulative part names the function that took the stretch's seconds (module bodies and the
-    import machinery left out), and whose own part names where they were spent."""
+    import machinery left out), whose own part names where they were spent, and whose callers
+    part where the slowest of those was called from."""
     with load_profile.python_profile(False) as lines:
         _busy_for(0.01)
     assert lines == []
@@ -108,10 +109,16 @@ def test_python_profile_names_where_the_seconds_went() -> None:
         import importlib
         importlib.import_module("json")  # (already imported: the import machinery, skipped)
     assert len(lines) == 1 and lines[0].startswith("cumulative: "), lines
-    cumulative, own = lines[0].split("; own: ")
+    cumulative, rest = lines[0].split("; own: ")
+    own, callers = rest.split("; callers: ")
     assert "(_busy_for)" in cumulative.split(", ")[0], lines
-    assert "<module>" not in lines[0] and "import_module" not in lines[0], lines
+    ranked = f"{cumulative}; {own}"  # (the callers may name them: where a call came from)
+    assert "<module>" not in ranked and "import_module" not in ranked, lines
     assert "perf_counter" in own or "_busy_for" in own, lines
+    # (perf_counter's own seconds were spent where _busy_for called it; _busy_for's caller
+    # began before the profile did: cProfile saw none)
+    timer = next(c for c in callers.split("; ") if "perf_counter" in c.split(" from ")[0])
+    assert "(_busy_for) " in timer.split(" from ")[1], lines
 
 
 def test_warm_up_names_every_step_and_length() -> None:
