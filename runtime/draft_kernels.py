@@ -131,12 +131,17 @@ def _draft_advance_kernel(
     starts_ptr,      # [B] int64
     token_ptr,       # out: [B, 1] int64, the next draft step's input token
     position_ptr,    # out: [B, 1] int64, its position
+    use_ptr,         # GIVEN: [B, G] uint8 (a bool's bytes), row stride use_stride: the
+    given_ptr,       # proposal given_ptr [B, G] int64 (row stride given_stride) replaces it
     logits_stride,
     drafted_stride,
+    use_stride,
+    given_stride,
     column,
     written,         # slots the draft step wrote: 2 (catch-up) or 1
     V,
     BLOCK_V: tl.constexpr,  # power of two, at most MAX_BLOCK_V
+    GIVEN: tl.constexpr,  # proposals given (`speculative.draft`'s `given`)
 ):
     # One program per row, looping over the vocabulary. Each lane keeps the first maximum it
     # saw (strict >: later blocks hold larger indices) and the first NaN; at the end the row's
@@ -160,6 +165,9 @@ def _draft_advance_kernel(
     first_top = tl.min(tl.where(best == top, best_at, V), axis=0)
     first_nan = tl.min(nan_at, axis=0)
     token = tl.where(first_nan < V, first_nan, first_top).to(tl.int64)
+    if GIVEN:  # where given, the proposal is the draft's token and the next step's input
+        use = tl.load(use_ptr + row * use_stride + column)
+        token = tl.where(use != 0, tl.load(given_ptr + row * given_stride + column), token)
 
     tl.store(drafted_ptr + row * drafted_stride + column, token)
     length = tl.load(seq_lens_ptr + row) + written
@@ -230,15 +238,18 @@ def overlap_catchup_inputs(cache: KVCache, target_lens: torch.Tensor, last: torc
 
 
 def draft_advance(logits: torch.Tensor, drafted: torch.Tensor, column: int, cache: KVCache,
-                  written: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  written: int, given: tuple[torch.Tensor, torch.Tensor] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """After a draft step: its greedy token, the cache's advance and the next step's inputs,
     in one launch.
 
     logits: [B, V] (a view of the step's [B, T, V_padded] output: any row stride, unit column
     stride). drafted: [B, G] int64, column `column` set to argmax(logits) in place. cache: the
-    draft's; its seq_lens advance by `written` (the step's T) in place.
-    Returns the next draft step's token [B, 1] (the argmax) and position [B, 1]
-    (= new seq_lens - starts).
+    draft's; its seq_lens advance by `written` (the step's T) in place. given: (use [B, G]
+    bool, tokens [B, G] int64): where use[b, column], tokens[b, column] is row b's token in
+    place of the argmax (`speculative.draft`'s proposals given).
+    Returns the next draft step's token [B, 1] (the argmax, or the token given) and position
+    [B, 1] (= new seq_lens - starts).
     """
     B, V = logits.shape
     assert logits.stride(1) == 1 and logits.dtype.is_floating_point, "logits: [B, V] float"
@@ -248,10 +259,17 @@ def draft_advance(logits: torch.Tensor, drafted: torch.Tensor, column: int, cach
     token = torch.empty(B, 1, dtype=torch.long, device=logits.device)
     position = torch.empty_like(token)
     block = min(MAX_BLOCK_V, triton.next_power_of_2(V))
+    if given is not None:
+        use, tokens = given
+        assert use.dtype == torch.bool and tokens.dtype == torch.long and \
+            use.shape[0] == tokens.shape[0] == B and use.stride(1) == tokens.stride(1) == 1
+        use = use.view(torch.uint8)  # (the same bytes)
+    else:
+        use, tokens = drafted, drafted  # (not read)
     _draft_advance_kernel[(B,)](
-        logits, drafted, cache.seq_lens, cache.starts, token, position,
-        logits.stride(0), drafted.stride(0), column, written, V,
-        BLOCK_V=block,
+        logits, drafted, cache.seq_lens, cache.starts, token, position, use, tokens,
+        logits.stride(0), drafted.stride(0), use.stride(0), tokens.stride(0), column, written,
+        V, BLOCK_V=block, GIVEN=given is not None,
         # 8 warps over 8192 logits: 32 per thread and iteration (16-byte bf16 loads); untuned
         num_warps=8 if block >= 4096 else 4,
     )

@@ -468,12 +468,9 @@ def _draft_steps_fused(draft_model: ModelSteps, tokens: torch.Tensor, positions:
     kind = CATCHUP
     for i in range(gamma):
         logits = draft_model.run(kind, tokens, positions)[:, -1, :vocab_size]  # [B, V]
-        # drafted[:, i] = argmax; seq_lens += T; the next step's token and position: [B, 1]
-        tokens, positions = draft_advance(logits, drafted, i, cache, kind.tokens)
-        if given is not None:
-            column = torch.where(given[0][:, i], given[1][:, i], drafted[:, i])  # [B]
-            drafted[:, i] = column
-            tokens = column[:, None]
+        # drafted[:, i] = argmax (or the token given); seq_lens += T; the next step's token
+        # and position: [B, 1]
+        tokens, positions = draft_advance(logits, drafted, i, cache, kind.tokens, given)
         kind = DECODE
     return drafted
 

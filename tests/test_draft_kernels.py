@@ -2,8 +2,9 @@
 `draft(fused=False)` and `verify(fused=False)`): the draft tokens, every model step's inputs
 (tokens, positions, strides, the cache lengths it ran at) and every mutated length bit for bit,
 over batches, gammas, vocabularies (non-powers of two, several loop blocks, a cut below the
-logits' width), bf16/fp32 logits, forced ties, and infinities and NaNs; and speculative steps on
-a real engine unchanged with the kernels forced on.
+logits' width), bf16/fp32 logits, forced ties, infinities and NaNs, and proposals given in
+place of the draft's at some positions (the mixed step's); and speculative steps on a real
+engine unchanged with the kernels forced on.
 
 The model steps here are stand-ins that record their inputs and return preset logits: the glue
 is what is under test. Without a GPU the launchers run under TRITON_INTERPRET=1 (conftest.py);
@@ -48,6 +49,9 @@ class Case:
     logits: list[torch.Tensor]  # per draft step: [B, T, W] (T = 2, then 1), W >= vocab_size
     vocab_size: int
     block_v: int = draft_kernels.MAX_BLOCK_V  # the argmax's loop block (small: many blocks)
+    # proposals given (`draft`'s `given`: the suffix index's, in the mixed step): use [B, G]
+    # bool, tokens [B, G] int64; None: the draft's own
+    given: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def gamma(self) -> int:
@@ -57,8 +61,10 @@ class Case:
         """A copy on `device` (each run mutates its own)."""
         fields = {name: value.to(device, copy=True) for name, value in vars(self).items()
                   if isinstance(value, torch.Tensor)}
+        given = None if self.given is None else \
+            tuple(t.to(device, copy=True) for t in self.given)
         return Case(**fields, logits=[x.to(device, copy=True) for x in self.logits],
-                    vocab_size=self.vocab_size, block_v=self.block_v)
+                    vocab_size=self.vocab_size, block_v=self.block_v, given=given)
 
 
 @dataclass
@@ -104,7 +110,7 @@ def run(case: Case, fused: bool) -> Run:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(draft_kernels, "MAX_BLOCK_V", case.block_v)
         draft_tokens, probs = speculative.draft(draft_model, target_cache.seq_lens, state, G,
-                                                case.vocab_size, False, fused)
+                                                case.vocab_size, False, fused, given=case.given)
     assert probs is None
     speculative.verify(target, state, draft_tokens, case.vocab_size, fused)
     assert torch.equal(state.last, case.last) and torch.equal(state.pending, case.pending)
@@ -151,9 +157,17 @@ def cases(draw: st.DrawFn) -> Case:
                             draw(st.integers(0, 2**31)), levels, specials))
     target_lens = ints(1, 60)
     starts = torch.minimum(ints(0, 20), target_lens - 1)  # left padding before the real slots
+    given = None
+    if draw(st.booleans()):  # proposals given at some positions (the mixed step's rows)
+        use = torch.tensor(draw(st.lists(st.lists(st.booleans(), min_size=gamma,
+                                                  max_size=gamma), min_size=B, max_size=B)))
+        proposed = torch.tensor(draw(st.lists(st.lists(
+            st.integers(0, vocab_size - 1), min_size=gamma, max_size=gamma),
+            min_size=B, max_size=B)))
+        given = (use, torch.where(use, proposed, 0))
     return Case(target_lens=target_lens, target_starts=starts, draft_lens=ints(0, 70),
                 draft_starts=starts.clone(), last=ints(0, 1 << 17), pending=ints(0, 1 << 17),
-                logits=steps, vocab_size=vocab_size, block_v=block_v)
+                logits=steps, vocab_size=vocab_size, block_v=block_v, given=given)
 
 
 def check(case: Case, device: str) -> None:
