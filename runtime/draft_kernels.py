@@ -20,8 +20,10 @@ for its model graphs alone (gamma 4: 0.375 vs 0.336). Per greedy iteration with 
 
     catchup_inputs:  seq_lens = L - 1;  tokens = [last, pending];
                      positions = seq_lens - starts + [0, 1]
-    draft_advance:   d = argmax(logits[b, :V]);  drafted[b, i] = d;  seq_lens += k;
-                     token = [d];  position = [seq_lens - starts]   (the next step's inputs)
+    draft_advance:   d = argmax(logits[b, :V]), or the proposal given at (b, i) (the mixed
+                     step's, `speculative.draft`'s `given`);  drafted[b, i] = d;
+                     seq_lens += k;  token = [d];  position = [seq_lens - starts]
+                     (the next step's inputs)
     verify_inputs:   tokens = [pending, d_1..d_G];  positions = L - starts + [0..G]
 
 (L: the target cache's lengths; seq_lens, starts: the draft cache's unless said otherwise.)

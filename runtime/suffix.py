@@ -23,6 +23,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
+import triton
+import triton.language as tl
 
 from fuser.ops.argmax import argmax
 from fuser.runtime import speculative
@@ -183,8 +185,8 @@ class SuffixProposals:
             host[:n, K + 1] = np.asarray(anchors[:n], np.int64)
         copy_from_host(self.packed, torch.from_numpy(host))
 
-    def aligned(self, target: ModelSteps, state: speculative.DecodeState, gamma: int
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def aligned(self, target: ModelSteps, state: speculative.DecodeState, gamma: int,
+                fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The proposals for the step that runs now: (use [B, gamma] bool, tokens [B, gamma],
         count [B] = use.sum(1)), on the device, nothing read on the host.
 
@@ -193,10 +195,18 @@ class SuffixProposals:
         at slots L - j + 1 .. L of `state.history`; they must equal the proposal's first j
         tokens (else the proposal continued something that did not happen: none for the row).
         The step then proposes tokens[j : j + gamma], as many as remain.
+
+        fused: True in one launch (`_aligned_kernel`, bit for bit the code below: ~15 small
+        kernels in the mixed step's graph otherwise), False the eager code, None as
+        `fused_by_default` (CUDA).
         """
         B, K = self.buffer.shape
         device = self.buffer.device
         L = target.cache.seq_lens  # [B]
+        if fused is None:
+            fused = fused_by_default(device)
+        if fused:
+            return aligned_fused(self.packed, state.generated, L, state.history, gamma)
         j = torch.where(self.anchor >= 0, state.generated - self.anchor, 0).clamp(0, K)  # [B]
         i = torch.arange(K, device=device)[None]  # [1, K]
         slots = (L[:, None] - j[:, None] + 1 + i).clamp(0, state.history.shape[1] - 1)
@@ -224,6 +234,70 @@ class SuffixProposals:
                         do_sample: bool) -> Callable[[], torch.Tensor]:
         """`mixed_step` over this buffer: () -> packed [B, gamma + 3]."""
         return lambda: mixed_step(target, draft, state, self, gamma, vocab_size, do_sample)
+
+
+@triton.jit
+def _aligned_kernel(
+    packed_ptr,      # [B, K + 2] int64: tokens [K], length, anchor (SuffixProposals.packed)
+    generated_ptr,   # [B] int64: the output index G of each row's pending token
+    seq_lens_ptr,    # [B] int64: the target cache's lengths L
+    history_ptr,     # [B, H] int64: the token in each cache slot
+    use_ptr,         # out: [B, gamma] uint8 (a bool's bytes)
+    tokens_ptr,      # out: [B, gamma] int64
+    count_ptr,       # out: [B] int64
+    packed_stride, history_stride, H, K, gamma,
+    BLOCK_K: tl.constexpr,  # power of two >= K
+    BLOCK_G: tl.constexpr,  # power of two >= gamma
+):
+    # One program per row: SuffixProposals.aligned's eager code, op for op.
+    row = tl.program_id(0).to(tl.int64)
+    base = packed_ptr + row * packed_stride
+    length = tl.load(base + K)
+    anchor = tl.load(base + K + 1)
+    generated = tl.load(generated_ptr + row)
+    L = tl.load(seq_lens_ptr + row)
+    j = tl.where(anchor >= 0, generated - anchor, 0)
+    j = tl.minimum(tl.maximum(j, 0), K)
+    i = tl.arange(0, BLOCK_K)
+    inside = i < K
+    slots = tl.minimum(tl.maximum(L - j + 1 + i, 0), H - 1)
+    seen = tl.load(history_ptr + row * history_stride + slots, mask=inside, other=0)
+    proposed = tl.load(base + i, mask=inside, other=0)
+    agree = (seen == proposed) | (i >= j) | (i >= K)  # (lanes past K: not there)
+    agrees = tl.min(agree.to(tl.int32), axis=0) > 0
+    remaining = tl.where(agrees, tl.maximum(length - j, 0), 0)
+    count = tl.minimum(remaining, gamma)
+    g = tl.arange(0, BLOCK_G)
+    columns = g < gamma
+    at = tl.minimum(j + g, K - 1)
+    token = tl.load(base + at, mask=columns, other=0)
+    use = g < count
+    tl.store(use_ptr + row * gamma + g, use.to(tl.uint8), mask=columns)
+    tl.store(tokens_ptr + row * gamma + g, tl.where(use, token, 0), mask=columns)
+    tl.store(count_ptr + row, count)
+
+
+def aligned_fused(packed: torch.Tensor, generated: torch.Tensor, seq_lens: torch.Tensor,
+                  history: torch.Tensor, gamma: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`SuffixProposals.aligned` in one launch: (use [B, gamma] bool, tokens [B, gamma],
+    count [B]) from the proposals' packed buffer [B, K + 2], the rows' output indices, the
+    target cache's lengths and the decode state's history."""
+    B, K = packed.shape[0], packed.shape[1] - 2
+    if not 1 <= gamma <= K:
+        raise ValueError(f"gamma {gamma} must be in 1..{K} (the proposals' width)")
+    assert packed.dtype == generated.dtype == seq_lens.dtype == history.dtype == torch.long
+    assert packed.stride(1) == history.stride(1) == 1
+    use = torch.empty(B, gamma, dtype=torch.bool, device=packed.device)
+    tokens = torch.empty(B, gamma, dtype=torch.long, device=packed.device)
+    count = torch.empty(B, dtype=torch.long, device=packed.device)
+    if B:
+        _aligned_kernel[(B,)](
+            packed, generated, seq_lens, history, use.view(torch.uint8), tokens, count,
+            packed.stride(0), history.stride(0), history.shape[1], K, gamma,
+            BLOCK_K=triton.next_power_of_2(K), BLOCK_G=triton.next_power_of_2(gamma),
+            num_warps=1)
+    return use, tokens, count
 
 
 def mixed_step(target: ModelSteps, draft: ModelSteps, state: speculative.DecodeState,

@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 import fuser
 from engines import VOCAB, SyncMode, adaptive_rounds_checked, assert_greedy_matches, \
@@ -119,6 +120,19 @@ def test_mixed_rows_decode_the_targets_greedy_tokens(ahead: bool) -> None:
     # budget is nearly spent).
     moved = decode.full
     assert sum(moved) >= (NEW - 1) // (GAMMA + 1) - 1, moved
+
+
+def test_the_fused_glue_decodes_the_eager_glues_tokens(monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
+    """Mixed steps queued ahead with the CUDA path's Triton glue forced on (the proposals'
+    alignment, the draft's advance with proposals given, the greedy finish; interpreted on
+    the CPU) emit the eager glue's tokens and proposal counts, step for step."""
+    from fuser.runtime import step_kernels
+
+    _, _, eager, eager_counts, _ = decode(True)
+    monkeypatch.setattr(step_kernels, "FUSE_OFF_CUDA", True)
+    _, _, fused, fused_counts, _ = decode(True)
+    assert torch.equal(fused, eager) and fused_counts == eager_counts
 
 
 def test_a_proposal_the_step_in_flight_contradicts_is_dropped() -> None:
@@ -304,3 +318,44 @@ def test_cuda_adaptive_probes_and_stand_ins_replay_captured_graphs(
     suffix_run = {c.gamma for owner, c in chosen if owner is controller and c.source == SUFFIX}
     assert suffix_run and all((4, g, False) in scheduler._graphs for g in suffix_run), \
         (suffix_run, sorted(scheduler._graphs))  # (the mixed steps' own graphs)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(data=st.data(), batch=st.integers(1, 5), max_gamma=st.sampled_from([1, 3, 6]),
+       slots=st.integers(4, 40))
+def test_the_fused_alignment_is_the_eager_one(data: st.DataObject, batch: int, max_gamma: int,
+                                               slots: int) -> None:
+    """`SuffixProposals.aligned(fused=True)` (one Triton launch; under TRITON_INTERPRET on the
+    CPU) gives the eager code's use, tokens and counts bit for bit: anchored and unanchored
+    rows, proposals the device's tokens since agree with or contradict, rows past their
+    proposals' end, lengths near the history's end, every gamma up to the buffer's width."""
+    from types import SimpleNamespace
+
+    buffer = SuffixProposals(batch, max_gamma, torch.device("cpu"))
+    K = buffer.width
+    vocab = data.draw(st.sampled_from([2, 5, 1000]), label="vocab")  # small: agreements
+    seed = data.draw(st.integers(0, 2**31), label="seed")
+    generator = torch.Generator().manual_seed(seed)
+    buffer.buffer.copy_(torch.randint(0, vocab, (batch, K), generator=generator))
+    buffer.length.copy_(torch.tensor(data.draw(st.lists(st.integers(0, K), min_size=batch,
+                                                        max_size=batch), label="lengths")))
+    generated = torch.tensor(data.draw(st.lists(st.integers(0, 50), min_size=batch,
+                                                max_size=batch), label="generated"))
+    buffer.anchor.copy_(torch.tensor([data.draw(st.integers(-1, int(g) + 1), label="anchor")
+                                      for g in generated]))
+    lens = torch.tensor(data.draw(st.lists(st.integers(0, slots + 2), min_size=batch,
+                                           max_size=batch), label="seq_lens"))
+    history = torch.randint(0, vocab, (batch, slots), generator=generator)
+    for b in range(batch):  # the device's tokens since the anchor: the proposal's, mostly
+        j = max(0, min(int(generated[b] - buffer.anchor[b]), K)) if buffer.anchor[b] >= 0 else 0
+        for i in range(j):
+            slot = int(lens[b]) - j + 1 + i
+            if 0 <= slot < slots and data.draw(st.booleans(), label="agree"):
+                history[b, slot] = buffer.buffer[b, i]
+    state = SimpleNamespace(generated=generated, history=history)
+    target = SimpleNamespace(cache=SimpleNamespace(seq_lens=lens))
+    for gamma in range(1, K + 1):
+        eager = buffer.aligned(target, state, gamma, fused=False)
+        fused = buffer.aligned(target, state, gamma, fused=True)
+        for got, want in zip(fused, eager):
+            assert got.dtype == want.dtype and torch.equal(got, want), (gamma, got, want)
