@@ -123,6 +123,12 @@ ADMISSION_BATCH = 0.25
 DEFAULT_STEP_SECONDS = 0.005
 ADMISSION_QUIET = 0.002
 ADMISSION_GATHER = 0.05  # the longest an idle scheduler gathers arrivals that never pause
+# Arrivals one at a time (a client that waits for each answer, the prefix-cache benchmark's
+# timed requests): from the SPARSE_ARRIVALS-th request in a row that arrived more than
+# admission_quiet after the one before, a lone request on an idle scheduler is admitted at
+# once, not after the quiet time (there is no burst to gather); an arrival within it of the
+# one before (a burst) restores the quiet time.
+SPARSE_ARRIVALS = 4
 # A group of k prompts prefills through the smallest bucket that holds it when its extra rows
 # (dummies, computed for nothing) are at most MAX_DUMMIES x k: one prefill reads the weights
 # once and syncs once, where the buckets k splits into (15 = 8 + 4 + 2 + 1) would each do both.
@@ -426,6 +432,8 @@ class Scheduler:
         # and, while nothing runs, the quiet time after the last arrival that closes a burst.
         self.admission_wait = admission_wait
         self.admission_quiet = admission_quiet
+        self._last_arrival: float | None = None
+        self._sparse = 0  # the latest arrivals in a row that came alone (SPARSE_ARRIVALS)
         self._step_seconds = DEFAULT_STEP_SECONDS  # between read-backs, averaged (`_timed`)
         self._last_read: float | None = None  # the last read-back of the current run of steps
         self.admissions = 0  # admissions that prefilled at least one group
@@ -545,6 +553,9 @@ class Scheduler:
                                 f"(max_waiting={self.max_waiting}): try again later")
             stream = RequestStream(f"req-{next(self._ids)}", prompt, params, eos, seed)
             stream._on_stop = self._wake
+            last, self._last_arrival = self._last_arrival, stream.arrival_time
+            alone = last is None or stream.arrival_time - last > self.admission_quiet
+            self._sparse = self._sparse + 1 if alone else 0
             self._waiting.append(stream)
             self._lock.notify_all()
         return stream
@@ -787,7 +798,8 @@ class Scheduler:
             of clients sends, would otherwise stall the batch at every finish);
           - nothing runs, and the waiting requests fill every free row (nobody else can
             join), or no request arrived for `admission_quiet` seconds (a burst has ended;
-            a lone request on an idle server waits only that long), or the oldest waited
+            a lone request on an idle server waits only that long, and not at all while
+            requests arrive one at a time: SPARSE_ARRIVALS), or the oldest waited
             ADMISSION_GATHER (or `admission_wait` if longer: arrivals that never pause);
           - rows decode, and the oldest has waited `admission_wait` (default ADMISSION_STEPS
             steps: a request's first token comes at most that much later, and while
@@ -817,7 +829,10 @@ class Scheduler:
         wait = self._admission_wait()
         if live:
             return waiting[0].arrival_time + wait - now  # (a requeued request: at once)
-        # Idle: nobody waits on the prefill but the burst itself, gathered until it pauses.
+        # Idle: nobody waits on the prefill but the burst itself, gathered until it pauses,
+        # unless requests have come one at a time of late (no burst to gather).
+        if len(waiting) == 1 and self._sparse >= SPARSE_ARRIVALS:
+            return 0.0
         return min(waiting[0].arrival_time + max(wait, ADMISSION_GATHER),
                    max(s.arrival_time for s in waiting) + self.admission_quiet) - now
 

@@ -363,6 +363,31 @@ def test_a_lone_request_on_an_idle_scheduler_is_admitted_after_the_quiet_time() 
         sched.close()
 
 
+def test_requests_arriving_one_at_a_time_skip_the_quiet_time() -> None:
+    """A client that waits for each answer: from the SPARSE_ARRIVALS-th request in a row that
+    arrived more than admission_quiet after the one before, a lone request on an idle
+    scheduler is admitted at once; two arriving together (a burst) restore the quiet time."""
+    quiet = 0.25  # (far above a tiny engine's prefill on the CPU)
+    sched = Scheduler(engine(), max_waiting=256, admission_wait=30.0, admission_quiet=quiet)
+    sched.start()
+
+    def ttft(seed: int) -> float:
+        stream = sched.submit(prompt(8, seed=seed), greedy(2))
+        assert stream.result(30.0)
+        time.sleep(quiet + 0.05)  # (the answer read and thought over: a gap past the quiet)
+        return stream.first_token_time - stream.arrival_time
+
+    try:
+        first = [ttft(seed) for seed in range(scheduler_module.SPARSE_ARRIVALS - 1)]
+        assert all(t >= quiet for t in first), first  # (arrivals alone: not yet known)
+        assert ttft(10) < quiet / 2 and ttft(11) < quiet / 2
+        burst = [sched.submit(prompt(8, seed=20 + i), greedy(2)) for i in range(2)]
+        assert all(s.result(30.0) for s in burst)
+        assert ttft(12) >= quiet  # after a burst: the quiet time again
+    finally:
+        sched.close()
+
+
 def test_requests_submitted_from_threads_at_once_share_prefills(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """8 threads submit at once (a barrier) on an idle scheduler: at most two prefills."""
