@@ -145,7 +145,8 @@ def add_kv_cache_arguments(serve: argparse.ArgumentParser) -> None:
                             "filled on an idle server, admits at once); 0: at once")
     serve.add_argument("--admission-quiet-ms", type=float, default=None,
                        help="on an idle server, the pause in arrivals that ends a burst of "
-                            "requests admitted together (default: 2)")
+                            "requests admitted together (default: 2; while requests arrive "
+                            "one at a time, each is admitted at once)")
     serve.add_argument("--precapture-seconds", type=float, default=DEFAULT_PRECAPTURE_SECONDS,
                        help="after /health, spend at most this many seconds of idle time "
                             "capturing the likeliest prefill and chunk CUDA graphs (prompts "
