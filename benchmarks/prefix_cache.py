@@ -127,10 +127,13 @@ def run(engine: fuser.Engine, prompts: list[list[int]], warm: list[list[int]],
         # warm-up left out runs uncaptured, then is captured on a request's path)
         uncaptured = sched.graphs_run_uncaptured - uncaptured
         on_path = sched.graphs_captured_on_path - on_path
+        before = sched.graphs_run_uncaptured, sched.graphs_captured_on_path
         start = time.perf_counter()
         streams = [sched.submit(prompt, params) for prompt in prompts]
         together = [s.result(TIMEOUT) for s in streams]
         seconds = time.perf_counter() - start
+        together_uncaptured = sched.graphs_run_uncaptured - before[0]
+        together_on_path = sched.graphs_captured_on_path - before[1]
         assert sched.wait_idle(TIMEOUT)
         if profile_to is not None:
             profile_one(sched, prompts[0], params, profile_to)
@@ -139,7 +142,9 @@ def run(engine: fuser.Engine, prompts: list[list[int]], warm: list[list[int]],
                 "tok_per_s": len(prompts) * output_len / seconds,
                 "prefix_queries": blocks.prefix_queries, "prefix_hits": blocks.prefix_hits,
                 "preemptions": sched.preemptions, "timed_run_uncaptured": uncaptured,
-                "timed_captured_on_path": on_path}
+                "timed_captured_on_path": on_path,
+                "together_run_uncaptured": together_uncaptured,
+                "together_captured_on_path": together_on_path}
     finally:
         sched.close()
 
@@ -212,6 +217,9 @@ def main() -> int:
     counts = ", ".join(f"{name} {r['timed_run_uncaptured']}/{r['timed_captured_on_path']}"
                        for name, r in results.items())
     lines.append(f"one at a time, graphs run uncaptured / captured on a request's path: {counts}")
+    counts = ", ".join(f"{name} {r['together_run_uncaptured']}/{r['together_captured_on_path']}"
+                       for name, r in results.items())
+    lines.append(f"all at once, graphs run uncaptured / captured on a request's path: {counts}")
     print("\n".join(lines))
     if args.out:
         Path(args.out).write_text(json.dumps({
