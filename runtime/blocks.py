@@ -342,6 +342,8 @@ class BlockManager:
         tokens). False when the blocks are not available now (nothing changed: preempt a row or
         wait); True when the row holds them. Raises ValueError past the row's max_blocks."""
         state = self._rows[row]
+        if slots <= len(state.blocks) * self.block_size:  # (every step but a block's first)
+            return True
         needed = self._check_fits(slots) - len(state.blocks)
         if needed <= 0:
             return True

@@ -161,6 +161,30 @@ def test_time_per_output_token_histogram() -> None:
     assert samples[("fuser_generation_tokens_total", ())] == 5
 
 
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(steps=st.lists(st.tuples(st.integers(0, 70), st.floats(0.0, 3.0)), max_size=30),
+       buckets=st.sampled_from([(0.01, 0.1), (0.001, 0.0025, 0.005, 1.0), (0.5,)]))
+def test_a_steps_tokens_observed_at_once_are_prometheus_clients_histogram(steps, buckets) -> None:
+    """The time-per-token histogram takes a step's tokens in one call; its buckets, count and
+    sum are prometheus_client's Histogram's after one observation per token (values on a
+    bucket's bound included)."""
+    metrics = SpecMetrics(buckets=buckets)
+    registry = prometheus_client.CollectorRegistry()
+    reference = prometheus_client.Histogram("fuser_time_per_output_token_seconds", "doc",
+                                            buckets=buckets, registry=registry)
+    for count, per_token in steps:
+        per_token = buckets[count % len(buckets)] if count % 3 == 0 else per_token  # on a bound
+        metrics.observe_time_per_output_token(per_token, count)
+        for _ in range(count):
+            reference.observe(per_token)
+    ours, theirs = parse(metrics.text()), parse(prometheus_client.generate_latest(registry)
+                                                .decode())
+    for (name, labels), value in theirs.items():
+        if name.startswith("fuser_time_per_output_token_seconds") and \
+                not name.endswith("_created"):
+            assert ours[(name, labels)] == pytest.approx(value), (name, labels)
+
+
 def test_invalid_inputs() -> None:
     metrics = SpecMetrics()
     with pytest.raises(ValueError, match="num_accepted"):
