@@ -295,11 +295,12 @@ def attach_tally(scheduler: object, engine: object) -> Callable[[], None]:
     return lambda: [u() for u in undo]
 
 
-def serve(scheduler: object, prompts: Sequence[list[int]], max_tokens: int, concurrency: int
-          ) -> list[dict]:
+def serve(scheduler: object, prompts: Sequence[list[int]], max_tokens: int, concurrency: int,
+          every: int | None = None) -> list[dict]:
     """Serve every prompt, `concurrency` at a time (one client thread each, in order): per
     request, in order of completion, its index, finish time, output tokens, the tally then and
-    the draft updates then."""
+    the draft updates then; every `every` completions also the controller's costs then
+    (`costs_of`: ON only)."""
     from fuser.runtime.scheduler import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -323,6 +324,8 @@ def serve(scheduler: object, prompts: Sequence[list[int]], max_tokens: int, conc
             with lock:
                 done.append({"index": i, "time": time.perf_counter(), "tokens": len(out),
                              "tally": scheduler.tally.copy(), "updates": updates_of(scheduler)})
+                if every and len(done) % every == 0:
+                    done[-1]["costs"] = costs_of(scheduler)
 
     threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
     start = time.perf_counter()
@@ -335,6 +338,24 @@ def serve(scheduler: object, prompts: Sequence[list[int]], max_tokens: int, conc
     for record in done:
         record["time"] -= start
     return done
+
+
+def costs_of(scheduler: object) -> dict[str, object] | None:
+    """ON: the largest bucket's controller now: its best arm, and per source the cheapest
+    measured arm and its cost in ms per emitted token (the choice's inputs); OFF: None."""
+    snapshot = getattr(scheduler, "snapshot", None)
+    if snapshot is None:
+        return None
+    buckets = snapshot()["buckets"]
+    bucket = buckets[max(buckets)]
+    cheapest: dict[str, tuple[int, float]] = {}
+    for arm, seconds in bucket["seconds_per_token"].items():
+        source, gamma = arm.split(":")
+        if seconds != float("inf") and (source not in cheapest
+                                        or seconds < cheapest[source][1]):
+            cheapest[source] = (int(gamma), seconds)
+    return {"best": list(bucket["best"]),
+            "cheapest": {s: [g, 1e3 * c] for s, (g, c) in cheapest.items()}}
 
 
 def updates_of(scheduler: object) -> dict[str, int]:
@@ -421,7 +442,8 @@ def windows(records: list[dict], size: int) -> list[dict]:
                                if proposed > p0 else None}
         out.append({"requests": w + len(chunk), "seconds": seconds,
                     "tok_s": sum(r["tokens"] for r in chunk) / max(seconds, 1e-9),
-                    "sources": sources, "updates": chunk[-1]["updates"]})
+                    "sources": sources, "updates": chunk[-1]["updates"],
+                    "costs": chunk[-1].get("costs")})
         previous_time, previous_tally = chunk[-1]["time"], tally
     return out
 
@@ -560,7 +582,8 @@ def run_mode(engine: object, on: bool, phases: list[tuple[str, list[list[int]], 
     out: dict = {"setup_seconds": setup}
     try:
         for name, prompts, max_tokens in phases:
-            records = serve(scheduler, prompts, max_tokens, args.concurrency)
+            records = serve(scheduler, prompts, max_tokens, args.concurrency,
+                            every=args.window)
             out[name] = records
             log(f"  {mode:>3} {name}: {len(records)} requests, {tok_s(records):,.0f} tok/s, "
                 f"updates {updates_of(scheduler)}{arms_of(scheduler)}")
@@ -602,7 +625,8 @@ def window_table(name: str, off: list[dict], on: list[dict]) -> list[str]:
              "proposed and steps per source; draft updates accepted/rejected)",
              f"{'requests':>8} {'off tok/s':>10} {'on tok/s':>10} {'on/off':>7}  "
              f"{'off draft':>15}  {'on draft':>15}  {'on suffix':>15}  {'on target':>9}  "
-             "updates"]
+             "updates  on's controller at the window's end: best; ms/token, cheapest arm "
+             "of each source"]
 
     def cell(w: dict, source: str) -> str:
         s = w["sources"].get(source)
@@ -616,8 +640,17 @@ def window_table(name: str, off: list[dict], on: list[dict]) -> list[str]:
                      f"{b['tok_s'] / a['tok_s']:>7.2f}  {cell(a, 'draft'):>15}  "
                      f"{cell(b, 'draft'):>15}  {cell(b, 'suffix'):>15}  "
                      f"{b['sources'].get('target', {}).get('steps', 0):>9}  "
-                     f"{b['updates']['accepted']}/{b['updates']['rejected']}")
+                     f"{b['updates']['accepted']}/{b['updates']['rejected']}{costs(b)}")
     return lines
+
+
+def costs(window: dict) -> str:
+    """`costs_of` at the window's end, as the table's last column ('' where not taken)."""
+    c = window.get("costs")
+    if not c:
+        return ""
+    cheapest = ", ".join(f"{s} {g} {ms:.3g}" for s, (g, ms) in sorted(c["cheapest"].items()))
+    return f"     {c['best'][0]} {c['best'][1]}; {cheapest}"
 
 
 def criterion(text: str, ok: bool | None, value: str) -> None:
