@@ -599,6 +599,10 @@ def run_mode(engine: object, on: bool, phases: list[tuple[str, list[list[int]], 
         if out["uncaptured_runs"]:
             log(f"  {mode:>3} uncaptured steps (cumulative, both modes): "
                 f"{out['uncaptured_runs']}")
+        suffix_uncaptured = getattr(scheduler, "suffix_uncaptured", None)
+        if suffix_uncaptured:
+            log(f"  {mode:>3} suffix and mixed steps run uncaptured: "
+                f"{scheduler.snapshot()['suffix_uncaptured']}")
         if on and getattr(scheduler, "snapshot", None) is not None:
             out["snapshot"] = json.loads(json.dumps(scheduler.snapshot(), default=str))
             out["update_reasons"] = [r.reason for r in getattr(scheduler, "update_results", [])]

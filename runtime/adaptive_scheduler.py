@@ -222,6 +222,8 @@ class AdaptiveScheduler(Scheduler):
         self._buffers = {size: SuffixProposals(size, longest, engine.device)
                          for size in engine.buckets} if self.suffix else {}
         self._graphs: dict[tuple[int, int, bool], IterationGraph] = {}
+        # CUDA: suffix or mixed steps run without a captured graph, per (bucket, gamma, sample)
+        self.suffix_uncaptured: dict[tuple[int, int, bool], int] = {}
         self.lookups = LookupBackoff()
         self.lookup_count = 0  # the index's lookups on the steps' path
         self.resyncs = 0  # the draft's catch-ups (each after steps that did not run it)
@@ -354,9 +356,12 @@ class AdaptiveScheduler(Scheduler):
             bucket.free_rows()  # every row empty and inactive again
 
     def _run_suffix(self, bucket: object, gamma: int, do_sample: bool) -> torch.Tensor:
-        graph = self._graphs.get((bucket.batch, gamma, do_sample))
+        key = (bucket.batch, gamma, do_sample)
+        graph = self._graphs.get(key)
         if graph is not None:
             return graph()
+        if self.engine.device.type == "cuda":  # (uncaptured: host-bound, its costs mislead)
+            self.suffix_uncaptured[key] = self.suffix_uncaptured.get(key, 0) + 1
         return self._suffix_function(bucket, gamma, do_sample)()
 
     # -- the scheduler's hooks -------------------------------------------------------------------
@@ -636,5 +641,8 @@ class AdaptiveScheduler(Scheduler):
         if self.index is not None:
             out["recent_outputs"] = self.index.recent_sequences
             out["lookups"] = self.lookup_count  # the index's lookups on the steps' path
+            out["suffix_uncaptured"] = {  # (CUDA: suffix or mixed steps run uncaptured)
+                f"{b} gamma {g} {'sample' if x else 'greedy'}": n
+                for (b, g, x), n in self.suffix_uncaptured.items()}
         return out
 

@@ -269,6 +269,7 @@ def test_cuda_adaptive_scheduler_mixed_steps_are_captured_and_lossless() -> None
         assert snap["resyncs"] <= snap["steps"]["target"], snap
         replays = sum(g.replays for g in scheduler._graphs.values())
         assert replays > 0
+        assert snap["suffix_uncaptured"] == {}, snap  # every mixed step replayed its graph
     finally:
         scheduler.close()
 
