@@ -157,9 +157,12 @@ engine = fuser.load(sys.argv[1])
 phase[0] = "generate"
 ids, mask = (t.to(engine.device) for t in torch.load(sys.argv[2]))
 out = engine.generate(ids, int(sys.argv[3]), attention_mask=mask)
+kept = [n for n in json.load(open(sys.argv[1] + "/manifest.json"))["extra"]
+        if n.startswith("kernels/triton/") and "__triton_launcher" in n]
 assert not misses and not builds, (
     "the engine directory lacked what this process compiled: Triton kernels (phase, name, "
-    f"specialization) {misses}; C modules (phase, module, kernel, specialization) {builds}")
+    f"specialization) {misses}; C modules (phase, module, kernel, specialization) {builds}; "
+    f"it held {len(kept)} launcher modules")
 print(json.dumps({"tokens": out.tolist(), "compile_count": fuser.compile.compile_count()}))
 """
 
