@@ -493,8 +493,13 @@ def _flags_pick(built: str) -> str | None:
         picked = str(cpu_vec_isa.pick_vec_isa())
     finally:
         inductor_config.cpp.vec_isa_ok = None
-    if picked != built:
-        listing.cache_clear()  # (the probes decide, as without this)
+    if picked != built:  # the probes decide, as without this: nothing kept of the flags' pick
+        listing.cache_clear()
+        for isa in getattr(cpu_vec_isa, "supported_vec_isa_list", ()):
+            for cls in type(isa).__mro__:  # (the variants' own checks, cached per instance)
+                clear = getattr(vars(cls).get("__bool__"), "cache_clear", None)
+                if clear is not None:
+                    clear()
         return None
     return picked
 

@@ -214,8 +214,6 @@ def kernel_work(device: torch.device, on: bool | None = None) -> Iterator[Kernel
         yield work
 
 
-
-
 @contextlib.contextmanager
 def python_profile(on: bool, top: int = 10) -> Iterator[list[str]]:
     """Within, with `on`: cProfile on the calling thread; the list yielded then gets one line:
