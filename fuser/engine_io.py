@@ -603,8 +603,9 @@ def open_engine(path: str | Path, device: str | torch.device | None = None, *,
     # from Python 3.12 cProfile hears every thread, so beside the reading its profile would be
     # the reading's as much as its own.
     alone = any_compiled and load_profile.python_enabled()
-    code: Future | None = Future() if alone else None
-    if code is not None:
+    code: Future | None = None
+    if alone:
+        code = Future()
         code.set_result(load_all_code(directory, manifest, device, True, alone=True))
     extras = ThreadPoolExecutor(3, thread_name_prefix="fuser-load-extras")
     extras_loaded = extras.submit(load_extras, directory, tokenizer)
