@@ -161,7 +161,8 @@ def main() -> None:
                              "time and counts the kernel work: where the load's time goes)")
     parser.add_argument("--python-profile", action="store_true",
                         help="the loading process also profiles its code load's Python "
-                             "(FUSER_LOAD_PROFILE=python; cProfile slows the load it times)")
+                             "(FUSER_LOAD_PROFILE=python: the code load then runs alone before "
+                             "the reading, under cProfile; the load's seconds are not its own)")
     parser.add_argument("--build-only", action="store_true",
                         help="print the build time and stop (no save, load or timing)")
     parser.add_argument("--load", default=None,
