@@ -118,16 +118,28 @@ def _triton_functions(modules: Iterable[ModuleType]) -> list[Any]:
 def _compiled_triton_kernels(device: torch.device) -> list[Any]:
     """Every Triton kernel of fuser's (its ops', and the runtime's per-iteration kernels)
     compiled in this process (Triton's `CompiledKernel`s): the kernels an engine built here
-    launches (possibly a few more, of another engine built in the same process). CUDA only."""
+    launches (possibly a few more, of another engine built in the same process). CUDA only.
+
+    Those launched eagerly sit in their JIT functions' caches; those a compiled step launches
+    were compiled by Inductor (a user-defined kernel of its graph) and are held by its
+    generated code, so the live objects are searched for kernels of fuser's names too: an
+    H100 load built the launchers of two such kernels (`_rotary_split_kernel`, attention's
+    `_combine_kernel`; recorded in benchmarks/RESULTS.md)."""
     if device.type != "cuda":
         return []
+    from triton.compiler.compiler import CompiledKernel
+
     ops = [m for name, m in sorted(sys.modules.items())
            if name.startswith("fuser.") and m is not None]  # fuser.ops, fuser.runtime, ...
-    kernels = []
+    kernels, names = {}, set()
     for fn in _triton_functions(ops):
+        names.add(fn.__name__)
         for kernel_cache, *_ in list(fn.device_caches.values()):
-            kernels.extend(list(kernel_cache.values()))
-    return kernels
+            kernels.update((id(kernel), kernel) for kernel in kernel_cache.values())
+    for obj in gc.get_objects():
+        if isinstance(obj, CompiledKernel) and getattr(obj, "name", None) in names:
+            kernels.setdefault(id(obj), obj)
+    return list(kernels.values())
 
 
 def triton_kernel_files(device: torch.device) -> list[Path]:

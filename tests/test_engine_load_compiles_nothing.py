@@ -657,3 +657,28 @@ def test_the_isa_of_a_cpu_engine_is_checked_without_probes_where_the_flags_give_
     trusted = run(here, "allow")
     assert trusted["refused"] is None and trusted["here"] == here
     assert len(trusted["probes"]) < len(probed["probes"]), (trusted, probed)
+
+
+def test_a_kernel_held_outside_its_jit_cache_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fuser kernel a compiled step launches is compiled by Inductor (a user-defined kernel
+    of its graph) and held by its generated code, not by the JIT function's cache: it is found
+    among the live objects by its name, beside those of the JIT caches, and another kernel's
+    name is not taken (an H100 load built the launchers of two such kernels)."""
+    import types
+
+    from triton.compiler.compiler import CompiledKernel
+
+    from fuser import kernel_store
+
+    cached, held, other = (CompiledKernel.__new__(CompiledKernel) for _ in range(3))
+    cached.name, held.name, other.name = "_eager_kernel", "_combine_kernel", "triton_poi_add_0"
+    for kernel in (cached, held, other):
+        kernel.module = None  # (never loaded: nothing for Triton to unload)
+    functions = [types.SimpleNamespace(__name__=name, device_caches={0: (cache, None)})
+                 for name, cache in (("_eager_kernel", {"key": cached}), ("_combine_kernel", {}))]
+    monkeypatch.setattr(kernel_store, "_triton_functions", lambda modules: functions)
+    found = kernel_store._compiled_triton_kernels(torch.device("cuda"))
+    assert sum(kernel is cached for kernel in found) == 1
+    assert any(kernel is held for kernel in found)
+    assert not any(kernel is other for kernel in found)
+    assert kernel_store._compiled_triton_kernels(torch.device("cpu")) == []
