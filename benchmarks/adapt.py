@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import json
 import os
 import sys
@@ -340,6 +341,50 @@ def serve(scheduler: object, prompts: Sequence[list[int]], max_tokens: int, conc
     return done
 
 
+@contextlib.contextmanager
+def profiled_iterations(scheduler: object) -> Iterator[dict]:
+    """cProfile around each of the scheduler's iterations, on its own thread; at exit the
+    yielded dict holds the steps taken, the profiled own time a step (microseconds) with the
+    waits for the device apart (`synchronize`: not host work), and the 12 functions of most
+    own time a step, those waits left out. The profiler slows the loop: its shares, not its totals, say where the
+    host's time goes."""
+    import cProfile
+    import pstats
+    from collections import Counter
+
+    profile = cProfile.Profile()
+    original, first = scheduler._iteration, scheduler.steps
+
+    def iteration() -> None:
+        profile.enable()
+        try:
+            original()
+        finally:
+            profile.disable()
+
+    scheduler._iteration = iteration  # (the loop calls self._iteration: this one now)
+    out: dict = {}
+    try:
+        yield out
+    finally:
+        del scheduler._iteration
+        steps = max(scheduler.steps - first, 1)
+        own: Counter = Counter()
+        for (file, line, name), (_, _, seconds, _, _) in pstats.Stats(profile).stats.items():
+            own[f"{Path(file).name}:{line}({name})"] += seconds
+        waits = {k: own.pop(k) for k in [k for k in own if "synchronize" in k]}
+        out.update(steps=steps, host_us=1e6 * sum(own.values()) / steps,
+                   wait_us=1e6 * sum(waits.values()) / steps,
+                   top=[(k, 1e6 * v / steps) for k, v in own.most_common(12)])
+
+
+def profile_line(mode: str, requests: int, prof: dict) -> str:
+    top = ", ".join(f"{name} {us:.1f}" for name, us in prof["top"])
+    return (f"  {mode:>3} host profile: {requests} requests, {prof['steps']} steps, own time "
+            f"{prof['host_us']:.1f} us a step beside {prof['wait_us']:.1f} us of device waits; "
+            f"most own time (us a step): {top}")
+
+
 def costs_of(scheduler: object) -> dict[str, object] | None:
     """ON: the largest bucket's controller now: its best arm, and per source the cheapest
     measured arm and its cost in ms per emitted token (the choice's inputs); OFF: None."""
@@ -617,11 +662,33 @@ def run_mode(engine: object, on: bool, phases: list[tuple[str, list[list[int]], 
 # -- the workloads --------------------------------------------------------------------------------
 
 
+def profile_mode(engine: object, on: bool, prompts: list[list[int]], max_tokens: int,
+                 args: argparse.Namespace) -> dict:
+    """`prompts` served by a scheduler of their own (ON or OFF), its loop profiled
+    (`profiled_iterations`); -> the profile."""
+    scheduler = make_scheduler(engine, on, args)
+    scheduler.tally = Tally()
+    scheduler.start()
+    try:
+        with profiled_iterations(scheduler) as prof:
+            serve(scheduler, prompts, max_tokens, args.concurrency)
+    finally:
+        scheduler.close()
+    log(profile_line("on" if on else "off", len(prompts), prof))
+    return prof
+
+
 def on_off(engine: object, phases: list[tuple[str, list[list[int]], int]],
            args: argparse.Namespace) -> dict:
     warm_up(engine, [p for _, prompts, _ in phases for p in prompts], args.concurrency)
-    return {"off": run_mode(engine, False, phases, args),
-            "on": run_mode(engine, True, phases, args)}
+    out = {}
+    if args.profile_host:  # the longest phase's first prompts, each mode's loop profiled
+        _, prompts, max_tokens = max(phases, key=lambda phase: len(phase[1]))
+        out["host_profile"] = {mode: profile_mode(engine, on, prompts[:args.profile_host],
+                                                  max_tokens, args)
+                               for mode, on in (("off", False), ("on", True))}
+    out.update(off=run_mode(engine, False, phases, args), on=run_mode(engine, True, phases, args))
+    return out
 
 
 def window_table(name: str, off: list[dict], on: list[dict]) -> list[str]:
@@ -684,6 +751,7 @@ def shifted(args: argparse.Namespace, engine: object, tokenizer: object) -> None
                         "measured": runs[mode].get("measured")}
     result["on"]["snapshot"] = runs["on"].get("snapshot")
     result["on"]["update_reasons"] = runs["on"].get("update_reasons")
+    result["host_profile"] = runs.get("host_profile")
     RESULTS["workloads"]["shifted"] = result
     off_w, on_w = result["off"]["windows"], result["on"]["windows"]
     table = window_table("shifted domain", off_w, on_w)
@@ -732,6 +800,7 @@ def repetitive(args: argparse.Namespace, engine: object, tokenizer: object) -> N
     runs = on_off(engine, [("stream", prompts, args.repetitive_tokens)], args)
     result = {m: {"windows": windows(runs[m]["stream"], args.window),
                   "tok_s": tok_s(runs[m]["stream"])} for m in ("off", "on")}
+    result["host_profile"] = runs.get("host_profile")
     RESULTS["workloads"]["repetitive"] = result
     table = window_table("repetitive", result["off"]["windows"], result["on"]["windows"])
     RESULTS.setdefault("tables", []).append(table)
@@ -842,6 +911,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="held-out Python prompts before and after the shifted stream")
     p.add_argument("--python-tokens", type=int, default=128,
                    help="new tokens per Python prompt (default: %(default)s)")
+    p.add_argument("--profile-host", type=int, default=0, metavar="N",
+                   help="before the timed runs, serve the longest phase's first N prompts "
+                        "with a scheduler of each mode's, its loop under cProfile, and print "
+                        "where its host time goes (default 0: not)")
     p.add_argument("--repetitive-requests", type=int, default=400)
     p.add_argument("--repetitive-tokens", type=int, default=128)
     p.add_argument("--requests-8b", type=int, default=400)

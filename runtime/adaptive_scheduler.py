@@ -3,8 +3,10 @@ controller (runtime/controller.py) and online draft distillation plugged in
 (`AdaptiveScheduler`).
 
 What it adds to runtime/scheduler.py's loop, on the scheduler's thread:
-    admit    each request's prompt goes into the suffix index (runtime/suffix.py), and every
-             token it is given afterwards (`_deliver`);
+    admit    each request's prompt goes into the suffix index (runtime/suffix.py), and the
+             tokens it is given afterwards, when the index is next read for it: a lookup
+             or its finish (`_index_outputs`: a step that does not look the index up does
+             no index work);
     issue    per batch bucket, a Controller picks an arm by the wall time per emitted token
              it measured of each: target-only; (draft, g), exactly the plain Scheduler's
              speculative step at gamma g (overlapped rounds where the bucket overlaps and no
@@ -62,7 +64,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -218,6 +220,7 @@ class AdaptiveScheduler(Scheduler):
         # proposals for less host work.)
         self.index = (index or SuffixIndex(min_ngram=min(suffix_min_match, 8))) \
             if self.suffix else None
+        self._indexed: dict[object, int] = {}  # request id -> its output tokens indexed
         longest = max(self.draft_gammas + self.suffix_gammas, default=1)
         self._buffers = {size: SuffixProposals(size, longest, engine.device)
                          for size in engine.buckets} if self.suffix else {}
@@ -414,13 +417,21 @@ class AdaptiveScheduler(Scheduler):
             for stream in group:  # (a request resumed after preemption is indexed already)
                 if stream.request_id not in self.index:
                     self.index.add_request(stream.request_id, stream.prompt_ids)
+                    self._indexed[stream.request_id] = 0
             self.lookups.reset()
 
-    def _deliver(self, stream: RequestStream, kept: list[int], budget: int) -> None:
-        before = len(stream.output_ids)
-        super()._deliver(stream, kept, budget)
-        if self.index is not None and stream.request_id in self.index:
-            self.index.extend(stream.request_id, stream.output_ids[before:])
+    def _index_outputs(self, streams: Iterable[RequestStream]) -> None:
+        """The output tokens the index has not been given yet of each of `streams` (those it
+        holds), before it is read for them: a step's tokens are not indexed as they are
+        delivered, so a step without a lookup does no index work (measured on an H100: the
+        adaptive loop's host time per step held the GPU back where the draft's arm ran,
+        benchmarks/RESULTS.md)."""
+        indexed = self._indexed
+        for stream in streams:
+            done = indexed.get(stream.request_id)
+            if done is not None and len(stream.output_ids) > done:
+                self.index.extend(stream.request_id, stream.output_ids[done:])
+                indexed[stream.request_id] = len(stream.output_ids)
 
     def _retire(self) -> None:
         leaving = [s for s in self._running if s.done or s.stop_requested is not None]
@@ -442,11 +453,14 @@ class AdaptiveScheduler(Scheduler):
         for stream in leaving:
             if self.index is not None:
                 self.index.drop(stream.request_id)
+                self._indexed.pop(stream.request_id, None)
 
     def _finished(self, stream: RequestStream) -> None:
         """A request left: its output to the pool of recent outputs and to the distiller."""
         if self.index is not None and stream.request_id in self.index:
+            self._index_outputs((stream,))
             self.index.finish(stream.request_id)
+            self._indexed.pop(stream.request_id, None)
         if self.distiller is not None and stream.output_ids:
             self.distiller.add(stream.prompt_ids + stream.output_ids,
                                start=len(stream.prompt_ids))
@@ -461,6 +475,7 @@ class AdaptiveScheduler(Scheduler):
         prefilling = self._prefilling()  # (rows [0, prefilling): a group in chunked prefill)
         live = [i for i, s in enumerate(rows)
                 if i >= prefilling and not s.done and s.request_id in self.index]
+        self._index_outputs(rows[i] for i in live)
         tokens, counts = self.index.propose_arrays([rows[i].request_id for i in live], width,
                                                    self.suffix_min_match)  # all rows at once
         if len(live) < len(rows):  # the others propose nothing
@@ -545,27 +560,26 @@ class AdaptiveScheduler(Scheduler):
         return lambda: took
 
     def _collect(self, step: _SourceStep) -> None:
-        was_active = [not s.done and row >= step.prefilling for row, s in enumerate(step.rows)]
+        live = [row for row, s in enumerate(step.rows)
+                if not s.done and row >= step.prefilling]  # (the rows the step generated for)
         host = step.read_back.wait()
         n_rows, gamma = len(step.rows), step.gamma
-        accepted = [min(n, gamma) for n in host[:n_rows, -1].tolist()]
-        # Steps over the proposals buffer carry each row's suffix proposals before n (known by
-        # the step's kind: a draft arm's overlapped round is as wide, its mode code in that
-        # column). A mixed step's row without any verified the draft's gamma; without a draft
-        # every row of a suffix step is the index's (proposing its count, maybe 0).
-        counts = host[:n_rows, gamma + 1].tolist() if step.over_proposals else [0] * n_rows
-        live = [i for i, active in enumerate(was_active) if active]
+        column = host[:n_rows, -1].tolist()
+        accepted = [min(column[i], gamma) for i in live]
         controller = self.controllers[self.engine.bucket(n_rows).batch]
         resync = step.resync()
-        if step.choice.source == TARGET:
-            controller.update([accepted[i] for i in live], gamma, behind=step.behind,
-                              resync=resync)
+        if not step.over_proposals:  # every row's proposals the step's source's (or none)
+            controller.update(accepted, gamma, behind=step.behind, resync=resync)
         else:
-            alone = step.over_proposals and not step.mixed
-            suffix_rows = [counts[i] > 0 or alone for i in live]
-            controller.update([accepted[i] for i in live], gamma,
-                              proposed=[counts[i] if s else gamma
-                                        for i, s in zip(live, suffix_rows)],
+            # Steps over the proposals buffer carry each row's suffix proposals before n. A
+            # mixed step's row without any verified the draft's gamma; without a draft every
+            # row of a suffix step is the index's (proposing its count, maybe 0).
+            column = host[:n_rows, gamma + 1].tolist()
+            counts = [column[i] for i in live]
+            alone = not step.mixed
+            suffix_rows = [c > 0 or alone for c in counts]
+            controller.update(accepted, gamma,
+                              proposed=[c if s else gamma for c, s in zip(counts, suffix_rows)],
                               row_sources=[SUFFIX if s else DRAFT for s in suffix_rows],
                               behind=step.behind, resync=resync)
         super()._collect(step)

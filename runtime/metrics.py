@@ -71,16 +71,23 @@ def count_speculation(stats: SpecStats, num_accepted: Sequence[int],
                          f"{len(num_accepted)}")
     if len(stats.accepted_per_position) < gamma:
         stats.accepted_per_position.extend([0] * (gamma - len(stats.accepted_per_position)))
+    rows_at = [0] * (gamma + 1)  # rows that accepted exactly n, for each n
     for n, active in zip(num_accepted, was_active):
         if not active:
             continue
         if not 0 <= n <= gamma:
             raise ValueError(f"num_accepted {n} must be in 0..{gamma}")
-        stats.num_drafts += 1
-        stats.num_draft_tokens += gamma
-        stats.num_accepted_tokens += n
-        for i in range(n):
-            stats.accepted_per_position[i] += 1
+        rows_at[n] += 1
+    rows = sum(rows_at)
+    stats.num_drafts += rows
+    stats.num_draft_tokens += gamma * rows
+    stats.num_accepted_tokens += sum(n * k for n, k in enumerate(rows_at))
+    beyond = rows  # rows that accepted more than i: an acceptance at position i each
+    for i in range(gamma):
+        beyond -= rows_at[i]
+        if not beyond:
+            break
+        stats.accepted_per_position[i] += beyond
 
 
 class _StatsCollector:

@@ -170,7 +170,7 @@ def test_adapt_benchmark_streams_and_windows(tmp_path: Path) -> None:
 
 @pytest.mark.slow  # builds two tiny engines and serves each workload on and off (~90 s)
 def test_adapt_benchmark_dry_run(tmp_path: Path) -> None:
-    proc = run("adapt.py", tmp_path)
+    proc = run("adapt.py", tmp_path, "--profile-host", "4")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "adapt.json").read_text())
     assert set(result["workloads"]) == {"shifted", "repetitive", "8b"}
@@ -181,6 +181,10 @@ def test_adapt_benchmark_dry_run(tmp_path: Path) -> None:
     assert sum(m["steps"] for m in arms.values()) > 0
     assert all(m["seconds"] >= 0 and m["tokens"] >= 1 for m in arms.values())
     assert len(result["criteria"]) == 7
+    for mode in ("off", "on"):  # each mode's loop profiled over 4 requests of its own
+        profile = shifted["host_profile"][mode]
+        assert profile["steps"] > 0 and profile["host_us"] > 0 and len(profile["top"]) == 12
+        assert f"{mode:>3} host profile: 4 requests, {profile['steps']} steps" in proc.stdout
     assert (tmp_path / "adapt.png").is_file()
     lines = proc.stdout.splitlines()
     assert lines[-1].startswith("dry run on CPU")
