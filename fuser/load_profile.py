@@ -32,6 +32,7 @@ import contextlib
 import cProfile
 import os
 import pstats
+import sys
 import threading
 import time
 from collections import Counter, defaultdict
@@ -214,24 +215,70 @@ def kernel_work(device: torch.device, on: bool | None = None) -> Iterator[Kernel
         yield work
 
 
+# Python source compiled while a profile runs, on any thread (the "compile" audit event):
+# [(filename, bytes)], or None while none runs. An audit hook stays for the process's life,
+# so one is added at the first profile and does nothing outside them.
+_compiled: list[tuple[str, int]] | None = None
+_hooked = False
+
+
+def _on_audit(event: str, args: tuple) -> None:
+    if event == "compile" and _compiled is not None and len(args) >= 2:
+        source, filename = args[0], args[1]
+        _compiled.append((str(filename), len(source) if source is not None else 0))
+
+
+def _where(filename: str) -> str:
+    """The package or folder a compiled file belongs to, for `compiled_line`: the part after
+    site-packages (or dist-packages) up to the top package, else the file's folder."""
+    parts = filename.replace(os.sep, "/").split("/")
+    for i, part in enumerate(parts[:-1]):
+        if part in ("site-packages", "dist-packages"):
+            return parts[i + 1]
+    return os.path.dirname(filename) or filename
+
+
+def compiled_line(compiled: list[tuple[str, int]], top: int = 5) -> str:
+    """"compiled from source: N files (M MB); by where: ..." of `compiled` ((filename, bytes)
+    each, as the audit hook saw them)."""
+    by: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for filename, size in compiled:
+        entry = by[_where(filename)]
+        entry[0] += 1
+        entry[1] += size
+    ranked = sorted(by.items(), key=lambda item: item[1][1], reverse=True)[:top]
+    total = sum(size for _, size in compiled)
+    return (f"compiled from source: {len(compiled)} files ({total / 1e6:.1f} MB); by where: "
+            + ", ".join(f"{where} {n} ({size / 1e6:.1f} MB)" for where, (n, size) in ranked))
+
+
 @contextlib.contextmanager
 def python_profile(on: bool, top: int = 10) -> Iterator[list[str]]:
     """Within, with `on`: cProfile on the calling thread; the list yielded then gets one line:
     the `top` functions by cumulative seconds (the import machinery and module bodies left
     out: imports show as the function that made them, `import_inductor` and the like), then
     the `top` by their own seconds, each as "file:line(function) seconds", then the callers
-    of the CALLERS_OF slowest by own seconds (the seconds of it each call site spent). Off:
+    of the CALLERS_OF slowest by own seconds (the seconds of it each call site spent), then the
+    Python source compiled meanwhile on any thread (`compiled_line`: `builtins.compile` is
+    where a code load's own time went on CUDA, recorded in benchmarks/RESULTS.md). Off:
     nothing is profiled, the list stays empty."""
+    global _compiled, _hooked
     lines: list[str] = []
     if not on:
         yield lines
         return
+    if not _hooked:
+        sys.addaudithook(_on_audit)
+        _hooked = True
+    compiled: list[tuple[str, int]] = []
+    _compiled = compiled
     profiler = cProfile.Profile()
     profiler.enable()
     try:
         yield lines
     finally:
         profiler.disable()
+        _compiled = None
         stats = pstats.Stats(profiler).stats  # {(file, line, name): (cc, nc, tt, ct, callers)}
         skip = ("<frozen", "<module>", "__import__", "import_module", "builtins.exec",
                 "{method 'disable'")
@@ -253,8 +300,9 @@ def python_profile(on: bool, top: int = 10) -> Iterator[list[str]]:
                     f"{name(caller)} {tt:.2f} s" for tt, caller in of))
         lines.append("cumulative: " + ", ".join(f"{name(k)} {ct:.2f} s" for _, ct, k in by_total)
                      + "; own: " + ", ".join(f"{name(k)} {tt:.2f} s" for tt, _, k in by_own)
-                     + ("; callers: " + "; ".join(callers) if callers else ""))
+                     + ("; callers: " + "; ".join(callers) if callers else "")
+                     + "; " + compiled_line(compiled))
 
 
-__all__ = ["ENV", "KernelWork", "StepTimes", "enabled", "kernel_work", "python_enabled",
-           "python_profile", "synchronize"]
+__all__ = ["ENV", "KernelWork", "StepTimes", "compiled_line", "enabled", "kernel_work",
+           "python_enabled", "python_profile", "synchronize"]

@@ -129,11 +129,12 @@ class KVCache:
             if table:
                 rows = self.block_table
                 rows[[dst, src]] = rows[[src, dst]]
-        else:
-            for layer in (*self.k, *self.v):  # [B, S, kv_heads, D] each
-                layer[dst].copy_(layer[src])
-        self.seq_lens[dst] = self.seq_lens[src]
-        self.starts[dst] = self.starts[src]
+        else:  # every layer's row in one call ([B, S, kv_heads, D] each): a few launches
+            layers = (*self.k, *self.v)  # on CUDA, not one a layer (host time per retire)
+            torch._foreach_copy_([layer[dst] for layer in layers],
+                                 [layer[src] for layer in layers])
+        torch._foreach_copy_([self.seq_lens[dst], self.starts[dst]],
+                             [self.seq_lens[src], self.starts[src]])
 
     # The lengths change only through the methods below, in place: captured CUDA graphs read
     # seq_lens and starts where they live. (The greedy step's fused kernels, runtime/

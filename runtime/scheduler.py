@@ -1246,15 +1246,15 @@ class Scheduler:
         return taken
 
     def _load_rows(self, group: list[RequestStream]) -> None:
-        """Rows [0, k) of the decode state take the group's sampling values."""
-        for row, stream in enumerate(group):
-            params = stream.params
-            greedy = params.greedy
-            top_k = 1 if greedy else (None if params.top_k in (None, 0, -1) else params.top_k)
-            self._state.load_row(row, params.max_tokens, stream.eos,
-                                 1.0 if greedy else float(params.temperature), top_k,
-                                 None if greedy else params.top_p, self.engine.vocab_size,
-                                 stream.seed)
+        """Rows [0, k) of the decode state take the group's sampling values (all rows at
+        once, `DecodeState.load_rows`)."""
+        params = [stream.params for stream in group]
+        self._state.load_rows(
+            [p.max_tokens for p in params], [stream.eos for stream in group],
+            [1.0 if p.greedy else float(p.temperature) for p in params],
+            [1 if p.greedy else (None if p.top_k in (None, 0, -1) else p.top_k) for p in params],
+            [None if p.greedy else p.top_p for p in params], self.engine.vocab_size,
+            [stream.seed for stream in group])
 
     def _prefill(self, group: list[RequestStream], rows: int | None = None) -> None:
         """Prefill the group's prompts (one length) into rows [0, k) through the bucket of

@@ -27,7 +27,7 @@ as their reference.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -114,8 +114,8 @@ class DecodeState:
 
     def copy_row(self, dst: int, src: int) -> None:
         """Row dst becomes a copy of row src (every per-row tensor; a request moving slots)."""
-        for value in vars(self).values():
-            value[dst].copy_(value[src])
+        values = vars(self).values()  # (one call: the per-tensor loop runs in C++)
+        torch._foreach_copy_([value[dst] for value in values], [value[src] for value in values])
 
     def load(self, max_new_tokens: int, eos: list[int], temperature: float, top_k: int | None,
              top_p: float | None, vocab_size: int, seed: int = 0) -> None:
@@ -142,6 +142,33 @@ class DecodeState:
         self.top_k[row] = vocab_size if top_k is None else min(top_k, vocab_size)
         self.top_p[row] = 1.0 if top_p is None else top_p
         self.seed[row] = seed
+
+    def load_rows(self, max_new_tokens: Sequence[int], eos: Sequence[Sequence[int]],
+                  temperature: Sequence[float], top_k: Sequence[int | None],
+                  top_p: Sequence[float | None], vocab_size: int, seeds: Sequence[int]) -> None:
+        """`load_row` for rows [0, k) at once, k = len(max_new_tokens) (request i's values at
+        index i of each): each field is one copy from the host, not a few device writes a
+        row (an admission's host time, measured on an H100: benchmarks/RESULTS.md)."""
+        k = len(max_new_tokens)
+        if any(len(ids) > self.eos.shape[1] for ids in eos):
+            raise ValueError(f"eos_token_id has {max(len(ids) for ids in eos)} ids; at most "
+                             f"{self.eos.shape[1]} are supported")
+        stops = torch.full((k, self.eos.shape[1]), -1, dtype=torch.long)
+        for i, ids in enumerate(eos):
+            if ids:
+                stops[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        values = [
+            (self.max_new_tokens, torch.tensor(max_new_tokens, dtype=torch.long)),
+            (self.eos, stops),
+            (self.temperature, torch.tensor(temperature, dtype=self.temperature.dtype)),
+            (self.top_k, torch.tensor([vocab_size if t is None else min(t, vocab_size)
+                                       for t in top_k], dtype=torch.long)),
+            (self.top_p, torch.tensor([1.0 if p is None else p for p in top_p],
+                                      dtype=self.top_p.dtype)),
+            (self.seed, torch.tensor(seeds, dtype=torch.long)),
+        ]
+        for field, value in values:
+            field[:k].copy_(value)
 
     def keys(self, purpose: int, offset: torch.Tensor | int = 0,
              counter: torch.Tensor | None = None) -> torch.Tensor:

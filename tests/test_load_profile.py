@@ -108,9 +108,18 @@ def test_python_profile_names_where_the_seconds_went() -> None:
         _busy_for(0.2)
         import importlib
         importlib.import_module("json")  # (already imported: the import machinery, skipped)
+        compile("x = 1\n" * 1000, "/some/where/site-packages/pkg/mod.py", "exec")
+        compile("y = 2\n", "/tmp/generated/abc.py", "exec")
     assert len(lines) == 1 and lines[0].startswith("cumulative: "), lines
     cumulative, rest = lines[0].split("; own: ")
-    own, callers = rest.split("; callers: ")
+    own, rest = rest.split("; callers: ")
+    callers, compiled = rest.split("; compiled from source: ")
+    # (what the profile's thread compiled, by package: site-packages' by its top package)
+    assert compiled.startswith("2 files (0.0 MB); by where: pkg 1 (0.0 MB), /tmp/generated 1 "), \
+        lines
+    with load_profile.python_profile(False):
+        compile("z = 3\n", "/tmp/not/seen.py", "exec")  # (no profile: nothing kept)
+    assert load_profile._compiled is None
     assert "(_busy_for)" in cumulative.split(", ")[0], lines
     ranked = f"{cumulative}; {own}"  # (the callers may name them: where a call came from)
     assert "<module>" not in ranked and "import_module" not in ranked, lines
