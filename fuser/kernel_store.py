@@ -142,11 +142,11 @@ def _compiled_triton_kernels(device: torch.device) -> list[Any]:
     return list(kernels.values())
 
 
-def triton_kernel_files(device: torch.device) -> list[Path]:
+def triton_kernel_files(device: torch.device, kernels: list[Any] | None = None) -> list[Path]:
     """The cache files (binary, metadata) of every Triton kernel of fuser's compiled in this
-    process for `device`'s GPU (`_compiled_triton_kernels`)."""
-    files = [Path(p) for kernel in _compiled_triton_kernels(device)
-             for p in getattr(kernel, "metadata_group", {}).values()]
+    process for `device`'s GPU (`kernels`, default `_compiled_triton_kernels`)."""
+    kernels = _compiled_triton_kernels(device) if kernels is None else kernels
+    files = [Path(p) for kernel in kernels for p in getattr(kernel, "metadata_group", {}).values()]
     return sorted({p for p in files if p.is_file()})
 
 
@@ -172,10 +172,11 @@ def _launcher_cls() -> Any:
     return driver.active.launcher_cls
 
 
-def triton_launcher_files(device: torch.device) -> list[Path]:
+def triton_launcher_files(device: torch.device, kernels: list[Any] | None = None) -> list[Path]:
     """The C launcher module (`__triton_launcher`, Triton up to 3.6: one per kernel signature,
     built from C with the host's compiler) of every Triton kernel of fuser's compiled in this
-    process, each looked up in Triton's cache as it is now, and built there where absent.
+    process (`kernels`, default `_compiled_triton_kernels`), each looked up in Triton's cache
+    as it is now, and built there where absent.
 
     Made for each kernel here rather than found among the launchers this process loaded
     (`triton_module_files`): a kernel compiled but never launched in the build has none, and
@@ -184,7 +185,7 @@ def triton_launcher_files(device: torch.device) -> list[Path]:
     launchers of `_rotary_split_kernel` and attention's `_combine_kernel`, recorded in
     benchmarks/RESULTS.md). A Triton whose launchers are not C modules gives none."""
     files = set()
-    kernels = _compiled_triton_kernels(device)
+    kernels = _compiled_triton_kernels(device) if kernels is None else kernels
     launcher_cls = _launcher_cls() if kernels else None
     for kernel in kernels:
         try:
@@ -249,10 +250,11 @@ def kernel_files(artifacts: Iterable[object], device: torch.device) -> dict[str,
         libraries += isa_probe_files()
     for path in libraries:
         out[f"{KERNELS_DIR}/{INDUCTOR}/{path.relative_to(root).as_posix()}"] = path
-    triton_files = triton_kernel_files(device)
+    kernels = _compiled_triton_kernels(device)  # (once: it searches the live objects)
+    triton_files = triton_kernel_files(device, kernels)
     if device.type == "cuda":
         triton_files += triton_module_files(triton_module_dirs(device))
-        triton_files += triton_launcher_files(device)
+        triton_files += triton_launcher_files(device, kernels)
     for path in triton_files:
         out[f"{KERNELS_DIR}/{TRITON}/{path.parent.name}/{path.name}"] = path
     return out
