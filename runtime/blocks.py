@@ -53,7 +53,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -67,6 +67,20 @@ def block_key(parent: bytes, tokens: Sequence[int]) -> bytes:
     (int64, little-endian as the host stores them). 32 bytes; equal keys mean equal prefixes
     (up to sha256 collisions)."""
     return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+
+
+def block_keys(tokens: Sequence[int], block_size: int, count: int) -> Iterator[bytes]:
+    """`block_key` of each of the first `count` full blocks of `tokens`, in order (each the
+    parent of the next), lazily: the tokens made bytes once, not a block at a time (an
+    admission's host time with a long cached prefix)."""
+    width = block_size * array("q").itemsize
+    data = memoryview(array("q", tokens[: count * block_size]).tobytes())
+    parent = b""
+    for i in range(count):
+        digest = hashlib.sha256(parent)
+        digest.update(data[i * width:(i + 1) * width])
+        parent = digest.digest()
+        yield parent
 
 
 @dataclass(frozen=True)
@@ -271,15 +285,11 @@ class BlockManager:
         if not self.prefix_caching:
             return []
         hits: list[int] = []
-        parent = b""
-        bs = self.block_size
-        for i in range((len(prompt) - 1) // bs):
-            key = block_key(parent, prompt[i * bs:(i + 1) * bs])
+        for key in block_keys(prompt, self.block_size, (len(prompt) - 1) // self.block_size):
             block = self._cached.get(key)
             if block is None:
                 break
             hits.append(block)
-            parent = key
         return hits
 
     def cached_prefix(self, prompt: Sequence[int]) -> int:

@@ -617,11 +617,17 @@ class Scheduler:
         if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
         vocab = self.engine.vocab_size
-        prompt = []
-        for token in prompt_ids:
-            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
-                raise ValueError(f"the prompt holds {token!r}, not a token id in [0, {vocab})")
-            prompt.append(int(token))
+        if all(type(token) is int for token in prompt_ids) \
+                and 0 <= min(prompt_ids) and max(prompt_ids) < vocab:
+            prompt = list(prompt_ids)  # (plain ints in range: checked at once, no per-token loop)
+        else:
+            prompt = []
+            for token in prompt_ids:
+                if isinstance(token, bool) or not isinstance(token, int) \
+                        or not 0 <= token < vocab:
+                    raise ValueError(f"the prompt holds {token!r}, not a token id in "
+                                     f"[0, {vocab})")
+                prompt.append(int(token))
         p = params
         if isinstance(p.max_tokens, bool) or not isinstance(p.max_tokens, int) or p.max_tokens < 1:
             raise ValueError(f"max_tokens={p.max_tokens!r} must be an int >= 1")

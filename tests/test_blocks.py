@@ -15,12 +15,12 @@ import random
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule)
 
-from fuser.runtime.blocks import (NULL_BLOCK, BlockManager, CacheShape, block_key,
+from fuser.runtime.blocks import (NULL_BLOCK, BlockManager, CacheShape, block_key, block_keys,
                                   blocks_for_budget)
 
 ROWS = 4
@@ -502,3 +502,17 @@ def test_a_draft_change_keeps_the_targets_half_of_cached_blocks_only() -> None:
     m.release(2)
     m.reset_prefix_cache()
     assert m.admit(2, prompt) == 0 and m.draft_hit(2) == 0
+
+
+@settings(max_examples=50, deadline=None, derandomize=True)
+@given(tokens=st.lists(st.integers(0, 2**31), max_size=70), block_size=st.integers(1, 9),
+       data=st.data())
+def test_block_keys_chain_block_key(tokens: list[int], block_size: int, data) -> None:
+    """`block_keys` (the prompt made bytes once) yields what chaining `block_key` block by
+    block gives, for any count of full blocks."""
+    count = data.draw(st.integers(0, len(tokens) // block_size))
+    expected, parent = [], b""
+    for i in range(count):
+        parent = block_key(parent, tokens[i * block_size:(i + 1) * block_size])
+        expected.append(parent)
+    assert list(block_keys(tokens, block_size, count)) == expected

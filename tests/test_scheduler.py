@@ -151,6 +151,9 @@ def test_bad_requests_raise_value_errors_that_name_the_problem(scheduler: Schedu
     cases = [
         ([], SamplingParams(), "empty"),
         ([1, VOCAB], SamplingParams(), "token id"),
+        ([-1, 2], SamplingParams(), r"holds -1, not a token id"),
+        ([1, True], SamplingParams(), r"holds True, not a token id"),  # (a bool is no id)
+        ([1, 2.0], SamplingParams(), r"holds 2.0, not a token id"),
         ([1, 2], SamplingParams(max_tokens=0), "max_tokens"),
         ([1] * 60, SamplingParams(max_tokens=10), "max_seq_len"),
         ([1], SamplingParams(temperature=-1.0), "temperature"),
