@@ -136,8 +136,8 @@ def _compiled_triton_kernels(device: torch.device) -> list[Any]:
         names.add(fn.__name__)
         for kernel_cache, *_ in list(fn.device_caches.values()):
             kernels.update((id(kernel), kernel) for kernel in kernel_cache.values())
-    for obj in gc.get_objects():
-        if isinstance(obj, CompiledKernel) and getattr(obj, "name", None) in names:
+    for obj in gc.get_objects():  # (by type: no object's own `__class__` is asked)
+        if issubclass(type(obj), CompiledKernel) and getattr(obj, "name", None) in names:
             kernels.setdefault(id(obj), obj)
     return list(kernels.values())
 
