@@ -48,7 +48,8 @@
 #             kernel's GPU tests                                                        ~2 min
 #   prefix    prefix caching through the scheduler, 8B shape, bf16: TTFT p50 of requests
 #             sharing a 1,024-token opening with the cache and without (prefix_cache.py;
-#             fails above 0.25x), and whether their tokens agree
+#             fails above 0.25x), and whether their tokens agree (PREFIX_ARGS adds flags,
+#             e.g. "--profile DIR": one request more under torch.profiler)
 #   allreduce NCCL against the one-shot peer-to-peer all-reduce in a CUDA graph, 8 KiB to
 #             8 MiB (all_reduce.py; 2+ GPUs: nvidia-h200-x2), and the 2-GPU collective tests
 #   tp        tensor parallel over 2 GPUs (a 2-GPU kind): its GPU tests (NCCL), then decode at
@@ -254,7 +255,8 @@ for suite in "$@"; do
         "$(grep -E '^(FAILED|ERROR)|passed|failed' "$DIR/flashprefill_tests.log" | tail -n 4)" \
         "$(grep -v -i warn "$DIR/flash_prefill.log" | grep -E '^\||rows' | tail -n 44)" ;;
     prefix)
-      step prefix 560 python3 benchmarks/prefix_cache.py --out "$DIR/prefix.json"
+      # shellcheck disable=SC2086  # PREFIX_ARGS: flags, word-split on purpose
+      step prefix 560 python3 benchmarks/prefix_cache.py --out "$DIR/prefix.json" ${PREFIX_ARGS-}
       table "prefix: TTFT with and without the prefix cache, 8B shape, bf16" \
         "$(grep -v -i warn "$DIR/prefix.log" | tail -n 5)" ;;
     allreduce)
