@@ -285,6 +285,7 @@ def test_precapture_yields_to_a_request_and_keeps_its_budget(
         remove_graphs(eng)
 
 
+@pytest.mark.xdist_group("paged_draft_engine")  # (the group's engine: built once a run)
 def test_precapture_takes_a_number_of_seconds() -> None:
     sched = Scheduler(paged_engine(draft=True))
     with pytest.raises(ValueError, match="seconds"):
