@@ -240,8 +240,10 @@ class RequestStream:
                 self.finish_time = now
             self._cond.notify_all()
             for loop, event in self._waiters:
+                if event.is_set():  # (set, not yet cleared: its reader looks at the items
+                    continue        # before it waits again, so these tokens are seen)
                 try:
-                    loop.call_soon_threadsafe(event.set)
+                    loop.call_soon_threadsafe(event.set)  # (a write to the loop's self-pipe)
                 except RuntimeError:  # the loop is closed: its reader is gone
                     pass
 
