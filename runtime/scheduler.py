@@ -1474,10 +1474,12 @@ class Scheduler:
     def _deliver(self, stream: RequestStream, kept: list[int], budget: int) -> None:
         """Hand `kept` to the stream, cut at its first eos; finish it on eos or budget."""
         reason = None
-        for i, token in enumerate(kept):
-            if token in stream.eos:
-                kept, reason = kept[: i + 1], "stop"
-                break
+        eos = stream.eos
+        if eos:  # (none with ignore_eos)
+            for i, token in enumerate(kept):
+                if token in eos:
+                    kept, reason = kept[: i + 1], "stop"
+                    break
         if reason is None and len(stream.output_ids) + len(kept) >= budget:
             reason = "length"
         stream._deliver(kept, reason)
@@ -1519,22 +1521,23 @@ class Scheduler:
         n = len(step.rows)
         tokens, accepted = host[:n, : step.gamma + 1].tolist(), host[:n, -1].tolist()
         was_active = [not s.done and row >= step.prefilling for row, s in enumerate(step.rows)]
-        before = engine.stats.num_generated_tokens
         draft_ran = self._draft_ran(step)
+        generated = 0
         for row, stream in enumerate(step.rows):
             if not was_active[row]:  # finished, or in chunked prefill (inactive)
                 continue
             if draft_ran:
                 self._draft_advanced(stream, step.gamma, min(accepted[row], step.gamma))
-            left = stream.params.max_tokens - len(stream.output_ids)
-            kept = tokens[row][: min(accepted[row] + 1, left)]
-            engine.stats.num_generated_tokens += len(kept)
-            self._deliver(stream, kept, stream.params.max_tokens)
+            budget = stream.params.max_tokens
+            kept = tokens[row][: min(accepted[row] + 1, budget - len(stream.output_ids))]
+            generated += len(kept)
+            self._deliver(stream, kept, budget)
+        engine.stats.num_generated_tokens += generated
         engine.record_step(step.controller, accepted, was_active, step.gamma)
         self._commit_decoded(step.rows, step.prefilling)  # (rows move only between iterations)
         elapsed = time.perf_counter() - step.start
         engine.stats.generate_seconds += elapsed
-        engine.observe_tokens(engine.stats.num_generated_tokens - before, elapsed)
+        engine.observe_tokens(generated, elapsed)
 
     # -- moving a request between rows -----------------------------------------------------------
 
