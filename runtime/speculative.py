@@ -122,33 +122,17 @@ class DecodeState:
         """Set one request's values in every row (in place). eos: at most EOS_SLOTS ids.
         seed: each row samples with its own seed derived from (seed, row), so that rows, and
         calls with nearby seeds, draw independent streams (`sampling.draw_keys`)."""
-        self.load_row(slice(None), max_new_tokens, eos, temperature, top_k, top_p, vocab_size,
-                      seed)
-        rows = [row_seed(seed, b) for b in range(self.batch)]
-        self.seed.copy_(torch.tensor(rows, dtype=torch.long))
-
-    def load_row(self, row: int | slice, max_new_tokens: int, eos: list[int],
-                 temperature: float, top_k: int | None, top_p: float | None, vocab_size: int,
-                 seed: int) -> None:
-        """Set one request's values in `row` (an index or a slice of rows), in place."""
-        if len(eos) > self.eos.shape[1]:
-            raise ValueError(f"eos_token_id has {len(eos)} ids; at most {self.eos.shape[1]} "
-                             "are supported")
-        self.max_new_tokens[row] = max_new_tokens
-        self.eos[row] = -1
-        if eos:
-            self.eos[row, : len(eos)] = torch.tensor(eos, dtype=torch.long)
-        self.temperature[row] = temperature
-        self.top_k[row] = vocab_size if top_k is None else min(top_k, vocab_size)
-        self.top_p[row] = 1.0 if top_p is None else top_p
-        self.seed[row] = seed
+        B = self.batch
+        self.load_rows([max_new_tokens] * B, [eos] * B, [temperature] * B, [top_k] * B,
+                       [top_p] * B, vocab_size, [row_seed(seed, b) for b in range(B)])
 
     def load_rows(self, max_new_tokens: Sequence[int], eos: Sequence[Sequence[int]],
                   temperature: Sequence[float], top_k: Sequence[int | None],
                   top_p: Sequence[float | None], vocab_size: int, seeds: Sequence[int]) -> None:
-        """`load_row` for rows [0, k) at once, k = len(max_new_tokens) (request i's values at
-        index i of each): each field is one copy from the host, not a few device writes a
-        row (an admission's host time, measured on an H100: benchmarks/RESULTS.md)."""
+        """Set requests' values in rows [0, k), k = len(max_new_tokens), request i's at index i
+        of each (eos: at most EOS_SLOTS ids; top_k None or >= vocab_size: off; top_p None:
+        off): each field is one copy from the host, not a few device writes a row (an
+        admission's host time, measured on an H100: benchmarks/RESULTS.md)."""
         k = len(max_new_tokens)
         if any(len(ids) > self.eos.shape[1] for ids in eos):
             raise ValueError(f"eos_token_id has {max(len(ids) for ids in eos)} ids; at most "

@@ -1,6 +1,6 @@
 """runtime/speculative.py's DecodeState: the rows an admission loads at once (`load_rows`) hold
-what loading each row alone (`load_row`) gives, and its row moves (`copy_row`) copy every
-per-row tensor."""
+what writing each row's values alone gives, and its row moves (`copy_row`) copy every per-row
+tensor."""
 
 from __future__ import annotations
 
@@ -37,6 +37,19 @@ def filled(seed: int) -> DecodeState:
     return state
 
 
+def load_row(state: DecodeState, row: int, max_new_tokens: int, eos: list[int],
+             temperature: float, top_k: int | None, top_p: float | None, seed: int) -> None:
+    """One request's values written into `row`, element by element (the reference)."""
+    state.max_new_tokens[row] = max_new_tokens
+    state.eos[row] = -1
+    if eos:
+        state.eos[row, : len(eos)] = torch.tensor(eos, dtype=torch.long)
+    state.temperature[row] = temperature
+    state.top_k[row] = VOCAB if top_k is None else min(top_k, VOCAB)
+    state.top_p[row] = 1.0 if top_p is None else top_p
+    state.seed[row] = seed
+
+
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(rows=st.lists(row_values, min_size=1, max_size=BATCH))
 def test_rows_loaded_at_once_equal_rows_loaded_one_by_one(rows: list[dict]) -> None:
@@ -45,8 +58,8 @@ def test_rows_loaded_at_once_equal_rows_loaded_one_by_one(rows: list[dict]) -> N
                       [r["temperature"] for r in rows], [r["top_k"] for r in rows],
                       [r["top_p"] for r in rows], VOCAB, [r["seed"] for r in rows])
     for i, r in enumerate(rows):
-        one_by_one.load_row(i, r["max_new_tokens"], r["eos"], r["temperature"], r["top_k"],
-                            r["top_p"], VOCAB, r["seed"])
+        load_row(one_by_one, i, r["max_new_tokens"], r["eos"], r["temperature"], r["top_k"],
+                 r["top_p"], r["seed"])
     for name, value in vars(at_once).items():
         assert torch.equal(value, getattr(one_by_one, name)), name
 
