@@ -48,6 +48,7 @@ from fuser.engine_file import EngineFileError
 KERNELS_DIR = "kernels"
 INDUCTOR = "inductor"
 TRITON = "triton"
+LAUNCHER_MODULE = "__triton_launcher"  # the name of every launcher module Triton builds
 
 
 # -- what to keep --------------------------------------------------------------------------
@@ -122,9 +123,7 @@ def _compiled_triton_kernels(device: torch.device) -> list[Any]:
 
     Those launched eagerly sit in their JIT functions' caches; those a compiled step launches
     were compiled by Inductor (a user-defined kernel of its graph) and are held by its
-    generated code, so the live objects are searched for kernels of fuser's names too: an
-    H100 load built the launchers of two such kernels (`_rotary_split_kernel`, attention's
-    `_combine_kernel`; recorded in benchmarks/RESULTS.md)."""
+    generated code, so the live objects are searched for kernels of fuser's names too."""
     if device.type != "cuda":
         return []
     from triton.compiler.compiler import CompiledKernel
@@ -150,19 +149,24 @@ def triton_kernel_files(device: torch.device, kernels: list[Any] | None = None) 
     return sorted({p for p in files if p.is_file()})
 
 
-def _module_of(launcher: object) -> ModuleType | None:
-    """The C extension module a Triton launcher object calls (its `launch` function's owner,
-    directly or through the wrapper Triton puts around it for tensor descriptors)."""
-    functions = [value for value in vars(launcher).values() if callable(value)]
-    for function in functions:
-        owners = [getattr(function, "__self__", None)]
-        owners += [cell.cell_contents for cell in getattr(function, "__closure__", None) or ()
-                   if cell.cell_contents is not None]
-        owners += [getattr(owner, "__self__", None) for owner in owners[1:]]
-        for owner in owners:
-            if isinstance(owner, ModuleType) and isinstance(getattr(owner, "__file__", None), str):
-                return owner
-    return None
+@contextlib.contextmanager
+def _recording_module_loads() -> Iterator[list[Path]]:
+    """The files Triton loads its C modules from while the block runs (`_load_module_from_path`,
+    called by `compile_module_from_src` on a cache hit and after a build alike)."""
+    import triton.runtime.build as build
+
+    loaded: list[Path] = []
+    original = build._load_module_from_path
+
+    def recording(name: str, path: str) -> ModuleType:
+        loaded.append(Path(path))
+        return original(name, path)
+
+    build._load_module_from_path = recording
+    try:
+        yield loaded
+    finally:
+        build._load_module_from_path = original
 
 
 def _launcher_cls() -> Any:
@@ -181,20 +185,24 @@ def triton_launcher_files(device: torch.device, kernels: list[Any] | None = None
     Made for each kernel here rather than found among the launchers this process loaded
     (`triton_module_files`): a kernel compiled but never launched in the build has none, and
     one launched while Triton's cache pointed elsewhere (a test's directory since removed)
-    has its module there. A load meets both (measured on an H100: the load built the
-    launchers of `_rotary_split_kernel` and attention's `_combine_kernel`, recorded in
-    benchmarks/RESULTS.md). A Triton whose launchers are not C modules gives none."""
+    has its module there. The file is the one Triton loads the module from, not the owner of
+    the launcher's `launch` function: a single-phase C module loaded a second time in a process
+    (every launcher is named `__triton_launcher`) hands out functions whose `__self__` may be
+    another launcher module (measured on an H100: the engine directory then held other
+    kernels' launchers in place of those of `_rotary_split_kernel` and attention's
+    `_combine_kernel`, which the load built; recorded in benchmarks/RESULTS.md). A Triton
+    whose launchers are not C modules gives none."""
     files = set()
     kernels = _compiled_triton_kernels(device) if kernels is None else kernels
     launcher_cls = _launcher_cls() if kernels else None
     for kernel in kernels:
-        try:
-            launcher = launcher_cls(kernel.src, kernel.metadata)
-        except Exception:  # noqa: BLE001 -- a kernel Triton cannot launch here: nothing to keep
-            continue
-        module = _module_of(launcher)
-        if module is not None and Path(module.__file__).is_file():
-            files.add(Path(module.__file__).resolve())
+        with _recording_module_loads() as loaded:
+            try:
+                launcher_cls(kernel.src, kernel.metadata)
+            except Exception:  # noqa: BLE001 -- a kernel Triton cannot launch here: nothing
+                continue       # to keep
+        files.update(path.resolve() for path in loaded
+                     if path.name.startswith(LAUNCHER_MODULE) and path.is_file())
     return sorted(files)
 
 

@@ -423,6 +423,49 @@ def test_tritons_c_modules_are_kept_and_load_without_the_c_compiler(
     assert Path(again.__file__).resolve() == (fresh_cache / key / files[0].name).resolve()
 
 
+def launcher_source(value: int) -> str:
+    """A launcher-like C module named as Triton names every launcher, whose `launch` returns
+    `value`."""
+    return (
+        "#include <Python.h>\n"
+        f"static PyObject* launch(PyObject* self, PyObject* args) {{ return PyLong_FromLong({value}); }}\n"
+        "static PyMethodDef methods[] = {{\"launch\", launch, METH_VARARGS, \"\"}, {NULL, NULL, 0, NULL}};\n"
+        "static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, \"__triton_launcher\", NULL, -1, methods};\n"
+        "PyMODINIT_FUNC PyInit___triton_launcher(void) { return PyModule_Create(&module); }\n")
+
+
+def test_a_launcher_loaded_again_is_kept_by_the_file_triton_loads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each kernel's launcher file is the one Triton loads it from. Launchers built at the
+    kernels' first launches load a second time when the save makes them again; CPython loads a
+    single-phase C module again into the module of its name in `sys.modules` (the launcher
+    loaded last), rewriting that module's `__file__`, so a launcher function's `__self__` can
+    name another launcher's file: taken from there, the engine directory held other kernels'
+    launchers (an H100 load built two). Here: three launchers built, then the save makes the
+    first two again, a new one, and the third."""
+    import types
+
+    import triton.runtime.build as build
+
+    from fuser import kernel_store
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    values = [1, 2, 3]
+    first = {v: Path(build.compile_module_from_src(launcher_source(v), "__triton_launcher")
+                     .__file__).resolve() for v in values}  # the build's first launches
+    assert len(set(first.values())) == len(values)
+
+    class Launcher:  # as Triton's CUDA launcher: its module from source, then its function
+        def __init__(self, src: int, metadata: object) -> None:
+            module = build.compile_module_from_src(launcher_source(src), "__triton_launcher")
+            self.launch = module.launch
+
+    monkeypatch.setattr(kernel_store, "_launcher_cls", lambda: Launcher)
+    kernels = [types.SimpleNamespace(src=v, metadata=None) for v in (1, 2, 4, 3)]
+    files = kernel_store.triton_launcher_files(torch.device("cuda"), kernels)
+    assert len(files) == 4 and set(first.values()) < set(files)
+
+
 def test_tritons_c_modules_loaded_before_inductor_moved_its_cache_are_kept(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A build process started without TRITON_CACHE_DIR loads Triton's driver utilities (at
