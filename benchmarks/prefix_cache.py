@@ -95,6 +95,7 @@ def profile_one(sched: Scheduler, prompt: list[int], params: SamplingParams, pat
         stream = sched.submit(prompt, dataclasses.replace(params, max_tokens=1))
         stream.result(TIMEOUT)
     ttft = stream.first_token_time - stream.arrival_time
+    path.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(path.with_suffix(".trace.json")))
     events = prof.key_averages()
     path.write_text(f"TTFT {1e3 * ttft:.2f} ms (one token, under the profiler)\n"
