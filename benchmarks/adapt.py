@@ -678,15 +678,38 @@ def profile_mode(engine: object, on: bool, prompts: list[list[int]], max_tokens:
     return prof
 
 
-def on_off(engine: object, phases: list[tuple[str, list[list[int]], int]],
+def trace_mode(engine: object, on: bool, prompts: list[list[int]], max_tokens: int,
+               args: argparse.Namespace, stem: Path) -> dict:
+    """`prompts` served by a scheduler of their own (ON or OFF) under torch.profiler
+    (`timeline.profiled`): the timeline and the op tables at `stem`, the device's idle gaps
+    with the host's ops in them logged; -> the gaps."""
+    from timeline import profiled
+
+    scheduler = make_scheduler(engine, on, args)
+    scheduler.tally = Tally()
+    scheduler.start()
+    try:
+        with profiled(stem) as summary:
+            serve(scheduler, prompts, max_tokens, args.concurrency)
+    finally:
+        scheduler.close()
+    log(f"  {'on' if on else 'off':>3} trace, {len(prompts)} requests: {summary['line']}")
+    return summary["gaps"]
+
+
+def on_off(engine: object, name: str, phases: list[tuple[str, list[list[int]], int]],
            args: argparse.Namespace) -> dict:
     warm_up(engine, [p for _, prompts, _ in phases for p in prompts], args.concurrency)
     out = {}
+    _, longest, longest_tokens = max(phases, key=lambda phase: len(phase[1]))
     if args.profile_host:  # the longest phase's first prompts, each mode's loop profiled
-        _, prompts, max_tokens = max(phases, key=lambda phase: len(phase[1]))
-        out["host_profile"] = {mode: profile_mode(engine, on, prompts[:args.profile_host],
-                                                  max_tokens, args)
+        out["host_profile"] = {mode: profile_mode(engine, on, longest[:args.profile_host],
+                                                  longest_tokens, args)
                                for mode, on in (("off", False), ("on", True))}
+    if args.trace:  # the same, under torch.profiler: where the device waited for the host
+        out["trace"] = {mode: trace_mode(engine, on, longest[:args.trace], longest_tokens, args,
+                                         Path(args.out) / f"trace_{name}_{mode}")
+                        for mode, on in (("off", False), ("on", True))}
     out.update(off=run_mode(engine, False, phases, args), on=run_mode(engine, True, phases, args))
     return out
 
@@ -741,7 +764,7 @@ def shifted(args: argparse.Namespace, engine: object, tokenizer: object) -> None
     log(f"shifted domain: {len(stream)} prompts ({kinds}), {len(python)} Python prompts")
     phases = [("python_before", python, args.python_tokens), ("stream", stream, args.max_tokens),
               ("python_after", python, args.python_tokens)]
-    runs = on_off(engine, phases, args)
+    runs = on_off(engine, "shifted", phases, args)
     result = {"kinds": kinds, "last_window_files_new": len(set(origins[-last:]) & set(
         origins[:-last])) == 0}
     for mode in ("off", "on"):
@@ -751,7 +774,7 @@ def shifted(args: argparse.Namespace, engine: object, tokenizer: object) -> None
                         "measured": runs[mode].get("measured")}
     result["on"]["snapshot"] = runs["on"].get("snapshot")
     result["on"]["update_reasons"] = runs["on"].get("update_reasons")
-    result["host_profile"] = runs.get("host_profile")
+    result["host_profile"], result["trace"] = runs.get("host_profile"), runs.get("trace")
     RESULTS["workloads"]["shifted"] = result
     off_w, on_w = result["off"]["windows"], result["on"]["windows"]
     table = window_table("shifted domain", off_w, on_w)
@@ -797,10 +820,10 @@ def repetitive(args: argparse.Namespace, engine: object, tokenizer: object) -> N
     prompts = tokenize(tokenizer, repetitive_prompts(args.repetitive_requests),
                        args.max_seq_len - args.repetitive_tokens)
     log(f"repetitive: {len(prompts)} prompts")
-    runs = on_off(engine, [("stream", prompts, args.repetitive_tokens)], args)
+    runs = on_off(engine, "repetitive", [("stream", prompts, args.repetitive_tokens)], args)
     result = {m: {"windows": windows(runs[m]["stream"], args.window),
                   "tok_s": tok_s(runs[m]["stream"])} for m in ("off", "on")}
-    result["host_profile"] = runs.get("host_profile")
+    result["host_profile"], result["trace"] = runs.get("host_profile"), runs.get("trace")
     RESULTS["workloads"]["repetitive"] = result
     table = window_table("repetitive", result["off"]["windows"], result["on"]["windows"])
     RESULTS.setdefault("tables", []).append(table)
@@ -827,10 +850,11 @@ def eight_b(args: argparse.Namespace) -> None:
     texts, _ = shifted_prompts(args.requests_8b, min(args.window, args.requests_8b))
     prompts = tokenize(tokenizer, texts, args.max_seq_len - args.max_tokens)
     log(f"8b: {len(prompts)} prompts")
-    runs = on_off(engine, [("stream", prompts, args.max_tokens)], args)
+    runs = on_off(engine, "8b", [("stream", prompts, args.max_tokens)], args)
     result = {m: {"windows": windows(runs[m]["stream"], args.window),
                   "tok_s": tok_s(runs[m]["stream"])} for m in ("off", "on")}
     result["on"]["update_reasons"] = runs["on"].get("update_reasons")
+    result["trace"] = runs.get("trace")
     RESULTS["workloads"]["8b"] = result
     table = window_table("8B shape, random 1B-shape draft", result["off"]["windows"],
                          result["on"]["windows"])
@@ -915,6 +939,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="before the timed runs, serve the longest phase's first N prompts "
                         "with a scheduler of each mode's, its loop under cProfile, and print "
                         "where its host time goes (default 0: not)")
+    p.add_argument("--trace", type=int, default=0, metavar="N",
+                   help="before the timed runs, serve the longest phase's first N prompts with "
+                        "a scheduler of each mode's under torch.profiler: trace_<workload>_"
+                        "<mode>.trace.json and .txt in --out, and a line of the device's idle "
+                        "gaps with the host's ops in them (default 0: not)")
     p.add_argument("--repetitive-requests", type=int, default=400)
     p.add_argument("--repetitive-tokens", type=int, default=128)
     p.add_argument("--requests-8b", type=int, default=400)

@@ -231,6 +231,7 @@ for suite in "$@"; do
         "$(grep -E '^ +on [a-z_]+: .*steps ' "$DIR/$suite.log")" \
         "$(grep -E '^ +(on|off) measured ' "$DIR/$suite.log" | head -n 16)" \
         "$(grep -E '^ +(on|off) host profile: ' "$DIR/$suite.log")" \
+        "$(grep -E '^ +(on|off) trace, ' "$DIR/$suite.log")" \
         "$(sed -n '/^--- criteria/,$p' "$DIR/$suite.log" | grep -E '^ *(PASS|FAIL|n/a) ')" ;;
     distill)
       step distill_curve 280 python3 benchmarks/distill_curve.py --requests 800,200 \

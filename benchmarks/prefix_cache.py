@@ -79,29 +79,18 @@ def ids(count: int, seed: int, vocab: int) -> list[int]:
 
 
 def profile_one(sched: Scheduler, prompt: list[int], params: SamplingParams, path: Path) -> None:
-    """One more request under torch.profiler (host and device): the table of the ops and
-    kernels that took the most time goes to `path`, with the request's TTFT, and the
-    timeline beside it (`.trace.json`, chrome://tracing)."""
-    from torch.profiler import ProfilerActivity, profile
+    """One more request under torch.profiler (host and device, `timeline.profiled`): the
+    tables of the ops and kernels that took the most time go to `path` (.txt), the timeline
+    beside it (.trace.json, chrome://tracing), and the device's idle gaps, with the host's ops
+    in them, to the log."""
+    from timeline import profiled
 
-    activities = [ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(ProfilerActivity.CUDA)
-    try:  # (the scheduler's own thread runs the steps)
-        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
-    except TypeError:  # a torch without it: the submitting thread only
-        config = None
-    with profile(activities=activities, experimental_config=config) as prof:
+    with profiled(path.with_suffix("")) as summary:
         stream = sched.submit(prompt, dataclasses.replace(params, max_tokens=1))
         stream.result(TIMEOUT)
     ttft = stream.first_token_time - stream.arrival_time
-    path.parent.mkdir(parents=True, exist_ok=True)
-    prof.export_chrome_trace(str(path.with_suffix(".trace.json")))
-    events = prof.key_averages()
-    path.write_text(f"TTFT {1e3 * ttft:.2f} ms (one token, under the profiler)\n"
-                    + events.table(sort_by="self_cuda_time_total", row_limit=30) + "\n"
-                    + events.table(sort_by="self_cpu_time_total", row_limit=30))
     log(f"profile of one request (TTFT {1e3 * ttft:.2f} ms under the profiler): {path}")
+    log(summary["line"])
 
 
 def run(engine: fuser.Engine, prompts: list[list[int]], warm: list[list[int]],

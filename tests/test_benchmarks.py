@@ -170,7 +170,7 @@ def test_adapt_benchmark_streams_and_windows(tmp_path: Path) -> None:
 
 @pytest.mark.slow  # builds two tiny engines and serves each workload on and off (~90 s)
 def test_adapt_benchmark_dry_run(tmp_path: Path) -> None:
-    proc = run("adapt.py", tmp_path, "--profile-host", "4")
+    proc = run("adapt.py", tmp_path, "--profile-host", "4", "--trace", "2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "adapt.json").read_text())
     assert set(result["workloads"]) == {"shifted", "repetitive", "8b"}
@@ -185,6 +185,11 @@ def test_adapt_benchmark_dry_run(tmp_path: Path) -> None:
         profile = shifted["host_profile"][mode]
         assert profile["steps"] > 0 and profile["host_us"] > 0 and len(profile["top"]) == 12
         assert f"{mode:>3} host profile: 4 requests, {profile['steps']} steps" in proc.stdout
+        # and under torch.profiler over 2 requests: the timeline, the tables, the gaps' line
+        assert (tmp_path / f"trace_shifted_{mode}.trace.json").is_file()
+        assert (tmp_path / f"trace_repetitive_{mode}.txt").is_file()
+        assert shifted["trace"][mode]["gaps"] == 0  # (CPU: no device events)
+        assert f"{mode:>3} trace, 2 requests: trace_shifted_{mode}: device busy" in proc.stdout
     assert (tmp_path / "adapt.png").is_file()
     lines = proc.stdout.splitlines()
     assert lines[-1].startswith("dry run on CPU")
@@ -288,3 +293,59 @@ def test_adapt_acceptance_criterion_needs_an_accepted_update(accepted: int) -> N
     finally:
         adapt.RESULTS.clear()
         adapt.RESULTS.update(saved)
+
+
+def _timeline_module():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import timeline
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return timeline
+
+
+def test_device_gaps_and_the_host_ops_inside_them() -> None:
+    """benchmarks/timeline.py: the device's busy time is the union of its events (an overlap
+    counted once), an idle span counts as a gap from MIN_GAP_US, and each host op is credited
+    with its overlap with the gaps only (a long op that began well before a gap too)."""
+    timeline = _timeline_module()
+
+    def ev(cat: str, name: str, ts: float, dur: float) -> dict:
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+    events = [ev("kernel", "a", 100, 50), ev("kernel", "b", 120, 50),  # busy 100-170
+              ev("gpu_memcpy", "copy", 180, 10),  # a 10 us pause: no gap
+              ev("kernel", "c", 400, 100),  # a 210 us gap before it
+              ev("kernel", "d", 530, 20),  # a 30 us gap before it
+              ev("cpu_op", "aten::copy_", 0, 250),  # overlaps the first gap by 60 us
+              ev("cuda_runtime", "cudaGraphLaunch", 250, 150),  # inside it: 150 us
+              ev("cpu_op", "aten::zeros", 505, 30),  # overlaps the second gap by 25 us
+              ev("overhead", "Activity Buffer Request", 190, 200),  # the profiler's own
+              {"ph": "i", "cat": "kernel", "name": "instant", "ts": 300}]
+    gaps = timeline.device_gaps(events)
+    assert gaps["busy_us"] == 70 + 10 + 100 + 20
+    assert gaps["span_us"] == 450
+    assert gaps["gaps"] == 2 and gaps["gap_us"] == 240
+    assert gaps["longest"] == [(210.0, "c"), (30.0, "d")]
+    assert gaps["host_in_gaps"] == [("cudaGraphLaunch", 150.0), ("aten::copy_", 60.0),
+                                    ("aten::zeros", 25.0)]
+    line = timeline.gaps_line("trace", gaps)
+    assert line.startswith("trace: device busy 0.20 of 0.45 ms; 2 idle gaps")
+    assert "cudaGraphLaunch 0.15" in line
+    empty = timeline.device_gaps([ev("cpu_op", "aten::add", 0, 5)])
+    assert empty["busy_us"] == 0 and empty["gaps"] == 0
+
+
+def test_profiled_writes_the_timeline_and_the_tables(tmp_path: Path) -> None:
+    """benchmarks/timeline.py `profiled`: on CPU the timeline and the op tables are written
+    beside each other, and the summary holds the gaps (none: no device events) and its line."""
+    import torch
+
+    timeline = _timeline_module()
+    with timeline.profiled(tmp_path / "out" / "profile_x") as summary:
+        torch.ones(64, 64) @ torch.ones(64, 64)
+    assert (tmp_path / "out" / "profile_x.trace.json").is_file()
+    text = (tmp_path / "out" / "profile_x.txt").read_text()
+    assert text.startswith("profile_x: device busy 0.00 of 0.00 ms; 0 idle gaps")
+    assert "aten::mm" in text
+    assert summary["gaps"]["gaps"] == 0 and summary["line"] == text.splitlines()[0]
