@@ -341,6 +341,9 @@ def serve(scheduler: object, prompts: Sequence[list[int]], max_tokens: int, conc
     return done
 
 
+PROFILE_KEPT = 60  # functions of each mode's host profile kept in adapt.json
+
+
 @contextlib.contextmanager
 def profiled_iterations(scheduler: object) -> Iterator[dict]:
     """cProfile around each of the scheduler's iterations, on its own thread; at exit the
@@ -375,7 +378,19 @@ def profiled_iterations(scheduler: object) -> Iterator[dict]:
         waits = {k: own.pop(k) for k in [k for k in own if "synchronize" in k]}
         out.update(steps=steps, host_us=1e6 * sum(own.values()) / steps,
                    wait_us=1e6 * sum(waits.values()) / steps,
-                   top=[(k, 1e6 * v / steps) for k, v in own.most_common(12)])
+                   top=[(k, 1e6 * v / steps) for k, v in own.most_common(12)],
+                   own={k: 1e6 * v / steps for k, v in own.most_common(PROFILE_KEPT)})
+
+
+def profile_difference(off: dict, on: dict, top: int = 12) -> str:
+    """The functions whose own time a step ON exceeds OFF's most (microseconds a step, each
+    mode's PROFILE_KEPT largest; a function absent from a mode's counts 0 there): where the
+    adaptive loop's extra host time goes."""
+    extra = {name: us - off["own"].get(name, 0.0) for name, us in on["own"].items()}
+    largest = sorted(extra.items(), key=lambda item: -item[1])[:top]
+    listed = ", ".join(f"{name} {us:+.1f}" for name, us in largest)
+    return (f"  host profile, on - off: own time {on['host_us'] - off['host_us']:+.1f} us a "
+            f"step; most extra (us a step): {listed}")
 
 
 def profile_line(mode: str, requests: int, prof: dict) -> str:
@@ -706,6 +721,7 @@ def on_off(engine: object, name: str, phases: list[tuple[str, list[list[int]], i
         out["host_profile"] = {mode: profile_mode(engine, on, longest[:args.profile_host],
                                                   longest_tokens, args)
                                for mode, on in (("off", False), ("on", True))}
+        log(profile_difference(out["host_profile"]["off"], out["host_profile"]["on"]))
     if args.trace:  # the same, under torch.profiler: where the device waited for the host
         out["trace"] = {mode: trace_mode(engine, on, longest[:args.trace], longest_tokens, args,
                                          Path(args.out) / f"trace_{name}_{mode}")

@@ -230,7 +230,7 @@ for suite in "$@"; do
         "$(grep -E '^(python_|stream:)' "$DIR/$suite.log" | sort -u)" \
         "$(grep -E '^ +on [a-z_]+: .*steps ' "$DIR/$suite.log")" \
         "$(grep -E '^ +(on|off) measured ' "$DIR/$suite.log" | head -n 16)" \
-        "$(grep -E '^ +(on|off) host profile: ' "$DIR/$suite.log")" \
+        "$(grep -E '^ +((on|off) host profile: |host profile, on - off: )' "$DIR/$suite.log")" \
         "$(grep -E '^ +(on|off) trace, ' "$DIR/$suite.log")" \
         "$(sed -n '/^--- criteria/,$p' "$DIR/$suite.log" | grep -E '^ *(PASS|FAIL|n/a) ')" ;;
     distill)

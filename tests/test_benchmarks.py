@@ -185,11 +185,13 @@ def test_adapt_benchmark_dry_run(tmp_path: Path) -> None:
         profile = shifted["host_profile"][mode]
         assert profile["steps"] > 0 and profile["host_us"] > 0 and len(profile["top"]) == 12
         assert f"{mode:>3} host profile: 4 requests, {profile['steps']} steps" in proc.stdout
+        assert 12 <= len(profile["own"]) <= 60
         # and under torch.profiler over 2 requests: the timeline, the tables, the gaps' line
         assert (tmp_path / f"trace_shifted_{mode}.trace.json").is_file()
         assert (tmp_path / f"trace_repetitive_{mode}.txt").is_file()
         assert shifted["trace"][mode]["gaps"] == 0  # (CPU: no device events)
         assert f"{mode:>3} trace, 2 requests: trace_shifted_{mode}: device busy" in proc.stdout
+    assert "host profile, on - off: own time" in proc.stdout
     assert (tmp_path / "adapt.png").is_file()
     lines = proc.stdout.splitlines()
     assert lines[-1].startswith("dry run on CPU")
@@ -349,3 +351,14 @@ def test_profiled_writes_the_timeline_and_the_tables(tmp_path: Path) -> None:
     assert text.startswith("profile_x: device busy 0.00 of 0.00 ms; 0 idle gaps")
     assert "aten::mm" in text
     assert summary["gaps"]["gaps"] == 0 and summary["line"] == text.splitlines()[0]
+
+
+def test_the_host_profiles_difference_names_what_on_adds() -> None:
+    """benchmarks/adapt.py `profile_difference`: per function, ON's own time a step less OFF's
+    (0 where OFF lacks it), largest first."""
+    adapt = _adapt_module()
+    off = {"host_us": 100.0, "own": {"a": 50.0, "b": 30.0, "c": 20.0}}
+    on = {"host_us": 160.0, "own": {"a": 55.0, "b": 20.0, "lookup": 40.0, "c": 45.0}}
+    line = adapt.profile_difference(off, on, top=3)
+    assert line == ("  host profile, on - off: own time +60.0 us a step; most extra (us a "
+                    "step): lookup +40.0, c +25.0, a +5.0")
