@@ -101,9 +101,14 @@ step() {
     return 124
   fi
   echo "== $name (at most ${limit} s): $*"
-  timeout "$limit" "$@" > "$DIR/$name.log" 2>&1
+  # At its limit the step's processes get SIGABRT (SIGKILL 15 s later): with
+  # PYTHONFAULTHANDLER each Python process of the group prints every thread's stack into the
+  # log first, so a cut run says where it was. (No core files.)
+  ( ulimit -c 0; PYTHONFAULTHANDLER=1 timeout -s ABRT -k 15 "$limit" "$@" ) \
+    > "$DIR/$name.log" 2>&1
   local rc=$?
-  [ "$rc" = 124 ] && echo "(stopped by its ${limit} s limit)" >> "$DIR/$name.log"
+  [ "$rc" = 124 ] && echo "(stopped by its ${limit} s limit; the stacks it was in are above)" \
+    >> "$DIR/$name.log"
   grep -v -i warn "$DIR/$name.log" | tail -n 3
   return "$rc"
 }
