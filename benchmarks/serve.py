@@ -76,10 +76,10 @@ import math
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -1008,8 +1008,9 @@ def timed(fn: object, runs: int) -> float:
 
 def engine_figures(engine: object, prompt: list[int], output_len: int, runs: int) -> dict:
     """One row through `generate`: the first token (prefill + set-up) and each further one
-    ((t(n) - t(1)) / (n - 1)); on CUDA also the target-only iteration graph at the run's mid
-    length (CUDA events; decode.py's "iteration_ms")."""
+    ((t(n) - t(1)) / (n - 1), the median over runs of t(1) and t(n) timed one after the other,
+    so that both see the same load); on CUDA also the target-only iteration graph at the run's
+    mid length (CUDA events; decode.py's "iteration_ms")."""
     import torch
 
     figures = {}
@@ -1022,10 +1023,14 @@ def engine_figures(engine: object, prompt: list[int], output_len: int, runs: int
     ids = torch.tensor([prompt], device=engine.device)
     no_eos = dict(eos_token_id=[])
     engine.generate(ids, 2, **no_eos)  # warm
-    first = timed(lambda: engine.generate(ids, 1, **no_eos), runs)
-    whole = timed(lambda: engine.generate(ids, output_len, **no_eos), runs)
+    pairs = [(timed(lambda: engine.generate(ids, 1, **no_eos), 1),
+              timed(lambda: engine.generate(ids, output_len, **no_eos), 1))
+             for _ in range(runs)]  # (a busy host's slow spell falls on one pair)
+    first = statistics.median(f for f, _ in pairs)
+    whole = statistics.median(w for _, w in pairs)
+    further = statistics.median(w - f for f, w in pairs)
     figures.update(first_token_ms=1e3 * first,
-                   per_token_ms=1e3 * (whole - first) / max(output_len - 1, 1),
+                   per_token_ms=1e3 * further / max(output_len - 1, 1),
                    generate_tok_s=output_len / whole)
     log(f"engine, one row: first token (prefill of {len(prompt)} + set-up) "
         f"{figures['first_token_ms']:.2f} ms, then {figures['per_token_ms']:.3f} ms per token "
