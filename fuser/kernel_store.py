@@ -152,11 +152,15 @@ def triton_kernel_files(device: torch.device, kernels: list[Any] | None = None) 
 @contextlib.contextmanager
 def _recording_module_loads() -> Iterator[list[Path]]:
     """The files Triton loads its C modules from while the block runs (`_load_module_from_path`,
-    called by `compile_module_from_src` on a cache hit and after a build alike)."""
+    called by `compile_module_from_src` on a cache hit and after a build alike; Triton 3.6 to
+    3.9 at least). A Triton without it records none."""
     import triton.runtime.build as build
 
     loaded: list[Path] = []
-    original = build._load_module_from_path
+    original = getattr(build, "_load_module_from_path", None)
+    if original is None:
+        yield loaded
+        return
 
     def recording(name: str, path: str) -> ModuleType:
         loaded.append(Path(path))
