@@ -214,22 +214,41 @@ def triton_module_files(cache_dirs: Iterable[Path]) -> list[Path]:
     """The C extension modules this process loaded from Triton's cache directories `cache_dirs`
     (each `<dir>/<cache key>/<name><EXT_SUFFIX>`): the driver's utilities and the kernels'
     launchers, which Triton compiles from C on first use where its cache lacks them and keeps
-    loaded while a kernel can launch. Found among the live module objects (Triton loads them
-    without `sys.modules`), so every launcher of this process is kept, fuser's kernels' and any
-    of Inductor's that do not use its static launcher."""
+    loaded while a kernel can launch, so every launcher of this process is kept, fuser's
+    kernels' and any of Inductor's that do not use its static launcher.
+
+    Found among the files mapped into the process (`/proc/self/maps`, where there is one) and
+    the live module objects' `__file__` (Triton loads them without `sys.modules`). The mapped
+    files come first because a launcher loaded a second time rewrites the `__file__` of another
+    launcher's module object (`triton_launcher_files`): after that no module object names it."""
     roots = [Path(d).resolve() for d in cache_dirs]
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    files = set()
+    paths = set(_mapped_files())
     for obj in gc.get_objects():
-        if type(obj) is not ModuleType:
-            continue
-        path = getattr(obj, "__file__", None)
-        if not isinstance(path, str) or not path.endswith(suffix):
-            continue
-        resolved = Path(path).resolve()
-        if resolved.parent.parent in roots and resolved.is_file():
-            files.add(resolved)
+        if type(obj) is ModuleType and isinstance(getattr(obj, "__file__", None), str):
+            paths.add(obj.__file__)
+    files = set()
+    for path in paths:
+        if path.endswith(suffix):
+            resolved = Path(path).resolve()
+            if resolved.parent.parent in roots and resolved.is_file():
+                files.add(resolved)
     return sorted(files)
+
+
+def _mapped_files() -> list[str]:
+    """The paths of the files mapped into this process (Linux: `/proc/self/maps`; elsewhere
+    none)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return []
+    paths = set()
+    for line in maps.splitlines():
+        fields = line.split(None, 5)  # address perms offset dev inode [path]
+        if len(fields) == 6 and fields[5].startswith("/") and not fields[5].endswith(")"):
+            paths.add(fields[5])  # (a deleted file's path ends in " (deleted)")
+    return sorted(paths)
 
 
 ISA_PROBE_MARK = "_chk_kernel"

@@ -466,6 +466,26 @@ def test_a_launcher_loaded_again_is_kept_by_the_file_triton_loads(
     assert len(files) == 4 and set(first.values()) < set(files)
 
 
+def test_every_launcher_loaded_is_kept_after_reloads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`triton_module_files` keeps every C module this process loaded from the cache, also one
+    whose module object's `__file__` a later load of another launcher rewrote (CPython loads a
+    single-phase module again into `sys.modules`' module of its name): the files mapped into
+    the process name them all. Here: three launchers, the first two again, a new one, the
+    third again."""
+    import triton.runtime.build as build
+
+    from fuser import kernel_store
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    files = set()
+    for value in (1, 2, 3, 1, 2, 4, 3):
+        module = build.compile_module_from_src(launcher_source(value), "__triton_launcher")
+        files.add(Path(module.__file__).resolve())
+    assert len(files) == 4
+    assert set(kernel_store.triton_module_files([tmp_path / "cache"])) == files
+
+
 def test_tritons_c_modules_loaded_before_inductor_moved_its_cache_are_kept(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A build process started without TRITON_CACHE_DIR loads Triton's driver utilities (at
