@@ -677,18 +677,25 @@ def run_mode(engine: object, on: bool, phases: list[tuple[str, list[list[int]], 
 # -- the workloads --------------------------------------------------------------------------------
 
 
-def profile_mode(engine: object, on: bool, prompts: list[list[int]], max_tokens: int,
-                 args: argparse.Namespace) -> dict:
-    """`prompts` served by a scheduler of their own (ON or OFF), its loop profiled
-    (`profiled_iterations`); -> the profile."""
+@contextlib.contextmanager
+def own_scheduler(engine: object, on: bool, args: argparse.Namespace) -> Iterator[object]:
+    """A started scheduler of its own for one mode (ON or OFF), closed after the block."""
     scheduler = make_scheduler(engine, on, args)
     scheduler.tally = Tally()
     scheduler.start()
     try:
-        with profiled_iterations(scheduler) as prof:
-            serve(scheduler, prompts, max_tokens, args.concurrency)
+        yield scheduler
     finally:
         scheduler.close()
+
+
+def profile_mode(engine: object, on: bool, prompts: list[list[int]], max_tokens: int,
+                 args: argparse.Namespace) -> dict:
+    """`prompts` served by a scheduler of their own (ON or OFF), its loop profiled
+    (`profiled_iterations`); -> the profile."""
+    with own_scheduler(engine, on, args) as scheduler, \
+            profiled_iterations(scheduler) as prof:
+        serve(scheduler, prompts, max_tokens, args.concurrency)
     log(profile_line("on" if on else "off", len(prompts), prof))
     return prof
 
@@ -700,14 +707,8 @@ def trace_mode(engine: object, on: bool, prompts: list[list[int]], max_tokens: i
     with the host's ops in them logged; -> the gaps."""
     from timeline import profiled
 
-    scheduler = make_scheduler(engine, on, args)
-    scheduler.tally = Tally()
-    scheduler.start()
-    try:
-        with profiled(stem) as summary:
-            serve(scheduler, prompts, max_tokens, args.concurrency)
-    finally:
-        scheduler.close()
+    with own_scheduler(engine, on, args) as scheduler, profiled(stem) as summary:
+        serve(scheduler, prompts, max_tokens, args.concurrency)
     log(f"  {'on' if on else 'off':>3} trace, {len(prompts)} requests: {summary['line']}")
     return summary["gaps"]
 

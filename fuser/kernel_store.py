@@ -219,11 +219,11 @@ def triton_module_files(cache_dirs: Iterable[Path]) -> list[Path]:
 
     Found among the files mapped into the process (`/proc/self/maps`, where there is one) and
     the live module objects' `__file__` (Triton loads them without `sys.modules`). The mapped
-    files come first because a launcher loaded a second time rewrites the `__file__` of another
+    files are needed because a launcher loaded a second time rewrites the `__file__` of another
     launcher's module object (`triton_launcher_files`): after that no module object names it."""
     roots = [Path(d).resolve() for d in cache_dirs]
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    paths = set(_mapped_files())
+    paths = _mapped_files()
     for obj in gc.get_objects():
         if type(obj) is ModuleType and isinstance(getattr(obj, "__file__", None), str):
             paths.add(obj.__file__)
@@ -236,19 +236,19 @@ def triton_module_files(cache_dirs: Iterable[Path]) -> list[Path]:
     return sorted(files)
 
 
-def _mapped_files() -> list[str]:
+def _mapped_files() -> set[str]:
     """The paths of the files mapped into this process (Linux: `/proc/self/maps`; elsewhere
     none)."""
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
-        return []
+        return set()
     paths = set()
     for line in maps.splitlines():
         fields = line.split(None, 5)  # address perms offset dev inode [path]
         if len(fields) == 6 and fields[5].startswith("/") and not fields[5].endswith(")"):
             paths.add(fields[5])  # (a deleted file's path ends in " (deleted)")
-    return sorted(paths)
+    return paths
 
 
 ISA_PROBE_MARK = "_chk_kernel"

@@ -126,13 +126,18 @@ def test_decode_says_it_needs_a_gpu() -> None:
     assert proc.returncode == 1
     assert "no CUDA device" in proc.stderr and "Traceback" not in proc.stderr
 
-def _adapt_module():
+def _benchmark_module(name: str):
+    """benchmarks/<name>.py, imported as the benchmarks import each other (their folder on the
+    path)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        import adapt
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    return adapt
+
+
+def _adapt_module():
+    return _benchmark_module("adapt")
 
 
 def test_adapt_benchmark_streams_and_windows(tmp_path: Path) -> None:
@@ -297,20 +302,11 @@ def test_adapt_acceptance_criterion_needs_an_accepted_update(accepted: int) -> N
         adapt.RESULTS.update(saved)
 
 
-def _timeline_module():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import timeline
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return timeline
-
-
 def test_device_gaps_and_the_host_ops_inside_them() -> None:
     """benchmarks/timeline.py: the device's busy time is the union of its events (an overlap
     counted once), an idle span counts as a gap from MIN_GAP_US, and each host op is credited
     with its overlap with the gaps only (a long op that began well before a gap too)."""
-    timeline = _timeline_module()
+    timeline = _benchmark_module("timeline")
 
     def ev(cat: str, name: str, ts: float, dur: float) -> dict:
         return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
@@ -343,7 +339,7 @@ def test_profiled_writes_the_timeline_and_the_tables(tmp_path: Path) -> None:
     beside each other, and the summary holds the gaps (none: no device events) and its line."""
     import torch
 
-    timeline = _timeline_module()
+    timeline = _benchmark_module("timeline")
     with timeline.profiled(tmp_path / "out" / "profile_x") as summary:
         torch.ones(64, 64) @ torch.ones(64, 64)
     assert (tmp_path / "out" / "profile_x.trace.json").is_file()
