@@ -25,9 +25,11 @@ def copy_from_host(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
-def to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """`values` as an int64 tensor [len(values)] on `device` (`copy_from_host`)."""
-    host = torch.tensor(values, dtype=torch.long)
+def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.long
+              ) -> torch.Tensor:
+    """`values` (a list, or a list of equal-length lists) as a `dtype` tensor on `device`
+    (`copy_from_host`)."""
+    host = torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
         return host.to(device)
     out = torch.empty_like(host, device=device)

@@ -98,6 +98,7 @@ from fuser.runtime import speculative
 from fuser.runtime.blocks import BlockManager
 from fuser.runtime.bucket_capture import capture_waiting, stepping
 from fuser.runtime.generate import ReadBack
+from fuser.runtime.host_copies import to_device
 from fuser.runtime.idle_capture import PLAN_QUIET, IdleCaptures
 from fuser.runtime.prompts import Prompts, pad_batch
 from fuser.runtime.speculative import EOS_SLOTS
@@ -1070,9 +1071,8 @@ class Scheduler:
         device = self._state.pending.device
         emitted = None
         if any(s.output_ids for s in group):  # resumed after preemption
-            emitted = torch.tensor([len(s.output_ids) for s in group], dtype=torch.long,
-                                   device=device)
-        tokens = torch.tensor(token_lists, dtype=torch.long, device=device)  # [k, T]
+            emitted = to_device([len(s.output_ids) for s in group], device)
+        tokens = to_device(token_lists, device)  # [k, T]
         self._chunking = _ChunkedPrefill(group, token_lists, tokens, progress, emitted,
                                  any(not s.params.greedy for s in group))
 
@@ -1275,8 +1275,7 @@ class Scheduler:
         self._load_rows(group)
         device = self._state.pending.device
         if self.blocks is None:
-            tokens = torch.tensor([s.prompt_ids for s in group], dtype=torch.long,
-                                  device=device)  # [k, T]
+            tokens = to_device([s.prompt_ids for s in group], device)  # [k, T]
             prompts = Prompts(tokens=tokens,
                               starts=torch.zeros(k, dtype=torch.long, device=device), batch=k)
             padded = pad_batch(prompts, rows, min_length=bucket.prefill_length(T))
@@ -1312,14 +1311,12 @@ class Scheduler:
         device = self._state.pending.device
         T = len(token_lists[0])
         dummies = B - k
-        tokens = torch.tensor(token_lists + [[0] * T] * dummies, dtype=torch.long,
-                              device=device)  # [B, T]
+        tokens = to_device(token_lists + [[0] * T] * dummies, device)  # [B, T]
         starts = cached + [min(cached)] * dummies  # (a dummy widens no chunk)
         self._refresh_draft(bucket, tokens, starts)
         emitted = None
         if any(s.output_ids for s in group):  # resumed after preemption
-            emitted = torch.tensor([len(s.output_ids) for s in group] + [0] * dummies,
-                                   dtype=torch.long, device=device)
+            emitted = to_device([len(s.output_ids) for s in group] + [0] * dummies, device)
         do_sample = any(not s.params.greedy for s in group)
         if any(cached):
             result = speculative.prefill_chunk(bucket.target, bucket.draft, bucket.state, tokens,

@@ -36,7 +36,7 @@ from fuser.ops.argmax import argmax
 from fuser.runtime.branches import run_concurrently
 from fuser.runtime.draft_kernels import (catchup_inputs, draft_advance, overlap_catchup_inputs,
                                          verify_inputs)
-from fuser.runtime.host_copies import to_device
+from fuser.runtime.host_copies import copy_from_host, to_device
 from fuser.runtime.steps import (CATCHUP, CHUNK, DECODE, PREFILL, RESYNC, ModelSteps,
                                  verify as verify_step)
 from fuser.runtime.prompts import Prompts
@@ -132,7 +132,8 @@ class DecodeState:
         """Set requests' values in rows [0, k), k = len(max_new_tokens), request i's at index i
         of each (eos: at most EOS_SLOTS ids; top_k None or >= vocab_size: off; top_p None:
         off): each field is one copy from the host, not a few device writes a row (an
-        admission's host time, measured on an H100: benchmarks/RESULTS.md)."""
+        admission's host time, measured on an H100: benchmarks/RESULTS.md), queued without
+        making the host wait for the device (runtime/host_copies.py)."""
         k = len(max_new_tokens)
         if any(len(ids) > self.eos.shape[1] for ids in eos):
             raise ValueError(f"eos_token_id has {max(len(ids) for ids in eos)} ids; at most "
@@ -152,7 +153,7 @@ class DecodeState:
             (self.seed, torch.tensor(seeds, dtype=torch.long)),
         ]
         for field, value in values:
-            field[:k].copy_(value)
+            copy_from_host(field[:k], value)
 
     def keys(self, purpose: int, offset: torch.Tensor | int = 0,
              counter: torch.Tensor | None = None) -> torch.Tensor:

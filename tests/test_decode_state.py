@@ -80,3 +80,43 @@ def test_a_row_move_copies_every_per_row_tensor(src: int, dst: int, seed: int) -
         assert torch.equal(value[dst], old[src]), name
         others = [b for b in range(BATCH) if b != dst]
         assert torch.equal(value[others], old[others]), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_rows_load_without_waiting_for_the_device() -> None:
+    """On CUDA an admission's `load_rows` queues its copies behind the step in flight without
+    making the host wait for the device (`torch.cuda.set_sync_debug_mode("error")`: a copy from
+    pageable memory synchronises and raises), and the rows hold what the CPU's load gives; so
+    does `to_device` of a prompt group's token rows."""
+    from fuser.runtime.host_copies import to_device
+
+    rows = [dict(max_new_tokens=7, eos=[1, 2], temperature=0.7, top_k=5, top_p=0.9, seed=-3),
+            dict(max_new_tokens=4096, eos=[], temperature=1.0, top_k=None, top_p=None, seed=11)]
+    args = ([r["max_new_tokens"] for r in rows], [r["eos"] for r in rows],
+            [r["temperature"] for r in rows], [r["top_k"] for r in rows],
+            [r["top_p"] for r in rows], VOCAB, [r["seed"] for r in rows])
+    cpu, gpu = filled(1), DecodeState.allocate(BATCH, 16, torch.device("cuda"))
+    for name, value in vars(cpu).items():
+        getattr(gpu, name).copy_(value)
+    cpu.load_rows(*args)
+    busy = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(4):  # work in flight while the rows load
+            busy = busy @ busy / 64
+        gpu.load_rows(*args)
+        tokens = to_device([[5, 6, 7], [8, 9, 10]], torch.device("cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for name, value in vars(cpu).items():
+        assert torch.equal(value, getattr(gpu, name).cpu()), name
+    assert tokens.tolist() == [[5, 6, 7], [8, 9, 10]] and tokens.dtype == torch.long
+
+
+def test_to_device_takes_rows_of_tokens() -> None:
+    from fuser.runtime.host_copies import to_device
+
+    out = to_device([[1, 2], [3, 4]], torch.device("cpu"))
+    assert out.dtype == torch.long and out.tolist() == [[1, 2], [3, 4]]
+    assert to_device([0.5], torch.device("cpu"), torch.float32).dtype == torch.float32
