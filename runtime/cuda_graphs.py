@@ -3,6 +3,15 @@
 A captured step reads its inputs from static buffers (tokens and positions are copied in; the
 cache's seq_lens and starts are read where they live, so the runtime must update them in
 place) and writes its logits to a static output that the next replay overwrites.
+
+Graphs in parts. Launching a graph costs the host time in proportion to its kernels, and the
+device starts on it only once the launch returns: the 8B shape's uncompiled chunk step (a
+prefix-cache hit, ~1 us a kernel) spent 549 us in `cudaGraphLaunch` with the GPU idle, on the
+request's time to first token (benchmarks/RESULTS.md, "Prefix caching"). A step run through
+`in_parts` ends its graph every PART_NODES ops and goes on in the next, all in one memory pool
+and replayed in order: the device runs a part while the host launches the next, and only the
+first part's launch is waited for. (The decode loops' steps are launched while the step before
+runs: one graph each.)
 """
 
 from __future__ import annotations
@@ -14,6 +23,10 @@ from typing import Any
 import torch
 
 StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+# Ops (FX call_function nodes) per graph part of a step run `in_parts`: a part's launch takes
+# the host ~0.1 ms, well under the device's time for the part's kernels at the 8B shape.
+PART_NODES = 96
 
 # One capture at a time in the process (torch's rule for CUDA graphs), and no device-wide sync
 # or cache emptying while one is under way: `torch.cuda.graph` synchronizes the device and
@@ -55,6 +68,83 @@ def capture_graph(graph: torch.cuda.CUDAGraph, fn: Callable[[], Any], pool: obje
         except BaseException:
             release_generator(device)
             raise
+
+
+class _Parts(threading.local):
+    """This thread's capture in parts: the graphs so far (the last one capturing), or None."""
+
+    graphs: list[torch.cuda.CUDAGraph] | None = None
+
+
+_parts = _Parts()
+
+
+def part_boundary() -> None:
+    """Where a step run `in_parts` may end a graph part: inside `capture_graphs` on this thread,
+    the graph capturing ends and the next begins (same pool and stream); elsewhere nothing."""
+    graphs = _parts.graphs
+    if graphs is None:
+        return
+    graphs[-1].capture_end()
+    graph = torch.cuda.CUDAGraph()
+    graph.capture_begin(pool=graphs[0].pool(), capture_error_mode="thread_local")
+    graphs.append(graph)
+
+
+def capture_graphs(fn: Callable[[], Any], pool: object | None, device: torch.device
+                   ) -> tuple[list[torch.cuda.CUDAGraph], Any]:
+    """Record `fn()` as one graph, or several where it calls `part_boundary` (replay them in
+    order); -> (the graphs, what fn returned). As `capture_graph` (its own stream,
+    "thread_local" mode, memory from `pool`), with one graph per part."""
+    with CAPTURE_LOCK:
+        torch.cuda.synchronize(device)  # (as torch.cuda.graph: the capture starts clean)
+        torch.cuda.empty_cache()
+        graphs = [torch.cuda.CUDAGraph()]
+        try:
+            with torch.no_grad(), torch.cuda.stream(capture_stream(device)):
+                graphs[0].capture_begin(*(() if pool is None else (pool,)),
+                                        capture_error_mode="thread_local")
+                _parts.graphs = graphs
+                try:
+                    out = fn()
+                finally:
+                    _parts.graphs = None
+                    graphs[-1].capture_end()
+        except BaseException:
+            release_generator(device)
+            raise
+        return graphs, out
+
+
+class PartsRunner(torch.fx.Interpreter):
+    """An FX step run op by op with a `part_boundary` after every `every` ops (call_function
+    nodes): what `in_parts` captures. Slower on the host than the GraphModule's own code, so
+    only for warm-up and capture; the replays run no Python."""
+
+    def __init__(self, module: torch.fx.GraphModule, every: int) -> None:
+        super().__init__(module, garbage_collect_values=True)
+        self.every, self._ops = every, 0
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        out = super().run_node(n)
+        if n.op == "call_function":
+            self._ops += 1
+            if self._ops % self.every == 0:
+                part_boundary()
+        return out
+
+
+def in_parts(step: StepFn, every: int | None = None) -> StepFn:
+    """`step` run so that a capture of it ends a graph part every `every` ops (default
+    PART_NODES; an FX GraphModule: `PartsRunner`); any other step as it is (one graph)."""
+    if not isinstance(step, torch.fx.GraphModule):
+        return step
+    every = every or PART_NODES
+
+    def run(tokens: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
+            starts: torch.Tensor) -> torch.Tensor:
+        return PartsRunner(step, every).run(tokens, positions, seq_lens, starts)
+    return run
 
 
 def release_generator(device: torch.device) -> None:
@@ -100,9 +190,8 @@ class CudaGraphStep:
             for _ in range(warmup):
                 fn(self.tokens, self.positions, seq_lens, starts)
         torch.cuda.current_stream(device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        self.logits = capture_graph(  # [B, T, V], static
-            self.graph, lambda: fn(self.tokens, self.positions, seq_lens, starts), pool, device)
+        self.graphs, self.logits = capture_graphs(  # [B, T, V], static; a graph a part
+            lambda: fn(self.tokens, self.positions, seq_lens, starts), pool, device)
         self.replays = 0
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
@@ -111,6 +200,7 @@ class CudaGraphStep:
             raise RuntimeError("a captured step must be given the cache's own length tensors")
         self.tokens.copy_(tokens)
         self.positions.copy_(positions)
-        self.graph.replay()
+        for graph in self.graphs:
+            graph.replay()
         self.replays += 1
         return self.logits

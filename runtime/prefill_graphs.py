@@ -18,6 +18,9 @@ graphs longer than SHORT_PREFILL_TOKENS are kept: capturing another drops the le
 used one. Longer prompts run uncaptured. A paged engine's CHUNK step (a prompt's rest after
 cached blocks, a chunked prefill's part) is captured the same way (`ChunkGraphs`).
 
+A graph is captured in parts (runtime/cuda_graphs.py `in_parts`): its launch is on the request's
+time to first token, and the device starts on the first part while the host launches the rest.
+
 Padding is safe because prefill attention is causal and a row's padding slots lie past its end:
 they are written, then overwritten by the decode steps (runtime/prompts.py `pad_batch`). All
 prefill graphs of an engine share one memory pool (they run one at a time, and each graph's
@@ -35,7 +38,7 @@ import warnings
 
 import torch
 
-from fuser.runtime.cuda_graphs import CudaGraphStep, capture_failed
+from fuser.runtime.cuda_graphs import CudaGraphStep, capture_failed, in_parts
 from fuser.runtime.steps import CHUNK, PREFILL, ModelSteps, last_logits
 
 PREFILL_BLOCK = 32  # padded prompt lengths up to SHORT_PREFILL_TOKENS are multiples of this
@@ -180,7 +183,7 @@ class PrefillGraphs:
 
     def _capture(self, T: int) -> CudaGraphStep | None:
         model, cache = self.model, self.model.cache
-        step = model[self.kind].uncaptured
+        step = in_parts(model[self.kind].uncaptured)  # (its launch is on the request's path)
 
         def last_only(tokens: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
                       starts: torch.Tensor) -> torch.Tensor:

@@ -181,12 +181,15 @@ def test_gpu_prefill_graph_replays_the_uncaptured_prefill() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_chunk_graph_replays_the_uncaptured_chunk() -> None:
-    """A paged engine's CHUNK step through its captured graph (`ChunkGraphs`) gives the
-    uncaptured step's logits at each row's chosen position and leaves the same pools, over
-    slots a prefill wrote before it (fp32, the same kernels: bit for bit)."""
+def test_gpu_chunk_graph_replays_the_uncaptured_chunk(monkeypatch) -> None:
+    """A paged engine's CHUNK step through its captured graph (`ChunkGraphs`, in parts of 8
+    ops here) gives the uncaptured step's logits at each row's chosen position and leaves the
+    same pools, over slots a prefill wrote before it (fp32, the same kernels: bit for bit)."""
+    from fuser.runtime import cuda_graphs
     from fuser.runtime.prefill_graphs import ChunkGraphs
     from fuser.runtime.steps import CHUNK
+
+    monkeypatch.setattr(cuda_graphs, "PART_NODES", 8)
 
     target = tiny_model("llama", layers=2, dtype=torch.float32).to("cuda")
     engine = fuser.optimize(target, config=fuser.FuserConfig(
@@ -217,6 +220,7 @@ def test_gpu_chunk_graph_replays_the_uncaptured_chunk() -> None:
     replays = engine.report().graph_replays
     assert [v for k, v in replays.items() if k.startswith("chunk.") and k.endswith(".target.t32")] \
         == [1], replays
+    assert len(model.chunk_graphs.graphs[32].graphs) > 2  # (captured in parts)
 
 
 class _Cache:
@@ -269,3 +273,61 @@ def test_resync_pads_the_draft_prefill_to_a_captured_length(captured, width) -> 
     resync_draft(draft, target, state, behind=20)
     assert draft.widths == [width]
     assert torch.equal(draft.cache.seq_lens, lengths)  # lengths follow the target, not the pad
+
+
+def test_a_step_run_in_parts_computes_what_the_step_computes(monkeypatch) -> None:
+    """`in_parts` runs a rewritten prefill step op by op with a part boundary every `every`
+    ops (no-ops outside a capture): the same logits and cache as the GraphModule's own code,
+    and a boundary after every `every` ops."""
+    from fuser.runtime import cuda_graphs
+
+    engine = fuser.optimize(tiny_model("llama", layers=2), config=fuser.FuserConfig(
+        max_seq_len=64, compile="fx"))
+    model = engine.bucket(1).target
+    step = model[PREFILL].uncaptured
+    assert isinstance(step, torch.fx.GraphModule)
+    ops = sum(n.op == "call_function" for n in step.graph.nodes)
+    boundaries = []
+    real = cuda_graphs.part_boundary
+    monkeypatch.setattr(cuda_graphs, "part_boundary", lambda: (boundaries.append(1), real()))
+    tokens = torch.randint(0, 100, (1, 12), generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(12)[None]
+
+    def run(fn) -> list[torch.Tensor]:
+        model.cache.begin(torch.zeros(1, dtype=torch.long))
+        out = fn(tokens, positions, model.cache.seq_lens, model.cache.starts)
+        return [out.clone(), *(t.clone() for t in (*model.cache.k, *model.cache.v))]
+
+    for got, want in zip(run(cuda_graphs.in_parts(step, every=10)), run(step)):
+        assert torch.equal(got, want)
+    assert len(boundaries) == ops // 10 > 2
+    assert cuda_graphs.in_parts(model[PREFILL].eager) is model[PREFILL].eager  # (no FX: whole)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_a_capture_in_parts_replays_its_parts_in_order() -> None:
+    """`capture_graphs`: a function that calls `part_boundary` twice is captured as three
+    graphs in one pool; replayed in order they compute what it computes on new inputs, the
+    values made in one part and used in a later one kept (same pool: not reused under them)."""
+    from fuser.runtime.cuda_graphs import capture_graphs, part_boundary
+
+    device = torch.device("cuda")
+    x = torch.zeros(1024, device=device)
+
+    def fn() -> torch.Tensor:
+        a = x * 2 + 1
+        part_boundary()
+        b = torch.empty_like(a).fill_(3) * a  # (a new block while `a` lives)
+        part_boundary()
+        return (a + b).sum(0, keepdim=True) + x[:1]
+
+    graphs, out = capture_graphs(fn, None, device)
+    assert len(graphs) == 3
+    for value in (1.0, -2.5, 7.0):
+        x.fill_(value)
+        for graph in graphs:
+            graph.replay()
+        torch.cuda.synchronize()
+        want = (4 * (2 * value + 1)) * 1024 + value
+        assert out.item() == pytest.approx(want, rel=1e-5)
