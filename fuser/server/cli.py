@@ -22,6 +22,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from fuser.bytecode import uncached_modules
+
 DEFAULT_MODEL_BATCH = 8  # --max-batch-size for a model directory
 PRECISION_CHOICES = ("auto", "fp32", "bf16", "fp16", "fp8")  # FuserConfig.precision
 DEFAULT_BLOCK_SIZE = 16  # --block-size: slots per KV block (vLLM's default)
@@ -595,6 +597,9 @@ class ColdStart:
         return "\n".join(lines)
 
 
+# Imported modules without cached bytecode from which the cold-start table says so (each
+# costs its compile at every start: fuser/bytecode.py).
+UNCACHED_NOTE = 50
 LOAD_PARTS = {"read": "read", "code": "code load", "first_run": "first run",
               "capture": "capture"}
 
@@ -652,6 +657,9 @@ def run_serve(args: argparse.Namespace) -> int:
             progress(f"the HTTP warm-up failed ({failed}); the first request may be slower")
         serving.release()
         cold.mark("warm-up")
+        uncached = uncached_modules()
+        if uncached.total >= UNCACHED_NOTE:
+            cold.note(uncached.note())
         for line in cold.table().splitlines():
             progress(line)
         say(f"fuser serve: ready at {server.url} (model {name})")
