@@ -60,6 +60,10 @@
 #             tests, compiled with this host's C compiler (a native case skipped fails the suite),
 #             then the host time of a step for 64 rows (suffix_index.py --min-match 4)  ~1 min
 #
+# BYTECODE=1: before the suites, compile the cached bytecode of the installed packages that `fuser
+# serve` imports where the install left none (as pip does at install time: fuser/bytecode.py
+# says why a cold start without it pays seconds); it prints what it compiled.
+#
 # Each suite writes its full logs and JSON under $OUT/<suite>/ and ends with a short table; the
 # tables of every suite come again at the end. Environment: OUT (default /tmp/fuser-out),
 # BUDGET (seconds for the whole command, default 580: one device call is 600 s), PAGED_ARGS
@@ -88,6 +92,21 @@ fi
 python3 -c "import torch, triton, transformers; print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" \
   | tee "$OUT/versions.txt"
 git log -1 --format='commit %h %s' 2>/dev/null | tee -a "$OUT/versions.txt"
+if [ "${BYTECODE:-0}" = 1 ]; then
+  python3 - <<'PY' 2>&1 | tee -a "$OUT/versions.txt"
+import compileall, time
+import torch, torch._inductor.codecache, torch._inductor.standalone_compile  # noqa: F401
+import transformers, fuser.server.cli, fuser.engine  # noqa: F401
+from fuser.bytecode import uncached_modules
+found = uncached_modules()
+start = time.perf_counter()
+for dirs in found.directories.values():
+    for d in dirs:
+        compileall.compile_dir(d, quiet=1, workers=0)
+print(f"bytecode: {found.total} imported modules had none ({dict(sorted(found.counts.items(), key=lambda kv: -kv[1])[:6])}); "
+      f"compiled their directories in {time.perf_counter() - start:.1f} s; left without: {uncached_modules().total}")
+PY
+fi
 TABLES=()
 
 # step NAME SECONDS CMD...: run CMD with its output in $DIR/NAME.log, for at most SECONDS and
