@@ -4,9 +4,9 @@ controller (runtime/controller.py) and online draft distillation plugged in
 
 What it adds to runtime/scheduler.py's loop, on the scheduler's thread:
     admit    each request's prompt goes into the suffix index (runtime/suffix.py), and the
-             tokens it is given afterwards, when the index is next read for it: a lookup
-             or its finish (`_index_outputs`: a step that does not look the index up does
-             no index work);
+             tokens it is given afterwards, when the index is first read for it: a lookup
+             (`_index_rows`, `_index_outputs`: a step that does not look the index up does
+             no index work), or at its finish only into the pool of recent outputs;
     issue    per batch bucket, a Controller picks an arm by the wall time per emitted token
              it measured of each: target-only; (draft, g), exactly the plain Scheduler's
              speculative step at gamma g (overlapped rounds where the bucket overlaps and no
@@ -412,13 +412,22 @@ class AdaptiveScheduler(Scheduler):
         super()._start_chunks(group)
 
     def _index(self, group: list[RequestStream]) -> None:
-        """The group's prompts into the suffix index, as they are admitted."""
+        """A group admitted: the next steps look the index up again (`lookups`). Its prompts
+        go into the index only when a lookup first reads their rows (`_proposals`): a request
+        that leaves before any goes straight to the pool (`_finished`), without the own
+        n-grams the index would have hashed and then removed (host time a request, where
+        about one request ends a step)."""
         if self.index is not None:
-            for stream in group:  # (a request resumed after preemption is indexed already)
-                if stream.request_id not in self.index:
-                    self.index.add_request(stream.request_id, stream.prompt_ids)
-                    self._indexed[stream.request_id] = 0
             self.lookups.reset()
+
+    def _index_rows(self, streams: Iterable[RequestStream]) -> None:
+        """Each of `streams` the index does not hold yet goes into it (prompt, then its
+        outputs at `_index_outputs`), as if it had been indexed since its admission."""
+        index, indexed = self.index, self._indexed
+        for stream in streams:
+            if stream.request_id not in index:
+                index.add_request(stream.request_id, stream.prompt_ids)
+                indexed[stream.request_id] = 0
 
     def _index_outputs(self, streams: Iterable[RequestStream]) -> None:
         """The output tokens the index has not been given yet of each of `streams` (those it
@@ -457,10 +466,13 @@ class AdaptiveScheduler(Scheduler):
 
     def _finished(self, stream: RequestStream) -> None:
         """A request left: its output to the pool of recent outputs and to the distiller."""
-        if self.index is not None and stream.request_id in self.index:
-            self._index_outputs((stream,))
-            self.index.finish(stream.request_id)
-            self._indexed.pop(stream.request_id, None)
+        if self.index is not None:
+            if stream.request_id in self.index:
+                self._index_outputs((stream,))
+                self.index.finish(stream.request_id)
+                self._indexed.pop(stream.request_id, None)
+            else:  # (never looked up: pooled as finish would pool it)
+                self.index.pool_finished(stream.prompt_ids, stream.output_ids)
         if self.distiller is not None and stream.output_ids:
             self.distiller.add(stream.prompt_ids + stream.output_ids,
                                start=len(stream.prompt_ids))
@@ -473,8 +485,8 @@ class AdaptiveScheduler(Scheduler):
         tokens[i, :counts[i]]); and the row's output count it continues (the anchor)."""
         width = self._buffers[self.engine.bucket(len(rows)).batch].width
         prefilling = self._prefilling()  # (rows [0, prefilling): a group in chunked prefill)
-        live = [i for i, s in enumerate(rows)
-                if i >= prefilling and not s.done and s.request_id in self.index]
+        live = [i for i, s in enumerate(rows) if i >= prefilling and not s.done]
+        self._index_rows(rows[i] for i in live)
         self._index_outputs(rows[i] for i in live)
         tokens, counts = self.index.propose_arrays([rows[i].request_id for i in live], width,
                                                    self.suffix_min_match)  # all rows at once

@@ -812,7 +812,20 @@ class SuffixIndex:
         first, size = int(self._start[slot]), int(self._end[slot] - self._start[slot])
         start = max(0 if self.keep_prompts else request.prompt_length,
                     size - self.max_recent_tokens)
-        tokens = self._arena[first + start:first + size].copy()  # [n] t + 1
+        self._pool_tokens(self._arena[first + start:first + size].copy())  # [n] t + 1
+
+    def pool_finished(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
+        """A finished request that was never indexed joins the recent pool as `finish` would
+        pool it after `add_request(prompt_ids)` and `extend(output_ids)`: its output (with its
+        prompt, keep_prompts), without the own n-grams those would index and `finish` remove
+        (the adaptive scheduler indexes a request only when a lookup needs it)."""
+        ids = list(prompt_ids) + list(output_ids) if self.keep_prompts else list(output_ids)
+        tokens = np.asarray(ids[max(0, len(ids) - self.max_recent_tokens):], np.uint64) + _ONE
+        self._pool_tokens(tokens)
+
+    def _pool_tokens(self, tokens: np.ndarray) -> None:
+        """Tokens (t + 1) of a finished request into the recent pool, the oldest evicted
+        beyond the bounds."""
         if len(tokens) < 2:
             self._shrink()
             return

@@ -760,3 +760,39 @@ def issued_steps(scheduler: AdaptiveScheduler) -> list[str]:
 
     scheduler._issue = issued
     return sources
+
+
+def test_a_request_that_leaves_before_any_lookup_is_pooled_without_being_indexed():
+    """A request is put into the suffix index only when a lookup first reads its row: one
+    that ends at its prefill (one token) never is (no `add_request`, whose own n-grams its
+    finish would only remove again: host time a request), and still joins the pool of recent
+    outputs as its finish would pool it (here with its prompt), so a later request that
+    repeats it is proposed its continuation."""
+    from fuser.runtime.suffix import SuffixIndex
+
+    class Counted(SuffixIndex):
+        added = 0
+
+        def add_request(self, request_id, prompt_ids) -> None:
+            Counted.added += 1
+            super().add_request(request_id, prompt_ids)
+
+    eng = engine()
+    index = Counted(min_ngram=2, keep_prompts=True)
+    scheduler = AdaptiveScheduler(eng, adapt_draft=False, background=False, index=index,
+                                  costs=COSTS)
+    try:
+        with eng.generating():  # stepped by hand: admissions and their prefills only
+            streams = [scheduler.submit(p, SamplingParams(max_tokens=1, temperature=0.0))
+                       for p in PROMPTS]
+            while not all(s.done for s in streams):
+                scheduler._iteration()
+            scheduler._retire()
+    finally:
+        scheduler.close()
+    assert [s.output_ids for s in streams] == [r[:1] for r in references()]
+    assert Counted.added == 0 and scheduler.lookup_count == 0
+    assert index.recent_sequences == len(PROMPTS)
+    assert index.recent_tokens == sum(len(p) + 1 for p in PROMPTS)
+    index.add_request("again", PROMPTS[1][:4])
+    assert index.propose("again", 3) == PROMPTS[1][4:7]

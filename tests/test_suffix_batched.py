@@ -299,3 +299,38 @@ def test_dropped_requests_leave_no_key_behind(native, seed, min_match, kind):
     table = index._table
     assert np.count_nonzero(table.rows[:, :_WAYS]) == 0 and not table.stash
     assert table.bits == table.first_bits  # (shrunk back after the growth)
+
+
+@impls
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(st.integers(0, 2**32 - 1), st.booleans(), st.integers(4, 40))
+def test_a_request_pooled_without_indexing_proposes_as_one_indexed_then_finished(
+        native, seed, keep_prompts, max_recent_tokens):
+    """`pool_finished(prompt, output)` (a request the index never held) leaves the pool as
+    `add_request(prompt)`, `extend(output)` and `finish` do: the same recent outputs, the same
+    pooled keys, and the same proposals for live requests after it (the evictions too: a
+    small max_recent_tokens)."""
+    rng = random.Random(seed)
+    options = dict(max_ngram=5, min_ngram=2, native=native, keep_prompts=keep_prompts,
+                   max_recent=3, max_recent_tokens=max_recent_tokens)
+    indexed, pooled = SuffixIndex(**options), SuffixIndex(**options)
+    live = [[rng.randrange(5) for _ in range(rng.randrange(2, 12))] for _ in range(3)]
+    for r, prompt in enumerate(live):
+        for index in (indexed, pooled):
+            index.add_request(("live", r), prompt)
+    for f in range(6):
+        prompt = [rng.randrange(5) for _ in range(rng.randrange(0, 10))]
+        output = [rng.randrange(5) for _ in range(rng.randrange(0, 14))]
+        indexed.add_request(f, prompt)
+        indexed.extend(f, output)
+        indexed.finish(f)
+        pooled.pool_finished(prompt, output)
+        assert (indexed.recent_sequences, indexed.recent_tokens, indexed.pool_entries) == \
+            (pooled.recent_sequences, pooled.recent_tokens, pooled.pool_entries)
+        ids = [("live", r) for r in range(len(live))]
+        for a, b in zip(indexed.propose_arrays(ids, 6, 2), pooled.propose_arrays(ids, 6, 2)):
+            assert np.array_equal(a, b)
+        for r in range(len(live)):
+            new = [rng.randrange(5) for _ in range(rng.randrange(1, 3))]
+            for index in (indexed, pooled):
+                index.extend(("live", r), new)
