@@ -6,8 +6,8 @@ place) and writes its logits to a static output that the next replay overwrites.
 
 Graphs in parts. Launching a graph costs the host time in proportion to its kernels, and the
 device starts on it only once the launch returns: the 8B shape's uncompiled chunk step (a
-prefix-cache hit, ~1 us a kernel) spent 549 us in `cudaGraphLaunch` with the GPU idle, on the
-request's time to first token (benchmarks/RESULTS.md, "Prefix caching"). A step run through
+prefix-cache hit) spent 549 us in `cudaGraphLaunch` with the GPU idle, on the request's time
+to first token (benchmarks/RESULTS.md, "Prefix caching"). A step run through
 `in_parts` ends its graph every PART_NODES ops and goes on in the next, all in one memory pool
 and replayed in order: the device runs a part while the host launches the next, and only the
 first part's launch is waited for. (The decode loops' steps are launched while the step before
@@ -24,8 +24,9 @@ import torch
 
 StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
-# Ops (FX call_function nodes) per graph part of a step run `in_parts`: a part's launch takes
-# the host ~0.1 ms, well under the device's time for the part's kernels at the 8B shape.
+# Ops (FX call_function nodes) per graph part of a step run `in_parts`: a part's launch is a
+# share of the whole graph's, and at the 8B shape its kernels keep the device busy longer
+# than the host takes to launch the next part.
 PART_NODES = 96
 
 # One capture at a time in the process (torch's rule for CUDA graphs), and no device-wide sync
