@@ -30,8 +30,8 @@ StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torc
 PART_NODES = 96
 
 # One capture at a time in the process (torch's rule for CUDA graphs), and no device-wide sync
-# or cache emptying while one is under way: `torch.cuda.graph` synchronizes the device and
-# empties the allocator's cache on entry, which a capture on another thread does not survive
+# or cache emptying while one is under way: a capture (`capture_graphs`, as `torch.cuda.graph`)
+# synchronizes the device and empties the allocator's cache on entry, which a capture on another thread does not survive
 # (the allocator asserts that none is under way). Every capture of the engine (step graphs on
 # the background thread, prefill graphs on the serving thread) and every device-wide sync
 # after a failed one holds this lock. Re-entrant: `capture_failed` runs inside it.
@@ -59,16 +59,13 @@ def capture_graph(graph: torch.cuda.CUDAGraph, fn: Callable[[], Any], pool: obje
     Safe beside another thread that runs work on the same device: the capture records on its
     own stream, in "thread_local" mode (only this thread is barred from unsafe calls such as
     syncs and cudaMalloc; the serving thread's are not errors and do not end the capture), and
-    the pool's allocator routes only this stream's allocations into the graph's pool."""
-    with CAPTURE_LOCK:
-        try:
-            with torch.no_grad(), torch.cuda.graph(graph, pool=pool,
-                                                   stream=capture_stream(device),
-                                                   capture_error_mode="thread_local"):
-                return fn()
-        except BaseException:
-            release_generator(device)
-            raise
+    the pool's allocator routes only this stream's allocations into the graph's pool.
+    (`capture_graphs` with `graph` first; fn must not end a part.)"""
+    graphs, out = capture_graphs(fn, pool, device, first=graph)
+    if len(graphs) != 1:
+        raise RuntimeError("capture_graph records one graph: the function ended a graph part "
+                           "(capture it with capture_graphs)")
+    return out
 
 
 class _Parts(threading.local):
@@ -92,15 +89,16 @@ def part_boundary() -> None:
     graphs.append(graph)
 
 
-def capture_graphs(fn: Callable[[], Any], pool: object | None, device: torch.device
+def capture_graphs(fn: Callable[[], Any], pool: object | None, device: torch.device,
+                   first: torch.cuda.CUDAGraph | None = None
                    ) -> tuple[list[torch.cuda.CUDAGraph], Any]:
-    """Record `fn()` as one graph, or several where it calls `part_boundary` (replay them in
-    order); -> (the graphs, what fn returned). As `capture_graph` (its own stream,
-    "thread_local" mode, memory from `pool`), with one graph per part."""
+    """Record `fn()` as one graph (`first`, else a new one), or several where it calls
+    `part_boundary` (replay them in order); -> (the graphs, what fn returned). Its own stream,
+    "thread_local" mode and memory from `pool`, as `capture_graph` says."""
     with CAPTURE_LOCK:
         torch.cuda.synchronize(device)  # (as torch.cuda.graph: the capture starts clean)
         torch.cuda.empty_cache()
-        graphs = [torch.cuda.CUDAGraph()]
+        graphs = [first if first is not None else torch.cuda.CUDAGraph()]
         try:
             with torch.no_grad(), torch.cuda.stream(capture_stream(device)):
                 graphs[0].capture_begin(*(() if pool is None else (pool,)),

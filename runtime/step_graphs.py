@@ -12,8 +12,9 @@ runtime/speculative.py can be captured:
                             (`speculative.resync_chunk`), replayed as many times as it takes
 
 Each is the same Python function whether it runs uncaptured (CPU; a shape whose capture failed
-or is not captured yet) or captured once under `torch.cuda.graph` and replayed. A loaded engine
-captures bucket 1 first and the other buckets on a background thread while it serves
+or is not captured yet) or captured once (runtime/cuda_graphs.py `capture_graph`) and
+replayed. A loaded engine captures
+bucket 1 first and the other buckets on a background thread while it serves
 (runtime/bucket_capture.py; `Bucket.capture(background=...)`): until a bucket is captured its
 rows step in a captured larger bucket (`Engine.bucket`), or in it uncaptured. Inside a captured iteration the model
 steps run their compiled (Inductor) callables, never CUDA graphs of their own (graphs do not
