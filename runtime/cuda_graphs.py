@@ -16,6 +16,7 @@ runs: one graph each.)
 
 from __future__ import annotations
 
+import gc
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -94,11 +95,18 @@ def capture_graphs(fn: Callable[[], Any], pool: object | None, device: torch.dev
                    ) -> tuple[list[torch.cuda.CUDAGraph], Any]:
     """Record `fn()` as one graph (`first`, else a new one), or several where it calls
     `part_boundary` (replay them in order); -> (the graphs, what fn returned). Its own stream,
-    "thread_local" mode and memory from `pool`, as `capture_graph` says."""
+    "thread_local" mode and memory from `pool`, as `capture_graph` says.
+
+    Python's cyclic garbage collector is held off while it records: a collection on this
+    thread that frees an earlier CUDA graph (a dropped engine or scheduler in a cycle) destroys
+    it mid-capture, which the capture does not survive. A capture that fails leaves the next
+    one into the same pool able to begin (`_release_capture`)."""
     with CAPTURE_LOCK:
         torch.cuda.synchronize(device)  # (as torch.cuda.graph: the capture starts clean)
         torch.cuda.empty_cache()
         graphs = [first if first is not None else torch.cuda.CUDAGraph()]
+        collecting = gc.isenabled()
+        gc.disable()
         try:
             with torch.no_grad(), torch.cuda.stream(capture_stream(device)):
                 graphs[0].capture_begin(*(() if pool is None else (pool,)),
@@ -110,9 +118,28 @@ def capture_graphs(fn: Callable[[], Any], pool: object | None, device: torch.dev
                     _parts.graphs = None
                     graphs[-1].capture_end()
         except BaseException:
-            release_generator(device)
+            _release_capture(device, pool if pool is not None
+                             else graphs[0].pool() if len(graphs) > 1 else None)
             raise
+        finally:
+            if collecting:
+                gc.enable()
         return graphs, out
+
+
+def _release_capture(device: torch.device, pool: object | None) -> None:
+    """After a failed capture into `pool`: the allocator no longer routes to it, and the
+    default generator is out of capture mode. A capture whose end fails (invalidated) returns
+    before telling the allocator, and every later capture into the same pool then fails at its
+    start ("beginAllocateToPool: already recording to mempool_id"): one failed shape took every
+    shape captured after it (the suffix steps' GPU test, benchmarks/RESULTS.md "GPU tests")."""
+    if pool is not None:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        try:
+            torch._C._cuda_endAllocateToPool(index, pool)
+        except RuntimeError:  # (the capture's end got that far: nothing routes there)
+            pass
+    release_generator(device)
 
 
 class PartsRunner(torch.fx.Interpreter):

@@ -199,24 +199,86 @@ import torch
 from fuser.runtime.cuda_graphs import capture_graph
 
 device = torch.device("cuda")
+pool = torch.cuda.graph_pool_handle()
 x = torch.ones(4, device=device)
 try:  # a device-wide sync inside the capture invalidates it, and its end fails
-    capture_graph(torch.cuda.CUDAGraph(), lambda: (x * 2, torch.cuda.synchronize()), None, device)
+    capture_graph(torch.cuda.CUDAGraph(), lambda: (x * 2, torch.cuda.synchronize()), pool, device)
 except Exception as e:
     print("capture failed:", type(e).__name__)
 else:
     raise SystemExit("the capture did not fail")
 print("random numbers:", torch.randn(8, device=device).abs().sum().item() > 0)
+graph = torch.cuda.CUDAGraph()  # the next capture into the same pool
+y = capture_graph(graph, lambda: x * 3, pool, device)
+x.fill_(2.0)
+graph.replay()
+print("same pool again:", y.tolist() == [6.0] * 4)
+"""
+
+# Captured graphs left in reference cycles just before a capture whose function makes enough
+# cyclic garbage for Python's collector to run on its own: a collection mid-capture would
+# destroy the old graphs inside the new capture. (The cycles are made right after a full
+# collection, young: the first automatic collection would free them.)
+GARBAGE_IN_CAPTURE = """
+import gc
+import torch
+from fuser.runtime.cuda_graphs import capture_graph
+
+device = torch.device("cuda")
+pool = torch.cuda.graph_pool_handle()
+x = torch.ones(4, device=device)
+graphs = [torch.cuda.CUDAGraph() for _ in range(4)]
+for old in graphs:
+    capture_graph(old, lambda: x + 1, pool, device)
+
+
+class Holder:
+    pass
+
+
+gc.collect()
+for old in graphs:
+    holder = Holder()
+    holder.graph, holder.me = old, holder
+del graphs, old, holder
+
+
+def garbage():
+    for _ in range(20000):
+        a = []
+        a.append(a)
+    return x * 5
+
+
+graph = torch.cuda.CUDAGraph()
+y = capture_graph(graph, garbage, pool, device)
+graph.replay()
+print("captured beside garbage:", y.tolist() == [5.0] * 4)
 """
 
 
-def test_a_failed_capture_leaves_the_random_numbers_working() -> None:
-    """A capture that fails leaves the default CUDA generator out of capture mode: random
-    numbers drawn afterwards work (runtime/cuda_graphs.py `release_generator`; without it they
+def test_a_failed_capture_leaves_the_random_numbers_and_its_pool_working() -> None:
+    """A capture that fails leaves the default CUDA generator out of capture mode (random
+    numbers drawn afterwards work: runtime/cuda_graphs.py `release_generator`; without it they
     raise "Offset increment outside graph capture encountered unexpectedly", which broke a
-    later test's Inductor autotuning on the same xdist worker). In a fresh process: a broken
-    generator would break every test after this one."""
+    later test's Inductor autotuning on the same xdist worker), and its memory pool open to the
+    next capture (without `_release_capture` that one fails with "beginAllocateToPool: already
+    recording to mempool_id", as every suffix step after one failed shape did). In a fresh
+    process: a broken generator or pool would break every test after this one."""
     done = subprocess.run([sys.executable, "-c", FAILED_CAPTURE], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "capture failed:" in done.stdout and "random numbers: True" in done.stdout
+    assert "same pool again: True" in done.stdout, done.stdout + done.stderr
+
+
+def test_a_capture_survives_the_garbage_collector_freeing_old_graphs() -> None:
+    """Old captured graphs in reference cycles and a captured function that makes cyclic
+    garbage: the collector does not run inside the capture (`capture_graphs` holds it off), so
+    no old graph is destroyed mid-capture and the capture holds. In a fresh process."""
+    done = subprocess.run([sys.executable, "-c", GARBAGE_IN_CAPTURE], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "captured beside garbage: True" in done.stdout, done.stdout + done.stderr
+
+
