@@ -93,19 +93,25 @@ python3 -c "import torch, triton, transformers; print(torch.cuda.get_device_name
   | tee "$OUT/versions.txt"
 git log -1 --format='commit %h %s' 2>/dev/null | tee -a "$OUT/versions.txt"
 if [ "${BYTECODE:-0}" = 1 ]; then
-  python3 - <<'PY' 2>&1 | tee -a "$OUT/versions.txt"
-import compileall, time
+  # The directories come from a process that imported what `fuser serve` imports; compileall
+  # runs in a process of its own (its worker pool cannot start from a script read on stdin
+  # once torch's imports have chosen another start method for subprocesses).
+  found=$(python3 - <<'PY'
 import torch, torch._inductor.codecache, torch._inductor.standalone_compile  # noqa: F401
 import transformers, fuser.server.cli, fuser.engine  # noqa: F401
 from fuser.bytecode import uncached_modules
 found = uncached_modules()
-start = time.perf_counter()
+print(f"{found.total} imported modules had none ({dict(sorted(found.counts.items(), key=lambda kv: -kv[1])[:6])})")
 for dirs in found.directories.values():
-    for d in dirs:
-        compileall.compile_dir(d, quiet=1, workers=0)
-print(f"bytecode: {found.total} imported modules had none ({dict(sorted(found.counts.items(), key=lambda kv: -kv[1])[:6])}); "
-      f"compiled their directories in {time.perf_counter() - start:.1f} s; left without: {uncached_modules().total}")
+    print("\n".join(dirs))
 PY
+)
+  start_s=$SECONDS
+  # shellcheck disable=SC2046  # the directories, one a line
+  python3 -m compileall -q -j 0 $(echo "$found" | tail -n +2) > /dev/null 2>&1
+  rc=$?
+  echo "bytecode: $(echo "$found" | head -n 1); compiled their directories in $((SECONDS - start_s)) s (exit status $rc)" \
+    | tee -a "$OUT/versions.txt"
 fi
 TABLES=()
 

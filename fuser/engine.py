@@ -146,7 +146,8 @@ class Engine:
             pool = torch.cuda.graph_pool_handle()
 
             def capture(bucket: Bucket, background: tuple | None) -> list[str]:
-                usable = [g for g in kinds if g == PLAIN or bucket.draft is not None]
+                usable = [g for g in kinds if (g == PLAIN or bucket.draft is not None)
+                          and (background is not None or g not in bucket.deferred)]
                 with load_profile.kernel_work(self.device) if background is None \
                         else nullcontext() as work:
                     failures = bucket.capture(usable, pool, length, background=background)
@@ -161,8 +162,14 @@ class Engine:
             # (Tensor parallel: the followers capture and replay their part of each iteration
             # with rank 0's, fuser/distributed.py, one command at a time, so in the foreground;
             # prefill, captured per length on first use, runs uncaptured there.)
-            self.capture_graphs(capture, background=background and not to_measure
-                                and self.tensor_parallel is None, progress=say)
+            behind = background and not to_measure and self.tensor_parallel is None
+            if behind and self.adaptive and len(self.gammas) > 1:
+                # Bucket 1 serves once the arms a controller runs first (target-only and the
+                # smallest gamma: runtime/controller.py `first`) are captured; its other gammas
+                # capture first thing in the background, unprobed until then.
+                self.buckets[capture_order(tuple(self.buckets))[0]].deferred = \
+                    set(self.gammas) - {min(self.gammas)}
+            self.capture_graphs(capture, background=behind, progress=say)
             prefill_pool = torch.cuda.graph_pool_handle()
             for bucket in self.buckets.values():
                 if self.tensor_parallel is None:
@@ -188,14 +195,17 @@ class Engine:
         order = capture_order(tuple(self.buckets))
         first = order[0]
 
-        def run(size: int) -> list[str]:
-            behind = background and size != first
+        def run(size: int, behind: bool | None = None) -> list[str]:
+            behind = background and size != first if behind is None else behind
             # (the background thread's current device is cuda:0 until set)
             with torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext():
                 return capture(self.buckets[size],
                                (self._gate, job.stop_event) if behind else None)
 
-        job = BackgroundCapture(order, run, log_line=progress)
+        # A first bucket with gammas deferred (`prepare`) captures them on the thread.
+        deferred = background and bool(self.buckets[first].deferred)
+        job = BackgroundCapture(order, run, log_line=progress,
+                                first_rest=(lambda: run(first, True)) if deferred else None)
         self._capture = job
         if not background:
             for size in order:
@@ -204,11 +214,13 @@ class Engine:
                 progress(f"captured the step graphs of batch buckets {order} in "
                          f"{sum(job.seconds.values()):.1f} s")
             return
+        later = sorted(self.buckets[first].deferred)
         job.capture_now(first)
         if progress is not None:
             rest = order[1:]
             progress(f"captured the step graphs of batch bucket {first} in "
                      f"{job.seconds.get(first, 0.0):.1f} s"
+                     + (f" (gammas {later} capture in the background)" if later else "")
                      + (f"; buckets {rest} capture in the background" if rest else ""))
         job.start()
 
@@ -314,13 +326,18 @@ class Engine:
         """The gamma `fix_gamma` forces, or None."""
         return self._forced_gamma
 
-    def next_gamma(self, controller: Controller | None) -> int:
+    def next_gamma(self, controller: Controller | None, bucket: Bucket | None = None) -> int:
         """The draft length of the step being issued now (0 = target-only): the controller's
-        choice, recorded as issued until `record_step` reads it back."""
+        choice, recorded as issued until `record_step` reads it back. bucket: the one the step
+        runs in; a gamma whose graphs it captures later (`Bucket.deferred`) is not chosen yet
+        (uncaptured, its cost would mislead the controller)."""
         if self._forced_gamma is not None:
             return self._forced_gamma
         if controller is None:
             return self.gamma if self.gammas else 0
+        deferred = bucket.deferred if bucket is not None else None
+        if deferred:
+            return controller.choose(lambda arm: arm[1] not in deferred).gamma
         return controller.choose().gamma
 
     @property

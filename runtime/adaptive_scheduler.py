@@ -521,7 +521,10 @@ class AdaptiveScheduler(Scheduler):
             matched = bool(counts.any())
             self.lookups.found(matched)
             self.lookup_count += 1
-        choice = controller.choose(lambda arm: arm[0] != SUFFIX or matched, started=started)
+        deferred = bucket.deferred  # (the draft's gammas whose graphs capture later)
+        choice = controller.choose(lambda arm: matched if arm[0] == SUFFIX
+                                   else arm[0] != DRAFT or arm[1] not in deferred,
+                                   started=started)
         do_sample = any(not s.params.greedy for s in rows)
         gamma = choice.gamma
         start = time.perf_counter()

@@ -162,14 +162,20 @@ class BackgroundCapture:
     capture: bucket size -> failure messages (each shape that failed runs uncaptured); an
         exception marks the bucket failed (it runs uncaptured) and is logged, never raised.
     log_line: receives a line per captured bucket and one when all are done.
+    first_rest: the first bucket's shapes its foreground capture left (-> failure messages),
+        captured first on the thread; the bucket is ready before (its missing shapes run
+        uncaptured, or not at all: `Bucket.deferred`), and `wait()` waits for them too.
     """
 
     def __init__(self, order: list[int], capture: Callable[[int], list[str]],
-                 log_line: Callable[[str], None] | None = None) -> None:
+                 log_line: Callable[[str], None] | None = None,
+                 first_rest: Callable[[], list[str]] | None = None) -> None:
         if not order or len(set(order)) != len(order):
             raise ValueError(f"the capture order must name each bucket once, got {order}")
         self.order = list(order)
         self._capture = capture
+        self._first_rest = first_rest
+        self.first_rest_done = first_rest is None
         self._say = log_line or (lambda message: None)
         self.status: dict[int, str] = {size: PENDING for size in order}
         self.seconds: dict[int, float] = {}
@@ -188,17 +194,21 @@ class BackgroundCapture:
 
     @property
     def done(self) -> bool:
-        """Every bucket captured or failed, or the thread stopped."""
-        return all(s in (READY, FAILED, STOPPED) for s in self.status.values())
+        """Every bucket captured or failed (the first one's rest too), or the thread stopped."""
+        return self.first_rest_done and \
+            all(s in (READY, FAILED, STOPPED) for s in self.status.values())
 
     def wait(self, size: int | None = None, timeout: float | None = None) -> bool:
-        """Block until bucket `size` (None: every bucket) is captured, failed or stopped; True
-        when it was captured (every one of them, for None), False on failure or timeout."""
+        """Block until bucket `size` (None: every bucket, the first one's rest included) is
+        captured, failed or stopped; True when it was captured (every one of them, for None),
+        False on failure or timeout."""
         sizes = self.order if size is None else [size]
         with self._cond:
-            self._cond.wait_for(lambda: all(self.status[s] in (READY, FAILED, STOPPED)
-                                            for s in sizes), timeout)
-            return all(self.status[s] == READY for s in sizes)
+            self._cond.wait_for(lambda: (size is not None or self.first_rest_done)
+                                and all(self.status[s] in (READY, FAILED, STOPPED)
+                                        for s in sizes), timeout)
+            return (size is not None or self.first_rest_done) and \
+                all(self.status[s] == READY for s in sizes)
 
     # -- capturing --------------------------------------------------------------------------------
 
@@ -245,7 +255,7 @@ class BackgroundCapture:
         if self._thread is not None:
             return
         rest = [s for s in self.order[1:] if self.status[s] == PENDING]
-        if not rest:
+        if not rest and self.first_rest_done:
             self.finished_at = time.perf_counter()
             return
         self.started_at = time.perf_counter()
@@ -256,19 +266,47 @@ class BackgroundCapture:
         _running.add(self)
         self._thread.start()
 
+    def _finish_first(self) -> None:
+        """The first bucket's shapes its foreground capture left (a failure is logged and
+        warned about, never raised: those shapes run uncaptured)."""
+        try:
+            if not self.stop_event.is_set():
+                failures = self._first_rest()
+                with self._cond:
+                    self.failures += failures
+        except CaptureStopped:
+            pass
+        except Exception as e:  # noqa: BLE001 -- its shapes run uncaptured; said, never raised
+            log.exception("fuser: capturing the rest of batch bucket %d failed", self.order[0])
+            message = (f"bucket {self.order[0]}: capture of its other shapes failed "
+                       f"({type(e).__name__}); they run uncaptured")
+            warnings.warn(f"fuser: {message}", stacklevel=2)
+            with self._cond:
+                self.failures.append(message)
+        finally:
+            with self._cond:
+                self.first_rest_done = True
+                self._cond.notify_all()
+
     def _loop(self, rest: list[int]) -> None:
         try:
+            if not self.first_rest_done:
+                self._finish_first()
             for size in rest:
                 self._run(size)
             self.finished_at = time.perf_counter()
             if not self.stop_event.is_set():
                 captured = [s for s in rest if self.status[s] == READY]
-                self._say(f"captured the step graphs of batch buckets {captured} in the "
-                          f"background in {self.finished_at - (self.started_at or 0.0):.1f} s"
+                what = f"batch buckets {captured}" if self._first_rest is None else \
+                    f"the rest of batch bucket {self.order[0]}" + \
+                    (f" and batch buckets {captured}" if captured else "")
+                self._say(f"captured the step graphs of {what} in the background in "
+                          f"{self.finished_at - (self.started_at or 0.0):.1f} s"
                           + (f" ({len(self.failures)} shapes run uncaptured)"
                              if self.failures else ""))
         finally:
             with self._cond:  # whatever happened, nobody waits on a bucket left pending
+                self.first_rest_done = True
                 for size in rest:
                     if self.status[size] in (PENDING, CAPTURING):
                         self.status[size] = STOPPED

@@ -1487,7 +1487,7 @@ class Scheduler:
         rows = list(self._running)
         bucket = engine.bucket(len(rows))
         controller = engine.controller(bucket.batch)
-        gamma = engine.next_gamma(controller) if bucket.draft is not None else PLAIN
+        gamma = engine.next_gamma(controller, bucket) if bucket.draft is not None else PLAIN
         if gamma > 0 and self._draft_behind:
             bucket.resync(self._draft_behind)
         self._draft_behind = self._draft_behind + 1 if gamma == PLAIN else 0

@@ -216,8 +216,12 @@ class Bucket:
         self.graphs: dict[tuple[int, bool], IterationGraph] = {}
         self.resync_graph: IterationGraph | None = None  # one `resync_chunk`, when captured
         self.uncaptured_runs: dict[tuple[int, bool], int] = {}
+        # Gammas whose iterations capture later, in the background (a loaded engine's bucket 1
+        # serves once its first shapes are captured: fuser/engine.py `prepare`): the adaptive
+        # controller runs none of them until they are (`Engine.next_gamma`).
+        self.deferred: set[int] = set()
         self.prefills: list[PrefillGraphs] = []
-        # The last `capture`'s seconds per graph ("plain.greedy", ..., "resync"), whole and
+        # The captures' seconds per graph ("plain.greedy", ..., "resync"), whole and
         # by part (IterationGraph.seconds, and the warm-up's runs where timed one by one).
         self.capture_seconds: dict[str, dict[str, float]] = {}
 
@@ -302,18 +306,20 @@ class Bucket:
 
     def capture(self, gammas: list[int], pool: object, timing_length: int,
                 background: tuple[StepGate, threading.Event] | None = None) -> list[str]:
-        """Capture every (gamma, do_sample) iteration and the draft's resync chunk; -> failures
-        (that shape then runs uncaptured). Call after the model steps are warmed up (compiled).
+        """Capture every (gamma, do_sample) iteration of `gammas` not captured yet and the
+        draft's resync chunk; -> failures (that shape then runs uncaptured). Call after the
+        model steps are warmed up (compiled). Each gamma done leaves `deferred`.
 
         background: (gate, stop) while the engine serves (runtime/bucket_capture.py): each
         warm-up runs from the rows' own state and is undone, nothing is reset, and a set `stop`
         ends the capture between two graphs (CaptureStopped)."""
         failures = []
-        self.capture_seconds = {}
         for gamma in gammas:
             for do_sample in (False, True):
                 if background is not None and background[1].is_set():
                     raise CaptureStopped
+                if (gamma, do_sample) in self.graphs:
+                    continue
                 start = time.perf_counter()
                 try:
                     graph = self._graph(self.function(gamma, do_sample), pool, timing_length,
@@ -326,7 +332,8 @@ class Bucket:
                 except Exception as e:  # noqa: BLE001 -- a shape that cannot be captured
                     failures.append(f"bucket {self.batch}, {_name(gamma, do_sample)}: "
                                     f"{capture_failed(e)}; it runs uncaptured")
-        if self.draft is not None and RESYNC in self.draft:
+            self.deferred.discard(gamma)
+        if self.draft is not None and RESYNC in self.draft and self.resync_graph is None:
             failures += self._capture_resync(pool, timing_length, background)
         if background is None:
             self.free_rows()
@@ -373,7 +380,7 @@ class Bucket:
         self.capture_seconds[name] = parts
 
     def capture_line(self) -> str:
-        """The last capture's seconds per graph, slowest first: "gamma4.greedy 0.81 s
+        """The captures' seconds per graph, slowest first: "gamma4.greedy 0.81 s
         (warm-up 0.70 = 0.65 + 0.05, capture 0.08, first replay 0.03), ..." ("" if none)."""
         parts = []
         for name, p in sorted(self.capture_seconds.items(), key=lambda item: -item[1]["total"]):

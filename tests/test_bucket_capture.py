@@ -321,6 +321,61 @@ def test_background_capture_checks_its_order():
     assert job.done and job.wait(timeout=0.0) and not job.alive
 
 
+def test_the_first_buckets_rest_captures_first_on_the_thread():
+    """A first bucket with shapes left (`first_rest`): ready after its foreground part, the
+    rest captured first on the thread, then the other buckets; `wait()` waits for the rest,
+    `wait(1)` does not."""
+    calls: list[object] = []
+    hold = threading.Event()
+
+    def rest() -> list[str]:
+        calls.append("rest of 1")
+        assert hold.wait(TIMEOUT)
+        return ["bucket 1, gamma4.sample: failed; it runs uncaptured"]
+
+    lines: list[str] = []
+    job = BackgroundCapture([1, 4], lambda size: calls.append(size) or [],
+                            log_line=lines.append, first_rest=rest)
+    job.capture_now(1)
+    assert job.ready(1) and not job.done
+    job.start()
+    assert job.wait(1, timeout=0.0)
+    assert not job.wait(timeout=0.05)  # the rest of bucket 1 is held
+    hold.set()
+    assert job.wait(timeout=TIMEOUT) and job.done
+    assert calls == [1, "rest of 1", 4]
+    assert job.failures == ["bucket 1, gamma4.sample: failed; it runs uncaptured"]
+    assert lines[-1].startswith("captured the step graphs of the rest of batch bucket 1 and "
+                                "batch buckets [4] in the background")
+    job.stop()
+
+
+def test_a_deferred_gamma_is_not_chosen_until_captured():
+    """`Engine.next_gamma` with a bucket whose gammas 2 and 4 capture later: the controller
+    runs target-only and gamma 1 only (no probe of an uncaptured gamma, whose host-bound cost
+    would mislead it); once they are captured it probes them, and settles on the cheapest per
+    token (scripted costs)."""
+    from types import SimpleNamespace
+
+    from fuser.runtime.controller import DRAFT, TARGET, Controller
+
+    costs = {(TARGET, 0): 1.0, (DRAFT, 1): 1.6, (DRAFT, 2): 1.9, (DRAFT, 4): 2.5}
+    controller = Controller({DRAFT: [1, 2, 4]}, costs=costs, probe_steps=2)
+    engine = SimpleNamespace(_forced_gamma=None, gammas=[1, 2, 4], gamma=1)
+    bucket = SimpleNamespace(deferred={2, 4})
+    chosen = []
+    for step in range(600):
+        if step == 300:
+            bucket.deferred = set()  # captured in the background
+        gamma = fuser.Engine.next_gamma(engine, controller, bucket)
+        chosen.append(gamma)
+        controller.update([gamma], gamma)  # every proposal accepted: gamma + 1 tokens
+    assert set(chosen[:300]) <= {0, 1} and {0, 1} <= set(chosen[:300])
+    assert {2, 4} <= set(chosen[300:])
+    assert chosen[-100:].count(4) >= 90  # 2.5 s / 5 tokens, the cheapest per token (between
+    # probes, at most ~5% of steps)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_loaded_engine_serves_while_its_buckets_capture(tmp_path, monkeypatch):
@@ -383,3 +438,57 @@ def test_gpu_loaded_engine_serves_while_its_buckets_capture(tmp_path, monkeypatc
     finally:
         loaded.close()
         up_front.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_loaded_bucket_one_serves_before_its_other_gammas_capture(tmp_path, monkeypatch):
+    """On CUDA, gamma="auto": the load returns with bucket 1's target-only and gamma-1 graphs
+    captured and its other gammas deferred to the background thread; greedy requests served
+    meanwhile run no deferred gamma (none runs uncaptured) and give the tokens of the engine
+    loaded with every graph up front; then every gamma of bucket 1 is captured."""
+    from fuser.runtime.step_graphs import Bucket
+
+    target = llama_target()
+    config = fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=1, gamma="auto",
+                               gamma_candidates=(1, 2, 4), compile="fx")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            draft = perturbed(target, 0.05, seed=3).cuda()
+            built_engine = fuser.optimize(target.cuda(), draft=draft, config=config)
+        built_engine.save(tmp_path / "engine")
+    finally:
+        target.cpu()
+    greedy = [(p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+              for p, _ in REQUESTS]
+    up_front = fuser.load(tmp_path / "engine", wait_for_graphs=True)
+    assert not up_front.buckets[1].deferred
+    want = serve(up_front, greedy)
+
+    go = threading.Event()
+    capture = Bucket.capture
+
+    def held_capture(self, *args, **kwargs):
+        if kwargs.get("background") is not None:
+            assert go.wait(TIMEOUT)
+        return capture(self, *args, **kwargs)
+
+    monkeypatch.setattr(Bucket, "capture", held_capture)
+    loaded = fuser.load(tmp_path / "engine")
+    try:
+        bucket = loaded.buckets[1]
+        assert bucket.deferred == {2, 4}
+        assert {k for k in bucket.graphs} == {(0, False), (0, True), (1, False), (1, True)}
+        assert not loaded.wait_for_graphs(timeout=0.0)
+        got = serve(loaded, greedy)
+        assert got == want
+        assert not {g for g, _ in bucket.uncaptured_runs} & {2, 4}, bucket.uncaptured_runs
+        go.set()
+        assert loaded.wait_for_graphs(TIMEOUT)
+        assert not bucket.deferred
+        assert {g for g, _ in bucket.graphs} == {0, 1, 2, 4}
+    finally:
+        loaded.close()
+        up_front.close()
+
