@@ -102,6 +102,7 @@ def capture_graphs(fn: Callable[[], Any], pool: object | None, device: torch.dev
     it mid-capture, which the capture does not survive. A capture that fails leaves the next
     one into the same pool able to begin (`_release_capture`)."""
     with CAPTURE_LOCK:
+        pool = live_pool(pool)
         torch.cuda.synchronize(device)  # (as torch.cuda.graph: the capture starts clean)
         torch.cuda.empty_cache()
         graphs = [first if first is not None else torch.cuda.CUDAGraph()]
@@ -127,18 +128,36 @@ def capture_graphs(fn: Callable[[], Any], pool: object | None, device: torch.dev
         return graphs, out
 
 
+# Pools whose capture failed -> the pool the captures given them use instead (`live_pool`).
+_retired: dict[object, object] = {}
+
+
+def live_pool(pool: object | None) -> object | None:
+    """The memory pool a capture into `pool` records into: `pool`, or where a capture into it
+    failed, its replacement (`_release_capture`). None (a private pool) stays None."""
+    while pool is not None and pool in _retired:
+        pool = _retired[pool]
+    return pool
+
+
 def _release_capture(device: torch.device, pool: object | None) -> None:
-    """After a failed capture into `pool`: the allocator no longer routes to it, and the
-    default generator is out of capture mode. A capture whose end fails (invalidated) returns
-    before telling the allocator, and every later capture into the same pool then fails at its
-    start ("beginAllocateToPool: already recording to mempool_id"): one failed shape took every
-    shape captured after it (the suffix steps' GPU test, benchmarks/RESULTS.md "GPU tests")."""
+    """After a failed capture into `pool`: the device allocator no longer routes to it, later
+    captures given it record into a new pool (`live_pool`), and the default generator is out
+    of capture mode.
+
+    A capture whose end fails (invalidated) returns before telling the allocators. The device
+    allocator can be told here; the pinned host allocator (torch 2.11: it also records per
+    pool) cannot from Python, and every later capture into the same pool fails at its start
+    ("beginAllocateToPool: already recording to mempool_id"): one failed shape took every shape
+    captured after it (the suffix steps' GPU test; the probes in benchmarks/RESULTS.md "GPU
+    tests"). The graphs already in the old pool keep their memory."""
     if pool is not None:
         index = device.index if device.index is not None else torch.cuda.current_device()
         try:
             torch._C._cuda_endAllocateToPool(index, pool)
         except RuntimeError:  # (the capture's end got that far: nothing routes there)
             pass
+        _retired[pool] = torch.cuda.graph_pool_handle()
     release_generator(device)
 
 

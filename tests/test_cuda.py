@@ -261,10 +261,11 @@ def test_a_failed_capture_leaves_the_random_numbers_and_its_pool_working() -> No
     """A capture that fails leaves the default CUDA generator out of capture mode (random
     numbers drawn afterwards work: runtime/cuda_graphs.py `release_generator`; without it they
     raise "Offset increment outside graph capture encountered unexpectedly", which broke a
-    later test's Inductor autotuning on the same xdist worker), and its memory pool open to the
-    next capture (without `_release_capture` that one fails with "beginAllocateToPool: already
-    recording to mempool_id", as every suffix step after one failed shape did). In a fresh
-    process: a broken generator or pool would break every test after this one."""
+    later test's Inductor autotuning on the same xdist worker), and the next capture given the
+    same pool handle able to record (into a new pool, `live_pool`: without `_release_capture`
+    it fails with "beginAllocateToPool: already recording to mempool_id", as every suffix step
+    after one failed shape did). In a fresh process: a broken generator or pool would break
+    every test after this one."""
     done = subprocess.run([sys.executable, "-c", FAILED_CAPTURE], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -331,3 +331,30 @@ def test_gpu_a_capture_in_parts_replays_its_parts_in_order() -> None:
         torch.cuda.synchronize()
         want = (4 * (2 * value + 1)) * 1024 + value
         assert out.item() == pytest.approx(want, rel=1e-5)
+
+
+def test_a_pool_whose_capture_failed_is_replaced_for_later_captures(monkeypatch):
+    """runtime/cuda_graphs.py `_release_capture`: after a failed capture into a shared pool,
+    the device allocator is told it ended and the captures given that pool record into a new
+    one from then on (`live_pool`; torch's pinned host allocator keeps the old one "recording"
+    and would refuse them: the probe in benchmarks/RESULTS.md "GPU tests"); a private pool
+    (None) stays None. On the CPU, with the CUDA calls stood in for."""
+    from fuser.runtime import cuda_graphs
+
+    handles = iter([(0, 101), (0, 102)])
+    ended: list[object] = []
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(handles))
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool",
+                        lambda index, pool: ended.append((index, pool)), raising=False)
+    monkeypatch.setattr(cuda_graphs, "release_generator", lambda device: None)
+    monkeypatch.setattr(cuda_graphs, "_retired", {})
+    device = torch.device("cuda", 0)
+    pool = (0, 7)
+    assert cuda_graphs.live_pool(pool) == pool and cuda_graphs.live_pool(None) is None
+    cuda_graphs._release_capture(device, pool)
+    assert cuda_graphs.live_pool(pool) == (0, 101)
+    cuda_graphs._release_capture(device, cuda_graphs.live_pool(pool))  # its replacement fails too
+    assert cuda_graphs.live_pool(pool) == (0, 102) and cuda_graphs.live_pool((0, 101)) == (0, 102)
+    assert ended == [(0, (0, 7)), (0, (0, 101))]
+    cuda_graphs._release_capture(device, None)  # a private pool: nothing to replace
+    assert ended == [(0, (0, 7)), (0, (0, 101))] and len(cuda_graphs._retired) == 2
