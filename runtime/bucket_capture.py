@@ -2,9 +2,11 @@
 background thread while it serves.
 
 A loaded engine is ready to serve one row as soon as bucket 1's iteration graphs are captured
-(runtime/step_graphs.py); the other buckets' graphs (10 per bucket for an engine with a draft
-and gamma="auto") capture afterwards, on the thread of a `BackgroundCapture`, in the order it
-is given (fuser/engine.py: 1, the largest, then the rest ascending). Until a bucket is ready,
+(runtime/step_graphs.py): with gamma="auto", those of target-only and the smallest gamma, what
+a controller runs first; its other gammas (`Bucket.deferred`, not chosen until captured) come
+first on the thread of a `BackgroundCapture`, then the other buckets' graphs (10 per bucket
+for an engine with a draft and gamma="auto"), in the order it is given (fuser/engine.py: 1,
+the largest, then the rest ascending). Until a bucket is ready,
 `Engine.bucket` steps its rows in the smallest *ready* bucket that holds them (a larger bucket's
 extra rows are free rows: computed and kept by nobody), or, where none is ready, in the bucket
 itself uncaptured (`Bucket.run` runs the same function without its graph). Neither waits: a
