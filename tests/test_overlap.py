@@ -228,7 +228,7 @@ def test_overlapped_gamma_switches_stay_lossless() -> None:
     bucket = engine.bucket(2)
     schedule = iter([3, 3, 0, 0, 3, 0, 3, 3, 3] + [3] * 30)
     original = engine.next_gamma
-    engine.next_gamma = lambda controller: next(schedule)  # type: ignore[method-assign]
+    engine.next_gamma = lambda controller, bucket=None: next(schedule)  # type: ignore[method-assign]
     try:
         ours = engine.generate(ids, 24, attention_mask=mask, eos_token_id=[])
     finally:

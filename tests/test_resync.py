@@ -231,7 +231,8 @@ def script_gammas(monkeypatch: pytest.MonkeyPatch, built: fuser.Engine, bucket: 
     monkeypatch.setattr(bucket, "run", recording_run)
     monkeypatch.setattr(bucket, "resync", recording_resync)
     monkeypatch.setattr(built, "next_gamma",
-                        lambda controller: script[len(issued)] if len(issued) < len(script) else 0)
+                        lambda controller, bucket=None:
+                        script[len(issued)] if len(issued) < len(script) else 0)
     return resyncs
 
 
