@@ -164,7 +164,7 @@ def _release_capture(device: torch.device, pool: object | None) -> None:
 class PartsRunner(torch.fx.Interpreter):
     """An FX step run op by op with a `part_boundary` after every `every` ops (call_function
     nodes): what `in_parts` captures. Slower on the host than the GraphModule's own code, so
-    only for warm-up and capture; the replays run no Python."""
+    only inside a capture; the replays run no Python."""
 
     def __init__(self, module: torch.fx.GraphModule, every: int) -> None:
         super().__init__(module, garbage_collect_values=True)
@@ -181,13 +181,17 @@ class PartsRunner(torch.fx.Interpreter):
 
 def in_parts(step: StepFn, every: int | None = None) -> StepFn:
     """`step` run so that a capture of it ends a graph part every `every` ops (default
-    PART_NODES; an FX GraphModule: `PartsRunner`); any other step as it is (one graph)."""
+    PART_NODES; an FX GraphModule, inside `capture_graphs` on this thread: `PartsRunner`;
+    elsewhere, as its warm-up before the capture, the GraphModule's own code, where a boundary
+    would do nothing); any other step as it is (one graph)."""
     if not isinstance(step, torch.fx.GraphModule):
         return step
     every = every or PART_NODES
 
     def run(tokens: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
             starts: torch.Tensor) -> torch.Tensor:
+        if _parts.graphs is None:
+            return step(tokens, positions, seq_lens, starts)
         return PartsRunner(step, every).run(tokens, positions, seq_lens, starts)
     return run
 

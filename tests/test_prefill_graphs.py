@@ -277,8 +277,9 @@ def test_resync_pads_the_draft_prefill_to_a_captured_length(captured, width) -> 
 
 def test_a_step_run_in_parts_computes_what_the_step_computes(monkeypatch) -> None:
     """`in_parts` runs a rewritten prefill step op by op with a part boundary every `every`
-    ops (no-ops outside a capture): the same logits and cache as the GraphModule's own code,
-    and a boundary after every `every` ops."""
+    ops inside a capture (here one stood in for: a part list set, the boundary counted): the
+    same logits and cache as the GraphModule's own code, and a boundary after every `every`
+    ops; outside a capture (a warm-up) it runs the GraphModule's own code, no op by op."""
     from fuser.runtime import cuda_graphs
 
     engine = fuser.optimize(tiny_model("llama", layers=2), config=fuser.FuserConfig(
@@ -288,8 +289,7 @@ def test_a_step_run_in_parts_computes_what_the_step_computes(monkeypatch) -> Non
     assert isinstance(step, torch.fx.GraphModule)
     ops = sum(n.op == "call_function" for n in step.graph.nodes)
     boundaries = []
-    real = cuda_graphs.part_boundary
-    monkeypatch.setattr(cuda_graphs, "part_boundary", lambda: (boundaries.append(1), real()))
+    monkeypatch.setattr(cuda_graphs, "part_boundary", lambda: boundaries.append(1))
     tokens = torch.randint(0, 100, (1, 12), generator=torch.Generator().manual_seed(3))
     positions = torch.arange(12)[None]
 
@@ -298,9 +298,15 @@ def test_a_step_run_in_parts_computes_what_the_step_computes(monkeypatch) -> Non
         out = fn(tokens, positions, model.cache.seq_lens, model.cache.starts)
         return [out.clone(), *(t.clone() for t in (*model.cache.k, *model.cache.v))]
 
-    for got, want in zip(run(cuda_graphs.in_parts(step, every=10)), run(step)):
-        assert torch.equal(got, want)
+    monkeypatch.setattr(cuda_graphs._parts, "graphs", [])  # "capturing"
+    got = run(cuda_graphs.in_parts(step, every=10))
+    monkeypatch.setattr(cuda_graphs._parts, "graphs", None)
+    for got_one, want in zip(got, run(step)):
+        assert torch.equal(got_one, want)
     assert len(boundaries) == ops // 10 > 2
+    monkeypatch.setattr(cuda_graphs.PartsRunner, "run", None)  # (would raise if used)
+    for got_one, want in zip(run(cuda_graphs.in_parts(step, every=10)), run(step)):
+        assert torch.equal(got_one, want)
     assert cuda_graphs.in_parts(model[PREFILL].eager) is model[PREFILL].eager  # (no FX: whole)
 
 
