@@ -153,6 +153,10 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--serve-runs", type=int, default=1,
+                        help="with --serve: cold starts of `fuser serve`, each in a fresh "
+                             "process with fresh kernel caches; the median one is reported "
+                             "(its breakdown), every one's seconds to /health too")
     parser.add_argument("--serve", action="store_true",
                         help="then launch `fuser serve` over the saved engine: cold start, "
                              "first request, tokens (benchmarks/serve.py --cold-start)")
@@ -230,10 +234,14 @@ def main() -> None:
         loaded = json.loads(done.stdout.strip().splitlines()[-1])
         serve = None
         if args.serve:
-            log("launching fuser serve over it ...")
-            serve = cold_start(str(path), timeout=300.0,
-                               env=fresh_caches(Path(scratch) / "serve-caches"))
-            serve["tokens_identical"] = serve.get("tokens") == cold_reference
+            starts = []
+            for i in range(max(1, args.serve_runs)):
+                log(f"launching fuser serve over it ({i + 1} of {max(1, args.serve_runs)}) ...")
+                one = cold_start(str(path), timeout=300.0,
+                                 env=fresh_caches(Path(scratch) / f"serve-caches-{i}"))
+                one["tokens_identical"] = one.get("tokens") == cold_reference
+                starts.append(one)
+            serve = median_start(starts)
     results = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(dtype), "shapes": "tiny (dry run)" if args.dry_run else "llama-3-8b + llama-3.2-1b",
@@ -255,6 +263,19 @@ def main() -> None:
     print(report(results))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+def median_start(starts: list[dict]) -> dict:
+    """Of `fuser serve`'s cold starts, the median one by seconds to /health (of two, the
+    slower), with every start's seconds under "runs_seconds_to_health_200"; a start that
+    failed is reported as it is."""
+    failed = [s for s in starts if "seconds_to_health_200" not in s]
+    if failed:
+        return failed[0]
+    ordered = sorted(starts, key=lambda s: s["seconds_to_health_200"])
+    chosen = dict(ordered[len(ordered) // 2])
+    chosen["runs_seconds_to_health_200"] = [s["seconds_to_health_200"] for s in starts]
+    return chosen
 
 
 def report(r: dict[str, object]) -> str:
@@ -280,8 +301,11 @@ def report(r: dict[str, object]) -> str:
         if "seconds_to_health_200" not in serve:
             lines.append(f"fuser serve: failed ({serve.get('error')})")
         else:
+            runs = serve.get("runs_seconds_to_health_200", [])
             lines.append(f"fuser serve: launch -> /health 200 {serve['seconds_to_health_200']:.1f}"
-                         f" s [limit {HEALTH_LIMIT_SECONDS:.0f} s]")
+                         f" s [limit {HEALTH_LIMIT_SECONDS:.0f} s]"
+                         + (f" (the median of {len(runs)} cold starts: "
+                            f"{', '.join(f'{t:.1f}' for t in runs)} s)" if len(runs) > 1 else ""))
             lines += [f"  {line}" for line in serve.get("breakdown", [])]
         if "first_ttft_over_warm" in serve:
             lines.append(f"fuser serve: first request TTFT "

@@ -10,8 +10,9 @@
 #   spec      the bundled pair end to end: target-only, gammas 1,2,4,6, auto, HF peers (e2e.py)
 #   fallback  the 8B shape with a never-agreeing 1B-shape draft, and batch buckets (e2e.py)
 #   files     engine files: build, save and load of the 8B + 1B engine, then `fuser serve` of
-#             it: launch -> /health, first-request TTFT, tokens (engine_files.py --serve;
-#             FILES_ARGS adds flags, e.g. "--max-batch-size 4")
+#             it: launch -> /health (the median of SERVE_RUNS cold starts, default 2),
+#             first-request TTFT, tokens (engine_files.py --serve; FILES_ARGS adds flags,
+#             e.g. "--max-batch-size 4")
 #   imports   fuser serve's launch up to its load, step by step, in fresh processes, and the
 #             largest imports (serve_imports.py); -X importtime of the serve entry point  ~1 min
 #   ops       per-op tables: bf16 ops (ops.py), FP8 GEMVs and prefill GEMMs (fp8_ops.py)
@@ -182,7 +183,8 @@ for suite in "$@"; do
       # FILES_ARGS adds flags (--max-batch-size 4: batch buckets 1, 2, 4, the last two captured
       # in the background after the load returns).
       step engine_files 560 python3 benchmarks/engine_files.py --gamma auto --runs 2 --serve \
-        --engine-dir "$DIR/engine" --out "$DIR/engine_files.json" ${FILES_ARGS:-}
+        --serve-runs "${SERVE_RUNS:-2}" --engine-dir "$DIR/engine" \
+        --out "$DIR/engine_files.json" ${FILES_ARGS:-}
       rm -rf "$DIR/engine"
       table "files: 8B + 1B-draft engine directory, load and fuser serve" \
         "$(grep -v -i warn "$DIR/engine_files.log" | grep -v '^\[engine_files\]' | tail -n 40)" ;;
