@@ -69,9 +69,11 @@
 # tables of every suite come again at the end. Environment: OUT (default /tmp/fuser-out),
 # BUDGET (seconds for the whole command, default 580: one device call is 600 s), PAGED_ARGS
 # (serve.py flags that page the KV cache; default --config kv_block_size=16 --config
-# kv_memory_fraction=0.9), INSTALL=0 to
-# skip `pip install -e .`. The real gpt-fast runs from a checkout in the git-ignored
-# benchmarks/.gpt-fast (carry it to the GPU machine); without one its row says so.
+# kv_memory_fraction=0.9), INSTALL=0 to skip `pip install -e .`, WHEELS=0 to leave the wheels
+# in .whl/ uninstalled (`bash benchmarks/gpu_wheels.sh` downloads them here: the server's and
+# the openai client's, which the GPU machine lacks; carry .whl). The real gpt-fast runs from a
+# checkout in the git-ignored benchmarks/.gpt-fast (carry it to the GPU machine); without one
+# its row says so.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
@@ -87,6 +89,24 @@ for suite in "$@"; do
   case " $SUITES " in *" $suite "*) ;; *) echo "gpu.sh: unknown suite '$suite' (one of: $SUITES)" >&2; exit 2 ;; esac
 done
 mkdir -p "$OUT"
+# Wheels carried in .whl/ (benchmarks/gpu_wheels.sh downloads them where pip works): installed
+# into a directory of their own, first on PYTHONPATH for the suites; again only when .whl/
+# changed (a warm machine keeps them, and their compiled bytecode).
+if [ "${WHEELS:-1}" != 0 ] && compgen -G ".whl/*.whl" > /dev/null; then
+  SITE=${WHEEL_SITE:-/tmp/fuser-wheels}
+  listing=$(ls .whl)
+  if [ "$(cat "$SITE/.wheels" 2>/dev/null)" != "$listing" ]; then
+    if installed=$(python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --upgrade --target "$SITE" .whl/*.whl 2>&1); then
+      echo "$listing" > "$SITE/.wheels"
+    else
+      echo "gpu.sh: the wheels in .whl/ did not install: $(echo "$installed" | tail -n 1)" >&2
+      exit 2
+    fi
+  fi
+  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+  echo "wheels: $(echo "$listing" | wc -l) from .whl/ on PYTHONPATH ($SITE)"
+fi
 if [ "${INSTALL:-1}" != 0 ]; then
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
 fi
