@@ -54,6 +54,7 @@ tests/test_tensor_parallel_cuda.py and `benchmarks/gpu.sh tp` are written for th
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
 import shutil
@@ -279,6 +280,7 @@ def follow(buckets: dict[int, ModelSteps], conn: Any, device: torch.device,
     graphs: dict[int, torch.cuda.CUDAGraph] = {}  # rank 0's iteration graph key -> our part
     capture: Any = None  # the capture under way (torch.cuda.graph), between BEGIN and END
     pool = None
+    collecting = True  # whether the cyclic collector ran before the capture under way
     while True:
         op, *args = _unpack(conn.recv_bytes())
         if op == STOP:
@@ -289,11 +291,24 @@ def follow(buckets: dict[int, ModelSteps], conn: Any, device: torch.device,
             pool = pool if pool is not None else torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             capture = torch.cuda.graph(graph, pool=pool)
-            capture.__enter__()
+            # (no collection inside the capture: one that frees an old graph breaks it, as
+            # runtime/cuda_graphs.py `capture_graphs` says)
+            collecting = gc.isenabled()
+            gc.disable()
+            try:
+                capture.__enter__()
+            except BaseException:
+                if collecting:
+                    gc.enable()
+                raise
         elif op == CAPTURE_END:
             key, failed = args
             ending, capture = capture, None
-            ending.__exit__(None, None, None)
+            try:
+                ending.__exit__(None, None, None)
+            finally:
+                if collecting:
+                    gc.enable()
             if not failed:
                 graphs[key] = ending.cuda_graph
         elif op == SAVE:  # then the directory, as UTF-8
