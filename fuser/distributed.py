@@ -54,7 +54,7 @@ tests/test_tensor_parallel_cuda.py and `benchmarks/gpu.sh tp` are written for th
 from __future__ import annotations
 
 import atexit
-import gc
+import contextlib
 import json
 import os
 import shutil
@@ -74,6 +74,7 @@ import torch
 import torch.distributed as dist
 
 from fuser.ops import p2p_all_reduce
+from fuser.runtime.cuda_graphs import collector_held
 from fuser.runtime.kv_cache import KVCache
 from fuser.runtime.steps import CHUNK, PREFILL, ModelSteps, StepKind
 
@@ -278,9 +279,11 @@ def follow(buckets: dict[int, ModelSteps], conn: Any, device: torch.device,
 
     top = buckets[max(buckets)]
     graphs: dict[int, torch.cuda.CUDAGraph] = {}  # rank 0's iteration graph key -> our part
-    capture: Any = None  # the capture under way (torch.cuda.graph), between BEGIN and END
+    # The capture under way between BEGIN and END (torch.cuda.graph of `graph`, the cyclic
+    # collector held off: runtime/cuda_graphs.py `collector_held`)
+    capture: contextlib.ExitStack | None = None
+    graph: torch.cuda.CUDAGraph | None = None
     pool = None
-    collecting = True  # whether the cyclic collector ran before the capture under way
     while True:
         op, *args = _unpack(conn.recv_bytes())
         if op == STOP:
@@ -290,27 +293,16 @@ def follow(buckets: dict[int, ModelSteps], conn: Any, device: torch.device,
         elif op == CAPTURE_BEGIN:  # the STEPs until CAPTURE_END are captured, not run
             pool = pool if pool is not None else torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            capture = torch.cuda.graph(graph, pool=pool)
-            # (no collection inside the capture: one that frees an old graph breaks it, as
-            # runtime/cuda_graphs.py `capture_graphs` says)
-            collecting = gc.isenabled()
-            gc.disable()
-            try:
-                capture.__enter__()
-            except BaseException:
-                if collecting:
-                    gc.enable()
-                raise
+            with contextlib.ExitStack() as opening:
+                opening.enter_context(collector_held())
+                opening.enter_context(torch.cuda.graph(graph, pool=pool))
+                capture = opening.pop_all()  # (closed at END)
         elif op == CAPTURE_END:
             key, failed = args
             ending, capture = capture, None
-            try:
-                ending.__exit__(None, None, None)
-            finally:
-                if collecting:
-                    gc.enable()
+            ending.close()  # the capture's end, then the collector back
             if not failed:
-                graphs[key] = ending.cuda_graph
+                graphs[key] = graph
         elif op == SAVE:  # then the directory, as UTF-8
             (overwrite,) = args
             save(engine, conn.recv_bytes().decode(), overwrite=bool(overwrite))

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import gc
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -32,8 +33,8 @@ PART_NODES = 96
 
 # One capture at a time in the process (torch's rule for CUDA graphs), and no device-wide sync
 # or cache emptying while one is under way: a capture (`capture_graphs`, as `torch.cuda.graph`)
-# synchronizes the device and empties the allocator's cache on entry, which a capture on another thread does not survive
-# (the allocator asserts that none is under way). Every capture of the engine (step graphs on
+# synchronizes the device and empties the allocator's cache on entry, which a capture on
+# another thread does not survive (the allocator asserts that none is under way). Every capture of the engine (step graphs on
 # the background thread, prefill graphs on the serving thread) and every device-wide sync
 # after a failed one holds this lock. Re-entrant: `capture_failed` runs inside it.
 CAPTURE_LOCK = threading.RLock()
@@ -106,10 +107,8 @@ def capture_graphs(fn: Callable[[], Any], pool: object | None, device: torch.dev
         torch.cuda.synchronize(device)  # (as torch.cuda.graph: the capture starts clean)
         torch.cuda.empty_cache()
         graphs = [first if first is not None else torch.cuda.CUDAGraph()]
-        collecting = gc.isenabled()
-        gc.disable()
         try:
-            with torch.no_grad(), torch.cuda.stream(capture_stream(device)):
+            with collector_held(), torch.no_grad(), torch.cuda.stream(capture_stream(device)):
                 graphs[0].capture_begin(*(() if pool is None else (pool,)),
                                         capture_error_mode="thread_local")
                 _parts.graphs = graphs
@@ -122,10 +121,20 @@ def capture_graphs(fn: Callable[[], Any], pool: object | None, device: torch.dev
             _release_capture(device, pool if pool is not None
                              else graphs[0].pool() if len(graphs) > 1 else None)
             raise
-        finally:
-            if collecting:
-                gc.enable()
         return graphs, out
+
+
+@contextmanager
+def collector_held() -> Iterator[None]:
+    """Python's cyclic garbage collector off inside (as it was before, after): around a
+    capture, where a collection that frees an old CUDA graph breaks it (`capture_graphs`)."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
 
 
 # Pools whose capture failed -> the pool the captures given them use instead (`live_pool`).

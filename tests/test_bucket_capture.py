@@ -376,35 +376,25 @@ def test_a_deferred_gamma_is_not_chosen_until_captured():
     # probes, at most ~5% of steps)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_gpu_loaded_engine_serves_while_its_buckets_capture(tmp_path, monkeypatch):
-    """On CUDA: a loaded engine returns with bucket 1 captured and serves at once; requests
-    submitted while buckets 4 and 2 are not yet captured, and still running while they are
-    (real captures beside the serving thread's steps), return the tokens of the engine loaded
-    with every bucket captured up front, and every bucket ends up captured."""
-    from fuser.runtime.step_graphs import Bucket
-
+def saved_cuda_engine(path, **config: object) -> fuser.Engine:
+    """The test target and its 5%-perturbed draft built on CUDA (fx steps, MAX_SEQ_LEN) with
+    `config` and saved to `path`; the target goes back to the CPU."""
     target = llama_target()
-    config = fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=4, gamma=3,
-                               compile="fx")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             draft = perturbed(target, 0.05, seed=3).cuda()
-            built_engine = fuser.optimize(target.cuda(), draft=draft, config=config)
-        assert sorted(built_engine.buckets) == [1, 2, 4]
-        built_engine.save(tmp_path / "engine")
+            built = fuser.optimize(target.cuda(), draft=draft, config=fuser.FuserConfig(
+                max_seq_len=MAX_SEQ_LEN, compile="fx", **config))
+        built.save(path)
+        return built
     finally:
         target.cpu()
-    long = [(p, SamplingParams(max_tokens=40, temperature=params.temperature, seed=params.seed,
-                               ignore_eos=True)) for p, params in REQUESTS]
 
-    up_front = fuser.load(tmp_path / "engine", wait_for_graphs=True)
-    assert up_front.graphs_status == {1: READY, 4: READY, 2: READY}
-    want = serve(up_front, long)
-    two_rows = torch.tensor([long[0][0]] * 2, device="cuda")
-    want_generate = up_front.generate(two_rows, max_new_tokens=12)
+
+def held_background_captures(monkeypatch) -> threading.Event:
+    """Every background `Bucket.capture` waits for the returned event before it captures."""
+    from fuser.runtime.step_graphs import Bucket
 
     go = threading.Event()
     capture = Bucket.capture
@@ -415,6 +405,28 @@ def test_gpu_loaded_engine_serves_while_its_buckets_capture(tmp_path, monkeypatc
         return capture(self, *args, **kwargs)
 
     monkeypatch.setattr(Bucket, "capture", held_capture)
+    return go
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_loaded_engine_serves_while_its_buckets_capture(tmp_path, monkeypatch):
+    """On CUDA: a loaded engine returns with bucket 1 captured and serves at once; requests
+    submitted while buckets 4 and 2 are not yet captured, and still running while they are
+    (real captures beside the serving thread's steps), return the tokens of the engine loaded
+    with every bucket captured up front, and every bucket ends up captured."""
+    built_engine = saved_cuda_engine(tmp_path / "engine", max_batch_size=4, gamma=3)
+    assert sorted(built_engine.buckets) == [1, 2, 4]
+    long = [(p, SamplingParams(max_tokens=40, temperature=params.temperature, seed=params.seed,
+                               ignore_eos=True)) for p, params in REQUESTS]
+
+    up_front = fuser.load(tmp_path / "engine", wait_for_graphs=True)
+    assert up_front.graphs_status == {1: READY, 4: READY, 2: READY}
+    want = serve(up_front, long)
+    two_rows = torch.tensor([long[0][0]] * 2, device="cuda")
+    want_generate = up_front.generate(two_rows, max_new_tokens=12)
+
+    go = held_background_captures(monkeypatch)
     loaded = fuser.load(tmp_path / "engine")
     try:
         assert loaded.graphs_status[1] == READY and loaded.graphs_status[4] != READY
@@ -447,34 +459,15 @@ def test_gpu_loaded_bucket_one_serves_before_its_other_gammas_capture(tmp_path, 
     captured and its other gammas deferred to the background thread; greedy requests served
     meanwhile run no deferred gamma (none runs uncaptured) and give the tokens of the engine
     loaded with every graph up front; then every gamma of bucket 1 is captured."""
-    from fuser.runtime.step_graphs import Bucket
-
-    target = llama_target()
-    config = fuser.FuserConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=1, gamma="auto",
-                               gamma_candidates=(1, 2, 4), compile="fx")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            draft = perturbed(target, 0.05, seed=3).cuda()
-            built_engine = fuser.optimize(target.cuda(), draft=draft, config=config)
-        built_engine.save(tmp_path / "engine")
-    finally:
-        target.cpu()
+    saved_cuda_engine(tmp_path / "engine", max_batch_size=1, gamma="auto",
+                      gamma_candidates=(1, 2, 4))
     greedy = [(p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
               for p, _ in REQUESTS]
     up_front = fuser.load(tmp_path / "engine", wait_for_graphs=True)
     assert not up_front.buckets[1].deferred
     want = serve(up_front, greedy)
 
-    go = threading.Event()
-    capture = Bucket.capture
-
-    def held_capture(self, *args, **kwargs):
-        if kwargs.get("background") is not None:
-            assert go.wait(TIMEOUT)
-        return capture(self, *args, **kwargs)
-
-    monkeypatch.setattr(Bucket, "capture", held_capture)
+    go = held_background_captures(monkeypatch)
     loaded = fuser.load(tmp_path / "engine")
     try:
         bucket = loaded.buckets[1]
